@@ -1,0 +1,242 @@
+"""The launch plan: every decision about a run, made before anything starts.
+
+``make_plan(cluster, options, facts)`` takes data and returns data: which node is the master, its
+address and port, each node's node_rank, nproc, workdir, and the exact argv, env and shell command
+it will run. No SSH, no clock, no randomness in here: the same inputs give the same plan, so
+``--dry-run`` prints it, the manifest stores it, and unit tests cover every rule without a network.
+The facts it needs from the hosts (resolved addresses, a free port on the master) are gathered
+beforehand by :mod:`ddpfab.probe`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .inventory import Cluster, Node
+
+#: torchrun's own default is 29500; free ports are looked for from there upwards.
+DEFAULT_PORT_RANGE = (29500, 29999)
+#: Always set on every node: unbuffered output makes lines stream live instead of at exit.
+BASE_ENV = {"PYTHONUNBUFFERED": "1"}
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class PlanError(Exception):
+    """The run cannot be planned as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the user asked for, independent of any host.
+
+    Args:
+        script: the training script, relative to the workdir (or absolute).
+        args: the script's arguments, passed through byte for byte.
+        nproc_per_node: overrides the inventory's ``ddpfab_nproc_per_node`` on every node.
+        master_port: a fixed MASTER_PORT; None lets the probe find a free one on the master.
+        env: extra environment for every node, as (key, value) pairs.
+        max_restarts: torchrun's in-node restarts.
+        run_id: the run's id (names the remote and local run dirs).
+        remote_runs_dir: where each node keeps a run's record (supervisor pid, exit code, output,
+            per-rank logs); relative paths are under the node user's home.
+    """
+
+    script: str
+    args: tuple[str, ...] = ()
+    nproc_per_node: int | None = None
+    master_port: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    max_restarts: int = 0
+    run_id: str = "run"
+    remote_runs_dir: str = ".ddpfab/runs"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the probe learnt from the hosts, the only non-user input of the plan.
+
+    Args:
+        addresses: node name -> the IP literal its data address resolves to.
+        master_port: a port free on the master (or the user's, verified free).
+        cwd: the controller's working dir, the default workdir on the nodes.
+        homes: node name -> the SSH user's home dir there (anchors relative remote paths).
+    """
+
+    addresses: dict[str, str]
+    master_port: int
+    cwd: str
+    homes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Everything one node will do, exactly."""
+
+    name: str
+    ssh_host: str
+    ssh_port: int | None
+    ssh_user: str | None
+    node_rank: int
+    nproc: int
+    data_addr: str
+    workdir: str
+    python: str
+    remote_dir: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_id: str
+    inventory: str
+    group: str
+    master: str
+    master_addr: str
+    master_port: int
+    nnodes: int
+    world_size: int
+    script: str
+    args: tuple[str, ...]
+    max_restarts: int
+    nodes: tuple[NodePlan, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        data = dict(data)
+        data["args"] = tuple(data["args"])
+        data["nodes"] = tuple(NodePlan(**{**n, "argv": tuple(n["argv"])}) for n in data["nodes"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def choose_master(cluster: Cluster) -> Node:
+    """The node flagged ``ddpfab_master``, else the first node in inventory order."""
+    flagged = [n for n in cluster.nodes if n.master]
+    return flagged[0] if flagged else cluster.nodes[0]
+
+
+def nproc_for(node: Node, options: RunOptions) -> int:
+    """Processes on *node*: the command line wins, then the inventory, then its GPU count, then 1."""
+    if options.nproc_per_node is not None:
+        return options.nproc_per_node
+    if node.nproc is not None:
+        return node.nproc
+    if node.gpus:
+        return node.gpus
+    return 1
+
+
+def parse_env(pairs: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``K=V`` strings as pairs; a key that is not a shell identifier is an error, not a surprise."""
+    out = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not _ENV_KEY.match(key):
+            raise PlanError(f"--env {pair!r}: expected KEY=VALUE with KEY made of letters, digits and '_'")
+        out.append((key, value))
+    return tuple(out)
+
+
+def shell_command(workdir: str, env: dict[str, str], argv: tuple[str, ...]) -> str:
+    """The one shell line a node runs: paste it into an SSH session and you get the same run."""
+    cd = shlex.quote(workdir)
+    env_part = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+    return f"cd {cd} && env {env_part} {shlex.join(argv)}"
+
+
+def torchrun_argv(python: str, *, nnodes: int, nproc: int, node_rank: int, master_addr: str,
+                  master_port: int, max_restarts: int, log_dir: str, script: str,
+                  args: tuple[str, ...]) -> tuple[str, ...]:
+    """torchrun through the node's own python (``-m torch.distributed.run``), never a `torchrun`
+    found on PATH that may belong to another environment.
+
+    ``--tee=3`` makes torchrun relay each rank's output line by line with a ``[default<local
+    rank>]:`` prefix (ranks writing to one shared pipe would interleave mid-line) and keeps a full
+    per-rank log under *log_dir* on the node.
+    """
+    return (python, "-m", "torch.distributed.run",
+            f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}", f"--master-port={master_port}",
+            f"--max-restarts={max_restarts}", "--tee=3", f"--log-dir={log_dir}", script, *args)
+
+
+def remote_path(path: str, home: str | None) -> str:
+    """*path* as an absolute path on a node whose home is *home*."""
+    if path.startswith("~/"):
+        path = path[2:]
+    if path.startswith("/") or not home:
+        return path
+    return f"{home.rstrip('/')}/{path}"
+
+
+def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
+    if not cluster.nodes:
+        raise PlanError(f"inventory {cluster.source}: no nodes in group {cluster.group!r}")
+    if not options.script:
+        raise PlanError("no training script given")
+    port = facts.master_port
+    if not 1 <= port <= 65535:
+        raise PlanError(f"master port {port} is not a TCP port (1-65535)")
+    if options.max_restarts < 0:
+        raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
+    if options.nproc_per_node is not None and options.nproc_per_node < 1:
+        raise PlanError(f"--nproc-per-node must be >= 1, got {options.nproc_per_node}")
+    master = choose_master(cluster)
+    # the master first, then the others in inventory order: node_rank 0 must be where the store is
+    ordered = [master] + [n for n in cluster.nodes if n is not master]
+    master_addr = facts.addresses.get(master.name)
+    if master_addr is None:
+        raise PlanError(f"host {master.name}: no resolved address for the master")
+    try:
+        ip = ipaddress.ip_address(master_addr)
+    except ValueError:
+        raise PlanError(f"host {master.name}: master address {master_addr!r} is not an IP literal") from None
+    if ip.is_loopback and len(ordered) > 1:
+        raise PlanError(f"host {master.name}: its data address {master.data_addr} resolves to {master_addr}, "
+                        "a loopback address the other nodes cannot reach; set ddpfab_data_addr "
+                        "(or ansible_host) to an address on the network the nodes share")
+    env = dict(BASE_ENV)
+    env.update(options.env)
+    env["DDPFAB_RUN_ID"] = options.run_id
+    nodes = []
+    for rank, node in enumerate(ordered):
+        nproc = nproc_for(node, options)
+        home = facts.homes.get(node.name)
+        workdir = remote_path(node.workdir, home) if node.workdir else facts.cwd
+        remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
+        argv = torchrun_argv(node.python, nnodes=len(ordered), nproc=nproc, node_rank=rank,
+                             master_addr=str(ip), master_port=port, max_restarts=options.max_restarts,
+                             log_dir=f"{remote_dir}/torchrun", script=options.script, args=tuple(options.args))
+        node_env = dict(env)
+        nodes.append(NodePlan(
+            name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
+            node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
+            workdir=workdir, python=node.python, remote_dir=remote_dir, argv=argv, env=node_env,
+            command=shell_command(workdir, node_env, argv)))
+    return Plan(
+        run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
+        master_addr=str(ip), master_port=port, nnodes=len(ordered),
+        world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
+        max_restarts=options.max_restarts, nodes=tuple(nodes))

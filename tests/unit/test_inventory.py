@@ -1,0 +1,135 @@
+"""Inventory loading through Ansible's API: formats, groups, ranges, vars, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddpfab.inventory import InventoryError, load, parse_ssh_args
+from ddpfab.plan import Facts, RunOptions, make_plan
+
+YAML = """
+all:
+  vars:
+    ansible_user: trainer
+    ddpfab_python: /opt/venv/bin/python
+  children:
+    gpus:
+      hosts:
+        gpu[1:3]:
+      vars:
+        ddpfab_nproc_per_node: 4
+        ddpfab_workdir: "/home/{{ ansible_user }}/code"
+    cpus:
+      hosts:
+        cpu1:
+          ansible_host: 10.1.0.9
+"""
+
+INI = """
+[gpus]
+gpu[1:3]
+
+[gpus:vars]
+ddpfab_nproc_per_node=4
+ddpfab_workdir=/home/{{ ansible_user }}/code
+
+[cpus]
+cpu1 ansible_host=10.1.0.9
+
+[all:vars]
+ansible_user=trainer
+ddpfab_python=/opt/venv/bin/python
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_ini_with_groups_and_ranges_give_the_same_plan(tmp_path):
+    y = load(write(tmp_path, "inv.yml", YAML), "gpus")
+    i = load(write(tmp_path, "inv.ini", INI), "gpus")
+    assert [n.name for n in y.nodes] == ["gpu1", "gpu2", "gpu3"]
+    assert [(n.name, n.user, n.nproc, n.workdir, n.python) for n in y.nodes] == \
+           [(n.name, n.user, n.nproc, n.workdir, n.python) for n in i.nodes]
+    assert y.nodes[0].workdir == "/home/trainer/code"  # templated by Ansible
+    facts = Facts(addresses={"gpu1": "10.0.0.1", "gpu2": "10.0.0.2", "gpu3": "10.0.0.3"}, master_port=29500,
+                  cwd="/x")
+    opts = RunOptions("train.py", run_id="same")
+    py, pi = make_plan(y, opts, facts).to_dict(), make_plan(i, opts, facts).to_dict()
+    py["inventory"] = pi["inventory"] = None
+    assert py == pi
+
+
+def test_all_group_is_every_host_in_inventory_order(tmp_path):
+    c = load(write(tmp_path, "inv.yml", YAML))
+    assert [n.name for n in c.nodes] == ["gpu1", "gpu2", "gpu3", "cpu1"]
+    assert c.node("cpu1").host == "10.1.0.9" and c.node("cpu1").nproc is None
+    assert c.node("gpu1").host == "gpu1"
+
+
+def test_connection_vars_and_ssh_options(tmp_path):
+    inv = write(tmp_path, "inv.yml", """
+all:
+  hosts:
+    n1:
+      ansible_host: 192.168.1.5
+      ansible_port: 2222
+      ansible_ssh_private_key_file: ~/.ssh/lab
+      ansible_ssh_common_args: "-o UserKnownHostsFile=/etc/lab_known -o StrictHostKeyChecking=yes -F /etc/cfg"
+      ddpfab_data_addr: 10.10.0.5
+      ddpfab_master: "yes"
+      ddpfab_gpus: 8
+""")
+    n = load(inv).nodes[0]
+    assert (n.host, n.port, n.data_addr, n.master, n.gpus) == ("192.168.1.5", 2222, "10.10.0.5", True, 8)
+    assert n.key_file.endswith("/.ssh/lab") and not n.key_file.startswith("~")
+    assert n.ssh_options["userknownhostsfile"] == "/etc/lab_known"
+    assert n.ssh_options["stricthostkeychecking"] == "yes"
+    assert n.ssh_options["configfile"] == "/etc/cfg"
+
+
+def test_parse_ssh_args_forms():
+    assert parse_ssh_args("-oConnectTimeout=3 -o 'ProxyJump bastion' -p 2200") == {
+        "connecttimeout": "3", "proxyjump": "bastion", "port": "2200"}
+    with pytest.raises(InventoryError):
+        parse_ssh_args("-o 'unclosed")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("all:\n  hosts:\n    n1:\n      ddpfab_nproc_per_node: two\n", "must be an integer"),
+    ("all:\n  hosts:\n    n1:\n      ddpfab_nproc_per_node: 0\n", "must be >= 1"),
+    ("all:\n  hosts:\n    n1:\n      ansible_port: 99999\n", "1-65535"),
+    ("all:\n  hosts:\n    n1:\n      ansible_port: abc\n", "must be an integer"),
+    ("all:\n  hosts:\n    n1:\n      ddpfab_workdir: relative/dir\n", "absolute path"),
+    ("all:\n  hosts:\n    n1:\n      ddpfab_data_addr: '$(reboot)'\n", "neither an IP"),
+    ("all:\n  hosts:\n    n1:\n      ddpfab_master: true\n    n2:\n      ddpfab_master: true\n", "several hosts"),
+    ("all:\n  hosts:\n    n1: {\n", "cannot be parsed"),
+    ("", "has no hosts"),
+])
+def test_bad_inventories_raise_clear_errors(tmp_path, text, message):
+    with pytest.raises(InventoryError, match=message) as info:
+        load(write(tmp_path, "inv.yml", text))
+    assert "inv.yml" in str(info.value) or "host n" in str(info.value)
+
+
+def test_unknown_group_lists_the_groups(tmp_path):
+    with pytest.raises(InventoryError, match=r"no group 'tpu' \(groups: .*gpus"):
+        load(write(tmp_path, "inv.yml", YAML), "tpu")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InventoryError, match="no such file"):
+        load(tmp_path / "absent.yml")
+
+
+def test_documented_example_inventory_loads():
+    example = Path(__file__).resolve().parents[2] / "inventory" / "example.yml"
+    c = load(example, "gpus")
+    assert [n.name for n in c.nodes] == ["gpu01", "gpu02", "gpu03", "gpu04"]
+    assert c.nodes[0].data_addr == "10.50.0.11" and c.nodes[0].host == "192.168.10.11"
+    assert {n.nproc for n in c.nodes} == {8}
