@@ -1,0 +1,195 @@
+"""The node supervisor ("agent"): a stdlib-only program that ddpfab runs on each node for a job.
+
+ddpfab sends this file's source over SSH with the job spec as its argument (nothing to install on
+the nodes beyond a python). It:
+
+- becomes a child subreaper, so every descendant of the job stays its descendant even when its
+  parent dies (torchrun starts its workers in sessions of their own, so a process group alone
+  would miss them);
+- starts the job's shell command in a new session, records its pid and the agent's under the run's
+  remote dir, relays the output to ddpfab (stdout) and to ``output.log`` there;
+- ends the whole job tree (TERM, then KILL after a grace period) when ddpfab closes its end of the
+  link (stdin EOF: that is what an SSH session delivers when the controller exits, is killed, or
+  says stop), when it gets SIGTERM/SIGHUP/SIGINT, or when the job's main process exits;
+- exits with the job's exit code (128+N for a signal), after writing it to ``exit_code``.
+
+Killing is by this job's process tree only, never by a name pattern: two jobs may share a host.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _set_subreaper():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the process-group kill below still applies
+
+
+def _children_map():
+    """ppid -> [pid] for every process we can see."""
+    tree = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if fields[0] == b"Z":
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(entry))
+    return tree
+
+
+def descendants(pid):
+    tree = _children_map()
+    out, todo = [], list(tree.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(tree.get(p, []))
+    return out
+
+
+def _signal_all(pids, sig):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _reap(keep):
+    """Reap zombie children (orphans that a subreaper inherits), except *keep*: the job's own
+    status belongs to its Popen, which would otherwise report a killed job as exit 0."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == keep:
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if fields[0] == b"Z" and int(fields[1]) == me:
+            try:
+                os.waitpid(int(entry), os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def end_tree(grace, keep):
+    """TERM every descendant of this agent, then KILL what is left after *grace* seconds."""
+    me = os.getpid()
+    pids = descendants(me)
+    if not pids:
+        return
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap(keep)
+        pids = descendants(me)
+        if not pids:
+            return
+        time.sleep(0.05)
+    deadline = time.monotonic() + 5  # a process stuck in the kernel (D state) cannot be waited for forever
+    while pids and time.monotonic() < deadline:
+        _signal_all(pids, signal.SIGKILL)
+        time.sleep(0.02)
+        _reap(keep)
+        pids = descendants(me)
+
+
+def _write(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def main(spec):
+    run_dir = os.path.expanduser(spec["dir"])
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    grace = float(spec.get("grace", 3))
+    _set_subreaper()
+    stop = threading.Event()
+    reason = []
+
+    def request_stop(why):
+        if not stop.is_set():
+            reason.append(why)
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda s, f: request_stop("signal %d" % s))
+
+    import subprocess
+
+    log = open(os.path.join(run_dir, "output.log"), "ab")
+    job = subprocess.Popen(["/bin/sh", "-c", spec["command"]], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    _write(os.path.join(run_dir, "agent.json"), json.dumps({
+        "run_id": spec.get("run_id"), "agent_pid": os.getpid(), "pid": job.pid, "pgid": job.pid,
+        "started": time.time(), "command": spec["command"]}) + "\n")
+
+    def watch_link():
+        # ddpfab never writes to stdin; EOF means the controller closed the link or went away
+        try:
+            while os.read(0, 4096):
+                pass
+        except OSError:
+            pass
+        request_stop("controller link closed")
+
+    def relay():
+        out = job.stdout.fileno()
+        link_ok = True
+        while True:
+            try:
+                chunk = os.read(out, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            log.write(chunk)
+            log.flush()
+            if link_ok:
+                try:
+                    os.write(1, chunk)
+                except OSError:
+                    link_ok = False
+                    request_stop("controller link broken")
+
+    threading.Thread(target=watch_link, daemon=True).start()
+    relayer = threading.Thread(target=relay, daemon=True)
+    relayer.start()
+    while job.poll() is None and not stop.is_set():
+        stop.wait(0.05)
+    end_tree(grace, job.pid)  # the job's main process ended or we were told to stop: nothing may outlive it
+    code = job.wait()
+    relayer.join(timeout=2)
+    if code < 0:
+        code = 128 - code
+    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)
+    if reason:
+        _write(os.path.join(run_dir, "stopped"), reason[0] + "\n")
+    log.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))

@@ -1,0 +1,187 @@
+"""Command line: parse, call, print. No decisions live here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import __version__
+
+EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
+
+
+def _die(lines: list[str] | str, code: int = EXIT_USAGE) -> int:
+    for line in [lines] if isinstance(lines, str) else lines:
+        sys.stderr.write(f"ddpfab: error: {line}\n")
+    return code
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--inventory", required=True, help="Ansible inventory (YAML or INI) of the nodes")
+    p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
+    p.add_argument("--accept-new-host-keys", action="store_true",
+                   help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
+    p.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
+                                         "else ~/.ssh/known_hosts)")
+    p.add_argument("--ssh-config", help="an ssh_config file to read (default: ~/.ssh/config)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpfab", description=(
+        "Start and debug multi-node PyTorch training on bare-metal GPU boxes over plain SSH."))
+    parser.add_argument("--version", action="version", version=f"ddpfab {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="launch torchrun on every node of the inventory",
+                         description="Launch SCRIPT with torchrun on every node; ARGS pass through unchanged.")
+    _add_cluster_args(run)
+    run.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
+    run.add_argument("--master-port", type=int, help="MASTER_PORT (default: a port found free on the master)")
+    run.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
+    run.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
+    run.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
+                     help="where run records go (default: ./runs, or $DDPFAB_RUNS_DIR)")
+    run.add_argument("--run-id", help="the run id (default: time + random suffix)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the plan and each node's exact command; start nothing")
+    run.add_argument("--offline", action="store_true",
+                     help="with --dry-run: do not contact the hosts (port = --master-port or 29500)")
+    run.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    run.add_argument("--no-color", action="store_true", help="no colours in the output")
+    run.add_argument("script", help="training script, relative to the nodes' workdir")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    lab = sub.add_parser("lab", help="a local multi-host lab in network namespaces (root)")
+    lab_sub = lab.add_subparsers(dest="lab_command", required=True)
+    up = lab_sub.add_parser("up", help="bring up N hosts node1..nodeN with sshd")
+    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--dir", required=True, help="where the lab keeps its state, keys and inventory")
+    up.add_argument("--subnet", default="10.213.0.0/24")
+    up.add_argument("--python", help="the nodes' python (default: this python)")
+    for name, text in (("down", "remove everything the lab made"), ("status", "show the lab's hosts")):
+        p = lab_sub.add_parser(name, help=text)
+        p.add_argument("--dir", required=True)
+
+    prov = sub.add_parser("provision", help="run playbooks/provision.yml against the inventory")
+    prov.add_argument("-i", "--inventory", required=True)
+    prov.add_argument("--playbook", default="provision", help="provision, firewall, or a path")
+    prov.add_argument("--tags", help="comma-separated Ansible tags")
+    prov.add_argument("--limit", help="Ansible --limit pattern")
+    prov.add_argument("--check", action="store_true", help="dry run (ansible-playbook --check --diff)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return cmd_run(args)
+    if args.command == "lab":
+        return cmd_lab(args)
+    if args.command == "provision":
+        return cmd_provision(args)
+    return _die(f"unknown command {args.command}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from . import inventory, plan as planmod, runner, ssh
+    from .launch import Printer
+    from .runs import mask_plan, new_run_id
+
+    try:
+        cluster = inventory.load(args.inventory, args.group)
+        options = planmod.RunOptions(
+            script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
+            master_port=args.master_port, env=planmod.parse_env(args.env), max_restarts=args.max_restarts,
+            run_id=args.run_id or new_run_id())
+        if args.master_port is not None and not 1 <= args.master_port <= 65535:
+            raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+        if args.dry_run and args.offline:
+            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
+            return _print_dry_run(plan, args.json, mask_plan, offline=True)
+        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+        prepared = runner.prepare(cluster, options, policy, args.ssh_config)
+    except (inventory.InventoryError, planmod.PlanError) as exc:
+        return _die(str(exc))
+    except runner.RunError as exc:
+        return _die(exc.problems + ["nothing was started"])
+    if args.dry_run:
+        prepared.close()
+        return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False)
+    printer = Printer(prepared.plan, color=False if args.no_color else None)
+    try:
+        result, _ = runner.run(prepared, args.runs_dir, printer)
+    finally:
+        prepared.close()
+    if result.exit_code != 0:
+        sys.stderr.write(f"ddpfab: {result.summary}\n")
+    return result.exit_code
+
+
+def _offline_facts(cluster, port):
+    from .plan import Facts
+
+    addresses = {}
+    for n in cluster.nodes:
+        try:
+            from .probe import resolve
+
+            addresses[n.name] = resolve(n)
+        except Exception:  # noqa: BLE001 - offline: keep what the inventory says
+            addresses[n.name] = n.data_addr
+    return Facts(addresses=addresses, master_port=port or 29500, cwd=os.getcwd())
+
+
+def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool) -> int:
+    import json
+    import shlex
+
+    if as_json:
+        print(json.dumps(mask_plan(plan.to_dict()), indent=2, ensure_ascii=False))
+        return 0
+    masked = mask_plan(plan.to_dict())
+    print(f"# ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
+          f"master {plan.master} {plan.master_addr}:{plan.master_port}")
+    if offline:
+        print("# offline: the master port was not checked on the host")
+    print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
+    for node in masked["nodes"]:
+        target = (f"{node['ssh_user']}@" if node["ssh_user"] else "") + node["ssh_host"]
+        port = f" -p {node['ssh_port']}" if node["ssh_port"] else ""
+        print(f"\n# {node['name']} (node_rank {node['node_rank']}, {node['nproc']} procs): "
+              f"ssh{port} {shlex.quote(target)}")
+        print(node["command"])
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    from . import lab
+
+    try:
+        if args.lab_command == "up":
+            the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=args.python)
+            state = "already up" if already else "up"
+            names = ", ".join(f"{h.name}={h.address}" for h in the_lab.hosts)
+            print(f"lab {state}: {names}")
+            print(f"inventory: {the_lab.inventory}")
+            print(f"ssh:       ssh -F {the_lab.ssh_config} {the_lab.hosts[0].name}")
+            return 0
+        if args.lab_command == "down":
+            lab.check_prerequisites()
+            print("lab down" if lab.down(args.dir) else f"no lab in {os.path.abspath(args.dir)}")
+            return 0
+        print(lab.status(args.dir))
+        return 0
+    except lab.LabError as exc:
+        return _die(str(exc), 1)
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    from . import provision
+
+    try:
+        return provision.run_playbook(args.inventory, playbook=args.playbook,
+                                      tags=args.tags.split(",") if args.tags else None,
+                                      check=args.check, limit=args.limit)
+    except provision.ProvisionError as exc:
+        return _die(str(exc), 1)

@@ -1,0 +1,271 @@
+"""Execute a plan: start every node at once, stream its output, stop everything on the first failure.
+
+Thin and effectful by design; every decision was made in :mod:`ddpfab.plan`. Each node runs the
+supervisor from :mod:`ddpfab.agent` over its own SSH channel; closing our side of a channel (or
+losing the connection, or ddpfab dying) tells that node's supervisor to end the job's whole
+process tree, so no process outlives the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from fabric import Connection
+
+from . import agent as agent_module
+from .plan import NodePlan, Plan
+
+#: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
+STOP_GRACE_S = 3.0
+#: Seconds ddpfab waits for nodes to report after asking them to stop.
+STOP_WAIT_S = STOP_GRACE_S + 7.0
+COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached ddpfab."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def agent_source() -> str:
+    return Path(agent_module.__file__).read_text()
+
+
+def remote_command(plan: Plan, node: NodePlan) -> str:
+    """The command ddpfab really sends: the node's python running the supervisor, which runs
+    ``node.command`` (the line ``--dry-run`` prints) in its own session."""
+    packed = base64.b64encode(zlib.compress(agent_source().encode(), 9)).decode()
+    boot = f'import base64,zlib;exec(zlib.decompress(base64.b64decode("{packed}")))'
+    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "command": node.command, "grace": STOP_GRACE_S}
+    return f"{shlex.quote(node.python)} -c {shlex.quote(boot)} {shlex.quote(json.dumps(spec))}"
+
+
+@dataclass
+class NodeOutcome:
+    name: str
+    node_rank: int
+    exit_code: int | None = None
+    error: str | None = None
+    started: float = 0.0
+    ended: float = 0.0
+    lines: int = 0
+    stopped_by_ddpfab: bool = False
+
+    def to_dict(self) -> dict:
+        return {"node_rank": self.node_rank, "exit_code": self.exit_code, "error": self.error,
+                "started": self.started, "ended": self.ended,
+                "duration_s": round(self.ended - self.started, 3) if self.ended else None,
+                "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab}
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    outcomes: dict[str, NodeOutcome]
+    first_failure: str | None = None
+    interrupted: str | None = None
+    summary: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+_RANK_TAG = re.compile(r"^\[default(\d+)\]:")
+
+
+class Printer:
+    """Prefixes every line with host and global rank, one colour per node, one line at a time.
+
+    torchrun (``--tee``) tags each rank's lines with its local rank; with static rendezvous the
+    global rank is the node's offset (the procs of all lower node ranks) plus the local rank.
+    Lines from torchrun itself carry the node rank only.
+    """
+
+    def __init__(self, plan: Plan, stream: TextIO | None = None, color: bool | None = None):
+        self.stream = stream or sys.stdout
+        if color is None:
+            color = self.stream.isatty() and os.environ.get("NO_COLOR") is None
+        self.color = color
+        self.width = max(len(n.name) for n in plan.nodes)
+        self.rank_width = len(str(plan.world_size - 1))
+        self.nodes = {n.name: n for n in plan.nodes}
+        self.offset, total = {}, 0
+        for n in sorted(plan.nodes, key=lambda n: n.node_rank):
+            self.offset[n.name] = total
+            total += n.nproc
+        self.lock = threading.Lock()
+
+    def prefix(self, node: str, rank: int | None) -> str:
+        n = self.nodes[node]
+        who = f"r{rank:<{self.rank_width}}" if rank is not None else f"n{n.node_rank:<{self.rank_width}}"
+        text = f"{node:<{self.width}} {who}|"
+        if self.color:
+            text = f"\x1b[{COLORS[n.node_rank % len(COLORS)]}m{text}\x1b[0m"
+        return text
+
+    def line(self, node: str, text: str) -> None:
+        rank = None
+        tag = _RANK_TAG.match(text)
+        if tag:
+            rank = self.offset[node] + int(tag.group(1))
+            text = text[tag.end():]
+        with self.lock:
+            self.stream.write(f"{self.prefix(node, rank)} {text}\n")
+            self.stream.flush()
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.stream.write(f"ddpfab: {text}\n")
+            self.stream.flush()
+
+
+class _NodeJob:
+    def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log_path: Path,
+                 events: queue.Queue):
+        self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
+        self.log_path, self.events = log_path, events
+        self.outcome = NodeOutcome(node.name, node.node_rank)
+        self.chan = None
+        self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Ask the node's supervisor to end the job: close our write side (EOF on its stdin)."""
+        self.outcome.stopped_by_ddpfab = True
+        chan = self.chan
+        if chan is not None:
+            try:
+                chan.shutdown_write()
+            except Exception:  # noqa: BLE001 - a dead channel is already a stopped one
+                pass
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _run(self) -> None:
+        out = self.outcome
+        out.started = time.time()
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "wb") as log:
+            try:
+                chan = self.conn.transport.open_session(timeout=30)
+                chan.set_combine_stderr(True)
+                chan.exec_command(remote_command(self.plan, self.node))
+                self.chan = chan
+                if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
+                    chan.shutdown_write()
+                pending = b""
+                while True:
+                    data = chan.recv(65536)
+                    if not data:
+                        break
+                    log.write(data)
+                    log.flush()
+                    pending += data
+                    *complete, pending = pending.split(b"\n")
+                    for raw in complete:
+                        out.lines += 1
+                        self.printer.line(self.node.name, raw.decode("utf-8", "replace").rstrip("\r"))
+                if pending:
+                    out.lines += 1
+                    self.printer.line(self.node.name, pending.decode("utf-8", "replace"))
+                out.exit_code = chan.recv_exit_status()
+                if out.exit_code == -1:
+                    out.exit_code = None
+                    out.error = "the SSH session ended without an exit status (connection lost)"
+            except Exception as exc:  # noqa: BLE001 - reported as this node's failure
+                out.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                out.ended = time.time()
+                self.events.put(self.node.name)
+
+
+def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer) -> RunResult:
+    """Run *plan* on the open connections; block until every node is done; never leave one running."""
+    events: queue.Queue = queue.Queue()
+    jobs = {n.name: _NodeJob(plan, n, conns[n.name], printer, log_dir / f"{n.name}.log", events)
+            for n in plan.nodes}
+    interrupted: str | None = None
+    first_failure: str | None = None
+    stop_deadline: float | None = None
+
+    def stop_all() -> None:
+        nonlocal stop_deadline
+        if stop_deadline is None:
+            stop_deadline = time.monotonic() + STOP_WAIT_S
+            for job in jobs.values():
+                if job.outcome.ended == 0:
+                    job.stop()
+
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        for job in jobs.values():
+            job.start()
+        pending = set(jobs)
+        while pending:
+            try:
+                try:
+                    name = events.get(timeout=0.1)
+                except queue.Empty:
+                    if stop_deadline is not None and time.monotonic() > stop_deadline:
+                        for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
+                            jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
+                            jobs[n].close()
+                        stop_deadline = time.monotonic() + 5
+                    continue
+                pending.discard(name)
+                out = jobs[name].outcome
+                failed = out.error is not None or out.exit_code != 0
+                if failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
+                    first_failure = name
+                    why = out.error or f"exit code {out.exit_code}"
+                    printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}); stopping the other nodes")
+                    stop_all()
+            except Interrupted as exc:
+                if interrupted is None:
+                    interrupted = exc.args[0]
+                    printer.note(f"{interrupted}: stopping the job on every node")
+                    stop_all()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for job in jobs.values():
+            job.close()
+    outcomes = {n: j.outcome for n, j in jobs.items()}
+    if interrupted:
+        code = 130 if interrupted == "SIGINT" else 143
+        summary = f"interrupted by {interrupted}; the job was stopped on every node"
+    elif first_failure:
+        out = outcomes[first_failure]
+        code = out.exit_code if out.exit_code not in (None, 0) else 1
+        why = out.error or f"exit code {out.exit_code}"
+        summary = f"failed: {first_failure} (node_rank {out.node_rank}) {why}; the others were stopped"
+    else:
+        code = 0
+        summary = f"all {len(outcomes)} nodes exited 0"
+    return RunResult(code, outcomes, first_failure, interrupted, summary)

@@ -1,0 +1,154 @@
+"""One parallel pass over the nodes that gathers the facts the plan needs, before anything starts.
+
+Each node runs a tiny stdlib-only python snippet (its own ``ddpfab_python``) that reports its
+hostname, python, whether torch is importable, whether the workdir and script exist, and on the
+master a free port (or whether the user's port is free). Connecting is also where host keys are
+verified, so an unknown key, an unreachable host or a busy port stops the run before any node
+has started anything.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import random
+import shlex
+import socket
+from dataclasses import dataclass, field
+
+from fabric import Connection
+
+from . import ssh
+from .inventory import Cluster, Node
+from .plan import DEFAULT_PORT_RANGE
+
+PROBE_SNIPPET = r"""
+import importlib.util, json, os, socket, sys
+req = json.loads(sys.argv[1])
+out = {"hostname": socket.gethostname(), "python": sys.version.split()[0],
+       "executable": sys.executable, "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None}
+def free(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+if req.get("port"):
+    out["port_free"] = free(req["port"])
+if req.get("find_port"):
+    lo, hi, start = req["find_port"]
+    span = hi - lo + 1
+    out["free_port"] = next((lo + (start - lo + i) % span for i in range(span)
+                             if free(lo + (start - lo + i) % span)), None)
+wd = os.path.expanduser(req["workdir"])
+out["workdir_exists"] = os.path.isdir(wd)
+if req.get("script"):
+    out["script_exists"] = os.path.isfile(os.path.join(wd, os.path.expanduser(req["script"])))
+print(json.dumps(out))
+"""
+
+
+class ProbeError(Exception):
+    """A node is not ready for the run; ``problems`` holds one clear line per host."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class NodeFacts:
+    name: str
+    hostname: str = ""
+    python: str = ""
+    home: str = ""
+    torch: bool = False
+    address: str = ""
+    free_port: int | None = None
+    port_free: bool | None = None
+    workdir_exists: bool = True
+    script_exists: bool | None = None
+    raw: dict = field(default_factory=dict)
+
+
+def resolve(node: Node) -> str:
+    """The node's data address as an IP literal (names are resolved here, on the controller)."""
+    try:
+        return str(ipaddress.ip_address(node.data_addr))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(node.data_addr, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ssh.SSHError(node.name, f"host {node.name}: data address {node.data_addr!r} does not resolve "
+                                      f"({exc.strerror}); set ddpfab_data_addr to an IP address") from None
+    return infos[0][4][0]
+
+
+def probe_node(conn: Connection, node: Node, *, workdir: str, script: str | None,
+               port: int | None = None, find_port: bool = False) -> NodeFacts:
+    req: dict = {"workdir": workdir, "script": script}
+    if port:
+        req["port"] = port
+    if find_port:
+        lo, hi = DEFAULT_PORT_RANGE
+        # start at a random place so two jobs probing at once rarely pick the same port
+        req["find_port"] = [lo, hi, random.randint(lo, hi)]
+    command = f"{shlex.quote(node.python)} -c {shlex.quote(PROBE_SNIPPET)} {shlex.quote(json.dumps(req))}"
+    res = ssh.run(conn, node.name, command, timeout=30)
+    if res.exit_code == 127:
+        raise ssh.SSHError(node.name, f"host {node.name}: python {node.python!r} not found there; set "
+                                      "ddpfab_python to the python that has torch", kind="python")
+    if res.exit_code != 0:
+        raise ssh.SSHError(node.name, f"host {node.name}: probe with {node.python} failed "
+                                      f"(exit {res.exit_code}): {res.stderr.strip()[-300:]}", kind="python")
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    return NodeFacts(name=node.name, hostname=data["hostname"], python=data["python"], home=data["home"], torch=data["torch"],
+                     free_port=data.get("free_port"), port_free=data.get("port_free"),
+                     workdir_exists=data["workdir_exists"], script_exists=data.get("script_exists"), raw=data)
+
+
+def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str,
+           master_port: int | None) -> tuple[dict[str, NodeFacts], list[str]]:
+    """Probe every node in parallel; return the facts and a list of problems (empty = ready)."""
+
+    def one(node: Node) -> NodeFacts:
+        is_master = node.name == master.name
+        facts = probe_node(conns[node.name], node, workdir=node.workdir or cwd,
+                           script=None if os.path.isabs(script) else script,
+                           port=master_port if is_master else None,
+                           find_port=is_master and master_port is None)
+        facts.address = resolve(node)
+        return facts
+
+    results = ssh.parallel(cluster.nodes, one)
+    facts: dict[str, NodeFacts] = {}
+    problems: list[str] = []
+    for node in cluster.nodes:
+        res = results[node.name]
+        if isinstance(res, BaseException):
+            problems.append(str(res) if isinstance(res, ssh.SSHError) else f"host {node.name}: probe failed: {res!r}")
+            continue
+        facts[node.name] = res
+        workdir = node.workdir or cwd
+        if not res.workdir_exists:
+            problems.append(f"host {node.name}: workdir {workdir} does not exist there; create it, sync the "
+                            "code, or set ddpfab_workdir")
+        elif res.script_exists is False:
+            problems.append(f"host {node.name}: script {script} not found in {workdir}; sync the code first")
+        if not res.torch:
+            problems.append(f"host {node.name}: {node.python} cannot import torch (python {res.python}); "
+                            "provision the node (ddpfab provision) or set ddpfab_python")
+        if node.name == master.name:
+            if master_port is not None and res.port_free is False:
+                problems.append(f"host {node.name}: --master-port {master_port} is already in use there; "
+                                "pick another port or leave --master-port out to get a free one")
+            if master_port is None and res.free_port is None:
+                lo, hi = DEFAULT_PORT_RANGE
+                problems.append(f"host {node.name}: no free port in {lo}-{hi}; pass --master-port")
+    return facts, problems

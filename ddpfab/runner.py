@@ -1,0 +1,117 @@
+"""``ddpfab run`` end to end: connect, probe, plan, execute, record.
+
+The order is the safety property: every node is connected (host keys verified) and probed, and
+the whole plan is made, before any node starts anything. A problem anywhere means nothing starts
+anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fabric import Connection
+
+from . import inventory, probe, ssh
+from .launch import Printer, RunResult, execute
+from .plan import Facts, Plan, RunOptions, choose_master, make_plan
+from .runs import RunDir, controller_info, mask_plan
+
+
+class RunError(Exception):
+    """The run could not start; ``problems`` has one line per host or cause."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class Prepared:
+    cluster: inventory.Cluster
+    plan: Plan
+    conns: dict[str, Connection]
+    facts: dict[str, probe.NodeFacts]
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+
+
+def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
+                ssh_config: str | None = None) -> dict[str, Connection]:
+    """Open verified connections to every node in parallel; on any failure close them all and
+    raise one error listing every host that failed."""
+    results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
+    conns = {k: v for k, v in results.items() if isinstance(v, Connection)}
+    failed = [v for v in results.values() if not isinstance(v, Connection)]
+    if failed:
+        for c in conns.values():
+            c.close()
+        raise RunError([str(e) if isinstance(e, ssh.SSHError) else repr(e) for e in failed])
+    return conns
+
+
+def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
+            ssh_config: str | None = None, cwd: str | None = None) -> Prepared:
+    cwd = cwd or os.getcwd()
+    conns = connect_all(cluster, policy, ssh_config)
+    try:
+        master = choose_master(cluster)
+        facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=options.script,
+                                       master_port=options.master_port)
+        if problems:
+            raise RunError(problems)
+        port = options.master_port or facts[master.name].free_port
+        plan = make_plan(cluster, options, Facts(
+            addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
+            homes={n: f.home for n, f in facts.items()}))
+    except BaseException:
+        for c in conns.values():
+            c.close()
+        raise
+    return Prepared(cluster, plan, conns, facts)
+
+
+def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None) -> tuple[RunResult, Path]:
+    plan = prepared.plan
+    run_dir = RunDir(runs_root, plan.run_id)
+    printer = printer or Printer(plan)
+    manifest = {
+        "run_id": plan.run_id,
+        "state": "running",
+        "started": time.time(),
+        "plan": mask_plan(plan.to_dict()),
+        "controller": controller_info(),
+        "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address}
+                        for n, f in prepared.facts.items()},
+        "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
+    }
+    run_dir.write_manifest(manifest)
+    printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
+                 f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
+    result = execute(plan, prepared.conns, run_dir.path, printer)
+    manifest.update({
+        "state": "succeeded" if result.exit_code == 0 else ("interrupted" if result.interrupted else "failed"),
+        "ended": time.time(),
+        "exit_code": result.exit_code,
+        "first_failure": result.first_failure,
+        "interrupted": result.interrupted,
+        "summary": result.summary,
+        "nodes": {n: o.to_dict() for n, o in result.outcomes.items()},
+    })
+    manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
+    path = run_dir.write_manifest(manifest)
+    printer.note(f"{result.summary} (manifest: {path})")
+    return result, path
+
+
+def default_runs_root() -> str:
+    return os.environ.get("DDPFAB_RUNS_DIR", "runs")
+
+
+def stderr(msg: str) -> None:
+    sys.stderr.write(msg + "\n")

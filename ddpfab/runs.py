@@ -1,0 +1,78 @@
+"""Local run records: ``runs/<run-id>/manifest.json`` and one log per node.
+
+The manifest is the plan plus what happened (per-node exit codes and timings, who failed first),
+so a run can be understood, and redone by hand, long after it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+
+#: Env values whose key matches this are masked in manifests and printed plans.
+SECRET_KEY = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE)", re.IGNORECASE)
+MASK = "***"
+
+
+def new_run_id() -> str:
+    """Sortable by time, unique enough for two runs started in the same second."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def mask_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: (MASK if SECRET_KEY.search(k) else v) for k, v in env.items()}
+
+
+def mask_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a plan dict with secret env values masked, in env and in the commands."""
+    out = json.loads(json.dumps(plan_dict))
+    for node in out["nodes"]:
+        for key, value in node["env"].items():
+            if SECRET_KEY.search(key) and value:
+                node["command"] = node["command"].replace(value, MASK)
+        node["env"] = mask_env(node["env"])
+    return out
+
+
+class RunDir:
+    """A private local directory for one run."""
+
+    def __init__(self, root: str | os.PathLike, run_id: str):
+        self.path = Path(root) / run_id
+        self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        os.chmod(self.path, 0o700)
+
+    def log_path(self, node: str) -> Path:
+        return self.path / f"{node}.log"
+
+    def write_manifest(self, manifest: dict[str, Any]) -> Path:
+        path = self.path / "manifest.json"
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(manifest, fh, indent=2, ensure_ascii=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+        return path
+
+
+def controller_info() -> dict[str, Any]:
+    info = {"ddpfab": __version__, "python": platform.python_version(), "host": platform.node(),
+            "argv": sys.argv}
+    try:
+        from importlib.metadata import version
+
+        info["fabric"] = version("fabric")
+        info["ansible-core"] = version("ansible-core")
+    except Exception:  # noqa: BLE001 - versions are informative only
+        pass
+    return info
