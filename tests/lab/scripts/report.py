@@ -1,0 +1,42 @@
+"""Test payload: report what this rank sees, as one JSON line, after a real all_reduce.
+
+Also obeys a few environment switches so the lab tests can make one rank fail or hang.
+"""
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+fail_rank = os.environ.get("REPORT_FAIL_RANK")
+if fail_rank is not None and int(fail_rank) == rank:
+    time.sleep(float(os.environ.get("REPORT_FAIL_AFTER", "1")))
+    print(f"rank {rank} failing on purpose", flush=True)
+    sys.exit(int(os.environ.get("REPORT_FAIL_CODE", "3")))
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+print("REPORT " + json.dumps({
+    "rank": rank,
+    "world_size": int(os.environ["WORLD_SIZE"]),
+    "local_rank": int(os.environ["LOCAL_RANK"]),
+    "node_rank": int(os.environ["GROUP_RANK"]),
+    "master_addr": os.environ["MASTER_ADDR"],
+    "master_port": int(os.environ["MASTER_PORT"]),
+    "hostname": socket.gethostname(),
+    "argv": sys.argv[1:],
+    "sum": value.item(),
+    "run_id": os.environ.get("DDPFAB_RUN_ID"),
+}, ensure_ascii=False), flush=True)
+hang = float(os.environ.get("REPORT_HANG", "0"))
+if hang:
+    print(f"rank {rank} READY", flush=True)
+    time.sleep(hang)
+dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""The lab itself: idempotent, isolated, coexisting, and gone without a trace after `down`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from ddpfab import lab as labmod
+
+from .helpers import ddpfab
+
+
+def _system_state():
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    fwd = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True).stdout
+    return netns, links, fwd
+
+
+def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
+    before = _system_state()
+    other = tmp_path / "other"
+    res = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
+    assert res.returncode == 0, res.stderr
+    assert "node1=10.213.8.11" in res.stdout
+    again = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
+    assert again.returncode == 0 and "already up" in again.stdout
+    second = labmod.Lab.load(other)
+    assert second.bridge != lab.bridge
+    # both labs answer; each host has its own hostname, PID namespace and address
+    out = subprocess.run(["ssh", "-F", str(second.ssh_config), "node2", "hostname; echo $$"],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0 and out.stdout.split()[0] == "node2", out.stderr
+    assert all(lab.alive().values())
+    assert second.host("node1").pid_namespace() != lab.host("node1").pid_namespace()
+    # a write to an overlaid system dir stays on that host
+    subprocess.run(["ssh", "-F", str(second.ssh_config), "node1", "echo hi > /opt/ddpfab-lab-probe"], check=True)
+    assert not Path("/opt/ddpfab-lab-probe").exists()
+    res = ddpfab("lab", "down", "--dir", str(other))
+    assert res.returncode == 0
+    assert _system_state() == before
+    assert not Path(second.store).exists()
+    assert all(lab.alive().values()), "taking down one lab must not touch the other"
+
+
+def test_lab_hosts_have_their_own_firewall_tables(lab):
+    rules = lab.netns_exec("node3", ["iptables", "-S", "INPUT"], capture_output=True, text=True)
+    assert rules.returncode == 0 and "-P INPUT ACCEPT" in rules.stdout
+    lab.netns_exec("node3", ["iptables", "-A", "INPUT", "-p", "tcp", "--dport", "9", "-j", "DROP"], check=True)
+    try:
+        assert "--dport 9" not in subprocess.run(["iptables", "-S", "INPUT"], capture_output=True, text=True).stdout
+        assert "--dport 9" not in lab.netns_exec("node2", ["iptables", "-S", "INPUT"], capture_output=True,
+                                                 text=True).stdout
+    finally:
+        lab.netns_exec("node3", ["iptables", "-D", "INPUT", "-p", "tcp", "--dport", "9", "-j", "DROP"], check=True)
+
+
+def test_not_root_is_a_one_line_error():
+    # a world-readable copy of the package and the system python: the checkout and its venv may
+    # sit in a directory that user `nobody` cannot enter
+    import shutil
+    import tempfile
+
+    pkg_root = Path(tempfile.mkdtemp(prefix="ddpfab-nobody-"))
+    try:
+        shutil.copytree(Path(labmod.__file__).parent, pkg_root / "ddpfab")
+        subprocess.run(["chmod", "-R", "a+rX", str(pkg_root)], check=True)
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(pkg_root)}
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                              "-m", "ddpfab", "lab", "up", "--dir", str(pkg_root / "lab")],
+                             capture_output=True, text=True, env=env, cwd="/")
+    finally:
+        shutil.rmtree(pkg_root)
+    assert res.returncode != 0
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert "needs root" in res.stderr

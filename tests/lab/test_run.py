@@ -1,0 +1,165 @@
+"""`ddpfab run` on real lab hosts: real sshd, real torchrun with gloo, real process tables."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from .helpers import REPO, ddpfab, reports, start_ddpfab, wait_no_processes
+
+REPORT = "tests/lab/scripts/report.py"
+
+
+def test_two_nodes_two_procs_agree_on_everything(lab, inventory2, tmp_path):
+    res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(tmp_path / "runs"),
+                 REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = reports(res.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
+    assert {r["world_size"] for r in got} == {4}
+    # node_rank follows inventory order: node1 is 0, node2 is 1
+    assert {(r["hostname"], r["node_rank"]) for r in got} == {("node1", 0), ("node2", 1)}
+    assert {(r["master_addr"], r["master_port"]) for r in got} == {(lab.host("node1").address, got[0]["master_port"])}
+    assert {r["sum"] for r in got} == {1 + 2 + 3 + 4}
+    # the printed prefix carries host and global rank
+    for r in got:
+        assert any(line.startswith(f"{r['hostname']} r{r['rank']}| REPORT") for line in res.stdout.splitlines())
+
+    manifest_path = next((tmp_path / "runs").glob("*/manifest.json"))
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["state"] == "succeeded" and manifest["exit_code"] == 0
+    assert {n: v["exit_code"] for n, v in manifest["nodes"].items()} == {"node1": 0, "node2": 0}
+    assert [n["node_rank"] for n in manifest["plan"]["nodes"]] == [0, 1]
+    assert manifest["plan"]["master_port"] == got[0]["master_port"]
+    assert {r["run_id"] for r in got} == {manifest["run_id"]}
+    run_dir = manifest_path.parent
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    for node in ("node1", "node2"):
+        assert "REPORT" in (run_dir / f"{node}.log").read_text()
+    wait_no_processes(lab, timeout=5)
+
+
+def test_script_args_arrive_byte_for_byte(lab, inventory2, tmp_path):
+    nasty = ["with space", "it's \"quoted\"", "$HOME and ${PATH}", "a;b && c | d", "`id` $(id)",
+             "non-ascii: héllo wörld ✓ 日本", "", "--flag=x y", "*", "\\back\\slash", "new\nline"]
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), REPORT, *nasty)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = reports(res.stdout)
+    assert len(got) == 2
+    for r in got:
+        assert r["argv"] == nasty
+
+
+def test_failing_rank_stops_every_node_within_seconds(lab, inventory2, tmp_path):
+    start = time.monotonic()
+    res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(tmp_path / "runs"),
+                 "--env", "REPORT_FAIL_RANK=3", "--env", "REPORT_FAIL_AFTER=2", REPORT, timeout=90)
+    elapsed = time.monotonic() - start
+    assert res.returncode != 0
+    assert "node2" in res.stderr and "node_rank 1" in res.stderr, res.stderr
+    assert "failing on purpose" in res.stdout
+    # without ddpfab the other ranks would wait in init for the 120 s process-group timeout
+    assert elapsed < 45, f"took {elapsed:.1f} s"
+    wait_no_processes(lab, timeout=3)
+    manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
+    assert manifest["state"] == "failed" and manifest["first_failure"] == "node2"
+    assert manifest["nodes"]["node1"]["stopped_by_ddpfab"] is True
+
+
+def _wait_for_lines(proc: subprocess.Popen, marker: str, count: int, timeout: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while sum(marker in ln for ln in lines) < count:
+        assert time.monotonic() < deadline, "ranks never got ready:\n" + "".join(lines)
+        line = proc.stdout.readline()
+        assert line, "ddpfab ended early:\n" + "".join(lines)
+        lines.append(line)
+    return lines
+
+
+def test_sigint_stops_every_process_on_every_host(lab, inventory2, tmp_path):
+    proc = start_ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir",
+                        str(tmp_path / "runs"), "--env", "REPORT_HANG=300", REPORT)
+    try:
+        _wait_for_lines(proc, "READY", 4, timeout=90)
+        assert lab.processes("node1") and lab.processes("node2")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    took = wait_no_processes(lab, timeout=5)
+    assert took < 5
+    manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
+    assert manifest["state"] == "interrupted"
+
+
+def test_sigkill_of_ddpfab_leaves_no_orphan(lab, inventory2, tmp_path):
+    """The supervisor notices the controller's link is gone (stdin EOF) and ends the job tree."""
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"),
+                        "--env", "REPORT_HANG=300", REPORT)
+    try:
+        _wait_for_lines(proc, "READY", 2, timeout=90)
+        proc.kill()
+        proc.wait(timeout=5)
+    finally:
+        proc.kill()
+    wait_no_processes(lab, timeout=8)
+
+
+def test_dry_run_commands_reproduce_the_run_over_plain_ssh(lab, inventory2, tmp_path):
+    """The commands --dry-run prints, pasted into plain `ssh` sessions, give the same run."""
+    res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--dry-run", REPORT, "x y")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    commands = {}
+    for i, line in enumerate(lines):
+        if line.startswith("# node") and "ssh" in line:
+            commands[line.split()[1]] = lines[i + 1]
+    assert set(commands) == {"node1", "node2"}
+    assert all(lab.processes(n) == [] for n in ("node1", "node2")), "dry-run must start nothing"
+    procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), name, cmd], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for name, cmd in commands.items()]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = reports("\n".join(outs))
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
+    assert {r["sum"] for r in got} == {10.0}
+    assert all(r["argv"] == ["x y"] for r in got)
+
+
+def test_ini_and_yaml_inventories_launch_the_same_job(lab, tmp_path):
+    """An INI inventory with a group and a host range, against the lab, runs like the YAML one."""
+    n1, n2 = lab.host("node1").address, lab.host("node2").address
+    assert n1.rsplit(".", 1)[0] == n2.rsplit(".", 1)[0]
+    ini = tmp_path / "inv.ini"
+    common = Path(lab.inventory).read_text().split("ansible_ssh_common_args: ")[1].split("\n    ansible_python")[0]
+    common = " ".join(common.split())
+    ini.write_text(
+        "[trainers]\n"
+        f"node[1:2] ansible_user=root ansible_ssh_private_key_file={lab.key}\n\n"
+        "[trainers:vars]\n"
+        f"ansible_ssh_common_args='{common}'\n"
+        f"ddpfab_python={__import__('sys').executable}\n\n"
+        "[spare]\nnode3\n")
+    # the names resolve through the controller's view: give the lab names addresses via host vars
+    hv = tmp_path / "host_vars"
+    hv.mkdir()
+    (hv / "node1.yml").write_text(f"ansible_host: {n1}\n")
+    (hv / "node2.yml").write_text(f"ansible_host: {n2}\n")
+    res = ddpfab("run", "-i", str(ini), "--group", "trainers", "--runs-dir", str(tmp_path / "runs"), REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = reports(res.stdout)
+    assert {(r["hostname"], r["node_rank"]) for r in got} == {("node1", 0), ("node2", 1)}
+    assert {r["sum"] for r in got} == {3.0}
+
+
+def test_cwd_is_the_default_workdir(lab, inventory2, tmp_path):
+    """Without ddpfab_workdir the nodes run in the controller's cwd (a relative script resolves)."""
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), "scripts/report.py",
+                 cwd=REPO / "tests" / "lab")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(reports(res.stdout)) == 2
