@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Install everything ddpfab, its demo and its tests need, on Debian/Ubuntu as root. Idempotent:
+# a second run checks and returns in seconds.
+#   - Debian packages: sshd/ssh, rsync, iptables, nftables, iproute2 (the lab), python3-venv
+#   - .venv with torch==2.13.0 installed FIRST (the CPU wheel; a plain `torch` would pull a
+#     multi-GB CUDA build), then ddpfab itself with its node and test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+PKGS=(openssh-server openssh-client rsync iptables nftables iproute2 procps util-linux python3 python3-venv git)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (CPU)"
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+fi
+if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.ddpfab-installed ]; then
+  echo "setup: installing ddpfab with its node and test extras"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[node,test]'
+  touch .venv/.ddpfab-installed
+fi
+echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
