@@ -69,18 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
     prov.add_argument("--tags", help="comma-separated Ansible tags")
     prov.add_argument("--limit", help="Ansible --limit pattern")
     prov.add_argument("--check", action="store_true", help="dry run (ansible-playbook --check --diff)")
+    run.set_defaults(func=cmd_run)
+    lab.set_defaults(func=cmd_lab)
+    prov.set_defaults(func=cmd_provision)
+    for module in PLUGIN_MODULES:
+        # each module adds its own subcommand(s): `register(subparsers)` sets `func` on them
+        __import__(f"ddpfab.{module}", fromlist=["register"]).register(sub)
     return parser
+
+
+#: Modules that register subcommands of their own (small, so the parser stays cheap to build).
+PLUGIN_MODULES: list[str] = []
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "run":
-        return cmd_run(args)
-    if args.command == "lab":
-        return cmd_lab(args)
-    if args.command == "provision":
-        return cmd_provision(args)
-    return _die(f"unknown command {args.command}")
+    return args.func(args)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
