@@ -10,7 +10,11 @@ the nodes beyond a python). It:
   remote dir, relays the output to ddpfab (stdout) and to ``output.log`` there;
 - ends the whole job tree (TERM, then KILL after a grace period) when ddpfab closes its end of the
   link (stdin EOF: that is what an SSH session delivers when the controller exits, is killed, or
-  says stop), when it gets SIGTERM/SIGHUP/SIGINT, or when the job's main process exits;
+  says stop; a ``!`` byte asks for a fast stop), when ddpfab's heartbeat (a byte on stdin every second) stops for longer than the
+  spec's ``silence`` (the network to the controller is cut: no EOF ever arrives then), when it gets
+  SIGTERM/SIGHUP/SIGINT, or when the job's main process exits;
+- with ``detached`` in the spec it ignores stdin and writes only to ``output.log``: the job then
+  lives on without ddpfab until it ends or ``ddpfab stop`` signals this agent;
 - exits with the job's exit code (128+N for a signal), after writing it to ``exit_code``.
 
 Killing is by this job's process tree only, never by a name pattern: two jobs may share a host.
@@ -25,6 +29,10 @@ import threading
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+#: Seconds between TERM and KILL when the job is stopped because another node failed: the
+#: collective is broken, so there is nothing to wait for (the workers die on TERM at once; this
+#: only cuts short torchrun's own slow shutdown).
+FAST_GRACE = 0.5
 
 
 def _set_subreaper():
@@ -113,6 +121,19 @@ def end_tree(grace, keep):
         pids = descendants(me)
 
 
+def _restarts(log_dir):
+    """torchrun keeps one ``attempt_N`` dir per (re)start of the worker group."""
+    if not log_dir or not os.path.isdir(log_dir):
+        return 0
+    attempts = [0]
+    for sub in os.listdir(log_dir):
+        path = os.path.join(log_dir, sub)
+        if os.path.isdir(path):
+            attempts += [int(a.split("_", 1)[1]) for a in os.listdir(path)
+                         if a.startswith("attempt_") and a.split("_", 1)[1].isdigit()]
+    return max(attempts)
+
+
 def _write(path, text):
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
@@ -125,6 +146,10 @@ def main(spec):
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)
     grace = float(spec.get("grace", 3))
+    silence = float(spec.get("silence", 0))
+    detached = bool(spec.get("detached"))
+    last_beat = [time.monotonic()]
+    grace_now = [grace]
     _set_subreaper()
     stop = threading.Event()
     reason = []
@@ -147,10 +172,16 @@ def main(spec):
         "started": time.time(), "command": spec["command"]}) + "\n")
 
     def watch_link():
-        # ddpfab never writes to stdin; EOF means the controller closed the link or went away
+        # ddpfab writes only heartbeats to stdin; EOF means it closed the link or went away
         try:
-            while os.read(0, 4096):
-                pass
+            while True:
+                data = os.read(0, 4096)
+                if not data:
+                    break
+                last_beat[0] = time.monotonic()
+                if b"!" in data:  # another node failed: the job is lost anyway, end it fast
+                    grace_now[0] = min(grace, FAST_GRACE)
+                    request_stop("stopped by ddpfab: another node failed")
         except OSError:
             pass
         request_stop("controller link closed")
@@ -167,26 +198,32 @@ def main(spec):
                 break
             log.write(chunk)
             log.flush()
-            if link_ok:
+            if link_ok and not detached:
                 try:
                     os.write(1, chunk)
                 except OSError:
                     link_ok = False
                     request_stop("controller link broken")
 
-    threading.Thread(target=watch_link, daemon=True).start()
+    if not detached:
+        threading.Thread(target=watch_link, daemon=True).start()
     relayer = threading.Thread(target=relay, daemon=True)
     relayer.start()
     while job.poll() is None and not stop.is_set():
         stop.wait(0.05)
-    end_tree(grace, job.pid)  # the job's main process ended or we were told to stop: nothing may outlive it
+        if silence and not detached and time.monotonic() - last_beat[0] > silence:
+            request_stop("controller silent for %.0f s" % silence)
+    end_tree(grace_now[0], job.pid)  # the job's main process ended or we were told to stop: nothing may outlive it
     code = job.wait()
     relayer.join(timeout=2)
     if code < 0:
         code = 128 - code
-    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)
     if reason:
         _write(os.path.join(run_dir, "stopped"), reason[0] + "\n")
+    _write(os.path.join(run_dir, "result.json"), json.dumps({
+        "exit_code": code, "ended": time.time(), "stopped": reason[0] if reason else None,
+        "restarts": _restarts(spec.get("log_dir"))}) + "\n")
+    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
     log.close()
     return code
 

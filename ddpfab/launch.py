@@ -32,6 +32,13 @@ from .plan import NodePlan, Plan
 STOP_GRACE_S = 3.0
 #: Seconds ddpfab waits for nodes to report after asking them to stop.
 STOP_WAIT_S = STOP_GRACE_S + 7.0
+#: ddpfab sends each supervisor a heartbeat byte and each sshd a keepalive request this often.
+HEARTBEAT_S = 1.0
+#: A node whose sshd has not answered a keepalive for this long is declared lost.
+LOST_AFTER_S = 5.0
+#: A supervisor that has heard no heartbeat for this long ends its job on its own (network cut:
+#: no EOF ever reaches it). Longer than LOST_AFTER_S, so ddpfab always notices first.
+SILENCE_S = 10.0
 COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 
 
@@ -47,13 +54,27 @@ def agent_source() -> str:
     return Path(agent_module.__file__).read_text()
 
 
-def remote_command(plan: Plan, node: NodePlan) -> str:
+def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
     """The command ddpfab really sends: the node's python running the supervisor, which runs
     ``node.command`` (the line ``--dry-run`` prints) in its own session."""
     packed = base64.b64encode(zlib.compress(agent_source().encode(), 9)).decode()
     boot = f'import base64,zlib;exec(zlib.decompress(base64.b64decode("{packed}")))'
-    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "command": node.command, "grace": STOP_GRACE_S}
-    return f"{shlex.quote(node.python)} -c {shlex.quote(boot)} {shlex.quote(json.dumps(spec))}"
+    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "command": node.command, "grace": STOP_GRACE_S,
+            "log_dir": f"{node.remote_dir}/torchrun"}
+    if detach:
+        spec["detached"] = True
+    else:
+        spec["silence"] = SILENCE_S
+    start = f"{shlex.quote(node.python)} -c {shlex.quote(boot)} {shlex.quote(json.dumps(spec))}"
+    if not detach:
+        return start
+    # detached: a new session, no link to this SSH session; report once the supervisor is up
+    record = shlex.quote(f"{node.remote_dir}/agent.json")
+    # (`a && b &` would background a subshell that keeps this session's stdout open until b ends)
+    return (f"mkdir -p -m 700 {shlex.quote(node.remote_dir)} || exit 1; "
+            f"setsid {start} </dev/null >/dev/null 2>&1 & "
+            f"for i in $(seq 100); do [ -s {record} ] && exit 0; sleep 0.05; done; "
+            f"echo 'ddpfab: the node supervisor did not start' >&2; exit 1")
 
 
 @dataclass
@@ -66,12 +87,15 @@ class NodeOutcome:
     ended: float = 0.0
     lines: int = 0
     stopped_by_ddpfab: bool = False
+    remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
 
     def to_dict(self) -> dict:
         return {"node_rank": self.node_rank, "exit_code": self.exit_code, "error": self.error,
                 "started": self.started, "ended": self.ended,
                 "duration_s": round(self.ended - self.started, 3) if self.ended else None,
-                "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab}
+                "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab,
+                "restarts": (self.remote or {}).get("restarts"),
+                "stopped_reason": (self.remote or {}).get("stopped")}
 
 
 @dataclass
@@ -141,16 +165,64 @@ class _NodeJob:
         self.outcome = NodeOutcome(node.name, node.node_rank)
         self.chan = None
         self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
+        self.done = threading.Event()
+        self.reported = threading.Event()
+        self.fast_stop = False
+        self.ping_pending_since: float | None = None
 
     def start(self) -> None:
         self.thread.start()
+        threading.Thread(target=self._heartbeat, name=f"beat-{self.node.name}", daemon=True).start()
 
-    def stop(self) -> None:
-        """Ask the node's supervisor to end the job: close our write side (EOF on its stdin)."""
+    def _heartbeat(self) -> None:
+        """Heartbeat bytes for the supervisor, keepalive requests for sshd, until the job ends.
+
+        A keepalive that sshd does not answer (``ping_pending_since`` grows old) means the node or
+        the network to it is gone; the monitor reads that and declares the node lost.
+        """
+        transport = self.conn.transport
+        while not self.done.is_set():
+            began = time.monotonic()
+            chan = self.chan
+            if chan is not None and not self.outcome.stopped_by_ddpfab:
+                try:
+                    chan.send(b"\n")
+                except Exception:  # noqa: BLE001 - the job thread reports a dead channel
+                    pass
+            self.ping_pending_since = began
+            try:
+                transport.global_request("keepalive@openssh.com", wait=True)
+            except Exception:  # noqa: BLE001
+                return
+            self.ping_pending_since = None
+            if not transport.is_active():
+                return
+            self.done.wait(max(0.0, HEARTBEAT_S - (time.monotonic() - began)))
+
+    def _result_record(self) -> dict | None:
+        from . import ssh
+
+        try:
+            res = ssh.run(self.conn, self.node.name, f"cat {shlex.quote(self.node.remote_dir)}/result.json",
+                          timeout=10)
+            return json.loads(res.stdout) if res.exit_code == 0 else None
+        except Exception:  # noqa: BLE001 - the record is informative; the exit code is what counts
+            return None
+
+    def lost_for(self) -> float:
+        since = self.ping_pending_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def stop(self, fast: bool = False) -> None:
+        """Ask the node's supervisor to end the job: close our write side (EOF on its stdin),
+        after a ``!`` when *fast* (another node failed: no point in a graceful shutdown)."""
         self.outcome.stopped_by_ddpfab = True
+        self.fast_stop = fast
         chan = self.chan
         if chan is not None:
             try:
+                if fast:
+                    chan.sendall(b"!")
                 chan.shutdown_write()
             except Exception:  # noqa: BLE001 - a dead channel is already a stopped one
                 pass
@@ -172,7 +244,7 @@ class _NodeJob:
                 chan.exec_command(remote_command(self.plan, self.node))
                 self.chan = chan
                 if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
-                    chan.shutdown_write()
+                    self.stop(self.fast_stop)
                 pending = b""
                 while True:
                     data = chan.recv(65536)
@@ -191,12 +263,16 @@ class _NodeJob:
                 out.exit_code = chan.recv_exit_status()
                 if out.exit_code == -1:
                     out.exit_code = None
-                    out.error = "the SSH session ended without an exit status (connection lost)"
+                    out.error = out.error or "the SSH session ended without an exit status (connection lost)"
             except Exception as exc:  # noqa: BLE001 - reported as this node's failure
                 out.error = f"{type(exc).__name__}: {exc}"
             finally:
                 out.ended = time.time()
-                self.events.put(self.node.name)
+                self.done.set()
+                self.events.put(self.node.name)  # first: the monitor may have others to stop
+        if out.exit_code is not None:
+            out.remote = self._result_record()
+        self.reported.set()
 
 
 def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer) -> RunResult:
@@ -208,13 +284,13 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
     first_failure: str | None = None
     stop_deadline: float | None = None
 
-    def stop_all() -> None:
+    def stop_all(fast: bool = False) -> None:
         nonlocal stop_deadline
         if stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_WAIT_S
             for job in jobs.values():
                 if job.outcome.ended == 0:
-                    job.stop()
+                    job.stop(fast)
 
     def on_signal(signum, frame):
         raise Interrupted(signum)
@@ -232,6 +308,12 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                 try:
                     name = events.get(timeout=0.1)
                 except queue.Empty:
+                    for n in pending:
+                        job = jobs[n]
+                        if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
+                            job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
+                                                 "(host down or network cut)")
+                            job.close()  # unblocks its reader; its supervisor stops on silence
                     if stop_deadline is not None and time.monotonic() > stop_deadline:
                         for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
                             jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
@@ -245,12 +327,14 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                     first_failure = name
                     why = out.error or f"exit code {out.exit_code}"
                     printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}); stopping the other nodes")
-                    stop_all()
+                    stop_all(fast=True)
             except Interrupted as exc:
                 if interrupted is None:
                     interrupted = exc.args[0]
                     printer.note(f"{interrupted}: stopping the job on every node")
                     stop_all()
+        for job in jobs.values():  # their supervisors' result records, fetched after the stop
+            job.reported.wait(timeout=10)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
