@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
     run.add_argument("--master-port", type=int, help="MASTER_PORT (default: a port found free on the master)")
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
+    run.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                     help="KEY=VALUE lines for every rank (--env wins over it)")
+    run.add_argument("--no-forward-env", action="store_true",
+                     help="do not forward the controller's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+    run.add_argument("--detach", action="store_true",
+                     help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
     run.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
     run.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
                      help="where run records go (default: ./runs, or $DDPFAB_RUNS_DIR)")
@@ -79,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = []
+PLUGIN_MODULES: list[str] = ["jobs"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cluster = inventory.load(args.inventory, args.group)
         options = planmod.RunOptions(
             script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
-            master_port=args.master_port, env=planmod.parse_env(args.env), max_restarts=args.max_restarts,
+            master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
             run_id=args.run_id or new_run_id())
         if args.master_port is not None and not 1 <= args.master_port <= 65535:
             raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
@@ -114,12 +120,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False)
     printer = Printer(prepared.plan, color=False if args.no_color else None)
     try:
+        if args.detach:
+            return runner.start_detached(prepared, args.runs_dir, printer)
         result, _ = runner.run(prepared, args.runs_dir, printer)
     finally:
         prepared.close()
     if result.exit_code != 0:
         sys.stderr.write(f"ddpfab: {result.summary}\n")
     return result.exit_code
+
+
+def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
+    """Forwarded allowlist, then env files, then --env: later wins."""
+    merged: dict[str, str] = {}
+    if not args.no_forward_env:
+        merged.update(planmod.forwarded_env(dict(os.environ)))
+    for path in args.env_file:
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError as exc:
+            raise planmod.PlanError(f"env file {path}: {exc.strerror}") from None
+        merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
+    merged.update(planmod.parse_env(args.env))
+    return tuple(merged.items())
 
 
 def _offline_facts(cluster, port):

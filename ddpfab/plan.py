@@ -148,6 +148,34 @@ def nproc_for(node: Node, options: RunOptions) -> int:
     return 1
 
 
+#: Controller environment variables with these prefixes are forwarded to every rank (documented
+#: in the README); anything else only when asked with --env or --env-file.
+FORWARD_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "PYTORCH_")
+
+
+def forwarded_env(environ: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The allowlisted part of the controller's environment, in a stable order."""
+    return tuple(sorted((k, v) for k, v in environ.items() if k.startswith(FORWARD_PREFIXES)))
+
+
+def read_env_file(text: str, source: str) -> list[str]:
+    """``KEY=VALUE`` lines of an env file (blank lines and # comments ignored, no shell expansion)."""
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise PlanError(f"env file {source}, line {number}: expected KEY=VALUE, got {line!r}")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        pairs.append(f"{key.strip()}={value}")
+    return pairs
+
+
 def parse_env(pairs: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """``K=V`` strings as pairs; a key that is not a shell identifier is an error, not a surprise."""
     out = []

@@ -8,7 +8,6 @@ anywhere.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 from fabric import Connection
 
 from . import inventory, probe, ssh
-from .launch import Printer, RunResult, execute
+from .launch import Printer, RunResult, execute, remote_command
 from .plan import Facts, Plan, RunOptions, choose_master, make_plan
 from .runs import RunDir, controller_info, mask_plan
 
@@ -76,11 +75,9 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
     return Prepared(cluster, plan, conns, facts)
 
 
-def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None) -> tuple[RunResult, Path]:
+def _manifest_head(prepared: Prepared) -> dict:
     plan = prepared.plan
-    run_dir = RunDir(runs_root, plan.run_id)
-    printer = printer or Printer(plan)
-    manifest = {
+    return {
         "run_id": plan.run_id,
         "state": "running",
         "started": time.time(),
@@ -90,6 +87,13 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
                         for n, f in prepared.facts.items()},
         "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
     }
+
+
+def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None) -> tuple[RunResult, Path]:
+    plan = prepared.plan
+    run_dir = RunDir(runs_root, plan.run_id)
+    printer = printer or Printer(plan)
+    manifest = _manifest_head(prepared)
     run_dir.write_manifest(manifest)
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
@@ -109,9 +113,31 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     return result, path
 
 
-def default_runs_root() -> str:
-    return os.environ.get("DDPFAB_RUNS_DIR", "runs")
+def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer) -> int:
+    """Start every node's supervisor in a session of its own and return: the job outlives ddpfab.
 
+    If any node fails to start, the ones that did are stopped again: a detached job is started
+    whole or not at all.
+    """
+    plan = prepared.plan
+    run_dir = RunDir(runs_root, plan.run_id)
+    manifest = _manifest_head(prepared)
+    manifest["state"] = "detached"
+    run_dir.write_manifest(manifest)
+    results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
+        prepared.conns[n.name], n.name, remote_command(plan, plan.node(n.name), detach=True), timeout=30))
+    failed = {n: r for n, r in results.items() if isinstance(r, BaseException) or r.exit_code != 0}
+    if failed:
+        for name, res in failed.items():
+            why = res if isinstance(res, BaseException) else (res.stderr.strip() or f"exit {res.exit_code}")
+            printer.note(f"{name}: could not start: {why}")
+        from .jobs import STOP_SNIPPET, _py
 
-def stderr(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
+        ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
+            prepared.conns[n.name], n.name, _py(n, STOP_SNIPPET, plan.node(n.name).remote_dir, "8"), timeout=20))
+        manifest["state"] = "failed to start"
+        run_dir.write_manifest(manifest)
+        return 1
+    printer.note(f"run {plan.run_id} started detached on {plan.nnodes} nodes; follow it with "
+                 f"`ddpfab attach {plan.run_id}`, end it with `ddpfab stop {plan.run_id}`")
+    return 0

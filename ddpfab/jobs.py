@@ -1,0 +1,333 @@
+"""Jobs on the cluster, by run id: ``ps``, ``stop``, ``attach``, ``logs``.
+
+Everything here reads the records the node supervisor keeps under each node's run dir
+(``agent.json``: pids; ``exit_code``/``result.json``: the end), and signals only the supervisor
+named there, after checking that the pid still belongs to that run. Never a name pattern: two
+jobs, or two users, may share a host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+#: Runs on a node with its python: list the run records under a runs dir, with their state.
+PS_SNIPPET = r"""
+import json, os, sys, time
+root = os.path.expanduser(sys.argv[1])
+only = sys.argv[2] if len(sys.argv) > 2 else None
+def alive(pid, rid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return rid.encode() in fh.read()
+    except OSError:
+        return False
+out = []
+for rid in (sorted(os.listdir(root)) if os.path.isdir(root) else []):
+    if only and rid != only:
+        continue
+    d = os.path.join(root, rid)
+    try:
+        with open(os.path.join(d, "agent.json")) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        continue
+    state, code = "dead", None
+    if os.path.exists(os.path.join(d, "exit_code")):
+        code = int(open(os.path.join(d, "exit_code")).read().strip() or -1)
+        state = "exited"
+    elif alive(rec["agent_pid"], rid):
+        state = "running"
+    out.append({"run_id": rid, "state": state, "exit_code": code, "started": rec.get("started"),
+                "agent_pid": rec["agent_pid"], "dir": d, "now": time.time()})
+print(json.dumps(out))
+"""
+
+#: Runs on a node: ask one run's supervisor to end the job, wait until it has.
+STOP_SNIPPET = r"""
+import json, os, signal, sys, time
+d = os.path.expanduser(sys.argv[1]); rid = os.path.basename(d.rstrip("/"))
+try:
+    rec = json.load(open(os.path.join(d, "agent.json")))
+except (OSError, ValueError):
+    print("absent"); sys.exit(0)
+pid = rec["agent_pid"]
+def alive():
+    try:
+        return rid.encode() in open("/proc/%d/cmdline" % pid, "rb").read()
+    except OSError:
+        return False
+if not alive():
+    print("not running"); sys.exit(0)
+os.kill(pid, signal.SIGTERM)
+deadline = time.time() + float(sys.argv[2])
+while alive() and time.time() < deadline:
+    time.sleep(0.05)
+print("stopped" if not alive() else "still running"); sys.exit(0 if not alive() else 1)
+"""
+
+#: Runs on a node: stream a run's output.log from the start, follow it until the job has ended.
+FOLLOW_SNIPPET = r"""
+import os, sys, threading, time
+def link():  # ddpfab attach went away (Ctrl-C, killed): stop following, leave nothing behind
+    while os.read(0, 4096):
+        pass
+    os._exit(0)
+threading.Thread(target=link, daemon=True).start()
+d = os.path.expanduser(sys.argv[1])
+log, done = os.path.join(d, "output.log"), os.path.join(d, "exit_code")
+while not os.path.exists(log):
+    if os.path.exists(done) or not os.path.isdir(d):
+        break
+    time.sleep(0.1)
+pos = 0
+out = sys.stdout.buffer
+while True:
+    finished = os.path.exists(done)
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(pos)
+            chunk = fh.read()
+    except OSError:
+        chunk = b""
+    if chunk:
+        pos += len(chunk)
+        out.write(chunk); out.flush()
+    elif finished:
+        break
+    else:
+        time.sleep(0.1)
+code = open(done).read().strip() if os.path.exists(done) else "255"
+sys.exit(int(code or 255))
+"""
+
+
+def _py(node, snippet: str, *args: str) -> str:
+    return " ".join([shlex.quote(node.python), "-c", shlex.quote(snippet), *map(shlex.quote, args)])
+
+
+def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
+    path = Path(runs_dir) / run_id / "manifest.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _cluster(args, manifest: dict | None):
+    from . import inventory
+
+    source = args.inventory or (manifest or {}).get("plan", {}).get("inventory")
+    if not source:
+        raise inventory.InventoryError("no inventory: pass --inventory (no local manifest names one)")
+    group = args.group or (manifest or {}).get("plan", {}).get("group") or "all"
+    return inventory.load(source, group)
+
+
+def _connect(args, cluster):
+    from . import runner, ssh
+
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+    return runner.connect_all(cluster, policy, args.ssh_config)
+
+
+def _remote_dir(node_name: str, manifest: dict | None, run_id: str) -> str:
+    if manifest:
+        for n in manifest["plan"]["nodes"]:
+            if n["name"] == node_name:
+                return n["remote_dir"]
+    return f".ddpfab/runs/{run_id}"  # relative: SSH sessions start in the user's home
+
+
+def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
+    p.add_argument("-i", "--inventory", required=inventory_required,
+                   help="inventory (default: the one recorded in the run's local manifest)")
+    p.add_argument("--group", help="inventory group (default: the recorded one, else all)")
+    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"))
+    p.add_argument("--known-hosts")
+    p.add_argument("--ssh-config")
+
+
+def register(sub) -> None:
+    ps = sub.add_parser("ps", help="list ddpfab jobs on the cluster's nodes")
+    _common(ps, inventory_required=True)
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=cmd_ps)
+    for name, text, func in (("stop", "end one job on every node", cmd_stop),
+                             ("attach", "stream a (detached) job's output from every node until it ends", cmd_attach),
+                             ("logs", "fetch a job's output from every node into runs/<id>/", cmd_logs)):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("run_id")
+        _common(p, inventory_required=False)
+        p.set_defaults(func=func)
+
+
+def _guard(fn):
+    def wrapper(args) -> int:
+        from . import inventory, runner
+
+        try:
+            return fn(args)
+        except inventory.InventoryError as exc:
+            sys.stderr.write(f"ddpfab: error: {exc}\n")
+            return 2
+        except runner.RunError as exc:
+            for line in exc.problems:
+                sys.stderr.write(f"ddpfab: error: {line}\n")
+            return 2
+    return wrapper
+
+
+@_guard
+def cmd_ps(args) -> int:
+    from . import ssh
+
+    cluster = _cluster(args, None)
+    conns = _connect(args, cluster)
+    try:
+        results = ssh.parallel(cluster.nodes, lambda n: ssh.run(
+            conns[n.name], n.name, _py(n, PS_SNIPPET, ".ddpfab/runs"), timeout=20))
+    finally:
+        for c in conns.values():
+            c.close()
+    runs: dict[str, dict] = {}
+    for node in cluster.nodes:
+        res = results[node.name]
+        if isinstance(res, BaseException) or res.exit_code != 0:
+            sys.stderr.write(f"ddpfab: warning: host {node.name}: cannot list jobs: "
+                             f"{res if isinstance(res, BaseException) else res.stderr.strip()}\n")
+            continue
+        for rec in json.loads(res.stdout):
+            run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
+                                                  "now": rec["now"]})
+            run["nodes"][node.name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
+    rows = sorted(runs.values(), key=lambda r: r["run_id"])
+    for r in rows:
+        states = {s["state"] for s in r["nodes"].values()}
+        r["state"] = "running" if "running" in states else ("dead" if "dead" in states else "exited")
+        r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
+    for r in rows:
+        nodes = " ".join(f"{n}:{s['state']}" + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
+                         for n, s in r["nodes"].items())
+        print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}")
+    return 0
+
+
+@_guard
+def cmd_stop(args) -> int:
+    from . import ssh
+    from .launch import STOP_GRACE_S
+
+    manifest = _load_manifest(args.runs_dir, args.run_id)
+    cluster = _cluster(args, manifest)
+    conns = _connect(args, cluster)
+    try:
+        results = ssh.parallel(cluster.nodes, lambda n: ssh.run(
+            conns[n.name], n.name, _py(n, STOP_SNIPPET, _remote_dir(n.name, manifest, args.run_id),
+                                       str(STOP_GRACE_S + 5)), timeout=30))
+    finally:
+        for c in conns.values():
+            c.close()
+    bad = 0
+    for node in cluster.nodes:
+        res = results[node.name]
+        text = str(res) if isinstance(res, BaseException) else res.stdout.strip()
+        print(f"{node.name}: {text}")
+        bad |= isinstance(res, BaseException) or res.exit_code != 0
+    return 1 if bad else 0
+
+
+@_guard
+def cmd_attach(args) -> int:
+    from .launch import Printer
+    from .plan import Plan
+
+    manifest = _load_manifest(args.runs_dir, args.run_id)
+    if manifest is None:
+        sys.stderr.write(f"ddpfab: error: no local record of run {args.run_id} in {args.runs_dir}; "
+                         "attach from the machine (and --runs-dir) that started it\n")
+        return 2
+    plan = Plan.from_dict(manifest["plan"])
+    cluster = _cluster(args, manifest)
+    conns = _connect(args, cluster)
+    printer = Printer(plan)
+    codes: dict[str, int] = {}
+    try:
+        codes = _follow_all(plan, cluster, conns, printer)
+    except KeyboardInterrupt:
+        printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
+        return 130
+    finally:
+        for c in conns.values():
+            c.close()
+    failed = {n: c for n, c in codes.items() if c != 0}
+    printer.note(f"run {args.run_id} ended: " + (f"failed on {failed}" if failed else "all nodes exited 0"))
+    return next(iter(failed.values()), 0) if failed else 0
+
+
+def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
+    from . import ssh
+
+    def follow(node) -> int:
+        n = plan.node(node.name)
+        chan = conns[node.name].transport.open_session(timeout=30)
+        chan.set_combine_stderr(True)
+        chan.exec_command(_py(node, FOLLOW_SNIPPET, n.remote_dir))
+        pending = b""
+        while True:
+            data = chan.recv(65536)
+            if not data:
+                break
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                printer.line(node.name, raw.decode("utf-8", "replace"))
+        if pending:
+            printer.line(node.name, pending.decode("utf-8", "replace"))
+        return chan.recv_exit_status()
+
+    results = ssh.parallel([n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}], follow)
+    return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
+
+
+@_guard
+def cmd_logs(args) -> int:
+    from . import ssh
+
+    manifest = _load_manifest(args.runs_dir, args.run_id)
+    cluster = _cluster(args, manifest)
+    conns = _connect(args, cluster)
+    dest = Path(args.runs_dir) / args.run_id
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def fetch(node) -> str:
+        remote = _remote_dir(node.name, manifest, args.run_id)
+        res = ssh.run(conns[node.name], node.name, f"cat {shlex.quote(remote)}/output.log", timeout=60)
+        if res.exit_code != 0:
+            raise RuntimeError(res.stderr.strip() or f"no output.log in {remote}")
+        path = dest / f"{node.name}.remote.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(res.stdout)
+        return str(path)
+
+    try:
+        results = ssh.parallel(cluster.nodes, fetch)
+    finally:
+        for c in conns.values():
+            c.close()
+    bad = 0
+    for name, res in results.items():
+        if isinstance(res, BaseException):
+            bad = 1
+            sys.stderr.write(f"ddpfab: error: host {name}: {res}\n")
+        else:
+            print(f"{name}: {res}")
+    return bad
