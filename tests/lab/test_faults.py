@@ -1,0 +1,260 @@
+"""Fault injection on lab hosts: crashes, a cut network, a killed controller, detached jobs.
+
+Every test also checks that a second job on the same hosts (a bystander, started detached)
+survives, and that the job under test leaves no process behind on any host.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from .helpers import ddpfab, reports, start_ddpfab, wait_no_processes
+
+REPORT = "tests/lab/scripts/report.py"
+
+
+def _run_ids(runs) -> list[str]:
+    return sorted(p.name for p in runs.iterdir()) if runs.exists() else []
+
+
+def _ps(inventory) -> dict[str, dict]:
+    res = ddpfab("ps", "-i", str(inventory), "--json")
+    assert res.returncode == 0, res.stderr
+    return {r["run_id"]: r for r in json.loads(res.stdout)}
+
+
+@pytest.fixture
+def bystander(lab, inventory2, tmp_path):
+    """A detached job on the same hosts that must outlive whatever the test does to its own job."""
+    runs = tmp_path / "bystander-runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--env", "REPORT_HANG=600",
+                 REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = _run_ids(runs)[0]
+    pids = {n: {p for p, _ in lab.processes(n)} for n in ("node1", "node2")}
+    yield run_id
+    ps = _ps(inventory2)
+    assert ps[run_id]["state"] == "running", f"the bystander job was touched: {ps[run_id]}"
+    assert all(pids[n] <= {p for p, _ in lab.processes(n)} for n in pids), "bystander processes vanished"
+    stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    wait_no_processes(lab, timeout=5)
+
+
+def _job_pids(lab, run_id: str) -> set[tuple[str, int]]:
+    """Processes of one run on every host: the supervisor's cmdline names the run id, and every
+    job process descends from it, so walk the tree from there."""
+    found = set()
+    for name in ("node1", "node2", "node3"):
+        procs = dict(lab.processes(name))
+        roots = [p for p, cmd in procs.items() if run_id in cmd]
+        children: dict[int, list[int]] = {}
+        for p in procs:
+            try:
+                ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(p)
+        todo = list(roots)
+        while todo:
+            p = todo.pop()
+            found.add((name, p))
+            todo.extend(children.get(p, []))
+    return found
+
+
+def _wait_job_gone(lab, run_id: str, timeout: float) -> float:
+    start = time.monotonic()
+    while _job_pids(lab, run_id):
+        assert time.monotonic() - start < timeout, f"job {run_id} still has {_job_pids(lab, run_id)}"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for_rank_process(lab, node: str, rank: int, timeout: float) -> int:
+    """The pid of the process of global rank *rank* on *node* (found by its RANK in environ)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid, cmd in lab.processes(node):
+            try:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ and b"REPORT_FAIL_RANK=3" in environ and "report.py" in cmd:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} process on {node}")
+
+
+def _read_until(proc, marker: str, count: int, timeout: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while sum(marker in ln for ln in lines) < count:
+        assert time.monotonic() < deadline, "never saw enough " + marker + ":\n" + "".join(lines)
+        line = proc.stdout.readline()
+        assert line, "ddpfab ended early:\n" + "".join(lines)
+        lines.append(line)
+    return lines
+
+
+def test_rank_crash_ends_the_job_everywhere_within_2s(lab, inventory2, tmp_path, bystander):
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(runs),
+                        "--env", "REPORT_FAIL_RANK=3", "--env", "REPORT_FAIL_AFTER=6", REPORT)
+    try:
+        rank3 = _wait_for_rank_process(lab, "node2", 3, timeout=90)
+        run_id = _run_ids(runs)[0]
+        while _alive(rank3):  # the crash: the moment rank 3's process is gone
+            time.sleep(0.005)
+        crashed = time.monotonic()
+        _wait_job_gone(lab, run_id, timeout=10)
+        gone = time.monotonic() - crashed
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    print(f"crash -> last job process gone on every host: {gone:.2f} s")
+    assert gone < 2.0, f"teardown took {gone:.2f} s"
+    manifest = json.loads((runs / run_id / "manifest.json").read_text())
+    assert manifest["first_failure"] == "node2"
+    assert manifest["nodes"]["node1"]["stopped_reason"] == "stopped by ddpfab: another node failed"
+
+
+def test_network_cut_names_the_lost_node_and_stops_everything(lab, inventory2, tmp_path, bystander):
+    """node2's link goes down mid-run: ddpfab declares it lost within its keepalive bound (5 s +
+    1 s heartbeat), stops node1, and node2's own supervisor ends its job once ddpfab falls silent
+    (10 s), even though no message can reach it."""
+    from ddpfab.launch import LOST_AFTER_S, SILENCE_S, STOP_GRACE_S
+
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT)
+    veth = lab.host("node2").veth
+    try:
+        _read_until(proc, "READY", 2, timeout=90)
+        run_id = _run_ids(runs)[0]
+        cut = time.monotonic()
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        out, _ = proc.communicate(timeout=40)
+        detected = time.monotonic() - cut
+        assert proc.returncode != 0
+        assert "node2" in out and "lost" in out, out
+        assert detected <= LOST_AFTER_S + 3, f"took {detected:.1f} s to notice"
+        node1_left = [p for p in _job_pids(lab, run_id) if p[0] == "node1"]
+        assert not node1_left, node1_left
+        _wait_job_gone(lab, run_id, timeout=SILENCE_S + STOP_GRACE_S + 5 - (time.monotonic() - cut))
+        print(f"cut -> ddpfab exit {detected:.1f} s; cut -> all gone {time.monotonic() - cut:.1f} s")
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        proc.kill()
+    manifest = json.loads((runs / run_id / "manifest.json").read_text())
+    assert manifest["first_failure"] == "node2"
+    assert "lost" in manifest["nodes"]["node2"]["error"]
+    # the link is back: the bystander must still be reachable and running (checked by its fixture)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ddpfab("ps", "-i", str(inventory2)).returncode != 0:
+        time.sleep(0.5)
+
+
+def test_sigkill_of_ddpfab_ends_the_job_but_not_the_bystander(lab, inventory2, tmp_path, bystander):
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT)
+    try:
+        _read_until(proc, "READY", 2, timeout=90)
+        run_id = _run_ids(runs)[0]
+        killed = time.monotonic()
+        proc.kill()
+        proc.wait(timeout=5)
+        took = _wait_job_gone(lab, run_id, timeout=8)
+    finally:
+        proc.kill()
+    print(f"SIGKILL -> all gone {time.monotonic() - killed:.2f} s")
+    assert took < 8
+
+
+def test_sigint_ends_the_job_but_not_the_bystander(lab, inventory2, tmp_path, bystander):
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT)
+    try:
+        _read_until(proc, "READY", 2, timeout=90)
+        run_id = _run_ids(runs)[0]
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=20)
+        took = _wait_job_gone(lab, run_id, timeout=5)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    print(f"SIGINT -> all gone {took:.2f} s after ddpfab exited")
+
+
+def test_two_jobs_on_the_same_hosts_get_different_ports(lab, inventory2, tmp_path, bystander):
+    other = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(other), REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    bystander_port = json.loads(next((tmp_path / "bystander-runs").glob("*/manifest.json")).read_text())["plan"][
+        "master_port"]
+    assert {r["master_port"] for r in reports(res.stdout)} != {bystander_port}
+
+
+def test_detached_job_survives_the_controller_and_attach_logs_ps_stop_work(lab, inventory2, tmp_path):
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--env", "REPORT_HANG=6",
+                 REPORT, "detached arg")
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = _run_ids(runs)[0]
+    assert _ps(inventory2)[run_id]["state"] == "running"
+    # an attach that is SIGKILLed leaves the job (and no follower) behind
+    att = start_ddpfab("attach", "--runs-dir", str(runs), run_id)
+    _read_until(att, "REPORT", 1, timeout=60)
+    att.kill()
+    att.wait()
+    assert _ps(inventory2)[run_id]["state"] == "running"
+    # a second attach follows it to the end and returns the job's exit code
+    att = ddpfab("attach", "--runs-dir", str(runs), run_id, timeout=60)
+    assert att.returncode == 0, att.stdout + att.stderr
+    got = reports(att.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1] and all(r["argv"] == ["detached arg"] for r in got)
+    ps = _ps(inventory2)[run_id]
+    assert ps["state"] == "exited" and {s["exit_code"] for s in ps["nodes"].values()} == {0}
+    logs = ddpfab("logs", "--runs-dir", str(runs), run_id)
+    assert logs.returncode == 0, logs.stderr
+    for node in ("node1", "node2"):
+        assert "REPORT" in (runs / run_id / f"{node}.remote.log").read_text()
+    wait_no_processes(lab, timeout=5)
+
+
+def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--env", "REPORT_HANG=600",
+                 REPORT)
+    assert res.returncode == 0, res.stderr
+    run_id = _run_ids(runs)[0]
+    assert _job_pids(lab, run_id)
+    stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
+    assert stop.returncode == 0 and stop.stdout.count("stopped") == 2, stop.stdout + stop.stderr
+    wait_no_processes(lab, timeout=3)
+    ps = _ps(inventory2)[run_id]
+    assert ps["state"] == "exited"
+
+
+def test_max_restarts_are_recorded(lab, inventory2, tmp_path):
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--max-restarts", "1",
+                 "--env", "REPORT_FAIL_RANK=1", "--env", "REPORT_FAIL_AFTER=0", REPORT, timeout=120)
+    assert res.returncode != 0
+    assert res.stdout.count("failing on purpose") >= 2, res.stdout  # first attempt and one restart
+    manifest = json.loads(next(runs.glob("*/manifest.json")).read_text())
+    assert "--max-restarts=1" in manifest["plan"]["nodes"][0]["argv"]
+    assert manifest["nodes"]["node2"]["restarts"] == 1
+    wait_no_processes(lab, timeout=5)
