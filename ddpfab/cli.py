@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from . import inventory, plan as planmod, runner, ssh
+    from . import inventory, runner, ssh
+    from . import plan as planmod
     from .launch import Printer
     from .runs import mask_plan, new_run_id
 

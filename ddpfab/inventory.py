@@ -235,8 +235,12 @@ def _make_node(name: str, var) -> Node:
         raise InventoryError(f"host {name}: ansible_port must be 1-65535, got {port}")
     user = var("ansible_user", var("ansible_ssh_user"))
     key_file = var("ansible_ssh_private_key_file", var("ansible_private_key_file"))
-    ssh_options = parse_ssh_args(var("ansible_ssh_common_args", "") or "")
-    ssh_options.update(parse_ssh_args(var("ansible_ssh_extra_args", "") or ""))
+    ssh_options: dict[str, str] = {}
+    for ssh_var in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        value = var(ssh_var, "") or ""
+        if not isinstance(value, str):
+            raise InventoryError(f"host {name}: {ssh_var} must be a string of ssh options, got {value!r}")
+        ssh_options.update(parse_ssh_args(value))
     data_addr = str(var(VAR_DATA_ADDR, None) or host)
     _check_address(name, VAR_DATA_ADDR, data_addr)
     _check_address(name, "ansible_host", host)

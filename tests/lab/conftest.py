@@ -43,3 +43,20 @@ def inventory2(lab, tmp_path) -> Path:
     return path
 
 
+
+
+@pytest.fixture
+def no_leftovers(lab):
+    """After the test: no process, no listener but sshd, no temp file on any lab host."""
+    yield
+    from .helpers import wait_no_processes
+
+    names = [h.name for h in lab.hosts]
+    wait_no_processes(lab, timeout=5, names=names)
+    for name in names:
+        listening = lab.netns_exec(name, ["ss", "-Htln"], capture_output=True, text=True).stdout.split("\n")
+        ports = sorted({ln.split()[3].rsplit(":", 1)[1] for ln in listening if ln.strip()})
+        assert ports == ["22"], f"{name} has listeners left: {ports}"
+        tmp_upper = Path(lab.store) / name / "upper_tmp"
+        left = [str(p.relative_to(tmp_upper)) for p in tmp_upper.rglob("*")]
+        assert not left, f"{name} has temp files left in /tmp: {left[:10]}"

@@ -14,6 +14,7 @@ from ddpfab import lab as labmod
 from .helpers import ddpfab
 
 REPORT = "tests/lab/scripts/report.py"
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 def _nothing_started(lab, runs_dir):

@@ -16,6 +16,7 @@ import pytest
 from .helpers import ddpfab, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 def _run_ids(runs) -> list[str]:

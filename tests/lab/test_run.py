@@ -8,9 +8,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from .helpers import REPO, ddpfab, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 def test_two_nodes_two_procs_agree_on_everything(lab, inventory2, tmp_path):
