@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = ["jobs"]
+PLUGIN_MODULES: list[str] = ["jobs", "export"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 PKGS=(openssh-server openssh-client rsync iptables nftables iproute2 procps util-linux python3 python3-venv git)
+# Only for the test suite (`setup.sh --test`): Vagrantfile checks and the real-Slurm export test.
+TEST_PKGS=(ruby vagrant slurmctld slurmd slurm-client munge)
+if [ "${1:-}" = "--test" ]; then PKGS+=("${TEST_PKGS[@]}"); fi
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -17,8 +20,15 @@ done
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # keep packages from starting system services (sshd, munge, slurm) on this machine: the lab
+  # starts its own, inside namespaces
+  guard=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && guard=1
+  fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ -n "$guard" ]; then rm -f /usr/sbin/policy-rc.d; fi
 fi
 
 if [ ! -x .venv/bin/python ]; then

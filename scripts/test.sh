@@ -3,5 +3,5 @@
 # network namespaces (root), and the provisioning tests. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,562 @@
+"""Export a plan to a scheduler: a Slurm sbatch script, a Kubeflow PyTorchJob, a Kubeflow TrainJob.
+
+The same :class:`~ddpfab.plan.Plan` that ``ddpfab run`` executes over SSH is turned into what a
+scheduler starts, so the job a user debugged on a few boxes is the job the cluster runs: the same
+torchrun flags, script, arguments (byte for byte) and environment. Only what the scheduler decides
+changes hands:
+
+- **topology numbers come from the plan** (nodes, processes per node, restarts, port),
+- **identity comes from the scheduler** (which node is rank 0 and where the master is): on Slurm
+  ``$SLURM_NODEID`` and the first node of the allocation, on Kubernetes the operator's
+  ``RANK``/``MASTER_ADDR``/``MASTER_PORT`` (PyTorchJob) or ``PET_*`` (TrainJob) variables.
+
+Every function here is pure: a plan in, text or a dict out. The CLI (``register``) loads the
+inventory and makes the plan with offline facts: no host is contacted.
+
+Quoting: the sbatch script passes every user value through ``shlex.quote`` as separate words of
+one ``srun`` command line (no value is ever spliced into a string that is parsed twice). Kubernetes
+expands ``$(VAR)`` in a container's command, args and env values, so every ``$`` of a user value
+is written as ``$$`` (Kubernetes' escape), and only ddpfab's own references stay unescaped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+#: torchrun flags whose value differs per node or is the scheduler's to decide.
+NODE_FLAGS = ("--node-rank", "--master-addr", "--master-port")
+#: The launcher every plan uses: ``<python> -m torch.distributed.run``.
+LAUNCHER = ("-m", "torch.distributed.run")
+#: Kubeflow Trainer's runtime for torchrun jobs (installed with the Trainer's default runtimes).
+DEFAULT_TRAINJOB_RUNTIME = "torch-distributed"
+#: The PyTorchJob operator takes MASTER_PORT from the container port with this name.
+PYTORCHJOB_CONTAINER = "pytorch"
+PYTORCHJOB_PORT_NAME = "pytorchjob-port"
+#: Environment the Kubernetes operators set themselves; the plan must not set them too.
+PYTORCHJOB_RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+TRAINJOB_RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+#: A value that may stand in an ``#SBATCH`` line (sbatch splits those lines itself, not a shell).
+_DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9_.:,+=%@/\-\[\]]+$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+#: Longest job name: the operators append ``-worker-<index>`` / ``-node-0-<index>`` to it.
+MAX_K8S_NAME = 48
+
+
+class ExportError(Exception):
+    """The plan cannot be exported as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The part of a plan that is one command for every node, as a scheduler needs it.
+
+    Args:
+        python: the nodes' python (argv[0] of the plan's command).
+        flags: torchrun's flags from the plan, in order, as ``(name, value)``; the per-node ones
+            (:data:`NODE_FLAGS`) are kept with node 0's value, to be replaced by the exporter.
+        script: the training script.
+        args: the script's arguments.
+        nnodes: number of nodes.
+        nproc: processes per node (the same on every node).
+        workdir: the working dir the script runs in.
+        env: the environment of every rank.
+        master_port: the plan's MASTER_PORT.
+    """
+
+    python: str
+    flags: tuple[tuple[str, str], ...]
+    script: str
+    args: tuple[str, ...]
+    nnodes: int
+    nproc: int
+    workdir: str
+    env: tuple[tuple[str, str], ...]
+    master_port: int
+
+    def torchrun_flags(self, replace: dict[str, str | None]) -> list[str]:
+        """The plan's flags as ``--name=value`` words; *replace* maps a flag to its new value
+        (None drops it)."""
+        out = []
+        for name, value in self.flags:
+            if name in replace:
+                if replace[name] is None:
+                    continue
+                value = replace[name]
+            out.append(f"{name}={value}")
+        return out
+
+
+def launch_of(plan) -> Launch:
+    """Check that every node of *plan* runs the same command (but for its node rank) and return it.
+
+    A scheduler starts one command on nodes it picks itself, so per-host differences of the
+    inventory (another python, another nproc, another workdir) cannot be carried over: they are
+    an error that names the variable to set, not a silent choice.
+    """
+    if not plan.nodes:
+        raise ExportError("the plan has no nodes")
+    parsed = [(n, _split_argv(n.argv, plan.script, plan.args)) for n in plan.nodes]
+    first, (python, flags) = parsed[0]
+    flags_wo_rank = [f for f in flags if f[0] != "--node-rank"]
+    for node, (other_python, other_flags) in parsed[1:]:
+        for what, mine, theirs, fix in (
+                ("python", python, other_python, "ddpfab_python"),
+                ("nproc", first.nproc, node.nproc, "--nproc-per-node or ddpfab_nproc_per_node"),
+                ("workdir", first.workdir, node.workdir, "ddpfab_workdir"),
+                ("env", first.env, node.env, "--env")):
+            if mine != theirs and what == "env":  # name the keys only: values may be secrets
+                keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+                raise ExportError(f"a scheduler starts one command on every node, but {node.name} has other "
+                                  f"environment than {first.name} ({', '.join(keys)}): set {fix} for all")
+            if mine != theirs:
+                raise ExportError(
+                    f"a scheduler starts one command on every node, but {node.name} has another {what} than "
+                    f"{first.name} ({theirs!r} vs {mine!r}): set {fix} to one value for the whole group")
+        if [f for f in other_flags if f[0] != "--node-rank"] != flags_wo_rank:
+            raise ExportError(f"{node.name} runs other torchrun flags than {first.name}: "
+                              f"{other_flags!r} vs {flags!r}")
+    bad = [k for k in first.env if not _ENV_NAME.match(k)]
+    if bad:
+        raise ExportError(f"environment variable name(s) {', '.join(map(repr, bad))} cannot be exported: "
+                          "use letters, digits and '_'")
+    return Launch(python=python, flags=tuple(flags), script=plan.script, args=tuple(plan.args),
+                  nnodes=plan.nnodes, nproc=first.nproc, workdir=first.workdir,
+                  env=tuple(first.env.items()), master_port=plan.master_port)
+
+
+def _split_argv(argv, script: str, args) -> tuple[str, list[tuple[str, str]]]:
+    """``(python, [(flag, value), ...])`` of ``python -m torch.distributed.run --f=v ... script args``."""
+    argv = tuple(argv)
+    n_tail = 1 + len(args)
+    if len(argv) < 3 + n_tail or argv[1:3] != LAUNCHER or argv[len(argv) - n_tail:] != (script, *args):
+        raise ExportError(f"the plan's command is not `python -m torch.distributed.run ... SCRIPT ARGS`: {argv!r}")
+    flags = []
+    for word in argv[3:len(argv) - n_tail]:
+        name, sep, value = word.partition("=")
+        if not name.startswith("--") or not sep:
+            raise ExportError(f"unexpected torchrun flag {word!r} in the plan (expected --name=value)")
+        flags.append((name, value))
+    return argv[0], flags
+
+
+# -- Slurm ----------------------------------------------------------------------------------------
+def _sh_path(path: str) -> str:
+    """A shell word for *path*; a relative path is taken as relative to the user's home, like
+    ``ddpfab run`` takes it on a node (the plan keeps such paths relative when homes are unknown)."""
+    if path.startswith("/"):
+        return shlex.quote(path)
+    return '"$HOME"/' + shlex.quote(path)
+
+
+def _directive(name: str, value: Any) -> str:
+    text = str(value)
+    if not _DIRECTIVE_VALUE.match(text):
+        raise ExportError(f"--{name} {text!r}: an #SBATCH value may only hold letters, digits and _.:,+=%@/-[]")
+    return f"#SBATCH --{name}={text}"
+
+
+def slurm_job_name(run_id: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.\-]", "-", f"ddpfab-{run_id}")
+    return name[:64]
+
+
+def to_sbatch(plan, *, job_name: str | None = None, gpus_per_node: int = 0, cpus_per_task: int | None = None,
+              partition: str | None = None, time_limit: str | None = None, account: str | None = None,
+              output: str | None = None, sbatch_args: tuple[str, ...] = ()) -> str:
+    """An sbatch script that runs *plan* on a Slurm allocation of ``plan.nnodes`` nodes.
+
+    One task per node (``srun --ntasks-per-node=1``) starts torchrun with the plan's flags, script,
+    arguments and environment; the node rank is ``$SLURM_NODEID`` and the master is the first node of
+    the allocation (where the batch script itself runs), at the plan's master port.
+
+    Args:
+        plan: the plan ``ddpfab run`` would execute.
+        job_name: ``--job-name`` (default ``ddpfab-<run id>``).
+        gpus_per_node: ``--gpus-per-node`` when > 0.
+        cpus_per_task: ``--cpus-per-task`` (the CPUs torchrun and all its ranks on a node share).
+        partition, time_limit, account: the usual sbatch options, when given.
+        output: ``--output`` (default: Slurm's ``slurm-%j.out`` in the submit dir).
+        sbatch_args: more ``#SBATCH`` options, each one ``--name=value`` word.
+    """
+    launch = launch_of(plan)
+    directives = [
+        _directive("job-name", job_name or slurm_job_name(plan.run_id)),
+        _directive("nodes", launch.nnodes),
+        _directive("ntasks-per-node", 1),
+    ]
+    if gpus_per_node:
+        directives.append(_directive("gpus-per-node", int(gpus_per_node)))
+    if cpus_per_task:
+        directives.append(_directive("cpus-per-task", int(cpus_per_task)))
+    for name, value in (("partition", partition), ("time", time_limit), ("account", account),
+                        ("output", output)):
+        if value:
+            directives.append(_directive(name, value))
+    for word in sbatch_args:
+        name, sep, value = word.partition("=")
+        if not name.startswith("--") or not sep:
+            raise ExportError(f"--sbatch {word!r}: give one sbatch option as --name=value")
+        directives.append(_directive(name[2:], value))
+
+    # The plan's argv with the scheduler's per-node values taken out; they go into the fixed inner
+    # command below, which reads them from the environment of each task at run time.
+    log_dir = next((v for n, v in launch.flags if n == "--log-dir"), None)
+    flags = launch.torchrun_flags({**{f: None for f in NODE_FLAGS}, "--log-dir": None})
+    words = [shlex.quote(w) for w in (launch.python, *LAUNCHER, *flags)]
+    if log_dir is not None:
+        words.append(shlex.quote("--log-dir=") + _sh_path(log_dir))
+    n_prefix = 1 + len(LAUNCHER)
+    inner = (f'exec "${{@:1:{n_prefix}}}" --node-rank="$SLURM_NODEID" --master-addr="$MASTER_ADDR" '
+             f'--master-port="$MASTER_PORT" "${{@:{n_prefix + 1}}}"')
+    srun = ["srun", f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", "/bin/bash", "-c", shlex.quote(inner), "ddpfab-node"]
+    script_words = [shlex.quote(launch.script)] + [shlex.quote(a) for a in launch.args]
+
+    lines = [
+        "#!/bin/bash",
+        f"# ddpfab export slurm: run {_comment(plan.run_id)} of {_comment(plan.inventory)} (group "
+        f"{_comment(plan.group)}),",
+        f"# {launch.nnodes} nodes x {launch.nproc} procs, world size {launch.nnodes * launch.nproc}. "
+        "Submit with: sbatch THIS_FILE",
+        "# The torchrun command `ddpfab run` starts over SSH; node rank and master come from Slurm.",
+        *directives,
+        "set -euo pipefail",
+        "",
+        "# the environment of every rank (srun passes it on to each task)",
+        *(f"export {k}={shlex.quote(v)}" for k, v in launch.env),
+        "",
+        "# master: the first node of the allocation (this script runs there); node rank: $SLURM_NODEID",
+        'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        "export MASTER_ADDR=\"${nodes%%$'\\n'*}\"",
+        f"export MASTER_PORT={int(launch.master_port)}",
+        "",
+        f"cd -- {_sh_path(launch.workdir)}",
+        " ".join(srun) + " \\",
+        "    " + " ".join(words) + " \\",
+        "    " + " ".join(script_words),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _comment(text: str) -> str:
+    """*text* made safe for a one-line shell comment."""
+    return re.sub(r"[\x00-\x1f\x7f]", "?", str(text))
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------
+def k8s_escape(value: str) -> str:
+    """*value* as Kubernetes must be given it so that it arrives unchanged: the kubelet expands
+    ``$(VAR)`` in command, args and env values, and reads ``$$`` as a literal ``$``."""
+    return value.replace("$", "$$")
+
+
+def k8s_name(run_id: str) -> str:
+    """A DNS-1035 label for a job from *run_id* (the operators derive pod and service names from it)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", f"ddpfab-{run_id}".lower()).strip("-")
+    name = re.sub(r"-{2,}", "-", name)[:MAX_K8S_NAME].rstrip("-")
+    return name
+
+
+def _check_k8s_name(name: str) -> str:
+    if len(name) > MAX_K8S_NAME or not _DNS_LABEL.match(name):
+        raise ExportError(f"--name {name!r}: a job name must be a DNS label of at most {MAX_K8S_NAME} "
+                          "characters (lower-case letters, digits and '-', starting with a letter)")
+    return name
+
+
+def _k8s_env(launch: Launch, reserved: tuple[str, ...], kind: str) -> list[dict[str, str]]:
+    clash = [k for k, _ in launch.env if k in reserved]
+    if clash:
+        raise ExportError(f"{kind}: the operator sets {', '.join(clash)} itself; do not set it with --env")
+    return [{"name": k, "value": k8s_escape(v)} for k, v in launch.env]
+
+
+def _metadata(plan, name: str | None, namespace: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": _check_k8s_name(name) if name else k8s_name(plan.run_id)}
+    if namespace:
+        if len(namespace) > 63 or not _DNS1123_LABEL.match(namespace):
+            raise ExportError(f"--namespace {namespace!r}: a namespace is a DNS label (lower-case letters, "
+                              "digits and '-', at most 63 characters)")
+        meta["namespace"] = namespace
+    meta["labels"] = {"app.kubernetes.io/managed-by": "ddpfab"}
+    meta["annotations"] = {"ddpfab/run-id": plan.run_id, "ddpfab/inventory": plan.inventory,
+                           "ddpfab/group": plan.group}
+    return meta
+
+
+def _k8s_command(launch: Launch, python: str, rank: str, addr: str, port: str) -> tuple[list[str], list[str]]:
+    """(command, args) of the training container: the plan's torchrun flags with the operator's
+    rank and master (``$(VAR)`` references) in place of node 0's, no node-local log dir; the
+    script and its arguments, escaped, as args."""
+    flags = launch.torchrun_flags({"--node-rank": rank, "--master-addr": addr, "--master-port": port,
+                                   "--log-dir": None})
+    # only the plan's own values are escaped; ddpfab's $(VAR) references must stay live
+    own = {f"--node-rank={rank}", f"--master-addr={addr}", f"--master-port={port}"}
+    command = [k8s_escape(python), *LAUNCHER, *(f if f in own else k8s_escape(f) for f in flags)]
+    args = [k8s_escape(launch.script), *(k8s_escape(a) for a in launch.args)]
+    return command, args
+
+
+def to_pytorchjob(plan, *, image: str, python: str = "python3", name: str | None = None,
+                  namespace: str | None = None, workdir: str | None = None, gpus_per_node: int = 0,
+                  restart_policy: str = "Never") -> dict[str, Any]:
+    """A Kubeflow PyTorchJob (``kubeflow.org/v1``, training-operator) that runs *plan*.
+
+    One Master and ``nnodes - 1`` Workers, ``nprocPerNode`` ranks each. The operator gives each pod
+    ``RANK`` (its node rank), ``MASTER_ADDR`` (the master's service) and ``MASTER_PORT`` (the
+    ``pytorchjob-port`` container port: the plan's port); the torchrun command reads them as
+    ``$(RANK)`` etc., which works with every operator version, with or without ``PET_*``.
+
+    Args:
+        plan: the plan ``ddpfab run`` would execute.
+        image: the container image (with torch and the training code).
+        python: the image's python that has torch.
+        name, namespace: the job's; the name defaults to ``ddpfab-<run id>``.
+        workdir: the container's working dir (default: the image's WORKDIR).
+        gpus_per_node: ``nvidia.com/gpu`` limit per pod when > 0.
+        restart_policy: the replicas' restartPolicy (Never: a failed pod fails the job, as a failed
+            node fails a ``ddpfab run``).
+    """
+    if not image:
+        raise ExportError("pytorchjob: --image is required (an image with torch and the training code)")
+    launch = launch_of(plan)
+    command, args = _k8s_command(launch, python, "$(RANK)", "$(MASTER_ADDR)", "$(MASTER_PORT)")
+    container: dict[str, Any] = {
+        "name": PYTORCHJOB_CONTAINER,
+        "image": image,
+        "command": command,
+        "args": args,
+        "env": _k8s_env(launch, PYTORCHJOB_RESERVED_ENV + TRAINJOB_RESERVED_ENV, "pytorchjob"),
+        "ports": [{"name": PYTORCHJOB_PORT_NAME, "containerPort": int(launch.master_port), "protocol": "TCP"}],
+    }
+    if workdir:
+        container["workingDir"] = workdir
+    if gpus_per_node:
+        container["resources"] = {"limits": {"nvidia.com/gpu": int(gpus_per_node)}}
+
+    def replica(count: int) -> dict[str, Any]:
+        return {"replicas": count, "restartPolicy": restart_policy,
+                "template": {"spec": {"containers": [copy.deepcopy(container)]}}}
+
+    specs = {"Master": replica(1)}
+    if launch.nnodes > 1:
+        specs["Worker"] = replica(launch.nnodes - 1)
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _metadata(plan, name, namespace),
+        "spec": {
+            "nprocPerNode": str(launch.nproc),
+            "pytorchReplicaSpecs": specs,
+        },
+    }
+
+
+def to_trainjob(plan, *, image: str, python: str = "python3", name: str | None = None,
+                namespace: str | None = None, runtime: str = DEFAULT_TRAINJOB_RUNTIME,
+                runtime_kind: str = "ClusterTrainingRuntime", gpus_per_node: int = 0) -> dict[str, Any]:
+    """A Kubeflow Trainer TrainJob (``trainer.kubeflow.org/v1alpha1``) on the torch runtime.
+
+    ``numNodes`` and ``numProcPerNode`` are the plan's; the runtime's torch plugin gives each node
+    ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT``, which the torchrun command reads
+    as ``$(PET_...)``. The master port is the runtime's own (the plan's port does not apply), and
+    the API has no working-dir field: the image's WORKDIR is where the script is looked for.
+
+    Args:
+        plan: the plan ``ddpfab run`` would execute.
+        image: the container image (with torch and the training code).
+        python: the image's python that has torch.
+        name, namespace: the job's; the name defaults to ``ddpfab-<run id>``.
+        runtime, runtime_kind: the training runtime to reference.
+        gpus_per_node: ``nvidia.com/gpu`` limit per node when > 0.
+    """
+    if not image:
+        raise ExportError("trainjob: --image is required (an image with torch and the training code)")
+    launch = launch_of(plan)
+    command, args = _k8s_command(launch, python, "$(PET_NODE_RANK)", "$(PET_MASTER_ADDR)", "$(PET_MASTER_PORT)")
+    trainer: dict[str, Any] = {
+        "image": image,
+        "command": command,
+        "args": args,
+        "env": _k8s_env(launch, TRAINJOB_RESERVED_ENV, "trainjob"),
+        "numNodes": launch.nnodes,
+        "numProcPerNode": launch.nproc,
+    }
+    if gpus_per_node:
+        trainer["resourcesPerNode"] = {"limits": {"nvidia.com/gpu": int(gpus_per_node)}}
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": _metadata(plan, name, namespace),
+        "spec": {
+            "runtimeRef": {"name": runtime, "kind": runtime_kind, "apiGroup": "trainer.kubeflow.org"},
+            "trainer": trainer,
+        },
+    }
+
+
+def dump_manifest(doc: dict[str, Any], fmt: str = "yaml") -> str:
+    if fmt == "json":
+        import json
+
+        return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    import yaml
+
+    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1_000_000, default_flow_style=False)
+
+
+# -- planning offline -----------------------------------------------------------------------------
+def offline_facts(cluster, master_port: int | None, cwd: str):
+    """Facts for an export: nothing is contacted or resolved. Addresses are the inventory's when
+    they are usable IP literals, else a placeholder (an export never uses them: the scheduler
+    decides where the master is); the port is the user's or torchrun's default 29500."""
+    import ipaddress
+
+    from .plan import Facts
+
+    addresses = {}
+    for n in cluster.nodes:
+        try:
+            ip = ipaddress.ip_address(n.data_addr)
+            addresses[n.name] = str(ip) if not ip.is_loopback else "0.0.0.0"
+        except ValueError:
+            addresses[n.name] = "0.0.0.0"
+    return Facts(addresses=addresses, master_port=master_port or 29500, cwd=cwd)
+
+
+def plan_for_export(inventory_path: str, group: str, options, cwd: str | None = None):
+    """(cluster, plan) for an export, made exactly as ``ddpfab run --dry-run --offline`` makes it."""
+    from . import inventory
+    from .plan import make_plan
+
+    cluster = inventory.load(inventory_path, group)
+    return cluster, make_plan(cluster, options, offline_facts(cluster, options.master_port, cwd or os.getcwd()))
+
+
+def inventory_gpus(cluster) -> int:
+    """GPUs per node from the inventory's ``ddpfab_gpus``, when every node says the same; else 0."""
+    counts = {n.gpus for n in cluster.nodes}
+    if len(counts) != 1:
+        return 0
+    return counts.pop() or 0
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def register(subparsers) -> None:
+    """Add ``export {slurm,pytorchjob,trainjob}`` to the ddpfab command line."""
+    export = subparsers.add_parser(
+        "export", help="write the same job as a Slurm sbatch script or a Kubeflow manifest",
+        description="Make the plan `ddpfab run` would run (offline: no host is contacted) and write it "
+                    "for a scheduler: the same torchrun flags, script, arguments and environment.")
+    sub = export.add_subparsers(dest="export_target", required=True)
+    slurm = sub.add_parser("slurm", help="an sbatch script (srun starts torchrun once per node)")
+    pyjob = sub.add_parser("pytorchjob", help="a Kubeflow PyTorchJob (kubeflow.org/v1) manifest")
+    trjob = sub.add_parser("trainjob", help="a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1)")
+    for p in (slurm, pyjob, trjob):
+        p.add_argument("-i", "--inventory", required=True, help="Ansible inventory (YAML or INI) of the nodes")
+        p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
+        p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
+        p.add_argument("--master-port", type=int, help="MASTER_PORT (default 29500)")
+        p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
+        p.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                       help="KEY=VALUE lines for every rank (--env wins over it)")
+        p.add_argument("--no-forward-env", action="store_true",
+                       help="do not forward this shell's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+        p.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
+        p.add_argument("--run-id", help="the run id (default: time + random suffix)")
+        p.add_argument("--gpus-per-node", type=int,
+                       help="GPUs per node to request (default: the inventory's ddpfab_gpus if all nodes agree)")
+        p.add_argument("-o", "--output", help="write to this file instead of standard output")
+    slurm.add_argument("--partition", help="#SBATCH --partition")
+    slurm.add_argument("--time", dest="time_limit", help="#SBATCH --time (e.g. 1-00:00:00)")
+    slurm.add_argument("--account", help="#SBATCH --account")
+    slurm.add_argument("--cpus-per-task", type=int,
+                       help="#SBATCH --cpus-per-task: CPUs for torchrun and all the ranks of a node")
+    slurm.add_argument("--job-name", help="#SBATCH --job-name (default: ddpfab-<run id>)")
+    slurm.add_argument("--job-output", help="#SBATCH --output (default: Slurm's slurm-%%j.out)")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="--NAME=VALUE",
+                       help="another #SBATCH option, e.g. --sbatch=--qos=high (repeatable)")
+    for p in (pyjob, trjob):
+        p.add_argument("--image", required=True, help="container image with torch and the training code")
+        p.add_argument("--python", default="python3", help="the image's python with torch (default: python3)")
+        p.add_argument("--name", help="the job's name (default: ddpfab-<run id>)")
+        p.add_argument("--namespace", help="the job's namespace (default: kubectl's)")
+        p.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)")
+    pyjob.add_argument("--workdir", help="the container's working dir (default: the image's WORKDIR)")
+    trjob.add_argument("--runtime", default=DEFAULT_TRAINJOB_RUNTIME,
+                       help=f"training runtime to reference (default: {DEFAULT_TRAINJOB_RUNTIME})")
+    trjob.add_argument("--runtime-kind", default="ClusterTrainingRuntime",
+                       choices=("ClusterTrainingRuntime", "TrainingRuntime"))
+    for p in (slurm, pyjob, trjob):
+        p.add_argument("script", help="training script, relative to the nodes' workdir")
+        p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+        p.set_defaults(func=cmd_export)
+
+
+def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
+    """The same environment ``ddpfab run`` would give the ranks: forwarded allowlist, then env
+    files, then --env (later wins)."""
+    merged: dict[str, str] = {}
+    if not args.no_forward_env and hasattr(planmod, "forwarded_env"):
+        merged.update(planmod.forwarded_env(dict(os.environ)))
+    for path in args.env_file:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise planmod.PlanError(f"env file {path}: {exc.strerror}") from None
+        if not hasattr(planmod, "read_env_file"):
+            raise planmod.PlanError("--env-file is not supported by this version of ddpfab")
+        merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
+    merged.update(planmod.parse_env(args.env))
+    return tuple(merged.items())
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from . import inventory
+    from . import plan as planmod
+    from .runs import new_run_id
+
+    try:
+        if args.master_port is not None and not 1 <= args.master_port <= 65535:
+            raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+        options = planmod.RunOptions(
+            script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
+            master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
+            run_id=args.run_id or new_run_id())
+        cluster, plan = plan_for_export(args.inventory, args.group, options)
+        gpus = args.gpus_per_node if args.gpus_per_node is not None else inventory_gpus(cluster)
+        if args.export_target == "slurm":
+            text = to_sbatch(plan, job_name=args.job_name, gpus_per_node=gpus, cpus_per_task=args.cpus_per_task,
+                             partition=args.partition, time_limit=args.time_limit, account=args.account,
+                             output=args.job_output, sbatch_args=tuple(args.sbatch))
+        elif args.export_target == "pytorchjob":
+            text = dump_manifest(to_pytorchjob(plan, image=args.image, python=args.python, name=args.name,
+                                               namespace=args.namespace, workdir=args.workdir,
+                                               gpus_per_node=gpus), args.format)
+        else:
+            text = dump_manifest(to_trainjob(plan, image=args.image, python=args.python, name=args.name,
+                                             namespace=args.namespace, runtime=args.runtime,
+                                             runtime_kind=args.runtime_kind, gpus_per_node=gpus), args.format)
+    except (inventory.InventoryError, planmod.PlanError, ExportError) as exc:
+        sys.stderr.write(f"ddpfab: error: {exc}\n")
+        return 2
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        if args.export_target == "slurm":
+            os.chmod(args.output, 0o755)
+        sys.stderr.write(f"ddpfab: wrote {args.output}\n")
+    else:
+        sys.stdout.write(text)
+    return 0
