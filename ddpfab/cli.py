@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KEY=VALUE lines for every rank (--env wins over it)")
     run.add_argument("--no-forward-env", action="store_true",
                      help="do not forward the controller's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+    run.add_argument("--no-check", action="store_true",
+                     help="skip the preflight checks (firewall/data plane, hostnames, versions)")
+    run.add_argument("--socket-ifname", metavar="IFACE|auto",
+                     help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
+                          "reaches its peers through")
     run.add_argument("--detach", action="store_true",
                      help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
     run.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
@@ -85,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = ["jobs", "export"]
+PLUGIN_MODULES: list[str] = ["jobs", "export", "check"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,14 +109,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         options = planmod.RunOptions(
             script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
             master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
-            run_id=args.run_id or new_run_id())
+            run_id=args.run_id or new_run_id(), socket_ifname=args.socket_ifname)
         if args.master_port is not None and not 1 <= args.master_port <= 65535:
             raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
         if args.dry_run and args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        prepared = runner.prepare(cluster, options, policy, args.ssh_config)
+        prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check)
     except (inventory.InventoryError, planmod.PlanError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:

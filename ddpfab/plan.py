@@ -14,7 +14,7 @@ import ipaddress
 import json
 import re
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .inventory import Cluster, Node
@@ -23,6 +23,15 @@ from .inventory import Cluster, Node
 DEFAULT_PORT_RANGE = (29500, 29999)
 #: Always set on every node: unbuffered output makes lines stream live instead of at exit.
 BASE_ENV = {"PYTHONUNBUFFERED": "1"}
+#: ``--debug``: what NCCL, c10d and gloo log when asked (user --env values win over these).
+DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+             "TORCH_CPP_LOG_LEVEL": "INFO"}
+RDZV_STYLES = ("static", "c10d")
+#: launcher name -> the module the node's python runs
+LAUNCHERS = {"torchrun": "torch.distributed.run", "legacy": "torch.distributed.launch"}
+INIT_METHODS = ("env", "tcp", "file")
+#: The env var that tells a training script (via :mod:`ddpfab.dist`) which init method to use.
+INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -44,6 +53,20 @@ class RunOptions:
         run_id: the run's id (names the remote and local run dirs).
         remote_runs_dir: where each node keeps a run's record (supervisor pid, exit code, output,
             per-rank logs); relative paths are under the node user's home.
+        socket_ifname: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME on every node: an interface
+            name, or "auto" for the interface each node uses to reach its peers (an explicit
+            --env of either variable still wins).
+        rdzv: "static" (node_rank fixed by ddpfab in inventory order, ``--node-rank``) or "c10d"
+            (torchrun's c10d rendezvous on the master's address and port; torchrun assigns the
+            node ranks).
+        launcher: "torchrun" (``python -m torch.distributed.run``) or "legacy"
+            (``python -m torch.distributed.launch`` without ``--use-env``: the script also gets
+            ``--local-rank=N`` before its own arguments, as scripts written for it expect).
+        init_method: how a script that calls ``init_process_group`` itself should rendezvous:
+            "env" (env://), "tcp" (tcp://MASTER_ADDR:MASTER_PORT) or "file" (a file in each
+            node's ``ddpfab_shared_dir``). Told to the script in ``DDPFAB_INIT_METHOD`` (unset for
+            env://); :mod:`ddpfab.dist` reads it.
+        debug: add :data:`DEBUG_ENV` (NCCL and torch.distributed debug logging); ``env`` wins.
     """
 
     script: str
@@ -54,6 +77,11 @@ class RunOptions:
     max_restarts: int = 0
     run_id: str = "run"
     remote_runs_dir: str = ".ddpfab/runs"
+    socket_ifname: str | None = None
+    rdzv: str = "static"
+    launcher: str = "torchrun"
+    init_method: str = "env"
+    debug: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,12 +93,15 @@ class Facts:
         master_port: a port free on the master (or the user's, verified free).
         cwd: the controller's working dir, the default workdir on the nodes.
         homes: node name -> the SSH user's home dir there (anchors relative remote paths).
+        ifnames: node name -> the network interface it reaches its peers through (for
+            ``socket_ifname="auto"``).
     """
 
     addresses: dict[str, str]
     master_port: int
     cwd: str
     homes: dict[str, str] = field(default_factory=dict)
+    ifnames: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,6 +121,7 @@ class NodePlan:
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     command: str = ""
+    shared_dir: str | None = None  # the node's ddpfab_shared_dir (file:// init), None when unset
 
 
 @dataclass(frozen=True)
@@ -106,6 +138,11 @@ class Plan:
     args: tuple[str, ...]
     max_restarts: int
     nodes: tuple[NodePlan, ...]
+    # launch style (see RunOptions); defaults keep plans recorded before these existed loadable
+    rdzv: str = "static"
+    launcher: str = "torchrun"
+    init_method: str = "env"
+    debug: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,20 +231,54 @@ def shell_command(workdir: str, env: dict[str, str], argv: tuple[str, ...]) -> s
     return f"cd {cd} && env {env_part} {shlex.join(argv)}"
 
 
+def host_port(addr: str, port: int) -> str:
+    """``addr:port``, with an IPv6 literal in brackets."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
 def torchrun_argv(python: str, *, nnodes: int, nproc: int, node_rank: int, master_addr: str,
                   master_port: int, max_restarts: int, log_dir: str, script: str,
-                  args: tuple[str, ...]) -> tuple[str, ...]:
+                  args: tuple[str, ...], rdzv: str = "static", run_id: str = "run",
+                  launcher: str = "torchrun") -> tuple[str, ...]:
     """torchrun through the node's own python (``-m torch.distributed.run``), never a `torchrun`
     found on PATH that may belong to another environment.
 
     ``--tee=3`` makes torchrun relay each rank's output line by line with a ``[default<local
     rank>]:`` prefix (ranks writing to one shared pipe would interleave mid-line) and keeps a full
     per-rank log under *log_dir* on the node.
+
+    *rdzv* "static": ``--node-rank`` and ``--master-addr/--master-port``. "c10d": torchrun's c10d
+    rendezvous on the master's address and port (``--rdzv-id`` = the run id), no node rank:
+    torchrun assigns them. ddpfab still decides who hosts the rendezvous store: the master is told
+    ``is_host=1``, the others ``is_host=0`` (torchrun would otherwise guess from host names).
+
+    *launcher* "legacy" runs ``torch.distributed.launch`` (deprecated, still in torch 2.13; same
+    flags as torchrun) without ``--use-env``, so each worker also gets ``--local-rank=N`` as its
+    first argument, as scripts written for it expect.
     """
-    return (python, "-m", "torch.distributed.run",
-            f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
-            f"--master-addr={master_addr}", f"--master-port={master_port}",
+    if rdzv == "c10d":
+        where = (f"--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(master_addr, master_port)}",
+                 f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}")
+    else:
+        where = (f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}")
+    return (python, "-m", LAUNCHERS[launcher], f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *where,
             f"--max-restarts={max_restarts}", "--tee=3", f"--log-dir={log_dir}", script, *args)
+
+
+def init_method_url(kind: str, *, master_addr: str, master_port: int, shared_dir: str | None,
+                    run_id: str) -> str | None:
+    """The ``DDPFAB_INIT_METHOD`` value for one node (None for env://, the default).
+
+    tcp:// points at MASTER_ADDR:MASTER_PORT: under torchrun that is the store torchrun already
+    hosts there (it sets TORCHELASTIC_USE_AGENT_STORE, so ``init_process_group`` connects to it
+    as a client instead of binding the port a second time), with static and c10d rendezvous alike.
+    file:// is a file named after the run in the node's shared dir.
+    """
+    if kind == "tcp":
+        return f"tcp://{host_port(master_addr, master_port)}"
+    if kind == "file":
+        return f"file://{shared_dir.rstrip('/')}/ddpfab-{run_id}.init"
+    return None
 
 
 def remote_path(path: str, home: str | None) -> str:
@@ -231,6 +302,15 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
     if options.nproc_per_node is not None and options.nproc_per_node < 1:
         raise PlanError(f"--nproc-per-node must be >= 1, got {options.nproc_per_node}")
+    for what, value, allowed in (("--rdzv", options.rdzv, RDZV_STYLES), ("--launcher", options.launcher, LAUNCHERS),
+                                 ("--init-method", options.init_method, INIT_METHODS)):
+        if value not in allowed:
+            raise PlanError(f"{what} {value!r}: expected one of {', '.join(allowed)}")
+    if options.init_method == "file":
+        missing = [n.name for n in cluster.nodes if not n.shared_dir]
+        if missing:
+            raise PlanError(f"--init-method file needs ddpfab_shared_dir (a directory every node shares, e.g. "
+                            f"on NFS) in the inventory; not set for {', '.join(missing)}")
     master = choose_master(cluster)
     # the master first, then the others in inventory order: node_rank 0 must be where the store is
     ordered = [master] + [n for n in cluster.nodes if n is not master]
@@ -246,6 +326,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
                         "a loopback address the other nodes cannot reach; set ddpfab_data_addr "
                         "(or ansible_host) to an address on the network the nodes share")
     env = dict(BASE_ENV)
+    if options.debug:
+        env.update(DEBUG_ENV)
     env.update(options.env)
     env["DDPFAB_RUN_ID"] = options.run_id
     nodes = []
@@ -256,15 +338,61 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
         argv = torchrun_argv(node.python, nnodes=len(ordered), nproc=nproc, node_rank=rank,
                              master_addr=str(ip), master_port=port, max_restarts=options.max_restarts,
-                             log_dir=f"{remote_dir}/torchrun", script=options.script, args=tuple(options.args))
+                             log_dir=f"{remote_dir}/torchrun", script=options.script, args=tuple(options.args),
+                             rdzv=options.rdzv, run_id=options.run_id, launcher=options.launcher)
         node_env = dict(env)
+        init_url = init_method_url(options.init_method, master_addr=str(ip), master_port=port,
+                                   shared_dir=node.shared_dir, run_id=options.run_id)
+        if init_url:
+            node_env[INIT_METHOD_VAR] = init_url
+        ifname = facts.ifnames.get(node.name) if options.socket_ifname == "auto" else options.socket_ifname
+        if options.socket_ifname == "auto" and not ifname:
+            raise PlanError(f"host {node.name}: --socket-ifname auto: no single interface reaches all its peers; "
+                            "name one with --socket-ifname IFACE")
+        if ifname:
+            for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if key not in dict(options.env):
+                    node_env[key] = ifname
         nodes.append(NodePlan(
             name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
             node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
             workdir=workdir, python=node.python, remote_dir=remote_dir, argv=argv, env=node_env,
-            command=shell_command(workdir, node_env, argv)))
+            command=shell_command(workdir, node_env, argv), shared_dir=node.shared_dir))
     return Plan(
         run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
         master_addr=str(ip), master_port=port, nnodes=len(ordered),
         world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
-        max_restarts=options.max_restarts, nodes=tuple(nodes))
+        max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
+        init_method=options.init_method, debug=options.debug)
+
+
+def replan(plan: Plan, *, run_id: str, master_port: int, env: dict[str, str] | None = None) -> Plan:
+    """*plan* again under a new run id and master port (``ddpfab replay``): the same nodes, ranks,
+    python, workdir, script, args, launch style and env, with *env* replacing values (e.g. masked
+    secrets given again). Argv and command are rebuilt by the same code as :func:`make_plan`, so
+    ``replan(make_plan(c, o, f), run_id=r, master_port=p)`` equals ``make_plan`` with that run id
+    and port.
+    """
+    if not 1 <= master_port <= 65535:
+        raise PlanError(f"master port {master_port} is not a TCP port (1-65535)")
+    old_suffix = f"/{plan.run_id}"
+    nodes = []
+    for n in plan.nodes:
+        if not n.remote_dir.endswith(old_suffix):
+            raise PlanError(f"host {n.name}: recorded remote dir {n.remote_dir} does not end in the run id")
+        remote_dir = n.remote_dir[: -len(old_suffix)] + f"/{run_id}"
+        argv = torchrun_argv(n.python, nnodes=plan.nnodes, nproc=n.nproc, node_rank=n.node_rank,
+                             master_addr=plan.master_addr, master_port=master_port,
+                             max_restarts=plan.max_restarts, log_dir=f"{remote_dir}/torchrun",
+                             script=plan.script, args=tuple(plan.args), rdzv=plan.rdzv, run_id=run_id,
+                             launcher=plan.launcher)
+        node_env = dict(n.env)
+        node_env.update(env or {})
+        node_env["DDPFAB_RUN_ID"] = run_id
+        init_url = init_method_url(plan.init_method, master_addr=plan.master_addr, master_port=master_port,
+                                   shared_dir=n.shared_dir, run_id=run_id)
+        if init_url:
+            node_env[INIT_METHOD_VAR] = init_url
+        nodes.append(replace(n, remote_dir=remote_dir, argv=argv, env=node_env,
+                             command=shell_command(n.workdir, node_env, argv)))
+    return replace(plan, run_id=run_id, master_port=master_port, nodes=tuple(nodes))

@@ -15,6 +15,7 @@ import os
 import random
 import shlex
 import socket
+import time
 from dataclasses import dataclass, field
 
 from fabric import Connection
@@ -49,6 +50,53 @@ wd = os.path.expanduser(req["workdir"])
 out["workdir_exists"] = os.path.isdir(wd)
 if req.get("script"):
     out["script_exists"] = os.path.isfile(os.path.join(wd, os.path.expanduser(req["script"])))
+# facts for the preflight checks (ddpfab/check.py); cheap ones always, torch import only if "full"
+import shutil, subprocess, time
+out["time"] = time.time()
+try:
+    out["hostname_addr"] = socket.gethostbyname(out["hostname"])
+except OSError as exc:
+    out["hostname_addr"], out["hostname_error"] = None, str(exc)
+spec = importlib.util.find_spec("torch") if out["torch"] else None
+out["launcher"] = bool(spec and spec.submodule_search_locations and any(
+    os.path.exists(os.path.join(d, "distributed", "run.py")) for d in spec.submodule_search_locations))
+try:
+    from importlib import metadata
+    out["torch_version"] = metadata.version("torch") if out["torch"] else None
+except Exception:
+    out["torch_version"] = None
+out["resolved"] = {}
+for name in req.get("resolve", []):
+    try:
+        out["resolved"][name] = socket.gethostbyname(name)
+    except OSError as exc:
+        out["resolved"][name] = "error: %s" % exc
+out["routes"] = {}
+for peer, addr in req.get("peers", {}).items():
+    try:
+        words = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True,
+                               timeout=5).stdout.split()
+        out["routes"][peer] = words[words.index("dev") + 1] if "dev" in words else None
+    except (OSError, subprocess.SubprocessError):
+        out["routes"][peer] = None
+if shutil.which("nvidia-smi"):
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        lines = [ln.strip() for ln in q.stdout.splitlines() if ln.strip()]
+        out["nvidia_gpus"], out["driver"] = len(lines), (lines[0] if lines else None)
+    except (OSError, subprocess.SubprocessError) as exc:
+        out["nvidia_error"] = str(exc)
+if req.get("full") and out["torch"]:
+    try:
+        import torch
+        out["torch_version"] = torch.__version__
+        out["cuda"] = torch.version.cuda
+        out["cuda_available"] = torch.cuda.is_available()
+        out["gpus"] = torch.cuda.device_count() if out["cuda_available"] else 0
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if out["cuda_available"] else None
+    except Exception as exc:
+        out["torch_import_error"] = repr(exc)[-300:]
 print(json.dumps(out))
 """
 
@@ -91,8 +139,10 @@ def resolve(node: Node) -> str:
 
 
 def probe_node(conn: Connection, node: Node, *, workdir: str, script: str | None,
-               port: int | None = None, find_port: bool = False) -> NodeFacts:
-    req: dict = {"workdir": workdir, "script": script}
+               port: int | None = None, find_port: bool = False, peers: dict[str, str] | None = None,
+               resolve_names: list[str] | None = None, full: bool = False) -> NodeFacts:
+    req: dict = {"workdir": workdir, "script": script, "peers": peers or {}, "resolve": resolve_names or [],
+                 "full": full}
     if port:
         req["port"] = port
     if find_port:
@@ -100,7 +150,9 @@ def probe_node(conn: Connection, node: Node, *, workdir: str, script: str | None
         # start at a random place so two jobs probing at once rarely pick the same port
         req["find_port"] = [lo, hi, random.randint(lo, hi)]
     command = f"{shlex.quote(node.python)} -c {shlex.quote(PROBE_SNIPPET)} {shlex.quote(json.dumps(req))}"
-    res = ssh.run(conn, node.name, command, timeout=30)
+    sent = time.time()
+    res = ssh.run(conn, node.name, command, timeout=60)
+    received = time.time()
     if res.exit_code == 127:
         raise ssh.SSHError(node.name, f"host {node.name}: python {node.python!r} not found there; set "
                                       "ddpfab_python to the python that has torch", kind="python")
@@ -110,26 +162,38 @@ def probe_node(conn: Connection, node: Node, *, workdir: str, script: str | None
     data = json.loads(res.stdout.strip().splitlines()[-1])
     return NodeFacts(name=node.name, hostname=data["hostname"], python=data["python"], home=data["home"], torch=data["torch"],
                      free_port=data.get("free_port"), port_free=data.get("port_free"),
-                     workdir_exists=data["workdir_exists"], script_exists=data.get("script_exists"), raw=data)
+                     workdir_exists=data["workdir_exists"], script_exists=data.get("script_exists"),
+                     raw={**data, "controller_sent": sent, "controller_received": received})
 
 
-def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str,
-           master_port: int | None) -> tuple[dict[str, NodeFacts], list[str]]:
+def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
+           master_port: int | None, full: bool = False) -> tuple[dict[str, NodeFacts], list[str]]:
     """Probe every node in parallel; return the facts and a list of problems (empty = ready)."""
+    addresses = {}
+    for n in cluster.nodes:
+        try:
+            addresses[n.name] = resolve(n)
+        except ssh.SSHError:
+            addresses[n.name] = n.data_addr
+    names = sorted({n.data_addr for n in cluster.nodes if n.data_addr != addresses[n.name]})
 
     def one(node: Node) -> NodeFacts:
         is_master = node.name == master.name
         facts = probe_node(conns[node.name], node, workdir=node.workdir or cwd,
-                           script=None if os.path.isabs(script) else script,
+                           script=None if not script or os.path.isabs(script) else script,
                            port=master_port if is_master else None,
-                           find_port=is_master and master_port is None)
+                           find_port=is_master and master_port is None,
+                           peers={k: v for k, v in addresses.items() if k != node.name},
+                           resolve_names=names, full=full)
         facts.address = resolve(node)
         return facts
 
-    results = ssh.parallel(cluster.nodes, one)
+    results = ssh.parallel([n for n in cluster.nodes if n.name in conns], one)
     facts: dict[str, NodeFacts] = {}
     problems: list[str] = []
     for node in cluster.nodes:
+        if node.name not in results:
+            continue
         res = results[node.name]
         if isinstance(res, BaseException):
             problems.append(str(res) if isinstance(res, ssh.SSHError) else f"host {node.name}: probe failed: {res!r}")
@@ -139,7 +203,7 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
         if not res.workdir_exists:
             problems.append(f"host {node.name}: workdir {workdir} does not exist there; create it, sync the "
                             "code, or set ddpfab_workdir")
-        elif res.script_exists is False:
+        elif script and res.script_exists is False:
             problems.append(f"host {node.name}: script {script} not found in {workdir}; sync the code first")
         if not res.torch:
             problems.append(f"host {node.name}: {node.python} cannot import torch (python {res.python}); "

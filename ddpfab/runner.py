@@ -16,7 +16,7 @@ from fabric import Connection
 
 from . import inventory, probe, ssh
 from .launch import Printer, RunResult, execute, remote_command
-from .plan import Facts, Plan, RunOptions, choose_master, make_plan
+from .plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
 from .runs import RunDir, controller_info, mask_plan
 
 
@@ -55,7 +55,9 @@ def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
 
 
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
-            ssh_config: str | None = None, cwd: str | None = None) -> Prepared:
+            ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True) -> Prepared:
+    """Connect, probe and (with *preflight*) run the fast checks, then plan. Raises RunError with
+    one line per problem; nothing has been started on any node then."""
     cwd = cwd or os.getcwd()
     conns = connect_all(cluster, policy, ssh_config)
     try:
@@ -65,14 +67,39 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
         if problems:
             raise RunError(problems)
         port = options.master_port or facts[master.name].free_port
+        addresses = {n: f.address for n, f in facts.items()}
+        if preflight:
+            _preflight(cluster, conns, facts, addresses, master.name, port, options)
         plan = make_plan(cluster, options, Facts(
-            addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
-            homes={n: f.home for n, f in facts.items()}))
+            addresses=addresses, master_port=port, cwd=cwd, homes={n: f.home for n, f in facts.items()},
+            ifnames={n: _ifname(f) for n, f in facts.items()}))
     except BaseException:
         for c in conns.values():
             c.close()
         raise
     return Prepared(cluster, plan, conns, facts)
+
+
+def _ifname(facts: probe.NodeFacts) -> str | None:
+    """The one interface a node uses to reach all its peers, if there is exactly one."""
+    devs = {d for d in facts.raw.get("routes", {}).values() if d}
+    return devs.pop() if len(devs) == 1 else None
+
+
+def _preflight(cluster, conns, facts, addresses, master: str, port: int, options: RunOptions) -> None:
+    """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here."""
+    from . import check
+
+    mesh = check.run_mesh(cluster, conns, addresses, master, port)
+    nproc = {n.name: nproc_for(n, options) for n in cluster.nodes}
+    results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
+                             check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
+                                                full=False), nproc)
+    failures = [r.line() for r in results if r.status == "fail"]
+    failures += [f"host {n}: data-plane probe failed: {e}" for n, e in mesh.get("errors", {}).items()]
+    if failures:
+        raise RunError(failures + [f"preflight checks failed (details: ddpfab check -i {cluster.source}; "
+                                   "skip with --no-check)"])
 
 
 def _manifest_head(prepared: Prepared) -> dict:
@@ -86,14 +113,25 @@ def _manifest_head(prepared: Prepared) -> dict:
         "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address}
                         for n, f in prepared.facts.items()},
         "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
+        **_replay_fields(prepared),
     }
 
 
-def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None) -> tuple[RunResult, Path]:
+def _replay_fields(prepared: Prepared) -> dict:
+    """inventory_fingerprint, script_file, script_sha256: what `ddpfab replay` checks."""
+    from .replay import manifest_fields
+
+    return manifest_fields(prepared.cluster, prepared.plan)
+
+
+def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None,
+        extra: dict | None = None) -> tuple[RunResult, Path]:
+    """Execute the prepared plan and record it; *extra* goes into the manifest as is (e.g. replay_of)."""
     plan = prepared.plan
     run_dir = RunDir(runs_root, plan.run_id)
     printer = printer or Printer(plan)
     manifest = _manifest_head(prepared)
+    manifest.update(extra or {})
     run_dir.write_manifest(manifest)
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
