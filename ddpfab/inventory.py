@@ -26,6 +26,7 @@ VAR_DATA_ADDR = "ddpfab_data_addr"
 VAR_WORKDIR = "ddpfab_workdir"
 VAR_PYTHON = "ddpfab_python"
 VAR_MASTER = "ddpfab_master"
+VAR_SHARED_DIR = "ddpfab_shared_dir"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 
@@ -51,6 +52,8 @@ class Node:
         workdir: remote working dir (``ddpfab_workdir``), None for the controller's cwd.
         python: the node's python with torch (``ddpfab_python``).
         master: this node hosts the rendezvous (``ddpfab_master``).
+        shared_dir: a directory every node sees with the same content (NFS and the like;
+            ``ddpfab_shared_dir``), used for the file:// init method; None if not set.
     """
 
     name: str
@@ -65,6 +68,7 @@ class Node:
     workdir: str | None = None
     python: str = "python3"
     master: bool = False
+    shared_dir: str | None = None
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -226,7 +230,7 @@ def _plain(value: Any) -> Any:
 
 
 def _make_node(name: str, var) -> Node:
-    if not _SAFE_NAME.match(name):
+    if not _SAFE_NAME.fullmatch(name):
         raise InventoryError(f"host {name!r}: the name has characters a host name cannot have; "
                              "use letters, digits, '.', '-' or '_' and put the address in ansible_host")
     host = str(var("ansible_host", None) or var("ansible_ssh_host", None) or name)
@@ -247,6 +251,9 @@ def _make_node(name: str, var) -> Node:
     workdir = var(VAR_WORKDIR, None)
     if workdir is not None and not str(workdir).startswith(("/", "~")):
         raise InventoryError(f"host {name}: {VAR_WORKDIR} must be an absolute path, got {workdir!r}")
+    shared_dir = var(VAR_SHARED_DIR, None)
+    if shared_dir is not None and not str(shared_dir).startswith("/"):
+        raise InventoryError(f"host {name}: {VAR_SHARED_DIR} must be an absolute path, got {shared_dir!r}")
     return Node(
         name=name,
         host=host,
@@ -260,6 +267,7 @@ def _make_node(name: str, var) -> Node:
         workdir=str(workdir) if workdir else None,
         python=str(var(VAR_PYTHON, None) or "python3"),
         master=_bool_var(var(VAR_MASTER, False)),
+        shared_dir=str(shared_dir) if shared_dir else None,
     )
 
 

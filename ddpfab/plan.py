@@ -26,6 +26,10 @@ BASE_ENV = {"PYTHONUNBUFFERED": "1"}
 #: ``--debug``: what NCCL, c10d and gloo log when asked (user --env values win over these).
 DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
              "TORCH_CPP_LOG_LEVEL": "INFO"}
+#: ... except on nodes the inventory gives no GPUs (ddpfab_gpus): they run gloo, and DETAIL crashes
+#: DDP on gloo (torch 2.13: SIGSEGV in the DDP constructor, c10d::Logger::set_env_variables casts
+#: DETAIL's wrapper process group to ProcessGroupGloo). INFO still logs DDP's setup.
+DEBUG_ENV_GLOO = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
 RDZV_STYLES = ("static", "c10d")
 #: launcher name -> the module the node's python runs
 LAUNCHERS = {"torchrun": "torch.distributed.run", "legacy": "torch.distributed.launch"}
@@ -218,7 +222,7 @@ def parse_env(pairs: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]
     out = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not _ENV_KEY.match(key):
+        if not sep or not _ENV_KEY.fullmatch(key):
             raise PlanError(f"--env {pair!r}: expected KEY=VALUE with KEY made of letters, digits and '_'")
         out.append((key, value))
     return tuple(out)
@@ -345,6 +349,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
                                    shared_dir=node.shared_dir, run_id=options.run_id)
         if init_url:
             node_env[INIT_METHOD_VAR] = init_url
+        if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in dict(options.env):
+            node_env.update(DEBUG_ENV_GLOO)
         ifname = facts.ifnames.get(node.name) if options.socket_ifname == "auto" else options.socket_ifname
         if options.socket_ifname == "auto" and not ifname:
             raise PlanError(f"host {node.name}: --socket-ifname auto: no single interface reaches all its peers; "
