@@ -43,9 +43,8 @@ def _set_subreaper():
         pass  # not Linux: the process-group kill below still applies
 
 
-def _children_map():
-    """ppid -> [pid] for every process we can see."""
-    tree = {}
+def _processes():
+    """(pid, state, ppid) of every process we can see, from /proc/<pid>/stat."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -54,15 +53,15 @@ def _children_map():
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if fields[0] == b"Z":
-            continue
-        tree.setdefault(int(fields[1]), []).append(int(entry))
-    return tree
+        fields = stat[stat.rfind(b")") + 2:].split()  # the name may hold spaces and parens
+        yield int(entry), fields[0], int(fields[1])
 
 
 def descendants(pid):
-    tree = _children_map()
+    tree = {}
+    for p, state, ppid in _processes():
+        if state != b"Z":
+            tree.setdefault(ppid, []).append(p)
     out, todo = [], list(tree.get(pid, []))
     while todo:
         p = todo.pop()
@@ -83,18 +82,10 @@ def _reap(keep):
     """Reap zombie children (orphans that a subreaper inherits), except *keep*: the job's own
     status belongs to its Popen, which would otherwise report a killed job as exit 0."""
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == keep:
-            continue
-        try:
-            with open("/proc/%s/stat" % entry, "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if fields[0] == b"Z" and int(fields[1]) == me:
+    for p, state, ppid in _processes():
+        if state == b"Z" and ppid == me and p != keep:
             try:
-                os.waitpid(int(entry), os.WNOHANG)
+                os.waitpid(p, os.WNOHANG)
             except ChildProcessError:
                 pass
 
