@@ -27,6 +27,43 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssh-config", help="an ssh_config file to read (default: ~/.ssh/config)")
 
 
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Everything that shapes the plan: shared by `run` and `plan`."""
+    _add_cluster_args(p)
+    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
+    p.add_argument("--master-port", type=int, help="MASTER_PORT (default: a port found free on the master)")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
+    p.add_argument("--env-file", action="append", default=[], metavar="FILE",
+                   help="KEY=VALUE lines for every rank (--env wins over it)")
+    p.add_argument("--no-forward-env", action="store_true",
+                   help="do not forward the controller's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the preflight checks (firewall/data plane, hostnames, versions)")
+    p.add_argument("--socket-ifname", metavar="IFACE|auto",
+                   help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
+                        "reaches its peers through")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
+    p.add_argument("--run-id", help="the run id (default: time + random suffix)")
+    p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
+                   help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
+                        "on the master (torchrun assigns node ranks)")
+    p.add_argument("--launcher", choices=("torchrun", "legacy"), default="torchrun",
+                   help="torchrun (default), or legacy: torch.distributed.launch, which passes --local-rank=N "
+                        "to scripts written for it")
+    p.add_argument("--init-method", choices=("env", "tcp", "file"), default="env",
+                   help="for scripts that call init_process_group via ddpfab.dist: env:// (default), "
+                        "tcp://MASTER:PORT, or file:// in the inventory's ddpfab_shared_dir (DDPFAB_INIT_METHOD)")
+    p.add_argument("--debug", action="store_true",
+                   help="NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=DETAIL "
+                        "TORCH_CPP_LOG_LEVEL=INFO (--env wins; TORCH_DISTRIBUTED_DEBUG=INFO on nodes without "
+                        "ddpfab_gpus: DETAIL crashes DDP on gloo); per-rank logs: ddpfab logs --ranks RUN_ID")
+    p.add_argument("--offline", action="store_true",
+                   help="plan without contacting the hosts; port = --master-port or 29500 (run: with --dry-run)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (run: with --dry-run)")
+    p.add_argument("script", help="training script, relative to the nodes' workdir")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddpfab", description=(
         "Start and debug multi-node PyTorch training on bare-metal GPU boxes over plain SSH."))
@@ -35,33 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="launch torchrun on every node of the inventory",
                          description="Launch SCRIPT with torchrun on every node; ARGS pass through unchanged.")
-    _add_cluster_args(run)
-    run.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
-    run.add_argument("--master-port", type=int, help="MASTER_PORT (default: a port found free on the master)")
-    run.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
-    run.add_argument("--env-file", action="append", default=[], metavar="FILE",
-                     help="KEY=VALUE lines for every rank (--env wins over it)")
-    run.add_argument("--no-forward-env", action="store_true",
-                     help="do not forward the controller's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
-    run.add_argument("--no-check", action="store_true",
-                     help="skip the preflight checks (firewall/data plane, hostnames, versions)")
-    run.add_argument("--socket-ifname", metavar="IFACE|auto",
-                     help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
-                          "reaches its peers through")
+    _add_run_args(run)
     run.add_argument("--detach", action="store_true",
                      help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
-    run.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
     run.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
                      help="where run records go (default: ./runs, or $DDPFAB_RUNS_DIR)")
-    run.add_argument("--run-id", help="the run id (default: time + random suffix)")
     run.add_argument("--dry-run", action="store_true",
                      help="print the plan and each node's exact command; start nothing")
-    run.add_argument("--offline", action="store_true",
-                     help="with --dry-run: do not contact the hosts (port = --master-port or 29500)")
-    run.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     run.add_argument("--no-color", action="store_true", help="no colours in the output")
-    run.add_argument("script", help="training script, relative to the nodes' workdir")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    plan = sub.add_parser("plan", help="print (or --emit as shell scripts) exactly what `run` would start",
+                          description="Make the plan `ddpfab run` would make (contacting the hosts for a free "
+                                      "port, unless --offline) and print it; --emit DIR writes one shell script "
+                                      "per node that reproduces the run by hand over plain SSH.")
+    _add_run_args(plan)
+    plan.add_argument("--emit", metavar="DIR",
+                      help="write DIR/node<rank>_<host>.sh per node (the exact env and launcher command) and "
+                           "DIR/README.txt (which to run where, with the ssh command line)")
 
     lab = sub.add_parser("lab", help="a local multi-host lab in network namespaces (root)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
@@ -81,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     prov.add_argument("--limit", help="Ansible --limit pattern")
     prov.add_argument("--check", action="store_true", help="dry run (ansible-playbook --check --diff)")
     run.set_defaults(func=cmd_run)
+    plan.set_defaults(func=cmd_plan)
     lab.set_defaults(func=cmd_lab)
     prov.set_defaults(func=cmd_provision)
     for module in PLUGIN_MODULES:
@@ -90,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = ["jobs", "export", "check"]
+PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "execute", "replay"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,12 +134,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         cluster = inventory.load(args.inventory, args.group)
-        options = planmod.RunOptions(
-            script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
-            master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
-            run_id=args.run_id or new_run_id(), socket_ifname=args.socket_ifname)
-        if args.master_port is not None and not 1 <= args.master_port <= 65535:
-            raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+        options = _run_options(args, planmod, new_run_id)
         if args.dry_run and args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
@@ -134,6 +157,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.exit_code != 0:
         sys.stderr.write(f"ddpfab: {result.summary}\n")
     return result.exit_code
+
+
+def _run_options(args: argparse.Namespace, planmod, new_run_id):
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+    return planmod.RunOptions(
+        script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
+        master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
+        run_id=args.run_id or new_run_id(), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
+        launcher=args.launcher, init_method=args.init_method, debug=args.debug)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`ddpfab plan`: the plan `run` would make, printed, or emitted as one shell script per node."""
+    from . import emit, inventory, runner, ssh
+    from . import plan as planmod
+    from .runs import mask_plan, new_run_id
+
+    try:
+        cluster = inventory.load(args.inventory, args.group)
+        options = _run_options(args, planmod, new_run_id)
+        if args.offline:
+            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
+        else:
+            policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+            prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check)
+            prepared.close()
+            plan = prepared.plan
+    except (inventory.InventoryError, planmod.PlanError) as exc:
+        return _die(str(exc))
+    except runner.RunError as exc:
+        return _die(exc.problems + ["nothing was planned"])
+    if not args.emit:
+        return _print_dry_run(plan, args.json, mask_plan, offline=args.offline)
+    written = emit.write(plan, args.emit, cluster)
+    for path in written:
+        sys.stderr.write(f"ddpfab: wrote {path}\n")
+    print((written[-1]).read_text(), end="")
+    return 0
 
 
 def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:

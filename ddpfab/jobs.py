@@ -162,6 +162,10 @@ def register(sub) -> None:
         p = sub.add_parser(name, help=text)
         p.add_argument("run_id")
         _common(p, inventory_required=False)
+        if name == "logs":
+            p.add_argument("--ranks", action="store_true",
+                           help="also fetch torchrun's full per-rank logs (stdout/stderr of every local rank, "
+                                "every restart) into runs/<id>/ranks/<node>/")
         p.set_defaults(func=func)
 
 
@@ -297,6 +301,38 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
 
 
+#: Runs on a node: torchrun's per-rank log dir (``<run dir>/torchrun``) as a base64 tar.gz on stdout.
+RANK_LOGS_SNIPPET = r"""
+import base64, io, os, sys, tarfile
+d = os.path.join(os.path.expanduser(sys.argv[1]), "torchrun")
+if not os.path.isdir(d):
+    sys.stderr.write("no per-rank logs in %s\n" % d); sys.exit(3)
+buf = io.BytesIO()
+with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    tar.add(d, arcname=".")
+sys.stdout.write(base64.b64encode(buf.getvalue()).decode())
+"""
+
+
+def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:
+    """Copy torchrun's per-rank logs of a run (``--log-dir``: ``<id>_<x>/attempt_<n>/<local
+    rank>/{stdout,stderr}.log``) from *node* into *dest*; returns the number of files."""
+    import base64
+    import io
+    import tarfile
+
+    from . import ssh
+
+    res = ssh.run(conn, node.name, _py(node, RANK_LOGS_SNIPPET, remote_dir), timeout=120)
+    if res.exit_code != 0:
+        raise RuntimeError(res.stderr.strip() or f"cannot read the per-rank logs in {remote_dir}")
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(res.stdout)), mode="r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # no links, devices
+        tar.extractall(dest, members=members, filter="data")
+        return sum(1 for m in members if m.isfile())
+
+
 @_guard
 def cmd_logs(args) -> int:
     from . import ssh
@@ -316,6 +352,9 @@ def cmd_logs(args) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(res.stdout)
+        if getattr(args, "ranks", False):
+            count = fetch_rank_logs(conns[node.name], node, remote, dest / "ranks" / node.name)
+            return f"{path}, {count} per-rank log files in {dest / 'ranks' / node.name}"
         return str(path)
 
     try:

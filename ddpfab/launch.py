@@ -116,7 +116,9 @@ class Printer:
 
     torchrun (``--tee``) tags each rank's lines with its local rank; with static rendezvous the
     global rank is the node's offset (the procs of all lower node ranks) plus the local rank.
-    Lines from torchrun itself carry the node rank only.
+    Lines from torchrun itself carry the node rank only. With c10d rendezvous torchrun assigns the
+    node ranks at run time, so neither is known here: lines show the local rank (``node2 l1|``)
+    and torchrun's own lines no rank (``node2 --|``).
     """
 
     def __init__(self, plan: Plan, stream: TextIO | None = None, color: bool | None = None):
@@ -126,6 +128,7 @@ class Printer:
         self.color = color
         self.width = max(len(n.name) for n in plan.nodes)
         self.rank_width = len(str(plan.world_size - 1))
+        self.local_only = getattr(plan, "rdzv", "static") == "c10d"
         self.nodes = {n.name: n for n in plan.nodes}
         self.offset, total = {}, 0
         for n in sorted(plan.nodes, key=lambda n: n.node_rank):
@@ -135,7 +138,10 @@ class Printer:
 
     def prefix(self, node: str, rank: int | None) -> str:
         n = self.nodes[node]
-        who = f"r{rank:<{self.rank_width}}" if rank is not None else f"n{n.node_rank:<{self.rank_width}}"
+        if self.local_only:
+            who = f"l{rank:<{self.rank_width}}" if rank is not None else "-" * (self.rank_width + 1)
+        else:
+            who = f"r{rank:<{self.rank_width}}" if rank is not None else f"n{n.node_rank:<{self.rank_width}}"
         text = f"{node:<{self.width}} {who}|"
         if self.color:
             text = f"\x1b[{COLORS[n.node_rank % len(COLORS)]}m{text}\x1b[0m"
@@ -145,7 +151,7 @@ class Printer:
         rank = None
         tag = _RANK_TAG.match(text)
         if tag:
-            rank = self.offset[node] + int(tag.group(1))
+            rank = int(tag.group(1)) + (0 if self.local_only else self.offset[node])
             text = text[tag.end():]
         with self.lock:
             self.stream.write(f"{self.prefix(node, rank)} {text}\n")

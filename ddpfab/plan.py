@@ -261,7 +261,7 @@ def torchrun_argv(python: str, *, nnodes: int, nproc: int, node_rank: int, maste
     first argument, as scripts written for it expect.
     """
     if rdzv == "c10d":
-        where = (f"--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(master_addr, master_port)}",
+        where = ("--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(master_addr, master_port)}",
                  f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}")
     else:
         where = (f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}")

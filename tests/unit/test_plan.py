@@ -75,11 +75,14 @@ def test_bad_port(port):
         make_plan(C3, RunOptions("t.py"), facts(C3, port=port))
 
 
-def test_plan_json_round_trip_is_exact():
-    p = make_plan(C3, RunOptions("t.py", args=("x y", "", "é"), env=(("K", "v w"),), run_id="rid"), facts(C3))
+@pytest.mark.parametrize("style", [{}, {"rdzv": "c10d", "launcher": "legacy", "init_method": "tcp", "debug": True}])
+def test_plan_json_round_trip_is_exact(style):
+    p = make_plan(C3, RunOptions("t.py", args=("x y", "", "é"), env=(("K", "v w"),), run_id="rid", **style),
+                  facts(C3))
     again = Plan.from_json(p.to_json())
     assert again == p
     assert json.loads(again.to_json()) == json.loads(p.to_json())
+    assert {k: getattr(again, k) for k in style} == style
 
 
 def test_plan_is_deterministic():

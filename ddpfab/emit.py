@@ -1,0 +1,142 @@
+"""``ddpfab plan --emit DIR``: the plan as one self-contained shell script per node, plus a README.
+
+Each script is the node's :attr:`ddpfab.plan.NodePlan.command` (the exact line ``ddpfab run``
+hands the node supervisor) written out as ``set -eu; cd WORKDIR; exec env K=V ... LAUNCHER``.
+It is derived from that command text, never rebuilt, so what runs by hand over plain SSH is what
+ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
+``~/.ddpfab/runs/<id>/output.log``, ending the job tree when the link goes), and the run record.
+
+Pure text functions plus :func:`write`; no SSH here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from .inventory import Cluster
+from .plan import NodePlan, Plan
+
+README = "README.txt"
+
+
+def script_name(node: NodePlan) -> str:
+    return f"node{node.node_rank}_{node.name}.sh"
+
+
+def split_command(node: NodePlan) -> tuple[str, str]:
+    """``(cd part, rest)`` of the node's command ``cd WORKDIR && env ... argv``."""
+    prefix = f"cd {shlex.quote(node.workdir)} && "
+    if not node.command.startswith(prefix):
+        raise ValueError(f"host {node.name}: unexpected command shape (no leading {prefix!r})")
+    return prefix[:-4], node.command[len(prefix):]
+
+
+def ssh_words(node: NodePlan, cluster: Cluster | None = None) -> list[str]:
+    """An ``ssh`` command line that reaches *node* the way ddpfab does (inventory connection vars)."""
+    words = ["ssh"]
+    inv = None
+    if cluster is not None:
+        try:
+            inv = cluster.node(node.name)
+        except KeyError:
+            inv = None
+    if node.ssh_port:
+        words += ["-p", str(node.ssh_port)]
+    if inv is not None:
+        if inv.key_file:
+            words += ["-i", inv.key_file]
+        for key, value in inv.ssh_options.items():
+            if key == "configfile":
+                words += ["-F", value]
+            elif key == "identityfile" and not inv.key_file:
+                words += ["-i", value]
+            elif key == "port" and not node.ssh_port:
+                words += ["-p", value]
+            elif key not in ("identityfile", "port"):
+                words += ["-o", f"{key}={value}"]
+    words.append((f"{node.ssh_user}@" if node.ssh_user else "") + node.ssh_host)
+    return words
+
+
+def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
+    cd, rest = split_command(node)
+    how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
+    return (
+        "#!/bin/sh\n"
+        f"# ddpfab plan {plan.run_id}: node {node.name} (node_rank {node.node_rank} of {plan.nnodes}, "
+        f"{node.nproc} procs; world size {plan.world_size}; master {plan.master_addr}:{plan.master_port}; "
+        f"rdzv {plan.rdzv}, launcher {plan.launcher}, init {plan.init_method}).\n"
+        f"# Run it on {node.name} (start every node's script; any order, they wait for each other):\n"
+        f"{how}"
+        "# Exactly the command `ddpfab run` would start there (NodePlan.command), without ddpfab's\n"
+        "# supervisor. It may hold secret env values: keep it private.\n"
+        "set -eu\n"
+        f"{cd}\n"
+        f"exec {rest}\n")
+
+
+def readme(plan: Plan, cluster: Cluster | None = None) -> str:
+    lines = [
+        (f"ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
+         f"master {plan.master} {plan.master_addr}:{plan.master_port}"),
+        f"script: {plan.script} {shlex.join(plan.args)}".rstrip(),
+        (f"launch style: rdzv {plan.rdzv}, launcher {plan.launcher}, init method {plan.init_method}"
+         + (", debug logging" if plan.debug else "")),
+        "",
+        "Start every node's script on that node, in any order, within the rendezvous timeout; they wait",
+        "for each other. From this directory, non-interactively (output comes back; Ctrl-C does NOT",
+        "stop the remote job):",
+        "",
+    ]
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        ssh = shlex.join(ssh_words(node, cluster))
+        lines.append(f"  # {node.name}: node_rank {node.node_rank}, {node.nproc} procs")
+        lines.append(f"  {ssh} 'sh -s' < {script_name(node)}")
+    lines += [
+        "",
+        "Interactively (a terminal, so Ctrl-C / a dropped connection ends torchrun and its workers):",
+        "",
+    ]
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        target = (f"{node.ssh_user}@" if node.ssh_user else "") + node.ssh_host
+        ssh = ssh_words(node, cluster)
+        opts = ssh[1:-1]
+        lines.append(f"  scp {shlex.join(['-P' if w == '-p' else w for w in opts] + [script_name(node)])} "
+                     f"{shlex.quote(target + ':')} && {shlex.join(ssh[:-1] + ['-t', ssh[-1]])} "
+                     f"sh {script_name(node)}")
+    lines += [
+        "",
+        f"The master port {plan.master_port} was free on {plan.master} when this was planned; if it is",
+        "taken by the time you run, plan again (or pass --master-port).",
+        f"torchrun keeps each rank's full log under {plan.nodes[0].remote_dir}/torchrun on every node.",
+        "These files may contain secret env values (--env, --env-file): keep them private.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(plan: Plan, directory: str | os.PathLike, cluster: Cluster | None = None) -> list[Path]:
+    """Write every node's script and the README into *directory* (private, mode 0700); scripts of a
+    previous emit there are removed first, so the directory holds exactly this plan."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(out, 0o700)
+    for old in out.glob("node*_*.sh"):
+        old.unlink()
+    written = []
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        path = out / script_name(node)
+        _write_private(path, node_script(plan, node, shlex.join(ssh_words(node, cluster))), 0o700)
+        written.append(path)
+    path = out / README
+    _write_private(path, readme(plan, cluster), 0o600)
+    written.append(path)
+    return written
+
+
+def _write_private(path: Path, text: str, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(path, mode)

@@ -1,0 +1,197 @@
+"""``ddpfab exec``: one ad-hoc command on every node at once, output prefixed per host, exit codes summed up.
+
+    ddpfab exec -i inv.yml -- nvidia-smi -L
+    ddpfab exec -i inv.yml --nodes gpu01,gpu03 -- 'ss -tlnp | grep 295'
+
+Quoting rule: several words after ``--`` are one command, each word quoted for the remote shell
+(``shlex.join``): ``-- ls "my dir"`` lists the directory ``my dir``. A single word is passed to the
+remote shell as it is, so pipes, redirections, ``$VARS`` and ``&&`` work: ``-- 'ls | wc -l'``.
+
+Each node connects and runs on its own thread through the same SSH layer as ``ddpfab run`` (host
+keys verified; an unreachable node is reported, the others still run). stdout lines go to stdout,
+stderr lines to stderr, each prefixed ``<host> |`` as they arrive. The exit status is 0 when every
+node exited 0, else the first failing node's exit code (255 for a node ddpfab could not reach).
+The remote command gets no terminal: a Ctrl-C here closes the connections, and a remote command
+that neither reads stdin nor writes may outlive it (as with plain ``ssh host cmd``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+UNREACHABLE = 255
+
+
+def remote_command(words: list[str]) -> str:
+    """One word: a shell snippet, as is. Several: a command line, each word quoted."""
+    if not words:
+        raise ValueError("no command given (put it after --)")
+    return words[0] if len(words) == 1 else shlex.join(words)
+
+
+@dataclass
+class HostResult:
+    name: str
+    exit_code: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def code(self) -> int:
+        if self.error is not None or self.exit_code is None:
+            return UNREACHABLE
+        return self.exit_code
+
+
+class LinePrinter:
+    """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""
+
+    def __init__(self, names: list[str], out: TextIO | None = None, err: TextIO | None = None,
+                 color: bool | None = None):
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        if color is None:
+            color = self.out.isatty() and os.environ.get("NO_COLOR") is None
+        self.color = color
+        self.width = max((len(n) for n in names), default=1)
+        self.index = {n: i for i, n in enumerate(names)}
+        self.lock = threading.Lock()
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None:
+        prefix = f"{name:<{self.width}} |"
+        if self.color:
+            # (launch imports fabric: not while the parser is built)
+            from .launch import COLORS
+
+            prefix = f"\x1b[{COLORS[self.index.get(name, 0) % len(COLORS)]}m{prefix}\x1b[0m"
+        stream = self.err if stderr else self.out
+        with self.lock:
+            stream.write(f"{prefix} {text}\n")
+            stream.flush()
+
+
+def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
+    pending = b""
+    while True:
+        data = read(65536)
+        if not data:
+            break
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            printer.line(name, raw.decode("utf-8", "replace").rstrip("\r"), stderr)
+    if pending:
+        printer.line(name, pending.decode("utf-8", "replace"), stderr)
+
+
+def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
+           timeout: float | None = None) -> HostResult:
+    """Connect to *node*, run *command*, stream its output; never raises."""
+    from . import ssh
+
+    result = HostResult(node.name)
+    start = time.monotonic()
+    conn = None
+    try:
+        conn = ssh.connect(node, policy, ssh_config)
+        chan = conn.transport.open_session(timeout=30)
+        if timeout:
+            chan.settimeout(timeout)
+        chan.exec_command(command)
+        chan.shutdown_write()
+        err_thread = threading.Thread(target=_pump, args=(chan, chan.recv_stderr, node.name, printer, True),
+                                      daemon=True)
+        err_thread.start()
+        _pump(chan, chan.recv, node.name, printer, False)
+        err_thread.join(timeout=timeout)
+        code = chan.recv_exit_status()
+        if code == -1:
+            result.error = "the SSH session ended without an exit status"
+        else:
+            result.exit_code = code
+    except ssh.SSHError as exc:
+        result.error = str(exc)
+    except TimeoutError:
+        result.error = f"no output and no exit within {timeout:g} s (--timeout)"
+    except Exception as exc:  # noqa: BLE001 - a failure on one host is data
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.seconds = time.monotonic() - start
+        if conn is not None:
+            conn.close()
+    return result
+
+
+def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: LinePrinter,
+             timeout: float | None = None) -> dict[str, HostResult]:
+    from . import ssh
+
+    results = ssh.parallel(list(nodes), lambda n: run_on(n, command, policy, ssh_config, printer, timeout))
+    return {k: (v if isinstance(v, HostResult) else HostResult(k, error=repr(v))) for k, v in results.items()}
+
+
+def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
+    failed = [r for r in results.values() if r.code != 0]
+    parts = []
+    for r in results.values():
+        parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
+    text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s: " + " ".join(parts))
+    return (failed[0].code if failed else 0), text
+
+
+def register(sub) -> None:
+    p = sub.add_parser("exec", help="run a command on every node at once (output prefixed per host)",
+                       description="Run CMD on every node in parallel. Several words are quoted for the remote "
+                                   "shell; a single word is run by it as is (pipes, $VARS, && work).")
+    p.add_argument("-i", "--inventory", required=True, help="Ansible inventory of the nodes")
+    p.add_argument("--group", default="all", help="inventory group (default: all)")
+    p.add_argument("--nodes", help="only these nodes (comma-separated inventory names)")
+    p.add_argument("--timeout", type=float, help="give up on a node whose command is silent this long (s)")
+    p.add_argument("--accept-new-host-keys", action="store_true")
+    p.add_argument("--known-hosts")
+    p.add_argument("--ssh-config")
+    p.add_argument("--no-color", action="store_true")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
+    p.set_defaults(func=cmd_exec)
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from . import inventory, ssh
+
+    words = list(args.cmd)
+    if words and words[0] == "--":
+        words = words[1:]
+    try:
+        command = remote_command(words)
+        cluster = inventory.load(args.inventory, args.group)
+    except ValueError as exc:
+        sys.stderr.write(f"ddpfab: error: {exc}\n")
+        return 2
+    except inventory.InventoryError as exc:
+        sys.stderr.write(f"ddpfab: error: {exc}\n")
+        return 2
+    nodes = list(cluster.nodes)
+    if args.nodes:
+        wanted = [w.strip() for w in args.nodes.split(",") if w.strip()]
+        unknown = [w for w in wanted if w not in {n.name for n in nodes}]
+        if unknown:
+            sys.stderr.write(f"ddpfab: error: --nodes: {', '.join(unknown)} not in group {cluster.group} of "
+                             f"{cluster.source} (nodes: {', '.join(n.name for n in nodes)})\n")
+            return 2
+        nodes = [n for n in nodes if n.name in wanted]
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+    printer = LinePrinter([n.name for n in nodes], color=False if args.no_color else None)
+    start = time.monotonic()
+    results = exec_all(nodes, command, policy, args.ssh_config, printer, args.timeout)
+    code, text = summary(results, time.monotonic() - start)
+    for r in results.values():
+        if r.error:
+            sys.stderr.write(f"ddpfab: {r.name}: {r.error}\n")
+    sys.stderr.write(f"ddpfab: {text}\n")
+    return code

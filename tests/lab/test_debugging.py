@@ -1,0 +1,169 @@
+"""Reproducible manual debugging over SSH, on real lab hosts: --debug and per-rank logs, scripts
+emitted by `plan --emit` run by hand with plain ssh, `replay` of a recorded run, and `exec`.
+
+One real `ddpfab run --debug` (examples/train_dist.py, 2 nodes x 2 procs, static rendezvous,
+torchrun, env://) is recorded once and shared by the tests below, which compare against it.
+It runs from a scratch workdir under /work (lab hosts see /work as it is), so a test can change
+"the code" there without touching the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ddpfab import lab as labmod
+
+from .helpers import REPO, ddpfab, reports, wait_no_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+ARGS = ["--report", "--steps", "2", "a b"]
+SAME = ("rank", "world_size", "local_rank", "node_rank", "hostname", "hosts", "argv", "sum", "loss", "checksum")
+
+
+def same_job(got: list[dict]) -> set:
+    """What must be identical between two runs of one plan: who is which rank where, what they got."""
+    return {json.dumps({k: r[k] for k in SAME}, sort_keys=True) for r in got}
+
+
+@pytest.fixture(scope="module")
+def recorded(lab, tmp_path_factory):
+    (REPO / ".lab").mkdir(exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="test-debugging-", dir=REPO / ".lab"))
+    shutil.copy(REPO / "examples" / "train_dist.py", workdir / "train_dist.py")  # imports the installed ddpfab
+    tmp = tmp_path_factory.mktemp("debugging")
+    inv = tmp / "inventory.yml"
+    inv.write_text(labmod.render_inventory(lab, sys.executable, names=["node1", "node2"]))
+    runs = tmp / "runs"
+    start = time.monotonic()
+    res = ddpfab("run", "-i", str(inv), "--debug", "--nproc-per-node", "2", "--runs-dir", str(runs),
+                 "--env", "HF_TOKEN=s3cret", "train_dist.py", *ARGS, cwd=workdir, timeout=180)
+    took = time.monotonic() - start
+    assert res.returncode == 0, res.stdout + res.stderr
+    manifest_path = next(runs.glob("*/manifest.json"))
+    try:
+        yield SimpleNamespace(workdir=workdir, inv=inv, runs=runs, res=res, got=reports(res.stdout), took=took,
+                              manifest=json.loads(manifest_path.read_text()), run_id=manifest_path.parent.name)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_recorded_run_trained(recorded):
+    got = recorded.got
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3] and {r["sum"] for r in got} == {10.0}
+    assert {(r["hostname"], r["node_rank"]) for r in got} == {("node1", 0), ("node2", 1)}
+    m = recorded.manifest
+    assert m["plan"]["debug"] is True and len(m["inventory_fingerprint"]) == 64
+    assert m["script_file"] == str(recorded.workdir / "train_dist.py") and len(m["script_sha256"]) == 64
+    assert {n["env"]["HF_TOKEN"] for n in m["plan"]["nodes"]} == {"***"}  # masked in the record
+
+
+def test_debug_env_reaches_every_rank_and_rank_logs_are_fetched(recorded, tmp_path):
+    for r in recorded.got:
+        # lab hosts have no GPUs (gloo): TORCH_DISTRIBUTED_DEBUG is INFO there, DETAIL crashes DDP on gloo
+        assert r["debug_env"] == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
+                                  "TORCH_DISTRIBUTED_DEBUG": "INFO", "TORCH_CPP_LOG_LEVEL": "INFO"}
+    res = ddpfab("logs", recorded.run_id, "--ranks", "--runs-dir", str(recorded.runs))
+    assert res.returncode == 0, res.stdout + res.stderr
+    base = recorded.runs / recorded.run_id / "ranks"
+    for node, ranks in (("node1", (0, 1)), ("node2", (2, 3))):
+        assert (recorded.runs / recorded.run_id / f"{node}.remote.log").exists()
+        stdout_logs = sorted(base.joinpath(node).rglob("stdout.log"))
+        stderr_logs = sorted(base.joinpath(node).rglob("stderr.log"))
+        assert len(stdout_logs) == len(stderr_logs) == 2, list(base.joinpath(node).rglob("*"))
+        text = "".join(p.read_text() for p in stdout_logs)
+        for rank in ranks:
+            assert f'REPORT {{"rank": {rank},' in text
+        # the C++ side logs at INFO (TORCH_CPP_LOG_LEVEL): lines like "[I1130 10:09:41 ... reducer.cpp:132] ..."
+        assert any(line.startswith("[I") or "]:[I" in line
+                   for p in stderr_logs for line in p.read_text().splitlines()), stderr_logs
+
+
+def test_emitted_scripts_run_by_hand_over_plain_ssh_reproduce_the_run(lab, recorded, tmp_path):
+    out = tmp_path / "emitted"
+    res = ddpfab("plan", "-i", str(recorded.inv), "--debug", "--nproc-per-node", "2", "--env", "HF_TOKEN=s3cret",
+                 "--emit", str(out), "train_dist.py", *ARGS, cwd=recorded.workdir)
+    assert res.returncode == 0, res.stderr
+    scripts = sorted(out.glob("node*_*.sh"))
+    assert [s.name for s in scripts] == ["node0_node1.sh", "node1_node2.sh"]
+    assert "ssh" in res.stdout and "node1_node2.sh" in res.stdout  # the README: which to run where
+    assert all(lab.processes(n) == [] for n in ("node1", "node2")), "plan must start nothing"
+    procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), s.name.split("_", 1)[1][:-3], "bash -s"],
+                              stdin=s.open(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in scripts]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    by_hand = reports("\n".join(outs))
+    assert same_job(by_hand) == same_job(recorded.got)
+    assert all(r["debug_env"] == recorded.got[0]["debug_env"] for r in by_hand)
+    wait_no_processes(lab, timeout=5)
+
+
+def test_replay_reproduces_the_run_and_refuses_what_would_differ(lab, recorded, tmp_path):
+    rid = recorded.run_id
+    # the token was masked in the manifest: replay needs it again
+    res = ddpfab("replay", rid, "--runs-dir", str(recorded.runs))
+    assert res.returncode == 2 and "HF_TOKEN masked" in res.stderr and "--env HF_TOKEN=" in res.stderr, res.stderr
+
+    res = ddpfab("replay", rid, "--runs-dir", str(recorded.runs), "--env", "HF_TOKEN=s3cret", timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert same_job(reports(res.stdout)) == same_job(recorded.got)
+    new = [p for p in recorded.runs.glob("*/manifest.json") if p.parent.name != rid]
+    assert len(new) == 1
+    replayed = json.loads(new[0].read_text())
+    assert replayed["replay_of"] == rid and replayed["state"] == "succeeded"
+    old_plan, new_plan = recorded.manifest["plan"], replayed["plan"]
+    keep = ("name", "node_rank", "nproc", "workdir", "python", "data_addr")
+    assert [{k: n[k] for k in keep} for n in new_plan["nodes"]] == [{k: n[k] for k in keep} for n in old_plan["nodes"]]
+    assert (new_plan["script"], new_plan["args"], new_plan["master_addr"]) == \
+        (old_plan["script"], old_plan["args"], old_plan["master_addr"])
+    for old_n, new_n in zip(old_plan["nodes"], new_plan["nodes"]):
+        assert {k: v for k, v in new_n["env"].items() if k != "DDPFAB_RUN_ID"} == \
+            {k: v for k, v in old_n["env"].items() if k != "DDPFAB_RUN_ID"}
+
+    # another inventory (one more variable) is another cluster
+    changed = tmp_path / "inv.yml"
+    changed.write_text(recorded.inv.read_text().replace("ddpfab_nproc_per_node: 1", "ddpfab_nproc_per_node: 2"))
+    res = ddpfab("replay", rid, "-i", str(changed), "--runs-dir", str(recorded.runs), "--env", "HF_TOKEN=s3cret")
+    assert res.returncode == 2 and "inventory changed" in res.stderr, res.stderr
+
+    # the code changed: refused, nothing started; --dry-run --force shows it would go on
+    script = recorded.workdir / "train_dist.py"
+    script.write_text(script.read_text() + "\n# changed\n")
+    res = ddpfab("replay", rid, "--runs-dir", str(recorded.runs), "--env", "HF_TOKEN=s3cret")
+    assert res.returncode == 2 and "the code changed" in res.stderr and "nothing was started" in res.stderr
+    assert all(lab.processes(n) == [] for n in ("node1", "node2"))
+    res = ddpfab("replay", rid, "--runs-dir", str(recorded.runs), "--env", "HF_TOKEN=s3cret", "--force", "--dry-run")
+    assert res.returncode == 0 and "the code changed" in res.stderr and "--node-rank=1" in res.stdout
+
+
+def test_exec_runs_on_every_node_at_once_and_reports_failures(lab, tmp_path):
+    inv = tmp_path / "inv.yml"
+    inv.write_text(labmod.render_inventory(lab, sys.executable))  # all three hosts
+    start = time.monotonic()
+    res = ddpfab("exec", "-i", str(inv), "--", "sleep 2; hostname")
+    wall = time.monotonic() - start
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["node1 | node1", "node2 | node2", "node3 | node3"]
+    parallel = float(res.stderr.split(" in ")[1].split(" s:")[0])  # "3/3 nodes exited 0 in 2.31 s: ..."
+    print(f"exec sleep 2 on 3 nodes: {parallel:.2f} s connect-to-last-exit, {wall:.2f} s whole CLI")
+    assert parallel < 4, res.stderr  # sequentially it would take > 6 s (the CLI's start-up, ~1-3 s, comes on top)
+
+    res = ddpfab("exec", "-i", str(inv), "--", 'echo out; echo err >&2; [ "$(hostname)" != node2 ] || exit 7')
+    assert res.returncode == 7
+    assert "node2=7" in res.stderr and "node1=0" in res.stderr and "2/3 nodes exited 0" in res.stderr
+    assert sorted(res.stdout.splitlines()) == ["node1 | out", "node2 | out", "node3 | out"]
+    assert "node3 | err" in res.stderr
+
+    # several words: each one quoted for the remote shell; --nodes picks nodes
+    res = ddpfab("exec", "-i", str(inv), "--nodes", "node1,node3", "--", "printf", "%s\\n", "a b", "$HOME")
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["node1 | $HOME", "node1 | a b", "node3 | $HOME", "node3 | a b"]

@@ -1,0 +1,287 @@
+"""Launch styles, debug env, replay planning and emitted scripts: pure rules, no hosts."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpfab import emit, replay
+from ddpfab.execute import remote_command
+from ddpfab.inventory import Cluster, Node
+from ddpfab.launch import Printer
+from ddpfab.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan, replan
+from ddpfab.runs import mask_plan
+
+
+def cluster(*nodes: Node) -> Cluster:
+    return Cluster(source="inv.yml", group="all", nodes=tuple(nodes))
+
+
+def facts(c: Cluster, port: int = 29501, **addr) -> Facts:
+    return Facts(addresses={n.name: addr.get(n.name, f"10.0.0.{i + 1}") for i, n in enumerate(c.nodes)},
+                 master_port=port, cwd="/work/proj", homes={n.name: "/root" for n in c.nodes})
+
+
+C2 = cluster(Node("a", "10.0.0.1", shared_dir="/nfs/a"), Node("b", "10.0.0.2", nproc=2, shared_dir="/mnt/nfs"))
+
+
+def plan_of(c: Cluster = C2, **opts) -> Plan:
+    opts.setdefault("run_id", "rid")
+    return make_plan(c, RunOptions("t.py", args=("--x", "a b"), **opts), facts(c))
+
+
+def test_static_torchrun_is_the_default_and_unchanged():
+    p = plan_of()
+    assert (p.rdzv, p.launcher, p.init_method, p.debug) == ("static", "torchrun", "env", False)
+    for n in p.nodes:
+        assert n.argv[:3] == ("python3", "-m", "torch.distributed.run")
+        assert f"--node-rank={n.node_rank}" in n.argv and "--master-addr=10.0.0.1" in n.argv
+        assert not any(a.startswith("--rdzv") for a in n.argv)
+        assert "DDPFAB_INIT_METHOD" not in n.env and "NCCL_DEBUG" not in n.env
+
+
+def test_c10d_uses_the_master_as_endpoint_and_no_node_rank():
+    p = plan_of(rdzv="c10d")
+    for n in p.nodes:
+        assert not any(a.startswith(("--node-rank", "--master-addr", "--master-port")) for a in n.argv)
+        assert "--rdzv-backend=c10d" in n.argv
+        assert "--rdzv-endpoint=10.0.0.1:29501" in n.argv
+        assert "--rdzv-id=rid" in n.argv
+        # ddpfab decides who hosts the store: the master, not torchrun's host-name guess
+        assert f"--rdzv-conf=is_host={1 if n.name == 'a' else 0}" in n.argv
+        assert n.argv[-3:] == ("t.py", "--x", "a b")
+
+
+def test_c10d_ipv6_endpoint_is_bracketed():
+    c = cluster(Node("a", "fd00::1"), Node("b", "fd00::2"))
+    p = make_plan(c, RunOptions("t.py", rdzv="c10d", init_method="tcp"), facts(c, a="fd00::1", b="fd00::2"))
+    assert "--rdzv-endpoint=[fd00::1]:29501" in p.nodes[1].argv
+    assert p.nodes[1].env["DDPFAB_INIT_METHOD"] == "tcp://[fd00::1]:29501"
+
+
+def test_legacy_launcher_is_torch_distributed_launch_without_use_env():
+    p = plan_of(launcher="legacy")
+    for n in p.nodes:
+        assert n.argv[1:3] == ("-m", "torch.distributed.launch")
+        assert not any("use-env" in a or "use_env" in a for a in n.argv)
+        assert f"--node-rank={n.node_rank}" in n.argv
+
+
+def test_init_methods_reach_every_node_as_an_env_var():
+    tcp = plan_of(init_method="tcp")
+    assert {n.env["DDPFAB_INIT_METHOD"] for n in tcp.nodes} == {"tcp://10.0.0.1:29501"}
+    f = plan_of(init_method="file")
+    assert [n.env["DDPFAB_INIT_METHOD"] for n in f.nodes] == ["file:///nfs/a/ddpfab-rid.init",
+                                                              "file:///mnt/nfs/ddpfab-rid.init"]
+    assert all(n.command.count("DDPFAB_INIT_METHOD=") == 1 for n in f.nodes)
+
+
+def test_file_init_needs_a_shared_dir_on_every_node():
+    c = cluster(Node("a", "10.0.0.1", shared_dir="/nfs"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3"))
+    with pytest.raises(PlanError, match="ddpfab_shared_dir.*not set for b, c"):
+        make_plan(c, RunOptions("t.py", init_method="file"), facts(c))
+
+
+@pytest.mark.parametrize("opt", [{"rdzv": "etcd"}, {"launcher": "mpirun"}, {"init_method": "nfs"}])
+def test_unknown_styles_are_refused(opt):
+    with pytest.raises(PlanError, match="expected one of"):
+        plan_of(**opt)
+
+
+def test_debug_env_and_the_user_wins():
+    c = cluster(Node("gpu", "10.0.0.1", gpus=8), Node("cpu", "10.0.0.2"))
+    p = make_plan(c, RunOptions("t.py", debug=True, env=(("NCCL_DEBUG", "WARN"),)), facts(c))
+    assert p.debug is True
+    for n in p.nodes:
+        assert n.env["NCCL_DEBUG"] == "WARN"
+        for key in ("NCCL_DEBUG_SUBSYS", "TORCH_CPP_LOG_LEVEL"):
+            assert n.env[key] == DEBUG_ENV[key]
+    # DETAIL where the inventory says GPUs (nccl); INFO on gloo nodes, where DETAIL crashes DDP in torch 2.13
+    assert p.node("gpu").env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert p.node("cpu").env["TORCH_DISTRIBUTED_DEBUG"] == "INFO"
+    p = make_plan(c, RunOptions("t.py", debug=True, env=(("TORCH_DISTRIBUTED_DEBUG", "DETAIL"),)), facts(c))
+    assert {n.env["TORCH_DISTRIBUTED_DEBUG"] for n in p.nodes} == {"DETAIL"}  # asked for: given
+
+
+def test_round_trip_with_every_style_field():
+    p = plan_of(rdzv="c10d", launcher="legacy", init_method="file", debug=True, env=(("K", "v w"),))
+    again = Plan.from_json(p.to_json())
+    assert again == p
+    assert json.loads(again.to_json()) == json.loads(p.to_json())
+
+
+def test_plans_recorded_before_the_style_fields_still_load():
+    data = plan_of().to_dict()
+    for key in ("rdzv", "launcher", "init_method", "debug"):
+        del data[key]
+    for n in data["nodes"]:
+        del n["shared_dir"]
+    old = Plan.from_dict(data)
+    assert (old.rdzv, old.launcher, old.init_method, old.debug) == ("static", "torchrun", "env", False)
+
+
+@pytest.mark.parametrize("style", [{}, {"rdzv": "c10d", "init_method": "tcp"},
+                                   {"launcher": "legacy", "init_method": "file", "debug": True}])
+def test_replan_is_make_plan_with_a_new_run_id_and_port(style):
+    original = plan_of(**style, env=(("K", "1"),))
+    expected = make_plan(C2, RunOptions("t.py", args=("--x", "a b"), run_id="new", env=(("K", "1"),), **style),
+                         facts(C2, port=29777))
+    assert replan(original, run_id="new", master_port=29777) == expected
+
+
+def test_replan_restores_masked_secrets_given_again():
+    p = plan_of(env=(("API_TOKEN", "s3cret"), ("K", "v")))
+    recorded = Plan.from_dict(mask_plan(p.to_dict()))
+    assert recorded.nodes[0].env["API_TOKEN"] == "***" and "s3cret" not in recorded.nodes[0].command
+    assert replay.masked_keys(mask_plan(p.to_dict())) == ["API_TOKEN"]
+    again = replan(recorded, run_id="rid", master_port=p.master_port, env={"API_TOKEN": "s3cret"})
+    assert again == p
+
+
+# -- emitted scripts ------------------------------------------------------------------------------
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+keep = {{k: v for k, v in os.environ.items() if k.startswith(("DDPFAB_", "PYTHON", "NCCL_", "TORCH_", "K"))}}
+print(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": keep}}))
+"""
+
+
+def test_emitted_script_runs_exactly_the_node_command(tmp_path):
+    """Run the node's command as ddpfab's supervisor does (/bin/sh -c COMMAND) and the emitted
+    script as a user would (sh -s < script), with a stand-in python that records what it got."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    wd = tmp_path / "work dir"
+    wd.mkdir()
+    c = cluster(Node("a", "10.0.0.1", python=str(fake), workdir=str(wd)),
+                Node("b", "10.0.0.2", python=str(fake), workdir=str(wd)))
+    p = make_plan(c, RunOptions("t.py", args=("it's", "$HOME", "", "日本"), run_id="rid", rdzv="c10d",
+                                env=(("K", "a 'b' \"c\" $d"),), debug=True), facts(c))
+    written = emit.write(p, tmp_path / "out", c)
+    assert [w.name for w in written] == ["node0_a.sh", "node1_b.sh", "README.txt"]
+    clean = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    for node, path in zip(p.nodes, written):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        by_ddpfab = subprocess.run(["/bin/sh", "-c", node.command], check=False, capture_output=True, text=True, env=clean)
+        by_hand = subprocess.run(["bash", "-s"], stdin=path.open(), check=False, capture_output=True, text=True, env=clean)
+        assert by_ddpfab.returncode == by_hand.returncode == 0, by_hand.stderr
+        assert json.loads(by_hand.stdout) == json.loads(by_ddpfab.stdout)
+        got = json.loads(by_hand.stdout)
+        assert got["argv"][-5:] == ["t.py", "it's", "$HOME", "", "日本"]
+        assert got["cwd"] == str(wd) and got["env"]["K"] == "a 'b' \"c\" $d"
+        text = path.read_text()
+        assert "set -eu\n" in text and "\nexec env " in text
+
+
+def test_emitted_script_fails_fast_on_a_missing_workdir(tmp_path):
+    p = plan_of()
+    path = emit.write(p, tmp_path / "out")[0]
+    res = subprocess.run(["sh", str(path)], check=False, capture_output=True, text=True)
+    assert res.returncode != 0 and "/work/proj" in res.stderr
+
+
+def test_readme_names_every_node_with_its_ssh_line(tmp_path):
+    c = cluster(Node("a", "10.0.0.1", user="root", key_file="/k/id", ssh_options={"userknownhostsfile": "/k/kh"}),
+                Node("b", "10.0.0.2", port=2222, user="root"))
+    p = make_plan(c, RunOptions("t.py", run_id="rid"), facts(c))
+    text = emit.readme(p, c)
+    assert "ssh -i /k/id -o userknownhostsfile=/k/kh root@10.0.0.1 'sh -s' < node0_a.sh" in text
+    assert "ssh -p 2222 root@10.0.0.2 'sh -s' < node1_b.sh" in text
+    assert "scp -P 2222 node1_b.sh root@10.0.0.2: && ssh -p 2222 -t root@10.0.0.2 sh node1_b.sh" in text
+
+
+def test_emit_replaces_a_previous_emit(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "node5_old.sh").write_text("stale")
+    emit.write(plan_of(), out)
+    assert sorted(p.name for p in out.iterdir()) == ["README.txt", "node0_a.sh", "node1_b.sh"]
+
+
+# -- replay checks ----------------------------------------------------------------------------------
+def test_inventory_fingerprint_sees_any_node_change():
+    same = cluster(Node("a", "10.0.0.1", shared_dir="/nfs/a"), Node("b", "10.0.0.2", nproc=2, shared_dir="/mnt/nfs"))
+    assert replay.inventory_fingerprint(same) == replay.inventory_fingerprint(C2)
+    for changed in (cluster(Node("a", "10.0.0.9", shared_dir="/nfs/a"), C2.nodes[1]),
+                    cluster(C2.nodes[1], C2.nodes[0]),
+                    cluster(Node("a", "10.0.0.1", shared_dir="/nfs/a", python="/opt/py"), C2.nodes[1]),
+                    cluster(*C2.nodes, Node("c", "10.0.0.3"))):
+        assert replay.inventory_fingerprint(changed) != replay.inventory_fingerprint(C2)
+
+
+def test_replay_check_refuses_changed_code_and_inventory(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("print(1)\n")
+    c = cluster(Node("a", "10.0.0.1", workdir=str(tmp_path)))
+    p = make_plan(c, RunOptions("t.py", run_id="rid"), facts(c))
+    manifest = {"plan": mask_plan(p.to_dict()), **replay.manifest_fields(c, p)}
+    assert manifest["script_file"] == str(script)
+    assert replay.check(manifest, c) == []
+    script.write_text("print(2)\n")
+    assert any("the code changed" in line for line in replay.check(manifest, c))
+    other = cluster(Node("a", "10.0.0.2", workdir=str(tmp_path)))
+    script.write_text("print(1)\n")
+    assert any("inventory changed" in line for line in replay.check(manifest, other))
+    assert any("no inventory fingerprint" in line for line in replay.check({"plan": manifest["plan"]}, c))
+
+
+# -- output prefixes and exec quoting -----------------------------------------------------------------
+def test_printer_shows_global_ranks_for_static_and_local_ranks_for_c10d():
+    out = io.StringIO()
+    pr = Printer(plan_of(), stream=out, color=False)
+    pr.line("b", "[default1]:hello")
+    pr.line("b", "torchrun says")
+    assert out.getvalue().splitlines() == ["b r2| hello", "b n1| torchrun says"]
+    out = io.StringIO()
+    pr = Printer(plan_of(rdzv="c10d"), stream=out, color=False)
+    pr.line("b", "[default1]:hello")
+    pr.line("b", "torchrun says")
+    assert out.getvalue().splitlines() == ["b l1| hello", "b --| torchrun says"]
+
+
+def test_exec_quoting_rule():
+    assert remote_command(["ls | wc -l"]) == "ls | wc -l"
+    assert remote_command(["ls", "my dir", "$HOME"]) == "ls 'my dir' '$HOME'"
+    assert shlex.split(remote_command(["echo", "it's"])) == ["echo", "it's"]
+    with pytest.raises(ValueError):
+        remote_command([])
+
+
+def test_run_and_plan_share_their_options(tmp_path):
+    from ddpfab.cli import build_parser
+
+    parser = build_parser()
+    common = ["-i", "inv.yml", "--rdzv", "c10d", "--launcher", "legacy", "--init-method", "tcp", "--debug",
+              "--nproc-per-node", "2", "--env", "A=1", "--offline", "s.py", "--lr", "1"]
+    run = vars(parser.parse_args(["run", *common]))
+    plan = vars(parser.parse_args(["plan", *common, ]))
+    shared = {k for k in run if k in plan and k not in ("func", "command")}
+    assert {"rdzv", "launcher", "init_method", "debug", "nproc_per_node", "env", "offline", "script", "args",
+            "socket_ifname", "no_check", "master_port", "run_id", "json"} <= shared
+    assert all(run[k] == plan[k] for k in shared)
+    assert plan["args"] == ["--lr", "1"] and plan["emit"] is None
+
+
+def test_plan_offline_emit_from_the_cli(tmp_path):
+    inv = tmp_path / "inv.yml"
+    inv.write_text("all:\n  hosts:\n    n1: {ansible_host: 10.1.0.1}\n    n2: {ansible_host: 10.1.0.2}\n"
+                   "  vars: {ddpfab_python: /opt/py, ddpfab_workdir: /srv/code}\n")
+    out = tmp_path / "emitted"
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inv), "--offline", "--run-id", "r9",
+                          "--rdzv", "c10d", "--emit", str(out), "train.py", "--steps", "2"],
+                         check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "ssh 10.1.0.2 'sh -s' < node1_n2.sh" in res.stdout
+    n1 = (out / "node0_n1.sh").read_text()
+    assert "cd /srv/code\nexec env " in n1
+    assert "--rdzv-endpoint=10.1.0.1:29500" in n1 and n1.rstrip().endswith("train.py --steps 2")
+    assert Path(out / "README.txt").exists()
