@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="launch torchrun on every node of the inventory",
                          description="Launch SCRIPT with torchrun on every node; ARGS pass through unchanged.")
     _add_run_args(run)
+    run.add_argument("--no-sync", action="store_true",
+                     help="do not sync the current directory to the nodes' workdirs first")
+    run.add_argument("--fanout", choices=("star", "tree"), default="star",
+                     help="sync: star = controller to every node; tree = nodes forward to each other")
+    run.add_argument("--compress", action="store_true", help="sync: rsync --compress (slow uplinks)")
     run.add_argument("--detach", action="store_true",
                      help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
     run.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
@@ -118,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "execute", "replay"]
+PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "sync", "execute", "replay"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,24 +144,41 @@ def cmd_run(args: argparse.Namespace) -> int:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+        code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args)
         prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check)
     except (inventory.InventoryError, planmod.PlanError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:
         return _die(exc.problems + ["nothing was started"])
+    extra = {"code": code} if code else {}
     if args.dry_run:
         prepared.close()
         return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False)
     printer = Printer(prepared.plan, color=False if args.no_color else None)
     try:
         if args.detach:
-            return runner.start_detached(prepared, args.runs_dir, printer)
-        result, _ = runner.run(prepared, args.runs_dir, printer)
+            return runner.start_detached(prepared, args.runs_dir, printer, extra=extra)
+        result, _ = runner.run(prepared, args.runs_dir, printer, extra=extra)
     finally:
         prepared.close()
     if result.exit_code != 0:
         sys.stderr.write(f"ddpfab: {result.summary}\n")
     return result.exit_code
+
+
+def _sync_code(cluster, policy, args: argparse.Namespace) -> dict:
+    """Sync the current directory to every node and verify it by hash (before the probe, which
+    checks that the script is there); the result goes into the manifest as ``code``."""
+    from . import runner
+    from . import sync as syncmod
+
+    try:
+        result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
+                                      ssh_config=args.ssh_config,
+                                      progress=lambda line: sys.stderr.write(f"ddpfab: sync: {line}\n"))
+    except syncmod.SyncError as exc:
+        raise runner.RunError([f"sync: {p}" for p in exc.problems] + ["(skip syncing with --no-sync)"]) from None
+    return result.to_dict()
 
 
 def _run_options(args: argparse.Namespace, planmod, new_run_id):

@@ -151,7 +151,8 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     return result, path
 
 
-def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer) -> int:
+def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
+                   extra: dict | None = None) -> int:
     """Start every node's supervisor in a session of its own and return: the job outlives ddpfab.
 
     If any node fails to start, the ones that did are stopped again: a detached job is started
@@ -160,6 +161,7 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
     plan = prepared.plan
     run_dir = RunDir(runs_root, plan.run_id)
     manifest = _manifest_head(prepared)
+    manifest.update(extra or {})
     manifest["state"] = "detached"
     run_dir.write_manifest(manifest)
     results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(

@@ -1,0 +1,1116 @@
+"""Code sync: every node ends up with exactly the tree you have here, and it is checked.
+
+``ddpfab sync --inventory INV [PATH]`` (PATH defaults to the current dir) copies the project to
+every node's workdir (``ddpfab_workdir``, else the same absolute path as here) with rsync over
+OpenSSH, all nodes at once, then computes a content hash of the tree *on each node* (the same
+stdlib code as here, :mod:`ddpfab.treehash`) and compares it with the local one. A node whose
+tree differs is an error naming the node and the paths that differ.
+
+What is sent (the *selection*): in a git work tree, exactly ``git ls-files -co --exclude-standard``
+(tracked plus untracked-but-not-ignored files; submodules and nested repos are listed by their own
+git); elsewhere, a walk that applies ``.gitignore`` files like git does. Then, in both cases,
+``.ddpfabignore`` files (gitignore syntax) remove more, and the skipped paths of
+:mod:`ddpfab.treehash` (``runs/``, ``__pycache__``, ``.git`` unless ``--with-git``, virtualenvs,
+*keep* patterns) are never sent.
+
+The remote tree is a mirror: rsync runs with ``--delete --delete-excluded`` and a generated filter
+(an include rule per selected path or fully selected directory, then ``- *``), so files deleted
+here and files that became ignored are deleted on the nodes too. Only the skipped paths a node
+has of its own (its ``runs/``, ``.git``, virtualenvs and whatever ``.ddpfabkeep``/``--keep``
+match) are protected on it. One filter file is the single source of truth: ``--write-filter``
+writes it for ``playbooks/sync.yml``.
+
+SSH: every command uses the runner's host-key policy (:class:`ddpfab.ssh.HostKeyPolicy`: the
+node's known_hosts, ``StrictHostKeyChecking=yes`` or ``accept-new`` when asked) and the node's
+inventory connection options; one multiplexed OpenSSH connection per node carries the probe,
+rsync and the hash check.
+
+Fan-out (``--fanout tree``): the controller sends to one node only; nodes then forward along a
+binomial tree (each round doubles the nodes that hold the code), so a slow uplink is crossed once.
+Node-to-node rsync authenticates through a forwarded, dedicated ssh-agent that lives only for the
+sync and holds the inventory key restricted (``ssh-add -h``) to exactly the planned hops; the
+forwarding node verifies the next node's host key against lines pushed from the controller's
+known_hosts. When that is not possible ddpfab says why and uses the star. See docs/sync.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import treehash
+
+if TYPE_CHECKING:  # heavy (paramiko, ansible): imported where used
+    from .inventory import Cluster, Node
+    from .ssh import HostKeyPolicy
+
+#: rsync flags for a mirror: recursive, links as links, permissions, times (the quick check needs
+#: them); no owners/groups (files belong to the SSH user); deletions and now-excluded files go.
+RSYNC_BASE = ("-rlpt", "--omit-dir-times", "--delete", "--delete-excluded", "--from0", "--stats")
+#: Options of the node's ssh that sync sets itself (the rest of ansible_ssh_common_args pass on).
+_SSH_HANDLED = {"userknownhostsfile", "stricthostkeychecking", "globalknownhostsfile", "configfile",
+                "identityfile", "port", "batchmode", "controlmaster", "controlpath", "controlpersist",
+                "connecttimeout", "forwardagent", "serveraliveinterval", "serveralivecountmax", "user"}
+#: How long the forwarded agent keeps the key at most, should ddpfab die without cleaning up.
+AGENT_KEY_LIFETIME_S = 3600
+DEFAULT_CONNECT_TIMEOUT = 10
+
+
+class SyncError(Exception):
+    """Sync failed on some nodes; ``problems`` has one line per failing node, ``result`` what
+    happened everywhere (the nodes that did sync are in it too)."""
+
+    def __init__(self, problems: list[str], result: SyncResult | None = None):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+        self.result = result
+
+
+# -- results -----------------------------------------------------------------------------------
+@dataclass
+class NodeSync:
+    """What happened on one node.
+
+    Args:
+        name: the inventory name.
+        workdir: the absolute workdir there.
+        source: where the code came from: "controller", another node's name, or "shared" (the
+            workdir is the controller's own directory, e.g. a shared filesystem: nothing copied).
+        transfer_s: seconds the copy took (rsync, end to end).
+        verify_s: seconds the hash check on the node took.
+        bytes_sent: bytes the sender put on the wire (rsync's "Total bytes sent").
+        files_transferred: regular files rsync (re)wrote.
+        deleted: files and dirs rsync deleted there.
+        tree_hash: the hash the node computed.
+        ok: synced and verified.
+        error: the problem, one line, when not ok.
+    """
+
+    name: str
+    workdir: str = ""
+    source: str = ""
+    transfer_s: float | None = None
+    verify_s: float | None = None
+    bytes_sent: int | None = None
+    files_transferred: int | None = None
+    deleted: int | None = None
+    tree_hash: str | None = None
+    ok: bool = False
+    error: str | None = None
+
+
+@dataclass
+class SyncResult:
+    """The synced tree and what happened on each node; ``to_dict()`` goes into the run manifest.
+
+    Args:
+        src: the local directory that was sent.
+        tree_hash: sha256 tree hash of the selection (see :mod:`ddpfab.treehash`).
+        files: number of files and symlinks in the selection; bytes: their total size.
+        selection: "git" (git ls-files) or "walk" (not a git work tree).
+        git_commit: HEAD of the work tree, None outside git or before the first commit.
+        git_dirty: uncommitted changes or untracked files (the tree is not exactly the commit).
+        fanout: the fan-out used ("star" or "tree"; "tree" may have fallen back to "star").
+        nodes: per node, in inventory order.
+        notes: things the user should know (fallbacks, shared dirs).
+        duration_s: wall time of the whole sync.
+    """
+
+    src: str
+    tree_hash: str
+    files: int
+    bytes: int
+    selection: str
+    git_commit: str | None
+    git_dirty: bool | None
+    fanout: str
+    nodes: dict[str, NodeSync] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(n.ok for n in self.nodes.values())
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["nodes"] = {k: asdict(v) for k, v in self.nodes.items()}
+        return out
+
+
+# -- what is sent ------------------------------------------------------------------------------
+@dataclass
+class Selection:
+    """The files (and symlinks) to send, relative to ``root``, and where that list came from."""
+
+    root: str
+    files: list[str]
+    source: str
+    keep: tuple[str, ...] = ()
+    with_git: bool = False
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+
+
+def keep_patterns(root: str, extra: tuple[str, ...] | list[str] = ()) -> tuple[str, ...]:
+    """The keep patterns: lines of ROOT/.ddpfabkeep, then *extra* (``--keep``)."""
+    lines = treehash.read_lines(os.path.join(root, treehash.KEEP_FILE))
+    return tuple(ln for ln in lines if treehash.compile_line(ln)) + tuple(extra)
+
+
+def _git(root: str, *args: str) -> bytes | None:
+    try:
+        proc = subprocess.run(["git", "-C", root, *args], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _git_listing(root: str) -> list[str] | None:
+    """``git ls-files -co --exclude-standard`` of *root*, or None when git does not apply (no git,
+    not a work tree, or *root* itself ignored by an enclosing repo)."""
+    inside = _git(root, "rev-parse", "--is-inside-work-tree")
+    if inside is None or inside.strip() != b"true":
+        return None
+    if _git(root, "check-ignore", "-q", ".") is not None:  # exit 0: root is ignored
+        return None
+    out = _git(root, "ls-files", "-z", "-c", "-o", "--exclude-standard")
+    if out is None:
+        return None
+    seen, rels = set(), []
+    for raw in out.split(b"\0"):
+        if raw and raw not in seen:
+            seen.add(raw)
+            rels.append(os.fsdecode(raw).rstrip("/"))
+    return rels
+
+
+def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_git: bool = False) -> Selection:
+    """The selection of *src*: what a sync sends (see the module doc)."""
+    root = os.path.abspath(os.fspath(src))
+    if not os.path.isdir(root):
+        raise SyncError([f"{root}: not a directory"])
+    patterns = keep_patterns(root, keep)
+    skipper = treehash.Skipper(root, patterns, with_git)
+    ddp_ignore = treehash.IgnoreFiles(root, [treehash.IGNORE_FILE])
+    listed = _git_listing(root)
+    files: list[str] = []
+    if listed is None:
+        found, _ = treehash.walk(root, skipper, treehash.IgnoreFiles(root, [".gitignore", treehash.IGNORE_FILE]))
+        files, source, commit, dirty = found, "walk", None, None
+    else:
+        source = "git"
+        head = _git(root, "rev-parse", "--verify", "-q", "HEAD")
+        commit = head.decode().strip() if head else None
+        status = _git(root, "status", "--porcelain", "-z", "--untracked-files=normal", "--", ".")
+        dirty = bool(status) if status is not None else None
+        queue = list(listed)
+        while queue:
+            rel = queue.pop()
+            try:
+                st = os.lstat(os.path.join(root, rel))
+            except OSError:  # tracked but deleted here
+                continue
+            if stat.S_ISDIR(st.st_mode):  # a submodule or a nested repository: its own listing
+                if skipper.dir_reason(rel):
+                    continue
+                sub = os.path.join(root, rel)
+                inner = _git_listing(sub)
+                if inner is None:
+                    inner, _ = treehash.walk(sub, treehash.Skipper(sub, (), with_git),
+                                             treehash.IgnoreFiles(sub, [".gitignore"]))
+                queue.extend(rel + "/" + r for r in inner)
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                continue
+            if skipper.file_reason(rel) or ddp_ignore.ignored(rel):
+                continue
+            files.append(rel)
+        if with_git and os.path.isdir(os.path.join(root, ".git")):
+            for dirpath, dirnames, filenames in os.walk(os.path.join(root, ".git")):
+                for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                    files.append(os.path.relpath(os.path.join(dirpath, name), root))
+    files.sort(key=os.fsencode)
+    return Selection(root=root, files=files, source=source, keep=patterns, with_git=with_git,
+                     git_commit=commit, git_dirty=dirty)
+
+
+def filter_rules(sel: Selection) -> list[str]:
+    """The rsync filter that sends exactly *sel* and deletes everything else on the receiver,
+    except what a node protects (its own protect rules go before these, see ``treehash``).
+
+    A directory whose every entry is selected (or skipped by a static rule) becomes one
+    ``+ /dir/***`` rule instead of one rule per file: rsync checks each path against the rules
+    one by one, so a rule per file would make a 50,000-file tree take tens of seconds.
+    """
+    rules = ["P /runs/"] + ([] if sel.with_git else ["P .git"])
+    rules += ["- /runs/", "- __pycache__/"] + ([] if sel.with_git else ["- .git"])
+    root, selected = sel.root, set(sel.files)
+    skipper = treehash.Skipper(root, sel.keep, sel.with_git)
+    children: dict[str, set[str]] = {}
+    for rel in sel.files:
+        parts = rel.split("/")
+        for k in range(len(parts)):
+            children.setdefault("/".join(parts[:k]), set()).add(parts[k])
+    complete: dict[str, bool] = {}
+    excludes: list[str] = []
+
+    def scan(d: str) -> bool:
+        ok = True
+        try:
+            entries = list(os.scandir(os.path.join(root, d) if d else root))
+        except OSError:
+            entries, ok = [], False
+        for e in entries:
+            rel = f"{d}/{e.name}" if d else e.name
+            if rel in selected:
+                continue
+            is_dir = e.is_dir(follow_symlinks=False)
+            if is_dir and rel in children:
+                ok = scan(rel) and ok
+                continue
+            if (is_dir and (e.name == "__pycache__" or rel == treehash.RUNS_DIR)) or (
+                    e.name == ".git" and not sel.with_git):
+                continue  # the static rules above cover it
+            reason = skipper.dir_reason(rel) if is_dir else skipper.file_reason(rel)
+            if reason in (treehash.VENV, treehash.KEEP):
+                excludes.append("- /" + treehash.rsync_escape(rel) + ("/" if is_dir else ""))
+                continue
+            ok = False
+        complete[d] = ok
+        return ok
+
+    includes: list[str] = []
+
+    def emit(d: str) -> None:
+        for name in sorted(children.get(d, ())):
+            rel = f"{d}/{name}" if d else name
+            if rel not in children:
+                includes.append("+ /" + treehash.rsync_escape(rel))
+            elif complete.get(rel):
+                includes.append("+ /" + treehash.rsync_escape(rel, wild=True) + "/***")
+            else:
+                includes.append("+ /" + treehash.rsync_escape(rel) + "/")
+                emit(rel)
+
+    if sel.files:
+        scan("")
+        emit("")
+    return rules + excludes + includes + ["- *"]
+
+
+def write_filter(rules: list[str], path: str | os.PathLike) -> None:
+    """Write *rules* NUL-separated, for ``rsync --from0 --filter='merge PATH'`` (names may hold
+    newlines)."""
+    with open(path, "wb") as fh:
+        fh.write(b"".join(os.fsencode(r) + b"\0" for r in rules))
+
+
+def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict:
+    """The tree hash of the selection here (content digests cached, see ``treehash``)."""
+    return treehash.tree_digest(sel.root, sel.files, detail=detail, cache=cache)
+
+
+# -- SSH ---------------------------------------------------------------------------------------
+def _opt_value(value: str) -> str:
+    return f'"{value}"' if any(c.isspace() for c in value) else value
+
+
+def ssh_options(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None) -> list[str]:
+    """OpenSSH options that connect to *node* as the runner does: its known_hosts and host-key
+    policy (a changed key is always refused; unknown keys unless ``accept_new``), key, port, user,
+    ssh_config, and the rest of its ``ansible_ssh_common_args``. ssh takes the first value it
+    sees for an option, so these win over any ssh_config."""
+    opts = node.ssh_options
+    out = ["-o", "BatchMode=yes",
+           "-o", "UserKnownHostsFile=" + _opt_value(str(policy.file_for(node))),
+           "-o", "StrictHostKeyChecking=" + ("accept-new" if policy.accept_new else "yes")]
+    if "globalknownhostsfile" in opts:
+        out += ["-o", "GlobalKnownHostsFile=" + opts["globalknownhostsfile"]]
+    else:
+        out += ["-o", "GlobalKnownHostsFile=/dev/null"]
+    config = ssh_config or opts.get("configfile")
+    if config:
+        out += ["-F", os.path.expanduser(config)]
+    key = node.key_file or opts.get("identityfile")
+    if key:
+        out += ["-i", os.path.expanduser(key)]
+    port = node.port or opts.get("port")
+    if port:
+        out += ["-p", str(port)]
+    user = node.user or opts.get("user")
+    if user:
+        out += ["-l", user]
+    out += ["-o", f"ConnectTimeout={opts.get('connecttimeout') or DEFAULT_CONNECT_TIMEOUT}",
+            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6"]
+    for key_, value in opts.items():
+        if key_ not in _SSH_HANDLED:
+            out += ["-o", f"{key_}={value}"]
+    return out
+
+
+def _dest_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def ssh_problem(node: str, where: str, known_hosts: str, rc: int, stderr: str) -> str:
+    """One clear line for a failed ssh (exit 255), in the words of ddpfab.ssh."""
+    text = " ".join(stderr.split())
+    if "REMOTE HOST IDENTIFICATION HAS CHANGED" in text or "Host key for" in text and "has changed" in text:
+        return (f"host {node} ({where}): host key CHANGED: it does not match {known_hosts}. This can be an "
+                f"attack. If the host was reinstalled, remove the old key (ssh-keygen -R HOST -f {known_hosts}) "
+                "and verify the new one")
+    if "Host key verification failed" in text or "host key is known" in text:
+        return (f"host {node} ({where}): host key not in {known_hosts}; verify it and add it (ssh-keyscan), "
+                "or pass --accept-new-host-keys to trust it on first use")
+    if "Permission denied" in text or "Too many authentication failures" in text:
+        return (f"host {node} ({where}): authentication failed ({text[-160:]}); check ansible_user and "
+                "ansible_ssh_private_key_file")
+    for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",
+                   "Network is unreachable", "Connection closed", "Connection reset"):
+        if marker in text:
+            return (f"host {node} ({where}): unreachable: {text[-200:]}; check ansible_host/ansible_port "
+                    "and that sshd runs there")
+    return f"host {node} ({where}): ssh failed (exit {rc}): {text[-300:] or 'no message'}"
+
+
+class _Link:
+    """One multiplexed OpenSSH connection to a node for the duration of a sync."""
+
+    def __init__(self, node: Node, policy: HostKeyPolicy, ssh_config: str | None, ctl: str):
+        self.node = node
+        self.opts = ssh_options(node, policy, ssh_config)
+        self.known_hosts = str(policy.file_for(node))
+        self.ctl = ctl
+        self.proc: subprocess.Popen | None = None
+        self.where = f"{node.host}:{node.port or node.ssh_options.get('port') or 22}"
+        self.timeout = float(node.ssh_options.get("connecttimeout") or DEFAULT_CONNECT_TIMEOUT)
+
+    def mux(self) -> list[str]:
+        return ["-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no"]
+
+    def start(self, agent_env: dict[str, str] | None = None) -> None:
+        """Start the master (from the caller's thread; ``ready`` waits for it). With *agent_env*
+        (the sync's own agent) sessions that ask for it (``forwarding_argv``) get the agent
+        forwarded; all others never do."""
+        self.errfile = open(self.ctl + ".err", "w+b")
+        forward = ["-o", "ForwardAgent=yes"] if agent_env else ["-o", "ForwardAgent=no"]
+        self.proc = subprocess.Popen(
+            ["ssh", *self.opts, *forward, "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=yes",
+             "-o", "ControlPersist=no", "-N", _dest_host(self.node.host)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.errfile, start_new_session=True,
+            env=agent_env)
+
+    def ready(self) -> None:
+        deadline = time.monotonic() + self.timeout + 15
+        while not os.path.exists(self.ctl):
+            rc = self.proc.poll()
+            if rc is not None:
+                self.errfile.seek(0)
+                err = self.errfile.read().decode(errors="replace")
+                raise SyncError([ssh_problem(self.node.name, self.where, self.known_hosts, rc, err)])
+            if time.monotonic() > deadline:
+                raise SyncError([f"host {self.node.name} ({self.where}): no SSH connection within "
+                                 f"{self.timeout + 15:g} s"])
+            time.sleep(0.01)
+
+    def run(self, command: str, stdin: bytes = b"", timeout: float | None = 600) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(["ssh", *self.opts, *self.mux(), _dest_host(self.node.host), command],
+                                  input=stdin, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SyncError([f"host {self.node.name}: `{command[:40]}...` did not finish within {timeout:g} s"]) from None
+
+    def forwarding_argv(self, command: str) -> list[str]:
+        """ssh running *command* on the node with the sync's agent forwarded (the master's)."""
+        return ["ssh", *self.opts, *self.mux(), "-A", _dest_host(self.node.host), command]
+
+    def rsync_e(self) -> str:
+        """The ``rsync -e`` command: this connection's ssh (rsync splits it like a shell would)."""
+        return " ".join(shlex.quote(a) for a in ["ssh", *self.opts, *self.mux()])
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                subprocess.run(["ssh", *self.opts, "-o", f"ControlPath={self.ctl}", "-O", "exit",
+                                _dest_host(self.node.host)], capture_output=True, timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.errfile.close()
+
+
+_PROGRAM: str | None = None
+
+
+def node_program() -> str:
+    """The source that nodes run (treehash.py itself)."""
+    global _PROGRAM
+    if _PROGRAM is None:
+        _PROGRAM = Path(treehash.__file__).read_text()
+    return _PROGRAM
+
+
+def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
+    """Run the node program (treehash.py) with the node's python: its ``ddpfab_python`` when that
+    exists there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
+    name = link.node.name
+    for python in dict.fromkeys([link.node.python, "python3"]):
+        proc = link.run(f"{shlex.quote(python)} -c {shlex.quote(node_program())}", json.dumps(request).encode(), timeout)
+        if proc.returncode != 127:
+            break
+    if proc.returncode == 255:
+        raise SyncError([ssh_problem(name, link.where, link.known_hosts, 255, proc.stderr.decode(errors="replace"))])
+    if proc.returncode == 127:
+        raise SyncError([f"host {name}: neither {link.node.python} nor python3 found there; sync needs a python "
+                         "(3.6+, standard library only) on the nodes"])
+    lines = proc.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        out = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        err = proc.stderr.decode(errors="replace").strip()
+        raise SyncError([f"host {name}: {request['op']} failed (exit {proc.returncode}): {err[-300:]}"]) from None
+    if "error" in out:
+        raise SyncError([f"host {name}: {request['op']}: {out['error']}"])
+    return out
+
+
+_STATS = re.compile(r"^(Total bytes sent|Number of regular files transferred|Number of deleted files):\s*([\d,]+)", re.MULTILINE)
+
+
+def _rsync_stats(text: str) -> dict[str, int]:
+    keys = {"Total bytes sent": "bytes_sent", "Number of regular files transferred": "files_transferred",
+            "Number of deleted files": "deleted"}
+    return {keys[m.group(1)]: int(m.group(2).replace(",", "")) for m in _STATS.finditer(text)}
+
+
+def rsync_argv(filter_file: str, protect: list[str], ssh_e: str, src: str, dest: str, *,
+               compress: bool = False, checksum: bool = False) -> list[str]:
+    """The rsync command line of one copy (controller to node, or node to node)."""
+    argv = ["rsync", *RSYNC_BASE]
+    if compress:
+        argv.append("--compress")
+    if checksum:
+        argv.append("--checksum")
+    argv += [f"--filter={r}" for r in protect]
+    argv += [f"--filter=merge {filter_file}", "-e", ssh_e, src.rstrip("/") + "/", dest.rstrip("/") + "/"]
+    return argv
+
+
+def _rsync_problem(name: str, rc: int, stderr: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    text = " | ".join(lines[-3:]) or "no message"
+    return f"host {name}: rsync failed (exit {rc}): {text}"
+
+
+# -- fan-out -----------------------------------------------------------------------------------
+def tree_schedule(n: int) -> dict[int, list[int]]:
+    """Who forwards to whom in a binomial tree over nodes 0..n-1 (0 gets the code from the
+    controller): in round r every node that holds the code sends it to one that does not, so all n
+    nodes hold it after ceil(log2 n) rounds. Children are listed in the order they are served."""
+    children: dict[int, list[int]] = {j: [] for j in range(n)}
+    r = 1
+    while r < n:
+        for j in range(r):
+            if j + r < n:
+                children[j].append(j + r)
+        r *= 2
+    return children
+
+
+def _effective_ssh(opts: list[str], host: str) -> dict:
+    """``ssh -G``: the user, port, hostname, host key alias and identity files ssh will really use."""
+    try:
+        proc = subprocess.run(["ssh", "-G", *opts, _dest_host(host)], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out: dict = {"identityfile": []}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("user", "port", "hostname", "hostkeyalias"):
+            out[key] = value.strip()
+        elif key == "identityfile":
+            out[key].append(os.path.expanduser(value.strip()))
+    return out
+
+
+def _known_keys(known_hosts: str, lookup: str) -> list[str]:
+    """``keytype key`` of every (non-revoked, non-CA) key known_hosts has for *lookup*."""
+    try:
+        proc = subprocess.run(["ssh-keygen", "-F", lookup, "-f", known_hosts], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    keys = []
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#") or words[0].startswith("@"):
+            continue
+        if len(words) >= 3:
+            keys.append(f"{words[1]} {words[2]}")
+    return keys
+
+
+def _host_entry(host: str, port: str | int | None) -> str:
+    return host if str(port or 22) == "22" else f"[{host}]:{port}"
+
+
+class _Agent:
+    """A dedicated ssh-agent for one sync: its socket in the sync's private temp dir, its keys
+    destination-constrained and time-limited, the whole agent ended when the sync ends."""
+
+    def __init__(self, ctl_dir: str):
+        self.sock = os.path.join(ctl_dir, "agent.sock")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> str | None:
+        if not (shutil.which("ssh-agent") and shutil.which("ssh-add")):
+            return "ssh-agent/ssh-add not found on the controller"
+        self.proc = subprocess.Popen(["ssh-agent", "-D", "-a", self.sock], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 5
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return "could not start ssh-agent: " + (self.proc.stderr.read().decode(errors="replace").strip()
+                                                        if self.proc.poll() is not None else "timeout")
+            time.sleep(0.01)
+        return None
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("SSH_AGENT_PID", "DISPLAY", "SSH_ASKPASS")}
+        env.update(SSH_AUTH_SOCK=self.sock, SSH_ASKPASS_REQUIRE="never")
+        return env
+
+    def add(self, keys: list[str], labels_file: str, constraints: list[str]) -> str | None:
+        argv = ["ssh-add", "-q", "-t", str(AGENT_KEY_LIFETIME_S), "-H", labels_file]
+        for c in constraints:
+            argv += ["-h", c]
+        proc = subprocess.run(argv + keys, env=self.env(), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=30)
+        if proc.returncode != 0:
+            msg = " ".join((proc.stderr or proc.stdout).split())
+            return f"ssh-add refused the key with destination constraints ({msg[-200:]}; needs OpenSSH >= 8.9 and " \
+                   "a key without passphrase)"
+        return None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- the sync ----------------------------------------------------------------------------------
+@dataclass
+class _Target:
+    node: Node
+    link: _Link
+    rec: NodeSync
+    protect: list[str] = field(default_factory=list)
+    shared: bool = False
+    ready: bool = False
+
+
+class _Sync:
+    def __init__(self, cluster: Cluster, sel: Selection, policy: HostKeyPolicy, ssh_config: str | None,
+                 compress: bool, checksum: bool, progress: Callable[[str], None]):
+        self.cluster, self.sel, self.policy, self.ssh_config = cluster, sel, policy, ssh_config
+        self.compress, self.checksum, self.progress = compress, checksum, progress
+        self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self.filter_file = os.path.join(self.ctl_dir, "filter")
+        self.rules = filter_rules(sel)
+        write_filter(self.rules, self.filter_file)
+        self.targets = {n.name: _Target(n, _Link(n, policy, ssh_config, os.path.join(self.ctl_dir, f"c{i}")),
+                                        NodeSync(n.name)) for i, n in enumerate(cluster.nodes)}
+        self.notes: list[str] = []
+        self.local: dict | None = None
+        self.agent: _Agent | None = None
+        self.stages: dict[str, str] = {}
+        self.fanout_used = "star"
+        self.lock = threading.Lock()
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.notes.append(text)
+        self.progress(text)
+
+    def fail(self, t: _Target, problem: str) -> None:
+        t.rec.ok, t.rec.error = False, problem  # reported once, at the end (SyncError)
+
+    # -- phase 1: connect and probe --------------------------------------------------------
+    def connect_and_probe(self, create: bool) -> None:
+        nonce = f".ddpfab-sync-probe-{secrets.token_hex(8)}"
+        nonce_path = os.path.join(self.sel.root, nonce)
+        try:
+            fd = os.open(nonce_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.close(fd)
+        except OSError:
+            nonce = None
+        agent_env = self.agent.env() if self.agent else None
+        for t in self.targets.values():
+            t.link.start(agent_env)
+
+        def probe(t: _Target) -> None:
+            try:
+                t.link.ready()
+                out = _node_call(t.link, {"op": "probe", "workdir": t.node.workdir or self.sel.root,
+                                          "nonce": nonce, "keep": list(self.sel.keep),
+                                          "with_git": self.sel.with_git, "create": create}, timeout=120)
+            except SyncError as exc:
+                return self.fail(t, exc.problems[0])
+            t.rec.workdir = out["workdir"]
+            if out.get("shared"):
+                t.shared, t.ready, t.rec.source = True, True, "shared"
+                return None
+            if out.get("missing"):
+                return self.fail(t, f"host {t.node.name}: workdir {out['workdir']} does not exist; run ddpfab sync")
+            if create and not out.get("rsync"):
+                return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
+                                    "or ddpfab provision)")
+            t.protect, t.ready = out.get("protect", []), True
+            return None
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(32, len(self.targets))) as pool:
+                list(pool.map(probe, self.targets.values()))
+        finally:
+            if nonce:
+                try:
+                    os.unlink(nonce_path)
+                except OSError:
+                    pass
+        shared = [t.node.name for t in self.targets.values() if t.shared]
+        if shared:
+            self.note(f"{', '.join(shared)}: the workdir is this very directory (shared filesystem): nothing to "
+                      "copy, verifying only")
+
+    # -- copies ---------------------------------------------------------------------------
+    def copy_from_controller(self, t: _Target) -> bool:
+        argv = rsync_argv(self.filter_file, t.protect, t.link.rsync_e(), self.sel.root,
+                          f"{_dest_host(t.node.host)}:{t.rec.workdir}", compress=self.compress, checksum=self.checksum)
+        return self._run_copy(t, argv, "controller", env=None)
+
+    def copy_from_node(self, src: _Target, t: _Target, hop: dict) -> bool:
+        inner_e = " ".join(shlex.quote(a) for a in [
+            "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={hop['stage']}/known_hosts",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes",
+            "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6",
+            "-p", str(hop["port"]), "-l", hop["user"]])
+        inner = rsync_argv(f"{hop['stage']}/filter", t.protect, inner_e, src.rec.workdir,
+                           f"{_dest_host(hop['addr'])}:{t.rec.workdir}", compress=self.compress, checksum=self.checksum)
+        argv = src.link.forwarding_argv(" ".join(shlex.quote(a) for a in inner))
+        return self._run_copy(t, argv, src.node.name, env=None)
+
+    def _run_copy(self, t: _Target, argv: list[str], source: str, env: dict | None) -> bool:
+        start = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, env=env)
+        elapsed = time.monotonic() - start
+        out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+        if proc.returncode not in (0, 24):  # 24: files vanished meanwhile; the hash check decides
+            problem = _rsync_problem(t.node.name, proc.returncode, err)
+            if source != "controller":
+                problem = f"{problem} (copying from {source})"
+            t.rec.error = problem
+            return False
+        t.rec.source, t.rec.transfer_s, t.rec.error = source, round(elapsed, 3), None
+        for key, value in _rsync_stats(out).items():
+            setattr(t.rec, key, value)
+        return True
+
+    # -- verification ------------------------------------------------------------------------
+    def verify(self, t: _Target) -> None:
+        req = {"op": "hash", "workdir": t.rec.workdir, "keep": list(self.sel.keep), "with_git": self.sel.with_git,
+               "cache": not self.checksum}
+        if t.shared:
+            req["paths"] = self.sel.files
+        start = time.monotonic()
+        try:
+            out = _node_call(t.link, req)
+        except SyncError as exc:
+            return self.fail(t, exc.problems[0])
+        t.rec.verify_s = round(time.monotonic() - start, 3)
+        t.rec.tree_hash = out["tree_hash"]
+        if out["tree_hash"] == self.local["tree_hash"]:
+            t.rec.ok = True
+            src = f"from {t.rec.source}" if not t.shared else "shared"
+            sent = f", sent {_mb(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
+            took = f" in {t.rec.transfer_s:.2f} s" if t.rec.transfer_s is not None else ""
+            self.progress(f"{t.node.name}: {t.rec.workdir} ok ({src}{took}{sent}; verified in {t.rec.verify_s:.2f} s)")
+            return None
+        try:
+            theirs = _node_call(t.link, {**req, "detail": True})["entries"]
+            diffs = treehash.diff_entries(local_tree(self.sel, detail=True, cache=False)["entries"], theirs)
+        except (SyncError, OSError):
+            diffs = []
+        return self.fail(t, (
+            f"host {t.node.name}: tree hash mismatch in {t.rec.workdir}: the node has {out['tree_hash'][:12]} "
+            f"({out['files']} files), this tree is {self.local['tree_hash'][:12]} ({self.local['files']} files)"
+            + (f"; differs: {', '.join(diffs)}" if diffs else "")
+            + ". A file there was changed without changing its size and mtime (rsync's quick check skips "
+              "those), or the tree changed during the sync: run `ddpfab sync --checksum`"))
+
+    # -- phase 2: star ------------------------------------------------------------------------
+    def star(self, targets: list[_Target]) -> None:
+        def one(t: _Target) -> None:
+            if not self.copy_from_controller(t):
+                return self.fail(t, t.rec.error)
+            return self.verify(t)
+
+        if targets:
+            with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
+                list(pool.map(one, targets))
+
+    # -- phase 2: tree ------------------------------------------------------------------------
+    def tree_setup(self, order: list[_Target]) -> tuple[dict, str | None]:
+        """The hops of the binomial tree over *order*, or why the tree cannot be used."""
+        if len(order) < 2:
+            return {}, "tree fan-out needs at least 2 nodes to copy to"
+        keys: list[str] = []
+        children = tree_schedule(len(order))
+        labels, constraints, hops = [], [], {}
+        for i, t in enumerate(order):
+            eff = _effective_ssh(t.link.opts, t.node.host)
+            own = t.node.key_file or t.node.ssh_options.get("identityfile")
+            found = [os.path.expanduser(own)] if own else [k for k in eff.get("identityfile", []) if os.path.isfile(k)]
+            if not found:
+                return {}, (f"no private key file for host {t.node.name} (ansible_ssh_private_key_file or an ssh_config "
+                            "IdentityFile): the forwarded agent needs the key in a file")
+            keys += [k for k in found if k not in keys]
+            lookup = _host_entry(eff.get("hostkeyalias") or eff.get("hostname") or t.node.host, eff.get("port"))
+            host_keys = _known_keys(t.link.known_hosts, lookup)
+            if not host_keys:
+                return {}, f"host {t.node.name}: no key for {lookup} in {t.link.known_hosts} to hand to the forwarding node"
+            labels += [f"ddpfab-n{i} {k}" for k in host_keys]
+            hops[t.node.name] = {"user": eff.get("user") or "root", "port": eff.get("port") or "22",
+                                 "addr": t.node.data_addr or t.node.host, "keys": host_keys}
+        for j, kids in children.items():
+            for c in kids:
+                constraints += [f"ddpfab-n{j}", f"ddpfab-n{j}>{hops[order[c].node.name]['user']}@ddpfab-n{c}"]
+        labels_file = os.path.join(self.ctl_dir, "agent_known_hosts")
+        Path(labels_file).write_text("\n".join(labels) + "\n")
+        problem = self.agent.add(keys, labels_file, list(dict.fromkeys(constraints)))
+        if problem:
+            return {}, problem
+        filter_b64 = base64.b64encode(Path(self.filter_file).read_bytes()).decode()
+
+        def stage(j: int) -> str | None:
+            """The filter and the known_hosts lines of its next hops, onto forwarding node j."""
+            lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
+                     for c in children[j] for k in hops[order[c].node.name]["keys"]]
+            try:
+                out = _node_call(order[j].link, {"op": "stage", "files": {
+                    "filter": filter_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}})
+            except SyncError as exc:
+                return f"cannot stage the forwarding files: {exc.problems[0]}"
+            with self.lock:
+                self.stages[order[j].node.name] = out["dir"]
+            return None
+
+        forwarders = [j for j, kids in children.items() if kids]
+        with ThreadPoolExecutor(max_workers=min(32, len(forwarders))) as pool:
+            problems = [p for p in pool.map(stage, forwarders) if p]
+        if problems:
+            return {}, problems[0]
+        return {"children": children, "hops": hops}, None
+
+    def tree(self, order: list[_Target]) -> None:
+        if not order:
+            return
+        got = [threading.Event() for _ in order]
+        have = [False] * len(order)
+
+        def first_copy() -> None:  # over the slow uplink: starts at once, the hop setup overlaps it
+            have[0] = self.copy_from_controller(order[0])
+            if not have[0]:
+                self.fail(order[0], order[0].rec.error)
+
+        first = threading.Thread(target=first_copy)
+        first.start()
+        plan, why = self.tree_setup(order)
+        if why:
+            self.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+            self.fanout_used = "star"
+            rest = threading.Thread(target=self.star, args=(order[1:],))
+            rest.start()
+            first.join()
+            if have[0]:
+                self.verify(order[0])
+            rest.join()
+            return
+        self.fanout_used = "tree"
+        children, hops = plan["children"], plan["hops"]
+
+        def deliver(j: int) -> None:
+            verifier = None
+            try:
+                if j == 0:
+                    first.join()
+                    got[0].set()
+                got[j].wait()
+                if have[j]:
+                    verifier = threading.Thread(target=self.verify, args=(order[j],))
+                    verifier.start()
+                for c in children[j]:
+                    t = order[c]
+                    ok = False
+                    if have[j]:
+                        hop = dict(hops[t.node.name], stage=self.stages[order[j].node.name])
+                        ok = self.copy_from_node(order[j], t, hop)
+                        if not ok:
+                            self.note(f"{t.node.name}: copy from {order[j].node.name} failed ({t.rec.error}); "
+                                      "copying from this machine instead")
+                    else:
+                        self.note(f"{t.node.name}: {order[j].node.name} has no copy to forward; "
+                                  "copying from this machine")
+                    if not ok:
+                        ok = self.copy_from_controller(t)
+                        if not ok:
+                            self.fail(t, t.rec.error)
+                    have[c] = ok
+                    got[c].set()
+            finally:
+                for c in children[j]:
+                    got[c].set()  # never leave a subtree waiting, whatever happened here
+                if verifier:
+                    verifier.join()
+
+        threads = [threading.Thread(target=deliver, args=(j,)) for j in range(len(order))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return
+
+    def cleanup(self) -> None:
+        for name, d in self.stages.items():
+            try:
+                self.targets[name].link.run(f"rm -rf -- {shlex.quote(d)}", timeout=30)
+            except SyncError:
+                pass
+        if self.agent:
+            self.agent.close()
+        for t in self.targets.values():
+            t.link.close()
+        shutil.rmtree(self.ctl_dir, ignore_errors=True)
+
+
+def _mb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
+                 compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
+                 keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
+                 progress: Callable[[str], None] | None = None) -> SyncResult:
+    """Make every node's workdir hold exactly the selection of *src*, and prove it by hash.
+
+    Args:
+        cluster: the nodes (``inventory.load``).
+        src: the local project directory.
+        policy: the host-key policy (the runner's).
+        fanout: "star" (the controller sends to every node) or "tree" (to one node; nodes forward).
+        compress: rsync --compress (off by default: code on a LAN is not worth the CPU).
+        ssh_config: an ssh_config file for every ssh (else the node's ``-F``, else ~/.ssh/config).
+        checksum: compare files by content, not size and mtime (repairs files changed in place).
+        keep: extra keep patterns (gitignore syntax) on top of ``.ddpfabkeep``.
+        with_git: send ``.git`` too.
+        verify_only: copy nothing; only compare each node's tree hash with the local one.
+        progress: called with one line per event (node done, fallback...).
+
+    Returns the SyncResult; raises SyncError (with the result) when any node failed.
+    """
+    if fanout not in ("star", "tree"):
+        raise ValueError(f"fanout must be 'star' or 'tree', not {fanout!r}")
+    started = time.monotonic()
+    progress = progress or (lambda _line: None)
+    missing = [tool for tool in ("ssh", "rsync") if shutil.which(tool) is None]
+    if missing:
+        raise SyncError([f"{' and '.join(missing)} not found on this machine: apt-get install openssh-client rsync"])
+    sel = select(src, keep, with_git)
+    if not sel.files and not verify_only:
+        raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty); "
+                         "a sync would empty the nodes' workdirs, so it stops here"])
+    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress)
+    result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
+                        git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout)
+    try:
+        if fanout == "tree" and not verify_only:
+            # the agent first: the masters to the nodes must know it to forward it later
+            job.agent = _Agent(job.ctl_dir)
+            why = job.agent.start()
+            if why:
+                job.agent = None
+                job.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+        hasher = ThreadPoolExecutor(max_workers=1)
+        local = hasher.submit(local_tree, sel, False, not checksum)
+        try:
+            job.connect_and_probe(create=not verify_only)
+        finally:
+            try:
+                job.local = local.result()
+            except OSError as exc:
+                raise SyncError([f"cannot hash {sel.root}: {exc}"]) from None
+            finally:
+                hasher.shutdown()
+        result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
+        ready = [t for t in job.targets.values() if t.ready]
+        only_verify = ready if verify_only else [t for t in ready if t.shared]
+        to_copy = [] if verify_only else [t for t in ready if not t.shared]
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(only_verify)))) as pool:
+            checks = [pool.submit(job.verify, t) for t in only_verify]
+            if fanout == "tree" and job.agent is not None:
+                job.tree(to_copy)
+            else:
+                job.star(to_copy)
+            for c in checks:
+                c.result()
+        result.fanout = job.fanout_used
+    finally:
+        job.cleanup()
+    result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
+    result.notes = job.notes
+    result.duration_s = round(time.monotonic() - started, 3)
+    problems = [r.error or f"host {r.name}: not synced" for r in result.nodes.values() if not r.ok]
+    if problems:
+        raise SyncError(problems, result)
+    return result
+
+
+# -- command line ------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--inventory", help="Ansible inventory of the nodes (not needed with --print-filter, "
+                                             "--write-filter or --list)")
+    p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
+    p.add_argument("--accept-new-host-keys", action="store_true",
+                   help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
+    p.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
+                                         "else ~/.ssh/known_hosts)")
+    p.add_argument("--ssh-config", help="an ssh_config file to read (default: ~/.ssh/config)")
+    p.add_argument("--fanout", choices=("star", "tree"), default="star",
+                   help="star: this machine sends to every node; tree: it sends to one node and nodes forward "
+                        "(for a slow uplink; needs the inventory key in a file, see docs/sync.md)")
+    p.add_argument("--compress", action="store_true", help="compress on the wire (rsync -z; off by default)")
+    p.add_argument("--checksum", action="store_true",
+                   help="compare files by content, not size+mtime (repairs files changed in place on a node)")
+    p.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                   help="a path on the nodes that sync must neither delete nor hash (gitignore syntax, e.g. "
+                        "'checkpoints/'); adds to .ddpfabkeep")
+    p.add_argument("--with-git", action="store_true", help="send .git too")
+    p.add_argument("--verify-only", action="store_true", help="copy nothing; compare every node's tree hash")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--list", action="store_true", help="print the files that would be sent, and stop")
+    p.add_argument("--print-filter", action="store_true", help="print the rsync filter rules, and stop")
+    p.add_argument("--write-filter", metavar="FILE",
+                   help="write the rsync filter (NUL-separated, for --from0) to FILE, print the tree's hash and "
+                        "metadata as JSON, and stop (what playbooks/sync.yml uses)")
+    p.add_argument("path", nargs="?", default=".", help="the project directory to send (default: .)")
+
+
+def register(subparsers) -> None:
+    """Add the ``sync`` subcommand to ddpfab's command line."""
+    p = subparsers.add_parser(
+        "sync", help="copy the project to every node (rsync over SSH) and verify it by hash",
+        description="Make every node's workdir hold exactly this project's files (git ls-files, "
+                    ".ddpfabignore), delete what is gone, and check a content hash computed on each node.")
+    add_arguments(p)
+    p.set_defaults(func=cmd_sync)
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(f"ddpfab: error: {line}\n")
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    if args.list or args.print_filter or args.write_filter:
+        try:
+            sel = select(args.path, args.keep, args.with_git)
+        except SyncError as exc:
+            _err(exc.problems[0])
+            return 2
+        if args.list:
+            for rel in sel.files:
+                out.write(rel + "\n")
+            return 0
+        rules = filter_rules(sel)
+        if args.print_filter:
+            for r in rules:
+                out.write(r + "\n")
+            return 0
+        write_filter(rules, args.write_filter)
+        tree = local_tree(sel)
+        out.write(json.dumps({"src": sel.root, "tree_hash": tree["tree_hash"], "files": tree["files"],
+                              "bytes": tree["bytes"], "selection": sel.source, "git_commit": sel.git_commit,
+                              "git_dirty": sel.git_dirty, "keep": list(sel.keep), "with_git": sel.with_git,
+                              "filter": os.path.abspath(args.write_filter), "node_program": treehash.__file__}) + "\n")
+        return 0
+    if not args.inventory:
+        _err("--inventory is required (or --list, --print-filter, --write-filter)")
+        return 2
+    from . import inventory, ssh
+
+    try:
+        cluster = inventory.load(args.inventory, args.group)
+    except inventory.InventoryError as exc:
+        _err(str(exc))
+        return 2
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+    say = (lambda line: None) if args.json else (lambda line: sys.stderr.write(line + "\n"))
+    try:
+        result = sync_cluster(cluster, args.path, policy, fanout=args.fanout, compress=args.compress,
+                              ssh_config=args.ssh_config, checksum=args.checksum, keep=tuple(args.keep),
+                              with_git=args.with_git, verify_only=args.verify_only, progress=say)
+    except SyncError as exc:
+        if args.json and exc.result is not None:
+            out.write(json.dumps(exc.result.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        for line in exc.problems:
+            _err(line)
+        return 1
+    if args.json:
+        out.write(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        return 0
+    git = ""
+    if result.git_commit:
+        git = f", git {result.git_commit[:10]}{' (dirty)' if result.git_dirty else ''}"
+    verb = "verified" if args.verify_only else f"synced ({result.fanout})"
+    out.write(f"{verb} {len(result.nodes)} nodes in {result.duration_s:.1f} s: {result.files} files, "
+              f"{_mb(result.bytes)}, tree {result.tree_hash[:12]}{git}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ddpfab.sync``: the same as ``ddpfab sync`` (for playbooks and before the
+    subcommand is registered)."""
+    parser = argparse.ArgumentParser(prog="ddpfab sync", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return cmd_sync(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,444 @@
+"""What sync sends, what it deletes and protects, and the tree hash: fast, no hosts.
+
+The gitignore reader is checked against git itself; the generated rsync filter against a local
+rsync run (a local copy applies the very same filter logic as a remote one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpfab import sync, treehash
+from ddpfab.inventory import Node
+from ddpfab.ssh import HostKeyPolicy
+
+@pytest.fixture(autouse=True)
+def _own_cache_home(tmp_path, monkeypatch):
+    """Digest caches go to a temp dir, not the user's ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+needs_rsync = pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync not installed")
+
+
+def make_tree(root: Path, spec: dict) -> Path:
+    """Files from {relpath: content}; content None = directory, ('link', target) = symlink,
+    ('exec', text) = executable file."""
+    for rel, content in spec.items():
+        p = root / rel
+        if content is None:
+            p.mkdir(parents=True, exist_ok=True)
+            continue
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, tuple) and content[0] == "link":
+            p.symlink_to(content[1])
+        elif isinstance(content, tuple) and content[0] == "exec":
+            p.write_text(content[1])
+            p.chmod(0o755)
+        else:
+            p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return root
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), "-c", "user.email=t@t", "-c", "user.name=t", *args],
+                          check=True, capture_output=True, text=True).stdout
+
+
+def git_listing(root: Path) -> list[str]:
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-co", "--exclude-standard"],
+                         check=True, capture_output=True).stdout
+    return sorted(os.fsdecode(p) for p in out.split(b"\0") if p)
+
+
+# -- the gitignore reader, against git ------------------------------------------------------------
+IGNORE_CASES = {
+    "basics": ("*.log\n!keep.log\n/build/\n# comment\n\n", {}),
+    "anchoring": ("/top.txt\nmid/x.txt\nany.txt\n", {}),
+    "double-star": ("**/gen\nd/**/deep.tmp\nlogs/**\n!logs/**/\n", {}),
+    "dir-only": ("out/\ncache\n", {}),
+    "classes-escapes": ("*.py[cod]\n\\#hash\n\\!bang\ntrail\\ \n[!a]x.txt\nf?.md\n", {}),
+    "nested": ("*.tmp\n", {"sub/.gitignore": "!keep.tmp\n/local.txt\n", "sub/deeper/.gitignore": "*.md\n"}),
+    "reinclude-under-ignored-dir": ("ign/\n!ign/x.txt\n", {}),
+}
+FILES = ["a.log", "keep.log", "sub/keep.log", "build/o.o", "x/build/o2.o", "top.txt", "sub/top.txt",
+         "mid/x.txt", "q/mid/x.txt", "any.txt", "deep/any.txt", "gen/a.c", "p/gen/b.c", "d/e/f/deep.tmp",
+         "d/deep.tmp", "logs/a.txt", "logs/x/b.txt", "out/file", "x/out", "cache/f", "y/cache",
+         "m.pyc", "m.pyo", "m.py", "#hash", "!bang", "trail ", "ax.txt", "bx.txt", "f1.md", "f12.md",
+         "sub/a.tmp", "sub/keep.tmp", "sub/local.txt", "sub/deeper/local.txt", "sub/deeper/r.md", "r.md",
+         "ign/x.txt", "ign/y.txt", "ünï cödé/ä b.txt", "sp ace/f i.txt"]
+
+
+@needs_git
+@pytest.mark.parametrize("case", sorted(IGNORE_CASES))
+def test_ignore_rules_match_git(tmp_path, case):
+    text, extra = IGNORE_CASES[case]
+    root = make_tree(tmp_path / "t", {**{f: "x" for f in FILES}, ".gitignore": text, **extra})
+    git(root, "init", "-q")
+    files, _ = treehash.walk(str(root), treehash.Skipper(str(root)), treehash.IgnoreFiles(str(root), [".gitignore"]))
+    assert sorted(files) == git_listing(root)
+
+
+def test_compile_line_blank_comment_and_negation():
+    assert treehash.compile_line("") is None
+    assert treehash.compile_line("   ") is None
+    assert treehash.compile_line("# c") is None
+    regex, neg, dir_only = treehash.compile_line("!out/")
+    assert neg and dir_only and regex.match("a/out")
+    regex, neg, _ = treehash.compile_line("\\!x")
+    assert not neg and regex.match("!x")
+
+
+# -- the selection ------------------------------------------------------------------------------
+TREE = {
+    "train.py": "print('hi')\n",
+    "pkg/__init__.py": "",
+    "pkg/model.py": "m = 1\n",
+    "pkg/__pycache__/model.cpython-311.pyc": b"\0",
+    "pkg/data/ignored.bin": "big",
+    "run.sh": ("exec", "#!/bin/sh\necho run\n"),
+    "link.py": ("link", "pkg/model.py"),
+    "spaced dir/ünïcode file.txt": "ü\n",
+    "runs/old/manifest.json": "{}",
+    ".venv/pyvenv.cfg": "home = /usr\n",
+    ".venv/lib/site.py": "",
+    "tools/env/pyvenv.cfg": "",
+    "tools/env/bin/python": "",
+    "tools/tool.py": "",
+    "checkpoints/c1.pt": "w",
+    "secret.env": "TOKEN=1",
+    ".gitignore": "pkg/data/\n.venv/\n",
+    ".ddpfabignore": "secret.env\n",
+}
+SENT = [".ddpfabignore", ".gitignore", "link.py", "pkg/__init__.py", "pkg/model.py", "run.sh",
+        "spaced dir/ünïcode file.txt", "tools/tool.py", "train.py"]
+
+
+@needs_git
+def test_selection_in_git_repo(tmp_path):
+    root = make_tree(tmp_path / "p", TREE)
+    (root / ".ddpfabkeep").write_text("checkpoints/\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "x")
+    (root / "untracked.py").write_text("u")
+    sel = sync.select(root)
+    assert sel.source == "git"
+    assert sel.files == sorted(SENT + [".ddpfabkeep", "untracked.py"], key=os.fsencode)
+    assert sel.git_commit and len(sel.git_commit) == 40
+    assert sel.git_dirty is True
+
+
+@needs_git
+def test_git_tracked_but_deleted_is_not_sent_and_tracked_ignored_is(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a", "b.py": "b", "gen.log": "tracked"})
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "x")
+    (root / ".gitignore").write_text("*.log\n")
+    (root / "b.py").unlink()
+    (root / "new.log").write_text("ignored")
+    assert sync.select(root).files == [".gitignore", "a.py", "gen.log"]
+
+
+@needs_git
+def test_nested_repo_and_subdir_of_repo(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a", "vendor/lib/x.py": "x", "vendor/lib/.gitignore": "*.o\n",
+                                      "vendor/lib/y.o": "o", "sub/s.py": "s"})
+    git(root, "init", "-q")
+    git(root / "vendor" / "lib", "init", "-q")
+    assert sync.select(root).files == ["a.py", "sub/s.py", "vendor/lib/.gitignore", "vendor/lib/x.py"]
+    assert sync.select(root / "sub").files == ["s.py"]
+
+
+def test_selection_without_git_matches_git(tmp_path):
+    root = make_tree(tmp_path / "p", TREE)
+    (root / ".ddpfabkeep").write_text("checkpoints/\n")
+    sel = sync.select(root)
+    assert sel.source == "walk"
+    assert sel.git_commit is None and sel.git_dirty is None
+    assert sel.files == sorted(SENT + [".ddpfabkeep"], key=os.fsencode)
+
+
+def test_with_git_sends_dot_git(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a", ".git/HEAD": "ref", ".git/objects/x": "o"})
+    assert ".git/HEAD" not in sync.select(root).files
+    assert {".git/HEAD", ".git/objects/x"} <= set(sync.select(root, with_git=True).files)
+
+
+def test_keep_patterns_from_file_and_argument(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a", "out/x": "x", "ckpt/y": "y", ".ddpfabkeep": "# c\nout/\n"})
+    assert sync.keep_patterns(str(root), ["ckpt/"]) == ("out/", "ckpt/")
+    assert sync.select(root, keep=["ckpt/"]).files == [".ddpfabkeep", "a.py"]
+
+
+# -- the filter, run by a real rsync ----------------------------------------------------------------
+def rsync_local(sel: sync.Selection, dest: Path, protect: list[str]) -> None:
+    rules = tmp = dest.parent / "filter"
+    sync.write_filter(sync.filter_rules(sel), rules)
+    argv = sync.rsync_argv(str(tmp), protect, "ssh", sel.root, str(dest))
+    argv.remove("-e")
+    argv.remove("ssh")
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def tree_of(root: Path) -> dict[str, tuple]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            else:
+                out[rel] = ("file", p.read_bytes(), stat.S_IMODE(st.st_mode))
+    return out
+
+
+@needs_rsync
+def test_filter_sends_exactly_the_selection_deletes_stale_and_protects(tmp_path):
+    root = make_tree(tmp_path / "src", {**TREE, "odd/[x]*?.txt": "w", "odd/back\\slash": "b",
+                                        "odd/new\nline": "n", "odd/ trail ": "t", "odd/- dash": "d",
+                                        "wild[1]/f.txt": "f", "ok/a.txt": "a", "ok/b/c.txt": "c"})
+    (root / ".ddpfabkeep").write_text("checkpoints/\n")
+    dest = make_tree(tmp_path / "dst", {
+        "stale.py": "gone here",                      # deleted locally: must go
+        "secret.env": "now ignored",                  # ignored by .ddpfabignore now: must go
+        "pkg/data/ignored.bin": "now ignored",        # ignored by .gitignore now: must go
+        "pkg/__pycache__/x.pyc": "derived",           # never sent; deleted
+        "ok/b/old.txt": "stale inside a complete dir",
+        "runs/r1/log": "the node's run records",      # protected
+        "checkpoints/c9.pt": "the node's outputs",    # protected (.ddpfabkeep)
+        "nodevenv/pyvenv.cfg": "",                    # the node's own venv: protected
+        ".git/HEAD": "a clone's git dir",             # protected
+    })
+    sel = sync.select(root)
+    _, skipped = treehash.walk(str(dest), treehash.Skipper(str(dest), sel.keep))
+    protect = treehash.protect_rules(skipped)
+    assert sorted(protect) == ["P /.git/", "P /checkpoints/", "P /nodevenv/", "P /runs/"]
+    rsync_local(sel, dest, protect)
+    got = tree_of(dest)
+    want = {rel: v for rel, v in tree_of(root).items() if rel in set(sel.files)}
+    kept = {"runs/r1/log", "checkpoints/c9.pt", "nodevenv/pyvenv.cfg", ".git/HEAD"}
+    assert {k: v for k, v in got.items() if k not in kept} == want
+    assert kept <= set(got)
+    assert {"odd/[x]*?.txt", "odd/back\\slash", "odd/new\nline", "odd/ trail ", "wild[1]/f.txt"} <= set(got)
+    # and both sides hash the same
+    remote = treehash.tree_digest(str(dest), treehash.walk(str(dest), treehash.Skipper(str(dest), sel.keep))[0])
+    assert remote["tree_hash"] == sync.local_tree(sel)["tree_hash"]
+
+
+def test_filter_uses_one_rule_for_fully_selected_dirs(tmp_path):
+    spec = {f"lib/m{i}.py": "x" for i in range(50)}
+    spec.update({f"lib/sub/s{i}.py": "y" for i in range(50)})
+    spec.update({"lib/__pycache__/m0.pyc": "c", "app/a.py": "a", "app/junk.tmp": "t", "app/sub/b.py": "b",
+                 "wild[1]/f.txt": "f", ".gitignore": "*.tmp\n"})
+    root = make_tree(tmp_path / "p", spec)
+    rules = sync.filter_rules(sync.select(root))
+    assert "+ /lib/***" in rules
+    assert not any(r.startswith("+ /lib/m") for r in rules)
+    assert "+ /app/" in rules and "+ /app/a.py" in rules and "+ /app/sub/***" in rules
+    assert "+ /wild\\[1]/***" in rules
+    assert rules[-1] == "- *" and len(rules) < 20
+
+
+def test_rsync_escape():
+    assert treehash.rsync_escape("plain name") == "plain name"
+    assert treehash.rsync_escape("back\\slash") == "back\\slash"
+    assert treehash.rsync_escape("a[1]*\\?") == "a\\[1]\\*\\\\\\?"
+    assert treehash.rsync_escape("back\\slash", wild=True) == "back\\\\slash"
+
+
+# -- the hash ---------------------------------------------------------------------------------------
+def digest(root: Path, keep=()) -> str:
+    files, _ = treehash.walk(str(root), treehash.Skipper(str(root), keep))
+    return treehash.tree_digest(str(root), files)["tree_hash"]
+
+
+def test_hash_counts_names_contents_exec_bit_and_link_targets(tmp_path):
+    root = make_tree(tmp_path / "t", {"a.py": "a", "d/b.sh": ("exec", "b"), "l": ("link", "a.py")})
+    base = digest(root)
+    assert digest(root) == base
+    (root / "a.py").write_text("A")
+    assert digest(root) != base
+    (root / "a.py").write_text("a")
+    assert digest(root) == base
+    (root / "d/b.sh").chmod(0o644)
+    assert digest(root) != base
+    (root / "d/b.sh").chmod(0o755)
+    (root / "l").unlink()
+    (root / "l").symlink_to("d/b.sh")
+    assert digest(root) != base
+    (root / "l").unlink()
+    (root / "l").symlink_to("a.py")
+    (root / "a.py").rename(root / "a2.py")
+    assert digest(root) != base
+
+
+def test_hash_ignores_mtime_umask_bits_empty_dirs_and_skipped(tmp_path):
+    root = make_tree(tmp_path / "t", {"a.py": "a", "d/b.sh": ("exec", "b")})
+    base = digest(root)
+    os.utime(root / "a.py", (1, 1))
+    (root / "a.py").chmod(0o664)
+    (root / "d/b.sh").chmod(0o775)
+    (root / "empty").mkdir()
+    make_tree(root, {"__pycache__/x.pyc": "c", "runs/r/x": "r", "venv/pyvenv.cfg": "", ".git/HEAD": "h",
+                     "out/c.pt": "o"})
+    assert digest(root, keep=("out/",)) == base
+
+
+def test_hash_is_the_same_for_a_walk_and_a_list_and_diff_names_paths(tmp_path):
+    root = make_tree(tmp_path / "t", {"b": "1", "a/c": "2", "a b/ü": "3"})
+    by_list = treehash.tree_digest(str(root), ["a b/ü", "b", "a/c"], detail=True)
+    assert by_list["tree_hash"] == digest(root)
+    assert by_list["files"] == 3 and by_list["bytes"] == 3
+    other = dict(by_list["entries"], b="x")
+    other.pop("a/c")
+    other["new"] = "y"
+    assert treehash.diff_entries(by_list["entries"], other) == ["a/c (missing there)", "b (differs)",
+                                                                 "new (only there)"]
+
+
+def test_node_program_is_standalone_and_agrees(tmp_path):
+    """What the nodes run: treehash.py's source through `python3 -c`, the request on stdin."""
+    tree = ast.parse(Path(treehash.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= set(sys.stdlib_module_names)
+    root = make_tree(tmp_path / "t", {"a.py": "a", "x/y.sh": ("exec", "y"), "runs/r": "r", "out/o": "o"})
+    req = {"op": "hash", "workdir": str(root), "keep": ["out/"]}
+    proc = subprocess.run([sys.executable, "-c", sync.node_program()], input=json.dumps(req), text=True,
+                          capture_output=True, check=True)
+    assert json.loads(proc.stdout)["tree_hash"] == digest(root, keep=("out/",))
+    req = {"op": "probe", "workdir": str(tmp_path / "new" / "wd"), "keep": ["out/"], "nonce": "nope"}
+    out = json.loads(subprocess.run([sys.executable, "-c", sync.node_program()], input=json.dumps(req), text=True,
+                                    capture_output=True, check=True).stdout)
+    assert out["created"] and not out["shared"] and out["protect"] == []
+    assert (tmp_path / "new" / "wd").is_dir()
+
+
+# -- fan-out plan -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64])
+def test_tree_schedule_reaches_every_node_once_in_log_rounds(n):
+    children = sync.tree_schedule(n)
+    parents = [p for p, kids in children.items() for _ in kids]
+    received = sorted(c for kids in children.values() for c in kids)
+    assert received == list(range(1, n))  # everyone but the root, once
+    assert len(parents) == n - 1
+    # rounds: node 0 holds at round 0; a child served k-th by its parent holds at parent's round + k
+    when = {0: 0}
+    for p in sorted(children):
+        for k, c in enumerate(children[p], start=1):
+            when[c] = when[p] + k
+    assert max(when.values()) == (n - 1).bit_length()
+
+
+def test_tree_schedule_of_eight():
+    assert sync.tree_schedule(8) == {0: [1, 2, 4], 1: [3, 5], 2: [6], 3: [7], 4: [], 5: [], 6: [], 7: []}
+
+
+# -- ssh options --------------------------------------------------------------------------------------
+def test_ssh_options_follow_the_runner_policy():
+    node = Node(name="n1", host="10.0.0.1", port=2222, user="trainer", key_file="/k/id key",
+                ssh_options={"userknownhostsfile": "/kh/known_hosts /kh/second", "stricthostkeychecking": "no",
+                             "identitiesonly": "yes", "proxyjump": "bastion", "controlpath": "/x"})
+    opts = sync.ssh_options(node, HostKeyPolicy())
+    joined = " ".join(opts)
+    assert "StrictHostKeyChecking=yes" in joined and "StrictHostKeyChecking=no" not in joined
+    assert "UserKnownHostsFile=/kh/known_hosts" in opts  # the first file, as the runner reads it
+    assert "GlobalKnownHostsFile=/dev/null" in opts and "BatchMode=yes" in opts
+    assert opts[opts.index("-i") + 1] == "/k/id key"
+    assert opts[opts.index("-p") + 1] == "2222" and opts[opts.index("-l") + 1] == "trainer"
+    assert "identitiesonly=yes" in opts and "proxyjump=bastion" in opts
+    assert "controlpath=/x" not in opts
+    accept = sync.ssh_options(node, HostKeyPolicy(known_hosts="/other", accept_new=True))
+    assert "StrictHostKeyChecking=accept-new" in accept and "UserKnownHostsFile=/other" in accept
+
+
+def test_rsync_argv_and_stats():
+    argv = sync.rsync_argv("/f", ["P /venv/"], "ssh -p 2", "/src/", "h:/dst", compress=True)
+    assert argv[:len(sync.RSYNC_BASE) + 1] == ["rsync", *sync.RSYNC_BASE]
+    assert "--compress" in argv and "--checksum" not in argv
+    assert argv.index("--filter=P /venv/") < argv.index("--filter=merge /f")
+    assert argv[-2:] == ["/src/", "h:/dst/"]
+    stats = "Number of deleted files: 3\nNumber of regular files transferred: 1,234\nTotal bytes sent: 5,678,901\n"
+    assert sync._rsync_stats(stats) == {"deleted": 3, "files_transferred": 1234, "bytes_sent": 5678901}
+
+
+def test_register_adds_the_subcommand():
+    parser = argparse.ArgumentParser(prog="ddpfab")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sync.register(sub)
+    args = parser.parse_args(["sync", "-i", "inv.yml", "--fanout", "tree", "--keep", "ckpt/", "proj"])
+    assert args.func is sync.cmd_sync
+    assert (args.inventory, args.fanout, args.keep, args.path) == ("inv.yml", "tree", ["ckpt/"], "proj")
+
+
+def test_print_filter_and_write_filter_need_no_inventory(tmp_path, capsys):
+    root = make_tree(tmp_path / "p", {"a.py": "a", "b/c.py": "c"})
+    assert sync.main(["--list", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["a.py", "b/c.py"]
+    out_file = tmp_path / "filter"
+    assert sync.main(["--write-filter", str(out_file), str(root)]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["tree_hash"] == sync.local_tree(sync.select(root))["tree_hash"]
+    assert out_file.read_bytes().split(b"\0")[-2] == b"- *"
+    assert sync.main([str(root)]) == 2
+
+
+# -- guards ---------------------------------------------------------------------------------------------
+def test_never_mirror_into_system_dirs_or_home(tmp_path):
+    assert treehash.unsafe_workdir("/", "/root")
+    assert treehash.unsafe_workdir("/tmp/", "/root")
+    assert treehash.unsafe_workdir("/home/alice", "/home/alice")
+    assert treehash.unsafe_workdir(str(tmp_path), str(tmp_path))
+    assert treehash.unsafe_workdir("/opt/ddpfab/code", "/root") is None
+    out = treehash.node_probe({"workdir": "~"})
+    assert "refusing to sync" in out["error"]
+
+
+def test_an_empty_selection_stops_before_any_host_is_contacted(tmp_path):
+    from ddpfab.inventory import Cluster
+
+    root = make_tree(tmp_path / "p", {".gitignore": "*\n"})
+    cluster = Cluster("inv", "all", (Node(name="n1", host="192.0.2.1"),))
+    with pytest.raises(sync.SyncError, match="no files to send"):
+        sync.sync_cluster(cluster, root, HostKeyPolicy())
+    with pytest.raises(ValueError):
+        sync.sync_cluster(cluster, root, HostKeyPolicy(), fanout="ring")
+
+
+def test_digest_cache_skips_unchanged_files_but_not_rewrites_with_old_stamps(tmp_path, monkeypatch):
+    monkeypatch.setattr(treehash, "RACY_S", -1.0)  # cache even files written just now
+    root = make_tree(tmp_path / "t", {"a.py": "aaaa", "b.py": "bbbb"})
+    first = treehash.tree_digest(str(root), ["a.py", "b.py"], cache=True)["tree_hash"]
+    where = Path(treehash.cache_path(str(root)))
+    cached = json.loads(where.read_text())
+    assert set(cached["files"]) == {"a.py", "b.py"}
+    # a hit really skips the read: a planted digest with matching stamps is what gets used
+    cached["files"]["b.py"][4] = "0" * 64
+    where.write_text(json.dumps(cached))
+    assert treehash.tree_digest(str(root), ["a.py", "b.py"], cache=True)["tree_hash"] != first
+    assert treehash.tree_digest(str(root), ["a.py", "b.py"], cache=False)["tree_hash"] == first
+    # same size, mtime put back: ctime moved, so the cache misses and the change shows
+    where.unlink()
+    assert treehash.tree_digest(str(root), ["a.py", "b.py"], cache=True)["tree_hash"] == first
+    time.sleep(0.05)  # past the clock tick of the cached stamps (what RACY_S guards in real use)
+    st = (root / "a.py").stat()
+    (root / "a.py").write_text("AAAA")
+    os.utime(root / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert json.loads(where.read_text())["files"]["a.py"][:2] == [st.st_size, st.st_mtime_ns]
+    assert treehash.tree_digest(str(root), ["a.py", "b.py"], cache=True)["tree_hash"] != first
