@@ -107,11 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", required=True)
 
     prov = sub.add_parser("provision", help="run playbooks/provision.yml against the inventory")
-    prov.add_argument("-i", "--inventory", required=True)
-    prov.add_argument("--playbook", default="provision", help="provision, firewall, or a path")
-    prov.add_argument("--tags", help="comma-separated Ansible tags")
-    prov.add_argument("--limit", help="Ansible --limit pattern")
-    prov.add_argument("--check", action="store_true", help="dry run (ansible-playbook --check --diff)")
+    from .provision import add_arguments as add_provision_arguments
+
+    add_provision_arguments(prov)
     run.set_defaults(func=cmd_run)
     plan.set_defaults(func=cmd_plan)
     lab.set_defaults(func=cmd_lab)
@@ -297,8 +295,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
     from . import provision
 
     try:
-        return provision.run_playbook(args.inventory, playbook=args.playbook,
-                                      tags=args.tags.split(",") if args.tags else None,
-                                      check=args.check, limit=args.limit)
+        return provision.run_playbook(args.inventory, playbook=args.playbook, tags=args.tags or None,
+                                      check=args.check, limit=args.limit,
+                                      extra_args=[a for ev in args.extra_vars for a in ("-e", ev)])
     except provision.ProvisionError as exc:
         return _die(str(exc), 1)
