@@ -84,6 +84,12 @@ class Lab:
         return self.dir / "ssh_config"
 
     @property
+    def shared_dir(self) -> Path:
+        """A directory every host sees and writes at the same path (outside all overlays): the
+        lab's stand-in for a shared filesystem such as NFS."""
+        return Path(self.store) / "shared"
+
+    @property
     def known_hosts(self) -> Path:
         return self.dir / "known_hosts"
 
@@ -317,6 +323,7 @@ def _write_client_files(lab: Lab, python: str) -> None:
         hostkey = root / "ssh_host_ed25519_key"
         if not hostkey.exists():
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(hostkey)])
+        lab.shared_dir.mkdir(parents=True, exist_ok=True)
         store = Path(lab.store) / h.name
         for od in OVERLAY_DIRS:
             suffix = od.replace("/", "_")

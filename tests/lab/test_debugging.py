@@ -3,8 +3,8 @@ emitted by `plan --emit` run by hand with plain ssh, `replay` of a recorded run,
 
 One real `ddpfab run --debug` (examples/train_dist.py, 2 nodes x 2 procs, static rendezvous,
 torchrun, env://) is recorded once and shared by the tests below, which compare against it.
-It runs from a scratch workdir under /work (lab hosts see /work as it is), so a test can change
-"the code" there without touching the repository.
+It runs from a scratch workdir in the lab's shared dir (every host sees it as it is, wherever the
+checkout lies), so a test can change "the code" there without touching the repository.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ def same_job(got: list[dict]) -> set:
 
 @pytest.fixture(scope="module")
 def recorded(lab, tmp_path_factory):
-    (REPO / ".lab").mkdir(exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="test-debugging-", dir=REPO / ".lab"))
+    workdir = Path(tempfile.mkdtemp(prefix="test-debugging-", dir=lab.shared_dir))
     shutil.copy(REPO / "examples" / "train_dist.py", workdir / "train_dist.py")  # imports the installed ddpfab
     tmp = tmp_path_factory.mktemp("debugging")
     inv = tmp / "inventory.yml"

@@ -26,23 +26,22 @@ import yaml
 
 from ddpfab import lab as labmod
 
-from .helpers import REPO, ddpfab, reports
+from .helpers import ddpfab, reports
 
 EXAMPLE = "examples/train_dist.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
 @pytest.fixture
-def shared_dir():
+def shared_dir(lab):
     """A directory every lab host sees with the same content, standing in for NFS.
 
     Lab hosts get private overlays of /etc /opt /var /root /usr /home /tmp (for /tmp the real /tmp
     is the lower layer: a host reads it live, but its writes stay its own, so a dir under /tmp is
-    NOT shared). /work is not overlaid: every host reads and writes the controller's /work. So the
-    shared dir lives under the checkout's .lab/ (git-ignored) and is removed afterwards.
+    NOT shared, and neither is a checkout under /tmp, as in CI). The lab's own shared dir lies
+    outside every overlay (``Lab.shared_dir``, under /srv), so all hosts read and write one copy.
     """
-    (REPO / ".lab").mkdir(exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="test-shared-", dir=REPO / ".lab"))
+    path = Path(tempfile.mkdtemp(prefix="test-shared-", dir=lab.shared_dir))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
