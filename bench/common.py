@@ -1,0 +1,407 @@
+"""Shared pieces of the benchmarks in bench/: lab bring-up, timing, statistics, process watching,
+result files. Stdlib + ddpfab only (matplotlib is needed by report.py alone).
+
+Every benchmark is a script of its own (``.venv/bin/python bench/<name>.py [--quick] [--reps R]``)
+that needs root (it brings up a lab of namespace hosts, see ddpfab/lab.py), always takes its lab
+down again (also on Ctrl-C / SIGTERM), and writes ``bench/results/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+#: Scratch space (labs, workdirs, run records). Under /tmp: the lab hosts see /tmp through an
+#: overlay, so scripts written here before the lab comes up are visible on every host.
+WORK_ROOT = Path(os.environ.get("DDPFAB_BENCH_WORK", "/tmp/ddpfab-bench"))
+PYTHON = sys.executable
+#: One subnet per benchmark (all inside 10.213.100.0/24..10.213.120.0/24), so they never clash.
+SUBNETS = {
+    "fanout": "10.213.101.0/24",
+    "launch": "10.213.102.0/24",
+    "teardown": "10.213.103.0/24",
+    "provision": "10.213.104.0/24",
+}
+MASTER_PORT_BASE = 29700
+
+
+# -- arguments, signals -------------------------------------------------------------------------
+def base_parser(name: str, doc: str, reps: int, quick_reps: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke test: {quick_reps} repetition(s), fewer sizes (numbers are not for the docs)")
+    p.add_argument("--reps", type=int, help=f"repetitions per point (default {reps}, --quick {quick_reps})")
+    p.add_argument("--subnet", default=SUBNETS[name], help=f"lab subnet (default {SUBNETS[name]})")
+    p.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="result file")
+    p.set_defaults(default_reps=reps, quick_reps=quick_reps)
+    return p
+
+
+def reps_of(args) -> int:
+    if args.reps:
+        return args.reps
+    return args.quick_reps if args.quick else args.default_reps
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        sys.exit("the benchmarks bring up a lab of namespace hosts: run them as root")
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM/SIGHUP become SystemExit, so every ``finally`` (lab down, process cleanup) runs."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+# -- statistics ----------------------------------------------------------------------------------
+def summarize(samples: list[float | None], cap: float | None = None) -> dict:
+    """Median and spread of *samples* (seconds). ``None`` = the run hit *cap* (recorded as "> cap")."""
+    done = sorted(s for s in samples if s is not None)
+    capped = sum(1 for s in samples if s is None)
+    out: dict = {"runs": len(samples), "samples": [None if s is None else round(s, 4) for s in samples],
+                 "capped": capped, "cap": cap}
+    if capped * 2 >= len(samples) and capped:
+        # the median itself is beyond the cap
+        out.update(median=None, min=done[0] if done else None, max=None, p25=None, p75=None, mean=None,
+                   stdev=None)
+        return out
+    full = sorted([s if s is not None else float("inf") for s in samples])
+    out.update(
+        median=round(statistics.median(full), 4),
+        min=round(full[0], 4),
+        max=None if capped else round(full[-1], 4),
+        p25=round(_quantile(full, 0.25), 4),
+        p75=None if _quantile(full, 0.75) == float("inf") else round(_quantile(full, 0.75), 4),
+        mean=None if capped else round(statistics.fmean(done), 4),
+        stdev=None if capped or len(done) < 2 else round(statistics.stdev(done), 4),
+    )
+    return out
+
+
+def _quantile(sorted_vals: list[float], q: float) -> float:
+    if len(sorted_vals) == 1:
+        return sorted_vals[0]
+    pos = q * (len(sorted_vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    if sorted_vals[hi] == float("inf"):
+        return float("inf") if pos > lo else sorted_vals[lo]
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
+
+
+def fmt(stat: dict | None, unit: str = "s") -> str:
+    """'1.23 s (1.10-1.40)' or '> 30 s'."""
+    if not stat:
+        return "n/a"
+    if stat.get("median") is None:
+        return f"> {stat['cap']:g} {unit}" if stat.get("cap") else "n/a"
+    lo, hi = stat.get("min"), stat.get("max")
+    spread = f" ({lo:.2f}-{hi:.2f})" if hi is not None else f" ({lo:.2f}->{stat['cap']:g})"
+    return f"{stat['median']:.2f} {unit}{spread if stat['runs'] > 1 else ''}"
+
+
+# -- machine description ---------------------------------------------------------------------------
+def _cmd_version(argv: list[str]) -> str | None:
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = (res.stdout + res.stderr).strip().splitlines()
+    return text[0].strip() if text else None
+
+
+def _pkg_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+        mem_gib = round(mem_kb / 2**20, 1)
+    git = _cmd_version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip() != ""
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib,
+        "kernel": platform.release(), "python": platform.python_version(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "git": f"{git}{'+dirty' if dirty else ''}" if git else None,
+        "versions": {
+            "ddpfab": _pkg_version("ddpfab"), "torch": _pkg_version("torch"),
+            "ansible-core": _pkg_version("ansible-core"), "fabric": _pkg_version("fabric"),
+            "paramiko": _pkg_version("paramiko"),
+            "openssh": _cmd_version(["ssh", "-V"]),
+            "pdsh": _cmd_version(["pdsh", "-V"]) if shutil.which("pdsh") else None,
+        },
+    }
+
+
+def write_result(path: str | Path, name: str, args, config: dict, data: dict, meta: dict,
+                 started: float) -> Path:
+    meta = dict(meta)
+    meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    meta["duration_s"] = round(time.monotonic() - started, 1)
+    meta["quick"] = bool(args.quick)
+    meta["reps"] = reps_of(args)
+    doc = {"benchmark": name, "meta": meta, "config": config, **data}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    log(f"wrote {path} ({meta['duration_s']:.0f} s; load average {meta['loadavg_start']} -> {meta['loadavg_end']})")
+    return path
+
+
+def warn_if_busy() -> None:
+    load = os.getloadavg()[0]
+    cpus = os.cpu_count() or 1
+    if load > 0.5 * cpus:
+        log(f"WARNING: load average {load:.1f} on {cpus} CPUs: this machine is busy, the numbers will be noisy")
+
+
+# -- the lab ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def bench_lab(name: str, hosts: int, subnet: str):
+    """A lab of *hosts* hosts for benchmark *name*; always taken down again."""
+    from ddpfab import lab as labmod
+
+    lab_dir = WORK_ROOT / name / "lab"
+    if labmod.Lab.load(lab_dir) is not None:  # left over by a killed run of this benchmark
+        log(f"taking down a stale lab in {lab_dir}")
+        labmod.down(lab_dir)
+    t0 = time.monotonic()
+    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, python=PYTHON)
+    log(f"lab of {hosts} hosts up in {time.monotonic() - t0:.1f} s ({subnet}, {lab_dir})")
+    try:
+        yield the_lab
+    finally:
+        t0 = time.monotonic()
+        close_control_masters(the_lab)
+        labmod.down(lab_dir)
+        log(f"lab down in {time.monotonic() - t0:.1f} s")
+
+
+def write_inventory(lab, names: list[str], path: Path, **extra_vars) -> Path:
+    """An inventory of *names* (lab hosts) with the lab's connection vars (+ *extra_vars*)."""
+    import yaml
+
+    from ddpfab import lab as labmod
+
+    inv = yaml.safe_load(labmod.render_inventory(lab, PYTHON, names=names))
+    inv["all"]["vars"].update(extra_vars)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return path
+
+
+def names(n: int) -> list[str]:
+    return [f"node{i}" for i in range(1, n + 1)]
+
+
+def close_control_masters(lab, control_dirs: tuple[str, ...] = ("/tmp/ddpfab-ansible-cp", "~/.ansible/cp")) -> None:
+    """Close the SSH ControlMaster connections Ansible left to *this lab's* hosts (ControlPersist),
+    so the next Ansible run starts cold. Sockets of other labs are not touched: the path is
+    ssh's %C hash of (local host, address, port, user)."""
+    for d in control_dirs:
+        d = os.path.expanduser(d)
+        if not os.path.isdir(d):
+            continue
+        for h in lab.hosts:
+            subprocess.run(["ssh", "-o", f"ControlPath={d}/%C", "-O", "exit", f"root@{h.address}"],
+                           capture_output=True, timeout=10)
+
+
+# -- processes on lab hosts ------------------------------------------------------------------------
+class HostProcs:
+    """One pass over /proc finds every process of the given lab hosts (by PID namespace), as
+    ``Lab.processes(name)`` does per host, cheaply enough to poll every few milliseconds."""
+
+    def __init__(self, lab, host_names: list[str]):
+        self.lab = lab
+        self.ns = {}
+        for n in host_names:
+            ns = lab.host(n).pid_namespace()
+            if ns is None:
+                raise RuntimeError(f"lab host {n} is down")
+            self.ns[ns] = n
+
+    def scan(self, marker: str | None = None) -> dict[str, list[tuple[int, str]]]:
+        """host -> [(pid, cmdline)] of non-sshd processes (whose cmdline contains *marker*)."""
+        found: dict[str, list[tuple[int, str]]] = {n: [] for n in self.ns.values()}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                host = self.ns.get(os.readlink(f"/proc/{entry}/ns/pid"))
+                if host is None:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                        continue
+            except OSError:
+                continue
+            if not cmd or cmd.startswith(("sshd", "/usr/sbin/sshd")):
+                continue
+            if marker is not None and marker not in cmd:
+                continue
+            found[host].append((int(entry), cmd))
+        return found
+
+    def count(self, marker: str | None = None) -> int:
+        return sum(len(v) for v in self.scan(marker).values())
+
+    def find_rank(self, host: str, rank: int, marker: str, timeout: float) -> int | None:
+        """The pid of the training process of global rank *rank* on *host* (by RANK in its environ)."""
+        deadline = time.monotonic() + timeout
+        want = f"RANK={rank}".encode()
+        while time.monotonic() < deadline:
+            for pid, _cmd in self.scan(marker)[host]:
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                # only torchrun's workers have RANK and LOCAL_RANK (torchrun itself, the shells and
+                # ddpfab's supervisor do not)
+                if want in environ and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+                    return pid
+            time.sleep(0.02)
+        return None
+
+    def kill_all(self, timeout: float = 10) -> int:
+        """SIGKILL every non-sshd process on these hosts (they are the benchmark's own lab hosts),
+        until none is left; returns how many were killed."""
+        killed = 0
+        deadline = time.monotonic() + timeout
+        while True:
+            procs = [p for v in self.scan().values() for p, _ in v]
+            if not procs:
+                return killed
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, signal.SIGKILL)
+                    killed += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes survive SIGKILL on lab hosts: {procs}")
+            time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def stop_process(proc: subprocess.Popen | None, timeout: float = 5) -> None:
+    """End a process this benchmark started (TERM, then KILL), by its pid only."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(timeout=timeout)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HOSTNAME_RE = re.compile(r"\bnode(\d+)\b")
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
+    env.update(extra)
+    return env
+
+
+def pdsh_env(lab, **extra: str) -> dict[str, str]:
+    """pdsh over ssh with the lab's ssh_config (host keys checked, the lab's key)."""
+    return env_with(PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS=f"-F {lab.ssh_config} -a -x -l%u %h", **extra)
+
+
+def pdsh_hosts(n: int) -> str:
+    return f"node[1-{n}]" if n > 1 else "node1"
+
+
+# -- profiles --------------------------------------------------------------------------------------
+_IMPORT_LINE = re.compile(r"^import time:\s+(\d+)\s+\|\s+(\d+)\s+\|(\s*)(\S+)\s*$")
+
+
+def importtime_summary(stderr: str, top: int = 12) -> dict:
+    """Digest of ``python -X importtime`` output: total, cost per root package (self time summed),
+    and the most expensive top-level imports (cumulative)."""
+    total_us = 0
+    by_root: dict[str, int] = {}
+    toplevel: list[tuple[int, str]] = []
+    for line in stderr.splitlines():
+        m = _IMPORT_LINE.match(line)
+        if not m:
+            continue
+        self_us, cum_us, indent, name = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        total_us += self_us
+        root = name.split(".")[0]
+        by_root[root] = by_root.get(root, 0) + self_us
+        if len(indent) <= 1:
+            toplevel.append((cum_us, name))
+    toplevel.sort(reverse=True)
+    roots = sorted(by_root.items(), key=lambda kv: -kv[1])
+    return {
+        "total_ms": round(total_us / 1000, 1),
+        "by_package_ms": {k: round(v / 1000, 1) for k, v in roots if v >= 1000},
+        "top_level_ms": [{"module": n, "cumulative_ms": round(c / 1000, 1)} for c, n in toplevel[:top]],
+    }
+
+
+def pyinstrument_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pyinstrument") is not None

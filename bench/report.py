@@ -1,0 +1,659 @@
+#!/usr/bin/env python3
+"""Regenerate docs/benchmarks.md and docs/bench-*.png from bench/results/*.json.
+
+    .venv/bin/python bench/report.py
+
+Needs no root and no lab; the plots need matplotlib (`.venv/bin/pip install matplotlib`), without
+it the markdown is still written (and says the plots are missing).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, RESULTS, fmt
+
+DOCS = REPO / "docs"
+DOC = DOCS / "benchmarks.md"
+FANOUT_ORDER = ("ddpfab exec", "pdsh", "ssh loop", "ansible", "ansible (warm)", "ddpfab startup",
+                "in-process cold", "in-process warm")
+FANOUT_LABEL = {
+    "ddpfab exec": "`ddpfab exec`",
+    "pdsh": "`pdsh -R ssh`",
+    "ssh loop": "sequential `ssh` loop",
+    "ansible": "`ansible -m command` (cold)",
+    "ansible (warm)": "`ansible -m command` (warm ControlPersist)",
+    "ddpfab startup": "ddpfab startup only (imports + inventory, no SSH)",
+    "in-process cold": "in-process `ssh.connect` + `ssh.run` (no startup)",
+    "in-process warm": "in-process `ssh.run` on open connections (what a warm pool would give)",
+}
+LAUNCH_ORDER = ("ddpfab run", "ddpfab run --no-check", "ddpfab run --no-sync", "pdsh + torchrun", "torchrun (local)")
+TEARDOWN_ORDER = ("ddpfab run", "pdsh + torchrun", "torchrun alone")
+COLORS = {"ddpfab exec": "C0", "ddpfab run": "C0", "ddpfab run --no-check": "C9", "ddpfab run --no-sync": "C4",
+          "pdsh": "C1",
+          "pdsh + torchrun": "C1", "ssh loop": "C3", "ansible": "C2", "ansible (warm)": "C8",
+          "ddpfab startup": "C7", "in-process cold": "C4", "in-process warm": "C6", "torchrun (local)": "C5",
+          "torchrun alone": "C5"}
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("series") and "hosts" not in data["series"][0]:
+        return None  # an older format
+    return data
+
+
+def get(data: dict | None, tool: str, hosts: int, **match) -> dict | None:
+    if not data:
+        return None
+    for s in data["series"]:
+        if s["tool"] == tool and s["hosts"] == hosts and all(s.get(k) == v for k, v in match.items()):
+            return s
+    return None
+
+
+def med(stat: dict | None) -> float | None:
+    return stat.get("median") if stat else None
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def noisy(meta: dict) -> bool:
+    return bool(meta.get("quick")) or meta.get("loadavg_start", [0])[0] > 0.5 * (meta.get("cpus") or 1)
+
+
+def describe(name: str, data: dict) -> str:
+    m = data["meta"]
+    flag = " **NOISY: taken on a busy machine or with --quick; not for conclusions.**" if noisy(m) else ""
+    return (f"_{name}: {m['date']}, git {m.get('git')}, {m['reps']} repetition(s){' (--quick)' if m['quick'] else ''}, "
+            f"load average {m['loadavg_start'][0]:.1f} at start / {m['loadavg_end'][0]:.1f} at end on "
+            f"{m['cpus']} CPUs, {m['duration_s']:.0f} s._{flag}")
+
+
+# -- plots -------------------------------------------------------------------------------------
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _line(ax, data, tool, label=None, style="-", scenario=None, cap=None):
+    match = {"scenario": scenario} if scenario else {}
+    pts = sorted((s["hosts"], s) for s in data["series"] if s["tool"] == tool
+                 and all(s.get(k) == v for k, v in match.items()))
+    if not pts:
+        return
+    xs, ys, lo, hi, capped_x = [], [], [], [], []
+    for n, s in pts:
+        if s.get("median") is None:
+            capped_x.append(n)
+            continue
+        xs.append(n)
+        ys.append(s["median"])
+        lo.append(s["median"] - (s["min"] if s["min"] is not None else s["median"]))
+        hi.append((s["max"] if s["max"] is not None else (cap or s["median"])) - s["median"])
+    color = COLORS.get(tool)
+    if xs:
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style + "o", color=color, label=label or tool, capsize=3, ms=4)
+    if capped_x and cap:
+        ax.scatter(capped_x, [cap] * len(capped_x), marker="^", s=60, color=color,
+                   label=f"{label or tool}: > {cap:g} s (cap)")
+
+
+def plot_fanout(data, plt) -> str | None:
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for tool in FANOUT_ORDER:
+        style = "--" if tool.startswith("in-process") else (":" if tool == "ddpfab startup" else "-")
+        _line(ax, data, tool, label=tool, style=style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    sizes = data["config"]["sizes"]
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("hosts")
+    ax.set_ylabel("seconds (median, bars: min-max)")
+    ax.set_title("Fan-out: `hostname` on N lab hosts, end to end")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, plt, "bench-fanout.png")
+
+
+def plot_launch(data, plt) -> str | None:
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.1, 1]})
+    for tool in LAUNCH_ORDER:
+        _line(ax, data, tool)
+    sizes = data["config"]["sizes"]
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("hosts (1 process each)")
+    ax.set_ylabel("seconds to every rank's first line")
+    ax.set_title("Launch: start -> every rank printed")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    phases = data.get("phases") or []
+    if phases:
+        steps = [s["step"] for s in phases[0]["steps"]]
+        bottom = [0.0] * len(phases)
+        xs = [str(p["hosts"]) for p in phases]
+        for i, step in enumerate(steps):
+            vals = [max(0.0, p["steps"][i]["seconds"]) for p in phases]
+            ax2.bar(xs, vals, bottom=bottom, label=step, color=f"C{i % 10}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax2.set_xlabel("hosts")
+        ax2.set_ylabel("seconds")
+        ax2.set_title("One `ddpfab run`, by step")
+        ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax2.set_visible(False)
+    return _save(fig, plt, "bench-launch.png")
+
+
+def plot_teardown(data, plt) -> str | None:
+    cap = data["config"]["cap_s"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, scenario, title in zip(axes, ("crash", "sigint"), ("after a rank crashes", "after Ctrl-C")):
+        for tool in TEARDOWN_ORDER:
+            _line(ax, data, tool, scenario=scenario, cap=cap)
+        ax.axhline(2.0, color="grey", ls="--", lw=1, label="target: 2 s")
+        sizes = data["config"]["sizes"]
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("hosts (1 process each)")
+        ax.set_title(f"Last job process gone {title}")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("seconds (log)")
+    return _save(fig, plt, "bench-teardown.png")
+
+
+def plot_provision(data, plt) -> str | None:
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    rows = [(s["tool"] + " (re-run)", s) for s in data["series"]]
+    labels = [r[0] for r in rows]
+    vals = [r[1]["median"] for r in rows]
+    err = [[v - r[1]["min"] for v, r in zip(vals, rows)], [r[1]["max"] - v for v, r in zip(vals, rows)]]
+    if data.get("first_run"):
+        labels.append("ddpfab provision (first run)")
+        vals.append(data["first_run"]["seconds"])
+        err[0].append(0)
+        err[1].append(0)
+    ax.barh(labels, vals, xerr=err, color=["C0", "C2", "C1", "C7"][:len(vals)], capsize=3)
+    ax.set_xlabel("seconds (median, bars: min-max)")
+    ax.set_title(f"playbooks/provision.yml on {data['config']['hosts']} lab hosts")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, plt, "bench-provision.png")
+
+
+def _save(fig, plt, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(DOCS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+# -- markdown ------------------------------------------------------------------------------------
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + [""]
+
+
+def fanout_section(data, plots) -> tuple[list[str], dict]:
+    lines = ["## 1. Fan-out latency (`bench/fanout.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/fanout.py`.", ""], {}
+    sizes = data["config"]["sizes"]
+    lines += [describe("fanout", data), "",
+              "`hostname` on N hosts, wall time from spawning the command to its exit (its output checked: "
+              "every host answered). Every tool opens fresh SSH connections (ansible's ControlPersist "
+              "masters are closed before its cold run). Median (min-max) in seconds.", ""]
+    rows = []
+    for tool in FANOUT_ORDER:
+        if any(get(data, tool, n) for n in sizes):
+            rows.append([FANOUT_LABEL.get(tool, tool)] + [fmt(get(data, tool, n)) for n in sizes])
+    lines += table(["tool"] + [f"N={n}" for n in sizes], rows)
+    d = {n: med(get(data, "ddpfab exec", n)) for n in sizes}
+    ratio_rows = [
+        ["ddpfab exec / pdsh (target <= 1.2)"] + [ratio(d[n], med(get(data, "pdsh", n))) for n in sizes],
+        ["ssh loop / ddpfab exec (target >= 5)"] + [ratio(med(get(data, "ssh loop", n)), d[n]) for n in sizes],
+        ["ansible / ddpfab exec (target >= 5)"] + [ratio(med(get(data, "ansible", n)), d[n]) for n in sizes],
+        ["ansible warm / ddpfab exec"] + [ratio(med(get(data, "ansible (warm)", n)), d[n]) for n in sizes],
+        ["ddpfab exec / in-process warm"] + [ratio(d[n], med(get(data, "in-process warm", n))) for n in sizes],
+    ]
+    lines += ["Ratios of medians, same run:", ""] + table(["ratio"] + [f"N={n}" for n in sizes], ratio_rows)
+    if "bench-fanout.png" in plots:
+        lines += ["![fan-out latency vs hosts](bench-fanout.png)", ""]
+    lines += ["Caveat for the ratios against the sequential loop and Ansible: on this lab the client and all N "
+              "sshd's share the machine's CPUs, and an SSH connection is mostly CPU on both ends (key exchange, "
+              "authentication, a session and a shell). A parallel tool can therefore overlap only as many "
+              "connections as there are cores, while the loop pays the same CPU plus its waits; on real hosts "
+              "(each sshd on its own machine, real network round trips) the parallel tools' advantage grows with N "
+              "and the loop's cost grows linearly, so the lab understates the ratio against the loop. Ansible's cost "
+              "is mostly controller CPU (a forked worker and a packaged Python module per host, a Python start on "
+              "each host), so for it the lab is closer to what real hosts would show.", ""]
+    big, small = max(sizes), min(sizes)
+    growth = {t: ratio(med(get(data, t, big)), med(get(data, t, small))) for t in ("ddpfab exec", "pdsh", "ssh loop")}
+    lines += [f"Growth from {small} to {big} hosts (median at {big} / median at {small}): "
+              + ", ".join(f"{t} {g}" for t, g in growth.items()) + ".", ""]
+    startup = med(get(data, "ddpfab startup", big))
+    cold = med(get(data, "in-process cold", big))
+    warm = med(get(data, "in-process warm", big))
+    if startup and cold and d.get(big):
+        lines += [f"Where `ddpfab exec`'s {d[big]:.2f} s on {big} hosts go: {startup:.2f} s before any SSH "
+                  f"(interpreter, imports, inventory loaded through Ansible), {cold:.2f} s to connect (host keys "
+                  f"verified) and run on all hosts at once in-process; on connections already open the same "
+                  f"command takes {warm:.2f} s. A persistent connection pool (ddpfab has none today) would save "
+                  f"about {cold - warm:.2f} s per command at {big} hosts; a faster startup about "
+                  f"{startup:.2f} s minus whatever loading the inventory must cost. "
+                  "Profile: `bench/results/fanout-profile.txt`.", ""]
+    targets = {}
+    if d.get(big):
+        targets["fanout_pdsh"] = (d[big] / med(get(data, "pdsh", big))) if get(data, "pdsh", big) else None
+        targets["fanout_loop"] = (med(get(data, "ssh loop", big)) / d[big]) if get(data, "ssh loop", big) else None
+        targets["fanout_ansible"] = (med(get(data, "ansible", big)) / d[big]) if get(data, "ansible", big) else None
+        targets["fanout_growth"] = d[big] / d[small] if d.get(small) else None
+        targets["fanout_growth_pdsh"] = (med(get(data, "pdsh", big)) / med(get(data, "pdsh", small))
+                                         if get(data, "pdsh", big) and get(data, "pdsh", small) else None)
+        targets["fanout_n"] = big
+    return lines, targets
+
+
+def launch_section(data, plots) -> tuple[list[str], dict]:
+    lines = ["## 2. Launch overhead (`bench/launch.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/launch.py`.", ""], {}
+    sizes = data["config"]["sizes"]
+    lines += [describe("launch", data), "",
+              "From spawning the launcher to the last rank's first line on its stdout; 1 process per host; "
+              "the script prints one line right after `import torch` and exits (no process group). "
+              "Median (min-max) in seconds.", ""]
+    rows = []
+    present = [t for t in LAUNCH_ORDER if any(get(data, t, n) for n in sizes)]
+    for tool in present:
+        rows.append([f"`{tool}`" if "ddpfab" in tool else tool] + [fmt(get(data, tool, n)) for n in sizes])
+    for tool in present:
+        if "ddpfab" in tool:
+            rows.append([f"(`{tool}`: until it starts the nodes)"]
+                        + [fmt(get(data, f"{tool}: prepared", n)) for n in sizes])
+    lines += table(["launcher"] + [f"N={n}" for n in sizes], rows)
+
+    def p(o, key):
+        v = o.get(key) or {}
+        return f"{v['median']:+.2f} s ({v['min']:+.2f}..{v['max']:+.2f})" if v.get("median") is not None else "n/a"
+
+    ov = {o["hosts"]: o for o in data.get("overhead", [])}
+    lines += ["What ddpfab adds: median of the per-repetition differences (drift cancelled), seconds.", ""]
+    lines += table(["difference"] + [f"N={n}" for n in sizes], [
+        ["ddpfab run - torchrun (local)  (target < 0.5 s at N=8)"] + [p(ov[n], "vs_local_torchrun") for n in sizes],
+        ["ddpfab run --no-check - torchrun (local)"] + [p(ov[n], "no_check_vs_local_torchrun") for n in sizes],
+        ["pdsh + torchrun - torchrun (local): N hosts sharing this machine's CPUs"]
+        + [p(ov[n], "pdsh_torchrun_vs_local") for n in sizes],
+        ["ddpfab run - pdsh + torchrun: same hosts, same contention"] + [p(ov[n], "vs_pdsh_torchrun") for n in sizes],
+        ["ddpfab run --no-check - pdsh + torchrun"] + [p(ov[n], "no_check_vs_pdsh_torchrun") for n in sizes],
+        ["preflight mesh check: ddpfab run - ddpfab run --no-check"] + [p(ov[n], "preflight_check") for n in sizes],
+    ] + ([
+        ["ddpfab run --no-sync - torchrun (local)"] + [p(ov[n], "no_sync_vs_local_torchrun") for n in sizes],
+        ["ddpfab run --no-sync - pdsh + torchrun"] + [p(ov[n], "no_sync_vs_pdsh_torchrun") for n in sizes],
+        ["code sync: ddpfab run - ddpfab run --no-sync"] + [p(ov[n], "code_sync") for n in sizes],
+    ] if any("code_sync" in ov[n] for n in sizes) else []))
+    lines += ["On this lab every host is a namespace on the same 2 CPUs: N hosts importing torch at once "
+              "(torchrun, then its worker, on every host) take longer than one, whoever starts them. The local "
+              "single-host torchrun is the baseline the target names; `pdsh + torchrun` starts the very same "
+              "torchrun commands on the same N hosts with the least an SSH fan-out can do, so "
+              "`ddpfab run - pdsh + torchrun` is what ddpfab itself adds under the same contention. On real "
+              "machines (one host per box) the contention term vanishes and the two baselines converge.", ""]
+    if "bench-launch.png" in plots:
+        lines += ["![launch time vs hosts, and one run by step](bench-launch.png)", ""]
+    phases = data.get("phases") or []
+    if phases:
+        steps = [s["step"] for s in phases[0]["steps"]]
+        lines += ["One `ddpfab run` by step (the CLI run in-process with timers around each step; one run per N, "
+                  "seconds):", ""]
+        lines += table(["step"] + [f"N={ph['hosts']}" for ph in phases],
+                       [[st] + [f"{ph['steps'][i]['seconds']:.2f}" for ph in phases] for i, st in enumerate(steps)]
+                       + [["**total to every rank's line**"] + [f"**{ph['ready']:.2f}**" for ph in phases]])
+    targets = {}
+    n8 = 8 if 8 in ov else max(ov) if ov else None
+    if n8:
+        targets["launch_n"] = n8
+        targets["launch_local"] = (ov[n8].get("vs_local_torchrun") or {}).get("median")
+        targets["launch_pdsh"] = (ov[n8].get("vs_pdsh_torchrun") or {}).get("median")
+        targets["launch_nocheck_pdsh"] = (ov[n8].get("no_check_vs_pdsh_torchrun") or {}).get("median")
+        targets["launch_nosync_local"] = (ov[n8].get("no_sync_vs_local_torchrun") or {}).get("median")
+        targets["launch_sync"] = (ov[n8].get("code_sync") or {}).get("median")
+    return lines, targets
+
+
+def profile_section(launch, fanout) -> list[str]:
+    lines = ["## What dominates ddpfab's own time, and what could be cut", ""]
+    if not launch or not launch.get("phases"):
+        return lines + ["Run `bench/launch.py` (without --no-profile) for the phase breakdown and profiles.", ""]
+    ph = {p["hosts"]: {s["step"]: s["seconds"] for s in p["steps"]} for p in launch["phases"]}
+    big = max(ph)
+    s = ph[big]
+    prof = launch.get("profile") or {}
+    pkg = prof.get("by_package_ms", {})
+    top = {e["module"]: e["cumulative_ms"] for e in prof.get("top_level_ms", [])}
+    mic = launch.get("micro") or {}
+
+    def ms(x):
+        return f"{x:.0f} ms" if x is not None else "n/a"
+
+    def diff(a, b):
+        return (mic[a] - mic[b]) if a in mic and b in mic else None
+
+    inv_save = diff("ddpfab.inventory.load(inventory) (Ansible)", "import yaml + yaml.safe_load(inventory)")
+    fab_save = diff("import fabric (paramiko + invoke + fabric)", "import paramiko")
+    parser_save = diff("ddpfab.cli.build_parser() (imports every plugin module)", "import ddpfab.cli")
+    py_remote = diff("ssh.run python -c pass (node's python)", "ssh.run true (open connection)")
+    round_trip = mic.get("ssh.run true (open connection)")
+    ip31 = diff("ssh.run 31 x ip -o route get", "ssh.run true (open connection)")
+    probe_one = next((v for k, v in mic.items() if k.startswith("probe.probe_node on one node")), None)
+    lines += [f"From the step breakdown above (N={big}), `python -X importtime` and pyinstrument "
+              "(`bench/results/launch-profile.txt`, `bench/results/fanout-profile.txt`), and isolated "
+              "measurements of each cost (min of 5, table below). Everything before \"start nodes\" is "
+              "ddpfab's own serial work; after it, the time is torchrun's and the script's (`import torch` "
+              "twice per host) plus one supervisor start per node.", "",
+              ("1. **The code sync before every run** (`ddpfab/cli.py:_sync_code` -> `ddpfab/sync.py:sync_cluster`, "
+               "on by default): " + ", ".join(f"{ph[n].get('code sync (rsync + tree hash per node)', 0):.2f} s at N={n}"
+                                               for n in sorted(ph))
+               + ", growing with N, although on this lab the hosts share the controller's /tmp so nothing is "
+               "copied (the sync finds the workdir shared). It opens its own OpenSSH ControlMaster connection "
+               "to every node and runs its own remote python there, serially before `run` opens its paramiko "
+               "connections and runs the probe's python. Cut: run the sync's node probe through the run's "
+               "connections and fold it into `probe.PROBE_SNIPPET` (one remote python, one connection set), or at "
+               "least overlap the sync with `connect_all`; skip rsync when the node reports the tree hash the "
+               "last sync recorded. Expected saving: most of the sync step when the code did not change "
+               "(the usual case when iterating)." if any("code sync (rsync + tree hash per node)" in ph[n]
+                                                         for n in ph) else "1. (no code sync in this ddpfab)"),
+              f"2. **Loading the inventory through Ansible** (`ddpfab/inventory.py:load`): "
+              f"{mic.get('ddpfab.inventory.load(inventory) (Ansible)', float('nan')):.2f} s in a fresh process "
+              f"against {mic.get('import yaml + yaml.safe_load(inventory)', float('nan')):.2f} s for PyYAML on the "
+              f"same file (importtime: the `ansible` package {ms(pkg.get('ansible'))} self time, "
+              f"`ansible.inventory.manager` {ms(top.get('ansible.inventory.manager'))} cumulative). Every command "
+              "that reads an inventory pays it (`exec`, `run`, `check`, `ps`...). Cut: read plain YAML/INI "
+              "inventories (no inventory plugins, no `group_vars/`/`host_vars/` dirs, no Jinja in values) with "
+              "PyYAML, already a dependency, and fall back to Ansible's InventoryManager only when the file needs "
+              f"it. Expected saving: **{inv_save:.2f} s per command**." if inv_save is not None else
+              "2. **Loading the inventory through Ansible** (`ddpfab/inventory.py:load`): see the micro table.",
+              f"3. **Fabric/Invoke imported for a thin wrapper** (`ddpfab/ssh.py`, top level `from fabric import "
+              f"Config, Connection`): importing fabric costs {fab_save:+.2f} s over paramiko alone (importtime: "
+              f"`invoke` {ms(pkg.get('invoke'))}, `fabric` {ms(pkg.get('fabric'))} self time). ddpfab uses "
+              "Connection only to hold a paramiko client and reads `conn.transport`; `paramiko.SSHClient` + "
+              "`paramiko.SSHConfig` do the same. Expected saving: that difference, on every command."
+              if fab_save is not None else "3. **Fabric/Invoke imports**: see the micro table.",
+              f"4. **Every plugin module imported to build the parser** (`ddpfab/cli.py:build_parser`, "
+              f"PLUGIN_MODULES = jobs, export, check, execute, replay): {parser_save:+.2f} s over importing the "
+              f"CLI module (`ddpfab.export` {ms(top.get('ddpfab.export'))} cumulative in importtime). Cut: a static "
+              "table of subcommand -> module, importing only the chosen one. Expected saving: that difference."
+              if parser_save is not None else "4. **Plugin modules imported to build the parser**: see the micro table.",
+              f"5. **Three serial SSH round trips before anything starts** (`ddpfab/runner.py:prepare`): connect "
+              f"{s.get('connect (SSH, host keys)', 0):.2f} s, probe {s.get('probe (python snippet per node)', 0):.2f} s "
+              f"(a python per node), preflight mesh {s.get('preflight mesh check', 0):.2f} s (a second python per "
+              "node, then all-pairs TCP); the supervisor is a third python per node. "
+              + (f"One node's probe alone takes {probe_one:.2f} s on an open connection, so on this lab most of "
+                 "the probe step is N nodes' probes competing for the CPUs. " if probe_one is not None else "")
+              + "Cut: open the mesh listeners "
+              "inside the probe's process (`probe.PROBE_SNIPPET` + `check.MESH_SNIPPET` as one remote program that "
+              "prints the facts and its listener ports in one JSON line and reads the targets from stdin as now). "
+              + (f"Expected saving: one remote python start ({py_remote:.2f} s) plus one exec round trip "
+                 f"({round_trip:.2f} s), i.e. about {py_remote + round_trip:.2f} s of the preflight step."
+                 if py_remote is not None and round_trip is not None else ""),
+              "6. **The probe spawns one `ip route get` per peer** (`probe.PROBE_SNIPPET`, the `routes` loop): N-1 "
+              "processes on every node, N(N-1) in all (56 at 8 hosts, 992 at 32), only to learn the interface "
+              "towards each peer. "
+              + (f"Measured {ip31 / 31 * 1000:.1f} ms per call, so {ip31 / 31 * 7:.2f} s per node at 8 hosts and "
+                 f"{ip31:.2f} s at 32 (on separate machines; on this lab all nodes share the CPUs). "
+                 if ip31 is not None else "")
+              + "Cut: one `ip -batch -` for all peers, or a UDP `connect()` + `getsockname()` per peer mapped to an "
+              "interface through `/sys/class/net` (no process at all).",
+              ]
+    if fanout:
+        big_f = max(fanout["config"]["sizes"])
+        cold = med(get(fanout, "in-process cold", big_f))
+        warm = med(get(fanout, "in-process warm", big_f))
+        if cold and warm:
+            lines.append(f"7. **No connection reuse across commands** (`ddpfab/ssh.py:connect`, once per host per "
+                         f"command): on {big_f} hosts connect + run takes {cold:.2f} s in-process, run on open "
+                         f"connections {warm:.2f} s. A pool (an opt-in local agent holding the connections, in the "
+                         "spirit of ssh's ControlMaster) would save the difference per `exec`; `run` already reuses "
+                         "its connections from probe to execute.")
+    lines += ["", "What is not worth cutting: the plan (milliseconds), the run record, and the supervisor itself "
+              "(shipped compressed in the command line; its cost is one python start per node).", ""]
+    if mic:
+        lines += ["Isolated costs (min of 5 runs; local = a fresh python on the controller, ssh.run = on an "
+                  "already open connection to a lab host):", ""]
+        lines += table(["what", "seconds"], [[k, f"{v:.3f}"] for k, v in mic.items()])
+    return lines
+
+
+def teardown_section(data, plots) -> tuple[list[str], dict]:
+    lines = ["## 3. Teardown (`bench/teardown.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/teardown.py`.", ""], {}
+    sizes = data["config"]["sizes"]
+    cap = data["config"]["cap_s"]
+    lines += [describe("teardown", data), "",
+              f"From the crash (the crashed rank's process gone from /proc) or the Ctrl-C, to the last process "
+              f"of the job gone from every host's process table. gloo process group, 1 process per host, the "
+              f"others inside `all_reduce`. Capped at {cap:g} s (\"> cap\": still there, then killed; not "
+              "repeated). Median (min-max) in seconds.", ""]
+    rows = []
+    for scenario in ("crash", "sigint"):
+        for tool in TEARDOWN_ORDER:
+            if any(get(data, tool, n, scenario=scenario) for n in sizes):
+                rows.append([f"{scenario}: {tool}"] + [fmt(get(data, tool, n, scenario=scenario)) for n in sizes])
+    lines += table(["scenario: launcher"] + [f"N={n}" for n in sizes], rows)
+    exits = []
+    for scenario in ("crash", "sigint"):
+        for tool in TEARDOWN_ORDER:
+            cells = []
+            for n in sizes:
+                s = get(data, tool, n, scenario=scenario)
+                cells.append(fmt(s.get("launcher_exit")) if s else "n/a")
+            if any(c != "n/a" for c in cells):
+                exits.append([f"{scenario}: {tool}"] + cells)
+    tr = []
+    for scenario in ("crash", "sigint"):
+        st = [get(data, "ddpfab run", n, scenario=scenario) for n in sizes]
+        if any(x and x.get("training_gone") for x in st):
+            tr.append([f"{scenario}: ddpfab run"] + [fmt(x.get("training_gone")) if x else "n/a" for x in st])
+    st = [get(data, "ddpfab run", n, scenario="crash") for n in sizes]
+    if any(x and x.get("noticed") for x in st):
+        tr.append(["crash: ddpfab noticed the failed node (its \"stopping the other nodes\" line)"]
+                  + [fmt(x.get("noticed")) if x and x.get("noticed") else "n/a" for x in st])
+    if tr:
+        lines += ["ddpfab in detail (same t=0): when torchrun and its workers were gone (only ddpfab's supervisors, "
+                  "finishing their records, left), and when ddpfab noticed the failed node:", ""]
+        lines += table(["scenario: launcher"] + [f"N={n}" for n in sizes], tr)
+    lines += ["When the launcher itself returned (same t=0; \"> cap\": still running):", ""]
+    lines += table(["scenario: launcher"] + [f"N={n}" for n in sizes], exits)
+    last_rows = []
+    for scenario in ("crash", "sigint"):
+        for tool in TEARDOWN_ORDER:
+            counts: dict[str, int] = {}
+            for n in sizes:
+                one = get(data, tool, n, scenario=scenario)
+                for last in (one or {}).get("last_to_go") or []:
+                    for kind in {x.split(":", 1)[1] for x in last}:
+                        counts[kind] = counts.get(kind, 0) + 1
+            if counts:
+                last_rows.append([f"{scenario}: {tool}", ", ".join(f"{k} ({v})" for k, v in sorted(counts.items()))])
+    if last_rows:
+        lines += ["Which processes were the last to go (kinds still present at the last poll before the end; "
+                  "in how many runs):", ""]
+        lines += table(["scenario: launcher", "last to go"], last_rows)
+    st = [get(data, "ddpfab run", n, scenario="crash") for n in sizes]
+    noticed = [x.get("noticed") for x in st if x and x.get("noticed") and x["noticed"].get("median") is not None]
+    if noticed and len(noticed) == len(st) and all(x.get("median") is not None for x in st):
+        worst = max(range(len(st)), key=lambda i: st[i]["median"])
+        nt, total = st[worst]["noticed"]["median"], st[worst]["median"]
+        lines += [f"Where ddpfab's crash teardown goes (N={sizes[worst]}): {nt:.2f} s until ddpfab hears of the "
+                  f"failure, {total - nt:.2f} s from there to the last process gone. The first part is torchrun's: "
+                  "ddpfab learns of the failure when the failed node's torchrun has exited (its monitor interval, "
+                  "error report, agent shutdown and interpreter exit with torch loaded) and its supervisor's SSH "
+                  "session ends. Cut (`ddpfab/agent.py:main`): the supervisor is a subreaper that already walks the "
+                  "job's process tree; with `--max-restarts 0` it can report a vanished worker to ddpfab at once "
+                  f"(a line or byte on its channel) instead of waiting for torchrun: expected saving most of the "
+                  f"{nt:.2f} s. The second part is the fast stop's grace (`agent.FAST_GRACE` = 0.5 s, TERM then "
+                  "KILL): the collective is already broken, so KILL at once would save up to 0.5 s more.", ""]
+    lines += ["How to read it: with gloo on TCP a dead peer closes its sockets, so the other ranks' "
+              "`all_reduce` fails within moments and plain torchrun launches also end soon after a crash; the "
+              "difference is who cleans up. ddpfab's supervisor ends each node's whole process tree as soon as one "
+              "node fails. After a Ctrl-C, pdsh drops its ssh clients and the remote torchruns (no terminal, "
+              "nothing printed) train on as orphans; a Ctrl-C in one node's terminal ends that node, and the "
+              "others follow only when gloo notices. With NCCL over InfiniBand/RoCE a dead peer is usually "
+              "*not* noticed until the collective timeout (10-30 min by default): the case the supervisor "
+              "exists for, not reproducible with gloo on this lab.", ""]
+    if "bench-teardown.png" in plots:
+        lines += ["![teardown vs hosts](bench-teardown.png)", ""]
+    targets = {}
+    crash = [get(data, "ddpfab run", n, scenario="crash") for n in sizes]
+    if all(crash):
+        targets["teardown_worst_median"] = max((c["median"] if c["median"] is not None else float("inf")) for c in crash)
+        targets["teardown_worst_sample"] = max((x if x is not None else float("inf")) for c in crash for x in c["samples"])
+    return lines, targets
+
+
+def provision_section(data, plots) -> list[str]:
+    lines = ["## 4. Provisioning (`bench/provision.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/provision.py` (needs playbooks/ and roles/ to work).", ""]
+    lines += [describe("provision", data), "",
+              f"`playbooks/provision.yml` on {data['config']['hosts']} lab hosts. First run: fresh hosts to ready "
+              "(torch venv from the local wheel mirror, `ddpfab_python_pip_compile: false`). Re-run: nothing to "
+              "change (changed=0 checked on every host), cold SSH (ControlPersist masters closed before each run). "
+              "\"defaults\" = `ANSIBLE_CONFIG` pointing to an empty file (only `ANSIBLE_ROLES_PATH` set): no "
+              "pipelining, forks 5, Ansible's default ssh_args.", ""]
+    rows = []
+    fr = data.get("first_run")
+    if fr:
+        rows.append(["`ddpfab provision`, first run", f"{fr['seconds']:.1f} s", "-"])
+    base = med(get(data, "ddpfab provision", data["config"]["hosts"]))
+    for s in data["series"]:
+        rows.append([f"`{s['tool']}`, re-run", fmt(s), ratio(s["median"], base)])
+    lines += table(["what", "median (min-max)", "vs ddpfab provision re-run"], rows)
+    slow = next((s.get("slowest_tasks") for s in data["series"] if s["tool"] == "ddpfab provision"), None)
+    if slow:
+        count = next((t["seconds"] for t in slow if t["task"] == "(tasks)"), None)
+        lines += [f"Slowest tasks of one `ddpfab provision` re-run ({count} task headers; wall time from a task's "
+                  "header to the next, all hosts together):", ""]
+        lines += table(["task", "s"], [[t["task"].replace("|", "/"), f"{t['seconds']:.2f}"]
+                                       for t in slow if t["task"] != "(tasks)"])
+    if "bench-provision.png" in plots:
+        lines += ["![provisioning times](bench-provision.png)", ""]
+    return lines
+
+
+def verdicts(t: dict) -> list[str]:
+    def v(ok):
+        return "n/a" if ok is None else ("**met**" if ok else "**not met**")
+
+    def x(val, spec="{:.2f}x"):
+        return "n/a" if val is None else spec.format(val)
+
+    n = t.get("fanout_n", 32)
+    rows = [
+        [f"fan-out on {n} hosts within 1.2x of pdsh", f"ddpfab/pdsh = {x(t.get('fanout_pdsh'))}",
+         v(None if t.get("fanout_pdsh") is None else t["fanout_pdsh"] <= 1.2)],
+        [f"fan-out on {n} hosts >= 5x faster than the ssh loop", f"loop/ddpfab = {x(t.get('fanout_loop'))}",
+         v(None if t.get("fanout_loop") is None else t["fanout_loop"] >= 5)],
+        [f"fan-out on {n} hosts >= 5x faster than ansible ad-hoc", f"ansible/ddpfab = {x(t.get('fanout_ansible'))}",
+         v(None if t.get("fanout_ansible") is None else t["fanout_ansible"] >= 5)],
+        ["fan-out growth with N close to flat (here: t(32)/t(2) <= 2)",
+         f"ddpfab {x(t.get('fanout_growth'))} (pdsh {x(t.get('fanout_growth_pdsh'))})",
+         v(None if t.get("fanout_growth") is None else t["fanout_growth"] <= 2)],
+        [f"launch overhead < 0.5 s at {t.get('launch_n', 8)} hosts beyond torchrun (local)",
+         f"{x(t.get('launch_local'), '{:+.2f} s')} (vs pdsh + torchrun on the same hosts: "
+         f"{x(t.get('launch_pdsh'), '{:+.2f} s')}; with --no-check {x(t.get('launch_nocheck_pdsh'), '{:+.2f} s')}); "
+         f"code sync {x(t.get('launch_sync'), '{:+.2f} s')}, --no-sync vs torchrun (local) "
+         f"{x(t.get('launch_nosync_local'), '{:+.2f} s')}",
+         v(None if t.get("launch_local") is None else t["launch_local"] < 0.5)],
+        ["teardown < 2 s after a crash, every N", f"worst median {x(t.get('teardown_worst_median'), '{:.2f} s')}, "
+         f"worst single run {x(t.get('teardown_worst_sample'), '{:.2f} s')}",
+         v(None if t.get("teardown_worst_median") is None else t["teardown_worst_median"] < 2)],
+    ]
+    return table(["target", "measured", "verdict"], rows)
+
+
+def main() -> int:
+    DOCS.mkdir(exist_ok=True)
+    fanout, launch, teardown, provision = (load(n) for n in ("fanout", "launch", "teardown", "provision"))
+    plt = _plt()
+    plots: set[str] = set()
+    if plt is not None:
+        for data, fn in ((fanout, plot_fanout), (launch, plot_launch), (teardown, plot_teardown),
+                         (provision, plot_provision)):
+            if data:
+                plots.add(fn(data, plt))
+    targets: dict = {}
+    f_lines, t1 = fanout_section(fanout, plots)
+    l_lines, t2 = launch_section(launch, plots)
+    d_lines, t3 = teardown_section(teardown, plots)
+    targets.update(t1)
+    targets.update(t2)
+    targets.update(t3)
+    metas = [d["meta"] for d in (fanout, launch, teardown, provision) if d]
+    m = metas[0] if metas else {}
+    any_noisy = any(noisy(x) for x in metas)
+    head = [
+        "# Benchmarks: ddpfab against the alternatives",
+        "",
+        "<!-- generated by bench/report.py from bench/results/*.json; edit those scripts, not this file -->",
+        "",
+    ]
+    if any_noisy:
+        head += ["> **These numbers are noisy**: at least one benchmark ran on a busy machine (load average above "
+                 "half the CPU count at its start) or with `--quick`. Re-run `bench/run_all.py` on a quiet machine "
+                 "before drawing conclusions.", ""]
+    head += [
+        "## Where and how this was measured",
+        "",
+        f"- Machine: {m.get('cpus', '?')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gib', '?')} GiB, Linux "
+        f"{m.get('kernel', '?')}, Python {m.get('python', '?')}; "
+        + ", ".join(v if v.lower().startswith(k) else f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v)
+        + ".",
+        "- Hosts are **`ddpfab lab` hosts: Linux namespaces on this one machine** (own address, sshd, host key, "
+        "process table, hostname; see `ddpfab/lab.py`). The \"network\" is a Linux bridge (sub-millisecond, no "
+        "bandwidth limit) and **all hosts share this machine's CPUs**: work that would run in parallel on N "
+        "real machines (N sshd handshakes, N `import torch`) competes for the same cores here. Absolute times "
+        "are therefore pessimistic for large N; ratios measured in the same run are the point.",
+        "- Each tool is run as a user would type it (a fresh process), interleaved with the others in a "
+        "rotating order inside every repetition, so load drifts hit all of them alike. Tables give the median "
+        "and the min-max spread over the repetitions.",
+        "- Reproduce: as root, `apt-get install -y pdsh` (bench-only), `.venv/bin/pip install matplotlib "
+        "pyinstrument` (bench-only, not in pyproject), then `.venv/bin/python bench/run_all.py` "
+        "(every benchmark, then this page). One benchmark: `.venv/bin/python bench/<name>.py [--quick]`; "
+        "this page alone: `.venv/bin/python bench/report.py`. See `bench/README.md`.",
+        "",
+        "## Targets",
+        "",
+    ]
+    head += verdicts(targets)
+    body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
+    if plt is None:
+        body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
+                 "`.venv/bin/python bench/report.py`)._", ""]
+    DOC.write_text("\n".join(head + body).rstrip() + "\n")
+    print(f"wrote {DOC}" + (f" and {', '.join(sorted('docs/' + p for p in plots))}" if plots else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
