@@ -32,7 +32,7 @@ PR_SET_CHILD_SUBREAPER = 36
 #: Seconds between TERM and KILL when the job is stopped because another node failed: the
 #: collective is broken, so there is nothing to wait for (the workers die on TERM at once; this
 #: only cuts short torchrun's own slow shutdown).
-FAST_GRACE = 0.5
+FAST_GRACE = 0.1
 
 
 def _set_subreaper():
