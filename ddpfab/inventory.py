@@ -169,7 +169,7 @@ def load(source: str | os.PathLike, group: str = "all") -> Cluster:
     loader = DataLoader()
     chatter = io.StringIO()
     try:
-        with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
+        with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter), _strict_parsing():
             inv = InventoryManager(loader=loader, sources=[str(path)])
     except AnsibleError as exc:
         detail = " ".join(str(exc).split())
@@ -202,6 +202,24 @@ def load(source: str | os.PathLike, group: str = "all") -> Cluster:
         raise InventoryError(f"inventory {path}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
                              "set it on one")
     return Cluster(source=str(path), group=group, nodes=tuple(nodes))
+
+
+@contextlib.contextmanager
+def _strict_parsing():
+    """The same settings as :func:`_ansible_env`, on Ansible's constants themselves: when ansible
+    was imported before (a playbook run, a plugin, a test) the environment is read already."""
+    from ansible import constants as C
+
+    wanted = {"INVENTORY_UNPARSED_IS_FAILED": True, "INVENTORY_ANY_UNPARSED_IS_FAILED": True,
+              "INVENTORY_ENABLED": ["host_list", "yaml", "ini", "toml", "auto"]}
+    saved = {k: getattr(C, k) for k in wanted if hasattr(C, k)}
+    for k, v in wanted.items():
+        setattr(C, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(C, k, v)
 
 
 def _inner_reason(chatter: str) -> str:

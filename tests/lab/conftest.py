@@ -49,7 +49,7 @@ def inventory2(lab, tmp_path) -> Path:
 def no_leftovers(lab):
     """After the test: no process, no listener but sshd, no temp file on any lab host."""
     yield
-    from .helpers import wait_no_processes
+    from .helpers import host_tmp_leftovers, wait_no_processes
 
     names = [h.name for h in lab.hosts]
     wait_no_processes(lab, timeout=5, names=names)
@@ -57,16 +57,6 @@ def no_leftovers(lab):
         listening = lab.netns_exec(name, ["ss", "-Htln"], capture_output=True, text=True).stdout.split("\n")
         ports = sorted({ln.split()[3].rsplit(":", 1)[1] for ln in listening if ln.strip()})
         assert ports == ["22"], f"{name} has listeners left: {ports}"
-        tmp_upper = Path(lab.store) / name / "upper_tmp"
-        left = [str(p.relative_to(tmp_upper)) for p in tmp_upper.rglob("*")
-                if (not p.is_dir() or not any(p.iterdir())) and not _checkout_bytecode(p, tmp_upper)]
+        left = host_tmp_leftovers(lab, name)
         assert not left, f"{name} has temp files left in /tmp: {left[:10]}"
 
-
-def _checkout_bytecode(path: Path, tmp_upper: Path) -> bool:
-    """Python's bytecode cache of the checkout itself, when the checkout lies under /tmp (as in CI):
-    the hosts import ddpfab from it (shared code, as on NFS), which writes ``__pycache__`` there.
-    Not a temp file of any job. (Files and empty dirs are what count; parent dirs do not.)"""
-    repo = Path(__file__).resolve().parents[2]
-    real = Path("/tmp") / path.relative_to(tmp_upper)
-    return real.is_relative_to(repo) and "__pycache__" in real.relative_to(repo).parts

@@ -47,3 +47,21 @@ def wait_no_processes(lab, timeout: float, names=("node1", "node2", "node3")) ->
         if time.monotonic() - start > timeout:
             pytest.fail(f"processes left on hosts after {timeout} s: {left}")
         time.sleep(0.05)
+
+
+def host_tmp_leftovers(lab, name: str) -> list[str]:
+    """What host *name* wrote to its /tmp (its overlay's upper layer): files and empty dirs.
+
+    Python's bytecode cache of the checkout itself does not count: when the checkout lies under
+    /tmp (as in CI) the hosts import ddpfab from it (shared code, as on NFS), which writes
+    ``__pycache__`` there; parent dirs of what is listed do not count either."""
+    tmp_upper = Path(lab.store) / name / "upper_tmp"
+    left = []
+    for p in tmp_upper.rglob("*"):
+        if p.is_dir() and any(p.iterdir()):
+            continue
+        real = Path("/tmp") / p.relative_to(tmp_upper)
+        if real.is_relative_to(REPO) and "__pycache__" in real.relative_to(REPO).parts:
+            continue
+        left.append(str(p.relative_to(tmp_upper)))
+    return left

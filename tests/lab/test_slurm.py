@@ -27,7 +27,7 @@ import pytest
 from ddpfab.export import plan_for_export, to_sbatch
 from ddpfab.plan import RunOptions
 
-from .helpers import REPO, reports
+from .helpers import REPO, host_tmp_leftovers, reports
 
 REPORT = "tests/lab/scripts/report.py"
 HOSTS = ("node1", "node2")
@@ -162,8 +162,8 @@ def slurm(lab, tmp_path_factory):
             listening = lab.netns_exec(h, ["ss", "-Htln"], capture_output=True, text=True).stdout.splitlines()
             ports = sorted({ln.split()[3].rsplit(":", 1)[1] for ln in listening if ln.strip()})
             assert ports == ["22"], f"{h} has listeners left: {ports}"
-            tmp_upper = Path(lab.store) / h / "upper_tmp"
-            assert not list(tmp_upper.rglob("*")), f"{h} has files left in /tmp: {list(tmp_upper.rglob('*'))[:5]}"
+            left = host_tmp_leftovers(lab, h)
+            assert not left, f"{h} has files left in /tmp: {left[:5]}"
 
 
 def submit(slurm: Slurm, plan, d: Path) -> tuple[dict[str, str], str]:
