@@ -665,7 +665,7 @@ class _Sync:
 
     # -- phase 1: connect and probe --------------------------------------------------------
     def connect_and_probe(self, create: bool) -> None:
-        nonce = f".ddpfab-sync-probe-{secrets.token_hex(8)}"
+        nonce = f"{treehash.PROBE_PREFIX}{secrets.token_hex(8)}"
         nonce_path = os.path.join(self.sel.root, nonce)
         try:
             fd = os.open(nonce_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)

@@ -240,6 +240,11 @@ class Skipper:
         return None
 
 
+#: The file ``ddpfab sync`` briefly creates in the source to detect a shared filesystem; never
+#: part of the tree (a node may still list it after the controller removed it).
+PROBE_PREFIX = ".ddpfab-sync-probe-"
+
+
 def walk(root, skipper, ignore=None):
     """Files and symlinks under *root* (relative paths), and the skipped paths found on the way:
     ``(files, skipped)`` with skipped a list of ``(rel, reason, is_dir)``. Ignored paths (by
@@ -252,6 +257,8 @@ def walk(root, skipper, ignore=None):
         except FileNotFoundError:
             continue
         for e in entries:
+            if e.name.startswith(PROBE_PREFIX):
+                continue
             rel = d + "/" + e.name if d else e.name
             if e.is_dir(follow_symlinks=False):
                 reason = skipper._own_dir_reason(rel)

@@ -95,10 +95,19 @@ def test_emitted_scripts_run_by_hand_over_plain_ssh_reproduce_the_run(lab, recor
     assert [s.name for s in scripts] == ["node0_node1.sh", "node1_node2.sh"]
     assert "ssh" in res.stdout and "node1_node2.sh" in res.stdout  # the README: which to run where
     assert all(lab.processes(n) == [] for n in ("node1", "node2")), "plan must start nothing"
+    # output to files, not pipes: a pipe not drained while we wait on the other node would stall
+    # that node mid-run (--debug output is large) and with it the whole job
+    logs = [tmp_path / f"{s.stem}.out" for s in scripts]
     procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), s.name.split("_", 1)[1][:-3], "bash -s"],
-                              stdin=s.open(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for s in scripts]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
+                              stdin=s.open(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for s, log in zip(scripts, logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=180)
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs]
     assert [p.returncode for p in procs] == [0, 0], outs
     by_hand = reports("\n".join(outs))
     assert same_job(by_hand) == same_job(recorded.got)

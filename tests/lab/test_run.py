@@ -124,9 +124,17 @@ def test_dry_run_commands_reproduce_the_run_over_plain_ssh(lab, inventory2, tmp_
             commands[line.split()[1]] = lines[i + 1]
     assert set(commands) == {"node1", "node2"}
     assert all(lab.processes(n) == [] for n in ("node1", "node2")), "dry-run must start nothing"
-    procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), name, cmd], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for name, cmd in commands.items()]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    # output to files, not pipes: an undrained pipe would stall one node and with it the job
+    logs = {name: tmp_path / f"{name}.out" for name in commands}
+    procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), name, cmd], stdout=logs[name].open("w"),
+                              stderr=subprocess.STDOUT) for name, cmd in commands.items()]
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs.values()]
     assert [p.returncode for p in procs] == [0, 0], outs
     got = reports("\n".join(outs))
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
