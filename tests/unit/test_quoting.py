@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
