@@ -284,8 +284,15 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 
 def cleanup() -> None:
-    """Destroy the default process group if there is one (safe to call twice)."""
+    """Destroy the default process group if there is one (safe to call twice).
+
+    A barrier first: a rank that tears gloo down while a peer's last collective is still in
+    flight can abort the peer ("terminate called without an active exception", seen here with
+    torch 2.13 + gloo), failing a run that had finished its work."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
