@@ -52,4 +52,5 @@ if args.report:
     print("REPORT " + json.dumps({"rank": rank, "world_size": world, "local_rank": args.local_rank,
                                   "local_rank_env": int(os.environ["LOCAL_RANK"]), "hostname": socket.gethostname(),
                                   "node_rank": int(os.environ["GROUP_RANK"]), "sum": total.item()}), flush=True)
+dist.barrier()  # gloo: tearing down while a peer still finishes aborts it (torch 2.13)
 dist.destroy_process_group()

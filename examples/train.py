@@ -57,6 +57,7 @@ def main() -> None:
         print(f"rank {rank} step {step} mean loss {mean.item():.6f}", flush=True)
     checksum = sum(p.detach().double().sum() for p in model.parameters()).item()
     print(f"rank {rank} done, parameter checksum {checksum:.6f}", flush=True)
+    dist.barrier()  # gloo: tearing down while a peer still finishes aborts it (torch 2.13)
     dist.destroy_process_group()
 
 

@@ -39,4 +39,5 @@ hang = float(os.environ.get("REPORT_HANG", "0"))
 if hang:
     print(f"rank {rank} READY", flush=True)
     time.sleep(hang)
+dist.barrier()  # gloo: tearing down while a peer still finishes aborts it (torch 2.13)
 dist.destroy_process_group()
