@@ -61,7 +61,8 @@ def test_ssh_works_and_sshd_listens(host, expect):
 
 def test_iptables_jump_is_the_first_input_rule_exactly_once(host, expect):
     if expect["backend"] != "iptables":
-        pytest.skip("nftables backend")
+        pytest.skip("this host was provisioned with the nftables backend: iptables checks do not apply "
+                    "(test_provision.py runs this module once per backend)")
     with _root(host):
         rules = [r for r in _iptables(host, "INPUT") if r.startswith("-A ")]
     assert rules[0] == f"-A INPUT -j {CHAIN}"
@@ -70,7 +71,8 @@ def test_iptables_jump_is_the_first_input_rule_exactly_once(host, expect):
 
 def test_iptables_chain_accepts_ssh_before_members_and_only_members(host, expect):
     if expect["backend"] != "iptables":
-        pytest.skip("nftables backend")
+        pytest.skip("this host was provisioned with the nftables backend: iptables checks do not apply "
+                    "(test_provision.py runs this module once per backend)")
     with _root(host):
         chain = [r for r in _iptables(host, CHAIN) if r.startswith("-A ")]
     # loopback, established, ssh come first: nothing after them can lock the operator out
@@ -87,7 +89,8 @@ def test_iptables_chain_accepts_ssh_before_members_and_only_members(host, expect
 
 def test_iptables_rules_are_saved_for_boot(host, expect):
     if expect["backend"] != "iptables":
-        pytest.skip("nftables backend")
+        pytest.skip("this host was provisioned with the nftables backend: iptables checks do not apply "
+                    "(test_provision.py runs this module once per backend)")
     saved = host.file(expect.get("persist_file", "/etc/iptables/rules.v4"))
     assert saved.exists
     with _root(host):
@@ -99,7 +102,8 @@ def test_iptables_rules_are_saved_for_boot(host, expect):
 
 def test_nftables_table_holds_the_members(host, expect):
     if expect["backend"] != "nftables":
-        pytest.skip("iptables backend")
+        pytest.skip("this host was provisioned with the iptables backend: nftables checks do not apply "
+                    "(test_provision.py runs this module once per backend)")
     with _root(host):
         table = host.check_output("nft list table inet ddpfab")
     for addr in expect["members"]:
