@@ -226,6 +226,11 @@ done
 for d in {tmpfs}; do mount -t tmpfs -o mode=1777 "ddpfab-lab-tmp" "$d"; done
 chmod 755 /run
 mkdir -m755 /run/sshd
+# root's shell startup as on a fresh install, not the controller's: bash sources ~/.bashrc for
+# every SSH command, and an operator's pyenv/conda init there would cost every command of every host
+for f in .bashrc .profile; do
+  if [ -f /usr/share/base-files/dot$f ]; then cp /usr/share/base-files/dot$f /root/$f; else rm -f /root/$f; fi
+done
 mount --bind {labdir}/hosts /etc/hosts
 mount --bind {root}/resolv.conf /etc/resolv.conf
 exec /usr/sbin/sshd -D -e -f {root}/sshd_config
