@@ -15,6 +15,10 @@ the nodes beyond a python). It:
   SIGTERM/SIGHUP/SIGINT, or when the job's main process exits;
 - with ``detached`` in the spec it ignores stdin and writes only to ``output.log``: the job then
   lives on without ddpfab until it ends or ``ddpfab stop`` signals this agent;
+- with ``watch_workers`` in the spec (torchrun with ``--max-restarts=0``: any failed worker ends
+  the job) it watches torchrun's workers through pidfds and, the moment one exits with an error,
+  ends the node's job itself instead of waiting for torchrun to notice, tear down and exit (about a
+  second with torch loaded): that second is most of a crash's teardown time;
 - exits with the job's exit code (128+N for a signal), after writing it to ``exit_code``.
 
 Killing is by this job's process tree only, never by a name pattern: two jobs may share a host.
@@ -33,6 +37,12 @@ PR_SET_CHILD_SUBREAPER = 36
 #: collective is broken, so there is nothing to wait for (the workers die on TERM at once; this
 #: only cuts short torchrun's own slow shutdown).
 FAST_GRACE = 0.1
+#: Seconds between a worker's failure and ending the node's job: torchrun's ``--tee`` relays the
+#: workers' log files every 0.1 s, so this lets the crashed rank's last lines (its traceback) reach
+#: the stream before torchrun is stopped.
+TAIL_SETTLE = 0.25
+#: Modules whose process is torchrun (or the legacy launcher); its children are the workers.
+LAUNCHER_MODULES = (b"torch.distributed.run", b"torch.distributed.launch")
 
 
 def _set_subreaper():
@@ -110,6 +120,89 @@ def end_tree(grace, keep):
         time.sleep(0.02)
         _reap(keep)
         pids = descendants(me)
+
+
+def is_launcher(pid):
+    """Is *pid* torchrun: ``python -m torch.distributed.run|launch ...`` or the ``torchrun`` script?
+    (Whole argv words: the ``sh -c`` around it holds the same text inside one word.)"""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    if any(a == b"-m" and b in LAUNCHER_MODULES for a, b in zip(argv, argv[1:])):
+        return True
+    return any(os.path.basename(a) == b"torchrun" for a in argv[:2])
+
+
+def torchrun_workers(root):
+    """The workers torchrun started under *root* (pids), or [] while it has not started them."""
+    tree = {}
+    for p, state, ppid in _processes():
+        if state != b"Z":
+            tree.setdefault(ppid, []).append(p)
+    todo = [root]
+    while todo:
+        p = todo.pop()
+        if is_launcher(p):
+            return list(tree.get(p, []))
+        todo.extend(tree.get(p, []))
+    return []
+
+
+def exit_status(pid):
+    """How a process that just exited ended, read from its zombie before its parent reaps it:
+    ("exit", code), ("signal", number), or None when it is gone (or not a zombie)."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if fields[0] != b"Z" or len(fields) < 50:  # exit_code is field 52 (Linux >= 3.5)
+        return None
+    status = int(fields[49])
+    if status & 0x7F:
+        return ("signal", status & 0x7F)
+    return ("exit", (status >> 8) & 0xFF)
+
+
+def watch_workers(root, on_failure, stop, interval=0.2):
+    """Call ``on_failure(pid, how)`` when one of torchrun's workers exits with an error.
+
+    pidfds (Linux >= 5.3, Python >= 3.9) wake us the moment a worker exits, while it is still a
+    zombie whose exit status /proc shows; torchrun reaps it within its 0.1 s monitor interval. When
+    we lose that race, or have no pidfds, nothing happens: torchrun's own exit still ends the job.
+    """
+    import select
+
+    if not hasattr(os, "pidfd_open"):
+        return
+    fds = {}
+    try:
+        while not stop.is_set() and not fds:
+            for pid in torchrun_workers(root):
+                try:
+                    fds[os.pidfd_open(pid)] = pid
+                except OSError:
+                    pass
+            if not fds:
+                stop.wait(interval)
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        while not stop.is_set() and fds:
+            for fd, _ in poller.poll(interval * 1000):
+                pid = fds.pop(fd)
+                poller.unregister(fd)
+                os.close(fd)
+                how = exit_status(pid)
+                if how is not None and how != ("exit", 0):
+                    on_failure(pid, how)
+                    return
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _restarts(log_dir):
@@ -196,8 +289,19 @@ def main(spec):
                     link_ok = False
                     request_stop("controller link broken")
 
+    failed_worker = []
+
+    def worker_failed(pid, how):
+        failed_worker.append(pid)
+        if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
+            return
+        grace_now[0] = min(grace, FAST_GRACE)
+        request_stop("a worker failed (pid %d, %s %d); ended without waiting for torchrun" % (pid, how[0], how[1]))
+
     if not detached:
         threading.Thread(target=watch_link, daemon=True).start()
+    if spec.get("watch_workers"):
+        threading.Thread(target=watch_workers, args=(job.pid, worker_failed, stop), daemon=True).start()
     relayer = threading.Thread(target=relay, daemon=True)
     relayer.start()
     while job.poll() is None and not stop.is_set():
@@ -209,6 +313,8 @@ def main(spec):
     relayer.join(timeout=2)
     if code < 0:
         code = 128 - code
+    if failed_worker and reason and reason[0].startswith("a worker failed"):
+        code = 1  # what torchrun itself exits with when a worker fails
     if reason:
         _write(os.path.join(run_dir, "stopped"), reason[0] + "\n")
     _write(os.path.join(run_dir, "result.json"), json.dumps({

@@ -92,3 +92,82 @@ def test_sigterm_to_the_agent_ends_the_tree(tmp_path):
     proc.wait(timeout=10)
     assert not any(alive(p) for p in tree)
     assert (d / "run" / "stopped").read_text().startswith("signal")
+
+
+# a stand-in for torchrun (named so; argv[0] basename is what the agent looks for): two workers,
+# polled every 0.1 s as torchrun does, then a slow shutdown after a failure, as torchrun's is with
+# torch loaded on a busy node
+FAKE_TORCHRUN = r"""
+import subprocess, sys, time
+codes = [int(c) for c in sys.argv[1:]]
+workers = [subprocess.Popen([sys.executable, "-c",
+           "import sys,time;time.sleep(0.5 if %d >= 0 else 300);sys.exit(%d)" % (c, max(c, 0))])
+           for c in codes]
+open(sys.argv[0] + ".pids", "w").write(" ".join(str(w.pid) for w in workers))
+while True:
+    states = [w.poll() for w in workers]
+    if any(s not in (None, 0) for s in states):
+        time.sleep(8)  # torchrun tearing down, writing its error report, exiting
+        sys.exit(1)
+    if all(s == 0 for s in states):
+        sys.exit(0)
+    time.sleep(0.1)
+"""
+
+
+def start_fake_torchrun(tmp_path: Path, codes: list[int], watch: bool) -> subprocess.Popen:
+    launcher = tmp_path / "bin" / "torchrun"
+    launcher.parent.mkdir()
+    launcher.write_text(FAKE_TORCHRUN)
+    spec = {"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": watch,
+            "command": f"{sys.executable} {launcher} {' '.join(map(str, codes))}"}
+    return subprocess.Popen([sys.executable, str(AGENT), json.dumps(spec)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_a_failed_worker_ends_the_job_without_waiting_for_torchrun(tmp_path):
+    proc = start_fake_torchrun(tmp_path, [3, -1], watch=True)  # worker 0 fails, worker 1 hangs
+    t0 = time.monotonic()
+    proc.wait(timeout=30)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1  # what torchrun itself would have exited with
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["stopped"].startswith("a worker failed") and "exit 3" in result["stopped"], result
+    assert took < 5, f"took {took:.1f} s: the agent waited for the launcher's slow shutdown (8 s)"
+    workers = [int(p) for p in (tmp_path / "bin" / "torchrun.pids").read_text().split()]
+    assert len(workers) == 2 and not any(alive(p) for p in workers)  # the hanging one too
+
+
+def test_workers_that_succeed_let_torchrun_finish(tmp_path):
+    proc = start_fake_torchrun(tmp_path, [0, 0], watch=True)
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["stopped"] is None and result["exit_code"] == 0
+
+
+def test_launcher_detection_matches_whole_argv_words(tmp_path):
+    shell = subprocess.Popen(["/bin/sh", "-c", "sleep 30; echo python -m torch.distributed.run"])
+    module = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "torch.distributed.run"])
+    try:
+        assert not agent.is_launcher(shell.pid)  # the text inside one `sh -c` word is not a launcher
+        assert agent.is_launcher(module.pid)
+    finally:
+        for p in (shell, module):
+            p.kill()
+            p.wait()
+
+
+def test_exit_status_is_read_from_the_zombie():
+    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(5)"])
+    killed = subprocess.Popen(["sleep", "30"])
+    killed.kill()
+    deadline = time.monotonic() + 10
+    while (agent.exit_status(exited.pid) is None or agent.exit_status(killed.pid) is None) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)  # not reaped yet: both stay zombies until wait()
+    assert agent.exit_status(exited.pid) == ("exit", 5)
+    assert agent.exit_status(killed.pid) == ("signal", 9)
+    exited.wait()
+    killed.wait()
+    assert agent.exit_status(exited.pid) is None  # reaped: gone
