@@ -142,8 +142,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args)
-        prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check)
+        conns = runner.connect_all(cluster, policy, args.ssh_config)
+        try:
+            code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns)
+        except BaseException:
+            for c in conns.values():
+                c.close()
+            raise
+        prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check,
+                                  conns=conns)
     except (inventory.InventoryError, planmod.PlanError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:
@@ -164,12 +171,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _sync_code(cluster, policy, args: argparse.Namespace) -> dict:
+def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:
     """Sync the current directory to every node and verify it by hash (before the probe, which
-    checks that the script is there); the result goes into the manifest as ``code``."""
+    checks that the script is there); the result goes into the manifest as ``code``. When every
+    node has the tree already (checked over the run's own connections) nothing is started for it."""
     from . import runner
     from . import sync as syncmod
 
+    same = syncmod.unchanged(cluster, conns, os.getcwd())
+    if same is not None:
+        return same.to_dict()
     try:
         result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
                                       ssh_config=args.ssh_config,

@@ -55,11 +55,13 @@ def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
 
 
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
-            ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True) -> Prepared:
-    """Connect, probe and (with *preflight*) run the fast checks, then plan. Raises RunError with
-    one line per problem; nothing has been started on any node then."""
+            ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
+            conns: dict[str, Connection] | None = None) -> Prepared:
+    """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
+    and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
+    problem; nothing has been started on any node then."""
     cwd = cwd or os.getcwd()
-    conns = connect_all(cluster, policy, ssh_config)
+    conns = conns if conns is not None else connect_all(cluster, policy, ssh_config)
     try:
         master = choose_master(cluster)
         facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=options.script,

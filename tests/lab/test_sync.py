@@ -285,3 +285,41 @@ def test_playbook_syncs_with_the_same_rules_and_is_idempotent(lab, tmp_path, pro
     recap = [ln for ln in second.stdout.splitlines() if ln.startswith("node")]
     assert recap and all("changed=0" in ln and "failed=0" in ln for ln in recap), recap
     assert not list(project.glob(".ddpfab-sync-probe-*"))
+
+
+def test_run_checks_the_code_by_hash_and_copies_only_when_it_changed(lab, tmp_path, project):
+    """`ddpfab run` syncs first: a full sync the first time, then only a hash check over its own
+    connections while nothing changed, and a full sync again when a node's tree differs."""
+    from .helpers import ddpfab
+
+    workdir = f"/opt/ddpfab/run-{tmp_path.name}"
+    inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
+    runs = tmp_path / "runs"
+
+    def run_and_manifest() -> dict:
+        before = set(runs.glob("*/manifest.json")) if runs.exists() else set()
+        res = ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "train.py", cwd=project)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.count("training") == len(NODES), res.stdout
+        (new,) = set(runs.glob("*/manifest.json")) - before
+        return json.loads(new.read_text())["code"]
+
+    first = run_and_manifest()
+    assert {n["source"] for n in first["nodes"].values()} == {"controller"}, first
+    assert_exact(lab, project, workdir)
+
+    second = run_and_manifest()  # nothing changed: verified by hash, nothing copied
+    assert {n["source"] for n in second["nodes"].values()} == {"unchanged"}, second
+    assert all(n["tree_hash"] == first["tree_hash"] and n["ok"] for n in second["nodes"].values())
+    assert second["tree_hash"] == first["tree_hash"]
+
+    on_node(lab, "node2", f"echo stale > {workdir}/pkg/stale.py")  # a node's tree differs: copy again
+    third = run_and_manifest()
+    assert {n["source"] for n in third["nodes"].values()} == {"controller"}, third
+    assert_exact(lab, project, workdir)
+
+    (project / "train.py").write_text("print('training', 'v2')\n")  # the code changed here: copy again
+    fourth = run_and_manifest()
+    assert {n["source"] for n in fourth["nodes"].values()} == {"controller"}, fourth
+    assert fourth["tree_hash"] != first["tree_hash"]
+    assert_exact(lab, project, workdir)
