@@ -60,25 +60,76 @@ except OSError as exc:
 spec = importlib.util.find_spec("torch") if out["torch"] else None
 out["launcher"] = bool(spec and spec.submodule_search_locations and any(
     os.path.exists(os.path.join(d, "distributed", "run.py")) for d in spec.submodule_search_locations))
-try:
-    from importlib import metadata
-    out["torch_version"] = metadata.version("torch") if out["torch"] else None
-except Exception:
-    out["torch_version"] = None
+out["torch_version"] = None
+if spec and spec.submodule_search_locations:  # torch/version.py: importlib.metadata takes 20+ ms
+    try:
+        import re
+        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")) as fh:
+            out["torch_version"] = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", fh.read(), re.M).group(1)
+    except (OSError, AttributeError):
+        try:
+            from importlib import metadata
+            out["torch_version"] = metadata.version("torch")
+        except Exception:
+            pass
 out["resolved"] = {}
 for name in req.get("resolve", []):
     try:
         out["resolved"][name] = socket.gethostbyname(name)
     except OSError as exc:
         out["resolved"][name] = "error: %s" % exc
-out["routes"] = {}
-for peer, addr in req.get("peers", {}).items():
+# the interface towards each peer: the kernel's choice of source address (a UDP connect sends
+# nothing) mapped to the interface that holds it; `ip route get` only for what that cannot map
+def local_addrs():
+    found = {}
+    try:
+        import fcntl, struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's primary IPv4 address
+                    r = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                    found.setdefault(socket.inet_ntoa(r[20:24]), name)
+                except OSError:
+                    pass
+        finally:
+            s.close()
+    except (ImportError, OSError):
+        pass
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                f = line.split()
+                found.setdefault(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(f[0])), f[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+def route_dev(addr, mine):
+    try:
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_DGRAM)
+        try:
+            s.connect((addr, 9))
+            src = s.getsockname()[0]
+        finally:
+            s.close()
+        if src == addr:
+            return "lo"
+        if src in mine:
+            return mine[src]
+    except OSError:
+        pass
     try:
         words = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True,
                                timeout=5).stdout.split()
-        out["routes"][peer] = words[words.index("dev") + 1] if "dev" in words else None
+        return words[words.index("dev") + 1] if "dev" in words else None
     except (OSError, subprocess.SubprocessError):
-        out["routes"][peer] = None
+        return None
+out["routes"] = {}
+if req.get("peers"):
+    mine = local_addrs()
+    for peer, addr in req["peers"].items():
+        out["routes"][peer] = route_dev(addr, mine)
 if shutil.which("nvidia-smi"):
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
