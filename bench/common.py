@@ -359,6 +359,9 @@ HOSTNAME_RE = re.compile(r"\bnode(\d+)\b")
 
 def env_with(**extra: str) -> dict[str, str]:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
+    # as a user runs it: with the bytecode cache (a sandbox may switch it off; then every start
+    # would compile ddpfab's modules again)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(extra)
     return env
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import shutil
 import statistics
+import socket
 import subprocess
 import sys
 import threading
@@ -216,13 +217,13 @@ class Bench:
         finally:
             common.stop_process(run.proc)
             self.settle()
-        sync = (ev["sync:start"], ev["sync:end"]) if "sync:start" in ev else (ev["inventory.load:end"],) * 2
+        sync = (ev["sync:start"], ev["sync:end"]) if "sync:start" in ev else (ev["connect:end"],) * 2
         steps = [
             ("python start", 0.0, ev["interpreter-ready"]),
-            ("imports (ddpfab, fabric/paramiko, ansible)", ev["interpreter-ready"], ev["imports-done"]),
+            ("imports (ddpfab, fabric/paramiko)", ev["interpreter-ready"], ev["imports-done"]),
             ("parse args + inventory.load", ev["imports-done"], ev["inventory.load:end"]),
-            ("code sync (rsync + tree hash per node)", *sync),
             ("connect (SSH, host keys)", ev["connect:start"], ev["connect:end"]),
+            ("code sync (tree hash per node; rsync only when it differs)", *sync),
             ("probe (python snippet per node)", ev["probe:start"], ev["probe:end"]),
             ("preflight mesh check", ev["preflight:start"], ev["preflight:end"]),
             ("plan", ev["plan:start"], ev["plan:end"]),
@@ -258,8 +259,12 @@ class Bench:
             "import ddpfab.cli": local("import ddpfab.cli"),
             "ddpfab.cli.build_parser() (imports every plugin module)": local(
                 "import ddpfab.cli as c; c.build_parser()"),
-            "import yaml + yaml.safe_load(inventory)": local(f"import yaml; yaml.safe_load(open({inv!r}))"),
-            "ddpfab.inventory.load(inventory) (Ansible)": local(
+            "import ddpfab.runner (what `run` imports)": local("import ddpfab.runner"),
+            "build_parser() then import ddpfab.runner": local("import ddpfab.cli as c; c.build_parser(); import ddpfab.runner"),
+            "ddpfab.inventory.load(inventory) (Ansible parses it)": local(
+                f"import os; os.environ['DDPFAB_INVENTORY_CACHE'] = '0'; "
+                f"from ddpfab import inventory; inventory.load({inv!r})"),
+            "ddpfab.inventory.load(inventory) (cached: Ansible's result, file unchanged)": local(
                 f"from ddpfab import inventory; inventory.load({inv!r})"),
         }
         cluster = inventory.load(inv)
@@ -277,7 +282,11 @@ class Bench:
                     best = min(best, time.perf_counter() - t0)
                 return best
 
-            out["ssh.run true (open connection)"] = remote("true")
+            out["ssh.run true (open connection, TCP_NODELAY as ddpfab sets it)"] = remote("true")
+            sock = conn.transport.sock
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+            out["ssh.run true (Nagle on: paramiko's default)"] = remote("true")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             from ddpfab import probe
 
             peers = {h.name: h.address for h in self.lab.hosts[1:n]}

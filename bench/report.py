@@ -256,11 +256,10 @@ def fanout_section(data, plots) -> tuple[list[str], dict]:
     warm = med(get(data, "in-process warm", big))
     if startup and cold and d.get(big):
         lines += [f"Where `ddpfab exec`'s {d[big]:.2f} s on {big} hosts go: {startup:.2f} s before any SSH "
-                  f"(interpreter, imports, inventory loaded through Ansible), {cold:.2f} s to connect (host keys "
+                  f"(interpreter, imports, the inventory), {cold:.2f} s to connect (host keys "
                   f"verified) and run on all hosts at once in-process; on connections already open the same "
-                  f"command takes {warm:.2f} s. A persistent connection pool (ddpfab has none today) would save "
-                  f"about {cold - warm:.2f} s per command at {big} hosts; a faster startup about "
-                  f"{startup:.2f} s minus whatever loading the inventory must cost. "
+                  f"command takes {warm:.2f} s. A persistent connection pool (ddpfab has none) would save "
+                  f"about {cold - warm:.2f} s per command at {big} hosts. "
                   "Profile: `bench/results/fanout-profile.txt`.", ""]
     targets = {}
     if d.get(big):
@@ -341,100 +340,85 @@ def launch_section(data, plots) -> tuple[list[str], dict]:
 
 
 def profile_section(launch, fanout) -> list[str]:
-    lines = ["## What dominates ddpfab's own time, and what could be cut", ""]
+    lines = ["## What ddpfab's own time is made of, what was cut, what is left", ""]
     if not launch or not launch.get("phases"):
         return lines + ["Run `bench/launch.py` (without --no-profile) for the phase breakdown and profiles.", ""]
     ph = {p["hosts"]: {s["step"]: s["seconds"] for s in p["steps"]} for p in launch["phases"]}
     big = max(ph)
-    s = ph[big]
-    prof = launch.get("profile") or {}
-    pkg = prof.get("by_package_ms", {})
-    top = {e["module"]: e["cumulative_ms"] for e in prof.get("top_level_ms", [])}
+    own_steps = [k for k in ph[big] if not k.startswith(("run record", "first ->", "other"))]
+    own = {n: sum(v for k, v in ph[n].items() if k in own_steps) for n in ph}
     mic = launch.get("micro") or {}
 
-    def ms(x):
-        return f"{x:.0f} ms" if x is not None else "n/a"
+    def m(key: str) -> float | None:
+        return next((v for k, v in mic.items() if k.startswith(key)), None)
 
-    def diff(a, b):
-        return (mic[a] - mic[b]) if a in mic and b in mic else None
+    def s(x: float | None, spec: str = "{:.3f} s") -> str:
+        return "n/a" if x is None else spec.format(x)
 
-    inv_save = diff("ddpfab.inventory.load(inventory) (Ansible)", "import yaml + yaml.safe_load(inventory)")
-    fab_save = diff("import fabric (paramiko + invoke + fabric)", "import paramiko")
-    parser_save = diff("ddpfab.cli.build_parser() (imports every plugin module)", "import ddpfab.cli")
-    py_remote = diff("ssh.run python -c pass (node's python)", "ssh.run true (open connection)")
-    round_trip = mic.get("ssh.run true (open connection)")
-    ip31 = diff("ssh.run 31 x ip -o route get", "ssh.run true (open connection)")
-    probe_one = next((v for k, v in mic.items() if k.startswith("probe.probe_node on one node")), None)
-    lines += [f"From the step breakdown above (N={big}), `python -X importtime` and pyinstrument "
-              "(`bench/results/launch-profile.txt`, `bench/results/fanout-profile.txt`), and isolated "
-              "measurements of each cost (min of 5, table below). Everything before \"start nodes\" is "
-              "ddpfab's own serial work; after it, the time is torchrun's and the script's (`import torch` "
-              "twice per host) plus one supervisor start per node.", "",
-              ("1. **The code sync before every run** (`ddpfab/cli.py:_sync_code` -> `ddpfab/sync.py:sync_cluster`, "
-               "on by default): " + ", ".join(f"{ph[n].get('code sync (rsync + tree hash per node)', 0):.2f} s at N={n}"
-                                               for n in sorted(ph))
-               + ", growing with N, although on this lab the hosts share the controller's /tmp so nothing is "
-               "copied (the sync finds the workdir shared). It opens its own OpenSSH ControlMaster connection "
-               "to every node and runs its own remote python there, serially before `run` opens its paramiko "
-               "connections and runs the probe's python. Cut: run the sync's node probe through the run's "
-               "connections and fold it into `probe.PROBE_SNIPPET` (one remote python, one connection set), or at "
-               "least overlap the sync with `connect_all`; skip rsync when the node reports the tree hash the "
-               "last sync recorded. Expected saving: most of the sync step when the code did not change "
-               "(the usual case when iterating)." if any("code sync (rsync + tree hash per node)" in ph[n]
-                                                         for n in ph) else "1. (no code sync in this ddpfab)"),
-              f"2. **Loading the inventory through Ansible** (`ddpfab/inventory.py:load`): "
-              f"{mic.get('ddpfab.inventory.load(inventory) (Ansible)', float('nan')):.2f} s in a fresh process "
-              f"against {mic.get('import yaml + yaml.safe_load(inventory)', float('nan')):.2f} s for PyYAML on the "
-              f"same file (importtime: the `ansible` package {ms(pkg.get('ansible'))} self time, "
-              f"`ansible.inventory.manager` {ms(top.get('ansible.inventory.manager'))} cumulative). Every command "
-              "that reads an inventory pays it (`exec`, `run`, `check`, `ps`...). Cut: read plain YAML/INI "
-              "inventories (no inventory plugins, no `group_vars/`/`host_vars/` dirs, no Jinja in values) with "
-              "PyYAML, already a dependency, and fall back to Ansible's InventoryManager only when the file needs "
-              f"it. Expected saving: **{inv_save:.2f} s per command**." if inv_save is not None else
-              "2. **Loading the inventory through Ansible** (`ddpfab/inventory.py:load`): see the micro table.",
-              f"3. **Fabric/Invoke imported for a thin wrapper** (`ddpfab/ssh.py`, top level `from fabric import "
-              f"Config, Connection`): importing fabric costs {fab_save:+.2f} s over paramiko alone (importtime: "
-              f"`invoke` {ms(pkg.get('invoke'))}, `fabric` {ms(pkg.get('fabric'))} self time). ddpfab uses "
-              "Connection only to hold a paramiko client and reads `conn.transport`; `paramiko.SSHClient` + "
-              "`paramiko.SSHConfig` do the same. Expected saving: that difference, on every command."
-              if fab_save is not None else "3. **Fabric/Invoke imports**: see the micro table.",
-              f"4. **Every plugin module imported to build the parser** (`ddpfab/cli.py:build_parser`, "
-              f"PLUGIN_MODULES = jobs, export, check, execute, replay): {parser_save:+.2f} s over importing the "
-              f"CLI module (`ddpfab.export` {ms(top.get('ddpfab.export'))} cumulative in importtime). Cut: a static "
-              "table of subcommand -> module, importing only the chosen one. Expected saving: that difference."
-              if parser_save is not None else "4. **Plugin modules imported to build the parser**: see the micro table.",
-              f"5. **Three serial SSH round trips before anything starts** (`ddpfab/runner.py:prepare`): connect "
-              f"{s.get('connect (SSH, host keys)', 0):.2f} s, probe {s.get('probe (python snippet per node)', 0):.2f} s "
-              f"(a python per node), preflight mesh {s.get('preflight mesh check', 0):.2f} s (a second python per "
-              "node, then all-pairs TCP); the supervisor is a third python per node. "
-              + (f"One node's probe alone takes {probe_one:.2f} s on an open connection, so on this lab most of "
-                 "the probe step is N nodes' probes competing for the CPUs. " if probe_one is not None else "")
-              + "Cut: open the mesh listeners "
-              "inside the probe's process (`probe.PROBE_SNIPPET` + `check.MESH_SNIPPET` as one remote program that "
-              "prints the facts and its listener ports in one JSON line and reads the targets from stdin as now). "
-              + (f"Expected saving: one remote python start ({py_remote:.2f} s) plus one exec round trip "
-                 f"({round_trip:.2f} s), i.e. about {py_remote + round_trip:.2f} s of the preflight step."
-                 if py_remote is not None and round_trip is not None else ""),
-              "6. **The probe spawns one `ip route get` per peer** (`probe.PROBE_SNIPPET`, the `routes` loop): N-1 "
-              "processes on every node, N(N-1) in all (56 at 8 hosts, 992 at 32), only to learn the interface "
-              "towards each peer. "
-              + (f"Measured {ip31 / 31 * 1000:.1f} ms per call, so {ip31 / 31 * 7:.2f} s per node at 8 hosts and "
-                 f"{ip31:.2f} s at 32 (on separate machines; on this lab all nodes share the CPUs). "
-                 if ip31 is not None else "")
-              + "Cut: one `ip -batch -` for all peers, or a UDP `connect()` + `getsockname()` per peer mapped to an "
-              "interface through `/sys/class/net` (no process at all).",
-              ]
+    sync_step = next((k for k in ph[big] if k.startswith("code sync")), None)
+    lines += [f"ddpfab's own serial work (every step before \"start nodes\" in the breakdown above): "
+              + ", ".join(f"{own[n]:.2f} s at N={n}" for n in sorted(own))
+              + ". After it the time is torchrun's and the script's (`import torch` twice per host) plus one "
+              "supervisor start per node. Isolated costs are in the table at the end of this section (min of 5). "
+              "Profiles: `bench/results/launch-profile.txt` (importtime, pyinstrument of one run), "
+              "`bench/results/fanout-profile.txt`.", "",
+              "Cut in this round (each measured; the earlier figures are from the previous run of these scripts, "
+              "git a0c45be/4afe7e0, on a loaded machine):", "",
+              f"1. **Nagle's algorithm off on every SSH connection** (`ddpfab/ssh.py:_socket`). paramiko leaves "
+              f"it on, so each request written while a small packet is unacknowledged waits for the peer's "
+              f"delayed ACK (40 ms on Linux): every session open and exec, and several handshake steps. "
+              f"`ssh.run true` on an open connection: {s(m('ssh.run true (Nagle on'))} with Nagle on (paramiko's "
+              f"default), {s(m('ssh.run true (open connection'))} with TCP_NODELAY.",
+              "2. **No-copy code check before `run`** (`ddpfab/sync.py:unchanged`): the nodes' tree hashes are "
+              "computed over the run's own SSH connections (one python per node); only when one differs does the "
+              "full sync start (OpenSSH masters, rsync, verification). "
+              + (f"The step now takes {', '.join(f'{ph[n][sync_step]:.2f} s at N={n}' for n in sorted(ph))} "
+                 "(was 0.68 s at N=2, 1.78 s at N=8)." if sync_step else ""),
+              f"3. **The parsed inventory is cached** (`ddpfab/invcache.py`): Ansible still parses it, but its "
+              f"answer is reused while every file it read, the Ansible settings and versions are unchanged (never "
+              f"for templated, script or plugin inventories). `inventory.load` in a fresh process: "
+              f"{s(m('ddpfab.inventory.load(inventory) (Ansible'))} parsed by Ansible, "
+              f"{s(m('ddpfab.inventory.load(inventory) (cached'))} from the cache; every command that reads an "
+              "inventory gains the difference.",
+              f"4. **The probe starts no processes** (`ddpfab/probe.py`, the `routes` part and the torch version): "
+              f"the interface towards each peer comes from the kernel's source-address choice (a UDP `connect()`, "
+              f"nothing sent) mapped to the interface holding that address, instead of one `ip route get` per "
+              f"peer (N-1 processes per node: {s(m('ssh.run 31 x ip -o route get'))} for 31 peers, one round trip "
+              f"included), and torch's version from `torch/version.py` instead of importlib.metadata (20+ ms). "
+              f"One node's probe with 7 peers now: {s(m('probe.probe_node on one node'))}.",
+              "5. **The supervisor watches torchrun's workers** (`ddpfab/agent.py:watch_workers`): see the "
+              "teardown section.",
+              "6. **Lab hosts start with a distribution's root dotfiles** (`ddpfab/lab.py`), not the "
+              "controller's: bash sources `~/.bashrc` for every SSH command, and this machine's has a pyenv "
+              "init that cost about 0.09 s of CPU per command (measured once: `ssh.run true` 0.093 s before, "
+              "0.003 s after), on every tool alike. It was the largest term of every fan-out number before. "
+              "A real cluster with a `conda init` in `~/.bashrc` pays the same per command, whatever the tool.",
+              "",
+              "Left, and why:", "",
+              f"- **Imports**: paramiko (with cryptography) {s(m('import paramiko'))} of every command; fabric on "
+              f"top of it {s((m('import fabric') or 0) - (m('import paramiko') or 0), '{:+.3f} s')}. ddpfab uses "
+              "Fabric's Connection only as a holder of a paramiko client; dropping it would save that difference.",
+              f"- **Building the parser imports every subcommand's module** ({s(m('ddpfab.cli.build_parser()'))} "
+              f"vs {s(m('import ddpfab.cli'))} for the bare CLI module), but `run` and `exec` need those imports "
+              f"anyway: `build_parser()` + `import ddpfab.runner` {s(m('build_parser() then import ddpfab.runner'))}, "
+              f"`import ddpfab.runner` alone {s(m('import ddpfab.runner'))}. A lazy parser would help only the "
+              "light subcommands (`lab`, `plan --offline`).",
+              f"- **Three python starts per node** (probe, preflight mesh, supervisor), "
+              f"{s((m('ssh.run python -c pass') or 0) - (m('ssh.run true (open connection') or 0))} each over an "
+              f"exec. Merging the probe and the mesh listener into one remote program would save one per node; on "
+              f"separate machines they run in parallel, on this lab they queue for 2 cores.",
+          ]
     if fanout:
         big_f = max(fanout["config"]["sizes"])
         cold = med(get(fanout, "in-process cold", big_f))
         warm = med(get(fanout, "in-process warm", big_f))
         if cold and warm:
-            lines.append(f"7. **No connection reuse across commands** (`ddpfab/ssh.py:connect`, once per host per "
+            lines.append(f"- **No connection reuse across commands** (`ddpfab/ssh.py:connect`, once per host per "
                          f"command): on {big_f} hosts connect + run takes {cold:.2f} s in-process, run on open "
-                         f"connections {warm:.2f} s. A pool (an opt-in local agent holding the connections, in the "
-                         "spirit of ssh's ControlMaster) would save the difference per `exec`; `run` already reuses "
-                         "its connections from probe to execute.")
-    lines += ["", "What is not worth cutting: the plan (milliseconds), the run record, and the supervisor itself "
+                         f"connections {warm:.2f} s. A pool (a local agent holding the connections, in the spirit "
+                         "of ssh's ControlMaster) would save the difference per `exec`; `run` already reuses its "
+                         "connections from the code check to the job.")
+    lines += ["", "Not worth cutting: the plan (milliseconds), the run record, and the supervisor itself "
               "(shipped compressed in the command line; its cost is one python start per node).", ""]
     if mic:
         lines += ["Isolated costs (min of 5 runs; local = a fresh python on the controller, ssh.run = on an "
@@ -504,15 +488,17 @@ def teardown_section(data, plots) -> tuple[list[str], dict]:
     if noticed and len(noticed) == len(st) and all(x.get("median") is not None for x in st):
         worst = max(range(len(st)), key=lambda i: st[i]["median"])
         nt, total = st[worst]["noticed"]["median"], st[worst]["median"]
-        lines += [f"Where ddpfab's crash teardown goes (N={sizes[worst]}): {nt:.2f} s until ddpfab hears of the "
-                  f"failure, {total - nt:.2f} s from there to the last process gone. The first part is torchrun's: "
-                  "ddpfab learns of the failure when the failed node's torchrun has exited (its monitor interval, "
-                  "error report, agent shutdown and interpreter exit with torch loaded) and its supervisor's SSH "
-                  "session ends. Cut (`ddpfab/agent.py:main`): the supervisor is a subreaper that already walks the "
-                  "job's process tree; with `--max-restarts 0` it can report a vanished worker to ddpfab at once "
-                  f"(a line or byte on its channel) instead of waiting for torchrun: expected saving most of the "
-                  f"{nt:.2f} s. The second part is the fast stop's grace (`agent.FAST_GRACE` = 0.5 s, TERM then "
-                  "KILL): the collective is already broken, so KILL at once would save up to 0.5 s more.", ""]
+        lines += [f"Where ddpfab's crash teardown goes (N={sizes[worst]}, the slowest median): {nt:.2f} s until "
+                  f"ddpfab hears of the failure, {total - nt:.2f} s from there to the last process gone. The "
+                  "supervisor on the failed node watches torchrun's workers through pidfds "
+                  "(`ddpfab/agent.py:watch_workers`, on with `--max-restarts 0`, the default): the moment a worker "
+                  "exits with an error (its status read from its zombie before torchrun reaps it) it waits 0.25 s "
+                  "(`TAIL_SETTLE`: torchrun's `--tee` relays the worker's last lines, its traceback, every 0.1 s), "
+                  "then ends the node's job tree (TERM, KILL after `FAST_GRACE` = 0.1 s) instead of waiting for "
+                  "torchrun's own shutdown with torch loaded (0.7 s on an idle machine, more under load: most of "
+                  "the 1.8-2.0 s measured before this change, git a0c45be). The other nodes' workers fail on their "
+                  "own when gloo sees the peer gone and their supervisors do the same; ddpfab's fast stop (`!` to "
+                  "every supervisor) is what ends peers that would hang instead (NCCL).", ""]
     lines += ["How to read it: with gloo on TCP a dead peer closes its sockets, so the other ranks' "
               "`all_reduce` fails within moments and plain torchrun launches also end soon after a crash; the "
               "difference is who cleans up. ddpfab's supervisor ends each node's whole process tree as soon as one "
