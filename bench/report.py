@@ -356,7 +356,7 @@ def profile_section(launch, fanout) -> list[str]:
         return "n/a" if x is None else spec.format(x)
 
     sync_step = next((k for k in ph[big] if k.startswith("code sync")), None)
-    lines += [f"ddpfab's own serial work (every step before \"start nodes\" in the breakdown above): "
+    lines += ["ddpfab's own serial work (every step before \"start nodes\" in the breakdown above): "
               + ", ".join(f"{own[n]:.2f} s at N={n}" for n in sorted(own))
               + ". After it the time is torchrun's and the script's (`import torch` twice per host) plus one "
               "supervisor start per node. Isolated costs are in the table at the end of this section (min of 5). "
