@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cliargs import add_cluster_args
+
 #: Seconds a node waits for a TCP connect to a peer before calling it dropped.
 CONNECT_TIMEOUT_S = 2.0
 #: Clock skew (seconds) between a node and the controller beyond which check fails.
@@ -460,16 +462,12 @@ def render(report: Report) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("check", help="prove the cluster can train: ssh, versions, GPUs, names, firewall, clocks")
-    p.add_argument("-i", "--inventory", required=True)
-    p.add_argument("--group", default="all")
+    add_cluster_args(p)
     p.add_argument("--master-port", type=int, help="check this port instead of picking a free one")
     p.add_argument("--nproc-per-node", type=int)
     p.add_argument("--max-skew", type=float, default=DEFAULT_MAX_SKEW_S, help="clock skew bound in seconds")
     p.add_argument("--fast", action="store_true", help="skip importing torch on the nodes (no CUDA/NCCL facts)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--accept-new-host-keys", action="store_true")
-    p.add_argument("--known-hosts")
-    p.add_argument("--ssh-config")
     p.set_defaults(func=cmd_check)
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 
 from . import __version__
+from .cliargs import add_cluster_args, add_env_args
 
 EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
 
@@ -17,26 +18,12 @@ def _die(lines: list[str] | str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-i", "--inventory", required=True, help="Ansible inventory (YAML or INI) of the nodes")
-    p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
-    p.add_argument("--accept-new-host-keys", action="store_true",
-                   help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
-    p.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
-                                         "else ~/.ssh/known_hosts)")
-    p.add_argument("--ssh-config", help="an ssh_config file to read (default: ~/.ssh/config)")
-
-
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """Everything that shapes the plan: shared by `run` and `plan`."""
-    _add_cluster_args(p)
+    add_cluster_args(p)
     p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
     p.add_argument("--master-port", type=int, help="MASTER_PORT (default: a port found free on the master)")
-    p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
-    p.add_argument("--env-file", action="append", default=[], metavar="FILE",
-                   help="KEY=VALUE lines for every rank (--env wins over it)")
-    p.add_argument("--no-forward-env", action="store_true",
-                   help="do not forward the controller's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+    add_env_args(p)
     p.add_argument("--no-check", action="store_true",
                    help="skip the preflight checks (firewall/data plane, hostnames, versions)")
     p.add_argument("--socket-ifname", metavar="IFACE|auto",

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from .cliargs import add_cluster_args
+
 UNREACHABLE = 255
 
 
@@ -149,13 +151,9 @@ def register(sub) -> None:
     p = sub.add_parser("exec", help="run a command on every node at once (output prefixed per host)",
                        description="Run CMD on every node in parallel. Several words are quoted for the remote "
                                    "shell; a single word is run by it as is (pipes, $VARS, && work).")
-    p.add_argument("-i", "--inventory", required=True, help="Ansible inventory of the nodes")
-    p.add_argument("--group", default="all", help="inventory group (default: all)")
+    add_cluster_args(p)
     p.add_argument("--nodes", help="only these nodes (comma-separated inventory names)")
     p.add_argument("--timeout", type=float, help="give up on a node whose command is silent this long (s)")
-    p.add_argument("--accept-new-host-keys", action="store_true")
-    p.add_argument("--known-hosts")
-    p.add_argument("--ssh-config")
     p.add_argument("--no-color", action="store_true")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=cmd_exec)

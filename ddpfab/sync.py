@@ -1049,14 +1049,10 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
 
 # -- command line ------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-i", "--inventory", help="Ansible inventory of the nodes (not needed with --print-filter, "
-                                             "--write-filter or --list)")
-    p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
-    p.add_argument("--accept-new-host-keys", action="store_true",
-                   help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
-    p.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
-                                         "else ~/.ssh/known_hosts)")
-    p.add_argument("--ssh-config", help="an ssh_config file to read (default: ~/.ssh/config)")
+    from .cliargs import add_cluster_args
+
+    add_cluster_args(p, inventory_required=False, inventory_help="Ansible inventory of the nodes (not needed "
+                                                                 "with --print-filter, --write-filter or --list)")
     p.add_argument("--fanout", choices=("star", "tree"), default="star",
                    help="star: this machine sends to every node; tree: it sends to one node and nodes forward "
                         "(for a slow uplink; needs the inventory key in a file, see docs/sync.md)")
