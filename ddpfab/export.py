@@ -30,6 +30,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from .cliargs import add_cluster_args, add_env_args
+
 #: torchrun flags whose value differs per node or is the scheduler's to decide.
 NODE_FLAGS = ("--node-rank", "--master-addr", "--master-port")
 #: The launcher every plan uses: ``<python> -m torch.distributed.run``.
@@ -307,6 +309,16 @@ def _k8s_command(launch: Launch, python: str, rank: str, addr: str, port: str) -
     return command, args
 
 
+def _k8s_runs(kind: str, launch, image: str, python: str, node_vars: tuple[str, str, str],
+              reserved: tuple[str, ...]) -> dict[str, Any]:
+    """What a Kubeflow container runs: the image, the torchrun command reading the operator's
+    per-node variables (*node_vars*: rank, master address, master port) and the ranks' env."""
+    if not image:
+        raise ExportError(f"{kind}: --image is required (an image with torch and the training code)")
+    command, args = _k8s_command(launch, python, *node_vars)
+    return {"image": image, "command": command, "args": args, "env": _k8s_env(launch, reserved, kind)}
+
+
 def to_pytorchjob(plan, *, image: str, python: str = "python3", name: str | None = None,
                   namespace: str | None = None, workdir: str | None = None, gpus_per_node: int = 0,
                   restart_policy: str = "Never") -> dict[str, Any]:
@@ -327,16 +339,11 @@ def to_pytorchjob(plan, *, image: str, python: str = "python3", name: str | None
         restart_policy: the replicas' restartPolicy (Never: a failed pod fails the job, as a failed
             node fails a ``ddpfab run``).
     """
-    if not image:
-        raise ExportError("pytorchjob: --image is required (an image with torch and the training code)")
     launch = launch_of(plan)
-    command, args = _k8s_command(launch, python, "$(RANK)", "$(MASTER_ADDR)", "$(MASTER_PORT)")
     container: dict[str, Any] = {
         "name": PYTORCHJOB_CONTAINER,
-        "image": image,
-        "command": command,
-        "args": args,
-        "env": _k8s_env(launch, PYTORCHJOB_RESERVED_ENV + TRAINJOB_RESERVED_ENV, "pytorchjob"),
+        **_k8s_runs("pytorchjob", launch, image, python, ("$(RANK)", "$(MASTER_ADDR)", "$(MASTER_PORT)"),
+                    PYTORCHJOB_RESERVED_ENV + TRAINJOB_RESERVED_ENV),
         "ports": [{"name": PYTORCHJOB_PORT_NAME, "containerPort": int(launch.master_port), "protocol": "TCP"}],
     }
     if workdir:
@@ -380,15 +387,10 @@ def to_trainjob(plan, *, image: str, python: str = "python3", name: str | None =
         runtime, runtime_kind: the training runtime to reference.
         gpus_per_node: ``nvidia.com/gpu`` limit per node when > 0.
     """
-    if not image:
-        raise ExportError("trainjob: --image is required (an image with torch and the training code)")
     launch = launch_of(plan)
-    command, args = _k8s_command(launch, python, "$(PET_NODE_RANK)", "$(PET_MASTER_ADDR)", "$(PET_MASTER_PORT)")
     trainer: dict[str, Any] = {
-        "image": image,
-        "command": command,
-        "args": args,
-        "env": _k8s_env(launch, TRAINJOB_RESERVED_ENV, "trainjob"),
+        **_k8s_runs("trainjob", launch, image, python, ("$(PET_NODE_RANK)", "$(PET_MASTER_ADDR)", "$(PET_MASTER_PORT)"),
+                    TRAINJOB_RESERVED_ENV),
         "numNodes": launch.nnodes,
         "numProcPerNode": launch.nproc,
     }
@@ -463,15 +465,10 @@ def register(subparsers) -> None:
     pyjob = sub.add_parser("pytorchjob", help="a Kubeflow PyTorchJob (kubeflow.org/v1) manifest")
     trjob = sub.add_parser("trainjob", help="a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1)")
     for p in (slurm, pyjob, trjob):
-        p.add_argument("-i", "--inventory", required=True, help="Ansible inventory (YAML or INI) of the nodes")
-        p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
+        add_cluster_args(p, ssh=False)
         p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
         p.add_argument("--master-port", type=int, help="MASTER_PORT (default 29500)")
-        p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
-        p.add_argument("--env-file", action="append", default=[], metavar="FILE",
-                       help="KEY=VALUE lines for every rank (--env wins over it)")
-        p.add_argument("--no-forward-env", action="store_true",
-                       help="do not forward this shell's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+        add_env_args(p)
         p.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
         p.add_argument("--run-id", help="the run id (default: time + random suffix)")
         p.add_argument("--gpus-per-node", type=int,
