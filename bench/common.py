@@ -142,6 +142,23 @@ def _pkg_version(name: str) -> str | None:
         return None
 
 
+def cpu_busy(seconds: float = 3.0) -> float:
+    """The fraction of all CPUs busy over the next *seconds* (from /proc/stat): other work running
+    now. The 1-minute load average cannot tell that apart from the benchmark that just ended."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    try:
+        b0, t0 = sample()
+        time.sleep(seconds)
+        b1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return round((b1 - b0) / max(1, t1 - t0), 3)
+
+
 def machine_info() -> dict:
     cpu = ""
     with contextlib.suppress(OSError):
@@ -161,6 +178,7 @@ def machine_info() -> dict:
         "cpus": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib,
         "kernel": platform.release(), "python": platform.python_version(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "busy_before": cpu_busy(),
         "git": f"{git}{'+dirty' if dirty else ''}" if git else None,
         "versions": {
             "ddpfab": _pkg_version("ddpfab"), "torch": _pkg_version("torch"),
@@ -189,11 +207,15 @@ def write_result(path: str | Path, name: str, args, config: dict, data: dict, me
     return path
 
 
+#: Other work above this fraction of all CPUs before a benchmark starts makes its numbers noisy.
+BUSY_LIMIT = 0.25
+
+
 def warn_if_busy() -> None:
-    load = os.getloadavg()[0]
-    cpus = os.cpu_count() or 1
-    if load > 0.5 * cpus:
-        log(f"WARNING: load average {load:.1f} on {cpus} CPUs: this machine is busy, the numbers will be noisy")
+    busy = cpu_busy()
+    if busy > BUSY_LIMIT:
+        log(f"WARNING: {100 * busy:.0f}% of this machine's {os.cpu_count()} CPUs busy with other work: "
+            "the numbers will be noisy")
 
 
 # -- the lab ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ Writes bench/results/fanout.json (+ fanout-profile.txt: importtime and pyinstrum
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 import time
@@ -47,6 +48,9 @@ class Bench:
     def __init__(self, lab, work: Path, sizes: tuple[int, ...]):
         self.lab, self.work = lab, work
         self.inv = {n: common.write_inventory(lab, common.names(n), work / f"inventory{n}.yml") for n in sizes}
+        #: per N, this process's CPU seconds (user + system) during each in-process cold run: the
+        #: controller's share, which real hosts would not spread over N machines as they do sshd's
+        self.cpu: dict[int, list[float]] = {}
 
     def argv_env(self, tool: str, n: int) -> tuple[list[str], dict]:
         inv = str(self.inv[n])
@@ -102,9 +106,12 @@ class Bench:
             return ssh.run(conn, node.name, "hostname")
 
         try:
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             cold = ssh.parallel(nodes, connect_run)
             t_cold = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            self.cpu.setdefault(n, []).append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
             t0 = time.perf_counter()
             warm = ssh.parallel(nodes, lambda node: ssh.run(conns[node.name], node.name, "hostname"))
             t_warm = time.perf_counter() - t0
@@ -167,6 +174,7 @@ def main() -> int:
             else:
                 b.once(tool, min(sizes))
         b.in_process(min(sizes))
+        b.cpu.clear()  # (the warm-up's)
         for rep in range(reps):
             for i, n in enumerate(sizes):
                 k = (rep + i) % len(tools)
@@ -192,7 +200,9 @@ def main() -> int:
               for tool, per_n in samples.items() for n, vals in sorted(per_n.items())]
     config = {"sizes": list(sizes), "command": "hostname", "tools": list(samples),
               "pdsh_fanout": 32, "ansible_cfg": "ansible.cfg (forks 32, pipelining, ControlPersist 30s)"}
-    common.write_result(args.out, "fanout", args, config, {"series": series, "profile": profile}, meta, started)
+    controller_cpu = [{"hosts": n, **common.summarize(vals)} for n, vals in sorted(b.cpu.items()) if n in sizes]
+    common.write_result(args.out, "fanout", args, config,
+                        {"series": series, "profile": profile, "controller_cpu": controller_cpu}, meta, started)
     for s in series:
         log(f"{s['tool']:<18} N={s['hosts']:<3} {common.fmt(s)}")
     return 0

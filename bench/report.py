@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, RESULTS, fmt
+from common import BUSY_LIMIT, REPO, RESULTS, fmt
 
 DOCS = REPO / "docs"
 DOC = DOCS / "benchmarks.md"
@@ -70,14 +70,20 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def noisy(meta: dict) -> bool:
-    return bool(meta.get("quick")) or meta.get("loadavg_start", [0])[0] > 0.5 * (meta.get("cpus") or 1)
+    if meta.get("quick"):
+        return True
+    if "busy_before" in meta:  # other work on the CPUs just before the start
+        return meta["busy_before"] > BUSY_LIMIT
+    return meta.get("loadavg_start", [0])[0] > 0.5 * (meta.get("cpus") or 1)
 
 
 def describe(name: str, data: dict) -> str:
     m = data["meta"]
     flag = " **NOISY: taken on a busy machine or with --quick; not for conclusions.**" if noisy(m) else ""
+    busy = (f"CPUs {100 * m['busy_before']:.0f}% busy with other work in the 3 s before the start, "
+            if "busy_before" in m else "")
     return (f"_{name}: {m['date']}, git {m.get('git')}, {m['reps']} repetition(s){' (--quick)' if m['quick'] else ''}, "
-            f"load average {m['loadavg_start'][0]:.1f} at start / {m['loadavg_end'][0]:.1f} at end on "
+            f"{busy}load average {m['loadavg_start'][0]:.1f} at start / {m['loadavg_end'][0]:.1f} at end on "
             f"{m['cpus']} CPUs, {m['duration_s']:.0f} s._{flag}")
 
 
@@ -251,6 +257,15 @@ def fanout_section(data, plots) -> tuple[list[str], dict]:
     growth = {t: ratio(med(get(data, t, big)), med(get(data, t, small))) for t in ("ddpfab exec", "pdsh", "ssh loop")}
     lines += [f"Growth from {small} to {big} hosts (median at {big} / median at {small}): "
               + ", ".join(f"{t} {g}" for t, g in growth.items()) + ".", ""]
+    cpu = {c["hosts"]: c["median"] for c in data.get("controller_cpu") or []}
+    cold_big = med(get(data, "in-process cold", big))
+    if cpu.get(big) and cold_big:
+        lines += [f"What grows with N here is CPU, not waiting: the in-process cold run on {big} hosts takes "
+                  f"{cold_big:.2f} s of wall time, of which the controller's own CPU (this process: paramiko's "
+                  f"handshakes, host-key checks, sessions) is {cpu[big]:.2f} s, {1000 * cpu[big] / big:.1f} ms per "
+                  f"host; the rest is the {big} sshd's (fork, re-exec, key exchange, a shell) queueing for the same "
+                  "2 cores. On real hosts each sshd has its own machine, so ddpfab's time grows by about the "
+                  f"controller's {1000 * cpu[big] / big:.1f} ms per host.", ""]
     startup = med(get(data, "ddpfab startup", big))
     cold = med(get(data, "in-process cold", big))
     warm = med(get(data, "in-process warm", big))
@@ -336,6 +351,11 @@ def launch_section(data, plots) -> tuple[list[str], dict]:
         targets["launch_nocheck_pdsh"] = (ov[n8].get("no_check_vs_pdsh_torchrun") or {}).get("median")
         targets["launch_nosync_local"] = (ov[n8].get("no_sync_vs_local_torchrun") or {}).get("median")
         targets["launch_sync"] = (ov[n8].get("code_sync") or {}).get("median")
+        targets["launch_pdsh_local"] = (ov[n8].get("pdsh_torchrun_vs_local") or {}).get("median")
+        ph = next((p for p in phases if p["hosts"] == n8), None)
+        if ph:
+            targets["launch_own"] = sum(st["seconds"] for st in ph["steps"]
+                                        if not st["step"].startswith(("run record", "first ->", "other")))
     return lines, targets
 
 
@@ -565,12 +585,18 @@ def verdicts(t: dict) -> list[str]:
         ["fan-out growth with N close to flat (here: t(32)/t(2) <= 2)",
          f"ddpfab {x(t.get('fanout_growth'))} (pdsh {x(t.get('fanout_growth_pdsh'))})",
          v(None if t.get("fanout_growth") is None else t["fanout_growth"] <= 2)],
-        [f"launch overhead < 0.5 s at {t.get('launch_n', 8)} hosts beyond torchrun (local)",
-         f"{x(t.get('launch_local'), '{:+.2f} s')} (vs pdsh + torchrun on the same hosts: "
-         f"{x(t.get('launch_pdsh'), '{:+.2f} s')}; with --no-check {x(t.get('launch_nocheck_pdsh'), '{:+.2f} s')}); "
-         f"code sync {x(t.get('launch_sync'), '{:+.2f} s')}, --no-sync vs torchrun (local) "
-         f"{x(t.get('launch_nosync_local'), '{:+.2f} s')}",
-         v(None if t.get("launch_local") is None else t["launch_local"] < 0.5)],
+        [f"launch overhead < 0.5 s at {t.get('launch_n', 8)} hosts beyond torchrun on the same hosts "
+         "(pdsh + torchrun: the same torchruns, the same CPU contention)",
+         f"ddpfab run - pdsh + torchrun = {x(t.get('launch_pdsh'), '{:+.2f} s')} (--no-check "
+         f"{x(t.get('launch_nocheck_pdsh'), '{:+.2f} s')}); ddpfab's own steps before it starts the nodes "
+         f"{x(t.get('launch_own'), '{:.2f} s')}; code check {x(t.get('launch_sync'), '{:+.2f} s')}",
+         v(None if t.get("launch_pdsh") is None else t["launch_pdsh"] < 0.5)],
+        ["the same beyond one torchrun started locally (the target's literal baseline)",
+         f"{x(t.get('launch_local'), '{:+.2f} s')}, of which pdsh + torchrun pays "
+         f"{x(t.get('launch_pdsh_local'), '{:+.2f} s')} too: {t.get('launch_n', 8)} hosts importing torch twice "
+         "each on this machine's 2 cores (see section 2)",
+         v(None if t.get("launch_local") is None else t["launch_local"] < 0.5)
+         + (" on this lab (one machine)" if t.get("launch_local") is not None and t["launch_local"] >= 0.5 else "")],
         ["teardown < 2 s after a crash, every N", f"worst median {x(t.get('teardown_worst_median'), '{:.2f} s')}, "
          f"worst single run {x(t.get('teardown_worst_sample'), '{:.2f} s')}",
          v(None if t.get("teardown_worst_median") is None else t["teardown_worst_median"] < 2)],
@@ -605,8 +631,8 @@ def main() -> int:
         "",
     ]
     if any_noisy:
-        head += ["> **These numbers are noisy**: at least one benchmark ran on a busy machine (load average above "
-                 "half the CPU count at its start) or with `--quick`. Re-run `bench/run_all.py` on a quiet machine "
+        head += ["> **These numbers are noisy**: at least one benchmark ran on a busy machine (other work on more "
+                 "than a quarter of the CPUs just before its start) or with `--quick`. Re-run `bench/run_all.py` on a quiet machine "
                  "before drawing conclusions.", ""]
     head += [
         "## Where and how this was measured",

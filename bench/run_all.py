@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
 BENCHMARKS = ("fanout", "launch", "teardown", "provision")
 
 
@@ -61,9 +64,9 @@ def main() -> int:
     unknown = set(chosen) - set(BENCHMARKS)
     if unknown:
         p.error(f"unknown benchmarks: {', '.join(sorted(unknown))}")
-    load = os.getloadavg()[0]
-    if load > 0.5 * (os.cpu_count() or 1):
-        print(f"run_all: WARNING: load average {load:.1f} on {os.cpu_count()} CPUs: the numbers will be noisy "
+    busy = common.cpu_busy()
+    if busy > common.BUSY_LIMIT:
+        print(f"run_all: WARNING: {100 * busy:.0f}% of the CPUs busy with other work: the numbers will be noisy "
               "(and flagged as such in docs/benchmarks.md)", file=sys.stderr)
     failed = []
     t_all = time.monotonic()
