@@ -171,8 +171,9 @@ def machine_info() -> dict:
         mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
         mem_gib = round(mem_kb / 2**20, 1)
     git = _cmd_version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip() != ""
+    # (results and the page they make are rewritten by the benchmarks themselves: not "dirty")
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--",
+                            ".", ":!bench/results", ":!docs"], capture_output=True, text=True).stdout.strip() != ""
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpus": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib,

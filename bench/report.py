@@ -423,6 +423,12 @@ def profile_section(launch, fanout) -> list[str]:
               f"anyway: `build_parser()` + `import ddpfab.runner` {s(m('build_parser() then import ddpfab.runner'))}, "
               f"`import ddpfab.runner` alone {s(m('import ddpfab.runner'))}. A lazy parser would help only the "
               "light subcommands (`lab`, `plan --offline`).",
+              "- **The code check and the probe run one after the other** (`ddpfab/cli.py:cmd_run`): both need "
+              "only the open connections, so they could run side by side (the probe's answer kept when the "
+              "code turns out unchanged, taken again after a real sync). Expected saving: the shorter of the two "
+              f"({ph[big].get(sync_step, 0) if sync_step else 0:.2f} s and "
+              f"{ph[big].get('probe (python snippet per node)', 0):.2f} s at N={big}) on separate machines, less "
+              "on this lab where both queue for the same cores.",
               f"- **Three python starts per node** (probe, preflight mesh, supervisor), "
               f"{s((m('ssh.run python -c pass') or 0) - (m('ssh.run true (open connection') or 0))} each over an "
               f"exec. Merging the probe and the mesh listener into one remote program would save one per node; on "
