@@ -191,7 +191,18 @@ def watch_workers(root, on_failure, stop, interval=0.2):
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
+        seen, rescans = set(fds.values()), 5  # a first look may land while torchrun is still starting them
         while not stop.is_set() and fds:
+            if rescans:
+                rescans -= 1
+                for pid in set(torchrun_workers(root)) - seen:
+                    seen.add(pid)
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except OSError:
+                        continue
+                    fds[fd] = pid
+                    poller.register(fd, select.POLLIN)
             for fd, _ in poller.poll(interval * 1000):
                 pid = fds.pop(fd)
                 poller.unregister(fd)

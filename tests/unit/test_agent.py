@@ -149,6 +149,11 @@ def test_workers_that_succeed_let_torchrun_finish(tmp_path):
 def test_launcher_detection_matches_whole_argv_words(tmp_path):
     shell = subprocess.Popen(["/bin/sh", "-c", "sleep 30; echo python -m torch.distributed.run"])
     module = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "torch.distributed.run"])
+    for p, word in ((shell, b"sleep 30;"), (module, b"time.sleep(30)")):
+        deadline = time.monotonic() + 10
+        while word not in Path(f"/proc/{p.pid}/cmdline").read_bytes():  # until the child has exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     try:
         assert not agent.is_launcher(shell.pid)  # the text inside one `sh -c` word is not a launcher
         assert agent.is_launcher(module.pid)
