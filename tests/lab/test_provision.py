@@ -198,29 +198,33 @@ def test_provision_under_drop_policy_then_second_run_changes_nothing(provisioned
     assert {h: c["changed"] for h, c in second.items()} == {h: 0 for h in MEMBERS}, second
 
 
-def test_testinfra_on_every_member(plab, provisioned, tmp_path):
-    """tests/infra/test_node.py against each member, one pytest per host, in parallel."""
-    assert provisioned["rc1"] == 0
-    expect = tmp_path / "expect.json"
-    expect.write_text(json.dumps({
-        "members": [plab.host(n).address for n in MEMBERS], "backend": "iptables", "torch": TORCH,
-        "venv": "/opt/ddpfab/venv", "ssh_ports": [22], "persist_file": "/etc/iptables/rules.v4"}))
-    cp = tmp_path / "cp"
+def run_testinfra(plab, tmp_path: Path, **expect) -> None:
+    """tests/infra/test_node.py against each member, one pytest per host, in parallel; *expect* is
+    what the module checks (members, backend, ...); every host's run must pass."""
+    expect_file = tmp_path / f"expect-{expect['backend']}.json"
+    expect_file.write_text(json.dumps({"members": [plab.host(n).address for n in MEMBERS], "torch": TORCH,
+                                       "venv": "/opt/ddpfab/venv", "ssh_ports": [22], **expect}))
+    cp = tmp_path / f"cp-{expect['backend']}"
     cp.mkdir()
     procs = {n: subprocess.Popen(
         [sys.executable, "-m", "pytest", str(REPO / "tests/infra/test_node.py"),
          f"--hosts=ssh://{n}?controlpath={cp}/{n}&controlpersist=5", f"--ssh-config={plab.ssh_config}",
          "-p", "no:cacheprovider", "-q", "-rfE"],
-        cwd=REPO, env={**os.environ, "DDPFAB_INFRA_EXPECT": str(expect)},
+        cwd=REPO, env={**os.environ, "DDPFAB_INFRA_EXPECT": str(expect_file)},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in MEMBERS}
     results = {n: (p.communicate(timeout=300)[0], p.returncode) for n, p in procs.items()}
     for n in MEMBERS:  # close the multiplexed connections now rather than when they time out
         subprocess.run(["ssh", "-F", str(plab.ssh_config), "-o", f"ControlPath={cp}/{n}", "-O", "exit", n],
                        check=False, capture_output=True)
     for n, (out, rc) in results.items():
-        print(f"--- testinfra on {n} (exit {rc})\n{out[-3000:]}")
+        print(f"--- testinfra ({expect['backend']}) on {n} (exit {rc})\n{out[-3000:]}")
     assert {n: rc for n, (_, rc) in results.items()} == {n: 0 for n in MEMBERS}, "testinfra failed (output above)"
     assert all(" passed" in out and "failed" not in out for out, _ in results.values())
+
+
+def test_testinfra_on_every_member(plab, provisioned, tmp_path):
+    assert provisioned["rc1"] == 0
+    run_testinfra(plab, tmp_path, backend="iptables", persist_file="/etc/iptables/rules.v4")
 
 
 def test_members_reach_each_other_on_ephemeral_ports_outsider_does_not(plab, provisioned):
@@ -287,7 +291,7 @@ def test_host_removed_from_inventory_loses_access(plab, provisioned):
     assert plab.host("node3").address not in chain
 
 
-def test_nftables_backend_ports_mode_confines_and_opens_the_ephemeral_range(plab, provisioned):
+def test_nftables_backend_ports_mode_confines_and_opens_the_ephemeral_range(plab, provisioned, tmp_path):
     """Switch node1-3 to nftables with a narrowed ephemeral range and ddpfab's own drop policy."""
     assert provisioned["rc1"] == 0
     for n in MEMBERS:  # the admin's own iptables lock-down goes; ddpfab's table takes over
@@ -315,6 +319,7 @@ def test_nftables_backend_ports_mode_confines_and_opens_the_ephemeral_range(plab
     rc, out, _ = play(inv, "firewall")
     assert rc == 0
     assert {h: c["changed"] for h, c in recap(out).items()} == {h: 0 for h in MEMBERS}
+    run_testinfra(plab, tmp_path, backend="nftables")  # the same testinfra module, nftables side
 
 
 def _read_remote(lab: labmod.Lab, name: str, path: str) -> str:
