@@ -212,11 +212,21 @@ def write_result(path: str | Path, name: str, args, config: dict, data: dict, me
 BUSY_LIMIT = 0.25
 
 
-def warn_if_busy() -> None:
-    busy = cpu_busy()
-    if busy > BUSY_LIMIT:
-        log(f"WARNING: {100 * busy:.0f}% of this machine's {os.cpu_count()} CPUs busy with other work: "
-            "the numbers will be noisy")
+def begin(args) -> tuple[int, dict, float]:
+    """The start every benchmark shares: root, clean-up on signals, the machine described (with how
+    busy it is: measured once, warned about here), the clock. Returns (reps, meta, started)."""
+    require_root()
+    install_signal_handlers()
+    meta = machine_info()
+    if meta["busy_before"] > BUSY_LIMIT:
+        log(f"WARNING: {100 * meta['busy_before']:.0f}% of this machine's {os.cpu_count()} CPUs busy with other "
+            "work: the numbers will be noisy")
+    return reps_of(args), meta, time.monotonic()
+
+
+def sizes_of(args, default: tuple[int, ...], quick: tuple[int, ...]) -> tuple[int, ...]:
+    """The host counts: --sizes, else the quick or the full default."""
+    return tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (quick if args.quick else default)
 
 
 # -- the lab ---------------------------------------------------------------------------------------

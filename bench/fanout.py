@@ -148,15 +148,10 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="comma-separated tools to leave out (e.g. ansible)")
     parser.add_argument("--no-profile", action="store_true", help="skip the importtime/pyinstrument profile")
     args = parser.parse_args()
-    common.require_root()
-    common.install_signal_handlers()
-    common.warn_if_busy()
-    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
+    reps, meta, started = common.begin(args)
+    sizes = common.sizes_of(args, SIZES, QUICK_SIZES)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     tools = [t for t in TOOLS if t not in skip]
-    reps = common.reps_of(args)
-    meta = common.machine_info()
-    started = time.monotonic()
     work = common.WORK_ROOT / "fanout"
     work.mkdir(parents=True, exist_ok=True)
     samples: dict[str, dict[int, list[float]]] = {}

@@ -347,13 +347,8 @@ def main() -> int:
     parser.add_argument("--sizes", help="comma-separated host counts (default 2,4,8; --quick 2,4)")
     parser.add_argument("--no-profile", action="store_true", help="skip the phase breakdown and profile")
     args = parser.parse_args()
-    common.require_root()
-    common.install_signal_handlers()
-    common.warn_if_busy()
-    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
-    reps = common.reps_of(args)
-    meta = common.machine_info()
-    started = time.monotonic()
+    reps, meta, started = common.begin(args)
+    sizes = common.sizes_of(args, SIZES, QUICK_SIZES)
     work = common.WORK_ROOT / "launch"
     shutil.rmtree(work / "runs", ignore_errors=True)  # run records of earlier runs
     (work / "work").mkdir(parents=True, exist_ok=True)

@@ -96,12 +96,7 @@ def main() -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
-    common.require_root()
-    common.install_signal_handlers()
-    common.warn_if_busy()
-    reps = common.reps_of(args)
-    meta = common.machine_info()
-    started = time.monotonic()
+    reps, meta, started = common.begin(args)
     work = common.WORK_ROOT / "provision"
     work.mkdir(parents=True, exist_ok=True)
     empty_cfg = work / "empty-ansible.cfg"

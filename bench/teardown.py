@@ -227,16 +227,11 @@ def main() -> int:
     parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated subset of: "
                         + ", ".join(LAUNCHERS))
     args = parser.parse_args()
-    common.require_root()
-    common.install_signal_handlers()
-    common.warn_if_busy()
-    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (QUICK_SIZES if args.quick else SIZES)
-    reps = common.reps_of(args)
+    reps, meta, started = common.begin(args)
+    sizes = common.sizes_of(args, SIZES, QUICK_SIZES)
     base_reps = args.baseline_reps or 1
     cap = args.cap or (10.0 if args.quick else 30.0)
     launchers = [x.strip() for x in args.launchers.split(",") if x.strip()]
-    meta = common.machine_info()
-    started = time.monotonic()
     work = common.WORK_ROOT / "teardown"
     shutil.rmtree(work / "runs", ignore_errors=True)  # run records of earlier runs
     (work / "work").mkdir(parents=True, exist_ok=True)

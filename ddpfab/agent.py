@@ -178,31 +178,30 @@ def watch_workers(root, on_failure, stop, interval=0.2):
 
     if not hasattr(os, "pidfd_open"):
         return
-    fds = {}
+    poller, fds, seen = select.poll(), {}, set()
+
+    def look():
+        for pid in torchrun_workers(root):
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # gone already
+                continue
+            fds[fd] = pid
+            poller.register(fd, select.POLLIN)
+
     try:
-        while not stop.is_set() and not fds:
-            for pid in torchrun_workers(root):
-                try:
-                    fds[os.pidfd_open(pid)] = pid
-                except OSError:
-                    pass
+        while not stop.is_set() and not fds:  # until torchrun has started its workers
+            look()
             if not fds:
                 stop.wait(interval)
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        seen, rescans = set(fds.values()), 5  # a first look may land while torchrun is still starting them
+        rescans = 5  # the first look may land while torchrun is still starting the others
         while not stop.is_set() and fds:
             if rescans:
                 rescans -= 1
-                for pid in set(torchrun_workers(root)) - seen:
-                    seen.add(pid)
-                    try:
-                        fd = os.pidfd_open(pid)
-                    except OSError:
-                        continue
-                    fds[fd] = pid
-                    poller.register(fd, select.POLLIN)
+                look()
             for fd, _ in poller.poll(interval * 1000):
                 pid = fds.pop(fd)
                 poller.unregister(fd)

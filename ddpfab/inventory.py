@@ -178,7 +178,7 @@ def load(source: str | os.PathLike, group: str = "all") -> Cluster:
 
 
 def _load_with_ansible(path: Path, group: str) -> Cluster:
-    _ansible_env()
+    """Ansible's InventoryManager on *path* (its settings made strict by :func:`load` first)."""
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader

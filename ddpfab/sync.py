@@ -487,14 +487,20 @@ def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
     if proc.returncode == 127:
         raise SyncError([f"host {name}: neither {link.node.python} nor python3 found there; sync needs a python "
                          "(3.6+, standard library only) on the nodes"])
-    lines = proc.stdout.decode(errors="replace").strip().splitlines()
+    return _node_reply(name, request["op"], proc.returncode, proc.stdout.decode(errors="replace"),
+                       proc.stderr.decode(errors="replace"))
+
+
+def _node_reply(name: str, op: str, code: int, stdout: str, stderr: str) -> dict:
+    """The node program's answer: its last stdout line, JSON; a SyncError when there is none or
+    it reports an error."""
+    lines = stdout.strip().splitlines()
     try:
         out = json.loads(lines[-1])
     except (IndexError, ValueError):
-        err = proc.stderr.decode(errors="replace").strip()
-        raise SyncError([f"host {name}: {request['op']} failed (exit {proc.returncode}): {err[-300:]}"]) from None
+        raise SyncError([f"host {name}: {op} failed (exit {code}): {stderr.strip()[-300:]}"]) from None
     if "error" in out:
-        raise SyncError([f"host {name}: {request['op']}: {out['error']}"])
+        raise SyncError([f"host {name}: {op}: {out['error']}"])
     return out
 
 
@@ -1027,9 +1033,8 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
         t0 = time.monotonic()
         res = ssh.run(conns[node.name], node.name, f"{shlex.quote(node.python)} -c {shlex.quote(node_program())}",
                       timeout=120, stdin=json.dumps(req).encode())
-        lines = res.stdout.strip().splitlines()
-        out = json.loads(lines[-1]) if res.exit_code == 0 and lines else {}
-        if out.get("tree_hash") != local["tree_hash"]:
+        out = _node_reply(node.name, "hash", res.exit_code, res.stdout, res.stderr)  # SyncError: not unchanged
+        if res.exit_code != 0 or out.get("tree_hash") != local["tree_hash"]:
             return None
         return {"verify_s": round(time.monotonic() - t0, 3), "tree_hash": out["tree_hash"]}
 
