@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,9 +27,13 @@ from pathlib import Path
 
 DEFAULT_SUBNET = "10.213.0.0/24"
 #: System dirs each host gets as a private overlay (writes stay per host, the real dirs untouched).
-#: /tmp is an overlay too, not an empty tmpfs: hosts must see the controller's checkout and venv
-#: wherever they are (CI clones under /tmp), as nodes on a shared filesystem would.
-OVERLAY_DIRS = ("/etc", "/opt", "/var", "/root", "/usr", "/home", "/tmp")
+OVERLAY_DIRS = ("/etc", "/opt", "/var", "/root", "/usr", "/home")
+#: Each host's own /tmp starts empty, as on a real machine, whatever the controller's /tmp holds:
+#: when hosts saw the controller's /tmp, a cache dir there (torch's ``torchinductor_<user>``)
+#: decided whether a job wrote one on a host, so the tests' results depended on the machine's past.
+#: What hosts must see under it (a checkout and venv cloned under /tmp, as in CI; the lab dir) is
+#: shared path by path (``up(share=...)``), each as a private overlay of the controller's dir.
+PRIVATE_TMP = "/tmp"
 #: Dirs each host gets as a private, empty tmpfs.
 TMPFS_DIRS = ("/run",)
 #: Where the overlays' upper layers live. Outside every overlaid dir on purpose: overlayfs refuses
@@ -69,6 +74,8 @@ class Lab:
     store: str = ""
     hosts: list[LabHost] = field(default_factory=list)
     forward_rules: bool = False
+    #: controller dirs under /tmp that every host sees at the same path (see PRIVATE_TMP)
+    shares: list[str] = field(default_factory=list)
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -223,6 +230,10 @@ for d in {overlays}; do
   id=$(echo "$d" | tr / _)
   mount -t overlay "ddpfab-lab$id" -o "lowerdir=$d,upperdir={store}/upper$id,workdir={store}/work$id" "$d"
 done
+# the host's own, empty /tmp; the controller's dirs it shares are mounted back from a staged view
+mount --bind /tmp {store}/controller_tmp
+mount -t overlay ddpfab-lab_tmp -o "lowerdir={store}/empty_tmp,upperdir={store}/upper_tmp,workdir={store}/work_tmp" /tmp
+{share_mounts}umount -l {store}/controller_tmp
 for d in {tmpfs}; do mount -t tmpfs -o mode=1777 "ddpfab-lab-tmp" "$d"; done
 chmod 755 /run
 mkdir -m755 /run/sshd
@@ -231,6 +242,9 @@ mkdir -m755 /run/sshd
 for f in .bashrc .profile; do
   if [ -f /usr/share/base-files/dot$f ]; then cp /usr/share/base-files/dot$f /root/$f; else rm -f /root/$f; fi
 done
+# and no caches of the controller's (pip, torch, ddpfab's own): a host starts as a fresh machine
+mkdir -p /root/.cache
+mount -t tmpfs -o mode=700 ddpfab-lab-cache /root/.cache
 mount --bind {labdir}/hosts /etc/hosts
 mount --bind {root}/resolv.conf /etc/resolv.conf
 exec /usr/sbin/sshd -D -e -f {root}/sshd_config
@@ -254,11 +268,16 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 
 
 def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
-       python: str | None = None) -> tuple[Lab, bool]:
+       python: str | None = None, share: list[str | os.PathLike] | tuple = ()) -> tuple[Lab, bool]:
     """Bring up a lab of *hosts* hosts in *lab_dir*; return it and whether it was already up.
 
     Idempotent: on a running lab it changes nothing. A half-dead lab is an error that asks for
     ``down`` first rather than a guess at repair.
+
+    Args:
+        share: controller dirs under /tmp that hosts must see (each host's /tmp is its own). The
+            lab dir, the venv of *python* and the current directory are always shared; elsewhere
+            hosts see the controller's files anyway (through overlays, or directly).
     """
     check_prerequisites()
     lab_dir = Path(lab_dir).resolve()
@@ -282,7 +301,9 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
                        f"run `ddpfab lab down --dir {lab_dir}` to clean it up")
     for other in _interfaces_in(net):
         raise LabError(f"subnet {subnet} is already used by interface {other}: pick another --subnet")
-    lab = Lab(dir=lab_dir, subnet=str(net), bridge=bridge, gateway=str(net[1]), store=str(STORE_ROOT / lid))
+    python = python or sys.executable
+    lab = Lab(dir=lab_dir, subnet=str(net), bridge=bridge, gateway=str(net[1]), store=str(STORE_ROOT / lid),
+              shares=tmp_shares([lab_dir, Path(python).parent.parent, Path.cwd(), *share]))
     lab.hosts = [LabHost(name=f"node{i}", address=str(net[HOST_OFFSET + i - 1]),
                          netns=f"ddpfab-{lid}-node{i}", veth=f"dfb{lid}n{i}")
                  for i in range(1, hosts + 1)]
@@ -290,7 +311,7 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
     os.chmod(lab_dir, 0o755)
     lab.save()  # first, so that `down` can clean up after a failure half-way
     try:
-        _write_client_files(lab, python or sys.executable)
+        _write_client_files(lab, python)
         _make_network(lab)
         lab.save()
         for h in lab.hosts:
@@ -301,6 +322,38 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
         down(lab_dir)
         raise
     return lab, False
+
+
+def tmp_shares(paths: list[str | os.PathLike]) -> list[str]:
+    """The dirs among *paths* that lie under /tmp, outermost only, in a stable order.
+
+    Paths elsewhere need no share. A path overlayfs cannot take as a mount option (a comma, a colon
+    or a control character in it) is refused rather than mounted wrong."""
+    tmp = Path(PRIVATE_TMP)
+    found: list[Path] = []
+    for raw in paths:
+        p = Path(os.path.abspath(raw))
+        if p == tmp or not p.is_relative_to(tmp):
+            continue
+        if any(c in str(p) for c in ",:\\") or any(ord(c) < 32 for c in str(p)):
+            raise LabError(f"cannot share {str(p)!r} with lab hosts: overlay mount options cannot hold "
+                           "',', ':', '\\' or control characters; move it or rename it")
+        found.append(p)
+    outer = [p for p in found if not any(q != p and p.is_relative_to(q) for q in found)]
+    return sorted({str(p) for p in outer})
+
+
+def _share_mounts(lab: Lab, store: Path) -> str:
+    """Shell lines of a host's init that mount each share over its own /tmp, privately writable."""
+    lines = []
+    for i, share in enumerate(lab.shares):
+        rel = Path(share).relative_to(PRIVATE_TMP)
+        q = shlex.quote
+        lines.append(f"mkdir -p {q(share)}\n"
+                     f"mount -t overlay ddpfab-lab-share -o "
+                     f"{q(f'lowerdir={store}/controller_tmp/{rel},upperdir={store}/upper_share{i},workdir={store}/work_share{i}')} "
+                     f"{q(share)}\n")
+    return "".join(lines)
 
 
 def _interfaces_in(net: ipaddress.IPv4Network) -> list[str]:
@@ -330,14 +383,18 @@ def _write_client_files(lab: Lab, python: str) -> None:
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(hostkey)])
         lab.shared_dir.mkdir(parents=True, exist_ok=True)
         store = Path(lab.store) / h.name
-        for od in OVERLAY_DIRS:
-            suffix = od.replace("/", "_")
+        for suffix in [od.replace("/", "_") for od in (*OVERLAY_DIRS, PRIVATE_TMP)] + [
+                f"_share{i}" for i in range(len(lab.shares))]:
             (store / f"upper{suffix}").mkdir(parents=True, exist_ok=True)
             (store / f"work{suffix}").mkdir(exist_ok=True)
+        (store / "controller_tmp").mkdir(exist_ok=True)
+        (store / "empty_tmp").mkdir(exist_ok=True)
+        os.chmod(store / "empty_tmp", 0o1777)
         (root / "resolv.conf").write_text("")
         (root / "sshd_config").write_text(SSHD_CONFIG.format(address=h.address, root=root, labdir=d))
         (root / "init.sh").write_text(INIT_SCRIPT.format(
-            name=h.name, root=root, labdir=d, store=store, overlays=" ".join(OVERLAY_DIRS), tmpfs=" ".join(TMPFS_DIRS)))
+            name=h.name, root=root, labdir=d, store=store, overlays=" ".join(OVERLAY_DIRS), tmpfs=" ".join(TMPFS_DIRS),
+            share_mounts=_share_mounts(lab, store)))
         ktype, kdata = Path(f"{hostkey}.pub").read_text().split()[:2]
         known.append(f"{h.address},{h.name} {ktype} {kdata}")
         ssh_cfg.append(

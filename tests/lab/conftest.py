@@ -6,6 +6,7 @@ cannot run is a failure to look at, not a green mark.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -14,8 +15,19 @@ import pytest
 
 from ddpfab import lab as labmod
 
+
+
+def worker_subnet(base: str) -> str:
+    """*base* for the first (or only) pytest worker, the next subnets of its size for the others:
+    with pytest-xdist each worker process brings up a lab of its own, and labs must not share one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    net = ipaddress.ip_network(base, strict=False)
+    return str(ipaddress.ip_network((int(net.network_address) + index * net.num_addresses, net.prefixlen)))
+
+
 #: A subnet of its own so a demo lab (10.213.0.0/24) can run beside the tests.
-TEST_SUBNET = os.environ.get("DDPFAB_TEST_SUBNET", "10.213.9.0/24")
+TEST_SUBNET = worker_subnet(os.environ.get("DDPFAB_TEST_SUBNET", "10.213.9.0/24"))
 
 
 def pytest_collection_modifyitems(items):
@@ -28,7 +40,9 @@ def pytest_collection_modifyitems(items):
 def lab(tmp_path_factory):
     """Three lab hosts for the whole session; torn down at the end, whatever happened."""
     lab_dir = tmp_path_factory.mktemp("lab")
-    the_lab, _ = labmod.up(lab_dir, hosts=3, subnet=TEST_SUBNET)
+    # hosts see the tests' own temp dirs (scripts, inventories) as a shared filesystem would show
+    # them; the rest of the controller's /tmp stays out of their sight
+    the_lab, _ = labmod.up(lab_dir, hosts=3, subnet=TEST_SUBNET, share=[tmp_path_factory.getbasetemp()])
     try:
         yield the_lab
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -49,19 +50,32 @@ def wait_no_processes(lab, timeout: float, names=("node1", "node2", "node3")) ->
         time.sleep(0.05)
 
 
-def host_tmp_leftovers(lab, name: str) -> list[str]:
-    """What host *name* wrote to its /tmp (its overlay's upper layer): files and empty dirs.
+#: What a library may leave in a host's /tmp on its own account: caches a job's files are not, kept
+#: across runs on purpose (torch writes ``torchinductor_<user>`` the first time a process builds a
+#: DDP model). Anything else a job leaves in /tmp is a leftover.
+LIBRARY_CACHES = re.compile(r"^torchinductor_[A-Za-z0-9_.-]+$")
 
-    Python's bytecode cache of the checkout itself does not count: when the checkout lies under
-    /tmp (as in CI) the hosts import ddpfab from it (shared code, as on NFS), which writes
-    ``__pycache__`` there; parent dirs of what is listed do not count either."""
-    tmp_upper = Path(lab.store) / name / "upper_tmp"
+
+def host_tmp_leftovers(lab, name: str) -> list[str]:
+    """What host *name* wrote to its own /tmp (its overlay's upper layer): files and empty dirs.
+
+    The host's /tmp starts empty (see ``lab.PRIVATE_TMP``). The dirs the lab shares into it (the
+    checkout, the tests' temp dirs) are no leftovers, nor their parents; what a host wrote inside
+    them is, except Python's bytecode cache of the checkout (hosts import ddpfab from it, as
+    from NFS). Library caches (LIBRARY_CACHES) at the top of /tmp are not the job's files."""
+    store = Path(lab.store) / name
+    shares = [Path(s) for s in lab.shares]
+    uppers = [(store / "upper_tmp", Path("/tmp"))] + [(store / f"upper_share{i}", s) for i, s in enumerate(shares)]
     left = []
-    for p in tmp_upper.rglob("*"):
-        if p.is_dir() and any(p.iterdir()):
-            continue
-        real = Path("/tmp") / p.relative_to(tmp_upper)
-        if real.is_relative_to(REPO) and "__pycache__" in real.relative_to(REPO).parts:
-            continue
-        left.append(str(p.relative_to(tmp_upper)))
+    for upper, real_root in uppers:
+        for p in upper.rglob("*"):
+            real = real_root / p.relative_to(upper)
+            top = real.relative_to("/tmp").parts[0]
+            if LIBRARY_CACHES.match(top):
+                continue
+            if p.is_dir() and (any(p.iterdir()) or any(s == real or s.is_relative_to(real) for s in shares)):
+                continue
+            if real.is_relative_to(REPO) and "__pycache__" in real.relative_to(REPO).parts:
+                continue
+            left.append(str(real))
     return left

@@ -1,0 +1,83 @@
+"""The suite's results do not depend on what the controller already holds (issue 20).
+
+Lab hosts used to see the controller's /tmp through an overlay: where the controller had torch's
+``/tmp/torchinductor_root`` (any machine that ever ran DDP locally), a job on a host wrote nothing
+there; on a fresh machine it wrote the dir and every later test failed its no-leftover check. Now
+each host has its own /tmp (lab.PRIVATE_TMP) and its own ~/.cache, and the leftover check tells a
+library's cache from a job's files (helpers.LIBRARY_CACHES).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO, ddpfab, host_tmp_leftovers, reports
+
+EXAMPLE = "examples/train_dist.py"
+INDUCTOR = Path("/tmp/torchinductor_root")
+
+
+@pytest.fixture
+def controller_tmp_and_cache():
+    """Controller-only files where a host used to see them: in /tmp, torch's cache dir, ~/.cache."""
+    marker = Path(tempfile.mkdtemp(prefix="ddpfab-controller-only-", dir="/tmp"))
+    made_inductor = not INDUCTOR.exists()
+    INDUCTOR.mkdir(exist_ok=True)
+    cache = Path.home() / ".cache"
+    cache_marker = Path(tempfile.mkdtemp(prefix="ddpfab-controller-only-", dir=cache if cache.is_dir() else None))
+    try:
+        yield marker, cache_marker
+    finally:
+        shutil.rmtree(marker, ignore_errors=True)
+        shutil.rmtree(cache_marker, ignore_errors=True)
+        if made_inductor:
+            try:
+                INDUCTOR.rmdir()  # only if nothing else started to use it meanwhile
+            except OSError:
+                pass
+
+
+def _upper_tmp(lab, name: str) -> Path:
+    return Path(lab.store) / name / "upper_tmp"
+
+
+def test_hosts_see_neither_the_controllers_tmp_nor_its_caches(lab, inventory2, controller_tmp_and_cache, tmp_path):
+    marker, cache_marker = controller_tmp_and_cache
+    probe = (f"for p in {marker} {INDUCTOR} {cache_marker}; do test -e $p && echo SEES $p; done; "
+             f"test -d {tmp_path} && test -d {REPO} && echo SHARED-OK; ls -A /root/.cache | wc -l")
+    res = ddpfab("exec", "-i", str(inventory2), "--", probe)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SEES" not in res.stdout, res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    # both hosts still see what the lab shares (the checkout, the tests' temp dirs) ...
+    assert sum("SHARED-OK" in ln for ln in lines) == 2, res.stdout
+    # ... and start with an empty ~/.cache
+    assert sum(ln.rstrip().endswith("| 0") or ln.rstrip().endswith(" 0") for ln in lines) == 2, res.stdout
+
+
+def test_a_ddp_job_writes_torch_cache_on_its_own_tmp_whatever_the_controller_has(
+        lab, inventory2, controller_tmp_and_cache, tmp_path):
+    """With the controller holding /tmp/torchinductor_root, a DDP job still creates its own on each
+    host (so the outcome is the same on a fresh machine), and the leftover check accepts it while
+    still catching a job's own temp file."""
+    for name in ("node1", "node2"):
+        shutil.rmtree(_upper_tmp(lab, name) / INDUCTOR.name, ignore_errors=True)  # as if fresh
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), EXAMPLE,
+                 "--steps", "1", "--report", timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(reports(res.stdout)) == 2
+    for name in ("node1", "node2"):
+        assert (_upper_tmp(lab, name) / INDUCTOR.name).is_dir(), f"{name}: DDP wrote no {INDUCTOR} of its own"
+        assert host_tmp_leftovers(lab, name) == []
+    # strict for everything else: a file a job leaves in /tmp is a leftover
+    res = ddpfab("exec", "-i", str(inventory2), "--", "touch /tmp/left-by-a-job")
+    assert res.returncode == 0, res.stdout + res.stderr
+    try:
+        for name in ("node1", "node2"):
+            assert host_tmp_leftovers(lab, name) == ["/tmp/left-by-a-job"]
+    finally:
+        ddpfab("exec", "-i", str(inventory2), "--", "rm -f /tmp/left-by-a-job")
