@@ -7,7 +7,7 @@ pick backend and device, initialise, and a few small collectives.
     ddist.print0(f"world size {env.world_size} on {env.backend}")
     hosts = ddist.all_gather_object(socket.gethostname())
     ...
-    ddist.cleanup()
+    ddist.finish()                     # the script's last line: see finish() for why
 
 This file depends on the standard library and torch only (torch is imported when first needed, so
 :func:`read_env` works anywhere) and imports nothing else from ddpfab, so a node can get it in any
@@ -27,12 +27,14 @@ For tcp:// and file:// the rank and world size are passed explicitly, from RANK 
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
 #: What every init method needs from the launcher.
@@ -286,6 +288,9 @@ def print0(*args: Any, **kwargs: Any) -> None:
 def cleanup() -> None:
     """Destroy the default process group if there is one (safe to call twice).
 
+    At the very end of a script prefer :func:`finish`, which also leaves the process without the
+    interpreter teardown that gloo can abort.
+
     A barrier first: a rank that tears gloo down while a peer's last collective is still in
     flight can abort the peer ("terminate called without an active exception", seen here with
     torch 2.13 + gloo), failing a run that had finished its work."""
@@ -296,3 +301,32 @@ def cleanup() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def finish(exit_code: int = 0) -> NoReturn:
+    """End the script: :func:`cleanup`, then leave the process the way ``sys.exit`` would, but
+    without the interpreter's final teardown. Call it as the script's last statement.
+
+    Why: after training has finished and the process group is destroyed, gloo's worker threads can
+    still be alive when the interpreter tears itself down; freeing what they hold then aborts the
+    process (SIGABRT, "terminate called without an active exception": pytorch issue 190489, and
+    PR 179291, abandoned). A rank that did all its work then fails the job. Everything a normal exit
+    does first still happens here: non-daemon threads are joined, ``atexit`` handlers run (logging,
+    wandb and the like flush there), stdout and stderr are flushed; then ``os._exit`` skips the
+    teardown where the abort happens.
+
+    Args:
+        exit_code: the process's exit status.
+    """
+    cleanup()
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon and thread is not threading.main_thread():
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing left to save
+            pass
+    os._exit(exit_code)

@@ -26,6 +26,7 @@ from typing import TextIO
 from fabric import Connection
 
 from . import agent as agent_module
+from . import hints
 from .plan import NodePlan, Plan
 
 #: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
@@ -90,6 +91,7 @@ class NodeOutcome:
     lines: int = 0
     stopped_by_ddpfab: bool = False
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
+    hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
 
     def to_dict(self) -> dict:
         return {"node_rank": self.node_rank, "exit_code": self.exit_code, "error": self.error,
@@ -97,7 +99,7 @@ class NodeOutcome:
                 "duration_s": round(self.ended - self.started, 3) if self.ended else None,
                 "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab,
                 "restarts": (self.remote or {}).get("restarts"),
-                "stopped_reason": (self.remote or {}).get("stopped")}
+                "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints}
 
 
 @dataclass
@@ -241,6 +243,13 @@ class _NodeJob:
         except Exception:  # noqa: BLE001
             pass
 
+    def _line(self, text: str) -> None:
+        self.outcome.lines += 1
+        self.printer.line(self.node.name, text)
+        hint = hints.hint_for(text)
+        if hint and hint not in self.outcome.hints:
+            self.outcome.hints.append(hint)
+
     def _run(self) -> None:
         out = self.outcome
         out.started = time.time()
@@ -263,11 +272,9 @@ class _NodeJob:
                     pending += data
                     *complete, pending = pending.split(b"\n")
                     for raw in complete:
-                        out.lines += 1
-                        self.printer.line(self.node.name, raw.decode("utf-8", "replace").rstrip("\r"))
+                        self._line(raw.decode("utf-8", "replace").rstrip("\r"))
                 if pending:
-                    out.lines += 1
-                    self.printer.line(self.node.name, pending.decode("utf-8", "replace"))
+                    self._line(pending.decode("utf-8", "replace"))
                 out.exit_code = chan.recv_exit_status()
                 if out.exit_code == -1:
                     out.exit_code = None
@@ -357,6 +364,8 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         code = out.exit_code if out.exit_code not in (None, 0) else 1
         why = out.error or f"exit code {out.exit_code}"
         summary = f"failed: {first_failure} (node_rank {out.node_rank}) {why}; the others were stopped"
+        for hint in dict.fromkeys(h for o in outcomes.values() for h in o.hints):
+            printer.note(f"hint: {hint}")
     else:
         code = 0
         summary = f"all {len(outcomes)} nodes exited 0"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -59,6 +60,12 @@ def main() -> None:
     print(f"rank {rank} done, parameter checksum {checksum:.6f}", flush=True)
     dist.barrier()  # gloo: tearing down while a peer still finishes aborts it (torch 2.13)
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: gloo's threads can abort the process there, after
+    # all the work is done (SIGABRT, "terminate called without an active exception"; pytorch issue
+    # 190489). ddpfab.dist.finish() does this for scripts that use ddpfab's helper.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def main() -> None:
             "debug_env": {k: os.environ.get(k) for k in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS",
                                                           "TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL")},
         }, ensure_ascii=False), flush=True)
-    ddist.cleanup()
+    ddist.finish()  # destroys the process group and exits, skipping the teardown gloo can abort
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
   echo "setup: installing torch==2.13.0 (CPU)"
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 fi
-if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy' 2>/dev/null \
+if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy, xdist' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.ddpfab-installed ]; then
   echo "setup: installing ddpfab with its node and test extras"
   .venv/bin/pip install -q --disable-pip-version-check -e '.[node,test]'

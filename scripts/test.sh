@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Set everything up, then run the whole test suite: unit tests, lab tests on real sshd hosts in
 # network namespaces (root), and the provisioning tests. Extra arguments go to pytest.
+#
+# Test files run in DDPFAB_TEST_WORKERS processes at once (pytest-xdist, default 2; 0 = one
+# process): each worker brings up a lab of its own on a subnet of its own, and a file stays on one
+# worker, since the tests in a file share labs and fixtures. Most of a lab test's time is waiting on
+# remote processes, so two workers pay off even on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
-exec .venv/bin/python -m pytest -q "$@"
+workers=${DDPFAB_TEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
