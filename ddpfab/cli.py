@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dir", required=True, help="where the lab keeps its state, keys and inventory")
     up.add_argument("--subnet", default="10.213.0.0/24")
     up.add_argument("--python", help="the nodes' python (default: this python)")
+    up.add_argument("--share", action="append", default=[], metavar="DIR",
+                    help="a dir under /tmp that hosts must see (each host has its own /tmp); the lab dir, "
+                         "the python's venv and the current dir are always shared (repeatable)")
     for name, text in (("down", "remove everything the lab made"), ("status", "show the lab's hosts")):
         p = lab_sub.add_parser(name, help=text)
         p.add_argument("--dir", required=True)
@@ -272,7 +275,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     try:
         if args.lab_command == "up":
-            the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=args.python)
+            the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=args.python,
+                                         share=args.share)
             state = "already up" if already else "up"
             names = ", ".join(f"{h.name}={h.address}" for h in the_lab.hosts)
             print(f"lab {state}: {names}")

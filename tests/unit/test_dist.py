@@ -198,3 +198,30 @@ def test_detail_debug_is_lowered_on_gloo_so_ddp_does_not_crash(tmp_path):
                          check=False)
     assert res.returncode == 0 and "DDP OK" in res.stdout, (res.returncode, res.stderr[-2000:])
     assert "lowered to INFO" in res.stderr
+
+
+def test_finish_exits_like_sys_exit_but_skips_the_teardown(tmp_path):
+    """finish(): the group is destroyed, non-daemon threads joined, atexit handlers run, buffered
+    output flushed, the status passed on; and nothing of the interpreter's teardown runs (a
+    finalizer that would print during module teardown stays silent)."""
+    code = (
+        "import atexit, sys, threading, time\n"
+        "import torch.distributed as dist\n"
+        "from ddpfab import dist as ddist\n"
+        "ddist.init(timeout_s=30)\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+        "class Teardown:\n"
+        "    def __del__(self): print('TEARDOWN RAN', flush=True)\n"
+        "keep = Teardown()\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "ddist.finish(7)\n"
+        "print('NOT REACHED')\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "DDPFAB_INIT_METHOD": f"file://{tmp_path}/init"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 7, (res.returncode, res.stderr[-2000:])
+    assert res.stdout.index("thread done") < res.stdout.index("atexit ran")
+    assert "buffered, no newline" in res.stdout
+    assert "NOT REACHED" not in res.stdout and "TEARDOWN RAN" not in res.stdout
