@@ -48,15 +48,16 @@ def _upper_tmp(lab, name: str) -> Path:
 def test_hosts_see_neither_the_controllers_tmp_nor_its_caches(lab, inventory2, controller_tmp_and_cache, tmp_path):
     marker, cache_marker = controller_tmp_and_cache
     probe = (f"for p in {marker} {INDUCTOR} {cache_marker}; do test -e $p && echo SEES $p; done; "
-             f"test -d {tmp_path} && test -d {REPO} && echo SHARED-OK; ls -A /root/.cache | wc -l")
+             f"test -d {tmp_path} && test -d {REPO} && echo SHARED-OK; "
+             "echo CACHE-$(findmnt -n -o FSTYPE --target /root/.cache)")
     res = ddpfab("exec", "-i", str(inventory2), "--", probe)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SEES" not in res.stdout, res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
     # both hosts still see what the lab shares (the checkout, the tests' temp dirs) ...
     assert sum("SHARED-OK" in ln for ln in lines) == 2, res.stdout
-    # ... and start with an empty ~/.cache
-    assert sum(ln.rstrip().endswith("| 0") or ln.rstrip().endswith(" 0") for ln in lines) == 2, res.stdout
+    # ... and have a ~/.cache of their own, empty at the lab's start
+    assert sum("CACHE-tmpfs" in ln for ln in lines) == 2, res.stdout
 
 
 def test_a_ddp_job_writes_torch_cache_on_its_own_tmp_whatever_the_controller_has(

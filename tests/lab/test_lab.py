@@ -11,16 +11,22 @@ from ddpfab import lab as labmod
 from .helpers import ddpfab
 
 
-def _system_state():
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    fwd = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True).stdout
-    return netns, links, fwd
+def _traces(lab_dir: Path) -> list[str]:
+    """The network namespaces, links and FORWARD rules named for the lab in *lab_dir* (other labs,
+    of parallel test workers say, come and go meanwhile and must not count)."""
+    lid = labmod.lab_id(Path(lab_dir).resolve())
+    found = []
+    for argv in (["ip", "netns", "list"], ["ip", "-o", "link"], ["iptables", "-S", "FORWARD"]):
+        out = subprocess.run(argv, capture_output=True, text=True).stdout
+        found += [ln.split(" state ")[0] for ln in out.splitlines() if lid in ln]
+    return sorted(found)
 
 
 def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
-    before = _system_state()
     other = tmp_path / "other"
+    assert _traces(other) == []
+    first_lab = _traces(lab.dir)
+    assert first_lab
     res = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
     assert res.returncode == 0, res.stderr
     assert "node1=10.213.8.11" in res.stdout
@@ -37,9 +43,11 @@ def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
     # a write to an overlaid system dir stays on that host
     subprocess.run(["ssh", "-F", str(second.ssh_config), "node1", "echo hi > /opt/ddpfab-lab-probe"], check=True)
     assert not Path("/opt/ddpfab-lab-probe").exists()
+    assert _traces(other)
     res = ddpfab("lab", "down", "--dir", str(other))
     assert res.returncode == 0
-    assert _system_state() == before
+    assert _traces(other) == []
+    assert _traces(lab.dir) == first_lab
     assert not Path(second.store).exists()
     assert all(lab.alive().values()), "taking down one lab must not touch the other"
 
