@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true",
                      help="print the plan and each node's exact command; start nothing")
     run.add_argument("--no-color", action="store_true", help="no colours in the output")
+    from .recover import add_arguments as add_recovery_arguments
+
+    add_recovery_arguments(run)
 
     plan = sub.add_parser("plan", help="print (or --emit as shell scripts) exactly what `run` would start",
                           description="Make the plan `ddpfab run` would make (contacting the hosts for a free "
@@ -115,37 +118,41 @@ PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "sync", "execute", "repl
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from . import inventory, runner, ssh
+    from . import inventory, recover, runner, ssh
     from . import plan as planmod
     from .launch import Printer
     from .runs import mask_plan, new_run_id
 
     try:
         cluster = inventory.load(args.inventory, args.group)
+        ropts = recover.recovery_options(args, cluster)
+        cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
         options = _run_options(args, planmod, new_run_id)
         if args.dry_run and args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
+        if recover.wanted(args) and args.detach and not recover.is_supervisor():
+            return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        conns = runner.connect_all(cluster, policy, args.ssh_config)
-        try:
-            code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns)
-        except BaseException:
-            for c in conns.values():
-                c.close()
-            raise
-        prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check,
-                                  conns=conns)
+
+        def prepare(cl, opts):
+            return _prepare(cl, opts, policy, args)
+
+        if recover.wanted(args) and not args.dry_run:
+            return recover.Recovery(cluster, spares, options, ropts, policy, args.ssh_config, args.runs_dir,
+                                    prepare, runner.run, color=False if args.no_color else None).run()
+        prepared, extra = prepare(cluster, options)
     except (inventory.InventoryError, planmod.PlanError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:
         return _die(exc.problems + ["nothing was started"])
-    extra = {"code": code} if code else {}
     if args.dry_run:
         prepared.close()
         return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False)
@@ -159,6 +166,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result.exit_code != 0:
         sys.stderr.write(f"ddpfab: {result.summary}\n")
     return result.exit_code
+
+
+def _prepare(cluster, options, policy, args: argparse.Namespace):
+    """One attempt's start: connect, sync the code (unless --no-sync or --dry-run), probe,
+    preflight, plan. Returns (Prepared, manifest extra); raises RunError with nothing started."""
+    from . import runner
+
+    conns = runner.connect_all(cluster, policy, args.ssh_config)
+    try:
+        code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns)
+    except BaseException:
+        for c in conns.values():
+            c.close()
+        raise
+    prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns)
+    return prepared, ({"code": code} if code else {})
 
 
 def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:

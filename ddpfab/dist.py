@@ -37,6 +37,13 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
+#: Set by ``ddpfab run --max-job-restarts``: how many times the whole job was started again, the
+#: first attempt's run id, and every attempt's run id so far (comma-separated, oldest first).
+RESTART_VAR, ROOT_VAR, LINEAGE_VAR = "DDPFAB_RESTART_COUNT", "DDPFAB_ROOT_RUN_ID", "DDPFAB_RUN_LINEAGE"
+#: Checkpoints written by :func:`save_checkpoint` are named CKPT_PREFIX + step + CKPT_SUFFIX; only
+#: files named so are ever found, loaded or pruned (never anything else in the directory).
+CKPT_PREFIX, CKPT_SUFFIX = "ddpfab-ckpt-", ".pt"
+_CKPT_NAME = re.compile(r"^ddpfab-ckpt-(\d{9})\.pt$")
 #: What every init method needs from the launcher.
 REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 #: What env:// needs on top.
@@ -330,3 +337,141 @@ def finish(exit_code: int = 0) -> NoReturn:
         except (OSError, ValueError):  # closed or broken: nothing left to save
             pass
     os._exit(exit_code)
+
+
+# --- restarts and checkpoints ------------------------------------------------------------------
+#
+#     state = ddist.resume(ckpt_dir)                 # every rank: None, or (step, state) of the latest
+#     start = state[0] + 1 if state else 0
+#     for step in range(start, steps):
+#         ...
+#         ddist.save_checkpoint({"model": model.state_dict(), ...}, ckpt_dir, step)
+#
+# ``shared=True`` (the default): the directory is on storage every node sees (NFS, ddpfab_shared_dir)
+# and global rank 0 writes. ``shared=False``: node-local disks; local rank 0 of every node writes its
+# own copy, so a node that is lost takes only its copy with it; :func:`resume` then hands the latest
+# copy any rank has to all ranks (a spare that joins has none), with collectives only, no numpy.
+# Both work with every init method ddpfab offers (env://, tcp://, file://): they need the default
+# process group, nothing else.
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times ddpfab started the whole job again (0 on the first attempt)."""
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get(RESTART_VAR, "0") or 0)
+    except ValueError:
+        raise DistEnvError(f"ddpfab.dist: {RESTART_VAR}={env.get(RESTART_VAR)!r} is not an integer") from None
+
+
+def run_lineage(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The run ids of every attempt of this run, oldest first (just this run's id without restarts)."""
+    env = os.environ if environ is None else environ
+    lineage = [r for r in (env.get(LINEAGE_VAR) or "").split(",") if r]
+    return lineage or ([env["DDPFAB_RUN_ID"]] if env.get("DDPFAB_RUN_ID") else [])
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> str:
+    if step < 0 or step > 999_999_999:
+        raise ValueError(f"ddpfab.dist: checkpoint step {step} out of range 0..999999999")
+    return os.path.join(os.fspath(directory), f"{CKPT_PREFIX}{step:09d}{CKPT_SUFFIX}")
+
+
+def checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in *directory*, oldest first (a save in progress
+    has another name until it is complete)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(os.fspath(directory), n)) for n in names if (m := _CKPT_NAME.match(n))]
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> tuple[int, str] | None:
+    """(step, path) of the newest checkpoint in *directory* as this process sees it, or None."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def save_checkpoint(state: Any, directory: str | os.PathLike, step: int, *, shared: bool = True,
+                    keep: int | None = 3) -> str | None:
+    """Save *state* (anything ``torch.save`` takes) as the checkpoint of *step*; call it on every rank.
+
+    *shared*: global rank 0 writes into a directory every node sees; else local rank 0 of each node
+    writes its own copy. The file appears complete or not at all (written under a temporary name,
+    fsynced, renamed). Then checkpoints of this helper older than the newest *keep* are deleted
+    (None keeps all). Returns the path on the ranks that wrote, else None.
+    """
+    import torch
+
+    writer = rank() == 0 if shared else _local_rank() == 0
+    if not writer:
+        return None
+    path = checkpoint_path(directory, step)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if keep is not None:
+        for _, old in checkpoints(directory)[:-keep] if keep > 0 else []:
+            try:
+                os.unlink(old)
+            except FileNotFoundError:  # another writer on a shared dir pruned it first
+                pass
+    return path
+
+
+def resume(directory: str | os.PathLike, *, map_location: Any = "cpu", weights_only: bool = True):
+    """The latest checkpoint any rank can see, as ``(step, state)`` on every rank, or None.
+
+    Collective when the default process group is initialised: call it on every rank. Every rank
+    that sees the newest step loads its own file; when some do not (a node-local directory, and a
+    spare that just joined), the lowest rank that has it broadcasts the file's bytes to all.
+    Without a process group it just loads what this process sees.
+    """
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    mine = latest_checkpoint(directory)
+    if not (dist.is_available() and dist.is_initialized()):
+        return (mine[0], torch.load(mine[1], map_location=map_location, weights_only=weights_only)) if mine else None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    step = mine[0] if mine else -1
+    agree = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MAX)
+    newest, oldest = int(agree[0]), -int(agree[1])
+    if newest < 0:
+        return None
+    if oldest == newest:  # every rank sees it: no bytes on the wire
+        return newest, torch.load(mine[1], map_location=map_location, weights_only=weights_only)
+    me, world = dist.get_rank(), dist.get_world_size()
+    owner = torch.tensor([me if step == newest else world], dtype=torch.int64, device=device)
+    dist.all_reduce(owner, op=dist.ReduceOp.MIN)
+    src = int(owner[0])
+    blob = open(mine[1], "rb").read() if me == src else b""
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buf = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if me == src
+           else torch.empty(int(size[0]), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, src=src)
+    if me != src:
+        import ctypes  # the bytes of a contiguous CPU tensor, without numpy (not in torch's CPU wheel)
+
+        host = buf.cpu().contiguous()
+        blob = ctypes.string_at(host.data_ptr(), host.numel())
+    data = blob
+    return newest, torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)

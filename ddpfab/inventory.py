@@ -28,6 +28,7 @@ VAR_WORKDIR = "ddpfab_workdir"
 VAR_PYTHON = "ddpfab_python"
 VAR_MASTER = "ddpfab_master"
 VAR_SHARED_DIR = "ddpfab_shared_dir"
+VAR_SPARES = "ddpfab_spares_group"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 
@@ -55,6 +56,8 @@ class Node:
         master: this node hosts the rendezvous (``ddpfab_master``).
         shared_dir: a directory every node sees with the same content (NFS and the like;
             ``ddpfab_shared_dir``), used for the file:// init method; None if not set.
+        spares_group: the inventory group whose hosts stand by to replace a lost node
+            (``ddpfab_spares_group``; ``ddpfab run --spares`` wins); None if not set.
     """
 
     name: str
@@ -70,6 +73,7 @@ class Node:
     python: str = "python3"
     master: bool = False
     shared_dir: str | None = None
+    spares_group: str | None = None
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -305,6 +309,7 @@ def _make_node(name: str, var) -> Node:
         python=str(var(VAR_PYTHON, None) or "python3"),
         master=_bool_var(var(VAR_MASTER, False)),
         shared_dir=str(shared_dir) if shared_dir else None,
+        spares_group=str(var(VAR_SPARES, None) or "") or None,
     )
 
 

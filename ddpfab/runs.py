@@ -51,6 +51,15 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
         os.chmod(self.path, 0o700)
 
+    @classmethod
+    def existing(cls, root: str | os.PathLike, run_id: str) -> RunDir:
+        """The directory of a run recorded already (to update its manifest)."""
+        self = cls.__new__(cls)
+        self.path = Path(root) / run_id
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"no run record {self.path}")
+        return self
+
     def log_path(self, node: str) -> Path:
         return self.path / f"{node}.log"
 
