@@ -35,6 +35,8 @@ SUBNETS = {
     "launch": "10.213.102.0/24",
     "teardown": "10.213.103.0/24",
     "provision": "10.213.104.0/24",
+    # (several engineers share this machine: DDPFAB_BENCH_SUBNET_RECOVERY puts this one elsewhere)
+    "recovery": os.environ.get("DDPFAB_BENCH_SUBNET_RECOVERY", "10.213.105.0/24"),
 }
 MASTER_PORT_BASE = 29700
 

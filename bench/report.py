@@ -573,6 +573,34 @@ def provision_section(data, plots) -> list[str]:
     return lines
 
 
+def recovery_section(data) -> list[str]:
+    lines = ["## 5. Recovery onto a spare (`bench/recovery.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/recovery.py`.", ""]
+    s = data["summary"]
+    lines += [describe("recovery", data), "",
+              "node1 + node2 train (gloo, one process each, a checkpoint every 0.3 s step in a shared dir, "
+              "`ddpfab.dist.save_checkpoint`/`resume`), node3 stands by in the inventory group `spares`; "
+              "`ddpfab run --max-job-restarts 1 --spares spares`, the code synced to a workdir under /opt, so the "
+              "spare receives it during the recovery. t=0: node2's link is cut (`ip link set <veth> down`) after "
+              "step 3. No other tool recovers onto another machine, so the comparison is with a person who "
+              "noticed: the same job cold-started on node1 + node3 with `ddpfab run` (code already there), "
+              "launch to first step.", ""]
+    base = med(s.get("cold_start_to_first_step"))
+    rows = [
+        ["loss -> first step of the restarted job (the whole recovery)", fmt(s.get("loss_to_first_step")),
+         ratio(med(s.get("loss_to_first_step")), base)],
+        ["  of which: loss -> detected (keepalives unanswered for 5 s)", fmt(s.get("loss_to_detected")), ""],
+        ["  of which: detected -> next attempt started (health check, re-plan, sync to the spare, probe, "
+         "preflight; manifest `recovery_s`)", fmt(s.get("recovery_s")), ""],
+        ["  of which: attempt started -> first step (torchrun, import torch, rendezvous, resume)",
+         fmt(s.get("attempt_start_to_first_step")), ""],
+        ["cold start by hand on the new set: launch -> first step", fmt(s.get("cold_start_to_first_step")), "1.00x"],
+    ]
+    lines += table(["what", "median (min-max)", "vs cold start"], rows)
+    return lines
+
+
 def verdicts(t: dict) -> list[str]:
     def v(ok):
         return "n/a" if ok is None else ("**met**" if ok else "**not met**")
@@ -612,7 +640,8 @@ def verdicts(t: dict) -> list[str]:
 
 def main() -> int:
     DOCS.mkdir(exist_ok=True)
-    fanout, launch, teardown, provision = (load(n) for n in ("fanout", "launch", "teardown", "provision"))
+    fanout, launch, teardown, provision, recovery = (load(n) for n in ("fanout", "launch", "teardown", "provision",
+                                                                       "recovery"))
     plt = _plt()
     plots: set[str] = set()
     if plt is not None:
@@ -627,7 +656,7 @@ def main() -> int:
     targets.update(t1)
     targets.update(t2)
     targets.update(t3)
-    metas = [d["meta"] for d in (fanout, launch, teardown, provision) if d]
+    metas = [d["meta"] for d in (fanout, launch, teardown, provision, recovery) if d]
     m = metas[0] if metas else {}
     any_noisy = any(noisy(x) for x in metas)
     head = [
@@ -665,6 +694,7 @@ def main() -> int:
     ]
     head += verdicts(targets)
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
+    body += recovery_section(recovery)
     if plt is None:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]

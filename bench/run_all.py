@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-BENCHMARKS = ("fanout", "launch", "teardown", "provision")
+BENCHMARKS = ("fanout", "launch", "teardown", "provision", "recovery")
 
 
 def run_child(cmd: list[str]) -> int | None:

@@ -149,6 +149,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             return recover.Recovery(cluster, spares, options, ropts, policy, args.ssh_config, args.runs_dir,
                                     prepare, runner.run, color=False if args.no_color else None).run()
         prepared, extra = prepare(cluster, options)
+        if spares:  # the nodes are the group without its spares: replay, stop and logs must know
+            extra.update(spares_group=ropts.spares_group, attempt_nodes=[n.name for n in cluster.nodes])
     except (inventory.InventoryError, planmod.PlanError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:

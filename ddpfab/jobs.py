@@ -119,12 +119,22 @@ def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
 
 def _cluster(args, manifest: dict | None):
     from . import inventory
+    from .recover import attempt_cluster
 
     source = args.inventory or (manifest or {}).get("plan", {}).get("inventory")
     if not source:
         raise inventory.InventoryError("no inventory: pass --inventory (no local manifest names one)")
     group = args.group or (manifest or {}).get("plan", {}).get("group") or "all"
+    if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
+        return attempt_cluster(manifest, source, group)
     return inventory.load(source, group)
+
+
+def _latest(args, manifest: dict | None) -> dict | None:
+    """For a run with restarts, its latest attempt's manifest (the one running, or that ran last)."""
+    from .recover import current_manifest
+
+    return current_manifest(args.runs_dir, manifest) if manifest else None
 
 
 def _connect(args, cluster):
@@ -210,6 +220,12 @@ def cmd_ps(args) -> int:
             run["nodes"][node.name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
+        local = _load_manifest(args.runs_dir, r["run_id"]) or {}
+        if local.get("recovery_of"):  # an attempt of a run with restarts
+            r["attempt_of"], r["restart"] = local["recovery_of"], local.get("restart")
+        elif local.get("recovery"):
+            r["attempts"] = len(local["recovery"].get("attempts") or [])
+            r["recovery_state"] = local["recovery"].get("state")
         states = {s["state"] for s in r["nodes"].values()}
         r["state"] = "running" if "running" in states else ("dead" if "dead" in states else "exited")
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
@@ -220,7 +236,9 @@ def cmd_ps(args) -> int:
     for r in rows:
         nodes = " ".join(f"{n}:{s['state']}" + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
                          for n, s in r["nodes"].items())
-        print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}")
+        lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
+                   f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
+        print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
     return 0
 
 
@@ -229,12 +247,19 @@ def cmd_stop(args) -> int:
     from . import ssh
     from .launch import STOP_GRACE_S
 
-    manifest = _load_manifest(args.runs_dir, args.run_id)
+    from .recover import stop_supervisor
+
+    supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
+    if supervisor:
+        print(f"controller: {supervisor}")
+    root = _load_manifest(args.runs_dir, args.run_id)
+    manifest = _latest(args, root)
+    run_id = (manifest or {}).get("run_id", args.run_id)
     cluster = _cluster(args, manifest)
     conns = _connect(args, cluster)
     try:
         results = ssh.parallel(cluster.nodes, lambda n: ssh.run(
-            conns[n.name], n.name, _py(n, STOP_SNIPPET, _remote_dir(n.name, manifest, args.run_id),
+            conns[n.name], n.name, _py(n, STOP_SNIPPET, _remote_dir(n.name, manifest, run_id),
                                        str(STOP_GRACE_S + 5)), timeout=30))
     finally:
         for c in conns.values():
@@ -258,19 +283,27 @@ def cmd_attach(args) -> int:
         sys.stderr.write(f"ddpfab: error: no local record of run {args.run_id} in {args.runs_dir}; "
                          "attach from the machine (and --runs-dir) that started it\n")
         return 2
-    plan = Plan.from_dict(manifest["plan"])
-    cluster = _cluster(args, manifest)
-    conns = _connect(args, cluster)
-    printer = Printer(plan)
-    codes: dict[str, int] = {}
-    try:
-        codes = _follow_all(plan, cluster, conns, printer)
-    except KeyboardInterrupt:
-        printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
-        return 130
-    finally:
-        for c in conns.values():
-            c.close()
+    from .recover import next_attempt
+
+    root, followed = manifest, None
+    while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
+        plan = Plan.from_dict(manifest["plan"])
+        cluster = _cluster(args, manifest)
+        conns = _connect(args, cluster)
+        printer = Printer(plan)
+        codes: dict[str, int] = {}
+        try:
+            codes = _follow_all(plan, cluster, conns, printer)
+        except KeyboardInterrupt:
+            printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
+            return 130
+        finally:
+            for c in conns.values():
+                c.close()
+        followed = plan.run_id
+        manifest = next_attempt(args.runs_dir, root, followed)
+        if manifest is not None:
+            printer.note(f"attempt {followed} ended; following {manifest['run_id']}")
     failed = {n: c for n, c in codes.items() if c != 0}
     printer.note(f"run {args.run_id} ended: " + (f"failed on {failed}" if failed else "all nodes exited 0"))
     return next(iter(failed.values()), 0) if failed else 0
@@ -335,16 +368,37 @@ def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:
 
 @_guard
 def cmd_logs(args) -> int:
+    from .recover import attempt_manifests
+    from .runner import RunError
+
+    root = _load_manifest(args.runs_dir, args.run_id)
+    bad = 0
+    for manifest in attempt_manifests(args.runs_dir, root) if root else [None]:
+        run_id = manifest["run_id"] if manifest else args.run_id
+        if run_id != args.run_id:
+            print(f"attempt {run_id}:")
+        try:
+            bad |= _logs_of(args, manifest, run_id)
+        except RunError as exc:  # e.g. a node lost in that attempt: the other attempts' logs still come
+            if root is None or len((root.get("recovery") or {}).get("attempts") or []) < 2:
+                raise
+            bad = 1
+            for line in exc.problems:
+                sys.stderr.write(f"ddpfab: error: attempt {run_id}: {line}\n")
+    return bad
+
+
+def _logs_of(args, manifest: dict | None, run_id: str) -> int:
+    """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
     from . import ssh
 
-    manifest = _load_manifest(args.runs_dir, args.run_id)
     cluster = _cluster(args, manifest)
     conns = _connect(args, cluster)
-    dest = Path(args.runs_dir) / args.run_id
+    dest = Path(args.runs_dir) / run_id
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def fetch(node) -> str:
-        remote = _remote_dir(node.name, manifest, args.run_id)
+        remote = _remote_dir(node.name, manifest, run_id)
         res = ssh.run(conns[node.name], node.name, f"cat {shlex.quote(remote)}/output.log", timeout=60)
         if res.exit_code != 0:
             raise RuntimeError(res.stderr.strip() or f"no output.log in {remote}")

@@ -48,7 +48,7 @@ EVIDENCE_LINES = 8
 #: Seconds a health check waits for a node's sshd after a failure.
 HEALTH_TIMEOUT_S = 5.0
 _HOST_PROBLEM = re.compile(r"^(?:sync: )?host ([^\s:(]+)")
-_RANK_TAG = re.compile(r"^\[default\d+\]:")
+_RANK_TAG = re.compile(r"^\[default\d+\]:(?:\[rank\d+\]:)?")  # torchrun's --tee tag, torch's own rank tag
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s.*)?$")
 
 
@@ -173,15 +173,21 @@ def problem_hosts(problems: list[str], names: set[str]) -> set[str]:
 
 
 def exception_line(log_text: str) -> str | None:
-    """The last Python exception line a rank printed (``ValueError: ...``), torchrun's own wrapper
-    (ChildFailedError) aside."""
-    found = None
+    """The last Python exception line a rank printed (``ValueError: ...``): from the ranks' own
+    output (torchrun tags it ``[default<N>]:``) first, else torchrun's, its wrappers for a child's
+    failure or for the stop signal aside."""
+    ranks, launcher = None, None
     for raw in log_text.splitlines():
-        line = _RANK_TAG.sub("", raw.strip()).strip()
+        raw = raw.strip()
+        tagged = _RANK_TAG.match(raw)
+        line = raw[tagged.end():].strip() if tagged else re.sub(r"^\[rank\d+\]:", "", raw).strip()
         m = _EXC_LINE.match(line)
-        if m and not m.group(1).endswith("ChildFailedError"):
-            found = line
-    return found
+        if m and not m.group(1).endswith(("ChildFailedError", "SignalException")):
+            if tagged:
+                ranks = line
+            else:
+                launcher = line
+    return ranks or launcher
 
 
 def tail(path: Path, lines: int = EVIDENCE_LINES) -> str:
@@ -240,12 +246,15 @@ def classify(result: RunResult, nodes: tuple[Node, ...], log_dir: Path, policy: 
                 evidence[name] += "\nlast lines:\n" + last
         return Failure("node", tuple(n.name for n in nodes if n.name in evidence), evidence)
     first = result.first_failure or next(iter(result.outcomes))
-    out = result.outcomes[first]
-    try:
-        text = (log_dir / f"{first}.log").read_text(errors="replace")
-    except OSError:
-        text = ""
-    error = exception_line(text) or f"exit code {out.exit_code}"
+    error = None
+    for name in [first] + [n for n in result.outcomes if n != first]:  # the first to fail, else any
+        try:
+            error = exception_line((log_dir / f"{name}.log").read_text(errors="replace"))
+        except OSError:
+            continue
+        if error:
+            break
+    error = error or f"exit code {result.outcomes[first].exit_code}"
     return Failure("script", (first,), {first: tail(log_dir / f"{first}.log")}, error)
 
 
@@ -379,7 +388,7 @@ class Recovery:
                 attempt.nodes = [n.name for n in nodes]
                 attempt.plan = prepared.plan
                 self.attempts.append(attempt)
-                extra = {**extra, "spares_group": self.ropts.spares_group}
+                extra = {**extra, "spares_group": self.ropts.spares_group, "attempt_nodes": attempt.nodes}
                 if restart:
                     extra = {**extra, "recovery_of": self.root, "restart": restart, "lineage": list(lineage)}
                 printer = Printer(prepared.plan, stream=self.out, color=self.color)
@@ -617,16 +626,44 @@ def attempt_manifests(runs_dir: str, manifest: dict) -> list[dict]:
     return out or [manifest]
 
 
-def attempt_cluster(manifest: dict, group: str | None = None) -> Cluster:
-    """The cluster an attempt ran on: its nodes, from the run's group and its spares group."""
+def next_attempt(runs_dir: str, root: dict, followed: str, wait_s: float = 300.0) -> dict | None:
+    """After attempt *followed* of a run with restarts has ended: the manifest of the attempt that
+    follows it, once it has started, or None when the run has ended (or has no restarts)."""
+    if not root.get("recovery"):
+        return None
+    path = Path(runs_dir) / root["run_id"] / "manifest.json"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            rec = json.loads(path.read_text()).get("recovery") or {}
+        except (OSError, ValueError):
+            return None
+        final = rec.get("final_run_id")
+        if final and final != followed:
+            try:
+                manifest = json.loads((Path(runs_dir) / final / "manifest.json").read_text())
+            except (OSError, ValueError):
+                manifest = None
+            if manifest is not None:
+                return manifest
+        elif rec.get("state") != "running":
+            return None
+        time.sleep(0.5)
+    return None
+
+
+def attempt_cluster(manifest: dict, source: str | None = None, group: str | None = None) -> Cluster:
+    """The cluster an attempt ran on, in its order: its nodes, from the run's group and its spares."""
     plan = manifest["plan"]
-    cluster = inventory.load(plan["inventory"], group or plan["group"])
+    source = source or plan["inventory"]
+    cluster = inventory.load(source, group or plan["group"])
     spares_group = manifest.get("spares_group")
     pool = {n.name: n for n in cluster.nodes}
     if spares_group:
-        pool.update({n.name: n for n in inventory.load(plan["inventory"], spares_group).nodes})
-    missing = [n["name"] for n in plan["nodes"] if n["name"] not in pool]
+        pool.update({n.name: n for n in inventory.load(source, spares_group).nodes})
+    order = manifest.get("attempt_nodes") or [n["name"] for n in plan["nodes"]]
+    missing = [n for n in order if n not in pool]
     if missing:
-        raise inventory.InventoryError(f"inventory {plan['inventory']}: the run's nodes {', '.join(missing)} are "
-                                       f"not in group {cluster.group!r}" + (f" or {spares_group!r}" if spares_group else ""))
-    return replace(cluster, nodes=tuple(pool[n["name"]] for n in plan["nodes"]))
+        raise inventory.InventoryError(f"inventory {source}: the run's nodes {', '.join(missing)} are not in "
+                                       f"group {cluster.group!r}" + (f" or {spares_group!r}" if spares_group else ""))
+    return replace(cluster, nodes=tuple(pool[n] for n in order))

@@ -163,9 +163,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _err(f"no run record {path} (pass --runs-dir where the run was recorded)")
     except ValueError as exc:
         return _err(f"{path} is not valid JSON: {exc}")
+    from .recover import attempt_cluster, current_manifest
+
+    latest = current_manifest(args.runs_dir, manifest)  # a run with restarts: its last attempt
+    if latest is not manifest:
+        sys.stderr.write(f"ddpfab: {args.run_id} ran {len(manifest['recovery']['attempts'])} attempts; "
+                         f"replaying the last, {latest['run_id']} (its nodes)\n")
+        manifest = latest
     try:
         source = args.inventory or manifest["plan"]["inventory"]
-        cluster = inventory.load(source, args.group or manifest["plan"]["group"])
+        if "attempt_nodes" in manifest:
+            cluster = attempt_cluster(manifest, source, args.group)
+        else:
+            cluster = inventory.load(source, args.group or manifest["plan"]["group"])
         overrides = dict(parse_env(args.env))
     except (inventory.InventoryError, PlanError) as exc:
         return _err(str(exc))

@@ -25,7 +25,7 @@ import yaml
 
 from ddpfab import lab as labmod
 
-from .helpers import ddpfab, start_ddpfab, wait_no_processes
+from .helpers import REPO, ddpfab, start_ddpfab, wait_no_processes
 
 SCRIPT = "tests/lab/scripts/ckpt_steps.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -48,6 +48,18 @@ def recovery_inventory(lab, path: Path, spares: bool = True) -> Path:
         inv["all"]["children"] = {"spares": {"hosts": {"node3": None}}}
     path.write_text(yaml.safe_dump(inv, sort_keys=False))
     return path
+
+
+@pytest.fixture(autouse=True)
+def src(tmp_path, monkeypatch) -> Path:
+    """The tree the runs sync: the package and the test script, copied (a checkout being edited
+    while a test syncs it would fail the sync's hash check)."""
+    root = tmp_path / "src"
+    shutil.copytree(REPO / "ddpfab", root / "ddpfab", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / Path(SCRIPT).parent).mkdir(parents=True)
+    shutil.copy(REPO / SCRIPT, root / SCRIPT)
+    monkeypatch.chdir(root)
+    return root
 
 
 @pytest.fixture
@@ -97,7 +109,7 @@ def cut_and_recover(lab, inv: Path, runs: Path, victim: str, env: dict[str, str]
             "--env", f"STEPS={steps}", "--env", "STEP_S=0.3"]
     for k, v in env.items():
         args += ["--env", f"{k}={v}"]
-    proc = start_ddpfab(*args, SCRIPT)
+    proc = start_ddpfab(*args, SCRIPT, cwd=Path.cwd())
     reader = Reader(proc)
     veth = lab.host(victim).veth
     try:
@@ -193,14 +205,16 @@ def test_script_error_is_not_retried_unless_asked(lab, tmp_path, shared_ckpt):
     inv = recovery_inventory(lab, tmp_path / "inv.yml")
     common = ["run", "-i", str(inv), "--max-job-restarts", "2", "--spares", "spares", "--env",
               f"CKPT_DIR={shared_ckpt}", "--env", "FAIL_AT=2", "--env", "STEP_S=0"]
-    res = ddpfab(*common, "--runs-dir", str(tmp_path / "runs1"), SCRIPT, timeout=300)
+    res = ddpfab(*common, "--runs-dir", str(tmp_path / "runs1"), SCRIPT,
+                 timeout=300, cwd=Path.cwd())
     assert res.returncode != 0
     assert "RuntimeError: boom on purpose at step 2" in res.stderr and "not retried" in res.stderr, res.stderr
     assert {r["restart"] for r in records(res.stdout, "RESUME")} == {0}
     attempts = root_manifest(tmp_path / "runs1")["recovery"]["attempts"]
     assert [a["failure_kind"] for a in attempts] == ["script"]
 
-    res = ddpfab(*common, "--retry-on", "script", "--runs-dir", str(tmp_path / "runs2"), SCRIPT, timeout=300)
+    res = ddpfab(*common, "--retry-on", "script", "--runs-dir", str(tmp_path / "runs2"), SCRIPT,
+                 timeout=300, cwd=Path.cwd())
     assert res.returncode != 0
     assert "RuntimeError: boom on purpose at step 2" in res.stderr and "no restarts left" in res.stderr, res.stderr
     assert sorted({r["restart"] for r in records(res.stdout, "RESUME")}) == [0, 1, 2]
@@ -214,7 +228,8 @@ def test_no_spare_and_no_min_nodes_fails_naming_the_lost_node(lab, tmp_path, sha
     inv = recovery_inventory(lab, tmp_path / "inv.yml", spares=False)
     runs = tmp_path / "runs"
     proc = start_ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--max-job-restarts", "2",
-                        "--env", f"CKPT_DIR={shared_ckpt}", "--env", "STEPS=200", "--env", "STEP_S=0.3", SCRIPT)
+                        "--env", f"CKPT_DIR={shared_ckpt}", "--env", "STEPS=200", "--env", "STEP_S=0.3", SCRIPT,
+                        cwd=Path.cwd())
     reader = Reader(proc)
     veth = lab.host("node2").veth
     try:

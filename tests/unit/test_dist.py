@@ -7,6 +7,7 @@ a real single-process gloo group (file:// init in a temp dir) to exercise init a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -225,3 +226,83 @@ def test_finish_exits_like_sys_exit_but_skips_the_teardown(tmp_path):
     assert res.stdout.index("thread done") < res.stdout.index("atexit ran")
     assert "buffered, no newline" in res.stdout
     assert "NOT REACHED" not in res.stdout and "TEARDOWN RAN" not in res.stdout
+
+
+# --- checkpoints and restarts -------------------------------------------------------------------
+
+def test_restart_count_and_lineage():
+    assert ddist.restart_count({}) == 0
+    assert ddist.restart_count({"DDPFAB_RESTART_COUNT": "2"}) == 2
+    with pytest.raises(ddist.DistEnvError, match="DDPFAB_RESTART_COUNT='x'"):
+        ddist.restart_count({"DDPFAB_RESTART_COUNT": "x"})
+    assert ddist.run_lineage({"DDPFAB_RUN_LINEAGE": "R,R-r1", "DDPFAB_RUN_ID": "R-r1"}) == ["R", "R-r1"]
+    assert ddist.run_lineage({"DDPFAB_RUN_ID": "R"}) == ["R"]
+
+
+def test_save_finds_latest_and_prunes_only_its_own_files(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("RANK", "0")
+    (tmp_path / "user-notes.txt").write_text("mine")
+    (tmp_path / "ddpfab-ckpt-x.pt").write_text("not a checkpoint name of ours")
+    for step in range(5):
+        assert ddist.save_checkpoint({"w": torch.tensor([float(step)])}, tmp_path, step, keep=2)
+    assert [s for s, _ in ddist.checkpoints(tmp_path)] == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ddpfab-ckpt-000000003.pt", "ddpfab-ckpt-000000004.pt", "ddpfab-ckpt-x.pt", "user-notes.txt"]
+    step, state = ddist.resume(tmp_path)  # no process group: what this process sees
+    assert step == 4 and state["w"].item() == 4.0
+    assert ddist.resume(tmp_path / "none") is None
+
+
+def test_only_the_writer_rank_writes(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert ddist.save_checkpoint({"a": 1}, tmp_path, 0) is None  # shared: rank 0 only
+    assert ddist.save_checkpoint({"a": 1}, tmp_path, 0, shared=False)  # node-local: local rank 0 of each node
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert ddist.save_checkpoint({"a": 1}, tmp_path, 1, shared=False) is None
+
+
+RESUME_WORKER = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from ddpfab import dist as ddist
+import torch
+env = ddist.init(timeout_s=60)
+found = ddist.resume(os.environ["CKPT"])
+print(json.dumps({"rank": env.rank, "step": found[0] if found else None,
+                  "w": found[1]["w"].tolist() if found else None}))
+ddist.cleanup()
+"""
+
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file"])
+def test_resume_hands_the_newest_checkpoint_to_a_rank_that_has_none(tmp_path, method):
+    """Two real gloo processes on loopback: rank 0 sees steps 3 and 7 in its dir, rank 1 (a spare
+    that just joined) sees none; both resume at step 7 with rank 0's state, under every init method."""
+    import socket
+
+    import torch
+
+    dirs = [tmp_path / "r0", tmp_path / "r1"]
+    dirs[0].mkdir()
+    dirs[1].mkdir()
+    for step in (3, 7):
+        torch.save({"w": torch.tensor([step * 1.5])}, ddist.checkpoint_path(dirs[0], step))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init = {"env": None, "tcp": f"tcp://127.0.0.1:{port}", "file": f"file://{tmp_path}/init"}[method]
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "CKPT": str(dirs[rank])}
+        if init:
+            env["DDPFAB_INIT_METHOD"] = init
+        procs.append(subprocess.Popen([sys.executable, "-c", RESUME_WORKER, str(ddist.__file__).rsplit("/ddpfab/", 1)[0]],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert got == [{"rank": 0, "step": 7, "w": [10.5]}, {"rank": 1, "step": 7, "w": [10.5]}]

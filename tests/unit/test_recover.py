@@ -1,0 +1,161 @@
+"""The pure parts of recovery: who runs the next attempt, what a script learns, how failures read."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddpfab import recover
+from ddpfab.inventory import InventoryError, Node
+from ddpfab.plan import PlanError, RunOptions
+
+
+def nodes(*names: str) -> tuple[Node, ...]:
+    return tuple(Node(name=n, host=n) for n in names)
+
+
+def names(ns) -> list[str]:
+    return [n.name for n in ns]
+
+
+def test_a_lost_node_is_replaced_by_the_first_healthy_spare():
+    nxt = recover.next_nodes(nodes("a", "b", "c"), {"b"}, nodes("s1", "s2"), excluded={"s1"}, min_nodes=None)
+    assert names(nxt.nodes) == ["a", "c", "s2"]
+    assert nxt.replaced == {"b": "s2"} and nxt.dropped == ()
+
+
+def test_a_lost_master_leaves_the_first_survivor_first():
+    nxt = recover.next_nodes(nodes("m", "b"), {"m"}, nodes("s"), excluded=set(), min_nodes=None)
+    assert names(nxt.nodes) == ["b", "s"]  # choose_master: the first node, b
+
+
+def test_without_a_spare_the_lost_node_is_named():
+    with pytest.raises(recover.NoRecovery, match=r"lost b; 0 healthy spares left, no --min-nodes"):
+        recover.next_nodes(nodes("a", "b"), {"b"}, (), excluded=set(), min_nodes=None)
+
+
+def test_min_nodes_shrinks_but_not_below():
+    nxt = recover.next_nodes(nodes("a", "b", "c"), {"c"}, (), excluded=set(), min_nodes=2)
+    assert names(nxt.nodes) == ["a", "b"] and nxt.dropped == ("c",)
+    with pytest.raises(recover.NoRecovery, match="below --min-nodes 3"):
+        recover.next_nodes(nodes("a", "b", "c"), {"c"}, (), excluded=set(), min_nodes=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 6), n_spares=st.integers(0, 4), data=st.data())
+def test_next_nodes_invariants(n, n_spares, data):
+    current = nodes(*[f"n{i}" for i in range(n)])
+    spares = nodes(*[f"s{i}" for i in range(n_spares)])
+    failed = set(data.draw(st.lists(st.sampled_from(names(current)), min_size=1, unique=True)))
+    excluded = set(data.draw(st.lists(st.sampled_from(names(spares)), unique=True))) if spares else set()
+    min_nodes = data.draw(st.one_of(st.none(), st.integers(1, n)))
+    try:
+        nxt = recover.next_nodes(current, failed, spares, excluded, min_nodes)
+    except recover.NoRecovery as exc:
+        healthy = [s for s in names(spares) if s not in excluded]
+        assert len(healthy) < len(failed)  # only when spares run out ...
+        assert min_nodes is None or n - len(failed) + len(healthy) < min_nodes  # ... and no shrink is allowed
+        assert "lost " in str(exc)
+        return
+    got = names(nxt.nodes)
+    assert not failed & set(got) and not excluded & set(got), "a failed or excluded node came back"
+    assert len(set(got)) == len(got)
+    survivors = [x for x in names(current) if x not in failed]
+    assert got[:len(survivors)] == survivors, "survivors keep their order"
+    assert set(nxt.replaced) | set(nxt.dropped) == failed
+    assert len(got) == n - len(nxt.dropped)
+    assert min_nodes is None and not nxt.dropped or len(got) >= (min_nodes or 0)
+
+
+def test_each_attempt_has_its_id_and_the_lineage_in_the_env():
+    opts = RunOptions(script="t.py", run_id="R", env=(("A", "1"),))
+    lineage = ("R", "R-r1", "R-r2")
+    o2 = recover.attempt_options(opts, 2, lineage)
+    assert o2.run_id == "R-r2"
+    env = dict(o2.env)
+    assert env["A"] == "1" and env["DDPFAB_RESTART_COUNT"] == "2"
+    assert env["DDPFAB_ROOT_RUN_ID"] == "R" and env["DDPFAB_RUN_LINEAGE"] == "R,R-r1,R-r2"
+    assert recover.attempt_options(opts, 0, ("R",)).run_id == "R"
+    # a user's own value of these keys cannot contradict the attempt
+    again = recover.attempt_options(RunOptions(script="t.py", run_id="R", env=(("DDPFAB_RESTART_COUNT", "9"),)),
+                                    1, ("R", "R-r1"))
+    assert [v for k, v in again.env if k == "DDPFAB_RESTART_COUNT"] == ["1"]
+
+
+def test_problem_lines_name_their_hosts():
+    lines = ["host node3: unreachable, no answer within 5 s", "sync: host node4: rsync failed",
+             "host node9: not in this attempt", "preflight checks failed (details: ...)"]
+    assert recover.problem_hosts(lines, {"node3", "node4", "node1"}) == {"node3", "node4"}
+
+
+def test_the_script_error_is_the_ranks_exception_not_torchruns():
+    log = "\n".join([
+        "[default1]:Traceback (most recent call last):",
+        "[default1]:  File \"t.py\", line 3, in <module>",
+        "[default1]:[rank1]: RuntimeError: boom on purpose at step 2",
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 94 got signal: 15",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])
+    assert recover.exception_line(log) == "RuntimeError: boom on purpose at step 2"
+    assert recover.exception_line("KeyError: 'x'\nsomething else") == "KeyError: 'x'"
+    assert recover.exception_line("no error here") is None
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"max_job_restarts": 0, "spares": None, "retry_on": None, "min_nodes": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_options_from_the_command_line_and_the_inventory():
+    from ddpfab.inventory import Cluster
+
+    cl = Cluster("inv.yml", "all", (Node("a", "a", spares_group="standby"), Node("b", "b", spares_group="standby")))
+    o = recover.recovery_options(_args(max_job_restarts=2), cl)
+    assert o.spares_group == "standby" and o.retry_on == frozenset({"node"})
+    assert recover.recovery_options(_args(spares="other"), cl).spares_group == "other"
+    assert recover.recovery_options(_args(retry_on=["script"]), cl).retry_on == frozenset({"script"})
+    with pytest.raises(PlanError, match="--max-job-restarts must be >= 0"):
+        recover.recovery_options(_args(max_job_restarts=-1), cl)
+    mixed = Cluster("inv.yml", "all", (Node("a", "a", spares_group="x"), Node("b", "b", spares_group="y")))
+    with pytest.raises(PlanError, match="disagree on ddpfab_spares_group"):
+        recover.recovery_options(_args(), mixed)
+
+
+INVENTORY = """
+all:
+  hosts:
+    n1: {ansible_host: 10.0.0.1}
+    n2: {ansible_host: 10.0.0.2}
+    s1: {ansible_host: 10.0.0.3}
+  vars:
+    ddpfab_spares_group: standby
+  children:
+    standby:
+      hosts:
+        s1:
+"""
+
+
+def test_spares_are_never_in_the_first_set(tmp_path: Path):
+    from ddpfab import inventory
+
+    path = tmp_path / "inv.yml"
+    path.write_text(INVENTORY)
+    cluster = inventory.load(path, "all")
+    assert {n.spares_group for n in cluster.nodes} == {"standby"}
+    active, spares = recover.split_spares(cluster, "standby")
+    assert names(active.nodes) == ["n1", "n2"] and names(spares) == ["s1"]
+    with pytest.raises(InventoryError, match="every host of group 'standby' is a spare|is the group of the nodes"):
+        recover.split_spares(inventory.load(path, "standby"), "standby")
+    with pytest.raises(InventoryError, match="no group 'nope'"):
+        recover.split_spares(cluster, "nope")
+
+
+def test_attempt_records_are_plain_data():
+    a = recover.Attempt("R-r1", 1, ["a", "s"], 1.0, replaced={"b": "s"}, recovery_s=2.5)
+    d = a.to_dict()
+    assert d["replaced"] == {"b": "s"} and d["recovery_s"] == 2.5 and d["ranks"] == {}
