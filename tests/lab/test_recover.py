@@ -245,3 +245,93 @@ def test_no_spare_and_no_min_nodes_fails_naming_the_lost_node(lab, tmp_path, sha
     assert any("lost node2" in ln and "no --min-nodes" in ln for ln in error), out
     rec = root_manifest(runs)["recovery"]
     assert rec["state"] == "failed" and len(rec["attempts"]) == 1 and "node2" in rec["failed_nodes"]
+
+
+def test_ctrl_c_stops_everything_and_never_restarts(lab, tmp_path, shared_ckpt):
+    import signal
+
+    inv = recovery_inventory(lab, tmp_path / "inv.yml")
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--max-job-restarts", "3", "--spares",
+                        "spares", "--retry-on", "node", "--retry-on", "script", "--env", f"CKPT_DIR={shared_ckpt}",
+                        "--env", "STEPS=500", "--env", "STEP_S=0.3", SCRIPT, cwd=Path.cwd())
+    reader = Reader(proc)
+    try:
+        reader.wait_for(r"STEP \{", 4, timeout=180)
+        proc.send_signal(signal.SIGINT)
+        out = reader.finish(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    wait_no_processes(lab, timeout=10)
+    rec = root_manifest(runs)["recovery"]
+    assert rec["state"] == "interrupted" and len(rec["attempts"]) == 1, rec
+    assert {r["restart"] for r in records(out, "RESUME")} == {0}
+
+
+def test_detached_run_recovers_and_ps_logs_stop_follow_its_attempts(lab, tmp_path, shared_ckpt):
+    """--detach with restarts: the command returns at once, a controller-side supervisor replaces the
+    lost node; ps names the attempts, logs fetches every attempt, replay picks the last one's nodes."""
+    inv = recovery_inventory(lab, tmp_path / "inv.yml")
+    runs = tmp_path / "runs"
+    steps = 40
+    res = ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--detach", "--max-job-restarts", "1",
+                 "--spares", "spares", "--env", f"CKPT_DIR={shared_ckpt}", "--env", f"STEPS={steps}",
+                 "--env", "STEP_S=0.3", SCRIPT, timeout=180, cwd=Path.cwd())
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = re.search(r"run (\S+) started detached", res.stdout).group(1)
+    supervisor = json.loads((runs / f"{run_id}.supervisor.json").read_text())["pid"]
+    veth = lab.host("node2").veth
+    try:
+        deadline = time.monotonic() + 180
+        while "\"step\": 3" not in (runs / f"{run_id}.supervisor.log").read_text():
+            assert time.monotonic() < deadline, (runs / f"{run_id}.supervisor.log").read_text()
+            time.sleep(0.2)
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        deadline = time.monotonic() + 240
+        while Path(f"/proc/{supervisor}").exists():
+            assert time.monotonic() < deadline, (runs / f"{run_id}.supervisor.log").read_text()
+            time.sleep(0.5)
+        wait_no_processes(lab, timeout=30, names=["node2"])
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+    log = (runs / f"{run_id}.supervisor.log").read_text()
+    rec = json.loads((runs / run_id / "manifest.json").read_text())["recovery"]
+    assert rec["state"] == "succeeded", log
+    assert [a["replaced"] for a in rec["attempts"]] == [{}, {"node2": "node3"}]
+    assert [d["w"] for d in records(log, "DONE")] == [pytest.approx(expected_w(steps, 2))] * 2
+    # ps: the restarted attempt is named as such (node2 is back: its link is up again)
+    deadline = time.monotonic() + 30
+    while (ps := ddpfab("ps", "-i", str(inv), "--runs-dir", str(runs), cwd=Path.cwd())).returncode != 0:
+        assert time.monotonic() < deadline, ps.stderr
+        time.sleep(1)
+    assert f"(restart 1 of {run_id})" in ps.stdout and "(2 attempts, run succeeded)" in ps.stdout, ps.stdout
+    # logs: both attempts' output, from their own nodes
+    logs = ddpfab("logs", "--runs-dir", str(runs), run_id, cwd=Path.cwd())
+    assert logs.returncode == 0, logs.stdout + logs.stderr
+    assert "RESUME" in (runs / run_id / "node2.remote.log").read_text()
+    assert "DONE" in (runs / f"{run_id}-r1" / "node3.remote.log").read_text()
+    # replay: the last attempt, on its nodes
+    dry = ddpfab("replay", "--runs-dir", str(runs), run_id, "--dry-run", "--json", cwd=Path.cwd())
+    assert dry.returncode == 0, dry.stderr
+    assert [n["name"] for n in json.loads(dry.stdout)["nodes"]] == ["node1", "node3"]
+
+
+def test_stop_ends_a_detached_run_with_restarts(lab, tmp_path, shared_ckpt):
+    inv = recovery_inventory(lab, tmp_path / "inv.yml")
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--detach", "--max-job-restarts", "2",
+                 "--spares", "spares", "--env", f"CKPT_DIR={shared_ckpt}", "--env", "STEPS=500",
+                 "--env", "STEP_S=0.3", SCRIPT, timeout=180, cwd=Path.cwd())
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = re.search(r"run (\S+) started detached", res.stdout).group(1)
+    deadline = time.monotonic() + 180
+    while "\"step\": 1" not in (runs / f"{run_id}.supervisor.log").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    stop = ddpfab("stop", "--runs-dir", str(runs), run_id, cwd=Path.cwd())
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "controller: supervisor stopped" in stop.stdout
+    wait_no_processes(lab, timeout=10)
+    rec = json.loads((runs / run_id / "manifest.json").read_text())["recovery"]
+    assert rec["state"] == "interrupted" and len(rec["attempts"]) == 1
