@@ -143,6 +143,13 @@ def check_resumed(out: str, steps: int, survivor_hosts: set[str]) -> tuple[int, 
     return last_before, resumed_from
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def root_manifest(runs: Path) -> dict:
     roots = [json.loads(p.read_text()) for p in runs.glob("*/manifest.json")]
     roots = [m for m in roots if "recovery" in m]
@@ -289,7 +296,7 @@ def test_detached_run_recovers_and_ps_logs_stop_follow_its_attempts(lab, tmp_pat
             time.sleep(0.2)
         subprocess.run(["ip", "link", "set", veth, "down"], check=True)
         deadline = time.monotonic() + 240
-        while Path(f"/proc/{supervisor}").exists():
+        while _alive(supervisor):
             assert time.monotonic() < deadline, (runs / f"{run_id}.supervisor.log").read_text()
             time.sleep(0.5)
         wait_no_processes(lab, timeout=30, names=["node2"])
@@ -335,3 +342,29 @@ def test_stop_ends_a_detached_run_with_restarts(lab, tmp_path, shared_ckpt):
     wait_no_processes(lab, timeout=10)
     rec = json.loads((runs / run_id / "manifest.json").read_text())["recovery"]
     assert rec["state"] == "interrupted" and len(rec["attempts"]) == 1
+
+
+def test_min_nodes_lets_the_job_shrink_instead(lab, tmp_path, shared_ckpt):
+    """No spare, --min-nodes 1: node2 is lost and the job goes on on node1 alone, from the checkpoint."""
+    inv = recovery_inventory(lab, tmp_path / "inv.yml", spares=False)
+    runs, steps = tmp_path / "runs", 20
+    proc = start_ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--max-job-restarts", "1", "--min-nodes", "1",
+                        "--env", f"CKPT_DIR={shared_ckpt}", "--env", f"STEPS={steps}", "--env", "STEP_S=0.3", SCRIPT,
+                        cwd=Path.cwd())
+    reader = Reader(proc)
+    veth = lab.host("node2").veth
+    try:
+        reader.wait_for(r"STEP \{", 6, timeout=180)
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        out = reader.finish(timeout=240)
+        wait_no_processes(lab, timeout=30, names=["node2"])
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        proc.kill()
+    assert proc.returncode == 0, out
+    first, second = root_manifest(runs)["recovery"]["attempts"]
+    assert second["nodes"] == ["node1"] and second["dropped"] == ["node2"] and second["replaced"] == {}
+    resumed = [r for r in records(out, "RESUME") if r["restart"] == 1]
+    assert [(r["world"], r["host"]) for r in resumed] == [(1, "node1")]
+    after = sorted(r["step"] for r in records(out, "STEP") if r["restart"] == 1)
+    assert after == list(range(resumed[0]["resumed_from"] + 1, steps))
