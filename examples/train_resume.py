@@ -34,4 +34,4 @@ for step in range(start, steps):
     if step % every == every - 1 or step == steps - 1:
         ddist.save_checkpoint({"model": model.module.state_dict(), "opt": opt.state_dict()}, ckpt_dir, step,
                               shared=shared)
-ddist.cleanup()
+ddist.finish()

@@ -40,4 +40,4 @@ for step in range(start, steps):
     print("STEP " + json.dumps({**info, "step": step, "w": w.item(), "t": time.time()}), flush=True)
     time.sleep(step_s)
 print("DONE " + json.dumps({**info, "w": w.item()}), flush=True)
-ddist.cleanup()
+ddist.finish()
