@@ -102,21 +102,23 @@ def records(out: str, kind: str) -> list[dict]:
     return [json.loads(ln.split(f"{kind} ", 1)[1]) for ln in out.splitlines() if f"{kind} {{" in ln]
 
 
-def cut_and_recover(lab, inv: Path, runs: Path, victim: str, env: dict[str, str], steps: int) -> tuple[str, int]:
-    """Start a recovering run, cut *victim*'s link after a few steps, wait for the end; the link
-    is restored once the victim's own supervisor has ended its job (silence)."""
-    args = ["run", "-i", str(inv), "--runs-dir", str(runs), "--max-job-restarts", "2", "--spares", "spares",
-            "--env", f"STEPS={steps}", "--env", "STEP_S=0.3"]
+def cut_and_recover(lab, inv: Path, runs: Path, victim: str, env: dict[str, str], steps: int,
+                    options: tuple[str, ...] = ("--max-job-restarts", "2", "--spares", "spares"),
+                    after_steps: int = 4) -> tuple[str, int]:
+    """Start a recovering run, cut *victim*'s link once both ranks are past *after_steps* steps,
+    wait for the end; the link is restored once the victim's own supervisor has ended its job
+    (silence)."""
+    args = ["run", "-i", str(inv), "--runs-dir", str(runs), *options, "--env", f"STEPS={steps}", "--env", "STEP_S=0.3"]
     for k, v in env.items():
         args += ["--env", f"{k}={v}"]
     proc = start_ddpfab(*args, SCRIPT, cwd=Path.cwd())
     reader = Reader(proc)
     veth = lab.host(victim).veth
     try:
-        reader.wait_for(r"STEP \{", 2 * 4, timeout=180)  # both ranks past step 3
+        reader.wait_for(r"STEP \{", 2 * after_steps, timeout=180)
         subprocess.run(["ip", "link", "set", veth, "down"], check=True)
         out = reader.finish(timeout=300)
-        wait_no_processes(lab, timeout=30, names=[victim])  # its supervisor: silence -> stop
+        wait_no_processes(lab, timeout=30, names=["node1", "node2", "node3"])  # the victim's: silence -> stop
     finally:
         subprocess.run(["ip", "link", "set", veth, "up"], check=True)
         proc.kill()
@@ -162,7 +164,6 @@ def test_lost_node_is_replaced_by_the_spare_and_the_job_resumes(lab, tmp_path, s
     runs, steps = tmp_path / "runs", 24
     out, code = cut_and_recover(lab, inv, runs, "node2", {"CKPT_DIR": str(shared_ckpt), "CKPT_SHARED": "1"}, steps)
     assert code == 0, out
-    print(out)
     check_resumed(out, steps, {"node1", "node3"})
     m = root_manifest(runs)
     rec = m["recovery"]
@@ -234,20 +235,9 @@ def test_script_error_is_not_retried_unless_asked(lab, tmp_path, shared_ckpt):
 def test_no_spare_and_no_min_nodes_fails_naming_the_lost_node(lab, tmp_path, shared_ckpt):
     inv = recovery_inventory(lab, tmp_path / "inv.yml", spares=False)
     runs = tmp_path / "runs"
-    proc = start_ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--max-job-restarts", "2",
-                        "--env", f"CKPT_DIR={shared_ckpt}", "--env", "STEPS=200", "--env", "STEP_S=0.3", SCRIPT,
-                        cwd=Path.cwd())
-    reader = Reader(proc)
-    veth = lab.host("node2").veth
-    try:
-        reader.wait_for(r"STEP \{", 4, timeout=180)
-        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-        out = reader.finish(timeout=120)
-        wait_no_processes(lab, timeout=30, names=["node1", "node2", "node3"])
-    finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
-        proc.kill()
-    assert proc.returncode != 0
+    out, code = cut_and_recover(lab, inv, runs, "node2", {"CKPT_DIR": str(shared_ckpt)}, 200,
+                                options=("--max-job-restarts", "2"), after_steps=2)
+    assert code != 0
     error = [ln for ln in out.splitlines() if ln.startswith("ddpfab: error:")]
     assert any("lost node2" in ln and "no --min-nodes" in ln for ln in error), out
     rec = root_manifest(runs)["recovery"]
@@ -348,20 +338,9 @@ def test_min_nodes_lets_the_job_shrink_instead(lab, tmp_path, shared_ckpt):
     """No spare, --min-nodes 1: node2 is lost and the job goes on on node1 alone, from the checkpoint."""
     inv = recovery_inventory(lab, tmp_path / "inv.yml", spares=False)
     runs, steps = tmp_path / "runs", 20
-    proc = start_ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--max-job-restarts", "1", "--min-nodes", "1",
-                        "--env", f"CKPT_DIR={shared_ckpt}", "--env", f"STEPS={steps}", "--env", "STEP_S=0.3", SCRIPT,
-                        cwd=Path.cwd())
-    reader = Reader(proc)
-    veth = lab.host("node2").veth
-    try:
-        reader.wait_for(r"STEP \{", 6, timeout=180)
-        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
-        out = reader.finish(timeout=240)
-        wait_no_processes(lab, timeout=30, names=["node2"])
-    finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
-        proc.kill()
-    assert proc.returncode == 0, out
+    out, code = cut_and_recover(lab, inv, runs, "node2", {"CKPT_DIR": str(shared_ckpt)}, steps,
+                                options=("--max-job-restarts", "1", "--min-nodes", "1"), after_steps=3)
+    assert code == 0, out
     first, second = root_manifest(runs)["recovery"]["attempts"]
     assert second["nodes"] == ["node1"] and second["dropped"] == ["node2"] and second["replaced"] == {}
     resumed = [r for r in records(out, "RESUME") if r["restart"] == 1]
