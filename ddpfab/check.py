@@ -7,96 +7,28 @@ checks all of it in one parallel pass and says, per host, what was expected, wha
 how to fix it.
 
 The pass has three parts: connect (host keys verified), the probe (``probe.PROBE_SNIPPET``, the
-same one ``run`` uses, so checks and plans read the same facts), and the data plane: every node
-listens on port 0 (the kernel picks an ephemeral port, exactly as gloo and NCCL do) and the master
-on the master port, and every node connects to every other node's listeners, all pairs at once.
-The evaluation (:func:`evaluate`) is pure: facts in, results out, unit-tested without hosts.
+same one ``run`` uses, so checks and plans read the same facts), and the data plane
+(:mod:`ddpfab.mesh`: ephemeral-port listeners on every node and the master port, probed with
+retries, bounded concurrency, all pairs up to a size and a sampled graph beyond). The evaluation
+(:func:`evaluate`) is pure: facts in, results out, unit-tested without hosts. Printed failures
+are grouped, one line per distinct problem (:func:`grouped_lines`); ``--json`` has every detail.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import mesh as meshmod
 from .cliargs import add_cluster_args
+from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 
-#: Seconds a node waits for a TCP connect to a peer before calling it dropped.
-CONNECT_TIMEOUT_S = 2.0
 #: Clock skew (seconds) between a node and the controller beyond which check fails.
 DEFAULT_MAX_SKEW_S = 1.0
 LOOPBACK_PREFIXES = ("127.", "::1")
-
-MESH_SNIPPET = r"""
-import json, socket, sys, threading, time
-req = json.loads(sys.argv[1])
-def serve(s):
-    # let the client close first: the TIME_WAIT then stays on its ephemeral port, not on ours
-    # (a TIME_WAIT on the master port would make it look busy to a bind without SO_REUSEADDR)
-    def drain(c):
-        try:
-            c.settimeout(5)
-            c.recv(1)
-        except OSError:
-            pass
-        c.close()
-    while True:
-        try:
-            c, _ = s.accept()
-        except OSError:
-            return
-        threading.Thread(target=drain, args=(c,), daemon=True).start()
-def listener(port):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("", port))
-    s.listen(128)
-    threading.Thread(target=serve, args=(s,), daemon=True).start()
-    return s
-ports = {}
-eph = listener(0)
-ports["ephemeral"] = eph.getsockname()[1]
-if req.get("master_port"):
-    try:
-        listener(req["master_port"])
-        ports["master"] = req["master_port"]
-    except OSError as exc:
-        ports["master_error"] = str(exc)
-print(json.dumps(ports), flush=True)
-line = sys.stdin.readline()
-if not line:
-    sys.exit(0)
-targets = json.loads(line)
-results = [None] * len(targets)
-def probe(i, t):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.settimeout(req["timeout"])
-    t0 = time.monotonic()
-    try:
-        s.connect((t["addr"], t["port"]))
-        r = "ok"
-    except socket.timeout:
-        r = "timed out"
-    except ConnectionRefusedError:
-        r = "refused"
-    except OSError as exc:
-        r = exc.strerror or str(exc)
-    finally:
-        s.close()
-    results[i] = dict(t, result=r, ms=round((time.monotonic() - t0) * 1000, 1))
-threads = [threading.Thread(target=probe, args=(i, t)) for i, t in enumerate(targets)]
-for th in threads:
-    th.start()
-for th in threads:
-    th.join()
-print(json.dumps(results), flush=True)
-sys.stdin.read()  # keep listening until every node is done (EOF), then leave nothing behind
-"""
-
 
 @dataclass
 class CheckResult:
@@ -126,6 +58,7 @@ class CheckOptions:
     nproc_per_node: int | None = None
     max_skew_s: float = DEFAULT_MAX_SKEW_S
     full: bool = True  # import torch on every node (CUDA/NCCL/GPU facts); run's fast checks skip it
+    exhaustive: bool = False  # probe every pair of nodes, whatever the cluster size
 
 
 @dataclass
@@ -150,15 +83,15 @@ def _differs(values: dict[str, Any]) -> bool:
 
 
 def _same_check(results: list[CheckResult], check: str, values: dict[str, Any], what: str, fix: str) -> None:
-    """All nodes must agree on *values*; a difference fails every node, each with the full list."""
+    """All nodes must agree on *values*; a difference fails every node. The text names only the
+    node's own value and the majority's, so nodes with the same value group into one line."""
     if not values:
         return
     if _differs(values):
-        listing = ", ".join(f"{n}={v}" for n, v in values.items())
         majority = max(set(map(str, values.values())), key=lambda v: sum(str(x) == v for x in values.values()))
         for n, v in values.items():
-            results.append(CheckResult(n, check, "fail", found=f"{what} {v} (nodes: {listing})",
-                                       expected=f"the same {what} on every node ({majority})", fix=fix))
+            results.append(CheckResult(n, check, "fail", found=f"{what} {v}",
+                                       expected=f"the same {what} on every node (most have {majority})", fix=fix))
     else:
         for n, v in values.items():
             results.append(CheckResult(n, check, "pass", found=str(v)))
@@ -280,117 +213,54 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
 
 
 def _evaluate_mesh(cluster, master: str, mesh: dict, options: CheckOptions) -> list[CheckResult]:
+    """Mesh and master-port results per node, from :func:`mesh.classify`'s problems: each blamed
+    node carries its problem's text (the same for all nodes of a problem, so they print as one line)."""
     results: list[CheckResult] = []
     ports = mesh.get("ports", {})
     m = ports.get(master, {})
-    if options.master_port is not None or "master" in m or "master_error" in m:
-        port = options.master_port or m.get("master")
-        if "master_error" in m:
-            results.append(CheckResult(master, "master-port", "fail", found=f"port {port} in use ({m['master_error']})",
-                                       expected=f"port {port} free on the master",
-                                       fix="pick another --master-port or leave it out to get a free one"))
-    failed_in: dict[tuple[str, str], list[str]] = {}
-    reached: dict[str, int] = {}
-    for src, probes in mesh.get("results", {}).items():
-        for p in probes:
-            key = (p["target"], p["kind"])
-            if p["result"] == "ok":
-                reached[p["target"]] = reached.get(p["target"], 0) + 1
-            else:
-                failed_in.setdefault(key, []).append(f"{src} ({p['result']})")
-    for node in cluster.nodes:
-        name = node.name
-        if name not in ports:
-            continue
-        eph = failed_in.get((name, "ephemeral"))
-        if eph:
-            results.append(CheckResult(
-                name, "mesh", "fail",
-                found=f"TCP to its ephemeral port {ports[name].get('ephemeral')} fails from {', '.join(eph)}",
-                expected="every member reachable from every other on any port (gloo/NCCL connect rank to rank "
-                         "on ephemeral ports; a dropped connect hangs init)",
-                fix="allow TCP from the cluster members (ddpfab provision --tags firewall)"))
+    port = options.master_port or m.get("master")
+    if "master_error" in m:
+        results.append(CheckResult(master, "master-port", "fail", found=f"port {port} in use ({m['master_error']})",
+                                   expected=f"port {port} free on the master",
+                                   fix="pick another --master-port or leave it out to get a free one"))
+    order = [n.name for n in cluster.nodes if n.name in ports]
+    probes = mesh.get("results", {})
+    blamed: dict[str, meshmod.MeshProblem] = {}
+    for problem in meshmod.classify(order, probes):
+        for name in problem.nodes:
+            blamed.setdefault(name, problem)
+    reached = {name: 0 for name in order}
+    for src_probes in probes.values():
+        for p in src_probes:
+            if p["result"] == "ok" and p.get("kind", "ephemeral") == "ephemeral" and p["target"] in reached:
+                reached[p["target"]] += 1
+    for name in order:
+        problem = blamed.get(name)
+        if problem:
+            results.append(CheckResult(name, "mesh", "fail", found=problem.summary, fix=problem.fix))
         else:
-            results.append(CheckResult(name, "mesh", "pass", found=f"reachable from {reached.get(name, 0)} peers"))
-        if name == master and "master" in ports[name]:
-            mp = failed_in.get((name, "master"))
-            if mp:
-                results.append(CheckResult(name, "master-port", "fail",
-                                           found=f"port {ports[name]['master']} unreachable from {', '.join(mp)}",
-                                           expected="the master port reachable from every node",
-                                           fix=f"open TCP {ports[name]['master']} to the cluster members"))
-            else:
-                results.append(CheckResult(name, "master-port", "pass",
-                                           found=f"{ports[name]['master']} free and reachable"))
+            results.append(CheckResult(name, "mesh", "pass", found=f"reachable from {reached[name]} peers"))
+    if "master" in m:
+        problem = meshmod.master_port_problem(master, m["master"], order, probes)
+        if problem:
+            results.append(CheckResult(master, "master-port", "fail", found=problem.summary, fix=problem.fix))
+        else:
+            results.append(CheckResult(master, "master-port", "pass", found=f"{m['master']} free and reachable"))
     return results
 
 
+def mesh_detail(cluster, mesh: dict) -> dict:
+    """What the report's JSON keeps of the data plane: the plan (mode, coverage, deadline, retries),
+    every distinct problem with the pairs behind it, and every failed probe."""
+    order = [n.name for n in cluster.nodes if n.name in mesh.get("ports", {})]
+    problems = meshmod.classify(order, mesh.get("results", {}))
+    return {**mesh.get("plan", {}), "problems": [asdict(p) for p in problems],
+            "failed_probes": [dict(p, source=src) for src, probes in mesh.get("results", {}).items()
+                              for p in probes if p["result"] != "ok"],
+            "errors": mesh.get("errors", {})}
+
+
 # -- collection (effectful) --------------------------------------------------------------
-def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, master_port: int | None,
-             timeout: float = CONNECT_TIMEOUT_S) -> dict:
-    """All-pairs TCP reachability on ephemeral ports (and the master port), all at once.
-
-    Each node runs MESH_SNIPPET: it opens its listeners and reports their ports, gets its targets,
-    connects to all of them in parallel, reports, and keeps listening until every node is done
-    (stdin EOF), so nothing it opened outlives the check.
-    """
-    nodes = [n for n in cluster.nodes if n.name in conns]
-    chans: dict[str, Any] = {}
-    readers: dict[str, Any] = {}
-    ports: dict[str, dict] = {}
-    results: dict[str, list] = {}
-    errors: dict[str, str] = {}
-    try:
-        for n in nodes:
-            req = {"master_port": master_port if n.name == master else None, "timeout": timeout}
-            chan = conns[n.name].transport.open_session(timeout=30)
-            chan.exec_command(f"{shlex.quote(n.python)} -c {shlex.quote(MESH_SNIPPET)} {shlex.quote(json.dumps(req))}")
-            chans[n.name] = chan
-            readers[n.name] = chan.makefile("rb")
-        for n in nodes:
-            line = readers[n.name].readline()
-            if not line:
-                errors[n.name] = chans[n.name].makefile_stderr("rb").read().decode(errors="replace")[-300:]
-                continue
-            ports[n.name] = json.loads(line)
-        for n in nodes:
-            if n.name not in ports:
-                continue
-            targets = []
-            for peer in nodes:
-                if peer.name == n.name or peer.name not in ports:
-                    continue
-                targets.append({"target": peer.name, "kind": "ephemeral", "addr": addresses[peer.name],
-                                "port": ports[peer.name]["ephemeral"]})
-                if peer.name == master and "master" in ports[peer.name]:
-                    targets.append({"target": peer.name, "kind": "master", "addr": addresses[peer.name],
-                                    "port": ports[peer.name]["master"]})
-            chans[n.name].sendall((json.dumps(targets) + "\n").encode())
-
-        def collect(name: str) -> None:
-            line = readers[name].readline()
-            results[name] = json.loads(line) if line else []
-
-        threads = [threading.Thread(target=collect, args=(n,)) for n in ports]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=timeout * 4 + 10)
-    finally:
-        for chan in chans.values():
-            try:
-                chan.shutdown_write()
-            except Exception:  # noqa: BLE001
-                pass
-        for chan in chans.values():
-            try:
-                chan.recv_exit_status()
-                chan.close()
-            except Exception:  # noqa: BLE001
-                pass
-    return {"ports": ports, "results": results, "errors": errors}
-
-
 def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None = None) -> Report:
     """The whole pass: connect, probe, mesh, evaluate. Failures on one host never hide others."""
     import os
@@ -400,6 +270,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
 
     started = time.monotonic()
     results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
+    phases = {"connect": time.monotonic() - started}
     conns = {k: v for k, v in results.items() if not isinstance(v, BaseException)}
     unreachable = {k: (str(v).split(": ", 1)[-1] if isinstance(v, ssh.SSHError) else repr(v))
                    for k, v in results.items() if isinstance(v, BaseException)}
@@ -408,6 +279,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         facts, _problems = probe.gather(cluster, conns, master, cwd=os.getcwd(), script=None,
                                         master_port=options.master_port, full=options.full)
         raw = {n: f.raw for n, f in facts.items()}
+        phases["probe"] = time.monotonic() - started - sum(phases.values())
         for name in conns:
             if name not in facts:
                 unreachable.setdefault(name, "probe failed: " + "; ".join(p for p in _problems if name in p))
@@ -415,9 +287,11 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         port = options.master_port
         if port is None and master.name in facts:
             port = facts[master.name].free_port
-        mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port)
+        mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port,
+                        exhaustive=options.exhaustive)
         for name, err in mesh.get("errors", {}).items():
             unreachable.setdefault(name, f"data-plane probe failed: {err}")
+        phases["mesh"] = time.monotonic() - started - sum(phases.values())
     finally:
         for c in conns.values():
             c.close()
@@ -427,14 +301,43 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         master_port=port, nproc_per_node=options.nproc_per_node, max_skew_s=options.max_skew_s,
         full=options.full), nproc)
     return Report(nodes=[n.name for n in cluster.nodes], results=checks, seconds=time.monotonic() - started,
-                  extra={"master": master.name, "master_port": port})
+                  extra={"master": master.name, "master_port": port, "mesh": mesh_detail(cluster, mesh),
+                         "phases_s": {k: round(v, 3) for k, v in phases.items()}})
 
 
 # -- presentation ------------------------------------------------------------------------
 SYMBOL = {"pass": "ok", "fail": "FAIL", "warn": "warn", "skip": "-"}
 
 
+#: Up to this many nodes the table has a row per node; beyond, consecutive identical rows fold.
+TABLE_ROWS_MAX = 16
+
+
+def grouped_lines(results: list[CheckResult], status: str = "fail") -> list[str]:
+    """One line per distinct problem: results with the same check and text on several nodes become
+    one line naming the nodes (``mesh: 3 nodes unreachable from 61 peers (timed out): node7,
+    node9, node12; likely their firewall...``); a problem on one node keeps its ``host`` line."""
+    groups: dict[tuple, list[CheckResult]] = {}
+    for r in results:
+        if r.status == status:
+            groups.setdefault((r.check, r.found, r.expected, r.fix), []).append(r)
+    lines = []
+    for (check, found, expected, fix), members in groups.items():
+        if len(members) == 1:
+            lines.append(members[0].line())
+            continue
+        names = meshmod.compact([r.node for r in members])
+        if expected:
+            text = f"{check}: {len(members)} nodes: expected {expected}, found {found}: {names}"
+        else:
+            text = f"{check}: {len(members)} nodes {found}: {names}"
+        lines.append(text + (f"; {fix}" if fix and not expected else f"; fix: {fix}" if fix else ""))
+    return lines
+
+
 def render(report: Report) -> str:
+    """The check table (nodes in inventory order; beyond TABLE_ROWS_MAX nodes, runs of identical
+    rows folded into one) and the grouped failures and warnings."""
     checks: list[str] = []
     for r in report.results:
         if r.check not in checks:
@@ -444,19 +347,30 @@ def render(report: Report) -> str:
         prev = cell.get((r.node, r.check))
         if prev != "fail":
             cell[(r.node, r.check)] = r.status
-    width = max(len(n) for n in report.nodes)
-    lines = [f"{'node':<{width}}  " + "  ".join(f"{c:<{max(len(c), 4)}}" for c in checks)]
+    rows: list[tuple[list[str], tuple[str, ...]]] = []
     for n in report.nodes:
-        lines.append(f"{n:<{width}}  " + "  ".join(
-            f"{SYMBOL.get(cell.get((n, c), 'skip'), '?'):<{max(len(c), 4)}}" for c in checks))
+        row = tuple(SYMBOL.get(cell.get((n, c), "skip"), "?") for c in checks)
+        if len(report.nodes) > TABLE_ROWS_MAX and rows and rows[-1][1] == row:
+            rows[-1][0].append(n)
+        else:
+            rows.append(([n], row))
+    labels = [meshmod.compact(names, limit=1) if len(names) > 1 else names[0] for names, _ in rows]
+    width = max(len(label) for label in labels + ["node"])
+    lines = [f"{'node':<{width}}  " + "  ".join(f"{c:<{max(len(c), 4)}}" for c in checks)]
+    for label, (_, row) in zip(labels, rows):
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{s:<{max(len(c), 4)}}" for s, c in zip(row, checks)))
     fails = report.failures
-    warns = [r for r in report.results if r.status == "warn"]
-    if fails or warns:
+    fail_lines = grouped_lines(report.results, "fail")
+    warn_lines = grouped_lines(report.results, "warn")
+    if fail_lines or warn_lines:
         lines.append("")
-    lines += [f"FAIL {r.line()}" for r in fails]
-    lines += [f"warn {r.line()}" for r in warns]
+    lines += [f"FAIL {line}" for line in fail_lines]
+    lines += [f"warn {line}" for line in warn_lines]
     verdict = "all checks passed" if not fails else f"{len(fails)} check(s) failed"
-    lines.append(f"\n{verdict} on {len(report.nodes)} nodes in {report.seconds:.1f} s")
+    mesh = report.extra.get("mesh") or {}
+    probed = (f"; data plane: {mesh['pairs_probed']} of {mesh['pairs_total']} pairs probed ({mesh['mode']}"
+              + (f", {mesh['retried']} retried" if mesh.get("retried") else "") + ")") if "pairs_total" in mesh else ""
+    lines.append(f"\n{verdict} on {len(report.nodes)} nodes in {report.seconds:.1f} s{probed}")
     return "\n".join(lines)
 
 
@@ -467,6 +381,9 @@ def register(sub) -> None:
     p.add_argument("--nproc-per-node", type=int)
     p.add_argument("--max-skew", type=float, default=DEFAULT_MAX_SKEW_S, help="clock skew bound in seconds")
     p.add_argument("--fast", action="store_true", help="skip importing torch on the nodes (no CUDA/NCCL facts)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help=f"probe every pair of nodes (default: all pairs up to {meshmod.EXHAUSTIVE_MAX_NODES} nodes, "
+                        f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_check)
 
@@ -482,6 +399,6 @@ def cmd_check(args) -> int:
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     report = check_cluster(cluster, policy, CheckOptions(
         master_port=args.master_port, nproc_per_node=args.nproc_per_node, max_skew_s=args.max_skew,
-        full=not args.fast), args.ssh_config)
+        full=not args.fast, exhaustive=args.exhaustive), args.ssh_config)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0

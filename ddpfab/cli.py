@@ -303,7 +303,9 @@ def cmd_lab(args: argparse.Namespace) -> int:
             the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=args.python,
                                          share=args.share)
             state = "already up" if already else "up"
-            names = ", ".join(f"{h.name}={h.address}" for h in the_lab.hosts)
+            first, last = the_lab.hosts[0], the_lab.hosts[-1]
+            names = (f"{first.name}={first.address}" if first is last else
+                     f"{len(the_lab.hosts)} hosts {first.name}..{last.name} = {first.address}..{last.address}")
             print(f"lab {state}: {names}")
             print(f"inventory: {the_lab.inventory}")
             print(f"ssh:       ssh -F {the_lab.ssh_config} {the_lab.hosts[0].name}")

@@ -40,6 +40,12 @@ TMPFS_DIRS = ("/run",)
 #: an upper layer inside its own lower one, and the lab dir itself may well be under /tmp or /root.
 STORE_ROOT = Path("/srv/ddpfab-lab")
 HOST_OFFSET = 11  # node1 gets .11, like a small real rack
+#: The kernel's IPv4 neighbour (ARP) table limits. They are one table for the whole kernel, every
+#: namespace included: a real host holds one entry per peer, but N lab hosts hold N*N together, and
+#: the default hard limit (gc_thresh3 = 1024) is full at 32 hosts. Beyond it the kernel logs
+#: "neighbor table overflow" and connects fail with "No route to host" or time out, which looks
+#: exactly like a firewall fault (that was why `check` failed on healthy 32-host labs).
+NEIGH_SYSCTL = "/proc/sys/net/ipv4/neigh/default/gc_thresh{}"
 
 
 class LabError(Exception):
@@ -311,6 +317,7 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
     os.chmod(lab_dir, 0o755)
     lab.save()  # first, so that `down` can clean up after a failure half-way
     try:
+        _fit_neighbour_table(hosts)
         _write_client_files(lab, python)
         _make_network(lab)
         lab.save()
@@ -354,6 +361,23 @@ def _share_mounts(lab: Lab, store: Path) -> str:
                      f"{q(f'lowerdir={store}/controller_tmp/{rel},upperdir={store}/upper_share{i},workdir={store}/work_share{i}')} "
                      f"{q(share)}\n")
     return "".join(lines)
+
+
+def _fit_neighbour_table(hosts: int) -> None:
+    """Raise the kernel's neighbour-table limits so that every host can hold an entry for every
+    other, with room for a few labs side by side (4 * hosts^2 entries, a few hundred bytes each:
+    ~20 MB of kernel memory at most for 128 hosts, only if used). Only ever raised, never lowered
+    (other labs on the machine may rely on the room), and not restored on `down` for that reason."""
+    want = {3: 4 * hosts * hosts, 2: 2 * hosts * hosts}
+    for i, value in want.items():
+        path = Path(NEIGH_SYSCTL.format(i))
+        try:
+            if int(path.read_text()) < value:
+                path.write_text(str(value))
+        except (OSError, ValueError) as exc:
+            if hosts > 16:
+                raise LabError(f"cannot raise {path} to {value} for {hosts} hosts ({exc}); connects "
+                               "between lab hosts would fail once the neighbour table is full") from None
 
 
 def _interfaces_in(net: ipaddress.IPv4Network) -> list[str]:

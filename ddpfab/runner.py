@@ -97,7 +97,7 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
                              check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
                                                 full=False), nproc)
-    failures = [r.line() for r in results if r.status == "fail"]
+    failures = check.grouped_lines(results)  # one line per distinct problem, however many nodes
     failures += [f"host {n}: data-plane probe failed: {e}" for n, e in mesh.get("errors", {}).items()]
     if failures:
         raise RunError(failures + [f"preflight checks failed (details: ddpfab check -i {cluster.source}; "

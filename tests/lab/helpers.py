@@ -79,3 +79,15 @@ def host_tmp_leftovers(lab, name: str) -> list[str]:
                 continue
             left.append(str(real))
     return left
+
+
+def assert_no_leftovers(lab) -> None:
+    """No process, no listener but sshd, no temp file on any of the lab's hosts."""
+    names = [h.name for h in lab.hosts]
+    wait_no_processes(lab, timeout=5, names=names)
+    for name in names:
+        listening = lab.netns_exec(name, ["ss", "-Htln"], capture_output=True, text=True).stdout.split("\n")
+        ports = sorted({ln.split()[3].rsplit(":", 1)[1] for ln in listening if ln.strip()})
+        assert ports == ["22"], f"{name} has listeners left: {ports}"
+        left = host_tmp_leftovers(lab, name)
+        assert not left, f"{name} has temp files left in /tmp: {left[:10]}"

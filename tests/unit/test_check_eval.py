@@ -29,11 +29,13 @@ def test_healthy_cluster_passes_everything():
     assert failing(res) == []
 
 
-def test_mismatched_torch_fails_on_every_node_listing_each_value():
+def test_mismatched_torch_fails_on_every_node_one_line_per_value():
     res = results({"a": fact(), "b": fact(torch_version="2.12.1+cpu"), "c": fact()})
     assert failing(res) == [("a", "torch"), ("b", "torch"), ("c", "torch")]
-    line = next(r.line() for r in res if r.node == "b" and r.check == "torch")
-    assert "a=2.13.0+cpu" in line and "b=2.12.1+cpu" in line and "c=2.13.0+cpu" in line
+    text = render(Report(nodes=["a", "b", "c"], results=res))
+    assert ("FAIL torch: 2 nodes: expected the same torch on every node (most have 2.13.0+cpu), found torch "
+            "2.13.0+cpu: a, c;") in text
+    assert "FAIL host b: torch: expected the same torch on every node (most have 2.13.0+cpu), found torch 2.12.1" in text
 
 
 def test_mismatched_cuda_and_nccl():
@@ -91,7 +93,8 @@ def test_mesh_failures_are_blamed_on_the_node_that_does_not_accept():
     res = results({n: fact() for n in "abc"}, mesh=mesh)
     assert failing(res) == [("a", "mesh")]
     text = render(Report(nodes=["a", "b", "c"], results=res))
-    assert "FAIL host a: mesh" in text and "b (timed out)" in text and "1 check(s) failed" in text
+    assert "FAIL host a: mesh: unreachable from 2 peers (timed out); fix: likely their firewall" in text
+    assert "1 check(s) failed" in text
 
 
 def test_master_port_in_use():
