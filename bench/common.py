@@ -37,6 +37,7 @@ SUBNETS = {
     "provision": "10.213.104.0/24",
     # (several engineers share this machine: DDPFAB_BENCH_SUBNET_RECOVERY puts this one elsewhere)
     "recovery": os.environ.get("DDPFAB_BENCH_SUBNET_RECOVERY", "10.213.105.0/24"),
+    "scale": "10.213.106.0/24",
 }
 MASTER_PORT_BASE = 29700
 

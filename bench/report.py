@@ -206,6 +206,24 @@ def plot_provision(data, plt) -> str | None:
     return _save(fig, plt, "bench-provision.png")
 
 
+SCALE_TOOLS = ("ddpfab exec", "pdsh", "ddpfab check", "ddpfab plan", "ddpfab plan --no-check")
+
+
+def plot_scale(data, plt) -> str | None:
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for tool in SCALE_TOOLS:
+        _line(ax, data, tool, label=tool, style="--" if tool == "pdsh" else "-")
+    sizes = data["config"]["sizes"]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("hosts")
+    ax.set_ylabel("seconds (median, bars: min-max)")
+    ax.set_title("Scale: commands on N lab hosts (one loaded 2-core machine)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, plt, "bench-scale.png")
+
+
 def _save(fig, plt, name: str) -> str:
     fig.tight_layout()
     fig.savefig(DOCS / name, dpi=110)
@@ -601,6 +619,51 @@ def recovery_section(data) -> list[str]:
     return lines
 
 
+def scale_section(data, plots) -> tuple[list[str], dict]:
+    lines = ["## Scale: 8 to 128 hosts (`bench/scale.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/scale.py`.", ""], {}
+    sizes = data["config"]["sizes"]
+    lines += [describe("scale", data), "",
+              "Each command as a user types it, on N hosts of one lab, wall time from spawn to exit (output "
+              "checked). `ddpfab plan` runs every step `run` takes before a node starts (connect, probe, the "
+              "preflight mesh, the plan); pdsh has no such steps and no data-plane check, so its `hostname` "
+              "is the floor any of them could reach (one SSH fan-out). No torch on the hosts: 128 torch workers "
+              "do not fit in this machine's memory. Median (min-max) in seconds.", ""]
+    rows = [[tool] + [fmt(get(data, tool, n)) for n in sizes] for tool in SCALE_TOOLS
+            if any(get(data, tool, n) for n in sizes)]
+    rows.append(["ddpfab exec / pdsh"] + [ratio(med(get(data, "ddpfab exec", n)), med(get(data, "pdsh", n)))
+                                          for n in sizes])
+    rows.append(["ddpfab check / pdsh"] + [ratio(med(get(data, "ddpfab check", n)), med(get(data, "pdsh", n)))
+                                           for n in sizes])
+    lines += table(["command"] + [f"N={n}" for n in sizes], rows)
+    if "bench-scale.png" in plots:
+        lines += ["![scale](bench-scale.png)", ""]
+    big = max(sizes)
+    crow = []
+    for tool in SCALE_TOOLS:
+        c = (get(data, tool, big) or {}).get("controller")
+        if c:
+            crow.append([tool, f"{c['cpu_s']:.2f} s", str(c["threads"]), str(c["fds"]), f"{c['rss_mib']:.0f} MiB"])
+    lines += [f"The controller process at N={big} (peaks over the repetitions, sampled every 20 ms; CPU: "
+              "median user+system seconds):", ""]
+    lines += table(["command", "CPU", "threads", "open files", "resident memory"], crow)
+    lab = data.get("lab") or {}
+    if lab:
+        lines += [f"The lab itself: {lab['hosts']} hosts up in {lab['up_s']:.1f} s and down in {lab['down_s']:.1f} s "
+                  f"on the loaded machine; the hosts took ~{lab['mem_mib']} MiB (MemAvailable before and after "
+                  f"`up`, other engineers' work included in the noise); left after `down`: "
+                  f"{'nothing' if not any(lab['leftovers'].values()) else lab['leftovers']}.", ""]
+    t = {"scale_n": big,
+         "scale_exec_pdsh": (med(get(data, "ddpfab exec", big)) / med(get(data, "pdsh", big)))
+         if med(get(data, "ddpfab exec", big)) and med(get(data, "pdsh", big)) else None,
+         "scale_check_64": med(get(data, "ddpfab check", 64))}
+    p_lo, p_hi = med(get(data, "ddpfab plan", min(sizes))), med(get(data, "ddpfab plan", big))
+    if p_lo and p_hi:
+        t["scale_plan_growth"] = (p_hi / p_lo, big / min(sizes))
+    return lines, t
+
+
 def verdicts(t: dict) -> list[str]:
     def v(ok):
         return "n/a" if ok is None else ("**met**" if ok else "**not met**")
@@ -634,6 +697,15 @@ def verdicts(t: dict) -> list[str]:
         ["teardown < 2 s after a crash, every N", f"worst median {x(t.get('teardown_worst_median'), '{:.2f} s')}, "
          f"worst single run {x(t.get('teardown_worst_sample'), '{:.2f} s')}",
          v(None if t.get("teardown_worst_median") is None else t["teardown_worst_median"] < 2)],
+        [f"exec at {t.get('scale_n', 128)} hosts at most 0.5x pdsh's time",
+         f"ddpfab/pdsh = {x(t.get('scale_exec_pdsh'))}",
+         v(None if t.get("scale_exec_pdsh") is None else t["scale_exec_pdsh"] <= 0.5)],
+        ["check at 64 hosts in under 5 s", x(t.get("scale_check_64"), "{:.2f} s"),
+         v(None if t.get("scale_check_64") is None else t["scale_check_64"] < 5)],
+        ["the run's own steps before the nodes start grow less than linearly with N",
+         "n/a" if not t.get("scale_plan_growth") else
+         f"t({t.get('scale_n')})/t(8) = {t['scale_plan_growth'][0]:.2f} for {t['scale_plan_growth'][1]:.0f}x the hosts",
+         v(None if not t.get("scale_plan_growth") else t["scale_plan_growth"][0] < t["scale_plan_growth"][1])],
     ]
     return table(["target", "measured", "verdict"], rows)
 
@@ -642,11 +714,15 @@ def main() -> int:
     DOCS.mkdir(exist_ok=True)
     fanout, launch, teardown, provision, recovery = (load(n) for n in ("fanout", "launch", "teardown", "provision",
                                                                        "recovery"))
+
+
+    fanout, launch, teardown, provision, scale = (load(n) for n in ("fanout", "launch", "teardown", "provision",
+                                                                     "scale"))
     plt = _plt()
     plots: set[str] = set()
     if plt is not None:
         for data, fn in ((fanout, plot_fanout), (launch, plot_launch), (teardown, plot_teardown),
-                         (provision, plot_provision)):
+                         (provision, plot_provision), (scale, plot_scale)):
             if data:
                 plots.add(fn(data, plt))
     targets: dict = {}
@@ -657,6 +733,11 @@ def main() -> int:
     targets.update(t2)
     targets.update(t3)
     metas = [d["meta"] for d in (fanout, launch, teardown, provision, recovery) if d]
+
+
+    s_lines, t4 = scale_section(scale, plots)
+    targets.update(t4)
+    metas = [d["meta"] for d in (fanout, launch, teardown, provision, scale) if d]
     m = metas[0] if metas else {}
     any_noisy = any(noisy(x) for x in metas)
     head = [
@@ -695,6 +776,9 @@ def main() -> int:
     head += verdicts(targets)
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
     body += recovery_section(recovery)
+
+
+    body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots) + s_lines
     if plt is None:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]

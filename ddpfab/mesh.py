@@ -253,7 +253,8 @@ def _cause(results: list[str]) -> tuple[str, str]:
     if all(r == "refused" for r in results):
         return seen, "rejected (a firewall REJECT rule, or nothing listening)"
     if any("unreachable" in r.lower() or "no route" in r.lower() for r in results):
-        return seen, "not routed (a wrong address or subnet, or a missing route)"
+        return seen, ("not routed (a wrong address or subnet, a missing route, or a full neighbour table: "
+                      "net.ipv4.neigh.default.gc_thresh3)")
     return seen, "refused or dropped"
 
 

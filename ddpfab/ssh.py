@@ -12,6 +12,7 @@ opts in to accepting *new* ones; a changed key is always refused.
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,15 @@ T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 10
 #: Seconds between SSH keepalives on long-lived connections, so a dead peer is noticed.
 KEEPALIVE_S = 2
+#: The fan-out window (like pdsh's -f): at most this many hosts are worked on at once by
+#: :func:`parallel`. Each target host sees one connection from ddpfab, so its sshd's MaxStartups
+#: (default 10:30:100) is never reached; the window bounds the controller's threads instead.
+WINDOW = 64
+#: Handshakes at once through one jump host: all of them land on the jump host's sshd, whose
+#: default MaxStartups starts refusing 30% of new connections beyond 10 unauthenticated ones.
+JUMP_WINDOW = 8
+_jump_slots: dict[str, threading.BoundedSemaphore] = {}
+_jump_lock = threading.Lock()
 
 
 class SSHError(Exception):
@@ -109,7 +119,10 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
     try:
         if conn.gateway is None:  # (a ProxyJump/ProxyCommand brings its own socket)
             conn.connect_kwargs["sock"] = _socket(conn.host, conn.port, timeout)
-        conn.open()
+            conn.open()
+        else:
+            with _jump_slot(conn.gateway):
+                conn.open()
     except SSHError:
         raise
     except paramiko.BadHostKeyException as exc:
@@ -135,6 +148,24 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
     return conn
 
 
+def _jump_slot(gateway) -> threading.BoundedSemaphore:
+    """The semaphore that keeps handshakes through one jump host under JUMP_WINDOW."""
+    key = str(getattr(gateway, "host", gateway))
+    with _jump_lock:
+        return _jump_slots.setdefault(key, threading.BoundedSemaphore(JUMP_WINDOW))
+
+
+def _fit_open_files(hosts: int) -> None:
+    """Raise this process's soft open-file limit (towards the hard one) when *hosts* connections
+    (a socket each, plus what paramiko and the windowed threads hold) might not fit under it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * hosts + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
 def _socket(host: str, port: int, timeout: float) -> socket.socket:
     """A TCP connection with Nagle off, which paramiko does not do: with it on, each request that
     follows an unacknowledged small write waits for the peer's delayed ACK (40 ms on Linux), so
@@ -145,11 +176,12 @@ def _socket(host: str, port: int, timeout: float) -> socket.socket:
 
 
 def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T]) -> dict[str, T | BaseException]:
-    """``fn(node)`` for every node at once; per node its result or the exception it raised."""
+    """``fn(node)`` for every node, WINDOW at a time; per node its result or the exception it raised."""
     results: dict[str, T | BaseException] = {}
     if not nodes:
         return results
-    with ThreadPoolExecutor(max_workers=min(64, len(nodes))) as pool:
+    _fit_open_files(len(nodes))
+    with ThreadPoolExecutor(max_workers=min(WINDOW, len(nodes))) as pool:
         futures = {n.name: pool.submit(fn, n) for n in nodes}
         for name, fut in futures.items():
             try:
