@@ -41,6 +41,9 @@ LOST_AFTER_S = 5.0
 #: no EOF ever reaches it). Longer than LOST_AFTER_S, so ddpfab always notices first.
 SILENCE_S = 10.0
 COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
+#: Seconds without a line from any rank before ddpfab says which nodes it is waiting for; the next
+#: report comes after twice the interval, and so on. ``DDPFAB_WAIT_REPORT_S`` overrides (0: never).
+WAIT_REPORT_S = 60.0
 
 
 class Interrupted(Exception):
@@ -89,6 +92,9 @@ class NodeOutcome:
     started: float = 0.0
     ended: float = 0.0
     lines: int = 0
+    rank_lines: int = 0  # lines from a rank (torchrun's own lines are not)
+    last_line: float = 0.0  # time.monotonic() of the last line, 0 = none yet
+    last_rank_line: float = 0.0  # ... of the last line from a rank
     stopped_by_ddpfab: bool = False
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
     hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
@@ -98,8 +104,33 @@ class NodeOutcome:
                 "started": self.started, "ended": self.ended,
                 "duration_s": round(self.ended - self.started, 3) if self.ended else None,
                 "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab,
+                "last_state": self.state(time.monotonic()),
                 "restarts": (self.remote or {}).get("restarts"),
                 "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints}
+
+    def state(self, now: float) -> str:
+        """What the node looked like from here: silent, in rendezvous (only torchrun has spoken),
+        quiet for a while, or ended."""
+        if self.ended:
+            return "ended" if self.exit_code is not None else f"ended ({self.error or 'no exit status'})"
+        if not self.lines:
+            return "silent since start"
+        if not self.rank_lines:
+            return "in rendezvous (no rank has printed yet)"
+        return f"quiet for {now - self.last_line:.0f} s"
+
+
+def waiting_report(outcomes: dict[str, NodeOutcome], now: float, quiet_s: float) -> str:
+    """One line: which nodes the run waits for, grouped by state (nodes in inventory order)."""
+    from .mesh import compact
+
+    groups: dict[str, list[str]] = {}
+    for name, out in outcomes.items():
+        if not out.ended:
+            state = out.state(now)
+            groups.setdefault("quiet" if state.startswith("quiet") else state, []).append(name)
+    parts = [f"{state}: {compact(names)}" for state, names in groups.items()]
+    return f"waiting: no rank has printed for {quiet_s:.0f} s; " + "; ".join(parts)
 
 
 @dataclass
@@ -245,6 +276,9 @@ class _NodeJob:
 
     def _line(self, text: str) -> None:
         self.outcome.lines += 1
+        if _RANK_TAG.match(text):
+            self.outcome.rank_lines += 1
+            self.outcome.last_rank_line = self.outcome.last_line
         self.printer.line(self.node.name, text)
         hint = hints.hint_for(text)
         if hint and hint not in self.outcome.hints:
@@ -271,6 +305,8 @@ class _NodeJob:
                     log.flush()
                     pending += data
                     *complete, pending = pending.split(b"\n")
+                    if complete:
+                        out.last_line = time.monotonic()
                     for raw in complete:
                         self._line(raw.decode("utf-8", "replace").rstrip("\r"))
                 if pending:
@@ -298,6 +334,8 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
     interrupted: str | None = None
     first_failure: str | None = None
     stop_deadline: float | None = None
+    wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
+    wait_every, quiet_since = wait_base, None
 
     def stop_all(fast: bool = False) -> None:
         nonlocal stop_deadline
@@ -315,6 +353,7 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
     try:
+        started = time.monotonic()
         for job in jobs.values():
             job.start()
         pending = set(jobs)
@@ -329,6 +368,14 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                             job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
                                                  "(host down or network cut)")
                             job.close()  # unblocks its reader; its supervisor stops on silence
+                    now = time.monotonic()
+                    last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
+                    if last != quiet_since:  # a rank printed: the next report is a full interval away
+                        quiet_since, wait_every, next_report = last, wait_base, last + wait_base
+                    if wait_base > 0 and stop_deadline is None and now >= next_report:
+                        printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
+                        wait_every *= 2  # a growing interval: a long wait is not a wall of notes
+                        next_report = now + wait_every
                     if stop_deadline is not None and time.monotonic() > stop_deadline:
                         for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
                             jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"

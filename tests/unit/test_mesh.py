@@ -130,3 +130,19 @@ def test_grouped_output_for_64_failing_nodes_is_a_few_lines():
     ]
     assert {r.node for r in res if r.status == "fail" and r.check == "mesh"} == {"node7", "node9", "node12"}
     assert CheckResult("a", "x", "fail", found="y").line() == grouped_lines([CheckResult("a", "x", "fail", found="y")])[0]
+
+
+def test_a_waiting_run_names_its_nodes_by_state():
+    from ddpfab.launch import NodeOutcome, waiting_report
+
+    outs = {f"node{i}": NodeOutcome(f"node{i}", i - 1) for i in range(1, 41)}
+    for i in range(1, 31):  # torchrun spoke, no rank yet
+        outs[f"node{i}"].lines = 2
+    outs["node31"].lines, outs["node31"].rank_lines, outs["node31"].last_line = 5, 3, 100.0
+    outs["node32"].ended, outs["node32"].exit_code = 5.0, 0
+    text = waiting_report(outs, now=190.0, quiet_s=90)
+    assert text == ("waiting: no rank has printed for 90 s; in rendezvous (no rank has printed yet): "
+                    "node[1-30] (30 nodes); quiet: node31; silent since start: "
+                    + ", ".join(f"node{i}" for i in range(33, 41)))
+    assert outs["node31"].to_dict()["last_state"].startswith("quiet for")
+    assert outs["node32"].to_dict()["last_state"] == "ended"
