@@ -27,6 +27,8 @@ Killing is by this job's process tree only, never by a name pattern: two jobs ma
 import ctypes
 import json
 import os
+import re
+import shutil
 import signal
 import sys
 import threading
@@ -235,10 +237,53 @@ def _write(path, text):
     os.replace(tmp, path)
 
 
+#: Run records a node keeps under its runs dir (the newest; ``keep_records`` in the spec overrides):
+#: older ones are removed when a job starts, except any whose supervisor still runs.
+KEEP_RECORDS = 20
+#: A run record's name: a run id as ddpfab makes them (runs.new_run_id), sortable by time.
+RECORD_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+
+
+def prune_records(root, own, keep):
+    """Remove the oldest run records under *root* beyond the newest *keep* (not counting *own*).
+
+    Only what ddpfab can prove is its own: a directory (not a link) named like a run id, holding
+    the ``agent.json`` a supervisor wrote for that run id; never one whose supervisor still runs.
+    Anything else in *root* is left alone. Returns the names removed."""
+    records = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name == own or not RECORD_NAME.match(name) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, "agent.json")) as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if rec.get("run_id") != name:
+            continue
+        try:
+            with open("/proc/%d/cmdline" % int(rec["agent_pid"]), "rb") as fh:
+                if name.encode() in fh.read():
+                    continue  # its supervisor still runs: a running (or detached) job
+        except (OSError, KeyError, TypeError, ValueError):
+            pass
+        records.append(name)
+    removed = records[:max(0, len(records) - keep)]
+    for name in removed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed
+
+
 def main(spec):
     run_dir = os.path.expanduser(spec["dir"])
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)
+    try:  # housekeeping must never fail the job
+        prune_records(os.path.dirname(run_dir.rstrip("/")), os.path.basename(run_dir.rstrip("/")),
+                      int(spec.get("keep_records", KEEP_RECORDS)))
+    except (OSError, ValueError):
+        pass
     grace = float(spec.get("grace", 3))
     silence = float(spec.get("silence", 0))
     detached = bool(spec.get("detached"))

@@ -65,6 +65,8 @@ def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
     boot = f'import base64,zlib;exec(zlib.decompress(base64.b64decode("{packed}")))'
     spec = {"run_id": plan.run_id, "dir": node.remote_dir, "command": node.command, "grace": STOP_GRACE_S,
             "log_dir": f"{node.remote_dir}/torchrun"}
+    if os.environ.get("DDPFAB_KEEP_RECORDS"):  # run records each node keeps (agent.KEEP_RECORDS)
+        spec["keep_records"] = int(os.environ["DDPFAB_KEEP_RECORDS"])
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
     if detach:
