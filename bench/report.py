@@ -648,11 +648,20 @@ def scale_section(data, plots) -> tuple[list[str], dict]:
     lines += [f"The controller process at N={big} (peaks over the repetitions, sampled every 20 ms; CPU: "
               "median user+system seconds):", ""]
     lines += table(["command", "CPU", "threads", "open files", "resident memory"], crow)
+    commands = data.get("commands") or (load("scale-commands") or {}).get("commands") or []
+    if commands:
+        lines += [f"The other commands that need no job, once at N={commands[0]['hosts']} (`sync`: a 20-file git "
+                  "project into a workdir under /opt on every host):", ""]
+        lines += table(["command", "wall", "output lines", "controller CPU", "threads", "open files", "memory"],
+                       [[c["command"], f"{c['wall']:.2f} s", str(c["output_lines"]), f"{c['cpu_s']:.2f} s",
+                         str(c["threads"]), str(c["fds"]), f"{c['rss_mib']:.0f} MiB"] for c in commands])
+        lines += ["`stop`, `attach` and `logs` need a running job, i.e. torch on every host: not measured at this "
+                  "size (a torch worker holds ~0.3 GB; 128 do not fit in this machine's 24 GiB).", ""]
     lab = data.get("lab") or {}
     if lab:
         lines += [f"The lab itself: {lab['hosts']} hosts up in {lab['up_s']:.1f} s and down in {lab['down_s']:.1f} s "
-                  f"on the loaded machine; the hosts took ~{lab['mem_mib']} MiB (MemAvailable before and after "
-                  f"`up`, other engineers' work included in the noise); left after `down`: "
+                  f"on the loaded machine; the hosts' processes (init + sshd per host) took ~{lab['mem_mib']} MiB "
+                  f"(their PSS; kernel memory for namespaces, veths and overlays not included); left after `down`: "
                   f"{'nothing' if not any(lab['leftovers'].values()) else lab['leftovers']}.", ""]
     t = {"scale_n": big,
          "scale_exec_pdsh": (med(get(data, "ddpfab exec", big)) / med(get(data, "pdsh", big)))

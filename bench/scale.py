@@ -19,7 +19,7 @@ project into a workdir under /opt (first copy, then the no-change re-sync) and `
 (`stop`, `attach` and `logs` need a running job, i.e. torch on every node: not at this size here.)
 Per ddpfab run, the controller process is sampled every 20 ms: peak threads, open files, resident
 memory, and its CPU seconds (wait4's rusage). Also the lab itself: `up` and `down` of max(N) hosts,
-the memory the hosts take (MemAvailable before and after), and what is left after `down`.
+the memory the hosts' processes take (their PSS), and what is left after `down`.
 No torch runs on the hosts here (a torch worker takes ~0.3 GB per node: 128 do not fit in 24 GiB).
 Writes bench/results/scale.json.
 """
@@ -46,11 +46,25 @@ SCRIPT = "tests/lab/scripts/report.py"
 TIMEOUT = 600
 
 
-def mem_available_mib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def lab_pss_mib(lab) -> float:
+    """The lab hosts' processes' proportional memory (every process in their PID namespaces, plus
+    the `unshare` parents): what the hosts themselves take, whatever else runs on the machine.
+    (Kernel memory for namespaces, veths and overlays is not in it.)"""
+    namespaces = {h.pid_namespace() for h in lab.hosts} - {None}
+    parents = {h.pid for h in lab.hosts}
+    total_kb = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if int(entry) not in parents and os.readlink(f"/proc/{entry}/ns/pid") not in namespaces:
+                continue
+            for line in Path(f"/proc/{entry}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return total_kb / 1024
 
 
 def sample_run(argv: list[str], env: dict) -> dict:
@@ -166,12 +180,10 @@ def main() -> int:
     lab_dir = common.WORK_ROOT / "scale" / "lab"
     if labmod.Lab.load(lab_dir) is not None:
         labmod.down(lab_dir)
-    mem0 = mem_available_mib()
     t0 = time.monotonic()
     lab, _ = labmod.up(lab_dir, hosts=max(sizes), subnet=args.subnet, python=PYTHON)
     lab_up_s = time.monotonic() - t0
-    time.sleep(2)
-    lab_mem_mib = mem0 - mem_available_mib()
+    lab_mem_mib = lab_pss_mib(lab)
     lab_id = labmod.lab_id(lab_dir)
     log(f"lab of {max(sizes)} hosts up in {lab_up_s:.1f} s, ~{lab_mem_mib:.0f} MiB ({args.subnet})")
     try:

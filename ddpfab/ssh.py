@@ -11,10 +11,12 @@ opts in to accepting *new* ones; a changed key is always refused.
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,12 +119,7 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
     client.set_missing_host_key_policy(_UnknownKey(node, known, policy.accept_new))
     where = f"{node.host}:{port or 22}"
     try:
-        if conn.gateway is None:  # (a ProxyJump/ProxyCommand brings its own socket)
-            conn.connect_kwargs["sock"] = _socket(conn.host, conn.port, timeout)
-            conn.open()
-        else:
-            with _jump_slot(conn.gateway):
-                conn.open()
+        _open(conn, timeout)
     except SSHError:
         raise
     except paramiko.BadHostKeyException as exc:
@@ -138,7 +135,8 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
             f"ansible_ssh_private_key_file{' (' + key_file + ')' if key_file else ''}"), kind="auth") from None
     except (socket.timeout, TimeoutError) as exc:
         raise SSHError(node.name, (
-            f"host {node.name} ({where}): unreachable, no answer within {timeout:g} s ({exc or 'timed out'}); "
+            f"host {node.name} ({where}): unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
+            f"({exc or 'timed out'}); "
             "check ansible_host and that the host is up"), kind="unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
         raise SSHError(node.name, (
@@ -146,6 +144,35 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
             "sshd runs there"), kind="unreachable") from None
     conn.transport.set_keepalive(KEEPALIVE_S)
     return conn
+
+
+#: Tries to open a connection when the failure may be load, not a fault (a timeout, a handshake the
+#: server dropped); a refused or unroutable connect, a bad key or failed auth end at once.
+CONNECT_ATTEMPTS = 3
+_FINAL_ERRNOS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
+def _open(conn: Connection, timeout: float) -> None:
+    for attempt in range(CONNECT_ATTEMPTS):
+        try:
+            if conn.gateway is None:  # (a ProxyJump/ProxyCommand brings its own socket)
+                conn.connect_kwargs["sock"] = _socket(conn.host, conn.port, timeout)
+                conn.open()
+            else:
+                with _jump_slot(conn.gateway):
+                    conn.open()
+            return
+        except (SSHError, paramiko.BadHostKeyException):
+            raise
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            # paramiko reports a server too busy to finish auth in time as an auth failure
+            busy_auth = isinstance(exc, paramiko.AuthenticationException) and "timeout" in str(exc).lower()
+            final = (isinstance(exc, OSError) and exc.errno in _FINAL_ERRNOS
+                     or isinstance(exc, paramiko.AuthenticationException) and not busy_auth)
+            if attempt == CONNECT_ATTEMPTS - 1 or final:
+                raise
+            conn.close()
+            time.sleep(0.5 * 2 ** attempt)
 
 
 def _jump_slot(gateway) -> threading.BoundedSemaphore:
