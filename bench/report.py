@@ -731,12 +731,8 @@ def verdicts(t: dict) -> list[str]:
 
 def main() -> int:
     DOCS.mkdir(exist_ok=True)
-    fanout, launch, teardown, provision, recovery = (load(n) for n in ("fanout", "launch", "teardown", "provision",
-                                                                       "recovery"))
-
-
-    fanout, launch, teardown, provision, scale = (load(n) for n in ("fanout", "launch", "teardown", "provision",
-                                                                     "scale"))
+    fanout, launch, teardown, provision, recovery, scale = (
+        load(n) for n in ("fanout", "launch", "teardown", "provision", "recovery", "scale"))
     plt = _plt()
     plots: set[str] = set()
     if plt is not None:
@@ -751,12 +747,9 @@ def main() -> int:
     targets.update(t1)
     targets.update(t2)
     targets.update(t3)
-    metas = [d["meta"] for d in (fanout, launch, teardown, provision, recovery) if d]
-
-
     s_lines, t4 = scale_section(scale, plots)
     targets.update(t4)
-    metas = [d["meta"] for d in (fanout, launch, teardown, provision, scale) if d]
+    metas = [d["meta"] for d in (fanout, launch, teardown, provision, recovery, scale) if d]
     m = metas[0] if metas else {}
     any_noisy = any(noisy(x) for x in metas)
     head = [
@@ -794,10 +787,7 @@ def main() -> int:
     ]
     head += verdicts(targets)
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
-    body += recovery_section(recovery)
-
-
-    body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots) + s_lines
+    body += recovery_section(recovery) + s_lines
     if plt is None:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]
