@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .inventory import Cluster, Node
+from .workdir import WorkdirError
+from .workdir import resolve as resolve_workdir
 
 #: torchrun's own default is 29500; free ports are looked for from there upwards.
 DEFAULT_PORT_RANGE = (29500, 29999)
@@ -232,7 +234,17 @@ def shell_command(workdir: str, env: dict[str, str], argv: tuple[str, ...]) -> s
     """The one shell line a node runs: paste it into an SSH session and you get the same run."""
     cd = shlex.quote(workdir)
     env_part = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-    return f"cd {cd} && env {env_part} {shlex.join(argv)}"
+    return f"cd {cd} && env {env_part} {' '.join(_shell_word(a) for a in argv)}"
+
+
+def _shell_word(arg: str) -> str:
+    """One argv word for the shell line. A relative ``--log-dir`` (an offline plan: the node's home
+    is not known) is anchored at ``$HOME``, as the plan means it: after ``cd WORKDIR`` a relative
+    path would put torchrun's per-rank logs into the project's workdir."""
+    flag, sep, value = arg.partition("=")
+    if flag == "--log-dir" and sep and not value.startswith("/"):
+        return '--log-dir="$HOME"/' + shlex.quote(value)
+    return shlex.quote(arg)
 
 
 def host_port(addr: str, port: int) -> str:
@@ -294,6 +306,15 @@ def remote_path(path: str, home: str | None) -> str:
     return f"{home.rstrip('/')}/{path}"
 
 
+def remote_workdir(raw: str, home: str | None) -> str:
+    """The workdir *raw* (``ddpfab_workdir``) as a node with SSH home *home* resolves it: the same
+    rules and the same answer as ``ddpfab sync`` (:func:`ddpfab.workdir.resolve`)."""
+    try:
+        return resolve_workdir(raw, home)
+    except WorkdirError as exc:
+        raise PlanError(str(exc)) from None
+
+
 def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     if not cluster.nodes:
         raise PlanError(f"inventory {cluster.source}: no nodes in group {cluster.group!r}")
@@ -338,7 +359,10 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     for rank, node in enumerate(ordered):
         nproc = nproc_for(node, options)
         home = facts.homes.get(node.name)
-        workdir = remote_path(node.workdir, home) if node.workdir else facts.cwd
+        try:
+            workdir = remote_workdir(node.workdir, home) if node.workdir is not None else facts.cwd
+        except PlanError as exc:
+            raise PlanError(f"host {node.name}: {exc}") from None
         remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
         argv = torchrun_argv(node.python, nnodes=len(ordered), nproc=nproc, node_rank=rank,
                              master_addr=str(ip), master_port=port, max_restarts=options.max_restarts,

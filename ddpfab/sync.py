@@ -1,29 +1,31 @@
-"""Code sync: every node ends up with exactly the tree you have here, and it is checked.
+"""Code sync: every node gets this project's files, checked by hash, and nothing else is touched.
 
 ``ddpfab sync --inventory INV [PATH]`` (PATH defaults to the current dir) copies the project to
 every node's workdir (``ddpfab_workdir``, else the same absolute path as here) with rsync over
-OpenSSH, all nodes at once, then computes a content hash of the tree *on each node* (the same
-stdlib code as here, :mod:`ddpfab.treehash`) and compares it with the local one. A node whose
-tree differs is an error naming the node and the paths that differ.
+OpenSSH, all nodes at once, then has each node hash the files it received (the same stdlib code
+as here, :mod:`ddpfab.treehash`) and compares that with the local hash. A node whose copy differs
+is an error naming the node and the paths that differ.
 
 What is sent (the *selection*): in a git work tree, exactly ``git ls-files -co --exclude-standard``
 (tracked plus untracked-but-not-ignored files; submodules and nested repos are listed by their own
 git); elsewhere, a walk that applies ``.gitignore`` files like git does. Then, in both cases,
 ``.ddpfabignore`` files (gitignore syntax) remove more, and the skipped paths of
-:mod:`ddpfab.treehash` (``runs/``, ``__pycache__``, ``.git`` unless ``--with-git``, virtualenvs,
-*keep* patterns) are never sent.
+:mod:`ddpfab.treehash` (``runs/``, ``__pycache__``, ``.git`` unless ``--with-git``, ``.ddpfab/``,
+virtualenvs, *keep* patterns) are never sent. rsync receives that list as ``--files-from``.
 
-The remote tree is a mirror: rsync runs with ``--delete --delete-excluded`` and a generated filter
-(an include rule per selected path or fully selected directory, then ``- *``), so files deleted
-here and files that became ignored are deleted on the nodes too. Only the skipped paths a node
-has of its own (its ``runs/``, ``.git``, virtualenvs and whatever ``.ddpfabkeep``/``--keep``
-match) are protected on it. One filter file is the single source of truth: ``--write-filter``
-writes it for ``playbooks/sync.yml``.
+Ownership, not a mirror: each node's workdir records what ddpfab placed (``.ddpfab/sync.json``).
+A sync deletes on a node only recorded files that are gone here (deleted or renamed); a file that
+is still here but no longer selected (it became ignored) is released, not deleted. Everything else
+on a node is the user's: checkpoints, datasets, logs, ignored paths. A directory that exists, is
+not empty and has no record is refused unless ``--adopt``; every workdir is checked here and on
+the node as the node resolves it (:mod:`ddpfab.workdir`). ``--dry-run`` lists, per node, what would
+be copied, updated and deleted; a real sync prints one line per node with those counts.
 
 SSH: every command uses the runner's host-key policy (:class:`ddpfab.ssh.HostKeyPolicy`: the
 node's known_hosts, ``StrictHostKeyChecking=yes`` or ``accept-new`` when asked) and the node's
 inventory connection options; one multiplexed OpenSSH connection per node carries the probe,
-rsync and the hash check.
+rsync and the hash check. Its helpers (masters, rsync, the agent) and its temp dir are ended by a
+watcher (:mod:`ddpfab.reaper`) even when ddpfab is killed.
 
 Fan-out (``--fanout tree``): the controller sends to one node only; nodes then forward along a
 binomial tree (each round doubles the nodes that hold the code), so a slow uplink is crossed once.
@@ -55,15 +57,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import treehash
+from . import treehash, workdir
+from .reaper import Reaper
 
 if TYPE_CHECKING:  # heavy (paramiko, ansible): imported where used
     from .inventory import Cluster, Node
     from .ssh import HostKeyPolicy
 
-#: rsync flags for a mirror: recursive, links as links, permissions, times (the quick check needs
-#: them); no owners/groups (files belong to the SSH user); deletions and now-excluded files go.
-RSYNC_BASE = ("-rlpt", "--omit-dir-times", "--delete", "--delete-excluded", "--from0", "--stats")
+#: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
+#: (files belong to the SSH user); no deletions (ddpfab deletes only what it placed, on the node);
+#: the file list comes as --files-from; one itemised line per change (counted, or listed by
+#: --dry-run).
+RSYNC_BASE = ("-lpt", "--omit-dir-times", "--from0", "--stats", "--itemize-changes")
 #: Options of the node's ssh that sync sets itself (the rest of ansible_ssh_common_args pass on).
 _SSH_HANDLED = {"userknownhostsfile", "stricthostkeychecking", "globalknownhostsfile", "configfile",
                 "identityfile", "port", "batchmode", "controlmaster", "controlpath", "controlpersist",
@@ -95,9 +100,14 @@ class NodeSync:
             workdir is the controller's own directory, e.g. a shared filesystem: nothing copied).
         transfer_s: seconds the copy took (rsync, end to end).
         verify_s: seconds the hash check on the node took.
+        state: whose the workdir was: new (created by this sync), owned (ddpfab's record was
+            there), empty, adopted (``--adopt``), missing (a dry run into a dir not there yet).
         bytes_sent: bytes the sender put on the wire (rsync's "Total bytes sent").
         files_transferred: regular files rsync (re)wrote.
-        deleted: files and dirs rsync deleted there.
+        copied: files and links that were not there; updated: ones rsync changed.
+        deleted: files ddpfab had placed and this sync deleted (gone here).
+        kept: paths that were there, not ddpfab's, and were moved aside for a project file.
+        items: with --dry-run, ``[action, path]`` per change (copy, update, delete).
         tree_hash: the hash the node computed.
         ok: synced and verified.
         error: the problem, one line, when not ok.
@@ -106,11 +116,16 @@ class NodeSync:
     name: str
     workdir: str = ""
     source: str = ""
+    state: str = ""
     transfer_s: float | None = None
     verify_s: float | None = None
     bytes_sent: int | None = None
     files_transferred: int | None = None
+    copied: int | None = None
+    updated: int | None = None
     deleted: int | None = None
+    kept: list[str] = field(default_factory=list)
+    items: list[list[str]] = field(default_factory=list)
     tree_hash: str | None = None
     ok: bool = False
     error: str | None = None
@@ -131,6 +146,7 @@ class SyncResult:
         nodes: per node, in inventory order.
         notes: things the user should know (fallbacks, shared dirs).
         duration_s: wall time of the whole sync.
+        dry_run: nothing was written; ``items`` per node say what would be.
     """
 
     src: str
@@ -144,6 +160,7 @@ class SyncResult:
     nodes: dict[str, NodeSync] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    dry_run: bool = False
 
     @property
     def ok(self) -> bool:
@@ -252,75 +269,37 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
                      git_commit=commit, git_dirty=dirty)
 
 
-def filter_rules(sel: Selection) -> list[str]:
-    """The rsync filter that sends exactly *sel* and deletes everything else on the receiver,
-    except what a node protects (its own protect rules go before these, see ``treehash``).
-
-    A directory whose every entry is selected (or skipped by a static rule) becomes one
-    ``+ /dir/***`` rule instead of one rule per file: rsync checks each path against the rules
-    one by one, so a rule per file would make a 50,000-file tree take tens of seconds.
-    """
-    rules = ["P /runs/"] + ([] if sel.with_git else ["P .git"])
-    rules += ["- /runs/", "- __pycache__/"] + ([] if sel.with_git else ["- .git"])
-    root, selected = sel.root, set(sel.files)
-    skipper = treehash.Skipper(root, sel.keep, sel.with_git)
-    children: dict[str, set[str]] = {}
-    for rel in sel.files:
-        parts = rel.split("/")
-        for k in range(len(parts)):
-            children.setdefault("/".join(parts[:k]), set()).add(parts[k])
-    complete: dict[str, bool] = {}
-    excludes: list[str] = []
-
-    def scan(d: str) -> bool:
-        ok = True
-        try:
-            entries = list(os.scandir(os.path.join(root, d) if d else root))
-        except OSError:
-            entries, ok = [], False
-        for e in entries:
-            rel = f"{d}/{e.name}" if d else e.name
-            if rel in selected:
-                continue
-            is_dir = e.is_dir(follow_symlinks=False)
-            if is_dir and rel in children:
-                ok = scan(rel) and ok
-                continue
-            if (is_dir and (e.name == "__pycache__" or rel == treehash.RUNS_DIR)) or (
-                    e.name == ".git" and not sel.with_git):
-                continue  # the static rules above cover it
-            reason = skipper.dir_reason(rel) if is_dir else skipper.file_reason(rel)
-            if reason in (treehash.VENV, treehash.KEEP):
-                excludes.append("- /" + treehash.rsync_escape(rel) + ("/" if is_dir else ""))
-                continue
-            ok = False
-        complete[d] = ok
-        return ok
-
-    includes: list[str] = []
-
-    def emit(d: str) -> None:
-        for name in sorted(children.get(d, ())):
-            rel = f"{d}/{name}" if d else name
-            if rel not in children:
-                includes.append("+ /" + treehash.rsync_escape(rel))
-            elif complete.get(rel):
-                includes.append("+ /" + treehash.rsync_escape(rel, wild=True) + "/***")
-            else:
-                includes.append("+ /" + treehash.rsync_escape(rel) + "/")
-                emit(rel)
-
-    if sel.files:
-        scan("")
-        emit("")
-    return rules + excludes + includes + ["- *"]
-
-
-def write_filter(rules: list[str], path: str | os.PathLike) -> None:
-    """Write *rules* NUL-separated, for ``rsync --from0 --filter='merge PATH'`` (names may hold
+def write_list(files: list[str], path: str | os.PathLike) -> None:
+    """Write *files* NUL-separated, for ``rsync --from0 --files-from=PATH`` (names may hold
     newlines)."""
     with open(path, "wb") as fh:
-        fh.write(b"".join(os.fsencode(r) + b"\0" for r in rules))
+        fh.write(b"".join(os.fsencode(r) + b"\0" for r in files))
+
+
+def deletions(sel: Selection, placed: list[str]) -> list[str]:
+    """Which of the files ddpfab *placed* on a node to delete there: those gone from this tree
+    (deleted or renamed). A placed file that is still here but no longer selected (it became
+    ignored) is left alone, and so is anything the keep patterns, ``runs/``, ``.git`` or a
+    virtualenv cover: the node may have made it its own."""
+    selected, out = set(sel.files), []
+    skipper = treehash.Skipper(sel.root, sel.keep, sel.with_git)
+    for rel in placed:
+        if rel in selected or os.path.lexists(os.path.join(sel.root, rel)):
+            continue
+        if skipper.file_reason(rel) in treehash.PROTECTED:
+            continue
+        out.append(rel)
+    return out
+
+
+def check_workdir(node: Node, default: str) -> str:
+    """The node's workdir as written (``ddpfab_workdir``, else *default*), checked as text here
+    (the node checks it again as it resolves it); a SyncError names the host."""
+    raw = node.workdir if node.workdir is not None else default
+    why = workdir.lexical_problem(raw)
+    if why:
+        raise SyncError([f"host {node.name}: refusing to sync: {why}; nothing was changed there"])
+    return raw
 
 
 def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict:
@@ -394,8 +373,9 @@ def ssh_problem(node: str, where: str, known_hosts: str, rc: int, stderr: str) -
 class _Link:
     """One multiplexed OpenSSH connection to a node for the duration of a sync."""
 
-    def __init__(self, node: Node, policy: HostKeyPolicy, ssh_config: str | None, ctl: str):
-        self.node = node
+    def __init__(self, node: Node, policy: HostKeyPolicy, ssh_config: str | None, ctl: str,
+                 reaper: Reaper | None = None):
+        self.node, self.reaper = node, reaper
         self.opts = ssh_options(node, policy, ssh_config)
         self.known_hosts = str(policy.file_for(node))
         self.ctl = ctl
@@ -417,6 +397,8 @@ class _Link:
              "-o", "ControlPersist=no", "-N", _dest_host(self.node.host)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.errfile, start_new_session=True,
             env=agent_env)
+        if self.reaper:
+            self.reaper.watch(self.proc.pid)
 
     def ready(self) -> None:
         deadline = time.monotonic() + self.timeout + 15
@@ -460,6 +442,8 @@ class _Link:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.reaper:
+            self.reaper.forget(self.proc.pid)
         self.errfile.close()
 
 
@@ -467,10 +451,10 @@ _PROGRAM: str | None = None
 
 
 def node_program() -> str:
-    """The source that nodes run (treehash.py itself)."""
+    """The source that nodes run: workdir.py's rules, then treehash.py (whose ``main`` runs)."""
     global _PROGRAM
     if _PROGRAM is None:
-        _PROGRAM = Path(treehash.__file__).read_text()
+        _PROGRAM = Path(workdir.__file__).read_text() + "\n" + Path(treehash.__file__).read_text()
     return _PROGRAM
 
 
@@ -504,26 +488,41 @@ def _node_reply(name: str, op: str, code: int, stdout: str, stderr: str) -> dict
     return out
 
 
-_STATS = re.compile(r"^(Total bytes sent|Number of regular files transferred|Number of deleted files):\s*([\d,]+)", re.MULTILINE)
+_STATS = re.compile(r"^(Total bytes sent|Number of regular files transferred):\s*([\d,]+)", re.MULTILINE)
 
 
 def _rsync_stats(text: str) -> dict[str, int]:
-    keys = {"Total bytes sent": "bytes_sent", "Number of regular files transferred": "files_transferred",
-            "Number of deleted files": "deleted"}
+    keys = {"Total bytes sent": "bytes_sent", "Number of regular files transferred": "files_transferred"}
     return {keys[m.group(1)]: int(m.group(2).replace(",", "")) for m in _STATS.finditer(text)}
 
 
-def rsync_argv(filter_file: str, protect: list[str], ssh_e: str, src: str, dest: str, *,
-               compress: bool = False, checksum: bool = False) -> list[str]:
+def rsync_argv(files_from: str, ssh_e: str, src: str, dest: str, *, compress: bool = False,
+               checksum: bool = False, dry_run: bool = False) -> list[str]:
     """The rsync command line of one copy (controller to node, or node to node)."""
     argv = ["rsync", *RSYNC_BASE]
     if compress:
         argv.append("--compress")
     if checksum:
         argv.append("--checksum")
-    argv += [f"--filter={r}" for r in protect]
-    argv += [f"--filter=merge {filter_file}", "-e", ssh_e, src.rstrip("/") + "/", dest.rstrip("/") + "/"]
+    if dry_run:
+        argv.append("--dry-run")
+    argv += [f"--files-from={files_from}", "-e", ssh_e, src.rstrip("/") + "/", dest.rstrip("/") + "/"]
     return argv
+
+
+def itemized(text: str) -> list[list[str]]:
+    """``[action, path]`` for each file or link rsync's ``--itemize-changes`` lines report:
+    "copy" (not there before) or "update" (content or attributes changed). Directories are left
+    out (they follow from the files)."""
+    out = []
+    for line in text.splitlines():
+        code, _, name = line.partition(" ")
+        if len(code) != 11 or code[0] not in "<>ch." or code[1] not in "fLDS" or not name:
+            continue
+        if code[1] == "L":
+            name = name.split(" -> ", 1)[0]
+        out.append(["copy" if code[2:] == "+++++++++" else "update", name])
+    return out
 
 
 def _rsync_problem(name: str, rc: int, stderr: str) -> str:
@@ -588,15 +587,18 @@ class _Agent:
     """A dedicated ssh-agent for one sync: its socket in the sync's private temp dir, its keys
     destination-constrained and time-limited, the whole agent ended when the sync ends."""
 
-    def __init__(self, ctl_dir: str):
+    def __init__(self, ctl_dir: str, reaper: Reaper | None = None):
         self.sock = os.path.join(ctl_dir, "agent.sock")
         self.proc: subprocess.Popen | None = None
+        self.reaper = reaper
 
     def start(self) -> str | None:
         if not (shutil.which("ssh-agent") and shutil.which("ssh-add")):
             return "ssh-agent/ssh-add not found on the controller"
         self.proc = subprocess.Popen(["ssh-agent", "-D", "-a", self.sock], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        if self.reaper:
+            self.reaper.watch(self.proc.pid)
         deadline = time.monotonic() + 5
         while not os.path.exists(self.sock):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -630,6 +632,8 @@ class _Agent:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is not None and self.reaper:
+            self.reaper.forget(self.proc.pid)
 
 
 # -- the sync ----------------------------------------------------------------------------------
@@ -638,28 +642,33 @@ class _Target:
     node: Node
     link: _Link
     rec: NodeSync
-    protect: list[str] = field(default_factory=list)
+    real: str = ""
+    placed: list[str] | None = None
     shared: bool = False
     ready: bool = False
 
 
 class _Sync:
     def __init__(self, cluster: Cluster, sel: Selection, policy: HostKeyPolicy, ssh_config: str | None,
-                 compress: bool, checksum: bool, progress: Callable[[str], None]):
+                 compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False):
         self.cluster, self.sel, self.policy, self.ssh_config = cluster, sel, policy, ssh_config
-        self.compress, self.checksum, self.progress = compress, checksum, progress
+        self.compress, self.checksum, self.progress, self.adopt = compress, checksum, progress, adopt
         self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
-        self.filter_file = os.path.join(self.ctl_dir, "filter")
-        self.rules = filter_rules(sel)
-        write_filter(self.rules, self.filter_file)
-        self.targets = {n.name: _Target(n, _Link(n, policy, ssh_config, os.path.join(self.ctl_dir, f"c{i}")),
-                                        NodeSync(n.name)) for i, n in enumerate(cluster.nodes)}
+        self.reaper = Reaper(self.ctl_dir)
+        self.list_file = os.path.join(self.ctl_dir, "files")
+        write_list(sel.files, self.list_file)
+        self.targets = {n.name: _Target(n, _Link(n, policy, ssh_config, os.path.join(self.ctl_dir, f"c{i}"),
+                                                 self.reaper), NodeSync(n.name))
+                        for i, n in enumerate(cluster.nodes)}
         self.notes: list[str] = []
         self.local: dict | None = None
         self.agent: _Agent | None = None
         self.stages: dict[str, str] = {}
         self.fanout_used = "star"
         self.lock = threading.Lock()
+        self.copies: set[subprocess.Popen] = set()
+        self.cancelled = False
+        self.dry_run = False
 
     def note(self, text: str) -> None:
         with self.lock:
@@ -669,37 +678,42 @@ class _Sync:
     def fail(self, t: _Target, problem: str) -> None:
         t.rec.ok, t.rec.error = False, problem  # reported once, at the end (SyncError)
 
+    def request(self, t: _Target, op: str, **fields) -> dict:
+        return {"op": op, "workdir": t.rec.workdir, **fields}
+
     # -- phase 1: connect and probe --------------------------------------------------------
     def connect_and_probe(self, create: bool) -> None:
-        nonce = f"{treehash.PROBE_PREFIX}{secrets.token_hex(8)}"
+        nonce: str | None = f"{treehash.PROBE_PREFIX}{secrets.token_hex(8)}"
         nonce_path = os.path.join(self.sel.root, nonce)
+        nonce_error = None
         try:
             fd = os.open(nonce_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             os.close(fd)
-        except OSError:
-            nonce = None
+        except OSError as exc:
+            nonce, nonce_error = None, f"could not write a probe file into {self.sel.root}: {exc.strerror}"
         agent_env = self.agent.env() if self.agent else None
         for t in self.targets.values():
             t.link.start(agent_env)
 
         def probe(t: _Target) -> None:
             try:
+                raw = check_workdir(t.node, self.sel.root)
                 t.link.ready()
-                out = _node_call(t.link, {"op": "probe", "workdir": t.node.workdir or self.sel.root,
-                                          "nonce": nonce, "keep": list(self.sel.keep),
-                                          "with_git": self.sel.with_git, "create": create}, timeout=120)
+                out = _node_call(t.link, {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
+                                          "create": create, "adopt": self.adopt}, timeout=120)
             except SyncError as exc:
                 return self.fail(t, exc.problems[0])
-            t.rec.workdir = out["workdir"]
+            t.rec.workdir, t.real = out["workdir"], out["real"]
             if out.get("shared"):
                 t.shared, t.ready, t.rec.source = True, True, "shared"
                 return None
-            if out.get("missing"):
+            t.rec.state = out.get("state", "")
+            if out["state"] == "missing" and not create and not self.dry_run:
                 return self.fail(t, f"host {t.node.name}: workdir {out['workdir']} does not exist; run ddpfab sync")
             if create and not out.get("rsync"):
                 return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
                                     "or ddpfab provision)")
-            t.protect, t.ready = out.get("protect", []), True
+            t.placed, t.ready = out.get("record", []), True
             return None
 
         try:
@@ -717,27 +731,65 @@ class _Sync:
                       "copy, verifying only")
 
     # -- copies ---------------------------------------------------------------------------
-    def copy_from_controller(self, t: _Target) -> bool:
-        argv = rsync_argv(self.filter_file, t.protect, t.link.rsync_e(), self.sel.root,
-                          f"{_dest_host(t.node.host)}:{t.rec.workdir}", compress=self.compress, checksum=self.checksum)
-        return self._run_copy(t, argv, "controller", env=None)
+    def prepare(self, t: _Target) -> bool:
+        """Record the files about to be placed; move aside what was there and is not ddpfab's."""
+        new = [rel for rel in self.sel.files if rel not in set(t.placed or ())]
+        try:
+            out = _node_call(t.link, self.request(t, "prepare", new=new))
+        except SyncError as exc:
+            t.rec.error = exc.problems[0]
+            return False
+        if out.get("kept"):
+            t.rec.kept = out["kept"]
+            shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
+            self.note(f"{t.node.name}: {len(out['kept'])} files there that ddpfab had not placed are in the way of "
+                      f"project files; moved to {out['kept_dir']}: {shown}")
+        t.placed = sorted(set(t.placed or ()) | set(new))
+        return True
+
+    def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
+        if not dry_run and not self.prepare(t):
+            return False
+        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, f"{_dest_host(t.node.host)}:{t.real}",
+                          compress=self.compress, checksum=self.checksum, dry_run=dry_run)
+        return self._run_copy(t, argv, "controller")
 
     def copy_from_node(self, src: _Target, t: _Target, hop: dict) -> bool:
+        if not self.prepare(t):
+            return False
         inner_e = " ".join(shlex.quote(a) for a in [
             "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={hop['stage']}/known_hosts",
             "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes",
             "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6",
             "-p", str(hop["port"]), "-l", hop["user"]])
-        inner = rsync_argv(f"{hop['stage']}/filter", t.protect, inner_e, src.rec.workdir,
-                           f"{_dest_host(hop['addr'])}:{t.rec.workdir}", compress=self.compress, checksum=self.checksum)
+        inner = rsync_argv(f"{hop['stage']}/files", inner_e, src.real, f"{_dest_host(hop['addr'])}:{t.real}",
+                           compress=self.compress, checksum=self.checksum)
         argv = src.link.forwarding_argv(" ".join(shlex.quote(a) for a in inner))
-        return self._run_copy(t, argv, src.node.name, env=None)
+        return self._run_copy(t, argv, src.node.name)
 
-    def _run_copy(self, t: _Target, argv: list[str], source: str, env: dict | None) -> bool:
+    def _run_copy(self, t: _Target, argv: list[str], source: str) -> bool:
+        if self.cancelled:
+            t.rec.error = f"host {t.node.name}: sync interrupted"
+            return False
         start = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, env=env)
+        # its own session: a terminal's Ctrl-C reaches ddpfab, which ends the copy (abort), and the
+        # reaper ends it when ddpfab is killed
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        self.reaper.watch(proc.pid)
+        with self.lock:
+            self.copies.add(proc)
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            with self.lock:
+                self.copies.discard(proc)
+            self.reaper.forget(proc.pid)
         elapsed = time.monotonic() - start
-        out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+        out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        if self.cancelled:
+            t.rec.error = f"host {t.node.name}: sync interrupted"
+            return False
         if proc.returncode not in (0, 24):  # 24: files vanished meanwhile; the hash check decides
             problem = _rsync_problem(t.node.name, proc.returncode, err)
             if source != "controller":
@@ -747,12 +799,50 @@ class _Sync:
         t.rec.source, t.rec.transfer_s, t.rec.error = source, round(elapsed, 3), None
         for key, value in _rsync_stats(out).items():
             setattr(t.rec, key, value)
+        items = itemized(out)
+        t.rec.copied = sum(1 for a, _ in items if a == "copy")
+        t.rec.updated = len(items) - t.rec.copied
+        if self.dry_run:
+            t.rec.items = items
         return True
 
+    def abort(self) -> None:
+        """Ctrl-C or an error in ddpfab itself: end the copies now (the threads then finish)."""
+        self.cancelled = True
+        with self.lock:
+            procs = list(self.copies)
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, 15)
+            except OSError:
+                pass
+
     # -- verification ------------------------------------------------------------------------
+    def summary(self, t: _Target) -> str:
+        counts = f"{t.rec.copied or 0} copied, {t.rec.updated or 0} updated, {t.rec.deleted or 0} deleted"
+        src = f"from {t.rec.source}"
+        sent = f", sent {_mb(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
+        took = f" in {t.rec.transfer_s:.2f} s" if t.rec.transfer_s is not None else ""
+        return (f"{t.node.name}: {t.rec.workdir}: {counts} ({src}{took}{sent}; verified in {t.rec.verify_s:.2f} s)")
+
+    def commit(self, t: _Target) -> None:
+        """After a copy: delete what ddpfab placed and is gone here, record what is placed now,
+        and check the node's hash of it (one node call)."""
+        if self.cancelled:
+            return self.fail(t, f"host {t.node.name}: sync interrupted")
+        gone = deletions(self.sel, t.placed or [])
+        start = time.monotonic()
+        try:
+            out = _node_call(t.link, self.request(t, "commit", delete=gone, files=self.sel.files,
+                                                  cache=not self.checksum))
+        except SyncError as exc:
+            return self.fail(t, exc.problems[0])
+        t.rec.deleted = out["deleted"]
+        self.check_hash(t, out, start)
+        return None
+
     def verify(self, t: _Target) -> None:
-        req = {"op": "hash", "workdir": t.rec.workdir, "keep": list(self.sel.keep), "with_git": self.sel.with_git,
-               "cache": not self.checksum}
+        req = self.request(t, "hash", cache=not self.checksum)
         if t.shared:
             req["paths"] = self.sel.files
         start = time.monotonic()
@@ -760,17 +850,23 @@ class _Sync:
             out = _node_call(t.link, req)
         except SyncError as exc:
             return self.fail(t, exc.problems[0])
+        self.check_hash(t, out, start)
+        return None
+
+    def check_hash(self, t: _Target, out: dict, start: float) -> None:
         t.rec.verify_s = round(time.monotonic() - start, 3)
         t.rec.tree_hash = out["tree_hash"]
         if out["tree_hash"] == self.local["tree_hash"]:
             t.rec.ok = True
-            src = f"from {t.rec.source}" if not t.shared else "shared"
-            sent = f", sent {_mb(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
-            took = f" in {t.rec.transfer_s:.2f} s" if t.rec.transfer_s is not None else ""
-            self.progress(f"{t.node.name}: {t.rec.workdir} ok ({src}{took}{sent}; verified in {t.rec.verify_s:.2f} s)")
+            if t.shared or t.rec.copied is None:
+                self.progress(f"{t.node.name}: {t.rec.workdir} ok ({'shared' if t.shared else 'unchanged'}; verified "
+                              f"in {t.rec.verify_s:.2f} s)")
+            else:
+                self.progress(self.summary(t))
             return None
+        req = self.request(t, "hash", detail=True, paths=self.sel.files)
         try:
-            theirs = _node_call(t.link, {**req, "detail": True})["entries"]
+            theirs = _node_call(t.link, req)["entries"]
             diffs = treehash.diff_entries(local_tree(self.sel, detail=True, cache=False)["entries"], theirs)
         except (SyncError, OSError):
             diffs = []
@@ -784,13 +880,24 @@ class _Sync:
     # -- phase 2: star ------------------------------------------------------------------------
     def star(self, targets: list[_Target]) -> None:
         def one(t: _Target) -> None:
-            if not self.copy_from_controller(t):
+            if not self.copy_from_controller(t, dry_run=self.dry_run):
                 return self.fail(t, t.rec.error)
-            return self.verify(t)
+            if self.dry_run:
+                t.rec.items += [["delete", rel] for rel in deletions(self.sel, t.placed or [])]
+                t.rec.deleted = sum(1 for a, _ in t.rec.items if a == "delete")
+                t.rec.ok = True
+                return None
+            return self.commit(t)
 
         if targets:
-            with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
+            pool = ThreadPoolExecutor(max_workers=min(32, len(targets)))
+            try:
                 list(pool.map(one, targets))
+            except BaseException:  # Ctrl-C: end the copies first, or shutdown() waits for them
+                self.abort()
+                raise
+            finally:
+                pool.shutdown(wait=True)
 
     # -- phase 2: tree ------------------------------------------------------------------------
     def tree_setup(self, order: list[_Target]) -> tuple[dict, str | None]:
@@ -823,15 +930,15 @@ class _Sync:
         problem = self.agent.add(keys, labels_file, list(dict.fromkeys(constraints)))
         if problem:
             return {}, problem
-        filter_b64 = base64.b64encode(Path(self.filter_file).read_bytes()).decode()
+        list_b64 = base64.b64encode(Path(self.list_file).read_bytes()).decode()
 
         def stage(j: int) -> str | None:
-            """The filter and the known_hosts lines of its next hops, onto forwarding node j."""
+            """The file list and the known_hosts lines of its next hops, onto forwarding node j."""
             lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
                      for c in children[j] for k in hops[order[c].node.name]["keys"]]
             try:
-                out = _node_call(order[j].link, {"op": "stage", "files": {
-                    "filter": filter_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}})
+                out = _node_call(order[j].link, {**self.request(order[j], "stage"), "files": {
+                    "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}})
             except SyncError as exc:
                 return f"cannot stage the forwarding files: {exc.problems[0]}"
             with self.lock:
@@ -866,7 +973,7 @@ class _Sync:
             rest.start()
             first.join()
             if have[0]:
-                self.verify(order[0])
+                self.commit(order[0])
             rest.join()
             return
         self.fanout_used = "tree"
@@ -880,7 +987,7 @@ class _Sync:
                     got[0].set()
                 got[j].wait()
                 if have[j]:
-                    verifier = threading.Thread(target=self.verify, args=(order[j],))
+                    verifier = threading.Thread(target=self.commit, args=(order[j],))
                     verifier.start()
                 for c in children[j]:
                     t = order[c]
@@ -914,6 +1021,8 @@ class _Sync:
         return
 
     def cleanup(self) -> None:
+        if self.cancelled:
+            self.abort()
         for name, d in self.stages.items():
             try:
                 self.targets[name].link.run(f"rm -rf -- {shlex.quote(d)}", timeout=30)
@@ -924,6 +1033,7 @@ class _Sync:
         for t in self.targets.values():
             t.link.close()
         shutil.rmtree(self.ctl_dir, ignore_errors=True)
+        self.reaper.close()
 
 
 def _mb(n: int | None) -> str:
@@ -933,8 +1043,10 @@ def _mb(n: int | None) -> str:
 def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
                  compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
+                 adopt: bool = False, dry_run: bool = False,
                  progress: Callable[[str], None] | None = None) -> SyncResult:
-    """Make every node's workdir hold exactly the selection of *src*, and prove it by hash.
+    """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
+    and is gone here, and prove the result by hash.
 
     Args:
         cluster: the nodes (``inventory.load``).
@@ -947,6 +1059,10 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         keep: extra keep patterns (gitignore syntax) on top of ``.ddpfabkeep``.
         with_git: send ``.git`` too.
         verify_only: copy nothing; only compare each node's tree hash with the local one.
+        adopt: take over a workdir that is not empty and has no ddpfab record (nothing there is
+            deleted; files the project overwrites are moved aside first).
+        dry_run: change nothing anywhere; each node's ``items`` say what a sync would copy,
+            update and delete (always the star: there is nothing to forward).
         progress: called with one line per event (node done, fallback...).
 
     Returns the SyncResult; raises SyncError (with the result) when any node failed.
@@ -960,15 +1076,23 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         raise SyncError([f"{' and '.join(missing)} not found on this machine: apt-get install openssh-client rsync"])
     sel = select(src, keep, with_git)
     if not sel.files and not verify_only:
-        raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty); "
-                         "a sync would empty the nodes' workdirs, so it stops here"])
-    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress)
+        raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty)"])
+    problems = []
+    for n in cluster.nodes:
+        try:
+            check_workdir(n, sel.root)
+        except SyncError as exc:
+            problems += exc.problems
+    if problems:
+        raise SyncError(problems)
+    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress, adopt)
+    job.dry_run = dry_run
     result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
-                        git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout)
+                        git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout, dry_run=dry_run)
     try:
-        if fanout == "tree" and not verify_only:
+        if fanout == "tree" and not (verify_only or dry_run):
             # the agent first: the masters to the nodes must know it to forward it later
-            job.agent = _Agent(job.ctl_dir)
+            job.agent = _Agent(job.ctl_dir, job.reaper)
             why = job.agent.start()
             if why:
                 job.agent = None
@@ -976,7 +1100,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         hasher = ThreadPoolExecutor(max_workers=1)
         local = hasher.submit(local_tree, sel, False, not checksum)
         try:
-            job.connect_and_probe(create=not verify_only)
+            job.connect_and_probe(create=not (verify_only or dry_run))
         finally:
             try:
                 job.local = local.result()
@@ -986,9 +1110,12 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
                 hasher.shutdown()
         result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
         ready = [t for t in job.targets.values() if t.ready]
-        only_verify = ready if verify_only else [t for t in ready if t.shared]
+        only_verify = [] if dry_run else ready if verify_only else [t for t in ready if t.shared]
         to_copy = [] if verify_only else [t for t in ready if not t.shared]
-        with ThreadPoolExecutor(max_workers=max(1, min(32, len(only_verify)))) as pool:
+        for t in ready if dry_run else []:
+            t.rec.ok = t.shared
+        pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(only_verify))))
+        try:
             checks = [pool.submit(job.verify, t) for t in only_verify]
             if fanout == "tree" and job.agent is not None:
                 job.tree(to_copy)
@@ -996,7 +1123,15 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
                 job.star(to_copy)
             for c in checks:
                 c.result()
+        except BaseException:  # Ctrl-C (or a bug): end the copies before waiting for their threads
+            job.abort()
+            raise
+        finally:
+            pool.shutdown(wait=True)
         result.fanout = job.fanout_used
+    except BaseException:
+        job.abort()
+        raise
     finally:
         job.cleanup()
     result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
@@ -1015,9 +1150,11 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
     that proves it, else None (then :func:`sync_cluster` does the real work).
 
     It runs the node program's ``hash`` over ddpfab's open SSH connections (*conns*, Fabric), one
-    python per node: the same proof as the verification after a copy, without the OpenSSH masters,
-    probes and rsync a full sync starts. Any problem (no python, no workdir, a mismatch) is not an
-    error here, only a reason to do the full sync, which reports it properly.
+    python per node: the same proof as the verification after a copy (the hash of the files ddpfab
+    placed, by its record there), without the OpenSSH masters, probes and rsync a full sync
+    starts. A workdir without a record (a shared filesystem) is asked once more for the hash of
+    exactly this tree's paths. Any problem (no python, no workdir, a mismatch) is not an error
+    here, only a reason to do the full sync, which reports it properly.
     """
     from . import ssh
 
@@ -1028,13 +1165,23 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
     local = local_tree(sel)
 
     def node_hash(node: Node) -> dict | None:
-        req = {"op": "hash", "workdir": node.workdir or sel.root, "keep": list(sel.keep), "with_git": sel.with_git,
-               "cache": True}
+        raw = node.workdir if node.workdir is not None else sel.root
+        if workdir.lexical_problem(raw):
+            return None
+        req: dict = {"op": "hash", "workdir": raw, "cache": True}
         t0 = time.monotonic()
-        res = ssh.run(conns[node.name], node.name, f"{shlex.quote(node.python)} -c {shlex.quote(node_program())}",
-                      timeout=120, stdin=json.dumps(req).encode())
-        out = _node_reply(node.name, "hash", res.exit_code, res.stdout, res.stderr)  # SyncError: not unchanged
-        if res.exit_code != 0 or out.get("tree_hash") != local["tree_hash"]:
+        for attempt in (0, 1):
+            res = ssh.run(conns[node.name], node.name, f"{shlex.quote(node.python)} -c {shlex.quote(node_program())}",
+                          timeout=120, stdin=json.dumps(req).encode())
+            try:
+                out = _node_reply(node.name, "hash", res.exit_code, res.stdout, res.stderr)
+            except SyncError as exc:
+                if attempt == 0 and "no ddpfab record" in exc.problems[0]:
+                    req["paths"] = sel.files
+                    continue
+                return None
+            break
+        if out.get("tree_hash") != local["tree_hash"]:
             return None
         return {"verify_s": round(time.monotonic() - t0, 3), "tree_hash": out["tree_hash"]}
 
@@ -1045,8 +1192,8 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
                         selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")
     for n in cluster.nodes:
         v = found[n.name]
-        result.nodes[n.name] = NodeSync(n.name, workdir=n.workdir or sel.root, source="unchanged", verify_s=v["verify_s"],
-                                        tree_hash=v["tree_hash"], ok=True)
+        result.nodes[n.name] = NodeSync(n.name, workdir=workdir.resolve(n.workdir, None) if n.workdir else sel.root,
+                                        source="unchanged", verify_s=v["verify_s"], tree_hash=v["tree_hash"], ok=True)
     result.notes = ["every node already had this tree (verified by hash): nothing copied"]
     result.duration_s = round(time.monotonic() - started, 3)
     return result
@@ -1057,7 +1204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .cliargs import add_cluster_args
 
     add_cluster_args(p, inventory_required=False, inventory_help="Ansible inventory of the nodes (not needed "
-                                                                 "with --print-filter, --write-filter or --list)")
+                                                                 "with --list)")
     p.add_argument("--fanout", choices=("star", "tree"), default="star",
                    help="star: this machine sends to every node; tree: it sends to one node and nodes forward "
                         "(for a slow uplink; needs the inventory key in a file, see docs/sync.md)")
@@ -1065,16 +1212,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checksum", action="store_true",
                    help="compare files by content, not size+mtime (repairs files changed in place on a node)")
     p.add_argument("--keep", action="append", default=[], metavar="PATTERN",
-                   help="a path on the nodes that sync must neither delete nor hash (gitignore syntax, e.g. "
-                        "'checkpoints/'); adds to .ddpfabkeep")
+                   help="a path (gitignore syntax, e.g. 'checkpoints/') that sync never sends, overwrites, deletes "
+                        "or hashes, even where ddpfab placed it earlier; adds to .ddpfabkeep")
     p.add_argument("--with-git", action="store_true", help="send .git too")
+    p.add_argument("--adopt", action="store_true",
+                   help="take over a workdir that exists, is not empty and was not made by ddpfab (nothing there "
+                        "is deleted; a file the project overwrites is moved to .ddpfab/kept/ first)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="change nothing; list per node what would be copied, updated and deleted")
     p.add_argument("--verify-only", action="store_true", help="copy nothing; compare every node's tree hash")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--list", action="store_true", help="print the files that would be sent, and stop")
-    p.add_argument("--print-filter", action="store_true", help="print the rsync filter rules, and stop")
-    p.add_argument("--write-filter", metavar="FILE",
-                   help="write the rsync filter (NUL-separated, for --from0) to FILE, print the tree's hash and "
-                        "metadata as JSON, and stop (what playbooks/sync.yml uses)")
     p.add_argument("path", nargs="?", default=".", help="the project directory to send (default: .)")
 
 
@@ -1082,8 +1230,9 @@ def register(subparsers) -> None:
     """Add the ``sync`` subcommand to ddpfab's command line."""
     p = subparsers.add_parser(
         "sync", help="copy the project to every node (rsync over SSH) and verify it by hash",
-        description="Make every node's workdir hold exactly this project's files (git ls-files, "
-                    ".ddpfabignore), delete what is gone, and check a content hash computed on each node.")
+        description="Place this project's files (git ls-files, .ddpfabignore) in every node's workdir, delete "
+                    "there only files ddpfab placed and you deleted or renamed here, and check a content hash "
+                    "computed on each node. Nothing else on the nodes is touched.")
     add_arguments(p)
     p.set_defaults(func=cmd_sync)
 
@@ -1092,32 +1241,34 @@ def _err(line: str) -> None:
     sys.stderr.write(f"ddpfab: error: {line}\n")
 
 
+def print_dry_run(result: SyncResult, out) -> None:
+    """``sync --dry-run``: per node, one heading with the counts, then one line per change."""
+    for rec in result.nodes.values():
+        if rec.source == "shared":
+            out.write(f"{rec.name}: {rec.workdir}: shared with this machine: nothing would be copied or deleted\n")
+            continue
+        counts = {a: sum(1 for x, _ in rec.items if x == a) for a in ("copy", "update", "delete")}
+        state = {"missing": " (would be created)", "empty": " (empty: would be adopted)",
+                 "adopted": " (would be adopted)"}.get(rec.state, "")
+        out.write(f"{rec.name}: {rec.workdir}{state}: {counts['copy']} to copy, {counts['update']} to update, "
+                  f"{counts['delete']} to delete\n")
+        for action, path in rec.items:
+            out.write(f"  {action:<6}  {path}\n")
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     out = sys.stdout
-    if args.list or args.print_filter or args.write_filter:
+    if args.list:
         try:
             sel = select(args.path, args.keep, args.with_git)
         except SyncError as exc:
             _err(exc.problems[0])
             return 2
-        if args.list:
-            for rel in sel.files:
-                out.write(rel + "\n")
-            return 0
-        rules = filter_rules(sel)
-        if args.print_filter:
-            for r in rules:
-                out.write(r + "\n")
-            return 0
-        write_filter(rules, args.write_filter)
-        tree = local_tree(sel)
-        out.write(json.dumps({"src": sel.root, "tree_hash": tree["tree_hash"], "files": tree["files"],
-                              "bytes": tree["bytes"], "selection": sel.source, "git_commit": sel.git_commit,
-                              "git_dirty": sel.git_dirty, "keep": list(sel.keep), "with_git": sel.with_git,
-                              "filter": os.path.abspath(args.write_filter), "node_program": treehash.__file__}) + "\n")
+        for rel in sel.files:
+            out.write(rel + "\n")
         return 0
     if not args.inventory:
-        _err("--inventory is required (or --list, --print-filter, --write-filter)")
+        _err("--inventory is required (or --list)")
         return 2
     from . import inventory, ssh
 
@@ -1127,11 +1278,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
         _err(str(exc))
         return 2
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-    say = (lambda line: None) if args.json else (lambda line: sys.stderr.write(line + "\n"))
+    say = (lambda line: None) if args.json or args.dry_run else (lambda line: sys.stderr.write(line + "\n"))
     try:
         result = sync_cluster(cluster, args.path, policy, fanout=args.fanout, compress=args.compress,
                               ssh_config=args.ssh_config, checksum=args.checksum, keep=tuple(args.keep),
-                              with_git=args.with_git, verify_only=args.verify_only, progress=say)
+                              with_git=args.with_git, verify_only=args.verify_only, adopt=args.adopt,
+                              dry_run=args.dry_run, progress=say)
+    except KeyboardInterrupt:
+        sys.stderr.write("ddpfab: sync interrupted: nothing is left running; files already copied stay, the next "
+                         "sync completes them\n")
+        return 130
     except SyncError as exc:
         if args.json and exc.result is not None:
             out.write(json.dumps(exc.result.to_dict(), indent=2, ensure_ascii=False) + "\n")
@@ -1140,6 +1296,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         out.write(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        return 0
+    if args.dry_run:
+        print_dry_run(result, out)
         return 0
     git = ""
     if result.git_commit:

@@ -11,11 +11,18 @@ files in them; empty directories, owners, timestamps and permission bits other t
 exec bit (the one git records) do not count. So the hash names the code, not the umask of the
 machine it was checked out on, and a node holds the same tree exactly when the hashes agree.
 
-Skipped paths are never sent, never hashed, and (except ``__pycache__``) never deleted on a node:
-``runs/`` at the top (run records), ``__pycache__/`` (derived; deleted on nodes by sync),
-``.git`` (unless asked), any virtualenv (a directory holding ``pyvenv.cfg``; not relocatable), and
-whatever the *keep* patterns (``.ddpfabkeep``, ``--keep``; gitignore syntax) match, which is how
-training outputs that live in the workdir (checkpoints, caches) survive a sync.
+Skipped paths are never sent and never hashed: ``runs/`` at the top (run records),
+``__pycache__/`` (derived), ``.git`` (unless asked), ``.ddpfab/`` at the top (ddpfab's own record
+of a workdir, see below), any virtualenv (a directory holding ``pyvenv.cfg``; not relocatable), and
+whatever the *keep* patterns (``.ddpfabkeep``, ``--keep``; gitignore syntax) match.
+
+The node side (``main``): sync owns only what it placed. Each workdir it writes into holds
+``.ddpfab/sync.json``, the list of files ddpfab put there. A sync deletes only files on that list
+that are gone here; everything else on a node (checkpoints, datasets, logs, ignored paths) is the
+user's and is never touched. A directory that exists, is not empty and has no record is refused
+unless adopted (``--adopt``), and a file that was there before ddpfab and that the project now
+overwrites is moved aside into ``.ddpfab/kept/<time>/`` first. The hash of a workdir covers exactly
+the recorded files.
 """
 
 import base64
@@ -29,14 +36,22 @@ import sys
 import tempfile
 import time
 
+try:  # as a module of ddpfab; on a node, workdir.py's source comes first in the same program
+    from .workdir import WorkdirError, lexical_problem, node_problem, resolve
+except ImportError:
+    pass
+
 IGNORE_FILE = ".ddpfabignore"
 KEEP_FILE = ".ddpfabkeep"
 RUNS_DIR = "runs"
+STATE_DIR = ".ddpfab"
+RECORD = STATE_DIR + "/sync.json"
+RECORD_VERSION = 1
 CHUNK = 1 << 20
 
-#: Why a path is skipped. All but CACHE are also protected from deletion on the nodes.
-RUNS, CACHE, GIT, VENV, KEEP = "runs", "cache", "git", "venv", "keep"
-PROTECTED = (RUNS, GIT, VENV, KEEP)
+#: Why a path is skipped. A recorded file skipped for one of PROTECTED is never deleted either.
+RUNS, CACHE, GIT, VENV, KEEP, STATE = "runs", "cache", "git", "venv", "keep", "state"
+PROTECTED = (RUNS, GIT, VENV, KEEP, STATE)
 
 
 # -- gitignore-syntax patterns ------------------------------------------------------------------
@@ -217,6 +232,8 @@ class Skipper:
         name = rel.rpartition("/")[2]
         if rel == RUNS_DIR:
             return RUNS
+        if rel == STATE_DIR:
+            return STATE
         if name == "__pycache__":
             return CACHE
         if name == ".git" and not self.with_git:
@@ -387,76 +404,260 @@ def diff_entries(ours, theirs, limit=5):
     return out[:limit] + (["... %d more" % more] if more > 0 else [])
 
 
-# -- rsync filter rules -------------------------------------------------------------------------
-def rsync_escape(rel, wild=False):
-    """*rel* for an rsync filter rule. rsync reads backslashes as escapes only in patterns that
-    hold a wildcard, so escape (``\\ * ? [``) exactly when there is or will be one."""
-    if wild or any(c in rel for c in "*?["):
-        return "".join("\\" + c if c in "\\*?[" else c for c in rel)
-    return rel
+# -- the node side: the workdir record ---------------------------------------------------------
+class RecordError(Exception):
+    """A workdir record that cannot be trusted (not ddpfab's format)."""
 
 
-def protect_rules(skipped):
-    """Receiver-side rsync rules that keep a node's own skipped paths from --delete-excluded."""
-    return ["P /" + rsync_escape(rel) + ("/" if is_dir else "")
-            for rel, reason, is_dir in sorted(skipped) if reason in PROTECTED]
+def rel_ok(rel):
+    """A recorded or requested path: relative, inside the workdir, not into ddpfab's own state."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\0" in rel:
+        return False
+    parts = rel.split("/")
+    return all(p not in ("", ".", "..") for p in parts) and parts[0] != STATE_DIR
 
 
-# -- the node side ------------------------------------------------------------------------------
-#: Directories a sync must never mirror into: it deletes whatever is not in the project there.
-NEVER_WORKDIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/opt", "/proc", "/root",
-                  "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+def read_record(root):
+    """The record of workdir *root* (a dict with ``files``), None when there is none."""
+    path = os.path.join(root, RECORD)
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise RecordError("%s cannot be read (%s)" % (path, exc))
+    files = data.get("files") if isinstance(data, dict) else None
+    if data.get("v") != RECORD_VERSION or not isinstance(files, list) or not all(rel_ok(f) for f in files):
+        raise RecordError("%s is not a ddpfab %d record" % (path, RECORD_VERSION))
+    return data
 
 
-def unsafe_workdir(path, home):
-    """Why mirroring into *path* would be a disaster (it is a system dir or the home), or None."""
-    real = os.path.realpath(path)
-    if real in NEVER_WORKDIRS or path in NEVER_WORKDIRS:
-        return "%s is a system directory" % path
-    if home and real == os.path.realpath(home):
-        return "%s is the home directory" % path
-    return None
+def write_record(root, files, origin, **extra):
+    """Replace the record of *root* atomically (a crash leaves the old one or the new one)."""
+    state = os.path.join(root, STATE_DIR)
+    os.makedirs(state, exist_ok=True)
+    data = dict(extra, v=RECORD_VERSION, origin=origin, time=time.time(), files=sorted(set(files), key=os.fsencode))
+    tmp = tempfile.NamedTemporaryFile("w", dir=state, prefix="sync.json.", delete=False)
+    try:
+        with tmp:
+            json.dump(data, tmp)
+        os.replace(tmp.name, os.path.join(root, RECORD))
+    except BaseException:
+        os.unlink(tmp.name)
+        raise
+
+
+def _open_parent(root, rel):
+    """Descriptors of *root* and each directory on the way to *rel*, never following a symlink
+    (a node-side symlink must not lead a delete or a move out of the workdir)."""
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for part in rel.split("/")[:-1]:
+            fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def remove_placed(root, rel):
+    """Delete file or symlink *rel* of *root* (not a directory), then its emptied parents.
+    True when something was deleted."""
+    parts = rel.split("/")
+    try:
+        fds = _open_parent(root, rel)
+    except OSError:  # gone already, or a parent is a symlink or not a directory: not ours to follow
+        return False
+    try:
+        try:
+            st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+        except OSError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            return False
+        os.unlink(parts[-1], dir_fd=fds[-1])
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                os.rmdir(parts[i - 1], dir_fd=fds[i - 1])
+            except OSError:  # not empty (the user's files are there) or gone: stop
+                break
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _stage_root(root):
+    return os.path.join(root, STATE_DIR, "stage")
+
+
+def node_workdir(req):
+    """``(lexical, real)`` of the request's workdir on this node, or raises WorkdirError."""
+    path = resolve(req["workdir"], os.path.expanduser("~"))
+    return path, os.path.realpath(path)
 
 
 def node_probe(req):
-    """Before a sync: resolve and create the workdir, tell whether it is the controller's own
-    directory (a shared filesystem: its probe file is visible), list what must be protected."""
-    workdir = os.path.abspath(os.path.expanduser(req["workdir"]))
-    out = {"workdir": workdir, "home": os.path.expanduser("~"), "python": sys.version.split()[0],
-           "rsync": shutil.which("rsync"), "shared": False, "created": False}
-    if req.get("nonce") and os.path.exists(os.path.join(workdir, req["nonce"])):
+    """Before a sync: resolve and check the workdir as this node sees it, tell whether it is the
+    controller's own directory (a shared filesystem: the controller's probe file is visible), and
+    whose it is: ``state`` new (created now), owned (has a record), empty, adopted, or missing (not
+    created: a dry run). A non-empty directory without a record is refused unless ``adopt``."""
+    home = os.path.expanduser("~")
+    try:
+        workdir, real = node_workdir(req)
+    except WorkdirError as exc:
+        return {"error": "refusing to sync: %s" % exc}
+    out = {"workdir": workdir, "real": real, "home": home, "python": sys.version.split()[0],
+           "rsync": shutil.which("rsync"), "shared": False}
+    nonce = req.get("nonce")
+    if nonce and os.path.exists(os.path.join(real, nonce)):
         out["shared"] = True
         return out
-    why = unsafe_workdir(workdir, out["home"])
+    if not nonce and os.path.exists(real):
+        return {"error": "refusing to sync: cannot tell whether %s is the controller's own directory on a shared "
+                         "filesystem (%s); fix that, or sync into a directory that does not exist yet"
+                         % (workdir, req.get("nonce_error") or "no probe file")}
+    why = node_problem(workdir, home)
     if why:
-        return {"error": "refusing to sync: the workdir %s, and a sync deletes everything there that is not "
-                         "in the project; set ddpfab_workdir to a directory of its own" % why}
-    if not os.path.isdir(workdir):
-        if not req.get("create", True):
-            out["missing"] = True
-            return out
-        os.makedirs(workdir)
-        out["created"] = True
-    _, skipped = walk(workdir, Skipper(workdir, req.get("keep", ()), req.get("with_git", False)))
-    out["protect"] = protect_rules(skipped)
+        return {"error": "refusing to sync: the workdir %s; set ddpfab_workdir to a directory of its own, e.g. "
+                         "/opt/ddpfab/PROJECT or ~/PROJECT" % why}
+    create = req.get("create", True)
+    if not os.path.isdir(real):
+        if os.path.lexists(real):
+            return {"error": "refusing to sync: the workdir %s exists and is not a directory" % workdir}
+        out["state"] = "missing"
+        if create:
+            os.makedirs(real)
+            write_record(real, [], "created")
+            out["state"] = "new"
+        return out
+    try:
+        record = read_record(real)
+    except RecordError as exc:
+        return {"error": "refusing to sync: %s; move it away and sync with --adopt" % exc}
+    if record is not None:
+        out["state"], out["record"] = "owned", record["files"]
+        stages = _stage_root(real)
+        if create and os.path.isdir(stages):  # left by a forwarding node that was killed
+            for e in os.scandir(stages):
+                if e.stat(follow_symlinks=False).st_mtime < time.time() - 3600:
+                    shutil.rmtree(e.path, ignore_errors=True)
+        return out
+    entries = sorted(os.listdir(real))
+    if entries and not req.get("adopt"):
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        return {"error": "refusing to sync into %s: it holds %d entries (%s) and no ddpfab record (%s), so ddpfab "
+                         "did not put them there. Pass --adopt to take the directory over (nothing there is "
+                         "deleted; a file the project overwrites is kept under %s/kept/), or set ddpfab_workdir "
+                         "to a new or empty directory" % (workdir, len(entries), shown, RECORD, STATE_DIR)}
+    out["state"] = "adopted" if entries else "empty"
+    if create:
+        write_record(real, [], out["state"])
+    return out
+
+
+def node_prepare(req):
+    """Before the copy: record the files about to be placed (a sync killed mid-copy still owns
+    them), and move aside what is in the way of a new file but was not placed by ddpfab."""
+    _, real = node_workdir(req)
+    record = read_record(real)
+    if record is None:
+        return {"error": "no ddpfab record in %s (the probe makes one)" % real}
+    owned = set(record["files"])
+    stamp = time.strftime("%Y%m%d-%H%M%S") + "-%d" % os.getpid()
+    kept = []
+    for rel in req["new"]:
+        if not rel_ok(rel) or rel in owned:
+            continue
+        try:
+            fds = _open_parent(real, rel)
+        except OSError:
+            continue  # its directory is not there yet (or not a plain directory: rsync will say)
+        try:
+            name = rel.rpartition("/")[2]
+            try:
+                st = os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                return {"error": "%s/%s is a directory that ddpfab did not place, and the project has a file there; "
+                                 "move it away on the node" % (real, rel)}
+            dest = os.path.join(real, STATE_DIR, "kept", stamp, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.rename(name, dest, src_dir_fd=fds[-1])
+            kept.append(rel)
+        finally:
+            for fd in fds:
+                os.close(fd)
+    write_record(real, owned | {r for r in req["new"] if rel_ok(r)}, record.get("origin", "created"))
+    return {"kept": kept, "kept_dir": os.path.join(real, STATE_DIR, "kept", stamp) if kept else None}
+
+
+def node_commit(req):
+    """After the copy: delete the recorded files the controller no longer has, record exactly
+    the files now placed, and hash them (the verification)."""
+    _, real = node_workdir(req)
+    record = read_record(real)
+    if record is None:
+        return {"error": "no ddpfab record in %s" % real}
+    owned = set(record["files"])
+    deleted = [rel for rel in req["delete"] if rel_ok(rel) and rel in owned and remove_placed(real, rel)]
+    files = [rel for rel in req["files"] if rel_ok(rel)]
+    write_record(real, files, record.get("origin", "created"))
+    out = tree_digest(real, files, cache=req.get("cache", False))
+    out["deleted"] = len(deleted)
     return out
 
 
 def node_hash(req):
-    """The tree hash of the node's workdir (or of the listed paths, for a shared directory)."""
-    workdir = os.path.abspath(os.path.expanduser(req["workdir"]))
-    if not os.path.isdir(workdir):
-        return {"error": "workdir %s does not exist" % workdir}
-    if req.get("paths") is not None:
-        rels = req["paths"]
-    else:
-        rels, _ = walk(workdir, Skipper(workdir, req.get("keep", ()), req.get("with_git", False)))
-    return tree_digest(workdir, rels, detail=req.get("detail", False), cache=req.get("cache", False))
+    """The tree hash of the files ddpfab placed in the node's workdir (its record), or of the
+    listed paths (a shared directory)."""
+    _, real = node_workdir(req)
+    if not os.path.isdir(real):
+        return {"error": "workdir %s does not exist" % real}
+    rels = req.get("paths")
+    if rels is None:
+        record = read_record(real)
+        if record is None:
+            return {"error": "no ddpfab record in %s: run ddpfab sync" % real}
+        rels = record["files"]
+    return tree_digest(real, rels, detail=req.get("detail", False), cache=req.get("cache", False))
+
+
+def node_locate(req):
+    """For ``ddpfab fetch``: the real path of *path* (relative: in the workdir), which must lie in
+    the workdir or the node's run dirs, its kind and size."""
+    home = os.path.expanduser("~")
+    path = req["path"]
+    why = lexical_problem(path if path.startswith(("/", "~")) else "/" + path)
+    if why:
+        return {"error": why.replace("the workdir", "the path")}
+    workdir, real_wd = node_workdir(req)
+    runs = os.path.realpath(resolve(req["runs_dir"], home))
+    target = resolve(path, home) if path.startswith(("/", "~")) else os.path.join(workdir, path)
+    real = os.path.realpath(target)
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in (real_wd, runs)):
+        return {"error": "%s is outside the workdir %s and the run dirs %s: fetch reads only those" % (target, workdir, runs)}
+    if not os.path.exists(real):
+        return {"error": "%s does not exist" % target}
+    if os.path.isdir(real):
+        n = size = 0
+        for dp, _, fns in os.walk(real):
+            for f in fns:
+                n += 1
+                size += os.lstat(os.path.join(dp, f)).st_size
+        return {"path": real, "kind": "dir", "files": n, "bytes": size}
+    return {"path": real, "kind": "file", "files": 1, "bytes": os.stat(real).st_size}
 
 
 def node_stage(req):
-    """Write the given files (base64) into a new private temp dir; return its path."""
-    d = tempfile.mkdtemp(prefix="ddpfab-sync-")
+    """Write the given files (base64) into a new private dir under the workdir's state dir (a
+    forwarding node's file list and known_hosts); return its path."""
+    _, real = node_workdir(req)
+    os.makedirs(_stage_root(real), exist_ok=True)
+    d = tempfile.mkdtemp(prefix="s-", dir=_stage_root(real))
     for name, data in req["files"].items():
         with open(os.path.join(d, name), "wb") as fh:
             fh.write(base64.b64decode(data))
@@ -467,9 +668,12 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     raw = argv[0] if argv and argv[0] != "-" else sys.stdin.read()
     req = json.loads(raw)
-    ops = {"probe": node_probe, "hash": node_hash, "stage": node_stage}
+    ops = {"probe": node_probe, "prepare": node_prepare, "commit": node_commit, "hash": node_hash,
+           "locate": node_locate, "stage": node_stage}
     try:
         out = ops[req["op"]](req)
+    except (WorkdirError, RecordError) as exc:
+        out = {"error": str(exc)}
     except OSError as exc:
         out = {"error": "%s: %s" % (getattr(exc, "filename", "") or "", exc.strerror or exc)}
     sys.stdout.write(json.dumps(out) + "\n")

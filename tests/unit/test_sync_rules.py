@@ -1,7 +1,8 @@
-"""What sync sends, what it deletes and protects, and the tree hash: fast, no hosts.
+"""What sync sends, what it may delete, the workdir rules and the tree hash: fast, no hosts.
 
-The gitignore reader is checked against git itself; the generated rsync filter against a local
-rsync run (a local copy applies the very same filter logic as a remote one).
+The gitignore reader is checked against git itself; the copy against a local rsync run (a local
+copy runs the very same rsync options as a remote one); the node side through the very program
+the nodes run (``python -c`` of :func:`ddpfab.sync.node_program`) on local directories.
 """
 
 from __future__ import annotations
@@ -187,14 +188,14 @@ def test_keep_patterns_from_file_and_argument(tmp_path):
     assert sync.select(root, keep=["ckpt/"]).files == [".ddpfabkeep", "a.py"]
 
 
-# -- the filter, run by a real rsync ----------------------------------------------------------------
-def rsync_local(sel: sync.Selection, dest: Path, protect: list[str]) -> None:
-    rules = tmp = dest.parent / "filter"
-    sync.write_filter(sync.filter_rules(sel), rules)
-    argv = sync.rsync_argv(str(tmp), protect, "ssh", sel.root, str(dest))
+# -- the copy, run by a real rsync -----------------------------------------------------------------
+def rsync_local(sel: sync.Selection, dest: Path, dry_run: bool = False) -> str:
+    files = dest.parent / "files"
+    sync.write_list(sel.files, files)
+    argv = sync.rsync_argv(str(files), "ssh", sel.root, str(dest), dry_run=dry_run)
     argv.remove("-e")
     argv.remove("ssh")
-    subprocess.run(argv, check=True, capture_output=True)
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
 def tree_of(root: Path) -> dict[str, tuple]:
@@ -212,57 +213,123 @@ def tree_of(root: Path) -> dict[str, tuple]:
 
 
 @needs_rsync
-def test_filter_sends_exactly_the_selection_deletes_stale_and_protects(tmp_path):
+def test_copy_sends_exactly_the_selection_and_deletes_nothing(tmp_path):
     root = make_tree(tmp_path / "src", {**TREE, "odd/[x]*?.txt": "w", "odd/back\\slash": "b",
                                         "odd/new\nline": "n", "odd/ trail ": "t", "odd/- dash": "d",
                                         "wild[1]/f.txt": "f", "ok/a.txt": "a", "ok/b/c.txt": "c"})
-    (root / ".ddpfabkeep").write_text("checkpoints/\n")
-    dest = make_tree(tmp_path / "dst", {
-        "stale.py": "gone here",                      # deleted locally: must go
-        "secret.env": "now ignored",                  # ignored by .ddpfabignore now: must go
-        "pkg/data/ignored.bin": "now ignored",        # ignored by .gitignore now: must go
-        "pkg/__pycache__/x.pyc": "derived",           # never sent; deleted
-        "ok/b/old.txt": "stale inside a complete dir",
-        "runs/r1/log": "the node's run records",      # protected
-        "checkpoints/c9.pt": "the node's outputs",    # protected (.ddpfabkeep)
-        "nodevenv/pyvenv.cfg": "",                    # the node's own venv: protected
-        ".git/HEAD": "a clone's git dir",             # protected
-    })
+    node_own = {"stale.py": "the node's", "secret.env": "the node's", "pkg/data/ignored.bin": "the node's",
+                "runs/r1/log": "run records", "checkpoints/c9.pt": "outputs", ".git/HEAD": "a clone"}
+    dest = make_tree(tmp_path / "dst", node_own)
     sel = sync.select(root)
-    _, skipped = treehash.walk(str(dest), treehash.Skipper(str(dest), sel.keep))
-    protect = treehash.protect_rules(skipped)
-    assert sorted(protect) == ["P /.git/", "P /checkpoints/", "P /nodevenv/", "P /runs/"]
-    rsync_local(sel, dest, protect)
+    out = rsync_local(sel, dest)
     got = tree_of(dest)
     want = {rel: v for rel, v in tree_of(root).items() if rel in set(sel.files)}
-    kept = {"runs/r1/log", "checkpoints/c9.pt", "nodevenv/pyvenv.cfg", ".git/HEAD"}
-    assert {k: v for k, v in got.items() if k not in kept} == want
-    assert kept <= set(got)
+    assert {k: v for k, v in got.items() if k in want} == want
+    assert {k: got[k][1].decode() for k in node_own} == node_own  # nothing of the node's touched
+    assert set(got) == set(want) | set(node_own)
     assert {"odd/[x]*?.txt", "odd/back\\slash", "odd/new\nline", "odd/ trail ", "wild[1]/f.txt"} <= set(got)
-    # and both sides hash the same
-    remote = treehash.tree_digest(str(dest), treehash.walk(str(dest), treehash.Skipper(str(dest), sel.keep))[0])
+    assert sorted(p for a, p in sync.itemized(out) if a == "copy") == sorted(
+        p.replace("\n", "\\#012") for p in sel.files)
+    remote = treehash.tree_digest(str(dest), sel.files)
     assert remote["tree_hash"] == sync.local_tree(sel)["tree_hash"]
 
 
-def test_filter_uses_one_rule_for_fully_selected_dirs(tmp_path):
-    spec = {f"lib/m{i}.py": "x" for i in range(50)}
-    spec.update({f"lib/sub/s{i}.py": "y" for i in range(50)})
-    spec.update({"lib/__pycache__/m0.pyc": "c", "app/a.py": "a", "app/junk.tmp": "t", "app/sub/b.py": "b",
-                 "wild[1]/f.txt": "f", ".gitignore": "*.tmp\n"})
-    root = make_tree(tmp_path / "p", spec)
-    rules = sync.filter_rules(sync.select(root))
-    assert "+ /lib/***" in rules
-    assert not any(r.startswith("+ /lib/m") for r in rules)
-    assert "+ /app/" in rules and "+ /app/a.py" in rules and "+ /app/sub/***" in rules
-    assert "+ /wild\\[1]/***" in rules
-    assert rules[-1] == "- *" and len(rules) < 20
+@needs_rsync
+def test_dry_run_itemises_copies_and_updates_and_changes_nothing(tmp_path):
+    root = make_tree(tmp_path / "src", {"a.py": "a", "b.py": "b", "lib/c.py": "c"})
+    dest = tmp_path / "dst"
+    rsync_local(sync.select(root), dest)
+    (root / "b.py").write_text("b, changed")
+    (root / "lib" / "new.py").write_text("new")
+    before = tree_of(dest)
+    items = sync.itemized(rsync_local(sync.select(root), dest, dry_run=True))
+    assert sorted(items) == [["copy", "lib/new.py"], ["update", "b.py"]]
+    assert tree_of(dest) == before
 
 
-def test_rsync_escape():
-    assert treehash.rsync_escape("plain name") == "plain name"
-    assert treehash.rsync_escape("back\\slash") == "back\\slash"
-    assert treehash.rsync_escape("a[1]*\\?") == "a\\[1]\\*\\\\\\?"
-    assert treehash.rsync_escape("back\\slash", wild=True) == "back\\\\slash"
+def test_deletions_are_only_placed_files_gone_here(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a", "renamed_to.py": "r", "now_ignored.log": "i",
+                                      ".gitignore": "*.log\n", ".ddpfabkeep": "ckpt/\n"})
+    sel = sync.select(root)
+    placed = ["a.py", "deleted.py", "renamed_from.py", "now_ignored.log", "ckpt/c.pt", "runs/x", "sub/gone.py"]
+    assert sync.deletions(sel, placed) == ["deleted.py", "renamed_from.py", "sub/gone.py"]
+
+
+# -- the node side, through the program the nodes run --------------------------------------------------
+def node(req: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-I", "-c", sync.node_program()], input=json.dumps(req), text=True,
+                          capture_output=True, env={**os.environ, "HOME": os.environ.get("HOME", "/root")})
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert (proc.returncode == 0) == ("error" not in out), proc.stderr
+    return out
+
+
+def test_first_sync_creates_and_records_then_owns(tmp_path):
+    wd = tmp_path / "new" / "wd"
+    out = node({"op": "probe", "workdir": str(wd), "nonce": "nope"})
+    assert out["state"] == "new" and not out["shared"] and wd.is_dir()
+    assert treehash.read_record(str(wd))["files"] == []
+    node({"op": "prepare", "workdir": str(wd), "new": ["a.py"]})
+    (wd / "a.py").write_text("a")  # what rsync does between prepare and commit
+    out = node({"op": "commit", "workdir": str(wd), "delete": [], "files": ["a.py"]})
+    assert out["deleted"] == 0 and out["tree_hash"] == treehash.tree_digest(str(wd), ["a.py"])["tree_hash"]
+    (wd / "checkpoint.pt").write_text("the node's own output")
+    assert node({"op": "hash", "workdir": str(wd)})["tree_hash"] == out["tree_hash"]  # the record, not a walk
+    assert node({"op": "probe", "workdir": str(wd), "nonce": "nope"})["record"] == ["a.py"]
+
+
+def test_dry_run_probe_creates_nothing(tmp_path):
+    wd = tmp_path / "wd"
+    assert node({"op": "probe", "workdir": str(wd), "nonce": "n", "create": False})["state"] == "missing"
+    assert not wd.exists()
+
+
+def test_a_foreign_directory_is_refused_unless_adopted_and_then_nothing_is_lost(tmp_path):
+    wd = make_tree(tmp_path / "wd", {"data/train.bin": "dataset", "train.py": "their version"})
+    before = tree_of(wd)
+    out = node({"op": "probe", "workdir": str(wd), "nonce": "n"})
+    assert "refusing to sync" in out["error"] and "--adopt" in out["error"] and "data" in out["error"]
+    assert tree_of(wd) == before and not (wd / ".ddpfab").exists()
+    assert node({"op": "probe", "workdir": str(wd), "nonce": "n", "adopt": True})["state"] == "adopted"
+    out = node({"op": "prepare", "workdir": str(wd), "new": ["train.py", "other.py"]})
+    assert out["kept"] == ["train.py"]
+    assert (Path(out["kept_dir"]) / "train.py").read_text() == "their version"
+    assert not (wd / "train.py").exists() and (wd / "data/train.bin").read_text() == "dataset"
+
+
+def test_commit_deletes_only_recorded_files_and_never_through_a_symlink(tmp_path):
+    wd = tmp_path / "wd"
+    outside = make_tree(tmp_path / "outside", {"sub/victim.py": "not in the workdir"})
+    node({"op": "probe", "workdir": str(wd), "nonce": "n"})
+    node({"op": "prepare", "workdir": str(wd), "new": ["old/x.py", "keep.py", "sub/victim.py"]})
+    make_tree(wd, {"old/x.py": "placed", "keep.py": "placed", "mine.txt": "the node's", "sub/victim.py": "placed"})
+    import shutil
+
+    shutil.rmtree(wd / "sub")
+    (wd / "sub").symlink_to(outside / "sub")  # a node-side symlink where a placed dir was
+    out = node({"op": "commit", "workdir": str(wd), "files": ["keep.py"],
+                "delete": ["old/x.py", "mine.txt", "sub/victim.py", "../outside/sub/victim.py"]})
+    assert out["deleted"] == 1
+    assert not (wd / "old").exists()  # the emptied dir went with its last placed file
+    assert (wd / "mine.txt").exists() and (outside / "sub/victim.py").exists()
+    assert treehash.read_record(str(wd))["files"] == ["keep.py"]
+
+
+def test_a_tampered_record_is_data_not_orders(tmp_path):
+    wd = tmp_path / "wd"
+    victim = make_tree(tmp_path / "v", {"victim": "x"})
+    node({"op": "probe", "workdir": str(wd), "nonce": "n"})
+    (wd / ".ddpfab" / "sync.json").write_text(json.dumps({"v": 1, "files": ["../v/victim"]}))
+    out = node({"op": "commit", "workdir": str(wd), "files": [], "delete": ["../v/victim"]})
+    assert "not a ddpfab 1 record" in out["error"] and (victim / "victim").exists()
+
+
+def test_shared_cannot_be_proven_is_refused(tmp_path):
+    wd = make_tree(tmp_path / "wd", {"a.py": "a"})
+    out = node({"op": "probe", "workdir": str(wd), "nonce": None, "nonce_error": "read-only file system"})
+    assert "cannot tell whether" in out["error"] and "read-only" in out["error"]
+    out = node({"op": "probe", "workdir": str(tmp_path / "fresh"), "nonce": None, "nonce_error": "read-only"})
+    assert out["state"] == "new"  # a directory that did not exist cannot be this one
 
 
 # -- the hash ---------------------------------------------------------------------------------------
@@ -316,21 +383,18 @@ def test_hash_is_the_same_for_a_walk_and_a_list_and_diff_names_paths(tmp_path):
 
 
 def test_node_program_is_standalone_and_agrees(tmp_path):
-    """What the nodes run: treehash.py's source through `python3 -c`, the request on stdin."""
-    tree = ast.parse(Path(treehash.__file__).read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported <= set(sys.stdlib_module_names)
+    """What the nodes run: workdir.py + treehash.py through `python3 -c`, the request on stdin."""
+    from ddpfab import workdir
+
+    for module in (treehash, workdir):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                     and not n.level}
+        assert imported <= set(sys.stdlib_module_names)
     root = make_tree(tmp_path / "t", {"a.py": "a", "x/y.sh": ("exec", "y"), "runs/r": "r", "out/o": "o"})
-    req = {"op": "hash", "workdir": str(root), "keep": ["out/"]}
-    proc = subprocess.run([sys.executable, "-c", sync.node_program()], input=json.dumps(req), text=True,
-                          capture_output=True, check=True)
-    assert json.loads(proc.stdout)["tree_hash"] == digest(root, keep=("out/",))
-    req = {"op": "probe", "workdir": str(tmp_path / "new" / "wd"), "keep": ["out/"], "nonce": "nope"}
-    out = json.loads(subprocess.run([sys.executable, "-c", sync.node_program()], input=json.dumps(req), text=True,
-                                    capture_output=True, check=True).stdout)
-    assert out["created"] and not out["shared"] and out["protect"] == []
-    assert (tmp_path / "new" / "wd").is_dir()
+    out = node({"op": "hash", "workdir": str(root), "paths": ["a.py", "x/y.sh"]})
+    assert out["tree_hash"] == digest(root, keep=("out/",))
 
 
 # -- fan-out plan -------------------------------------------------------------------------------------
@@ -372,45 +436,31 @@ def test_ssh_options_follow_the_runner_policy():
 
 
 def test_rsync_argv_and_stats():
-    argv = sync.rsync_argv("/f", ["P /venv/"], "ssh -p 2", "/src/", "h:/dst", compress=True)
+    argv = sync.rsync_argv("/f", "ssh -p 2", "/src/", "h:/dst", compress=True)
     assert argv[:len(sync.RSYNC_BASE) + 1] == ["rsync", *sync.RSYNC_BASE]
-    assert "--compress" in argv and "--checksum" not in argv
-    assert argv.index("--filter=P /venv/") < argv.index("--filter=merge /f")
+    assert "--compress" in argv and "--checksum" not in argv and "--files-from=/f" in argv
+    assert not any(a.startswith("--delete") for a in argv)
     assert argv[-2:] == ["/src/", "h:/dst/"]
-    stats = "Number of deleted files: 3\nNumber of regular files transferred: 1,234\nTotal bytes sent: 5,678,901\n"
-    assert sync._rsync_stats(stats) == {"deleted": 3, "files_transferred": 1234, "bytes_sent": 5678901}
+    stats = "Number of regular files transferred: 1,234\nTotal bytes sent: 5,678,901\n"
+    assert sync._rsync_stats(stats) == {"files_transferred": 1234, "bytes_sent": 5678901}
 
 
 def test_register_adds_the_subcommand():
     parser = argparse.ArgumentParser(prog="ddpfab")
     sub = parser.add_subparsers(dest="command", required=True)
     sync.register(sub)
-    args = parser.parse_args(["sync", "-i", "inv.yml", "--fanout", "tree", "--keep", "ckpt/", "proj"])
+    args = parser.parse_args(["sync", "-i", "inv.yml", "--fanout", "tree", "--keep", "ckpt/", "--adopt", "--dry-run",
+                              "proj"])
     assert args.func is sync.cmd_sync
     assert (args.inventory, args.fanout, args.keep, args.path) == ("inv.yml", "tree", ["ckpt/"], "proj")
+    assert args.adopt and args.dry_run
 
 
-def test_print_filter_and_write_filter_need_no_inventory(tmp_path, capsys):
-    root = make_tree(tmp_path / "p", {"a.py": "a", "b/c.py": "c"})
+def test_list_needs_no_inventory(tmp_path, capsys):
+    root = make_tree(tmp_path / "p", {"a.py": "a", "b/c.py": "c", ".ddpfab/sync.json": "{}"})
     assert sync.main(["--list", str(root)]) == 0
-    assert capsys.readouterr().out.splitlines() == ["a.py", "b/c.py"]
-    out_file = tmp_path / "filter"
-    assert sync.main(["--write-filter", str(out_file), str(root)]) == 0
-    meta = json.loads(capsys.readouterr().out)
-    assert meta["tree_hash"] == sync.local_tree(sync.select(root))["tree_hash"]
-    assert out_file.read_bytes().split(b"\0")[-2] == b"- *"
+    assert capsys.readouterr().out.splitlines() == ["a.py", "b/c.py"]  # never ddpfab's own state
     assert sync.main([str(root)]) == 2
-
-
-# -- guards ---------------------------------------------------------------------------------------------
-def test_never_mirror_into_system_dirs_or_home(tmp_path):
-    assert treehash.unsafe_workdir("/", "/root")
-    assert treehash.unsafe_workdir("/tmp/", "/root")
-    assert treehash.unsafe_workdir("/home/alice", "/home/alice")
-    assert treehash.unsafe_workdir(str(tmp_path), str(tmp_path))
-    assert treehash.unsafe_workdir("/opt/ddpfab/code", "/root") is None
-    out = treehash.node_probe({"workdir": "~"})
-    assert "refusing to sync" in out["error"]
 
 
 def test_an_empty_selection_stops_before_any_host_is_contacted(tmp_path):
