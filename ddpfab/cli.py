@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "sync", "execute", "replay"]
+PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "sync", "fetch", "execute", "replay"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result, _ = runner.run(prepared, args.runs_dir, printer, extra=extra)
     finally:
         prepared.close()
+        _say_where_rank0_is(prepared.plan, args)
     if result.exit_code != 0:
         sys.stderr.write(f"ddpfab: {result.summary}\n")
     return result.exit_code
@@ -186,6 +187,14 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
     return prepared, ({"code": code} if code else {})
 
 
+def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
+    """Where results are: rank 0's workdir, and the command that brings a file back."""
+    node = plan.nodes[0]
+    inv = f" -i {args.inventory}" if args.inventory else ""
+    sys.stderr.write(f"ddpfab: rank 0's workdir: {node.name}:{node.workdir} (copy results here with: ddpfab fetch"
+                     f"{inv} --rank 0 PATH)\n")
+
+
 def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:
     """Sync the current directory to every node and verify it by hash (before the probe, which
     checks that the script is there); the result goes into the manifest as ``code``. When every
@@ -201,7 +210,10 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:
                                       ssh_config=args.ssh_config,
                                       progress=lambda line: sys.stderr.write(f"ddpfab: sync: {line}\n"))
     except syncmod.SyncError as exc:
-        raise runner.RunError([f"sync: {p}" for p in exc.problems] + ["(skip syncing with --no-sync)"]) from None
+        adopt = any("--adopt" in p for p in exc.problems)
+        raise runner.RunError([f"sync: {p}" for p in exc.problems]
+                              + ["(to take such a directory over: `ddpfab sync --adopt`)"] * adopt
+                              + ["(skip syncing with --no-sync)"]) from None
     return result.to_dict()
 
 

@@ -21,6 +21,9 @@ from .inventory import Cluster, Node
 from .workdir import WorkdirError
 from .workdir import resolve as resolve_workdir
 
+#: Where each node keeps its run records, relative to the SSH user's home.
+REMOTE_RUNS_DIR = ".ddpfab/runs"
+
 #: torchrun's own default is 29500; free ports are looked for from there upwards.
 DEFAULT_PORT_RANGE = (29500, 29999)
 #: Always set on every node: unbuffered output makes lines stream live instead of at exit.
@@ -82,7 +85,7 @@ class RunOptions:
     env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     run_id: str = "run"
-    remote_runs_dir: str = ".ddpfab/runs"
+    remote_runs_dir: str = REMOTE_RUNS_DIR
     socket_ifname: str | None = None
     rdzv: str = "static"
     launcher: str = "torchrun"
@@ -306,6 +309,13 @@ def remote_path(path: str, home: str | None) -> str:
     return f"{home.rstrip('/')}/{path}"
 
 
+def node_order(cluster: Cluster) -> list[Node]:
+    """Nodes by node_rank: the master first (node_rank 0 must be where the store is), then the
+    others in inventory order."""
+    master = choose_master(cluster)
+    return [master] + [n for n in cluster.nodes if n is not master]
+
+
 def remote_workdir(raw: str, home: str | None) -> str:
     """The workdir *raw* (``ddpfab_workdir``) as a node with SSH home *home* resolves it: the same
     rules and the same answer as ``ddpfab sync`` (:func:`ddpfab.workdir.resolve`)."""
@@ -336,9 +346,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         if missing:
             raise PlanError(f"--init-method file needs ddpfab_shared_dir (a directory every node shares, e.g. "
                             f"on NFS) in the inventory; not set for {', '.join(missing)}")
-    master = choose_master(cluster)
-    # the master first, then the others in inventory order: node_rank 0 must be where the store is
-    ordered = [master] + [n for n in cluster.nodes if n is not master]
+    ordered = node_order(cluster)
+    master = ordered[0]
     master_addr = facts.addresses.get(master.name)
     if master_addr is None:
         raise PlanError(f"host {master.name}: no resolved address for the master")

@@ -458,6 +458,12 @@ def node_program() -> str:
     return _PROGRAM
 
 
+def node_command(python: str) -> str:
+    """The shell command that runs the node program with *python* there, else ``python3``."""
+    prog, py = shlex.quote(node_program()), shlex.quote(python)
+    return f"if command -v {py} >/dev/null; then exec {py} -c {prog}; else exec python3 -c {prog}; fi"
+
+
 def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
     """Run the node program (treehash.py) with the node's python: its ``ddpfab_python`` when that
     exists there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
@@ -664,6 +670,7 @@ class _Sync:
         self.local: dict | None = None
         self.agent: _Agent | None = None
         self.stages: dict[str, str] = {}
+        self.holds: list[subprocess.Popen] = []
         self.fanout_used = "star"
         self.lock = threading.Lock()
         self.copies: set[subprocess.Popen] = set()
@@ -936,11 +943,25 @@ class _Sync:
             """The file list and the known_hosts lines of its next hops, onto forwarding node j."""
             lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
                      for c in children[j] for k in hops[order[c].node.name]["keys"]]
+            link = order[j].link
+            req = {**self.request(order[j], "stage"), "hold": True, "files": {
+                "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
+            proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), _dest_host(link.node.host),
+                                     node_command(link.node.python)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+            self.reaper.watch(proc.pid)
+            with self.lock:
+                self.holds.append(proc)
             try:
-                out = _node_call(order[j].link, {**self.request(order[j], "stage"), "files": {
-                    "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}})
-            except SyncError as exc:
-                return f"cannot stage the forwarding files: {exc.problems[0]}"
+                proc.stdin.write(json.dumps(req).encode() + b"\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline().decode(errors="replace")
+                err = "" if line else proc.stderr.read().decode(errors="replace")
+                out = _node_reply(link.node.name, "stage", 0 if line else 1, line, err)
+            except (OSError, SyncError) as exc:
+                why = exc.problems[0] if isinstance(exc, SyncError) else str(exc)
+                return f"cannot stage the forwarding files: {why}"
             with self.lock:
                 self.stages[order[j].node.name] = out["dir"]
             return None
@@ -1023,11 +1044,14 @@ class _Sync:
     def cleanup(self) -> None:
         if self.cancelled:
             self.abort()
-        for name, d in self.stages.items():
+        for proc in self.holds:  # the node removes its staged files when the session ends
             try:
-                self.targets[name].link.run(f"rm -rf -- {shlex.quote(d)}", timeout=30)
-            except SyncError:
-                pass
+                proc.stdin.close()
+                proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            self.reaper.forget(proc.pid)
         if self.agent:
             self.agent.close()
         for t in self.targets.values():

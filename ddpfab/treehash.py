@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -631,9 +632,9 @@ def node_locate(req):
     the workdir or the node's run dirs, its kind and size."""
     home = os.path.expanduser("~")
     path = req["path"]
-    why = lexical_problem(path if path.startswith(("/", "~")) else "/" + path)
-    if why:
-        return {"error": why.replace("the workdir", "the path")}
+    if lexical_problem(path if path.startswith(("/", "~")) else "/" + path):
+        return {"error": "the path %r is refused: write it without '..', control characters or ~user, relative to "
+                         "the workdir or absolute" % path}
     workdir, real_wd = node_workdir(req)
     runs = os.path.realpath(resolve(req["runs_dir"], home))
     target = resolve(path, home) if path.startswith(("/", "~")) else os.path.join(workdir, path)
@@ -654,19 +655,32 @@ def node_locate(req):
 
 def node_stage(req):
     """Write the given files (base64) into a new private dir under the workdir's state dir (a
-    forwarding node's file list and known_hosts); return its path."""
+    forwarding node's file list and known_hosts); return its path. With ``hold``, keep it until
+    stdin ends, then remove it."""
     _, real = node_workdir(req)
     os.makedirs(_stage_root(real), exist_ok=True)
     d = tempfile.mkdtemp(prefix="s-", dir=_stage_root(real))
     for name, data in req["files"].items():
         with open(os.path.join(d, name), "wb") as fh:
             fh.write(base64.b64decode(data))
-    return {"dir": d}
+    if not req.get("hold"):
+        return {"dir": d}
+    # held: the dir lives as long as this SSH session (the controller closes it when the sync
+    # ends; it also ends when the controller dies and its connection goes), then it is removed
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        sys.stdout.write(json.dumps({"dir": d}) + "\n")
+        sys.stdout.flush()
+        sys.stdin.read()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"removed": d}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    raw = argv[0] if argv and argv[0] != "-" else sys.stdin.read()
+    raw = argv[0] if argv and argv[0] != "-" else sys.stdin.readline()  # one JSON line; more may follow
     req = json.loads(raw)
     ops = {"probe": node_probe, "prepare": node_prepare, "commit": node_commit, "hash": node_hash,
            "locate": node_locate, "stage": node_stage}

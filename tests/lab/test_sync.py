@@ -1,7 +1,8 @@
-"""`ddpfab sync` on real lab hosts: exact trees, deletions, tamper detection, tree fan-out, playbook.
+"""`ddpfab sync` on real lab hosts: exact trees, ownership, tamper detection, tree fan-out, playbook.
 
 Lab hosts have private overlays on /opt, /root, /tmp..., so each test syncs into its own dir under
-/opt/ddpfab/ (ddpfab_workdir in the test inventory) and reads the result back with plain ssh.
+/opt/ddpfab/ (ddpfab_workdir in the test inventory) and reads the result back with plain ssh. The
+workdir rules, refusals, kills and fetch are in test_sync_ownership.py.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def on_node(lab, node: str, command: str, check: bool = True, stdin: str | None 
                           timeout=60, check=check, input=stdin)
 
 
-def listing_there(lab, node: str, root: str) -> dict:
-    out = on_node(lab, node, f"/usr/bin/python3 -c {shlex.quote(LISTING)} {shlex.quote(root)}")
-    return json.loads(out.stdout)
+def listing_there(lab, node: str, root: str, state: bool = False) -> dict:
+    """The node's tree under *root*; without *state*, less ddpfab's own record dir."""
+    out = json.loads(on_node(lab, node, f"/usr/bin/python3 -c {shlex.quote(LISTING)} {shlex.quote(root)}").stdout)
+    return out if state else {k: v for k, v in out.items() if k.split("/")[0] != ".ddpfab"}
 
 
 def expected_listing(root: Path, files: list[str]) -> dict:
@@ -164,28 +166,55 @@ def test_sync_puts_exactly_the_tree_on_every_node(lab, tmp_path, project):
         assert absent not in there
 
 
-def test_deletions_and_newly_ignored_files_propagate(lab, tmp_path, project):
+def test_deleted_or_renamed_files_go_and_what_the_node_made_stays(lab, tmp_path, project):
+    """Deletions are limited to files ddpfab placed and that are gone here; a file the node made,
+    even with a name an ignore pattern matches, and a placed file that became ignored, stay."""
     workdir = "/opt/ddpfab/deletions"
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
     assert run_sync("-i", str(inv), str(project)).returncode == 0
-    for node in NODES:  # what the nodes made themselves: run records and outputs stay, caches go
-        on_node(lab, node, f"cd {workdir} && mkdir -p runs/r1 checkpoints pkg/__pycache__ && "
-                           "touch runs/r1/log checkpoints/c.pt pkg/__pycache__/mod.pyc")
-    (project / "pkg/deep/nested/mod.py").unlink()
+    for node in NODES:  # what the nodes made themselves
+        on_node(lab, node, f"cd {workdir} && mkdir -p runs/r1 checkpoints pkg/__pycache__ build && "
+                           "touch runs/r1/log checkpoints/c.pt pkg/__pycache__/mod.pyc build/out.o debug.log")
+    git(project, "mv", "pkg/deep/nested/mod.py", "pkg/deep/nested/renamed.py")
+    (project / "link.py").unlink()
+    (project / "link.py").symlink_to("pkg/deep/nested/renamed.py")
+    git(project, "rm", "-q", "run.sh")
     (project / "train.py").write_text("print('changed')\n")
     with open(project / ".gitignore", "a") as fh:
-        fh.write("notes.txt\n")
-    res = run_sync("-i", str(inv), "--keep", "checkpoints/", "--json", str(project))
+        fh.write("notes.txt\n")  # placed before, still here, now ignored: released, not deleted
+    dry = run_sync("-i", str(inv), "--dry-run", str(project))
+    assert dry.returncode == 0, dry.stderr
+    for node in NODES:
+        block = dry.stdout.split(f"{node}: ")[1].split("\nnode")[0]
+        assert "1 to copy, 2 to update, 2 to delete" in block, dry.stdout
+        assert "delete  pkg/deep/nested/mod.py" in block and "delete  run.sh" in block
+        assert "copy    pkg/deep/nested/renamed.py" in block and "update  train.py" in block
+    assert "pkg/deep/nested/mod.py" in listing_there(lab, "node1", workdir)  # a dry run changes nothing
+    res = run_sync("-i", str(inv), "--json", str(project))
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert all(out["nodes"][n]["deleted"] >= 2 for n in NODES)
+    assert all(out["nodes"][n]["deleted"] == 2 for n in NODES)
     for node in NODES:
         there = listing_there(lab, node, workdir)
-        assert "pkg/deep/nested/mod.py" not in there and "notes.txt" not in there
-        assert "pkg/__pycache__" not in there
-        assert {"runs/r1/log", "checkpoints/c.pt"} <= set(there)
-    synced = {k: v for k, v in listing_there(lab, "node2", workdir).items() if not k.startswith(("runs", "checkpoints"))}
+        assert "pkg/deep/nested/mod.py" not in there and "run.sh" not in there
+        assert {"runs/r1/log", "checkpoints/c.pt", "pkg/__pycache__/mod.pyc", "build/out.o", "debug.log",
+                "notes.txt"} <= set(there)
+    synced = {k: v for k, v in listing_there(lab, "node2", workdir).items()
+              if k.split("/")[0] not in ("runs", "checkpoints", "build", "debug.log", "notes.txt")
+              and "__pycache__" not in k}
     assert synced == expected_listing(project, sync.select(project).files)
+
+
+def test_summary_line_per_node_counts_deletions(lab, tmp_path, project):
+    workdir = "/opt/ddpfab/summary"
+    inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
+    assert run_sync("-i", str(inv), str(project)).returncode == 0
+    (project / "notes.txt").unlink()
+    res = run_sync("-i", str(inv), str(project))
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("node")]
+    assert sorted(ln.split(":")[0] for ln in lines) == list(NODES)
+    assert all(f"{workdir}: 0 copied, 0 updated, 1 deleted" in ln for ln in lines), lines
 
 
 def test_tampering_on_one_node_is_caught_by_the_hash(lab, tmp_path, project):
@@ -210,8 +239,7 @@ def test_tampering_on_one_node_is_caught_by_the_hash(lab, tmp_path, project):
 def test_tree_fanout_forwards_from_node_to_node(lab, tmp_path, project):
     workdir = "/opt/ddpfab/tree"
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
-    staged = "ls -d /tmp/ddpfab-sync-* 2>/dev/null"
-    before = on_node(lab, "node1", staged, check=False).stdout
+    staged = f"ls -A {workdir}/.ddpfab/stage 2>/dev/null"
     res = run_sync("-i", str(inv), "--fanout", "tree", "--json", str(project))
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -220,7 +248,7 @@ def test_tree_fanout_forwards_from_node_to_node(lab, tmp_path, project):
     assert all(out["nodes"][n]["ok"] for n in NODES)
     assert_exact(lab, project, workdir)
     # nothing left behind: no staging dir on the forwarder, no agent here
-    assert on_node(lab, "node1", staged, check=False).stdout == before
+    assert on_node(lab, "node1", staged, check=False).stdout == ""
     agents = subprocess.run(["pgrep", "-f", "ssh-agent -D -a /tmp/ddpfab-sync-"], capture_output=True, text=True)
     assert agents.stdout == ""
 
@@ -257,14 +285,33 @@ def test_unknown_host_key_is_refused_and_named(lab, tmp_path, project):
 
 def test_a_node_sharing_the_directory_is_never_synced_into_itself(lab, tmp_path, project):
     """No ddpfab_workdir: the nodes use the same path, which in the lab (like on a shared
-    filesystem) is the controller's own directory. rsync --delete-excluded into it would delete
-    the ignored files here; sync must notice and only verify."""
+    filesystem) is the controller's own directory; sync must notice, write nothing and only
+    verify."""
     inv = write_inventory(lab, tmp_path / "inv.yml", None)
     res = run_sync("-i", str(inv), "--json", str(project))
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert all(out["nodes"][n]["source"] == "shared" and out["nodes"][n]["ok"] for n in NODES)
     assert (project / "ignored.log").exists() and (project / "build/out.o").exists()
+    assert not (project / ".ddpfab").exists()
+
+
+def test_a_shared_directory_that_cannot_be_proven_is_refused(lab, tmp_path, project):
+    """The probe file cannot be written into the source (read-only): a node whose workdir exists
+    might be this very directory, so sync refuses instead of guessing."""
+    inv = write_inventory(lab, tmp_path / "inv.yml", None)
+    before = listing_here(project)
+    # root ignores file modes: a read-only bind mount makes the source read-only for real (the lab
+    # hosts' mount namespaces are private: they still see the directory, through their overlays)
+    subprocess.run(["mount", "--bind", str(project), str(project)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(project)], check=True)
+        out = run_sync("-i", str(inv), str(project))
+    finally:
+        subprocess.run(["umount", str(project)], check=True)
+    assert out.returncode == 1
+    assert "cannot tell whether" in out.stderr and "Read-only file system" in out.stderr, out.stderr
+    assert listing_here(project) == before
 
 
 def test_playbook_syncs_with_the_same_rules_and_is_idempotent(lab, tmp_path, project):
@@ -275,11 +322,14 @@ def test_playbook_syncs_with_the_same_rules_and_is_idempotent(lab, tmp_path, pro
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inv), str(REPO / "playbooks/sync.yml"),
             "-e", f"ddpfab_sync_src={project}"]
-    first = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert refused.returncode != 0 and "--adopt" in refused.stdout, refused.stdout[-3000:]
+    first = subprocess.run(argv + ["-e", "ddpfab_sync_adopt=true"], capture_output=True, text=True, timeout=300,
+                           env=env, cwd=REPO)
     assert first.returncode == 0, first.stdout[-3000:]
     assert_exact(lab, project, workdir, nodes=("node2", "node3"))
     there = listing_there(lab, "node1", workdir)
-    assert "stale.py" not in there and "runs/keep" in there
+    assert "stale.py" in there and "runs/keep" in there  # adopted: nothing that was there is deleted
     second = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert second.returncode == 0, second.stdout[-3000:]
     recap = [ln for ln in second.stdout.splitlines() if ln.startswith("node")]
@@ -313,10 +363,13 @@ def test_run_checks_the_code_by_hash_and_copies_only_when_it_changed(lab, tmp_pa
     assert all(n["tree_hash"] == first["tree_hash"] and n["ok"] for n in second["nodes"].values())
     assert second["tree_hash"] == first["tree_hash"]
 
-    on_node(lab, "node2", f"echo stale > {workdir}/pkg/stale.py")  # a node's tree differs: copy again
+    on_node(lab, "node2", f"echo the node made this > {workdir}/pkg/output.txt")  # not ddpfab's: no re-sync
+    assert {n["source"] for n in run_and_manifest()["nodes"].values()} == {"unchanged"}
+    on_node(lab, "node2", f"echo changed there > {workdir}/pkg/__init__.py")  # a placed file differs: copy again
     third = run_and_manifest()
     assert {n["source"] for n in third["nodes"].values()} == {"controller"}, third
-    assert_exact(lab, project, workdir)
+    assert on_node(lab, "node2", f"cat {workdir}/pkg/output.txt").stdout == "the node made this\n"
+    assert_exact(lab, project, workdir, nodes=("node1", "node3"))
 
     (project / "train.py").write_text("print('training', 'v2')\n")  # the code changed here: copy again
     fourth = run_and_manifest()

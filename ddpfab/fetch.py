@@ -1,0 +1,143 @@
+"""``ddpfab fetch``: bring results back (a checkpoint, a log dir) from a node to this machine.
+
+    ddpfab fetch -i INV [--node NODE | --rank R] REMOTE_PATH [LOCAL_DIR]
+
+REMOTE_PATH is relative to the node's workdir (the same one sync and run use), or absolute inside
+the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
+path (symlinks followed), before anything is copied. The copy is rsync over the very SSH options
+and host-key policy of ``ddpfab sync`` (:func:`ddpfab.sync.ssh_options`), with rsync's progress
+line for anything over :data:`PROGRESS_BYTES`. The result lands in LOCAL_DIR (default: .) under the
+remote path's last name; an existing file or dir there is never overwritten unless ``--overwrite``.
+
+``--rank R`` is the node rank of a static rendezvous (``ddpfab run``'s default): rank 0 is the
+master, then the other nodes in inventory order (:func:`ddpfab.plan.node_order`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+from .plan import REMOTE_RUNS_DIR, node_order
+from .sync import SyncError, _dest_host, _node_reply, check_workdir, node_command, ssh_options, ssh_problem
+
+if TYPE_CHECKING:
+    from .inventory import Cluster, Node
+    from .ssh import HostKeyPolicy
+
+#: Above this size rsync shows its one-line progress (on stderr).
+PROGRESS_BYTES = 16 * 2**20
+
+
+class FetchError(Exception):
+    """Nothing was fetched; the message says why and what to do."""
+
+
+def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
+    """The node named *node*, or the one with node rank *rank* (default: rank 0, the master)."""
+    if node is not None:
+        try:
+            return cluster.node(node)
+        except KeyError:
+            raise FetchError(f"no host {node!r} in the inventory (hosts: {', '.join(n.name for n in cluster.nodes)})") \
+                from None
+    order = node_order(cluster)
+    r = 0 if rank is None else rank
+    if not 0 <= r < len(order):
+        raise FetchError(f"--rank {r}: the inventory has node ranks 0..{len(order) - 1}")
+    return order[r]
+
+
+def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: HostKeyPolicy, *,
+          ssh_config: str | None = None, overwrite: bool = False, default_workdir: str | None = None,
+          progress: bool | None = None) -> dict:
+    """Copy *remote_path* from *node* into *local_dir*; the node's answer about it plus ``local``.
+
+    Args:
+        node: the inventory node.
+        remote_path: relative to its workdir, or absolute inside the workdir or its run dirs.
+        local_dir: where the copy goes (created if missing).
+        policy: the host-key policy (the same as sync and run).
+        ssh_config: an ssh_config file (else the node's ``-F``, else ~/.ssh/config).
+        overwrite: replace what is already at the destination.
+        default_workdir: the workdir when the inventory sets none (the controller's cwd, as run).
+        progress: rsync's progress line on stderr (default: for transfers over PROGRESS_BYTES).
+    """
+    if not shutil.which("rsync"):
+        raise FetchError("rsync not found on this machine: apt-get install rsync")
+    try:
+        raw = check_workdir(node, default_workdir or os.getcwd())
+    except SyncError as exc:
+        raise FetchError(exc.problems[0]) from None
+    opts = ssh_options(node, policy, ssh_config)
+    where = f"{node.host}:{node.port or node.ssh_options.get('port') or 22}"
+    req = {"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR}
+    proc = subprocess.run(["ssh", *opts, _dest_host(node.host), node_command(node.python)],
+                          input=json.dumps(req).encode(), capture_output=True, timeout=120)
+    stderr = proc.stderr.decode(errors="replace")
+    if proc.returncode == 255:
+        raise FetchError(ssh_problem(node.name, where, str(policy.file_for(node)), 255, stderr))
+    try:
+        found = _node_reply(node.name, "fetch", proc.returncode, proc.stdout.decode(errors="replace"), stderr)
+    except SyncError as exc:
+        raise FetchError(exc.problems[0]) from None
+    local_dir = os.path.abspath(os.fspath(local_dir))
+    dest = os.path.join(local_dir, os.path.basename(found["path"].rstrip("/")))
+    if os.path.lexists(dest) and not overwrite:
+        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR")
+    os.makedirs(local_dir, exist_ok=True)
+    show = progress if progress is not None else found["bytes"] >= PROGRESS_BYTES
+    argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
+            " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
+            f"{_dest_host(node.host)}:{found['path']}", local_dir + "/"]
+    # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
+    copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if copy.returncode != 0:
+        text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
+        raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}")
+    return {**found, "node": node.name, "local": dest}
+
+
+# -- command line ------------------------------------------------------------------------------
+def register(subparsers) -> None:
+    from .cliargs import add_cluster_args
+
+    p = subparsers.add_parser(
+        "fetch", help="copy a file or dir (a checkpoint, logs) from a node's workdir or run dir to here",
+        description="Copy REMOTE_PATH (relative to the node's workdir, or absolute inside the workdir or "
+                    "~/.ddpfab/runs) from one node to LOCAL_DIR over the same SSH settings as sync.")
+    add_cluster_args(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--node", help="the inventory host to fetch from")
+    which.add_argument("--rank", type=int, help="the node rank to fetch from (default: 0, the master)")
+    p.add_argument("--overwrite", action="store_true", help="replace what is already at the destination")
+    p.add_argument("remote_path", metavar="REMOTE_PATH")
+    p.add_argument("local_dir", metavar="LOCAL_DIR", nargs="?", default=".")
+    p.set_defaults(func=cmd_fetch)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from . import inventory, ssh
+
+    try:
+        cluster = inventory.load(args.inventory, args.group)
+        node = pick_node(cluster, args.node, args.rank)
+        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+        got = fetch(node, args.remote_path, args.local_dir, policy, ssh_config=args.ssh_config,
+                    overwrite=args.overwrite)
+    except (inventory.InventoryError, FetchError) as exc:
+        sys.stderr.write(f"ddpfab: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("ddpfab: fetch interrupted\n")
+        return 130
+    size = f"{got['bytes'] / 1e6:.1f} MB" if got["bytes"] >= 1e5 else f"{got['bytes']} bytes"
+    what = f"{got['files']} files, {size}" if got["kind"] == "dir" else size
+    print(f"fetched {got['node']}:{got['path']} -> {got['local']} ({what})")
+    return 0
