@@ -186,9 +186,10 @@ def test_deleted_or_renamed_files_go_and_what_the_node_made_stays(lab, tmp_path,
     assert dry.returncode == 0, dry.stderr
     for node in NODES:
         block = dry.stdout.split(f"{node}: ")[1].split("\nnode")[0]
-        assert "1 to copy, 2 to update, 2 to delete" in block, dry.stdout
+        assert "1 to copy, 3 to update, 2 to delete" in block, dry.stdout
         assert "delete  pkg/deep/nested/mod.py" in block and "delete  run.sh" in block
         assert "copy    pkg/deep/nested/renamed.py" in block and "update  train.py" in block
+        assert "update  link.py" in block and "update  .gitignore" in block
     assert "pkg/deep/nested/mod.py" in listing_there(lab, "node1", workdir)  # a dry run changes nothing
     res = run_sync("-i", str(inv), "--json", str(project))
     assert res.returncode == 0, res.stderr
@@ -375,4 +376,5 @@ def test_run_checks_the_code_by_hash_and_copies_only_when_it_changed(lab, tmp_pa
     fourth = run_and_manifest()
     assert {n["source"] for n in fourth["nodes"].values()} == {"controller"}, fourth
     assert fourth["tree_hash"] != first["tree_hash"]
-    assert_exact(lab, project, workdir)
+    assert_exact(lab, project, workdir, nodes=("node1", "node3"))
+    assert on_node(lab, "node2", f"cat {workdir}/pkg/output.txt").stdout == "the node made this\n"
