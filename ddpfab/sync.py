@@ -707,7 +707,8 @@ class _Sync:
                 raw = check_workdir(t.node, self.sel.root)
                 t.link.ready()
                 out = _node_call(t.link, {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
-                                          "create": create, "adopt": self.adopt}, timeout=120)
+                                          "create": create, "adopt": self.adopt,
+                                          "files": self.sel.files if create else []}, timeout=120)
             except SyncError as exc:
                 return self.fail(t, exc.problems[0])
             t.rec.workdir, t.real = out["workdir"], out["real"]
@@ -721,6 +722,11 @@ class _Sync:
                 return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
                                     "or ddpfab provision)")
             t.placed, t.ready = out.get("record", []), True
+            if out.get("kept"):
+                t.rec.kept = out["kept"]
+                shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
+                self.note(f"{t.node.name}: {len(out['kept'])} files there that ddpfab had not placed are in the way "
+                          f"of project files; moved to {out['kept_dir']}: {shown}")
             return None
 
         try:
@@ -738,32 +744,12 @@ class _Sync:
                       "copy, verifying only")
 
     # -- copies ---------------------------------------------------------------------------
-    def prepare(self, t: _Target) -> bool:
-        """Record the files about to be placed; move aside what was there and is not ddpfab's."""
-        new = [rel for rel in self.sel.files if rel not in set(t.placed or ())]
-        try:
-            out = _node_call(t.link, self.request(t, "prepare", new=new))
-        except SyncError as exc:
-            t.rec.error = exc.problems[0]
-            return False
-        if out.get("kept"):
-            t.rec.kept = out["kept"]
-            shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
-            self.note(f"{t.node.name}: {len(out['kept'])} files there that ddpfab had not placed are in the way of "
-                      f"project files; moved to {out['kept_dir']}: {shown}")
-        t.placed = sorted(set(t.placed or ()) | set(new))
-        return True
-
     def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
-        if not dry_run and not self.prepare(t):
-            return False
         argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, f"{_dest_host(t.node.host)}:{t.real}",
                           compress=self.compress, checksum=self.checksum, dry_run=dry_run)
         return self._run_copy(t, argv, "controller")
 
     def copy_from_node(self, src: _Target, t: _Target, hop: dict) -> bool:
-        if not self.prepare(t):
-            return False
         inner_e = " ".join(shlex.quote(a) for a in [
             "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={hop['stage']}/known_hosts",
             "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes",

@@ -504,7 +504,9 @@ def node_probe(req):
     """Before a sync: resolve and check the workdir as this node sees it, tell whether it is the
     controller's own directory (a shared filesystem: the controller's probe file is visible), and
     whose it is: ``state`` new (created now), owned (has a record), empty, adopted, or missing (not
-    created: a dry run). A non-empty directory without a record is refused unless ``adopt``."""
+    created: a dry run). A non-empty directory without a record is refused unless ``adopt``.
+    Unless a dry run (``create`` false), it also prepares the copy of ``files`` (``_prepare``); the
+    reply's ``record`` is what ddpfab had placed before."""
     home = os.path.expanduser("~")
     try:
         workdir, real = node_workdir(req)
@@ -531,7 +533,7 @@ def node_probe(req):
         out["state"] = "missing"
         if create:
             os.makedirs(real)
-            write_record(real, [], "created")
+            write_record(real, req.get("files", ()), "created")
             out["state"] = "new"
         return out
     try:
@@ -540,11 +542,8 @@ def node_probe(req):
         return {"error": "refusing to sync: %s; move it away and sync with --adopt" % exc}
     if record is not None:
         out["state"], out["record"] = "owned", record["files"]
-        stages = _stage_root(real)
-        if create and os.path.isdir(stages):  # left by a forwarding node that was killed
-            for e in os.scandir(stages):
-                if e.stat(follow_symlinks=False).st_mtime < time.time() - 3600:
-                    shutil.rmtree(e.path, ignore_errors=True)
+        if create:
+            out.update(_prepare(real, record, req.get("files", ())))
         return out
     entries = sorted(os.listdir(real))
     if entries and not req.get("adopt"):
@@ -556,22 +555,18 @@ def node_probe(req):
     out["state"] = "adopted" if entries else "empty"
     if create:
         write_record(real, [], out["state"])
+        out.update(_prepare(real, read_record(real), req.get("files", ())))
     return out
 
 
-def node_prepare(req):
-    """Before the copy: record the files about to be placed (a sync killed mid-copy still owns
-    them), and move aside what is in the way of a new file but was not placed by ddpfab."""
-    _, real = node_workdir(req)
-    record = read_record(real)
-    if record is None:
-        return {"error": "no ddpfab record in %s (the probe makes one)" % real}
+def _prepare(real, record, files):
+    """Before the copy: record *files* as placed (a sync killed mid-copy still owns them) and move
+    aside what is in the way of a file new to the record but was not placed by ddpfab."""
     owned = set(record["files"])
     stamp = time.strftime("%Y%m%d-%H%M%S") + "-%d" % os.getpid()
+    new = [rel for rel in files if rel_ok(rel) and rel not in owned]
     kept = []
-    for rel in req["new"]:
-        if not rel_ok(rel) or rel in owned:
-            continue
+    for rel in new:
         try:
             fds = _open_parent(real, rel)
         except OSError:
@@ -583,8 +578,8 @@ def node_prepare(req):
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(st.st_mode):
-                return {"error": "%s/%s is a directory that ddpfab did not place, and the project has a file there; "
-                                 "move it away on the node" % (real, rel)}
+                raise RecordError("%s/%s is a directory that ddpfab did not place, and the project has a file "
+                                  "there; move it away on the node" % (real, rel))
             dest = os.path.join(real, STATE_DIR, "kept", stamp, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             os.rename(name, dest, src_dir_fd=fds[-1])
@@ -592,7 +587,8 @@ def node_prepare(req):
         finally:
             for fd in fds:
                 os.close(fd)
-    write_record(real, owned | {r for r in req["new"] if rel_ok(r)}, record.get("origin", "created"))
+    if new:
+        write_record(real, owned | set(new), record.get("origin", "created"))
     return {"kept": kept, "kept_dir": os.path.join(real, STATE_DIR, "kept", stamp) if kept else None}
 
 
@@ -682,7 +678,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     raw = argv[0] if argv and argv[0] != "-" else sys.stdin.readline()  # one JSON line; more may follow
     req = json.loads(raw)
-    ops = {"probe": node_probe, "prepare": node_prepare, "commit": node_commit, "hash": node_hash,
+    ops = {"probe": node_probe, "commit": node_commit, "hash": node_hash,
            "locate": node_locate, "stage": node_stage}
     try:
         out = ops[req["op"]](req)

@@ -266,11 +266,10 @@ def node(req: dict) -> dict:
 
 def test_first_sync_creates_and_records_then_owns(tmp_path):
     wd = tmp_path / "new" / "wd"
-    out = node({"op": "probe", "workdir": str(wd), "nonce": "nope"})
+    out = node({"op": "probe", "workdir": str(wd), "nonce": "nope", "files": ["a.py"]})
     assert out["state"] == "new" and not out["shared"] and wd.is_dir()
-    assert treehash.read_record(str(wd))["files"] == []
-    node({"op": "prepare", "workdir": str(wd), "new": ["a.py"]})
-    (wd / "a.py").write_text("a")  # what rsync does between prepare and commit
+    assert treehash.read_record(str(wd))["files"] == ["a.py"]  # recorded before the copy: a kill keeps it ours
+    (wd / "a.py").write_text("a")  # what rsync does between probe and commit
     out = node({"op": "commit", "workdir": str(wd), "delete": [], "files": ["a.py"]})
     assert out["deleted"] == 0 and out["tree_hash"] == treehash.tree_digest(str(wd), ["a.py"])["tree_hash"]
     (wd / "checkpoint.pt").write_text("the node's own output")
@@ -290,9 +289,8 @@ def test_a_foreign_directory_is_refused_unless_adopted_and_then_nothing_is_lost(
     out = node({"op": "probe", "workdir": str(wd), "nonce": "n"})
     assert "refusing to sync" in out["error"] and "--adopt" in out["error"] and "data" in out["error"]
     assert tree_of(wd) == before and not (wd / ".ddpfab").exists()
-    assert node({"op": "probe", "workdir": str(wd), "nonce": "n", "adopt": True})["state"] == "adopted"
-    out = node({"op": "prepare", "workdir": str(wd), "new": ["train.py", "other.py"]})
-    assert out["kept"] == ["train.py"]
+    out = node({"op": "probe", "workdir": str(wd), "nonce": "n", "adopt": True, "files": ["train.py", "other.py"]})
+    assert out["state"] == "adopted" and out["kept"] == ["train.py"]
     assert (Path(out["kept_dir"]) / "train.py").read_text() == "their version"
     assert not (wd / "train.py").exists() and (wd / "data/train.bin").read_text() == "dataset"
 
@@ -300,8 +298,7 @@ def test_a_foreign_directory_is_refused_unless_adopted_and_then_nothing_is_lost(
 def test_commit_deletes_only_recorded_files_and_never_through_a_symlink(tmp_path):
     wd = tmp_path / "wd"
     outside = make_tree(tmp_path / "outside", {"sub/victim.py": "not in the workdir"})
-    node({"op": "probe", "workdir": str(wd), "nonce": "n"})
-    node({"op": "prepare", "workdir": str(wd), "new": ["old/x.py", "keep.py", "sub/victim.py"]})
+    node({"op": "probe", "workdir": str(wd), "nonce": "n", "files": ["old/x.py", "keep.py", "sub/victim.py"]})
     make_tree(wd, {"old/x.py": "placed", "keep.py": "placed", "mine.txt": "the node's", "sub/victim.py": "placed"})
     import shutil
 
