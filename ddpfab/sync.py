@@ -1267,6 +1267,15 @@ def print_dry_run(result: SyncResult, out) -> None:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
+    try:
+        return _cmd_sync(args)
+    except KeyboardInterrupt:  # at any stage; sync_cluster has ended its helpers by now
+        sys.stderr.write("ddpfab: sync interrupted: nothing is left running; files already copied stay, the next "
+                         "sync completes them\n")
+        return 130
+
+
+def _cmd_sync(args: argparse.Namespace) -> int:
     out = sys.stdout
     if args.list:
         try:
@@ -1294,10 +1303,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
                               ssh_config=args.ssh_config, checksum=args.checksum, keep=tuple(args.keep),
                               with_git=args.with_git, verify_only=args.verify_only, adopt=args.adopt,
                               dry_run=args.dry_run, progress=say)
-    except KeyboardInterrupt:
-        sys.stderr.write("ddpfab: sync interrupted: nothing is left running; files already copied stay, the next "
-                         "sync completes them\n")
-        return 130
     except SyncError as exc:
         if args.json and exc.result is not None:
             out.write(json.dumps(exc.result.to_dict(), indent=2, ensure_ascii=False) + "\n")
