@@ -20,7 +20,6 @@ untimed, then times the call alone. Writes bench/results/resync.json.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -9,7 +9,6 @@ directory). Tests that could destroy something first check that the path is insi
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import signal
@@ -60,7 +59,7 @@ def snapshot(lab, node: str, path: str, shallow: bool = False) -> str:
     """Everything under *path* on *node* (names, sizes, mtimes, sha256), or that it is absent;
     *shallow*: its entries only (a system dir)."""
     depth = "-maxdepth 1" if shallow else ""
-    sums = "" if shallow else f" && find . -xdev -type f -exec sha256sum {{}} + | sort"
+    sums = "" if shallow else " && find . -xdev -type f -exec sha256sum {} + | sort"
     cmd = (f"if [ -e {path!r} ]; then cd {path!r} && find . -xdev {depth} -printf '%p %s %y %T@\\n' | sort"
            f"{sums}; else echo ABSENT; fi")
     return on_node(lab, node, cmd).stdout
