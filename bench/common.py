@@ -39,6 +39,7 @@ SUBNETS = {
     "recovery": os.environ.get("DDPFAB_BENCH_SUBNET_RECOVERY", "10.213.105.0/24"),
     "scale": "10.213.106.0/24",
     "resync": os.environ.get("DDPFAB_BENCH_SUBNET_RESYNC", "10.213.107.0/24"),
+    "perf_check": "10.213.108.0/24",
 }
 MASTER_PORT_BASE = 29700
 

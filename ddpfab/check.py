@@ -385,11 +385,19 @@ def register(sub) -> None:
                    help=f"probe every pair of nodes (default: all pairs up to {meshmod.EXHAUSTIVE_MAX_NODES} nodes, "
                         f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
     p.add_argument("--json", action="store_true")
+    from .perfcli import add_check_arguments
+
+    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/perfrun.py)
     p.set_defaults(func=cmd_check)
 
 
 def cmd_check(args) -> int:
     from . import inventory, ssh
+
+    if args.perf or args.history:
+        from .perfcli import cmd_check_perf
+
+        return cmd_check_perf(args)
 
     try:
         cluster = inventory.load(args.inventory, args.group)

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .recover import add_arguments as add_recovery_arguments
 
     add_recovery_arguments(run)
+    from .perfcli import add_run_arguments
+
+    add_run_arguments(run)  # --perf-check
 
     plan = sub.add_parser("plan", help="print (or --emit as shell scripts) exactly what `run` would start",
                           description="Make the plan `ddpfab run` would make (contacting the hosts for a free "
@@ -141,6 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if recover.wanted(args) and args.detach and not recover.is_supervisor():
             return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+        perf = _perf_check(cluster, policy, args)
 
         def prepare(cl, opts):
             return _prepare(cl, opts, policy, args)
@@ -151,6 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         prepared, extra = prepare(cluster, options)
         if spares:  # the nodes are the group without its spares: replay, stop and logs must know
             extra.update(spares_group=ropts.spares_group, attempt_nodes=[n.name for n in cluster.nodes])
+        if perf:
+            extra["perf"] = perf
     except (inventory.InventoryError, planmod.PlanError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:
@@ -193,6 +199,16 @@ def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
     inv = f" -i {args.inventory}" if args.inventory else ""
     sys.stderr.write(f"ddpfab: rank 0's workdir: {node.name}:{node.workdir} (copy results here with: ddpfab fetch"
                      f"{inv} --rank 0 PATH)\n")
+
+
+def _perf_check(cluster, policy, args: argparse.Namespace) -> dict | None:
+    """``run --perf-check``: the slow-node check first (its own job and record); the manifest's
+    ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.perfrun.before_run`)."""
+    if not (args.perf_check or args.perf_check_warn) or args.dry_run:
+        return None
+    from .perfcli import before_run
+
+    return before_run(cluster, policy, args)
 
 
 def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:

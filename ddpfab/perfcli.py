@@ -1,0 +1,98 @@
+"""Command line of the slow-node check: ``check --perf [--history]`` and ``run --perf-check``.
+
+Kept apart from :mod:`ddpfab.perfrun` so building the parser imports nothing heavy (no Fabric).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from . import perf
+
+
+def add_check_arguments(p) -> None:
+    """The ``check`` options of the perf check (the rest of ``check``'s options are shared)."""
+    p.add_argument("--perf", action="store_true",
+                   help="benchmark every node and link through torchrun (compute, memory, point-to-point, "
+                        "all_reduce) and name the stragglers; exit 1 if there are any")
+    p.add_argument("--history", action="store_true", help="with --perf: each node's figures in past checks")
+    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
+                   help="where perf check records go (default: ./runs, or $DDPFAB_RUNS_DIR)")
+    p.add_argument("--verbose", action="store_true", help="with --perf: show the benchmark job's output")
+
+
+def cmd_check_perf(args) -> int:
+    """``ddpfab check --perf [--history]``: 0 healthy, 1 stragglers, 2 could not run."""
+    from . import inventory, runner, ssh
+    from .perfrun import PerfError, load_records, result_of, run_check
+
+    if args.history:
+        records, bad = load_records(args.runs_dir)
+        nodes = None
+        if args.inventory:
+            try:
+                nodes = [n.name for n in inventory.load(args.inventory, args.group).nodes]
+            except inventory.InventoryError as exc:
+                sys.stderr.write(f"ddpfab: error: {exc}\n")
+                return 2
+        hist = perf.history(records, nodes)
+        if args.json:
+            print(json.dumps({"history": hist, "unreadable": bad}, indent=2))
+        else:
+            print(perf.render_history(hist, lambda t: time.strftime("%Y-%m-%d %H:%M", time.localtime(t))))
+            for path in bad:
+                sys.stderr.write(f"ddpfab: warning: {path} is not a perf record; skipped\n")
+        return 0
+    try:
+        cluster = inventory.load(args.inventory, args.group)
+        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+        record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
+                                    args.ssh_config, echo=args.verbose)
+    except inventory.InventoryError as exc:
+        sys.stderr.write(f"ddpfab: error: {exc}\n")
+        return 2
+    except (PerfError, runner.RunError) as exc:
+        for line in exc.problems:
+            sys.stderr.write(f"ddpfab: error: {line}\n")
+        return 2
+    if args.json:
+        print(json.dumps({**record, "run_dir": str(run_dir), "report": str(run_dir / "report.html")}, indent=2))
+    else:
+        print(perf.render(result_of(record), str(run_dir / "report.html"), record["seconds"]))
+    return 1 if record["result"]["findings"] else 0
+
+
+def add_run_arguments(p) -> None:
+    p.add_argument("--perf-check", action="store_true",
+                   help="run `ddpfab check --perf` before the launch (results in the manifest); a straggler "
+                        "stops the launch (nothing is started)")
+    p.add_argument("--perf-check-warn", action="store_true",
+                   help="--perf-check, but a straggler is only reported and the job starts anyway")
+
+
+def before_run(cluster, policy, args) -> dict:
+    """``run --perf-check``: the check, printed; returns the manifest's ``perf`` entry. Raises
+    ``runner.RunError`` (nothing started) on a straggler unless ``--perf-check-warn``."""
+    from . import runner
+    from .perfrun import PerfError, result_of, run_check
+
+    try:
+        record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
+                                    args.ssh_config)
+    except PerfError as exc:
+        raise runner.RunError([f"perf check: {p}" for p in exc.problems]) from None
+    result = record["result"]
+    sys.stderr.write(perf.render(result_of(record), str(run_dir / "report.html"), record["seconds"]) + "\n")
+    entry = {"run_id": record["run_id"], "record": str(run_dir / "perf.json"), "report": str(run_dir / "report.html"),
+             "ok": result["ok"], "stragglers": result["stragglers"], "findings": [f["text"] for f in result["findings"]],
+             "medians": result["medians"],
+             "nodes": {n: {k: f[k] for k in ("compute_gflops", "memory_gbs", "link_gbs", "latency_us")}
+                       for n, f in result["node_figures"].items()}}
+    if result["findings"] and not args.perf_check_warn:
+        raise runner.RunError([f"perf check: {f['text']}" for f in result["findings"]] +
+                              [f"perf check found stragglers (report: {run_dir / 'report.html'}; "
+                               "start anyway with --perf-check-warn)"])
+    return entry

@@ -1,0 +1,145 @@
+"""`ddpfab check --perf` on lab hosts: a healthy lab raises no alarm (three runs in a row, on a
+machine other engineers share), a link throttled with tc names its node and no other, a CPU held
+to a cgroup quota names its node as slow compute, `run --perf-check` records the check in the
+manifest (and refuses to start on a straggler), and nothing is left on the hosts.
+
+Real parts: torchrun and gloo on sshd hosts, tc's token bucket filter, a cgroup v1 CPU quota.
+No GPU here: the nccl path (and per-GPU matmul) is not exercised by these tests.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpfab import lab as labmod
+from ddpfab.labdrills import cpu_quota, throttled_link
+
+from .helpers import ddpfab
+
+REPORT = "tests/lab/scripts/report.py"
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+#: One check on 3 lab hosts takes 15-70 s on this shared 2-core machine (torch imports queue).
+CHECK_TIMEOUT = 300
+#: The CPU drill's quota (% of one CPU). It must be well under what a healthy host gets, and on this
+#: shared machine that is little: with a load of ~13 on 2 cores, a host's 2 matmul threads get ~30 %;
+#: 10 % went unnoticed once (load average 14-36 during that check: the others got no more), 5 % gave 0.23x.
+CPU_PERCENT = 5
+
+
+@pytest.fixture
+def inventory3(lab, tmp_path):
+    path = tmp_path / "inventory.yml"
+    path.write_text(labmod.render_inventory(lab, sys.executable))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One runs dir for the module: the history test reads what the others recorded."""
+    return tmp_path_factory.mktemp("perf-runs")
+
+
+def perf_check(inventory, runs: Path, *extra: str) -> tuple[int, dict, str]:
+    res = ddpfab("check", "--perf", "-i", str(inventory), "--runs-dir", str(runs), "--json", *extra,
+                 timeout=CHECK_TIMEOUT)
+    assert res.returncode in (0, 1), res.stdout + res.stderr
+    return res.returncode, json.loads(res.stdout), res.stderr
+
+
+def nothing_left_on_hosts(lab) -> None:
+    """No perf run dir (nor an emptied ~/.ddpfab it made) in any host's /root overlay."""
+    for h in lab.hosts:
+        upper = Path(lab.store) / h.name / "upper_root" / ".ddpfab"
+        left = sorted(p.name for p in (upper / "runs").glob("perf-*")) if upper.exists() else []
+        assert not left, f"{h.name} keeps perf run dirs: {left}"
+
+
+def ratios(result: dict) -> str:
+    return ", ".join(f"{n}: compute {f['compute_ratio']:.2f} memory {f['memory_ratio']:.2f} link {f['link_ratio']:.2f}"
+                     for n, f in result["node_figures"].items())
+
+
+def test_healthy_lab_no_straggler_three_runs_in_a_row(lab, inventory3, runs):
+    for attempt in range(3):
+        code, record, err = perf_check(inventory3, runs)
+        result = record["result"]
+        assert code == 0 and result["findings"] == [], f"run {attempt + 1}: false alarm: {result['findings']}"
+        assert result["nodes"] == ["node1", "node2", "node3"]
+        assert len(result["links"]) == 3  # every pair of 3 nodes
+        assert all(f["compute_gflops"] > 0 and f["memory_gbs"] > 0 for f in result["node_figures"].values())
+        assert [a["bytes"] for a in result["all_reduce"]] == [4096, 1 << 20, 16 << 20]
+        print(f"healthy run {attempt + 1}: {record['seconds']:.1f} s; {ratios(result)}")
+    nothing_left_on_hosts(lab)
+
+
+def test_a_throttled_link_names_its_node_and_no_other(lab, inventory3, runs):
+    with throttled_link(lab, "node3"):
+        code, record, _ = perf_check(inventory3, runs)
+    result = record["result"]
+    assert code == 1
+    assert result["stragglers"] == ["node3"], result["findings"]
+    (finding,) = result["findings"]
+    assert finding["kind"] == "link" and finding["ratio"] < 0.1
+    assert "its link to every peer is slow" in finding["text"] and "check its NIC" in finding["text"]
+    # the report files exist and show it: red label in the bar chart, the slow cells in the heat map
+    run_dir = Path(record["run_dir"])
+    bars = (run_dir / "nodes.svg").read_text()
+    assert 'fill="#e15759">node3</text>' in bars
+    heat = (run_dir / "links.svg").read_text()
+    assert "node1--node3: " in heat and "node2--node3: " in heat
+    page = (run_dir / "report.html").read_text()
+    assert "stragglers found" in page and finding["text"].split(";")[0] in page
+    assert record["report"] == str(run_dir / "report.html")
+    assert json.loads((run_dir / "perf.json").read_text())["result"]["stragglers"] == ["node3"]
+    assert (run_dir / "manifest.json").exists() and (run_dir / "node3.log").exists()
+    print(finding["text"])
+
+
+def test_a_cpu_quota_names_its_node_as_slow_compute(lab, inventory3, runs):
+    with cpu_quota(lab, "node2", CPU_PERCENT):
+        code, record, _ = perf_check(inventory3, runs)
+    result = record["result"]
+    assert code == 1
+    assert result["stragglers"] == ["node2"], result["findings"]
+    assert result["findings"][0]["kind"] == "compute"
+    assert result["findings"][0]["text"].startswith("node2: slow compute: matmul ")
+    assert "CPU quotas/cgroups" in result["findings"][0]["text"]
+    print("; ".join(f["text"] for f in result["findings"]))
+
+
+def test_run_perf_check_records_the_check_in_the_manifest(lab, inventory3, runs, tmp_path):
+    job_runs = tmp_path / "job-runs"
+    res = ddpfab("run", "-i", str(inventory3), "--runs-dir", str(job_runs), "--perf-check", REPORT,
+                 timeout=CHECK_TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no straggler among 3 nodes" in res.stderr
+    job = [p for p in job_runs.iterdir() if not p.name.startswith("perf-")]
+    manifest = json.loads((job[0] / "manifest.json").read_text())
+    assert manifest["state"] == "succeeded"
+    perf = manifest["perf"]
+    assert perf["ok"] is True and perf["stragglers"] == []
+    assert set(perf["nodes"]) == {"node1", "node2", "node3"} and Path(perf["report"]).exists()
+    # and with a straggler nothing starts
+    with throttled_link(lab, "node1"):
+        res = ddpfab("run", "-i", str(inventory3), "--runs-dir", str(job_runs), "--perf-check", REPORT,
+                     timeout=CHECK_TIMEOUT)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "perf check: node1: link bandwidth" in res.stderr and "nothing was started" in res.stderr
+    assert len([p for p in job_runs.iterdir() if not p.name.startswith("perf-")]) == 1
+    nothing_left_on_hosts(lab)
+
+
+def test_history_shows_each_nodes_past_checks(inventory3, runs):
+    while len(list(runs.glob("perf-*/perf.json"))) < 2:  # run alone: record two checks first
+        perf_check(inventory3, runs)
+    res = ddpfab("check", "--perf", "--history", "-i", str(inventory3), "--runs-dir", str(runs), "--json")
+    assert res.returncode == 0, res.stderr
+    hist = json.loads(res.stdout)["history"]
+    assert set(hist) == {"node1", "node2", "node3"}
+    assert len(hist["node3"]) == len(list(runs.glob("perf-*/perf.json")))
+    text = ddpfab("check", "--perf", "--history", "-i", str(inventory3), "--runs-dir", str(runs)).stdout
+    assert "node3:" in text and "trend:" in text
