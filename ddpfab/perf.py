@@ -50,12 +50,12 @@ class PerfOptions:
         mem_bytes: buffer size for the host memory bandwidth copy.
         min_bytes, max_bytes, max_bytes_gpu: link message sizes, growing x4 from min to max.
         passes: how many times the whole link schedule runs; each link keeps its best pass.
-        step_s: a link round stops growing its message once its slowest transfer takes this long.
+        step_s: a pair stops growing its message once a transfer (both ends) takes this long.
         step_reps: transfers per size (the fastest counts).
         latency_reps: ping-pongs per link for the latency.
         allreduce_sizes, allreduce_sizes_gpu: all_reduce message sizes (bytes) on CPU / GPU nodes.
         allreduce_max_reps: the most repetitions per all_reduce size.
-        allreduce_cap_s: a size predicted (from the previous size) to take longer is skipped.
+        allreduce_cap_s: a size that would take longer over the slowest link measured is skipped.
         budget_s: link rounds not started after this many seconds (from the job's start) are
             skipped and reported as such.
         timeout_s: the process group's timeout (a dead peer fails the check instead of hanging).
@@ -359,31 +359,27 @@ def analyze(reports: dict[str, dict], order: list[str], *, compute_min: float = 
                                         f"{n}: slow host memory: copy bandwidth {_x(fig['memory_ratio'])} of median "
                                         f"({_fmt(fig['memory_gbs'])} vs {_fmt(med_mem)} GB/s); {fix}"))
     # links: a node whose links are slow with most of its peers is the culprit; the rest are pairs
+    def pair(x: str, y: str) -> tuple[str, str]:
+        return (x, y) if order.index(x) < order.index(y) else (y, x)
+
     bad_nodes = set()
     for n in order:
         mine = per_node_links[n]
-        slow = [p for p, _ in mine if (min(n, p, key=order.index), max(n, p, key=order.index)) in slow_links]
+        slow = [p for p, _ in mine if pair(n, p) in slow_links]
         if len(mine) >= 2 and len(slow) * 2 > len(mine):
             bad_nodes.add(n)
-            kinds = sorted({w for p in slow for w in slow_links[tuple(sorted((n, p), key=order.index))]})
-            vals = [v for p, v in mine if p in slow]
+            kinds = {w for p in slow for w in slow_links[pair(n, p)]}
+            kind, key, med, unit = (("link", "gbs", med_link, "GB/s") if "bandwidth" in kinds else
+                                    ("latency", "lat_us", med_lat, "us"))
+            value = statistics.median(v[key] for p, v in mine if p in slow)
+            ratio = _ratio(value, med)
             every = "every peer" if len(slow) == len(mine) else f"{len(slow)} of its {len(mine)} peers"
             starved = (" (its CPU is slow too, and gloo moves data on the CPU: the starved CPU may be the cause)"
                        if n in slow_cpu else "; check its NIC (link speed, errors), cable and MTU")
-            if "bandwidth" in kinds:
-                value = statistics.median(v["gbs"] for v in vals)
-                ratio = _ratio(value, med_link)
-                res.findings.append(Finding(
-                    n, "link", round(ratio, 4), value, med_link, "GB/s",
-                    f"{n}: link bandwidth {_x(ratio)} of median ({_fmt(value)} vs {_fmt(med_link)} GB/s); its link "
-                    f"to {every} is slow ({_names(slow)}){starved}"))
-            else:
-                value = statistics.median(v["lat_us"] for v in vals)
-                ratio = _ratio(value, med_lat)
-                res.findings.append(Finding(
-                    n, "latency", round(ratio, 4), value, med_lat, "us",
-                    f"{n}: link latency {ratio:.1f}x the median ({_fmt(value)} vs {_fmt(med_lat)} us) to {every} "
-                    f"({_names(slow)}){starved}"))
+            what = (f"link bandwidth {_x(ratio)} of median" if kind == "link" else f"link latency {ratio:.1f}x the median")
+            res.findings.append(Finding(
+                n, kind, round(ratio, 4), value, med, unit,
+                f"{n}: {what} ({_fmt(value)} vs {_fmt(med)} {unit}); its link to {every} is slow ({_names(slow)}){starved}"))
     for (a, b), why in slow_links.items():
         if a in bad_nodes or b in bad_nodes:
             continue  # explained by a bad node
@@ -409,8 +405,8 @@ def add_all_reduce(res: PerfResult, reports: dict[str, dict], order: list[str]) 
     res.all_reduce = [dict(a) for a in first]
     skipped = reports[order[0]]["all_reduce_skipped"] if order else []
     if skipped:
-        res.notes.append(f"all_reduce at {', '.join(_size(s) for s in skipped)} skipped: it would have taken over "
-                         "the time cap at the speed measured for the smaller sizes")
+        res.notes.append(f"all_reduce at {', '.join(_size(s) for s in skipped)} skipped: over the slowest link "
+                         "measured it would take longer than the time cap")
     largest = max(first, key=lambda a: a["bytes"], default=None)
     if largest and largest["busbw_gbs"] and res.medians.get("link_gbs"):
         ratio = largest["busbw_gbs"] / res.medians["link_gbs"]

@@ -16,9 +16,9 @@ Phases, all nodes at once, separated by barriers so one phase never disturbs ano
    matching, so no node is in two transfers at once), all of them ``passes`` times (a link's best
    pass counts). Each pair's local rank 0 processes measure latency (ping-pong of one element,
    the fastest round trip / 2) and bandwidth (both
-   directions at once, message sizes growing x4 until the slowest transfer of the round takes
-   longer than ``step_s``: every rank agrees on when to stop through a MAX all_reduce, so a
-   throttled link ends the round early instead of stretching it).
+   directions at once, message sizes growing x4 until the pair's transfer takes longer than
+   ``step_s``; each pair stops on its own, so a throttled pair neither stretches the round nor
+   cuts the other pairs' sizes short).
 4. all_reduce of the whole set at a few sizes (every rank): time, algorithm and bus bandwidth; a
    size the previous one predicts to take longer than ``allreduce_cap_s`` is skipped.
 
@@ -155,34 +155,33 @@ class Runner:
         return time.perf_counter() - start
 
     def link_round(self, pairs: list[list[int]]) -> dict | None:
-        """One round of disjoint pairs; returns this node's link figures (leaders only) or None."""
+        """One round of disjoint pairs, each pair on its own: the message grows x4 until the pair's
+        slower end took ``step_s`` for a size, so a throttled pair stops early without cutting the
+        other pairs of the round short. Returns this node's figures (a leader in a pair) or None;
+        the next all-rank collective ends the round for everyone."""
         cfg = self.cfg
-        peer = None
-        for a, b in pairs:
-            if self.node_rank in (a, b):
-                peer = b if self.node_rank == a else a
-        active = self.local_rank == 0 and peer is not None
-        result = None
-        if active:
-            peer_rank = self.leaders[peer]
-            lat = self.latency(peer_rank, self.node_rank < peer, cfg["latency_reps"])
-            result = {"peer": peer, "lat_us": round(lat, 1), "steps": []}
-            big = torch.empty(cfg["max_bytes"] // 4, dtype=torch.float32, device=self.device)
-            big_in = torch.empty_like(big)
+        peer = next((b if self.node_rank == a else a for a, b in pairs if self.node_rank in (a, b)), None)
+        if self.local_rank != 0 or peer is None:
+            return None
+        peer_rank = self.leaders[peer]
+        result = {"peer": peer, "lat_us": round(self.latency(peer_rank, self.node_rank < peer, cfg["latency_reps"]), 1),
+                  "steps": []}
+        limit = cfg["max_bytes_gpu" if self.device.type == "cuda" else "max_bytes"]
+        big = torch.empty(limit // 4, dtype=torch.float32, device=self.device)
+        big_in = torch.empty_like(big)
+        mine = torch.zeros(1, dtype=torch.float32, device=self.device)
+        theirs = torch.zeros_like(mine)
         size = cfg["min_bytes"]
         while True:
-            elapsed = 0.0
-            if active:
-                n = size // 4
-                best = min(self.exchange(peer_rank, big[:n], big_in[:n]) for _ in range(cfg["step_reps"]))
-                elapsed = best * cfg["step_reps"]
-                result["steps"].append({"bytes": size, "s": round(best, 6), "gbs": round(size / best / 1e9, 4)})
-            slowest, = self.agree_max(elapsed)
-            if slowest >= cfg["step_s"] or size * 4 > cfg["max_bytes"]:
+            n = size // 4
+            best = min(self.exchange(peer_rank, big[:n], big_in[:n]) for _ in range(cfg["step_reps"]))
+            result["steps"].append({"bytes": size, "s": round(best, 6), "gbs": round(size / best / 1e9, 4)})
+            mine[0] = best * cfg["step_reps"]
+            self.exchange(peer_rank, mine, theirs)  # both ends stop at the same size
+            if max(float(mine[0]), float(theirs[0])) >= cfg["step_s"] or size * 4 > limit:
                 break
             size *= 4
-        if result is not None:
-            result["gbs"] = max(s["gbs"] for s in result["steps"])
+        result["gbs"] = max(s["gbs"] for s in result["steps"])
         return result
 
     # -- all_reduce ----------------------------------------------------------------------------
@@ -255,12 +254,14 @@ class Runner:
         report["rounds_skipped"] = skipped
         tdist.barrier()
         sizes = cfg["allreduce_sizes_gpu" if is_gpu else "allreduce_sizes"]
+        # a ring all_reduce sends 2(n-1)/n of the message over its slowest link: a size that would
+        # take longer than the cap there is skipped (over a throttled link 16 MiB takes seconds a
+        # repetition, and the verdict is in already)
+        mine = min((ln["gbs"] for ln in links), default=0.0)
+        inverse, = self.agree_max(1.0 / mine if mine > 0 else 0.0)
         report["all_reduce"], report["all_reduce_skipped"] = [], []
-        for size in sizes:
-            last = report["all_reduce"][-1] if report["all_reduce"] else None
-            # a size that would take longer than the cap (from the last one's time) is skipped:
-            # over a throttled link a 16 MiB all_reduce takes seconds, and the verdict is in already
-            if last and last["s"] * size / last["bytes"] > cfg["allreduce_cap_s"]:
+        for size in sizes if self.world > 1 else ():  # one rank alone: an all_reduce moves nothing
+            if inverse and 2 * size / 1e9 * inverse > cfg["allreduce_cap_s"]:
                 report["all_reduce_skipped"].append(size)
             else:
                 report["all_reduce"].append(self.all_reduce(size))

@@ -32,7 +32,7 @@ def bars_svg(result: dict) -> str:
                ("link", "link_ratio", th.get("link_min", 0.25))]
     top = max([1.5] + [min(figs[n][k] or 0, 3.0) for n in nodes for _, k, _ in metrics])
     group_w, bar_w, left, plot_h, top_pad = 3 * 18 + 16, 18, 60, 220, 40
-    width = left + max(1, len(nodes)) * group_w + 20
+    width = max(560, left + max(1, len(nodes)) * group_w + 20)
     height = top_pad + plot_h + 70
 
     def y(v: float) -> float:
@@ -40,8 +40,8 @@ def bars_svg(result: dict) -> str:
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="11">',
-           f'<text x="{left}" y="16" font-size="13" font-weight="bold">Per node, as a fraction of the '
-           f'cluster median (1.0 = median; red: under its threshold)</text>']
+           f'<text x="{left}" y="16" font-size="13" font-weight="bold">Per node, x the cluster median '
+           f'(red: under its threshold)</text>']
     for tick in (0, 0.5, 1.0, 1.5, 2.0, 3.0):
         if tick <= top:
             out.append(f'<line x1="{left}" x2="{width - 10}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#ddd"/>'
@@ -58,6 +58,9 @@ def bars_svg(result: dict) -> str:
                        f'fill="{color}"><title>{_esc(n)} {label}: {v:.3g}x of median</title></rect>')
             out.append(f'<line x1="{x - 1}" x2="{x + bar_w - 2}" y1="{y(limit):.1f}" y2="{y(limit):.1f}" '
                        f'stroke="#333" stroke-dasharray="2,2"/>')
+            if v < limit:  # a slow bar may be too short to see: say its value
+                out.append(f'<text x="{x + bar_w / 2 - 1:.1f}" y="{y(v) - 3:.1f}" text-anchor="middle" font-size="9" '
+                           f'fill="{SLOW}">{f"{v:.2f}x" if v >= 0.01 else "&lt;0.01x"}</text>')
         weight = "bold" if n in result.get("stragglers", []) else "normal"
         fill = SLOW if n in result.get("stragglers", []) else "#000"
         out.append(f'<text x="{x0 + 1.5 * bar_w:.1f}" y="{y(0) + 14:.1f}" text-anchor="middle" '
