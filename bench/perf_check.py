@@ -46,7 +46,7 @@ def spread(result: dict) -> dict:
 
 def summary(record: dict, wall: float) -> dict:
     r = record["result"]
-    return {"seconds": record["seconds"], "wall_s": round(wall, 2), "stragglers": r["stragglers"],
+    return {"seconds": record["seconds"], "bench_seconds": record.get("bench_seconds"), "wall_s": round(wall, 2), "stragglers": r["stragglers"],
             "findings": [f["text"] for f in r["findings"]], "spread": spread(r), "medians": r["medians"],
             "links": len(r["links"]), "run_dir": record["run_dir"]}
 

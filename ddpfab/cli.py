@@ -144,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if recover.wanted(args) and args.detach and not recover.is_supervisor():
             return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        perf = _perf_check(cluster, policy, args)
+        perf = _perf_check(cluster, policy, args, _env(args, planmod))
 
         def prepare(cl, opts):
             return _prepare(cl, opts, policy, args)
@@ -201,14 +201,14 @@ def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
                      f"{inv} --rank 0 PATH)\n")
 
 
-def _perf_check(cluster, policy, args: argparse.Namespace) -> dict | None:
+def _perf_check(cluster, policy, args: argparse.Namespace, env) -> dict | None:
     """``run --perf-check``: the slow-node check first (its own job and record); the manifest's
     ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.perfrun.before_run`)."""
     if not (args.perf_check or args.perf_check_warn) or args.dry_run:
         return None
     from .perfcli import before_run
 
-    return before_run(cluster, policy, args)
+    return before_run(cluster, policy, args, env)
 
 
 def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:

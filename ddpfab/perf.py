@@ -27,7 +27,7 @@ MEMORY_MIN_RATIO = 0.4
 #: A link whose bandwidth is below this fraction of the median link is slow. Loaded-lab links
 #: swing more than compute (TCP through one shared kernel): lowest healthy ratio seen 0.33;
 #: a NIC at 10G among 100G ones is 0.1x, tc's 30 Mbit on a ~20 Gbit/s veth 0.002x.
-LINK_MIN_RATIO = 0.25
+LINK_MIN_RATIO = 0.2
 #: A link whose latency is above this multiple of the median link's is slow.
 LATENCY_MAX_RATIO = 8.0
 #: Up to this many nodes every pair is measured; above it, the ring plus sampled rounds.

@@ -57,7 +57,7 @@ def cmd_check_perf(args) -> int:
     except (PerfError, runner.RunError) as exc:
         for line in exc.problems:
             sys.stderr.write(f"ddpfab: error: {line}\n")
-        return 2
+        return getattr(exc, "code", 2)
     if args.json:
         print(json.dumps({**record, "run_dir": str(run_dir), "report": str(run_dir / "report.html")}, indent=2))
     else:
@@ -73,15 +73,16 @@ def add_run_arguments(p) -> None:
                    help="--perf-check, but a straggler is only reported and the job starts anyway")
 
 
-def before_run(cluster, policy, args) -> dict:
-    """``run --perf-check``: the check, printed; returns the manifest's ``perf`` entry. Raises
+def before_run(cluster, policy, args, env: tuple[tuple[str, str], ...]) -> dict:
+    """``run --perf-check``: the check (with the job's *env* and --socket-ifname), printed; returns
+    the manifest's ``perf`` entry. Raises
     ``runner.RunError`` (nothing started) on a straggler unless ``--perf-check-warn``."""
     from . import runner
     from .perfrun import PerfError, result_of, run_check
 
     try:
         record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
-                                    args.ssh_config)
+                                    args.ssh_config, env=env, socket_ifname=args.socket_ifname)
     except PerfError as exc:
         raise runner.RunError([f"perf check: {p}" for p in exc.problems]) from None
     result = record["result"]

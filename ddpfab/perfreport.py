@@ -29,7 +29,7 @@ def bars_svg(result: dict) -> str:
     th = result.get("thresholds", {})
     metrics = [("compute", "compute_ratio", th.get("compute_min", 0.5)),
                ("memory", "memory_ratio", th.get("memory_min", 0.5)),
-               ("link", "link_ratio", th.get("link_min", 0.25))]
+               ("link", "link_ratio", th.get("link_min", 0.2))]
     top = max([1.5] + [min(figs[n][k] or 0, 3.0) for n in nodes for _, k, _ in metrics])
     group_w, bar_w, left, plot_h, top_pad = 3 * 18 + 16, 18, 60, 220, 40
     width = max(560, left + max(1, len(nodes)) * group_w + 20)

@@ -219,3 +219,25 @@ def test_report_svgs_parse_and_mark_the_slow_node(tmp_path):
     assert "node1--node3: 0.003 GB/s" in heat
     page = paths["html"].read_text()
     assert "stragglers found" in page and "node3: link bandwidth" in page
+
+
+# -- command line -------------------------------------------------------------------------------------------
+def test_the_perf_options_parse_without_eating_the_script():
+    from ddpfab.cli import build_parser
+
+    args = build_parser().parse_args(["run", "-i", "inv.yml", "--perf-check", "train.py", "--epochs", "3"])
+    assert args.perf_check and not args.perf_check_warn and args.script == "train.py" and args.args == ["--epochs", "3"]
+    args = build_parser().parse_args(["check", "-i", "inv.yml", "--perf", "--history", "--runs-dir", "/r"])
+    assert args.perf and args.history and args.runs_dir == "/r"
+
+
+def test_history_of_an_empty_or_foreign_runs_dir(tmp_path):
+    from ddpfab.perfrun import load_records
+
+    (tmp_path / "perf-x").mkdir()
+    (tmp_path / "perf-x" / "perf.json").write_text('{"schema": 1, "time": "yesterday"}')
+    (tmp_path / "20260101-run").mkdir()  # an ordinary run: no perf.json, not a record
+    records, bad = load_records(tmp_path)
+    assert records == [] and bad == [str(tmp_path / "perf-x" / "perf.json")]
+    assert load_records(tmp_path / "missing") == ([], [])
+    assert perf.render_history(perf.history([])).startswith("no perf checks recorded yet")
