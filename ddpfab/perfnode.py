@@ -272,14 +272,11 @@ class Runner:
 def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1])
     env = ddist.init(timeout_s=float(cfg.get("timeout_s", 120)))
-    try:
-        report = Runner(env, cfg).run()
-        if env.local_rank == 0:
-            sys.stdout.write(MARKER + json.dumps(report, separators=(",", ":")) + "\n")
-            sys.stdout.flush()
-    finally:
-        ddist.cleanup()
-    return 0
+    report = Runner(env, cfg).run()
+    if env.local_rank == 0:
+        sys.stdout.write(MARKER + json.dumps(report, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+    ddist.finish(0)  # cleanup, then exit without the teardown where gloo can abort a finished rank
 
 
 if __name__ == "__main__":
