@@ -27,7 +27,7 @@ def bars_svg(result: dict) -> str:
     nodes = result["nodes"]
     figs = result["node_figures"]
     th = result.get("thresholds", {})
-    metrics = [("compute", "compute_ratio", th.get("compute_min", 0.5)),
+    metrics = [("compute", "compute_ratio", th.get("compute_min", 0.4)),
                ("memory", "memory_ratio", th.get("memory_min", 0.5)),
                ("link", "link_ratio", th.get("link_min", 0.2))]
     top = max([1.5] + [min(figs[n][k] or 0, 3.0) for n in nodes for _, k, _ in metrics])
