@@ -6,7 +6,7 @@ throttled by tc and one with one host's CPU held to a cgroup quota (the ratio ea
 produces). The drills' report figures are copied to docs/ (perf-link-drill-*.svg,
 perf-cpu-drill-*.svg).
 
-    .venv/bin/python bench/perf_check.py [--sizes 4,8] [--reps 3] [--subnet 10.213.105.0/24] [--quick]
+    .venv/bin/python bench/perf_check.py [--sizes 4,8] [--reps 3] [--subnet 10.213.108.0/24] [--quick]
 
 Every run of the check goes through the CLI, as a user's would (``ddpfab check --perf --json``).
 """
