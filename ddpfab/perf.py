@@ -384,9 +384,17 @@ def analyze(reports: dict[str, dict], order: list[str], *, compute_min: float = 
             res.findings.append(Finding(
                 n, kind, round(ratio, 4), value, med, unit,
                 f"{n}: {what} ({_fmt(value)} vs {_fmt(med)} {unit}); its link to {every} is slow ({_names(slow)}){starved}"))
+    # a CPU node whose compute is slow slows its links too (gloo moves data on the CPU): a slow
+    # link at it is told with its compute finding, not as a fault of the path
+    starved = {n for n in slow_cpu if res.node_figures[n]["device"] == "cpu"}
+    for f in [f for f in res.findings if f.kind == "compute" and f.subject in starved - bad_nodes]:
+        peers = [b if a == f.subject else a for (a, b) in slow_links if f.subject in (a, b)]
+        if peers:
+            f.text += (f"; its link{'s' if len(peers) > 1 else ''} to {_names(peers)} {'are' if len(peers) > 1 else 'is'} "
+                       "slow too (gloo moves data on the CPU)")
     for (a, b), why in slow_links.items():
-        if a in bad_nodes or b in bad_nodes:
-            continue  # explained by a bad node
+        if a in bad_nodes or b in bad_nodes or a in starved or b in starved:
+            continue  # explained by a bad node, or by a starved CPU at one end
         v = link_vals[(a, b)]
         what = (f"bandwidth {_x(v['ratio'])} of median ({_fmt(v['gbs'])} vs {_fmt(med_link)} GB/s)"
                 if "bandwidth" in why else

@@ -143,6 +143,14 @@ def test_a_starved_cpu_that_also_slows_its_links_is_explained_not_blamed_on_the_
     assert "starved CPU may be the cause" in res.findings[1].text
 
 
+def test_a_starved_cpu_explains_one_slow_link_too():
+    reports, names = cluster(3, gflops={1: 0.5}, link=lambda a, b: 0.001 if {a, b} == {1, 2} else 1.0)
+    res = perf.analyze(reports, names)
+    assert res.stragglers == ["node2"], res.findings
+    (f,) = res.findings
+    assert f.kind == "compute" and f.text.endswith("its link to node3 is slow too (gloo moves data on the CPU)")
+
+
 def test_one_slow_gpu_of_eight_is_named_by_index():
     names = ["gpu1", "gpu2", "gpu3"]
     reports = {}
