@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from ddpfab.agent import prune_records
 
@@ -18,12 +20,22 @@ def record(root, name, pid=999999, run_id=None):
     return d
 
 
+def _wait_for_exec(pid: int, word: str) -> None:
+    """Until the child has exec'd, its cmdline is still this process's (a real supervisor writes
+    its record after it started, so it never meets this race)."""
+    deadline = time.monotonic() + 30
+    while word.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.01)
+
+
 def test_keeps_the_newest_and_everything_not_provably_its_own(tmp_path):
     names = [f"20261130-10{m:02d}00-abcdef" for m in range(30)]
     for n in names:
         record(tmp_path, n)
     running_id = "20261130-090000-000001"  # the oldest of all, but its supervisor runs
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", running_id])
+    _wait_for_exec(live.pid, running_id)
     try:
         record(tmp_path, running_id, pid=live.pid)
         (tmp_path / "checkpoints").mkdir()                       # the user's: wrong name
