@@ -1,3 +1,11 @@
-from .cli import main
+# the signal handlers first: a Ctrl-C while the rest is still being imported ends cleanly too
+from .interrupt import run_interruptible
 
-raise SystemExit(main())
+
+def _main() -> int:
+    from .cli import unguarded_main
+
+    return unguarded_main()
+
+
+raise SystemExit(run_interruptible(_main))

@@ -1,13 +1,20 @@
 """The node supervisor ("agent"): a stdlib-only program that ddpfab runs on each node for a job.
 
-ddpfab sends this file's source over SSH with the job spec as its argument (nothing to install on
-the nodes beyond a python). It:
+ddpfab sends this file's source and then the job spec over the SSH session's stdin (nothing to
+install on the nodes beyond a python; nothing secret in any command line: ``ps`` on the node shows
+``python -c <a short loader> LENGTH ddpfab-agent RUN_ID``). The spec holds the job's argv, workdir
+and environment as data; the job is started without a shell, so its env values (secrets
+included) are in no process's argv, only in the job's own environment, which only its user (and
+root) can read. It:
 
 - becomes a child subreaper, so every descendant of the job stays its descendant even when its
   parent dies (torchrun starts its workers in sessions of their own, so a process group alone
   would miss them);
-- starts the job's shell command in a new session, records its pid and the agent's under the run's
-  remote dir, relays the output to ddpfab (stdout) and to ``output.log`` there;
+- writes its own record (``agent.json``) under the run's remote dir *before* starting the job (a
+  supervisor that cannot record itself, e.g. on a full disk, starts nothing), then starts the job
+  in a new session with ``DDPFAB_JOB=<run id>`` in its environment (every process of the job
+  inherits it, so ``ddpfab stop`` and the controller's cleanup find the job even when this
+  supervisor was killed), and relays the output to ddpfab (stdout) and to ``output.log`` there;
 - ends the whole job tree (TERM, then KILL after a grace period) when ddpfab closes its end of the
   link (stdin EOF: that is what an SSH session delivers when the controller exits, is killed, or
   says stop; a ``!`` byte asks for a fast stop), when ddpfab's heartbeat (a byte on stdin every second) stops for longer than the
@@ -19,7 +26,9 @@ the nodes beyond a python). It:
   the job) it watches torchrun's workers through pidfds and, the moment one exits with an error,
   ends the node's job itself instead of waiting for torchrun to notice, tear down and exit (about a
   second with torch loaded): that second is most of a crash's teardown time;
-- exits with the job's exit code (128+N for a signal), after writing it to ``exit_code``.
+- exits with the job's exit code (128+N for a signal), after writing it to ``exit_code``; its
+  ``result.json`` says when the job failed (``failed_at``, this node's clock) if it failed on its
+  own, so ddpfab can blame the node that failed first.
 
 Killing is by this job's process tree only, never by a name pattern: two jobs may share a host.
 """
@@ -45,6 +54,76 @@ FAST_GRACE = 0.1
 TAIL_SETTLE = 0.25
 #: Modules whose process is torchrun (or the legacy launcher); its children are the workers.
 LAUNCHER_MODULES = (b"torch.distributed.run", b"torch.distributed.launch")
+#: Every process of a job carries ``JOB_MARKER=<run id>`` in its environment.
+JOB_MARKER = "DDPFAB_JOB"
+#: The agent's exit code when it could not start the job at all (no record, no workdir, no program).
+CANNOT_START = 125
+
+
+def read_exactly(fd, n):
+    """*n* bytes from *fd* (a pipe may deliver fewer per read), or fewer if it ends first."""
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def read_frame(fd=0):
+    """One ``LENGTH\\n`` + LENGTH bytes frame from *fd*, read byte-exactly: what follows on stdin
+    (heartbeats, the stop byte) must stay in the pipe for :func:`main`."""
+    header = b""
+    while not header.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte or len(header) > 20:
+            raise ValueError("no job spec on stdin")
+        header += byte
+    n = int(header)
+    data = read_exactly(fd, n)
+    if len(data) != n:
+        raise ValueError("the job spec on stdin is truncated")
+    return data
+
+
+def marked_processes(run_id, uid=None):
+    """Pids of the processes whose environment holds ``DDPFAB_JOB=<run_id>`` (only those of
+    *uid*, default ours: another user's environ cannot be read anyway)."""
+    want = ("%s=%s" % (JOB_MARKER, run_id)).encode()
+    uid = os.getuid() if uid is None else uid
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            if os.stat("/proc/" + entry).st_uid != uid:
+                continue
+            with open("/proc/%s/environ" % entry, "rb") as fh:
+                if want in fh.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def end_marked(run_id, grace):
+    """End every process of job *run_id* found by its marker (TERM, KILL after *grace* s); the
+    number of processes found. For a job whose supervisor is gone."""
+    pids = marked_processes(run_id)
+    if not pids:
+        return 0
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and marked_processes(run_id):
+        time.sleep(0.05)
+    for _ in range(100):
+        left = marked_processes(run_id)
+        if not left:
+            break
+        _signal_all(left, signal.SIGKILL)
+        time.sleep(0.02)
+    return len(pids)
 
 
 def _set_subreaper():
@@ -275,23 +354,59 @@ def prune_records(root, own, keep):
     return removed
 
 
+def _job_env(spec):
+    """This session's environment, the plan's env over it, and the job marker (always last)."""
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
+    env[JOB_MARKER] = str(spec.get("run_id"))
+    return env
+
+
+def _job_argv(spec):
+    """The job's argv: the plan's (no shell: nothing is parsed), or a shell line (tests only)."""
+    if spec.get("argv"):
+        return [str(a) for a in spec["argv"]]
+    return ["/bin/sh", "-c", spec["command"]]
+
+
+def _say(text):
+    """A line for ddpfab (our stdout is its channel) that also goes to stderr when detached."""
+    try:
+        os.write(1, ("ddpfab-agent: %s\n" % text).encode())
+    except OSError:
+        pass
+
+
 def main(spec):
+    run_id = spec.get("run_id")
     run_dir = os.path.expanduser(spec["dir"])
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    os.chmod(run_dir, 0o700)
+    grace = float(spec.get("grace", 3))
+    silence = float(spec.get("silence", 0))
+    detached = bool(spec.get("detached"))
+    record_path = os.path.join(run_dir, "agent.json")
+    if os.path.exists(record_path):
+        _say("run id %s was used on this node already (%s); the job was not started" % (run_id, run_dir))
+        return CANNOT_START
+    try:  # our own record first: a supervisor nobody can find must not start anything
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        os.chmod(run_dir, 0o700)
+        log = open(os.path.join(run_dir, "output.log"), "ab")
+        _write(record_path, json.dumps({"run_id": run_id, "agent_pid": os.getpid(), "pid": None, "pgid": None,
+                                        "started": time.time(), "marker": JOB_MARKER}) + "\n")
+    except OSError as exc:
+        _say("cannot write the run record in %s (%s); the job was not started" % (run_dir, exc))
+        return CANNOT_START
     try:  # housekeeping must never fail the job
         prune_records(os.path.dirname(run_dir.rstrip("/")), os.path.basename(run_dir.rstrip("/")),
                       int(spec.get("keep_records", KEEP_RECORDS)))
     except (OSError, ValueError):
         pass
-    grace = float(spec.get("grace", 3))
-    silence = float(spec.get("silence", 0))
-    detached = bool(spec.get("detached"))
     last_beat = [time.monotonic()]
     grace_now = [grace]
     _set_subreaper()
     stop = threading.Event()
     reason = []
+    failed_at = []
 
     def request_stop(why):
         if not stop.is_set():
@@ -303,12 +418,26 @@ def main(spec):
 
     import subprocess
 
-    log = open(os.path.join(run_dir, "output.log"), "ab")
-    job = subprocess.Popen(["/bin/sh", "-c", spec["command"]], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    _write(os.path.join(run_dir, "agent.json"), json.dumps({
-        "run_id": spec.get("run_id"), "agent_pid": os.getpid(), "pid": job.pid, "pgid": job.pid,
-        "started": time.time(), "command": spec["command"]}) + "\n")
+    try:
+        job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
+                               env=_job_env(spec), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as exc:
+        text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
+        log.write(("ddpfab-agent: %s\n" % text).encode())
+        log.close()
+        _say(text)
+        _write(os.path.join(run_dir, "result.json"), json.dumps({
+            "exit_code": 127, "ended": time.time(), "failed_at": time.time(), "stopped": None,
+            "restarts": 0}) + "\n")
+        _write(os.path.join(run_dir, "exit_code"), "127\n")
+        return 127
+    try:
+        _write(record_path, json.dumps({
+            "run_id": run_id, "agent_pid": os.getpid(), "pid": job.pid, "pgid": job.pid,
+            "started": time.time(), "marker": JOB_MARKER}) + "\n")
+    except OSError as exc:  # the first record names us; the job is found by its marker anyway
+        _say("cannot update the run record (%s)" % exc)
 
     def watch_link():
         # ddpfab writes only heartbeats to stdin; EOF means it closed the link or went away
@@ -335,8 +464,11 @@ def main(spec):
                 break
             if not chunk:
                 break
-            log.write(chunk)
-            log.flush()
+            try:
+                log.write(chunk)
+                log.flush()
+            except OSError:
+                pass  # a full disk must not stop the relay (nor the job)
             if link_ok and not detached:
                 try:
                     os.write(1, chunk)
@@ -348,6 +480,7 @@ def main(spec):
 
     def worker_failed(pid, how):
         failed_worker.append(pid)
+        failed_at.append(time.time())
         if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
             return
         grace_now[0] = min(grace, FAST_GRACE)
@@ -363,22 +496,76 @@ def main(spec):
         stop.wait(0.05)
         if silence and not detached and time.monotonic() - last_beat[0] > silence:
             request_stop("controller silent for %.0f s" % silence)
+    if job.poll() is not None and not reason:
+        failed_at.append(time.time())  # the job ended by itself (its failure time if it failed)
     end_tree(grace_now[0], job.pid)  # the job's main process ended or we were told to stop: nothing may outlive it
     code = job.wait()
     relayer.join(timeout=2)
     if code < 0:
         code = 128 - code
-    if failed_worker and reason and reason[0].startswith("a worker failed"):
+    own_failure = bool(failed_worker and reason and reason[0].startswith("a worker failed"))
+    if own_failure:
         code = 1  # what torchrun itself exits with when a worker fails
     if reason:
         _write(os.path.join(run_dir, "stopped"), reason[0] + "\n")
+    failed = code != 0 and (own_failure or not reason)
     _write(os.path.join(run_dir, "result.json"), json.dumps({
         "exit_code": code, "ended": time.time(), "stopped": reason[0] if reason else None,
+        "failed_at": min(failed_at) if failed and failed_at else None,
         "restarts": _restarts(spec.get("log_dir"))}) + "\n")
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
     log.close()
     return code
 
 
+def stop_job(run_dir, grace):
+    """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
+    then end whatever of the job is left by its marker: a job whose supervisor was killed (its
+    orphans) is ended too, and said so. Prints one line; exit 1 if something would not stop."""
+    run_dir = os.path.expanduser(run_dir)
+    run_id = os.path.basename(run_dir.rstrip("/"))
+    try:
+        with open(os.path.join(run_dir, "agent.json")) as fh:
+            pid = int(json.load(fh)["agent_pid"])
+        said = "not running"
+    except (OSError, ValueError, KeyError, TypeError):
+        pid, said = None, "absent"
+
+    def alive():
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as fh:
+                return run_id.encode() in fh.read().split(b"\0")
+        except (OSError, TypeError):
+            return False
+
+    if pid and alive():
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace + 5
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if alive():
+            print("still running")
+            return 1
+        said = "stopped"
+    orphans = end_marked(run_id, grace)
+    if orphans:
+        said = ("stopped, and" if said == "stopped" else "its supervisor was gone:") + \
+            " ended %d orphaned job process%s" % (orphans, "" if orphans == 1 else "es")
+    print(said)
+    return 1 if marked_processes(run_id) else 0
+
+
+def _detach_stdin():
+    """A detached supervisor has read its spec: stdin is the finished SSH session's, let it go."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+
+
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    if len(sys.argv) > 4 and sys.argv[2] == "ddpfab-stop":  # [-c, LENGTH, ddpfab-stop, DIR, GRACE]
+        sys.exit(stop_job(sys.argv[3], float(sys.argv[4])))
+    _spec = json.loads(read_frame(0))
+    if _spec.get("detached"):
+        _detach_stdin()
+    sys.exit(main(_spec))

@@ -86,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(plan)
     plan.add_argument("--emit", metavar="DIR",
                       help="write DIR/node<rank>_<host>.sh per node (the exact env and launcher command) and "
-                           "DIR/README.txt (which to run where, with the ssh command line)")
+                           "DIR/README.txt (which to run where, with the ssh command line); private files, "
+                           "and a non-empty DIR that ddpfab did not write is refused")
+    plan.add_argument("--force", action="store_true",
+                      help="--emit into a non-empty directory anyway (only ddpfab's own files are written)")
 
     lab = sub.add_parser("lab", help="a local multi-host lab in network namespaces (root)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
@@ -121,6 +124,13 @@ PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "sync", "fetch", "execut
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse and run one command; SIGINT/SIGTERM at any stage end it with one line (130/143)."""
+    from .interrupt import run_interruptible
+
+    return run_interruptible(lambda: unguarded_main(argv))
+
+
+def unguarded_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -138,6 +148,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ropts = recover.recovery_options(args, cluster)
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
         options = _run_options(args, planmod, new_run_id)
+        if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
+            raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
+                                    "exists already: a run id names one run; pick another (or leave --run-id out)")
         if args.dry_run and args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
@@ -239,7 +252,7 @@ def _run_options(args: argparse.Namespace, planmod, new_run_id):
     return planmod.RunOptions(
         script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
         master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
-        run_id=args.run_id or new_run_id(), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
+        run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
         launcher=args.launcher, init_method=args.init_method, debug=args.debug)
 
 
@@ -265,7 +278,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _die(exc.problems + ["nothing was planned"])
     if not args.emit:
         return _print_dry_run(plan, args.json, mask_plan, offline=args.offline)
-    written = emit.write(plan, args.emit, cluster)
+    try:
+        written = emit.write(plan, args.emit, cluster, force=args.force)
+    except (emit.EmitError, OSError) as exc:
+        return _die(str(exc))
     for path in written:
         sys.stderr.write(f"ddpfab: wrote {path}\n")
     print((written[-1]).read_text(), end="")
@@ -283,7 +299,7 @@ def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
         except OSError as exc:
             raise planmod.PlanError(f"env file {path}: {exc.strerror}") from None
         merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
-    merged.update(planmod.parse_env(args.env))
+    merged.update(planmod.parse_env(args.env, dict(os.environ)))
     return tuple(merged.items())
 
 

@@ -23,7 +23,9 @@ def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = T
 
 def add_env_args(p: argparse.ArgumentParser) -> None:
     """The ranks' environment: --env, --env-file, and the forwarding of this shell's variables."""
-    p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for every rank")
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="environment for every rank; a bare KEY takes its value from this shell "
+                        "(keeps a secret out of ddpfab's own command line)")
     p.add_argument("--env-file", action="append", default=[], metavar="FILE",
                    help="KEY=VALUE lines for every rank (--env wins over it)")
     p.add_argument("--no-forward-env", action="store_true",

@@ -116,27 +116,64 @@ def readme(plan: Plan, cluster: Cluster | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(plan: Plan, directory: str | os.PathLike, cluster: Cluster | None = None) -> list[Path]:
-    """Write every node's script and the README into *directory* (private, mode 0700); scripts of a
-    previous emit there are removed first, so the directory holds exactly this plan."""
+class EmitError(Exception):
+    """The scripts cannot be written where asked; the message says why and what to do."""
+
+
+#: The list of files ddpfab wrote into an emit dir: all that a later emit there may replace.
+MARKER = ".ddpfab-emit"
+
+
+def _own_files(out: Path) -> list[str] | None:
+    """The names a previous emit recorded in *out*, or None when ddpfab never wrote there."""
+    marker = out / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    return [n for n in marker.read_text(encoding="utf-8").splitlines() if n and "/" not in n and n != MARKER]
+
+
+def write(plan: Plan, directory: str | os.PathLike, cluster: Cluster | None = None, force: bool = False) -> list[Path]:
+    """Write every node's script and the README into *directory*: files 0700/0600 (they may hold
+    secrets), a new directory 0700. An existing directory is never re-moded, and one that is not
+    empty is refused unless ddpfab emitted there before (its ``.ddpfab-emit`` lists what it
+    wrote: only those files are replaced) or *force* (then ddpfab writes its own files and
+    touches nothing else)."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(out, 0o700)
-    for old in out.glob("node*_*.sh"):
-        old.unlink()
+    if not out.exists():
+        out.mkdir(parents=True, mode=0o700)
+        os.chmod(out, 0o700)  # (mkdir's mode is filtered by the umask)
+    elif not out.is_dir() or out.is_symlink():
+        raise EmitError(f"--emit {out}: exists and is not a directory; pick a new directory")
+    ours = _own_files(out)
+    if ours is None and any(out.iterdir()) and not force:
+        raise EmitError(f"--emit {out}: the directory is not empty and ddpfab did not write it; pick a new or "
+                        "empty directory, or --force to add ddpfab's files there (nothing else is touched)")
+    for name in ours or []:  # a previous emit's scripts: the directory holds exactly this plan
+        old = out / name
+        if old.is_file() and not old.is_symlink():
+            old.unlink()
     written = []
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
         path = out / script_name(node)
-        _write_private(path, node_script(plan, node, shlex.join(ssh_words(node, cluster))), 0o700)
+        write_private(path, node_script(plan, node, shlex.join(ssh_words(node, cluster))), 0o700)
         written.append(path)
     path = out / README
-    _write_private(path, readme(plan, cluster), 0o600)
+    write_private(path, readme(plan, cluster), 0o600)
     written.append(path)
+    write_private(out / MARKER, "".join(f"{p.name}\n" for p in written), 0o600)
     return written
 
 
-def _write_private(path: Path, text: str, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.chmod(path, mode)
+def write_private(path: Path, text: str, mode: int) -> None:
+    """A new file with *mode* from the start, then renamed over *path* (never writes through a
+    link, never leaves an old file's looser mode)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -11,8 +11,9 @@ Each node connects and runs on its own thread through the same SSH layer as ``dd
 keys verified; an unreachable node is reported, the others still run). stdout lines go to stdout,
 stderr lines to stderr, each prefixed ``<host> |`` as they arrive. The exit status is 0 when every
 node exited 0, else the first failing node's exit code (255 for a node ddpfab could not reach).
-The remote command gets no terminal: a Ctrl-C here closes the connections, and a remote command
-that neither reads stdin nor writes may outlive it (as with plain ``ssh host cmd``).
+The remote command gets no terminal and reads /dev/null; it runs in a session of its own that
+ends (TERM, then KILL after 2 s) when the connection closes, so a Ctrl-C here (exit 130) leaves
+nothing running on any node, unlike plain ``ssh host cmd``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ def remote_command(words: list[str]) -> str:
     if not words:
         raise ValueError("no command given (put it after --)")
     return words[0] if len(words) == 1 else shlex.join(words)
+
+
+def guarded(command: str) -> str:
+    """*command* run so that it ends with the connection: in a session of its own (stdin from
+    /dev/null), while a watcher reads this SSH session's stdin, which ddpfab keeps open; when it
+    closes (ddpfab exits, is interrupted or killed, or the connection drops) the watcher ends
+    the command's whole process group, TERM then KILL. Without it a quiet remote command would
+    outlive a Ctrl-C (no terminal, so no SIGHUP)."""
+    return ("exec 3<&0; "
+            f'setsid "${{SHELL:-sh}}" -c {shlex.quote(command)} </dev/null 3<&- & p=$!; '
+            '( cat <&3 >/dev/null; kill -s TERM -- "-$p" || {{ sleep 0.2; kill -s TERM -- "-$p"; }}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
+            'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
 
 
 @dataclass
@@ -105,8 +118,7 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
         chan = conn.transport.open_session(timeout=30)
         if timeout:
             chan.settimeout(timeout)
-        chan.exec_command(command)
-        chan.shutdown_write()
+        chan.exec_command(guarded(command))  # our end of stdin stays open: closing it ends the command
         err_thread = threading.Thread(target=_pump, args=(chan, chan.recv_stderr, node.name, printer, True),
                                       daemon=True)
         err_thread.start()

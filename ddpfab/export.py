@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -501,22 +502,10 @@ def register(subparsers) -> None:
 
 
 def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
-    """The same environment ``ddpfab run`` would give the ranks: forwarded allowlist, then env
-    files, then --env (later wins)."""
-    merged: dict[str, str] = {}
-    if not args.no_forward_env and hasattr(planmod, "forwarded_env"):
-        merged.update(planmod.forwarded_env(dict(os.environ)))
-    for path in args.env_file:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as exc:
-            raise planmod.PlanError(f"env file {path}: {exc.strerror}") from None
-        if not hasattr(planmod, "read_env_file"):
-            raise planmod.PlanError("--env-file is not supported by this version of ddpfab")
-        merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
-    merged.update(planmod.parse_env(args.env))
-    return tuple(merged.items())
+    """The same environment ``ddpfab run`` would give the ranks (one definition: the run's)."""
+    from .cli import _env as run_env
+
+    return run_env(args, planmod)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -532,6 +521,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
             run_id=args.run_id or new_run_id())
         cluster, plan = plan_for_export(args.inventory, args.group, options)
+        if not args.output:  # printed: secret values masked by key; -o writes them to a private file
+            from .plan import Plan
+            from .runs import mask_plan
+
+            masked = Plan.from_dict(mask_plan(plan.to_dict()))
+            if masked != plan:
+                sys.stderr.write("ddpfab: secret env values are masked (***) on stdout; -o FILE writes them "
+                                 "into a private file\n")
+            plan = masked
         gpus = args.gpus_per_node if args.gpus_per_node is not None else inventory_gpus(cluster)
         if args.export_target == "slurm":
             text = to_sbatch(plan, job_name=args.job_name, gpus_per_node=gpus, cpus_per_task=args.cpus_per_task,
@@ -548,11 +546,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (inventory.InventoryError, planmod.PlanError, ExportError) as exc:
         sys.stderr.write(f"ddpfab: error: {exc}\n")
         return 2
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        if args.export_target == "slurm":
-            os.chmod(args.output, 0o755)
+    if args.output:  # it holds the real env values, secrets too: private from the start
+        from .emit import write_private
+
+        try:
+            write_private(Path(args.output), text, 0o700 if args.export_target == "slurm" else 0o600)
+        except OSError as exc:
+            sys.stderr.write(f"ddpfab: error: -o {args.output}: {exc.strerror or exc}\n")
+            return 2
         sys.stderr.write(f"ddpfab: wrote {args.output}\n")
     else:
         sys.stdout.write(text)

@@ -157,6 +157,7 @@ def _ansible_env() -> None:
     os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "true")
     os.environ.setdefault("ANSIBLE_INVENTORY_ENABLED", "host_list,yaml,ini,toml,auto")
     os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "false")
+    os.environ.setdefault("ANSIBLE_DUPLICATE_YAML_DICT_KEY", "error")  # a host listed twice is an error
 
 
 def load(source: str | os.PathLike, group: str = "all") -> Cluster:
@@ -175,9 +176,12 @@ def load(source: str | os.PathLike, group: str = "all") -> Cluster:
     key = invcache.key(path, group)
     cached = invcache.get(key)
     if cached is not None:
-        return Cluster(source=str(path), group=group, nodes=tuple(Node(**n) for n in cached))
-    cluster = _load_with_ansible(path, group)
-    invcache.put(key, [dataclasses.asdict(n) for n in cluster.nodes])
+        cluster = Cluster(source=str(path), group=group, nodes=tuple(Node(**n) for n in cached))
+    else:
+        cluster = _load_with_ansible(path, group)
+        invcache.put(key, [dataclasses.asdict(n) for n in cluster.nodes])
+    _check_ini_repeats(path)  # (on a cached load too: the cache may predate these checks)
+    _check_duplicates(path, list(cluster.nodes))
     return cluster
 
 
@@ -227,6 +231,46 @@ def _load_with_ansible(path: Path, group: str) -> Cluster:
     return Cluster(source=str(path), group=group, nodes=tuple(nodes))
 
 
+def _check_duplicates(path: Path, nodes: list[Node]) -> None:
+    """One machine, one node: two entries that reach the same sshd would run two node ranks
+    there in the same run dir (and a YAML key given twice is refused by the parser itself)."""
+    seen: dict[tuple, str] = {}
+    for n in nodes:
+        where = (n.host, n.port or 22, n.user)
+        if where in seen:
+            raise InventoryError(f"inventory {path}: host {n.name} is listed twice: it reaches the same "
+                                 f"{n.user + '@' if n.user else ''}{n.host}:{n.port or 22} as {seen[where]}; "
+                                 "list each machine once")
+        seen[where] = n.name
+
+
+def _check_ini_repeats(path: Path) -> None:
+    """Ansible merges a host written twice in one INI section into one (the last line's vars
+    win): an error here, naming it. (YAML repeats are refused by the parser.)"""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return
+    first = next((ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith(("#", ";"))), "")
+    if not first.startswith("["):
+        return  # not INI
+    section, seen = None, set()
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith(("#", ";")):
+            continue
+        if text.startswith("["):
+            section, seen = text, set()
+            continue
+        if section is None or section.endswith((":vars]", ":children]")):
+            continue
+        host = text.split()[0]
+        if host in seen:
+            raise InventoryError(f"inventory {path}, line {number}: host {host} is listed twice in {section}; "
+                                 "list each host once (Ansible would merge the two silently)")
+        seen.add(host)
+
+
 @contextlib.contextmanager
 def _strict_parsing():
     """The same settings as :func:`_ansible_env`, on Ansible's constants themselves: when ansible
@@ -234,6 +278,7 @@ def _strict_parsing():
     from ansible import constants as C
 
     wanted = {"INVENTORY_UNPARSED_IS_FAILED": True, "INVENTORY_ANY_UNPARSED_IS_FAILED": True,
+              "DUPLICATE_YAML_DICT_KEY": "error",
               "INVENTORY_ENABLED": ["host_list", "yaml", "ini", "toml", "auto"]}
     saved = {k: getattr(C, k) for k in wanted if hasattr(C, k)}
     for k, v in wanted.items():

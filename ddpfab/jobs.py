@@ -2,8 +2,9 @@
 
 Everything here reads the records the node supervisor keeps under each node's run dir
 (``agent.json``: pids; ``exit_code``/``result.json``: the end), and signals only the supervisor
-named there, after checking that the pid still belongs to that run. Never a name pattern: two
-jobs, or two users, may share a host.
+named there, after checking that the pid still belongs to that run; a job whose supervisor is gone
+is found by the ``DDPFAB_JOB=<run id>`` marker in its processes' environment. Never a name
+pattern: two jobs, or two users, may share a host.
 """
 
 from __future__ import annotations
@@ -45,29 +46,6 @@ for rid in (sorted(os.listdir(root)) if os.path.isdir(root) else []):
     out.append({"run_id": rid, "state": state, "exit_code": code, "started": rec.get("started"),
                 "agent_pid": rec["agent_pid"], "dir": d, "now": time.time()})
 print(json.dumps(out))
-"""
-
-#: Runs on a node: ask one run's supervisor to end the job, wait until it has.
-STOP_SNIPPET = r"""
-import json, os, signal, sys, time
-d = os.path.expanduser(sys.argv[1]); rid = os.path.basename(d.rstrip("/"))
-try:
-    rec = json.load(open(os.path.join(d, "agent.json")))
-except (OSError, ValueError):
-    print("absent"); sys.exit(0)
-pid = rec["agent_pid"]
-def alive():
-    try:
-        return rid.encode() in open("/proc/%d/cmdline" % pid, "rb").read()
-    except OSError:
-        return False
-if not alive():
-    print("not running"); sys.exit(0)
-os.kill(pid, signal.SIGTERM)
-deadline = time.time() + float(sys.argv[2])
-while alive() and time.time() < deadline:
-    time.sleep(0.05)
-print("stopped" if not alive() else "still running"); sys.exit(0 if not alive() else 1)
 """
 
 #: Runs on a node: stream a run's output.log from the start, follow it until the job has ended.
@@ -245,7 +223,7 @@ def cmd_ps(args) -> int:
 @_guard
 def cmd_stop(args) -> int:
     from . import ssh
-    from .launch import STOP_GRACE_S
+    from .launch import STOP_GRACE_S, stop_command
 
     from .recover import stop_supervisor
 
@@ -257,10 +235,13 @@ def cmd_stop(args) -> int:
     run_id = (manifest or {}).get("run_id", args.run_id)
     cluster = _cluster(args, manifest)
     conns = _connect(args, cluster)
+
+    def stop(n):
+        command, stdin = stop_command(n.python, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S)
+        return ssh.run(conns[n.name], n.name, command, timeout=30, stdin=stdin)
+
     try:
-        results = ssh.parallel(cluster.nodes, lambda n: ssh.run(
-            conns[n.name], n.name, _py(n, STOP_SNIPPET, _remote_dir(n.name, manifest, run_id),
-                                       str(STOP_GRACE_S + 5)), timeout=30))
+        results = ssh.parallel(cluster.nodes, stop)
     finally:
         for c in conns.values():
             c.close()
@@ -294,9 +275,9 @@ def cmd_attach(args) -> int:
         codes: dict[str, int] = {}
         try:
             codes = _follow_all(plan, cluster, conns, printer)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
-            return 130
+            return getattr(exc, "exit_code", 130)
         finally:
             for c in conns.values():
                 c.close()

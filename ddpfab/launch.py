@@ -8,25 +8,23 @@ process tree, so no process outlives the run.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import queue
 import re
 import shlex
-import signal
 import sys
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, Callable, TextIO
 
 from fabric import Connection
 
 from . import agent as agent_module
 from . import hints
+from .interrupt import Interrupted, signals_raise
 from .plan import NodePlan, Plan
 
 #: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
@@ -46,25 +44,40 @@ COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 WAIT_REPORT_S = 60.0
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached ddpfab."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def agent_source() -> str:
     return Path(agent_module.__file__).read_text()
 
 
-def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
-    """The command ddpfab really sends: the node's python running the supervisor, which runs
-    ``node.command`` (the line ``--dry-run`` prints) in its own session."""
-    packed = base64.b64encode(zlib.compress(agent_source().encode(), 9)).decode()
-    boot = f'import base64,zlib;exec(zlib.decompress(base64.b64decode("{packed}")))'
-    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "command": node.command, "grace": STOP_GRACE_S,
-            "log_dir": f"{node.remote_dir}/torchrun"}
+#: What a node's python runs (``python -c AGENT_LOADER LENGTH ddpfab-agent RUN_ID``): read the
+#: supervisor's code (LENGTH bytes) from stdin and run it; it then reads its spec from stdin. Short
+#: and readable in ``ps``, and nothing in it (or after it) is secret.
+AGENT_LOADER = ("import os,sys\n"
+                "n=int(sys.argv[1]);b=b''\n"
+                "while len(b)<n:\n"
+                " c=os.read(0,n-len(b))\n"
+                " if not c:sys.exit('ddpfab-agent: no code on stdin')\n"
+                " b+=c\n"
+                "exec(compile(b,'ddpfab-agent','exec'),{'__name__':'__main__'})")
+
+
+def agent_command(python: str, *words: str) -> str:
+    """``python -c AGENT_LOADER LENGTH WORDS...``: the supervisor's code comes on stdin
+    (:func:`agent_source` first, then what the op reads)."""
+    return shlex.join([python, "-c", AGENT_LOADER, str(len(agent_source().encode())), *words])
+
+
+def stop_command(python: str, remote_dir: str, grace: float) -> tuple[str, bytes]:
+    """Command and stdin that end run *remote_dir*'s job on a node: its supervisor, then any of
+    its processes left (found by their ``DDPFAB_JOB`` marker, e.g. when the supervisor was
+    killed). Prints one line: stopped / not running / absent / ``its supervisor was gone: ended
+    N orphaned job processes``."""
+    return agent_command(python, "ddpfab-stop", remote_dir, f"{grace:g}"), agent_source().encode()
+
+
+def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
+    """The job as data for the supervisor: argv, workdir and env (no shell line to parse)."""
+    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "workdir": node.workdir, "argv": list(node.argv),
+            "env": dict(node.env), "grace": STOP_GRACE_S, "log_dir": f"{node.remote_dir}/torchrun"}
     if os.environ.get("DDPFAB_KEEP_RECORDS"):  # run records each node keeps (agent.KEEP_RECORDS)
         spec["keep_records"] = int(os.environ["DDPFAB_KEEP_RECORDS"])
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
@@ -73,14 +86,30 @@ def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
         spec["detached"] = True
     else:
         spec["silence"] = SILENCE_S
-    start = f"{shlex.quote(node.python)} -c {shlex.quote(boot)} {shlex.quote(json.dumps(spec))}"
+    return spec
+
+
+def agent_input(plan: Plan, node: NodePlan, detach: bool = False) -> bytes:
+    """What goes to the supervisor's stdin first: its code, then its spec (env values included:
+    they travel inside the SSH session, never in a command line)."""
+    spec = json.dumps(agent_spec(plan, node, detach)).encode()
+    return agent_source().encode() + b"%d\n" % len(spec) + spec
+
+
+def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
+    """The command ddpfab really sends: the node's python running the supervisor, which reads its
+    code and the job spec (:func:`agent_input`) from stdin and starts ``node.argv`` in its own
+    session. Nothing secret in it: ``ps`` on the node shows ``... ddpfab-agent RUN_ID``."""
+    start = agent_command(node.python, "ddpfab-agent", plan.run_id)
     if not detach:
         return start
-    # detached: a new session, no link to this SSH session; report once the supervisor is up
+    # detached: a new session, no link to this SSH session; report once the supervisor is up.
+    # A background command's stdin is /dev/null unless redirected: fd 3 hands it this session's.
     record = shlex.quote(f"{node.remote_dir}/agent.json")
     # (`a && b &` would background a subshell that keeps this session's stdout open until b ends)
-    return (f"mkdir -p -m 700 {shlex.quote(node.remote_dir)} || exit 1; "
-            f"setsid {start} </dev/null >/dev/null 2>&1 & "
+    return (f"[ -e {record} ] && {{ echo 'ddpfab: run id {plan.run_id} was used on this node already' >&2; exit 1; }}; "
+            f"mkdir -p -m 700 {shlex.quote(node.remote_dir)} || exit 1; exec 3<&0; "
+            f"setsid {start} <&3 3<&- >/dev/null 2>&1 & exec 3<&-; "
             f"for i in $(seq 100); do [ -s {record} ] && exit 0; sleep 0.05; done; "
             f"echo 'ddpfab: the node supervisor did not start' >&2; exit 1")
 
@@ -100,6 +129,7 @@ class NodeOutcome:
     stopped_by_ddpfab: bool = False
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
     hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
+    cleanup: str | None = None  # what ending a supervisor-less job there found (None: not needed)
 
     def to_dict(self) -> dict:
         return {"node_rank": self.node_rank, "exit_code": self.exit_code, "error": self.error,
@@ -108,7 +138,8 @@ class NodeOutcome:
                 "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab,
                 "last_state": self.state(time.monotonic()),
                 "restarts": (self.remote or {}).get("restarts"),
-                "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints}
+                "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints,
+                "failed_at": (self.remote or {}).get("failed_at"), "cleanup": self.cleanup}
 
     def state(self, now: float) -> str:
         """What the node looked like from here: silent, in rendezvous (only torchrun has spoken),
@@ -201,10 +232,10 @@ class Printer:
 
 
 class _NodeJob:
-    def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log_path: Path,
-                 events: queue.Queue):
+    def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
+                 events: queue.Queue, reconnect: Callable[[str], Connection] | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
-        self.log_path, self.events = log_path, events
+        self.log, self.events, self.reconnect = log, events, reconnect
         self.outcome = NodeOutcome(node.name, node.node_rank)
         self.chan = None
         self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
@@ -287,57 +318,110 @@ class _NodeJob:
             self.outcome.hints.append(hint)
 
     def _run(self) -> None:
+        """The node's whole life on the controller; whatever goes wrong here is this node's
+        failure, reported like any other (the monitor always hears that the node ended)."""
         out = self.outcome
         out.started = time.time()
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "wb") as log:
-            try:
-                chan = self.conn.transport.open_session(timeout=30)
-                chan.set_combine_stderr(True)
-                chan.exec_command(remote_command(self.plan, self.node))
-                self.chan = chan
-                if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
-                    self.stop(self.fast_stop)
-                pending = b""
-                while True:
-                    data = chan.recv(65536)
-                    if not data:
-                        break
-                    log.write(data)
-                    log.flush()
-                    pending += data
-                    *complete, pending = pending.split(b"\n")
-                    if complete:
-                        out.last_line = time.monotonic()
-                    for raw in complete:
-                        self._line(raw.decode("utf-8", "replace").rstrip("\r"))
-                if pending:
-                    self._line(pending.decode("utf-8", "replace"))
-                out.exit_code = chan.recv_exit_status()
-                if out.exit_code == -1:
-                    out.exit_code = None
-                    out.error = out.error or "the SSH session ended without an exit status (connection lost)"
-            except Exception as exc:  # noqa: BLE001 - reported as this node's failure
-                out.error = f"{type(exc).__name__}: {exc}"
-            finally:
-                out.ended = time.time()
-                self.done.set()
-                self.events.put(self.node.name)  # first: the monitor may have others to stop
-        if out.exit_code is not None:
-            out.remote = self._result_record()
-        self.reported.set()
+        try:
+            self._stream(out)
+        except Exception as exc:  # noqa: BLE001 - reported as this node's failure
+            out.error = out.error or f"{type(exc).__name__}: {exc}"
+        finally:
+            out.ended = time.time()
+            self.done.set()
+            self.events.put(self.node.name)  # first: the monitor may have others to stop
+        try:
+            if out.exit_code != agent_module.CANNOT_START and not (out.error or "").startswith("lost"):
+                out.remote = self._result_record()
+                if out.remote is None:
+                    out.cleanup = self._clean_up_after_supervisor()
+        except Exception as exc:  # noqa: BLE001 - the record is informative; the exit code is what counts
+            out.cleanup = f"could not check the node afterwards: {type(exc).__name__}: {exc}"
+        finally:
+            self.reported.set()
+
+    def _stream(self, out: NodeOutcome) -> None:
+        log = self.log
+        with log:
+            chan = self.conn.transport.open_session(timeout=30)
+            chan.set_combine_stderr(True)
+            chan.exec_command(remote_command(self.plan, self.node))
+            chan.sendall(agent_input(self.plan, self.node))
+            self.chan = chan
+            if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
+                self.stop(self.fast_stop)
+            pending = b""
+            while True:
+                data = chan.recv(65536)
+                if not data:
+                    break
+                log.write(data)
+                log.flush()
+                pending += data
+                *complete, pending = pending.split(b"\n")
+                if complete:
+                    out.last_line = time.monotonic()
+                for raw in complete:
+                    self._line(raw.decode("utf-8", "replace").rstrip("\r"))
+            if pending:
+                self._line(pending.decode("utf-8", "replace"))
+            out.exit_code = chan.recv_exit_status()
+            if out.exit_code == -1:
+                out.exit_code = None
+                out.error = out.error or ("the node supervisor ended without an exit status (killed?)"
+                                          if self.conn.transport.is_active() else
+                                          "the SSH session ended without an exit status (connection lost)")
+
+    def _clean_up_after_supervisor(self) -> str:
+        """The supervisor left no result: it was killed or never started. Whatever of the job is
+        left on the node is ended by its marker, over a fresh connection (the old one may be the
+        reason it is gone). Returns what the node said."""
+        from . import ssh
+
+        conn = self.reconnect(self.node.name) if self.reconnect else self.conn
+        try:
+            command, stdin = stop_command(self.node.python, self.node.remote_dir, STOP_GRACE_S)
+            res = ssh.run(conn, self.node.name, command, timeout=STOP_WAIT_S + 5, stdin=stdin)
+            return res.stdout.strip() or res.stderr.strip()[-200:]
+        finally:
+            if conn is not self.conn:
+                conn.close()
 
 
-def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer) -> RunResult:
-    """Run *plan* on the open connections; block until every node is done; never leave one running."""
+def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None:
+    """The node whose failure came first, by the time each node reports for its job's failure
+    (``failed_at``, the node's clock); a node without one (lost, supervisor gone) counts at the
+    time ddpfab saw it end. A node whose job failed on its own is never "stopped by ddpfab"."""
+    times = {}
+    for name, out in outcomes.items():
+        failed_at = (out.remote or {}).get("failed_at")
+        if failed_at is not None and out.exit_code not in (None, 0):
+            times[name] = failed_at
+            out.stopped_by_ddpfab = False
+    if detected is not None and detected not in times:
+        times[detected] = outcomes[detected].ended
+    return min(times, key=lambda n: (times[n], outcomes[n].node_rank)) if times else None
+
+
+def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer,
+            reconnect: Callable[[str], Connection] | None = None) -> RunResult:
+    """Run *plan* on the open connections; block until every node is done; never leave one running.
+    *reconnect(name)* opens a fresh connection to a node (to clean up after a lost supervisor)."""
     events: queue.Queue = queue.Queue()
-    jobs = {n.name: _NodeJob(plan, n, conns[n.name], printer, log_dir / f"{n.name}.log", events)
+    logs = {}
+    try:  # every node's local log before any node starts: a node that cannot have one starts nothing
+        for n in plan.nodes:
+            path = log_dir / f"{n.name}.log"
+            logs[n.name] = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "wb")
+    except OSError as exc:
+        for log in logs.values():
+            log.close()
+        why = f"host {n.name}: cannot create its local log {path}: {exc.strerror or exc}; nothing was started"
+        printer.note(why)
+        return RunResult(2, {m.name: NodeOutcome(m.name, m.node_rank) for m in plan.nodes}, n.name, None, why)
+    jobs = {n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect)
             for n in plan.nodes}
-    interrupted: str | None = None
-    first_failure: str | None = None
     stop_deadline: float | None = None
-    wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
-    wait_every, quiet_since = wait_base, None
 
     def stop_all(fast: bool = False) -> None:
         nonlocal stop_deadline
@@ -347,13 +431,17 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                 if job.outcome.ended == 0:
                     job.stop(fast)
 
-    def on_signal(signum, frame):
-        raise Interrupted(signum)
+    with signals_raise():
+        return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline)
 
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
+
+def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, stop_all, stop_deadline) -> RunResult:
+    """Wait for every node; stop them all on the first failure or on SIGINT/SIGTERM."""
+    interrupted: str | None = None
+    first_failure: str | None = None
+    extra_wait: float | None = None
+    wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
+    wait_every, quiet_since, next_report = wait_base, None, 0.0
     try:
         started = time.monotonic()
         for job in jobs.values():
@@ -374,15 +462,16 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                     last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
                     if last != quiet_since:  # a rank printed: the next report is a full interval away
                         quiet_since, wait_every, next_report = last, wait_base, last + wait_base
-                    if wait_base > 0 and stop_deadline is None and now >= next_report:
+                    if wait_base > 0 and stop_deadline() is None and now >= next_report:
                         printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
                         wait_every *= 2  # a growing interval: a long wait is not a wall of notes
                         next_report = now + wait_every
-                    if stop_deadline is not None and time.monotonic() > stop_deadline:
+                    deadline = extra_wait or stop_deadline()
+                    if deadline is not None and time.monotonic() > deadline:
                         for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
                             jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
                             jobs[n].close()
-                        stop_deadline = time.monotonic() + 5
+                        extra_wait = time.monotonic() + 5
                     continue
                 pending.discard(name)
                 out = jobs[name].outcome
@@ -398,13 +487,16 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                     printer.note(f"{interrupted}: stopping the job on every node")
                     stop_all()
         for job in jobs.values():  # their supervisors' result records, fetched after the stop
-            job.reported.wait(timeout=10)
+            job.reported.wait(timeout=STOP_WAIT_S + 10)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for job in jobs.values():
             job.close()
     outcomes = {n: j.outcome for n, j in jobs.items()}
+    for name, out in outcomes.items():
+        if out.cleanup:
+            printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
+    if not interrupted:
+        first_failure = _blame(outcomes, first_failure)
     if interrupted:
         code = 130 if interrupted == "SIGINT" else 143
         summary = f"interrupted by {interrupted}; the job was stopped on every node"

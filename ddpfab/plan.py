@@ -42,6 +42,8 @@ INIT_METHODS = ("env", "tcp", "file")
 #: The env var that tells a training script (via :mod:`ddpfab.dist`) which init method to use.
 INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: A run id names a local and a remote directory: no separators, no dot-dot, no shell characters.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 
 
 class PlanError(Exception):
@@ -222,10 +224,22 @@ def read_env_file(text: str, source: str) -> list[str]:
     return pairs
 
 
-def parse_env(pairs: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """``K=V`` strings as pairs; a key that is not a shell identifier is an error, not a surprise."""
+def parse_env(pairs: list[str] | tuple[str, ...],
+              environ: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """``K=V`` strings as pairs; a key that is not a shell identifier is an error, not a surprise.
+
+    Args:
+        pairs: ``KEY=VALUE`` strings; with *environ*, a bare ``KEY`` takes its value from there
+            (``--env HF_TOKEN``: the secret is not in ddpfab's own command line either).
+        environ: the controller's environment, for bare keys.
+    """
     out = []
     for pair in pairs:
+        if environ is not None and "=" not in pair and _ENV_KEY.fullmatch(pair):
+            if pair not in environ:
+                raise PlanError(f"--env {pair}: no value given and {pair} is not set in this shell; "
+                                f"export it, or pass --env {pair}=VALUE")
+            pair = f"{pair}={environ[pair]}"
         key, sep, value = pair.partition("=")
         if not sep or not _ENV_KEY.fullmatch(key):
             raise PlanError(f"--env {pair!r}: expected KEY=VALUE with KEY made of letters, digits and '_'")
@@ -325,7 +339,16 @@ def remote_workdir(raw: str, home: str | None) -> str:
         raise PlanError(str(exc)) from None
 
 
+def check_run_id(run_id: str) -> str:
+    """*run_id*, or a PlanError: it becomes a directory name here and on every node."""
+    if not _RUN_ID.fullmatch(run_id or "") or ".." in run_id:
+        raise PlanError(f"--run-id {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
+                        "letter or digit, no '..'): it names a directory here and on every node")
+    return run_id
+
+
 def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
+    check_run_id(options.run_id)
     if not cluster.nodes:
         raise PlanError(f"inventory {cluster.source}: no nodes in group {cluster.group!r}")
     if not options.script:
@@ -403,35 +426,3 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
         max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
         init_method=options.init_method, debug=options.debug)
-
-
-def replan(plan: Plan, *, run_id: str, master_port: int, env: dict[str, str] | None = None) -> Plan:
-    """*plan* again under a new run id and master port (``ddpfab replay``): the same nodes, ranks,
-    python, workdir, script, args, launch style and env, with *env* replacing values (e.g. masked
-    secrets given again). Argv and command are rebuilt by the same code as :func:`make_plan`, so
-    ``replan(make_plan(c, o, f), run_id=r, master_port=p)`` equals ``make_plan`` with that run id
-    and port.
-    """
-    if not 1 <= master_port <= 65535:
-        raise PlanError(f"master port {master_port} is not a TCP port (1-65535)")
-    old_suffix = f"/{plan.run_id}"
-    nodes = []
-    for n in plan.nodes:
-        if not n.remote_dir.endswith(old_suffix):
-            raise PlanError(f"host {n.name}: recorded remote dir {n.remote_dir} does not end in the run id")
-        remote_dir = n.remote_dir[: -len(old_suffix)] + f"/{run_id}"
-        argv = torchrun_argv(n.python, nnodes=plan.nnodes, nproc=n.nproc, node_rank=n.node_rank,
-                             master_addr=plan.master_addr, master_port=master_port,
-                             max_restarts=plan.max_restarts, log_dir=f"{remote_dir}/torchrun",
-                             script=plan.script, args=tuple(plan.args), rdzv=plan.rdzv, run_id=run_id,
-                             launcher=plan.launcher)
-        node_env = dict(n.env)
-        node_env.update(env or {})
-        node_env["DDPFAB_RUN_ID"] = run_id
-        init_url = init_method_url(plan.init_method, master_addr=plan.master_addr, master_port=master_port,
-                                   shared_dir=n.shared_dir, run_id=run_id)
-        if init_url:
-            node_env[INIT_METHOD_VAR] = init_url
-        nodes.append(replace(n, remote_dir=remote_dir, argv=argv, env=node_env,
-                             command=shell_command(n.workdir, node_env, argv)))
-    return replace(plan, run_id=run_id, master_port=master_port, nodes=tuple(nodes))

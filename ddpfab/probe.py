@@ -231,7 +231,7 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
     def one(node: Node) -> NodeFacts:
         is_master = node.name == master.name
         facts = probe_node(conns[node.name], node, workdir=node.workdir or cwd,
-                           script=None if not script or os.path.isabs(script) else script,
+                           script=script or None,  # absolute paths too: the node joins and checks it
                            port=master_port if is_master else None,
                            find_port=is_master and master_port is None,
                            peers={k: v for k, v in addresses.items() if k != node.name},

@@ -1,10 +1,11 @@
 """``ddpfab replay RUN_ID``: run a recorded run again, exactly, or refuse and say why.
 
-The manifest (``runs/<id>/manifest.json``) holds the run's plan. Replay re-executes that plan
-(same nodes, node ranks, nproc, python, workdir, launcher, rendezvous, init method, script, args,
-env) under a new run id, on the old master port if it is still free (or a new free one; with
-``--same-port`` the old one or nothing). Argv and commands are rebuilt by
-:func:`ddpfab.plan.replan`, the same code that built them.
+A manifest is data, never a program: replay never runs a command string it reads. It checks the
+manifest against its schema (``kind`` ``ddpfab-run-manifest``, ``schema_version`` 2, typed
+``options``), then plans again from the recorded *options* (script, args, env, nproc, launch
+style, ...) with the same planner and validators as ``ddpfab run`` (env keys, run id, ports,
+styles), on the same nodes, under a new run id, on the old master port if it is still free (or a
+new free one; with ``--same-port`` the old one or nothing).
 
 It refuses, before connecting anywhere, when the run could not be the same:
 
@@ -13,9 +14,13 @@ It refuses, before connecting anywhere, when the run could not be the same:
 - the code changed: the manifest's ``code.tree_hash`` (recorded by ``ddpfab sync``) against the
   tree now, or, without it, ``script_sha256`` (the script file as the controller sees it);
 - an env value was masked in the manifest (secret-looking keys are stored as ``***``) and not
-  given again with ``--env KEY=VALUE``.
+  given again with ``--env KEY=VALUE``;
 
-``--force`` overrides the first two (never the third: a masked value cannot be guessed).
+and, after probing the nodes, when the plan those options make now differs in anything from the
+plan the manifest records (an edited manifest, a node that moved): it prints every difference and
+the plan, and runs it only with ``--force``.
+
+``--force`` overrides the first two and the last (never the third: a masked value cannot be guessed).
 """
 
 from __future__ import annotations
@@ -25,13 +30,13 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .inventory import Cluster
-    from .plan import Plan
+    from .plan import Plan, RunOptions
 
 
 def inventory_fingerprint(cluster: Cluster) -> str:
@@ -113,10 +118,118 @@ def check(manifest: dict, cluster: Cluster) -> list[str]:
     return problems
 
 
-def masked_keys(plan_dict: dict) -> list[str]:
+MANIFEST_KIND = "ddpfab-run-manifest"
+#: Version 2: ``options`` recorded, replay re-plans from them (version 1 replayed the stored plan).
+SCHEMA_VERSION = 2
+#: RunOptions field -> (type, may be null), as recorded in ``manifest["options"]``.
+OPTION_FIELDS: dict[str, tuple[type, bool]] = {
+    "script": (str, False), "args": (list, False), "nproc_per_node": (int, True), "master_port": (int, True),
+    "env": (list, False), "max_restarts": (int, False), "run_id": (str, False), "remote_runs_dir": (str, False),
+    "socket_ifname": (str, True), "rdzv": (str, False), "launcher": (str, False), "init_method": (str, False),
+    "debug": (bool, False)}
+
+
+class ManifestError(Exception):
+    """A manifest that cannot be replayed: malformed, foreign, or of another schema version."""
+
+
+def recorded_options(options: RunOptions, cwd: str | None) -> dict[str, Any]:
+    """RunOptions as the manifest records them: plain JSON, secret env values masked by key."""
+    from .runs import mask_env
+
+    data = asdict(options)
+    data["args"] = list(options.args)
+    data["env"] = [list(kv) for kv in mask_env(dict(options.env)).items()]
+    return {**data, "cwd": cwd or os.getcwd()}
+
+
+def _typed(where: str, value: Any, kind: type, nullable: bool) -> None:
+    if value is None and nullable:
+        return
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ManifestError(f"{where}: expected {kind.__name__}{' or null' if nullable else ''}, "
+                            f"found {type(value).__name__} {json.dumps(value)[:60]}")
+
+
+def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
+    """The recorded options (and the controller's cwd then) of a manifest, checked field by field
+    against :data:`OPTION_FIELDS`; a ManifestError naming the field otherwise. Values are
+    validated again by :func:`ddpfab.plan.make_plan` when they are planned."""
+    from .plan import PlanError, RunOptions, parse_env
+
+    if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
+        raise ManifestError(f"{source} is not a ddpfab run manifest (expected \"kind\": \"{MANIFEST_KIND}\")")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(f"{source}: manifest schema version {json.dumps(version)}, this ddpfab replays version "
+                            f"{SCHEMA_VERSION} only; start the run again with ddpfab run")
+    opts, plan = manifest.get("options"), manifest.get("plan")
+    if not isinstance(opts, dict):
+        raise ManifestError(f"{source}: options: expected an object, found {type(opts).__name__}")
+    unknown = sorted(set(opts) - set(OPTION_FIELDS) - {"cwd"})
+    missing = sorted(set(OPTION_FIELDS) - set(opts))
+    if unknown or missing:
+        raise ManifestError(f"{source}: options: " + "; ".join(
+            part for part in (f"unknown {', '.join(unknown)}" if unknown else "",
+                              f"missing {', '.join(missing)}" if missing else "") if part))
+    for name, (kind, nullable) in OPTION_FIELDS.items():
+        _typed(f"{source}: options.{name}", opts[name], kind, nullable)
+    for i, arg in enumerate(opts["args"]):
+        _typed(f"{source}: options.args[{i}]", arg, str, False)
+    for i, pair in enumerate(opts["env"]):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ManifestError(f"{source}: options.env[{i}]: expected [KEY, VALUE] strings, found {json.dumps(pair)[:60]}")
+    cwd = opts.get("cwd")
+    if not isinstance(cwd, str) or not cwd.startswith("/"):
+        raise ManifestError(f"{source}: options.cwd: expected an absolute path, found {json.dumps(cwd)[:60]}")
+    if not isinstance(plan, dict) or not isinstance(plan.get("nodes"), list):
+        raise ManifestError(f"{source}: plan: expected an object with a list of nodes")
+    for key, kind in (("inventory", str), ("group", str), ("run_id", str), ("master_port", int)):
+        _typed(f"{source}: plan.{key}", plan.get(key), kind, False)
+    try:
+        env = parse_env([f"{k}={v}" for k, v in opts["env"]])
+    except PlanError as exc:
+        raise ManifestError(f"{source}: options.env: {exc}") from None
+    fields = {k: opts[k] for k in OPTION_FIELDS}
+    return RunOptions(**{**fields, "args": tuple(opts["args"]), "env": env}), cwd
+
+
+def masked_keys(options: RunOptions) -> list[str]:
+    """Env keys whose value the manifest stores masked (to be given again with --env)."""
     from .runs import MASK, SECRET_KEY
 
-    return sorted({k for n in plan_dict["nodes"] for k, v in n["env"].items() if v == MASK and SECRET_KEY.search(k)})
+    return sorted({k for k, v in options.env if v == MASK and SECRET_KEY.search(k)})
+
+
+def differences(recorded: dict, now: Plan) -> list[str]:
+    """Every way the recorded plan (as stored: masked) differs from *now* (masked here), by field."""
+    from .runs import mask_plan
+
+    planned = json.loads(json.dumps(mask_plan(now.to_dict())))
+
+    def short(value: Any) -> str:
+        text = json.dumps(value, ensure_ascii=False)
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    out = [f"{key}: recorded {short(recorded.get(key))}, planned now {short(planned.get(key))}"
+           for key in sorted(set(recorded) | set(planned)) if key != "nodes" and recorded.get(key) != planned.get(key)]
+    rec_nodes = {n.get("name"): n for n in recorded.get("nodes", []) if isinstance(n, dict)}
+    if list(rec_nodes) != [n["name"] for n in planned["nodes"]]:
+        out.append(f"nodes: recorded {short(list(rec_nodes))}, planned now {short([n['name'] for n in planned['nodes']])}")
+    for node in planned["nodes"]:
+        old = rec_nodes.get(node["name"])
+        if old is None:
+            continue
+        for key in sorted(set(old) | set(node)):
+            if old.get(key) == node.get(key):
+                continue
+            if key == "env" and isinstance(old.get(key), dict):
+                keys = sorted(k for k in set(old[key]) | set(node[key]) if old[key].get(k) != node[key].get(k))
+                out.append(f"{node['name']}: env differs in {', '.join(keys)}")
+            else:
+                out.append(f"{node['name']}: {key}: recorded {short(old.get(key))}, planned now {short(node.get(key))}")
+    return out
 
 
 def register(sub) -> None:
@@ -151,9 +264,9 @@ def _err(lines: list[str] | str) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from . import inventory, probe, runner, ssh
+    from . import inventory, runner, ssh
     from .launch import Printer
-    from .plan import Plan, PlanError, parse_env, replan
+    from .plan import PlanError, choose_master, make_plan, parse_env
     from .runs import mask_plan, new_run_id
 
     path = Path(args.runs_dir) / args.run_id / "manifest.json"
@@ -162,22 +275,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except OSError:
         return _err(f"no run record {path} (pass --runs-dir where the run was recorded)")
     except ValueError as exc:
-        return _err(f"{path} is not valid JSON: {exc}")
+        return _err(f"{path} is not a ddpfab run manifest (not JSON: {exc})")
     from .recover import attempt_cluster, current_manifest
 
-    latest = current_manifest(args.runs_dir, manifest)  # a run with restarts: its last attempt
-    if latest is not manifest:
-        sys.stderr.write(f"ddpfab: {args.run_id} ran {len(manifest['recovery']['attempts'])} attempts; "
-                         f"replaying the last, {latest['run_id']} (its nodes)\n")
-        manifest = latest
     try:
+        validate(manifest, str(path))
+        latest = current_manifest(args.runs_dir, manifest)  # a run with restarts: its last attempt
+        if latest is not manifest:
+            sys.stderr.write(f"ddpfab: {args.run_id} ran {len(manifest['recovery']['attempts'])} attempts; "
+                             f"replaying the last, {latest['run_id']} (its nodes)\n")
+            manifest = latest
+        recorded, cwd = validate(manifest, str(path))
         source = args.inventory or manifest["plan"]["inventory"]
         if "attempt_nodes" in manifest:
             cluster = attempt_cluster(manifest, source, args.group)
         else:
             cluster = inventory.load(source, args.group or manifest["plan"]["group"])
-        overrides = dict(parse_env(args.env))
-    except (inventory.InventoryError, PlanError) as exc:
+        overrides = dict(parse_env(args.env, dict(os.environ)))
+    except (ManifestError, inventory.InventoryError, PlanError) as exc:
         return _err(str(exc))
     problems = check(manifest, cluster)
     if problems and not args.force:
@@ -185,32 +300,43 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     + ["nothing was started; --force replays anyway"])
     for p in problems:
         sys.stderr.write(f"ddpfab: warning: {p} (--force: replaying anyway)\n")
-    missing = [k for k in masked_keys(manifest["plan"]) if k not in overrides]
+    missing = [k for k in masked_keys(recorded) if k not in overrides]
     if missing:
         return _err([f"replay of {args.run_id} refused: the manifest stores {', '.join(missing)} masked (***); "
                      "give the value again with " + " ".join(f"--env {k}=..." for k in missing),
                      "nothing was started"])
-    old = Plan.from_dict(manifest["plan"])
-    if {n.name for n in old.nodes} - {n.name for n in cluster.nodes}:
-        return _err(f"the run's nodes {sorted(n.name for n in old.nodes)} are not all in the inventory")
+    env = dict(recorded.env)
+    env.update(overrides)
+    old_rid, old_port = manifest["plan"]["run_id"], manifest["plan"]["master_port"]
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     try:
         conns = runner.connect_all(cluster, policy, args.ssh_config)
     except runner.RunError as exc:
         return _err(exc.problems + ["nothing was started"])
     try:
-        port, facts, problems = _pick_port(cluster, conns, old, args.same_port, probe)
+        port, facts, problems = _pick_port(cluster, conns, old_port, recorded.script, cwd, args.same_port)
         if problems:
             return _err(problems + ["nothing was started"])
-        plan = replan(old, run_id=args.new_run_id or new_run_id(), master_port=port, env=overrides)
-        if args.dry_run:
+        # the recorded options planned again under the old id and port must give the recorded plan
+        again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
+        changed = differences(manifest["plan"], again)
+        options = replace(recorded, run_id=args.new_run_id or new_run_id(), env=tuple(env.items()), master_port=port)
+        plan = make_plan(cluster, options, runner.plan_facts(facts, port, cwd))
+        if changed or args.dry_run:
             from .cli import _print_dry_run
 
-            return _print_dry_run(plan, args.json, mask_plan, offline=False)
-        prepared = runner.Prepared(cluster, plan, conns, facts)
+            for line in changed:
+                sys.stderr.write(f"ddpfab: differs from the recorded plan: {line}\n")
+            _print_dry_run(plan, args.json, mask_plan, offline=False)
+            if args.dry_run:
+                return 0
+            if not args.force:
+                return _err([f"replay of {args.run_id} refused: what its options plan now differs from the plan "
+                             "it recorded (above); nothing was started; --force runs the plan shown"])
+        prepared = runner.Prepared(cluster, plan, conns, facts, policy, args.ssh_config, options, cwd)
         printer = Printer(plan, color=False if args.no_color else None)
         printer.note(f"replaying {args.run_id} as {plan.run_id} (master port {port}"
-                     f"{', the recorded one' if port == old.master_port else f', the recorded {old.master_port} is taken'})")
+                     f"{', the recorded one' if port == old_port else f', the recorded {old_port} is taken'})")
         result, _ = runner.run(prepared, args.runs_dir, printer, extra={"replay_of": args.run_id})
     except PlanError as exc:
         return _err(str(exc))
@@ -222,20 +348,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _pick_port(cluster, conns, old: Plan, same_port: bool, probe):
+def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool):
     """One probe pass (torch, workdir, script, the old port on the master); a second look on the
     master for a free port only if the old one is taken and that is allowed."""
-    master = cluster.node(old.master)
-    # the controller's cwd at the time = the workdir of any node without ddpfab_workdir
-    cwd = next((n.workdir for n in old.nodes if cluster.node(n.name).workdir is None), os.getcwd())
-    facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=old.script, master_port=old.master_port)
+    from . import probe
+    from .plan import choose_master
+
+    master = choose_master(cluster)
+    facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port)
     busy = master.name in facts and facts[master.name].port_free is False
     if not busy:
-        return old.master_port, facts, problems
+        return old_port, facts, problems
     problems = [p for p in problems if not p.startswith(f"host {master.name}: --master-port")]
     if same_port:
-        return old.master_port, facts, problems + [
-            f"host {master.name}: the recorded master port {old.master_port} is in use there (--same-port)"]
+        return old_port, facts, problems + [
+            f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)"]
     found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
                              find_port=True).free_port
     if found is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from fabric import Connection
 
 from . import inventory, probe, ssh
-from .launch import Printer, RunResult, execute, remote_command
+from .launch import Printer, RunResult, agent_input, execute, remote_command
 from .plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
 from .runs import RunDir, controller_info, mask_plan
 
@@ -34,6 +34,14 @@ class Prepared:
     plan: Plan
     conns: dict[str, Connection]
     facts: dict[str, probe.NodeFacts]
+    policy: ssh.HostKeyPolicy | None = None  # for fresh connections (cleanup after a lost supervisor)
+    ssh_config: str | None = None
+    options: RunOptions | None = None  # what the plan was made from (recorded for replay)
+    cwd: str | None = None
+
+    def reconnect(self, name: str) -> Connection:
+        """A fresh connection to node *name*, the same way as the first one."""
+        return ssh.connect(self.cluster.node(name), self.policy or ssh.HostKeyPolicy(), self.ssh_config)
 
     def close(self) -> None:
         for conn in self.conns.values():
@@ -69,17 +77,20 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
         if problems:
             raise RunError(problems)
         port = options.master_port or facts[master.name].free_port
-        addresses = {n: f.address for n, f in facts.items()}
         if preflight:
-            _preflight(cluster, conns, facts, addresses, master.name, port, options)
-        plan = make_plan(cluster, options, Facts(
-            addresses=addresses, master_port=port, cwd=cwd, homes={n: f.home for n, f in facts.items()},
-            ifnames={n: _ifname(f) for n, f in facts.items()}))
+            _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port, options)
+        plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
     except BaseException:
         for c in conns.values():
             c.close()
         raise
-    return Prepared(cluster, plan, conns, facts)
+    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd)
+
+
+def plan_facts(facts: dict[str, probe.NodeFacts], port: int, cwd: str) -> Facts:
+    """What the planner needs from the probe: addresses, homes, interfaces; and the port."""
+    return Facts(addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
+                 homes={n: f.home for n, f in facts.items()}, ifnames={n: _ifname(f) for n, f in facts.items()})
 
 
 def _ifname(facts: probe.NodeFacts) -> str | None:
@@ -105,8 +116,12 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
 
 
 def _manifest_head(prepared: Prepared) -> dict:
+    from .replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
+
     plan = prepared.plan
     return {
+        "kind": MANIFEST_KIND,
+        "schema_version": SCHEMA_VERSION,
         "run_id": plan.run_id,
         "state": "running",
         "started": time.time(),
@@ -115,6 +130,7 @@ def _manifest_head(prepared: Prepared) -> dict:
         "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address}
                         for n, f in prepared.facts.items()},
         "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
+        "options": recorded_options(prepared.options, prepared.cwd) if prepared.options else None,
         **_replay_fields(prepared),
     }
 
@@ -137,7 +153,7 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     run_dir.write_manifest(manifest)
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
-    result = execute(plan, prepared.conns, run_dir.path, printer)
+    result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect)
     manifest.update({
         "state": "succeeded" if result.exit_code == 0 else ("interrupted" if result.interrupted else "failed"),
         "ended": time.time(),
@@ -167,16 +183,21 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
     manifest["state"] = "detached"
     run_dir.write_manifest(manifest)
     results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
-        prepared.conns[n.name], n.name, remote_command(plan, plan.node(n.name), detach=True), timeout=30))
+        prepared.conns[n.name], n.name, remote_command(plan, plan.node(n.name), detach=True), timeout=30,
+        stdin=agent_input(plan, plan.node(n.name), detach=True)))
     failed = {n: r for n, r in results.items() if isinstance(r, BaseException) or r.exit_code != 0}
     if failed:
         for name, res in failed.items():
             why = res if isinstance(res, BaseException) else (res.stderr.strip() or f"exit {res.exit_code}")
             printer.note(f"{name}: could not start: {why}")
-        from .jobs import STOP_SNIPPET, _py
+        from .launch import STOP_GRACE_S, stop_command
 
-        ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
-            prepared.conns[n.name], n.name, _py(n, STOP_SNIPPET, plan.node(n.name).remote_dir, "8"), timeout=20))
+        def stop(n):
+            command, stdin = stop_command(n.python, plan.node(n.name).remote_dir, STOP_GRACE_S)
+            return ssh.run(prepared.conns[n.name], n.name, command, timeout=20, stdin=stdin)
+
+        # only where it started: a node that refused may hold another run's job under this id
+        ssh.parallel([n for n in prepared.cluster.nodes if n.name not in failed], stop)
         manifest["state"] = "failed to start"
         run_dir.write_manifest(manifest)
         return 1

@@ -33,13 +33,40 @@ def mask_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def mask_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a plan dict with secret env values masked, in env and in the commands."""
+    """A copy of a plan dict with secret env values masked, by key: in env, and each command
+    rebuilt from the masked env (never a text replacement, which misses quoted values and
+    garbles every other place a short value occurs)."""
+    from .plan import shell_command
+
     out = json.loads(json.dumps(plan_dict))
     for node in out["nodes"]:
-        for key, value in node["env"].items():
-            if SECRET_KEY.search(key) and value:
-                node["command"] = node["command"].replace(value, MASK)
         node["env"] = mask_env(node["env"])
+        node["command"] = shell_command(node["workdir"], node["env"], tuple(node["argv"]))
+    return out
+
+
+#: Options whose value is ``KEY=VALUE`` for the ranks' environment.
+ENV_OPTIONS = ("--env",)
+
+
+def mask_argv(argv: list[str]) -> list[str]:
+    """A command line with the values of secret-looking ``--env KEY=VALUE`` options masked (for
+    the manifest's record of how ddpfab was called)."""
+    out, after_env = [], False
+    for word in argv:
+        if word == "--":
+            out.append(word)
+            after_env = False
+            continue
+        opt, eq, rest = word.partition("=")
+        if after_env or (eq and opt in ENV_OPTIONS):
+            pair = word if after_env else rest
+            key, sep, value = pair.partition("=")
+            if sep and SECRET_KEY.search(key):
+                pair = f"{key}={MASK}"
+            word = pair if after_env else f"{opt}={pair}"
+        out.append(word)
+        after_env = word in ENV_OPTIONS
     return out
 
 
@@ -76,7 +103,7 @@ class RunDir:
 
 def controller_info() -> dict[str, Any]:
     info = {"ddpfab": __version__, "python": platform.python_version(), "host": platform.node(),
-            "argv": sys.argv}
+            "argv": mask_argv(sys.argv)}
     try:
         from importlib.metadata import version
 

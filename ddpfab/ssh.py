@@ -208,13 +208,18 @@ def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T]) -> d
     if not nodes:
         return results
     _fit_open_files(len(nodes))
-    with ThreadPoolExecutor(max_workers=min(WINDOW, len(nodes))) as pool:
+    pool = ThreadPoolExecutor(max_workers=min(WINDOW, len(nodes)))
+    try:
         futures = {n.name: pool.submit(fn, n) for n in nodes}
         for name, fut in futures.items():
             try:
                 results[name] = fut.result()
-            except BaseException as exc:  # noqa: BLE001 - a failure on one host is data
+            except Exception as exc:  # noqa: BLE001 - a failure on one host is data
                 results[name] = exc
+    finally:
+        # SIGINT/SIGTERM (Interrupted, a KeyboardInterrupt) reach the caller at once, never as a
+        # node's result: the caller closes the connections, which ends what still runs here
+        pool.shutdown(wait=False, cancel_futures=True)
     return results
 
 

@@ -32,13 +32,22 @@ time.sleep(300)
 """
 
 
+def spawn(spec: dict) -> subprocess.Popen:
+    """The agent as ddpfab starts it: its spec arrives as one frame on stdin, which stays open
+    (the link to ddpfab)."""
+    proc = subprocess.Popen([sys.executable, str(AGENT)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    data = json.dumps(spec).encode()
+    proc.stdin.write(b"%d\n" % len(data) + data)
+    proc.stdin.flush()
+    return proc
+
+
 def start(tmp_path: Path, exit_code: int) -> tuple[subprocess.Popen, Path]:
     (tmp_path / "tree.py").write_text(TREE)
     spec = {"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1,
-            "command": f"{sys.executable} {tmp_path / 'tree.py'} {tmp_path} {exit_code}"}
-    proc = subprocess.Popen([sys.executable, str(AGENT), json.dumps(spec)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return proc, tmp_path
+            "argv": [sys.executable, str(tmp_path / "tree.py"), str(tmp_path), str(exit_code)]}
+    return spawn(spec), tmp_path
 
 
 def pids(d: Path) -> list[int]:
@@ -120,9 +129,8 @@ def start_fake_torchrun(tmp_path: Path, codes: list[int], watch: bool) -> subpro
     launcher.parent.mkdir()
     launcher.write_text(FAKE_TORCHRUN)
     spec = {"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": watch,
-            "command": f"{sys.executable} {launcher} {' '.join(map(str, codes))}"}
-    return subprocess.Popen([sys.executable, str(AGENT), json.dumps(spec)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            "argv": [sys.executable, str(launcher), *map(str, codes)]}
+    return spawn(spec)
 
 
 def test_a_failed_worker_ends_the_job_without_waiting_for_torchrun(tmp_path):

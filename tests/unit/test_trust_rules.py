@@ -1,0 +1,150 @@
+"""Trust rules that need no network: masking by key, input checks, the supervisor's marker and
+record, a remote command that ends with its connection."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddpfab import agent
+from ddpfab.execute import guarded
+from ddpfab.inventory import Cluster, InventoryError, Node, _check_duplicates
+from ddpfab.plan import Facts, PlanError, RunOptions, check_run_id, make_plan, parse_env
+from ddpfab.runs import MASK, mask_argv, mask_plan
+
+C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2")))
+F = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="/w")
+
+
+@given(st.text(min_size=1, max_size=12))
+def test_masking_is_by_key_whatever_the_value(secret):
+    plan = make_plan(C, RunOptions("t.py", env=(("HF_TOKEN", secret), ("PLAIN", "1"))), F)
+    masked = mask_plan(plan.to_dict())
+    for node in masked["nodes"]:
+        assert node["env"]["HF_TOKEN"] == MASK and node["env"]["PLAIN"] == "1"
+        assert "HF_TOKEN=***" in node["command"]
+        # the rest of the command is untouched: rebuilt from the masked env, not edited by text
+        unmasked = dict(node, env={**node["env"], "HF_TOKEN": MASK})
+        assert node["command"] == unmasked["command"]
+        assert "--nproc-per-node=1" in node["command"] and "--master-port=29500" in node["command"]
+
+
+def test_the_recorded_argv_masks_secret_env_values_only():
+    argv = ["ddpfab", "run", "--env", "HF_TOKEN=a'b", "--env=API_KEY=1", "--env", "N=1", "--env", "MY_TOKEN",
+            "t.py", "--lr", "1"]
+    assert mask_argv(argv) == ["ddpfab", "run", "--env", "HF_TOKEN=***", "--env=API_KEY=***", "--env", "N=1",
+                               "--env", "MY_TOKEN", "t.py", "--lr", "1"]
+
+
+def test_a_bare_env_key_comes_from_this_shell_or_is_an_error():
+    assert parse_env(["HF_TOKEN", "A=1"], {"HF_TOKEN": "x'y"}) == (("HF_TOKEN", "x'y"), ("A", "1"))
+    with pytest.raises(PlanError, match="not set in this shell"):
+        parse_env(["HF_TOKEN"], {})
+    with pytest.raises(PlanError):
+        parse_env(["HF_TOKEN"])  # no environment given: KEY=VALUE only
+
+
+@pytest.mark.parametrize("bad", ["../..", "..", "a/b", "", "-x", "a b", "x;rm", "a" * 81, "a..b", ".hidden"])
+def test_run_ids_are_a_safe_charset(bad):
+    with pytest.raises(PlanError, match="--run-id"):
+        check_run_id(bad)
+    with pytest.raises(PlanError, match="--run-id"):
+        make_plan(C, RunOptions("t.py", run_id=bad), F)
+
+
+def test_run_ids_that_are_fine():
+    for good in ("20260101-120000-ab12cd", "exp_1.2", "A"):
+        assert check_run_id(good) == good
+
+
+def test_a_machine_listed_twice_is_an_error_naming_it():
+    with pytest.raises(InventoryError, match="host b is listed twice.*10.0.0.1:22 as a"):
+        _check_duplicates(Path("inv.yml"), [Node("a", "10.0.0.1"), Node("b", "10.0.0.1", port=22)])
+    _check_duplicates(Path("inv.yml"), [Node("a", "10.0.0.1"), Node("b", "10.0.0.1", port=2222)])
+
+
+def _frame(spec: dict) -> bytes:
+    data = json.dumps(spec).encode()
+    return b"%d\n" % len(data) + data
+
+
+def test_the_supervisor_refuses_a_run_dir_it_cannot_record_in_and_starts_nothing(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a dir")
+    marker = tmp_path / "started"
+    spec = {"run_id": "t", "dir": str(blocked / "run"), "argv": ["touch", str(marker)], "workdir": str(tmp_path)}
+    res = subprocess.run([sys.executable, agent.__file__], input=_frame(spec), capture_output=True, timeout=30)
+    assert res.returncode == agent.CANNOT_START and b"was not started" in res.stdout
+    assert not marker.exists()
+
+
+def test_a_reused_run_dir_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "agent.json").write_text("{}")
+    spec = {"run_id": "t", "dir": str(tmp_path / "run"), "argv": ["true"], "workdir": str(tmp_path)}
+    res = subprocess.run([sys.executable, agent.__file__], input=_frame(spec), capture_output=True, timeout=30)
+    assert res.returncode == agent.CANNOT_START and b"used on this node already" in res.stdout
+
+
+def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
+    """SIGKILL the supervisor: its job lives on (an orphan) until stop_job finds it by marker."""
+    spec = {"run_id": "orph-1", "dir": str(tmp_path / "orph-1"), "workdir": str(tmp_path), "grace": 1,
+            "argv": [sys.executable, "-c", "import subprocess,time;subprocess.Popen(['sleep','60']);time.sleep(60)"],
+            "env": {"SECRET_TOKEN": "x"}}
+    proc = subprocess.Popen([sys.executable, agent.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc.stdin.write(_frame(spec))
+    proc.stdin.flush()
+    deadline = time.monotonic() + 20
+    while len(agent.marked_processes("orph-1")) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    record = json.loads((tmp_path / "orph-1" / "agent.json").read_text())
+    assert record["pid"] and "command" not in record and "SECRET" not in json.dumps(record)
+    proc.kill()
+    proc.wait()
+    assert len(agent.marked_processes("orph-1")) == 2  # orphans now
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = agent.stop_job(str(tmp_path / "orph-1"), 1.0)
+    assert code == 0 and buf.getvalue().strip() == "its supervisor was gone: ended 2 orphaned job processes"
+    assert agent.marked_processes("orph-1") == []
+
+
+def test_a_guarded_command_ends_when_its_stdin_closes(tmp_path):
+    pidfile = tmp_path / "pid"
+    proc = subprocess.Popen(["sh", "-c", guarded(f"echo $$ > {pidfile}; exec sleep 60")], stdin=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    proc.stdin.close()  # what sshd does when ddpfab's connection goes
+    assert proc.wait(timeout=10) == 143
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the command outlived its connection"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("dup.yml", "all:\n  hosts:\n    node1:\n      ansible_host: 10.0.0.1\n    node1:\n      ansible_host: 10.0.0.2\n"),
+    ("dup.ini", "[all]\nnode1 ansible_host=10.0.0.1\nnode1 ansible_host=10.0.0.2\n"),
+    ("alias.ini", "[all]\nnode1 ansible_host=10.0.0.1\nnode2 ansible_host=10.0.0.1\n"),
+])
+def test_a_host_listed_twice_in_an_inventory_is_an_error_naming_it(tmp_path, name, text):
+    from ddpfab import inventory
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(InventoryError, match="node[12]"):
+        inventory.load(path)
