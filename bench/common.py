@@ -245,7 +245,8 @@ def bench_lab(name: str, hosts: int, subnet: str):
         log(f"taking down a stale lab in {lab_dir}")
         labmod.down(lab_dir)
     t0 = time.monotonic()
-    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, python=PYTHON)
+    # hosts must see the benchmark's work dir (it may lie under /tmp, which is each host's own)
+    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, python=PYTHON, share=[WORK_ROOT])
     log(f"lab of {hosts} hosts up in {time.monotonic() - t0:.1f} s ({subnet}, {lab_dir})")
     try:
         yield the_lab

@@ -348,7 +348,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
                                          share=args.share)
             state = "already up" if already else "up"
             first, last = the_lab.hosts[0], the_lab.hosts[-1]
-            names = (f"{first.name}={first.address}" if first is last else
+            # every host of a small lab; a large one as a range (one short line at 128 hosts)
+            names = (", ".join(f"{h.name}={h.address}" for h in the_lab.hosts) if len(the_lab.hosts) <= 8 else
                      f"{len(the_lab.hosts)} hosts {first.name}..{last.name} = {first.address}..{last.address}")
             print(f"lab {state}: {names}")
             print(f"inventory: {the_lab.inventory}")

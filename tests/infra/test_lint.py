@@ -26,7 +26,10 @@ def _tool(name: str) -> str:
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NO_COLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+    # no ANSIBLE_* of this process: ddpfab.inventory makes Ansible's inventory parsing strict through
+    # them when another test loaded an inventory in this worker, and a syntax check has none to parse
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env = {**clean, "NO_COLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run(argv, cwd=REPO, env=env, check=False, capture_output=True, text=True, timeout=300)
 

@@ -70,7 +70,9 @@ def no_leftovers(lab):
 
 def extra_subnet(third_octet: int) -> str:
     """A /24 for a test's own lab inside the session's /16 (10.NN.x.0/24 with TEST_SUBNET =
-    10.NN.9.0/24), so engineers' and CI's labs never collide."""
+    10.NN.9.0/24), so engineers' and CI's labs never collide. Take *third_octet* from 140 up: the
+    pytest workers' session labs use 9, 10, 11, ... and other fixed labs 8, 50 and 101-132."""
+    assert third_octet >= 140, "below 140 the third octet may be a worker's session lab"
     a, b = TEST_SUBNET.split(".")[:2]
     return f"{a}.{b}.{third_octet}.0/24"
 

@@ -19,7 +19,7 @@ from .conftest import extra_subnet
 from .helpers import assert_no_leftovers, ddpfab
 
 HOSTS = 32
-SUBNET = os.environ.get("DDPFAB_SCALE_SUBNET", extra_subnet(10))
+SUBNET = os.environ.get("DDPFAB_SCALE_SUBNET", extra_subnet(140))
 
 
 @pytest.fixture(scope="module")

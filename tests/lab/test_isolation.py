@@ -10,15 +10,38 @@ library's cache from a job's files (helpers.LIBRARY_CACHES).
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from .helpers import REPO, ddpfab, host_tmp_leftovers, reports
+from ddpfab import lab as labmod
+
+from .conftest import extra_subnet
+from .helpers import REPO, assert_no_leftovers, ddpfab, host_tmp_leftovers, reports
 
 EXAMPLE = "examples/train_dist.py"
 INDUCTOR = Path("/tmp/torchinductor_root")
+
+
+@pytest.fixture(scope="module")
+def fresh_lab(tmp_path_factory):
+    """Two hosts of their own, new for this module: whatever is in a host's /tmp was put there by
+    these tests (the session's lab has run DDP jobs, whose torch cache is there legitimately)."""
+    lab_dir = tmp_path_factory.mktemp("fresh-lab")
+    the_lab, _ = labmod.up(lab_dir, hosts=2, subnet=extra_subnet(141), share=[tmp_path_factory.getbasetemp()])
+    try:
+        yield the_lab
+    finally:
+        labmod.down(lab_dir)
+
+
+@pytest.fixture
+def inventory2(fresh_lab, tmp_path) -> Path:
+    path = tmp_path / "inventory.yml"
+    path.write_text(labmod.render_inventory(fresh_lab, sys.executable))
+    return path
 
 
 @pytest.fixture
@@ -45,7 +68,8 @@ def _upper_tmp(lab, name: str) -> Path:
     return Path(lab.store) / name / "upper_tmp"
 
 
-def test_hosts_see_neither_the_controllers_tmp_nor_its_caches(lab, inventory2, controller_tmp_and_cache, tmp_path):
+def test_hosts_see_neither_the_controllers_tmp_nor_its_caches(fresh_lab, inventory2, controller_tmp_and_cache,
+                                                             tmp_path):
     marker, cache_marker = controller_tmp_and_cache
     probe = (f"for p in {marker} {INDUCTOR} {cache_marker}; do test -e $p && echo SEES $p; done; "
              f"test -d {tmp_path} && test -d {REPO} && echo SHARED-OK; "
@@ -61,12 +85,13 @@ def test_hosts_see_neither_the_controllers_tmp_nor_its_caches(lab, inventory2, c
 
 
 def test_a_ddp_job_writes_torch_cache_on_its_own_tmp_whatever_the_controller_has(
-        lab, inventory2, controller_tmp_and_cache, tmp_path):
+        fresh_lab, inventory2, controller_tmp_and_cache, tmp_path):
     """With the controller holding /tmp/torchinductor_root, a DDP job still creates its own on each
     host (so the outcome is the same on a fresh machine), and the leftover check accepts it while
     still catching a job's own temp file."""
+    lab = fresh_lab
     for name in ("node1", "node2"):
-        shutil.rmtree(_upper_tmp(lab, name) / INDUCTOR.name, ignore_errors=True)  # as if fresh
+        assert not (_upper_tmp(lab, name) / INDUCTOR.name).exists()  # a fresh host, and the last test ran no DDP
     res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), EXAMPLE,
                  "--steps", "1", "--report", timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -82,3 +107,4 @@ def test_a_ddp_job_writes_torch_cache_on_its_own_tmp_whatever_the_controller_has
             assert host_tmp_leftovers(lab, name) == ["/tmp/left-by-a-job"]
     finally:
         ddpfab("exec", "-i", str(inventory2), "--", "rm -f /tmp/left-by-a-job")
+    assert_no_leftovers(lab)

@@ -27,28 +27,31 @@ def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
     assert _traces(other) == []
     first_lab = _traces(lab.dir)
     assert first_lab
-    res = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
-    assert res.returncode == 0, res.stderr
-    assert "node1=10.213.8.11" in res.stdout
-    again = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
-    assert again.returncode == 0 and "already up" in again.stdout
-    second = labmod.Lab.load(other)
-    assert second.bridge != lab.bridge
-    # both labs answer; each host has its own hostname, PID namespace and address
-    out = subprocess.run(["ssh", "-F", str(second.ssh_config), "node2", "hostname; echo $$"],
-                         capture_output=True, text=True, timeout=10)
-    assert out.returncode == 0 and out.stdout.split()[0] == "node2", out.stderr
-    assert all(lab.alive().values())
-    assert second.host("node1").pid_namespace() != lab.host("node1").pid_namespace()
-    # a write to an overlaid system dir stays on that host
-    subprocess.run(["ssh", "-F", str(second.ssh_config), "node1", "echo hi > /opt/ddpfab-lab-probe"], check=True)
-    assert not Path("/opt/ddpfab-lab-probe").exists()
-    assert _traces(other)
-    res = ddpfab("lab", "down", "--dir", str(other))
-    assert res.returncode == 0
-    assert _traces(other) == []
-    assert _traces(lab.dir) == first_lab
-    assert not Path(second.store).exists()
+    try:
+        res = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
+        assert res.returncode == 0, res.stderr
+        assert "node1=10.213.8.11" in res.stdout
+        again = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
+        assert again.returncode == 0 and "already up" in again.stdout
+        second = labmod.Lab.load(other)
+        assert second.bridge != lab.bridge
+        # both labs answer; each host has its own hostname, PID namespace and address
+        out = subprocess.run(["ssh", "-F", str(second.ssh_config), "node2", "hostname; echo $$"],
+                             capture_output=True, text=True, timeout=10)
+        assert out.returncode == 0 and out.stdout.split()[0] == "node2", out.stderr
+        assert all(lab.alive().values())
+        assert second.host("node1").pid_namespace() != lab.host("node1").pid_namespace()
+        # a write to an overlaid system dir stays on that host
+        subprocess.run(["ssh", "-F", str(second.ssh_config), "node1", "echo hi > /opt/ddpfab-lab-probe"], check=True)
+        assert not Path("/opt/ddpfab-lab-probe").exists()
+        assert _traces(other)
+        res = ddpfab("lab", "down", "--dir", str(other))
+        assert res.returncode == 0
+        assert _traces(other) == []
+        assert _traces(lab.dir) == first_lab
+        assert not Path(second.store).exists()
+    finally:  # whatever failed above, the second lab goes: a failed test must leave no lab behind
+        labmod.down(other)
     assert all(lab.alive().values()), "taking down one lab must not touch the other"
 
 
