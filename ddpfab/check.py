@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import mesh as meshmod
-from .cliargs import add_cluster_args
+from .cliargs import add_cluster_args, load_cluster
 from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 
 #: Clock skew (seconds) between a node and the controller beyond which check fails.
@@ -400,7 +400,7 @@ def cmd_check(args) -> int:
         return cmd_check_perf(args)
 
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
     except inventory.InventoryError as exc:
         sys.stderr.write(f"ddpfab: error: {exc}\n")
         return 2

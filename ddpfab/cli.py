@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from . import __version__
-from .cliargs import add_cluster_args, add_env_args
+from .cliargs import add_cluster_args, add_env_args, fill_missing_help, load_cluster
 
 EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
 
@@ -36,7 +37,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "on the master (torchrun assigns node ranks)")
     p.add_argument("--launcher", choices=("torchrun", "legacy"), default="torchrun",
                    help="torchrun (default), or legacy: torch.distributed.launch, which passes --local-rank=N "
-                        "to scripts written for it")
+                        "to scripts written for it (--local_rank=N to a script that declares only that spelling)")
+    p.add_argument("--local-rank-style", choices=("auto", "dash", "underscore"), default="auto",
+                   help="legacy launcher: pass --local-rank (dash) or --local_rank (underscore); auto (default) "
+                        "reads the script here and picks the spelling it declares")
     p.add_argument("--init-method", choices=("env", "tcp", "file"), default="env",
                    help="for scripts that call init_process_group via ddpfab.dist: env:// (default), "
                         "tcp://MASTER:PORT, or file:// in the inventory's ddpfab_shared_dir (DDPFAB_INIT_METHOD)")
@@ -46,9 +50,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "ddpfab_gpus: DETAIL crashes DDP on gloo); per-rank logs: ddpfab logs --ranks RUN_ID")
     p.add_argument("--offline", action="store_true",
                    help="plan without contacting the hosts; port = --master-port or 29500 (run: with --dry-run)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON (run: with --dry-run)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (run: only with --dry-run)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (copies, rendezvous waits); they are off anyway when stderr is not a terminal")
     p.add_argument("script", help="training script, relative to the nodes' workdir")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="arguments for the script, passed unchanged except the per-node placeholders "
+                        "{{node_rank}} {{nnodes}} {{nproc}} {{world_size}} {{master_addr}} {{master_port}} "
+                        "{{run_id}} {{node_name}} (quote them for the shell)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,18 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     lab = sub.add_parser("lab", help="a local multi-host lab in network namespaces (root)")
     lab_sub = lab.add_subparsers(dest="lab_command", required=True)
     up = lab_sub.add_parser("up", help="bring up N hosts node1..nodeN with sshd")
-    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
     up.add_argument("--dir", required=True, help="where the lab keeps its state, keys and inventory")
-    up.add_argument("--subnet", default="10.213.0.0/24")
-    up.add_argument("--python", help="the nodes' python (default: this python)")
+    up.add_argument("--subnet", default="10.213.0.0/24", help="the lab's private /24 (default 10.213.0.0/24)")
+    up.add_argument("--python", metavar="PATH",
+                    help="the nodes' python, written as ddpfab_python in the lab inventory (default: this python "
+                         "when it has torch, else the venv `ddpfab provision` makes, /opt/ddpfab/venv/bin/python)")
     up.add_argument("--share", action="append", default=[], metavar="DIR",
                     help="a dir under /tmp that hosts must see (each host has its own /tmp); the lab dir, "
                          "the python's venv and the current dir are always shared (repeatable)")
     for name, text in (("down", "remove everything the lab made"), ("status", "show the lab's hosts")):
         p = lab_sub.add_parser(name, help=text)
-        p.add_argument("--dir", required=True)
+        p.add_argument("--dir", required=True, help="the lab's dir (as given to lab up)")
 
-    prov = sub.add_parser("provision", help="run playbooks/provision.yml against the inventory")
+    prov = sub.add_parser("provision", help="provision the nodes with the ddpfab.cluster Ansible roles",
+                          description="Run the ddpfab.cluster collection's provision playbook (or --playbook) with "
+                                      "ansible-playbook over your own Ansible configuration: ansible-playbook options "
+                                      "> your ANSIBLE_* environment > your ansible.cfg > ddpfab's ansible.cfg.")
     from .provision import add_arguments as add_provision_arguments
 
     add_provision_arguments(prov)
@@ -113,9 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
     lab.set_defaults(func=cmd_lab)
     prov.set_defaults(func=cmd_provision)
+    comp = sub.add_parser("completion", help="print a bash or zsh completion script",
+                          description="Print a completion script: eval \"$(ddpfab completion bash)\" in ~/.bashrc, "
+                                      "or the zsh one into a file on $fpath named _ddpfab.")
+    comp.add_argument("shell", choices=("bash", "zsh"), help="the shell")
+    comp.set_defaults(func=cmd_completion)
     for module in PLUGIN_MODULES:
         # each module adds its own subcommand(s): `register(subparsers)` sets `func` on them
         __import__(f"ddpfab.{module}", fromlist=["register"]).register(sub)
+    fill_missing_help(parser)
     return parser
 
 
@@ -131,10 +151,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def unguarded_main(argv: list[str] | None = None) -> int:
+    from . import config
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    try:
+        config.apply(args)  # flags > environment > project config
+    except config.ConfigError as exc:
+        return _die(str(exc))
+    if getattr(args, "_inventory_required", False) and not args.inventory:
+        return _die(config.MISSING_INVENTORY)
+    if getattr(args, "json", False) and hasattr(args, "dry_run") and not args.dry_run:
+        # --json is an output format: it never turns a dry run into a real one
+        return _die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")
     return args.func(args)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from .completion import script
+
+    print(script(build_parser(), args.shell), end="")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -144,13 +182,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runs import mask_plan, new_run_id
 
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
         ropts = recover.recovery_options(args, cluster)
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
         options = _run_options(args, planmod, new_run_id)
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
             raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
                                     "exists already: a run id names one run; pick another (or leave --run-id out)")
+        if not args.dry_run and not args.no_sync:
+            _check_script_here(args.script)
         if args.dry_run and args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
             return _print_dry_run(plan, args.json, mask_plan, offline=True)
@@ -185,8 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         prepared.close()
         _say_where_rank0_is(prepared.plan, args)
-    if result.exit_code != 0:
-        sys.stderr.write(f"ddpfab: {result.summary}\n")
+    # the summary was printed once already, with the manifest's path
     return result.exit_code
 
 
@@ -197,7 +236,8 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
 
     conns = runner.connect_all(cluster, policy, args.ssh_config)
     try:
-        code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns)
+        code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns,
+                                                                    progress=_progress(args))
     except BaseException:
         for c in conns.values():
             c.close()
@@ -224,20 +264,52 @@ def _perf_check(cluster, policy, args: argparse.Namespace, env) -> dict | None:
     return before_run(cluster, policy, args, env)
 
 
-def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict) -> dict:
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress lines (copies, rendezvous waits): only on a terminal, never with -q."""
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def _check_script_here(script: str) -> None:
+    """A relative script is synced from here: name a typo before anything starts (did you mean)."""
+    from .plan import PlanError
+    from .suggest import did_you_mean
+
+    if os.path.isabs(script) or os.path.exists(script):
+        return
+    folder = os.path.dirname(script) or "."
+    try:
+        names = [os.path.join(os.path.dirname(script), n) for n in os.listdir(folder) if n.endswith(".py")]
+    except OSError:
+        names = []
+    raise PlanError(f"script {script} not found in {os.getcwd()}{did_you_mean(script, names)} "
+                    "(it is synced from here; with --no-sync it must be in the nodes' workdir)")
+
+
+def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress: bool = True) -> dict:
     """Sync the current directory to every node and verify it by hash (before the probe, which
     checks that the script is there); the result goes into the manifest as ``code``. When every
     node has the tree already (checked over the run's own connections) nothing is started for it."""
     from . import runner
     from . import sync as syncmod
+    from .progress import Ticker
 
     same = syncmod.unchanged(cluster, conns, os.getcwd())
     if same is not None:
         return same.to_dict()
+    done: list[str] = []
+
+    def say(line: str) -> None:
+        done.append(line)
+        if progress:
+            sys.stderr.write(f"ddpfab: sync: {line}\n")
+
+    def copying(elapsed: float) -> str:
+        return f"sync: copying to {len(cluster.nodes)} nodes, {elapsed:.0f} s ({len(done)} reported)"
+
     try:
-        result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
-                                      ssh_config=args.ssh_config,
-                                      progress=lambda line: sys.stderr.write(f"ddpfab: sync: {line}\n"))
+        with Ticker(copying, enabled=progress):
+            result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
+                                          ssh_config=args.ssh_config, progress=say)
     except syncmod.SyncError as exc:
         adopt = any("--adopt" in p for p in exc.problems)
         raise runner.RunError([f"sync: {p}" for p in exc.problems]
@@ -253,7 +325,28 @@ def _run_options(args: argparse.Namespace, planmod, new_run_id):
         script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
         master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
         run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
-        launcher=args.launcher, init_method=args.init_method, debug=args.debug)
+        launcher=args.launcher, init_method=args.init_method, debug=args.debug,
+        local_rank_arg=_local_rank_arg(args))
+
+
+def _local_rank_arg(args: argparse.Namespace) -> str:
+    """The legacy launcher's local-rank spelling: asked for, or the one the script here declares
+    (a script that declares only ``--local_rank`` gets that; everything else the dashed form)."""
+    from .plan import LOCAL_RANK_ARGS
+
+    style = getattr(args, "local_rank_style", "auto")
+    if style != "auto":
+        return LOCAL_RANK_ARGS[style == "underscore"]
+    if args.launcher != "legacy":
+        return LOCAL_RANK_ARGS[0]
+    try:
+        with open(args.script, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(1 << 20)
+    except OSError:
+        return LOCAL_RANK_ARGS[0]
+    underscore = re.search(r"""["']--local_rank["']""", text)
+    dash = re.search(r"""["']--local-rank["']""", text)
+    return LOCAL_RANK_ARGS[1] if underscore and not dash else LOCAL_RANK_ARGS[0]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -263,7 +356,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .runs import mask_plan, new_run_id
 
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
         options = _run_options(args, planmod, new_run_id)
         if args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
@@ -344,7 +437,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     try:
         if args.lab_command == "up":
-            the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=args.python,
+            python, why = lab.node_python(args.python)
+            the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=python,
                                          share=args.share)
             state = "already up" if already else "up"
             first, last = the_lab.hosts[0], the_lab.hosts[-1]
@@ -354,6 +448,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
             print(f"lab {state}: {names}")
             print(f"inventory: {the_lab.inventory}")
             print(f"ssh:       ssh -F {the_lab.ssh_config} {the_lab.hosts[0].name}")
+            print(f"python:    {python} ({why})")
             return 0
         if args.lab_command == "down":
             lab.check_prerequisites()
@@ -366,11 +461,10 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
-    from . import provision
+    from . import config, provision
 
     try:
-        return provision.run_playbook(args.inventory, playbook=args.playbook, tags=args.tags or None,
-                                      check=args.check, limit=args.limit,
-                                      extra_args=[a for ev in args.extra_vars for a in ("-e", ev)])
-    except provision.ProvisionError as exc:
+        inventory = config.default_inventory(args.inventory)
+        return provision.run_playbook(inventory, playbook=args.playbook, options=provision.options_from_args(args))
+    except (provision.ProvisionError, config.ConfigError) as exc:
         return _die(str(exc), 1)

@@ -4,29 +4,79 @@ from __future__ import annotations
 
 import argparse
 
-INVENTORY_HELP = "Ansible inventory (YAML or INI) of the nodes"
+INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list ending in a comma "
+                  "(node1,node2, or node1,), pdsh ranges (node[01-04],), or a DeepSpeed/MPI hostfile "
+                  "(`host slots=N`: N processes on that host). Default: $DDPFAB_INVENTORY, else `inventory:` "
+                  "in ./ddpfab.yml")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = True,
                      inventory_help: str = INVENTORY_HELP, ssh: bool = True) -> None:
-    """Which nodes (inventory, group) and, with *ssh*, how to reach them (the host-key policy)."""
-    p.add_argument("-i", "--inventory", required=inventory_required, help=inventory_help)
-    p.add_argument("--group", default="all", help="inventory group whose hosts are the nodes (default: all)")
+    """Which nodes (inventory, group, limit, extra vars) and, with *ssh*, how to reach them (the
+    host-key policy). Unset values are filled by :func:`ddpfab.config.apply` (flags > env > config)."""
+    p.set_defaults(_cluster_args=True, _inventory_required=inventory_required)
+    p.add_argument("-i", "--inventory", default=None, help=inventory_help)
+    p.add_argument("--group", default=None,
+                   help="inventory group whose hosts are the nodes (default: $DDPFAB_GROUP, the config's, or all)")
+    p.add_argument("-l", "--limit", metavar="PATTERN",
+                   help="only the hosts of the group that match this Ansible pattern (node1:node3, 'gpu*', "
+                        "'all:!node2', 'rack1:&gpus'); node ranks follow the remaining hosts' order")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                   help="inventory variables over every host's, as Ansible's -e: KEY=VALUE, JSON/YAML, or "
+                        "@file (e.g. -e ddpfab_python=/opt/venv/bin/python); repeatable, later wins")
     if not ssh:
         return
     p.add_argument("--accept-new-host-keys", action="store_true",
                    help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
-    p.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
-                                         "else ~/.ssh/known_hosts)")
-    p.add_argument("--ssh-config", help="an ssh_config file to read (default: ~/.ssh/config)")
+    p.add_argument("--known-hosts", help="known_hosts file (default: $DDPFAB_KNOWN_HOSTS, the config's, the "
+                                         "inventory's UserKnownHostsFile, else ~/.ssh/known_hosts)")
+    p.add_argument("--ssh-config", help="an ssh_config file to read (default: $DDPFAB_SSH_CONFIG, the config's, "
+                                        "else ~/.ssh/config)")
 
 
 def add_env_args(p: argparse.ArgumentParser) -> None:
     """The ranks' environment: --env, --env-file, and the forwarding of this shell's variables."""
     p.add_argument("--env", action="append", default=[], metavar="K=V",
-                   help="environment for every rank; a bare KEY takes its value from this shell "
-                        "(keeps a secret out of ddpfab's own command line)")
+                   help="environment for every rank (wins over the inventory's ddpfab_env); a bare KEY "
+                        "takes its value from this shell (keeps a secret out of ddpfab's own command line)")
     p.add_argument("--env-file", action="append", default=[], metavar="FILE",
                    help="KEY=VALUE lines for every rank (--env wins over it)")
     p.add_argument("--no-forward-env", action="store_true",
                    help="do not forward this shell's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+
+
+def load_cluster(args: argparse.Namespace):
+    """The cluster the parsed cluster options name: inventory, group, --limit and -e applied."""
+    from . import inventory
+
+    return inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
+                          extra_vars=getattr(args, "extra_vars", None) or ())
+
+
+#: Help for options some subcommands define without any, by destination: one wording everywhere.
+COMMON_HELP = {
+    "runs_dir": "where run records are (default: ./runs, or $DDPFAB_RUNS_DIR)",
+    "known_hosts": "known_hosts file (default: the inventory's UserKnownHostsFile, else ~/.ssh/known_hosts)",
+    "ssh_config": "an ssh_config file to read (default: ~/.ssh/config)",
+    "accept_new_host_keys": "trust and record host keys not yet in known_hosts (a changed key is always refused)",
+    "json": "print the result as JSON",
+    "run_id": "the run's id (as `ddpfab ps` lists it)",
+    "no_color": "no colours in the output",
+    "nproc_per_node": "processes per node (default: inventory, GPU list, GPUs, or 1)",
+    "runtime_kind": "the kind of the Trainer runtime the TrainJob refers to",
+}
+
+
+def fill_missing_help(parser: argparse.ArgumentParser) -> list[str]:
+    """Give every option of *parser* and its subcommands a help text (:data:`COMMON_HELP`); return
+    the ones still without (a test keeps that list empty)."""
+    missing = []
+    for action in parser._actions:  # argparse has no public walk; _actions is stable since 3.2
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                missing += fill_missing_help(sub)
+        elif action.help is None and action.dest not in ("help", "version", "command"):
+            action.help = COMMON_HELP.get(action.dest)
+            if action.help is None and action.option_strings:
+                missing.append(f"{parser.prog} {action.option_strings[0]}")
+    return missing

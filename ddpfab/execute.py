@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .cliargs import add_cluster_args
+from .cliargs import add_cluster_args, load_cluster
 
 UNREACHABLE = 255
 
@@ -179,7 +179,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
         words = words[1:]
     try:
         command = remote_command(words)
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
     except ValueError as exc:
         sys.stderr.write(f"ddpfab: error: {exc}\n")
         return 2

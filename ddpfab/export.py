@@ -437,12 +437,13 @@ def offline_facts(cluster, master_port: int | None, cwd: str):
     return Facts(addresses=addresses, master_port=master_port or 29500, cwd=cwd)
 
 
-def plan_for_export(inventory_path: str, group: str, options, cwd: str | None = None):
+def plan_for_export(inventory_path: str, group: str, options, cwd: str | None = None, limit: str | None = None,
+                    extra_vars=()):
     """(cluster, plan) for an export, made exactly as ``ddpfab run --dry-run --offline`` makes it."""
     from . import inventory
     from .plan import make_plan
 
-    cluster = inventory.load(inventory_path, group)
+    cluster = inventory.load(inventory_path, group, limit=limit, extra_vars=extra_vars)
     return cluster, make_plan(cluster, options, offline_facts(cluster, options.master_port, cwd or os.getcwd()))
 
 
@@ -520,7 +521,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
             master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
             run_id=args.run_id or new_run_id())
-        cluster, plan = plan_for_export(args.inventory, args.group, options)
+        cluster, plan = plan_for_export(args.inventory, args.group, options, limit=args.limit,
+                                        extra_vars=args.extra_vars)
         if not args.output:  # printed: secret values masked by key; -o writes them to a private file
             from .plan import Plan
             from .runs import mask_plan

@@ -29,8 +29,18 @@ VAR_PYTHON = "ddpfab_python"
 VAR_MASTER = "ddpfab_master"
 VAR_SHARED_DIR = "ddpfab_shared_dir"
 VAR_SPARES = "ddpfab_spares_group"
+VAR_ENV = "ddpfab_env"
+VAR_GPU_IDS = "ddpfab_gpu_ids"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: a DeepSpeed / MPI hostfile line: ``host slots=N`` (``max_slots=M`` allowed and ignored)
+_HOSTFILE_LINE = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9_.\-]*)(?:\s+slots\s*=\s*(?P<slots>\d+))?"
+                            r"(?:\s+max_slots\s*=\s*\d+)?\s*$")
+_RANGE = re.compile(r"\[([^\[\]]*)\]")
+_HOST_WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+#: generated inventories (from host lists and hostfiles) are kept at most this many
+_MAX_GENERATED = 64
 
 
 class InventoryError(Exception):
@@ -58,6 +68,10 @@ class Node:
             ``ddpfab_shared_dir``), used for the file:// init method; None if not set.
         spares_group: the inventory group whose hosts stand by to replace a lost node
             (``ddpfab_spares_group``; ``ddpfab run --spares`` wins); None if not set.
+        env: environment for this node's ranks (``ddpfab_env``, a mapping; Ansible's precedence:
+            the host's value replaces its group's whole). The command line's --env wins over it.
+        gpu_ids: the GPUs this node's ranks may use (``ddpfab_gpu_ids``, a list of indexes or
+            UUIDs): CUDA_VISIBLE_DEVICES, and nproc defaults to its length. None: all.
     """
 
     name: str
@@ -74,6 +88,8 @@ class Node:
     master: bool = False
     shared_dir: str | None = None
     spares_group: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    gpu_ids: tuple[str, ...] | None = None
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -160,39 +176,224 @@ def _ansible_env() -> None:
     os.environ.setdefault("ANSIBLE_DUPLICATE_YAML_DICT_KEY", "error")  # a host listed twice is an error
 
 
-def load(source: str | os.PathLike, group: str = "all") -> Cluster:
+def expand_ranges(word: str) -> list[str]:
+    """pdsh-style ranges in a host name: ``node[01-04]`` -> node01..node04 (zero padding kept),
+    ``n[1-2,5]`` -> n1 n2 n5, several brackets multiply; Ansible's ``node[01:04]`` works too."""
+    m = _RANGE.search(word)
+    if not m:
+        return [word]
+    items: list[str] = []
+    for part in m.group(1).split(","):
+        lo, sep, hi = part.strip().replace(":", "-").partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise InventoryError(f"host range {word!r}: expected digits like [01-04] or [1,3,5], found [{m.group(1)}]")
+        if not sep:
+            items.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise InventoryError(f"host range {word!r}: {lo}-{hi} counts down; write [{hi}-{lo}]")
+        width = len(lo) if lo.startswith("0") else 0
+        items += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    head, tail = word[:m.start()], word[m.end():]
+    return [name for item in items for name in expand_ranges(head + item + tail)]
+
+
+def parse_hostfile(text: str) -> list[tuple[str, int | None]] | None:
+    """The (host, slots) of a DeepSpeed/MPI hostfile, or None when *text* is not one.
+
+    A hostfile has one ``host [slots=N]`` per line (``#`` comments), at least one ``slots=``; an
+    INI inventory would read ``slots=4`` as a variable nobody uses, which is why it is told apart.
+    """
+    hosts: list[tuple[str, int | None]] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _HOSTFILE_LINE.match(line)
+        if not m:
+            return None
+        hosts.append((m.group("host"), int(m.group("slots")) if m.group("slots") else None))
+    if not hosts or all(slots is None for _, slots in hosts):
+        return None
+    return hosts
+
+
+def _host_list(source: str) -> list[str] | None:
+    """The names of an Ansible-style host list (``a,b,``, ``a,``, with pdsh ranges), or None."""
+    if "," not in source and not _RANGE.search(source):
+        return None
+    # split on commas outside brackets (n[1,3],m)
+    words, depth, cur = [], 0, ""
+    for ch in source:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            words.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    words.append(cur.strip())
+    names = []
+    for w in filter(None, words):
+        for name in expand_ranges(w):
+            if not _HOST_WORD.fullmatch(name):
+                raise InventoryError(f"host list {source!r}: {name!r} is not a host name (letters, digits, "
+                                     "'.', '-', '_'); put users, ports and addresses in an inventory file")
+            names.append(name)
+    if not names:
+        raise InventoryError(f"host list {source!r} names no hosts")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise InventoryError(f"host list {source!r} names {', '.join(dup)} more than once")
+    return names
+
+
+def _generated(kind: str, hosts: list[tuple[str, int | None]]) -> str:
+    """A YAML inventory for *hosts* (name, nproc) in a private cache dir, named by its content."""
+    import hashlib
+    import json
+
+    from .invcache import cache_dir
+
+    body = {"all": {"hosts": {name: ({VAR_NPROC: slots} if slots else None) for name, slots in hosts}}}
+    text = f"# generated by ddpfab from a {kind}\n" + json.dumps(body, indent=1) + "\n"
+    d = cache_dir().parent / "generated"
+    path = d / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.yml"
+    if not path.is_file():
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        for old in sorted(d.glob("*.yml"), key=lambda e: e.stat().st_mtime)[:-_MAX_GENERATED]:
+            old.unlink(missing_ok=True)
+    return str(path)
+
+
+def ansible_source(source: str) -> str:
+    """What Ansible's ``-i`` gets for ddpfab's *source*: an inventory file or dir as it is, a
+    DeepSpeed/MPI hostfile or a host list (with pdsh ranges) as a generated YAML inventory.
+
+    Raises:
+        InventoryError: *source* is none of these.
+    """
+    path = Path(os.path.expanduser(source))
+    if path.is_file():
+        try:
+            head = path.read_text(encoding="utf-8", errors="replace")[:1 << 20]
+        except OSError as exc:
+            raise InventoryError(f"inventory {source}: {exc.strerror}") from None
+        slots = parse_hostfile(head)
+        return _generated(f"hostfile {path.resolve()}", slots) if slots else str(path)
+    if path.exists():
+        return str(path)
+    names = _host_list(source)
+    if names is not None:
+        return _generated(f"host list {source}", [(n, None) for n in names])
+    hint = f"; for a single host write {source},  (a host list ends with a comma)" \
+        if _HOST_WORD.fullmatch(source) else ""
+    raise InventoryError(f"inventory {source}: no such file or directory{hint}")
+
+
+def parse_extra_vars(items) -> dict[str, Any]:
+    """Ansible's ``-e`` values merged in order: ``KEY=VALUE ...``, a JSON/YAML mapping, ``@file``,
+    or an already parsed mapping (from the project config)."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        if isinstance(item, dict):
+            out.update(item)
+            continue
+        text = str(item).strip()
+        if text.startswith("@"):
+            try:
+                text = Path(os.path.expanduser(text[1:])).read_text(encoding="utf-8")
+            except OSError as exc:
+                raise InventoryError(f"-e {item}: {exc.strerror}") from None
+            value = _yaml_mapping(text, item)
+        elif text.startswith(("{", "[")):
+            value = _yaml_mapping(text, item)
+        else:
+            from ansible.parsing.splitter import parse_kv
+
+            try:
+                value = parse_kv(text)
+            except Exception as exc:  # noqa: BLE001 - Ansible's parser raises several kinds
+                raise InventoryError(f"-e {item!r}: {exc}") from None
+            value.pop("_raw_params", None)
+            bad = [w for w in text.split() if "=" not in w]
+            if bad or not value:
+                raise InventoryError(f"-e {item!r}: expected KEY=VALUE (or JSON, or @file), found {bad[0] if bad else text!r}")
+        out.update(value)
+    return out
+
+
+def _yaml_mapping(text: str, item: Any) -> dict[str, Any]:
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InventoryError(f"-e {item}: not YAML/JSON: {' '.join(str(exc).split())}") from None
+    if not isinstance(value, dict):
+        raise InventoryError(f"-e {item}: expected a mapping of variables, found {type(value).__name__}")
+    return value
+
+
+def load(source: str | os.PathLike, group: str = "all", limit: str | None = None,
+         extra_vars=()) -> Cluster:
     """Load the hosts of *group* from the inventory *source*, in inventory order.
+
+    Args:
+        source: an inventory file or dir, a host list (``a,b,``), pdsh ranges or a hostfile
+            (:func:`ansible_source`).
+        group: the group whose hosts are the nodes.
+        limit: an Ansible host pattern; only the group's hosts it matches are kept (in order).
+        extra_vars: ``-e`` values (:func:`parse_extra_vars`), over every host's variables.
 
     Ansible parses it; its result is kept in a cache (:mod:`ddpfab.invcache`) and reused while
     every file it read (and the Ansible settings) are unchanged: loading Ansible costs about 0.3 s
     on every command, more than the rest of a ``ddpfab exec`` on a few hosts.
     """
+    import json
+
     from . import invcache
 
-    path = Path(source)
-    if not path.exists():
-        raise InventoryError(f"inventory {path}: no such file or directory")
+    group = group or "all"
+    path = Path(ansible_source(str(source)))
+    extra = parse_extra_vars(extra_vars) if extra_vars else {}
     _ansible_env()  # first: its settings are part of the cache key
-    key = invcache.key(path, group)
+    selection = json.dumps([group, limit, extra], sort_keys=True, default=str)
+    key = invcache.key(path, selection if (limit or extra) else group)
     cached = invcache.get(key)
     if cached is not None:
-        cluster = Cluster(source=str(path), group=group, nodes=tuple(Node(**n) for n in cached))
+        cluster = Cluster(source=str(source), group=group, nodes=tuple(_node_from_cache(n) for n in cached))
     else:
-        cluster = _load_with_ansible(path, group)
+        cluster = _load_with_ansible(path, group, limit, extra, str(source))
         invcache.put(key, [dataclasses.asdict(n) for n in cluster.nodes])
+        cluster = dataclasses.replace(cluster, source=str(source))
     _check_ini_repeats(path)  # (on a cached load too: the cache may predate these checks)
     _check_duplicates(path, list(cluster.nodes))
     return cluster
 
 
-def _load_with_ansible(path: Path, group: str) -> Cluster:
-    """Ansible's InventoryManager on *path* (its settings made strict by :func:`load` first)."""
+def _node_from_cache(data: dict) -> Node:
+    if data.get("gpu_ids") is not None:
+        data = {**data, "gpu_ids": tuple(data["gpu_ids"])}
+    return Node(**data)
+
+
+def _load_with_ansible(path: Path, group: str, limit: str | None = None,
+                       extra: dict[str, Any] | None = None, shown: str | None = None) -> Cluster:
+    """Ansible's InventoryManager on *path* (its settings made strict by :func:`load` first);
+    messages name *shown* (what the user gave: a host list, a hostfile) rather than *path*."""
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
     from ansible.template import Templar
     from ansible.vars.manager import VariableManager
 
+    from .suggest import did_you_mean
+
+    where = shown or str(path)
     loader = DataLoader()
     chatter = io.StringIO()
     try:
@@ -201,17 +402,35 @@ def _load_with_ansible(path: Path, group: str) -> Cluster:
     except AnsibleError as exc:
         detail = " ".join(str(exc).split())
         reason = _inner_reason(chatter.getvalue()) or detail
-        raise InventoryError(f"inventory {path}: cannot be parsed: {reason}") from None
+        raise InventoryError(f"inventory {where}: cannot be parsed: {reason}") from None
     if group not in inv.groups:
         known = ", ".join(sorted(inv.groups)) or "none"
-        raise InventoryError(f"inventory {path}: no group {group!r} (groups: {known}); pick one with --group")
+        raise InventoryError(f"inventory {where}: no group {group!r}{did_you_mean(group, inv.groups)} "
+                             f"(groups: {known}); pick one with --group")
     hosts = inv.groups[group].get_hosts()
     if not hosts:
-        raise InventoryError(f"inventory {path}: group {group!r} has no hosts; add hosts or pick another --group")
+        raise InventoryError(f"inventory {where}: group {group!r} has no hosts; add hosts or pick another --group")
+    if limit:
+        with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
+            try:
+                matched = {h.name for h in inv.get_hosts(pattern=limit)}
+            except AnsibleError as exc:
+                raise InventoryError(f"--limit {limit!r}: {' '.join(str(exc).split())}") from None
+        kept = [h for h in hosts if h.name in matched]
+        if not kept:
+            words = [w.lstrip("!&") for w in re.split(r"[:,]", limit) if w.strip("!&")]
+            hints = "".join(did_you_mean(w, [*inv.hosts, *inv.groups]) for w in words
+                            if w not in inv.hosts and w not in inv.groups)
+            raise InventoryError(f"--limit {limit!r} matches no host of group {group!r} in {where}{hints}; "
+                                 f"its hosts: {', '.join(h.name for h in hosts[:8])}"
+                                 f"{' ...' if len(hosts) > 8 else ''}")
+        hosts = kept
     vm = VariableManager(loader=loader, inventory=inv)
     nodes = []
     for h in hosts:
         raw = vm.get_vars(host=h, include_hostvars=False)
+        if extra:
+            raw = {**raw, **extra}
         templar = Templar(loader=loader, variables=raw)
 
         def var(name: str, default: Any = None, _raw: dict = raw, _t: Templar = templar) -> Any:
@@ -226,7 +445,7 @@ def _load_with_ansible(path: Path, group: str) -> Cluster:
         nodes.append(_make_node(h.name, var))
     masters = [n.name for n in nodes if n.master]
     if len(masters) > 1:
-        raise InventoryError(f"inventory {path}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
+        raise InventoryError(f"inventory {where}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
                              "set it on one")
     return Cluster(source=str(path), group=group, nodes=tuple(nodes))
 
@@ -355,7 +574,44 @@ def _make_node(name: str, var) -> Node:
         master=_bool_var(var(VAR_MASTER, False)),
         shared_dir=str(shared_dir) if shared_dir else None,
         spares_group=str(var(VAR_SPARES, None) or "") or None,
+        env=_env_var(name, var(VAR_ENV, None)),
+        gpu_ids=_gpu_ids(name, var(VAR_GPU_IDS, None)),
     )
+
+
+def _env_var(host: str, value: Any) -> dict[str, str]:
+    """``ddpfab_env``: a mapping of variable names to scalar values."""
+    if value is None or value == "":
+        return {}
+    if not isinstance(value, dict):
+        raise InventoryError(f"host {host}: {VAR_ENV} must be a mapping like {{NCCL_IB_HCA: mlx5_0}}, got {value!r}")
+    out = {}
+    for k, v in value.items():
+        if not _ENV_KEY.fullmatch(str(k)):
+            raise InventoryError(f"host {host}: {VAR_ENV} key {k!r} is not an environment variable name "
+                                 "(letters, digits, '_')")
+        if isinstance(v, (dict, list)) or v is None:
+            raise InventoryError(f"host {host}: {VAR_ENV}.{k} must be a string or number, got {v!r}")
+        out[str(k)] = str(v).lower() if isinstance(v, bool) else str(v)
+    return out
+
+
+def _gpu_ids(host: str, value: Any) -> tuple[str, ...] | None:
+    """``ddpfab_gpu_ids``: a list (or comma-separated string) of GPU indexes or UUIDs."""
+    if value is None or value == "":
+        return None
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else None
+    if items is None or isinstance(value, bool):
+        raise InventoryError(f"host {host}: {VAR_GPU_IDS} must be a list of GPU indexes or UUIDs like [0, 1], "
+                             f"got {value!r}")
+    ids = tuple(str(i).strip() for i in items)
+    bad = [i for i in ids if not re.fullmatch(r"[A-Za-z0-9\-]+", i)]
+    if bad or not ids:
+        raise InventoryError(f"host {host}: {VAR_GPU_IDS} entry {bad[0] if bad else value!r} is not a GPU index "
+                             "or UUID")
+    if len(set(ids)) != len(ids):
+        raise InventoryError(f"host {host}: {VAR_GPU_IDS} lists a GPU twice: {list(ids)}")
+    return ids
 
 
 def _check_address(host: str, var: str, value: str) -> None:

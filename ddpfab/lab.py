@@ -12,6 +12,7 @@ two labs with different dirs and subnets coexist and ``down`` removes only what 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import ipaddress
 import json
 import os
@@ -271,6 +272,25 @@ MaxSessions 64
 AcceptEnv LANG LC_*
 Subsystem sftp /usr/lib/openssh/sftp-server
 """
+
+
+#: The nodes' python when the controller's has no torch: where ``ddpfab provision`` (the
+#: ddpfab_python role's ddpfab_python_venv default) puts its venv.
+PROVISIONED_PYTHON = "/opt/ddpfab/venv/bin/python"
+
+
+def node_python(asked: str | None = None) -> tuple[str, str]:
+    """The python the lab's nodes run (written as ddpfab_python) and why that one.
+
+    Lab nodes see the controller's files, so the controller's python works when it has torch;
+    otherwise (ddpfab installed alone, e.g. from a wheel) the venv ``ddpfab provision`` makes.
+    """
+    if asked:
+        return asked, "--python"
+    if importlib.util.find_spec("torch") is not None:
+        return sys.executable, "this python has torch"
+    return PROVISIONED_PYTHON, ("this python has no torch: run `ddpfab provision -i INVENTORY` to make it, "
+                                "or pass --python")
 
 
 def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,

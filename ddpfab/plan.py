@@ -41,6 +41,12 @@ LAUNCHERS = {"torchrun": "torch.distributed.run", "legacy": "torch.distributed.l
 INIT_METHODS = ("env", "tcp", "file")
 #: The env var that tells a training script (via :mod:`ddpfab.dist`) which init method to use.
 INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
+#: How a legacy-launcher script spells the local rank argument (torch 2.x passes the dashed one).
+LOCAL_RANK_ARGS = ("--local-rank", "--local_rank")
+#: Per-node values a script argument may name as ``{{name}}`` (expanded on the controller, per node).
+PLACEHOLDERS = ("node_rank", "nnodes", "nproc", "world_size", "master_addr", "master_port", "run_id",
+                "node_name")
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: A run id names a local and a remote directory: no separators, no dot-dot, no shell characters.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
@@ -78,6 +84,10 @@ class RunOptions:
             node's ``ddpfab_shared_dir``). Told to the script in ``DDPFAB_INIT_METHOD`` (unset for
             env://); :mod:`ddpfab.dist` reads it.
         debug: add :data:`DEBUG_ENV` (NCCL and torch.distributed debug logging); ``env`` wins.
+        local_rank_arg: with ``launcher="legacy"``, the argument the script declares for its local
+            rank: "--local-rank" (what torch 2.x passes) or "--local_rank" (scripts written for
+            torch 1.x; then the launcher runs with ``--use-env`` and each worker gets
+            ``--local_rank=N`` through torch's ``${local_rank}`` substitution).
     """
 
     script: str
@@ -93,6 +103,7 @@ class RunOptions:
     launcher: str = "torchrun"
     init_method: str = "env"
     debug: bool = False
+    local_rank_arg: str = "--local-rank"
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,7 @@ class Plan:
     launcher: str = "torchrun"
     init_method: str = "env"
     debug: bool = False
+    local_rank_arg: str = "--local-rank"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,11 +198,14 @@ def choose_master(cluster: Cluster) -> Node:
 
 
 def nproc_for(node: Node, options: RunOptions) -> int:
-    """Processes on *node*: the command line wins, then the inventory, then its GPU count, then 1."""
+    """Processes on *node*: the command line wins, then the inventory's nproc (a hostfile's slots),
+    then the length of its GPU list, then its GPU count, then 1."""
     if options.nproc_per_node is not None:
         return options.nproc_per_node
     if node.nproc is not None:
         return node.nproc
+    if node.gpu_ids:
+        return len(node.gpu_ids)
     if node.gpus:
         return node.gpus
     return 1
@@ -272,7 +287,8 @@ def host_port(addr: str, port: int) -> str:
 def torchrun_argv(python: str, *, nnodes: int, nproc: int, node_rank: int, master_addr: str,
                   master_port: int, max_restarts: int, log_dir: str, script: str,
                   args: tuple[str, ...], rdzv: str = "static", run_id: str = "run",
-                  launcher: str = "torchrun") -> tuple[str, ...]:
+                  launcher: str = "torchrun", local_rank_arg: str = "--local-rank",
+                  node_name: str = "", world_size: int | None = None) -> tuple[str, ...]:
     """torchrun through the node's own python (``-m torch.distributed.run``), never a `torchrun`
     found on PATH that may belong to another environment.
 
@@ -287,15 +303,53 @@ def torchrun_argv(python: str, *, nnodes: int, nproc: int, node_rank: int, maste
 
     *launcher* "legacy" runs ``torch.distributed.launch`` (deprecated, still in torch 2.13; same
     flags as torchrun) without ``--use-env``, so each worker also gets ``--local-rank=N`` as its
-    first argument, as scripts written for it expect.
+    first argument, as scripts written for it expect; with *local_rank_arg* "--local_rank" it runs
+    with ``--use-env`` and passes ``--local_rank=${local_rank}`` itself (torch substitutes each
+    worker's local rank), for scripts written for torch 1.x.
+
+    ``{{name}}`` placeholders in *args* (:data:`PLACEHOLDERS`) are replaced by this node's values.
     """
     if rdzv == "c10d":
         where = ("--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(master_addr, master_port)}",
                  f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}")
     else:
         where = (f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}")
+    values = {"node_rank": node_rank, "nnodes": nnodes, "nproc": nproc, "master_addr": master_addr,
+              "master_port": master_port, "run_id": run_id, "node_name": node_name}
+    if world_size is not None:
+        values["world_size"] = world_size
+    script_args = expand_placeholders(args, values)
+    legacy: tuple[str, ...] = ()
+    if launcher == "legacy" and local_rank_arg == "--local_rank":
+        legacy = ("--use-env",)
+        script_args = ("--local_rank=${local_rank}", *script_args)
     return (python, "-m", LAUNCHERS[launcher], f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *where,
-            f"--max-restarts={max_restarts}", "--tee=3", f"--log-dir={log_dir}", script, *args)
+            f"--max-restarts={max_restarts}", "--tee=3", f"--log-dir={log_dir}", *legacy, script, *script_args)
+
+
+def placeholders_in(args: tuple[str, ...] | list[str]) -> list[str]:
+    """The ``{{name}}`` placeholder names used in *args*, in order of first use."""
+    seen: list[str] = []
+    for a in args:
+        for name in _PLACEHOLDER.findall(a):
+            if name not in seen:
+                seen.append(name)
+    return seen
+
+
+def expand_placeholders(args: tuple[str, ...], values: dict[str, Any]) -> tuple[str, ...]:
+    """*args* with each ``{{name}}`` replaced by ``values[name]``; other text is left byte for byte.
+    ``world_size`` is not per node: :func:`make_plan` puts it in *values* when it is known."""
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in values:
+            from .suggest import did_you_mean
+
+            raise PlanError(f"script argument placeholder {{{{{name}}}}} is unknown{did_you_mean(name, PLACEHOLDERS)}; "
+                            f"known: {', '.join(PLACEHOLDERS)}")
+        return str(values[name])
+
+    return tuple(_PLACEHOLDER.sub(sub, a) for a in args)
 
 
 def init_method_url(kind: str, *, master_addr: str, master_port: int, shared_dir: str | None,
@@ -382,14 +436,20 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"host {master.name}: its data address {master.data_addr} resolves to {master_addr}, "
                         "a loopback address the other nodes cannot reach; set ddpfab_data_addr "
                         "(or ansible_host) to an address on the network the nodes share")
+    if options.local_rank_arg not in LOCAL_RANK_ARGS:
+        raise PlanError(f"local rank argument {options.local_rank_arg!r}: expected one of {', '.join(LOCAL_RANK_ARGS)}")
+    used = placeholders_in(options.args)
+    if options.rdzv == "c10d" and "node_rank" in used:
+        raise PlanError("{{node_rank}} in a script argument needs --rdzv static: with c10d, torchrun assigns node "
+                        "ranks at rendezvous and ddpfab cannot know them beforehand (read GROUP_RANK in the script)")
     env = dict(BASE_ENV)
     if options.debug:
         env.update(DEBUG_ENV)
-    env.update(options.env)
-    env["DDPFAB_RUN_ID"] = options.run_id
+    asked = dict(options.env)
+    nprocs = [nproc_for(node, options) for node in ordered]
     nodes = []
     for rank, node in enumerate(ordered):
-        nproc = nproc_for(node, options)
+        nproc = nprocs[rank]
         home = facts.homes.get(node.name)
         try:
             workdir = remote_workdir(node.workdir, home) if node.workdir is not None else facts.cwd
@@ -399,13 +459,21 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         argv = torchrun_argv(node.python, nnodes=len(ordered), nproc=nproc, node_rank=rank,
                              master_addr=str(ip), master_port=port, max_restarts=options.max_restarts,
                              log_dir=f"{remote_dir}/torchrun", script=options.script, args=tuple(options.args),
-                             rdzv=options.rdzv, run_id=options.run_id, launcher=options.launcher)
+                             rdzv=options.rdzv, run_id=options.run_id, launcher=options.launcher,
+                             local_rank_arg=options.local_rank_arg, node_name=node.name, world_size=sum(nprocs))
+        # the inventory's per-node env (ddpfab_env, the GPU list), then what the command line asked
         node_env = dict(env)
+        if node.gpu_ids:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpu_ids)
+        node_env.update(node.env)
+        node_env.update(asked)
+        node_env["DDPFAB_RUN_ID"] = options.run_id
         init_url = init_method_url(options.init_method, master_addr=str(ip), master_port=port,
                                    shared_dir=node.shared_dir, run_id=options.run_id)
         if init_url:
             node_env[INIT_METHOD_VAR] = init_url
-        if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in dict(options.env):
+        if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in asked \
+                and "TORCH_DISTRIBUTED_DEBUG" not in node.env:
             node_env.update(DEBUG_ENV_GLOO)
         ifname = facts.ifnames.get(node.name) if options.socket_ifname == "auto" else options.socket_ifname
         if options.socket_ifname == "auto" and not ifname:
@@ -413,7 +481,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
                             "name one with --socket-ifname IFACE")
         if ifname:
             for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                if key not in dict(options.env):
+                if key not in asked and key not in node.env:
                     node_env[key] = ifname
         nodes.append(NodePlan(
             name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
@@ -425,4 +493,4 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         master_addr=str(ip), master_port=port, nnodes=len(ordered),
         world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
         max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
-        init_method=options.init_method, debug=options.debug)
+        init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg)

@@ -175,8 +175,12 @@ class NodeFacts:
     raw: dict = field(default_factory=dict)
 
 
-def resolve(node: Node) -> str:
-    """The node's data address as an IP literal (names are resolved here, on the controller)."""
+def resolve(node: Node, conn: Connection | None = None) -> str:
+    """The node's data address as an IP literal (names are resolved here, on the controller).
+
+    A name the controller cannot resolve that is only the default (no ddpfab_data_addr, no
+    ansible_host: a host list reached through ssh_config's HostName) is the address the node's
+    open SSH connection *conn* goes to: the one way ddpfab reaches the node."""
     try:
         return str(ipaddress.ip_address(node.data_addr))
     except ValueError:
@@ -184,9 +188,20 @@ def resolve(node: Node) -> str:
     try:
         infos = socket.getaddrinfo(node.data_addr, None, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as exc:
+        peer = _peer_address(conn) if node.data_addr in (node.host, node.name) else None
+        if peer:
+            return peer
         raise ssh.SSHError(node.name, f"host {node.name}: data address {node.data_addr!r} does not resolve "
                                       f"({exc.strerror}); set ddpfab_data_addr to an IP address") from None
     return infos[0][4][0]
+
+
+def _peer_address(conn: Connection | None) -> str | None:
+    transport = conn.client.get_transport() if conn is not None and conn.is_connected else None
+    try:
+        return str(ipaddress.ip_address(transport.getpeername()[0])) if transport else None
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def probe_node(conn: Connection, node: Node, *, workdir: str, script: str | None,
@@ -223,7 +238,7 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
     addresses = {}
     for n in cluster.nodes:
         try:
-            addresses[n.name] = resolve(n)
+            addresses[n.name] = resolve(n, conns.get(n.name))
         except ssh.SSHError:
             addresses[n.name] = n.data_addr
     names = sorted({n.data_addr for n in cluster.nodes if n.data_addr != addresses[n.name]})
@@ -236,7 +251,7 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
                            find_port=is_master and master_port is None,
                            peers={k: v for k, v in addresses.items() if k != node.name},
                            resolve_names=names, full=full)
-        facts.address = resolve(node)
+        facts.address = resolve(node, conns[node.name])
         return facts
 
     results = ssh.parallel([n for n in cluster.nodes if n.name in conns], one)

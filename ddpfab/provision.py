@@ -1,28 +1,62 @@
-"""``ddpfab provision``: run the project's Ansible playbooks against the inventory ``ddpfab run`` uses.
+"""``ddpfab provision``: run ddpfab's Ansible playbooks against the inventory ``ddpfab run`` uses.
 
 Ansible does what Ansible is for (idempotent host state: packages, venv, firewall, time sync); this
-module only finds ``ansible-playbook`` and the project's playbooks, runs them with the project's
-``ansible.cfg``, streams Ansible's own output, and names the hosts that failed, one line each.
+module only finds ``ansible-playbook`` and the playbooks shipped inside the package (the
+``ddpfab.cluster`` collection, see :func:`collection_dir`), runs them over the user's own Ansible
+configuration with ddpfab's settings layered beneath it (:func:`ansible_env`), streams Ansible's
+output, and names the hosts that failed, one line each.
 
-    run_playbook("lab/inventory.yml")                          # playbooks/provision.yml
-    run_playbook("inv.yml", "firewall", limit="node3")         # playbooks/firewall.yml
+    run_playbook("lab/inventory.yml")                          # the collection's provision playbook
+    run_playbook("inv.yml", "firewall", limit="node3")         # only the firewall
     run_playbook("inv.yml", tags=["python"], check=True)       # dry run of one role
+
+Precedence of Ansible settings, highest first: ansible-playbook's command-line options (``-u``,
+``-K``, ``-e``, ``-v``...), ``ANSIBLE_*`` variables in your environment, your ansible.cfg (the one
+Ansible itself would pick: ``$ANSIBLE_CONFIG``, ``./ansible.cfg``, ``~/.ansible.cfg``,
+``/etc/ansible/ansible.cfg``), ddpfab's ``ansible.cfg`` (each of its settings that neither your
+environment nor your config names is passed as its ``ANSIBLE_*`` variable), Ansible's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
 import os
 import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
-#: Playbooks under ``playbooks/`` that ``ddpfab provision --playbook NAME`` knows by name.
+#: Playbooks ``ddpfab provision --playbook NAME`` knows by name (``<name>.yml`` in :func:`ansible_dir`).
 PLAYBOOKS = ("provision", "firewall")
+#: The collection the playbooks and roles live in (``ansible-galaxy collection build`` takes its dir).
+COLLECTION = ("ddpfab", "cluster")
+
+#: ddpfab's ansible.cfg settings and the ``ANSIBLE_*`` variable that carries each one. A setting of
+#: that name in the user's config (any section: Ansible reads some in several) or environment wins.
+#: collections_path is not layered: ``ddpfab provision`` finds the collection beside its playbooks.
+SETTING_ENV = {
+    "interpreter_python": "ANSIBLE_PYTHON_INTERPRETER",
+    "host_key_checking": "ANSIBLE_HOST_KEY_CHECKING",
+    "forks": "ANSIBLE_FORKS",
+    "timeout": "ANSIBLE_TIMEOUT",
+    "retry_files_enabled": "ANSIBLE_RETRY_FILES_ENABLED",
+    "nocows": "ANSIBLE_NOCOWS",
+    "stdout_callback": "ANSIBLE_STDOUT_CALLBACK",
+    "callback_result_format": "ANSIBLE_CALLBACK_RESULT_FORMAT",
+    "show_task_path_on_failure": "ANSIBLE_SHOW_TASK_PATH_ON_FAILURE",
+    "display_skipped_hosts": "ANSIBLE_DISPLAY_SKIPPED_HOSTS",
+    "check_mode_markers": "ANSIBLE_CHECK_MODE_MARKERS",
+    "become_method": "ANSIBLE_BECOME_METHOD",
+    "pipelining": "ANSIBLE_PIPELINING",
+    "control_path_dir": "ANSIBLE_SSH_CONTROL_PATH_DIR",
+    "ssh_args": "ANSIBLE_SSH_ARGS",
+}
+NOT_LAYERED = ("collections_path",)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RECAP_LINE = re.compile(r"^(?P<host>\S+)\s*:\s*(?P<counts>(?:\w+=\d+\s*)+)$")
@@ -57,24 +91,29 @@ class HostRecap:
         return self.counts.get("changed", 0)
 
 
-def project_dir() -> Path:
-    """The dir holding ``ansible.cfg``, ``playbooks/`` and ``roles/``.
-
-    ``$DDPFAB_ANSIBLE_DIR`` if set, else the checkout this package lives in (the package's parent
-    dir), else an ``ansible/`` dir shipped inside the package.
+def ansible_dir() -> Path:
+    """The dir holding ddpfab's ``ansible.cfg``, the playbooks ``provision`` runs, the example
+    inventory and (under ``collections/``) the ``ddpfab.cluster`` collection: package data, the same
+    in a checkout and in an installed wheel. ``$DDPFAB_ANSIBLE_DIR`` replaces it (a patched copy).
     """
-    here = Path(__file__).resolve().parent
-    candidates = []
-    if os.environ.get("DDPFAB_ANSIBLE_DIR"):
-        candidates.append(Path(os.environ["DDPFAB_ANSIBLE_DIR"]))
-    candidates += [here.parent, here / "ansible"]
-    for cand in candidates:
-        if (cand / "ansible.cfg").is_file() and (cand / "playbooks").is_dir():
-            return cand
+    override = os.environ.get("DDPFAB_ANSIBLE_DIR")
+    cand = Path(override) if override else Path(str(resources.files("ddpfab") / "ansible"))
+    if (cand / "ansible.cfg").is_file() and (cand / "provision.yml").is_file():
+        return cand
     raise ProvisionError(
-        "ddpfab's ansible.cfg and playbooks/ were not found (looked in "
-        + ", ".join(str(c) for c in candidates)
-        + "): run ddpfab from its source checkout, or set DDPFAB_ANSIBLE_DIR to it")
+        f"ddpfab's Ansible files (ansible.cfg, provision.yml) are not in {cand}: "
+        + ("point DDPFAB_ANSIBLE_DIR at a copy of ddpfab/ansible" if override
+           else "the package is incomplete; reinstall ddpfab (pip install --force-reinstall ddpfab)"))
+
+
+def collection_dir() -> Path:
+    """The ``ddpfab.cluster`` collection (galaxy.yml, roles/, playbooks/) inside :func:`ansible_dir`."""
+    return ansible_dir() / "collections" / "ansible_collections" / COLLECTION[0] / COLLECTION[1]
+
+
+def project_dir() -> Path:
+    """Kept for callers of the old name: :func:`ansible_dir`."""
+    return ansible_dir()
 
 
 def find_ansible_playbook() -> str:
@@ -93,36 +132,159 @@ def find_ansible_playbook() -> str:
 def playbook_path(playbook: str) -> Path:
     """A playbook by name (``provision``, ``firewall``) or by path."""
     if playbook in PLAYBOOKS:
-        return project_dir() / "playbooks" / f"{playbook}.yml"
+        return ansible_dir() / f"{playbook}.yml"
     path = Path(playbook)
     if path.is_file():
         return path.resolve()
-    raise ProvisionError(f"unknown playbook {playbook!r}: use one of {', '.join(PLAYBOOKS)} or a path to a playbook")
+    from .suggest import did_you_mean
+
+    raise ProvisionError(f"unknown playbook {playbook!r}{did_you_mean(playbook, PLAYBOOKS)}: use one of "
+                         f"{', '.join(PLAYBOOKS)} or a path to a playbook")
+
+
+@dataclass(frozen=True)
+class AnsibleOptions:
+    """ansible-playbook options ``ddpfab provision`` passes through unchanged.
+
+    Args:
+        verbosity: ``-v`` count (0-4).
+        ask_become_pass: ``-K``: Ansible prompts for the become (sudo) password on the terminal.
+        user: ``-u``: the SSH user, over the inventory's and your config's.
+        vault_ids: ``--vault-id`` values (``label@source``), in order.
+        ask_vault_pass: ``--ask-vault-pass``.
+        vault_password_files: ``--vault-password-file`` values.
+        check: ``--check``: change nothing.
+        diff: ``--diff``: show what changes (``--check`` alone implies it, as ddpfab always did).
+        limit: ``-l``: an Ansible host pattern.
+        tags: ``-t``: only these tags (comma-separated entries are split).
+        skip_tags: ``--skip-tags``.
+        extra_vars: ``-e`` values (KEY=VALUE, JSON/YAML, or @file), in order.
+    """
+
+    verbosity: int = 0
+    ask_become_pass: bool = False
+    user: str | None = None
+    vault_ids: tuple[str, ...] = ()
+    ask_vault_pass: bool = False
+    vault_password_files: tuple[str, ...] = ()
+    check: bool = False
+    diff: bool = False
+    limit: str | None = None
+    tags: tuple[str, ...] = ()
+    skip_tags: tuple[str, ...] = ()
+    extra_vars: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        out: list[str] = []
+        if self.verbosity:
+            out.append("-" + "v" * min(self.verbosity, 6))
+        if self.user:
+            out += ["-u", self.user]
+        if self.ask_become_pass:
+            out.append("--ask-become-pass")
+        for v in self.vault_ids:
+            out += ["--vault-id", v]
+        if self.ask_vault_pass:
+            out.append("--ask-vault-pass")
+        for v in self.vault_password_files:
+            out += ["--vault-password-file", v]
+        for flag, values in (("--tags", self.tags), ("--skip-tags", self.skip_tags)):
+            split = [t.strip() for tag in values for t in tag.split(",") if t.strip()]
+            if split:
+                out += [flag, ",".join(split)]
+        if self.check:
+            out.append("--check")
+        if self.check or self.diff:
+            out.append("--diff")
+        if self.limit:
+            out += ["--limit", self.limit]
+        for ev in self.extra_vars:
+            out += ["-e", ev]
+        return out
+
+    @property
+    def prompts(self) -> bool:
+        """Ansible will ask something on the terminal: its stdin must be ours."""
+        return self.ask_become_pass or self.ask_vault_pass
 
 
 def build_command(inventory: str | os.PathLike, playbook: str = "provision", tags: list[str] | None = None,
                   check: bool = False, limit: str | None = None,
-                  extra_args: list[str] | None = None) -> list[str]:
-    """The ansible-playbook argv for these options (no side effects beyond looking files up)."""
-    inv = Path(inventory)
-    if not inv.exists():
-        raise ProvisionError(f"inventory {inv} does not exist")
-    argv = [find_ansible_playbook(), "-i", str(inv.resolve()), str(playbook_path(playbook))]
-    tag_list = [t.strip() for tag in (tags or []) for t in tag.split(",") if t.strip()]
-    if tag_list:
-        argv += ["--tags", ",".join(tag_list)]
-    if check:
-        argv += ["--check", "--diff"]
-    if limit:
-        argv += ["--limit", limit]
-    argv += list(extra_args or [])
-    return argv
+                  extra_args: list[str] | None = None, options: AnsibleOptions | None = None) -> list[str]:
+    """The ansible-playbook argv for these options (no side effects beyond looking files up).
+
+    *inventory* is anything ``-i`` takes (see :func:`ddpfab.inventory.ansible_source`): a file, a
+    host list ``a,b,``, a DeepSpeed hostfile or pdsh ranges.
+    """
+    from . import inventory as invmod
+
+    try:
+        source = invmod.ansible_source(str(inventory))
+    except invmod.InventoryError as exc:
+        raise ProvisionError(str(exc)) from None
+    opts = options or AnsibleOptions()
+    if tags or check or limit:
+        opts = AnsibleOptions(**{**opts.__dict__, "tags": opts.tags + tuple(tags or ()),
+                                 "check": opts.check or check, "limit": limit or opts.limit})
+    argv = [find_ansible_playbook(), "-i", source, str(playbook_path(playbook))]
+    return argv + opts.argv() + list(extra_args or [])
+
+
+def user_config(environ: dict[str, str] | None = None, cwd: str | None = None) -> Path | None:
+    """The ansible.cfg Ansible itself would read, in its order (``$ANSIBLE_CONFIG``, ``./ansible.cfg``
+    unless the dir is world-writable, ``~/.ansible.cfg``, ``/etc/ansible/ansible.cfg``), or None."""
+    environ = os.environ if environ is None else environ
+    cwd = cwd or os.getcwd()
+    cands: list[Path] = []
+    if environ.get("ANSIBLE_CONFIG"):
+        p = Path(os.path.expanduser(environ["ANSIBLE_CONFIG"]))
+        cands.append(p / "ansible.cfg" if p.is_dir() else p)
+    try:
+        if not os.stat(cwd).st_mode & 0o002:
+            cands.append(Path(cwd) / "ansible.cfg")
+    except OSError:
+        pass
+    cands += [Path(os.path.expanduser("~/.ansible.cfg")), Path("/etc/ansible/ansible.cfg")]
+    return next((c for c in cands if c.is_file()), None)
+
+
+def _cfg_settings(path: Path) -> dict[str, str]:
+    """key -> value of every setting in an ansible.cfg (sections flattened; keys lower-cased)."""
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",))
+    try:
+        parser.read(path, encoding="utf-8")
+    except (configparser.Error, UnicodeDecodeError) as exc:
+        raise ProvisionError(f"ansible config {path} cannot be read: {exc}") from None
+    return {k.lower(): v for s in parser.sections() for k, v in parser.items(s, raw=True)}
+
+
+def layered_settings(environ: dict[str, str] | None = None, cwd: str | None = None) -> dict[str, str]:
+    """The ``ANSIBLE_*`` variables ddpfab adds: its ansible.cfg's settings that neither *environ* nor
+    the user's config (:func:`user_config`) sets."""
+    environ = os.environ if environ is None else environ
+    user = user_config(environ, cwd)
+    theirs = _cfg_settings(user) if user else {}
+    ours = _cfg_settings(ansible_dir() / "ansible.cfg")
+    out = {}
+    for key, value in ours.items():
+        if key in NOT_LAYERED:
+            continue
+        env = SETTING_ENV.get(key)
+        if env is None:
+            raise ProvisionError(f"{ansible_dir() / 'ansible.cfg'}: setting {key} has no ANSIBLE_* variable in "
+                                 "ddpfab.provision.SETTING_ENV; add it there")
+        if env in environ or key in theirs:
+            continue
+        # relative paths in ddpfab's config mean its own dir, as they would in the file
+        out[env] = os.path.expanduser(value)
+    return out
 
 
 def ansible_env(color: bool = False) -> dict[str, str]:
-    """The environment for ansible-playbook: the project's ansible.cfg, unbuffered output."""
+    """The environment for ansible-playbook: the user's own, ddpfab's settings layered beneath it
+    (:func:`layered_settings`), unbuffered output, and this venv's bin first on PATH."""
     env = dict(os.environ)
-    env["ANSIBLE_CONFIG"] = str(project_dir() / "ansible.cfg")
+    env.update(layered_settings(env))
     env["PYTHONUNBUFFERED"] = "1"
     # helpers Ansible spawns (ansible-inventory plugins, the venv's python) come from the same venv
     bindir = str(Path(sys.executable).parent)
@@ -173,36 +335,41 @@ def summarize(recap: list[HostRecap], rc: int) -> list[str]:
 
 def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[str] | None = None,
                  check: bool = False, limit: str | None = None, extra_args: list[str] | None = None,
-                 out: TextIO | None = None) -> int:
+                 out: TextIO | None = None, options: AnsibleOptions | None = None) -> int:
     """Run *playbook* against *inventory*, streaming Ansible's output to *out*; return its exit code.
 
     Args:
-        inventory: the Ansible inventory ``ddpfab run`` uses.
+        inventory: the inventory ``ddpfab run`` uses (a file, a host list, a hostfile, pdsh ranges).
         playbook: ``provision`` (everything), ``firewall``, or a path to a playbook.
         tags: run only these roles/tags (base, timesync, firewall, gpu, python).
         check: dry run (``--check --diff``): report what would change, change nothing.
         limit: an Ansible host pattern to restrict the run to.
         extra_args: more ansible-playbook arguments, e.g. ``["-e", "ddpfab_group=train"]``.
         out: where to write Ansible's output and the failed-host lines (default stdout).
+        options: the pass-through ansible-playbook options (:class:`AnsibleOptions`).
 
     Raises:
         ProvisionError: ansible-playbook, the playbook or the inventory is missing.
     """
     out = out or sys.stdout
-    argv = build_command(inventory, playbook, tags=tags, check=check, limit=limit, extra_args=extra_args)
+    options = options or AnsibleOptions()
+    argv = build_command(inventory, playbook, tags=tags, check=check, limit=limit, extra_args=extra_args,
+                         options=options)
     color = bool(getattr(out, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
-    captured: list[str] = []
+    captured: list[bytes] = []
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=ansible_env(color), text=True, errors="replace", bufsize=1)
+        # a prompt (-K, --ask-vault-pass) reads the terminal: stdin stays ours then
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=None if options.prompts else subprocess.DEVNULL, env=ansible_env(color))
     except OSError as exc:
         raise ProvisionError(f"cannot run {argv[0]}: {exc}") from None
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
+        # chunks, not lines: a password prompt has no newline and must show before the answer
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            out.write(chunk.decode("utf-8", "replace"))
             out.flush()
-            captured.append(line)
+            captured.append(chunk)
         rc = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
@@ -211,23 +378,49 @@ def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
-    for line in summarize(parse_recap("".join(captured)), rc):
+    for line in summarize(parse_recap(b"".join(captured).decode("utf-8", "replace")), rc):
         out.write(line + "\n")
     out.flush()
     return rc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``ddpfab provision`` (for the CLI to reuse)."""
-    parser.add_argument("-i", "--inventory", required=True, help="the Ansible inventory `ddpfab run` uses")
+    """The options of ``ddpfab provision`` (for the CLI to reuse): ddpfab's own, then the
+    ansible-playbook options passed through with their usual names."""
+    from .cliargs import INVENTORY_HELP
+
+    parser.add_argument("-i", "--inventory", default=None, help=INVENTORY_HELP)
     parser.add_argument("--playbook", default="provision",
                         help=f"{' | '.join(PLAYBOOKS)} or a path to a playbook (default: provision)")
     parser.add_argument("-t", "--tags", action="append", default=[],
                         help="only these roles: base,timesync,firewall,gpu,python (comma-separated, repeatable)")
-    parser.add_argument("--check", action="store_true", help="dry run: show what would change, change nothing")
+    parser.add_argument("--skip-tags", action="append", default=[], help="skip these roles/tags (as -t)")
+    parser.add_argument("-C", "--check", action="store_true",
+                        help="dry run: show what would change (with --diff), change nothing")
+    parser.add_argument("-D", "--diff", action="store_true", help="show the changes made to files and templates")
     parser.add_argument("-l", "--limit", help="an Ansible host pattern to restrict the run to")
-    parser.add_argument("-e", "--extra-vars", action="append", default=[],
-                        help="Ansible extra vars (KEY=VALUE or @file), repeatable")
+    parser.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                        help="Ansible extra vars (KEY=VALUE, JSON/YAML, or @file), repeatable; the highest precedence")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="ansible-playbook's verbosity (-v .. -vvvv)")
+    parser.add_argument("-u", "--user", help="connect as this user (over the inventory's ansible_user)")
+    parser.add_argument("-K", "--ask-become-pass", action="store_true",
+                        help="ask for the become (sudo) password on the terminal")
+    parser.add_argument("--vault-id", action="append", default=[], metavar="ID",
+                        help="a vault identity (label@source), repeatable")
+    parser.add_argument("-J", "--ask-vault-pass", action="store_true", help="ask for the vault password")
+    parser.add_argument("--vault-password-file", action="append", default=[], metavar="FILE",
+                        help="a vault password file, repeatable")
+
+
+def options_from_args(args: argparse.Namespace) -> AnsibleOptions:
+    """The :class:`AnsibleOptions` of parsed ``ddpfab provision`` arguments."""
+    return AnsibleOptions(
+        verbosity=args.verbose, ask_become_pass=args.ask_become_pass, user=args.user,
+        vault_ids=tuple(args.vault_id), ask_vault_pass=args.ask_vault_pass,
+        vault_password_files=tuple(args.vault_password_file), check=args.check, diff=args.diff,
+        limit=args.limit, tags=tuple(args.tags), skip_tags=tuple(args.skip_tags),
+        extra_vars=tuple(args.extra_vars))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,10 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddpfab provision", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    extra = [a for ev in args.extra_vars for a in ("-e", ev)] + passthrough
     try:
-        return run_playbook(args.inventory, args.playbook, tags=args.tags, check=args.check,
-                            limit=args.limit, extra_args=extra)
+        from .config import default_inventory
+
+        return run_playbook(default_inventory(args.inventory), args.playbook, extra_args=passthrough,
+                            options=options_from_args(args))
     except ProvisionError as exc:
         print(f"ddpfab provision: {exc}", file=sys.stderr)
         return 2

@@ -126,7 +126,7 @@ OPTION_FIELDS: dict[str, tuple[type, bool]] = {
     "script": (str, False), "args": (list, False), "nproc_per_node": (int, True), "master_port": (int, True),
     "env": (list, False), "max_restarts": (int, False), "run_id": (str, False), "remote_runs_dir": (str, False),
     "socket_ifname": (str, True), "rdzv": (str, False), "launcher": (str, False), "init_method": (str, False),
-    "debug": (bool, False)}
+    "debug": (bool, False), "local_rank_arg": (str, False)}
 
 
 class ManifestError(Exception):

@@ -65,9 +65,26 @@ class HostKeyPolicy:
     known_hosts: str | None = None
     accept_new: bool = False
 
-    def file_for(self, node: Node) -> Path:
-        chosen = self.known_hosts or node.ssh_options.get("userknownhostsfile") or "~/.ssh/known_hosts"
+    def file_for(self, node: Node, ssh_config: str | None = None) -> Path:
+        """--known-hosts, else the inventory's UserKnownHostsFile, else the ssh_config's for this
+        host (*ssh_config*, or ~/.ssh/config), else ~/.ssh/known_hosts: the file OpenSSH would use."""
+        chosen = (self.known_hosts or node.ssh_options.get("userknownhostsfile")
+                  or _ssh_config_value(ssh_config or node.ssh_options.get("configfile"), node.host,
+                                       "userknownhostsfile")
+                  or "~/.ssh/known_hosts")
         return Path(os.path.expanduser(chosen.split()[0]))
+
+
+def _ssh_config_value(path: str | None, host: str, key: str) -> str | None:
+    """*key* for *host* in the ssh_config *path* (default ~/.ssh/config); None when not set there."""
+    path = os.path.expanduser(path or "~/.ssh/config")
+    try:
+        value = paramiko.SSHConfig.from_path(path).lookup(host).get(key)
+    except (OSError, paramiko.SSHException):
+        return None
+    if isinstance(value, list):  # paramiko lists UserKnownHostsFile's several files
+        value = value[0] if value else None
+    return value
 
 
 class _UnknownKey(paramiko.MissingHostKeyPolicy):
@@ -109,7 +126,7 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
     port = node.port or (int(opts["port"]) if "port" in opts else None)
     conn = Connection(node.host, user=node.user, port=port, config=config,
                       connect_timeout=int(timeout), connect_kwargs=connect_kwargs)
-    known = policy.file_for(node)
+    known = policy.file_for(node, ssh_config)
     client = conn.client
     if known.exists():
         try:

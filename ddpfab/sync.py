@@ -319,7 +319,7 @@ def ssh_options(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None
     sees for an option, so these win over any ssh_config."""
     opts = node.ssh_options
     out = ["-o", "BatchMode=yes",
-           "-o", "UserKnownHostsFile=" + _opt_value(str(policy.file_for(node))),
+           "-o", "UserKnownHostsFile=" + _opt_value(str(policy.file_for(node, ssh_config))),
            "-o", "StrictHostKeyChecking=" + ("accept-new" if policy.accept_new else "yes")]
     if "globalknownhostsfile" in opts:
         out += ["-o", "GlobalKnownHostsFile=" + opts["globalknownhostsfile"]]
@@ -377,7 +377,7 @@ class _Link:
                  reaper: Reaper | None = None):
         self.node, self.reaper = node, reaper
         self.opts = ssh_options(node, policy, ssh_config)
-        self.known_hosts = str(policy.file_for(node))
+        self.known_hosts = str(policy.file_for(node, ssh_config))
         self.ctl = ctl
         self.proc: subprocess.Popen | None = None
         self.where = f"{node.host}:{node.port or node.ssh_options.get('port') or 22}"
@@ -1290,9 +1290,10 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         _err("--inventory is required (or --list)")
         return 2
     from . import inventory, ssh
+    from .cliargs import load_cluster
 
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
     except inventory.InventoryError as exc:
         _err(str(exc))
         return 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ansible.errors import AnsibleFilterError
 
-PLUGIN = Path(__file__).resolve().parents[2] / "roles/ddpfab_firewall/filter_plugins/ddpfab_firewall.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/plugins/filter/ddpfab_firewall.py"
 spec = importlib.util.spec_from_file_location("ddpfab_firewall_filters", PLUGIN)
 filters = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(filters)

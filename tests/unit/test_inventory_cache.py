@@ -33,9 +33,9 @@ def ansible_calls(monkeypatch):
     calls = []
     real = inventory._load_with_ansible
 
-    def counted(path, group):
+    def counted(path, group, *selection):
         calls.append(str(path))
-        return real(path, group)
+        return real(path, group, *selection)
 
     monkeypatch.setattr(inventory, "_load_with_ansible", counted)
     return calls

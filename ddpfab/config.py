@@ -1,0 +1,137 @@
+"""Defaults for the options every inventory command takes: flags > environment > project config.
+
+The project config is ``ddpfab.yml`` (or ``.ddpfab.yml``) in the current directory or the nearest
+parent that has one, a small YAML mapping::
+
+    inventory: inventory/cluster.yml   # relative paths are relative to this file
+    group: gpus
+    limit: "gpus:!gpu07"
+    ssh_config: ~/.ssh/config.d/cluster
+    known_hosts: ~/.ssh/known_hosts_cluster
+    extra_vars: {ddpfab_python: /opt/venv/bin/python}
+
+Environment: ``DDPFAB_INVENTORY``, ``DDPFAB_GROUP``, ``DDPFAB_LIMIT``, ``DDPFAB_SSH_CONFIG``,
+``DDPFAB_KNOWN_HOSTS``; ``DDPFAB_CONFIG`` names the config file (empty: none). A flag given on the
+command line always wins; an environment variable wins over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from .suggest import did_you_mean
+
+NAMES = ("ddpfab.yml", ".ddpfab.yml")
+#: config key -> (argparse dest, environment variable, is a path)
+KEYS: dict[str, tuple[str, str | None, bool]] = {
+    "inventory": ("inventory", "DDPFAB_INVENTORY", True),
+    "group": ("group", "DDPFAB_GROUP", False),
+    "limit": ("limit", "DDPFAB_LIMIT", False),
+    "ssh_config": ("ssh_config", "DDPFAB_SSH_CONFIG", True),
+    "known_hosts": ("known_hosts", "DDPFAB_KNOWN_HOSTS", True),
+    "extra_vars": ("extra_vars", None, False),
+}
+DEFAULT_GROUP = "all"
+
+
+class ConfigError(Exception):
+    """The project config cannot be used; the message names the file, the key and the fix."""
+
+
+def find(cwd: str | os.PathLike | None = None, environ: dict[str, str] | None = None) -> Path | None:
+    """The project config file: ``$DDPFAB_CONFIG`` if set (empty: none), else ddpfab.yml or .ddpfab.yml
+    in *cwd* or its nearest parent."""
+    environ = os.environ if environ is None else environ
+    if "DDPFAB_CONFIG" in environ:
+        named = environ["DDPFAB_CONFIG"]
+        if not named:
+            return None
+        path = Path(os.path.expanduser(named))
+        if not path.is_file():
+            raise ConfigError(f"DDPFAB_CONFIG={named}: no such file")
+        return path
+    here = Path(cwd or os.getcwd()).resolve()
+    for d in (here, *here.parents):
+        for name in NAMES:
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The config's mapping, checked: known keys only, values of the right kind, paths made absolute."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config {path}: cannot be read: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping of settings, found {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in KEYS:
+            raise ConfigError(f"config {path}: unknown setting {key!r}{did_you_mean(str(key), KEYS)}; "
+                              f"known: {', '.join(KEYS)}")
+        if key == "extra_vars":
+            if not isinstance(value, dict):
+                raise ConfigError(f"config {path}: extra_vars must be a mapping of variables, found {value!r}")
+            out[key] = value
+            continue
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ConfigError(f"config {path}: {key} must be a string, found {value!r}")
+        value = str(value)
+        if KEYS[key][2] and "," not in value:
+            value = str((path.parent / os.path.expanduser(value)).resolve())
+        out[key] = value
+    return out
+
+
+def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
+    """Fill the cluster options *args* left unset from the environment, then the project config.
+
+    Only for parsers built with :func:`ddpfab.cliargs.add_cluster_args` (they mark the namespace).
+    """
+    if not getattr(args, "_cluster_args", False):
+        return
+    environ = os.environ if environ is None else environ
+    config: dict[str, Any] | None = None
+    for key, (dest, env, _path) in KEYS.items():
+        if not hasattr(args, dest):
+            continue
+        if key == "extra_vars":
+            if config is None:
+                path = find(cwd, environ)
+                config = read(path) if path else {}
+            if config.get("extra_vars"):
+                # the config's come first: a -e on the command line wins over them
+                args.extra_vars = [config["extra_vars"], *(args.extra_vars or [])]
+            continue
+        if getattr(args, dest) not in (None, []):
+            continue
+        if env and environ.get(env):
+            setattr(args, dest, environ[env])
+            continue
+        if config is None:
+            path = find(cwd, environ)
+            config = read(path) if path else {}
+        if key in config:
+            setattr(args, dest, config[key])
+    if getattr(args, "group", "") is None:
+        args.group = DEFAULT_GROUP
+
+
+def default_inventory(flag: str | None, environ: dict[str, str] | None = None, cwd: str | None = None) -> str:
+    """The inventory to use: *flag*, else ``$DDPFAB_INVENTORY``, else the project config's, else an error."""
+    ns = argparse.Namespace(_cluster_args=True, inventory=flag)
+    apply(ns, environ, cwd)
+    if not ns.inventory:
+        raise ConfigError(MISSING_INVENTORY)
+    return ns.inventory
+
+
+MISSING_INVENTORY = ("no inventory: give -i INVENTORY (a file, a host list like node1,node2, or a hostfile), "
+                     "set DDPFAB_INVENTORY, or put `inventory: PATH` in ./ddpfab.yml")

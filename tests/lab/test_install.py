@@ -1,0 +1,151 @@
+"""ddpfab as a new user gets it: a wheel installed in a fresh venv outside the checkout, the
+ddpfab.cluster collection installed with ansible-galaxy (no Galaxy server), each used on lab hosts.
+
+- The wheel (and the sdist) carry the Ansible content; from that venv, in a directory that is not
+  the checkout, `ddpfab lab up` (whose python has no torch, so the nodes are pointed at the venv
+  `ddpfab provision` makes), `ddpfab provision`, then a 2-node x 2-proc training run.
+- `ansible-galaxy collection build` + `install -p` into a temp path, then a user's playbook using
+  the roles by FQCN, twice: the second run reports changed=0.
+
+The controller venv gets ddpfab's dependencies from pip's configured index (no torch: the
+controller does not need it); the nodes' torch comes from the local wheel mirror, as in
+tests/lab/test_provision.py. Each test brings up a lab of its own, under the test subnet's /16.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ddpfab import lab as labmod
+from ddpfab import provision
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+#: what an installed ddpfab must carry besides its modules
+PACKAGE_DATA = ["ddpfab/py.typed", "ddpfab/ansible/ansible.cfg", "ddpfab/ansible/provision.yml",
+                "ddpfab/ansible/firewall.yml", "ddpfab/ansible/inventory/example.yml",
+                "ddpfab/ansible/examples/site.yml",
+                "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/galaxy.yml",
+                "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/playbooks/provision.yml",
+                "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/roles/ddpfab_python/tasks/main.yml",
+                "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/plugins/filter/ddpfab_firewall.py"]
+
+
+def lab_subnet(third: int) -> str:
+    """A /24 of the test subnet's /16 (DDPFAB_TEST_SUBNET), so parallel labs never collide."""
+    base = ipaddress.ip_network(os.environ.get("DDPFAB_TEST_SUBNET", "10.213.9.0/24"), strict=False)
+    a, b = str(base.network_address).split(".")[:2]
+    return f"{a}.{b}.{third}.0/24"
+
+
+def sh(argv: list, *, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(a) for a in argv], cwd=cwd, env={**os.environ, "NO_COLOR": "1", **(env or {})},
+                         capture_output=True, text=True, timeout=timeout)
+    print(f"$ {' '.join(map(str, argv))}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> dict[str, Path]:
+    """The wheel and the sdist, built from the checkout offline (no build isolation)."""
+    out = tmp_path_factory.mktemp("dist")
+    res = sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, REPO], cwd=out)
+    assert res.returncode == 0
+    res = sh([sys.executable, "-c", f"from setuptools import build_meta as b; b.build_sdist({str(out)!r})"], cwd=REPO)
+    assert res.returncode == 0
+    return {"wheel": next(out.glob("ddpfab-*.whl")), "sdist": next(out.glob("ddpfab-*.tar.gz"))}
+
+
+def test_wheel_and_sdist_carry_the_ansible_content_and_the_licence(dist):
+    wheel = set(zipfile.ZipFile(dist["wheel"]).namelist())
+    assert set(PACKAGE_DATA) <= wheel, sorted(set(PACKAGE_DATA) - wheel)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel)
+    with tarfile.open(dist["sdist"]) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    assert set(PACKAGE_DATA) <= names and "LICENSE" in names, sorted(set(PACKAGE_DATA) - names)
+    meta = zipfile.ZipFile(dist["wheel"]).read(next(n for n in wheel if n.endswith("METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in meta and "Classifier: Typing :: Typed" in meta
+
+
+def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(dist, tmp_path):
+    venv = tmp_path / "venv"
+    assert sh([sys.executable, "-m", "venv", venv], cwd=tmp_path).returncode == 0
+    vbin = venv / "bin"
+    res = sh([vbin / "pip", "install", "-q", "--disable-pip-version-check", dist["wheel"]], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0
+    assert sh([vbin / "python", "-c", "import torch"], cwd=tmp_path).returncode != 0  # a controller without torch
+    project = tmp_path / "project"  # the user's project: not the checkout
+    project.mkdir()
+    shutil.copy(REPO / "examples" / "train.py", project / "train.py")
+    env = {"PATH": f"{vbin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
+    lab_dir = tmp_path / "lab"
+    ddpfab = vbin / "ddpfab"
+    res = sh([ddpfab, "lab", "up", "--hosts", "2", "--dir", lab_dir, "--subnet", lab_subnet(61)], cwd=project, env=env)
+    try:
+        assert res.returncode == 0
+        assert f"python:    {labmod.PROVISIONED_PYTHON} (this python has no torch" in res.stdout
+        inv = lab_dir / "inventory.yml"
+        # provision from the wheel: its collection, over no ansible.cfg of the user's
+        res = sh([ddpfab, "provision", "-i", inv, "-e", "ddpfab_python_pip_compile=false",
+                  "-e", '{"ddpfab_python_pip_environment": {"PIP_RETRIES": "0"}}'], cwd=project, env=env)
+        assert res.returncode == 0
+        assert "ddpfab.cluster.ddpfab_python : " in res.stdout  # the roles of the wheel's collection ran
+        recap = {h.host: h.counts for h in provision.parse_recap(res.stdout)}
+        assert sorted(recap) == ["node1", "node2"] and all(c["failed"] == 0 for c in recap.values())
+        # train from the project dir, copied to a workdir only the nodes have (inside their /opt overlay)
+        res = sh([ddpfab, "run", "-i", inv, "-e", "ddpfab_workdir=/opt/ddpfab-install-test", "--nproc-per-node", "2",
+                  "train.py", "--steps", "2"], cwd=project, env=env, timeout=300)
+        assert res.returncode == 0
+        assert "all 2 nodes exited 0" in res.stdout + res.stderr
+        ranks = {ln.split("|")[0].split()[-1] for ln in res.stdout.splitlines() if "|" in ln and " r" in ln.split("|")[0]}
+        assert ranks == {"r0", "r1", "r2", "r3"}, ranks
+        assert (project / "runs").is_dir()  # the run record lands in the user's project
+    finally:
+        down = sh([ddpfab, "lab", "down", "--dir", lab_dir], cwd=project, env=env)
+        assert down.returncode == 0
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert labmod.lab_id(lab_dir.resolve()) not in netns
+
+
+def test_collection_builds_installs_offline_and_a_user_playbook_uses_it_by_fqcn(tmp_path):
+    built = tmp_path / "built"
+    res = sh([BIN / "ansible-galaxy", "collection", "build", provision.collection_dir(), "--output-path", built],
+             cwd=tmp_path)
+    assert res.returncode == 0
+    tarball = next(built.glob("ddpfab-cluster-*.tar.gz"))
+    colls = tmp_path / "collections"
+    res = sh([BIN / "ansible-galaxy", "collection", "install", "--offline", "-p", colls, tarball], cwd=tmp_path)
+    assert res.returncode == 0
+    installed = colls / "ansible_collections" / "ddpfab" / "cluster"
+    assert (installed / "roles" / "ddpfab_base" / "tasks" / "main.yml").is_file()
+    assert (installed / "MANIFEST.json").is_file()
+    user = tmp_path / "user"  # the user's own playbook dir: no ansible.cfg, no adjacent collections
+    user.mkdir()
+    shutil.copy(provision.ansible_dir() / "examples" / "site.yml", user / "site.yml")
+    lab_dir = tmp_path / "lab"
+    the_lab, _ = labmod.up(lab_dir, hosts=1, subnet=lab_subnet(62))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+        env.update({"ANSIBLE_COLLECTIONS_PATH": str(colls), "ANSIBLE_NOCOLOR": "1", "HOME": str(tmp_path),
+                    "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp"), "PATH": f"{BIN}{os.pathsep}{env['PATH']}"})
+        counts = []
+        for _ in range(2):
+            res = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(the_lab.inventory), "site.yml"], cwd=user,
+                                 env=env, capture_output=True, text=True, timeout=600)
+            print(res.stdout[-4000:] + res.stderr[-2000:])
+            assert res.returncode == 0
+            assert "ddpfab.cluster.ddpfab_base : " in res.stdout  # the role ran, named by its FQCN
+            counts.append({h.host: h.counts for h in provision.parse_recap(res.stdout)})
+        assert counts[0]["node1"]["failed"] == 0 and counts[0]["node1"]["changed"] > 0
+        assert counts[1]["node1"]["changed"] == 0 and counts[1]["node1"]["failed"] == 0, counts[1]
+    finally:
+        labmod.down(lab_dir)
