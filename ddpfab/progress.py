@@ -19,12 +19,6 @@ from typing import TextIO
 EVERY_S = 5.0
 
 
-def names(items: list[str], most: int = 4) -> str:
-    """``a, b, c, d and 3 more``: a few names, never 64."""
-    head = ", ".join(items[:most])
-    return head + (f" and {len(items) - most} more" if len(items) > most else "")
-
-
 class Ticker:
     """Calls *status(elapsed_s)* every *every* seconds while running and prints what it returns
     (None: nothing this time). A context manager; a no-op when not *enabled*."""
