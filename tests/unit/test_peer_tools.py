@@ -6,6 +6,7 @@ flags > env > config defaults, shell completion, the CLI's --json and did-you-me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from ddpfab import cli, completion, config, inventory
 from ddpfab.inventory import Cluster, InventoryError, Node
-from ddpfab.plan import Facts, PlanError, RunOptions, make_plan, replan
+from ddpfab.plan import Facts, PlanError, RunOptions, make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,7 +137,9 @@ def test_placeholders_expand_per_node_and_survive_replay():
         assert tail == ["--out", f"ckpt/{node.node_rank}-of-3", "--peer=10.0.0.1:29511",
                         f"r1/{node.name}/1/3", "{not_a_placeholder}", "$NODE_RANK"]
     assert plan.args == args  # the template is recorded; each node's argv holds its values
-    again = replan(plan, run_id="r2", master_port=29600)
+    # replay re-plans from the recorded options (the template), under a new run id and port
+    again = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=plan.args, run_id="r2"),
+                      dataclasses.replace(_facts(nodes), master_port=29600))
     assert again.nodes[2].argv[-4:] == ("--peer=10.0.0.1:29600", "r2/n3/1/3", "{not_a_placeholder}", "$NODE_RANK")
     with pytest.raises(PlanError, match=r"\{\{node_rnk\}\} is unknown \(did you mean 'node_rank'"):
         make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("{{node_rnk}}",)), _facts(nodes))
