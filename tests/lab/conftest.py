@@ -6,6 +6,7 @@ cannot run is a failure to look at, not a green mark.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import sys
@@ -39,10 +40,17 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory):
     """Three lab hosts for the whole session; torn down at the end, whatever happened."""
-    lab_dir = tmp_path_factory.mktemp("lab")
-    # hosts see the tests' own temp dirs (scripts, inventories) as a shared filesystem would show
-    # them; the rest of the controller's /tmp stays out of their sight
-    the_lab, _ = labmod.up(lab_dir, hosts=3, subnet=TEST_SUBNET, share=[tmp_path_factory.getbasetemp()])
+    with own_lab(tmp_path_factory, "lab", hosts=3, subnet=TEST_SUBNET) as the_lab:
+        yield the_lab
+
+
+@contextlib.contextmanager
+def own_lab(tmp_path_factory, name: str, hosts: int, subnet: str):
+    """A lab in a new temp dir, taken down whatever happens. Its hosts see the tests' own temp
+    dirs (scripts, inventories) as a shared filesystem would show them; the rest of the
+    controller's /tmp stays out of their sight."""
+    lab_dir = tmp_path_factory.mktemp(name)
+    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, share=[tmp_path_factory.getbasetemp()])
     try:
         yield the_lab
     finally:

@@ -18,7 +18,7 @@ import pytest
 
 from ddpfab import lab as labmod
 
-from .conftest import extra_subnet
+from .conftest import extra_subnet, own_lab
 from .helpers import REPO, assert_no_leftovers, ddpfab, host_tmp_leftovers, reports
 
 EXAMPLE = "examples/train_dist.py"
@@ -29,12 +29,8 @@ INDUCTOR = Path("/tmp/torchinductor_root")
 def fresh_lab(tmp_path_factory):
     """Two hosts of their own, new for this module: whatever is in a host's /tmp was put there by
     these tests (the session's lab has run DDP jobs, whose torch cache is there legitimately)."""
-    lab_dir = tmp_path_factory.mktemp("fresh-lab")
-    the_lab, _ = labmod.up(lab_dir, hosts=2, subnet=extra_subnet(141), share=[tmp_path_factory.getbasetemp()])
-    try:
+    with own_lab(tmp_path_factory, "fresh-lab", hosts=2, subnet=extra_subnet(141)) as the_lab:
         yield the_lab
-    finally:
-        labmod.down(lab_dir)
 
 
 @pytest.fixture
