@@ -8,6 +8,7 @@ anywhere.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,7 +166,11 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     })
     manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
     path = run_dir.write_manifest(manifest)
-    printer.note(f"{result.summary} (manifest: {path})")
+    line = f"{result.summary} (manifest: {path})"
+    if result.exit_code == 0:
+        printer.note(line)
+    else:  # printed once, where errors go: stdout is the job's own output
+        sys.stderr.write(f"ddpfab: {line}\n")
     return result, path
 
 

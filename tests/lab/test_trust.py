@@ -435,7 +435,7 @@ def _seen(proc_out: list[str], proc: subprocess.Popen, marker: str, timeout: flo
     return wait
 
 
-def _on_host(lab, name: str, needle: str, timeout: float = 60):
+def _on_host(lab, name: str, needle: str, timeout: float = 120):
     def wait():
         deadline = time.monotonic() + timeout
         while not any(needle in cmd for _, cmd in lab.processes(name)):
@@ -480,7 +480,7 @@ def test_sigint_at_every_stage_exits_130_within_5s_and_leaves_nothing(stage, sig
         cwd = src
         args, wait = ["run", "-i", str(inv), "--runs-dir", str(runs), "report.py"], _on_host(lab, "node2", "rsync")
     elif stage in ("probe", "preflight", "rendezvous"):
-        pattern = {"probe": "req = json.loads", "preflight": "def serve(s)", "rendezvous": "torch.distributed.run"}
+        pattern = {"probe": "req = json.loads", "preflight": "def serve(", "rendezvous": "torch.distributed.run"}
         inv = slow_python("node2", pattern[stage])
         args, wait = ["run", "-i", str(inv), *common, REPORT], _on_host(lab, "node2", "sleep 4")
     elif stage == "training":
