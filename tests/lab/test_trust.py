@@ -436,9 +436,14 @@ def _seen(proc_out: list[str], proc: subprocess.Popen, marker: str, timeout: flo
 
 
 def _on_host(lab, name: str, needle: str, timeout: float = 120):
+    """Waits for a *new* process matching *needle* on host *name*: one left over from the
+    previous case (its remote side ends a moment after its connection) must not count, or the
+    signal would reach a ddpfab still starting."""
+    before = {pid for pid, cmd in lab.processes(name) if needle in cmd}
+
     def wait():
         deadline = time.monotonic() + timeout
-        while not any(needle in cmd for _, cmd in lab.processes(name)):
+        while not any(needle in cmd and pid not in before for pid, cmd in lab.processes(name)):
             assert time.monotonic() < deadline, f"{needle!r} never ran on {name}"
             time.sleep(0.02)
     return wait
