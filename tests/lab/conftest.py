@@ -27,7 +27,8 @@ def worker_subnet(base: str) -> str:
     return str(ipaddress.ip_network((int(net.network_address) + index * net.num_addresses, net.prefixlen)))
 
 
-#: A subnet of its own so a demo lab (10.213.0.0/24) can run beside the tests.
+#: The session's /24 of its /16 (chosen free in tests/conftest.py, or DDPFAB_TEST_SUBNET), the
+#: next /24s for the other pytest workers.
 TEST_SUBNET = worker_subnet(os.environ.get("DDPFAB_TEST_SUBNET", "10.213.9.0/24"))
 
 
@@ -76,11 +77,18 @@ def no_leftovers(lab):
     assert_no_leftovers(lab)
 
 
+def session_subnet(third_octet: int) -> str:
+    """10.NN.<third_octet>.0/24 in the session's /16 (TEST_SUBNET = 10.NN.9.0/24). Fixed uses:
+    8 (test_lab's second lab), 9, 10, ... (the workers' session labs), 50 (provisioning),
+    131-132 (test_bench); a test's own lab takes extra_subnet() from 140 up."""
+    a, b = TEST_SUBNET.split(".")[:2]
+    return f"{a}.{b}.{third_octet}.0/24"
+
+
 def extra_subnet(third_octet: int) -> str:
     """A /24 for a test's own lab inside the session's /16 (10.NN.x.0/24 with TEST_SUBNET =
     10.NN.9.0/24), so engineers' and CI's labs never collide. Take *third_octet* from 140 up: the
     pytest workers' session labs use 9, 10, 11, ... and other fixed labs 8, 50 and 101-132."""
     assert third_octet >= 140, "below 140 the third octet may be a worker's session lab"
-    a, b = TEST_SUBNET.split(".")[:2]
-    return f"{a}.{b}.{third_octet}.0/24"
+    return session_subnet(third_octet)
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from .conftest import session_subnet
 from .helpers import REPO
 
 
@@ -23,7 +24,7 @@ def bench(tmp_path, name: str, *args: str) -> dict:
 
 
 def test_fanout_runs_every_tool_against_every_host(tmp_path):
-    data = bench(tmp_path, "fanout", "--sizes", "2", "--no-profile", "--subnet", "10.213.131.0/24")
+    data = bench(tmp_path, "fanout", "--sizes", "2", "--no-profile", "--subnet", session_subnet(131))
     tools = {s["tool"] for s in data["series"] if s["hosts"] == 2 and s["median"] is not None}
     # (each tool's output was checked for every host's hostname inside the script, or it fails)
     assert tools == {"ddpfab exec", "pdsh", "ssh loop", "ansible", "ansible (warm)", "ddpfab startup",
@@ -33,7 +34,7 @@ def test_fanout_runs_every_tool_against_every_host(tmp_path):
 
 
 def test_teardown_of_a_ddpfab_run_leaves_no_process(tmp_path):
-    data = bench(tmp_path, "teardown", "--sizes", "2", "--launchers", "ddpfab run", "--subnet", "10.213.132.0/24")
+    data = bench(tmp_path, "teardown", "--sizes", "2", "--launchers", "ddpfab run", "--subnet", session_subnet(132))
     got = {s["scenario"]: s for s in data["series"] if s["tool"] == "ddpfab run" and s["hosts"] == 2}
     assert set(got) == {"crash", "sigint"}, data["series"]
     for scenario, s in got.items():  # gone before the cap: the script polled every host's processes

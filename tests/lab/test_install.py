@@ -14,7 +14,6 @@ tests/lab/test_provision.py. Each test brings up a lab of its own, under the tes
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import subprocess
@@ -28,6 +27,8 @@ import pytest
 from ddpfab import lab as labmod
 from ddpfab import provision
 
+from .conftest import session_subnet
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 #: what an installed ddpfab must carry besides its modules
@@ -39,12 +40,6 @@ PACKAGE_DATA = ["ddpfab/py.typed", "ddpfab/ansible/ansible.cfg", "ddpfab/ansible
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/roles/ddpfab_python/tasks/main.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/plugins/filter/ddpfab_firewall.py"]
 
-
-def lab_subnet(third: int) -> str:
-    """A /24 of the test subnet's /16 (DDPFAB_TEST_SUBNET), so parallel labs never collide."""
-    base = ipaddress.ip_network(os.environ.get("DDPFAB_TEST_SUBNET", "10.213.9.0/24"), strict=False)
-    a, b = str(base.network_address).split(".")[:2]
-    return f"{a}.{b}.{third}.0/24"
 
 
 def sh(argv: list, *, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -89,7 +84,7 @@ def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(di
     env = {"PATH": f"{vbin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
     lab_dir = tmp_path / "lab"
     ddpfab = vbin / "ddpfab"
-    res = sh([ddpfab, "lab", "up", "--hosts", "2", "--dir", lab_dir, "--subnet", lab_subnet(61)], cwd=project, env=env)
+    res = sh([ddpfab, "lab", "up", "--hosts", "2", "--dir", lab_dir, "--subnet", session_subnet(61)], cwd=project, env=env)
     try:
         assert res.returncode == 0
         assert f"python:    {labmod.PROVISIONED_PYTHON} (this python has no torch" in res.stdout
@@ -132,7 +127,7 @@ def test_collection_builds_installs_offline_and_a_user_playbook_uses_it_by_fqcn(
     user.mkdir()
     shutil.copy(provision.ansible_dir() / "examples" / "site.yml", user / "site.yml")
     lab_dir = tmp_path / "lab"
-    the_lab, _ = labmod.up(lab_dir, hosts=1, subnet=lab_subnet(62))
+    the_lab, _ = labmod.up(lab_dir, hosts=1, subnet=session_subnet(62))
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
         env.update({"ANSIBLE_COLLECTIONS_PATH": str(colls), "ANSIBLE_NOCOLOR": "1", "HOME": str(tmp_path),

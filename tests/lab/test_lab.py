@@ -8,7 +8,11 @@ from pathlib import Path
 
 from ddpfab import lab as labmod
 
+from .conftest import session_subnet
 from .helpers import ddpfab
+
+#: the second lab's subnet
+SECOND = session_subnet(8)
 
 
 def _traces(lab_dir: Path) -> list[str]:
@@ -28,10 +32,10 @@ def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
     first_lab = _traces(lab.dir)
     assert first_lab
     try:
-        res = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
+        res = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", SECOND)
         assert res.returncode == 0, res.stderr
-        assert "node1=10.213.8.11" in res.stdout
-        again = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", "10.213.8.0/24")
+        assert f"node1={SECOND.rsplit('.', 1)[0]}.11" in res.stdout
+        again = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", SECOND)
         assert again.returncode == 0 and "already up" in again.stdout
         second = labmod.Lab.load(other)
         assert second.bridge != lab.bridge

@@ -27,8 +27,10 @@ import yaml
 from ddpfab import lab as labmod
 from ddpfab import provision
 
+from .conftest import session_subnet
+
 REPO = Path(__file__).resolve().parents[2]
-SUBNET = os.environ.get("DDPFAB_PROVISION_SUBNET", "10.213.50.0/24")
+SUBNET = os.environ.get("DDPFAB_PROVISION_SUBNET") or session_subnet(50)
 MEMBERS = ["node1", "node2", "node3"]
 OUTSIDER = "node4"
 TORCH = "2.13.0"
