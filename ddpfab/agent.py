@@ -1,8 +1,8 @@
-"""The node supervisor ("agent"): a stdlib-only program that ddpfab runs on each node for a job.
+"""The node supervisor ("agent"): the node program's ``supervise`` operation (:mod:`ddpfab.node`).
 
-ddpfab sends this file's source and then the job spec over the SSH session's stdin (nothing to
-install on the nodes beyond a python; nothing secret in any command line: ``ps`` on the node shows
-``python -c <a short loader> LENGTH ddpfab-agent RUN_ID``). The spec holds the job's argv, workdir
+ddpfab sends the node program's source and then the job spec over the SSH session's stdin (nothing
+to install on the nodes beyond a python; nothing secret in any command line: ``ps`` on the node
+shows ``python -c <a short loader> LENGTH ddpfab-agent RUN_ID``). The spec holds the job's argv, workdir
 and environment as data; the job is started without a shell, so its env values (secrets
 included) are in no process's argv, only in the job's own environment, which only its user (and
 root) can read. It:
@@ -73,17 +73,23 @@ def read_exactly(fd, n):
 
 def read_frame(fd=0):
     """One ``LENGTH\\n`` + LENGTH bytes frame from *fd*, read byte-exactly: what follows on stdin
-    (heartbeats, the stop byte) must stay in the pipe for :func:`main`."""
+    (heartbeats, the stop byte) must stay in the pipe. EOFError at a clean end (no byte of a
+    frame read), ValueError for a broken or truncated frame."""
     header = b""
     while not header.endswith(b"\n"):
         byte = os.read(fd, 1)
+        if not byte and not header:
+            raise EOFError("end of requests")
         if not byte or len(header) > 20:
-            raise ValueError("no job spec on stdin")
+            raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24])
         header += byte
-    n = int(header)
+    try:
+        n = int(header)
+    except ValueError:
+        raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24])
     data = read_exactly(fd, n)
     if len(data) != n:
-        raise ValueError("the job spec on stdin is truncated")
+        raise ValueError("a frame is truncated (%d of %d bytes)" % (len(data), n))
     return data
 
 
@@ -521,7 +527,8 @@ def main(spec):
 def stop_job(run_dir, grace):
     """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
     then end whatever of the job is left by its marker: a job whose supervisor was killed (its
-    orphans) is ended too, and said so. Prints one line; exit 1 if something would not stop."""
+    orphans) is ended too, and said so. Returns (one line saying what happened, 1 if something
+    would not stop else 0)."""
     run_dir = os.path.expanduser(run_dir)
     run_id = os.path.basename(run_dir.rstrip("/"))
     try:
@@ -544,15 +551,13 @@ def stop_job(run_dir, grace):
         while alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         if alive():
-            print("still running")
-            return 1
+            return "still running", 1
         said = "stopped"
     orphans = end_marked(run_id, grace)
     if orphans:
         said = ("stopped, and" if said == "stopped" else "its supervisor was gone:") + \
             " ended %d orphaned job process%s" % (orphans, "" if orphans == 1 else "es")
-    print(said)
-    return 1 if marked_processes(run_id) else 0
+    return said, (1 if marked_processes(run_id) else 0)
 
 
 def _detach_stdin():
@@ -560,12 +565,3 @@ def _detach_stdin():
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[2] == "ddpfab-stop":  # [-c, LENGTH, ddpfab-stop, DIR, GRACE]
-        sys.exit(stop_job(sys.argv[3], float(sys.argv[4])))
-    _spec = json.loads(read_frame(0))
-    if _spec.get("detached"):
-        _detach_stdin()
-    sys.exit(main(_spec))

@@ -6,7 +6,7 @@ to loopback) or they run on mismatched software. Both are cheap to detect before
 checks all of it in one parallel pass and says, per host, what was expected, what was found and
 how to fix it.
 
-The pass has three parts: connect (host keys verified), the probe (``probe.PROBE_SNIPPET``, the
+The pass has three parts: connect (host keys verified), the probe (the node program's ``facts``, the
 same one ``run`` uses, so checks and plans read the same facts), and the data plane
 (:mod:`ddpfab.mesh`: ephemeral-port listeners on every node and the master port, probed with
 retries, bounded concurrency, all pairs up to a size and a sampled graph beyond). The evaluation
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import mesh as meshmod
+from . import node as nodeprog
 from .cliargs import add_cluster_args, load_cluster
 from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 
@@ -275,9 +276,13 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
     unreachable = {k: (str(v).split(": ", 1)[-1] if isinstance(v, ssh.SSHError) else repr(v))
                    for k, v in results.items() if isinstance(v, BaseException)}
     master = choose_master(cluster)
+    sessions, failed = nodeprog.open_sessions(cluster.nodes, conns)  # one node program per node, for all
     try:
-        facts, _problems = probe.gather(cluster, conns, master, cwd=os.getcwd(), script=None,
-                                        master_port=options.master_port, full=options.full)
+        facts, _problems = probe.gather(cluster, {k: v for k, v in conns.items() if k in sessions}, master,
+                                        cwd=os.getcwd(), script=None, master_port=options.master_port,
+                                        full=options.full, sessions=sessions)
+        for name, why in failed.items():
+            unreachable.setdefault(name, why.split(": ", 1)[-1])
         raw = {n: f.raw for n, f in facts.items()}
         phases["probe"] = time.monotonic() - started - sum(phases.values())
         for name in conns:
@@ -288,11 +293,12 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         if port is None and master.name in facts:
             port = facts[master.name].free_port
         mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port,
-                        exhaustive=options.exhaustive)
+                        exhaustive=options.exhaustive, sessions=sessions)
         for name, err in mesh.get("errors", {}).items():
             unreachable.setdefault(name, f"data-plane probe failed: {err}")
         phases["mesh"] = time.monotonic() - started - sum(phases.values())
     finally:
+        nodeprog.close_all(sessions)
         for c in conns.values():
             c.close()
     run_opts = RunOptions("check", nproc_per_node=options.nproc_per_node)

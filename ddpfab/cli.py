@@ -235,14 +235,20 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
     from . import runner
 
     conns = runner.connect_all(cluster, policy, args.ssh_config)
-    try:
+    probing = None
+    try:  # one node program per node for the whole preparation: facts, hash, mesh in one session
+        probing = runner.start_probe(cluster, conns, options, os.getcwd(), preflight=not args.no_check)
         code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns,
-                                                                    progress=_progress(args))
+                                                                    progress=_progress(args), sessions=probing.sessions)
     except BaseException:
+        if probing:
+            probing.close()
         for c in conns.values():
             c.close()
         raise
-    prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns)
+    copied = bool(code) and any(n.get("source") != "unchanged" for n in code.get("nodes", {}).values())
+    prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns,
+                              probing=probing, synced=copied)
     return prepared, ({"code": code} if code else {})
 
 
@@ -285,15 +291,17 @@ def _check_script_here(script: str) -> None:
                     "(it is synced from here; with --no-sync it must be in the nodes' workdir)")
 
 
-def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress: bool = True) -> dict:
+def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress: bool = True,
+               sessions: dict | None = None) -> dict:
     """Sync the current directory to every node and verify it by hash (before the probe, which
     checks that the script is there); the result goes into the manifest as ``code``. When every
-    node has the tree already (checked over the run's own connections) nothing is started for it."""
+    node has the tree already (checked in the run's node program *sessions*) nothing is started
+    for it."""
     from . import runner
     from . import sync as syncmod
     from .progress import Ticker
 
-    same = syncmod.unchanged(cluster, conns, os.getcwd())
+    same = syncmod.unchanged(cluster, conns, os.getcwd(), sessions=sessions)
     if same is not None:
         return same.to_dict()
     done: list[str] = []

@@ -16,7 +16,6 @@ master, then the other nodes in inventory order (:func:`ddpfab.plan.node_order`)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -24,6 +23,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from . import node as nodeprog
 from .plan import REMOTE_RUNS_DIR, node_order
 from .sync import SyncError, _dest_host, _node_reply, check_workdir, node_command, ssh_options, ssh_problem
 
@@ -77,14 +77,14 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         raise FetchError(exc.problems[0]) from None
     opts = ssh_options(node, policy, ssh_config)
     where = f"{node.host}:{node.port or node.ssh_options.get('port') or 22}"
-    req = {"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR}
+    reqs = nodeprog.numbered({"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR})
     proc = subprocess.run(["ssh", *opts, _dest_host(node.host), node_command(node.python)],
-                          input=json.dumps(req).encode(), capture_output=True, timeout=120)
+                          input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
     stderr = proc.stderr.decode(errors="replace")
     if proc.returncode == 255:
         raise FetchError(ssh_problem(node.name, where, str(policy.file_for(node)), 255, stderr))
     try:
-        found = _node_reply(node.name, "fetch", proc.returncode, proc.stdout.decode(errors="replace"), stderr)
+        found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
     except SyncError as exc:
         raise FetchError(exc.problems[0]) from None
     local_dir = os.path.abspath(os.fspath(local_dir))

@@ -16,76 +16,16 @@ import shlex
 import sys
 from pathlib import Path
 
-#: Runs on a node with its python: list the run records under a runs dir, with their state.
-PS_SNIPPET = r"""
-import json, os, sys, time
-root = os.path.expanduser(sys.argv[1])
-only = sys.argv[2] if len(sys.argv) > 2 else None
-def alive(pid, rid):
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as fh:
-            return rid.encode() in fh.read()
-    except OSError:
-        return False
-out = []
-for rid in (sorted(os.listdir(root)) if os.path.isdir(root) else []):
-    if only and rid != only:
-        continue
-    d = os.path.join(root, rid)
-    try:
-        with open(os.path.join(d, "agent.json")) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        continue
-    state, code = "dead", None
-    if os.path.exists(os.path.join(d, "exit_code")):
-        code = int(open(os.path.join(d, "exit_code")).read().strip() or -1)
-        state = "exited"
-    elif alive(rec["agent_pid"], rid):
-        state = "running"
-    out.append({"run_id": rid, "state": state, "exit_code": code, "started": rec.get("started"),
-                "agent_pid": rec["agent_pid"], "dir": d, "now": time.time()})
-print(json.dumps(out))
-"""
+from . import node as nodeprog
 
-#: Runs on a node: stream a run's output.log from the start, follow it until the job has ended.
-FOLLOW_SNIPPET = r"""
-import os, sys, threading, time
-def link():  # ddpfab attach went away (Ctrl-C, killed): stop following, leave nothing behind
-    while os.read(0, 4096):
-        pass
-    os._exit(0)
-threading.Thread(target=link, daemon=True).start()
-d = os.path.expanduser(sys.argv[1])
-log, done = os.path.join(d, "output.log"), os.path.join(d, "exit_code")
-while not os.path.exists(log):
-    if os.path.exists(done) or not os.path.isdir(d):
-        break
-    time.sleep(0.1)
-pos = 0
-out = sys.stdout.buffer
-while True:
-    finished = os.path.exists(done)
-    try:
-        with open(log, "rb") as fh:
-            fh.seek(pos)
-            chunk = fh.read()
-    except OSError:
-        chunk = b""
-    if chunk:
-        pos += len(chunk)
-        out.write(chunk); out.flush()
-    elif finished:
-        break
-    else:
-        time.sleep(0.1)
-code = open(done).read().strip() if os.path.exists(done) else "255"
-sys.exit(int(code or 255))
-"""
-
-
-def _py(node, snippet: str, *args: str) -> str:
-    return " ".join([shlex.quote(node.python), "-c", shlex.quote(snippet), *map(shlex.quote, args)])
+def _ps_record(rec) -> dict:
+    """One run record from a node's ``ps`` reply, validated (records are data)."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("run_id"), str) or rec.get("state") not in (
+            "running", "exited", "dead") or not isinstance(rec.get("exit_code"), (int, type(None))):
+        raise ValueError(f"malformed run record {rec!r:.200}")
+    started = rec.get("started")
+    return {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
+            "started": float(started) if isinstance(started, (int, float)) else None}
 
 
 def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
@@ -180,21 +120,24 @@ def cmd_ps(args) -> int:
     cluster = _cluster(args, None)
     conns = _connect(args, cluster)
     try:
-        results = ssh.parallel(cluster.nodes, lambda n: ssh.run(
-            conns[n.name], n.name, _py(n, PS_SNIPPET, ".ddpfab/runs"), timeout=20))
+        results = ssh.parallel(cluster.nodes, lambda n: nodeprog.call(
+            conns[n.name], n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name))
     finally:
         for c in conns.values():
             c.close()
     runs: dict[str, dict] = {}
     for node in cluster.nodes:
         res = results[node.name]
-        if isinstance(res, BaseException) or res.exit_code != 0:
-            sys.stderr.write(f"ddpfab: warning: host {node.name}: cannot list jobs: "
-                             f"{res if isinstance(res, BaseException) else res.stderr.strip()}\n")
+        try:
+            if isinstance(res, BaseException):
+                raise res
+            now, records = float(res["now"]), [_ps_record(r) for r in res["runs"]]
+        except Exception as exc:  # noqa: BLE001 - one node's failure (or malformed reply) is a warning
+            sys.stderr.write(f"ddpfab: warning: host {node.name}: cannot list jobs: {exc}\n")
             continue
-        for rec in json.loads(res.stdout):
+        for rec in records:
             run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
-                                                  "now": rec["now"]})
+                                                  "now": now})
             run["nodes"][node.name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
@@ -223,7 +166,7 @@ def cmd_ps(args) -> int:
 @_guard
 def cmd_stop(args) -> int:
     from . import ssh
-    from .launch import STOP_GRACE_S, stop_command
+    from .launch import STOP_GRACE_S
 
     from .recover import stop_supervisor
 
@@ -237,8 +180,7 @@ def cmd_stop(args) -> int:
     conns = _connect(args, cluster)
 
     def stop(n):
-        command, stdin = stop_command(n.python, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S)
-        return ssh.run(conns[n.name], n.name, command, timeout=30, stdin=stdin)
+        return nodeprog.stop(conns[n.name], n, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
 
     try:
         results = ssh.parallel(cluster.nodes, stop)
@@ -248,9 +190,8 @@ def cmd_stop(args) -> int:
     bad = 0
     for node in cluster.nodes:
         res = results[node.name]
-        text = str(res) if isinstance(res, BaseException) else res.stdout.strip()
-        print(f"{node.name}: {text}")
-        bad |= isinstance(res, BaseException) or res.exit_code != 0
+        print(f"{node.name}: {res if isinstance(res, BaseException) else res[0]}")
+        bad |= isinstance(res, BaseException) or not res[1]
     return 1 if bad else 0
 
 
@@ -297,7 +238,8 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
         n = plan.node(node.name)
         chan = conns[node.name].transport.open_session(timeout=30)
         chan.set_combine_stderr(True)
-        chan.exec_command(_py(node, FOLLOW_SNIPPET, n.remote_dir))
+        chan.exec_command(nodeprog.command(node.python, "ddpfab-node"))
+        chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         pending = b""
         while True:
             data = chan.recv(65536)
@@ -315,19 +257,6 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
 
 
-#: Runs on a node: torchrun's per-rank log dir (``<run dir>/torchrun``) as a base64 tar.gz on stdout.
-RANK_LOGS_SNIPPET = r"""
-import base64, io, os, sys, tarfile
-d = os.path.join(os.path.expanduser(sys.argv[1]), "torchrun")
-if not os.path.isdir(d):
-    sys.stderr.write("no per-rank logs in %s\n" % d); sys.exit(3)
-buf = io.BytesIO()
-with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-    tar.add(d, arcname=".")
-sys.stdout.write(base64.b64encode(buf.getvalue()).decode())
-"""
-
-
 def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:
     """Copy torchrun's per-rank logs of a run (``--log-dir``: ``<id>_<x>/attempt_<n>/<local
     rank>/{stdout,stderr}.log``) from *node* into *dest*; returns the number of files."""
@@ -335,13 +264,9 @@ def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:
     import io
     import tarfile
 
-    from . import ssh
-
-    res = ssh.run(conn, node.name, _py(node, RANK_LOGS_SNIPPET, remote_dir), timeout=120)
-    if res.exit_code != 0:
-        raise RuntimeError(res.stderr.strip() or f"cannot read the per-rank logs in {remote_dir}")
+    got = nodeprog.call(conn, node, {"op": "rank_logs", "dir": remote_dir}, timeout=120)[0].value(node.name)
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(res.stdout)), mode="r:gz") as tar:
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(str(got["tar_gz"]))), mode="r:gz") as tar:
         members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # no links, devices
         tar.extractall(dest, members=members, filter="data")
         return sum(1 for m in members if m.isfile())

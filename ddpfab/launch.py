@@ -22,8 +22,9 @@ from typing import BinaryIO, Callable, TextIO
 
 from fabric import Connection
 
-from . import agent as agent_module
 from . import hints
+from . import node as nodeprog
+from .agent import CANNOT_START
 from .interrupt import Interrupted, signals_raise
 from .plan import NodePlan, Plan
 
@@ -44,36 +45,6 @@ COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 WAIT_REPORT_S = 60.0
 
 
-def agent_source() -> str:
-    return Path(agent_module.__file__).read_text()
-
-
-#: What a node's python runs (``python -c AGENT_LOADER LENGTH ddpfab-agent RUN_ID``): read the
-#: supervisor's code (LENGTH bytes) from stdin and run it; it then reads its spec from stdin. Short
-#: and readable in ``ps``, and nothing in it (or after it) is secret.
-AGENT_LOADER = ("import os,sys\n"
-                "n=int(sys.argv[1]);b=b''\n"
-                "while len(b)<n:\n"
-                " c=os.read(0,n-len(b))\n"
-                " if not c:sys.exit('ddpfab-agent: no code on stdin')\n"
-                " b+=c\n"
-                "exec(compile(b,'ddpfab-agent','exec'),{'__name__':'__main__'})")
-
-
-def agent_command(python: str, *words: str) -> str:
-    """``python -c AGENT_LOADER LENGTH WORDS...``: the supervisor's code comes on stdin
-    (:func:`agent_source` first, then what the op reads)."""
-    return shlex.join([python, "-c", AGENT_LOADER, str(len(agent_source().encode())), *words])
-
-
-def stop_command(python: str, remote_dir: str, grace: float) -> tuple[str, bytes]:
-    """Command and stdin that end run *remote_dir*'s job on a node: its supervisor, then any of
-    its processes left (found by their ``DDPFAB_JOB`` marker, e.g. when the supervisor was
-    killed). Prints one line: stopped / not running / absent / ``its supervisor was gone: ended
-    N orphaned job processes``."""
-    return agent_command(python, "ddpfab-stop", remote_dir, f"{grace:g}"), agent_source().encode()
-
-
 def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
     """The job as data for the supervisor: argv, workdir and env (no shell line to parse)."""
     spec = {"run_id": plan.run_id, "dir": node.remote_dir, "workdir": node.workdir, "argv": list(node.argv),
@@ -90,17 +61,18 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
 
 
 def agent_input(plan: Plan, node: NodePlan, detach: bool = False) -> bytes:
-    """What goes to the supervisor's stdin first: its code, then its spec (env values included:
-    they travel inside the SSH session, never in a command line)."""
-    spec = json.dumps(agent_spec(plan, node, detach)).encode()
-    return agent_source().encode() + b"%d\n" % len(spec) + spec
+    """What goes to the supervisor's stdin first: the node program, then its ``supervise``
+    request with the spec (env values included: they travel inside the SSH session, never in a
+    command line)."""
+    return nodeprog.supervisor_input(agent_spec(plan, node, detach))
 
 
 def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
-    """The command ddpfab really sends: the node's python running the supervisor, which reads its
-    code and the job spec (:func:`agent_input`) from stdin and starts ``node.argv`` in its own
-    session. Nothing secret in it: ``ps`` on the node shows ``... ddpfab-agent RUN_ID``."""
-    start = agent_command(node.python, "ddpfab-agent", plan.run_id)
+    """The command ddpfab really sends: the node's python running the node program, which reads
+    its code and the ``supervise`` request (:func:`agent_input`) from stdin and starts
+    ``node.argv`` in its own session. Nothing secret in it: ``ps`` on the node shows
+    ``... ddpfab-agent RUN_ID``."""
+    start = nodeprog.command(node.python, *nodeprog.supervisor_words(plan.run_id))
     if not detach:
         return start
     # detached: a new session, no link to this SSH session; report once the supervisor is up.
@@ -331,7 +303,7 @@ class _NodeJob:
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:
-            if out.exit_code != agent_module.CANNOT_START and not (out.error or "").startswith("lost"):
+            if out.exit_code != CANNOT_START and not (out.error or "").startswith("lost"):
                 out.remote = self._result_record()
                 if out.remote is None:
                     out.cleanup = self._clean_up_after_supervisor()
@@ -376,13 +348,9 @@ class _NodeJob:
         """The supervisor left no result: it was killed or never started. Whatever of the job is
         left on the node is ended by its marker, over a fresh connection (the old one may be the
         reason it is gone). Returns what the node said."""
-        from . import ssh
-
         conn = self.reconnect(self.node.name) if self.reconnect else self.conn
         try:
-            command, stdin = stop_command(self.node.python, self.node.remote_dir, STOP_GRACE_S)
-            res = ssh.run(conn, self.node.name, command, timeout=STOP_WAIT_S + 5, stdin=stdin)
-            return res.stdout.strip() or res.stderr.strip()[-200:]
+            return nodeprog.stop(conn, self.node, self.node.remote_dir, STOP_GRACE_S, timeout=STOP_WAIT_S + 5)[0]
         finally:
             if conn is not self.conn:
                 conn.close()

@@ -1,10 +1,11 @@
 """The data-plane probe of ``ddpfab check`` (and of ``run``'s preflight): can every member reach
 every other on the ports gloo and NCCL use?
 
-Each node runs :data:`MESH_SNIPPET`: it listens on port 0 (the kernel picks an ephemeral port,
-exactly as gloo and NCCL do) and, on the master, on the master port; reports its ports; receives
-its targets; connects to them with a bounded number of connects in flight; reports; and keeps
-listening until every node is done (stdin EOF), so nothing it opened outlives the check.
+Each node's program (:mod:`ddpfab.node`) answers ``mesh_listen``: it listens on port 0 (the kernel
+picks an ephemeral port, exactly as gloo and NCCL do) and, on the master, on the master port, and
+reports its ports; then ``mesh_connect``: it connects to its targets with a bounded number of
+connects in flight and reports; it keeps listening until every node is done (the session's stdin
+EOF), so nothing it opened outlives the check.
 
 Why it is shaped like this (measured on lab hosts, see docs/benchmarks.md):
 
@@ -36,13 +37,12 @@ is the effectful part.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+
+from . import node as nodeprog
 
 #: Per-attempt connect timeouts (seconds). The kernel answers a SYN itself, so CPU load alone
 #: rarely delays a connect; the kernel resends a lost SYN after 1 s, so an attempt of 2 s already
@@ -62,105 +62,6 @@ EXHAUSTIVE_MAX_NODES = 32
 DEFAULT_DEGREE = 16
 #: Seconds of slack on every node's deadline (python start, thread start) on top of the work.
 DEADLINE_BASE_S = 10.0
-
-MESH_SNIPPET = r"""
-import json, queue, selectors, socket, sys, threading, time
-req = json.loads(sys.argv[1])
-sel = selectors.DefaultSelector()
-lock = threading.Lock()
-def serve():
-    # one thread accepts on every listener and closes a connection when the peer has closed it:
-    # the TIME_WAIT then stays on the client's ephemeral port, not on ours (a TIME_WAIT on the
-    # master port would make it look busy to a bind without SO_REUSEADDR)
-    while True:
-        with lock:
-            events = sel.select(timeout=0.2)
-        for key, _ in events:
-            s = key.fileobj
-            if key.data == "listen":
-                try:
-                    c, _ = s.accept()
-                except OSError:
-                    continue
-                c.setblocking(False)
-                with lock:
-                    sel.register(c, selectors.EVENT_READ, time.monotonic())
-            else:
-                try:
-                    s.recv(1)
-                except OSError:
-                    pass
-                with lock:
-                    sel.unregister(s)
-                s.close()
-def listener(port):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("", port))
-    s.listen(4096)
-    s.setblocking(False)
-    sel.register(s, selectors.EVENT_READ, "listen")
-    return s
-ports = {}
-ports["ephemeral"] = listener(0).getsockname()[1]
-if req.get("master_port"):
-    try:
-        listener(req["master_port"])
-        ports["master"] = req["master_port"]
-    except OSError as exc:
-        ports["master_error"] = str(exc)
-threading.Thread(target=serve, daemon=True).start()
-print(json.dumps(ports), flush=True)
-line = sys.stdin.readline()
-if not line:
-    sys.exit(0)
-work = json.loads(line)
-targets, attempts = work["targets"], work["attempts"]
-deadline = time.monotonic() + work["deadline"]
-results = [None] * len(targets)
-todo = queue.Queue()
-for i in range(len(targets)):
-    todo.put(i)
-def probe(t):
-    tries, t0, r = [], time.monotonic(), "not probed (deadline)"
-    for timeout in attempts:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.settimeout(min(timeout, left))
-        a0 = time.monotonic()
-        try:
-            s.connect((t["addr"], t["port"]))
-            r = "ok"
-        except socket.timeout:
-            r = "timed out"
-        except ConnectionRefusedError:
-            r = "refused"
-        except OSError as exc:
-            r = exc.strerror or str(exc)
-        finally:
-            s.close()
-        tries.append(round((time.monotonic() - a0) * 1000, 1))
-        if r != "timed out":
-            break
-    return dict(t, result=r, attempts=len(tries), ms=round((time.monotonic() - t0) * 1000, 1))
-def worker():
-    while True:
-        try:
-            i = todo.get_nowait()
-        except queue.Empty:
-            return
-        results[i] = probe(targets[i])
-threads = [threading.Thread(target=worker) for _ in range(min(work["concurrency"], len(targets)))]
-for th in threads:
-    th.start()
-for th in threads:
-    th.join()
-print(json.dumps(results), flush=True)
-sys.stdin.read()  # keep listening until every node is done (EOF), then leave nothing behind
-"""
-
 
 @dataclass
 class MeshPlan:
@@ -387,66 +288,44 @@ def compact(names: list[str], limit: int = 8) -> str:
 
 
 # -- collection (effectful) -------------------------------------------------------------------
-def _read_lines(chans: dict[str, Any], deadline: float) -> dict[str, bytes]:
-    """One line from each channel, polling them all from this thread (no thread or pipe per node:
-    the controller's threads and open files stay what paramiko itself needs). A channel that
-    closes or does not answer by *deadline* is missing from the result."""
-    bufs = {name: b"" for name in chans}
-    lines: dict[str, bytes] = {}
-    pending = set(chans)
-    while pending and time.monotonic() < deadline:
-        progressed = False
-        for name in list(pending):
-            chan = chans[name]
-            if chan.recv_ready():
-                bufs[name] += chan.recv(65536)
-                progressed = True
-                if b"\n" in bufs[name]:
-                    lines[name] = bufs[name].split(b"\n", 1)[0]
-                    pending.discard(name)
-            elif chan.exit_status_ready() or chan.closed:
-                pending.discard(name)
-        if not progressed:
-            time.sleep(0.01)
-    return lines
+def listen_request(name: str, master: str, master_port: int | str | None) -> dict:
+    """A node's ``mesh_listen`` request; ``"found"`` as *master_port*: the port the same session's
+    ``facts`` found free on the master."""
+    return {"op": "mesh_listen", "master_port": master_port if name == master else None}
 
 
 def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, master_port: int | None,
              exhaustive: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
-             attempts: tuple[float, ...] = ATTEMPT_TIMEOUTS_S, degree: int = DEFAULT_DEGREE) -> dict:
+             attempts: tuple[float, ...] = ATTEMPT_TIMEOUTS_S, degree: int = DEFAULT_DEGREE,
+             sessions: dict | None = None, listening: dict | None = None) -> dict:
     """Probe the data plane (see the module docstring); returns ``ports`` (node -> its listener
     ports), ``results`` (source -> its probes), ``errors`` (node -> why its probe did not run)
-    and ``plan`` (which pairs, the coverage, the deadline)."""
+    and ``plan`` (which pairs, the coverage, the deadline).
+
+    Over the nodes' open program *sessions* when given (*listening*: their ``mesh_listen``
+    replies, when that was asked already), else in sessions of its own."""
     started = time.monotonic()
     nodes = [n for n in cluster.nodes if n.name in conns]
-    chans: dict[str, Any] = {}
     ports: dict[str, dict] = {}
     results: dict[str, list] = {}
     errors: dict[str, str] = {}
-    plan = plan_targets([n.name for n in nodes], exhaustive=exhaustive, degree=degree)
+    own = sessions is None
+    if own:
+        sessions, errors = nodeprog.open_sessions(nodes, conns)
     deadline = 0.0
     try:
-        for n in nodes:
-            req = {"master_port": master_port if n.name == master else None}
+        if listening is None:
+            listening = {n: (a if isinstance(a, Exception) else a[0]) for n, a in nodeprog.exchange(
+                sessions, {n.name: [listen_request(n.name, master, master_port)] for n in nodes if n.name in sessions},
+                timeout=60).items()}
+        for name, ans in listening.items():
             try:
-                chan = conns[n.name].transport.open_session(timeout=30)
-                chan.exec_command(f"{shlex.quote(n.python)} -c {shlex.quote(MESH_SNIPPET)} "
-                                  f"{shlex.quote(json.dumps(req))}")
-            except Exception as exc:  # noqa: BLE001 - one node's failure is data
-                errors[n.name] = f"could not start the probe: {exc}"
-                continue
-            chans[n.name] = chan
-        lines = _read_lines(chans, time.monotonic() + 60)
-        for name, chan in chans.items():
-            if name in lines:
-                try:
-                    ports[name] = json.loads(lines[name])
-                    continue
-                except ValueError:
-                    pass
-            errors[name] = _stderr(chan) or "no listener ports reported within 60 s"
+                ports[name] = _ports(name, nodeprog.value([ans] if not isinstance(ans, Exception) else ans, name))
+            except (nodeprog.NodeProgramError, ValueError) as exc:
+                errors[name] = str(exc)
         plan = plan_targets([n.name for n in nodes if n.name in ports], exhaustive=exhaustive, degree=degree)
         master_ports = ports.get(master, {}).get("master")
+        work = {}
         for name in plan.nodes:
             targets = [{"target": t, "kind": "ephemeral", "addr": addresses[t], "port": ports[t]["ephemeral"]}
                        for t in plan.targets_of(name)]
@@ -455,28 +334,20 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
                                 "port": master_ports})
             node_deadline = deadline_for(len(targets), concurrency, attempts)
             deadline = max(deadline, node_deadline)
-            chans[name].sendall((json.dumps({"targets": targets, "attempts": list(attempts),
-                                             "concurrency": concurrency, "deadline": node_deadline})
-                                 + "\n").encode())
-        # the nodes stop on their own deadline; the margin covers their python and the transfer
-        lines = _read_lines({n: chans[n] for n in plan.nodes}, time.monotonic() + deadline + 15)
-        for name in plan.nodes:
+            work[name] = [{"op": "mesh_connect", "targets": targets, "attempts": list(attempts),
+                           "concurrency": concurrency, "deadline": node_deadline}]
+        # the nodes stop on their own deadline; the margin covers the transfer
+        for name, ans in nodeprog.exchange(sessions, work, timeout=deadline + 15).items():
             try:
-                results[name] = json.loads(lines[name])
-            except (KeyError, ValueError):
-                errors[name] = _stderr(chans[name]) or f"no probe results within {deadline + 15:.0f} s"
+                probes = nodeprog.value(ans, name)["probes"]
+                if not isinstance(probes, list) or not all(isinstance(p, dict) and "result" in p for p in probes):
+                    raise ValueError(f"host {name}: mesh_connect: malformed probe results")
+                results[name] = probes
+            except (nodeprog.NodeProgramError, ValueError, KeyError, TypeError) as exc:
+                errors[name] = str(exc)
     finally:
-        for chan in chans.values():
-            try:
-                chan.shutdown_write()
-            except Exception:  # noqa: BLE001
-                pass
-        for chan in chans.values():
-            try:
-                chan.recv_exit_status()
-                chan.close()
-            except Exception:  # noqa: BLE001
-                pass
+        if own:
+            nodeprog.close_all(sessions)
     retried = sum(1 for probes in results.values() for p in probes if p.get("attempts", 1) > 1)
     return {"ports": ports, "results": results, "errors": errors,
             "plan": {**plan.to_dict(), "concurrency": concurrency, "attempt_timeouts_s": list(attempts),
@@ -484,10 +355,9 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
                      "seconds": round(time.monotonic() - started, 3)}}
 
 
-def _stderr(chan) -> str:
-    try:
-        if chan.recv_stderr_ready():
-            return chan.recv_stderr(65536).decode(errors="replace")[-300:].strip()
-    except Exception:  # noqa: BLE001
-        pass
-    return ""
+def _ports(name: str, got: dict) -> dict:
+    """A ``mesh_listen`` result, validated: an ephemeral port, maybe the master port or its error."""
+    ok = isinstance(got.get("ephemeral"), int) and isinstance(got.get("master", 0), int)
+    if not ok:
+        raise ValueError(f"host {name}: mesh_listen: malformed ports {got!r:.200}")
+    return got

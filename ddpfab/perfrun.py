@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from . import inventory, perf, perfreport, runner, ssh
+from . import node as nodeprog
 from .launch import _RANK_TAG, Printer
 from .plan import RunOptions, forwarded_env
 from .runs import new_run_id
@@ -29,49 +29,6 @@ from .runs import new_run_id
 #: The node-side files (name in the node's run dir -> source here): read, never imported here (torch).
 SHIPPED = {"perfnode.py": Path(__file__).with_name("perfnode.py"), "dist.py": Path(__file__).with_name("dist.py")}
 REMOTE_RUNS = ".ddpfab/runs"
-
-#: Writes the shipped files into a fresh run dir (stdin: JSON name -> text); prints the dirs it made.
-PLACE_SNIPPET = r"""
-import json, os, sys
-req = json.loads(sys.argv[1])
-home = os.path.expanduser("~")
-made = []
-path = home
-for part in req["dir"].split("/"):
-    path = os.path.join(path, part)
-    if not os.path.isdir(path):
-        os.mkdir(path, 0o700)
-        made.append(path)
-if path not in made:
-    sys.exit("run dir %s exists already; refusing to use it" % path)
-files = json.loads(sys.stdin.read())
-for name, text in files.items():
-    fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-print(json.dumps(made))
-"""
-
-#: Removes the run dir this check made (it must hold the shipped script: proof it is ours), then
-#: the parents it made, if empty.
-CLEAN_SNIPPET = r"""
-import json, os, shutil, sys
-req = json.loads(sys.argv[1])
-made = req["made"]
-home = os.path.expanduser("~")
-run_dir = os.path.join(home, req["dir"])
-if os.path.realpath(run_dir) != os.path.join(os.path.realpath(home), req["dir"]) or not os.path.isfile(
-        os.path.join(run_dir, "perfnode.py")):
-    sys.exit("%s is not the perf check's run dir; left alone" % run_dir)
-shutil.rmtree(run_dir)
-for d in reversed(made):
-    if d != run_dir:
-        try:
-            os.rmdir(d)  # only when empty: what a user put there stays
-        except OSError:
-            pass
-"""
-
 
 class PerfError(Exception):
     """The check could not run; ``problems`` has one line per host or cause."""
@@ -104,24 +61,19 @@ class CapturePrinter(Printer):
             super().note(text)
 
 
-def _remote_python(node: inventory.Node, snippet: str, req: dict) -> str:
-    return f"{shlex.quote(node.python)} -c {shlex.quote(snippet)} {shlex.quote(json.dumps(req))}"
-
-
 def _place(cluster, conns, rel_dir: str) -> dict[str, list[str]]:
-    files = json.dumps({name: path.read_text() for name, path in SHIPPED.items()}).encode()
-    results = ssh.parallel(cluster.nodes, lambda n: ssh.run(
-        conns[n.name], n.name, _remote_python(n, PLACE_SNIPPET, {"dir": rel_dir}), timeout=60, stdin=files))
+    files = {name: path.read_text() for name, path in SHIPPED.items()}
+    results = ssh.parallel(cluster.nodes, lambda n: nodeprog.call(
+        conns[n.name], n, {"op": "perf_place", "dir": rel_dir, "files": files}, timeout=60)[0])
     made, problems = {}, []
     for n in cluster.nodes:
         r = results[n.name]
         if isinstance(r, BaseException):
             problems.append(str(r))
-        elif r.exit_code != 0:
-            problems.append(f"host {n.name}: could not place the benchmark in ~/{rel_dir}: "
-                            f"{r.stderr.strip()[-300:] or f'exit {r.exit_code}'}")
+        elif not r.ok:
+            problems.append(f"host {n.name}: could not place the benchmark in ~/{rel_dir}: {r.error}")
         else:
-            made[n.name] = json.loads(r.stdout.strip().splitlines()[-1])
+            made[n.name] = [str(d) for d in r.result.get("made", [])]
     if problems:
         _clean(cluster, conns, rel_dir, made)
         raise PerfError(problems)
@@ -130,10 +82,11 @@ def _place(cluster, conns, rel_dir: str) -> dict[str, list[str]]:
 
 def _clean(cluster, conns, rel_dir: str, made: dict[str, list[str]]) -> list[str]:
     nodes = [n for n in cluster.nodes if n.name in made]
-    results = ssh.parallel(nodes, lambda n: ssh.run(
-        conns[n.name], n.name, _remote_python(n, CLEAN_SNIPPET, {"dir": rel_dir, "made": made[n.name]}), timeout=60))
-    return [f"host {name}: could not remove ~/{rel_dir}: {r if isinstance(r, BaseException) else r.stderr.strip()}"
-            for name, r in results.items() if isinstance(r, BaseException) or r.exit_code != 0]
+    results = ssh.parallel(nodes, lambda n: nodeprog.call(
+        conns[n.name], n, {"op": "perf_clean", "dir": rel_dir, "made": made[n.name], "marker": "perfnode.py"},
+        timeout=60)[0])
+    return [f"host {name}: could not remove ~/{rel_dir}: {r if isinstance(r, BaseException) else r.error}"
+            for name, r in results.items() if isinstance(r, BaseException) or not r.ok]
 
 
 def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: str | os.PathLike,

@@ -16,7 +16,9 @@ from pathlib import Path
 from fabric import Connection
 
 from . import inventory, probe, ssh
+from . import node as nodeprog
 from .launch import Printer, RunResult, agent_input, execute, remote_command
+from .mesh import listen_request
 from .plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
 from .runs import RunDir, controller_info, mask_plan
 
@@ -63,29 +65,106 @@ def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
     return conns
 
 
+@dataclass
+class Probing:
+    """One preparation's node program sessions (one python start per node before the supervisor's)
+    and what was sent on them at once: per node ``facts`` and, with the preflight, ``mesh_listen``.
+
+    Args:
+        sessions: node -> its program session (open until :func:`prepare` ends).
+        errors: node -> why its session did not open.
+        master: the master node (the plan's choice, made before anything was asked).
+        sent: node -> the requests on their way, in order: facts, then mesh_listen (preflight).
+        sent_at: when they were sent (the facts' controller_sent, for the clock check).
+    """
+
+    sessions: dict[str, nodeprog.Session]
+    errors: dict[str, str]
+    master: inventory.Node
+    sent: dict[str, list[dict]]
+    sent_at: float
+
+    def close(self) -> None:
+        nodeprog.close_all(self.sessions)
+
+
+def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], options: RunOptions, cwd: str,
+                preflight: bool = True) -> Probing:
+    """Start the node program on every node and send what the preparation asks, without waiting:
+    the facts, and with *preflight* the mesh listeners (on the master also on the master port,
+    the one its facts find free unless the user gave one). Whatever is asked on the same sessions
+    later (the code's hash) travels with it in the same round trip."""
+    master = choose_master(cluster)
+    sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
+    reqs = probe.requests(cluster, conns, master, cwd=cwd, script=options.script, master_port=options.master_port)
+    sent, sent_at = {}, time.time()
+    for name, session in sessions.items():
+        batch = [reqs[name]]
+        if preflight:
+            batch.append(listen_request(name, master.name, options.master_port or "found"))
+        try:
+            sent[name] = session.send(*batch)
+        except Exception as exc:  # noqa: BLE001 - one node's failure is data
+            errors[name] = f"host {name}: the node program's session broke: {exc}"
+    return Probing({n: s for n, s in sessions.items() if n in sent}, errors, master, sent, sent_at)
+
+
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
             ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
-            conns: dict[str, Connection] | None = None) -> Prepared:
+            conns: dict[str, Connection] | None = None, probing: Probing | None = None,
+            synced: bool = False) -> Prepared:
     """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
     and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
-    problem; nothing has been started on any node then."""
+    problem; nothing has been started on any node then.
+
+    *probing*: what :func:`start_probe` sent already (the caller asked the code's hash on the same
+    sessions meanwhile); *synced*: the code was copied since, so the workdir facts are asked
+    again. The sessions end here either way."""
     cwd = cwd or os.getcwd()
     conns = conns if conns is not None else connect_all(cluster, policy, ssh_config)
     try:
-        master = choose_master(cluster)
-        facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=options.script,
-                                       master_port=options.master_port)
-        if problems:
-            raise RunError(problems)
-        port = options.master_port or facts[master.name].free_port
-        if preflight:
-            _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port, options)
+        probing = probing or start_probe(cluster, conns, options, cwd, preflight)
+        try:
+            master = probing.master
+            answers = nodeprog.exchange(probing.sessions, {}, timeout=60, sent=probing.sent)
+            if synced:
+                answers = _after_sync(cluster, conns, probing, answers, options, cwd)
+            facts, problems = probe.collect(
+                cluster, conns, master, {n: a if isinstance(a, Exception) else a[0] for n, a in answers.items()},
+                cwd=cwd, script=options.script, master_port=options.master_port, sent_at=probing.sent_at)
+            problems = [probing.errors[n.name] for n in cluster.nodes if n.name in probing.errors] + problems
+            if problems:
+                raise RunError(problems)
+            port = options.master_port or facts[master.name].free_port
+            if preflight:
+                listening = {n: a if isinstance(a, Exception) else a[1] for n, a in answers.items()}
+                _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
+                           options, probing.sessions, listening)
+        finally:
+            probing.close()
         plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
     except BaseException:
         for c in conns.values():
             c.close()
         raise
     return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd)
+
+
+def _after_sync(cluster, conns, probing: Probing, answers: dict, options: RunOptions, cwd: str) -> dict:
+    """The workdir facts again after a copy (the rest stands: a port found free is held by the
+    mesh listener now, so it is not looked for again)."""
+    reqs = probe.requests(cluster, conns, probing.master, cwd=cwd, script=options.script, master_port=None)
+    again = nodeprog.exchange(probing.sessions, {
+        n: [{k: v for k, v in reqs[n].items() if k not in ("port", "find_port")}]
+        for n, a in answers.items() if not isinstance(a, Exception) and a[0].ok})
+    for name, new in again.items():
+        if isinstance(new, Exception) or not new[0].ok:
+            answers[name] = new if isinstance(new, Exception) else [new[0], *answers[name][1:]]
+            continue
+        old = answers[name][0]
+        fresh = {k: new[0].result.get(k) for k in ("workdir_exists", "script_exists")}
+        answers[name] = [nodeprog.Reply(old.id, old.op, True, result={**old.result, **fresh}), *answers[name][1:]]
+    return answers
 
 
 def plan_facts(facts: dict[str, probe.NodeFacts], port: int, cwd: str) -> Facts:
@@ -100,11 +179,13 @@ def _ifname(facts: probe.NodeFacts) -> str | None:
     return devs.pop() if len(devs) == 1 else None
 
 
-def _preflight(cluster, conns, facts, addresses, master: str, port: int, options: RunOptions) -> None:
-    """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here."""
+def _preflight(cluster, conns, facts, addresses, master: str, port: int, options: RunOptions,
+               sessions: dict | None = None, listening: dict | None = None) -> None:
+    """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here.
+    Over the preparation's node program *sessions*, whose listeners are up (*listening*)."""
     from . import check
 
-    mesh = check.run_mesh(cluster, conns, addresses, master, port)
+    mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening)
     nproc = {n.name: nproc_for(n, options) for n in cluster.nodes}
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
                              check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
@@ -195,11 +276,10 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
         for name, res in failed.items():
             why = res if isinstance(res, BaseException) else (res.stderr.strip() or f"exit {res.exit_code}")
             printer.note(f"{name}: could not start: {why}")
-        from .launch import STOP_GRACE_S, stop_command
+        from .launch import STOP_GRACE_S
 
         def stop(n):
-            command, stdin = stop_command(n.python, plan.node(n.name).remote_dir, STOP_GRACE_S)
-            return ssh.run(prepared.conns[n.name], n.name, command, timeout=20, stdin=stdin)
+            return nodeprog.stop(prepared.conns[n.name], n, plan.node(n.name).remote_dir, STOP_GRACE_S, timeout=20)
 
         # only where it started: a node that refused may hold another run's job under this id
         ssh.parallel([n for n in prepared.cluster.nodes if n.name not in failed], stop)

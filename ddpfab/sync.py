@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import node as nodeprog
 from . import treehash, workdir
 from .reaper import Reaper
 
@@ -447,51 +448,34 @@ class _Link:
         self.errfile.close()
 
 
-_PROGRAM: str | None = None
-
-
-def node_program() -> str:
-    """The source that nodes run: workdir.py's rules, then treehash.py (whose ``main`` runs)."""
-    global _PROGRAM
-    if _PROGRAM is None:
-        _PROGRAM = Path(workdir.__file__).read_text() + "\n" + Path(treehash.__file__).read_text()
-    return _PROGRAM
-
-
 def node_command(python: str) -> str:
-    """The shell command that runs the node program with *python* there, else ``python3``."""
-    prog, py = shlex.quote(node_program()), shlex.quote(python)
-    return f"if command -v {py} >/dev/null; then exec {py} -c {prog}; else exec python3 -c {prog}; fi"
+    """The shell command that runs the node program with *python* there, else ``python3`` (its
+    code and then its requests come on stdin: :func:`ddpfab.node.stdin_for`)."""
+    return nodeprog.command(python, "ddpfab-node", fallback="python3")
 
 
 def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
-    """Run the node program (treehash.py) with the node's python: its ``ddpfab_python`` when that
-    exists there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
+    """One operation of the node program, run with the node's ``ddpfab_python`` when that exists
+    there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
     name = link.node.name
-    for python in dict.fromkeys([link.node.python, "python3"]):
-        proc = link.run(f"{shlex.quote(python)} -c {shlex.quote(node_program())}", json.dumps(request).encode(), timeout)
-        if proc.returncode != 127:
-            break
+    reqs = nodeprog.numbered(request)
+    proc = link.run(node_command(link.node.python), nodeprog.stdin_for(*reqs), timeout)
     if proc.returncode == 255:
         raise SyncError([ssh_problem(name, link.where, link.known_hosts, 255, proc.stderr.decode(errors="replace"))])
     if proc.returncode == 127:
         raise SyncError([f"host {name}: neither {link.node.python} nor python3 found there; sync needs a python "
                          "(3.6+, standard library only) on the nodes"])
-    return _node_reply(name, request["op"], proc.returncode, proc.stdout.decode(errors="replace"),
+    return _node_reply(name, reqs, proc.returncode, proc.stdout.decode(errors="replace"),
                        proc.stderr.decode(errors="replace"))
 
 
-def _node_reply(name: str, op: str, code: int, stdout: str, stderr: str) -> dict:
-    """The node program's answer: its last stdout line, JSON; a SyncError when there is none or
+def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str) -> dict:
+    """The node program's answer to the one request of *reqs*; a SyncError when there is none or
     it reports an error."""
-    lines = stdout.strip().splitlines()
-    try:
-        out = json.loads(lines[-1])
-    except (IndexError, ValueError):
-        raise SyncError([f"host {name}: {op} failed (exit {code}): {stderr.strip()[-300:]}"]) from None
-    if "error" in out:
-        raise SyncError([f"host {name}: {op}: {out['error']}"])
-    return out
+    reply = nodeprog.match_replies(name, reqs, stdout.splitlines(), code, stderr)[0]
+    if not reply.ok:
+        raise SyncError([f"host {name}: {reply.op}: {reply.error}"])
+    return reply.result
 
 
 _STATS = re.compile(r"^(Total bytes sent|Number of regular files transferred):\s*([\d,]+)", re.MULTILINE)
@@ -940,11 +924,12 @@ class _Sync:
             with self.lock:
                 self.holds.append(proc)
             try:
-                proc.stdin.write(json.dumps(req).encode() + b"\n")
+                reqs = nodeprog.numbered(req)
+                proc.stdin.write(nodeprog.stdin_for(*reqs))
                 proc.stdin.flush()
                 line = proc.stdout.readline().decode(errors="replace")
                 err = "" if line else proc.stderr.read().decode(errors="replace")
-                out = _node_reply(link.node.name, "stage", 0 if line else 1, line, err)
+                out = _node_reply(link.node.name, reqs, 0 if line else 1, line, err)
             except (OSError, SyncError) as exc:
                 why = exc.problems[0] if isinstance(exc, SyncError) else str(exc)
                 return f"cannot stage the forwarding files: {why}"
@@ -1154,56 +1139,55 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
 
 
 def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tuple[str, ...] | list[str] = (),
-              with_git: bool = False) -> SyncResult | None:
+              with_git: bool = False, sessions: dict | None = None) -> SyncResult | None:
     """The no-copy fast path of a sync before ``run``: when every node's workdir already hashes to
     this tree (the usual case while iterating: nothing changed since the last sync), the result
     that proves it, else None (then :func:`sync_cluster` does the real work).
 
-    It runs the node program's ``hash`` over ddpfab's open SSH connections (*conns*, Fabric), one
-    python per node: the same proof as the verification after a copy (the hash of the files ddpfab
-    placed, by its record there), without the OpenSSH masters, probes and rsync a full sync
-    starts. A workdir without a record (a shared filesystem) is asked once more for the hash of
-    exactly this tree's paths. Any problem (no python, no workdir, a mismatch) is not an error
-    here, only a reason to do the full sync, which reports it properly.
+    It asks the node program's ``hash`` over ddpfab's open SSH connections (*conns*, Fabric), in
+    the node program *sessions* ``run`` keeps open for its whole preparation when given (no python
+    started for it then), else in one of its own per node: the same proof as the verification
+    after a copy (the hash of the files ddpfab placed, by its record there), without the OpenSSH
+    masters, probes and rsync a full sync starts. A workdir without a record (a shared filesystem)
+    is asked once more for the hash of exactly this tree's paths. Any problem (no python, no
+    workdir, a mismatch) is not an error here, only a reason to do the full sync, which reports it
+    properly.
     """
-    from . import ssh
-
     started = time.monotonic()
     sel = select(src, keep, with_git)
     if not sel.files:
         return None
     local = local_tree(sel)
-
-    def node_hash(node: Node) -> dict | None:
-        raw = node.workdir if node.workdir is not None else sel.root
-        if workdir.lexical_problem(raw):
-            return None
-        req: dict = {"op": "hash", "workdir": raw, "cache": True}
-        t0 = time.monotonic()
-        for attempt in (0, 1):
-            res = ssh.run(conns[node.name], node.name, f"{shlex.quote(node.python)} -c {shlex.quote(node_program())}",
-                          timeout=120, stdin=json.dumps(req).encode())
-            try:
-                out = _node_reply(node.name, "hash", res.exit_code, res.stdout, res.stderr)
-            except SyncError as exc:
-                if attempt == 0 and "no ddpfab record" in exc.problems[0]:
-                    req["paths"] = sel.files
-                    continue
-                return None
-            break
-        if out.get("tree_hash") != local["tree_hash"]:
-            return None
-        return {"verify_s": round(time.monotonic() - t0, 3), "tree_hash": out["tree_hash"]}
-
-    found = ssh.parallel(cluster.nodes, node_hash)
-    if not all(isinstance(v, dict) for v in found.values()):
+    nodes = [n for n in cluster.nodes if not workdir.lexical_problem(n.workdir if n.workdir is not None else sel.root)]
+    if len(nodes) < len(cluster.nodes):
         return None
+    own = sessions is None
+    if own:
+        sessions, errors = nodeprog.open_sessions(nodes, conns)
+        if errors:
+            nodeprog.close_all(sessions)
+            return None
+    try:
+        t0 = time.monotonic()
+        reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
+                for n in nodes}
+        answers = nodeprog.exchange(sessions, {k: [v] for k, v in reqs.items()}, timeout=120)
+        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in answers.items()
+                 if not isinstance(ans, Exception) and not ans[0].ok and "no ddpfab record" in ans[0].error}
+        if again:
+            answers.update(nodeprog.exchange(sessions, again, timeout=120))
+    finally:
+        if own:
+            nodeprog.close_all(sessions)
+    seconds = round(time.monotonic() - t0, 3)
+    for ans in answers.values():
+        if isinstance(ans, Exception) or not ans[0].ok or ans[0].result.get("tree_hash") != local["tree_hash"]:
+            return None
     result = SyncResult(src=sel.root, tree_hash=local["tree_hash"], files=len(sel.files), bytes=local["bytes"],
                         selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")
     for n in cluster.nodes:
-        v = found[n.name]
         result.nodes[n.name] = NodeSync(n.name, workdir=workdir.resolve(n.workdir, None) if n.workdir else sel.root,
-                                        source="unchanged", verify_s=v["verify_s"], tree_hash=v["tree_hash"], ok=True)
+                                        source="unchanged", verify_s=seconds, tree_hash=local["tree_hash"], ok=True)
     result.notes = ["every node already had this tree (verified by hash): nothing copied"]
     result.duration_s = round(time.monotonic() - started, 3)
     return result

@@ -1,8 +1,9 @@
 """The synced tree's rules and content hash, shared verbatim by the controller and the nodes.
 
-This one file is both a module ddpfab imports and the program each node runs (its source is sent
-with ``python3 -c``, the request as JSON on stdin), so "the same algorithm on both sides" is true
-by construction. Keep it self-contained: standard library only, Python 3.6+, no ddpfab imports.
+This one file is both a module ddpfab imports and part of the program each node runs (the node
+program of :mod:`ddpfab.node`, whose ``probe``, ``commit``, ``hash``, ``locate`` and ``stage``
+operations are the ``node_*`` functions here), so "the same algorithm on both sides" is true by
+construction. Keep it self-contained: standard library only, Python 3.6+, no ddpfab imports.
 
 What the hash covers: every regular file and symlink of the tree except the *skipped* paths
 (below), sorted by relative path (as bytes). Per entry: its kind (file, executable file, symlink),
@@ -31,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import stat
 import sys
 import tempfile
@@ -651,44 +651,12 @@ def node_locate(req):
 
 def node_stage(req):
     """Write the given files (base64) into a new private dir under the workdir's state dir (a
-    forwarding node's file list and known_hosts); return its path. With ``hold``, keep it until
-    stdin ends, then remove it."""
+    forwarding node's file list and known_hosts); return its path. (``hold``: the node program
+    keeps it while its stdin stays open, then removes it.)"""
     _, real = node_workdir(req)
     os.makedirs(_stage_root(real), exist_ok=True)
     d = tempfile.mkdtemp(prefix="s-", dir=_stage_root(real))
     for name, data in req["files"].items():
         with open(os.path.join(d, name), "wb") as fh:
             fh.write(base64.b64decode(data))
-    if not req.get("hold"):
-        return {"dir": d}
-    # held: the dir lives as long as this SSH session (the controller closes it when the sync
-    # ends; it also ends when the controller dies and its connection goes), then it is removed
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        sys.stdout.write(json.dumps({"dir": d}) + "\n")
-        sys.stdout.flush()
-        sys.stdin.read()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    return {"removed": d}
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    raw = argv[0] if argv and argv[0] != "-" else sys.stdin.readline()  # one JSON line; more may follow
-    req = json.loads(raw)
-    ops = {"probe": node_probe, "commit": node_commit, "hash": node_hash,
-           "locate": node_locate, "stage": node_stage}
-    try:
-        out = ops[req["op"]](req)
-    except (WorkdirError, RecordError) as exc:
-        out = {"error": str(exc)}
-    except OSError as exc:
-        out = {"error": "%s: %s" % (getattr(exc, "filename", "") or "", exc.strerror or exc)}
-    sys.stdout.write(json.dumps(out) + "\n")
-    return 1 if "error" in out else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"dir": d}

@@ -18,7 +18,7 @@ Rules, and why:
   directory itself, not a mount point: sync writes there, and a record of what it placed is only a
   promise about the files it placed, not about a whole filesystem.
 
-This file is also part of the program the nodes run (:func:`ddpfab.sync.node_program` sends its
+This file is also part of the program the nodes run (:func:`ddpfab.node.program` sends its
 source ahead of :mod:`ddpfab.treehash`): standard library only, Python 3.6+, no ddpfab imports.
 """
 

@@ -1,0 +1,335 @@
+"""The one program ddpfab runs on nodes, and the controller's side of its one protocol.
+
+Every node-side operation is an operation of one stdlib-only program: facts (the probe), the
+data-plane probe (mesh), the tree hash and the rest of sync's node side, job control (ps, stop,
+output, per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.workdir`,
+:mod:`ddpfab.treehash`, :mod:`ddpfab.agent` and :mod:`ddpfab.node.program`, concatenated
+(:func:`program`); its protocol is :func:`ddpfab.node.program.serve`'s: framed JSON requests on
+stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).
+
+Shipping: once per SSH session, on stdin. The command line is a short loader (:data:`LOADER`:
+read LENGTH bytes of code from stdin, run them), so ``ps`` on a node shows ``python -c <loader>
+LENGTH ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing secret: requests,
+and the supervisor's env among them, travel inside the SSH session. The program is not cached on
+the node: a cache would be a file ddpfab keeps in the user's home that every version of ddpfab
+must trust, check and clean up, for a saving the launch benchmark puts at a few ms per start (the
+program is ~90 kB; compiling it is ~10 ms, measured by ``bench/launch.py``'s micro-measurements),
+while one session per node carries everything a launch needs before its supervisor starts.
+
+The controller keeps a :class:`Session` open per node while it needs the node (probe, hash check,
+mesh probe: one python start per node before a launch), or uses :func:`call` for one exchange.
+Replies are validated (:func:`parse_reply`): records are data, never executed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import agent, treehash, workdir
+from . import program as _program
+
+#: The modules that make the node program, in order (each may use the names of those before it).
+SOURCES = (workdir, treehash, agent, _program)
+
+#: What a node's python runs (``python -c LOADER LENGTH WORDS...``): read the program's code
+#: (LENGTH bytes) from stdin and run it; it then reads its requests from stdin. Short and readable
+#: in ``ps``, and nothing in it (or after it) is secret.
+LOADER = ("import os,sys\n"
+          "n=int(sys.argv[1]);b=b''\n"
+          "while len(b)<n:\n"
+          " c=os.read(0,n-len(b))\n"
+          " if not c:sys.exit('ddpfab-node: no code on stdin')\n"
+          " b+=c\n"
+          "exec(compile(b,'ddpfab-node','exec'),{'__name__':'ddpfab-node'})")
+
+
+@functools.lru_cache(maxsize=1)
+def program() -> bytes:
+    """The node program's source (the :data:`SOURCES`, concatenated)."""
+    return b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
+
+
+def argv(python: str, *words: str) -> list[str]:
+    """``python -c LOADER LENGTH WORDS...``: the program comes first on stdin (:func:`stdin_for`)."""
+    return [python, "-c", LOADER, str(len(program())), *words]
+
+
+def command(python: str, *words: str, fallback: str | None = None) -> str:
+    """:func:`argv` as a shell line; with *fallback* (e.g. ``python3``) that python runs it where
+    *python* does not exist there (sync may come before the node's venv does)."""
+    if not fallback or fallback == python:
+        return shlex.join(argv(python, *words))
+    return (f"if command -v {shlex.quote(python)} >/dev/null; then exec {shlex.join(argv(python, *words))}; "
+            f"else exec {shlex.join(argv(fallback, *words))}; fi")
+
+
+def frame(request: dict) -> bytes:
+    """One request as the program reads it: ``LENGTH\\n`` + its JSON."""
+    data = json.dumps(request).encode()
+    return b"%d\n" % len(data) + data
+
+
+def stdin_for(*requests: dict) -> bytes:
+    """The program, then *requests* (give each an ``id``; :func:`numbered` does)."""
+    return program() + b"".join(frame(r) for r in requests)
+
+
+def numbered(*requests: dict, start: int = 1) -> list[dict]:
+    """*requests* with ids ``start``, ``start + 1``, ..."""
+    return [{**r, "id": i} for i, r in enumerate(requests, start)]
+
+
+class NodeProgramError(Exception):
+    """A node's program did not answer as the protocol says (or an operation failed, raised by
+    :meth:`Reply.value`); the message names the host. (Not an ``ssh.SSHError``: this module is
+    also sync's, which does not load paramiko, ~0.2 s, for OpenSSH work.)"""
+
+    def __init__(self, node: str, message: str, kind: str = "program"):
+        super().__init__(message)
+        self.node = node
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One operation's answer. ``ok`` with its ``result``, or not ok with its ``error``."""
+
+    id: int | None
+    op: str | None
+    ok: bool
+    result: dict = field(default_factory=dict)
+    error: str = ""
+
+    def value(self, node: str) -> dict:
+        """The result, or a NodeProgramError naming *node* and the operation."""
+        if not self.ok:
+            raise NodeProgramError(node, f"host {node}: {self.op}: {self.error}")
+        return self.result
+
+
+def parse_reply(line: bytes | str) -> Reply | None:
+    """A reply line, validated; None when the line is no reply (not JSON, not an object with the
+    reply's keys and types)."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not all(k in data for k in _program.REPLY_KEYS):
+        return None
+    rid, op, ok = data["id"], data["op"], data["ok"]
+    if not (rid is None or (isinstance(rid, int) and not isinstance(rid, bool))) or not (op is None or isinstance(op, str)) \
+            or not isinstance(ok, bool):
+        return None
+    if ok:
+        return Reply(rid, op, True, result=data.get("result")) if isinstance(data.get("result"), dict) else None
+    return Reply(rid, op, False, error=str(data.get("error") or "failed (no reason given)"))
+
+
+def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str], exit_code: int | None,
+                  stderr: str = "") -> list[Reply]:
+    """The reply to each of *requests* (by id) among *lines*; a request without one gets an error
+    reply saying why (the program's exit status and stderr)."""
+    got: dict[int | None, Reply] = {}
+    for line in lines:
+        r = parse_reply(line)
+        if r is not None:
+            got.setdefault(r.id, r)
+    why = "no reply" + (f" (exit {exit_code})" if exit_code is not None else "") + \
+        (f": {stderr.strip()[-300:]}" if stderr.strip() else "")
+    if None in got and not got[None].ok:  # the program refused the stream itself (a bad frame)
+        why = got[None].error
+    return [got.get(r["id"]) or Reply(r["id"], r["op"], False, error=why) for r in requests]
+
+
+def python_missing(node, exit_code: int) -> NodeProgramError | None:
+    """Exit 127: the node's python is not there."""
+    if exit_code != 127:
+        return None
+    return NodeProgramError(node.name, f"host {node.name}: python {node.python!r} not found there; set "
+                                       "ddpfab_python to the python that has torch", kind="python")
+
+
+def call(conn, node, *requests: dict, timeout: float = 60, words: tuple[str, ...] = ("ddpfab-node",)) -> list[Reply]:
+    """Start the program on *node* over its open connection, send *requests*, close stdin and
+    return one reply per request. SSHError when the connection fails, NodeProgramError when the
+    node's python is missing."""
+    from .. import ssh  # here, not at the top: sync imports this module without paramiko (see above)
+
+    reqs = numbered(*requests)
+    res = ssh.run(conn, node.name, command(node.python, *words), timeout=timeout, stdin=stdin_for(*reqs))
+    missing = python_missing(node, res.exit_code)
+    if missing:
+        raise missing
+    return match_replies(node.name, reqs, res.stdout.splitlines(), res.exit_code, res.stderr)
+
+
+class Session:
+    """The program running on one node over a channel of its open connection, kept open for
+    several exchanges; nothing is left on the node when it closes (stdin EOF ends the program)."""
+
+    def __init__(self, conn, node, words: tuple[str, ...] = ("ddpfab-node",), timeout: float = 30):
+        self.node = node
+        self._ids = itertools.count(1)
+        self._buf = b""
+        self._replies: dict[int, Reply] = {}
+        self._err = b""
+        self.chan = conn.transport.open_session(timeout=timeout)
+        self.chan.exec_command(command(node.python, *words))
+        self.chan.sendall(program())
+
+    def send(self, *requests: dict) -> list[dict]:
+        """Send *requests* (numbered here) without waiting; returns them with their ids."""
+        reqs = [{**r, "id": next(self._ids)} for r in requests]
+        self.chan.sendall(b"".join(frame(r) for r in reqs))
+        return reqs
+
+    def poll(self) -> bool:
+        """Take what the node has sent; False when nothing was there."""
+        got = False
+        while self.chan.recv_stderr_ready():
+            self._err = (self._err + self.chan.recv_stderr(65536))[-4096:]
+            got = True
+        while self.chan.recv_ready():
+            data = self.chan.recv(65536)
+            if not data:
+                break
+            got = True
+            self._buf += data
+            *lines, self._buf = self._buf.split(b"\n")
+            for line in lines:
+                r = parse_reply(line)
+                if r is not None and isinstance(r.id, int):
+                    self._replies[r.id] = r
+        return got
+
+    @property
+    def ended(self) -> bool:
+        return self.chan.exit_status_ready() or self.chan.closed
+
+    def take(self, reqs: list[dict]) -> list[Reply] | None:
+        """The replies to *reqs* when all have come, else None (an ended program: error replies)."""
+        if all(r["id"] in self._replies for r in reqs):
+            return [self._replies.pop(r["id"]) for r in reqs]
+        if self.ended and not self.chan.recv_ready():
+            code = self.chan.recv_exit_status()
+            missing = python_missing(self.node, code)
+            if missing:
+                raise missing
+            return match_replies(self.node.name, reqs, [], code, self._err.decode(errors="replace"))
+        return None
+
+    def close(self) -> None:
+        """EOF to the program (it ends, closing whatever it holds open), then the channel."""
+        try:
+            self.chan.shutdown_write()
+            deadline = time.monotonic() + 5
+            while not self.chan.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - closing must not raise
+            pass
+        finally:
+            self.chan.close()
+
+
+def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",)) -> tuple[dict[str, Session], dict[str, str]]:
+    """A :class:`Session` on every node in *conns*; (sessions, node -> why its session did not open)."""
+    sessions: dict[str, Session] = {}
+    errors: dict[str, str] = {}
+    for n in nodes:
+        if n.name not in conns:
+            continue
+        try:
+            sessions[n.name] = Session(conns[n.name], n, words)
+        except Exception as exc:  # noqa: BLE001 - one node's failure is data
+            errors[n.name] = f"host {n.name}: could not start the node program: {exc}"
+    return sessions, errors
+
+
+def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], timeout: float,
+             sent: dict[str, list[dict]] | None = None) -> dict[str, list[Reply] | Exception]:
+    """Send each session its *requests* (or wait for those already *sent*) and wait for every
+    reply, polling all channels from this thread (no thread per node); by *timeout* a session
+    still silent gets a NodeProgramError. Per node: its replies, in request order, or the error."""
+    out: dict[str, list[Reply] | Exception] = {}
+    pending: dict[str, list[dict]] = {}
+    for name, reqs in (sent or {}).items():
+        pending[name] = reqs
+    for name, reqs in requests.items():
+        try:
+            pending[name] = sessions[name].send(*reqs)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = NodeProgramError(name, f"host {name}: the node program's session broke: {exc}")
+    deadline = time.monotonic() + timeout
+    while pending:
+        progressed = False
+        for name in list(pending):
+            s = sessions[name]
+            try:
+                progressed |= s.poll()
+                got = s.take(pending[name])
+            except NodeProgramError as exc:
+                out[name], got = exc, None
+                del pending[name]
+                continue
+            except Exception as exc:  # noqa: BLE001
+                out[name], got = NodeProgramError(name, f"host {name}: the node program's session broke: {exc}"), None
+                del pending[name]
+                continue
+            if got is not None:
+                out[name] = got
+                del pending[name]
+        if pending and time.monotonic() > deadline:
+            for name, reqs in pending.items():
+                out[name] = NodeProgramError(name, f"host {name}: no answer to {', '.join(r['op'] for r in reqs)} "
+                                                   f"within {timeout:g} s", kind="timeout")
+            break
+        if pending and not progressed:
+            time.sleep(0.005)
+    return out
+
+
+def close_all(sessions: dict[str, Session]) -> None:
+    """Close every session: EOF to all first (they end in parallel), then wait for each."""
+    for s in sessions.values():
+        try:
+            s.chan.shutdown_write()
+        except Exception:  # noqa: BLE001
+            pass
+    for s in sessions.values():
+        s.close()
+
+
+# -- what the supervisor and job control send ---------------------------------------------------
+def supervisor_words(run_id: str) -> tuple[str, str]:
+    """What ``ps`` on a node shows after the loader for a run's supervisor (``ddpfab stop`` and
+    ``ps`` check a pid's command line for the run id)."""
+    return ("ddpfab-agent", run_id)
+
+
+def supervisor_input(spec: dict) -> bytes:
+    """The supervisor's stdin: the program, then the ``supervise`` request with the job spec
+    (env values included: inside the SSH session, never in a command line)."""
+    return stdin_for({"id": 1, "op": "supervise", "spec": spec})
+
+
+def stop(conn, node, remote_dir: str, grace: float, timeout: float) -> tuple[str, bool]:
+    """End run *remote_dir*'s job on *node* (its supervisor, then what is left of the job by its
+    marker): (one line saying what happened there, whether nothing of it is left)."""
+    reply = call(conn, node, {"op": "stop", "dir": remote_dir, "grace": grace}, timeout=timeout)[0]
+    if not reply.ok:
+        return reply.error, False
+    return str(reply.result.get("said", "")), reply.result.get("stopped") is True
+
+
+def value(replies: list[Reply] | Exception, node: str) -> dict:
+    """The one reply's result of an :func:`exchange`/:func:`call` answer; raises its error."""
+    if isinstance(replies, Exception):
+        raise replies
+    return replies[0].value(node)
+

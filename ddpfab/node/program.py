@@ -1,0 +1,558 @@
+"""The node program's operations and its one request/response loop (the node side of :mod:`ddpfab.node`).
+
+What a node runs is one program: :mod:`ddpfab.workdir`, :mod:`ddpfab.treehash`, :mod:`ddpfab.agent`
+and this file, in that order, as one source text (:func:`ddpfab.node.program`); on the controller
+each is an ordinary module, so every operation is unit-tested as a function. Standard library only,
+Python 3.6+, no ddpfab imports beyond those three (which come first in the shipped text).
+
+The protocol (:func:`serve`): after the program's code, stdin carries requests, each one frame
+(``LENGTH\\n`` then LENGTH bytes of JSON: ``{"id": N, "op": NAME, ...arguments}``), read byte-exactly
+so whatever follows stays in the pipe. Each request gets one JSON line on stdout,
+``{"id": N, "op": NAME, "ok": true, "result": {...}}`` or ``{"id": N, "op": NAME, "ok": false,
+"error": TEXT}``: a failing operation is data, the next request still runs. The program ends at
+stdin EOF (listeners of a mesh probe close then). Three operations take the session over and are
+last in it: ``supervise`` (the job supervisor: stdin carries heartbeats, stdout the job's output),
+``follow`` (a run's output, raw) and ``stage`` with ``hold`` (its one reply, then EOF ends it).
+"""
+
+import base64
+import importlib.util
+import io
+import json
+import os
+import queue
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+try:  # as a module of ddpfab; on a node their source comes first in the same program
+    from ..agent import _detach_stdin, marked_processes, read_frame, stop_job
+    from ..agent import main as supervise_job
+    from ..treehash import RecordError, node_commit, node_hash, node_locate, node_probe, node_stage
+    from ..workdir import WorkdirError
+except ImportError:
+    supervise_job = main  # noqa: F821 - agent.py's main, defined earlier in the shipped text
+
+#: How a node program's replies start: a line that does not is not a reply (e.g. a warning a
+#: sitecustomize printed) and is skipped by the controller.
+REPLY_KEYS = ("id", "op", "ok")
+
+
+# -- facts: what the plan and the preflight checks need ------------------------------------------
+def _port_free(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _torch_version(spec):
+    """torch's version from torch/version.py (importlib.metadata takes 20+ ms)."""
+    try:
+        import re
+        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")) as fh:
+            return re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", fh.read(), re.M).group(1)
+    except (OSError, AttributeError):
+        try:
+            from importlib import metadata
+            return metadata.version("torch")
+        except Exception:  # noqa: BLE001 - a fact we could not read is None
+            return None
+
+
+def local_addrs():
+    """This host's addresses -> interface: IPv4 by SIOCGIFADDR, IPv6 from /proc/net/if_inet6."""
+    found = {}
+    try:
+        import fcntl
+        import struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's primary IPv4 address
+                    r = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                    found.setdefault(socket.inet_ntoa(r[20:24]), name)
+                except OSError:
+                    pass
+        finally:
+            s.close()
+    except (ImportError, OSError):
+        pass
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                f = line.split()
+                found.setdefault(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(f[0])), f[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+
+
+def route_dev(addr, mine):
+    """The interface towards *addr*: the kernel's choice of source address (a UDP connect sends
+    nothing) mapped to the interface that holds it; ``ip route get`` only for what that cannot map."""
+    try:
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_DGRAM)
+        try:
+            s.connect((addr, 9))
+            src = s.getsockname()[0]
+        finally:
+            s.close()
+        if src == addr:
+            return "lo"
+        if src in mine:
+            return mine[src]
+    except OSError:
+        pass
+    try:
+        words = subprocess.run(["ip", "-o", "route", "get", addr], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, universal_newlines=True, timeout=5).stdout.split()
+        return words[words.index("dev") + 1] if "dev" in words else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def op_facts(req, session):
+    """Hostname, python, torch, workdir and script, a free port (or whether the user's is free),
+    name resolution, the interface towards each peer, GPUs; with ``full`` torch is imported."""
+    out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
+           "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None}
+    if req.get("port"):
+        out["port_free"] = _port_free(req["port"])
+    if req.get("find_port"):
+        lo, hi, start = req["find_port"]
+        span = hi - lo + 1
+        out["free_port"] = next((lo + (start - lo + i) % span for i in range(span)
+                                 if _port_free(lo + (start - lo + i) % span)), None)
+        session["free_port"] = out["free_port"]
+    wd = os.path.expanduser(req["workdir"])
+    out["workdir_exists"] = os.path.isdir(wd)
+    if req.get("script"):
+        out["script_exists"] = os.path.isfile(os.path.join(wd, os.path.expanduser(req["script"])))
+    out["time"] = time.time()
+    try:
+        out["hostname_addr"] = socket.gethostbyname(out["hostname"])
+    except OSError as exc:
+        out["hostname_addr"], out["hostname_error"] = None, str(exc)
+    spec = importlib.util.find_spec("torch") if out["torch"] else None
+    out["launcher"] = bool(spec and spec.submodule_search_locations and any(
+        os.path.exists(os.path.join(d, "distributed", "run.py")) for d in spec.submodule_search_locations))
+    out["torch_version"] = _torch_version(spec) if spec and spec.submodule_search_locations else None
+    out["resolved"] = {}
+    for name in req.get("resolve", []):
+        try:
+            out["resolved"][name] = socket.gethostbyname(name)
+        except OSError as exc:
+            out["resolved"][name] = "error: %s" % exc
+    out["routes"] = {}
+    if req.get("peers"):
+        mine = local_addrs()
+        for peer, addr in req["peers"].items():
+            out["routes"][peer] = route_dev(addr, mine)
+    if shutil.which("nvidia-smi"):
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20)
+            lines = [ln.strip() for ln in q.stdout.splitlines() if ln.strip()]
+            out["nvidia_gpus"], out["driver"] = len(lines), (lines[0] if lines else None)
+        except (OSError, subprocess.SubprocessError) as exc:
+            out["nvidia_error"] = str(exc)
+    if req.get("full") and out["torch"]:
+        try:
+            import torch
+            out["torch_version"] = torch.__version__
+            out["cuda"] = torch.version.cuda
+            out["cuda_available"] = torch.cuda.is_available()
+            out["gpus"] = torch.cuda.device_count() if out["cuda_available"] else 0
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if out["cuda_available"] else None
+        except Exception as exc:  # noqa: BLE001 - a broken torch is a fact to report
+            out["torch_import_error"] = repr(exc)[-300:]
+    return out
+
+
+# -- the data-plane probe (ddpfab.mesh plans it and reads the results) ----------------------------
+class Listeners(object):
+    """Listening sockets and the one thread that accepts on all of them; a connection is closed
+    when the peer has closed it, so the TIME_WAIT stays on the client's ephemeral port, not on
+    ours (a TIME_WAIT on the master port would make it look busy to a bind without SO_REUSEADDR)."""
+
+    def __init__(self):
+        self.sel = selectors.DefaultSelector()
+        self.lock = threading.Lock()
+        self.thread = None
+
+    def add(self, port):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+            s.listen(4096)
+        except OSError:
+            s.close()
+            raise
+        s.setblocking(False)
+        with self.lock:
+            self.sel.register(s, selectors.EVENT_READ, "listen")
+        return s.getsockname()[1]
+
+    def start(self):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, daemon=True)
+            self.thread.start()
+
+    def _serve(self):
+        while True:
+            with self.lock:
+                events = self.sel.select(timeout=0.2)
+            for key, _ in events:
+                s = key.fileobj
+                if key.data == "listen":
+                    try:
+                        c, _ = s.accept()
+                    except OSError:
+                        continue
+                    c.setblocking(False)
+                    with self.lock:
+                        self.sel.register(c, selectors.EVENT_READ, "conn")
+                    continue
+                try:
+                    s.recv(1)
+                except OSError:
+                    pass
+                with self.lock:
+                    self.sel.unregister(s)
+                s.close()
+
+
+def op_mesh_listen(req, session):
+    """Listen on an ephemeral port and (on the master) on the master port; ``master_port``
+    ``"found"`` is the port this session's ``facts`` found free. Listening lasts until stdin EOF."""
+    lis = session.setdefault("listeners", Listeners())
+    ports = {"ephemeral": lis.add(0)}
+    want = session.get("free_port") if req.get("master_port") == "found" else req.get("master_port")
+    if want:
+        try:
+            ports["master"] = lis.add(int(want))
+        except OSError as exc:
+            ports["master_error"] = str(exc)
+    lis.start()
+    return ports
+
+
+def _connect_one(target, attempts, deadline):
+    """Connect to one target; a timed-out connect is retried with the next timeout, a refused or
+    unreachable one is an answer and ends the attempts."""
+    tries, t0, result = [], time.monotonic(), "not probed (deadline)"
+    for timeout in attempts:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(min(timeout, left))
+        a0 = time.monotonic()
+        try:
+            s.connect((target["addr"], target["port"]))
+            result = "ok"
+        except socket.timeout:
+            result = "timed out"
+        except ConnectionRefusedError:
+            result = "refused"
+        except OSError as exc:
+            result = exc.strerror or str(exc)
+        finally:
+            s.close()
+        tries.append(round((time.monotonic() - a0) * 1000, 1))
+        if result != "timed out":
+            break
+    return dict(target, result=result, attempts=len(tries), ms=round((time.monotonic() - t0) * 1000, 1))
+
+
+def op_mesh_connect(req, session):
+    """Connect to every target (``addr``, ``port``) with at most ``concurrency`` connects in flight,
+    until ``deadline`` seconds from now; one result per target, in order."""
+    targets, attempts = req["targets"], req["attempts"]
+    deadline = time.monotonic() + req["deadline"]
+    results = [None] * len(targets)
+    todo = queue.Queue()
+    for i in range(len(targets)):
+        todo.put(i)
+
+    def worker():
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            results[i] = _connect_one(targets[i], attempts, deadline)
+
+    threads = [threading.Thread(target=worker) for _ in range(min(int(req["concurrency"]), len(targets)))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {"probes": results}
+
+
+# -- job control (ddpfab ps / stop / attach / logs) -----------------------------------------------
+def _runs_root(req):
+    return os.path.expanduser(req.get("root") or "~/.ddpfab/runs")
+
+
+def _cmdline_has(pid, word):
+    try:
+        with open("/proc/%d/cmdline" % int(pid), "rb") as fh:
+            return word.encode() in fh.read().split(b"\0")
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def op_ps(req, session):
+    """The run records under the runs dir (``root``), each with its state: running (its
+    supervisor lives), exited (with its exit code) or dead; only ``run_id`` when given."""
+    root, only, runs = _runs_root(req), req.get("run_id"), []
+    for rid in (sorted(os.listdir(root)) if os.path.isdir(root) else []):
+        if only and rid != only:
+            continue
+        d = os.path.join(root, rid)
+        try:
+            with open(os.path.join(d, "agent.json")) as fh:
+                rec = json.load(fh)
+            pid = int(rec["agent_pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        state, code = "dead", None
+        try:
+            with open(os.path.join(d, "exit_code")) as fh:
+                text = fh.read().strip()
+            code, state = (int(text) if text.lstrip("-").isdigit() else -1), "exited"
+        except OSError:
+            if _cmdline_has(pid, rid):
+                state = "running"
+        runs.append({"run_id": rid, "state": state, "exit_code": code, "started": rec.get("started"),
+                     "agent_pid": pid, "dir": d})
+    return {"runs": runs, "now": time.time()}
+
+
+def op_stop(req, session):
+    """End run ``dir``'s job: its supervisor, then what is left by the job marker."""
+    said, code = stop_job(req["dir"], float(req.get("grace", 3)))
+    return {"said": said, "stopped": code == 0}
+
+
+def op_rank_logs(req, session):
+    """torchrun's per-rank log dir (``<dir>/torchrun``) as a base64 tar.gz."""
+    d = os.path.join(os.path.expanduser(req["dir"]), "torchrun")
+    if not os.path.isdir(d):
+        raise NodeOpError("no per-rank logs in %s" % d)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        tar.add(d, arcname=".")
+    return {"tar_gz": base64.b64encode(buf.getvalue()).decode()}
+
+
+def op_output(req, session):
+    """A run's ``output.log`` (base64: the job's bytes, whatever their encoding)."""
+    path = os.path.join(os.path.expanduser(req["dir"]), "output.log")
+    with open(path, "rb") as fh:
+        return {"output": base64.b64encode(fh.read()).decode()}
+
+
+def follow(req):
+    """Stream run ``dir``'s output.log from the start to stdout, raw, until the job has ended;
+    exit with its exit code (255: unknown). Ends when stdin does (ddpfab attach went away)."""
+    def link():
+        while os.read(0, 4096):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=link, daemon=True).start()
+    d = os.path.expanduser(req["dir"])
+    log, done = os.path.join(d, "output.log"), os.path.join(d, "exit_code")
+    while not os.path.exists(log):
+        if os.path.exists(done) or not os.path.isdir(d):
+            break
+        time.sleep(0.1)
+    pos, out = 0, sys.stdout.buffer
+    while True:
+        finished = os.path.exists(done)
+        try:
+            with open(log, "rb") as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+        except OSError:
+            chunk = b""
+        if chunk:
+            pos += len(chunk)
+            out.write(chunk)
+            out.flush()
+        elif finished:
+            break
+        else:
+            time.sleep(0.1)
+    try:
+        with open(done) as fh:
+            return int(fh.read().strip() or 255)
+    except (OSError, ValueError):
+        return 255
+
+
+def supervise(req):
+    """Become the job's supervisor (:mod:`ddpfab.agent`); ``spec`` is the job as data."""
+    spec = req["spec"]
+    if spec.get("detached"):
+        _detach_stdin()
+    return supervise_job(spec)
+
+
+# -- the perf check's files (ddpfab.perfrun) ------------------------------------------------------
+def op_perf_place(req, session):
+    """Make the fresh run dir ``dir`` (relative to home; refused if it exists) and write ``files``
+    (name -> text) into it; the dirs it made, for :func:`op_perf_clean`."""
+    home = os.path.expanduser("~")
+    made, path = [], home
+    for part in req["dir"].split("/"):
+        path = os.path.join(path, part)
+        if not os.path.isdir(path):
+            os.mkdir(path, 0o700)
+            made.append(path)
+    if path not in made:
+        raise NodeOpError("run dir %s exists already; refusing to use it" % path)
+    for name, text in req["files"].items():
+        fd = os.open(os.path.join(path, os.path.basename(name)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+    return {"made": made}
+
+
+def op_perf_clean(req, session):
+    """Remove the run dir the perf check made (it must hold ``marker``, the shipped script: proof it
+    is ours), then the parents it made, if empty (what a user put there stays)."""
+    home = os.path.expanduser("~")
+    run_dir = os.path.join(home, req["dir"])
+    if os.path.realpath(run_dir) != os.path.join(os.path.realpath(home), req["dir"]) or not os.path.isfile(
+            os.path.join(run_dir, os.path.basename(req["marker"]))):
+        raise NodeOpError("%s is not the perf check's run dir; left alone" % run_dir)
+    shutil.rmtree(run_dir)
+    for d in reversed(req["made"]):
+        if d != run_dir:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+    return {"removed": run_dir}
+
+
+# -- the loop -------------------------------------------------------------------------------------
+class NodeOpError(Exception):
+    """An operation's own failure, reported as its error reply."""
+
+
+def _treehash(fn):
+    """treehash's operations report some failures in their result (``{"error": ...}``)."""
+    def op(req, session):
+        out = fn(req)
+        if isinstance(out, dict) and "error" in out:
+            raise NodeOpError(out["error"])
+        return out
+    return op
+
+
+#: Operations with one reply each.
+OPS = {
+    "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
+    "ps": op_ps, "stop": op_stop, "rank_logs": op_rank_logs, "output": op_output,
+    "perf_place": op_perf_place, "perf_clean": op_perf_clean,
+    "probe": _treehash(node_probe), "commit": _treehash(node_commit), "hash": _treehash(node_hash),
+    "locate": _treehash(node_locate), "stage": _treehash(node_stage),
+}
+#: Operations that take the session over (last in it); their exit status is the program's.
+TAKEOVER = {"supervise": supervise, "follow": follow}
+
+
+def reply(rid, op, result=None, error=None):
+    """One reply as its JSON line."""
+    out = {"id": rid, "op": op, "ok": error is None}
+    if error is None:
+        out["result"] = result
+    else:
+        out["error"] = error
+    return json.dumps(out) + "\n"
+
+
+def handle(req, session):
+    """Run one request; its reply line (never an exception: the next request still runs)."""
+    if not isinstance(req, dict):
+        return reply(None, None, error="a request is a JSON object, got %s" % type(req).__name__)
+    rid, op = req.get("id"), req.get("op")
+    fn = OPS.get(op) if isinstance(op, str) else None
+    if fn is None:
+        return reply(rid, op, error="unknown operation %r (known: %s)" % (op, ", ".join(sorted(list(OPS) + list(TAKEOVER)))))
+    try:
+        return reply(rid, op, fn(req, session))
+    except (NodeOpError, WorkdirError, RecordError) as exc:
+        return reply(rid, op, error=str(exc))
+    except OSError as exc:
+        return reply(rid, op, error="%s: %s" % (getattr(exc, "filename", "") or "", exc.strerror or exc))
+    except (KeyError, TypeError, ValueError) as exc:
+        return reply(rid, op, error="bad request: %s: %r" % (type(exc).__name__, exc))
+    except Exception as exc:  # noqa: BLE001 - one operation's bug must not lose the others' replies
+        return reply(rid, op, error="failed: %s: %r" % (type(exc).__name__, exc))
+
+
+def serve(fd=0, write=None):
+    """Answer framed requests from *fd* until EOF; a takeover operation ends the loop with its
+    exit status. Returns the program's exit status."""
+    write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    session = {}
+    while True:
+        try:
+            raw = read_frame(fd)
+        except EOFError:  # between frames: the controller is done
+            return 0
+        except ValueError as exc:  # the stream is broken: nothing after it can be trusted
+            write(reply(None, None, error="bad frame: %s" % exc))
+            return 2
+        try:
+            req = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:
+            write(reply(None, None, error="a request is JSON: %s" % exc))
+            continue
+        if isinstance(req, dict) and req.get("op") in TAKEOVER:
+            return TAKEOVER[req["op"]](req)
+        if isinstance(req, dict) and req.get("op") == "stage" and req.get("hold"):
+            return _hold_stage(req, session, write, fd)
+        write(handle(req, session))
+
+
+def _hold_stage(req, session, write, fd):
+    """``stage`` with ``hold``: reply with the dir, keep it while stdin stays open, then remove it."""
+    try:
+        out = _treehash(node_stage)(req, session)
+    except (NodeOpError, WorkdirError, RecordError, OSError) as exc:
+        write(reply(req.get("id"), "stage", error=str(exc)))
+        return 1
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        write(reply(req.get("id"), "stage", out))
+        while os.read(fd, 4096):
+            pass
+    finally:
+        shutil.rmtree(out["dir"], ignore_errors=True)
+    return 0
+
+
+if __name__ == "ddpfab-node":  # the name the loader runs the shipped program under
+    sys.exit(serve())
