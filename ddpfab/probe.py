@@ -78,7 +78,7 @@ def _peer_address(conn: Connection | None) -> str | None:
 def facts_request(node: Node, *, workdir: str, script: str | None, port: int | None = None,
                   find_port: bool = False, peers: dict[str, str] | None = None,
                   resolve_names: list[str] | None = None, full: bool = False) -> dict:
-    """The node program's ``facts`` request (see :func:`ddpfab.node.program.op_facts`)."""
+    """The node program's ``facts`` request (see :func:`ddpfab.node.ops.op_facts`)."""
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
                  "resolve": resolve_names or [], "full": full}
     if port:

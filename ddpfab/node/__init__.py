@@ -3,8 +3,8 @@
 Every node-side operation is an operation of one stdlib-only program: facts (the probe), the
 data-plane probe (mesh), the tree hash and the rest of sync's node side, job control (ps, stop,
 output, per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.workdir`,
-:mod:`ddpfab.treehash`, :mod:`ddpfab.agent` and :mod:`ddpfab.node.program`, concatenated
-(:func:`program`); its protocol is :func:`ddpfab.node.program.serve`'s: framed JSON requests on
+:mod:`ddpfab.treehash`, :mod:`ddpfab.agent` and :mod:`ddpfab.node.ops`, concatenated
+(:func:`program`); its protocol is :func:`ddpfab.node.ops.serve`'s: framed JSON requests on
 stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).
 
 Shipping: once per SSH session, on stdin. The command line is a short loader (:data:`LOADER`:
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import agent, treehash, workdir
-from . import program as _program
+from . import ops as _ops
 
 #: The modules that make the node program, in order (each may use the names of those before it).
-SOURCES = (workdir, treehash, agent, _program)
+SOURCES = (workdir, treehash, agent, _ops)
 
 #: What a node's python runs (``python -c LOADER LENGTH WORDS...``): read the program's code
 #: (LENGTH bytes) from stdin and run it; it then reads its requests from stdin. Short and readable
@@ -120,7 +120,7 @@ def parse_reply(line: bytes | str) -> Reply | None:
         data = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(data, dict) or not all(k in data for k in _program.REPLY_KEYS):
+    if not isinstance(data, dict) or not all(k in data for k in _ops.REPLY_KEYS):
         return None
     rid, op, ok = data["id"], data["op"], data["ok"]
     if not (rid is None or (isinstance(rid, int) and not isinstance(rid, bool))) or not (op is None or isinstance(op, str)) \

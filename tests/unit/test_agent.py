@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from ddpfab import agent
-
-AGENT = Path(agent.__file__)
+from ddpfab import node as nodeprog
 
 # a job tree like torchrun's: a parent, a child in a session of its own (as torchrun's workers
 # are), and a grandchild that ignores SIGTERM; each writes its pid to a file
@@ -33,12 +32,11 @@ time.sleep(300)
 
 
 def spawn(spec: dict) -> subprocess.Popen:
-    """The agent as ddpfab starts it: its spec arrives as one frame on stdin, which stays open
-    (the link to ddpfab)."""
-    proc = subprocess.Popen([sys.executable, str(AGENT)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    data = json.dumps(spec).encode()
-    proc.stdin.write(b"%d\n" % len(data) + data)
+    """The agent as ddpfab starts it: the node program's ``supervise`` request on stdin, which
+    stays open (the link to ddpfab)."""
+    proc = subprocess.Popen(nodeprog.argv(sys.executable, *nodeprog.supervisor_words(spec["run_id"])),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc.stdin.write(nodeprog.supervisor_input(spec))
     proc.stdin.flush()
     return proc
 

@@ -2,7 +2,7 @@
 
 The gitignore reader is checked against git itself; the copy against a local rsync run (a local
 copy runs the very same rsync options as a remote one); the node side through the very program
-the nodes run (``python -c`` of :func:`ddpfab.sync.node_program`) on local directories.
+the nodes run (``python -c`` of the node program, :mod:`ddpfab.node`) on local directories.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpfab import node as nodeprog
 from ddpfab import sync, treehash
 from ddpfab.inventory import Node
 from ddpfab.ssh import HostKeyPolicy
@@ -257,11 +258,15 @@ def test_deletions_are_only_placed_files_gone_here(tmp_path):
 
 # -- the node side, through the program the nodes run --------------------------------------------------
 def node(req: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-I", "-c", sync.node_program()], input=json.dumps(req), text=True,
-                          capture_output=True, env={**os.environ, "HOME": os.environ.get("HOME", "/root")})
-    out = json.loads(proc.stdout.splitlines()[-1])
-    assert (proc.returncode == 0) == ("error" not in out), proc.stderr
-    return out
+    """One operation of the node program, as a node runs it (``python -I``, code and request on
+    stdin); its result, or ``{"error": ...}`` for an error reply."""
+    reqs = nodeprog.numbered(req)
+    proc = subprocess.run([sys.executable, "-I", *nodeprog.argv(sys.executable, "ddpfab-node")[1:]],
+                          input=nodeprog.stdin_for(*reqs), capture_output=True,
+                          env={**os.environ, "HOME": os.environ.get("HOME", "/root")})
+    assert proc.returncode == 0, proc.stderr
+    reply = nodeprog.match_replies("local", reqs, proc.stdout.splitlines(), proc.returncode, proc.stderr.decode())[0]
+    return reply.result if reply.ok else {"error": reply.error}
 
 
 def test_first_sync_creates_and_records_then_owns(tmp_path):
@@ -380,15 +385,15 @@ def test_hash_is_the_same_for_a_walk_and_a_list_and_diff_names_paths(tmp_path):
 
 
 def test_node_program_is_standalone_and_agrees(tmp_path):
-    """What the nodes run: workdir.py + treehash.py through `python3 -c`, the request on stdin."""
-    from ddpfab import workdir
-
-    for module in (treehash, workdir):
+    """What the nodes run: the node program (workdir.py, treehash.py, ...) through `python -c`,
+    stdlib only, the request on stdin."""
+    for module in nodeprog.SOURCES:
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                      and not n.level}
-        assert imported <= set(sys.stdlib_module_names)
+        # torch: only what `facts` with `full` checks on a node that has it (ddpfab check --full)
+        assert imported - {"torch"} <= set(sys.stdlib_module_names), module.__name__
     root = make_tree(tmp_path / "t", {"a.py": "a", "x/y.sh": ("exec", "y"), "runs/r": "r", "out/o": "o"})
     out = node({"op": "hash", "workdir": str(root), "paths": ["a.py", "x/y.sh"]})
     assert out["tree_hash"] == digest(root, keep=("out/",))

@@ -3,13 +3,11 @@ record, a remote command that ends with its connection."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
 import time
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpfab import agent
+from ddpfab import node as nodeprog
 from ddpfab.execute import guarded
 from ddpfab.inventory import Cluster, InventoryError, Node, _check_duplicates
 from ddpfab.plan import Facts, PlanError, RunOptions, check_run_id, make_plan, parse_env
@@ -74,8 +73,12 @@ def test_a_machine_listed_twice_is_an_error_naming_it():
 
 
 def _frame(spec: dict) -> bytes:
-    data = json.dumps(spec).encode()
-    return b"%d\n" % len(data) + data
+    """The supervisor's stdin: the node program, then its ``supervise`` request."""
+    return nodeprog.supervisor_input(spec)
+
+
+def _supervisor(run_id: str) -> list[str]:
+    return nodeprog.argv(sys.executable, *nodeprog.supervisor_words(run_id))
 
 
 def test_the_supervisor_refuses_a_run_dir_it_cannot_record_in_and_starts_nothing(tmp_path):
@@ -83,7 +86,7 @@ def test_the_supervisor_refuses_a_run_dir_it_cannot_record_in_and_starts_nothing
     blocked.write_text("not a dir")
     marker = tmp_path / "started"
     spec = {"run_id": "t", "dir": str(blocked / "run"), "argv": ["touch", str(marker)], "workdir": str(tmp_path)}
-    res = subprocess.run([sys.executable, agent.__file__], input=_frame(spec), capture_output=True, timeout=30)
+    res = subprocess.run(_supervisor(spec["run_id"]), input=_frame(spec), capture_output=True, timeout=30)
     assert res.returncode == agent.CANNOT_START and b"was not started" in res.stdout
     assert not marker.exists()
 
@@ -92,7 +95,7 @@ def test_a_reused_run_dir_is_refused(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "agent.json").write_text("{}")
     spec = {"run_id": "t", "dir": str(tmp_path / "run"), "argv": ["true"], "workdir": str(tmp_path)}
-    res = subprocess.run([sys.executable, agent.__file__], input=_frame(spec), capture_output=True, timeout=30)
+    res = subprocess.run(_supervisor(spec["run_id"]), input=_frame(spec), capture_output=True, timeout=30)
     assert res.returncode == agent.CANNOT_START and b"used on this node already" in res.stdout
 
 
@@ -101,7 +104,7 @@ def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
     spec = {"run_id": "orph-1", "dir": str(tmp_path / "orph-1"), "workdir": str(tmp_path), "grace": 1,
             "argv": [sys.executable, "-c", "import subprocess,time;subprocess.Popen(['sleep','60']);time.sleep(60)"],
             "env": {"SECRET_TOKEN": "x"}}
-    proc = subprocess.Popen([sys.executable, agent.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(_supervisor(spec["run_id"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     proc.stdin.write(_frame(spec))
     proc.stdin.flush()
     deadline = time.monotonic() + 20
@@ -113,10 +116,8 @@ def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
     proc.kill()
     proc.wait()
     assert len(agent.marked_processes("orph-1")) == 2  # orphans now
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        code = agent.stop_job(str(tmp_path / "orph-1"), 1.0)
-    assert code == 0 and buf.getvalue().strip() == "its supervisor was gone: ended 2 orphaned job processes"
+    said, code = agent.stop_job(str(tmp_path / "orph-1"), 1.0)
+    assert code == 0 and said == "its supervisor was gone: ended 2 orphaned job processes"
     assert agent.marked_processes("orph-1") == []
 
 
