@@ -19,7 +19,8 @@ launcher's stdout:
                           share this machine's CPUs, so N torchruns importing torch at once are
                           slower than one: this baseline carries the same contention as ddpfab.
 Also, once per N: a phase breakdown of one ddpfab run (the CLI run in-process with timers around
-inventory.load, cli._sync_code, runner.connect_all, probe.gather, runner._preflight, make_plan,
+inventory.load, cli._sync_code, runner.connect_all, runner.start_probe + prepare (probe.gather before
+the node program), runner._preflight, make_plan,
 execute), isolated costs (imports, inventory, a remote python start), and on
 the largest N a profile (python -X importtime, pyinstrument) in bench/results/launch-profile.txt.
 Writes bench/results/launch.json.
@@ -76,7 +77,11 @@ wrap(inventory, "load", "inventory.load")
 if hasattr(cli, "_sync_code"):  # `run` syncs the code to every node first (unless --no-sync)
     wrap(cli, "_sync_code", "sync")
 wrap(runner, "connect_all", "connect")
-wrap(probe, "gather", "probe")
+if hasattr(runner, "start_probe"):  # one node program session per node for the whole preparation
+    wrap(runner, "start_probe", "probe-start")
+    wrap(runner, "prepare", "prepare")
+else:  # before: a python snippet per node for the probe (and one for the hash, one for the mesh)
+    wrap(probe, "gather", "probe")
 wrap(runner, "_preflight", "preflight")
 wrap(runner, "make_plan", "plan")
 wrap(runner, "execute", "execute")
@@ -84,6 +89,16 @@ code = cli.main(sys.argv[1:])
 ev("main-returned")
 sys.exit(code)
 """
+
+
+def _best(reps: int, fn) -> float:
+    """The least of *reps* timings of ``fn()`` (a fixed cost's least noisy estimate), seconds."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class Run:
@@ -218,13 +233,21 @@ class Bench:
             common.stop_process(run.proc)
             self.settle()
         sync = (ev["sync:start"], ev["sync:end"]) if "sync:start" in ev else (ev["connect:end"],) * 2
+        if "probe-start:start" in ev:  # one node program per node: started once, asked everything
+            after = ev.get("preflight:start", ev["plan:start"])
+            probing = [("start the node program per node, send facts + mesh listen", ev["probe-start:start"],
+                        ev["probe-start:end"]),
+                       ("code sync (tree hash in the same session; rsync only when it differs)", *sync),
+                       ("probe (wait for the facts sent with the start)", ev["prepare:start"], after)]
+        else:
+            probing = [("code sync (tree hash per node; rsync only when it differs)", *sync),
+                       ("probe (python snippet per node)", ev["probe:start"], ev["probe:end"])]
         steps = [
             ("python start", 0.0, ev["interpreter-ready"]),
             ("imports (ddpfab, fabric/paramiko)", ev["interpreter-ready"], ev["imports-done"]),
             ("parse args + inventory.load", ev["imports-done"], ev["inventory.load:end"]),
             ("connect (SSH, host keys)", ev["connect:start"], ev["connect:end"]),
-            ("code sync (tree hash per node; rsync only when it differs)", *sync),
-            ("probe (python snippet per node)", ev["probe:start"], ev["probe:end"]),
+            *probing,
             ("preflight mesh check", ev["preflight:start"], ev["preflight:end"]),
             ("plan", ev["plan:start"], ev["plan:end"]),
             ("run record + start nodes -> first rank READY", ev["plan:end"], first_ready),
@@ -296,6 +319,13 @@ class Bench:
                 probe.probe_node(conn, node, workdir=str(self.wd), script=SCRIPT, find_port=True, peers=peers)
                 best = min(best, time.perf_counter() - t0)
             out[f"probe.probe_node on one node ({len(peers)} peers)"] = best
+            try:  # the one node program: what shipping it costs a node's python, beyond its start
+                from ddpfab import node as nodeprog
+
+                out[f"node program: start, read {len(nodeprog.program()) // 1024} kB, compile, one ps (node's python)"] = \
+                    _best(reps, lambda: nodeprog.call(conn, node, {"op": "ps"}, timeout=60)[0].value(node.name))
+            except ImportError:  # before: no node program
+                pass
             out["ssh.run python -c pass (node's python)"] = remote(f"{node.python} -c pass")
             out["ssh.run 31 x ip -o route get"] = remote(
                 f"for i in $(seq 31); do ip -o route get {peer} >/dev/null; done")
@@ -359,6 +389,7 @@ def main() -> int:
     if not has_sync_flag():
         tools = tuple(t for t in tools if t != "ddpfab run --no-sync")
     phases, profile, micro = [], None, None
+    failures: list[dict] = []
 
     def add(tool, n, t, into=samples):
         into.setdefault(tool, {}).setdefault(n, []).append(t)
@@ -372,15 +403,21 @@ def main() -> int:
             for i, n in enumerate(sizes):
                 k = (rep + i) % len(tools)
                 for tool in tools[k:] + tools[:k]:
-                    if tool.startswith("ddpfab run"):
-                        r = b.ddpfab(n, *tool.split()[2:])
-                        add(f"{tool}: prepared", n, r["started"], extra)
-                    elif tool == "pdsh + torchrun":
-                        r = b.pdsh(n)
-                    else:
-                        r = b.local()
+                    try:
+                        if tool.startswith("ddpfab run"):
+                            r = b.ddpfab(n, *tool.split()[2:])
+                            add(f"{tool}: prepared", n, r["started"], extra)
+                        elif tool == "pdsh + torchrun":
+                            r = b.pdsh(n)
+                        else:
+                            r = b.local()
+                    except RuntimeError as exc:  # a lost sample is recorded, not the end of the benchmark
+                        log(f"rep {rep + 1}/{reps} N={n}: {tool} failed: {str(exc)[:300]}")
+                        failures.append({"tool": tool, "hosts": n, "rep": rep, "error": str(exc)[-2000:]})
+                        continue
                     add(tool, n, r["ready"])
-                log(f"rep {rep + 1}/{reps} N={n}: " + "  ".join(f"{t}={samples[t][n][-1]:.2f}" for t in tools))
+                log(f"rep {rep + 1}/{reps} N={n}: " + "  ".join(
+                    f"{t}={samples[t][n][-1]:.2f}" for t in tools if len(samples.get(t, {}).get(n, [])) > rep))
         if not args.no_profile:
             for n in sizes:
                 log(f"phase breakdown of one ddpfab run on {n} hosts")
@@ -411,7 +448,8 @@ def main() -> int:
         })
     config = {"sizes": list(sizes), "nproc_per_node": 1, "script": HELLO}
     common.write_result(args.out, "launch", args, config,
-                        {"series": series, "overhead": overhead, "phases": phases, "profile": profile, "micro": micro}, meta, started)
+                        {"series": series, "overhead": overhead, "phases": phases, "profile": profile, "micro": micro,
+                         "failures": failures}, meta, started)
     for o in overhead:
         log(f"N={o['hosts']}: ddpfab - local torchrun {o['vs_local_torchrun'].get('median')} s, "
             f"- pdsh+torchrun {o['vs_pdsh_torchrun'].get('median')} s, preflight {o['preflight_check'].get('median')} s")
