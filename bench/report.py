@@ -140,7 +140,22 @@ def plot_fanout(data, plt) -> str | None:
 
 
 def plot_launch(data, plt) -> str | None:
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.1, 1]})
+    rows = [r for r in compare_launch(data, load("launch-main")) if "until it starts" in r[0] or "own steps" in r[0]]
+    if rows:
+        fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 4.5), gridspec_kw={"width_ratios": [1.1, 1, 1]})
+        labels = [r[0].split(",")[0].replace("`", "").replace("the run's own steps before it starts the nodes",
+                                                                "own steps") for r in rows]
+        xs = range(len(rows))
+        ax3.bar([x - 0.2 for x in xs], [r[1] or 0 for r in rows], width=0.4, label="before (main)", color="C7")
+        ax3.bar([x + 0.2 for x in xs], [r[2] or 0 for r in rows], width=0.4, label="after (one node program)",
+                color="C2")
+        ax3.set_xticks(list(xs), labels, fontsize=6, rotation=15)
+        ax3.set_ylabel("seconds (median)")
+        ax3.set_title("Before the nodes start: before vs after")
+        ax3.legend(fontsize=7)
+        ax3.grid(True, axis="y", alpha=0.3)
+    else:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.1, 1]})
     for tool in LAUNCH_ORDER:
         _line(ax, data, tool)
     sizes = data["config"]["sizes"]
@@ -306,6 +321,61 @@ def fanout_section(data, plots) -> tuple[list[str], dict]:
     return lines, targets
 
 
+def own_steps(phase: dict) -> float:
+    """The run's own steps before it starts the nodes, from one phase breakdown (seconds)."""
+    return sum(st["seconds"] for st in phase["steps"] if not st["step"].startswith(("run record", "first ->", "other")))
+
+
+def compare_launch(after, before) -> list[tuple[str, float | None, float | None]]:
+    """(what, before, after) at the largest N both measured: medians, seconds."""
+    if not after or not before:
+        return []
+    common_n = sorted(set(after["config"]["sizes"]) & set(before["config"]["sizes"]))
+    if not common_n:
+        return []
+    n = common_n[-1]
+    ov = {d: {o["hosts"]: o for o in x.get("overhead", [])}.get(n, {}) for d, x in (("a", after), ("b", before))}
+    ph = {d: next((p for p in x.get("phases") or [] if p["hosts"] == n), None) for d, x in (("a", after), ("b", before))}
+    rows = [(f"ddpfab run - pdsh + torchrun at N={n} (target <= 0.5 s)",
+             (ov["b"].get("vs_pdsh_torchrun") or {}).get("median"), (ov["a"].get("vs_pdsh_torchrun") or {}).get("median")),
+            (f"ddpfab run --no-check - pdsh + torchrun at N={n}", (ov["b"].get("no_check_vs_pdsh_torchrun") or {}).get("median"),
+             (ov["a"].get("no_check_vs_pdsh_torchrun") or {}).get("median")),
+            (f"the run's own steps before it starts the nodes, N={n} (phase breakdown)",
+             own_steps(ph["b"]) if ph["b"] else None, own_steps(ph["a"]) if ph["a"] else None)]
+    for tool in ("ddpfab run", "ddpfab run --no-check", "ddpfab run --no-sync"):
+        rows.append((f"`{tool}`: until it starts the nodes, N={n}", med(get(before, f"{tool}: prepared", n)),
+                     med(get(after, f"{tool}: prepared", n))))
+    rows += [(f"`ddpfab run` to every rank's line, N={n}", med(get(before, "ddpfab run", n)), med(get(after, "ddpfab run", n))),
+             (f"pdsh + torchrun to every rank's line, N={n}", med(get(before, "pdsh + torchrun", n)),
+              med(get(after, "pdsh + torchrun", n)))]
+    return rows
+
+
+def before_after(after, before) -> list[str]:
+    """The launch before (main, `bench/results/launch-main.json`) and after this change, same session."""
+    rows = compare_launch(after, before)
+    if not rows:
+        return []
+    m = before["meta"]
+
+    def rel(b, a):
+        return f"{a / b:.2f}x" if a is not None and b and b > 0 and a > 0 else "n/a"
+
+    lines = ["Before (main, one python program per node operation: tree hash, probe, mesh; three python starts "
+             "per node before the supervisor's) and after (one node program per node, `ddpfab/node/`: hash, facts "
+             "and mesh listen in one round trip of one session, then mesh connect in the same session; one python "
+             "start per node before the supervisor's), measured in the same session, the two benchmarks side by "
+             "side on the same loaded machine. Medians, seconds; the ratio is after/before (a difference's ratio "
+             "only where both are positive).", "", describe("launch-main (before)", before), ""]
+    lines += table(["measure", "before (main)", "after", "after/before"],
+                   [[what, "n/a" if b is None else f"{b:.2f}", "n/a" if a is None else f"{a:.2f}", rel(b, a)]
+                    for what, b, a in rows])
+    lines += [f"(before: git {m.get('git', '?')}; the differences to pdsh + torchrun are medians of "
+              "per-repetition differences; with every run near a minute here, their spread is far above the "
+              "0.5 s target: the phase breakdown and the \"until it starts the nodes\" times carry the change.)", ""]
+    return lines
+
+
 def launch_section(data, plots) -> tuple[list[str], dict]:
     lines = ["## 2. Launch overhead (`bench/launch.py`)", ""]
     if not data:
@@ -350,8 +420,9 @@ def launch_section(data, plots) -> tuple[list[str], dict]:
               "torchrun commands on the same N hosts with the least an SSH fan-out can do, so "
               "`ddpfab run - pdsh + torchrun` is what ddpfab itself adds under the same contention. On real "
               "machines (one host per box) the contention term vanishes and the two baselines converge.", ""]
+    lines += before_after(data, load("launch-main"))
     if "bench-launch.png" in plots:
-        lines += ["![launch time vs hosts, and one run by step](bench-launch.png)", ""]
+        lines += ["![launch time vs hosts, one run by step, and before/after](bench-launch.png)", ""]
     phases = data.get("phases") or []
     if phases:
         steps = [s["step"] for s in phases[0]["steps"]]
@@ -412,6 +483,13 @@ def profile_section(launch, fanout) -> list[str]:
               "full sync start (OpenSSH masters, rsync, verification). "
               + (f"The step now takes {', '.join(f'{ph[n][sync_step]:.2f} s at N={n}' for n in sorted(ph))} "
                  "(was 0.68 s at N=2, 1.78 s at N=8)." if sync_step else ""),
+              "7. **One node program, one session per node for the whole preparation** (`ddpfab/node/`): the "
+              "probe's facts, the code's tree hash and the preflight's mesh listeners are operations of one "
+              "stdlib-only program with one request/response protocol (framed JSON on stdin, one JSON reply per "
+              "request), started once per node; facts and listeners are sent the moment it starts, the hash "
+              "follows on the same session, so all three are answered in one round trip, and the mesh connects "
+              "in the same session. Before, each was a python program of its own per node (three starts per node "
+              "before the supervisor's, each with its own protocol); see the before/after table in section 2.",
               f"3. **The parsed inventory is cached** (`ddpfab/invcache.py`): Ansible still parses it, but its "
               f"answer is reused while every file it read, the Ansible settings and versions are unchanged (never "
               f"for templated, script or plugin inventories). `inventory.load` in a fresh process: "
@@ -441,16 +519,14 @@ def profile_section(launch, fanout) -> list[str]:
               f"anyway: `build_parser()` + `import ddpfab.runner` {s(m('build_parser() then import ddpfab.runner'))}, "
               f"`import ddpfab.runner` alone {s(m('import ddpfab.runner'))}. A lazy parser would help only the "
               "light subcommands (`lab`, `plan --offline`).",
-              "- **The code check and the probe run one after the other** (`ddpfab/cli.py:cmd_run`): both need "
-              "only the open connections, so they could run side by side (the probe's answer kept when the "
-              "code turns out unchanged, taken again after a real sync). Expected saving: the shorter of the two "
-              f"({ph[big].get(sync_step, 0) if sync_step else 0:.2f} s and "
-              f"{ph[big].get('probe (python snippet per node)', 0):.2f} s at N={big}) on separate machines, less "
-              "on this lab where both queue for the same cores.",
-              f"- **Three python starts per node** (probe, preflight mesh, supervisor), "
+              f"- **Two python starts per node** (the node program for the preparation, then the supervisor), "
               f"{s((m('ssh.run python -c pass') or 0) - (m('ssh.run true (open connection') or 0))} each over an "
-              f"exec. Merging the probe and the mesh listener into one remote program would save one per node; on "
-              f"separate machines they run in parallel, on this lab they queue for 2 cores.",
+              f"exec, plus reading and compiling the node program: "
+              f"{s(m('node program: start'))} for a start, the program and one request, against "
+              f"{s(m('ssh.run python -c pass'))} for `python -c pass`. The supervisor could be the same "
+              "process (a last `supervise` request on the preparation's session) to save one more start per node; "
+              "it is kept separate so that a failed preparation leaves nothing running and the job's session "
+              "carries nothing but the job.",
           ]
     if fanout:
         big_f = max(fanout["config"]["sizes"])
@@ -463,7 +539,7 @@ def profile_section(launch, fanout) -> list[str]:
                          "of ssh's ControlMaster) would save the difference per `exec`; `run` already reuses its "
                          "connections from the code check to the job.")
     lines += ["", "Not worth cutting: the plan (milliseconds), the run record, and the supervisor itself "
-              "(shipped compressed in the command line; its cost is one python start per node).", ""]
+              "(the node program on stdin; its cost is one python start per node).", ""]
     if mic:
         lines += ["Isolated costs (min of 5 runs; local = a fresh python on the controller, ssh.run = on an "
                   "already open connection to a lab host):", ""]

@@ -2,7 +2,7 @@
 
 Every node-side operation is an operation of one stdlib-only program: facts (the probe), the
 data-plane probe (mesh), the tree hash and the rest of sync's node side, job control (ps, stop,
-output, per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.workdir`,
+per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.workdir`,
 :mod:`ddpfab.treehash`, :mod:`ddpfab.agent` and :mod:`ddpfab.node.ops`, concatenated
 (:func:`program`); its protocol is :func:`ddpfab.node.ops.serve`'s: framed JSON requests on
 stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).

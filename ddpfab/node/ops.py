@@ -362,13 +362,6 @@ def op_rank_logs(req, session):
     return {"tar_gz": base64.b64encode(buf.getvalue()).decode()}
 
 
-def op_output(req, session):
-    """A run's ``output.log`` (base64: the job's bytes, whatever their encoding)."""
-    path = os.path.join(os.path.expanduser(req["dir"]), "output.log")
-    with open(path, "rb") as fh:
-        return {"output": base64.b64encode(fh.read()).decode()}
-
-
 def follow(req):
     """Stream run ``dir``'s output.log from the start to stdout, raw, until the job has ended;
     exit with its exit code (255: unknown). Ends when stdin does (ddpfab attach went away)."""
@@ -472,7 +465,7 @@ def _treehash(fn):
 #: Operations with one reply each.
 OPS = {
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
-    "ps": op_ps, "stop": op_stop, "rank_logs": op_rank_logs, "output": op_output,
+    "ps": op_ps, "stop": op_stop, "rank_logs": op_rank_logs,
     "perf_place": op_perf_place, "perf_clean": op_perf_clean,
     "probe": _treehash(node_probe), "commit": _treehash(node_commit), "hash": _treehash(node_hash),
     "locate": _treehash(node_locate), "stage": _treehash(node_stage),

@@ -485,7 +485,8 @@ def test_sigint_at_every_stage_exits_130_within_5s_and_leaves_nothing(stage, sig
         cwd = src
         args, wait = ["run", "-i", str(inv), "--runs-dir", str(runs), "report.py"], _on_host(lab, "node2", "rsync")
     elif stage in ("probe", "preflight", "rendezvous"):
-        pattern = {"probe": "req = json.loads", "preflight": "def serve(", "rendezvous": "torch.distributed.run"}
+        # probe and preflight are one node program per node now (its start is what is slowed)
+        pattern = {"probe": "ddpfab-node", "preflight": "ddpfab-node", "rendezvous": "torch.distributed.run"}
         inv = slow_python("node2", pattern[stage])
         args, wait = ["run", "-i", str(inv), *common, REPORT], _on_host(lab, "node2", "sleep 4")
     elif stage == "training":
