@@ -242,7 +242,7 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
                                                                     progress=_progress(args), sessions=probing.sessions)
     except BaseException:
         if probing:
-            probing.close()
+            probing.close(wait=0)
         for c in conns.values():
             c.close()
         raise

@@ -84,8 +84,8 @@ class Probing:
     sent: dict[str, list[dict]]
     sent_at: float
 
-    def close(self) -> None:
-        nodeprog.close_all(self.sessions)
+    def close(self, wait: float | None = None) -> None:
+        nodeprog.close_all(self.sessions, wait)
 
 
 def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], options: RunOptions, cwd: str,
@@ -140,8 +140,10 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 listening = {n: a if isinstance(a, Exception) else a[1] for n, a in answers.items()}
                 _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
                            options, probing.sessions, listening)
-        finally:
-            probing.close()
+        except BaseException:
+            probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
+            raise
+        probing.close()
         plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
     except BaseException:
         for c in conns.values():

@@ -27,6 +27,7 @@ import functools
 import itertools
 import json
 import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,16 +226,8 @@ class Session:
         return None
 
     def close(self) -> None:
-        """EOF to the program (it ends, closing whatever it holds open), then the channel."""
-        try:
-            self.chan.shutdown_write()
-            deadline = time.monotonic() + 5
-            while not self.chan.exit_status_ready() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        except Exception:  # noqa: BLE001 - closing must not raise
-            pass
-        finally:
-            self.chan.close()
+        """EOF to the program (it ends, closing whatever it holds open) and close the channel."""
+        close_all({self.node.name: self})
 
 
 def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",)) -> tuple[dict[str, Session], dict[str, str]]:
@@ -294,15 +287,27 @@ def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], time
     return out
 
 
-def close_all(sessions: dict[str, Session]) -> None:
-    """Close every session: EOF to all first (they end in parallel), then wait for each."""
+def close_all(sessions: dict[str, Session], wait: float | None = None) -> None:
+    """Close every session: EOF to all first, then wait up to *wait* seconds in all for the
+    programs to end (a mesh listener on the master port must be gone before torchrun binds it),
+    then close the channels. By default 5 s, but none while an exception is on its way (called
+    from a ``finally``): Ctrl-C or a failure must not wait for a slow node."""
+    if wait is None:
+        wait = 0.0 if sys.exc_info()[1] is not None else 5.0
     for s in sessions.values():
         try:
             s.chan.shutdown_write()
+        except Exception:  # noqa: BLE001 - closing must not raise
+            pass
+    deadline = time.monotonic() + wait
+    for s in sessions.values():
+        try:
+            while not s.chan.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.005)
         except Exception:  # noqa: BLE001
             pass
-    for s in sessions.values():
-        s.close()
+        finally:
+            s.chan.close()
 
 
 # -- what the supervisor and job control send ---------------------------------------------------
