@@ -140,11 +140,14 @@ def plot_fanout(data, plt) -> str | None:
 
 
 def plot_launch(data, plt) -> str | None:
-    rows = [r for r in compare_launch(data, load("launch-main")) if "until it starts" in r[0] or "own steps" in r[0]]
+    rows = [r for r in compare_launch(data, load("launch-main"))
+            if "until it starts" in r[0] or "own steps" in r[0] or "on the nodes" in r[0]]
     if rows:
         fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 4.5), gridspec_kw={"width_ratios": [1.1, 1, 1]})
         labels = [r[0].split(",")[0].replace("`", "").replace("the run's own steps before it starts the nodes",
-                                                                "own steps") for r in rows]
+                                                                "own steps").replace(
+            "of them on the nodes: code check + probe + mesh (+ the node program's start)", "on the nodes")
+            for r in rows]
         xs = range(len(rows))
         ax3.bar([x - 0.2 for x in xs], [r[1] or 0 for r in rows], width=0.4, label="before (main)", color="C7")
         ax3.bar([x + 0.2 for x in xs], [r[2] or 0 for r in rows], width=0.4, label="after (one node program)",
@@ -326,6 +329,13 @@ def own_steps(phase: dict) -> float:
     return sum(st["seconds"] for st in phase["steps"] if not st["step"].startswith(("run record", "first ->", "other")))
 
 
+def node_steps(phase: dict) -> float:
+    """The steps that ask the nodes before they start (code check, probe, mesh; the node program's
+    start), from one phase breakdown (seconds): what the one node program changes."""
+    return sum(st["seconds"] for st in phase["steps"]
+               if st["step"].startswith(("code sync", "probe", "preflight", "start the node program")))
+
+
 def compare_launch(after, before) -> list[tuple[str, float | None, float | None]]:
     """(what, before, after) at the largest N both measured: medians, seconds."""
     if not after or not before:
@@ -341,7 +351,9 @@ def compare_launch(after, before) -> list[tuple[str, float | None, float | None]
             (f"ddpfab run --no-check - pdsh + torchrun at N={n}", (ov["b"].get("no_check_vs_pdsh_torchrun") or {}).get("median"),
              (ov["a"].get("no_check_vs_pdsh_torchrun") or {}).get("median")),
             (f"the run's own steps before it starts the nodes, N={n} (phase breakdown)",
-             own_steps(ph["b"]) if ph["b"] else None, own_steps(ph["a"]) if ph["a"] else None)]
+             own_steps(ph["b"]) if ph["b"] else None, own_steps(ph["a"]) if ph["a"] else None),
+            (f"of them on the nodes: code check + probe + mesh (+ the node program's start), N={n}",
+             node_steps(ph["b"]) if ph["b"] else None, node_steps(ph["a"]) if ph["a"] else None)]
     for tool in ("ddpfab run", "ddpfab run --no-check", "ddpfab run --no-sync"):
         rows.append((f"`{tool}`: until it starts the nodes, N={n}", med(get(before, f"{tool}: prepared", n)),
                      med(get(after, f"{tool}: prepared", n))))
