@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 

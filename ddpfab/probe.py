@@ -10,7 +10,6 @@ has started anything.
 from __future__ import annotations
 
 import ipaddress
-import os
 import random
 import socket
 import time

@@ -32,7 +32,7 @@ import threading
 import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program
-    from ..agent import _detach_stdin, marked_processes, read_frame, stop_job
+    from ..agent import _detach_stdin, read_frame, stop_job
     from ..agent import main as supervise_job
     from ..treehash import RecordError, node_commit, node_hash, node_locate, node_probe, node_stage
     from ..workdir import WorkdirError
