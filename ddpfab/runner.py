@@ -158,7 +158,7 @@ def _after_sync(cluster, conns, probing: Probing, answers: dict, options: RunOpt
     reqs = probe.requests(cluster, conns, probing.master, cwd=cwd, script=options.script, master_port=None)
     again = nodeprog.exchange(probing.sessions, {
         n: [{k: v for k, v in reqs[n].items() if k not in ("port", "find_port")}]
-        for n, a in answers.items() if not isinstance(a, Exception) and a[0].ok})
+        for n, a in answers.items() if not isinstance(a, Exception) and a[0].ok}, timeout=60)
     for name, new in again.items():
         if isinstance(new, Exception) or not new[0].ok:
             answers[name] = new if isinstance(new, Exception) else [new[0], *answers[name][1:]]
