@@ -41,6 +41,7 @@ class Prepared:
     ssh_config: str | None = None
     options: RunOptions | None = None  # what the plan was made from (recorded for replay)
     cwd: str | None = None
+    preflight: dict | None = None  # the preflight check's full report (the run dir's check.json)
 
     def reconnect(self, name: str) -> Connection:
         """A fresh connection to node *name*, the same way as the first one."""
@@ -136,10 +137,11 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             if problems:
                 raise RunError(problems)
             port = options.master_port or facts[master.name].free_port
+            report = None
             if preflight:
                 listening = {n: a if isinstance(a, Exception) else a[1] for n, a in answers.items()}
-                _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
-                           options, probing.sessions, listening)
+                report = _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
+                                    options, probing.sessions, listening)
         except BaseException:
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
             raise
@@ -149,7 +151,7 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
         for c in conns.values():
             c.close()
         raise
-    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd)
+    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report)
 
 
 def _after_sync(cluster, conns, probing: Probing, answers: dict, options: RunOptions, cwd: str) -> dict:
@@ -182,11 +184,13 @@ def _ifname(facts: probe.NodeFacts) -> str | None:
 
 
 def _preflight(cluster, conns, facts, addresses, master: str, port: int, options: RunOptions,
-               sessions: dict | None = None, listening: dict | None = None) -> None:
+               sessions: dict | None = None, listening: dict | None = None) -> dict:
     """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here.
-    Over the preparation's node program *sessions*, whose listeners are up (*listening*)."""
+    Over the preparation's node program *sessions*, whose listeners are up (*listening*).
+    Returns the full report (``check --json``'s form), which the run dir keeps as check.json."""
     from . import check
 
+    started = time.monotonic()
     mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening)
     nproc = {n.name: nproc_for(n, options) for n in cluster.nodes}
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
@@ -197,6 +201,10 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
     if failures:
         raise RunError(failures + [f"preflight checks failed (details: ddpfab check -i {cluster.source}; "
                                    "skip with --no-check)"])
+    return check.Report(nodes=[n.name for n in cluster.nodes], results=results,
+                        seconds=time.monotonic() - started,
+                        extra={"master": master, "master_port": port, "fast": True,
+                               "mesh": check.mesh_detail(cluster, mesh)}).to_dict()
 
 
 def _manifest_head(prepared: Prepared) -> dict:
@@ -226,14 +234,22 @@ def _replay_fields(prepared: Prepared) -> dict:
     return manifest_fields(prepared.cluster, prepared.plan)
 
 
+def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict | None) -> tuple[RunDir, dict]:
+    """The run's dir (with the preflight's full report, check.json) and its manifest's head."""
+    run_dir = RunDir(runs_root, prepared.plan.run_id)
+    manifest = _manifest_head(prepared)
+    if prepared.preflight is not None:
+        manifest["check"] = run_dir.write_json("check.json", prepared.preflight).name
+    manifest.update(extra or {})
+    return run_dir, manifest
+
+
 def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None,
         extra: dict | None = None) -> tuple[RunResult, Path]:
     """Execute the prepared plan and record it; *extra* goes into the manifest as is (e.g. replay_of)."""
     plan = prepared.plan
-    run_dir = RunDir(runs_root, plan.run_id)
     printer = printer or Printer(plan)
-    manifest = _manifest_head(prepared)
-    manifest.update(extra or {})
+    run_dir, manifest = _open_record(prepared, runs_root, extra)
     run_dir.write_manifest(manifest)
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
@@ -265,9 +281,7 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
     whole or not at all.
     """
     plan = prepared.plan
-    run_dir = RunDir(runs_root, plan.run_id)
-    manifest = _manifest_head(prepared)
-    manifest.update(extra or {})
+    run_dir, manifest = _open_record(prepared, runs_root, extra)
     manifest["state"] = "detached"
     run_dir.write_manifest(manifest)
     results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(

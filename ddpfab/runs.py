@@ -91,11 +91,15 @@ class RunDir:
         return self.path / f"{node}.log"
 
     def write_manifest(self, manifest: dict[str, Any]) -> Path:
-        path = self.path / "manifest.json"
+        return self.write_json("manifest.json", manifest)
+
+    def write_json(self, name: str, data: dict[str, Any]) -> Path:
+        """Write *name* in the run dir whole or not at all (a reader never sees half a file)."""
+        path = self.path / name
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump(manifest, fh, indent=2, ensure_ascii=False)
+            json.dump(data, fh, indent=2, ensure_ascii=False)
             fh.write("\n")
         os.replace(tmp, path)
         return path

@@ -40,6 +40,13 @@ def test_two_nodes_two_procs_agree_on_everything(lab, inventory2, tmp_path):
     assert {r["run_id"] for r in got} == {manifest["run_id"]}
     run_dir = manifest_path.parent
     assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    # the preflight's full report (what `check --json` prints) is kept with the run
+    assert manifest["check"] == "check.json"
+    check = json.loads((run_dir / "check.json").read_text())
+    assert check["ok"] is True and check["nodes"] == ["node1", "node2"]
+    assert check["mesh"]["pairs_probed"] == check["mesh"]["pairs_total"] == 2
+    assert {(r["node"], r["status"]) for r in check["results"] if r["check"] == "mesh"} == {
+        ("node1", "pass"), ("node2", "pass")}
     for node in ("node1", "node2"):
         assert "REPORT" in (run_dir / f"{node}.log").read_text()
     wait_no_processes(lab, timeout=5)
