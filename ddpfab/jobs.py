@@ -79,6 +79,24 @@ def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
     p.add_argument("--ssh-config")
 
 
+#: Up to this many nodes every node has a line of its own; beyond, nodes with the same outcome
+#: share one (``node[1-64,66-128]: stopped``), as the check table folds its rows.
+FOLD_ABOVE = 16
+
+
+def grouped(outcomes: dict[str, str]) -> list[str]:
+    """``name: text`` per node (in the given order), or beyond FOLD_ABOVE nodes one line per
+    distinct text naming its nodes compactly: 128 nodes' identical answers are one line, not 128."""
+    from .mesh import compact
+
+    if len(outcomes) <= FOLD_ABOVE:
+        return [f"{name}: {text}" for name, text in outcomes.items()]
+    by_text: dict[str, list[str]] = {}
+    for name, text in outcomes.items():
+        by_text.setdefault(text, []).append(name)
+    return [f"{compact(names)}: {text}" for text, names in by_text.items()]
+
+
 def register(sub) -> None:
     ps = sub.add_parser("ps", help="list ddpfab jobs on the cluster's nodes")
     _common(ps, inventory_required=True)
@@ -155,8 +173,9 @@ def cmd_ps(args) -> int:
         return 0
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
     for r in rows:
-        nodes = " ".join(f"{n}:{s['state']}" + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
-                         for n, s in r["nodes"].items())
+        states = {n: s["state"] + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
+                  for n, s in r["nodes"].items()}
+        nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
@@ -188,10 +207,13 @@ def cmd_stop(args) -> int:
         for c in conns.values():
             c.close()
     bad = 0
+    outcomes = {}
     for node in cluster.nodes:
         res = results[node.name]
-        print(f"{node.name}: {res if isinstance(res, BaseException) else res[0]}")
+        outcomes[node.name] = str(res) if isinstance(res, BaseException) else res[0]
         bad |= isinstance(res, BaseException) or not res[1]
+    for line in grouped(outcomes):
+        print(line)
     return 1 if bad else 0
 
 
@@ -322,11 +344,14 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     finally:
         for c in conns.values():
             c.close()
-    bad = 0
-    for name, res in results.items():
-        if isinstance(res, BaseException):
-            bad = 1
-            sys.stderr.write(f"ddpfab: error: host {name}: {res}\n")
-        else:
+    failed = {n.name: str(results[n.name]) for n in cluster.nodes if isinstance(results[n.name], BaseException)}
+    for line in grouped(failed):
+        sys.stderr.write(f"ddpfab: error: host {line}\n")
+    fetched = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
+    if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
+        print(f"{len(fetched)} nodes' output in {dest}/<node>.remote.log"
+              + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if getattr(args, "ranks", False) else ""))
+    else:
+        for name, res in fetched.items():
             print(f"{name}: {res}")
-    return bad
+    return 1 if failed else 0

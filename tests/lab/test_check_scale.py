@@ -86,3 +86,19 @@ def test_one_firewalled_node_is_named_alone_in_a_short_grouped_message(lab32):
     # the table folds identical rows: the whole output stays a screenful at 32 nodes
     assert len(res.stdout.splitlines()) <= 10, res.stdout
     assert_no_leftovers(lab32)
+
+
+def test_stop_and_logs_answer_32_nodes_in_a_line_per_distinct_answer(lab32, tmp_path):
+    """`stop` and `logs` of a run that is on no node: 32 identical answers are one line naming
+    node[1-32], not 32 lines (up to 16 nodes each keeps its own line)."""
+    inv = str(lab32.dir / "inventory32.yml")
+    run_id = "20260101-000000-abcdef"
+    stop = ddpfab("stop", run_id, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
+    assert len(stop.stdout.splitlines()) == 1, stop.stdout + stop.stderr
+    assert stop.stdout.startswith("node[1-32] (32 nodes): "), stop.stdout
+    logs = ddpfab("logs", run_id, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
+    assert logs.returncode == 1 and not logs.stdout, logs.stdout + logs.stderr
+    errors = logs.stderr.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("ddpfab: error: host node[1-32] (32 nodes): "), logs.stderr
+    assert run_id in errors[0]  # the answer itself is kept: which run's output is missing
+    assert_no_leftovers(lab32)
