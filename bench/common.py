@@ -363,6 +363,45 @@ class HostProcs:
             time.sleep(0.05)
 
 
+def sample_process(pid: int, peak: dict) -> bool:
+    """Read *pid*'s threads, open files, resident memory and CPU seconds (user+system) from /proc
+    into *peak* (maxima; CPU: the last value seen). False once the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                peak["threads"] = max(peak.get("threads", 0), int(line.split()[1]))
+            elif line.startswith("VmRSS:"):
+                peak["rss_mib"] = max(peak.get("rss_mib", 0.0), int(line.split()[1]) / 1024)
+        peak["fds"] = max(peak.get("fds", 0), len(os.listdir(f"/proc/{pid}/fd")))
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        peak["cpu_s"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+class ProcessSampler:
+    """Samples one process (a ddpfab command: the controller) every 20 ms from a thread, for a
+    process the caller waits for itself: peak threads, open files, resident memory, CPU seconds."""
+
+    def __init__(self, pid: int, interval: float = 0.02):
+        import threading
+
+        self.pid, self.interval, self.peak = pid, interval, {"threads": 0, "fds": 0, "rss_mib": 0.0, "cpu_s": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and sample_process(self.pid, self.peak):
+            self._stop.wait(self.interval)
+
+    def result(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in self.peak.items()}
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:

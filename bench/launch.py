@@ -199,27 +199,33 @@ class Bench:
         finally:
             common.stop_process(run.proc)
 
-    def pdsh(self, n: int) -> dict:
+    def pdsh(self, n: int, script: str = SCRIPT, timeout: float = RUN_TIMEOUT) -> dict:
         master = self.lab.host("node1").address
         remote = (f"cd {self.wd} && exec {PYTHON} -m torch.distributed.run --nnodes={n} "
                   f"--node-rank=$(( $(hostname | tr -dc 0-9) - 1 )) --nproc-per-node=1 "
-                  f"--master-addr={master} --master-port={self.next_port()} {SCRIPT}")
+                  f"--master-addr={master} --master-port={self.next_port()} {script}")
         run = Run(["pdsh", "-w", common.pdsh_hosts(n), remote], common.pdsh_env(self.lab), self.wd)
         try:
-            rc = run.wait()
+            rc = run.wait(timeout)
+            exited = time.monotonic() - run.t0
             if rc != 0:
                 raise RuntimeError(f"pdsh exited {rc}:\n{run.text()}")
-            return {"ready": run.ready(n)}
+            return {"ready": run.ready(n), "exit": exited}
         finally:
             common.stop_process(run.proc)
             self.settle()
 
-    def phases(self, n: int) -> dict:
+    def phases(self, n: int, script: str = SCRIPT, timeout: float = RUN_TIMEOUT) -> dict:
+        """One `ddpfab run` of *script*, timed step by step; also its exit time and what the controller
+        process held (peak threads, open files, memory; CPU seconds)."""
         argv = [PYTHON, "-c", PHASE_DRIVER, "run", "-i", str(self.inv[n]), "--no-color", "--runs-dir",
-                str(self.runs), SCRIPT]
+                str(self.runs), script]
         run = Run(argv, common.env_with(), self.wd)
+        sampler = common.ProcessSampler(run.proc.pid)
         try:
-            rc = run.wait()
+            rc = run.wait(timeout)
+            exited = time.monotonic() - run.t0
+            controller = sampler.result()
             if rc != 0:
                 raise RuntimeError(f"phase driver exited {rc}:\n{run.text()}")
             ev = {}
@@ -255,7 +261,7 @@ class Bench:
         ]
         accounted = sum(b - a for _, a, b in steps)
         steps.append(("other (gaps between the steps)", 0.0, ready - accounted))
-        return {"hosts": n, "ready": round(ready, 3),
+        return {"hosts": n, "ready": round(ready, 3), "exit": round(exited, 3), "controller": controller,
                 "steps": [{"step": s, "seconds": round(b - a, 3)} for s, a, b in steps],
                 "events": {k: round(v, 4) for k, v in ev.items()}}
 

@@ -242,6 +242,45 @@ def plot_scale(data, plt) -> str | None:
     return _save(fig, plt, "bench-scale.png")
 
 
+def plot_scale_torch(data, plt) -> str | None:
+    """Teardown after a crash against N (the torch job: ddpfab run, pdsh + torchrun; the stand-in
+    job: ddpfab run), and the detached job's commands at each size."""
+    rows = [r for r in data.get("teardown") or [] if "skipped" not in r]
+    jobs = data.get("jobs") or []
+    if not rows and not jobs:
+        return None
+    cap = data["config"].get("teardown_cap_s", 30)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for (tool, job), style, color in ((("ddpfab run", "torch"), "-o", "C0"), (("pdsh + torchrun", "torch"), "--s", "C1"),
+                                      (("ddpfab run", "stand-in"), ":^", "C2")):
+        pts = sorted((r["hosts"], r["gone"]) for r in rows if r["tool"] == tool and r["job"] == job)
+        if pts:  # a run beyond the cap is drawn at the cap
+            ax.plot([n for n, _ in pts], [g if g is not None else cap for _, g in pts], style, color=color,
+                    label=f"{tool} ({job} job)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    sizes = sorted({r["hosts"] for r in rows}) or [8]
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("hosts")
+    ax.set_ylabel(f"seconds, crash -> last job process gone (cap {cap:g} s)")
+    ax.set_title("Teardown after a rank crash")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    names = [c for c in ("run --detach", "ps", "logs", "attach", "stop") if any(j["command"] == c for j in jobs)]
+    sizes_j = sorted({j["hosts"] for j in jobs})
+    width = 0.8 / max(1, len(sizes_j))
+    for k, n in enumerate(sizes_j):
+        vals = [next((j["wall"] for j in jobs if j["command"] == c and j["hosts"] == n), 0) for c in names]
+        bx.bar([i + k * width for i in range(len(names))], vals, width, label=f"N={n}", color=f"C{k}")
+    bx.set_xticks([i + width * (len(sizes_j) - 1) / 2 for i in range(len(names))], names)
+    bx.set_ylabel("seconds, spawn -> exit")
+    bx.set_title("A detached job's commands (stand-in job)")
+    bx.grid(True, axis="y", alpha=0.3)
+    bx.legend(fontsize=7)
+    return _save(fig, plt, "bench-scale-torch.png")
+
+
 def _save(fig, plt, name: str) -> str:
     fig.tight_layout()
     fig.savefig(DOCS / name, dpi=110)
@@ -743,8 +782,9 @@ def scale_section(data, plots) -> tuple[list[str], dict]:
         lines += table(["command", "wall", "output lines", "controller CPU", "threads", "open files", "memory"],
                        [[c["command"], f"{c['wall']:.2f} s", str(c["output_lines"]), f"{c['cpu_s']:.2f} s",
                          str(c["threads"]), str(c["fds"]), f"{c['rss_mib']:.0f} MiB"] for c in commands])
-        lines += ["`stop`, `attach` and `logs` need a running job, i.e. torch on every host: not measured at this "
-                  "size (a torch worker holds ~0.3 GB; 128 do not fit in this machine's 24 GiB).", ""]
+        if not data.get("jobs"):
+            lines += ["`stop`, `attach` and `logs` need a running job, i.e. torch on every host: not measured at this "
+                      "size (a torch worker holds ~0.3 GB; 128 do not fit in this machine's 24 GiB).", ""]
     lines += ["Bounds, read from these figures and the code: threads = one paramiko transport thread per open "
               "connection + the fan-out window (64) + a few, so about N + 70 (~200 at 128); open files = one "
               "socket per host + a few (the mesh probe polls its channels from one thread, no pipe per node; "
@@ -755,19 +795,116 @@ def scale_section(data, plots) -> tuple[list[str], dict]:
               ""]
     # the lab's memory is measured as its processes' PSS since the commands run (the first runs of
     # the script measured MemAvailable, which other work on the machine made meaningless)
-    lab = (load("scale-commands") or {}).get("lab") or data.get("lab") or {}
+    lab = data.get("lab") or (load("scale-commands") or {}).get("lab") or {}
     if lab:
         lines += [f"The lab itself: {lab['hosts']} hosts up in {lab['up_s']:.1f} s and down in {lab['down_s']:.1f} s "
                   f"on the loaded machine; the hosts' processes (init + sshd per host) took ~{lab['mem_mib']} MiB "
                   f"(their PSS; kernel memory for namespaces, veths and overlays not included); left after `down`: "
                   f"{'nothing' if not any(lab['leftovers'].values()) else lab['leftovers']}.", ""]
-    t = {"scale_n": big,
+    torch_lines, t_torch = scale_torch_section(data, plots)
+    lines += torch_lines
+    t = {**t_torch, "scale_n": big,
          "scale_exec_pdsh": (med(get(data, "ddpfab exec", big)) / med(get(data, "pdsh", big)))
          if med(get(data, "ddpfab exec", big)) and med(get(data, "pdsh", big)) else None,
          "scale_check_64": med(get(data, "ddpfab check", 64))}
     p_lo, p_hi = med(get(data, "ddpfab plan", min(sizes))), med(get(data, "ddpfab plan", big))
     if p_lo and p_hi:
         t["scale_plan_growth"] = (p_hi / p_lo, big / min(sizes))
+    return lines, t
+
+
+def scale_torch_section(data, plots) -> tuple[list[str], dict]:
+    """bench/scale_torch.py's parts of the scale run: teardown after a crash, a real run, the
+    detached job's commands."""
+    lines: list[str] = []
+    t: dict = {}
+    cap = data["config"].get("teardown_cap_s", 30)
+
+    def secs(v):
+        return "n/a" if v is None else f"{v:.2f} s"
+
+    tear = data.get("teardown") or []
+    if tear:
+        sizes = sorted({r["hosts"] for r in tear})
+        lines += ["### Teardown after a crash, 8 to 128 hosts", "",
+                  "bench/teardown.py's job and method in the same lab and run: one process per host (gloo), the "
+                  "last rank calls `os._exit(17)` 2 s after a barrier while the others are in `all_reduce`; t=0 "
+                  "is the moment the crashed process is gone, t ends when no process of the job is left on any "
+                  f"host (cap {cap:g} s; one trial per point). *stand-in job*: the same crash in a job without "
+                  "torch under a stand-in torchrun (`bench/scale_torch.py`), at the sizes where N real torchruns "
+                  "do not fit in memory; its other ranks do not fail by themselves (no gloo), so everything "
+                  "after the crash is ddpfab's own teardown: the supervisor ends the crashed node's job, the "
+                  "controller stops every other node.", ""]
+        rows = []
+        for n in sizes:
+            def gone(tool, job):
+                r = next((x for x in tear if x["tool"] == tool and x["hosts"] == n and x["job"] == job), None)
+                if r is None:
+                    return None, "-"
+                if "skipped" in r:
+                    return None, "not run (memory)"
+                if r["gone"] is None:
+                    return None, f"> {cap:g} s"
+                return r["gone"], secs(r["gone"])
+            (d, ds), (p, ps_), (sd, sds) = (gone("ddpfab run", "torch"), gone("pdsh + torchrun", "torch"),
+                                            gone("ddpfab run", "stand-in"))
+            rows.append([str(n), ds, ps_, ratio(d, p), sds])
+            if n == 64:
+                t["scale_teardown_64"] = d if d is not None else sd
+                t["scale_teardown_64_job"] = "torch" if d is not None else ("stand-in" if sd is not None else None)
+        lines += table(["hosts", "ddpfab run (torch job)", "pdsh + torchrun (torch job)", "ddpfab / pdsh",
+                        "ddpfab run (stand-in job)"], rows)
+        skipped = sorted({r["skipped"] for r in tear if "skipped" in r})
+        if skipped:
+            lines += ["; ".join(skipped) + ".", ""]
+        if "bench-scale-torch.png" in plots:
+            lines += ["![scale: teardown and a detached job's commands](bench-scale-torch.png)", ""]
+    runs = data.get("run") or []
+    if runs:
+        lines += ["### A real run at 64 and 128 hosts", "",
+                  "`ddpfab run` of a small gloo script (init_process_group, one all_reduce checked, one line per "
+                  "rank, exit; one process per host), step by step (bench/launch.py's phase driver), against "
+                  "`pdsh` + torchrun of the same script in the same run. Most of the time is N hosts importing "
+                  "torch twice each (torchrun, the worker) on this machine's 2 cores.", ""]
+        for r in runs:
+            if "skipped" in r:
+                lines += [f"- N={r['hosts']}: {r['skipped']}.", ""]
+                continue
+            d, p = r["ddpfab"], r["pdsh + torchrun"]
+            c = d["controller"]
+            lines += [f"N={r['hosts']}: every rank's line after {d['ready']:.1f} s, exit after {d['exit']:.1f} s "
+                      f"(pdsh + torchrun: " + (f"{p['ready']:.1f} s and {p['exit']:.1f} s" if "ready" in p
+                                              else p.get("skipped", "n/a")) + "); the controller: "
+                      f"{c['cpu_s']:.1f} s CPU, {c['threads']} threads, {c['fds']} open files, {c['rss_mib']:.0f} MiB.",
+                      ""]
+            lines += table(["step", "seconds"], [[s["step"], f"{s['seconds']:.2f}"] for s in d["steps"]])
+    jobs = data.get("jobs") or []
+    if jobs:
+        lines += ["### A detached job's commands at 64 and 128 hosts", "",
+                  "`run --detach` of a job without torch under a stand-in torchrun (`bench/scale_torch.py`: "
+                  "torchrun's flags, environment and `--tee` prefix, no torch import; 128 real torchruns need "
+                  "~19 GiB for their torch imports alone, more than this shared 24 GiB machine has free), then, "
+                  "with every rank up: `ps`, `logs`, `attach` (Ctrl-C once every rank's line is shown), `stop` "
+                  "(and until its last process is gone). The commands' work is the controller's SSH fan-out and "
+                  "reads of the run's files on each node, the same whatever the job runs. Each command once, "
+                  "its controller process sampled every 20 ms.", ""]
+        rows = []
+        for j in jobs:
+            extra = []
+            if "all_ranks_ready_s" in j:
+                extra.append(f"every rank up after {j['all_ranks_ready_s']:.1f} s")
+            if "until_s" in j:
+                extra.append(f"every rank's line shown after {j['until_s']:.1f} s")
+            if "gone_after_s" in j:
+                extra.append(f"last job process gone after {j['gone_after_s']:.1f} s")
+            rows.append([j["command"], str(j["hosts"]), f"{j['wall']:.2f} s", f"{j['output_lines']} / {j['output_bytes']}",
+                         f"{j['cpu_s']:.2f} s", str(j["threads"]), str(j["fds"]), f"{j['rss_mib']:.0f} MiB",
+                         "; ".join(extra)])
+        lines += table(["command", "N", "wall", "output lines / bytes", "controller CPU", "threads", "open files",
+                        "memory", "also"], rows)
+    errors = data.get("errors") or {}
+    for part, err in errors.items():
+        lines += [f"Part `{part}` failed in this run: `{err.strip().splitlines()[-1] if err.strip() else err}`.", ""]
     return lines, t
 
 
@@ -809,6 +946,10 @@ def verdicts(t: dict) -> list[str]:
          v(None if t.get("scale_exec_pdsh") is None else t["scale_exec_pdsh"] <= 0.5)],
         ["check at 64 hosts in under 5 s", x(t.get("scale_check_64"), "{:.2f} s"),
          v(None if t.get("scale_check_64") is None else t["scale_check_64"] < 5)],
+        ["teardown after a crash under 1 s at 64 hosts",
+         x(t.get("scale_teardown_64"), "{:.2f} s") + (f" ({t['scale_teardown_64_job']} job)"
+                                                     if t.get("scale_teardown_64_job") else ""),
+         v(None if t.get("scale_teardown_64") is None else t["scale_teardown_64"] < 1)],
         ["the run's own steps before the nodes start grow less than linearly with N",
          "n/a" if not t.get("scale_plan_growth") else
          f"t({t.get('scale_n')})/t(8) = {t['scale_plan_growth'][0]:.2f} for {t['scale_plan_growth'][1]:.0f}x the hosts",
@@ -825,7 +966,7 @@ def main() -> int:
     plots: set[str] = set()
     if plt is not None:
         for data, fn in ((fanout, plot_fanout), (launch, plot_launch), (teardown, plot_teardown),
-                         (provision, plot_provision), (scale, plot_scale)):
+                         (provision, plot_provision), (scale, plot_scale), (scale, plot_scale_torch)):
             if data:
                 plots.add(fn(data, plt))
     targets: dict = {}

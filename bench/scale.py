@@ -16,17 +16,21 @@ Tools, each a fresh process as a user types it, interleaved (rotated order in ev
   ddpfab plan --no-check  the same without the preflight mesh
 Once at max(N), the other commands that need no job: `plan --emit DIR`, `sync` of a small git
 project into a workdir under /opt (first copy, then the no-change re-sync) and `ps`.
-(`stop`, `attach` and `logs` need a running job, i.e. torch on every node: not at this size here.)
+Then the parts that run a job on the hosts (bench/scale_torch.py): teardown after a rank crash at
+every N (`ddpfab run` against pdsh + torchrun, bench/teardown.py's method), a real `ddpfab run` of a
+small gloo script step by step, and a detached job's `run --detach`, `ps`, `logs`, `attach`, `stop`
+at --torch-sizes (default 64, 128). A torch job runs only where it fits in memory (see there).
 Per ddpfab run, the controller process is sampled every 20 ms: peak threads, open files, resident
 memory, and its CPU seconds (wait4's rusage). Also the lab itself: `up` and `down` of max(N) hosts,
 the memory the hosts' processes take (their PSS), and what is left after `down`.
-No torch runs on the hosts here (a torch worker takes ~0.3 GB per node: 128 do not fit in 24 GiB).
+(A torch job takes ~0.3 GiB per host: 64 hosts only just fit in 24 GiB, 128 do not.)
 Writes bench/results/scale.json.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
+import scale_torch
 from common import PYTHON, REPO, log
 
 SIZES = (8, 32, 64, 128)
@@ -44,6 +49,10 @@ QUICK_SIZES = (8, 32)
 TOOLS = ("ddpfab exec", "pdsh", "ddpfab check", "ddpfab plan", "ddpfab plan --no-check")
 SCRIPT = "tests/lab/scripts/report.py"
 TIMEOUT = 600
+#: fanout: exec/check/plan against pdsh at every size; other: plan --emit, sync, ps at max(N);
+#: the torch parts (bench/scale_torch.py): teardown after a crash at every size, a real run and a
+#: detached job's ps/logs/attach/stop at --torch-sizes
+PARTS = ("fanout", "other", "teardown", "run", "jobs")
 
 
 def lab_pss_mib(lab) -> float:
@@ -67,27 +76,27 @@ def lab_pss_mib(lab) -> float:
     return total_kb / 1024
 
 
-def sample_run(argv: list[str], env: dict) -> dict:
-    """Run *argv*; wall time, exit code, output, and the process's peak threads/fds/RSS and CPU."""
+def sample_run(argv: list[str], env: dict, cwd: Path = REPO, until=None, timeout: float = TIMEOUT) -> dict:
+    """Run *argv*; wall time, exit code, output, and the process's peak threads/fds/RSS and CPU.
+    With *until* (a test on the output so far), SIGINT the process once it holds (Ctrl-C: how one
+    leaves `attach`); "until_s" says when."""
     with tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-                                cwd=REPO)
+                                cwd=cwd)
         peak = {"threads": 0, "fds": 0, "rss_mib": 0.0}
+        until_s = None
         while True:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            try:
-                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                    if line.startswith("Threads:"):
-                        peak["threads"] = max(peak["threads"], int(line.split()[1]))
-                    elif line.startswith("VmRSS:"):
-                        peak["rss_mib"] = max(peak["rss_mib"], int(line.split()[1]) / 1024)
-                peak["fds"] = max(peak["fds"], len(os.listdir(f"/proc/{proc.pid}/fd")))
-            except (OSError, ValueError):
-                pass
-            if time.perf_counter() - t0 > TIMEOUT:
+            common.sample_process(proc.pid, peak)
+            if until is not None and until_s is None:
+                out.seek(0)
+                if until(out.read().decode(errors="replace")):
+                    until_s = time.perf_counter() - t0
+                    proc.send_signal(signal.SIGINT)
+            if time.perf_counter() - t0 > timeout:
                 proc.kill()
             time.sleep(0.02)
         wall = time.perf_counter() - t0
@@ -95,8 +104,9 @@ def sample_run(argv: list[str], env: dict) -> dict:
         out.seek(0)
         text = out.read().decode(errors="replace")
     # wait4's rusage covers the process and the children it waited for (none of ddpfab's matter)
+    peak.pop("cpu_s", None)
     return {"wall": wall, "rc": proc.returncode, "out": text, "cpu_s": ru.ru_utime + ru.ru_stime,
-            "maxrss_mib": ru.ru_maxrss / 1024, **peak}
+            "maxrss_mib": ru.ru_maxrss / 1024, "until_s": until_s, **peak}
 
 
 class Bench:
@@ -169,7 +179,12 @@ def main() -> int:
     parser = common.base_parser("scale", __doc__, reps=3, quick_reps=1)
     parser.add_argument("--sizes", help="comma-separated host counts (default 8,32,64,128; --quick 8,32)")
     parser.add_argument("--no-commands", action="store_true", help="skip plan --emit / sync / ps at max(N)")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of: " + ", ".join(PARTS))
+    parser.add_argument("--torch-sizes", help="host counts of the real run and the detached job's commands "
+                        "(default: the sizes >= 64, else the largest)")
+    parser.add_argument("--cap", type=float, default=30.0, help="teardown: seconds counted as '> cap' (default 30)")
     args = parser.parse_args()
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     reps, meta, started = common.begin(args)
     sizes = common.sizes_of(args, SIZES, QUICK_SIZES)
     work = common.WORK_ROOT / "scale"
@@ -181,24 +196,42 @@ def main() -> int:
     if labmod.Lab.load(lab_dir) is not None:
         labmod.down(lab_dir)
     t0 = time.monotonic()
-    lab, _ = labmod.up(lab_dir, hosts=max(sizes), subnet=args.subnet, python=PYTHON)
+    # (the hosts see the work dir: the torch parts' scripts and READY markers live there)
+    lab, _ = labmod.up(lab_dir, hosts=max(sizes), subnet=args.subnet, python=PYTHON, share=[common.WORK_ROOT])
     lab_up_s = time.monotonic() - t0
     lab_mem_mib = lab_pss_mib(lab)
     lab_id = labmod.lab_id(lab_dir)
     log(f"lab of {max(sizes)} hosts up in {lab_up_s:.1f} s, ~{lab_mem_mib:.0f} MiB ({args.subnet})")
+    torch_sizes = (tuple(int(x) for x in args.torch_sizes.split(",")) if args.torch_sizes
+                   else tuple(n for n in sizes if n >= 64) or (max(sizes),))
+    torch_parts: dict[str, list] = {}
     try:
         b = Bench(lab, work, sizes)
-        log("warm-up: one untimed run of each tool")
-        for tool in TOOLS:
-            b.once(tool, min(sizes))
-        for rep in range(reps):
+        if "fanout" in parts:
+            log("warm-up: one untimed run of each tool")
+            for tool in TOOLS:
+                b.once(tool, min(sizes))
+        for rep in range(reps if "fanout" in parts else 0):
             for i, n in enumerate(sizes):
                 k = (rep + i) % len(TOOLS)
                 for tool in TOOLS[k:] + TOOLS[:k]:
                     samples.setdefault(tool, {}).setdefault(n, []).append(b.once(tool, n))
                 log(f"rep {rep + 1}/{reps} N={n}: " + "  ".join(
                     f"{t}={samples[t][n][-1]['wall']:.2f}" for t in TOOLS))
-        commands = [] if args.no_commands else other_commands(b, max(sizes), work)
+        commands = [] if args.no_commands or "other" not in parts else other_commands(b, max(sizes), work)
+        # a part that fails is recorded as such; the others' figures still count
+        for part, measure in (
+                ("teardown", lambda: scale_torch.crash_teardown(lab, work / "torch", sizes, args.cap,
+                                                                light_sizes=torch_sizes)),
+                ("run", lambda: scale_torch.real_run(lab, work / "torch", torch_sizes)),
+                ("jobs", lambda: scale_torch.detached_commands(lab, work / "torch", torch_sizes, sample_run))):
+            if part not in parts:
+                continue
+            try:
+                torch_parts[part] = measure()
+            except Exception as exc:  # noqa: BLE001 - recorded in the result, shown by the report
+                log(f"part {part} failed: {exc}")
+                torch_parts.setdefault("errors", {})[part] = str(exc)[-3000:]
     finally:
         t0 = time.monotonic()
         labmod.down(lab_dir)
@@ -218,10 +251,13 @@ def main() -> int:
                 s["controller"]["cpu_s"] = common.summarize([r["cpu_s"] for r in runs])["median"]
             series.append(s)
     config = {"sizes": list(sizes), "tools": list(TOOLS), "pdsh_fanout": 32, "script": SCRIPT,
+              "parts": sorted(parts), "torch_sizes": list(torch_sizes), "teardown_cap_s": args.cap,
+              "teardown_job": scale_torch.teardown.JOB, "run_job": scale_torch.GLOO, "detached_job": scale_torch.LIGHT, "standin_torchrun": scale_torch.STANDIN_RUN,
+              "light_crash_job": scale_torch.LIGHT_CRASH,
               "fd_limit": list(__import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE))}
     lab_info = {"hosts": max(sizes), "up_s": round(lab_up_s, 2), "down_s": round(lab_down_s, 2),
                 "mem_mib": round(lab_mem_mib), "leftovers": leftovers}
-    common.write_result(args.out, "scale", args, config, {"series": series, "lab": lab_info, "commands": commands}, meta, started)
+    common.write_result(args.out, "scale", args, config, {"series": series, "lab": lab_info, "commands": commands, **torch_parts}, meta, started)
     for s in series:
         extra = f"  controller {s['controller']}" if "controller" in s else ""
         log(f"{s['tool']:<24} N={s['hosts']:<3} {common.fmt(s)}{extra}")

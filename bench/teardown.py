@@ -103,8 +103,9 @@ class Launch:
 
 
 class Bench:
-    def __init__(self, lab, work: Path, sizes, cap: float):
-        self.lab, self.work, self.cap = lab, work, cap
+    def __init__(self, lab, work: Path, sizes, cap: float, start_timeout: float = START_TIMEOUT):
+        self.lab, self.work, self.cap, self.start_timeout = lab, work, cap, start_timeout
+        self.job_env: dict[str, str] = {}  # more environment for the job (every launcher)
         self.wd = work / "work"
         self.runs = work / "runs"
         self.inv = {n: common.write_inventory(lab, common.names(n), work / f"inventory{n}.yml") for n in sizes}
@@ -123,7 +124,7 @@ class Bench:
                 f"--master-addr={master} --master-port={self.port} {SCRIPT}")
 
     def start(self, launcher: str, n: int, scenario: str) -> Launch:
-        fail = {"BENCH_FAIL_RANK": str(n - 1)} if scenario == "crash" else {}
+        fail = {**self.job_env, **({"BENCH_FAIL_RANK": str(n - 1)} if scenario == "crash" else {})}
         pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL, "text": True,
                 "errors": "replace", "bufsize": 1}
         if launcher == "ddpfab run":
@@ -161,15 +162,15 @@ class Bench:
         launch = self.start(launcher, n, scenario)
         try:
             if scenario == "crash":
-                pid = self.procs.find_rank(f"node{n}", n - 1, SCRIPT, START_TIMEOUT)
+                pid = self.procs.find_rank(f"node{n}", n - 1, SCRIPT, self.start_timeout)
                 if pid is None:
                     raise RuntimeError(f"rank {n - 1} never appeared on node{n}:\n" + "\n".join(launch.out[-40:]))
-                launch.wait_ready(n, START_TIMEOUT)
+                launch.wait_ready(n, self.start_timeout)
                 while common.pid_alive(pid):
                     time.sleep(0.005)
                 t0 = time.monotonic()
             else:
-                launch.wait_ready(n, START_TIMEOUT)
+                launch.wait_ready(n, self.start_timeout)
                 time.sleep(1.0)
                 t0 = time.monotonic()
                 self.interrupt(launcher, launch)
