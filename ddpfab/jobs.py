@@ -275,7 +275,10 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
             printer.line(node.name, pending.decode("utf-8", "replace"))
         return chan.recv_exit_status()
 
-    results = ssh.parallel([n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}], follow)
+    nodes = [n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}]
+    # a follow lasts as long as the job: every node at once (on connections already open: no
+    # handshakes), else the nodes beyond the fan-out window would wait for the job's end unseen
+    results = ssh.parallel(nodes, follow, window=len(nodes))
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
 
 

@@ -219,13 +219,15 @@ def _socket(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T]) -> dict[str, T | BaseException]:
-    """``fn(node)`` for every node, WINDOW at a time; per node its result or the exception it raised."""
+def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T],
+             window: int | None = None) -> dict[str, T | BaseException]:
+    """``fn(node)`` for every node, *window* (default WINDOW) at a time; per node its result or the
+    exception it raised."""
     results: dict[str, T | BaseException] = {}
     if not nodes:
         return results
     _fit_open_files(len(nodes))
-    pool = ThreadPoolExecutor(max_workers=min(WINDOW, len(nodes)))
+    pool = ThreadPoolExecutor(max_workers=min(window or WINDOW, len(nodes)))
     try:
         futures = {n.name: pool.submit(fn, n) for n in nodes}
         for name, fut in futures.items():

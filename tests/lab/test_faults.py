@@ -7,8 +7,11 @@ survives, and that the job under test leaves no process behind on any host.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -258,4 +261,31 @@ def test_max_restarts_are_recorded(lab, inventory2, tmp_path):
     manifest = json.loads(next(runs.glob("*/manifest.json")).read_text())
     assert "--max-restarts=1" in manifest["plan"]["nodes"][0]["argv"]
     assert manifest["nodes"]["node2"]["restarts"] == 1
+    wait_no_processes(lab, timeout=5)
+
+
+def test_attach_follows_every_node_beyond_the_fanout_window(lab, inventory2, tmp_path):
+    """With more nodes than the fan-out window (here the window is 1 for 2 nodes; in the product
+    64, for 128 nodes), attach still shows every node's output while the job runs."""
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--env", "REPORT_HANG=600",
+                 REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = _run_ids(runs)[0]
+    att = subprocess.Popen([sys.executable, "-c", "import sys; from ddpfab import cli, ssh; ssh.WINDOW = 1; "
+                            "sys.exit(cli.main(sys.argv[1:]))", "attach", "--runs-dir", str(runs), run_id],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(att.stdout), daemon=True)  # (readline would block)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while len(reports("".join(lines))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {r["hostname"] for r in reports("".join(lines))} == {"node1", "node2"}, "".join(lines)
+    finally:
+        att.kill()
+        att.wait()
+        stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
     wait_no_processes(lab, timeout=5)
