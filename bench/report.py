@@ -790,7 +790,8 @@ def scale_section(data, plots) -> tuple[list[str], dict]:
                   f"files, {max(c['rss_mib'] for c in at_big):.0f} MiB resident, "
                   f"{max(c['cpu_s'] for c in at_big):.1f} s of CPU.", ""]
     lines += ["Bounds, read from these figures and the code: threads = one paramiko transport thread per open "
-              "connection + the fan-out window (64) + a few, so about N + 70 (~200 at 128); open files = one "
+              "connection + the fan-out window (64) + a few, so about N + 70 (~200 at 128), except `attach`, which "
+              "follows every node at once: a thread per node on top, about 2N (257 at 128); open files = one "
               "socket per host + a few (the mesh probe polls its channels from one thread, no pipe per node; "
               "`sync` holds two pipes per rsync child); memory under 100 MiB. The controller's CPU (~35 ms per "
               "host) is paramiko's SSH handshakes in Python: pdsh spreads the same work over "
