@@ -783,7 +783,8 @@ def scale_section(data, plots) -> tuple[list[str], dict]:
             lines += ["`stop`, `attach` and `logs` need a running job, i.e. torch on every host: not measured at this "
                       "size (a torch worker holds ~0.3 GB; 128 do not fit in this machine's 24 GiB).", ""]
     at_big = [c for c in ([(get(data, t, big) or {}).get("controller") for t in SCALE_TOOLS] + commands
-                          + [j for j in data.get("jobs") or [] if j["hosts"] == big]) if c]
+                          + [j for j in (data.get("jobs") or []) + ((load("scale-torch") or {}).get("jobs") or [])
+                             if j["hosts"] == big]) if c]
     if at_big:
         lines += [f"Peaks over every command measured at N={big} ({len(at_big)} commands, the detached job's "
                   f"included): {max(c['threads'] for c in at_big)} threads, {max(c['fds'] for c in at_big)} open "
