@@ -825,15 +825,19 @@ def scale_torch_section(data, plots) -> tuple[list[str], dict]:
     lines: list[str] = []
     t: dict = {}
     cap = data["config"].get("teardown_cap_s", 30)
-    more = load("scale-torch")  # a later invocation for the points this one had no memory for
-    if more:
+    # later invocations of the same harness: the jobs part again after a fix (scale-torch), the
+    # torch teardown at 64 once the machine had the memory free (scale-torch64); marked * and **
+    for mark, name in (("*", "scale-torch"), ("**", "scale-torch64")):
+        more = load(name)
+        if not more:
+            continue
         data = dict(data)
         keys = {"teardown": lambda r: (r.get("tool"), r["hosts"], r.get("job")), "run": lambda r: r["hosts"],
                 "jobs": lambda r: (r["command"], r["hosts"])}
         for part, key in keys.items():
             done = [r for r in more.get(part) or [] if "skipped" not in r]
             have = {key(r) for r in done}
-            data[part] = [r for r in data.get(part) or [] if key(r) not in have] + [dict(r, later=True) for r in done]
+            data[part] = [r for r in data.get(part) or [] if key(r) not in have] + [dict(r, later=mark) for r in done]
         if more.get("jobs") and "jobs" in (data.get("errors") or {}):  # measured again, after a fix
             first = data["errors"]["jobs"].strip().splitlines()[0]
             data["errors"] = {k: v for k, v in data["errors"].items() if k != "jobs"}
@@ -842,8 +846,9 @@ def scale_torch_section(data, plots) -> tuple[list[str], dict]:
                       "never saw every rank (a bug this benchmark found; fixed: attach follows every node at once, "
                       "tests/lab/test_faults.py::test_attach_follows_every_node_beyond_the_fanout_window). The "
                       "jobs part was then measured again on the fixed code.", ""]
-        lines += [f"Rows and points marked * come from a second invocation of the same harness "
-                  f"(`--parts {','.join(more['config'].get('parts', []))}`): {describe('scale-torch', more)}", ""]
+        lines += [f"Rows and points marked {mark} come from a later invocation of the same harness "
+                  f"(`--parts {','.join(more['config'].get('parts', []))} --sizes "
+                  f"{','.join(str(x) for x in more['config'].get('sizes', []))}`): {describe(name, more)}", ""]
 
     def secs(v):
         return "n/a" if v is None else f"{v:.2f} s"
@@ -868,7 +873,7 @@ def scale_torch_section(data, plots) -> tuple[list[str], dict]:
                     return None, "-"
                 if "skipped" in r:
                     return None, "not run (memory)"
-                star = "*" if r.get("later") else ""
+                star = r.get("later") or ""
                 if r["gone"] is None:
                     return None, f"> {cap:g} s{star}"
                 return r["gone"], secs(r["gone"]) + star
@@ -899,7 +904,7 @@ def scale_torch_section(data, plots) -> tuple[list[str], dict]:
                 continue
             d, p = r["ddpfab"], r["pdsh + torchrun"]
             c = d["controller"]
-            lines += [f"N={r['hosts']}{'*' if r.get('later') else ''}: every rank's line after {d['ready']:.1f} s, exit after {d['exit']:.1f} s "
+            lines += [f"N={r['hosts']}{r.get('later') or ''}: every rank's line after {d['ready']:.1f} s, exit after {d['exit']:.1f} s "
                       f"(pdsh + torchrun: " + (f"{p['ready']:.1f} s and {p['exit']:.1f} s" if "ready" in p
                                               else p.get("skipped", "n/a")) + "); the controller: "
                       f"{c['cpu_s']:.1f} s CPU, {c['threads']} threads, {c['fds']} open files, {c['rss_mib']:.0f} MiB.",
@@ -924,7 +929,7 @@ def scale_torch_section(data, plots) -> tuple[list[str], dict]:
                 extra.append(f"every rank's line shown after {j['until_s']:.1f} s")
             if "gone_after_s" in j:
                 extra.append(f"last job process gone after {j['gone_after_s']:.1f} s")
-            rows.append([j["command"] + ("*" if j.get("later") else ""), str(j["hosts"]), f"{j['wall']:.2f} s", f"{j['output_lines']} / {j['output_bytes']}",
+            rows.append([j["command"] + (j.get("later") or ""), str(j["hosts"]), f"{j['wall']:.2f} s", f"{j['output_lines']} / {j['output_bytes']}",
                          f"{j['cpu_s']:.2f} s", str(j["threads"]), str(j["fds"]), f"{j['rss_mib']:.0f} MiB",
                          "; ".join(extra)])
         lines += table(["command", "N", "wall", "output lines / bytes", "controller CPU", "threads", "open files",
