@@ -180,6 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import plan as planmod
     from .launch import Printer
     from .runs import mask_plan, new_run_id
+    from .target import TargetError
 
     try:
         cluster = load_cluster(args)
@@ -192,8 +193,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.dry_run and not args.no_sync:
             _check_script_here(args.script)
         if args.dry_run and args.offline:
-            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
-            return _print_dry_run(plan, args.json, mask_plan, offline=True)
+            targets = _targets(cluster, args)
+            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
+            return _print_dry_run(plan, args.json, mask_plan, offline=True, targets=targets)
         if recover.wanted(args) and args.detach and not recover.is_supervisor():
             return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
@@ -210,13 +212,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             extra.update(spares_group=ropts.spares_group, attempt_nodes=[n.name for n in cluster.nodes])
         if perf:
             extra["perf"] = perf
-    except (inventory.InventoryError, planmod.PlanError) as exc:
+    except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:
         return _die(exc.problems + ["nothing was started"])
     if args.dry_run:
         prepared.close()
-        return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False)
+        return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False, targets=_targets(cluster, args))
     printer = Printer(prepared.plan, color=False if args.no_color else None)
     try:
         if args.detach:
@@ -362,25 +364,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from . import emit, inventory, runner, ssh
     from . import plan as planmod
     from .runs import mask_plan, new_run_id
+    from .target import TargetError
 
     try:
         cluster = load_cluster(args)
+        targets = _targets(cluster, args)
         options = _run_options(args, planmod, new_run_id)
         if args.offline:
-            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port))
+            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
         else:
             policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
             prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check)
             prepared.close()
             plan = prepared.plan
-    except (inventory.InventoryError, planmod.PlanError) as exc:
+    except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return _die(str(exc))
     except runner.RunError as exc:
         return _die(exc.problems + ["nothing was planned"])
     if not args.emit:
-        return _print_dry_run(plan, args.json, mask_plan, offline=args.offline)
+        return _print_dry_run(plan, args.json, mask_plan, offline=args.offline, targets=targets)
     try:
-        written = emit.write(plan, args.emit, cluster, force=args.force)
+        written = emit.write(plan, args.emit, targets, force=args.force)
     except (emit.EmitError, OSError) as exc:
         return _die(str(exc))
     for path in written:
@@ -404,7 +408,7 @@ def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
     return tuple(merged.items())
 
 
-def _offline_facts(cluster, port):
+def _offline_facts(cluster, port, targets: dict):
     from .plan import Facts
 
     addresses = {}
@@ -412,15 +416,24 @@ def _offline_facts(cluster, port):
         try:
             from .probe import resolve
 
-            addresses[n.name] = resolve(n)
+            addresses[n.name] = resolve(n, target=targets[n.name])
         except Exception:  # noqa: BLE001 - offline: keep what the inventory says
             addresses[n.name] = n.data_addr
     return Facts(addresses=addresses, master_port=port or 29500, cwd=os.getcwd())
 
 
-def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool) -> int:
+def _targets(cluster, args: argparse.Namespace) -> dict:
+    """How each node is reached (:mod:`ddpfab.target`), for the ssh lines a plan prints."""
+    from .target import HostKeyPolicy, resolve_all
+
+    return resolve_all(cluster.nodes, HostKeyPolicy(args.known_hosts, args.accept_new_host_keys), args.ssh_config)
+
+
+def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool, targets: dict | None = None) -> int:
     import json
-    import shlex
+
+    from .emit import ssh_target
+    from .target import ssh_line
 
     if as_json:
         print(json.dumps(mask_plan(plan.to_dict()), indent=2, ensure_ascii=False))
@@ -431,11 +444,10 @@ def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool) -> int:
     if offline:
         print("# offline: the master port was not checked on the host")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
+    by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:
-        target = (f"{node['ssh_user']}@" if node["ssh_user"] else "") + node["ssh_host"]
-        port = f" -p {node['ssh_port']}" if node["ssh_port"] else ""
         print(f"\n# {node['name']} (node_rank {node['node_rank']}, {node['nproc']} procs): "
-              f"ssh{port} {shlex.quote(target)}")
+              f"{ssh_line(ssh_target(by_name[node['name']], targets))}")
         print(node["command"])
     return 0
 
@@ -473,6 +485,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
 
     try:
         inventory = config.default_inventory(args.inventory)
-        return provision.run_playbook(inventory, playbook=args.playbook, options=provision.options_from_args(args))
+        return provision.run_playbook(inventory, playbook=args.playbook, options=provision.options_from_args(args),
+                                      policy=provision.policy_from_args(args), ssh_config=args.ssh_config)
     except (provision.ProvisionError, config.ConfigError) as exc:
         return _die(str(exc), 1)

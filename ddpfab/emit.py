@@ -15,8 +15,8 @@ import os
 import shlex
 from pathlib import Path
 
-from .inventory import Cluster
 from .plan import NodePlan, Plan
+from .target import Target, scp_argv, ssh_argv, ssh_line
 
 README = "README.txt"
 
@@ -33,31 +33,12 @@ def split_command(node: NodePlan) -> tuple[str, str]:
     return prefix[:-4], node.command[len(prefix):]
 
 
-def ssh_words(node: NodePlan, cluster: Cluster | None = None) -> list[str]:
-    """An ``ssh`` command line that reaches *node* the way ddpfab does (inventory connection vars)."""
-    words = ["ssh"]
-    inv = None
-    if cluster is not None:
-        try:
-            inv = cluster.node(node.name)
-        except KeyError:
-            inv = None
-    if node.ssh_port:
-        words += ["-p", str(node.ssh_port)]
-    if inv is not None:
-        if inv.key_file:
-            words += ["-i", inv.key_file]
-        for key, value in inv.ssh_options.items():
-            if key == "configfile":
-                words += ["-F", value]
-            elif key == "identityfile" and not inv.key_file:
-                words += ["-i", value]
-            elif key == "port" and not node.ssh_port:
-                words += ["-p", value]
-            elif key not in ("identityfile", "port"):
-                words += ["-o", f"{key}={value}"]
-    words.append((f"{node.ssh_user}@" if node.ssh_user else "") + node.ssh_host)
-    return words
+def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Target:
+    """How to reach *node*: its resolved :class:`ddpfab.target.Target` (inventory + ssh_config +
+    host-key policy, jump hosts included), else what the plan records (address, port, user)."""
+    if targets and node.name in targets:
+        return targets[node.name]
+    return Target(node.name, node.ssh_host, node.ssh_port or 22, node.ssh_user)
 
 
 def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
@@ -77,7 +58,7 @@ def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
         f"exec {rest}\n")
 
 
-def readme(plan: Plan, cluster: Cluster | None = None) -> str:
+def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
     lines = [
         (f"ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
          f"master {plan.master} {plan.master_addr}:{plan.master_port}"),
@@ -91,7 +72,7 @@ def readme(plan: Plan, cluster: Cluster | None = None) -> str:
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        ssh = shlex.join(ssh_words(node, cluster))
+        ssh = ssh_line(ssh_target(node, targets))
         lines.append(f"  # {node.name}: node_rank {node.node_rank}, {node.nproc} procs")
         lines.append(f"  {ssh} 'sh -s' < {script_name(node)}")
     lines += [
@@ -100,11 +81,9 @@ def readme(plan: Plan, cluster: Cluster | None = None) -> str:
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        target = (f"{node.ssh_user}@" if node.ssh_user else "") + node.ssh_host
-        ssh = ssh_words(node, cluster)
-        opts = ssh[1:-1]
-        lines.append(f"  scp {shlex.join(['-P' if w == '-p' else w for w in opts] + [script_name(node)])} "
-                     f"{shlex.quote(target + ':')} && {shlex.join(ssh[:-1] + ['-t', ssh[-1]])} "
+        target = ssh_target(node, targets)
+        ssh = ssh_argv(target)
+        lines.append(f"  {shlex.join(scp_argv(target, script_name(node)))} && {shlex.join(ssh[:-1] + ['-t', ssh[-1]])} "
                      f"sh {script_name(node)}")
     lines += [
         "",
@@ -132,7 +111,8 @@ def _own_files(out: Path) -> list[str] | None:
     return [n for n in marker.read_text(encoding="utf-8").splitlines() if n and "/" not in n and n != MARKER]
 
 
-def write(plan: Plan, directory: str | os.PathLike, cluster: Cluster | None = None, force: bool = False) -> list[Path]:
+def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] | None = None,
+          force: bool = False) -> list[Path]:
     """Write every node's script and the README into *directory*: files 0700/0600 (they may hold
     secrets), a new directory 0700. An existing directory is never re-moded, and one that is not
     empty is refused unless ddpfab emitted there before (its ``.ddpfab-emit`` lists what it
@@ -155,10 +135,10 @@ def write(plan: Plan, directory: str | os.PathLike, cluster: Cluster | None = No
     written = []
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
         path = out / script_name(node)
-        write_private(path, node_script(plan, node, shlex.join(ssh_words(node, cluster))), 0o700)
+        write_private(path, node_script(plan, node, ssh_line(ssh_target(node, targets))), 0o700)
         written.append(path)
     path = out / README
-    write_private(path, readme(plan, cluster), 0o600)
+    write_private(path, readme(plan, targets), 0o600)
     written.append(path)
     write_private(out / MARKER, "".join(f"{p.name}\n" for p in written), 0o600)
     return written

@@ -5,7 +5,7 @@
 REMOTE_PATH is relative to the node's workdir (the same one sync and run use), or absolute inside
 the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
 path (symlinks followed), before anything is copied. The copy is rsync over the very SSH options
-and host-key policy of ``ddpfab sync`` (:func:`ddpfab.sync.ssh_options`), with rsync's progress
+and host-key policy of ``ddpfab sync`` (:mod:`ddpfab.target`), with rsync's progress
 line for anything over :data:`PROGRESS_BYTES`. The result lands in LOCAL_DIR (default: .) under the
 remote path's last name; an existing file or dir there is never overwritten unless ``--overwrite``.
 
@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 
 from . import node as nodeprog
 from .plan import REMOTE_RUNS_DIR, node_order
-from .sync import SyncError, _dest_host, _node_reply, check_workdir, node_command, ssh_options, ssh_problem
+from .sync import SyncError, _node_reply, check_workdir, node_command
+from .target import TargetError, destination, openssh_options, resolve, ssh_problem
 
 if TYPE_CHECKING:
     from .inventory import Cluster, Node
-    from .ssh import HostKeyPolicy
+    from .target import HostKeyPolicy
 
 #: Above this size rsync shows its one-line progress (on stderr).
 PROGRESS_BYTES = 16 * 2**20
@@ -75,14 +76,17 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         raw = check_workdir(node, default_workdir or os.getcwd())
     except SyncError as exc:
         raise FetchError(exc.problems[0]) from None
-    opts = ssh_options(node, policy, ssh_config)
-    where = f"{node.host}:{node.port or node.ssh_options.get('port') or 22}"
+    try:
+        target = resolve(node, policy, ssh_config)
+    except TargetError as exc:
+        raise FetchError(str(exc)) from None
+    opts = openssh_options(target, keepalive=True)
     reqs = nodeprog.numbered({"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR})
-    proc = subprocess.run(["ssh", *opts, _dest_host(node.host), node_command(node.python)],
+    proc = subprocess.run(["ssh", *opts, destination(target), node_command(node.python)],
                           input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
     stderr = proc.stderr.decode(errors="replace")
     if proc.returncode == 255:
-        raise FetchError(ssh_problem(node.name, where, str(policy.file_for(node)), 255, stderr))
+        raise FetchError(ssh_problem(target, 255, stderr))
     try:
         found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
     except SyncError as exc:
@@ -95,7 +99,7 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     show = progress if progress is not None else found["bytes"] >= PROGRESS_BYTES
     argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
             " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
-            f"{_dest_host(node.host)}:{found['path']}", local_dir + "/"]
+            f"{destination(target)}:{found['path']}", local_dir + "/"]
     # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
     copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
     if copy.returncode != 0:

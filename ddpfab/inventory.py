@@ -110,8 +110,12 @@ class Cluster:
         raise KeyError(name)
 
 
+#: ssh flags that change nothing about where or how ddpfab connects (quiet, no tty, no X11, no stdin).
+_NO_OP_FLAGS = ("-q", "-T", "-x", "-n")
+
+
 def parse_ssh_args(args: str) -> dict[str, str]:
-    """The ``-o Key=Value`` (and ``-F``, ``-i``, ``-p``) options of an ssh command-line fragment.
+    """The ``-o Key=Value`` (and ``-F``, ``-i``, ``-p``, ``-l``, ``-J``, ``-C``) options of an ssh command-line fragment.
 
     ddpfab honours the ones that matter for connecting and verifying the host
     (UserKnownHostsFile, StrictHostKeyChecking, ConnectTimeout, ...), so an inventory that works
@@ -122,7 +126,7 @@ def parse_ssh_args(args: str) -> dict[str, str]:
         words = shlex.split(args or "")
     except ValueError as exc:
         raise InventoryError(f"cannot parse ansible_ssh_common_args {args!r}: {exc}") from None
-    flags = {"-F": "configfile", "-i": "identityfile", "-p": "port"}
+    flags = {"-F": "configfile", "-i": "identityfile", "-p": "port", "-J": "proxyjump", "-l": "user"}
     i = 0
     while i < len(words):
         w = words[i]
@@ -136,9 +140,21 @@ def parse_ssh_args(args: str) -> dict[str, str]:
             out[flags[w]] = words[i + 1]
             i += 2
             continue
-        else:
+        elif w[:2] in flags and len(w) > 2:  # -p2222, -Jbastion
+            out[flags[w[:2]]] = w[2:]
             i += 1
             continue
+        elif w == "-C":
+            out["compression"] = "yes"
+            i += 1
+            continue
+        elif w in _NO_OP_FLAGS:
+            i += 1
+            continue
+        else:
+            # an ssh flag ddpfab would not apply the same way in every path: never dropped silently
+            raise InventoryError(f"ansible_ssh_common_args {args!r}: ssh flag {w!r} is not supported by ddpfab; "
+                                 "use -o Option=value (see ddpfab/target.py OPTIONS), -F, -i, -p, -l or -J")
         key, sep, value = opt.partition("=")
         if not sep:
             key, _, value = opt.partition(" ")

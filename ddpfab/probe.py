@@ -21,6 +21,7 @@ from . import node as nodeprog
 from . import ssh
 from .inventory import Cluster, Node
 from .plan import DEFAULT_PORT_RANGE
+from .target import Target
 
 class ProbeError(Exception):
     """A node is not ready for the run; ``problems`` holds one clear line per host."""
@@ -45,7 +46,7 @@ class NodeFacts:
     raw: dict = field(default_factory=dict)
 
 
-def resolve(node: Node, conn: Connection | None = None) -> str:
+def resolve(node: Node, conn: Connection | None = None, target: Target | None = None) -> str:
     """The node's data address as an IP literal (names are resolved here, on the controller).
 
     A name the controller cannot resolve that is only the default (no ddpfab_data_addr, no
@@ -58,7 +59,7 @@ def resolve(node: Node, conn: Connection | None = None) -> str:
     try:
         infos = socket.getaddrinfo(node.data_addr, None, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        peer = _peer_address(conn) if node.data_addr in (node.host, node.name) else None
+        peer = _peer_address(conn, target) if node.data_addr in (node.host, node.name) else None
         if peer:
             return peer
         raise ssh.SSHError(node.name, f"host {node.name}: data address {node.data_addr!r} does not resolve "
@@ -66,7 +67,16 @@ def resolve(node: Node, conn: Connection | None = None) -> str:
     return infos[0][4][0]
 
 
-def _peer_address(conn: Connection | None) -> str | None:
+def _peer_address(conn: Connection | None, target: Target | None = None) -> str | None:
+    """The address ddpfab reaches the node at: its target's (ssh_config's HostName; *target*, else
+    the connection's), not the socket's peer, which behind a jump host is the jump host."""
+    target = target or getattr(conn, "target", None)
+    if target is not None:
+        try:
+            return str(ipaddress.ip_address(target.host))
+        except ValueError:
+            if target.jump is not None or target.proxy_command:
+                return None
     transport = conn.client.get_transport() if conn is not None and conn.is_connected else None
     try:
         return str(ipaddress.ip_address(transport.getpeername()[0])) if transport else None

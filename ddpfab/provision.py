@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TextIO
+
+from .target import HostKeyPolicy, TargetError, ansible_vars, resolve_all
 
 #: Playbooks ``ddpfab provision --playbook NAME`` knows by name (``<name>.yml`` in :func:`ansible_dir`).
 PLAYBOOKS = ("provision", "firewall")
@@ -333,9 +337,34 @@ def summarize(recap: list[HostRecap], rc: int) -> list[str]:
     return lines
 
 
+def ssh_vars_file(inventory: str | Path, directory: str, policy: HostKeyPolicy | None = None,
+                  ssh_config: str | None = None) -> str:
+    """An extra-vars file (``-e @FILE``, the highest precedence) that makes Ansible reach every
+    host of *inventory* exactly as the runner and sync do (:func:`ddpfab.target.ansible_vars`:
+    the same address, key, known_hosts and host-key policy, and jump hosts as a ProxyCommand that
+    checks the jump host's key too). Hosts outside the inventory (localhost) keep Ansible's own."""
+    from . import inventory as invmod
+
+    try:
+        cluster = invmod.load(str(inventory), group="all")
+        targets = resolve_all(cluster.nodes, policy, ssh_config)
+    except (invmod.InventoryError, TargetError) as exc:
+        raise ProvisionError(str(exc)) from None
+    per_host = {name: ansible_vars(t) for name, t in targets.items()}
+    data: dict = {"ddpfab_ssh_vars": per_host}
+    for var in ("ansible_host", "ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        fallback = "inventory_hostname" if var == "ansible_host" else "''"
+        data[var] = f"{{{{ (ddpfab_ssh_vars[inventory_hostname] | default({{}})).{var} | default({fallback}) }}}}"
+    path = os.path.join(directory, "ssh_vars.json")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    return path
+
+
 def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[str] | None = None,
                  check: bool = False, limit: str | None = None, extra_args: list[str] | None = None,
-                 out: TextIO | None = None, options: AnsibleOptions | None = None) -> int:
+                 out: TextIO | None = None, options: AnsibleOptions | None = None,
+                 policy: HostKeyPolicy | None = None, ssh_config: str | None = None) -> int:
     """Run *playbook* against *inventory*, streaming Ansible's output to *out*; return its exit code.
 
     Args:
@@ -347,14 +376,25 @@ def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[
         extra_args: more ansible-playbook arguments, e.g. ``["-e", "ddpfab_group=train"]``.
         out: where to write Ansible's output and the failed-host lines (default stdout).
         options: the pass-through ansible-playbook options (:class:`AnsibleOptions`).
+        policy: the host-key policy (known_hosts, accept-new), as for ``ddpfab run``.
+        ssh_config: an ssh_config file, as for ``ddpfab run`` (see :func:`ssh_vars_file`).
 
     Raises:
         ProvisionError: ansible-playbook, the playbook or the inventory is missing.
     """
     out = out or sys.stdout
     options = options or AnsibleOptions()
-    argv = build_command(inventory, playbook, tags=tags, check=check, limit=limit, extra_args=extra_args,
-                         options=options)
+    with tempfile.TemporaryDirectory(prefix="ddpfab-provision-") as tmp:
+        ssh_vars = ssh_vars_file(inventory, tmp, policy, ssh_config)
+        argv = build_command(inventory, playbook, tags=tags, check=check, limit=limit, extra_args=extra_args,
+                             options=options)
+        # ddpfab's route first: the user's own -e (later on the line) still wins, as with Ansible
+        argv[3:3] = ["-e", "@" + ssh_vars]
+        return _run_streaming(argv, out, options)
+
+
+def _run_streaming(argv: list[str], out: TextIO, options: AnsibleOptions) -> int:
+    """Run ansible-playbook *argv*, streaming its output to *out*; its exit code."""
     color = bool(getattr(out, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
     captured: list[bytes] = []
     try:
@@ -411,6 +451,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-J", "--ask-vault-pass", action="store_true", help="ask for the vault password")
     parser.add_argument("--vault-password-file", action="append", default=[], metavar="FILE",
                         help="a vault password file, repeatable")
+    parser.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
+                                              "the ssh_config's, else ~/.ssh/known_hosts), as for `ddpfab run`")
+    parser.add_argument("--accept-new-host-keys", action="store_true",
+                        help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
+    parser.add_argument("--ssh-config", help="an ssh_config file to read (default: the inventory's -F, else "
+                                             "~/.ssh/config), as for `ddpfab run`")
 
 
 def options_from_args(args: argparse.Namespace) -> AnsibleOptions:
@@ -421,6 +467,11 @@ def options_from_args(args: argparse.Namespace) -> AnsibleOptions:
         vault_password_files=tuple(args.vault_password_file), check=args.check, diff=args.diff,
         limit=args.limit, tags=tuple(args.tags), skip_tags=tuple(args.skip_tags),
         extra_vars=tuple(args.extra_vars))
+
+
+def policy_from_args(args: argparse.Namespace) -> HostKeyPolicy:
+    """The host-key policy of parsed ``ddpfab provision`` arguments."""
+    return HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         from .config import default_inventory
 
         return run_playbook(default_inventory(args.inventory), args.playbook, extra_args=passthrough,
-                            options=options_from_args(args))
+                            options=options_from_args(args), policy=policy_from_args(args), ssh_config=args.ssh_config)
     except ProvisionError as exc:
         print(f"ddpfab provision: {exc}", file=sys.stderr)
         return 2

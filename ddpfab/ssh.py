@@ -12,13 +12,14 @@ opts in to accepting *new* ones; a changed key is always refused.
 from __future__ import annotations
 
 import errno
+import getpass
 import os
 import resource
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -26,9 +27,9 @@ import paramiko
 from fabric import Config, Connection
 
 from .inventory import Node
+from .target import DEFAULT_CONNECT_TIMEOUT, HostKeyPolicy, Target, TargetError, resolve
 
 T = TypeVar("T")
-DEFAULT_CONNECT_TIMEOUT = 10
 #: Seconds between SSH keepalives on long-lived connections, so a dead peer is noticed.
 KEEPALIVE_S = 2
 #: The fan-out window (like pdsh's -f): at most this many hosts are worked on at once by
@@ -51,116 +52,119 @@ class SSHError(Exception):
         self.kind = kind
 
 
-@dataclass(frozen=True)
-class HostKeyPolicy:
-    """How host keys are checked.
-
-    Args:
-        known_hosts: the known_hosts file to trust; None = from the node's ssh options, else
-            ~/.ssh/known_hosts.
-        accept_new: add keys of hosts not in known_hosts (like StrictHostKeyChecking=accept-new).
-            A key that differs from the recorded one is refused regardless.
-    """
-
-    known_hosts: str | None = None
-    accept_new: bool = False
-
-    def file_for(self, node: Node, ssh_config: str | None = None) -> Path:
-        """--known-hosts, else the inventory's UserKnownHostsFile, else the ssh_config's for this
-        host (*ssh_config*, or ~/.ssh/config), else ~/.ssh/known_hosts: the file OpenSSH would use."""
-        chosen = (self.known_hosts or node.ssh_options.get("userknownhostsfile")
-                  or _ssh_config_value(ssh_config or node.ssh_options.get("configfile"), node.host,
-                                       "userknownhostsfile")
-                  or "~/.ssh/known_hosts")
-        return Path(os.path.expanduser(chosen.split()[0]))
-
-
-def _ssh_config_value(path: str | None, host: str, key: str) -> str | None:
-    """*key* for *host* in the ssh_config *path* (default ~/.ssh/config); None when not set there."""
-    path = os.path.expanduser(path or "~/.ssh/config")
-    try:
-        value = paramiko.SSHConfig.from_path(path).lookup(host).get(key)
-    except (OSError, paramiko.SSHException):
-        return None
-    if isinstance(value, list):  # paramiko lists UserKnownHostsFile's several files
-        value = value[0] if value else None
-    return value
-
-
 class _UnknownKey(paramiko.MissingHostKeyPolicy):
     """Refuse hosts whose key is not on record, or record them when the user opted in."""
 
-    def __init__(self, node: Node, path: Path, accept_new: bool):
-        self.node, self.path, self.accept_new = node, path, accept_new
+    def __init__(self, node: str, target: Target):
+        self.node, self.target = node, target
 
     _lock = threading.Lock()
 
     def missing_host_key(self, client, hostname, key):
         fingerprint = f"{key.get_name()} {key.fingerprint}"
-        if not self.accept_new:
-            raise SSHError(self.node.name, (
-                f"host {self.node.name} ({hostname}): host key not in {self.path} (it offered "
-                f"{fingerprint}); verify it and add it (ssh-keyscan {hostname} >> {self.path}), "
+        t, path = self.target, self.target.known_hosts_file
+        if not t.accept_new:
+            raise SSHError(self.node, (
+                f"{t.label} ({hostname}): host key not in {path} (it offered "
+                f"{fingerprint}); verify it and add it (ssh-keyscan {hostname} >> {path}), "
                 f"or pass --accept-new-host-keys to trust it on first use"), kind="unknown-host-key")
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            entry = hostname if self.node.port in (None, 22) else f"[{hostname}]:{self.node.port}"
-            with self.path.open("a") as fh:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entry = hostname if t.port == 22 else f"[{hostname}]:{t.port}"
+            with path.open("a") as fh:
                 fh.write(f"{entry} {key.get_name()} {key.get_base64()}\n")
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
+class _Connection(Connection):
+    """A Connection that closes its jump host's connection with its own (Fabric's leaves it open)."""
+
+    def close(self):
+        super().close()
+        if isinstance(self.gateway, Connection):
+            self.gateway.close()
+
+
+def _connection(node: str, t: Target) -> Connection:
+    """A Fabric Connection (not yet open) rendering *t*: no ssh_config of Fabric's own (the target
+    has applied it), its known_hosts loaded and the strict policy set, and its jump host as a
+    ``gateway`` Connection built the same way, so every hop's key is checked."""
+    gateway: Connection | str | bool = False
+    if t.jump is not None:
+        gateway = _connection(node, t.jump)
+    elif t.proxy_command:
+        gateway = t.proxy_command
+    connect_kwargs = {"look_for_keys": not t.identity_files, "banner_timeout": t.connect_timeout,
+                      "auth_timeout": t.connect_timeout}
+    if t.identity_files:
+        connect_kwargs["key_filename"] = list(t.identity_files)
+    if t.identities_only:
+        connect_kwargs["allow_agent"] = False
+    conn = _Connection(t.host, user=t.user or getpass.getuser(), port=t.port,
+                      config=Config(ssh_config=paramiko.SSHConfig()), gateway=gateway,
+                      connect_timeout=max(1, int(t.connect_timeout)), connect_kwargs=connect_kwargs)
+    client = conn.client
+    for known in t.known_hosts:
+        path = Path(os.path.expanduser(known))
+        if path.exists():
+            try:
+                client.load_host_keys(str(path))
+            except (OSError, paramiko.SSHException) as exc:
+                raise SSHError(node, f"{t.label}: cannot read known_hosts {path}: {exc}") from None
+    client.set_missing_host_key_policy(_UnknownKey(node, t))
+    return conn
+
+
 def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
             timeout: float | None = None) -> Connection:
-    """An open, host-key-verified Fabric connection to *node*, or an SSHError that says why not."""
-    config = Config(runtime_ssh_path=ssh_config) if ssh_config else Config()
-    if not ssh_config and "configfile" in node.ssh_options:
-        config = Config(runtime_ssh_path=os.path.expanduser(node.ssh_options["configfile"]))
-    opts = node.ssh_options
-    if timeout is None:
-        timeout = float(opts.get("connecttimeout") or DEFAULT_CONNECT_TIMEOUT)
-    key_file = node.key_file or opts.get("identityfile")
-    connect_kwargs = {"look_for_keys": key_file is None, "banner_timeout": timeout, "auth_timeout": timeout}
-    if key_file:
-        connect_kwargs["key_filename"] = [os.path.expanduser(key_file)]
-    port = node.port or (int(opts["port"]) if "port" in opts else None)
-    conn = Connection(node.host, user=node.user, port=port, config=config,
-                      connect_timeout=int(timeout), connect_kwargs=connect_kwargs)
-    known = policy.file_for(node, ssh_config)
-    client = conn.client
-    if known.exists():
-        try:
-            client.load_host_keys(str(known))
-        except (OSError, paramiko.SSHException) as exc:
-            raise SSHError(node.name, f"host {node.name}: cannot read known_hosts {known}: {exc}") from None
-    client.set_missing_host_key_policy(_UnknownKey(node, known, policy.accept_new))
-    where = f"{node.host}:{port or 22}"
+    """An open, host-key-verified Fabric connection to *node* (through its jump hosts, each
+    verified the same way), or an SSHError that says which hop failed and why."""
+    try:
+        target = resolve(node, policy, ssh_config)
+    except TargetError as exc:
+        raise SSHError(node.name, str(exc), kind="ssh-option") from None
+    if timeout is not None:
+        target = _with_timeout(target, timeout)
+    conn = _connection(node.name, target)
+    conn.target = target  # how it was reached (probe reads the node's address from it)
+    _open_hop(node.name, conn, target)
+    conn.transport.set_keepalive(KEEPALIVE_S)
+    return conn
+
+
+def _with_timeout(t: Target, timeout: float) -> Target:
+    return replace(t, connect_timeout=timeout, jump=_with_timeout(t.jump, timeout) if t.jump else None)
+
+
+def _open_hop(node: str, conn: Connection, t: Target) -> None:
+    """Open *conn*'s gateway chain from the outermost hop in, then *conn*: a failure names its hop."""
+    if isinstance(conn.gateway, Connection) and t.jump is not None:
+        _open_hop(node, conn.gateway, t.jump)
+    where, known, timeout = t.where, t.known_hosts_file, t.connect_timeout
     try:
         _open(conn, timeout)
     except SSHError:
         raise
     except paramiko.BadHostKeyException as exc:
-        raise SSHError(node.name, (
-            f"host {node.name} ({where}): host key CHANGED: {known} has {exc.expected_key.get_name()} "
+        raise SSHError(node, (
+            f"{t.label} ({where}): host key CHANGED: {known} has {exc.expected_key.get_name()} "
             f"{exc.expected_key.fingerprint}, the host offered {exc.key.get_name()} {exc.key.fingerprint}. "
             f"This can be an attack. If the host was reinstalled, remove the old key "
-            f"(ssh-keygen -R {node.host} -f {known}) and verify the new one"), kind="changed-host-key") from None
+            f"(ssh-keygen -R {t.host} -f {known}) and verify the new one"), kind="changed-host-key") from None
     except paramiko.AuthenticationException as exc:
-        who = conn.user
-        raise SSHError(node.name, (
-            f"host {node.name} ({where}): authentication as {who} failed ({exc}); check ansible_user and "
-            f"ansible_ssh_private_key_file{' (' + key_file + ')' if key_file else ''}"), kind="auth") from None
+        keys = f" ({', '.join(t.identity_files)})" if t.identity_files else ""
+        raise SSHError(node, (
+            f"{t.label} ({where}): authentication as {conn.user} failed ({exc}); check ansible_user and "
+            f"ansible_ssh_private_key_file{keys}"), kind="auth") from None
     except (socket.timeout, TimeoutError) as exc:
-        raise SSHError(node.name, (
-            f"host {node.name} ({where}): unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
+        raise SSHError(node, (
+            f"{t.label} ({where}): unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
             f"({exc or 'timed out'}); "
             "check ansible_host and that the host is up"), kind="unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
-        raise SSHError(node.name, (
-            f"host {node.name} ({where}): unreachable: {exc}; check ansible_host/ansible_port and that "
+        raise SSHError(node, (
+            f"{t.label} ({where}): unreachable: {exc}; check ansible_host/ansible_port and that "
             "sshd runs there"), kind="unreachable") from None
-    conn.transport.set_keepalive(KEEPALIVE_S)
-    return conn
 
 
 #: Tries to open a connection when the failure may be load, not a fault (a timeout, a handshake the
@@ -172,7 +176,7 @@ _FINAL_ERRNOS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
 def _open(conn: Connection, timeout: float) -> None:
     for attempt in range(CONNECT_ATTEMPTS):
         try:
-            if conn.gateway is None:  # (a ProxyJump/ProxyCommand brings its own socket)
+            if not conn.gateway:  # (a jump host or ProxyCommand brings its own socket)
                 conn.connect_kwargs["sock"] = _socket(conn.host, conn.port, timeout)
                 conn.open()
             else:

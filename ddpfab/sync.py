@@ -21,8 +21,8 @@ not empty and has no record is refused unless ``--adopt``; every workdir is chec
 the node as the node resolves it (:mod:`ddpfab.workdir`). ``--dry-run`` lists, per node, what would
 be copied, updated and deleted; a real sync prints one line per node with those counts.
 
-SSH: every command uses the runner's host-key policy (:class:`ddpfab.ssh.HostKeyPolicy`: the
-node's known_hosts, ``StrictHostKeyChecking=yes`` or ``accept-new`` when asked) and the node's
+SSH: every command reaches the node as the runner does (:mod:`ddpfab.target`: the
+node's known_hosts and host-key policy, its jump hosts, key, port and user, on every hop) and the node's
 inventory connection options; one multiplexed OpenSSH connection per node carries the probe,
 rsync and the hash check. Its helpers (masters, rsync, the agent) and its temp dir are ended by a
 watcher (:mod:`ddpfab.reaper`) even when ddpfab is killed.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import getpass
 import json
 import os
 import re
@@ -60,23 +61,19 @@ from typing import TYPE_CHECKING
 from . import node as nodeprog
 from . import treehash, workdir
 from .reaper import Reaper
+from .target import Target, TargetError, bracket, destination, openssh_options, resolve_all, ssh_problem
 
 if TYPE_CHECKING:  # heavy (paramiko, ansible): imported where used
     from .inventory import Cluster, Node
-    from .ssh import HostKeyPolicy
+    from .target import HostKeyPolicy
 
 #: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
 #: (files belong to the SSH user); no deletions (ddpfab deletes only what it placed, on the node);
 #: the file list comes as --files-from; one itemised line per change (counted, or listed by
 #: --dry-run).
 RSYNC_BASE = ("-lpt", "--omit-dir-times", "--from0", "--stats", "--itemize-changes")
-#: Options of the node's ssh that sync sets itself (the rest of ansible_ssh_common_args pass on).
-_SSH_HANDLED = {"userknownhostsfile", "stricthostkeychecking", "globalknownhostsfile", "configfile",
-                "identityfile", "port", "batchmode", "controlmaster", "controlpath", "controlpersist",
-                "connecttimeout", "forwardagent", "serveraliveinterval", "serveralivecountmax", "user"}
 #: How long the forwarded agent keeps the key at most, should ddpfab die without cleaning up.
 AGENT_KEY_LIFETIME_S = 3600
-DEFAULT_CONNECT_TIMEOUT = 10
 
 
 class SyncError(Exception):
@@ -309,80 +306,16 @@ def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict
 
 
 # -- SSH ---------------------------------------------------------------------------------------
-def _opt_value(value: str) -> str:
-    return f'"{value}"' if any(c.isspace() for c in value) else value
-
-
-def ssh_options(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None) -> list[str]:
-    """OpenSSH options that connect to *node* as the runner does: its known_hosts and host-key
-    policy (a changed key is always refused; unknown keys unless ``accept_new``), key, port, user,
-    ssh_config, and the rest of its ``ansible_ssh_common_args``. ssh takes the first value it
-    sees for an option, so these win over any ssh_config."""
-    opts = node.ssh_options
-    out = ["-o", "BatchMode=yes",
-           "-o", "UserKnownHostsFile=" + _opt_value(str(policy.file_for(node, ssh_config))),
-           "-o", "StrictHostKeyChecking=" + ("accept-new" if policy.accept_new else "yes")]
-    if "globalknownhostsfile" in opts:
-        out += ["-o", "GlobalKnownHostsFile=" + opts["globalknownhostsfile"]]
-    else:
-        out += ["-o", "GlobalKnownHostsFile=/dev/null"]
-    config = ssh_config or opts.get("configfile")
-    if config:
-        out += ["-F", os.path.expanduser(config)]
-    key = node.key_file or opts.get("identityfile")
-    if key:
-        out += ["-i", os.path.expanduser(key)]
-    port = node.port or opts.get("port")
-    if port:
-        out += ["-p", str(port)]
-    user = node.user or opts.get("user")
-    if user:
-        out += ["-l", user]
-    out += ["-o", f"ConnectTimeout={opts.get('connecttimeout') or DEFAULT_CONNECT_TIMEOUT}",
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6"]
-    for key_, value in opts.items():
-        if key_ not in _SSH_HANDLED:
-            out += ["-o", f"{key_}={value}"]
-    return out
-
-
-def _dest_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def ssh_problem(node: str, where: str, known_hosts: str, rc: int, stderr: str) -> str:
-    """One clear line for a failed ssh (exit 255), in the words of ddpfab.ssh."""
-    text = " ".join(stderr.split())
-    if "REMOTE HOST IDENTIFICATION HAS CHANGED" in text or "Host key for" in text and "has changed" in text:
-        return (f"host {node} ({where}): host key CHANGED: it does not match {known_hosts}. This can be an "
-                f"attack. If the host was reinstalled, remove the old key (ssh-keygen -R HOST -f {known_hosts}) "
-                "and verify the new one")
-    if "Host key verification failed" in text or "host key is known" in text:
-        return (f"host {node} ({where}): host key not in {known_hosts}; verify it and add it (ssh-keyscan), "
-                "or pass --accept-new-host-keys to trust it on first use")
-    if "Permission denied" in text or "Too many authentication failures" in text:
-        return (f"host {node} ({where}): authentication failed ({text[-160:]}); check ansible_user and "
-                "ansible_ssh_private_key_file")
-    for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",
-                   "Network is unreachable", "Connection closed", "Connection reset"):
-        if marker in text:
-            return (f"host {node} ({where}): unreachable: {text[-200:]}; check ansible_host/ansible_port "
-                    "and that sshd runs there")
-    return f"host {node} ({where}): ssh failed (exit {rc}): {text[-300:] or 'no message'}"
-
-
 class _Link:
     """One multiplexed OpenSSH connection to a node for the duration of a sync."""
 
-    def __init__(self, node: Node, policy: HostKeyPolicy, ssh_config: str | None, ctl: str,
-                 reaper: Reaper | None = None):
-        self.node, self.reaper = node, reaper
-        self.opts = ssh_options(node, policy, ssh_config)
-        self.known_hosts = str(policy.file_for(node, ssh_config))
+    def __init__(self, node: Node, target: Target, ctl: str, reaper: Reaper | None = None):
+        self.node, self.target, self.reaper = node, target, reaper
+        self.opts = openssh_options(target, keepalive=True)
+        self.dest = destination(target)
         self.ctl = ctl
         self.proc: subprocess.Popen | None = None
-        self.where = f"{node.host}:{node.port or node.ssh_options.get('port') or 22}"
-        self.timeout = float(node.ssh_options.get("connecttimeout") or DEFAULT_CONNECT_TIMEOUT)
+        self.timeout = target.connect_timeout
 
     def mux(self) -> list[str]:
         return ["-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no"]
@@ -395,7 +328,7 @@ class _Link:
         forward = ["-o", "ForwardAgent=yes"] if agent_env else ["-o", "ForwardAgent=no"]
         self.proc = subprocess.Popen(
             ["ssh", *self.opts, *forward, "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=yes",
-             "-o", "ControlPersist=no", "-N", _dest_host(self.node.host)],
+             "-o", "ControlPersist=no", "-N", self.dest],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.errfile, start_new_session=True,
             env=agent_env)
         if self.reaper:
@@ -408,22 +341,22 @@ class _Link:
             if rc is not None:
                 self.errfile.seek(0)
                 err = self.errfile.read().decode(errors="replace")
-                raise SyncError([ssh_problem(self.node.name, self.where, self.known_hosts, rc, err)])
+                raise SyncError([ssh_problem(self.target, rc, err)])
             if time.monotonic() > deadline:
-                raise SyncError([f"host {self.node.name} ({self.where}): no SSH connection within "
+                raise SyncError([f"host {self.node.name} ({self.target.where}): no SSH connection within "
                                  f"{self.timeout + 15:g} s"])
             time.sleep(0.01)
 
     def run(self, command: str, stdin: bytes = b"", timeout: float | None = 600) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(["ssh", *self.opts, *self.mux(), _dest_host(self.node.host), command],
+            return subprocess.run(["ssh", *self.opts, *self.mux(), self.dest, command],
                                   input=stdin, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise SyncError([f"host {self.node.name}: `{command[:40]}...` did not finish within {timeout:g} s"]) from None
 
     def forwarding_argv(self, command: str) -> list[str]:
         """ssh running *command* on the node with the sync's agent forwarded (the master's)."""
-        return ["ssh", *self.opts, *self.mux(), "-A", _dest_host(self.node.host), command]
+        return ["ssh", *self.opts, *self.mux(), "-A", self.dest, command]
 
     def rsync_e(self) -> str:
         """The ``rsync -e`` command: this connection's ssh (rsync splits it like a shell would)."""
@@ -435,7 +368,7 @@ class _Link:
         if self.proc.poll() is None:
             try:
                 subprocess.run(["ssh", *self.opts, "-o", f"ControlPath={self.ctl}", "-O", "exit",
-                                _dest_host(self.node.host)], capture_output=True, timeout=10)
+                                self.dest], capture_output=True, timeout=10)
             except subprocess.TimeoutExpired:
                 pass
             try:
@@ -461,7 +394,7 @@ def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
     reqs = nodeprog.numbered(request)
     proc = link.run(node_command(link.node.python), nodeprog.stdin_for(*reqs), timeout)
     if proc.returncode == 255:
-        raise SyncError([ssh_problem(name, link.where, link.known_hosts, 255, proc.stderr.decode(errors="replace"))])
+        raise SyncError([ssh_problem(link.target, 255, proc.stderr.decode(errors="replace"))])
     if proc.returncode == 127:
         raise SyncError([f"host {name}: neither {link.node.python} nor python3 found there; sync needs a python "
                          "(3.6+, standard library only) on the nodes"])
@@ -534,22 +467,6 @@ def tree_schedule(n: int) -> dict[int, list[int]]:
                 children[j].append(j + r)
         r *= 2
     return children
-
-
-def _effective_ssh(opts: list[str], host: str) -> dict:
-    """``ssh -G``: the user, port, hostname, host key alias and identity files ssh will really use."""
-    try:
-        proc = subprocess.run(["ssh", "-G", *opts, _dest_host(host)], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    out: dict = {"identityfile": []}
-    for line in proc.stdout.splitlines():
-        key, _, value = line.partition(" ")
-        if key in ("user", "port", "hostname", "hostkeyalias"):
-            out[key] = value.strip()
-        elif key == "identityfile":
-            out[key].append(os.path.expanduser(value.strip()))
-    return out
 
 
 def _known_keys(known_hosts: str, lookup: str) -> list[str]:
@@ -643,12 +560,16 @@ class _Sync:
                  compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False):
         self.cluster, self.sel, self.policy, self.ssh_config = cluster, sel, policy, ssh_config
         self.compress, self.checksum, self.progress, self.adopt = compress, checksum, progress, adopt
+        try:  # before anything is started: a route that cannot be honoured starts nothing
+            reach = resolve_all(cluster.nodes, policy, ssh_config)
+        except TargetError as exc:
+            raise SyncError([str(exc)]) from None
         self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
         self.reaper = Reaper(self.ctl_dir)
         self.list_file = os.path.join(self.ctl_dir, "files")
         write_list(sel.files, self.list_file)
-        self.targets = {n.name: _Target(n, _Link(n, policy, ssh_config, os.path.join(self.ctl_dir, f"c{i}"),
-                                                 self.reaper), NodeSync(n.name))
+        self.targets = {n.name: _Target(n, _Link(n, reach[n.name], os.path.join(self.ctl_dir, f"c{i}"), self.reaper),
+                                        NodeSync(n.name))
                         for i, n in enumerate(cluster.nodes)}
         self.notes: list[str] = []
         self.local: dict | None = None
@@ -729,7 +650,7 @@ class _Sync:
 
     # -- copies ---------------------------------------------------------------------------
     def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
-        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, f"{_dest_host(t.node.host)}:{t.real}",
+        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, f"{t.link.dest}:{t.real}",
                           compress=self.compress, checksum=self.checksum, dry_run=dry_run)
         return self._run_copy(t, argv, "controller")
 
@@ -739,7 +660,7 @@ class _Sync:
             "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes",
             "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6",
             "-p", str(hop["port"]), "-l", hop["user"]])
-        inner = rsync_argv(f"{hop['stage']}/files", inner_e, src.real, f"{_dest_host(hop['addr'])}:{t.real}",
+        inner = rsync_argv(f"{hop['stage']}/files", inner_e, src.real, f"{bracket(hop['addr'])}:{t.real}",
                            compress=self.compress, checksum=self.checksum)
         argv = src.link.forwarding_argv(" ".join(shlex.quote(a) for a in inner))
         return self._run_copy(t, argv, src.node.name)
@@ -884,20 +805,24 @@ class _Sync:
         keys: list[str] = []
         children = tree_schedule(len(order))
         labels, constraints, hops = [], [], {}
+        for t in order:
+            if t.link.target.jump is not None or t.link.target.proxy_command:
+                return {}, (f"host {t.node.name} is reached through {t.link.target.jump.name if t.link.target.jump else 'a ProxyCommand'}"
+                            "; node-to-node copies would go around it")
         for i, t in enumerate(order):
-            eff = _effective_ssh(t.link.opts, t.node.host)
-            own = t.node.key_file or t.node.ssh_options.get("identityfile")
-            found = [os.path.expanduser(own)] if own else [k for k in eff.get("identityfile", []) if os.path.isfile(k)]
+            reach = t.link.target
+            found = [k for k in reach.identity_files if os.path.isfile(k)]
             if not found:
                 return {}, (f"no private key file for host {t.node.name} (ansible_ssh_private_key_file or an ssh_config "
                             "IdentityFile): the forwarded agent needs the key in a file")
             keys += [k for k in found if k not in keys]
-            lookup = _host_entry(eff.get("hostkeyalias") or eff.get("hostname") or t.node.host, eff.get("port"))
-            host_keys = _known_keys(t.link.known_hosts, lookup)
+            lookup = _host_entry(reach.host, reach.port)
+            host_keys = [k for f in reach.known_hosts for k in _known_keys(os.path.expanduser(f), lookup)]
             if not host_keys:
-                return {}, f"host {t.node.name}: no key for {lookup} in {t.link.known_hosts} to hand to the forwarding node"
+                return {}, (f"host {t.node.name}: no key for {lookup} in {', '.join(reach.known_hosts)} to hand to the "
+                            "forwarding node")
             labels += [f"ddpfab-n{i} {k}" for k in host_keys]
-            hops[t.node.name] = {"user": eff.get("user") or "root", "port": eff.get("port") or "22",
+            hops[t.node.name] = {"user": reach.user or getpass.getuser(), "port": str(reach.port),
                                  "addr": t.node.data_addr or t.node.host, "keys": host_keys}
         for j, kids in children.items():
             for c in kids:
@@ -916,7 +841,7 @@ class _Sync:
             link = order[j].link
             req = {**self.request(order[j], "stage"), "hold": True, "files": {
                 "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
-            proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), _dest_host(link.node.host),
+            proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest,
                                      node_command(link.node.python)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)

@@ -20,6 +20,7 @@ from ddpfab.inventory import Cluster, Node
 from ddpfab.launch import Printer
 from ddpfab.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan
 from ddpfab.runs import mask_plan
+from ddpfab.target import HostKeyPolicy, resolve_all
 
 
 def cluster(*nodes: Node) -> Cluster:
@@ -203,7 +204,7 @@ def test_emitted_script_runs_exactly_the_node_command(tmp_path):
                 Node("b", "10.0.0.2", python=str(fake), workdir=str(wd)))
     p = make_plan(c, RunOptions("t.py", args=("it's", "$HOME", "", "日本"), run_id="rid", rdzv="c10d",
                                 env=(("K", "a 'b' \"c\" $d"),), debug=True), facts(c))
-    written = emit.write(p, tmp_path / "out", c)
+    written = emit.write(p, tmp_path / "out", resolve_all(c.nodes, HostKeyPolicy(), "/dev/null"))
     assert [w.name for w in written] == ["node0_a.sh", "node1_b.sh", "README.txt"]
     clean = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
     for node, path in zip(p.nodes, written):
@@ -228,12 +229,19 @@ def test_emitted_script_fails_fast_on_a_missing_workdir(tmp_path):
 
 def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     c = cluster(Node("a", "10.0.0.1", user="root", key_file="/k/id", ssh_options={"userknownhostsfile": "/k/kh"}),
-                Node("b", "10.0.0.2", port=2222, user="root"))
+                Node("b", "10.0.0.2", port=2222, user="root", ssh_options={"proxyjump": "j@10.0.0.9"}))
     p = make_plan(c, RunOptions("t.py", run_id="rid"), facts(c))
-    text = emit.readme(p, c)
-    assert "ssh -i /k/id -o userknownhostsfile=/k/kh root@10.0.0.1 'sh -s' < node0_a.sh" in text
-    assert "ssh -p 2222 root@10.0.0.2 'sh -s' < node1_b.sh" in text
-    assert "scp -P 2222 node1_b.sh root@10.0.0.2: && ssh -p 2222 -t root@10.0.0.2 sh node1_b.sh" in text
+    text = emit.readme(p, resolve_all(c.nodes, HostKeyPolicy(), "/dev/null"))
+    policy = ("-F /dev/null -o BatchMode=yes -o UserKnownHostsFile={kh} -o GlobalKnownHostsFile=/dev/null "
+              "-o StrictHostKeyChecking=yes -o ConnectTimeout=10")
+    a = f"ssh {policy.format(kh='/k/kh')} -p 22 -l root -i /k/id 10.0.0.1"
+    assert f"{a} 'sh -s' < node0_a.sh" in text
+    kh = os.path.expanduser("~/.ssh/known_hosts")
+    jump = f"ssh {policy.format(kh=kh)} -p 22 -l j 10.0.0.9 -W [%h]:%p"
+    b = f"ssh {policy.format(kh=kh)} -p 2222 -l root -o 'ProxyCommand={jump}' 10.0.0.2"
+    assert f"{b} 'sh -s' < node1_b.sh" in text
+    scp = f"scp {policy.format(kh=kh)} -P 2222 -o User=root -o 'ProxyCommand={jump}' node1_b.sh 10.0.0.2:"
+    assert f"{scp} && {b[:-len(' 10.0.0.2')]} -t 10.0.0.2 sh node1_b.sh" in text
 
 
 def test_emit_replaces_a_previous_emit_and_only_its_files(tmp_path):

@@ -99,7 +99,7 @@ def test_torchrun_logs_stay_out_of_the_workdir_in_offline_plans_and_emitted_scri
                                                                  cwd="/here"))
     node = p.nodes[0]
     assert '--log-dir="$HOME"/.ddpfab/runs/r1/torchrun' in node.command
-    script = emit.write(p, tmp_path / "emit", c)[0].read_text()
+    script = emit.write(p, tmp_path / "emit")[0].read_text()
     assert '--log-dir="$HOME"/.ddpfab/runs/r1/torchrun' in script
     # what a shell makes of it: an absolute path under the home, not under the workdir
     words = node.command.split(" && ", 1)[1]

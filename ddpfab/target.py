@@ -1,0 +1,450 @@
+"""How ddpfab reaches a host: one connection target per node, rendered for every consumer.
+
+A node's inventory vars (``ansible_host``/``_port``/``_user``/``_ssh_private_key_file``, the ``-o``
+options of ``ansible_ssh_common_args``) and the user's ssh_config (``--ssh-config``, the
+inventory's ``-F``, else ~/.ssh/config and /etc/ssh/ssh_config) are decided ONCE, here, into an
+immutable :class:`Target`: address, port, user, identity files, known_hosts files, host-key policy,
+the chain of jump hosts (each a Target itself, checked against known_hosts like any host) or a
+ProxyCommand, and the few OpenSSH-only tuning options. Then it is rendered:
+
+- :func:`openssh_options` / :func:`ssh_argv`: OpenSSH argv for rsync ``-e``, emitted scripts and
+  dry-run lines. ``-F /dev/null`` so ssh applies exactly what was decided here, and jump hosts as
+  an explicit ``ProxyCommand`` (not ``-J``: OpenSSH hands a ``-J`` hop none of the ``-o`` options,
+  so the jump host's key would be checked against another known_hosts, or not in batch mode);
+- :func:`ansible_vars`: the same as Ansible connection vars (``ddpfab provision``);
+- ``ddpfab.ssh.connect``: Fabric connections, jump hosts as a chain of ``gateway=Connection``,
+  each with the strict host-key policy.
+
+Precedence is OpenSSH's: the inventory's values (its command line) before the ssh_config's.
+Every option is in :data:`OPTIONS`; one ddpfab cannot honour in every path is an error naming
+the option, the host and the fix (:class:`TargetError`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import paramiko
+
+from .inventory import Node
+
+DEFAULT_CONNECT_TIMEOUT = 10
+#: OpenSSH's keepalives on the long-lived connections sync and fetch hold (paramiko's is set in
+#: ddpfab.ssh), so a dead peer is noticed.
+_KEEPALIVE = (("ServerAliveInterval", "5"), ("ServerAliveCountMax", "6"))
+
+#: Every ssh option ddpfab knows (lower-case, as ssh_config and ``-o`` spell them, any case).
+#: "target": decided into the Target and rendered for every path. "tuning": changes neither where
+#: nor whom ssh trusts; passed to OpenSSH and Ansible, paramiko has its own equivalent or needs
+#: none. "own": ddpfab (or Ansible) sets it itself in every path, the user's value is not used.
+#: Anything else is refused with :class:`TargetError`.
+OPTIONS: dict[str, str] = {
+    **dict.fromkeys((
+        "hostname", "port", "user", "identityfile", "identitiesonly", "userknownhostsfile",
+        "globalknownhostsfile", "stricthostkeychecking", "connecttimeout", "proxyjump", "proxycommand",
+        "configfile"), "target"),
+    **dict.fromkeys(("serveraliveinterval", "serveralivecountmax", "compression", "tcpkeepalive",
+                     "loglevel", "connectionattempts"), "tuning"),
+    **dict.fromkeys((
+        "batchmode", "controlmaster", "controlpath", "controlpersist", "forwardagent", "requesttty",
+        "hashknownhosts", "addkeystoagent", "visualhostkey", "updatehostkeys", "forwardx11",
+        "forwardx11trusted", "sendenv", "gssapiauthentication", "gssapidelegatecredentials",
+        "pubkeyauthentication", "passwordauthentication", "kbdinteractiveauthentication",
+        "challengeresponseauthentication", "preferredauthentications", "checkhostip", "usekeychain",
+        "canonicalizehostname"), "own"),
+}
+#: Why an option is refused, where a reason is more useful than "not supported".
+_REFUSED_WHY = {
+    "hostkeyalias": "paramiko (the runner) cannot check a key under another name",
+    "knownhostscommand": "paramiko (the runner) cannot run it",
+    "proxyusefdpass": "paramiko (the runner) cannot take a passed descriptor",
+    "localforward": "ddpfab opens no forwards", "remoteforward": "ddpfab opens no forwards",
+    "dynamicforward": "ddpfab opens no forwards",
+    "certificatefile": "paramiko (the runner) does not present certificates this way",
+    "identityagent": "paramiko (the runner) reads only $SSH_AUTH_SOCK",
+    "pkcs11provider": "paramiko (the runner) has no PKCS#11",
+    "ciphers": "paramiko (the runner) has other algorithm names",
+    "kexalgorithms": "paramiko (the runner) has other algorithm names",
+    "macs": "paramiko (the runner) has other algorithm names",
+    "hostkeyalgorithms": "paramiko (the runner) has other algorithm names",
+}
+
+
+class TargetError(Exception):
+    """An ssh option or value ddpfab cannot honour; the message names it, the host and the fix."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(message)
+        self.node = node
+
+
+@dataclass(frozen=True)
+class HostKeyPolicy:
+    """How host keys are checked, on every host and every jump host.
+
+    Args:
+        known_hosts: the known_hosts file to trust (``--known-hosts``); None = the inventory's
+            UserKnownHostsFile, else the ssh_config's, else ~/.ssh/known_hosts.
+        accept_new: add keys of hosts not in known_hosts (StrictHostKeyChecking=accept-new).
+            A key that differs from the recorded one is refused regardless.
+    """
+
+    known_hosts: str | None = None
+    accept_new: bool = False
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to connect to one host, decided once (see the module doc).
+
+    Args:
+        name: the inventory name (a jump host: its spec, e.g. ``root@bastion``).
+        host: the address TCP connects to (ssh_config's HostName applied).
+        port: the SSH port.
+        user: the login user; None = the local user.
+        identity_files: private keys to offer, in order.
+        identities_only: offer only those (no agent keys).
+        known_hosts: the known_hosts files; the first is where an accepted new key is written.
+        global_known_hosts: GlobalKnownHostsFile; None = none (/dev/null).
+        accept_new: StrictHostKeyChecking=accept-new (else yes; a changed key is always refused).
+        connect_timeout: seconds to wait for the TCP connect and the handshake.
+        jump: the jump host this host is reached through (itself a Target, with its own jump).
+        proxy_command: a ProxyCommand (exclusive with *jump*).
+        tuning: OpenSSH-only options (name, value) that change neither route nor trust.
+        jump_of: for a jump host: the inventory name of the node it serves (for messages).
+    """
+
+    name: str
+    host: str
+    port: int = 22
+    user: str | None = None
+    identity_files: tuple[str, ...] = ()
+    identities_only: bool = False
+    known_hosts: tuple[str, ...] = ("~/.ssh/known_hosts",)
+    global_known_hosts: str | None = None
+    accept_new: bool = False
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    jump: Target | None = None
+    proxy_command: str | None = None
+    tuning: tuple[tuple[str, str], ...] = field(default=())
+    jump_of: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def label(self) -> str:
+        """How messages name this host: ``host N`` or ``host N: jump host J``."""
+        return f"host {self.jump_of}: jump host {self.name}" if self.jump_of else f"host {self.name}"
+
+    @property
+    def known_hosts_file(self) -> Path:
+        """The known_hosts file new keys go to (and that messages name)."""
+        return Path(os.path.expanduser(self.known_hosts[0]))
+
+    def chain(self) -> list[Target]:
+        """This host and its jump hosts, the host first."""
+        hops, t = [], self
+        while t is not None:
+            hops.append(t)
+            t = t.jump
+        return hops
+
+
+# -- resolving ----------------------------------------------------------------------------------
+def _config_text(path: str, depth: int = 0) -> str:
+    """An ssh_config file's text with its ``Include`` lines replaced by the files they name
+    (paramiko does not follow them); relative names are under ~/.ssh, or /etc/ssh for the
+    system file, as OpenSSH reads them."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if depth > 8:
+        raise TargetError("", f"ssh_config {path}: Include nested more than 8 deep")
+    base = "/etc/ssh" if os.path.abspath(path).startswith("/etc/ssh/") else os.path.expanduser("~/.ssh")
+    out = []
+    for line in text.splitlines():
+        words = line.split(None, 1)
+        if len(words) == 2 and words[0].lower() == "include":
+            for pattern in shlex.split(words[1]):
+                pattern = os.path.expanduser(pattern)
+                for name in sorted(glob.glob(pattern if os.path.isabs(pattern) else os.path.join(base, pattern))):
+                    out.append(_config_text(name, depth + 1))
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
+    """The ssh_config to read and how messages name it: *path*, else OpenSSH's own two files."""
+    paths = [os.path.expanduser(path)] if path else [
+        p for p in (os.path.expanduser("~/.ssh/config"), "/etc/ssh/ssh_config") if os.path.isfile(p)]
+    try:
+        text = "\n".join(_config_text(p) for p in paths)
+    except OSError as exc:
+        raise TargetError("", f"ssh_config {path} cannot be read: {exc}; fix --ssh-config or -F") from None
+    return paramiko.SSHConfig.from_text(text), path or "~/.ssh/config or /etc/ssh/ssh_config"
+
+
+def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> dict[str, str]:
+    try:
+        found = config.lookup(host)
+    except (paramiko.SSHException, ValueError) as exc:  # e.g. a Match exec paramiko refuses
+        raise TargetError(label, f"{label}: ssh_config {where} cannot be applied to {host}: {exc}") from None
+    return {k: " ".join(v) if isinstance(v, list) and k != "identityfile" else v for k, v in found.items()}
+
+
+def _check(label: str, options: dict, source: str) -> None:
+    for key, value in options.items():
+        kind = OPTIONS.get(key)
+        if kind is None:
+            why = _REFUSED_WHY.get(key, "ddpfab does not support it in every path (Fabric, OpenSSH, Ansible)")
+            raise TargetError(label, (
+                f"{label}: ssh option {key}={value} (from {source}) cannot be honoured: {why}. "
+                f"Remove it there (supported: {', '.join(sorted(k for k, v in OPTIONS.items() if v != 'own'))})"))
+    strict = str(options.get("stricthostkeychecking", "yes")).lower()
+    if strict not in ("yes", "ask", "accept-new", "true"):
+        raise TargetError(label, (
+            f"{label}: StrictHostKeyChecking={strict} (from {source}) is refused: ddpfab always checks host "
+            "keys. Remove it there; to trust hosts on first use pass --accept-new-host-keys"))
+
+
+_JUMP = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:@\[\]]+)(?::(?P<port>\d+))?$")
+
+
+def _int(label: str, key: str, value, source: str) -> int:
+    try:
+        out = int(str(value))
+    except ValueError:
+        out = -1
+    if out <= 0:
+        raise TargetError(label, f"{label}: {key} {value!r} (from {source}) is not a number; fix it there")
+    return out
+
+
+def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | None = None) -> Target:
+    """The :class:`Target` for *node*: its inventory vars over the ssh_config (*ssh_config*, else
+    the inventory's ``-F``, else ~/.ssh/config and /etc/ssh/ssh_config), under *policy*.
+
+    Raises:
+        TargetError: an option that cannot be honoured, or a value that is not valid.
+    """
+    policy = policy or HostKeyPolicy()
+    label = f"host {node.name}"
+    inv = dict(node.ssh_options)
+    src_inv = f"host {node.name}'s ansible_ssh_common_args"
+    _check(label, inv, src_inv)
+    cfg_path = ssh_config or inv.get("configfile")
+    try:
+        config, where = _config(cfg_path)
+    except TargetError as exc:
+        raise TargetError(node.name, f"{label}: {exc}") from None
+    from_cfg = _lookup(config, where, node.host, label)
+    _check(label, from_cfg, f"ssh_config {where}")
+    # OpenSSH takes the first value it sees: the command line's (inventory) before the file's
+    merged = {**from_cfg, **{k: v for k, v in inv.items() if k != "configfile"}}
+    if node.port:
+        merged["port"] = str(node.port)
+    if node.user:
+        merged["user"] = node.user
+    keys = [node.key_file] if node.key_file else []
+    if "identityfile" in inv:
+        keys.append(inv["identityfile"])
+    if not keys:
+        keys = list(from_cfg.get("identityfile") or [])
+    target = _target(node.name, node.host, merged, keys, policy, None, label, where)
+    spec = merged.get("proxyjump")
+    if spec and spec.lower() != "none":
+        if target.proxy_command:
+            raise TargetError(node.name, f"{label}: both ProxyJump and ProxyCommand are set; keep one")
+        target = replace(target, jump=_jumps(spec, config, where, target, node.name, policy))
+    return target
+
+
+def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPolicy, inherit: Target | None,
+            label: str, source: str) -> Target:
+    """A Target from merged options; a jump host takes what its own options do not say (keys,
+    known_hosts, timeout) from the node it serves: one policy for the whole route."""
+    known = policy.known_hosts or opts.get("userknownhostsfile")
+    known_files = tuple(shlex.split(known)) if known else (inherit.known_hosts if inherit else ("~/.ssh/known_hosts",))
+    timeout = opts.get("connecttimeout")
+    tuning = tuple((k, str(v)) for k, v in opts.items() if OPTIONS.get(k) == "tuning")
+    proxy = opts.get("proxycommand")
+    if proxy and proxy.lower() == "none":
+        proxy = None
+    return Target(
+        name=name,
+        host=str(opts.get("hostname") or host),
+        port=_int(label, "Port", opts["port"], source) if opts.get("port") else 22,
+        user=opts.get("user") or None,
+        identity_files=tuple(os.path.expanduser(k) for k in keys) or (inherit.identity_files if inherit else ()),
+        identities_only=(str(opts["identitiesonly"]).lower() == "yes" if "identitiesonly" in opts
+                         else bool(inherit and inherit.identities_only)),
+        known_hosts=tuple(os.path.expanduser(k) for k in known_files),
+        global_known_hosts=opts.get("globalknownhostsfile") or (inherit.global_known_hosts if inherit else None),
+        accept_new=policy.accept_new or str(opts.get("stricthostkeychecking", "")).lower() == "accept-new",
+        connect_timeout=(float(_int(label, "ConnectTimeout", timeout, source)) if timeout
+                         else inherit.connect_timeout if inherit else DEFAULT_CONNECT_TIMEOUT),
+        proxy_command=proxy,
+        tuning=tuning,
+        jump_of=inherit.name if inherit else None,
+    )
+
+
+def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node_name: str,
+           policy: HostKeyPolicy) -> Target:
+    """The jump chain of ``ProxyJump a,b``: b reached through a (a's own ssh_config ProxyJump is
+    what OpenSSH would use for a; b's is replaced by the list, as ``ssh -J a b`` does)."""
+    jump: Target | None = None
+    hops = [h.strip() for h in spec.split(",") if h.strip()]
+    for i, hop in enumerate(hops):
+        m = _JUMP.match(hop)
+        label = f"host {node_name}: jump host {hop}"
+        if not m:
+            raise TargetError(node_name, f"{label}: ProxyJump entry {hop!r} is not [user@]host[:port]; fix it")
+        host = m["host"].strip("[]")
+        opts = _lookup(config, where, host, label)
+        _check(label, opts, f"ssh_config {where}")
+        if m["user"]:
+            opts["user"] = m["user"]
+        if m["port"]:
+            opts["port"] = m["port"]
+        t = _target(hop, host, opts, list(opts.get("identityfile") or []),
+                    HostKeyPolicy(policy.known_hosts, node.accept_new), node, label, f"ssh_config {where}")
+        t = replace(t, jump_of=node_name)
+        own = opts.get("proxyjump")
+        if i == 0 and own and own.lower() != "none":
+            t = replace(t, jump=_jumps(own, config, where, node, node_name, policy))
+        elif jump is not None:
+            t = replace(t, jump=jump)
+        jump = t
+    if jump is None:
+        raise TargetError(node_name, f"host {node_name}: ProxyJump {spec!r} names no host; fix it")
+    return jump
+
+
+def resolve_all(nodes, policy: HostKeyPolicy | None = None, ssh_config: str | None = None) -> dict[str, Target]:
+    """:func:`resolve` for every node, by name."""
+    return {n.name: resolve(n, policy, ssh_config) for n in nodes}
+
+
+# -- OpenSSH ------------------------------------------------------------------------------------
+def _opt_value(value: str) -> str:
+    return f'"{value}"' if any(c.isspace() for c in value) else value
+
+
+def bracket(host: str) -> str:
+    """*host* as the host word of an ssh or rsync command line (an IPv6 address bracketed)."""
+    return f"[{host}]" if ":" in host else host
+
+
+def destination(t: Target) -> str:
+    """The host word of an ssh command line for *t*."""
+    return bracket(t.host)
+
+
+def openssh_options(t: Target, keepalive: bool = False) -> list[str]:
+    """The ssh options (no destination) that make OpenSSH connect exactly as decided in *t*: no
+    ssh_config of its own (``-F /dev/null``), batch mode, the known_hosts files and host-key
+    policy, port, user, keys, and the jump chain as a ProxyCommand running this same rendering
+    of the jump host, so its key is checked the same way."""
+    out = ["-F", "/dev/null", "-o", "BatchMode=yes",
+           "-o", "UserKnownHostsFile=" + _opt_value(" ".join(t.known_hosts)),
+           "-o", "GlobalKnownHostsFile=" + (t.global_known_hosts or "/dev/null"),
+           "-o", "StrictHostKeyChecking=" + ("accept-new" if t.accept_new else "yes"),
+           "-o", f"ConnectTimeout={t.connect_timeout:g}", "-p", str(t.port)]
+    if t.user:
+        out += ["-l", t.user]
+    for key in t.identity_files:
+        out += ["-i", key]
+    if t.identities_only:
+        out += ["-o", "IdentitiesOnly=yes"]
+    if t.jump is not None:
+        inner = [w.replace("%", "%%") for w in ["ssh", *openssh_options(t.jump), destination(t.jump)]]
+        out += ["-o", "ProxyCommand=" + shlex.join(inner) + " -W [%h]:%p"]
+    elif t.proxy_command:
+        out += ["-o", "ProxyCommand=" + t.proxy_command]
+    tuning = dict(t.tuning)
+    if keepalive:
+        tuning = {**dict(_KEEPALIVE), **tuning}
+    for key, value in tuning.items():
+        out += ["-o", f"{key}={value}"]
+    return out
+
+
+def ssh_argv(t: Target, *command: str) -> list[str]:
+    """``ssh OPTIONS HOST [COMMAND...]`` for *t*."""
+    return ["ssh", *openssh_options(t), destination(t), *command]
+
+
+def scp_argv(t: Target, *files: str) -> list[str]:
+    """``scp OPTIONS FILES... [USER@]HOST:`` for *t* (scp spells the port -P, and -l is not a user)."""
+    opts, out, i = openssh_options(t), [], 0
+    while i < len(opts):
+        if opts[i] == "-p":
+            out += ["-P", opts[i + 1]]
+        elif opts[i] == "-l":
+            out += ["-o", f"User={opts[i + 1]}"]
+        else:
+            out += opts[i:i + 2]
+        i += 2
+    return ["scp", *out, *files, destination(t) + ":"]
+
+
+def ssh_line(t: Target) -> str:
+    """:func:`ssh_argv` as one shell-quoted line (emitted scripts, dry-run output)."""
+    return shlex.join(ssh_argv(t))
+
+
+# -- Ansible ------------------------------------------------------------------------------------
+def ansible_vars(t: Target) -> dict[str, str]:
+    """Ansible connection vars that make its ssh connect exactly as decided in *t*: the address
+    and every option (``-F /dev/null`` included, so no ssh_config re-decides anything); Ansible
+    adds only its ControlMaster/ControlPath options."""
+    return {"ansible_host": t.host, "ansible_ssh_common_args": shlex.join(openssh_options(t)),
+            "ansible_ssh_extra_args": ""}
+
+
+# -- OpenSSH's failures, in ddpfab's words ------------------------------------------------------
+_KEY_CHANGED = re.compile(r"Host key for (\S+) has changed|REMOTE HOST IDENTIFICATION HAS CHANGED")
+_KEY_UNKNOWN = re.compile(r"No (?:ED25519|RSA|ECDSA|DSA)?\s*host key is known for (\S+)|Host key verification failed")
+
+
+def _hop_of(t: Target, stderr: str) -> Target:
+    """The hop of *t*'s chain an OpenSSH message is about: the one whose address it names."""
+    m = re.search(r"(?:Host key for|host key is known for|for host|key for) \[?([^\]\s:]+)", stderr)
+    if m:
+        for hop in t.chain():
+            if hop.host == m.group(1):
+                return hop
+    # the ProxyCommand's ssh failed before the target's ssh got a banner: a jump host's fault
+    if t.jump is not None and ("kex_exchange_identification" in stderr or "Connection closed by UNKNOWN" in stderr):
+        return t.jump
+    return t
+
+
+def ssh_problem(t: Target, rc: int, stderr: str) -> str:
+    """One clear line for a failed OpenSSH (exit 255) to *t*, naming the hop that failed."""
+    text = " ".join(stderr.split())
+    hop = _hop_of(t, text)
+    head = f"{hop.label} ({hop.where})"
+    known = hop.known_hosts_file
+    if _KEY_CHANGED.search(text):
+        return (f"{head}: host key CHANGED: it does not match {known}. This can be an attack. If the host was "
+                f"reinstalled, remove the old key (ssh-keygen -R {hop.host} -f {known}) and verify the new one")
+    if _KEY_UNKNOWN.search(text):
+        return (f"{head}: host key not in {known}; verify it and add it (ssh-keyscan), "
+                "or pass --accept-new-host-keys to trust it on first use")
+    if "Permission denied" in text or "Too many authentication failures" in text:
+        return (f"{head}: authentication failed ({text[-160:]}); check ansible_user and "
+                "ansible_ssh_private_key_file (a jump host: its User/IdentityFile in the ssh_config)")
+    for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",
+                   "Network is unreachable", "Connection closed", "Connection reset"):
+        if marker in text:
+            return (f"{head}: unreachable: {text[-200:]}; check ansible_host/ansible_port "
+                    "and that sshd runs there")
+    return f"{head}: ssh failed (exit {rc}): {text[-300:] or 'no message'}"
