@@ -28,12 +28,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
-from .target import HostKeyPolicy, TargetError, ansible_vars, resolve_all
+from .target import HostKeyPolicy, Target, TargetError, ansible_vars, resolve_all, ssh_argv, ssh_problem
 
 #: Playbooks ``ddpfab provision --playbook NAME`` knows by name (``<name>.yml`` in :func:`ansible_dir`).
 PLAYBOOKS = ("provision", "firewall")
@@ -322,12 +323,14 @@ def parse_recap(output: str) -> list[HostRecap]:
     return recap
 
 
-def summarize(recap: list[HostRecap], rc: int) -> list[str]:
-    """One line per host that failed or was unreachable; a general line if none but rc != 0."""
+def summarize(recap: list[HostRecap], rc: int, why: dict[str, str] | None = None) -> list[str]:
+    """One line per host that failed or was unreachable (with *why*, what ddpfab found on its SSH
+    route); a general line if none but rc != 0."""
     lines = []
     for h in recap:
         if h.unreachable:
-            lines.append(f"ddpfab provision: {h.host}: UNREACHABLE (check SSH: address, key, known_hosts)")
+            lines.append(f"ddpfab provision: {h.host}: UNREACHABLE ("
+                         f"{(why or {}).get(h.host) or 'check SSH: address, key, known_hosts'})")
         elif h.failed:
             lines.append(f"ddpfab provision: {h.host}: FAILED ({h.counts.get('failed')} task(s); "
                          f"see the task marked fatal for {h.host} above)")
@@ -337,21 +340,23 @@ def summarize(recap: list[HostRecap], rc: int) -> list[str]:
     return lines
 
 
-def ssh_vars_file(inventory: str | Path, directory: str, policy: HostKeyPolicy | None = None,
-                  ssh_config: str | None = None) -> str:
-    """An extra-vars file (``-e @FILE``, the highest precedence) that makes Ansible reach every
-    host of *inventory* exactly as the runner and sync do (:func:`ddpfab.target.ansible_vars`:
-    the same address, key, known_hosts and host-key policy, and jump hosts as a ProxyCommand that
-    checks the jump host's key too). Hosts outside the inventory (localhost) keep Ansible's own."""
+def targets_of(inventory: str | Path, policy: HostKeyPolicy | None = None,
+               ssh_config: str | None = None) -> dict[str, Target]:
+    """How ddpfab reaches every host of *inventory* (:func:`ddpfab.target.resolve`)."""
     from . import inventory as invmod
 
     try:
-        cluster = invmod.load(str(inventory), group="all")
-        targets = resolve_all(cluster.nodes, policy, ssh_config)
+        return resolve_all(invmod.load(str(inventory), group="all").nodes, policy, ssh_config)
     except (invmod.InventoryError, TargetError) as exc:
         raise ProvisionError(str(exc)) from None
-    per_host = {name: ansible_vars(t) for name, t in targets.items()}
-    data: dict = {"ddpfab_ssh_vars": per_host}
+
+
+def ssh_vars_file(targets: dict[str, Target], directory: str) -> str:
+    """An extra-vars file (``-e @FILE``, the highest precedence) that makes Ansible reach every
+    host exactly as the runner and sync do (:func:`ddpfab.target.ansible_vars`: the same address,
+    key, known_hosts and host-key policy, and jump hosts as a ProxyCommand that checks the jump
+    host's key too). Hosts outside the inventory (localhost) keep Ansible's own."""
+    data: dict = {"ddpfab_ssh_vars": {name: ansible_vars(t) for name, t in targets.items()}}
     for var in ("ansible_host", "ansible_ssh_common_args", "ansible_ssh_extra_args"):
         fallback = "inventory_hostname" if var == "ansible_host" else "''"
         data[var] = f"{{{{ (ddpfab_ssh_vars[inventory_hostname] | default({{}})).{var} | default({fallback}) }}}}"
@@ -359,6 +364,24 @@ def ssh_vars_file(inventory: str | Path, directory: str, policy: HostKeyPolicy |
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
         json.dump(data, fh)
     return path
+
+
+def why_unreachable(targets: list[Target]) -> dict[str, str]:
+    """For hosts Ansible could not reach: what OpenSSH says on the same route, in ddpfab's words
+    (which hop failed: the host or a jump host, and why); Ansible shows only the outer ssh's last
+    line ("Connection closed by UNKNOWN port 65535") when a jump host refused."""
+    def one(t: Target) -> str | None:
+        wait = t.connect_timeout * len(t.chain()) + 10
+        try:
+            proc = subprocess.run(ssh_argv(t, "true"), capture_output=True, text=True, timeout=wait,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"{t.label} ({t.where}): no SSH connection within {wait:g} s"
+        return ssh_problem(t, proc.returncode, proc.stderr) if proc.returncode == 255 else None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as pool:
+        found = dict(zip([t.name for t in targets], pool.map(one, targets)))
+    return {name: why for name, why in found.items() if why}
 
 
 def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[str] | None = None,
@@ -384,17 +407,23 @@ def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[
     """
     out = out or sys.stdout
     options = options or AnsibleOptions()
+    targets = targets_of(inventory, policy, ssh_config)
     with tempfile.TemporaryDirectory(prefix="ddpfab-provision-") as tmp:
-        ssh_vars = ssh_vars_file(inventory, tmp, policy, ssh_config)
         argv = build_command(inventory, playbook, tags=tags, check=check, limit=limit, extra_args=extra_args,
                              options=options)
         # ddpfab's route first: the user's own -e (later on the line) still wins, as with Ansible
-        argv[3:3] = ["-e", "@" + ssh_vars]
-        return _run_streaming(argv, out, options)
+        argv[3:3] = ["-e", "@" + ssh_vars_file(targets, tmp)]
+        rc, output = _run_streaming(argv, out, options)
+    recap = parse_recap(output)
+    why = why_unreachable([targets[h.host] for h in recap if h.unreachable and h.host in targets])
+    for line in summarize(recap, rc, why):
+        out.write(line + "\n")
+    out.flush()
+    return rc
 
 
-def _run_streaming(argv: list[str], out: TextIO, options: AnsibleOptions) -> int:
-    """Run ansible-playbook *argv*, streaming its output to *out*; its exit code."""
+def _run_streaming(argv: list[str], out: TextIO, options: AnsibleOptions) -> tuple[int, str]:
+    """Run ansible-playbook *argv*, streaming its output to *out*; its exit code and output."""
     color = bool(getattr(out, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
     captured: list[bytes] = []
     try:
@@ -418,10 +447,7 @@ def _run_streaming(argv: list[str], out: TextIO, options: AnsibleOptions) -> int
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
-    for line in summarize(parse_recap(b"".join(captured).decode("utf-8", "replace")), rc):
-        out.write(line + "\n")
-    out.flush()
-    return rc
+    return rc, b"".join(captured).decode("utf-8", "replace")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -345,7 +346,9 @@ def test_plan_offline_emit_from_the_cli(tmp_path):
                           "--rdzv", "c10d", "--emit", str(out), "train.py", "--steps", "2"],
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "ssh 10.1.0.2 'sh -s' < node1_n2.sh" in res.stdout
+    # the route as decided (ddpfab.target): its own -F /dev/null, the host-key policy, port, address
+    assert re.search(r"\n  ssh -F /dev/null -o BatchMode=yes .*-o StrictHostKeyChecking=yes .*-p 22 10\.1\.0\.2 "
+                     r"'sh -s' < node1_n2.sh\n", res.stdout), res.stdout
     n1 = (out / "node0_n1.sh").read_text()
     assert "cd /srv/code\nexec env " in n1
     assert "--rdzv-endpoint=10.1.0.1:29500" in n1 and n1.rstrip().endswith("train.py --steps 2")

@@ -419,24 +419,6 @@ def test_tree_schedule_of_eight():
     assert sync.tree_schedule(8) == {0: [1, 2, 4], 1: [3, 5], 2: [6], 3: [7], 4: [], 5: [], 6: [], 7: []}
 
 
-# -- ssh options --------------------------------------------------------------------------------------
-def test_ssh_options_follow_the_runner_policy():
-    node = Node(name="n1", host="10.0.0.1", port=2222, user="trainer", key_file="/k/id key",
-                ssh_options={"userknownhostsfile": "/kh/known_hosts /kh/second", "stricthostkeychecking": "no",
-                             "identitiesonly": "yes", "proxyjump": "bastion", "controlpath": "/x"})
-    opts = sync.ssh_options(node, HostKeyPolicy())
-    joined = " ".join(opts)
-    assert "StrictHostKeyChecking=yes" in joined and "StrictHostKeyChecking=no" not in joined
-    assert "UserKnownHostsFile=/kh/known_hosts" in opts  # the first file, as the runner reads it
-    assert "GlobalKnownHostsFile=/dev/null" in opts and "BatchMode=yes" in opts
-    assert opts[opts.index("-i") + 1] == "/k/id key"
-    assert opts[opts.index("-p") + 1] == "2222" and opts[opts.index("-l") + 1] == "trainer"
-    assert "identitiesonly=yes" in opts and "proxyjump=bastion" in opts
-    assert "controlpath=/x" not in opts
-    accept = sync.ssh_options(node, HostKeyPolicy(known_hosts="/other", accept_new=True))
-    assert "StrictHostKeyChecking=accept-new" in accept and "UserKnownHostsFile=/other" in accept
-
-
 def test_rsync_argv_and_stats():
     argv = sync.rsync_argv("/f", "ssh -p 2", "/src/", "h:/dst", compress=True)
     assert argv[:len(sync.RSYNC_BASE) + 1] == ["rsync", *sync.RSYNC_BASE]

@@ -1,0 +1,140 @@
+"""ddpfab.target: one decision of how to reach a node, the same in every rendering."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+
+from ddpfab.inventory import InventoryError, Node, parse_ssh_args
+from ddpfab.target import (HostKeyPolicy, Target, TargetError, ansible_vars, openssh_options, resolve, scp_argv,
+                           ssh_argv, ssh_problem)
+
+CONFIG = """\
+Host bastion
+  HostName 10.1.1.1
+  User jumper
+  IdentityFile /k/jump
+  UserKnownHostsFile /kh/jump_known
+Host inner
+  HostName 10.2.2.2
+  ProxyJump bastion
+Host n1
+  HostName 10.0.0.5
+  Port 2200
+  User cfguser
+  ProxyJump inner
+Host *
+  ServerAliveInterval 30
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "ssh_config"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def node(name="n1", host=None, args="", **kw) -> Node:
+    return Node(name=name, host=host or name, ssh_options=parse_ssh_args(args), **kw)
+
+
+def test_ssh_config_gives_address_port_user_and_a_chain_of_checked_jump_hosts(config):
+    t = resolve(node(key_file="/k/id", args="-o UserKnownHostsFile=/kh/nodes"), HostKeyPolicy(), config)
+    assert (t.host, t.port, t.user, t.identity_files) == ("10.0.0.5", 2200, "cfguser", ("/k/id",))
+    assert [h.host for h in t.chain()] == ["10.0.0.5", "10.2.2.2", "10.1.1.1"]
+    inner, bastion = t.jump, t.jump.jump
+    # the jump host's own ssh_config wins; what it does not say comes from the node it serves
+    assert bastion.known_hosts == ("/kh/jump_known",) and bastion.identity_files == ("/k/jump",)
+    assert inner.known_hosts == ("/kh/nodes",) and inner.identity_files == ("/k/id",)
+    assert bastion.label == "host n1: jump host bastion" and t.label == "host n1"
+    assert ("ServerAliveInterval".lower(), "30") in t.tuning
+
+
+def test_inventory_wins_over_ssh_config_as_on_the_ssh_command_line(config):
+    t = resolve(node(port=22, user="root", args="-o ProxyJump=root@10.9.9.9:23 -o HostName=10.0.0.6"),
+                HostKeyPolicy(), config)
+    assert (t.host, t.port, t.user) == ("10.0.0.6", 22, "root")
+    assert (t.jump.name, t.jump.host, t.jump.port, t.jump.user, t.jump.jump) == (
+        "root@10.9.9.9:23", "10.9.9.9", 23, "root", None)
+
+
+def test_a_jump_list_goes_through_its_hosts_in_order(config):
+    t = resolve(node("x", "10.0.0.7", args="-J a@10.3.3.3,bastion"), HostKeyPolicy(), config)
+    assert [h.host for h in t.chain()] == ["10.0.0.7", "10.1.1.1", "10.3.3.3"]
+
+
+def test_policy_known_hosts_and_accept_new_apply_to_every_hop(config):
+    t = resolve(node(), HostKeyPolicy(known_hosts="/pinned", accept_new=True), config)
+    assert all(h.known_hosts == ("/pinned",) and h.accept_new for h in t.chain())
+
+
+def test_openssh_rendering_hands_the_jump_host_the_same_policy(config):
+    t = resolve(node(key_file="/k/id", args="-o UserKnownHostsFile=/kh/nodes"), HostKeyPolicy(), config)
+    argv = ssh_argv(t, "hostname")
+    assert argv[:3] == ["ssh", "-F", "/dev/null"] and argv[-2:] == ["10.0.0.5", "hostname"]
+    proxy = next(a for a in argv if a.startswith("ProxyCommand="))[len("ProxyCommand="):]
+    inner = shlex.split(proxy)
+    assert inner[-3:] == ["10.2.2.2", "-W", "[%h]:%p"]
+    assert "StrictHostKeyChecking=yes" in inner and "UserKnownHostsFile=/kh/nodes" in inner
+    innermost = shlex.split(next(a for a in inner if a.startswith("ProxyCommand="))[len("ProxyCommand="):])
+    # one level deeper, ssh's own %-tokens are escaped once per level
+    assert innermost[-3:] == ["10.1.1.1", "-W", "[%%h]:%%p"] and "UserKnownHostsFile=/kh/jump_known" in innermost
+    assert "-J" not in argv and not any(a.lower().startswith("proxyjump") for a in argv)
+
+
+def test_scp_and_ansible_render_the_same_target(config):
+    t = resolve(node(key_file="/k/id"), HostKeyPolicy(), config)
+    scp = scp_argv(t, "f.sh")
+    assert scp[scp.index("-P") + 1] == "2200" and "User=cfguser" in scp and "-l" not in scp
+    assert scp[-2:] == ["f.sh", "10.0.0.5:"]
+    av = ansible_vars(t)
+    assert av["ansible_host"] == "10.0.0.5" and av["ansible_ssh_extra_args"] == ""
+    assert shlex.split(av["ansible_ssh_common_args"]) == openssh_options(t)
+
+
+@pytest.mark.parametrize("args, named", [
+    ("-o HostKeyAlias=x", "hostkeyalias"),
+    ("-o KnownHostsCommand=/bin/x", "knownhostscommand"),
+    ("-o LocalForward=1:a:2", "localforward"),
+    ("-o StrictHostKeyChecking=no", "StrictHostKeyChecking=no"),
+    ("-o 'ProxyCommand=nc %h %p' -o ProxyJump=b", "both ProxyJump and ProxyCommand"),
+])
+def test_an_option_that_cannot_be_honoured_is_an_error_naming_it_and_the_host(args, named):
+    with pytest.raises(TargetError, match="host n1") as exc:
+        resolve(node(args=args), HostKeyPolicy(), os.devnull)
+    assert named in str(exc.value)
+
+
+def test_an_unsupported_option_in_the_ssh_config_is_named_with_the_file(tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.write_text("Host n1\n  CertificateFile /c\n")
+    with pytest.raises(TargetError, match=rf"certificatefile=/c \(from ssh_config {cfg}\)"):
+        resolve(node(), HostKeyPolicy(), str(cfg))
+
+
+def test_an_unsupported_ssh_flag_in_the_inventory_is_refused():
+    with pytest.raises(InventoryError, match="'-A'"):
+        parse_ssh_args("-A -o User=x")
+    assert parse_ssh_args("-q -J b -l u -p2222 -C") == {"proxyjump": "b", "user": "u", "port": "2222",
+                                                        "compression": "yes"}
+
+
+def test_include_is_followed(tmp_path):
+    (tmp_path / "part.conf").write_text("Host n1\n  HostName 10.4.4.4\n")
+    cfg = tmp_path / "cfg"
+    cfg.write_text(f"Include {tmp_path}/*.conf\n")
+    assert resolve(node(), HostKeyPolicy(), str(cfg)).host == "10.4.4.4"
+
+
+def test_an_openssh_failure_names_the_hop_that_failed():
+    jump = Target("bastion", "10.1.1.1", known_hosts=("/kh",), jump_of="n1")
+    t = Target("n1", "10.0.0.5", known_hosts=("/kh",), jump=jump)
+    changed = ("@@@ WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED! @@@\nHost key for 10.1.1.1 has changed and you "
+               "have requested strict checking.\nHost key verification failed.\n"
+               "kex_exchange_identification: Connection closed by remote host")
+    assert ssh_problem(t, 255, changed).startswith("host n1: jump host bastion (10.1.1.1:22): host key CHANGED")
+    direct = "Host key for 10.0.0.5 has changed and you have requested strict checking."
+    assert ssh_problem(t, 255, direct).startswith("host n1 (10.0.0.5:22): host key CHANGED")
