@@ -27,7 +27,8 @@ import paramiko
 from fabric import Config, Connection
 
 from .inventory import Node
-from .target import DEFAULT_CONNECT_TIMEOUT, HostKeyPolicy, Target, TargetError, resolve
+# HostKeyPolicy is ddpfab.ssh.HostKeyPolicy to callers too
+from .target import HostKeyPolicy, Target, TargetError, resolve
 
 T = TypeVar("T")
 #: Seconds between SSH keepalives on long-lived connections, so a dead peer is noticed.
