@@ -24,6 +24,7 @@ import configparser
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -356,7 +357,12 @@ def ssh_vars_file(targets: dict[str, Target], directory: str) -> str:
     host exactly as the runner and sync do (:func:`ddpfab.target.ansible_vars`: the same address,
     key, known_hosts and host-key policy, and jump hosts as a ProxyCommand that checks the jump
     host's key too). Hosts outside the inventory (localhost) keep Ansible's own."""
-    data: dict = {"ddpfab_ssh_vars": {name: ansible_vars(t) for name, t in targets.items()}}
+    per_host = {name: ansible_vars(t) for name, t in targets.items()}
+    for host_vars in per_host.values():
+        # this run's own multiplexing sockets: a master another run left (ControlPersist) was
+        # verified then, and must not carry this run past a host key that changed since
+        host_vars["ansible_ssh_common_args"] += " -o " + shlex.quote(f"ControlPath={directory}/cp-%C")
+    data: dict = {"ddpfab_ssh_vars": per_host}
     for var in ("ansible_host", "ansible_ssh_common_args", "ansible_ssh_extra_args"):
         fallback = "inventory_hostname" if var == "ansible_host" else "''"
         data[var] = f"{{{{ (ddpfab_ssh_vars[inventory_hostname] | default({{}})).{var} | default({fallback}) }}}}"

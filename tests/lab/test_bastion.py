@@ -48,13 +48,13 @@ PLAYBOOK = """\
 
 
 def _ssh_rules(lab, name: str) -> dict[str, int]:
-    """Packets the node's SSH rules matched: {"ACCEPT": n, "REJECT": m}."""
+    """New SSH connections the node's rules saw: {"ACCEPT": from the jump host, "REJECT": others}."""
     out = lab.netns_exec(name, ["iptables", "-L", "INPUT", "-v", "-n", "-x"], capture_output=True, text=True,
                          check=True).stdout
     counts = {}
     for line in out.splitlines():
         words = line.split()
-        if len(words) > 3 and words[2] in ("ACCEPT", "REJECT") and "dpt:22" in line:
+        if len(words) > 3 and words[2] in ("ACCEPT", "REJECT") and "dpt:22" in line and "ESTABLISHED" not in line:
             counts[words[2]] = int(words[0])
     return counts
 
@@ -64,9 +64,12 @@ def bastion(tmp_path_factory):
     with own_lab(tmp_path_factory, "bastion", hosts=3, subnet=extra_subnet(142)) as lab:
         jump = lab.host("node3").address
         for name in NODES:  # SSH only from the jump host; everything else (gloo) as before
-            # REJECT counts the connection attempts from anywhere else; DROP takes stray packets of
-            # connections made before the rules (the lab's own readiness probes), uncounted
-            for rule in (["-A", "INPUT", "-p", "tcp", "--dport", "22", "-s", jump, "-j", "ACCEPT"],
+            # packets of open connections first (uncounted: a connection closing late is not a new
+            # one); then ACCEPT counts new connections from the jump host, REJECT attempts from
+            # anywhere else; DROP takes stray packets of connections made before the rules
+            for rule in (["-A", "INPUT", "-p", "tcp", "--dport", "22", "-m", "conntrack", "--ctstate",
+                          "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+                         ["-A", "INPUT", "-p", "tcp", "--dport", "22", "-s", jump, "-j", "ACCEPT"],
                          ["-A", "INPUT", "-p", "tcp", "--dport", "22", "-m", "conntrack", "--ctstate", "NEW",
                           "-j", "REJECT", "--reject-with", "tcp-reset"],
                          ["-A", "INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP"]):
