@@ -267,7 +267,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
     import os
 
     from . import probe, ssh
-    from .plan import choose_master, nproc_for, RunOptions
+    from .plan import choose_master, master_port, nproc_for, RunOptions
 
     started = time.monotonic()
     results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
@@ -289,9 +289,9 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
             if name not in facts:
                 unreachable.setdefault(name, "probe failed: " + "; ".join(p for p in _problems if name in p))
         addresses = {n.name: (facts[n.name].address if n.name in facts else n.data_addr) for n in cluster.nodes}
-        port = options.master_port
-        if port is None and master.name in facts:
-            port = facts[master.name].free_port
+        found = facts.get(master.name)
+        port = master_port(options.master_port, found=found and found.free_port,
+                           asked_free=found and found.port_free)
         mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port,
                         exhaustive=options.exhaustive, sessions=sessions)
         for name, err in mesh.get("errors", {}).items():

@@ -409,7 +409,7 @@ def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
 
 
 def _offline_facts(cluster, port, targets: dict):
-    from .plan import Facts
+    from .plan import Facts, master_port
 
     addresses = {}
     for n in cluster.nodes:
@@ -419,7 +419,7 @@ def _offline_facts(cluster, port, targets: dict):
             addresses[n.name] = resolve(n, target=targets[n.name])
         except Exception:  # noqa: BLE001 - offline: keep what the inventory says
             addresses[n.name] = n.data_addr
-    return Facts(addresses=addresses, master_port=port or 29500, cwd=os.getcwd())
+    return Facts(addresses=addresses, master_port=master_port(port, offline=True), cwd=os.getcwd())
 
 
 def _targets(cluster, args: argparse.Namespace) -> dict:
@@ -432,6 +432,7 @@ def _targets(cluster, args: argparse.Namespace) -> dict:
 def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool, targets: dict | None = None) -> int:
     import json
 
+    from . import render
     from .emit import ssh_target
     from .target import ssh_line
 
@@ -439,6 +440,7 @@ def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool, targets: dict 
         print(json.dumps(mask_plan(plan.to_dict()), indent=2, ensure_ascii=False))
         return 0
     masked = mask_plan(plan.to_dict())
+    shown = render.masked(plan)  # what is printed is rendered from the masked plan
     print(f"# ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
           f"master {plan.master} {plan.master_addr}:{plan.master_port}")
     if offline:
@@ -448,7 +450,7 @@ def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool, targets: dict 
     for node in masked["nodes"]:
         print(f"\n# {node['name']} (node_rank {node['node_rank']}, {node['nproc']} procs): "
               f"{ssh_line(ssh_target(by_name[node['name']], targets))}")
-        print(node["command"])
+        print(render.shell_line(shown, shown.node(node["name"])))
     return 0
 
 

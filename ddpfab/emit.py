@@ -1,9 +1,8 @@
 """``ddpfab plan --emit DIR``: the plan as one self-contained shell script per node, plus a README.
 
-Each script is the node's :attr:`ddpfab.plan.NodePlan.command` (the exact line ``ddpfab run``
-hands the node supervisor) written out as ``set -eu; cd WORKDIR; exec env K=V ... LAUNCHER``.
-It is derived from that command text, never rebuilt, so what runs by hand over plain SSH is what
-ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
+Each script is the node's launch rendered by :func:`ddpfab.render.script_lines` as ``set -eu;
+cd WORKDIR; exec env K=V ... ARGV``: the same renderer parts that give the argv ``ddpfab run``
+hands the node supervisor, so what runs by hand over plain SSH is what ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
 ``~/.ddpfab/runs/<id>/output.log``, ending the job tree when the link goes), and the run record.
 
 Pure text functions plus :func:`write`; no SSH here.
@@ -16,6 +15,7 @@ import shlex
 from pathlib import Path
 
 from .plan import NodePlan, Plan
+from .render import script_lines
 from .target import Target, scp_argv, ssh_argv, ssh_line
 
 README = "README.txt"
@@ -23,14 +23,6 @@ README = "README.txt"
 
 def script_name(node: NodePlan) -> str:
     return f"node{node.node_rank}_{node.name}.sh"
-
-
-def split_command(node: NodePlan) -> tuple[str, str]:
-    """``(cd part, rest)`` of the node's command ``cd WORKDIR && env ... argv``."""
-    prefix = f"cd {shlex.quote(node.workdir)} && "
-    if not node.command.startswith(prefix):
-        raise ValueError(f"host {node.name}: unexpected command shape (no leading {prefix!r})")
-    return prefix[:-4], node.command[len(prefix):]
 
 
 def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Target:
@@ -42,7 +34,7 @@ def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Targ
 
 
 def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
-    cd, rest = split_command(node)
+    cd, exec_line = script_lines(plan, node)
     how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
     return (
         "#!/bin/sh\n"
@@ -51,11 +43,11 @@ def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
         f"rdzv {plan.rdzv}, launcher {plan.launcher}, init {plan.init_method}).\n"
         f"# Run it on {node.name} (start every node's script; any order, they wait for each other):\n"
         f"{how}"
-        "# Exactly the command `ddpfab run` would start there (NodePlan.command), without ddpfab's\n"
+        "# Exactly the command `ddpfab run` would start there (ddpfab.render), without ddpfab's\n"
         "# supervisor. It may hold secret env values: keep it private.\n"
         "set -eu\n"
         f"{cd}\n"
-        f"exec {rest}\n")
+        f"{exec_line}\n")
 
 
 def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:

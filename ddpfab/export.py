@@ -31,12 +31,10 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
+from . import render
 from .cliargs import add_cluster_args, add_env_args
+from .plan import placeholders_in
 
-#: torchrun flags whose value differs per node or is the scheduler's to decide.
-NODE_FLAGS = ("--node-rank", "--master-addr", "--master-port")
-#: The launcher every plan uses: ``<python> -m torch.distributed.run``.
-LAUNCHER = ("-m", "torch.distributed.run")
 #: Kubeflow Trainer's runtime for torchrun jobs (installed with the Trainer's default runtimes).
 DEFAULT_TRAINJOB_RUNTIME = "torch-distributed"
 #: The PyTorchJob operator takes MASTER_PORT from the container port with this name.
@@ -63,11 +61,8 @@ class Launch:
     """The part of a plan that is one command for every node, as a scheduler needs it.
 
     Args:
-        python: the nodes' python (argv[0] of the plan's command).
-        flags: torchrun's flags from the plan, in order, as ``(name, value)``; the per-node ones
-            (:data:`NODE_FLAGS`) are kept with node 0's value, to be replaced by the exporter.
-        script: the training script.
-        args: the script's arguments.
+        command: node 0's launch in its parts (:func:`ddpfab.render.command`); the exporter
+            leaves its rendezvous flags out and puts the scheduler's in.
         nnodes: number of nodes.
         nproc: processes per node (the same on every node).
         workdir: the working dir the script runs in.
@@ -75,44 +70,32 @@ class Launch:
         master_port: the plan's MASTER_PORT.
     """
 
-    python: str
-    flags: tuple[tuple[str, str], ...]
-    script: str
-    args: tuple[str, ...]
+    command: render.Command
     nnodes: int
     nproc: int
     workdir: str
     env: tuple[tuple[str, str], ...]
     master_port: int
 
-    def torchrun_flags(self, replace: dict[str, str | None]) -> list[str]:
-        """The plan's flags as ``--name=value`` words; *replace* maps a flag to its new value
-        (None drops it)."""
-        out = []
-        for name, value in self.flags:
-            if name in replace:
-                if replace[name] is None:
-                    continue
-                value = replace[name]
-            out.append(f"{name}={value}")
-        return out
-
 
 def launch_of(plan) -> Launch:
-    """Check that every node of *plan* runs the same command (but for its node rank) and return it.
+    """Check that every node of *plan* runs the same command (but for its rendezvous values) and
+    return it.
 
     A scheduler starts one command on nodes it picks itself, so per-host differences of the
-    inventory (another python, another nproc, another workdir) cannot be carried over: they are
-    an error that names the variable to set, not a silent choice.
+    inventory (another python, another nproc, another workdir, a per-node ``{{placeholder}}`` in
+    the script's arguments) cannot be carried over: they are an error that names what to set, not
+    a silent choice.
     """
     if not plan.nodes:
         raise ExportError("the plan has no nodes")
-    parsed = [(n, _split_argv(n.argv, plan.script, plan.args)) for n in plan.nodes]
-    first, (python, flags) = parsed[0]
-    flags_wo_rank = [f for f in flags if f[0] != "--node-rank"]
-    for node, (other_python, other_flags) in parsed[1:]:
+    if plan.rdzv != "static":
+        raise ExportError(f"rdzv {plan.rdzv!r}: a scheduler's job is exported with static rendezvous "
+                          "(the scheduler gives each node its rank and the master)")
+    first, first_cmd = plan.nodes[0], render.command(plan, plan.nodes[0])
+    for node in plan.nodes[1:]:
         for what, mine, theirs, fix in (
-                ("python", python, other_python, "ddpfab_python"),
+                ("python", first.python, node.python, "ddpfab_python"),
                 ("nproc", first.nproc, node.nproc, "--nproc-per-node or ddpfab_nproc_per_node"),
                 ("workdir", first.workdir, node.workdir, "ddpfab_workdir"),
                 ("env", first.env, node.env, "--env")):
@@ -124,42 +107,19 @@ def launch_of(plan) -> Launch:
                 raise ExportError(
                     f"a scheduler starts one command on every node, but {node.name} has another {what} than "
                     f"{first.name} ({theirs!r} vs {mine!r}): set {fix} to one value for the whole group")
-        if [f for f in other_flags if f[0] != "--node-rank"] != flags_wo_rank:
-            raise ExportError(f"{node.name} runs other torchrun flags than {first.name}: "
-                              f"{other_flags!r} vs {flags!r}")
+        if render.command(plan, node).script != first_cmd.script:
+            names = ", ".join("{{%s}}" % n for n in placeholders_in(plan.args))
+            raise ExportError(f"the script's arguments differ per node ({names}): a scheduler starts one command "
+                              "on every node; read the node's rank from the environment in the script instead")
     bad = [k for k in first.env if not _ENV_NAME.match(k)]
     if bad:
         raise ExportError(f"environment variable name(s) {', '.join(map(repr, bad))} cannot be exported: "
                           "use letters, digits and '_'")
-    return Launch(python=python, flags=tuple(flags), script=plan.script, args=tuple(plan.args),
-                  nnodes=plan.nnodes, nproc=first.nproc, workdir=first.workdir,
+    return Launch(command=first_cmd, nnodes=plan.nnodes, nproc=first.nproc, workdir=first.workdir,
                   env=tuple(first.env.items()), master_port=plan.master_port)
 
 
-def _split_argv(argv, script: str, args) -> tuple[str, list[tuple[str, str]]]:
-    """``(python, [(flag, value), ...])`` of ``python -m torch.distributed.run --f=v ... script args``."""
-    argv = tuple(argv)
-    n_tail = 1 + len(args)
-    if len(argv) < 3 + n_tail or argv[1:3] != LAUNCHER or argv[len(argv) - n_tail:] != (script, *args):
-        raise ExportError(f"the plan's command is not `python -m torch.distributed.run ... SCRIPT ARGS`: {argv!r}")
-    flags = []
-    for word in argv[3:len(argv) - n_tail]:
-        name, sep, value = word.partition("=")
-        if not name.startswith("--") or not sep:
-            raise ExportError(f"unexpected torchrun flag {word!r} in the plan (expected --name=value)")
-        flags.append((name, value))
-    return argv[0], flags
-
-
 # -- Slurm ----------------------------------------------------------------------------------------
-def _sh_path(path: str) -> str:
-    """A shell word for *path*; a relative path is taken as relative to the user's home, like
-    ``ddpfab run`` takes it on a node (the plan keeps such paths relative when homes are unknown)."""
-    if path.startswith("/"):
-        return shlex.quote(path)
-    return '"$HOME"/' + shlex.quote(path)
-
-
 def _directive(name: str, value: Any) -> str:
     text = str(value)
     if not _DIRECTIVE_VALUE.match(text):
@@ -210,19 +170,17 @@ def to_sbatch(plan, *, job_name: str | None = None, gpus_per_node: int = 0, cpus
             raise ExportError(f"--sbatch {word!r}: give one sbatch option as --name=value")
         directives.append(_directive(name[2:], value))
 
-    # The plan's argv with the scheduler's per-node values taken out; they go into the fixed inner
-    # command below, which reads them from the environment of each task at run time.
-    log_dir = next((v for n, v in launch.flags if n == "--log-dir"), None)
-    flags = launch.torchrun_flags({**{f: None for f in NODE_FLAGS}, "--log-dir": None})
-    words = [shlex.quote(w) for w in (launch.python, *LAUNCHER, *flags)]
-    if log_dir is not None:
-        words.append(shlex.quote("--log-dir=") + _sh_path(log_dir))
-    n_prefix = 1 + len(LAUNCHER)
-    inner = (f'exec "${{@:1:{n_prefix}}}" --node-rank="$SLURM_NODEID" --master-addr="$MASTER_ADDR" '
-             f'--master-port="$MASTER_PORT" "${{@:{n_prefix + 1}}}"')
+    # The launch without its rendezvous flags, as the words of the srun line; the fixed inner
+    # command puts the scheduler's in (read from each task's environment at run time) where the
+    # rendezvous flags stand in the node's argv.
+    cmd = launch.command
+    words = render.shell_words(cmd, rendezvous=False)
+    n_prefix = len(cmd.program) + len(cmd.size)
+    slurm = render.static_rendezvous(render.Rendezvous('"$SLURM_NODEID"', '"$MASTER_ADDR"', '"$MASTER_PORT"'))
+    inner = f'exec "${{@:1:{n_prefix}}}" {" ".join(slurm)} "${{@:{n_prefix + 1}}}"'
     srun = ["srun", f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", "/bin/bash", "-c", shlex.quote(inner), "ddpfab-node"]
-    script_words = [shlex.quote(launch.script)] + [shlex.quote(a) for a in launch.args]
+    n_script = len(cmd.legacy) + len(cmd.script)
 
     lines = [
         "#!/bin/bash",
@@ -242,10 +200,10 @@ def to_sbatch(plan, *, job_name: str | None = None, gpus_per_node: int = 0, cpus
         "export MASTER_ADDR=\"${nodes%%$'\\n'*}\"",
         f"export MASTER_PORT={int(launch.master_port)}",
         "",
-        f"cd -- {_sh_path(launch.workdir)}",
+        f"cd -- {render.home_path_word(launch.workdir)}",
         " ".join(srun) + " \\",
-        "    " + " ".join(words) + " \\",
-        "    " + " ".join(script_words),
+        "    " + " ".join(words[:-n_script]) + " \\",
+        "    " + " ".join(words[-n_script:]),
         "",
     ]
     return "\n".join(lines)
@@ -298,16 +256,15 @@ def _metadata(plan, name: str | None, namespace: str | None) -> dict[str, Any]:
 
 
 def _k8s_command(launch: Launch, python: str, rank: str, addr: str, port: str) -> tuple[list[str], list[str]]:
-    """(command, args) of the training container: the plan's torchrun flags with the operator's
-    rank and master (``$(VAR)`` references) in place of node 0's, no node-local log dir; the
-    script and its arguments, escaped, as args."""
-    flags = launch.torchrun_flags({"--node-rank": rank, "--master-addr": addr, "--master-port": port,
-                                   "--log-dir": None})
+    """(command, args) of the training container: the launch with the operator's rank and master
+    (``$(VAR)`` references) as its rendezvous flags, the image's python, no node-local log dir;
+    the script and its arguments as args."""
+    cmd = launch.command
+    where = render.static_rendezvous(render.Rendezvous(rank, addr, port))
     # only the plan's own values are escaped; ddpfab's $(VAR) references must stay live
-    own = {f"--node-rank={rank}", f"--master-addr={addr}", f"--master-port={port}"}
-    command = [k8s_escape(python), *LAUNCHER, *(f if f in own else k8s_escape(f) for f in flags)]
-    args = [k8s_escape(launch.script), *(k8s_escape(a) for a in launch.args)]
-    return command, args
+    command = [k8s_escape(python), *(k8s_escape(w) for w in (*cmd.program[1:], *cmd.size)), *where,
+               *(k8s_escape(w) for w in (*cmd.flags, *cmd.legacy))]
+    return command, [k8s_escape(w) for w in cmd.script]
 
 
 def _k8s_runs(kind: str, launch, image: str, python: str, node_vars: tuple[str, str, str],
@@ -426,6 +383,7 @@ def offline_facts(cluster, master_port: int | None, cwd: str):
     import ipaddress
 
     from .plan import Facts
+    from .plan import master_port as decide_port
 
     addresses = {}
     for n in cluster.nodes:
@@ -434,7 +392,7 @@ def offline_facts(cluster, master_port: int | None, cwd: str):
             addresses[n.name] = str(ip) if not ip.is_loopback else "0.0.0.0"
         except ValueError:
             addresses[n.name] = "0.0.0.0"
-    return Facts(addresses=addresses, master_port=master_port or 29500, cwd=cwd)
+    return Facts(addresses=addresses, master_port=decide_port(master_port, offline=True), cwd=cwd)
 
 
 def plan_for_export(inventory_path: str, group: str, options, cwd: str | None = None, limit: str | None = None,
@@ -524,10 +482,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         cluster, plan = plan_for_export(args.inventory, args.group, options, limit=args.limit,
                                         extra_vars=args.extra_vars)
         if not args.output:  # printed: secret values masked by key; -o writes them to a private file
-            from .plan import Plan
-            from .runs import mask_plan
-
-            masked = Plan.from_dict(mask_plan(plan.to_dict()))
+            masked = render.masked(plan)
             if masked != plan:
                 sys.stderr.write("ddpfab: secret env values are masked (***) on stdout; -o FILE writes them "
                                  "into a private file\n")

@@ -231,7 +231,7 @@ def cmd_attach(args) -> int:
 
     root, followed = manifest, None
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
-        plan = Plan.from_dict(manifest["plan"])
+        plan = Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster)
         printer = Printer(plan)

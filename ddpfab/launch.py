@@ -27,6 +27,7 @@ from . import node as nodeprog
 from .agent import CANNOT_START
 from .interrupt import Interrupted, signals_raise
 from .plan import NodePlan, Plan
+from .render import command as render_command
 
 #: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
 STOP_GRACE_S = 3.0
@@ -46,9 +47,11 @@ WAIT_REPORT_S = 60.0
 
 
 def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
-    """The job as data for the supervisor: argv, workdir and env (no shell line to parse)."""
-    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "workdir": node.workdir, "argv": list(node.argv),
-            "env": dict(node.env), "grace": STOP_GRACE_S, "log_dir": f"{node.remote_dir}/torchrun"}
+    """The job as data for the supervisor: argv (:func:`ddpfab.render.command`), workdir and env
+    (no shell line to parse)."""
+    launch = render_command(plan, node)
+    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "workdir": node.workdir, "argv": list(launch.argv()),
+            "env": dict(node.env), "grace": STOP_GRACE_S, "log_dir": launch.log_dir}
     if os.environ.get("DDPFAB_KEEP_RECORDS"):  # run records each node keeps (agent.KEEP_RECORDS)
         spec["keep_records"] = int(os.environ["DDPFAB_KEEP_RECORDS"])
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
@@ -70,7 +73,7 @@ def agent_input(plan: Plan, node: NodePlan, detach: bool = False) -> bytes:
 def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
     """The command ddpfab really sends: the node's python running the node program, which reads
     its code and the ``supervise`` request (:func:`agent_input`) from stdin and starts
-    ``node.argv`` in its own session. Nothing secret in it: ``ps`` on the node shows
+    the node's argv (:mod:`ddpfab.render`) in its own session. Nothing secret in it: ``ps`` on the node shows
     ``... ddpfab-agent RUN_ID``."""
     start = nodeprog.command(node.python, *nodeprog.supervisor_words(plan.run_id))
     if not detach:

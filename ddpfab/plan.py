@@ -1,11 +1,14 @@
 """The launch plan: every decision about a run, made before anything starts.
 
 ``make_plan(cluster, options, facts)`` takes data and returns data: which node is the master, its
-address and port, each node's node_rank, nproc, workdir, and the exact argv, env and shell command
-it will run. No SSH, no clock, no randomness in here: the same inputs give the same plan, so
+address and port, each node's node_rank, nproc, python, workdir and env, and the launch itself
+(launcher, its flags, the script and its arguments with their ``{{placeholders}}``, the rendezvous
+style). No SSH, no clock, no randomness in here: the same inputs give the same plan, so
 ``--dry-run`` prints it, the manifest stores it, and unit tests cover every rule without a network.
+The plan holds no rendered command: :mod:`ddpfab.render` turns it into a node's argv, a shell line,
+an emitted script or a scheduler's job, and nothing reads a rendered command back.
 The facts it needs from the hosts (resolved addresses, a free port on the master) are gathered
-beforehand by :mod:`ddpfab.probe`.
+beforehand by :mod:`ddpfab.probe`; :func:`master_port` decides the port from them.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import shlex
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .inventory import Cluster, Node
@@ -47,6 +49,8 @@ LOCAL_RANK_ARGS = ("--local-rank", "--local_rank")
 PLACEHOLDERS = ("node_rank", "nnodes", "nproc", "world_size", "master_addr", "master_port", "run_id",
                 "node_name")
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+#: What plans recorded by schema version 2 stored per node beside the data: renderings, now derived.
+LEGACY_NODE_FIELDS = ("argv", "command")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: A run id names a local and a remote directory: no separators, no dot-dot, no shell characters.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
@@ -128,7 +132,21 @@ class Facts:
 
 @dataclass(frozen=True)
 class NodePlan:
-    """Everything one node will do, exactly."""
+    """What one node runs, as data (:func:`ddpfab.render.argv` makes its argv).
+
+    Args:
+        name: the inventory name.
+        ssh_host, ssh_port, ssh_user: how the node is reached.
+        node_rank: its rank in inventory order (the master is 0); with c10d rendezvous torchrun
+            assigns the ranks and this one only says who hosts the store.
+        nproc: processes on the node (torchrun's ``--nproc-per-node``).
+        data_addr: the IP literal peers reach it at.
+        workdir: the directory the launcher starts in.
+        python: the node's python (the launcher runs as ``PYTHON -m MODULE``).
+        remote_dir: the run's record dir on the node (torchrun's per-rank logs go under it).
+        env: the ranks' environment, by key (secret values masked by key when shown or recorded).
+        shared_dir: the node's ``ddpfab_shared_dir`` (file:// init), None when unset.
+    """
 
     name: str
     ssh_host: str
@@ -140,14 +158,27 @@ class NodePlan:
     workdir: str
     python: str
     remote_dir: str
-    argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
-    command: str = ""
     shared_dir: str | None = None  # the node's ddpfab_shared_dir (file:// init), None when unset
 
 
 @dataclass(frozen=True)
 class Plan:
+    """A run, decided: the launch as data, the same on every node but each node's own values.
+
+    Args:
+        run_id: names the run here and on every node (also c10d's rendezvous id).
+        inventory, group: where the nodes came from.
+        master, master_addr, master_port: the rendezvous point (node rank 0).
+        nnodes, world_size: the job's size.
+        script: the training script, relative to each node's workdir (or absolute).
+        args: the script's arguments, byte for byte, with ``{{name}}`` placeholders
+            (:data:`PLACEHOLDERS`) that each node's rendering fills in.
+        max_restarts: torchrun's in-node restarts.
+        nodes: by node rank.
+        rdzv, launcher, init_method, debug, local_rank_arg: the launch style (see RunOptions).
+    """
+
     run_id: str
     inventory: str
     group: str
@@ -174,10 +205,29 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
+    def from_dict(cls, data: dict[str, Any], legacy: bool = False) -> Plan:
+        """A plan from :meth:`to_dict`'s shape; an unknown key is an error.
+
+        Args:
+            data: the plan as :meth:`to_dict` gives it.
+            legacy: *data* comes from a manifest of schema version 2, whose nodes also stored their
+                rendered ``argv`` and ``command``: those are dropped, never read (the data they
+                were rendered from is all here).
+        """
         data = dict(data)
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"plan: unknown field(s) {', '.join(unknown)}")
+        node_fields = {f.name for f in fields(NodePlan)}
+        nodes = []
+        for n in data["nodes"]:
+            n = {k: v for k, v in n.items() if not (legacy and k in LEGACY_NODE_FIELDS)}
+            unknown = sorted(set(n) - node_fields)
+            if unknown:
+                raise ValueError(f"plan: node {n.get('name')!r}: unknown field(s) {', '.join(unknown)}")
+            nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {})}))
         data["args"] = tuple(data["args"])
-        data["nodes"] = tuple(NodePlan(**{**n, "argv": tuple(n["argv"])}) for n in data["nodes"])
+        data["nodes"] = tuple(nodes)
         return cls(**data)
 
     @classmethod
@@ -262,69 +312,36 @@ def parse_env(pairs: list[str] | tuple[str, ...],
     return tuple(out)
 
 
-def shell_command(workdir: str, env: dict[str, str], argv: tuple[str, ...]) -> str:
-    """The one shell line a node runs: paste it into an SSH session and you get the same run."""
-    cd = shlex.quote(workdir)
-    env_part = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-    return f"cd {cd} && env {env_part} {' '.join(_shell_word(a) for a in argv)}"
-
-
-def _shell_word(arg: str) -> str:
-    """One argv word for the shell line. A relative ``--log-dir`` (an offline plan: the node's home
-    is not known) is anchored at ``$HOME``, as the plan means it: after ``cd WORKDIR`` a relative
-    path would put torchrun's per-rank logs into the project's workdir."""
-    flag, sep, value = arg.partition("=")
-    if flag == "--log-dir" and sep and not value.startswith("/"):
-        return '--log-dir="$HOME"/' + shlex.quote(value)
-    return shlex.quote(arg)
-
-
 def host_port(addr: str, port: int) -> str:
     """``addr:port``, with an IPv6 literal in brackets."""
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
-def torchrun_argv(python: str, *, nnodes: int, nproc: int, node_rank: int, master_addr: str,
-                  master_port: int, max_restarts: int, log_dir: str, script: str,
-                  args: tuple[str, ...], rdzv: str = "static", run_id: str = "run",
-                  launcher: str = "torchrun", local_rank_arg: str = "--local-rank",
-                  node_name: str = "", world_size: int | None = None) -> tuple[str, ...]:
-    """torchrun through the node's own python (``-m torch.distributed.run``), never a `torchrun`
-    found on PATH that may belong to another environment.
+def master_port(asked: int | None, *, found: int | None = None, asked_free: bool | None = None,
+                replace_taken: bool = False, offline: bool = False) -> int | None:
+    """The run's master port: the one place it is decided (run, plan, check, replay, recovery
+    attempts, the perf check and exports all ask here).
 
-    ``--tee=3`` makes torchrun relay each rank's output line by line with a ``[default<local
-    rank>]:`` prefix (ranks writing to one shared pipe would interleave mid-line) and keeps a full
-    per-rank log under *log_dir* on the node.
+    Args:
+        asked: the port asked for: ``--master-port``, or the port a replayed run recorded; None
+            for any free one.
+        found: a port the probe found free on the master (it looks when *asked* is None, or when
+            *asked* is taken and *replace_taken*).
+        asked_free: whether the probe found *asked* free on the master; None when not probed.
+        replace_taken: a taken *asked* port gives way to *found* (replay without ``--same-port``);
+            otherwise a taken port is kept, and the probe's "in use" problem stops the run.
+        offline: nothing was probed (``--offline``, exports): *asked*, else torchrun's default.
 
-    *rdzv* "static": ``--node-rank`` and ``--master-addr/--master-port``. "c10d": torchrun's c10d
-    rendezvous on the master's address and port (``--rdzv-id`` = the run id), no node rank:
-    torchrun assigns them. ddpfab still decides who hosts the rendezvous store: the master is told
-    ``is_host=1``, the others ``is_host=0`` (torchrun would otherwise guess from host names).
-
-    *launcher* "legacy" runs ``torch.distributed.launch`` (deprecated, still in torch 2.13; same
-    flags as torchrun) without ``--use-env``, so each worker also gets ``--local-rank=N`` as its
-    first argument, as scripts written for it expect; with *local_rank_arg* "--local_rank" it runs
-    with ``--use-env`` and passes ``--local_rank=${local_rank}`` itself (torch substitutes each
-    worker's local rank), for scripts written for torch 1.x.
-
-    ``{{name}}`` placeholders in *args* (:data:`PLACEHOLDERS`) are replaced by this node's values.
+    Returns:
+        The port, or None when the probe found none free (its problem says so).
     """
-    if rdzv == "c10d":
-        where = ("--rdzv-backend=c10d", f"--rdzv-endpoint={host_port(master_addr, master_port)}",
-                 f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}")
-    else:
-        where = (f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}")
-    values = {"node_rank": node_rank, "nnodes": nnodes, "nproc": nproc, "master_addr": master_addr,
-              "master_port": master_port, "run_id": run_id, "node_name": node_name}
-    if world_size is not None:
-        values["world_size"] = world_size
-    script_args = expand_placeholders(args, values)
-    legacy: tuple[str, ...] = ()
-    if launcher == "legacy" and local_rank_arg == "--local_rank":
-        legacy = ("--use-env",)
-        script_args = ("--local_rank=${local_rank}", *script_args)
-    return (python, "-m", LAUNCHERS[launcher], f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *where,
-            f"--max-restarts={max_restarts}", "--tee=3", f"--log-dir={log_dir}", *legacy, script, *script_args)
+    if asked is not None and not 1 <= asked <= 65535:
+        raise PlanError(f"--master-port {asked} is not a TCP port (1-65535)")
+    if offline:
+        return asked if asked is not None else DEFAULT_PORT_RANGE[0]
+    if asked is not None and not (asked_free is False and replace_taken):
+        return asked
+    return found
 
 
 def placeholders_in(args: tuple[str, ...] | list[str]) -> list[str]:
@@ -442,6 +459,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     if options.rdzv == "c10d" and "node_rank" in used:
         raise PlanError("{{node_rank}} in a script argument needs --rdzv static: with c10d, torchrun assigns node "
                         "ranks at rendezvous and ddpfab cannot know them beforehand (read GROUP_RANK in the script)")
+    expand_placeholders(tuple(options.args), dict.fromkeys(PLACEHOLDERS, ""))  # an unknown name: PlanError
     env = dict(BASE_ENV)
     if options.debug:
         env.update(DEBUG_ENV)
@@ -456,11 +474,6 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         except PlanError as exc:
             raise PlanError(f"host {node.name}: {exc}") from None
         remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
-        argv = torchrun_argv(node.python, nnodes=len(ordered), nproc=nproc, node_rank=rank,
-                             master_addr=str(ip), master_port=port, max_restarts=options.max_restarts,
-                             log_dir=f"{remote_dir}/torchrun", script=options.script, args=tuple(options.args),
-                             rdzv=options.rdzv, run_id=options.run_id, launcher=options.launcher,
-                             local_rank_arg=options.local_rank_arg, node_name=node.name, world_size=sum(nprocs))
         # the inventory's per-node env (ddpfab_env, the GPU list), then what the command line asked
         node_env = dict(env)
         if node.gpu_ids:
@@ -486,8 +499,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         nodes.append(NodePlan(
             name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
             node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
-            workdir=workdir, python=node.python, remote_dir=remote_dir, argv=argv, env=node_env,
-            command=shell_command(workdir, node_env, argv), shared_dir=node.shared_dir))
+            workdir=workdir, python=node.python, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir))
     return Plan(
         run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
         master_addr=str(ip), master_port=port, nnodes=len(ordered),

@@ -1,7 +1,7 @@
 """``ddpfab replay RUN_ID``: run a recorded run again, exactly, or refuse and say why.
 
 A manifest is data, never a program: replay never runs a command string it reads. It checks the
-manifest against its schema (``kind`` ``ddpfab-run-manifest``, ``schema_version`` 2, typed
+manifest against its schema (``kind`` ``ddpfab-run-manifest``, ``schema_version`` 3 or 2, typed
 ``options``), then plans again from the recorded *options* (script, args, env, nproc, launch
 style, ...) with the same planner and validators as ``ddpfab run`` (env keys, run id, ports,
 styles), on the same nodes, under a new run id, on the old master port if it is still free (or a
@@ -119,8 +119,11 @@ def check(manifest: dict, cluster: Cluster) -> list[str]:
 
 
 MANIFEST_KIND = "ddpfab-run-manifest"
-#: Version 2: ``options`` recorded, replay re-plans from them (version 1 replayed the stored plan).
-SCHEMA_VERSION = 2
+#: Version 3: the plan is data, no rendered command in it. Version 2: ``options`` recorded, replay
+#: re-plans from them; its plan's nodes also stored their rendered ``argv`` and ``command`` (compared
+#: with what the plan renders now, never run). Version 1 replayed the stored plan: refused.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 #: RunOptions field -> (type, may be null), as recorded in ``manifest["options"]``.
 OPTION_FIELDS: dict[str, tuple[type, bool]] = {
     "script": (str, False), "args": (list, False), "nproc_per_node": (int, True), "master_port": (int, True),
@@ -161,9 +164,9 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
     if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
         raise ManifestError(f"{source} is not a ddpfab run manifest (expected \"kind\": \"{MANIFEST_KIND}\")")
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ManifestError(f"{source}: manifest schema version {json.dumps(version)}, this ddpfab replays version "
-                            f"{SCHEMA_VERSION} only; start the run again with ddpfab run")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise ManifestError(f"{source}: manifest schema version {json.dumps(version)}, this ddpfab replays versions "
+                            f"{' and '.join(map(str, READABLE_VERSIONS))}; start the run again with ddpfab run")
     opts, plan = manifest.get("options"), manifest.get("plan")
     if not isinstance(opts, dict):
         raise ManifestError(f"{source}: options: expected an object, found {type(opts).__name__}")
@@ -202,11 +205,24 @@ def masked_keys(options: RunOptions) -> list[str]:
     return sorted({k for k, v in options.env if v == MASK and SECRET_KEY.search(k)})
 
 
-def differences(recorded: dict, now: Plan) -> list[str]:
-    """Every way the recorded plan (as stored: masked) differs from *now* (masked here), by field."""
-    from .runs import mask_plan
+def as_recorded(now: Plan, version: int = SCHEMA_VERSION) -> dict[str, Any]:
+    """*now* as a manifest of schema *version* records it: masked, and for version 2 with each
+    node's ``argv`` and ``command`` rendered (:mod:`ddpfab.render`) as that version stored them."""
+    from . import render
 
-    planned = json.loads(json.dumps(mask_plan(now.to_dict())))
+    shown = render.masked(now)
+    data = shown.to_dict()
+    if version == 2:
+        for node, plan_node in zip(data["nodes"], shown.nodes):
+            node["argv"] = list(render.argv(shown, plan_node))
+            node["command"] = render.shell_line(shown, plan_node)
+    return json.loads(json.dumps(data))
+
+
+def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> list[str]:
+    """Every way the recorded plan (as stored: masked, by a manifest of schema *version*) differs
+    from *now* (masked here), by field."""
+    planned = as_recorded(now, version)
 
     def short(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False)
@@ -319,7 +335,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             return _err(problems + ["nothing was started"])
         # the recorded options planned again under the old id and port must give the recorded plan
         again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
-        changed = differences(manifest["plan"], again)
+        changed = differences(manifest["plan"], again, manifest["schema_version"])
         options = replace(recorded, run_id=args.new_run_id or new_run_id(), env=tuple(env.items()), master_port=port)
         plan = make_plan(cluster, options, runner.plan_facts(facts, port, cwd))
         if changed or args.dry_run:
@@ -352,19 +368,20 @@ def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: 
     """One probe pass (torch, workdir, script, the old port on the master); a second look on the
     master for a free port only if the old one is taken and that is allowed."""
     from . import probe
-    from .plan import choose_master
+    from .plan import choose_master, master_port
 
     master = choose_master(cluster)
     facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port)
-    busy = master.name in facts and facts[master.name].port_free is False
-    if not busy:
-        return old_port, facts, problems
-    problems = [p for p in problems if not p.startswith(f"host {master.name}: --master-port")]
-    if same_port:
-        return old_port, facts, problems + [
-            f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)"]
-    found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
-                             find_port=True).free_port
-    if found is None:
-        problems.append(f"host {master.name}: no free port for the replay")
-    return found or 0, facts, problems
+    taken = master.name in facts and facts[master.name].port_free is False
+    found = None
+    if taken:
+        problems = [p for p in problems if not p.startswith(f"host {master.name}: --master-port")]
+        if same_port:
+            problems.append(f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)")
+        else:
+            found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
+                                     find_port=True).free_port
+            if found is None:
+                problems.append(f"host {master.name}: no free port for the replay")
+    port = master_port(old_port, found=found, asked_free=not taken, replace_taken=not same_port)
+    return port or 0, facts, problems

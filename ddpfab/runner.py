@@ -19,7 +19,7 @@ from . import inventory, probe, ssh
 from . import node as nodeprog
 from .launch import Printer, RunResult, agent_input, execute, remote_command
 from .mesh import listen_request
-from .plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
+from .plan import Facts, Plan, RunOptions, choose_master, make_plan, master_port, nproc_for
 from .runs import RunDir, controller_info, mask_plan
 
 
@@ -136,7 +136,8 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             problems = [probing.errors[n.name] for n in cluster.nodes if n.name in probing.errors] + problems
             if problems:
                 raise RunError(problems)
-            port = options.master_port or facts[master.name].free_port
+            port = master_port(options.master_port, found=facts[master.name].free_port,
+                               asked_free=facts[master.name].port_free)
             report = None
             if preflight:
                 listening = {n: a if isinstance(a, Exception) else a[1] for n, a in answers.items()}

@@ -33,15 +33,11 @@ def mask_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def mask_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a plan dict with secret env values masked, by key: in env, and each command
-    rebuilt from the masked env (never a text replacement, which misses quoted values and
-    garbles every other place a short value occurs)."""
-    from .plan import shell_command
-
+    """A copy of a plan dict with secret env values masked, by key (the plan holds no rendered
+    command: whatever is rendered from the masked plan shows no secret either)."""
     out = json.loads(json.dumps(plan_dict))
     for node in out["nodes"]:
         node["env"] = mask_env(node["env"])
-        node["command"] = shell_command(node["workdir"], node["env"], tuple(node["argv"]))
     return out
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import export
+from ddpfab import export, render
 from ddpfab.export import (
     ExportError,
     k8s_escape,
@@ -175,20 +176,13 @@ def run_sbatch(text: str, bindir: Path, records: Path, tmp_path: Path, nnodes: i
     return [json.loads((records / f"node{i}.json").read_text()) for i in range(nnodes)]
 
 
-def expected_argv(plan, node_rank: int, master_addr: str, log_dir: str) -> list[str]:
-    """The plan's argv of *node_rank*, as the exported job must start it there (minus argv[0])."""
+def expected_argv(plan, node_rank: int, master_addr: str, log_dir: str, master_port: int | None = None) -> list[str]:
+    """The plan's argv of *node_rank* (:func:`ddpfab.render.command`), as the exported job must start it
+    there (minus argv[0]): the scheduler's master, the log dir as the node's shell resolves it."""
     node = plan.nodes[node_rank]
-    n_flags = len(node.argv) - 1 - len(plan.args)  # python, launcher and torchrun flags
-    out = []
-    for i, word in enumerate(node.argv[1:], 1):
-        if i >= n_flags:
-            pass  # the script and its arguments: never touched
-        elif word.startswith("--master-addr="):
-            word = f"--master-addr={master_addr}"
-        elif word.startswith("--log-dir="):
-            word = f"--log-dir={log_dir}"
-        out.append(word)
-    return out
+    port = str(master_port or plan.master_port)
+    cmd = render.command(plan, node, render.Rendezvous(str(node_rank), master_addr, port))
+    return list(dataclasses.replace(cmd, log_dir=log_dir).argv()[1:])
 
 
 def normalise(argv: list[str], script: str) -> tuple[list[str], set[str], list[str]]:
@@ -207,7 +201,7 @@ def test_sbatch_through_bash_gives_each_node_the_plans_command(fake_slurm, tmp_p
     log_dir = f"{tmp_path}/.ddpfab/runs/{plan.run_id}/torchrun"
     for rank, rec in enumerate(got):
         want = expected_argv(plan, rank, "nodeA", log_dir)
-        assert normalise(rec["argv"], plan.script) == normalise(want, plan.script)
+        assert rec["argv"] == want  # word for word: the sbatch renderer agrees with the node's argv
         assert rec["argv"][-len(NASTY):] == NASTY
         assert rec["cwd"] == str(workdir)
         for key, value in NASTY_ENV:
@@ -388,6 +382,7 @@ def test_pytorchjob_is_valid_and_matches_the_plan_field_by_field(pytorchjob_sche
             env = container_env(container["env"], operator)
             argv = [k8s_expand(w, env) for w in container["command"] + container["args"]]
             want = [w for w in expected_argv(plan, rank, "job-master-0", "") if not w.startswith("--log-dir=")]
+            assert argv[1:] == want  # word for word, flag order too: the renderers agree
             assert argv[0] == "python3"
             assert normalise(argv[1:], plan.script) == normalise(want, plan.script)
             assert argv[-len(NASTY):] == NASTY
@@ -440,8 +435,9 @@ def test_trainjob_is_valid_and_matches_the_plan_field_by_field(trainjob_schema):
                     "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2"}
         env = container_env(trainer["env"], operator)
         argv = [k8s_expand(w, env) for w in trainer["command"] + trainer["args"]]
-        want = [w.replace(f"--master-port={plan.master_port}", "--master-port=29400")
-                for w in expected_argv(plan, rank, "j-node-0-0.j", "") if not w.startswith("--log-dir=")]
+        want = [w for w in expected_argv(plan, rank, "j-node-0-0.j", "", master_port=29400)
+                if not w.startswith("--log-dir=")]
+        assert argv[1:] == want
         assert normalise(argv[1:], plan.script) == normalise(want, plan.script)
         assert argv[-len(NASTY):] == NASTY
         assert {k: env[k] for k in plan.nodes[rank].env} == plan.nodes[rank].env

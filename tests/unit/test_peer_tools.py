@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import cli, completion, config, inventory
+from ddpfab import cli, completion, config, inventory, render
 from ddpfab.inventory import Cluster, InventoryError, Node
 from ddpfab.plan import Facts, PlanError, RunOptions, make_plan
 
@@ -108,7 +108,7 @@ def test_per_host_env_and_gpu_lists_reach_the_plan(tmp_path):
     # Ansible's precedence: a's ddpfab_env replaces the group's; the command line wins over both
     assert (a.env["NCCL_IB_HCA"], a.env["ONLY_A"], a.env["SHARED"]) == ("mlx5_1", "yes", "cli")
     assert b.env["NCCL_IB_HCA"] == "mlx5_0" and "ONLY_A" not in b.env
-    assert "CUDA_VISIBLE_DEVICES=0,2" in a.command
+    assert "CUDA_VISIBLE_DEVICES=0,2" in render.shell_line(plan, a)
     bad = tmp_path / "bad.yml"
     bad.write_text("all: {hosts: {a: {ddpfab_env: {'BAD KEY': 1}}}}\n")
     with pytest.raises(InventoryError, match="not an environment variable name"):
@@ -133,14 +133,15 @@ def test_placeholders_expand_per_node_and_survive_replay():
             "{{run_id}}/{{node_name}}/{{nproc}}/{{world_size}}", "{not_a_placeholder}", "$NODE_RANK")
     plan = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=args, run_id="r1"), _facts(nodes))
     for node in plan.nodes:
-        tail = list(node.argv[node.argv.index("t.py") + 1:])
+        argv = render.argv(plan, node)
+        tail = list(argv[argv.index("t.py") + 1:])
         assert tail == ["--out", f"ckpt/{node.node_rank}-of-3", "--peer=10.0.0.1:29511",
                         f"r1/{node.name}/1/3", "{not_a_placeholder}", "$NODE_RANK"]
     assert plan.args == args  # the template is recorded; each node's argv holds its values
     # replay re-plans from the recorded options (the template), under a new run id and port
     again = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=plan.args, run_id="r2"),
                       dataclasses.replace(_facts(nodes), master_port=29600))
-    assert again.nodes[2].argv[-4:] == ("--peer=10.0.0.1:29600", "r2/n3/1/3", "{not_a_placeholder}", "$NODE_RANK")
+    assert render.argv(again, again.nodes[2])[-4:] == ("--peer=10.0.0.1:29600", "r2/n3/1/3", "{not_a_placeholder}", "$NODE_RANK")
     with pytest.raises(PlanError, match=r"\{\{node_rnk\}\} is unknown \(did you mean 'node_rank'"):
         make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("{{node_rnk}}",)), _facts(nodes))
     with pytest.raises(PlanError, match="needs --rdzv static"):
@@ -150,10 +151,11 @@ def test_placeholders_expand_per_node_and_survive_replay():
 def test_legacy_launcher_passes_the_spelling_the_script_declares(tmp_path, monkeypatch):
     nodes = _nodes(2)
     dash = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("--a",), launcher="legacy"), _facts(nodes))
-    assert "--use-env" not in dash.nodes[0].argv and dash.nodes[0].argv[-2:] == ("t.py", "--a")
+    argv = render.argv(dash, dash.nodes[0])
+    assert "--use-env" not in argv and argv[-2:] == ("t.py", "--a")
     under = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("--a",), launcher="legacy",
                                                              local_rank_arg="--local_rank"), _facts(nodes))
-    argv = under.nodes[0].argv
+    argv = render.argv(under, under.nodes[0])
     assert argv[1:3] == ("-m", "torch.distributed.launch")
     assert argv[-4:] == ("--use-env", "t.py", "--local_rank=${local_rank}", "--a")
     # the CLI reads the script to pick the spelling

@@ -7,6 +7,7 @@ import shlex
 
 import pytest
 
+from ddpfab import render
 from ddpfab.inventory import Cluster, Node
 from ddpfab.plan import Facts, Plan, PlanError, RunOptions, make_plan, parse_env
 
@@ -35,7 +36,7 @@ def test_master_flag_moves_that_node_to_rank_zero_keeping_the_rest_in_order():
     p = make_plan(c, RunOptions("t.py"), facts(c))
     assert [(n.name, n.node_rank) for n in p.nodes] == [("c", 0), ("a", 1), ("b", 2)]
     assert p.master_addr == "10.0.0.3"
-    assert all("--master-addr=10.0.0.3" in n.argv for n in p.nodes)
+    assert all("--master-addr=10.0.0.3" in render.argv(p, n) for n in p.nodes)
 
 
 def test_nproc_precedence_cli_then_inventory_then_gpus_then_one():
@@ -49,11 +50,12 @@ def test_nproc_precedence_cli_then_inventory_then_gpus_then_one():
 def test_every_node_gets_one_consistent_master_and_its_own_rank():
     p = make_plan(C3, RunOptions("t.py", args=("--epochs", "3")), facts(C3))
     for n in p.nodes:
-        assert n.argv[:3] == ("python3", "-m", "torch.distributed.run")
-        assert "--nnodes=3" in n.argv
-        assert f"--node-rank={n.node_rank}" in n.argv
-        assert "--master-port=29501" in n.argv
-        assert n.argv[-3:] == ("t.py", "--epochs", "3")
+        argv = render.argv(p, n)
+        assert argv[:3] == ("python3", "-m", "torch.distributed.run")
+        assert "--nnodes=3" in argv
+        assert f"--node-rank={n.node_rank}" in argv
+        assert "--master-port=29501" in argv
+        assert argv[-3:] == ("t.py", "--epochs", "3")
 
 
 def test_master_address_must_not_be_loopback_for_multi_node():
@@ -97,18 +99,18 @@ def test_workdir_defaults_to_controller_cwd_and_relative_paths_anchor_at_home():
     p = make_plan(c, RunOptions("t.py", run_id="rid"), facts(c))
     assert [n.workdir for n in p.nodes] == ["/srv/code", "/work/proj", "/root/code"]
     assert p.nodes[0].remote_dir == "/root/.ddpfab/runs/rid"
-    assert f"--log-dir={p.nodes[0].remote_dir}/torchrun" in p.nodes[0].argv
+    assert f"--log-dir={p.nodes[0].remote_dir}/torchrun" in render.argv(p, p.nodes[0])
 
 
 def test_command_is_the_argv_env_and_workdir_exactly():
     p = make_plan(C3, RunOptions("t.py", args=("a b", "$X"), env=(("FOO", "1 2"),), run_id="rid"), facts(C3))
     n = p.nodes[1]
-    words = shlex.split(n.command)
+    words = shlex.split(render.shell_line(p, n))
     assert words[:3] == ["cd", "/work/proj", "&&"]
-    env_end = words.index(n.argv[0])
+    env_end = words.index(n.python)
     assert words[3] == "env"
     assert dict(w.split("=", 1) for w in words[4:env_end]) == n.env
-    assert tuple(words[env_end:]) == n.argv
+    assert tuple(words[env_end:]) == render.argv(p, n)
     assert n.env["FOO"] == "1 2" and n.env["DDPFAB_RUN_ID"] == "rid"
 
 

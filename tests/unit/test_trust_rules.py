@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -14,11 +15,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import agent
+from ddpfab import agent, render
 from ddpfab import node as nodeprog
 from ddpfab.execute import guarded
 from ddpfab.inventory import Cluster, InventoryError, Node, _check_duplicates
-from ddpfab.plan import Facts, PlanError, RunOptions, check_run_id, make_plan, parse_env
+from ddpfab.plan import Facts, Plan, PlanError, RunOptions, check_run_id, make_plan, parse_env
 from ddpfab.runs import MASK, mask_argv, mask_plan
 
 C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2")))
@@ -29,13 +30,15 @@ F = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="
 def test_masking_is_by_key_whatever_the_value(secret):
     plan = make_plan(C, RunOptions("t.py", env=(("HF_TOKEN", secret), ("PLAIN", "1"))), F)
     masked = mask_plan(plan.to_dict())
-    for node in masked["nodes"]:
+    shown = render.masked(plan)
+    assert Plan.from_dict(masked) == shown  # the manifest's masked plan is the plan that is shown
+    for node, plan_node in zip(masked["nodes"], plan.nodes):
         assert node["env"]["HF_TOKEN"] == MASK and node["env"]["PLAIN"] == "1"
-        assert "HF_TOKEN=***" in node["command"]
-        # the rest of the command is untouched: rebuilt from the masked env, not edited by text
-        unmasked = dict(node, env={**node["env"], "HF_TOKEN": MASK})
-        assert node["command"] == unmasked["command"]
-        assert "--nproc-per-node=1" in node["command"] and "--master-port=29500" in node["command"]
+        line = render.shell_line(shown, shown.node(node["name"]))
+        assert "HF_TOKEN=***" in line
+        # the rest of the line is untouched: rendered from the masked env, not edited by text
+        assert line == render.shell_line(plan, plan_node).replace(shlex.quote(f"HF_TOKEN={secret}"), shlex.quote("HF_TOKEN=***"), 1)
+        assert "--nproc-per-node=1" in line and "--master-port=29500" in line
 
 
 def test_the_recorded_argv_masks_secret_env_values_only():

@@ -90,7 +90,7 @@ def test_torchrun_logs_stay_out_of_the_workdir_in_offline_plans_and_emitted_scri
     would put the per-rank logs into the project."""
     import subprocess
 
-    from ddpfab import emit
+    from ddpfab import emit, render
     from ddpfab.inventory import Cluster, Node
     from ddpfab.plan import Facts, RunOptions, make_plan
 
@@ -98,14 +98,15 @@ def test_torchrun_logs_stay_out_of_the_workdir_in_offline_plans_and_emitted_scri
     p = make_plan(c, RunOptions("train.py", run_id="r1"), Facts(addresses={"n1": "10.0.0.1"}, master_port=29500,
                                                                  cwd="/here"))
     node = p.nodes[0]
-    assert '--log-dir="$HOME"/.ddpfab/runs/r1/torchrun' in node.command
+    line = render.shell_line(p, node)
+    assert '--log-dir="$HOME"/.ddpfab/runs/r1/torchrun' in line
     script = emit.write(p, tmp_path / "emit")[0].read_text()
     assert '--log-dir="$HOME"/.ddpfab/runs/r1/torchrun' in script
     # what a shell makes of it: an absolute path under the home, not under the workdir
-    words = node.command.split(" && ", 1)[1]
+    words = line.split(" && ", 1)[1]
     got = subprocess.run(["bash", "-c", f"set -- {words}; for a; do case $a in --log-dir=*) echo $a;; esac; done"],
                          capture_output=True, text=True, env={"HOME": "/home/u"}).stdout.strip()
     assert got == "--log-dir=/home/u/.ddpfab/runs/r1/torchrun"
     online = make_plan(c, RunOptions("train.py", run_id="r1"), Facts(addresses={"n1": "10.0.0.1"}, master_port=29500,
                                                                       cwd="/here", homes={"n1": "/home/u"}))
-    assert "--log-dir=/home/u/.ddpfab/runs/r1/torchrun" in online.nodes[0].command
+    assert "--log-dir=/home/u/.ddpfab/runs/r1/torchrun" in render.shell_line(online, online.nodes[0])
