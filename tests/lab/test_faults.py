@@ -16,6 +16,9 @@ import time
 
 import pytest
 
+from ddpfab import render
+from ddpfab.plan import Plan
+
 from .helpers import ddpfab, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
@@ -259,7 +262,8 @@ def test_max_restarts_are_recorded(lab, inventory2, tmp_path):
     assert res.returncode != 0
     assert res.stdout.count("failing on purpose") >= 2, res.stdout  # first attempt and one restart
     manifest = json.loads(next(runs.glob("*/manifest.json")).read_text())
-    assert "--max-restarts=1" in manifest["plan"]["nodes"][0]["argv"]
+    plan = Plan.from_dict(manifest["plan"])
+    assert plan.max_restarts == 1 and "--max-restarts=1" in render.argv(plan, plan.nodes[0])
     assert manifest["nodes"]["node2"]["restarts"] == 1
     wait_no_processes(lab, timeout=5)
 

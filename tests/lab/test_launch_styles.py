@@ -25,6 +25,8 @@ import pytest
 import yaml
 
 from ddpfab import lab as labmod
+from ddpfab import render
+from ddpfab.plan import Plan
 
 from .helpers import ddpfab, reports
 
@@ -111,9 +113,12 @@ def test_c10d_rendezvous_legacy_launcher_tcp_init(lab, inventory2, tmp_path):
     for r in got:
         assert any(ln.startswith(f"{r['hostname']} l{r['local_rank']}| REPORT") and f'"rank": {r["rank"]},' in ln
                    for ln in lines)
-    for n in plan["nodes"]:
-        assert n["argv"][1:3] == ["-m", "torch.distributed.launch"]
-        assert "--rdzv-backend=c10d" in n["argv"] and not any(a.startswith("--node-rank") for a in n["argv"])
+    recorded = Plan.from_dict(plan)  # the manifest's plan is data; render gives the argv the nodes ran
+    assert (recorded.launcher, recorded.rdzv) == ("legacy", "c10d")
+    for n in recorded.nodes:
+        argv = render.argv(recorded, n)
+        assert argv[1:3] == ("-m", "torch.distributed.launch")
+        assert "--rdzv-backend=c10d" in argv and not any(a.startswith("--node-rank") for a in argv)
 
 
 def test_script_written_for_torch_distributed_launch_runs_unchanged(lab, inventory2, tmp_path):

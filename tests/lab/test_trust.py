@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from ddpfab import lab as labmod
+from ddpfab import render
+from ddpfab.plan import Plan
 
 from .helpers import REPO, ddpfab, reports, start_ddpfab, wait_no_processes
 
@@ -154,10 +156,12 @@ def test_a_second_user_never_sees_a_secret_and_no_record_holds_one(lab, inventor
     assert QUOTED not in everything and f"API_KEY={ONE}" not in everything and "tok'en" not in everything
     data = json.loads(manifest)
     assert data["controller"]["argv"].count("HF_TOKEN") == 1  # recorded as given: the key only
-    for node in data["plan"]["nodes"]:
-        assert node["env"]["HF_TOKEN"] == "***" and node["env"]["API_KEY"] == "***"
-        assert "HF_TOKEN=***" in node["command"] and "API_KEY=***" in node["command"]
-        assert "--nproc-per-node=1" in node["command"]  # a 1-char secret garbles nothing else
+    recorded = Plan.from_dict(data["plan"])  # data: no rendered command is stored
+    for node in recorded.nodes:
+        assert node.env["HF_TOKEN"] == "***" and node.env["API_KEY"] == "***"
+        line = render.shell_line(recorded, node)
+        assert "HF_TOKEN=***" in line and "API_KEY=***" in line
+        assert "--nproc-per-node=1" in line  # a 1-char secret garbles nothing else
     assert dict(map(tuple, data["options"]["env"]))["HF_TOKEN"] == "***"
 
 
@@ -219,6 +223,8 @@ def test_an_edited_manifest_is_refused_and_never_runs_anything_run_would_not(lab
 
     edits = {
         "command": lambda m: [n.update(command=f"touch {pwned}") for n in m["plan"]["nodes"]],
+        "python": lambda m: [m["plan"].update(script="-c", args=[f"touch {pwned}"])]
+        + [n.update(python="/bin/sh") for n in m["plan"]["nodes"]],
         "env keys": lambda m: m["options"]["env"].append(["LD_PRELOAD", "/tmp/x.so"]),
         "script": lambda m: m["options"].update(script="examples/train.py"),
     }
@@ -229,9 +235,23 @@ def test_an_edited_manifest_is_refused_and_never_runs_anything_run_would_not(lab
         no_pwn()
     assert "LD_PRELOAD" in replay_with(edits["env keys"]).stderr
     # --force runs what the recorded options plan (what `run` would run), never the stored command
-    res = replay_with(edits["command"], "--force")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert len(reports(res.stdout)) == 2
+    for what in ("command", "python"):
+        res = replay_with(edits[what], "--force")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert len(reports(res.stdout)) == 2
+        no_pwn()
+    # a run recorded before the plan was data (schema 2: nodes stored their argv and command) replays,
+    # its stored renderings compared, never run
+    def as_schema_2(m):
+        m["schema_version"] = 2
+        plan = Plan.from_dict(m["plan"])
+        for node in m["plan"]["nodes"]:
+            node["argv"] = list(render.argv(plan, plan.node(node["name"])))
+            node["command"] = render.shell_line(plan, plan.node(node["name"]))
+    res = replay_with(as_schema_2)
+    assert res.returncode == 0 and len(reports(res.stdout)) == 2, res.stdout + res.stderr
+    res = replay_with(lambda m: [as_schema_2(m)] + [n.update(command=f"touch {pwned}") for n in m["plan"]["nodes"]])
+    assert res.returncode == 2 and "node1: command: recorded" in res.stderr, res.stderr
     no_pwn()
     # a bad value in the options goes through run's validators; foreign or broken JSON: one line
     for edit, message in ((lambda m: m["options"]["env"].append(["BAD KEY", "x"]), "options.env"),
