@@ -6,10 +6,12 @@ import json
 import shlex
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ddpfab import render
 from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, Plan, PlanError, RunOptions, make_plan, parse_env
+from ddpfab.plan import Facts, Plan, PlanError, RunOptions, make_plan, master_port, parse_env
 
 
 def cluster(*nodes: Node) -> Cluster:
@@ -122,3 +124,24 @@ def test_env_keys_are_validated(bad):
 
 def test_env_values_keep_everything_after_the_first_equals():
     assert parse_env(["A=b=c", "E="]) == (("A", "b=c"), ("E", ""))
+
+
+# -- the master port: one decision ------------------------------------------------------------------
+@pytest.mark.parametrize("asked, kw, port", [
+    (None, {"found": 29577}, 29577),                                               # run: a free one
+    (29600, {"found": None, "asked_free": True}, 29600),                           # run --master-port
+    (29600, {"asked_free": False}, 29600),                     # taken: kept, the probe's problem stops the run
+    (29600, {"asked_free": False, "found": 29577, "replace_taken": True}, 29577),  # replay: another one
+    (29600, {"asked_free": True, "found": 29577, "replace_taken": True}, 29600),   # replay: the recorded one
+    (None, {"found": None}, None),                                                 # none free: the probe says so
+    (None, {"offline": True}, 29500),                                              # offline: torchrun's default
+    (29600, {"offline": True}, 29600),
+])
+def test_master_port_is_decided_in_one_place(asked, kw, port):
+    assert master_port(asked, **kw) == port
+
+
+@given(st.integers().filter(lambda p: not 1 <= p <= 65535), st.booleans())
+def test_a_master_port_outside_tcp_is_an_error_whatever_else(port, offline):
+    with pytest.raises(PlanError, match=f"--master-port {port} is not a TCP port"):
+        master_port(port, offline=offline)
