@@ -35,6 +35,8 @@ from . import render
 from .cliargs import add_cluster_args, add_env_args
 from .plan import placeholders_in
 
+#: Script-argument placeholders whose value differs from node to node (a scheduler's job cannot hold them).
+PER_NODE_PLACEHOLDERS = ("node_rank", "node_name")
 #: Kubeflow Trainer's runtime for torchrun jobs (installed with the Trainer's default runtimes).
 DEFAULT_TRAINJOB_RUNTIME = "torch-distributed"
 #: The PyTorchJob operator takes MASTER_PORT from the container port with this name.
@@ -108,7 +110,7 @@ def launch_of(plan) -> Launch:
                     f"a scheduler starts one command on every node, but {node.name} has another {what} than "
                     f"{first.name} ({theirs!r} vs {mine!r}): set {fix} to one value for the whole group")
         if render.command(plan, node).script != first_cmd.script:
-            names = ", ".join("{{%s}}" % n for n in placeholders_in(plan.args))
+            names = ", ".join("{{%s}}" % n for n in placeholders_in(plan.args) if n in PER_NODE_PLACEHOLDERS)
             raise ExportError(f"the script's arguments differ per node ({names}): a scheduler starts one command "
                               "on every node; read the node's rank from the environment in the script instead")
     bad = [k for k in first.env if not _ENV_NAME.match(k)]

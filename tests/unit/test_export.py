@@ -528,3 +528,12 @@ def test_export_module_is_cheap_to_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert out.stdout.strip() == "[]"
+
+
+def test_a_per_node_placeholder_or_c10d_cannot_be_exported_and_the_error_says_why():
+    with pytest.raises(ExportError, match=r"differ per node \(\{\{node_rank\}\}\)"):
+        to_sbatch(plan_of(args=("--shard={{node_rank}}", "--of={{nnodes}}")))
+    text = to_sbatch(plan_of(args=("--of={{nnodes}}", "--ws={{world_size}}")))  # the same on every node: filled in
+    assert "--of=2 --ws=4" in text
+    with pytest.raises(ExportError, match="static rendezvous"):
+        to_pytorchjob(plan_of(rdzv="c10d"), image="img")
