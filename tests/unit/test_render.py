@@ -53,7 +53,7 @@ def plans(draw, uniform: bool = False, secret: str | None = None) -> Plan:
         env.append(("HF_TOKEN", secret))
     launcher = draw(st.sampled_from(["torchrun", "legacy"]))
     options = RunOptions(
-        "train dir/t.py", args=tuple(args), env=tuple(env), run_id=draw(st.from_regex(r"[a-z0-9][a-z0-9._-]{0,8}",
+        "train dir/t.py", args=tuple(args), env=tuple(env), run_id=draw(st.from_regex(r"[a-z0-9][a-z0-9_-]{0,8}",
                                                                                        fullmatch=True)),
         nproc_per_node=draw(st.one_of(st.none(), st.integers(1, 8))) if not uniform else 2,
         max_restarts=draw(st.integers(0, 3)), rdzv=rdzv, launcher=launcher,
@@ -99,21 +99,17 @@ def test_the_dry_run_line_and_the_emitted_script_split_into_the_nodes_argv(plan)
         words = shlex.split(render.shell_line(plan, node))
         assert words == ["cd", node.workdir, "&&", "env", *env_words(node), *as_shell_sees(cmd)]
         text = emit.node_script(plan, node)
-        cd, exec_line = text.split("\n")[-3:-1]  # (split on newlines only: an argument may hold a \r)
+        # after `set -eu`: the cd line, then the exec command (an argument may hold a newline)
+        cd, exec_line = text.split("\nset -eu\n", 1)[1].split("\n", 1)
         assert shlex.split(cd) == ["cd", node.workdir]
         assert shlex.split(exec_line) == ["exec", "env", *env_words(node), *as_shell_sees(cmd)]
 
 
 def srun_words(text: str) -> list[str]:
-    """The srun command of an sbatch script (its line and continuation lines), as bash splits it."""
-    lines = text.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("srun "))
-    joined = ""
-    for ln in lines[start:]:
-        joined += ln[:-1] if ln.endswith("\\") else ln
-        if not ln.endswith("\\"):
-            break
-    return shlex.split(joined)
+    """The srun command of an sbatch script (the script's last command: its line and two
+    continuation lines, whose words may span lines), as bash splits it."""
+    section = text[text.index("\nsrun ") + 1:]
+    return shlex.split(section.replace(" \\\n    ", " ", 2))
 
 
 @SETTINGS
