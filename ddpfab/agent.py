@@ -484,6 +484,8 @@ def main(spec):
     failed_worker = []
 
     def worker_failed(pid, how):
+        if stop.is_set() or job.poll() is not None:
+            return  # ended already: a worker that dies now was ended by torchrun's exit or by us
         failed_worker.append(pid)
         failed_at.append(time.time())
         if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first

@@ -108,7 +108,7 @@ FAKE_TORCHRUN = r"""
 import subprocess, sys, time
 codes = [int(c) for c in sys.argv[1:]]
 workers = [subprocess.Popen([sys.executable, "-c",
-           "import sys,time;time.sleep(0.5 if %d >= 0 else 300);sys.exit(%d)" % (c, max(c, 0))])
+           "import sys,time;time.sleep(2 if %d >= 0 else 300);sys.exit(%d)" % (c, max(c, 0))])
            for c in codes]
 open(sys.argv[0] + ".pids", "w").write(" ".join(str(w.pid) for w in workers))
 while True:
@@ -139,9 +139,32 @@ def test_a_failed_worker_ends_the_job_without_waiting_for_torchrun(tmp_path):
     assert proc.returncode == 1  # what torchrun itself would have exited with
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["stopped"].startswith("a worker failed") and "exit 3" in result["stopped"], result
-    assert took < 5, f"took {took:.1f} s: the agent waited for the launcher's slow shutdown (8 s)"
+    assert took < 6.5, f"took {took:.1f} s: the agent waited for the launcher's slow shutdown (2 s + 8 s)"
     workers = [int(p) for p in (tmp_path / "bin" / "torchrun.pids").read_text().split()]
     assert len(workers) == 2 and not any(alive(p) for p in workers)  # the hanging one too
+
+
+LAUNCHER_THAT_FAILS_ITSELF = r"""
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[0] + ".pids", "w").write(str(worker.pid))
+time.sleep(2)
+sys.exit(1)  # the launcher fails on its own; its worker is still running
+"""
+
+
+def test_a_worker_the_agent_ends_after_the_launcher_failed_is_not_blamed(tmp_path):
+    launcher = tmp_path / "bin" / "torchrun"
+    launcher.parent.mkdir()
+    launcher.write_text(LAUNCHER_THAT_FAILS_ITSELF)
+    proc = spawn({"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": True,
+                  "argv": [sys.executable, str(launcher)]})
+    proc.wait(timeout=30)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    # the agent SIGTERMs the orphaned worker itself: that is teardown, not the job's failure
+    assert result["exit_code"] == 1 and result["stopped"] is None, result
+    worker = int((tmp_path / "bin" / "torchrun.pids").read_text())
+    assert not alive(worker)
 
 
 def test_workers_that_succeed_let_torchrun_finish(tmp_path):
