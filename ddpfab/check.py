@@ -17,15 +17,17 @@ are grouped, one line per distinct problem (:func:`grouped_lines`); ``--json`` h
 from __future__ import annotations
 
 import json
-import sys
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import mesh as meshmod
 from . import node as nodeprog
-from .cliargs import add_cluster_args, load_cluster
+from . import probe, ssh
 from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
+from .plan import RunOptions, choose_master, master_port, nproc_for
+from .problems import Problem
 
 #: Clock skew (seconds) between a node and the controller beyond which check fails.
 DEFAULT_MAX_SKEW_S = 1.0
@@ -264,11 +266,6 @@ def mesh_detail(cluster, mesh: dict) -> dict:
 # -- collection (effectful) --------------------------------------------------------------
 def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None = None) -> Report:
     """The whole pass: connect, probe, mesh, evaluate. Failures on one host never hide others."""
-    import os
-
-    from . import probe, ssh
-    from .plan import choose_master, master_port, nproc_for, RunOptions
-
     started = time.monotonic()
     results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
     phases = {"connect": time.monotonic() - started}
@@ -287,7 +284,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         phases["probe"] = time.monotonic() - started - sum(phases.values())
         for name in conns:
             if name not in facts:
-                unreachable.setdefault(name, "probe failed: " + "; ".join(p for p in _problems if name in p))
+                unreachable.setdefault(name, "probe failed: " + "; ".join(str(p) for p in _problems if p.about(name)))
         addresses = {n.name: (facts[n.name].address if n.name in facts else n.data_addr) for n in cluster.nodes}
         found = facts.get(master.name)
         port = master_port(options.master_port, found=found and found.free_port,
@@ -319,26 +316,33 @@ SYMBOL = {"pass": "ok", "fail": "FAIL", "warn": "warn", "skip": "-"}
 TABLE_ROWS_MAX = 16
 
 
-def grouped_lines(results: list[CheckResult], status: str = "fail") -> list[str]:
-    """One line per distinct problem: results with the same check and text on several nodes become
-    one line naming the nodes (``mesh: 3 nodes unreachable from 61 peers (timed out): node7,
-    node9, node12; likely their firewall...``); a problem on one node keeps its ``host`` line."""
+def grouped_problems(results: list[CheckResult], status: str = "fail") -> list[Problem]:
+    """One problem per distinct problem: results with the same check and text on several nodes
+    become one (node None) whose text names the nodes (``mesh: 3 nodes unreachable from 61 peers
+    (timed out): node7, node9, node12; likely their firewall...``); a problem on one node keeps its
+    node and its ``host`` line."""
     groups: dict[tuple, list[CheckResult]] = {}
     for r in results:
         if r.status == status:
             groups.setdefault((r.check, r.found, r.expected, r.fix), []).append(r)
-    lines = []
+    out = []
     for (check, found, expected, fix), members in groups.items():
         if len(members) == 1:
-            lines.append(members[0].line())
+            out.append(Problem(members[0].node, check, expected, found, fix, text=members[0].line()))
             continue
         names = meshmod.compact([r.node for r in members])
         if expected:
             text = f"{check}: {len(members)} nodes: expected {expected}, found {found}: {names}"
         else:
             text = f"{check}: {len(members)} nodes {found}: {names}"
-        lines.append(text + (f"; {fix}" if fix and not expected else f"; fix: {fix}" if fix else ""))
-    return lines
+        out.append(Problem(None, check, expected, found, fix,
+                           text=text + (f"; {fix}" if fix and not expected else f"; fix: {fix}" if fix else "")))
+    return out
+
+
+def grouped_lines(results: list[CheckResult], status: str = "fail") -> list[str]:
+    """:func:`grouped_problems` as the lines a person reads."""
+    return [str(p) for p in grouped_problems(results, status)]
 
 
 def render(report: Report) -> str:
@@ -378,41 +382,3 @@ def render(report: Report) -> str:
               + (f", {mesh['retried']} retried" if mesh.get("retried") else "") + ")") if "pairs_total" in mesh else ""
     lines.append(f"\n{verdict} on {len(report.nodes)} nodes in {report.seconds:.1f} s{probed}")
     return "\n".join(lines)
-
-
-def register(sub) -> None:
-    p = sub.add_parser("check", help="prove the cluster can train: ssh, versions, GPUs, names, firewall, clocks")
-    add_cluster_args(p)
-    p.add_argument("--master-port", type=int, help="check this port instead of picking a free one")
-    p.add_argument("--nproc-per-node", type=int)
-    p.add_argument("--max-skew", type=float, default=DEFAULT_MAX_SKEW_S, help="clock skew bound in seconds")
-    p.add_argument("--fast", action="store_true", help="skip importing torch on the nodes (no CUDA/NCCL facts)")
-    p.add_argument("--exhaustive", action="store_true",
-                   help=f"probe every pair of nodes (default: all pairs up to {meshmod.EXHAUSTIVE_MAX_NODES} nodes, "
-                        f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
-    p.add_argument("--json", action="store_true")
-    from .perfcli import add_check_arguments
-
-    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/perfrun.py)
-    p.set_defaults(func=cmd_check)
-
-
-def cmd_check(args) -> int:
-    from . import inventory, ssh
-
-    if args.perf or args.history:
-        from .perfcli import cmd_check_perf
-
-        return cmd_check_perf(args)
-
-    try:
-        cluster = load_cluster(args)
-    except inventory.InventoryError as exc:
-        sys.stderr.write(f"ddpfab: error: {exc}\n")
-        return 2
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-    report = check_cluster(cluster, policy, CheckOptions(
-        master_port=args.master_port, nproc_per_node=args.nproc_per_node, max_skew_s=args.max_skew,
-        full=not args.fast, exhaustive=args.exhaustive), args.ssh_config)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
-    return 1 if report.failures else 0

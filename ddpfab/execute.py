@@ -18,7 +18,6 @@ nothing running on any node, unlike plain ``ssh host cmd``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
@@ -27,7 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .cliargs import add_cluster_args, load_cluster
+from . import ssh, streams
+from .launch import COLORS
 
 UNREACHABLE = 255
 
@@ -82,7 +82,6 @@ class LinePrinter:
         prefix = f"{name:<{self.width}} |"
         if self.color:
             # (launch imports fabric: not while the parser is built)
-            from .launch import COLORS
 
             prefix = f"\x1b[{COLORS[self.index.get(name, 0) % len(COLORS)]}m{prefix}\x1b[0m"
         stream = self.err if stderr else self.out
@@ -92,24 +91,13 @@ class LinePrinter:
 
 
 def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
-    pending = b""
-    while True:
-        data = read(65536)
-        if not data:
-            break
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        for raw in lines:
-            printer.line(name, raw.decode("utf-8", "replace").rstrip("\r"), stderr)
-    if pending:
-        printer.line(name, pending.decode("utf-8", "replace"), stderr)
+    for line in streams.lines(read):
+        printer.line(name, line, stderr)
 
 
 def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
            timeout: float | None = None) -> HostResult:
     """Connect to *node*, run *command*, stream its output; never raises."""
-    from . import ssh
-
     result = HostResult(node.name)
     start = time.monotonic()
     conn = None
@@ -144,8 +132,6 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
 
 def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: LinePrinter,
              timeout: float | None = None) -> dict[str, HostResult]:
-    from . import ssh
-
     results = ssh.parallel(list(nodes), lambda n: run_on(n, command, policy, ssh_config, printer, timeout))
     return {k: (v if isinstance(v, HostResult) else HostResult(k, error=repr(v))) for k, v in results.items()}
 
@@ -157,51 +143,3 @@ def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
         parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
     text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s: " + " ".join(parts))
     return (failed[0].code if failed else 0), text
-
-
-def register(sub) -> None:
-    p = sub.add_parser("exec", help="run a command on every node at once (output prefixed per host)",
-                       description="Run CMD on every node in parallel. Several words are quoted for the remote "
-                                   "shell; a single word is run by it as is (pipes, $VARS, && work).")
-    add_cluster_args(p)
-    p.add_argument("--nodes", help="only these nodes (comma-separated inventory names)")
-    p.add_argument("--timeout", type=float, help="give up on a node whose command is silent this long (s)")
-    p.add_argument("--no-color", action="store_true")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
-    p.set_defaults(func=cmd_exec)
-
-
-def cmd_exec(args: argparse.Namespace) -> int:
-    from . import inventory, ssh
-
-    words = list(args.cmd)
-    if words and words[0] == "--":
-        words = words[1:]
-    try:
-        command = remote_command(words)
-        cluster = load_cluster(args)
-    except ValueError as exc:
-        sys.stderr.write(f"ddpfab: error: {exc}\n")
-        return 2
-    except inventory.InventoryError as exc:
-        sys.stderr.write(f"ddpfab: error: {exc}\n")
-        return 2
-    nodes = list(cluster.nodes)
-    if args.nodes:
-        wanted = [w.strip() for w in args.nodes.split(",") if w.strip()]
-        unknown = [w for w in wanted if w not in {n.name for n in nodes}]
-        if unknown:
-            sys.stderr.write(f"ddpfab: error: --nodes: {', '.join(unknown)} not in group {cluster.group} of "
-                             f"{cluster.source} (nodes: {', '.join(n.name for n in nodes)})\n")
-            return 2
-        nodes = [n for n in nodes if n.name in wanted]
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-    printer = LinePrinter([n.name for n in nodes], color=False if args.no_color else None)
-    start = time.monotonic()
-    results = exec_all(nodes, command, policy, args.ssh_config, printer, args.timeout)
-    code, text = summary(results, time.monotonic() - start)
-    for r in results.values():
-        if r.error:
-            sys.stderr.write(f"ddpfab: {r.name}: {r.error}\n")
-    sys.stderr.write(f"ddpfab: {text}\n")
-    return code

@@ -21,19 +21,18 @@ is written as ``$$`` (Kubernetes' escape), and only ddpfab's own references stay
 
 from __future__ import annotations
 
-import argparse
 import copy
+import ipaddress
+import json
 import os
 import re
 import shlex
-import sys
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-from . import render
-from .cliargs import add_cluster_args, add_env_args
-from .plan import placeholders_in
+from . import inventory, render
+from .plan import Facts, make_plan, placeholders_in
+from .plan import master_port as decide_port
 
 #: Script-argument placeholders whose value differs from node to node (a scheduler's job cannot hold them).
 PER_NODE_PLACEHOLDERS = ("node_rank", "node_name")
@@ -369,8 +368,6 @@ def to_trainjob(plan, *, image: str, python: str = "python3", name: str | None =
 
 def dump_manifest(doc: dict[str, Any], fmt: str = "yaml") -> str:
     if fmt == "json":
-        import json
-
         return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
     import yaml
 
@@ -382,11 +379,6 @@ def offline_facts(cluster, master_port: int | None, cwd: str):
     """Facts for an export: nothing is contacted or resolved. Addresses are the inventory's when
     they are usable IP literals, else a placeholder (an export never uses them: the scheduler
     decides where the master is); the port is the user's or torchrun's default 29500."""
-    import ipaddress
-
-    from .plan import Facts
-    from .plan import master_port as decide_port
-
     addresses = {}
     for n in cluster.nodes:
         try:
@@ -400,9 +392,6 @@ def offline_facts(cluster, master_port: int | None, cwd: str):
 def plan_for_export(inventory_path: str, group: str, options, cwd: str | None = None, limit: str | None = None,
                     extra_vars=()):
     """(cluster, plan) for an export, made exactly as ``ddpfab run --dry-run --offline`` makes it."""
-    from . import inventory
-    from .plan import make_plan
-
     cluster = inventory.load(inventory_path, group, limit=limit, extra_vars=extra_vars)
     return cluster, make_plan(cluster, options, offline_facts(cluster, options.master_port, cwd or os.getcwd()))
 
@@ -413,107 +402,3 @@ def inventory_gpus(cluster) -> int:
     if len(counts) != 1:
         return 0
     return counts.pop() or 0
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-def register(subparsers) -> None:
-    """Add ``export {slurm,pytorchjob,trainjob}`` to the ddpfab command line."""
-    export = subparsers.add_parser(
-        "export", help="write the same job as a Slurm sbatch script or a Kubeflow manifest",
-        description="Make the plan `ddpfab run` would run (offline: no host is contacted) and write it "
-                    "for a scheduler: the same torchrun flags, script, arguments and environment.")
-    sub = export.add_subparsers(dest="export_target", required=True)
-    slurm = sub.add_parser("slurm", help="an sbatch script (srun starts torchrun once per node)")
-    pyjob = sub.add_parser("pytorchjob", help="a Kubeflow PyTorchJob (kubeflow.org/v1) manifest")
-    trjob = sub.add_parser("trainjob", help="a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1)")
-    for p in (slurm, pyjob, trjob):
-        add_cluster_args(p, ssh=False)
-        p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
-        p.add_argument("--master-port", type=int, help="MASTER_PORT (default 29500)")
-        add_env_args(p)
-        p.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
-        p.add_argument("--run-id", help="the run id (default: time + random suffix)")
-        p.add_argument("--gpus-per-node", type=int,
-                       help="GPUs per node to request (default: the inventory's ddpfab_gpus if all nodes agree)")
-        p.add_argument("-o", "--output", help="write to this file instead of standard output")
-    slurm.add_argument("--partition", help="#SBATCH --partition")
-    slurm.add_argument("--time", dest="time_limit", help="#SBATCH --time (e.g. 1-00:00:00)")
-    slurm.add_argument("--account", help="#SBATCH --account")
-    slurm.add_argument("--cpus-per-task", type=int,
-                       help="#SBATCH --cpus-per-task: CPUs for torchrun and all the ranks of a node")
-    slurm.add_argument("--job-name", help="#SBATCH --job-name (default: ddpfab-<run id>)")
-    slurm.add_argument("--job-output", help="#SBATCH --output (default: Slurm's slurm-%%j.out)")
-    slurm.add_argument("--sbatch", action="append", default=[], metavar="--NAME=VALUE",
-                       help="another #SBATCH option, e.g. --sbatch=--qos=high (repeatable)")
-    for p in (pyjob, trjob):
-        p.add_argument("--image", required=True, help="container image with torch and the training code")
-        p.add_argument("--python", default="python3", help="the image's python with torch (default: python3)")
-        p.add_argument("--name", help="the job's name (default: ddpfab-<run id>)")
-        p.add_argument("--namespace", help="the job's namespace (default: kubectl's)")
-        p.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)")
-    pyjob.add_argument("--workdir", help="the container's working dir (default: the image's WORKDIR)")
-    trjob.add_argument("--runtime", default=DEFAULT_TRAINJOB_RUNTIME,
-                       help=f"training runtime to reference (default: {DEFAULT_TRAINJOB_RUNTIME})")
-    trjob.add_argument("--runtime-kind", default="ClusterTrainingRuntime",
-                       choices=("ClusterTrainingRuntime", "TrainingRuntime"))
-    for p in (slurm, pyjob, trjob):
-        p.add_argument("script", help="training script, relative to the nodes' workdir")
-        p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-        p.set_defaults(func=cmd_export)
-
-
-def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
-    """The same environment ``ddpfab run`` would give the ranks (one definition: the run's)."""
-    from .cli import _env as run_env
-
-    return run_env(args, planmod)
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from . import inventory
-    from . import plan as planmod
-    from .runs import new_run_id
-
-    try:
-        if args.master_port is not None and not 1 <= args.master_port <= 65535:
-            raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
-        options = planmod.RunOptions(
-            script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
-            master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
-            run_id=args.run_id or new_run_id())
-        cluster, plan = plan_for_export(args.inventory, args.group, options, limit=args.limit,
-                                        extra_vars=args.extra_vars)
-        if not args.output:  # printed: secret values masked by key; -o writes them to a private file
-            masked = render.masked(plan)
-            if masked != plan:
-                sys.stderr.write("ddpfab: secret env values are masked (***) on stdout; -o FILE writes them "
-                                 "into a private file\n")
-            plan = masked
-        gpus = args.gpus_per_node if args.gpus_per_node is not None else inventory_gpus(cluster)
-        if args.export_target == "slurm":
-            text = to_sbatch(plan, job_name=args.job_name, gpus_per_node=gpus, cpus_per_task=args.cpus_per_task,
-                             partition=args.partition, time_limit=args.time_limit, account=args.account,
-                             output=args.job_output, sbatch_args=tuple(args.sbatch))
-        elif args.export_target == "pytorchjob":
-            text = dump_manifest(to_pytorchjob(plan, image=args.image, python=args.python, name=args.name,
-                                               namespace=args.namespace, workdir=args.workdir,
-                                               gpus_per_node=gpus), args.format)
-        else:
-            text = dump_manifest(to_trainjob(plan, image=args.image, python=args.python, name=args.name,
-                                             namespace=args.namespace, runtime=args.runtime,
-                                             runtime_kind=args.runtime_kind, gpus_per_node=gpus), args.format)
-    except (inventory.InventoryError, planmod.PlanError, ExportError) as exc:
-        sys.stderr.write(f"ddpfab: error: {exc}\n")
-        return 2
-    if args.output:  # it holds the real env values, secrets too: private from the start
-        from .emit import write_private
-
-        try:
-            write_private(Path(args.output), text, 0o700 if args.export_target == "slurm" else 0o600)
-        except OSError as exc:
-            sys.stderr.write(f"ddpfab: error: -o {args.output}: {exc.strerror or exc}\n")
-            return 2
-        sys.stderr.write(f"ddpfab: wrote {args.output}\n")
-    else:
-        sys.stdout.write(text)
-    return 0

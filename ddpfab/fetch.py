@@ -15,22 +15,17 @@ master, then the other nodes in inventory order (:func:`ddpfab.plan.node_order`)
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-from typing import TYPE_CHECKING
 
 from . import node as nodeprog
+from .inventory import Cluster, Node
 from .plan import REMOTE_RUNS_DIR, node_order
 from .sync import SyncError, _node_reply, check_workdir, node_command
-from .target import TargetError, destination, openssh_options, resolve, ssh_problem
-
-if TYPE_CHECKING:
-    from .inventory import Cluster, Node
-    from .target import HostKeyPolicy
+from .target import HostKeyPolicy, TargetError, destination, openssh_options, resolve, ssh_problem
 
 #: Above this size rsync shows its one-line progress (on stderr).
 PROGRESS_BYTES = 16 * 2**20
@@ -106,42 +101,3 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
         raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}")
     return {**found, "node": node.name, "local": dest}
-
-
-# -- command line ------------------------------------------------------------------------------
-def register(subparsers) -> None:
-    from .cliargs import add_cluster_args
-
-    p = subparsers.add_parser(
-        "fetch", help="copy a file or dir (a checkpoint, logs) from a node's workdir or run dir to here",
-        description="Copy REMOTE_PATH (relative to the node's workdir, or absolute inside the workdir or "
-                    "~/.ddpfab/runs) from one node to LOCAL_DIR over the same SSH settings as sync.")
-    add_cluster_args(p)
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--node", help="the inventory host to fetch from")
-    which.add_argument("--rank", type=int, help="the node rank to fetch from (default: 0, the master)")
-    p.add_argument("--overwrite", action="store_true", help="replace what is already at the destination")
-    p.add_argument("remote_path", metavar="REMOTE_PATH")
-    p.add_argument("local_dir", metavar="LOCAL_DIR", nargs="?", default=".")
-    p.set_defaults(func=cmd_fetch)
-
-
-def cmd_fetch(args: argparse.Namespace) -> int:
-    from . import inventory, ssh
-
-    try:
-        cluster = inventory.load(args.inventory, args.group)
-        node = pick_node(cluster, args.node, args.rank)
-        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        got = fetch(node, args.remote_path, args.local_dir, policy, ssh_config=args.ssh_config,
-                    overwrite=args.overwrite)
-    except (inventory.InventoryError, FetchError) as exc:
-        sys.stderr.write(f"ddpfab: error: {exc}\n")
-        return 1
-    except KeyboardInterrupt:
-        sys.stderr.write("ddpfab: fetch interrupted\n")
-        return 130
-    size = f"{got['bytes'] / 1e6:.1f} MB" if got["bytes"] >= 1e5 else f"{got['bytes']} bytes"
-    what = f"{got['files']} files, {size}" if got["kind"] == "dir" else size
-    print(f"fetched {got['node']}:{got['path']} -> {got['local']} ({what})")
-    return 0

@@ -8,9 +8,13 @@ it once (:func:`ddpfab.cli.main`): one line, exit 130 (SIGINT) or 143 (SIGTERM),
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
+
+from .agent import _signal_all, descendants
 
 
 class Interrupted(KeyboardInterrupt):
@@ -47,9 +51,6 @@ def run_interruptible(call: Callable[[], int]) -> int:
     """``call()`` with SIGINT/SIGTERM raising :class:`Interrupted`; if one comes, this process's
     children are ended, one line is printed and the process exits 130/143 at once (threads still
     blocked on a connection that is closing must not hold the exit up)."""
-    import os
-    import sys
-
     try:
         with signals_raise():
             return call()
@@ -65,8 +66,4 @@ def run_interruptible(call: Callable[[], int]) -> int:
 def end_own_children() -> None:
     """TERM this process's child processes (rsync, ssh) so that an interrupted command leaves
     none behind; the node side of each ends when its connection closes."""
-    import os
-
-    from .agent import _signal_all, descendants
-
     _signal_all(descendants(os.getpid()), signal.SIGTERM)

@@ -18,11 +18,14 @@ switches the cache off. Entries are private to the user (0600 in a 0700 director
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import tempfile
 from pathlib import Path
+
+from . import __version__
 
 #: Bump when the cached node format changes.
 FORMAT = 1
@@ -72,8 +75,6 @@ def _inputs(path: Path) -> list[tuple[str, str]] | None:
 def _ansible_version() -> str:
     """ansible-core's version, read from its release.py: importlib.metadata takes 0.2 s to find it."""
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec("ansible")
         text = Path(spec.origin).with_name("release.py").read_text()
         return re.search(r"__version__\s*=\s*['\"]([^'\"]+)", text).group(1)
@@ -88,7 +89,6 @@ def key(path: Path, group: str) -> str | None:
     inputs = _inputs(path)
     if inputs is None:
         return None
-    from . import __version__
 
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT, __version__, _ansible_version(), str(path.resolve()), group]).encode())

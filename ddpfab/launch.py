@@ -22,10 +22,11 @@ from typing import BinaryIO, Callable, TextIO
 
 from fabric import Connection
 
-from . import hints
+from . import hints, ssh, streams
 from . import node as nodeprog
 from .agent import CANNOT_START
 from .interrupt import Interrupted, signals_raise
+from .mesh import compact
 from .plan import NodePlan, Plan
 from .render import command as render_command
 
@@ -130,8 +131,6 @@ class NodeOutcome:
 
 def waiting_report(outcomes: dict[str, NodeOutcome], now: float, quiet_s: float) -> str:
     """One line: which nodes the run waits for, grouped by state (nodes in inventory order)."""
-    from .mesh import compact
-
     groups: dict[str, list[str]] = {}
     for name, out in outcomes.items():
         if not out.ended:
@@ -249,8 +248,6 @@ class _NodeJob:
             self.done.wait(max(0.0, HEARTBEAT_S - (time.monotonic() - began)))
 
     def _result_record(self) -> dict | None:
-        from . import ssh
-
         try:
             res = ssh.run(self.conn, self.node.name, f"cat {shlex.quote(self.node.remote_dir)}/result.json",
                           timeout=10)
@@ -325,21 +322,14 @@ class _NodeJob:
             self.chan = chan
             if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
                 self.stop(self.fast_stop)
-            pending = b""
-            while True:
-                data = chan.recv(65536)
-                if not data:
-                    break
+
+            def logged(data: bytes) -> None:
                 log.write(data)
                 log.flush()
-                pending += data
-                *complete, pending = pending.split(b"\n")
-                if complete:
-                    out.last_line = time.monotonic()
-                for raw in complete:
-                    self._line(raw.decode("utf-8", "replace").rstrip("\r"))
-            if pending:
-                self._line(pending.decode("utf-8", "replace"))
+
+            for line in streams.lines(chan.recv, on_chunk=logged):
+                out.last_line = time.monotonic()
+                self._line(line)
             out.exit_code = chan.recv_exit_status()
             if out.exit_code == -1:
                 out.exit_code = None

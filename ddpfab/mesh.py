@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -259,7 +260,6 @@ def compact(names: list[str], limit: int = 8) -> str:
     (``node[1-40,42]``) in the given order."""
     if len(names) <= limit:
         return ", ".join(names)
-    import re
 
     groups: list[tuple[str, list[int]]] = []
     loose: list[str] = []

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .inventory import Cluster, Node
+from .suggest import did_you_mean
 from .workdir import WorkdirError
 from .workdir import resolve as resolve_workdir
 
@@ -360,8 +361,6 @@ def expand_placeholders(args: tuple[str, ...], values: dict[str, Any]) -> tuple[
     def sub(m: re.Match) -> str:
         name = m.group(1)
         if name not in values:
-            from .suggest import did_you_mean
-
             raise PlanError(f"script argument placeholder {{{{{name}}}}} is unknown{did_you_mean(name, PLACEHOLDERS)}; "
                             f"known: {', '.join(PLACEHOLDERS)}")
         return str(values[name])

@@ -21,6 +21,7 @@ from . import node as nodeprog
 from . import ssh
 from .inventory import Cluster, Node
 from .plan import DEFAULT_PORT_RANGE
+from .problems import Problem
 from .target import Target
 
 class ProbeError(Exception):
@@ -138,7 +139,7 @@ def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cw
 
 def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
            master_port: int | None, full: bool = False,
-           sessions: dict[str, nodeprog.Session] | None = None) -> tuple[dict[str, NodeFacts], list[str]]:
+           sessions: dict[str, nodeprog.Session] | None = None) -> tuple[dict[str, NodeFacts], list[Problem]]:
     """Probe every node at once; return the facts and a list of problems (empty = ready). In the
     nodes' open program *sessions* when given (left open for what comes next), else in a session
     of its own per node. (``ddpfab run`` sends its facts requests with the rest of its preparation
@@ -162,7 +163,7 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
 
 def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
             answers: dict[str, nodeprog.Reply | Exception], *, cwd: str, script: str | None,
-            master_port: int | None, sent_at: float) -> tuple[dict[str, NodeFacts], list[str]]:
+            master_port: int | None, sent_at: float) -> tuple[dict[str, NodeFacts], list[Problem]]:
     """The nodes' ``facts`` replies (or why a node gave none) as facts and problems."""
     received = time.time()
     results: dict[str, NodeFacts | BaseException] = {}
@@ -176,29 +177,41 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
         except (ssh.SSHError, nodeprog.NodeProgramError) as exc:
             results[name] = exc
     facts: dict[str, NodeFacts] = {}
-    problems: list[str] = []
+    problems: list[Problem] = []
     for node in cluster.nodes:
         if node.name not in results:
             continue
         res = results[node.name]
         if isinstance(res, BaseException):
-            problems.append(str(res))
+            problems.append(Problem(node.name, "probe", found=str(res), text=str(res)))
             continue
         facts[node.name] = res
         workdir = node.workdir or cwd
         if not res.workdir_exists:
-            problems.append(f"host {node.name}: workdir {workdir} does not exist there; create it, sync the "
-                            "code, or set ddpfab_workdir")
+            problems.append(Problem(node.name, "workdir", expected=f"{workdir} exists", found="missing",
+                                    fix="create it, sync the code, or set ddpfab_workdir",
+                                    text=f"host {node.name}: workdir {workdir} does not exist there; create it, "
+                                         "sync the code, or set ddpfab_workdir"))
         elif script and res.script_exists is False:
-            problems.append(f"host {node.name}: script {script} not found in {workdir}; sync the code first")
+            problems.append(Problem(node.name, "script", expected=f"{script} in {workdir}", found="missing",
+                                    fix="sync the code first",
+                                    text=f"host {node.name}: script {script} not found in {workdir}; sync the "
+                                         "code first"))
         if not res.torch:
-            problems.append(f"host {node.name}: {node.python} cannot import torch (python {res.python}); "
-                            "provision the node (ddpfab provision) or set ddpfab_python")
+            problems.append(Problem(node.name, "torch", expected=f"{node.python} imports torch",
+                                    found=f"it cannot (python {res.python})",
+                                    fix="provision the node (ddpfab provision) or set ddpfab_python",
+                                    text=f"host {node.name}: {node.python} cannot import torch (python "
+                                         f"{res.python}); provision the node (ddpfab provision) or set ddpfab_python"))
         if node.name == master.name:
             if master_port is not None and res.port_free is False:
-                problems.append(f"host {node.name}: --master-port {master_port} is already in use there; "
-                                "pick another port or leave --master-port out to get a free one")
+                problems.append(Problem(node.name, "master_port", expected=f"port {master_port} free",
+                                        found="in use", fix="pick another port or leave --master-port out",
+                                        text=f"host {node.name}: --master-port {master_port} is already in use "
+                                             "there; pick another port or leave --master-port out to get a free one"))
             if master_port is None and res.free_port is None:
                 lo, hi = DEFAULT_PORT_RANGE
-                problems.append(f"host {node.name}: no free port in {lo}-{hi}; pass --master-port")
+                problems.append(Problem(node.name, "master_port", expected=f"a free port in {lo}-{hi}",
+                                        found="none", fix="pass --master-port",
+                                        text=f"host {node.name}: no free port in {lo}-{hi}; pass --master-port"))
     return facts, problems

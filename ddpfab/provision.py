@@ -19,7 +19,6 @@ environment nor your config names is passed as its ``ANSIBLE_*`` variable), Ansi
 
 from __future__ import annotations
 
-import argparse
 import configparser
 import json
 import os
@@ -35,6 +34,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
+from . import inventory as invmod
+from .suggest import did_you_mean
 from .target import HostKeyPolicy, Target, TargetError, ansible_vars, resolve_all, ssh_argv, ssh_problem
 
 #: Playbooks ``ddpfab provision --playbook NAME`` knows by name (``<name>.yml`` in :func:`ansible_dir`).
@@ -142,7 +143,6 @@ def playbook_path(playbook: str) -> Path:
     path = Path(playbook)
     if path.is_file():
         return path.resolve()
-    from .suggest import did_you_mean
 
     raise ProvisionError(f"unknown playbook {playbook!r}{did_you_mean(playbook, PLAYBOOKS)}: use one of "
                          f"{', '.join(PLAYBOOKS)} or a path to a playbook")
@@ -222,8 +222,6 @@ def build_command(inventory: str | os.PathLike, playbook: str = "provision", tag
     *inventory* is anything ``-i`` takes (see :func:`ddpfab.inventory.ansible_source`): a file, a
     host list ``a,b,``, a DeepSpeed hostfile or pdsh ranges.
     """
-    from . import inventory as invmod
-
     try:
         source = invmod.ansible_source(str(inventory))
     except invmod.InventoryError as exc:
@@ -344,8 +342,6 @@ def summarize(recap: list[HostRecap], rc: int, why: dict[str, str] | None = None
 def targets_of(inventory: str | Path, policy: HostKeyPolicy | None = None,
                ssh_config: str | None = None) -> dict[str, Target]:
     """How ddpfab reaches every host of *inventory* (:func:`ddpfab.target.resolve`)."""
-    from . import inventory as invmod
-
     try:
         return resolve_all(invmod.load(str(inventory), group="all").nodes, policy, ssh_config)
     except (invmod.InventoryError, TargetError) as exc:
@@ -454,77 +450,3 @@ def _run_streaming(argv: list[str], out: TextIO, options: AnsibleOptions) -> tup
             proc.kill()
         raise
     return rc, b"".join(captured).decode("utf-8", "replace")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``ddpfab provision`` (for the CLI to reuse): ddpfab's own, then the
-    ansible-playbook options passed through with their usual names."""
-    from .cliargs import INVENTORY_HELP
-
-    parser.add_argument("-i", "--inventory", default=None, help=INVENTORY_HELP)
-    parser.add_argument("--playbook", default="provision",
-                        help=f"{' | '.join(PLAYBOOKS)} or a path to a playbook (default: provision)")
-    parser.add_argument("-t", "--tags", action="append", default=[],
-                        help="only these roles: base,timesync,firewall,gpu,python (comma-separated, repeatable)")
-    parser.add_argument("--skip-tags", action="append", default=[], help="skip these roles/tags (as -t)")
-    parser.add_argument("-C", "--check", action="store_true",
-                        help="dry run: show what would change (with --diff), change nothing")
-    parser.add_argument("-D", "--diff", action="store_true", help="show the changes made to files and templates")
-    parser.add_argument("-l", "--limit", help="an Ansible host pattern to restrict the run to")
-    parser.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
-                        help="Ansible extra vars (KEY=VALUE, JSON/YAML, or @file), repeatable; the highest precedence")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="ansible-playbook's verbosity (-v .. -vvvv)")
-    parser.add_argument("-u", "--user", help="connect as this user (over the inventory's ansible_user)")
-    parser.add_argument("-K", "--ask-become-pass", action="store_true",
-                        help="ask for the become (sudo) password on the terminal")
-    parser.add_argument("--vault-id", action="append", default=[], metavar="ID",
-                        help="a vault identity (label@source), repeatable")
-    parser.add_argument("-J", "--ask-vault-pass", action="store_true", help="ask for the vault password")
-    parser.add_argument("--vault-password-file", action="append", default=[], metavar="FILE",
-                        help="a vault password file, repeatable")
-    parser.add_argument("--known-hosts", help="known_hosts file (default: the inventory's UserKnownHostsFile, "
-                                              "the ssh_config's, else ~/.ssh/known_hosts), as for `ddpfab run`")
-    parser.add_argument("--accept-new-host-keys", action="store_true",
-                        help="trust and record host keys not yet in known_hosts (a changed key is always refused)")
-    parser.add_argument("--ssh-config", help="an ssh_config file to read (default: the inventory's -F, else "
-                                             "~/.ssh/config), as for `ddpfab run`")
-
-
-def options_from_args(args: argparse.Namespace) -> AnsibleOptions:
-    """The :class:`AnsibleOptions` of parsed ``ddpfab provision`` arguments."""
-    return AnsibleOptions(
-        verbosity=args.verbose, ask_become_pass=args.ask_become_pass, user=args.user,
-        vault_ids=tuple(args.vault_id), ask_vault_pass=args.ask_vault_pass,
-        vault_password_files=tuple(args.vault_password_file), check=args.check, diff=args.diff,
-        limit=args.limit, tags=tuple(args.tags), skip_tags=tuple(args.skip_tags),
-        extra_vars=tuple(args.extra_vars))
-
-
-def policy_from_args(args: argparse.Namespace) -> HostKeyPolicy:
-    """The host-key policy of parsed ``ddpfab provision`` arguments."""
-    return HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ddpfab.provision -i INVENTORY [...] [-- ANSIBLE-PLAYBOOK ARGS]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    passthrough: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, passthrough = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(prog="ddpfab provision", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        from .config import default_inventory
-
-        return run_playbook(default_inventory(args.inventory), args.playbook, extra_args=passthrough,
-                            options=options_from_args(args), policy=policy_from_args(args), ssh_config=args.ssh_config)
-    except ProvisionError as exc:
-        print(f"ddpfab provision: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

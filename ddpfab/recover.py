@@ -18,29 +18,27 @@ Ctrl-C (or SIGTERM) never starts another attempt: an interrupted attempt ends th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
-from . import inventory
+from . import inventory, ssh
 from .inventory import Cluster, Node
+from .launch import Interrupted, Printer, RunResult
 from .plan import Plan, RunOptions
+from .problems import Problem
+from .runner import RunError
+from .runs import RunDir
+from .ssh import HostKeyPolicy
 
-if TYPE_CHECKING:  # (fabric and paramiko load only when a run starts: `ddpfab --help` stays fast)
-    from .launch import RunResult
-    from .ssh import HostKeyPolicy
-
-RETRY_KINDS = ("node", "script")
 #: Env vars that tell the script it is a restart (beside DDPFAB_RUN_ID, the attempt's own id).
 RESTART_VAR, ROOT_VAR, LINEAGE_VAR = "DDPFAB_RESTART_COUNT", "DDPFAB_ROOT_RUN_ID", "DDPFAB_RUN_LINEAGE"
 #: Lines of a failed node's log kept as evidence.
@@ -162,14 +160,18 @@ def attempt_options(options: RunOptions, restart: int, lineage: tuple[str, ...])
     return replace(options, run_id=attempt_id(root, restart), env=env)
 
 
-def problem_hosts(problems: list[str], names: set[str]) -> set[str]:
-    """The hosts that preflight/probe problem lines name (``host NAME: ...``), among *names*."""
-    found = set()
-    for line in problems:
-        m = _HOST_PROBLEM.match(line)
-        if m and m.group(1) in names:
-            found.add(m.group(1))
-    return found
+def problem_host(problem: Problem | str) -> str | None:
+    """The node a problem is about: a :class:`Problem`'s own; for a line of text from a layer that
+    has no problem type yet (``sync: host NAME: ...``), the name its ``host NAME`` prefix gives."""
+    if isinstance(problem, Problem):
+        return problem.node
+    m = _HOST_PROBLEM.match(problem)
+    return m.group(1) if m else None
+
+
+def problem_hosts(problems: list[Problem | str], names: set[str]) -> set[str]:
+    """The hosts that preflight/probe problems are about, among *names* (exact names)."""
+    return {host for host in map(problem_host, problems) if host in names}
 
 
 def exception_line(log_text: str) -> str | None:
@@ -201,8 +203,6 @@ def tail(path: Path, lines: int = EVIDENCE_LINES) -> str:
 def health(nodes: tuple[Node, ...], policy: HostKeyPolicy, ssh_config: str | None) -> dict[str, str]:
     """node -> why it is unhealthy now, for the nodes that do not answer a fresh SSH connection
     and a trivial command (retried once: a timeout is not yet evidence of a fault)."""
-    from . import ssh
-
     def one(node: Node) -> None:
         last: BaseException | None = None
         for _ in range(2):
@@ -318,8 +318,6 @@ class Recovery:
         self.out.flush()
 
     def record(self, state: str, exit_code: int | None) -> None:
-        from .runs import RunDir
-
         path = Path(self.runs_dir) / self.root / "manifest.json"
         if not path.exists():
             return
@@ -338,7 +336,6 @@ class Recovery:
     def _prepare(self, attempt: Attempt, nodes: tuple[Node, ...], restart: int, lineage: tuple[str, ...]):
         """Prepare the attempt on *nodes*; a node the preflight blames is left out and replaced by
         another spare (at most once per spare). Returns (prepared, extra, nodes actually used)."""
-        from .runner import RunError
         opts = attempt_options(self.options, restart, lineage)
         while True:
             try:
@@ -349,7 +346,7 @@ class Recovery:
                 if restart == 0 or not blamed:
                     raise
                 for name in blamed:
-                    why = "; ".join(p for p in exc.problems if name in p)
+                    why = "; ".join(str(p) for p in exc.problems if problem_host(p) == name)  # node1 is not node10
                     attempt.skipped[name] = why
                     self.excluded.add(name)
                     self.note(f"{name} left out of restart {restart}: {why}")
@@ -362,9 +359,6 @@ class Recovery:
                 nodes = nxt.nodes
 
     def run(self) -> int:
-        from .launch import Interrupted, Printer
-        from .runner import RunError
-
         restart, lineage = 0, (self.root,)
         nodes = self.cluster.nodes
         pending: NextSet | None = None
@@ -472,50 +466,11 @@ class Recovery:
 
 
 def threading_main() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
 def _raise_interrupted(signum, frame):
-    from .launch import Interrupted
-
     raise Interrupted(signum)
-
-
-# --- cli glue -------------------------------------------------------------------------------
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`ddpfab run` options for unattended runs."""
-    p.add_argument("--max-job-restarts", type=int, default=0, metavar="N",
-                   help="start the whole job again up to N times after a node is lost (on a spare, without "
-                        "the lost node); see --spares, --retry-on, --min-nodes (default 0)")
-    p.add_argument("--spares", metavar="GROUP",
-                   help="inventory group of standby hosts that replace lost nodes (default: the inventory's "
-                        "ddpfab_spares_group); its hosts are never among the first nodes")
-    p.add_argument("--retry-on", action="append", choices=RETRY_KINDS, metavar="node|script",
-                   help="which failures are retried: node (default) and/or script (the same error on healthy "
-                        "nodes; give it only if the script can succeed on a second try)")
-    p.add_argument("--min-nodes", type=int, metavar="N",
-                   help="with no healthy spare left, go on with fewer nodes, down to N (the script must cope "
-                        "with a smaller world); default: never shrink")
-
-
-def recovery_options(args: argparse.Namespace, cluster: Cluster) -> RecoveryOptions:
-    """From the command line and the inventory; an impossible combination is an error."""
-    from .plan import PlanError
-
-    if args.max_job_restarts < 0:
-        raise PlanError(f"--max-job-restarts must be >= 0, got {args.max_job_restarts}")
-    if args.min_nodes is not None and args.min_nodes < 1:
-        raise PlanError(f"--min-nodes must be >= 1, got {args.min_nodes}")
-    groups = {n.spares_group for n in cluster.nodes if n.spares_group}
-    if len(groups) > 1 and not args.spares:
-        raise PlanError(f"inventory {cluster.source}: hosts disagree on ddpfab_spares_group ({', '.join(sorted(groups))});"
-                        " set it once (in all:vars) or pass --spares GROUP")
-    spares = args.spares or (groups.pop() if groups else None)
-    retry = frozenset(args.retry_on or ("node",))
-    return RecoveryOptions(args.max_job_restarts, spares, retry, args.min_nodes)
 
 
 def split_spares(cluster: Cluster, spares_group: str | None) -> tuple[Cluster, tuple[Node, ...]]:
@@ -532,10 +487,6 @@ def split_spares(cluster: Cluster, spares_group: str | None) -> tuple[Cluster, t
         raise inventory.InventoryError(f"inventory {cluster.source}: every host of group {cluster.group!r} is a "
                                        f"spare (group {spares_group!r}); nothing to start on")
     return active, spares
-
-
-def wanted(args: argparse.Namespace) -> bool:
-    return bool(args.max_job_restarts or args.retry_on or args.min_nodes)
 
 
 #: Set in the environment of the controller-side supervisor of a detached run with restarts.

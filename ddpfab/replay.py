@@ -25,18 +25,17 @@ the plan, and runs it only with ``--force``.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
-from dataclasses import asdict, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
-if TYPE_CHECKING:
-    from .inventory import Cluster
-    from .plan import Plan, RunOptions
+from . import probe, render, sync
+from .inventory import Cluster
+from .plan import Plan, PlanError, RunOptions, choose_master, master_port, parse_env
+from .problems import Problem
+from .runs import MASK, SECRET_KEY, mask_env
 
 
 def inventory_fingerprint(cluster: Cluster) -> str:
@@ -75,8 +74,6 @@ def manifest_fields(cluster: Cluster, plan: Plan) -> dict[str, Any]:
 
 
 def _current_tree_hash(code: dict) -> str:
-    from . import sync
-
     src = code.get("src")
     if not src:
         raise ValueError("the manifest's code record names no source dir")
@@ -138,8 +135,6 @@ class ManifestError(Exception):
 
 def recorded_options(options: RunOptions, cwd: str | None) -> dict[str, Any]:
     """RunOptions as the manifest records them: plain JSON, secret env values masked by key."""
-    from .runs import mask_env
-
     data = asdict(options)
     data["args"] = list(options.args)
     data["env"] = [list(kv) for kv in mask_env(dict(options.env)).items()]
@@ -159,8 +154,6 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
     """The recorded options (and the controller's cwd then) of a manifest, checked field by field
     against :data:`OPTION_FIELDS`; a ManifestError naming the field otherwise. Values are
     validated again by :func:`ddpfab.plan.make_plan` when they are planned."""
-    from .plan import PlanError, RunOptions, parse_env
-
     if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
         raise ManifestError(f"{source} is not a ddpfab run manifest (expected \"kind\": \"{MANIFEST_KIND}\")")
     version = manifest.get("schema_version")
@@ -200,16 +193,12 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
 
 def masked_keys(options: RunOptions) -> list[str]:
     """Env keys whose value the manifest stores masked (to be given again with --env)."""
-    from .runs import MASK, SECRET_KEY
-
     return sorted({k for k, v in options.env if v == MASK and SECRET_KEY.search(k)})
 
 
 def as_recorded(now: Plan, version: int = SCHEMA_VERSION) -> dict[str, Any]:
     """*now* as a manifest of schema *version* records it: masked, and for version 2 with each
     node's ``argv`` and ``command`` rendered (:mod:`ddpfab.render`) as that version stored them."""
-    from . import render
-
     shown = render.masked(now)
     data = shown.to_dict()
     if version == 2:
@@ -248,140 +237,25 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
     return out
 
 
-def register(sub) -> None:
-    p = sub.add_parser("replay", help="run a recorded run again: same nodes, ranks, args, env",
-                       description="Re-run runs/RUN_ID from its manifest under a new run id. Refuses if the "
-                                   "inventory or the code changed (unless --force) or a masked secret is "
-                                   "not given again with --env.")
-    p.add_argument("run_id")
-    p.add_argument("-i", "--inventory", help="inventory (default: the one the run recorded)")
-    p.add_argument("--group", help="inventory group (default: the recorded one)")
-    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
-                   help="where run records are (default: ./runs, or $DDPFAB_RUNS_DIR)")
-    p.add_argument("--env", action="append", default=[], metavar="K=V",
-                   help="give a masked (secret) value again, or replace one; every node")
-    p.add_argument("--same-port", action="store_true",
-                   help="use the recorded master port or refuse (default: it if free, else a free one)")
-    p.add_argument("--force", action="store_true", help="replay even if the inventory or the code changed")
-    p.add_argument("--new-run-id", dest="new_run_id", help="the new run's id (default: time + random suffix)")
-    p.add_argument("--dry-run", action="store_true", help="print the replayed plan; start nothing")
-    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
-    p.add_argument("--accept-new-host-keys", action="store_true")
-    p.add_argument("--known-hosts")
-    p.add_argument("--ssh-config")
-    p.add_argument("--no-color", action="store_true")
-    p.set_defaults(func=cmd_replay)
-
-
-def _err(lines: list[str] | str) -> int:
-    for line in [lines] if isinstance(lines, str) else lines:
-        sys.stderr.write(f"ddpfab: error: {line}\n")
-    return 2
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    from . import inventory, runner, ssh
-    from .launch import Printer
-    from .plan import PlanError, choose_master, make_plan, parse_env
-    from .runs import mask_plan, new_run_id
-
-    path = Path(args.runs_dir) / args.run_id / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except OSError:
-        return _err(f"no run record {path} (pass --runs-dir where the run was recorded)")
-    except ValueError as exc:
-        return _err(f"{path} is not a ddpfab run manifest (not JSON: {exc})")
-    from .recover import attempt_cluster, current_manifest
-
-    try:
-        validate(manifest, str(path))
-        latest = current_manifest(args.runs_dir, manifest)  # a run with restarts: its last attempt
-        if latest is not manifest:
-            sys.stderr.write(f"ddpfab: {args.run_id} ran {len(manifest['recovery']['attempts'])} attempts; "
-                             f"replaying the last, {latest['run_id']} (its nodes)\n")
-            manifest = latest
-        recorded, cwd = validate(manifest, str(path))
-        source = args.inventory or manifest["plan"]["inventory"]
-        if "attempt_nodes" in manifest:
-            cluster = attempt_cluster(manifest, source, args.group)
-        else:
-            cluster = inventory.load(source, args.group or manifest["plan"]["group"])
-        overrides = dict(parse_env(args.env, dict(os.environ)))
-    except (ManifestError, inventory.InventoryError, PlanError) as exc:
-        return _err(str(exc))
-    problems = check(manifest, cluster)
-    if problems and not args.force:
-        return _err([f"replay of {args.run_id} refused: {p}" for p in problems]
-                    + ["nothing was started; --force replays anyway"])
-    for p in problems:
-        sys.stderr.write(f"ddpfab: warning: {p} (--force: replaying anyway)\n")
-    missing = [k for k in masked_keys(recorded) if k not in overrides]
-    if missing:
-        return _err([f"replay of {args.run_id} refused: the manifest stores {', '.join(missing)} masked (***); "
-                     "give the value again with " + " ".join(f"--env {k}=..." for k in missing),
-                     "nothing was started"])
-    env = dict(recorded.env)
-    env.update(overrides)
-    old_rid, old_port = manifest["plan"]["run_id"], manifest["plan"]["master_port"]
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-    try:
-        conns = runner.connect_all(cluster, policy, args.ssh_config)
-    except runner.RunError as exc:
-        return _err(exc.problems + ["nothing was started"])
-    try:
-        port, facts, problems = _pick_port(cluster, conns, old_port, recorded.script, cwd, args.same_port)
-        if problems:
-            return _err(problems + ["nothing was started"])
-        # the recorded options planned again under the old id and port must give the recorded plan
-        again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
-        changed = differences(manifest["plan"], again, manifest["schema_version"])
-        options = replace(recorded, run_id=args.new_run_id or new_run_id(), env=tuple(env.items()), master_port=port)
-        plan = make_plan(cluster, options, runner.plan_facts(facts, port, cwd))
-        if changed or args.dry_run:
-            from .cli import _print_dry_run
-
-            for line in changed:
-                sys.stderr.write(f"ddpfab: differs from the recorded plan: {line}\n")
-            _print_dry_run(plan, args.json, mask_plan, offline=False)
-            if args.dry_run:
-                return 0
-            if not args.force:
-                return _err([f"replay of {args.run_id} refused: what its options plan now differs from the plan "
-                             "it recorded (above); nothing was started; --force runs the plan shown"])
-        prepared = runner.Prepared(cluster, plan, conns, facts, policy, args.ssh_config, options, cwd)
-        printer = Printer(plan, color=False if args.no_color else None)
-        printer.note(f"replaying {args.run_id} as {plan.run_id} (master port {port}"
-                     f"{', the recorded one' if port == old_port else f', the recorded {old_port} is taken'})")
-        result, _ = runner.run(prepared, args.runs_dir, printer, extra={"replay_of": args.run_id})
-    except PlanError as exc:
-        return _err(str(exc))
-    finally:
-        for c in conns.values():
-            c.close()
-    if result.exit_code != 0:
-        sys.stderr.write(f"ddpfab: {result.summary}\n")
-    return result.exit_code
-
-
 def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool):
     """One probe pass (torch, workdir, script, the old port on the master); a second look on the
     master for a free port only if the old one is taken and that is allowed."""
-    from . import probe
-    from .plan import choose_master, master_port
-
     master = choose_master(cluster)
     facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port)
     taken = master.name in facts and facts[master.name].port_free is False
     found = None
     if taken:
-        problems = [p for p in problems if not p.startswith(f"host {master.name}: --master-port")]
+        problems = [p for p in problems if not p.about(master.name, "master_port")]
         if same_port:
-            problems.append(f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)")
+            problems.append(Problem(
+                master.name, "master_port", expected=f"the recorded port {old_port} free (--same-port)",
+                found="in use",
+                text=f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)"))
         else:
             found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
                                      find_port=True).free_port
             if found is None:
-                problems.append(f"host {master.name}: no free port for the replay")
+                problems.append(Problem(master.name, "master_port", expected="a free port", found="none",
+                                        text=f"host {master.name}: no free port for the replay"))
     port = master_port(old_port, found=found, asked_free=not taken, replace_taken=not same_port)
     return port or 0, facts, problems

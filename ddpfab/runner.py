@@ -15,19 +15,22 @@ from pathlib import Path
 
 from fabric import Connection
 
-from . import inventory, probe, ssh
+from . import check, inventory, probe, ssh
 from . import node as nodeprog
-from .launch import Printer, RunResult, agent_input, execute, remote_command
+from .launch import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
 from .mesh import listen_request
 from .plan import Facts, Plan, RunOptions, choose_master, make_plan, master_port, nproc_for
+from .problems import Problem
+from .replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from .runs import RunDir, controller_info, mask_plan
 
 
 class RunError(Exception):
-    """The run could not start; ``problems`` has one line per host or cause."""
+    """The run could not start; ``problems`` has one entry per host or cause: a
+    :class:`~ddpfab.problems.Problem` (about a node), or a line of text."""
 
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
+    def __init__(self, problems: list[Problem | str]):
+        super().__init__("\n".join(map(str, problems)))
         self.problems = problems
 
 
@@ -58,11 +61,12 @@ def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
     raise one error listing every host that failed."""
     results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
     conns = {k: v for k, v in results.items() if isinstance(v, Connection)}
-    failed = [v for v in results.values() if not isinstance(v, Connection)]
+    failed = {k: v for k, v in results.items() if not isinstance(v, Connection)}
     if failed:
         for c in conns.values():
             c.close()
-        raise RunError([str(e) if isinstance(e, ssh.SSHError) else repr(e) for e in failed])
+        raise RunError([Problem(name, e.kind if isinstance(e, ssh.SSHError) else "ssh", found=str(e),
+                                text=str(e) if isinstance(e, ssh.SSHError) else repr(e)) for name, e in failed.items()])
     return conns
 
 
@@ -133,7 +137,8 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             facts, problems = probe.collect(
                 cluster, conns, master, {n: a if isinstance(a, Exception) else a[0] for n, a in answers.items()},
                 cwd=cwd, script=options.script, master_port=options.master_port, sent_at=probing.sent_at)
-            problems = [probing.errors[n.name] for n in cluster.nodes if n.name in probing.errors] + problems
+            problems = [Problem(n.name, "node_program", found=probing.errors[n.name], text=probing.errors[n.name])
+                        for n in cluster.nodes if n.name in probing.errors] + problems
             if problems:
                 raise RunError(problems)
             port = master_port(options.master_port, found=facts[master.name].free_port,
@@ -189,16 +194,15 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
     """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here.
     Over the preparation's node program *sessions*, whose listeners are up (*listening*).
     Returns the full report (``check --json``'s form), which the run dir keeps as check.json."""
-    from . import check
-
     started = time.monotonic()
     mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening)
     nproc = {n.name: nproc_for(n, options) for n in cluster.nodes}
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
                              check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
                                                 full=False), nproc)
-    failures = check.grouped_lines(results)  # one line per distinct problem, however many nodes
-    failures += [f"host {n}: data-plane probe failed: {e}" for n, e in mesh.get("errors", {}).items()]
+    failures: list[Problem | str] = list(check.grouped_problems(results))  # one per distinct problem, however many nodes
+    failures += [Problem(n, "mesh", found=str(e), text=f"host {n}: data-plane probe failed: {e}")
+                 for n, e in mesh.get("errors", {}).items()]
     if failures:
         raise RunError(failures + [f"preflight checks failed (details: ddpfab check -i {cluster.source}; "
                                    "skip with --no-check)"])
@@ -209,8 +213,6 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
 
 
 def _manifest_head(prepared: Prepared) -> dict:
-    from .replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
-
     plan = prepared.plan
     return {
         "kind": MANIFEST_KIND,
@@ -230,8 +232,6 @@ def _manifest_head(prepared: Prepared) -> dict:
 
 def _replay_fields(prepared: Prepared) -> dict:
     """inventory_fingerprint, script_file, script_sha256: what `ddpfab replay` checks."""
-    from .replay import manifest_fields
-
     return manifest_fields(prepared.cluster, prepared.plan)
 
 
@@ -293,7 +293,6 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
         for name, res in failed.items():
             why = res if isinstance(res, BaseException) else (res.stderr.strip() or f"exit {res.exit_code}")
             printer.note(f"{name}: could not start: {why}")
-        from .launch import STOP_GRACE_S
 
         def stop(n):
             return nodeprog.stop(prepared.conns[n.name], n, plan.node(n.name).remote_dir, STOP_GRACE_S, timeout=20)

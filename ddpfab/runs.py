@@ -104,9 +104,11 @@ class RunDir:
 def controller_info() -> dict[str, Any]:
     info = {"ddpfab": __version__, "python": platform.python_version(), "host": platform.node(),
             "argv": mask_argv(sys.argv)}
-    try:
-        from importlib.metadata import version
+    # here, not at the top: importlib.metadata costs ~0.27 s (see LAZY in ddpfab/cli/__init__.py), and
+    # render, and through it export and the command line's parser, import this module for mask_env
+    from importlib.metadata import version
 
+    try:
         info["fabric"] = version("fabric")
         info["ansible-core"] = version("ansible-core")
     except Exception:  # noqa: BLE001 - versions are informative only

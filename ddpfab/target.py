@@ -28,10 +28,12 @@ import re
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import paramiko
+from typing import TYPE_CHECKING
 
 from .inventory import Node
+
+if TYPE_CHECKING:
+    import paramiko
 
 DEFAULT_CONNECT_TIMEOUT = 10
 #: OpenSSH's keepalives on the long-lived connections sync and fetch hold (paramiko's is set in
@@ -181,6 +183,10 @@ def _config_text(path: str, depth: int = 0) -> str:
 
 def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
     """The ssh_config to read and how messages name it: *path*, else OpenSSH's own two files."""
+    # here, not at the top: emit and provision import this module while the command line builds its
+    # parser, which must not pay for paramiko (see LAZY in ddpfab/cli/__init__.py)
+    import paramiko
+
     paths = [os.path.expanduser(path)] if path else [
         p for p in (os.path.expanduser("~/.ssh/config"), "/etc/ssh/ssh_config") if os.path.isfile(p)]
     try:
@@ -191,6 +197,8 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
 
 
 def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> dict[str, str]:
+    import paramiko  # loaded by _config already
+
     try:
         found = config.lookup(host)
     except (paramiko.SSHException, ValueError) as exc:  # e.g. a Match exec paramiko refuses

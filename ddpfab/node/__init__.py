@@ -160,7 +160,9 @@ def call(conn, node, *requests: dict, timeout: float = 60, words: tuple[str, ...
     """Start the program on *node* over its open connection, send *requests*, close stdin and
     return one reply per request. SSHError when the connection fails, NodeProgramError when the
     node's python is missing."""
-    from .. import ssh  # here, not at the top: sync imports this module without paramiko (see above)
+    # here, not at the top: mesh (and through it the command line's parser) imports this module, and
+    # must not pay for paramiko (see LAZY in ddpfab/cli/__init__.py)
+    from .. import ssh
 
     reqs = numbered(*requests)
     res = ssh.run(conn, node.name, command(node.python, *words), timeout=timeout, stdin=stdin_for(*reqs))

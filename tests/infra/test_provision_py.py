@@ -128,10 +128,11 @@ def test_pass_through_options_reach_ansible_playbook(tmp_path):
     assert opts.prompts
     # the CLI parses the same spellings as ansible-playbook
     from ddpfab import cli
+    from ddpfab.cli import provision as provision_cli
 
     args = cli.build_parser().parse_args(["provision", "-i", str(inv), "-vv", "-K", "-u", "u", "-C", "-l", "a",
                                           "-t", "base", "-e", "k=v", "--vault-id", "x@prompt", "-J"])
-    got = provision.options_from_args(args)
+    got = provision_cli.options_from_args(args)
     assert (got.verbosity, got.ask_become_pass, got.user, got.check, got.limit, got.tags, got.extra_vars,
             got.vault_ids, got.ask_vault_pass) == (2, True, "u", True, "a", ("base",), ("k=v",), ("x@prompt",), True)
 

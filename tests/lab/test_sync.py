@@ -94,9 +94,9 @@ def _own_cache_home(tmp_path, monkeypatch):
 
 
 def run_sync(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """The real command line (`python -m ddpfab.sync` is `ddpfab sync`), as a user runs it."""
+    """The real command line (`python -m ddpfab sync`), as a user runs it."""
     env = {**os.environ, "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "ddpfab.sync", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ddpfab", "sync", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
 
 

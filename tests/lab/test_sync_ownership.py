@@ -242,7 +242,7 @@ def _controller_processes_with(text: str) -> list[str]:
 def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tuple[subprocess.Popen, str]:
     (trainproj / "weights.bin").write_bytes(os.urandom(12 * 2**20))  # ~12 s at 8 Mbit/s
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
-    proc = subprocess.Popen([sys.executable, "-m", "ddpfab.sync", "-i", str(inv), *extra, str(trainproj)],
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "sync", "-i", str(inv), *extra, str(trainproj)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "NO_COLOR": "1"})
     deadline = time.monotonic() + 60

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import cli, completion, config, inventory, render
+from ddpfab import cli, inventory, render
+from ddpfab.cli import completion, config
+from ddpfab.cli import run as run_cli
 from ddpfab.inventory import Cluster, InventoryError, Node
 from ddpfab.plan import Facts, PlanError, RunOptions, make_plan
 
@@ -164,10 +166,10 @@ def test_legacy_launcher_passes_the_spelling_the_script_declares(tmp_path, monke
     (tmp_path / "new.py").write_text('p.add_argument("--local-rank", "--local_rank", type=int)\n')
     for script, want in (("old.py", "--local_rank"), ("new.py", "--local-rank"), ("missing.py", "--local-rank")):
         args = cli.build_parser().parse_args(["run", "-i", "a,", "--launcher", "legacy", script])
-        assert cli._local_rank_arg(args) == want
+        assert run_cli._local_rank_arg(args) == want
     args = cli.build_parser().parse_args(["run", "-i", "a,", "--launcher", "legacy",
                                           "--local-rank-style", "underscore", "new.py"])
-    assert cli._local_rank_arg(args) == "--local_rank"
+    assert run_cli._local_rank_arg(args) == "--local_rank"
 
 
 # -- defaults: flags > env > config -------------------------------------------------------------

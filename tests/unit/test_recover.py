@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpfab import recover
+from ddpfab.cli import recover as recover_cli
 from ddpfab.inventory import InventoryError, Node
 from ddpfab.plan import PlanError, RunOptions
+from ddpfab.problems import Problem
 
 
 def nodes(*names: str) -> tuple[Node, ...]:
@@ -92,6 +94,16 @@ def test_problem_lines_name_their_hosts():
     assert recover.problem_hosts(lines, {"node3", "node4", "node1"}) == {"node3", "node4"}
 
 
+def test_a_problem_is_about_its_own_node_never_a_name_it_contains():
+    """node1's problems are not node10's: the node travels as data, no text is searched."""
+    problems = [Problem("node10", "script", text="host node10: script t.py not found in /w; sync the code first"),
+                Problem(None, "mesh", text="mesh: 2 nodes unreachable: node1, node10"),
+                "host node1: unreachable"]
+    assert recover.problem_hosts(problems, {"node1", "node10"}) == {"node1", "node10"}
+    assert [recover.problem_host(p) for p in problems] == ["node10", None, "node1"]
+    assert not problems[0].about("node1") and problems[0].about("node10", "script")
+
+
 def test_the_script_error_is_the_ranks_exception_not_torchruns():
     log = "\n".join([
         "[default1]:Traceback (most recent call last):",
@@ -114,15 +126,15 @@ def test_options_from_the_command_line_and_the_inventory():
     from ddpfab.inventory import Cluster
 
     cl = Cluster("inv.yml", "all", (Node("a", "a", spares_group="standby"), Node("b", "b", spares_group="standby")))
-    o = recover.recovery_options(_args(max_job_restarts=2), cl)
+    o = recover_cli.recovery_options(_args(max_job_restarts=2), cl)
     assert o.spares_group == "standby" and o.retry_on == frozenset({"node"})
-    assert recover.recovery_options(_args(spares="other"), cl).spares_group == "other"
-    assert recover.recovery_options(_args(retry_on=["script"]), cl).retry_on == frozenset({"script"})
+    assert recover_cli.recovery_options(_args(spares="other"), cl).spares_group == "other"
+    assert recover_cli.recovery_options(_args(retry_on=["script"]), cl).retry_on == frozenset({"script"})
     with pytest.raises(PlanError, match="--max-job-restarts must be >= 0"):
-        recover.recovery_options(_args(max_job_restarts=-1), cl)
+        recover_cli.recovery_options(_args(max_job_restarts=-1), cl)
     mixed = Cluster("inv.yml", "all", (Node("a", "a", spares_group="x"), Node("b", "b", spares_group="y")))
     with pytest.raises(PlanError, match="disagree on ddpfab_spares_group"):
-        recover.recovery_options(_args(), mixed)
+        recover_cli.recovery_options(_args(), mixed)
 
 
 INVENTORY = """

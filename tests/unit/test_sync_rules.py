@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from ddpfab import cli, sync, treehash
 from ddpfab import node as nodeprog
-from ddpfab import sync, treehash
+from ddpfab.cli import sync as sync_cli
 from ddpfab.inventory import Node
 from ddpfab.ssh import HostKeyPolicy
+
 
 @pytest.fixture(autouse=True)
 def _own_cache_home(tmp_path, monkeypatch):
@@ -432,19 +434,19 @@ def test_rsync_argv_and_stats():
 def test_register_adds_the_subcommand():
     parser = argparse.ArgumentParser(prog="ddpfab")
     sub = parser.add_subparsers(dest="command", required=True)
-    sync.register(sub)
+    sync_cli.register(sub)
     args = parser.parse_args(["sync", "-i", "inv.yml", "--fanout", "tree", "--keep", "ckpt/", "--adopt", "--dry-run",
                               "proj"])
-    assert args.func is sync.cmd_sync
+    assert args.func is sync_cli.cmd_sync
     assert (args.inventory, args.fanout, args.keep, args.path) == ("inv.yml", "tree", ["ckpt/"], "proj")
     assert args.adopt and args.dry_run
 
 
 def test_list_needs_no_inventory(tmp_path, capsys):
     root = make_tree(tmp_path / "p", {"a.py": "a", "b/c.py": "c", ".ddpfab/sync.json": "{}"})
-    assert sync.main(["--list", str(root)]) == 0
+    assert cli.main(["sync", "--list", str(root)]) == 0
     assert capsys.readouterr().out.splitlines() == ["a.py", "b/c.py"]  # never ddpfab's own state
-    assert sync.main([str(root)]) == 2
+    assert cli.main(["sync", str(root)]) == 2
 
 
 def test_an_empty_selection_stops_before_any_host_is_contacted(tmp_path):

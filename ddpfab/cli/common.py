@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .. import inventory
+
 INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list ending in a comma "
                   "(node1,node2, or node1,), pdsh ranges (node[01-04],), or a DeepSpeed/MPI hostfile "
                   "(`host slots=N`: N processes on that host). Default: $DDPFAB_INVENTORY, else `inventory:` "
@@ -13,7 +15,7 @@ INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list en
 def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = True,
                      inventory_help: str = INVENTORY_HELP, ssh: bool = True) -> None:
     """Which nodes (inventory, group, limit, extra vars) and, with *ssh*, how to reach them (the
-    host-key policy). Unset values are filled by :func:`ddpfab.config.apply` (flags > env > config)."""
+    host-key policy). Unset values are filled by :func:`ddpfab.cli.config.apply` (flags > env > config)."""
     p.set_defaults(_cluster_args=True, _inventory_required=inventory_required)
     p.add_argument("-i", "--inventory", default=None, help=inventory_help)
     p.add_argument("--group", default=None,
@@ -47,8 +49,6 @@ def add_env_args(p: argparse.ArgumentParser) -> None:
 
 def load_cluster(args: argparse.Namespace):
     """The cluster the parsed cluster options name: inventory, group, --limit and -e applied."""
-    from . import inventory
-
     return inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
                           extra_vars=getattr(args, "extra_vars", None) or ())
 

@@ -10,7 +10,8 @@ import os
 import sys
 import time
 
-from . import perf
+from .. import inventory, perf
+from .errors import die
 
 
 def add_check_arguments(p) -> None:
@@ -26,8 +27,9 @@ def add_check_arguments(p) -> None:
 
 def cmd_check_perf(args) -> int:
     """``ddpfab check --perf [--history]``: 0 healthy, 1 stragglers, 2 could not run."""
-    from . import inventory, runner, ssh
-    from .perfrun import PerfError, load_records, result_of, run_check
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import runner, ssh
+    from ..perfrun import PerfError, load_records, result_of, run_check
 
     if args.history:
         records, bad = load_records(args.runs_dir)
@@ -36,8 +38,7 @@ def cmd_check_perf(args) -> int:
             try:
                 nodes = [n.name for n in inventory.load(args.inventory, args.group).nodes]
             except inventory.InventoryError as exc:
-                sys.stderr.write(f"ddpfab: error: {exc}\n")
-                return 2
+                return die(str(exc))
         hist = perf.history(records, nodes)
         if args.json:
             print(json.dumps({"history": hist, "unreadable": bad}, indent=2))
@@ -52,12 +53,9 @@ def cmd_check_perf(args) -> int:
         record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
                                     args.ssh_config, echo=args.verbose)
     except inventory.InventoryError as exc:
-        sys.stderr.write(f"ddpfab: error: {exc}\n")
-        return 2
+        return die(str(exc))
     except (PerfError, runner.RunError) as exc:
-        for line in exc.problems:
-            sys.stderr.write(f"ddpfab: error: {line}\n")
-        return getattr(exc, "code", 2)
+        return die(exc.problems, getattr(exc, "code", 2))
     if args.json:
         print(json.dumps({**record, "run_dir": str(run_dir), "report": str(run_dir / "report.html")}, indent=2))
     else:
@@ -77,8 +75,9 @@ def before_run(cluster, policy, args, env: tuple[tuple[str, str], ...]) -> dict:
     """``run --perf-check``: the check (with the job's *env* and --socket-ifname), printed; returns
     the manifest's ``perf`` entry. Raises
     ``runner.RunError`` (nothing started) on a straggler unless ``--perf-check-warn``."""
-    from . import runner
-    from .perfrun import PerfError, result_of, run_check
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import runner
+    from ..perfrun import PerfError, result_of, run_check
 
     try:
         record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .suggest import did_you_mean
+from ..suggest import did_you_mean
 
 NAMES = ("ddpfab.yml", ".ddpfab.yml")
 #: config key -> (argparse dest, environment variable, is a path)
@@ -93,7 +93,7 @@ def read(path: Path) -> dict[str, Any]:
 def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
     """Fill the cluster options *args* left unset from the environment, then the project config.
 
-    Only for parsers built with :func:`ddpfab.cliargs.add_cluster_args` (they mark the namespace).
+    Only for parsers built with :func:`ddpfab.cli.common.add_cluster_args` (they mark the namespace).
     """
     if not getattr(args, "_cluster_args", False):
         return

@@ -1,22 +1,23 @@
-"""Command line: parse, call, print. No decisions live here."""
+"""``ddpfab run`` and ``ddpfab plan``: make the plan, then start it (or print it, or emit it)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 
-from . import __version__
-from .cliargs import add_cluster_args, add_env_args, fill_missing_help, load_cluster
-
-EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
-
-
-def _die(lines: list[str] | str, code: int = EXIT_USAGE) -> int:
-    for line in [lines] if isinstance(lines, str) else lines:
-        sys.stderr.write(f"ddpfab: error: {line}\n")
-    return code
+from .. import inventory
+from .. import plan as planmod
+from ..plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
+from ..progress import Ticker
+from ..suggest import did_you_mean
+from . import recover as recovery
+from .common import add_cluster_args, add_env_args, load_cluster
+from .errors import die
+from .perf import add_run_arguments as add_perf_arguments
+from .perf import before_run
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -60,12 +61,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "{{run_id}} {{node_name}} (quote them for the shell)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpfab", description=(
-        "Start and debug multi-node PyTorch training on bare-metal GPU boxes over plain SSH."))
-    parser.add_argument("--version", action="version", version=f"ddpfab {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def register(sub) -> None:
     run = sub.add_parser("run", help="launch torchrun on every node of the inventory",
                          description="Launch SCRIPT with torchrun on every node; ARGS pass through unchanged.")
     _add_run_args(run)
@@ -81,12 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true",
                      help="print the plan and each node's exact command; start nothing")
     run.add_argument("--no-color", action="store_true", help="no colours in the output")
-    from .recover import add_arguments as add_recovery_arguments
-
-    add_recovery_arguments(run)
-    from .perfcli import add_run_arguments
-
-    add_run_arguments(run)  # --perf-check
+    recovery.add_arguments(run)
+    add_perf_arguments(run)  # --perf-check
+    run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="print (or --emit as shell scripts) exactly what `run` would start",
                           description="Make the plan `ddpfab run` would make (contacting the hosts for a free "
@@ -99,94 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
                            "and a non-empty DIR that ddpfab did not write is refused")
     plan.add_argument("--force", action="store_true",
                       help="--emit into a non-empty directory anyway (only ddpfab's own files are written)")
-
-    lab = sub.add_parser("lab", help="a local multi-host lab in network namespaces (root)")
-    lab_sub = lab.add_subparsers(dest="lab_command", required=True)
-    up = lab_sub.add_parser("up", help="bring up N hosts node1..nodeN with sshd")
-    up.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
-    up.add_argument("--dir", required=True, help="where the lab keeps its state, keys and inventory")
-    up.add_argument("--subnet", default="10.213.0.0/24", help="the lab's private /24 (default 10.213.0.0/24)")
-    up.add_argument("--python", metavar="PATH",
-                    help="the nodes' python, written as ddpfab_python in the lab inventory (default: this python "
-                         "when it has torch, else the venv `ddpfab provision` makes, /opt/ddpfab/venv/bin/python)")
-    up.add_argument("--share", action="append", default=[], metavar="DIR",
-                    help="a dir under /tmp that hosts must see (each host has its own /tmp); the lab dir, "
-                         "the python's venv and the current dir are always shared (repeatable)")
-    for name, text in (("down", "remove everything the lab made"), ("status", "show the lab's hosts")):
-        p = lab_sub.add_parser(name, help=text)
-        p.add_argument("--dir", required=True, help="the lab's dir (as given to lab up)")
-
-    prov = sub.add_parser("provision", help="provision the nodes with the ddpfab.cluster Ansible roles",
-                          description="Run the ddpfab.cluster collection's provision playbook (or --playbook) with "
-                                      "ansible-playbook over your own Ansible configuration: ansible-playbook options "
-                                      "> your ANSIBLE_* environment > your ansible.cfg > ddpfab's ansible.cfg.")
-    from .provision import add_arguments as add_provision_arguments
-
-    add_provision_arguments(prov)
-    run.set_defaults(func=cmd_run)
     plan.set_defaults(func=cmd_plan)
-    lab.set_defaults(func=cmd_lab)
-    prov.set_defaults(func=cmd_provision)
-    comp = sub.add_parser("completion", help="print a bash or zsh completion script",
-                          description="Print a completion script: eval \"$(ddpfab completion bash)\" in ~/.bashrc, "
-                                      "or the zsh one into a file on $fpath named _ddpfab.")
-    comp.add_argument("shell", choices=("bash", "zsh"), help="the shell")
-    comp.set_defaults(func=cmd_completion)
-    for module in PLUGIN_MODULES:
-        # each module adds its own subcommand(s): `register(subparsers)` sets `func` on them
-        __import__(f"ddpfab.{module}", fromlist=["register"]).register(sub)
-    fill_missing_help(parser)
-    return parser
-
-
-#: Modules that register subcommands of their own (small, so the parser stays cheap to build).
-PLUGIN_MODULES: list[str] = ["jobs", "export", "check", "sync", "fetch", "execute", "replay"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse and run one command; SIGINT/SIGTERM at any stage end it with one line (130/143)."""
-    from .interrupt import run_interruptible
-
-    return run_interruptible(lambda: unguarded_main(argv))
-
-
-def unguarded_main(argv: list[str] | None = None) -> int:
-    from . import config
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    try:
-        config.apply(args)  # flags > environment > project config
-    except config.ConfigError as exc:
-        return _die(str(exc))
-    if getattr(args, "_inventory_required", False) and not args.inventory:
-        return _die(config.MISSING_INVENTORY)
-    if getattr(args, "json", False) and hasattr(args, "dry_run") and not args.dry_run:
-        # --json is an output format: it never turns a dry run into a real one
-        return _die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")
-    return args.func(args)
-
-
-def cmd_completion(args: argparse.Namespace) -> int:
-    from .completion import script
-
-    print(script(build_parser(), args.shell), end="")
-    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from . import inventory, recover, runner, ssh
-    from . import plan as planmod
-    from .launch import Printer
-    from .runs import mask_plan, new_run_id
-    from .target import TargetError
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import recover, runner, ssh
+    from ..launch import Printer
+    from ..target import TargetError
 
     try:
         cluster = load_cluster(args)
-        ropts = recover.recovery_options(args, cluster)
+        ropts = recovery.recovery_options(args, cluster)
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
-        options = _run_options(args, planmod, new_run_id)
+        options = _run_options(args)
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
             raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
                                     "exists already: a run id names one run; pick another (or leave --run-id out)")
@@ -195,16 +114,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.dry_run and args.offline:
             targets = _targets(cluster, args)
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
-            return _print_dry_run(plan, args.json, mask_plan, offline=True, targets=targets)
-        if recover.wanted(args) and args.detach and not recover.is_supervisor():
+            return _print_dry_run(plan, args.json, offline=True, targets=targets)
+        if recovery.wanted(args) and args.detach and not recover.is_supervisor():
             return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        perf = _perf_check(cluster, policy, args, _env(args, planmod))
+        perf = _perf_check(cluster, policy, args, _env(args))
 
         def prepare(cl, opts):
             return _prepare(cl, opts, policy, args)
 
-        if recover.wanted(args) and not args.dry_run:
+        if recovery.wanted(args) and not args.dry_run:
             return recover.Recovery(cluster, spares, options, ropts, policy, args.ssh_config, args.runs_dir,
                                     prepare, runner.run, color=False if args.no_color else None).run()
         prepared, extra = prepare(cluster, options)
@@ -213,12 +132,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if perf:
             extra["perf"] = perf
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
-        return _die(str(exc))
+        return die(str(exc))
     except runner.RunError as exc:
-        return _die(exc.problems + ["nothing was started"])
+        return die(exc.problems + ["nothing was started"])
     if args.dry_run:
         prepared.close()
-        return _print_dry_run(prepared.plan, args.json, mask_plan, offline=False, targets=_targets(cluster, args))
+        return _print_dry_run(prepared.plan, args.json, offline=False, targets=_targets(cluster, args))
     printer = Printer(prepared.plan, color=False if args.no_color else None)
     try:
         if args.detach:
@@ -234,7 +153,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _prepare(cluster, options, policy, args: argparse.Namespace):
     """One attempt's start: connect, sync the code (unless --no-sync or --dry-run), probe,
     preflight, plan. Returns (Prepared, manifest extra); raises RunError with nothing started."""
-    from . import runner
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import runner
 
     conns = runner.connect_all(cluster, policy, args.ssh_config)
     probing = None
@@ -267,7 +187,6 @@ def _perf_check(cluster, policy, args: argparse.Namespace, env) -> dict | None:
     ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.perfrun.before_run`)."""
     if not (args.perf_check or args.perf_check_warn) or args.dry_run:
         return None
-    from .perfcli import before_run
 
     return before_run(cluster, policy, args, env)
 
@@ -279,9 +198,6 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def _check_script_here(script: str) -> None:
     """A relative script is synced from here: name a typo before anything starts (did you mean)."""
-    from .plan import PlanError
-    from .suggest import did_you_mean
-
     if os.path.isabs(script) or os.path.exists(script):
         return
     folder = os.path.dirname(script) or "."
@@ -299,9 +215,9 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
     checks that the script is there); the result goes into the manifest as ``code``. When every
     node has the tree already (checked in the run's node program *sessions*) nothing is started
     for it."""
-    from . import runner
-    from . import sync as syncmod
-    from .progress import Ticker
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import runner
+    from .. import sync as syncmod
 
     same = syncmod.unchanged(cluster, conns, os.getcwd(), sessions=sessions)
     if same is not None:
@@ -328,12 +244,15 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
     return result.to_dict()
 
 
-def _run_options(args: argparse.Namespace, planmod, new_run_id):
+def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..runs import new_run_id
+
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
     return planmod.RunOptions(
         script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
-        master_port=args.master_port, env=_env(args, planmod), max_restarts=args.max_restarts,
+        master_port=args.master_port, env=_env(args), max_restarts=args.max_restarts,
         run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
         launcher=args.launcher, init_method=args.init_method, debug=args.debug,
         local_rank_arg=_local_rank_arg(args))
@@ -342,8 +261,6 @@ def _run_options(args: argparse.Namespace, planmod, new_run_id):
 def _local_rank_arg(args: argparse.Namespace) -> str:
     """The legacy launcher's local-rank spelling: asked for, or the one the script here declares
     (a script that declares only ``--local_rank`` gets that; everything else the dashed form)."""
-    from .plan import LOCAL_RANK_ARGS
-
     style = getattr(args, "local_rank_style", "auto")
     if style != "auto":
         return LOCAL_RANK_ARGS[style == "underscore"]
@@ -361,15 +278,14 @@ def _local_rank_arg(args: argparse.Namespace) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`ddpfab plan`: the plan `run` would make, printed, or emitted as one shell script per node."""
-    from . import emit, inventory, runner, ssh
-    from . import plan as planmod
-    from .runs import mask_plan, new_run_id
-    from .target import TargetError
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import emit, runner, ssh
+    from ..target import TargetError
 
     try:
         cluster = load_cluster(args)
         targets = _targets(cluster, args)
-        options = _run_options(args, planmod, new_run_id)
+        options = _run_options(args)
         if args.offline:
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
         else:
@@ -378,22 +294,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
             prepared.close()
             plan = prepared.plan
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
-        return _die(str(exc))
+        return die(str(exc))
     except runner.RunError as exc:
-        return _die(exc.problems + ["nothing was planned"])
+        return die(exc.problems + ["nothing was planned"])
     if not args.emit:
-        return _print_dry_run(plan, args.json, mask_plan, offline=args.offline, targets=targets)
+        return _print_dry_run(plan, args.json, offline=args.offline, targets=targets)
     try:
         written = emit.write(plan, args.emit, targets, force=args.force)
     except (emit.EmitError, OSError) as exc:
-        return _die(str(exc))
+        return die(str(exc))
     for path in written:
         sys.stderr.write(f"ddpfab: wrote {path}\n")
     print((written[-1]).read_text(), end="")
     return 0
 
 
-def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
+def _env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """Forwarded allowlist, then env files, then --env: later wins."""
     merged: dict[str, str] = {}
     if not args.no_forward_env:
@@ -409,12 +325,10 @@ def _env(args: argparse.Namespace, planmod) -> tuple[tuple[str, str], ...]:
 
 
 def _offline_facts(cluster, port, targets: dict):
-    from .plan import Facts, master_port
-
     addresses = {}
     for n in cluster.nodes:
         try:
-            from .probe import resolve
+            from ..probe import resolve
 
             addresses[n.name] = resolve(n, target=targets[n.name])
         except Exception:  # noqa: BLE001 - offline: keep what the inventory says
@@ -424,17 +338,18 @@ def _offline_facts(cluster, port, targets: dict):
 
 def _targets(cluster, args: argparse.Namespace) -> dict:
     """How each node is reached (:mod:`ddpfab.target`), for the ssh lines a plan prints."""
-    from .target import HostKeyPolicy, resolve_all
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..target import HostKeyPolicy, resolve_all
 
     return resolve_all(cluster.nodes, HostKeyPolicy(args.known_hosts, args.accept_new_host_keys), args.ssh_config)
 
 
-def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool, targets: dict | None = None) -> int:
-    import json
-
-    from . import render
-    from .emit import ssh_target
-    from .target import ssh_line
+def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import render
+    from ..emit import ssh_target
+    from ..runs import mask_plan
+    from ..target import ssh_line
 
     if as_json:
         print(json.dumps(mask_plan(plan.to_dict()), indent=2, ensure_ascii=False))
@@ -452,42 +367,3 @@ def _print_dry_run(plan, as_json: bool, mask_plan, offline: bool, targets: dict 
               f"{ssh_line(ssh_target(by_name[node['name']], targets))}")
         print(render.shell_line(shown, shown.node(node["name"])))
     return 0
-
-
-def cmd_lab(args: argparse.Namespace) -> int:
-    from . import lab
-
-    try:
-        if args.lab_command == "up":
-            python, why = lab.node_python(args.python)
-            the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=python,
-                                         share=args.share)
-            state = "already up" if already else "up"
-            first, last = the_lab.hosts[0], the_lab.hosts[-1]
-            # every host of a small lab; a large one as a range (one short line at 128 hosts)
-            names = (", ".join(f"{h.name}={h.address}" for h in the_lab.hosts) if len(the_lab.hosts) <= 8 else
-                     f"{len(the_lab.hosts)} hosts {first.name}..{last.name} = {first.address}..{last.address}")
-            print(f"lab {state}: {names}")
-            print(f"inventory: {the_lab.inventory}")
-            print(f"ssh:       ssh -F {the_lab.ssh_config} {the_lab.hosts[0].name}")
-            print(f"python:    {python} ({why})")
-            return 0
-        if args.lab_command == "down":
-            lab.check_prerequisites()
-            print("lab down" if lab.down(args.dir) else f"no lab in {os.path.abspath(args.dir)}")
-            return 0
-        print(lab.status(args.dir))
-        return 0
-    except lab.LabError as exc:
-        return _die(str(exc), 1)
-
-
-def cmd_provision(args: argparse.Namespace) -> int:
-    from . import config, provision
-
-    try:
-        inventory = config.default_inventory(args.inventory)
-        return provision.run_playbook(inventory, playbook=args.playbook, options=provision.options_from_args(args),
-                                      policy=provision.policy_from_args(args), ssh_config=args.ssh_config)
-    except (provision.ProvisionError, config.ConfigError) as exc:
-        return _die(str(exc), 1)

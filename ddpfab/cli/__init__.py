@@ -1,0 +1,72 @@
+"""The command line: parse, call the library, print. No decisions live here.
+
+Each subcommand's module has ``register(subparsers)`` (its options, ``func`` set to its handler);
+the library modules under ``ddpfab/`` never import this package.
+
+LAZY: every module imports at its top, except here, in the command line, where a handler imports
+the library modules that reach Fabric/paramiko (ssh, runner, launch, probe, check, execute, jobs,
+recover, replay, sync, fetch, perfrun), ``ddpfab.runs`` (importlib.metadata) and ``ddpfab.lab``
+inside itself: building the parser for ``ddpfab --help``, ``--version`` or ``completion`` must not
+pay for them. Measured on the 2-core test machine under load (best of 5-7): ``python -c pass``
+0.21 s, ``python -c "import fabric"`` 1.38 s; importlib.metadata 0.27 s and ddpfab.lab 0.34 s
+cumulative (``-X importtime``). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
+For the same reason ddpfab.target (which emit and provision import, and so the parser) imports
+paramiko only where it reads an ssh_config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..interrupt import run_interruptible
+from . import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
+from .common import fill_missing_help
+from .errors import die
+
+#: The subcommands, in the order ``ddpfab --help`` lists them.
+COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, replay)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpfab", description=(
+        "Start and debug multi-node PyTorch training on bare-metal GPU boxes over plain SSH."))
+    parser.add_argument("--version", action="version", version=f"ddpfab {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in COMMANDS:
+        module.register(sub)  # sets `func` on its subcommand(s)
+        if module is provision:  # `completion` has always been listed after `provision`
+            comp = sub.add_parser("completion", help="print a bash or zsh completion script",
+                                  description="Print a completion script: eval \"$(ddpfab completion bash)\" in "
+                                              "~/.bashrc, or the zsh one into a file on $fpath named _ddpfab.")
+            comp.add_argument("shell", choices=("bash", "zsh"), help="the shell")
+            comp.set_defaults(func=cmd_completion)
+    fill_missing_help(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse and run one command; SIGINT/SIGTERM at any stage end it with one line (130/143)."""
+    return run_interruptible(lambda: unguarded_main(argv))
+
+
+def unguarded_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        config.apply(args)  # flags > environment > project config
+    except config.ConfigError as exc:
+        return die(str(exc))
+    if getattr(args, "_inventory_required", False) and not args.inventory:
+        return die(config.MISSING_INVENTORY)
+    if args.command in ("run", "replay") and args.json and not args.dry_run:
+        # --json prints the plan: it never turns a dry run into a real one (sync --json reports a real sync)
+        return die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")
+    return args.func(args)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion.script(build_parser(), args.shell), end="")
+    return 0

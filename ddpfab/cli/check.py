@@ -1,0 +1,46 @@
+"""``ddpfab check``: prove the cluster can train (and ``--perf``, the slow-node check)."""
+
+from __future__ import annotations
+
+import json
+
+from .. import inventory
+from .. import mesh as meshmod
+from .common import add_cluster_args, load_cluster
+from .errors import die
+from .perf import add_check_arguments, cmd_check_perf
+
+
+def register(sub) -> None:
+    p = sub.add_parser("check", help="prove the cluster can train: ssh, versions, GPUs, names, firewall, clocks")
+    add_cluster_args(p)
+    p.add_argument("--master-port", type=int, help="check this port instead of picking a free one")
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--max-skew", type=float, help="clock skew bound in seconds")
+    p.add_argument("--fast", action="store_true", help="skip importing torch on the nodes (no CUDA/NCCL facts)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help=f"probe every pair of nodes (default: all pairs up to {meshmod.EXHAUSTIVE_MAX_NODES} nodes, "
+                        f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
+    p.add_argument("--json", action="store_true")
+    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/perfrun.py)
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> int:
+    if args.perf or args.history:
+        return cmd_check_perf(args)
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import ssh
+    from ..check import CheckOptions, check_cluster, render
+
+    try:
+        cluster = load_cluster(args)
+    except inventory.InventoryError as exc:
+        return die(str(exc))
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
+    report = check_cluster(cluster, policy, CheckOptions(
+        master_port=args.master_port, nproc_per_node=args.nproc_per_node,
+        max_skew_s=CheckOptions.max_skew_s if args.max_skew is None else args.max_skew,  # its default: ddpfab.check's
+        full=not args.fast, exhaustive=args.exhaustive), args.ssh_config)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+    return 1 if report.failures else 0

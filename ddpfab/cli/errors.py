@@ -1,0 +1,26 @@
+"""The one error printer of the command line: ``ddpfab: error: ...`` lines on stderr, and the
+exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print as their text."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+from ..problems import Problem
+
+EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
+
+
+def die(lines: Iterable[str | Problem] | str | Problem, code: int = EXIT_USAGE) -> int:
+    """Print each line (a string or a problem) as ``ddpfab: error: LINE``; return *code*."""
+    for line in [lines] if isinstance(lines, (str, Problem)) else lines:
+        sys.stderr.write(f"ddpfab: error: {line}\n")
+    return code
+
+
+def warn(line: str | Problem) -> None:
+    sys.stderr.write(f"ddpfab: warning: {line}\n")
+
+
+def note(line: str) -> None:
+    sys.stderr.write(f"ddpfab: {line}\n")

@@ -1,0 +1,273 @@
+"""``ddpfab ps``, ``stop``, ``attach``, ``logs``: jobs on the cluster, by run id."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from .. import inventory
+from .. import node as nodeprog
+from ..plan import Plan
+from .errors import die, warn
+
+
+def _cluster(args, manifest: dict | None):
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..recover import attempt_cluster
+
+    source = args.inventory or (manifest or {}).get("plan", {}).get("inventory")
+    if not source:
+        raise inventory.InventoryError("no inventory: pass --inventory (no local manifest names one)")
+    group = args.group or (manifest or {}).get("plan", {}).get("group") or "all"
+    if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
+        return attempt_cluster(manifest, source, group)
+    return inventory.load(source, group)
+
+
+def _latest(args, manifest: dict | None) -> dict | None:
+    """For a run with restarts, its latest attempt's manifest (the one running, or that ran last)."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..recover import current_manifest
+
+    return current_manifest(args.runs_dir, manifest) if manifest else None
+
+
+def _connect(args, cluster):
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import runner, ssh
+
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+    return runner.connect_all(cluster, policy, args.ssh_config)
+
+
+def _on_each_node(args, cluster, fn) -> dict:
+    """``fn(conn, node)`` on every node of *cluster* in parallel over fresh connections, closed
+    after; node name -> its result, or the exception it raised."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import ssh
+
+    conns = _connect(args, cluster)
+    try:
+        return ssh.parallel(cluster.nodes, lambda n: fn(conns[n.name], n))
+    finally:
+        for c in conns.values():
+            c.close()
+
+
+def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
+    p.add_argument("-i", "--inventory", required=inventory_required,
+                   help="inventory (default: the one recorded in the run's local manifest)")
+    p.add_argument("--group", help="inventory group (default: the recorded one, else all)")
+    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"))
+    p.add_argument("--known-hosts")
+    p.add_argument("--ssh-config")
+
+
+def register(sub) -> None:
+    ps = sub.add_parser("ps", help="list ddpfab jobs on the cluster's nodes")
+    _common(ps, inventory_required=True)
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=cmd_ps)
+    for name, text, func in (("stop", "end one job on every node", cmd_stop),
+                             ("attach", "stream a (detached) job's output from every node until it ends", cmd_attach),
+                             ("logs", "fetch a job's output from every node into runs/<id>/", cmd_logs)):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("run_id")
+        _common(p, inventory_required=False)
+        if name == "logs":
+            p.add_argument("--ranks", action="store_true",
+                           help="also fetch torchrun's full per-rank logs (stdout/stderr of every local rank, "
+                                "every restart) into runs/<id>/ranks/<node>/")
+        p.set_defaults(func=func)
+
+
+def _guard(fn):
+    def wrapper(args) -> int:
+        # slow to import: see LAZY in ddpfab/cli/__init__.py
+        from .. import runner
+
+        try:
+            return fn(args)
+        except inventory.InventoryError as exc:
+            return die(str(exc))
+        except runner.RunError as exc:
+            return die(exc.problems)
+    return wrapper
+
+
+@_guard
+def cmd_ps(args) -> int:
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..jobs import _load_manifest, _ps_record, grouped
+
+    cluster = _cluster(args, None)
+    results = _on_each_node(args, cluster, lambda conn, n: nodeprog.call(
+        conn, n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name))
+    runs: dict[str, dict] = {}
+    for node in cluster.nodes:
+        res = results[node.name]
+        try:
+            if isinstance(res, BaseException):
+                raise res
+            now, records = float(res["now"]), [_ps_record(r) for r in res["runs"]]
+        except Exception as exc:  # noqa: BLE001 - one node's failure (or malformed reply) is a warning
+            warn(f"host {node.name}: cannot list jobs: {exc}")
+            continue
+        for rec in records:
+            run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
+                                                  "now": now})
+            run["nodes"][node.name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
+    rows = sorted(runs.values(), key=lambda r: r["run_id"])
+    for r in rows:
+        local = _load_manifest(args.runs_dir, r["run_id"]) or {}
+        if local.get("recovery_of"):  # an attempt of a run with restarts
+            r["attempt_of"], r["restart"] = local["recovery_of"], local.get("restart")
+        elif local.get("recovery"):
+            r["attempts"] = len(local["recovery"].get("attempts") or [])
+            r["recovery_state"] = local["recovery"].get("state")
+        states = {s["state"] for s in r["nodes"].values()}
+        r["state"] = "running" if "running" in states else ("dead" if "dead" in states else "exited")
+        r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
+    for r in rows:
+        states = {n: s["state"] + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
+                  for n, s in r["nodes"].items()}
+        nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
+        lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
+                   f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
+        print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
+    return 0
+
+
+@_guard
+def cmd_stop(args) -> int:
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..jobs import _load_manifest, _remote_dir, grouped
+    from ..launch import STOP_GRACE_S
+    from ..recover import stop_supervisor
+
+    supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
+    if supervisor:
+        print(f"controller: {supervisor}")
+    root = _load_manifest(args.runs_dir, args.run_id)
+    manifest = _latest(args, root)
+    run_id = (manifest or {}).get("run_id", args.run_id)
+    cluster = _cluster(args, manifest)
+
+    def stop(conn, n):
+        return nodeprog.stop(conn, n, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
+
+    results = _on_each_node(args, cluster, stop)
+    bad = 0
+    outcomes = {}
+    for node in cluster.nodes:
+        res = results[node.name]
+        outcomes[node.name] = str(res) if isinstance(res, BaseException) else res[0]
+        bad |= isinstance(res, BaseException) or not res[1]
+    for line in grouped(outcomes):
+        print(line)
+    return 1 if bad else 0
+
+
+@_guard
+def cmd_attach(args) -> int:
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..jobs import _follow_all, _load_manifest
+    from ..launch import Printer
+
+    manifest = _load_manifest(args.runs_dir, args.run_id)
+    if manifest is None:
+        return die(f"no local record of run {args.run_id} in {args.runs_dir}; "
+                   "attach from the machine (and --runs-dir) that started it")
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..recover import next_attempt
+
+    root, followed = manifest, None
+    while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
+        plan = Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
+        cluster = _cluster(args, manifest)
+        conns = _connect(args, cluster)
+        printer = Printer(plan)
+        codes: dict[str, int] = {}
+        try:
+            codes = _follow_all(plan, cluster, conns, printer)
+        except KeyboardInterrupt as exc:
+            printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
+            return getattr(exc, "exit_code", 130)
+        finally:
+            for c in conns.values():
+                c.close()
+        followed = plan.run_id
+        manifest = next_attempt(args.runs_dir, root, followed)
+        if manifest is not None:
+            printer.note(f"attempt {followed} ended; following {manifest['run_id']}")
+    failed = {n: c for n, c in codes.items() if c != 0}
+    printer.note(f"run {args.run_id} ended: " + (f"failed on {failed}" if failed else "all nodes exited 0"))
+    return next(iter(failed.values()), 0) if failed else 0
+
+
+@_guard
+def cmd_logs(args) -> int:
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..jobs import _load_manifest
+    from ..recover import attempt_manifests
+    from ..runner import RunError
+
+    root = _load_manifest(args.runs_dir, args.run_id)
+    bad = 0
+    for manifest in attempt_manifests(args.runs_dir, root) if root else [None]:
+        run_id = manifest["run_id"] if manifest else args.run_id
+        if run_id != args.run_id:
+            print(f"attempt {run_id}:")
+        try:
+            bad |= _logs_of(args, manifest, run_id)
+        except RunError as exc:  # e.g. a node lost in that attempt: the other attempts' logs still come
+            if root is None or len((root.get("recovery") or {}).get("attempts") or []) < 2:
+                raise
+            bad = 1
+            die([f"attempt {run_id}: {line}" for line in exc.problems])
+    return bad
+
+
+def _logs_of(args, manifest: dict | None, run_id: str) -> int:
+    """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import ssh
+    from ..jobs import FOLD_ABOVE, _remote_dir, fetch_rank_logs, grouped
+
+    cluster = _cluster(args, manifest)
+    dest = Path(args.runs_dir) / run_id
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def fetch(conn, node) -> str:
+        remote = _remote_dir(node.name, manifest, run_id)
+        res = ssh.run(conn, node.name, f"cat {shlex.quote(remote)}/output.log", timeout=60)
+        if res.exit_code != 0:
+            raise RuntimeError(res.stderr.strip() or f"no output.log in {remote}")
+        path = dest / f"{node.name}.remote.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(res.stdout)
+        if getattr(args, "ranks", False):
+            count = fetch_rank_logs(conn, node, remote, dest / "ranks" / node.name)
+            return f"{path}, {count} per-rank log files in {dest / 'ranks' / node.name}"
+        return str(path)
+
+    results = _on_each_node(args, cluster, fetch)
+    failed = {n.name: str(results[n.name]) for n in cluster.nodes if isinstance(results[n.name], BaseException)}
+    die([f"host {line}" for line in grouped(failed)])
+    fetched = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
+    if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
+        print(f"{len(fetched)} nodes' output in {dest}/<node>.remote.log"
+              + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if getattr(args, "ranks", False) else ""))
+    else:
+        for name, res in fetched.items():
+            print(f"{name}: {res}")
+    return 1 if failed else 0

@@ -1,0 +1,57 @@
+"""A problem found on the way to a run, as data: which node, what was checked, what was expected,
+what was found, and the fix. The library returns these; the command line prints them (one error
+printer, :mod:`ddpfab.cli.errors`) or writes them as JSON. Nothing re-parses a problem's text."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem. *text* is the full sentence a person reads (it names the node, what was
+    expected and found, and the fix); the other fields say the same as data.
+
+    Args:
+        node: the inventory name of the node it is about; None when about no single node.
+        check: what was checked, a short stable key (``"master_port"``, ``"script"``, ``"ssh"``).
+        expected: what should have been there.
+        found: what was there.
+        fix: what to do about it.
+        text: the sentence as printed (``host NODE: ...``); built from the fields when empty.
+    """
+
+    node: str | None
+    check: str
+    expected: str = ""
+    found: str = ""
+    fix: str = ""
+    text: str = ""
+
+    def __str__(self) -> str:
+        if self.text:
+            return self.text
+        where = f"host {self.node}: " if self.node else ""
+        parts = [f"{self.check}: expected {self.expected}" if self.expected else self.check]
+        if self.found:
+            parts.append(f"found {self.found}")
+        if self.fix:
+            parts.append(self.fix)
+        return where + ", ".join(parts[:2]) + (f"; {parts[2]}" if len(parts) > 2 else "")
+
+    def about(self, node: str, check: str | None = None) -> bool:
+        """Whether this problem is about *node* (and, given, *check*): exact names, never a substring."""
+        return self.node == node and (check is None or self.check == check)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "text": str(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Problem:
+        if not isinstance(data, dict) or not isinstance(data.get("check"), str):
+            raise ValueError(f"not a problem record: {data!r}")
+        fields = {k: data.get(k, "") for k in ("expected", "found", "fix", "text")}
+        if not all(isinstance(v, str) for v in fields.values()) or not isinstance(data.get("node"), (str, type(None))):
+            raise ValueError(f"not a problem record: {data!r}")
+        return cls(node=data.get("node"), check=data["check"], **fields)
