@@ -447,7 +447,12 @@ exec {sys.executable} "$@"
 
 
 def _interrupt(proc: subprocess.Popen, wait_for, sig: int) -> tuple[int, float, str]:
-    wait_for()
+    try:
+        wait_for()
+    except AssertionError as exc:  # say what ddpfab was doing meanwhile (had it ended? said what?)
+        proc.kill()
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"{exc}; ddpfab exit {proc.returncode}, its output:\n{out[-3000:]}") from None
     proc.send_signal(sig)
     sent = time.monotonic()
     out, _ = proc.communicate(timeout=30)
