@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -54,3 +55,8 @@ if args.report:
                                   "node_rank": int(os.environ["GROUP_RANK"]), "sum": total.item()}), flush=True)
 dist.barrier()  # gloo: tearing down while a peer still finishes aborts it (torch 2.13)
 dist.destroy_process_group()
+# Leave without the interpreter's teardown, where gloo's threads can still abort a finished rank
+# (pytorch issue 190489); scripts that may import ddpfab call ddpfab.dist.finish() instead.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)

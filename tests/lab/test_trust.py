@@ -41,7 +41,9 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 def host_sh(lab, name: str, script: str, user: str | None = None, **kwargs) -> subprocess.CompletedProcess:
     """*script* run inside lab host *name* (all its namespaces), as root or as *user*."""
     init = labmod._child_pid(lab.host(name).pid)
-    argv = ["nsenter", "-t", str(init), "-a", "sh", "-c", script]
+    # HOME as a login on the host has it: nsenter keeps this process's, and the suite may run with
+    # another HOME (a fresh one in CI), so `~` would name a dir the node's ssh sessions never use
+    argv = ["nsenter", "-t", str(init), "-a", "env", "HOME=/root", "sh", "-c", script]
     if user:
         argv = ["nsenter", "-t", str(init), "-a", "runuser", "-u", user, "--", "sh", "-c", script]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
