@@ -74,8 +74,12 @@ def wrap(mod, attr, label):
             ev(label + ":end")
     setattr(mod, attr, timed)
 wrap(inventory, "load", "inventory.load")
-if hasattr(cli, "_sync_code"):  # `run` syncs the code to every node first (unless --no-sync)
-    wrap(cli, "_sync_code", "sync")
+try:  # `run` syncs the code to every node first (unless --no-sync); since 16b in ddpfab/cli/run.py
+    from ddpfab.cli import run as cli_run
+except ImportError:
+    cli_run = cli
+if hasattr(cli_run, "_sync_code"):
+    wrap(cli_run, "_sync_code", "sync")
 wrap(runner, "connect_all", "connect")
 if hasattr(runner, "start_probe"):  # one node program session per node for the whole preparation
     wrap(runner, "start_probe", "probe-start")
