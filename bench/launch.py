@@ -13,7 +13,7 @@ launcher's stdout:
                           on the lab a no-change sync: the hosts see the controller's /tmp)
   torchrun (local)        python -m torch.distributed.run --nproc-per-node=1 bench_hello.py on this
                           machine: what torchrun itself costs (the baseline the target refers to)
-  pdsh + torchrun         pdsh -R ssh -w node[1-N] 'cd WD && python -m torch.distributed.run
+  pdsh + torchrun         pdsh -R ssh -f N -w node[1-N] 'cd WD && python -m torch.distributed.run
                           --nnodes N --node-rank K ...': the same torchrun on the same N hosts,
                           started by the plainest SSH fan-out there is. On this lab all N hosts
                           share this machine's CPUs, so N torchruns importing torch at once are
@@ -208,7 +208,10 @@ class Bench:
         remote = (f"cd {self.wd} && exec {PYTHON} -m torch.distributed.run --nnodes={n} "
                   f"--node-rank=$(( $(hostname | tr -dc 0-9) - 1 )) --nproc-per-node=1 "
                   f"--master-addr={master} --master-port={self.next_port()} {script}")
-        run = Run(["pdsh", "-w", common.pdsh_hosts(n), remote], common.pdsh_env(self.lab), self.wd)
+        # -f N: a job's N torchruns must all start (pdsh's default window of 32 would keep hosts 33.. waiting
+        # behind the first 32, which wait in rendezvous for them: a 64-host job never starts)
+        run = Run(["pdsh", "-f", str(max(n, 32)), "-w", common.pdsh_hosts(n), remote], common.pdsh_env(self.lab),
+                  self.wd)
         try:
             rc = run.wait(timeout)
             exited = time.monotonic() - run.t0

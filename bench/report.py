@@ -140,8 +140,11 @@ def plot_fanout(data, plt) -> str | None:
 
 
 def plot_launch(data, plt) -> str | None:
-    rows = [r for r in compare_launch(data, load("launch-main"))
+    before = load("launch-main")
+    rows = [r for r in compare_launch(data, before)
             if "until it starts" in r[0] or "own steps" in r[0] or "on the nodes" in r[0]]
+    if before and noisy(before["meta"]) != noisy(data["meta"]):  # not a pair (see before_after)
+        rows = []
     if rows:
         fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 4.5), gridspec_kw={"width_ratios": [1.1, 1, 1]})
         labels = [r[0].split(",")[0].replace("`", "").replace("the run's own steps before it starts the nodes",
@@ -406,6 +409,12 @@ def before_after(after, before) -> list[str]:
     if not rows:
         return []
     m = before["meta"]
+    if noisy(m) != noisy(after["meta"]):  # a loaded run against a quiet one says nothing about the change
+        return [f"(The before of the node-program change, `bench/results/launch-main.json` (git "
+                f"{m.get('git', '?')}), was taken {'on a busy machine' if noisy(m) else 'on a quiet machine'} "
+                f"and this run {'on a busy one' if noisy(after['meta']) else 'on a quiet one'}: not a pair to "
+                "compare. In the session where both ran loaded, the nodes' part before the start went from "
+                "10.66 s to 5.21 s at N=8 (this page's git history, 2026-11-30).)", ""]
 
     def rel(b, a):
         return f"{a / b:.2f}x" if a is not None and b and b > 0 and a > 0 else "n/a"
@@ -794,17 +803,18 @@ def scale_section(data, plots) -> tuple[list[str], dict]:
               "connection + the fan-out window (64) + a few, so about N + 70 (~200 at 128), except `attach`, which "
               "follows every node at once: a thread per node on top, about 2N (257 at 128); open files = one "
               "socket per host + a few (the mesh probe polls its channels from one thread, no pipe per node; "
-              "`sync` holds two pipes per rsync child); memory under 100 MiB. The controller's CPU (~35 ms per "
-              "host) is paramiko's SSH handshakes in Python: pdsh spreads the same work over "
-              "one C `ssh` process per host, which is why ddpfab loses to it on this loaded 2-core machine, "
-              "where every CPU second of the controller competes with 128 sshds and the other engineers' work.",
+              "`sync` holds two pipes per rsync child); memory under 100 MiB. The controller's CPU (about 30 ms per "
+              "host for `exec`) is mostly paramiko's SSH handshakes in Python, where pdsh spreads the same work "
+              "over one C `ssh` process per host; on this 2-core machine every CPU second of the controller also "
+              "competes with the N sshds it talks to, so the ratios to pdsh are for this lab, not a real cluster "
+              "(where each sshd has its own machine).",
               ""]
     # the lab's memory is measured as its processes' PSS since the commands run (the first runs of
     # the script measured MemAvailable, which other work on the machine made meaningless)
     lab = data.get("lab") or (load("scale-commands") or {}).get("lab") or {}
     if lab:
         lines += [f"The lab itself: {lab['hosts']} hosts up in {lab['up_s']:.1f} s and down in {lab['down_s']:.1f} s "
-                  f"on the loaded machine; the hosts' processes (init + sshd per host) took ~{lab['mem_mib']} MiB "
+                  f"{'on the loaded machine' if noisy(data['meta']) else 'on the quiet machine'}; the hosts' processes (init + sshd per host) took ~{lab['mem_mib']} MiB "
                   f"(their PSS; kernel memory for namespaces, veths and overlays not included); left after `down`: "
                   f"{'nothing' if not any(lab['leftovers'].values()) else lab['leftovers']}.", ""]
     torch_lines, t_torch = scale_torch_section(data, plots)

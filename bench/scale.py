@@ -155,7 +155,8 @@ def other_commands(b: Bench, n: int, work: Path) -> list[dict]:
                        check=True)
     inv_opt = common.write_inventory(b.lab, common.names(n), work / f"inventory{n}-opt.yml",
                                      ddpfab_workdir="/opt/ddpfab-bench-scale")
-    emit = work / "emit"
+    # a dir of its own each time: --emit refuses a non-empty dir ddpfab did not write (an earlier run's)
+    emit = Path(tempfile.mkdtemp(prefix="emit-", dir=work)) / "scripts"
     base = [PYTHON, "-m", "ddpfab"]
     steps = [("plan --emit", [*base, "plan", "-i", str(b.inv[n]), "--nproc-per-node", "1", "--emit", str(emit), SCRIPT]),
              ("sync (first)", [*base, "sync", "-i", str(inv_opt), str(project)]),
@@ -218,7 +219,13 @@ def main() -> int:
                     samples.setdefault(tool, {}).setdefault(n, []).append(b.once(tool, n))
                 log(f"rep {rep + 1}/{reps} N={n}: " + "  ".join(
                     f"{t}={samples[t][n][-1]['wall']:.2f}" for t in TOOLS))
-        commands = [] if args.no_commands or "other" not in parts else other_commands(b, max(sizes), work)
+        commands = []
+        if not args.no_commands and "other" in parts:
+            try:
+                commands = other_commands(b, max(sizes), work)
+            except Exception as exc:  # noqa: BLE001 - recorded in the result; the fan-out figures still count
+                log(f"part other failed: {exc}")
+                torch_parts.setdefault("errors", {})["other"] = str(exc)[-3000:]
         # a part that fails is recorded as such; the others' figures still count
         for part, measure in (
                 ("teardown", lambda: scale_torch.crash_teardown(lab, work / "torch", sizes, args.cap,

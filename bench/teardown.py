@@ -135,7 +135,9 @@ class Bench:
             return Launch([subprocess.Popen([*argv, SCRIPT], env=common.env_with(), cwd=self.wd, **pipe)])
         env = " ".join(f"{k}={v}" for k, v in fail.items())
         if launcher == "pdsh + torchrun":
-            return Launch([subprocess.Popen(["pdsh", "-w", common.pdsh_hosts(n), self.torchrun_cmd(n, env)],
+            # -f N: all N torchruns must start (see bench/launch.py: pdsh's default window is 32)
+            return Launch([subprocess.Popen(["pdsh", "-f", str(max(n, 32)), "-w", common.pdsh_hosts(n),
+                                             self.torchrun_cmd(n, env)],
                                             env=common.pdsh_env(self.lab), cwd=self.wd, **pipe)])
         cmd = self.torchrun_cmd(n, env)
         return Launch([subprocess.Popen(["ssh", "-F", str(self.lab.ssh_config), name, cmd], env=common.env_with(),
