@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import re
 import shlex
 import sys
 import time
@@ -37,6 +38,14 @@ from . import ops as _ops
 
 #: The modules that make the node program, in order (each may use the names of those before it).
 SOURCES = (workdir, treehash, agent, _ops)
+
+#: The longest reply line a :class:`Session` takes (the largest real ones, a ``mesh_connect`` over
+#: 128 nodes or full facts, are well under 1 MiB): past it the node is not answering as the
+#: protocol says, and its buffer must not grow without end.
+MAX_REPLY_LINE = 8 * 2**20
+#: The most a :meth:`Session.poll` reads at once: a node that never stops writing must not keep
+#: :func:`exchange` from the other nodes' channels and from its deadline.
+POLL_BYTES = 2**20
 
 #: What a node's python runs (``python -c LOADER LENGTH WORDS...``): read the program's code
 #: (LENGTH bytes) from stdin and run it; it then reads its requests from stdin. Short and readable
@@ -114,6 +123,17 @@ class Reply:
         return self.result
 
 
+#: Control characters but newline and tab (C0, DEL, C1): a terminal would act on them (an escape
+#: sequence retitles or clears it, a carriage return overwrites the line).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: object) -> str:
+    """*text* (something a node said) safe to print: each control character written as ``\\xNN``.
+    Everything a node program says goes through here before it reaches the terminal."""
+    return _CONTROL.sub(lambda m: "\\x%02x" % ord(m.group()), str(text))
+
+
 def parse_reply(line: bytes | str) -> Reply | None:
     """A reply line, validated; None when the line is no reply (not JSON, not an object with the
     reply's keys and types)."""
@@ -129,23 +149,44 @@ def parse_reply(line: bytes | str) -> Reply | None:
         return None
     if ok:
         return Reply(rid, op, True, result=data.get("result")) if isinstance(data.get("result"), dict) else None
-    return Reply(rid, op, False, error=str(data.get("error") or "failed (no reason given)"))
+    return Reply(rid, op, False, error=printable(data.get("error") or "failed (no reason given)"))
+
+
+def _keep(got: dict[int | None, Reply], sent: dict[int, str], line: bytes | str) -> None:
+    """Add *line*'s reply to *got* when it answers a request of *sent* (id -> op): the same id and
+    the same op, and the first such (a duplicate is dropped). A refusal of the stream itself (no
+    id, not ok: a bad frame) is kept under None. Anything else is dropped: a reply to nothing
+    asked is no answer. (The one rule of :func:`match_replies` and :class:`Session`.)"""
+    r = parse_reply(line)
+    if r is None:
+        return
+    if r.id is None:
+        if not r.ok:
+            got.setdefault(None, r)
+    elif sent.get(r.id) == r.op:
+        got.setdefault(r.id, r)
+
+
+def _answers(requests: list[dict], got: dict[int | None, Reply], exit_code: int | None, stderr: str) -> list[Reply]:
+    """The reply in *got* to each of *requests*; a request without one gets an error reply saying
+    why (the program's refusal of the stream, else its exit status and stderr)."""
+    why = "no reply" + (f" (exit {exit_code})" if exit_code is not None else "") + \
+        (f": {printable(stderr.strip()[-300:])}" if stderr.strip() else "")
+    if None in got:  # the program refused the stream itself (a bad frame)
+        why = got[None].error
+    return [got.get(r["id"]) or Reply(r["id"], r["op"], False, error=why) for r in requests]
 
 
 def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str], exit_code: int | None,
                   stderr: str = "") -> list[Reply]:
-    """The reply to each of *requests* (by id) among *lines*; a request without one gets an error
-    reply saying why (the program's exit status and stderr)."""
+    """The reply to each of *requests* (by id and op; the first, if a node repeats one) among
+    *lines*; a request without one gets an error reply saying why (the program's exit status and
+    stderr)."""
     got: dict[int | None, Reply] = {}
+    sent = {r["id"]: r["op"] for r in requests}
     for line in lines:
-        r = parse_reply(line)
-        if r is not None:
-            got.setdefault(r.id, r)
-    why = "no reply" + (f" (exit {exit_code})" if exit_code is not None else "") + \
-        (f": {stderr.strip()[-300:]}" if stderr.strip() else "")
-    if None in got and not got[None].ok:  # the program refused the stream itself (a bad frame)
-        why = got[None].error
-    return [got.get(r["id"]) or Reply(r["id"], r["op"], False, error=why) for r in requests]
+        _keep(got, sent, line)
+    return _answers(requests, got, exit_code, stderr)
 
 
 def python_missing(node, exit_code: int) -> NodeProgramError | None:
@@ -179,9 +220,11 @@ class Session:
     def __init__(self, conn, node, words: tuple[str, ...] = ("ddpfab-node",), timeout: float = 30):
         self.node = node
         self._ids = itertools.count(1)
-        self._buf = b""
-        self._replies: dict[int, Reply] = {}
+        self._buf = bytearray()  # the line begun and not yet ended
+        self._sent: dict[int, str] = {}  # id -> op of each request sent and not yet taken
+        self._replies: dict[int | None, Reply] = {}
         self._err = b""
+        self._broken: NodeProgramError | None = None
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node.python, *words))
         self.chan.sendall(program())
@@ -189,27 +232,50 @@ class Session:
     def send(self, *requests: dict) -> list[dict]:
         """Send *requests* (numbered here) without waiting; returns them with their ids."""
         reqs = [{**r, "id": next(self._ids)} for r in requests]
+        self._sent.update((r["id"], r["op"]) for r in reqs)
         self.chan.sendall(b"".join(frame(r) for r in reqs))
         return reqs
 
     def poll(self) -> bool:
-        """Take what the node has sent; False when nothing was there."""
-        got = False
-        while self.chan.recv_stderr_ready():
-            self._err = (self._err + self.chan.recv_stderr(65536))[-4096:]
+        """Take what the node has sent, up to :data:`POLL_BYTES`; False when nothing was there.
+        A NodeProgramError when the node sends a line longer than :data:`MAX_REPLY_LINE`."""
+        if self._broken is not None:
+            raise self._broken
+        got, budget = False, POLL_BYTES
+        while budget > 0 and self.chan.recv_stderr_ready():
+            data = self.chan.recv_stderr(65536)
+            if not data:
+                break
             got = True
-        while self.chan.recv_ready():
+            budget -= len(data)
+            self._err = (self._err + data)[-4096:]
+        while budget > 0 and self.chan.recv_ready():
             data = self.chan.recv(65536)
             if not data:
                 break
             got = True
-            self._buf += data
-            *lines, self._buf = self._buf.split(b"\n")
-            for line in lines:
-                r = parse_reply(line)
-                if r is not None and isinstance(r.id, int):
-                    self._replies[r.id] = r
+            budget -= len(data)
+            self._take_lines(data)
         return got
+
+    def _take_lines(self, data: bytes) -> None:
+        """The complete lines *data* ends (only *data* is searched: a long line costs no rescans)."""
+        first = data.find(b"\n")
+        if first < 0:
+            self._buf += data
+        else:
+            self._buf += data[:first]
+            lines = [bytes(self._buf), *data[first + 1:].split(b"\n")]
+            self._buf = bytearray(lines.pop())
+            for line in lines:
+                _keep(self._replies, self._sent, line)
+        if len(self._buf) > MAX_REPLY_LINE:
+            self._buf = bytearray()
+            self._broken = NodeProgramError(
+                self.node.name, f"host {self.node.name}: the node program sent a line of over "
+                                f"{MAX_REPLY_LINE >> 20} MiB (no reply is that long): it does not answer as "
+                                "ddpfab's node program does")
+            raise self._broken
 
     @property
     def ended(self) -> bool:
@@ -218,14 +284,21 @@ class Session:
     def take(self, reqs: list[dict]) -> list[Reply] | None:
         """The replies to *reqs* when all have come, else None (an ended program: error replies)."""
         if all(r["id"] in self._replies for r in reqs):
-            return [self._replies.pop(r["id"]) for r in reqs]
+            return self._pop(reqs, [self._replies[r["id"]] for r in reqs])
         if self.ended and not self.chan.recv_ready():
             code = self.chan.recv_exit_status()
             missing = python_missing(self.node, code)
             if missing:
                 raise missing
-            return match_replies(self.node.name, reqs, [], code, self._err.decode(errors="replace"))
+            return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace")))
         return None
+
+    def _pop(self, reqs: list[dict], replies: list[Reply]) -> list[Reply]:
+        """*replies*, with *reqs* forgotten (a later reply with one of their ids is dropped)."""
+        for r in reqs:
+            self._replies.pop(r["id"], None)
+            self._sent.pop(r["id"], None)
+        return replies
 
     def close(self) -> None:
         """EOF to the program (it ends, closing whatever it holds open) and close the channel."""
@@ -331,7 +404,7 @@ def stop(conn, node, remote_dir: str, grace: float, timeout: float) -> tuple[str
     reply = call(conn, node, {"op": "stop", "dir": remote_dir, "grace": grace}, timeout=timeout)[0]
     if not reply.ok:
         return reply.error, False
-    return str(reply.result.get("said", "")), reply.result.get("stopped") is True
+    return printable(reply.result.get("said", "")), reply.result.get("stopped") is True
 
 
 def value(replies: list[Reply] | Exception, node: str) -> dict:

@@ -185,3 +185,149 @@ def test_the_command_line_carries_no_code_and_no_request():
     assert int(words[3]) == len(nodeprog.program()) and words[4:] == ["ddpfab-node"]
     line = nodeprog.command("/opt/venv/bin/python", "ddpfab-node", fallback="python3")
     assert "command -v /opt/venv/bin/python" in line and "exec python3 -c" in line
+
+
+# -- the controller's reading of replies: records are data ----------------------------------------
+class FakeChannel:
+    """A node program's channel as a :class:`nodeprog.Session` sees it (paramiko's Channel API,
+    the calls Session makes): stdout from *chunks* (a list, or an endless generator), then an exit
+    status. Stands in for SSH only; the replies are parsed by the real code."""
+
+    def __init__(self, chunks, exit_code: int | None = 0, stderr: bytes = b""):
+        self.chunks = iter(chunks)
+        self.next = next(self.chunks, None)
+        self.stderr, self.exit_code, self.sent, self.closed, self.received = stderr, exit_code, b"", False, 0
+
+    def exec_command(self, command): pass
+    def sendall(self, data): self.sent += data
+    def recv_ready(self): return self.next is not None
+    def recv_stderr_ready(self): return bool(self.stderr)
+
+    def recv(self, n):
+        data, self.next = self.next, next(self.chunks, None)
+        self.received += len(data)
+        return data
+
+    def recv_stderr(self, n):
+        data, self.stderr = self.stderr[:n], self.stderr[n:]
+        return data
+
+    def exit_status_ready(self): return self.next is None and self.exit_code is not None
+    def recv_exit_status(self): return self.exit_code
+    def shutdown_write(self): pass
+    def close(self): self.closed = True
+
+
+class FakeConn:
+    def __init__(self, chan):
+        self.transport = self
+        self.chan = chan
+
+    def open_session(self, timeout):
+        return self.chan
+
+
+def session(chunks, **kw) -> nodeprog.Session:
+    from ddpfab.inventory import Node
+    return nodeprog.Session(FakeConn(FakeChannel(chunks, **kw)), Node(name="n1", host="10.0.0.1"))
+
+
+def line(rid, op, **result) -> bytes:
+    return json.dumps({"id": rid, "op": op, "ok": True, "result": result}).encode() + b"\n"
+
+
+def test_a_reply_naming_another_op_is_no_answer():
+    reqs = nodeprog.numbered({"op": "stop", "dir": "d"})
+    got = nodeprog.match_replies("n1", reqs, [line(1, "ps", said="x", stopped=True)], 0)[0]
+    assert not got.ok and got.op == "stop" and "no reply" in got.error
+    s = session([line(1, "ps", said="x", stopped=True)])
+    reqs = s.send({"op": "stop", "dir": "d"})
+    s.poll()
+    got = s.take(reqs)[0]
+    assert not got.ok and "no reply (exit 0)" in got.error
+
+
+def test_a_repeated_id_keeps_the_first_reply_both_ways():
+    dup = [line(1, "stop", stopped=False), line(1, "stop", stopped=True)]
+    reqs = nodeprog.numbered({"op": "stop", "dir": "d"})
+    assert nodeprog.match_replies("n1", reqs, dup, 0)[0].result == {"stopped": False}
+    s = session([b"".join(dup)], exit_code=None)
+    reqs = s.send({"op": "stop", "dir": "d"})
+    s.poll()
+    assert s.take(reqs)[0].result == {"stopped": False}
+
+
+def test_a_session_keeps_no_reply_to_a_request_never_sent():
+    s = session([b"".join(line(i, "facts") for i in range(100, 5100)), line(1, "facts", hostname="h")],
+                exit_code=None)
+    reqs = s.send({"op": "facts", "workdir": "/"})
+    while s.poll():
+        pass
+    assert len(s._replies) == 1  # the 5000 unasked replies were dropped as they came
+    assert s.take(reqs)[0].result == {"hostname": "h"}
+    s.chan.next = line(1, "facts", hostname="late")  # once taken, its id is answered: a repeat is dropped
+    s.poll()
+    assert s._replies == {}
+
+
+def test_a_reply_split_over_many_reads_and_many_in_one_read_are_all_taken():
+    big = line(1, "facts", blob="x" * 300_000)
+    chunks = [big[i:i + 1000] for i in range(0, len(big), 1000)] + [line(2, "hash", tree_hash="t") + line(3, "ps")[:5],
+                                                                    line(3, "ps")[5:]]
+    s = session(chunks, exit_code=None)
+    reqs = s.send({"op": "facts"}, {"op": "hash"}, {"op": "ps"})
+    while s.poll():
+        pass
+    got = s.take(reqs)
+    assert [r.op for r in got] == ["facts", "hash", "ps"] and got[0].result["blob"] == "x" * 300_000
+    assert got[1].result == {"tree_hash": "t"} and got[2].result == {}
+
+
+def test_a_line_without_end_is_refused_past_the_cap_not_buffered():
+    s = session((b"x" * 65536 for _ in range(16 * 16)), exit_code=None)  # 16 MiB, no newline
+    s.send({"op": "facts"})
+    with pytest.raises(nodeprog.NodeProgramError, match="host n1: the node program sent a line of over 8 MiB"):
+        while s.poll():
+            assert len(s._buf) <= nodeprog.MAX_REPLY_LINE
+    assert s.chan.received <= nodeprog.MAX_REPLY_LINE + 2 * 65536
+    with pytest.raises(nodeprog.NodeProgramError):  # the session stays broken
+        s.poll()
+
+
+def test_one_poll_reads_a_bounded_amount():
+    s = session((b"y" * 65535 + b"\n" for _ in range(64 * 16)), exit_code=None)  # 64 MiB of junk lines
+    assert s.poll() is True
+    assert s.chan.received <= nodeprog.POLL_BYTES
+
+
+def test_a_node_that_never_stops_writing_does_not_hold_up_the_others_or_the_deadline():
+    def endless():
+        while True:
+            yield b"z" * 65535 + b"\n"
+
+    chatty, quiet = session(endless(), exit_code=None), session([line(1, "facts", hostname="q")], exit_code=None)
+    started = time.monotonic()
+    out = nodeprog.exchange({"chatty": chatty, "quiet": quiet}, {"chatty": [{"op": "facts"}], "quiet": [{"op": "facts"}]},
+                            timeout=0.5)
+    # the deadline is a behaviour, not a speed: before the bound a chatty node kept exchange forever
+    assert time.monotonic() - started < 30
+    assert isinstance(out["chatty"], nodeprog.NodeProgramError) and out["chatty"].kind == "timeout"
+    assert out["quiet"][0].result == {"hostname": "q"}
+
+
+def test_a_session_says_why_the_program_refused_the_stream():
+    refusal = json.dumps({"id": None, "op": None, "ok": False, "error": "bad frame: length 'abc'"}).encode() + b"\n"
+    s = session([refusal], exit_code=2, stderr=b"")
+    reqs = s.send({"op": "facts"})
+    s.poll()
+    assert s.take(reqs)[0].error == "bad frame: length 'abc'"
+
+
+def test_what_a_node_says_is_printed_without_its_control_characters():
+    evil = "\x1b]0;pwn\x07\x1b[2Jgone\rover\x9b31m"
+    reqs = nodeprog.numbered({"op": "stop", "dir": "d"})
+    error = nodeprog.match_replies("n1", reqs, [json.dumps({"id": 1, "op": "stop", "ok": False, "error": evil})], 0)[0].error
+    assert error == r"\x1b]0;pwn\x07\x1b[2Jgone\x0dover\x9b31m"
+    died = nodeprog.match_replies("n1", reqs, [], 1, "Traceback\n\tline\x1b[31m")[0].error
+    assert died == "no reply (exit 1): Traceback\n\tline\\x1b[31m"  # newline and tab kept
+    assert nodeprog.printable("host n1: 10.0.0.1 ok\n") == "host n1: 10.0.0.1 ok\n"
