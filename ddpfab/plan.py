@@ -409,9 +409,19 @@ def remote_workdir(raw: str, home: str | None) -> str:
         raise PlanError(str(exc)) from None
 
 
+def is_run_id(value: object) -> bool:
+    """Whether *value* may be a run id (it names a directory here and on every node)."""
+    return isinstance(value, str) and bool(_RUN_ID.fullmatch(value)) and ".." not in value
+
+
+def is_port(value: object) -> bool:
+    """Whether *value* is a TCP port: an int (not a bool) in 1-65535."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+
+
 def check_run_id(run_id: str) -> str:
     """*run_id*, or a PlanError: it becomes a directory name here and on every node."""
-    if not _RUN_ID.fullmatch(run_id or "") or ".." in run_id:
+    if not is_run_id(run_id):
         raise PlanError(f"--run-id {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
                         "letter or digit, no '..'): it names a directory here and on every node")
     return run_id
@@ -424,8 +434,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     if not options.script:
         raise PlanError("no training script given")
     port = facts.master_port
-    if not 1 <= port <= 65535:
-        raise PlanError(f"master port {port} is not a TCP port (1-65535)")
+    if not is_port(port):
+        raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
     if options.max_restarts < 0:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
     if options.nproc_per_node is not None and options.nproc_per_node < 1:

@@ -20,7 +20,7 @@ from fabric import Connection
 from . import node as nodeprog
 from . import ssh
 from .inventory import Cluster, Node
-from .plan import DEFAULT_PORT_RANGE
+from .plan import DEFAULT_PORT_RANGE, is_port
 from .problems import Problem
 from .target import Target
 
@@ -101,11 +101,19 @@ def facts_request(node: Node, *, workdir: str, script: str | None, port: int | N
 
 
 def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
-    """A ``facts`` reply as NodeFacts; a reply without the facts every node reports is an error."""
+    """A ``facts`` reply as NodeFacts; a reply without the facts every node reports, or with a
+    port that is none, is an error."""
+    free_port, port_free = data.get("free_port"), data.get("port_free")
+    bad = [f"{key} {nodeprog.printable(repr(value))[:60]} (expected {want})" for key, value, ok, want in (
+        ("free_port", free_port, free_port is None or is_port(free_port), "an integer 1-65535, or null"),
+        ("port_free", port_free, port_free is None or isinstance(port_free, bool), "true, false or null")) if not ok]
+    if bad:
+        raise nodeprog.NodeProgramError(node.name, f"host {node.name}: its facts give {'; '.join(bad)}; ddpfab's node "
+                                                   "program never answers so: check what runs as ddpfab_python there")
     try:
-        return NodeFacts(name=node.name, hostname=str(data["hostname"]), python=str(data["python"]),
-                         home=str(data["home"]), torch=bool(data["torch"]), free_port=data.get("free_port"),
-                         port_free=data.get("port_free"), workdir_exists=bool(data["workdir_exists"]),
+        return NodeFacts(name=node.name, hostname=nodeprog.printable(data["hostname"]),
+                         python=nodeprog.printable(data["python"]), home=str(data["home"]), torch=bool(data["torch"]),
+                         free_port=free_port, port_free=port_free, workdir_exists=bool(data["workdir_exists"]),
                          script_exists=data.get("script_exists"),
                          raw={**data, "controller_sent": sent, "controller_received": received})
     except KeyError as exc:

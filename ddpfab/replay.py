@@ -31,7 +31,8 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from . import probe, render, sync
+from . import node as nodeprog
+from . import probe, render, ssh, sync
 from .inventory import Cluster
 from .plan import Plan, PlanError, RunOptions, choose_master, master_port, parse_env
 from .problems import Problem
@@ -252,10 +253,14 @@ def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: 
                 found="in use",
                 text=f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)"))
         else:
-            found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
-                                     find_port=True).free_port
-            if found is None:
-                problems.append(Problem(master.name, "master_port", expected="a free port", found="none",
-                                        text=f"host {master.name}: no free port for the replay"))
+            try:
+                found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
+                                         find_port=True).free_port
+            except (nodeprog.NodeProgramError, ssh.SSHError) as exc:  # a bad answer is a problem, not a traceback
+                problems.append(Problem(master.name, "master_port", found=str(exc), text=str(exc)))
+            else:
+                if found is None:
+                    problems.append(Problem(master.name, "master_port", expected="a free port", found="none",
+                                            text=f"host {master.name}: no free port for the replay"))
     port = master_port(old_port, found=found, asked_free=not taken, replace_taken=not same_port)
     return port or 0, facts, problems

@@ -331,3 +331,18 @@ def test_what_a_node_says_is_printed_without_its_control_characters():
     died = nodeprog.match_replies("n1", reqs, [], 1, "Traceback\n\tline\x1b[31m")[0].error
     assert died == "no reply (exit 1): Traceback\n\tline\\x1b[31m"  # newline and tab kept
     assert nodeprog.printable("host n1: 10.0.0.1 ok\n") == "host n1: 10.0.0.1 ok\n"
+
+
+def test_facts_with_a_port_that_is_none_are_a_problem_of_that_node():
+    from ddpfab.inventory import Node
+    from ddpfab.probe import to_facts
+
+    base = {"hostname": "h", "python": "3.12", "home": "/root", "torch": True, "workdir_exists": True}
+    node = Node(name="n1", host="10.0.0.1")
+    for port in (29500, None):
+        assert to_facts(node, {**base, "free_port": port}, 0, 0).free_port == port
+    for bad in ({"free_port": True}, {"free_port": "29500"}, {"free_port": 29500.5}, {"free_port": 0},
+                {"free_port": 70000}, {"port_free": "yes"}):
+        with pytest.raises(nodeprog.NodeProgramError, match=r"host n1: its facts give (free|port)_"):
+            to_facts(node, {**base, **bad}, 0, 0)
+    assert to_facts(node, {**base, "hostname": "h\x1b[2J"}, 0, 0).hostname == "h\\x1b[2J"

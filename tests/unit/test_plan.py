@@ -73,7 +73,7 @@ def test_master_address_must_be_an_ip_literal():
         make_plan(C3, RunOptions("t.py"), facts(C3, a="gpu1.example"))
 
 
-@pytest.mark.parametrize("port", [0, 70000, -1])
+@pytest.mark.parametrize("port", [0, 70000, -1, True, "29500", 29500.5])
 def test_bad_port(port):
     with pytest.raises(PlanError, match="TCP port"):
         make_plan(C3, RunOptions("t.py"), facts(C3, port=port))
