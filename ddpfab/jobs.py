@@ -18,16 +18,22 @@ from pathlib import Path
 from . import node as nodeprog
 from . import ssh, streams
 from .mesh import compact
+from .plan import is_run_id
 
 
 def _ps_record(rec) -> dict:
-    """One run record from a node's ``ps`` reply, validated (records are data)."""
-    if not isinstance(rec, dict) or not isinstance(rec.get("run_id"), str) or rec.get("state") not in (
-            "running", "exited", "dead") or not isinstance(rec.get("exit_code"), (int, type(None))):
-        raise ValueError(f"malformed run record {rec!r:.200}")
+    """One run record from a node's ``ps`` reply, validated (records are data): its run id names a
+    local directory (the run's manifest), so it must be a run id, not a path."""
+    if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in (
+            "running", "exited", "dead") or not _is_int_or_none(rec.get("exit_code")):
+        raise ValueError(f"malformed run record {nodeprog.printable(repr(rec))[:200]}")
     started = rec.get("started")
     return {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
-            "started": float(started) if isinstance(started, (int, float)) else None}
+            "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
+
+
+def _is_int_or_none(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
