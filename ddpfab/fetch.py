@@ -50,6 +50,21 @@ def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
     return order[r]
 
 
+def located(name: str, found: dict) -> tuple[str, int]:
+    """A ``locate`` reply's path and size, validated (records are data): the path's last name
+    becomes the local destination's, so it must be a name (not ``..``, ``.`` or empty) of an
+    absolute path without control characters, and the size an integer."""
+    path, size = found.get("path"), found.get("bytes")
+    name_ok = isinstance(path, str) and path.startswith("/") and \
+        os.path.basename(path.rstrip("/")) not in ("", ".", "..") and \
+        not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in path)
+    if not name_ok or not isinstance(size, int) or isinstance(size, bool):
+        raise FetchError(f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
+                         f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
+                         "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there")
+    return path, size
+
+
 def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: HostKeyPolicy, *,
           ssh_config: str | None = None, overwrite: bool = False, default_workdir: str | None = None,
           progress: bool | None = None) -> dict:
@@ -86,15 +101,16 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
     except SyncError as exc:
         raise FetchError(exc.problems[0]) from None
+    path, size = located(node.name, found)
     local_dir = os.path.abspath(os.fspath(local_dir))
-    dest = os.path.join(local_dir, os.path.basename(found["path"].rstrip("/")))
+    dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
     if os.path.lexists(dest) and not overwrite:
         raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR")
     os.makedirs(local_dir, exist_ok=True)
-    show = progress if progress is not None else found["bytes"] >= PROGRESS_BYTES
+    show = progress if progress is not None else size >= PROGRESS_BYTES
     argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
             " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
-            f"{destination(target)}:{found['path']}", local_dir + "/"]
+            f"{destination(target)}:{path}", local_dir + "/"]
     # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
     copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
     if copy.returncode != 0:

@@ -357,3 +357,15 @@ def test_ps_records_name_run_ids_not_paths():
                 {"exit_code": True}, {"exit_code": 1.5}, {"state": "gone"}):
         with pytest.raises(ValueError, match="malformed run record"):
             _ps_record({**good, **bad})
+
+
+def test_a_locate_answer_must_name_a_file_or_dir():
+    from ddpfab.fetch import FetchError, located
+
+    assert located("n1", {"path": "/opt/w/ckpt", "bytes": 5}) == ("/opt/w/ckpt", 5)
+    assert located("n1", {"path": "/opt/w/ckpt/", "bytes": 0}) == ("/opt/w/ckpt/", 0)
+    for bad in ({"path": ["x"]}, {"path": ".."}, {"path": "/opt/w/.."}, {"path": "/opt/w/."}, {"path": "/"},
+                {"path": "rel/x"}, {"path": "/opt/w/a\nb"}, {"path": "/opt/w/\x1b[2J"}, {"bytes": "9"},
+                {"bytes": True}):
+        with pytest.raises(FetchError, match="host n1: locate: the node answered"):
+            located("n1", {"path": "/opt/w/ckpt", "bytes": 5, **bad})
