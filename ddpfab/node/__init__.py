@@ -18,7 +18,9 @@ while one session per node carries everything a launch needs before its supervis
 
 The controller keeps a :class:`Session` open per node while it needs the node (probe, hash check,
 mesh probe: one python start per node before a launch), or uses :func:`call` for one exchange.
-Replies are validated (:func:`parse_reply`): records are data, never executed.
+Replies are validated (:func:`parse_reply`) and taken only as the answer to a request sent, by its
+id and op (:func:`match_replies`, :class:`Session`): records are data, never executed. What a
+node says reaches the terminal through :func:`printable` (no terminal escapes).
 """
 
 from __future__ import annotations
