@@ -27,7 +27,7 @@ from . import node as nodeprog
 from . import probe, ssh
 from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from .plan import RunOptions, choose_master, master_port, nproc_for
-from .problems import Problem
+from .problems import NodeError, Problem
 
 #: Clock skew (seconds) between a node and the controller beyond which check fails.
 DEFAULT_MAX_SKEW_S = 1.0
@@ -269,17 +269,16 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
     started = time.monotonic()
     results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
     phases = {"connect": time.monotonic() - started}
-    conns = {k: v for k, v in results.items() if not isinstance(v, BaseException)}
-    unreachable = {k: (str(v).split(": ", 1)[-1] if isinstance(v, ssh.SSHError) else repr(v))
-                   for k, v in results.items() if isinstance(v, BaseException)}
+    conns = results.succeeded
+    unreachable = {k: (v.found if isinstance(v, NodeError) else repr(v)) for k, v in results.failed.items()}
     master = choose_master(cluster)
     sessions, failed = nodeprog.open_sessions(cluster.nodes, conns)  # one node program per node, for all
     try:
         facts, _problems = probe.gather(cluster, {k: v for k, v in conns.items() if k in sessions}, master,
                                         cwd=os.getcwd(), script=None, master_port=options.master_port,
                                         full=options.full, sessions=sessions)
-        for name, why in failed.items():
-            unreachable.setdefault(name, why.split(": ", 1)[-1])
+        for name, exc in failed.items():
+            unreachable.setdefault(name, exc.found)
         raw = {n: f.raw for n, f in facts.items()}
         phases["probe"] = time.monotonic() - started - sum(phases.values())
         for name in conns:

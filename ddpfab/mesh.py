@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import node as nodeprog
+from .results import GroupResult
 
 #: Per-attempt connect timeouts (seconds). The kernel answers a SYN itself, so CPU load alone
 #: rarely delays a connect; the kernel resends a lost SYN after 1 s, so an attempt of 2 s already
@@ -297,7 +298,7 @@ def listen_request(name: str, master: str, master_port: int | str | None) -> dic
 def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, master_port: int | None,
              exhaustive: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
              attempts: tuple[float, ...] = ATTEMPT_TIMEOUTS_S, degree: int = DEFAULT_DEGREE,
-             sessions: dict | None = None, listening: dict | None = None) -> dict:
+             sessions: dict | None = None, listening: GroupResult[nodeprog.Reply] | None = None) -> dict:
     """Probe the data plane (see the module docstring); returns ``ports`` (node -> its listener
     ports), ``results`` (source -> its probes), ``errors`` (node -> why its probe did not run)
     and ``plan`` (which pairs, the coverage, the deadline).
@@ -311,16 +312,18 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
     errors: dict[str, str] = {}
     own = sessions is None
     if own:
-        sessions, errors = nodeprog.open_sessions(nodes, conns)
+        sessions, failed = nodeprog.open_sessions(nodes, conns)
+        errors = {n: str(e) for n, e in failed.items()}
     deadline = 0.0
     try:
         if listening is None:
-            listening = {n: (a if isinstance(a, Exception) else a[0]) for n, a in nodeprog.exchange(
+            listening = nodeprog.exchange(
                 sessions, {n.name: [listen_request(n.name, master, master_port)] for n in nodes if n.name in sessions},
-                timeout=60).items()}
-        for name, ans in listening.items():
+                timeout=60).map(lambda replies: replies[0])
+        errors.update({n: str(e) for n, e in listening.failed.items()})
+        for name, reply in listening.succeeded.items():
             try:
-                ports[name] = _ports(name, nodeprog.value([ans] if not isinstance(ans, Exception) else ans, name))
+                ports[name] = _ports(name, reply.value(name))
             except (nodeprog.NodeProgramError, ValueError) as exc:
                 errors[name] = str(exc)
         plan = plan_targets([n.name for n in nodes if n.name in ports], exhaustive=exhaustive, degree=degree)
@@ -337,9 +340,11 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
             work[name] = [{"op": "mesh_connect", "targets": targets, "attempts": list(attempts),
                            "concurrency": concurrency, "deadline": node_deadline}]
         # the nodes stop on their own deadline; the margin covers the transfer
-        for name, ans in nodeprog.exchange(sessions, work, timeout=deadline + 15).items():
+        answers = nodeprog.exchange(sessions, work, timeout=deadline + 15)
+        errors.update({n: str(e) for n, e in answers.failed.items()})
+        for name, replies in answers.succeeded.items():
             try:
-                probes = nodeprog.value(ans, name)["probes"]
+                probes = replies[0].value(name)["probes"]
                 if not isinstance(probes, list) or not all(isinstance(p, dict) and "result" in p for p in probes):
                     raise ValueError(f"host {name}: mesh_connect: malformed probe results")
                 results[name] = probes

@@ -65,15 +65,10 @@ def _place(cluster, conns, rel_dir: str) -> dict[str, list[str]]:
     files = {name: path.read_text() for name, path in SHIPPED.items()}
     results = ssh.parallel(cluster.nodes, lambda n: nodeprog.call(
         conns[n.name], n, {"op": "perf_place", "dir": rel_dir, "files": files}, timeout=60)[0])
-    made, problems = {}, []
-    for n in cluster.nodes:
-        r = results[n.name]
-        if isinstance(r, BaseException):
-            problems.append(str(r))
-        elif not r.ok:
-            problems.append(f"host {n.name}: could not place the benchmark in ~/{rel_dir}: {r.error}")
-        else:
-            made[n.name] = [str(d) for d in r.result.get("made", [])]
+    problems = [str(e) for e in results.failed.values()]
+    problems += [f"host {n}: could not place the benchmark in ~/{rel_dir}: {r.error}"
+                 for n, r in results.succeeded.items() if not r.ok]
+    made = {n: [str(d) for d in r.result.get("made", [])] for n, r in results.succeeded.items() if r.ok}
     if problems:
         _clean(cluster, conns, rel_dir, made)
         raise PerfError(problems)
@@ -85,8 +80,8 @@ def _clean(cluster, conns, rel_dir: str, made: dict[str, list[str]]) -> list[str
     results = ssh.parallel(nodes, lambda n: nodeprog.call(
         conns[n.name], n, {"op": "perf_clean", "dir": rel_dir, "made": made[n.name], "marker": "perfnode.py"},
         timeout=60)[0])
-    return [f"host {name}: could not remove ~/{rel_dir}: {r if isinstance(r, BaseException) else r.error}"
-            for name, r in results.items() if isinstance(r, BaseException) or not r.ok]
+    why = {**results.failed, **{n: r.error for n, r in results.succeeded.items() if not r.ok}}
+    return [f"host {name}: could not remove ~/{rel_dir}: {e}" for name, e in why.items()]
 
 
 def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: str | os.PathLike,

@@ -22,6 +22,7 @@ from . import ssh
 from .inventory import Cluster, Node
 from .plan import DEFAULT_PORT_RANGE, is_port
 from .problems import Problem
+from .results import GroupResult
 from .target import Target
 
 class ProbeError(Exception):
@@ -63,8 +64,8 @@ def resolve(node: Node, conn: Connection | None = None, target: Target | None = 
         peer = _peer_address(conn, target) if node.data_addr in (node.host, node.name) else None
         if peer:
             return peer
-        raise ssh.SSHError(node.name, f"host {node.name}: data address {node.data_addr!r} does not resolve "
-                                      f"({exc.strerror}); set ddpfab_data_addr to an IP address") from None
+        found = f"data address {node.data_addr!r} does not resolve ({exc.strerror}); set ddpfab_data_addr to an IP address"
+        raise ssh.SSHError(node.name, f"host {node.name}: {found}", found=found) from None
     return infos[0][4][0]
 
 
@@ -117,7 +118,7 @@ def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
                          script_exists=data.get("script_exists"),
                          raw={**data, "controller_sent": sent, "controller_received": received})
     except KeyError as exc:
-        raise nodeprog.NodeProgramError(node.name, f"host {node.name}: its facts lack {exc}") from None
+        raise nodeprog.NodeProgramError(node.name, f"its facts lack {exc}") from None
 
 
 def probe_node(conn: Connection, node: Node, **request) -> NodeFacts:
@@ -153,7 +154,7 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
     of its own per node. (``ddpfab run`` sends its facts requests with the rest of its preparation
     instead: :func:`requests`, :func:`collect`.)"""
     own = sessions is None
-    errors: dict[str, str] = {}
+    errors: dict[str, nodeprog.NodeProgramError] = {}
     if own:
         sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
     try:
@@ -164,36 +165,35 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
     finally:
         if own:
             nodeprog.close_all(sessions)
-    answers.update({n: nodeprog.NodeProgramError(n, e) for n, e in errors.items()})
-    return collect(cluster, conns, master, {n: a if isinstance(a, Exception) else a[0] for n, a in answers.items()},
+    answers.update(errors)
+    return collect(cluster, conns, master, answers.map(lambda replies: replies[0]),
                    cwd=cwd, script=script, master_port=master_port, sent_at=sent_at)
 
 
 def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
-            answers: dict[str, nodeprog.Reply | Exception], *, cwd: str, script: str | None,
+            answers: GroupResult[nodeprog.Reply], *, cwd: str, script: str | None,
             master_port: int | None, sent_at: float) -> tuple[dict[str, NodeFacts], list[Problem]]:
     """The nodes' ``facts`` replies (or why a node gave none) as facts and problems."""
     received = time.time()
-    results: dict[str, NodeFacts | BaseException] = {}
-    for name, ans in answers.items():
+    failed: dict[str, Exception] = answers.failed
+    got: dict[str, NodeFacts] = {}
+    for name, reply in answers.succeeded.items():
         node = cluster.node(name)
         try:
-            if isinstance(ans, Exception):
-                raise ans
-            results[name] = to_facts(node, ans.value(name), sent_at, received)
-            results[name].address = resolve(node, conns[name])
+            got[name] = to_facts(node, reply.value(name), sent_at, received)
+            got[name].address = resolve(node, conns[name])
         except (ssh.SSHError, nodeprog.NodeProgramError) as exc:
-            results[name] = exc
+            failed[name] = exc
     facts: dict[str, NodeFacts] = {}
     problems: list[Problem] = []
     for node in cluster.nodes:
-        if node.name not in results:
+        if node.name in failed:
+            why = str(failed[node.name])
+            problems.append(Problem(node.name, "probe", found=why, text=why))
             continue
-        res = results[node.name]
-        if isinstance(res, BaseException):
-            problems.append(Problem(node.name, "probe", found=str(res), text=str(res)))
+        if node.name not in got:
             continue
-        facts[node.name] = res
+        res = facts[node.name] = got[node.name]
         workdir = node.workdir or cwd
         if not res.workdir_exists:
             problems.append(Problem(node.name, "workdir", expected=f"{workdir} exists", found="missing",

@@ -55,3 +55,23 @@ class Problem:
         if not all(isinstance(v, str) for v in fields.values()) or not isinstance(data.get("node"), (str, type(None))):
             raise ValueError(f"not a problem record: {data!r}")
         return cls(node=data.get("node"), check=data["check"], **fields)
+
+
+class NodeError(Exception):
+    """A failure on one node (reaching it, or its program's answer), as text and as data.
+    ``str()`` is the sentence a person reads (it names the node); the attributes say the same for
+    a per-node report, so nothing has to cut the node's name off the sentence.
+
+    Args:
+        node: the inventory name of the node.
+        message: the sentence (``host NODE: ...``, or ``host NODE: jump host J (ADDR): ...``).
+        kind: what failed, a short stable key (``"unreachable"``, ``"changed-host-key"``, ``"timeout"``).
+        found: what went wrong, without naming the node (``unreachable: ...``); the whole
+            message when the raiser has no shorter one.
+    """
+
+    def __init__(self, node: str, message: str, kind: str, found: str | None = None):
+        super().__init__(message)
+        self.node = node
+        self.kind = kind
+        self.found = message if found is None else found

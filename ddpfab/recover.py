@@ -221,7 +221,7 @@ def health(nodes: tuple[Node, ...], policy: HostKeyPolicy, ssh_config: str | Non
         raise last or RuntimeError(f"host {node.name}: `true` failed")
 
     results = ssh.parallel(nodes, one)
-    return {n: str(r) for n, r in results.items() if isinstance(r, BaseException)}
+    return {n: str(r) for n, r in results.failed.items()}
 
 
 def classify(result: RunResult, nodes: tuple[Node, ...], log_dir: Path, policy: HostKeyPolicy,

@@ -22,6 +22,7 @@ from .mesh import listen_request
 from .plan import Facts, Plan, RunOptions, choose_master, make_plan, master_port, nproc_for
 from .problems import Problem
 from .replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
+from .results import GroupResult
 from .runs import RunDir, controller_info, mask_plan
 
 
@@ -60,8 +61,7 @@ def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
     """Open verified connections to every node in parallel; on any failure close them all and
     raise one error listing every host that failed."""
     results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
-    conns = {k: v for k, v in results.items() if isinstance(v, Connection)}
-    failed = {k: v for k, v in results.items() if not isinstance(v, Connection)}
+    conns, failed = results.succeeded, results.failed
     if failed:
         for c in conns.values():
             c.close()
@@ -84,7 +84,7 @@ class Probing:
     """
 
     sessions: dict[str, nodeprog.Session]
-    errors: dict[str, str]
+    errors: dict[str, nodeprog.NodeProgramError]
     master: inventory.Node
     sent: dict[str, list[dict]]
     sent_at: float
@@ -110,7 +110,7 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
         try:
             sent[name] = session.send(*batch)
         except Exception as exc:  # noqa: BLE001 - one node's failure is data
-            errors[name] = f"host {name}: the node program's session broke: {exc}"
+            errors[name] = nodeprog.NodeProgramError(name, f"the node program's session broke: {exc}")
     return Probing({n: s for n, s in sessions.items() if n in sent}, errors, master, sent, sent_at)
 
 
@@ -135,17 +135,17 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             if synced:
                 answers = _after_sync(cluster, conns, probing, answers, options, cwd)
             facts, problems = probe.collect(
-                cluster, conns, master, {n: a if isinstance(a, Exception) else a[0] for n, a in answers.items()},
+                cluster, conns, master, answers.map(lambda replies: replies[0]),
                 cwd=cwd, script=options.script, master_port=options.master_port, sent_at=probing.sent_at)
-            problems = [Problem(n.name, "node_program", found=probing.errors[n.name], text=probing.errors[n.name])
-                        for n in cluster.nodes if n.name in probing.errors] + problems
+            problems = [Problem(n.name, "node_program", found=e.found, text=str(e))
+                        for n in cluster.nodes if (e := probing.errors.get(n.name))] + problems
             if problems:
                 raise RunError(problems)
             port = master_port(options.master_port, found=facts[master.name].free_port,
                                asked_free=facts[master.name].port_free)
             report = None
             if preflight:
-                listening = {n: a if isinstance(a, Exception) else a[1] for n, a in answers.items()}
+                listening = answers.map(lambda replies: replies[1])
                 report = _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
                                     options, probing.sessions, listening)
         except BaseException:
@@ -160,16 +160,18 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
     return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report)
 
 
-def _after_sync(cluster, conns, probing: Probing, answers: dict, options: RunOptions, cwd: str) -> dict:
+def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[nodeprog.Reply]], options: RunOptions,
+                cwd: str) -> GroupResult[list[nodeprog.Reply]]:
     """The workdir facts again after a copy (the rest stands: a port found free is held by the
     mesh listener now, so it is not looked for again)."""
     reqs = probe.requests(cluster, conns, probing.master, cwd=cwd, script=options.script, master_port=None)
     again = nodeprog.exchange(probing.sessions, {
         n: [{k: v for k, v in reqs[n].items() if k not in ("port", "find_port")}]
-        for n, a in answers.items() if not isinstance(a, Exception) and a[0].ok}, timeout=60)
-    for name, new in again.items():
-        if isinstance(new, Exception) or not new[0].ok:
-            answers[name] = new if isinstance(new, Exception) else [new[0], *answers[name][1:]]
+        for n, a in answers.succeeded.items() if a[0].ok}, timeout=60)
+    answers.update(again.failed)
+    for name, new in again.succeeded.items():
+        if not new[0].ok:
+            answers[name] = [new[0], *answers[name][1:]]
             continue
         old = answers[name][0]
         fresh = {k: new[0].result.get(k) for k in ("workdir_exists", "script_exists")}
@@ -190,7 +192,7 @@ def _ifname(facts: probe.NodeFacts) -> str | None:
 
 
 def _preflight(cluster, conns, facts, addresses, master: str, port: int, options: RunOptions,
-               sessions: dict | None = None, listening: dict | None = None) -> dict:
+               sessions: dict | None = None, listening: GroupResult[nodeprog.Reply] | None = None) -> dict:
     """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here.
     Over the preparation's node program *sessions*, whose listeners are up (*listening*).
     Returns the full report (``check --json``'s form), which the run dir keeps as check.json."""
@@ -288,10 +290,10 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
     results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
         prepared.conns[n.name], n.name, remote_command(plan, plan.node(n.name), detach=True), timeout=30,
         stdin=agent_input(plan, plan.node(n.name), detach=True)))
-    failed = {n: r for n, r in results.items() if isinstance(r, BaseException) or r.exit_code != 0}
+    failed = {**results.failed, **{n: r.stderr.strip() or f"exit {r.exit_code}"
+                                   for n, r in results.succeeded.items() if r.exit_code != 0}}
     if failed:
-        for name, res in failed.items():
-            why = res if isinstance(res, BaseException) else (res.stderr.strip() or f"exit {res.exit_code}")
+        for name, why in failed.items():
             printer.note(f"{name}: could not start: {why}")
 
         def stop(n):

@@ -27,6 +27,8 @@ import paramiko
 from fabric import Config, Connection
 
 from .inventory import Node
+from .problems import NodeError
+from .results import GroupResult
 # HostKeyPolicy is ddpfab.ssh.HostKeyPolicy to callers too
 from .target import HostKeyPolicy, Target, TargetError, resolve
 
@@ -44,13 +46,20 @@ _jump_slots: dict[str, threading.BoundedSemaphore] = {}
 _jump_lock = threading.Lock()
 
 
-class SSHError(Exception):
+class SSHError(NodeError):
     """Connecting to or running on one host failed; the message names the host and what to do."""
 
-    def __init__(self, node: str, message: str, kind: str = "ssh"):
-        super().__init__(message)
-        self.node = node
-        self.kind = kind
+    def __init__(self, node: str, message: str, kind: str = "ssh", found: str | None = None):
+        super().__init__(node, message, kind, found)
+
+
+def _hop_error(node: str, t: Target, what: str, kind: str = "ssh", at: str | None = "") -> SSHError:
+    """An SSHError about hop *t* of *node*'s route: ``host N (AT): WHAT``, or through a jump host
+    ``host N: jump host J (AT): WHAT`` (*at*: the address, default the hop's; None: none). Its
+    ``found`` leaves out the node (``WHAT``, or ``jump host J (AT): WHAT``)."""
+    at = f" ({at or t.where})" if at is not None else ""
+    hop = f"jump host {t.name}{at}: " if t.jump_of else ""
+    return SSHError(node, f"{t.label}{at}: {what}", kind, found=hop + what)
 
 
 class _UnknownKey(paramiko.MissingHostKeyPolicy):
@@ -65,10 +74,10 @@ class _UnknownKey(paramiko.MissingHostKeyPolicy):
         fingerprint = f"{key.get_name()} {key.fingerprint}"
         t, path = self.target, self.target.known_hosts_file
         if not t.accept_new:
-            raise SSHError(self.node, (
-                f"{t.label} ({hostname}): host key not in {path} (it offered "
+            raise _hop_error(self.node, t, (
+                f"host key not in {path} (it offered "
                 f"{fingerprint}); verify it and add it (ssh-keyscan {hostname} >> {path}), "
-                f"or pass --accept-new-host-keys to trust it on first use"), kind="unknown-host-key")
+                f"or pass --accept-new-host-keys to trust it on first use"), "unknown-host-key", at=hostname)
         with self._lock:
             path.parent.mkdir(parents=True, exist_ok=True)
             entry = hostname if t.port == 22 else f"[{hostname}]:{t.port}"
@@ -111,7 +120,7 @@ def _connection(node: str, t: Target) -> Connection:
             try:
                 client.load_host_keys(str(path))
             except (OSError, paramiko.SSHException) as exc:
-                raise SSHError(node, f"{t.label}: cannot read known_hosts {path}: {exc}") from None
+                raise _hop_error(node, t, f"cannot read known_hosts {path}: {exc}", at=None) from None
     client.set_missing_host_key_policy(_UnknownKey(node, t))
     return conn
 
@@ -123,7 +132,9 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
     try:
         target = resolve(node, policy, ssh_config)
     except TargetError as exc:
-        raise SSHError(node.name, str(exc), kind="ssh-option") from None
+        # a TargetError is its sentence only; the node's own name leads it when it is about the node
+        raise SSHError(node.name, str(exc), kind="ssh-option",
+                       found=str(exc).removeprefix(f"host {node.name}: ")) from None
     if timeout is not None:
         target = _with_timeout(target, timeout)
     conn = _connection(node.name, target)
@@ -141,31 +152,31 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
     """Open *conn*'s gateway chain from the outermost hop in, then *conn*: a failure names its hop."""
     if isinstance(conn.gateway, Connection) and t.jump is not None:
         _open_hop(node, conn.gateway, t.jump)
-    where, known, timeout = t.where, t.known_hosts_file, t.connect_timeout
+    known, timeout = t.known_hosts_file, t.connect_timeout
     try:
         _open(conn, timeout)
     except SSHError:
         raise
     except paramiko.BadHostKeyException as exc:
-        raise SSHError(node, (
-            f"{t.label} ({where}): host key CHANGED: {known} has {exc.expected_key.get_name()} "
+        raise _hop_error(node, t, (
+            f"host key CHANGED: {known} has {exc.expected_key.get_name()} "
             f"{exc.expected_key.fingerprint}, the host offered {exc.key.get_name()} {exc.key.fingerprint}. "
             f"This can be an attack. If the host was reinstalled, remove the old key "
-            f"(ssh-keygen -R {t.host} -f {known}) and verify the new one"), kind="changed-host-key") from None
+            f"(ssh-keygen -R {t.host} -f {known}) and verify the new one"), "changed-host-key") from None
     except paramiko.AuthenticationException as exc:
         keys = f" ({', '.join(t.identity_files)})" if t.identity_files else ""
-        raise SSHError(node, (
-            f"{t.label} ({where}): authentication as {conn.user} failed ({exc}); check ansible_user and "
-            f"ansible_ssh_private_key_file{keys}"), kind="auth") from None
+        raise _hop_error(node, t, (
+            f"authentication as {conn.user} failed ({exc}); check ansible_user and "
+            f"ansible_ssh_private_key_file{keys}"), "auth") from None
     except (socket.timeout, TimeoutError) as exc:
-        raise SSHError(node, (
-            f"{t.label} ({where}): unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
+        raise _hop_error(node, t, (
+            f"unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
             f"({exc or 'timed out'}); "
-            "check ansible_host and that the host is up"), kind="unreachable") from None
+            "check ansible_host and that the host is up"), "unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
-        raise SSHError(node, (
-            f"{t.label} ({where}): unreachable: {exc}; check ansible_host/ansible_port and that "
-            "sshd runs there"), kind="unreachable") from None
+        raise _hop_error(node, t, (
+            f"unreachable: {exc}; check ansible_host/ansible_port and that "
+            "sshd runs there"), "unreachable") from None
 
 
 #: Tries to open a connection when the failure may be load, not a fault (a timeout, a handshake the
@@ -225,10 +236,10 @@ def _socket(host: str, port: int, timeout: float) -> socket.socket:
 
 
 def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T],
-             window: int | None = None) -> dict[str, T | BaseException]:
-    """``fn(node)`` for every node, *window* (default WINDOW) at a time; per node its result or the
-    exception it raised."""
-    results: dict[str, T | BaseException] = {}
+             window: int | None = None) -> GroupResult[T]:
+    """``fn(node)`` for every node, *window* (default WINDOW) at a time; per node (in *nodes*'
+    order) its result or the exception it raised."""
+    results: GroupResult[T] = GroupResult()
     if not nodes:
         return results
     _fit_open_files(len(nodes))
@@ -279,7 +290,8 @@ def run(conn: Connection, node: str, command: str, timeout: float | None = 60,
             err += data
         code = chan.recv_exit_status()
     except socket.timeout:
-        raise SSHError(node, f"host {node}: `{command[:60]}` did not finish within {timeout:g} s") from None
+        found = f"`{command[:60]}` did not finish within {timeout:g} s"
+        raise SSHError(node, f"host {node}: {found}", found=found) from None
     finally:
         chan.close()
     return CommandResult(node, code, out.decode(errors="replace"), err.decode(errors="replace"))

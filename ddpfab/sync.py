@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import base64
 import getpass
-import json
 import os
 import re
 import secrets
@@ -72,12 +71,20 @@ AGENT_KEY_LIFETIME_S = 3600
 
 class SyncError(Exception):
     """Sync failed on some nodes; ``problems`` has one line per failing node, ``result`` what
-    happened everywhere (the nodes that did sync are in it too)."""
+    happened everywhere (the nodes that did sync are in it too), ``code`` the node program's
+    code for a refusal on one node (``treehash.NOT_OURS``...), when it gave one."""
 
-    def __init__(self, problems: list[str], result: SyncResult | None = None):
+    def __init__(self, problems: list[str], result: SyncResult | None = None, code: str = ""):
         super().__init__("\n".join(problems))
         self.problems = problems
         self.result = result
+        self.code = code
+
+    @property
+    def not_ours(self) -> list[str]:
+        """The nodes whose workdir was refused as not ddpfab's (``--adopt`` takes it over)."""
+        nodes = self.result.nodes.values() if self.result else ()
+        return [r.name for r in nodes if r.state == treehash.NOT_OURS]
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -93,7 +100,8 @@ class NodeSync:
         transfer_s: seconds the copy took (rsync, end to end).
         verify_s: seconds the hash check on the node took.
         state: whose the workdir was: new (created by this sync), owned (ddpfab's record was
-            there), empty, adopted (``--adopt``), missing (a dry run into a dir not there yet).
+            there), empty, adopted (``--adopt``), missing (a dry run into a dir not there yet),
+            not-ours (it holds what ddpfab did not put there: refused, unless ``--adopt``).
         bytes_sent: bytes the sender put on the wire (rsync's "Total bytes sent").
         files_transferred: regular files rsync (re)wrote.
         copied: files and links that were not there; updated: ones rsync changed.
@@ -401,7 +409,7 @@ def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str
     it reports an error."""
     reply = nodeprog.match_replies(name, reqs, stdout.splitlines(), code, stderr)[0]
     if not reply.ok:
-        raise SyncError([f"host {name}: {reply.op}: {reply.error}"])
+        raise SyncError([f"host {name}: {reply.op}: {reply.error}"], code=reply.code)
     return reply.result
 
 
@@ -609,6 +617,8 @@ class _Sync:
                                           "create": create, "adopt": self.adopt,
                                           "files": self.sel.files if create else []}, timeout=120)
             except SyncError as exc:
+                if exc.code == treehash.NOT_OURS:
+                    t.rec.state = exc.code
                 return self.fail(t, exc.problems[0])
             t.rec.workdir, t.real = out["workdir"], out["real"]
             if out.get("shared"):
@@ -1091,17 +1101,17 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
         reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
                 for n in nodes}
         answers = nodeprog.exchange(sessions, {k: [v] for k, v in reqs.items()}, timeout=120)
-        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in answers.items()
-                 if not isinstance(ans, Exception) and not ans[0].ok and "no ddpfab record" in ans[0].error}
+        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in answers.succeeded.items()
+                 if not ans[0].ok and ans[0].code == treehash.NO_RECORD}
         if again:
             answers.update(nodeprog.exchange(sessions, again, timeout=120))
     finally:
         if own:
             nodeprog.close_all(sessions)
     seconds = round(time.monotonic() - t0, 3)
-    for ans in answers.values():
-        if isinstance(ans, Exception) or not ans[0].ok or ans[0].result.get("tree_hash") != local["tree_hash"]:
-            return None
+    if answers.failed or any(not ans[0].ok or ans[0].result.get("tree_hash") != local["tree_hash"]
+                             for ans in answers.succeeded.values()):
+        return None
     result = SyncResult(src=sel.root, tree_hash=local["tree_hash"], files=len(sel.files), bytes=local["bytes"],
                         selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")
     for n in cluster.nodes:

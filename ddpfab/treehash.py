@@ -49,6 +49,9 @@ STATE_DIR = ".ddpfab"
 RECORD = STATE_DIR + "/sync.json"
 RECORD_VERSION = 1
 CHUNK = 1 << 20
+#: The codes of the node operations' refusals the controller acts on (a reply's ``code``):
+#: a workdir ddpfab did not put there (``--adopt`` takes it over), a workdir without a record.
+NOT_OURS, NO_RECORD = "not-ours", "no-record"
 
 #: Why a path is skipped. A recorded file skipped for one of PROTECTED is never deleted either.
 RUNS, CACHE, GIT, VENV, KEEP, STATE = "runs", "cache", "git", "venv", "keep", "state"
@@ -539,7 +542,7 @@ def node_probe(req):
     try:
         record = read_record(real)
     except RecordError as exc:
-        return {"error": "refusing to sync: %s; move it away and sync with --adopt" % exc}
+        return {"error": "refusing to sync: %s; move it away and sync with --adopt" % exc, "code": NOT_OURS}
     if record is not None:
         out["state"], out["record"] = "owned", record["files"]
         if create:
@@ -551,7 +554,8 @@ def node_probe(req):
         return {"error": "refusing to sync into %s: it holds %d entries (%s) and no ddpfab record (%s), so ddpfab "
                          "did not put them there. Pass --adopt to take the directory over (nothing there is "
                          "deleted; a file the project overwrites is kept under %s/kept/), or set ddpfab_workdir "
-                         "to a new or empty directory" % (workdir, len(entries), shown, RECORD, STATE_DIR)}
+                         "to a new or empty directory" % (workdir, len(entries), shown, RECORD, STATE_DIR),
+                "code": NOT_OURS}
     out["state"] = "adopted" if entries else "empty"
     if create:
         write_record(real, [], out["state"])
@@ -598,7 +602,7 @@ def node_commit(req):
     _, real = node_workdir(req)
     record = read_record(real)
     if record is None:
-        return {"error": "no ddpfab record in %s" % real}
+        return {"error": "no ddpfab record in %s" % real, "code": NO_RECORD}
     owned = set(record["files"])
     deleted = [rel for rel in req["delete"] if rel_ok(rel) and rel in owned and remove_placed(real, rel)]
     files = [rel for rel in req["files"] if rel_ok(rel)]
@@ -618,7 +622,7 @@ def node_hash(req):
     if rels is None:
         record = read_record(real)
         if record is None:
-            return {"error": "no ddpfab record in %s: run ddpfab sync" % real}
+            return {"error": "no ddpfab record in %s: run ddpfab sync" % real, "code": NO_RECORD}
         rels = record["files"]
     return tree_digest(real, rels, detail=req.get("detail", False), cache=req.get("cache", False))
 

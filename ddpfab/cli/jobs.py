@@ -6,12 +6,12 @@ import argparse
 import json
 import os
 import shlex
-import sys
 from pathlib import Path
 
 from .. import inventory
 from .. import node as nodeprog
 from ..plan import Plan
+from ..results import GroupResult
 from .errors import die, warn
 
 
@@ -44,7 +44,7 @@ def _connect(args, cluster):
     return runner.connect_all(cluster, policy, args.ssh_config)
 
 
-def _on_each_node(args, cluster, fn) -> dict:
+def _on_each_node(args, cluster, fn) -> GroupResult:
     """``fn(conn, node)`` on every node of *cluster* in parallel over fresh connections, closed
     after; node name -> its result, or the exception it raised."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
@@ -104,23 +104,20 @@ def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..jobs import _load_manifest, _ps_record, grouped
 
+    def ps(conn, n) -> tuple[float, list[dict]]:
+        res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name)
+        return float(res["now"]), [_ps_record(r) for r in res["runs"]]
+
     cluster = _cluster(args, None)
-    results = _on_each_node(args, cluster, lambda conn, n: nodeprog.call(
-        conn, n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name))
+    results = _on_each_node(args, cluster, ps)
+    for name, exc in results.failed.items():  # one node's failure (or malformed reply) is a warning
+        warn(f"host {name}: cannot list jobs: {exc}")
     runs: dict[str, dict] = {}
-    for node in cluster.nodes:
-        res = results[node.name]
-        try:
-            if isinstance(res, BaseException):
-                raise res
-            now, records = float(res["now"]), [_ps_record(r) for r in res["runs"]]
-        except Exception as exc:  # noqa: BLE001 - one node's failure (or malformed reply) is a warning
-            warn(f"host {node.name}: cannot list jobs: {exc}")
-            continue
+    for name, (now, records) in results.succeeded.items():
         for rec in records:
             run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
                                                   "now": now})
-            run["nodes"][node.name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
+            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
         local = _load_manifest(args.runs_dir, r["run_id"]) or {}
@@ -165,15 +162,9 @@ def cmd_stop(args) -> int:
         return nodeprog.stop(conn, n, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
 
     results = _on_each_node(args, cluster, stop)
-    bad = 0
-    outcomes = {}
-    for node in cluster.nodes:
-        res = results[node.name]
-        outcomes[node.name] = str(res) if isinstance(res, BaseException) else res[0]
-        bad |= isinstance(res, BaseException) or not res[1]
-    for line in grouped(outcomes):
+    for line in grouped({n: str(said) for n, said in results.map(lambda r: r[0]).items()}):
         print(line)
-    return 1 if bad else 0
+    return 1 if results.failed or not all(gone for _, gone in results.succeeded.values()) else 0
 
 
 @_guard
@@ -261,9 +252,9 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
         return str(path)
 
     results = _on_each_node(args, cluster, fetch)
-    failed = {n.name: str(results[n.name]) for n in cluster.nodes if isinstance(results[n.name], BaseException)}
+    failed = {n: str(e) for n, e in results.failed.items()}
     die([f"host {line}" for line in grouped(failed)])
-    fetched = {n: r for n, r in results.items() if not isinstance(r, BaseException)}
+    fetched = results.succeeded
     if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
         print(f"{len(fetched)} nodes' output in {dest}/<node>.remote.log"
               + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if getattr(args, "ranks", False) else ""))

@@ -237,9 +237,8 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
             result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
                                           ssh_config=args.ssh_config, progress=say)
     except syncmod.SyncError as exc:
-        adopt = any("--adopt" in p for p in exc.problems)
         raise runner.RunError([f"sync: {p}" for p in exc.problems]
-                              + ["(to take such a directory over: `ddpfab sync --adopt`)"] * adopt
+                              + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
                               + ["(skip syncing with --no-sync)"]) from None
     return result.to_dict()
 

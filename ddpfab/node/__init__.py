@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import agent, treehash, workdir
+from ..problems import NodeError
+from ..results import GroupResult
 from . import ops as _ops
 
 #: The modules that make the node program, in order (each may use the names of those before it).
@@ -97,31 +99,32 @@ def numbered(*requests: dict, start: int = 1) -> list[dict]:
     return [{**r, "id": i} for i, r in enumerate(requests, start)]
 
 
-class NodeProgramError(Exception):
+class NodeProgramError(NodeError):
     """A node's program did not answer as the protocol says (or an operation failed, raised by
     :meth:`Reply.value`); the message names the host. (Not an ``ssh.SSHError``: this module is
     also sync's, which does not load paramiko, ~0.2 s, for OpenSSH work.)"""
 
-    def __init__(self, node: str, message: str, kind: str = "program"):
-        super().__init__(message)
-        self.node = node
-        self.kind = kind
+    def __init__(self, node: str, found: str, kind: str = "program"):
+        """*found*: what went wrong (the message is ``host NODE: FOUND``)."""
+        super().__init__(node, f"host {node}: {found}", kind, found)
 
 
 @dataclass(frozen=True)
 class Reply:
-    """One operation's answer. ``ok`` with its ``result``, or not ok with its ``error``."""
+    """One operation's answer. ``ok`` with its ``result``, or not ok with its ``error`` (and,
+    for a refusal the controller acts on, its ``code``: e.g. ``treehash.NOT_OURS``)."""
 
     id: int | None
     op: str | None
     ok: bool
     result: dict = field(default_factory=dict)
     error: str = ""
+    code: str = ""
 
     def value(self, node: str) -> dict:
         """The result, or a NodeProgramError naming *node* and the operation."""
         if not self.ok:
-            raise NodeProgramError(node, f"host {node}: {self.op}: {self.error}")
+            raise NodeProgramError(node, f"{self.op}: {self.error}")
         return self.result
 
 
@@ -151,7 +154,9 @@ def parse_reply(line: bytes | str) -> Reply | None:
         return None
     if ok:
         return Reply(rid, op, True, result=data.get("result")) if isinstance(data.get("result"), dict) else None
-    return Reply(rid, op, False, error=printable(data.get("error") or "failed (no reason given)"))
+    code = data.get("code")
+    return Reply(rid, op, False, error=printable(data.get("error") or "failed (no reason given)"),
+                 code=code if isinstance(code, str) else "")
 
 
 def _keep(got: dict[int | None, Reply], sent: dict[int, str], line: bytes | str) -> None:
@@ -195,7 +200,7 @@ def python_missing(node, exit_code: int) -> NodeProgramError | None:
     """Exit 127: the node's python is not there."""
     if exit_code != 127:
         return None
-    return NodeProgramError(node.name, f"host {node.name}: python {node.python!r} not found there; set "
+    return NodeProgramError(node.name, f"python {node.python!r} not found there; set "
                                        "ddpfab_python to the python that has torch", kind="python")
 
 
@@ -307,25 +312,27 @@ class Session:
         close_all({self.node.name: self})
 
 
-def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",)) -> tuple[dict[str, Session], dict[str, str]]:
+def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",)
+                  ) -> tuple[dict[str, Session], dict[str, NodeProgramError]]:
     """A :class:`Session` on every node in *conns*; (sessions, node -> why its session did not open)."""
     sessions: dict[str, Session] = {}
-    errors: dict[str, str] = {}
+    errors: dict[str, NodeProgramError] = {}
     for n in nodes:
         if n.name not in conns:
             continue
         try:
             sessions[n.name] = Session(conns[n.name], n, words)
         except Exception as exc:  # noqa: BLE001 - one node's failure is data
-            errors[n.name] = f"host {n.name}: could not start the node program: {exc}"
+            errors[n.name] = NodeProgramError(n.name, f"could not start the node program: {exc}")
     return sessions, errors
 
 
 def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], timeout: float,
-             sent: dict[str, list[dict]] | None = None) -> dict[str, list[Reply] | Exception]:
+             sent: dict[str, list[dict]] | None = None) -> GroupResult[list[Reply]]:
     """Send each session its *requests* (or wait for those already *sent*) and wait for every
     reply, polling all channels from this thread (no thread per node); by *timeout* a session
-    still silent gets a NodeProgramError. Per node: its replies, in request order, or the error."""
+    still silent gets a NodeProgramError. Per node (those of *sent*, then those of *requests*):
+    its replies, in request order, or the error."""
     out: dict[str, list[Reply] | Exception] = {}
     pending: dict[str, list[dict]] = {}
     for name, reqs in (sent or {}).items():
@@ -334,7 +341,7 @@ def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], time
         try:
             pending[name] = sessions[name].send(*reqs)
         except Exception as exc:  # noqa: BLE001
-            out[name] = NodeProgramError(name, f"host {name}: the node program's session broke: {exc}")
+            out[name] = NodeProgramError(name, f"the node program's session broke: {exc}")
     deadline = time.monotonic() + timeout
     while pending:
         progressed = False
@@ -348,7 +355,7 @@ def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], time
                 del pending[name]
                 continue
             except Exception as exc:  # noqa: BLE001
-                out[name], got = NodeProgramError(name, f"host {name}: the node program's session broke: {exc}"), None
+                out[name], got = NodeProgramError(name, f"the node program's session broke: {exc}"), None
                 del pending[name]
                 continue
             if got is not None:
@@ -356,12 +363,12 @@ def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], time
                 del pending[name]
         if pending and time.monotonic() > deadline:
             for name, reqs in pending.items():
-                out[name] = NodeProgramError(name, f"host {name}: no answer to {', '.join(r['op'] for r in reqs)} "
+                out[name] = NodeProgramError(name, f"no answer to {', '.join(r['op'] for r in reqs)} "
                                                    f"within {timeout:g} s", kind="timeout")
             break
         if pending and not progressed:
             time.sleep(0.005)
-    return out
+    return GroupResult({name: out[name] for name in [*(sent or {}), *requests]})
 
 
 def close_all(sessions: dict[str, Session], wait: float | None = None) -> None:
@@ -407,11 +414,3 @@ def stop(conn, node, remote_dir: str, grace: float, timeout: float) -> tuple[str
     if not reply.ok:
         return reply.error, False
     return printable(reply.result.get("said", "")), reply.result.get("stopped") is True
-
-
-def value(replies: list[Reply] | Exception, node: str) -> dict:
-    """The one reply's result of an :func:`exchange`/:func:`call` answer; raises its error."""
-    if isinstance(replies, Exception):
-        raise replies
-    return replies[0].value(node)
-

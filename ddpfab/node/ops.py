@@ -449,7 +449,12 @@ def op_perf_clean(req, session):
 
 # -- the loop -------------------------------------------------------------------------------------
 class NodeOpError(Exception):
-    """An operation's own failure, reported as its error reply."""
+    """An operation's own failure, reported as its error reply (with its *code*, when it has one:
+    a short stable key the controller acts on, so it never matches the error's text)."""
+
+    def __init__(self, message, code=None):
+        Exception.__init__(self, message)
+        self.code = code
 
 
 def _treehash(fn):
@@ -457,7 +462,7 @@ def _treehash(fn):
     def op(req, session):
         out = fn(req)
         if isinstance(out, dict) and "error" in out:
-            raise NodeOpError(out["error"])
+            raise NodeOpError(out["error"], out.get("code"))
         return out
     return op
 
@@ -474,13 +479,15 @@ OPS = {
 TAKEOVER = {"supervise": supervise, "follow": follow}
 
 
-def reply(rid, op, result=None, error=None):
+def reply(rid, op, result=None, error=None, code=None):
     """One reply as its JSON line."""
     out = {"id": rid, "op": op, "ok": error is None}
     if error is None:
         out["result"] = result
     else:
         out["error"] = error
+        if code:
+            out["code"] = code
     return json.dumps(out) + "\n"
 
 
@@ -494,7 +501,9 @@ def handle(req, session):
         return reply(rid, op, error="unknown operation %r (known: %s)" % (op, ", ".join(sorted(list(OPS) + list(TAKEOVER)))))
     try:
         return reply(rid, op, fn(req, session))
-    except (NodeOpError, WorkdirError, RecordError) as exc:
+    except NodeOpError as exc:
+        return reply(rid, op, error=str(exc), code=exc.code)
+    except (WorkdirError, RecordError) as exc:
         return reply(rid, op, error=str(exc))
     except OSError as exc:
         return reply(rid, op, error="%s: %s" % (getattr(exc, "filename", "") or "", exc.strerror or exc))
