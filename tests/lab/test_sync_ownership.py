@@ -9,6 +9,7 @@ directory). Tests that could destroy something first check that the path is insi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -186,6 +187,11 @@ def test_adopting_a_foreign_dir_deletes_nothing_that_was_there(lab, tmp_path, tr
         on_node(lab, node, f"rm -rf {workdir} && mkdir -p {workdir} && echo precious > {workdir}/results.csv && "
                            f"echo their train > {workdir}/train.py")
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
+    refused = run_sync("-i", str(inv), "--json", str(trainproj))
+    assert refused.returncode == 1, refused.stderr
+    assert {n: r["state"] for n, r in json.loads(refused.stdout)["nodes"].items()} == dict.fromkeys(NODES, "not-ours")
+    run = ddpfab("run", "-i", str(inv), "train.py", cwd=trainproj, timeout=180)  # the hint comes from that state
+    assert run.returncode != 0 and "(to take such a directory over: `ddpfab sync --adopt`)" in run.stderr, run.stderr
     res = run_sync("-i", str(inv), "--adopt", str(trainproj))
     assert res.returncode == 0, res.stderr
     assert "moved to" in res.stderr

@@ -369,3 +369,10 @@ def test_a_locate_answer_must_name_a_file_or_dir():
                 {"bytes": True}):
         with pytest.raises(FetchError, match="host n1: locate: the node answered"):
             located("n1", {"path": "/opt/w/ckpt", "bytes": 5, **bad})
+
+
+def test_an_error_reply_keeps_its_code_and_a_code_that_is_not_text_is_dropped():
+    line = '{"id": 1, "op": "probe", "ok": false, "error": "refusing", "code": "not-ours"}'
+    assert nodeprog.parse_reply(line) == nodeprog.Reply(1, "probe", False, error="refusing", code="not-ours")
+    assert nodeprog.parse_reply(line.replace('"not-ours"', '["x"]')).code == ""
+    assert nodeprog.parse_reply('{"id": 1, "op": "ps", "ok": true, "result": {}, "code": "x"}').code == ""

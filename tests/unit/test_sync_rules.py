@@ -268,7 +268,7 @@ def node(req: dict) -> dict:
                           env={**os.environ, "HOME": os.environ.get("HOME", "/root")})
     assert proc.returncode == 0, proc.stderr
     reply = nodeprog.match_replies("local", reqs, proc.stdout.splitlines(), proc.returncode, proc.stderr.decode())[0]
-    return reply.result if reply.ok else {"error": reply.error}
+    return reply.result if reply.ok else {"error": reply.error, "code": reply.code}
 
 
 def test_first_sync_creates_and_records_then_owns(tmp_path):
@@ -295,6 +295,7 @@ def test_a_foreign_directory_is_refused_unless_adopted_and_then_nothing_is_lost(
     before = tree_of(wd)
     out = node({"op": "probe", "workdir": str(wd), "nonce": "n"})
     assert "refusing to sync" in out["error"] and "--adopt" in out["error"] and "data" in out["error"]
+    assert out["code"] == treehash.NOT_OURS  # what the controller acts on (run's --adopt hint), not the text
     assert tree_of(wd) == before and not (wd / ".ddpfab").exists()
     out = node({"op": "probe", "workdir": str(wd), "nonce": "n", "adopt": True, "files": ["train.py", "other.py"]})
     assert out["state"] == "adopted" and out["kept"] == ["train.py"]
@@ -326,12 +327,30 @@ def test_a_tampered_record_is_data_not_orders(tmp_path):
     (wd / ".ddpfab" / "sync.json").write_text(json.dumps({"v": 1, "files": ["../v/victim"]}))
     out = node({"op": "commit", "workdir": str(wd), "files": [], "delete": ["../v/victim"]})
     assert "not a ddpfab 1 record" in out["error"] and (victim / "victim").exists()
+    out = node({"op": "probe", "workdir": str(wd), "nonce": "n"})  # a record it cannot trust: not proven its own
+    assert "--adopt" in out["error"] and out["code"] == treehash.NOT_OURS
+
+
+def test_a_workdir_without_a_record_says_so_as_a_code(tmp_path):
+    wd = make_tree(tmp_path / "wd", {"a.py": "a"})
+    out = node({"op": "hash", "workdir": str(wd)})
+    assert out["code"] == treehash.NO_RECORD  # sync's unchanged-tree check asks again with the paths on it
+    assert node({"op": "hash", "workdir": str(wd), "paths": ["a.py"]})["tree_hash"] == digest(wd)
+
+
+def test_the_nodes_refused_as_not_ours_are_data_on_the_sync_error():
+    result = sync.SyncResult(src="/p", tree_hash="", files=1, bytes=1, selection="walk", git_commit=None,
+                             git_dirty=None, fanout="star")
+    result.nodes = {"node1": sync.NodeSync("node1", state="owned"),
+                    "node10": sync.NodeSync("node10", state=treehash.NOT_OURS)}
+    assert sync.SyncError(["host node10: ..."], result).not_ours == ["node10"]
+    assert sync.SyncError(["host node1: refusing to sync: ..."]).not_ours == []
 
 
 def test_shared_cannot_be_proven_is_refused(tmp_path):
     wd = make_tree(tmp_path / "wd", {"a.py": "a"})
     out = node({"op": "probe", "workdir": str(wd), "nonce": None, "nonce_error": "read-only file system"})
-    assert "cannot tell whether" in out["error"] and "read-only" in out["error"]
+    assert "cannot tell whether" in out["error"] and "read-only" in out["error"] and out["code"] == ""
     out = node({"op": "probe", "workdir": str(tmp_path / "fresh"), "nonce": None, "nonce_error": "read-only"})
     assert out["state"] == "new"  # a directory that did not exist cannot be this one
 

@@ -1,0 +1,102 @@
+"""Per-host results and per-node errors as data: a :class:`GroupResult` says which hosts
+succeeded and which failed without a caller testing types, and a node's error says what was
+found without anyone cutting the node's name off its text."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddpfab import check, ssh
+from ddpfab import node as nodeprog
+from ddpfab.inventory import Cluster, Node
+from ddpfab.results import GroupResult
+
+hosts = st.text("abcdefghijklmnop0123456789-", min_size=1, max_size=8)
+outcomes = st.one_of(st.integers(), st.builds(RuntimeError, st.text(max_size=10)),
+                     st.builds(ValueError, st.text(max_size=10)))
+
+
+@given(st.dictionaries(hosts, outcomes, max_size=20))
+def test_every_host_is_either_succeeded_or_failed_in_the_group_order(data):
+    group = GroupResult(data)
+    ok, failed = group.succeeded, group.failed
+    assert set(ok).isdisjoint(failed) and set(ok) | set(failed) == set(data)
+    assert all(isinstance(e, Exception) for e in failed.values())
+    assert all(ok[h] == data[h] for h in ok) and all(failed[h] is data[h] for h in failed)
+    assert list(ok) == [h for h in data if h in ok] and list(failed) == [h for h in data if h in failed]
+
+
+@given(st.dictionaries(hosts, outcomes, max_size=20))
+def test_map_changes_the_results_and_leaves_the_failures_as_they_are(data):
+    group = GroupResult(data)
+    mapped = group.map(lambda v: v + 1)
+    assert isinstance(mapped, GroupResult) and list(mapped) == list(data)
+    assert mapped.succeeded == {h: v + 1 for h, v in group.succeeded.items()}
+    assert all(mapped.failed[h] is e for h, e in group.failed.items()) and len(mapped.failed) == len(group.failed)
+
+
+def test_a_failure_on_one_host_is_data_next_to_the_others_results():
+    nodes = [Node(f"n{i}", "127.0.0.1") for i in range(1, 6)]
+
+    def work(node: Node) -> str:
+        if node.name in ("n2", "n4"):
+            raise ssh.SSHError(node.name, f"host {node.name}: down", "unreachable", found="down")
+        return node.name.upper()
+
+    results = ssh.parallel(nodes, work, window=2)
+    assert isinstance(results, GroupResult) and list(results) == ["n1", "n2", "n3", "n4", "n5"]
+    assert results.succeeded == {"n1": "N1", "n3": "N3", "n5": "N5"}
+    assert {n: e.found for n, e in results.failed.items()} == {"n2": "down", "n4": "down"}
+
+
+def test_the_node_programs_exchange_is_a_group_result_too():
+    # no session for n1 (it never opened): its answer is a NodeProgramError naming it, as data
+    answers = nodeprog.exchange({}, {"n1": [{"op": "facts"}]}, timeout=1)
+    assert isinstance(answers, GroupResult) and not answers.succeeded
+    err = answers.failed["n1"]
+    assert isinstance(err, nodeprog.NodeProgramError) and err.node == "n1"
+    assert str(err) == f"host n1: {err.found}" and err.found.startswith("the node program's session broke")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("jump", [False, True])
+def test_an_ssh_error_says_what_was_found_without_the_nodes_name(tmp_path, jump):
+    port = _closed_port()
+    node = (Node("n1", "127.0.0.1", ssh_options={"proxyjump": f"127.0.0.1:{port}"}) if jump
+            else Node("n1", "127.0.0.1", port=port))
+    with pytest.raises(ssh.SSHError) as got:
+        ssh.connect(node, ssh.HostKeyPolicy(known_hosts=str(tmp_path / "known_hosts")), os.devnull)
+    err = got.value
+    assert err.node == "n1" and err.kind == "unreachable" and "Connection refused" in err.found
+    hop = f"jump host 127.0.0.1:{port} (127.0.0.1:{port})" if jump else f"(127.0.0.1:{port})"
+    assert str(err).startswith(f"host n1: {hop}: " if jump else f"host n1 {hop}: ")
+    # the jump host stays named in what was found; the node itself is named by whoever reports it
+    assert err.found.startswith(f"{hop}: unreachable" if jump else "unreachable") and "n1" not in err.found
+
+
+def test_an_ssh_option_error_says_what_was_found_without_the_nodes_name(tmp_path):
+    node = Node("n1", "127.0.0.1", ssh_options={"stricthostkeychecking": "no"})
+    with pytest.raises(ssh.SSHError) as got:
+        ssh.connect(node, ssh.HostKeyPolicy(known_hosts=str(tmp_path / "known_hosts")), os.devnull)
+    assert got.value.kind == "ssh-option" and str(got.value) == f"host n1: {got.value.found}"
+    assert "StrictHostKeyChecking" in got.value.found and not got.value.found.startswith("host")
+
+
+def test_check_reports_an_unreachable_node_once_by_name(tmp_path):
+    port = _closed_port()
+    cluster = Cluster("test", "all", (Node("n1", "127.0.0.1", port=port),))
+    report = check.check_cluster(cluster, ssh.HostKeyPolicy(known_hosts=str(tmp_path / "known_hosts")),
+                                 check.CheckOptions(), os.devnull)
+    [ssh_result] = [r for r in report.results if r.check == "ssh"]
+    assert ssh_result.status == "fail" and ssh_result.found.startswith("unreachable: ")
+    assert ssh_result.line().startswith("host n1: ssh: unreachable: ") and ssh_result.line().count("n1") == 1
