@@ -54,6 +54,9 @@ class CheckResult:
             text += f"; fix: {self.fix}"
         return text
 
+    def problem(self) -> Problem:
+        return Problem(self.node, self.check, self.expected, self.found, self.fix, text=self.line())
+
 
 @dataclass
 class CheckOptions:
@@ -76,8 +79,10 @@ class Report:
         return [r for r in self.results if r.status == "fail"]
 
     def to_dict(self) -> dict:
+        """The report as JSON data; ``problems``: every failure as a problem record."""
         return {"ok": not self.failures, "seconds": round(self.seconds, 3), "nodes": self.nodes,
-                "results": [asdict(r) for r in self.results], **self.extra}
+                "results": [asdict(r) for r in self.results],
+                "problems": [r.problem().to_dict() for r in self.failures], **self.extra}
 
 
 # -- evaluation (pure) -------------------------------------------------------------------
@@ -327,7 +332,7 @@ def grouped_problems(results: list[CheckResult], status: str = "fail") -> list[P
     out = []
     for (check, found, expected, fix), members in groups.items():
         if len(members) == 1:
-            out.append(Problem(members[0].node, check, expected, found, fix, text=members[0].line()))
+            out.append(members[0].problem())
             continue
         names = meshmod.compact([r.node for r in members])
         if expected:

@@ -57,6 +57,7 @@ from pathlib import Path
 from . import node as nodeprog
 from . import treehash, workdir
 from .inventory import Cluster, Node
+from .problems import Problem
 from .reaper import Reaper
 from .target import HostKeyPolicy, Target, TargetError, bracket, destination, openssh_options, resolve_all, ssh_problem
 
@@ -169,6 +170,21 @@ class SyncResult:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["nodes"] = {k: asdict(v) for k, v in self.nodes.items()}
+        return out
+
+    def problems(self) -> list[Problem]:
+        """Every node that did not sync, as a problem (a workdir refused as not ddpfab's names
+        ``--adopt`` as its fix)."""
+        out = []
+        for r in self.nodes.values():
+            if r.ok:
+                continue
+            text = r.error or f"host {r.name}: not synced"
+            if r.state == treehash.NOT_OURS:
+                out.append(Problem(r.name, "workdir", expected="a workdir ddpfab placed, or an empty one",
+                                   found="files ddpfab did not put there", fix="ddpfab sync --adopt", text=text))
+            else:
+                out.append(Problem(r.name, "sync", found=text, text=text))
         return out
 
 
@@ -1061,7 +1077,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
     result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
     result.notes = job.notes
     result.duration_s = round(time.monotonic() - started, 3)
-    problems = [r.error or f"host {r.name}: not synced" for r in result.nodes.values() if not r.ok]
+    problems = [str(p) for p in result.problems()]
     if problems:
         raise SyncError(problems, result)
     return result

@@ -3,6 +3,7 @@ exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterable
 
@@ -16,6 +17,13 @@ def die(lines: Iterable[str | Problem] | str | Problem, code: int = EXIT_USAGE) 
     for line in [lines] if isinstance(lines, (str, Problem)) else lines:
         sys.stderr.write(f"ddpfab: error: {line}\n")
     return code
+
+
+def print_problems(problems: Iterable[str | Problem], check: str) -> None:
+    """``--json``: *problems* on stdout as ``{"ok": false, "problems": [...]}``, each a problem
+    record; a line of text becomes a problem about no one node, *check* its key."""
+    records = [(p if isinstance(p, Problem) else Problem(None, check, text=p)).to_dict() for p in problems]
+    print(json.dumps({"ok": False, "problems": records}, indent=2, ensure_ascii=False))
 
 
 def warn(line: str | Problem) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import inventory
 from ..plan import PlanError, make_plan, parse_env
-from .errors import die
+from .errors import die, print_problems
 from .run import _print_dry_run
 
 
@@ -75,6 +75,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return die(str(exc))
     problems = check(manifest, cluster)
     if problems and not args.force:
+        if args.json:
+            print_problems(problems, "replay")
         return die([f"replay of {args.run_id} refused: {p}" for p in problems]
                     + ["nothing was started; --force replays anyway"])
     for p in problems:
@@ -91,10 +93,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         conns = runner.connect_all(cluster, policy, args.ssh_config)
     except runner.RunError as exc:
+        if args.json:
+            print_problems(exc.problems, "replay")
         return die(exc.problems + ["nothing was started"])
     try:
         port, facts, problems = _pick_port(cluster, conns, old_port, recorded.script, cwd, args.same_port)
         if problems:
+            if args.json:
+                print_problems(problems, "replay")
             return die(problems + ["nothing was started"])
         # the recorded options planned again under the old id and port must give the recorded plan
         again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))

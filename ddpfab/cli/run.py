@@ -15,7 +15,7 @@ from ..progress import Ticker
 from ..suggest import did_you_mean
 from . import recover as recovery
 from .common import add_cluster_args, add_env_args, load_cluster
-from .errors import die
+from .errors import die, print_problems
 from .perf import add_run_arguments as add_perf_arguments
 from .perf import before_run
 
@@ -134,6 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return die(str(exc))
     except runner.RunError as exc:
+        if args.json:
+            print_problems(exc.problems, "run")
         return die(exc.problems + ["nothing was started"])
     if args.dry_run:
         prepared.close()
@@ -295,6 +297,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return die(str(exc))
     except runner.RunError as exc:
+        if args.json:
+            print_problems(exc.problems, "plan")
         return die(exc.problems + ["nothing was planned"])
     if not args.emit:
         return _print_dry_run(plan, args.json, offline=args.offline, targets=targets)

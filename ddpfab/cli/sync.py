@@ -65,6 +65,12 @@ def print_dry_run(result: SyncResult, out) -> None:
             out.write(f"  {action:<6}  {path}\n")
 
 
+def _write_json(result, out) -> None:
+    """The result as JSON, with ``problems``: each node that did not sync, as a problem record."""
+    data = {**result.to_dict(), "problems": [p.to_dict() for p in result.problems()]}
+    out.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     try:
         return _cmd_sync(args)
@@ -108,12 +114,12 @@ def _cmd_sync(args: argparse.Namespace) -> int:
                               dry_run=args.dry_run, progress=say)
     except SyncError as exc:
         if args.json and exc.result is not None:
-            out.write(json.dumps(exc.result.to_dict(), indent=2, ensure_ascii=False) + "\n")
+            _write_json(exc.result, out)
         for line in exc.problems:
             die(line)
         return 1
     if args.json:
-        out.write(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        _write_json(result, out)
         return 0
     if args.dry_run:
         print_dry_run(result, out)

@@ -121,6 +121,8 @@ def test_changed_host_key(lab, inventory3, tmp_path):
     assert fails(report) == {("node2", "ssh")}
     msg = next(r["found"] for r in report["results"] if r["node"] == "node2" and r["check"] == "ssh")
     assert "CHANGED" in msg
+    assert [(p["node"], p["check"], p["found"]) for p in report["problems"]] == [("node2", "ssh", msg)]
+    assert "node2" not in msg  # the node is named by the report, once
     # an unknown key is a different failure
     known.write_text("".join(ln + "\n" for ln in lab.known_hosts.read_text().splitlines()
                              if not ln.startswith(lab.host("node2").address + ",")))

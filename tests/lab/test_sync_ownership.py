@@ -189,7 +189,10 @@ def test_adopting_a_foreign_dir_deletes_nothing_that_was_there(lab, tmp_path, tr
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
     refused = run_sync("-i", str(inv), "--json", str(trainproj))
     assert refused.returncode == 1, refused.stderr
-    assert {n: r["state"] for n, r in json.loads(refused.stdout)["nodes"].items()} == dict.fromkeys(NODES, "not-ours")
+    report = json.loads(refused.stdout)
+    assert {n: r["state"] for n, r in report["nodes"].items()} == dict.fromkeys(NODES, "not-ours")
+    assert [(p["node"], p["check"], p["fix"]) for p in report["problems"]] == [
+        (n, "workdir", "ddpfab sync --adopt") for n in NODES]
     run = ddpfab("run", "-i", str(inv), "train.py", cwd=trainproj, timeout=180)  # the hint comes from that state
     assert run.returncode != 0 and "(to take such a directory over: `ddpfab sync --adopt`)" in run.stderr, run.stderr
     res = run_sync("-i", str(inv), "--adopt", str(trainproj))

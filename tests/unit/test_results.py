@@ -4,6 +4,7 @@ found without anyone cutting the node's name off its text."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -13,7 +14,9 @@ from hypothesis import strategies as st
 
 from ddpfab import check, ssh
 from ddpfab import node as nodeprog
+from ddpfab.cli.errors import print_problems
 from ddpfab.inventory import Cluster, Node
+from ddpfab.problems import Problem
 from ddpfab.results import GroupResult
 
 hosts = st.text("abcdefghijklmnop0123456789-", min_size=1, max_size=8)
@@ -100,3 +103,16 @@ def test_check_reports_an_unreachable_node_once_by_name(tmp_path):
     [ssh_result] = [r for r in report.results if r.check == "ssh"]
     assert ssh_result.status == "fail" and ssh_result.found.startswith("unreachable: ")
     assert ssh_result.line().startswith("host n1: ssh: unreachable: ") and ssh_result.line().count("n1") == 1
+    # --json: the failure as a problem record too
+    assert report.to_dict()["problems"] == [{"node": "n1", "check": "ssh", "expected": "", "found": ssh_result.found,
+                                             "fix": "", "text": ssh_result.line()}]
+
+
+def test_json_problems_are_records_and_a_line_of_text_is_about_no_one_node(capsys):
+    print_problems([Problem("node10", "script", "train.py in /w", "missing", "sync the code first"),
+                    "sync: host node1: rsync failed"], "run")
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and [Problem.from_dict(p) for p in out["problems"]] == [
+        Problem("node10", "script", "train.py in /w", "missing", "sync the code first",
+                text="host node10: script: expected train.py in /w, found missing; sync the code first"),
+        Problem(None, "run", text="sync: host node1: rsync failed")]
