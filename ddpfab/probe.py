@@ -64,7 +64,8 @@ def resolve(node: Node, conn: Connection | None = None, target: Target | None = 
         peer = _peer_address(conn, target) if node.data_addr in (node.host, node.name) else None
         if peer:
             return peer
-        found = f"data address {node.data_addr!r} does not resolve ({exc.strerror}); set ddpfab_data_addr to an IP address"
+        found = (f"data address {node.data_addr!r} does not resolve ({exc.strerror}); "
+                 "set ddpfab_data_addr to an IP address")
         raise ssh.SSHError(node.name, f"host {node.name}: {found}", found=found) from None
     return infos[0][4][0]
 

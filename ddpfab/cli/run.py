@@ -7,10 +7,12 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 
 from .. import inventory
 from .. import plan as planmod
 from ..plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
+from ..problems import Problem
 from ..progress import Ticker
 from ..suggest import did_you_mean
 from . import recover as recovery
@@ -239,7 +241,10 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
             result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
                                           ssh_config=args.ssh_config, progress=say)
     except syncmod.SyncError as exc:
-        raise runner.RunError([f"sync: {p}" for p in exc.problems]
+        # per node as problems (a restart leaves out the node they name) when sync got that far
+        problems = exc.result.problems() if exc.result else exc.problems
+        raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
+                               for p in problems]
                               + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
                               + ["(skip syncing with --no-sync)"]) from None
     return result.to_dict()
