@@ -110,8 +110,8 @@ def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
         ("free_port", free_port, free_port is None or is_port(free_port), "an integer 1-65535, or null"),
         ("port_free", port_free, port_free is None or isinstance(port_free, bool), "true, false or null")) if not ok]
     if bad:
-        raise nodeprog.NodeProgramError(node.name, f"host {node.name}: its facts give {'; '.join(bad)}; ddpfab's node "
-                                                   "program never answers so: check what runs as ddpfab_python there")
+        raise nodeprog.NodeProgramError(node.name, f"its facts give {'; '.join(bad)}; ddpfab's node program never "
+                                                   "answers so: check what runs as ddpfab_python there")
     try:
         return NodeFacts(name=node.name, hostname=nodeprog.printable(data["hostname"]),
                          python=nodeprog.printable(data["python"]), home=str(data["home"]), torch=bool(data["torch"]),

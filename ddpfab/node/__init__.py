@@ -279,7 +279,7 @@ class Session:
         if len(self._buf) > MAX_REPLY_LINE:
             self._buf = bytearray()
             self._broken = NodeProgramError(
-                self.node.name, f"host {self.node.name}: the node program sent a line of over "
+                self.node.name, f"the node program sent a line of over "
                                 f"{MAX_REPLY_LINE >> 20} MiB (no reply is that long): it does not answer as "
                                 "ddpfab's node program does")
             raise self._broken
