@@ -116,11 +116,14 @@ class Cluster:
         raise KeyError(name)
 
 
+#: The inventory vars that carry ssh options, in the order Ansible's ssh connection puts them on
+#: the command line (ansible.cfg's ssh_args first); all of them mean the same in every path.
+SSH_ARG_VARS = ("ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
 #: ssh flags that change nothing about where or how ddpfab connects (quiet, no tty, no X11, no stdin).
 _NO_OP_FLAGS = ("-q", "-T", "-x", "-n")
 
 
-def parse_ssh_args(args: str) -> dict[str, str]:
+def parse_ssh_args(args: str, var: str = "ansible_ssh_common_args") -> dict[str, str]:
     """The ``-o Key=Value`` (and ``-F``, ``-i``, ``-p``, ``-l``, ``-J``, ``-C``) options of an ssh command-line fragment.
 
     ddpfab honours the ones that matter for connecting and verifying the host
@@ -131,7 +134,7 @@ def parse_ssh_args(args: str) -> dict[str, str]:
     try:
         words = shlex.split(args or "")
     except ValueError as exc:
-        raise InventoryError(f"cannot parse ansible_ssh_common_args {args!r}: {exc}") from None
+        raise InventoryError(f"cannot parse {var} {args!r}: {exc}") from None
     flags = {"-F": "configfile", "-i": "identityfile", "-p": "port", "-J": "proxyjump", "-l": "user"}
     i = 0
     while i < len(words):
@@ -159,7 +162,7 @@ def parse_ssh_args(args: str) -> dict[str, str]:
             continue
         else:
             # an ssh flag ddpfab would not apply the same way in every path: never dropped silently
-            raise InventoryError(f"ansible_ssh_common_args {args!r}: ssh flag {w!r} is not supported by ddpfab; "
+            raise InventoryError(f"{var} {args!r}: ssh flag {w!r} is not supported by ddpfab; "
                                  "use -o Option=value (see ddpfab/target.py OPTIONS), -F, -i, -p, -l or -J")
         key, sep, value = opt.partition("=")
         if not sep:
@@ -556,11 +559,13 @@ def _make_node(name: str, var) -> Node:
     user = var("ansible_user", var("ansible_ssh_user"))
     key_file = var("ansible_ssh_private_key_file", var("ansible_private_key_file"))
     ssh_options: dict[str, str] = {}
-    for ssh_var in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+    # in the order Ansible puts them on ssh's command line: OpenSSH takes the first value it sees
+    for ssh_var in SSH_ARG_VARS:
         value = var(ssh_var, "") or ""
         if not isinstance(value, str):
             raise InventoryError(f"host {name}: {ssh_var} must be a string of ssh options, got {value!r}")
-        ssh_options.update(parse_ssh_args(value))
+        for key, opt in parse_ssh_args(value, ssh_var).items():
+            ssh_options.setdefault(key, opt)
     data_addr = str(var(VAR_DATA_ADDR, None) or host)
     _check_address(name, VAR_DATA_ADDR, data_addr)
     _check_address(name, "ansible_host", host)

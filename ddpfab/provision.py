@@ -65,6 +65,9 @@ SETTING_ENV = {
 }
 NOT_LAYERED = ("collections_path",)
 
+#: The connection vars :func:`ssh_vars_file` decides for every inventory host.
+ANSIBLE_SSH_VARS = ("ansible_host", "ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RECAP_LINE = re.compile(r"^(?P<host>\S+)\s*:\s*(?P<counts>(?:\w+=\d+\s*)+)$")
 
@@ -352,15 +355,17 @@ def ssh_vars_file(targets: dict[str, Target], directory: str) -> str:
     """An extra-vars file (``-e @FILE``, the highest precedence) that makes Ansible reach every
     host exactly as the runner and sync do (:func:`ddpfab.target.ansible_vars`: the same address,
     key, known_hosts and host-key policy, and jump hosts as a ProxyCommand that checks the jump
-    host's key too). Hosts outside the inventory (localhost) keep Ansible's own."""
-    per_host = {name: ansible_vars(t) for name, t in targets.items()}
-    for host_vars in per_host.values():
-        # this run's own multiplexing sockets: a master another run left (ControlPersist) was
-        # verified then, and must not carry this run past a host key that changed since
-        host_vars["ansible_ssh_common_args"] += " -o " + shlex.quote(f"ControlPath={directory}/cp-%C")
-    data: dict = {"ddpfab_ssh_vars": per_host}
-    for var in ("ansible_host", "ansible_ssh_common_args", "ansible_ssh_extra_args"):
+    host's key too), whatever ansible.cfg, ``ANSIBLE_*`` or inventory vars say. Hosts outside the
+    inventory (localhost) keep Ansible's own address and args."""
+    per_host = {name: ansible_vars(t, f"{directory}/cp-%C") for name, t in targets.items()}
+    data: dict = {"ddpfab_ssh_vars": per_host,
+                  # host key checking off would add StrictHostKeyChecking=no; ddpfab's own comes first
+                  # and wins anyway, but no setting may even ask for it (both names: the last wins)
+                  "ansible_host_key_checking": True, "ansible_ssh_host_key_checking": True}
+    for var in ANSIBLE_SSH_VARS:
         fallback = "inventory_hostname" if var == "ansible_host" else "''"
+        if var == "ansible_ssh_args":  # Ansible's default, for hosts ddpfab does not reach (localhost)
+            fallback = "'-C -o ControlMaster=auto -o ControlPersist=60s'"
         data[var] = f"{{{{ (ddpfab_ssh_vars[inventory_hostname] | default({{}})).{var} | default({fallback}) }}}}"
     path = os.path.join(directory, "ssh_vars.json")
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:

@@ -409,12 +409,20 @@ def ssh_line(t: Target) -> str:
 
 
 # -- Ansible ------------------------------------------------------------------------------------
-def ansible_vars(t: Target) -> dict[str, str]:
-    """Ansible connection vars that make its ssh connect exactly as decided in *t*: the address
-    and every option (``-F /dev/null`` included, so no ssh_config re-decides anything); Ansible
-    adds only its ControlMaster/ControlPath options."""
-    return {"ansible_host": t.host, "ansible_ssh_common_args": shlex.join(openssh_options(t)),
-            "ansible_ssh_extra_args": ""}
+def ansible_vars(t: Target, control_path: str) -> dict[str, str]:
+    """Ansible connection vars that make its ssh connect exactly as decided in *t*.
+
+    Every option goes in ``ansible_ssh_args``, which Ansible puts FIRST on ssh's command line,
+    before what it adds itself (``StrictHostKeyChecking=no`` when host_key_checking is off, its
+    Port, User, ConnectTimeout) and before ``ansible_ssh_common_args``: OpenSSH takes the first
+    value, so nothing an ansible.cfg, ``ANSIBLE_*`` or an inventory var says re-decides the route
+    or the host-key policy. ``-F /dev/null`` keeps any ssh_config out; ControlMaster with this
+    run's own *control_path* (a master another run left was verified then, and must not carry
+    this run past a host key that changed since)."""
+    argv = [*openssh_options(t), "-o", "ControlMaster=auto", "-o", "ControlPersist=30s",
+            "-o", "ControlPath=" + control_path]
+    return {"ansible_host": t.host, "ansible_ssh_args": shlex.join(argv),
+            "ansible_ssh_common_args": "", "ansible_ssh_extra_args": ""}
 
 
 # -- OpenSSH's failures, in ddpfab's words ------------------------------------------------------

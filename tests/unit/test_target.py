@@ -90,9 +90,11 @@ def test_scp_and_ansible_render_the_same_target(config):
     scp = scp_argv(t, "f.sh")
     assert scp[scp.index("-P") + 1] == "2200" and "User=cfguser" in scp and "-l" not in scp
     assert scp[-2:] == ["f.sh", "10.0.0.5:"]
-    av = ansible_vars(t)
-    assert av["ansible_host"] == "10.0.0.5" and av["ansible_ssh_extra_args"] == ""
-    assert shlex.split(av["ansible_ssh_common_args"]) == openssh_options(t)
+    av = ansible_vars(t, "/cp/%C")
+    assert av["ansible_host"] == "10.0.0.5" and av["ansible_ssh_extra_args"] == av["ansible_ssh_common_args"] == ""
+    # ssh_args: the first on Ansible's ssh command line, so OpenSSH takes ddpfab's values
+    ssh_args = shlex.split(av["ansible_ssh_args"])
+    assert ssh_args[:len(openssh_options(t))] == openssh_options(t) and "ControlPath=/cp/%C" in ssh_args
 
 
 @pytest.mark.parametrize("args, named", [
