@@ -630,12 +630,15 @@ def _gpu_ids(host: str, value: Any) -> tuple[str, ...] | None:
     return ids
 
 
-def _check_address(host: str, var: str, value: str) -> None:
-    """An address is an IP literal or a DNS name; anything else would end up in a shell or argv."""
+def is_address(value: str) -> bool:
+    """An IP literal or a DNS name: anything else (a leading '-', spaces) would end up in a shell or argv."""
     try:
         ipaddress.ip_address(value)
-        return
+        return True
     except ValueError:
-        pass
-    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9\-_.]*[A-Za-z0-9])?", value):
+        return bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9\-_.]*[A-Za-z0-9])?", value))
+
+
+def _check_address(host: str, var: str, value: str) -> None:
+    if not is_address(value):
         raise InventoryError(f"host {host}: {var} {value!r} is neither an IP address nor a host name")

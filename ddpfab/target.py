@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .inventory import Node
+from .inventory import Node, is_address
 
 if TYPE_CHECKING:
     import paramiko
@@ -136,6 +136,13 @@ class Target:
     tuning: tuple[tuple[str, str], ...] = field(default=())
     jump_of: str | None = None
 
+    def __post_init__(self):
+        # a Target built from records (emit's fallback) gets the same guard as a resolved one:
+        # its host and port become ssh arguments
+        if not is_address(self.host) or not 0 < self.port < 65536:
+            raise TargetError(self.jump_of or self.name, f"{self.label}: {self.host!r} port {self.port!r} is not an "
+                                                         "IP address or host name and a port 1-65535; fix it")
+
     @property
     def where(self) -> str:
         return f"{self.host}:{self.port}"
@@ -224,6 +231,15 @@ def _check(label: str, options: dict, source: str) -> None:
 _JUMP = re.compile(r"^(?:ssh://)?(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:@\[\]]+)(?::(?P<port>\d+))?$")
 
 
+def _address(label: str, key: str, value: str, source: str) -> str:
+    """*value* if it is an IP address or a host name: it becomes an ssh argument, and a word
+    like ``-oProxyCommand=...`` there would be read as an option (and run)."""
+    if not is_address(value):
+        raise TargetError(label, f"{label}: {key} {value!r} (from {source}) is neither an IP address nor a host "
+                                 "name; fix it there")
+    return value
+
+
 def _int(label: str, key: str, value, source: str) -> int:
     try:
         out = int(str(value))
@@ -286,7 +302,7 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
         proxy = None
     return Target(
         name=name,
-        host=str(opts.get("hostname") or host),
+        host=_address(label, "HostName", str(opts.get("hostname") or host), source),
         port=_int(label, "Port", opts["port"], source) if opts.get("port") else 22,
         user=opts.get("user") or None,
         identity_files=tuple(os.path.expanduser(k) for k in keys) or (inherit.identity_files if inherit else ()),
@@ -314,7 +330,7 @@ def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node
         label = f"host {node_name}: jump host {hop}"
         if not m:
             raise TargetError(node_name, f"{label}: ProxyJump entry {hop!r} is not [user@]host[:port]; fix it")
-        host = m["host"].strip("[]")
+        host = _address(label, "ProxyJump host", m["host"].strip("[]"), f"ProxyJump {spec!r}")
         opts = _lookup(config, where, host, label)
         _check(label, opts, f"ssh_config {where}")
         if m["user"]:
@@ -386,7 +402,7 @@ def openssh_options(t: Target, keepalive: bool = False) -> list[str]:
 
 def ssh_argv(t: Target, *command: str) -> list[str]:
     """``ssh OPTIONS HOST [COMMAND...]`` for *t*."""
-    return ["ssh", *openssh_options(t), destination(t), *command]
+    return ["ssh", *openssh_options(t), "--", destination(t), *command]
 
 
 def scp_argv(t: Target, *files: str) -> list[str]:
@@ -400,7 +416,7 @@ def scp_argv(t: Target, *files: str) -> list[str]:
         else:
             out += opts[i:i + 2]
         i += 2
-    return ["scp", *out, *files, destination(t) + ":"]
+    return ["scp", *out, "--", *files, destination(t) + ":"]
 
 
 def ssh_line(t: Target) -> str:

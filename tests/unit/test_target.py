@@ -140,3 +140,25 @@ def test_an_openssh_failure_names_the_hop_that_failed():
     assert ssh_problem(t, 255, changed).startswith("host n1: jump host bastion (10.1.1.1:22): host key CHANGED")
     direct = "Host key for 10.0.0.5 has changed and you have requested strict checking."
     assert ssh_problem(t, 255, direct).startswith("host n1 (10.0.0.5:22): host key CHANGED")
+
+
+@pytest.mark.parametrize("config_text, args", [
+    ("Host n1\n  HostName -oProxyCommand=touch\n", ""),
+    ("", "-J '-oProxyCommand=touch /tmp/x'"),
+    ("", "-o 'HostName=a b'"),
+    ("Host n1\n  ProxyJump bastion\nHost bastion\n  HostName -oProxyCommand=x\n", ""),
+])
+def test_a_host_name_or_jump_host_that_is_no_address_is_refused(tmp_path, config_text, args):
+    """It would become an ssh argument (``ssh ... -oProxyCommand=...`` runs the command)."""
+    cfg = tmp_path / "cfg"
+    cfg.write_text(config_text)
+    with pytest.raises(TargetError, match=r"host n1.*is neither an IP address nor a host name"):
+        resolve(node(args=args), HostKeyPolicy(), str(cfg))
+
+
+def test_the_destination_comes_after_the_end_of_options():
+    t = Target("n1", "10.0.0.5")
+    assert ssh_argv(t, "true")[-3:] == ["--", "10.0.0.5", "true"]
+    assert scp_argv(t, "f")[-3:] == ["--", "f", "10.0.0.5:"]
+    with pytest.raises(TargetError, match="host n1"):
+        Target("n1", "-oProxyCommand=x")
