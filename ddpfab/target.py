@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .inventory import Node, is_address
+from .inventory import SSH_ARG_VARS, Node, is_address
 
 if TYPE_CHECKING:
     import paramiko
@@ -260,7 +260,7 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
     policy = policy or HostKeyPolicy()
     label = f"host {node.name}"
     inv = dict(node.ssh_options)
-    src_inv = f"host {node.name}'s ansible_ssh_common_args"
+    src_inv = f"host {node.name}'s ssh args ({', '.join(SSH_ARG_VARS)})"
     _check(label, inv, src_inv)
     cfg_path = ssh_config or inv.get("configfile")
     try:
@@ -271,8 +271,9 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
     _check(label, from_cfg, f"ssh_config {where}")
     # OpenSSH takes the first value it sees: the command line's (inventory) before the file's
     merged = {**from_cfg, **{k: v for k, v in inv.items() if k != "configfile"}}
+    origin = {k: src_inv if k in inv else f"ssh_config {where}" for k in merged}
     if node.port:
-        merged["port"] = str(node.port)
+        merged["port"], origin["port"] = str(node.port), f"host {node.name}'s ansible_port"
     if node.user:
         merged["user"] = node.user
     keys = [node.key_file] if node.key_file else []
@@ -280,7 +281,7 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
         keys.append(inv["identityfile"])
     if not keys:
         keys = list(from_cfg.get("identityfile") or [])
-    target = _target(node.name, node.host, merged, keys, policy, None, label, where)
+    target = _target(node.name, node.host, merged, keys, policy, None, label, origin)
     spec = merged.get("proxyjump")
     if spec and spec.lower() != "none":
         if target.proxy_command:
@@ -289,12 +290,31 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
     return target
 
 
+def _known_hosts(label: str, files: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """*files*, ~ expanded, if each is (or can become) a regular file: /dev/null or a directory
+    would record no key, so every host would be "new" to accept-new, or never known."""
+    out = tuple(os.path.expanduser(f) for f in files)
+    for path in out:
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise TargetError(label, (
+                f"{label}: UserKnownHostsFile {path} (from {source}) is not a regular file, so no host key "
+                "would be checked against it; name a known_hosts file there (ddpfab never skips host-key checks)"))
+    return out
+
+
 def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPolicy, inherit: Target | None,
-            label: str, source: str) -> Target:
+            label: str, origin: dict[str, str] | str) -> Target:
     """A Target from merged options; a jump host takes what its own options do not say (keys,
-    known_hosts, timeout) from the node it serves: one policy for the whole route."""
+    known_hosts, timeout) from the node it serves: one policy for the whole route. *origin*: where
+    each option came from (for messages), or one source for all of them."""
+    def source(key: str) -> str:
+        if key == "userknownhostsfile" and policy.known_hosts:
+            return "--known-hosts"
+        return origin if isinstance(origin, str) else origin.get(key, "the inventory")
+
     known = policy.known_hosts or opts.get("userknownhostsfile")
-    known_files = tuple(shlex.split(known)) if known else (inherit.known_hosts if inherit else ("~/.ssh/known_hosts",))
+    known_files = (_known_hosts(label, tuple(shlex.split(known)), source("userknownhostsfile")) if known
+                   else inherit.known_hosts if inherit else ("~/.ssh/known_hosts",))
     timeout = opts.get("connecttimeout")
     tuning = tuple((k, str(v)) for k, v in opts.items() if OPTIONS.get(k) == "tuning")
     proxy = opts.get("proxycommand")
@@ -302,8 +322,8 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
         proxy = None
     return Target(
         name=name,
-        host=_address(label, "HostName", str(opts.get("hostname") or host), source),
-        port=_int(label, "Port", opts["port"], source) if opts.get("port") else 22,
+        host=_address(label, "HostName", str(opts.get("hostname") or host), source("hostname")),
+        port=_int(label, "Port", opts["port"], source("port")) if opts.get("port") else 22,
         user=opts.get("user") or None,
         identity_files=tuple(os.path.expanduser(k) for k in keys) or (inherit.identity_files if inherit else ()),
         identities_only=(str(opts["identitiesonly"]).lower() == "yes" if "identitiesonly" in opts
@@ -311,7 +331,7 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
         known_hosts=tuple(os.path.expanduser(k) for k in known_files),
         global_known_hosts=opts.get("globalknownhostsfile") or (inherit.global_known_hosts if inherit else None),
         accept_new=policy.accept_new or str(opts.get("stricthostkeychecking", "")).lower() == "accept-new",
-        connect_timeout=(float(_int(label, "ConnectTimeout", timeout, source)) if timeout
+        connect_timeout=(float(_int(label, "ConnectTimeout", timeout, source("connecttimeout"))) if timeout
                          else inherit.connect_timeout if inherit else DEFAULT_CONNECT_TIMEOUT),
         proxy_command=proxy,
         tuning=tuning,
@@ -338,7 +358,8 @@ def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node
         if m["port"]:
             opts["port"] = m["port"]
         t = _target(hop, host, opts, list(opts.get("identityfile") or []),
-                    HostKeyPolicy(policy.known_hosts, node.accept_new), node, label, f"ssh_config {where}")
+                    HostKeyPolicy(policy.known_hosts, node.accept_new), node, label,
+                    {**dict.fromkeys(opts, f"ssh_config {where}"), **({"port": f"ProxyJump {spec!r}"} if m["port"] else {})})
         t = replace(t, jump_of=node_name)
         own = opts.get("proxyjump")
         if i == 0 and own and own.lower() != "none":

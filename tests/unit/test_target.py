@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 
 import pytest
@@ -162,3 +163,19 @@ def test_the_destination_comes_after_the_end_of_options():
     assert scp_argv(t, "f")[-3:] == ["--", "f", "10.0.0.5:"]
     with pytest.raises(TargetError, match="host n1"):
         Target("n1", "-oProxyCommand=x")
+
+
+@pytest.mark.parametrize("args, config_text, policy, source", [
+    ("-o StrictHostKeyChecking=accept-new -o UserKnownHostsFile=/dev/null", "", HostKeyPolicy(),
+     "ansible_ssh"),
+    ("-o UserKnownHostsFile=/dev/null", "", HostKeyPolicy(accept_new=True), "ansible_ssh"),
+    ("-J bastion", "Host bastion\n  UserKnownHostsFile /dev/null\n", HostKeyPolicy(accept_new=True), "ssh_config"),
+    ("", "", HostKeyPolicy(known_hosts="/dev/null", accept_new=True), "--known-hosts"),
+    ("-o UserKnownHostsFile=/tmp", "", HostKeyPolicy(), "ansible_ssh"),
+])
+def test_a_known_hosts_file_that_records_nothing_is_refused(tmp_path, args, config_text, policy, source):
+    """/dev/null plus accept-new would accept any key: no host-key check at all."""
+    cfg = tmp_path / "cfg"
+    cfg.write_text(config_text)
+    with pytest.raises(TargetError, match=r"host n1.*UserKnownHostsFile .* \(from [^)]*" + re.escape(source)):
+        resolve(node(args=args), policy, str(cfg))
