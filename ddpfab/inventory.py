@@ -63,7 +63,8 @@ class Node:
         port: SSH port (``ansible_port``), None for the default.
         user: SSH user (``ansible_user``), None for the current user / ssh_config.
         key_file: private key (``ansible_ssh_private_key_file``).
-        ssh_options: ``-o Key=Value`` options from ``ansible_ssh_common_args``, keys lower-cased.
+        ssh_options: the ssh options of ``ansible_ssh_args``/``_common_args``/``_extra_args``, keys
+            lower-cased, the first value of each (OpenSSH's rule); ``identityfile`` a list of all.
         nproc: processes per node (``ddpfab_nproc_per_node``), None to decide later (GPUs or 1).
         gpus: GPUs the host is expected to have (``ddpfab_gpus``), None if not stated.
         data_addr: the address peers use for training traffic (``ddpfab_data_addr``, else ``host``).
@@ -85,7 +86,7 @@ class Node:
     port: int | None = None
     user: str | None = None
     key_file: str | None = None
-    ssh_options: dict[str, str] = field(default_factory=dict)
+    ssh_options: dict[str, Any] = field(default_factory=dict)
     nproc: int | None = None
     gpus: int | None = None
     data_addr: str = ""
@@ -123,7 +124,7 @@ SSH_ARG_VARS = ("ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extr
 _NO_OP_FLAGS = ("-q", "-T", "-x", "-n")
 
 
-def parse_ssh_args(args: str, var: str = "ansible_ssh_common_args") -> dict[str, str]:
+def parse_ssh_args(args: str, var: str = "ansible_ssh_common_args") -> dict[str, Any]:
     """The ``-o Key=Value`` (and ``-F``, ``-i``, ``-p``, ``-l``, ``-J``, ``-C``) options of an ssh command-line fragment.
 
     ddpfab honours the ones that matter for connecting and verifying the host
@@ -146,15 +147,15 @@ def parse_ssh_args(args: str, var: str = "ansible_ssh_common_args") -> dict[str,
             opt = w[2:]
             i += 1
         elif w in flags and i + 1 < len(words):
-            out[flags[w]] = words[i + 1]
+            _add_option(out, flags[w], words[i + 1])
             i += 2
             continue
         elif w[:2] in flags and len(w) > 2:  # -p2222, -Jbastion
-            out[flags[w[:2]]] = w[2:]
+            _add_option(out, flags[w[:2]], w[2:])
             i += 1
             continue
         elif w == "-C":
-            out["compression"] = "yes"
+            _add_option(out, "compression", "yes")
             i += 1
             continue
         elif w in _NO_OP_FLAGS:
@@ -167,8 +168,16 @@ def parse_ssh_args(args: str, var: str = "ansible_ssh_common_args") -> dict[str,
         key, sep, value = opt.partition("=")
         if not sep:
             key, _, value = opt.partition(" ")
-        out[key.strip().lower()] = value.strip()
+        _add_option(out, key.strip().lower(), value.strip())
     return out
+
+
+def _add_option(options: dict, key: str, value) -> None:
+    """Add an ssh option as OpenSSH does: the first value wins, IdentityFile (a list) collects all."""
+    if key == "identityfile":
+        options.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    else:
+        options.setdefault(key, value)
 
 
 def _int_var(host: str, var: str, value: Any, minimum: int) -> int | None:
@@ -558,14 +567,14 @@ def _make_node(name: str, var) -> Node:
         raise InventoryError(f"host {name}: ansible_port must be 1-65535, got {port}")
     user = var("ansible_user", var("ansible_ssh_user"))
     key_file = var("ansible_ssh_private_key_file", var("ansible_private_key_file"))
-    ssh_options: dict[str, str] = {}
+    ssh_options: dict[str, Any] = {}
     # in the order Ansible puts them on ssh's command line: OpenSSH takes the first value it sees
     for ssh_var in SSH_ARG_VARS:
         value = var(ssh_var, "") or ""
         if not isinstance(value, str):
             raise InventoryError(f"host {name}: {ssh_var} must be a string of ssh options, got {value!r}")
         for key, opt in parse_ssh_args(value, ssh_var).items():
-            ssh_options.setdefault(key, opt)
+            _add_option(ssh_options, key, opt)
     data_addr = str(var(VAR_DATA_ADDR, None) or host)
     _check_address(name, VAR_DATA_ADDR, data_addr)
     _check_address(name, "ansible_host", host)

@@ -276,11 +276,12 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
         merged["port"], origin["port"] = str(node.port), f"host {node.name}'s ansible_port"
     if node.user:
         merged["user"] = node.user
-    keys = [node.key_file] if node.key_file else []
-    if "identityfile" in inv:
-        keys.append(inv["identityfile"])
-    if not keys:
-        keys = list(from_cfg.get("identityfile") or [])
+    # every IdentityFile is offered, in order: ansible_ssh_private_key_file (Ansible's -o comes
+    # first), the ssh args', then the ssh_config's, as OpenSSH collects them
+    inv_keys = inv.get("identityfile") or []
+    keys = list(dict.fromkeys([*([node.key_file] if node.key_file else []),
+                               *([inv_keys] if isinstance(inv_keys, str) else inv_keys),
+                               *(from_cfg.get("identityfile") or [])]))
     target = _target(node.name, node.host, merged, keys, policy, None, label, origin)
     spec = merged.get("proxyjump")
     if spec and spec.lower() != "none":

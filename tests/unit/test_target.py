@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 
 import pytest
 
@@ -179,3 +180,28 @@ def test_a_known_hosts_file_that_records_nothing_is_refused(tmp_path, args, conf
     cfg.write_text(config_text)
     with pytest.raises(TargetError, match=r"host n1.*UserKnownHostsFile .* \(from [^)]*" + re.escape(source)):
         resolve(node(args=args), policy, str(cfg))
+
+
+def _ssh_g(argv: list[str]) -> dict[str, list[str]]:
+    """OpenSSH's own reading of an ssh argv (``ssh -G``: local, no connection)."""
+    out = subprocess.run(["ssh", "-G", *argv], capture_output=True, text=True, check=True).stdout
+    seen: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        seen.setdefault(key, []).append(value)
+    return seen
+
+
+def test_a_repeated_option_keeps_its_first_value_as_openssh_does(tmp_path):
+    args = "-o UserKnownHostsFile=/etc/kh -o UserKnownHostsFile=/dev/null -p 2200 -o Port=2300 -i /k/a -i /k/b"
+    opts = parse_ssh_args(args)
+    assert opts["userknownhostsfile"] == "/etc/kh" and opts["port"] == "2200"
+    assert opts["identityfile"] == ["/k/a", "/k/b"]
+    seen = _ssh_g(["-F", "/dev/null", *shlex.split(args), "h"])
+    assert seen["userknownhostsfile"] == ["/etc/kh"] and seen["port"] == ["2200"]
+    cfg = tmp_path / "cfg"
+    cfg.write_text("Host n1\n  IdentityFile /k/c\n")
+    t = resolve(node(args=args, key_file="/k/inv"), HostKeyPolicy(), str(cfg))
+    # every key is offered, in OpenSSH's order (Ansible's own -o IdentityFile comes first)
+    assert t.identity_files == ("/k/inv", "/k/a", "/k/b", "/k/c")
+    assert [w for w in ssh_argv(t) if w.startswith("/k/")] == list(t.identity_files)
