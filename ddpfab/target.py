@@ -240,14 +240,16 @@ def _address(label: str, key: str, value: str, source: str) -> str:
     return value
 
 
-def _int(label: str, key: str, value, source: str) -> int:
-    try:
-        out = int(str(value))
-    except ValueError:
-        out = -1
-    if out <= 0:
-        raise TargetError(label, f"{label}: {key} {value!r} (from {source}) is not a number; fix it there")
-    return out
+def _int(label: str, key: str, value, source: str, high: int | None = None) -> int:
+    """*value* as a whole number from 1 (to *high*): plain digits only (``int()`` would take
+    ``2_2`` as 22), and in range (a port past 65535 would wrap around in the socket call)."""
+    text = str(value).strip()
+    if not (text.isascii() and text.isdigit()):
+        raise TargetError(label, f"{label}: {key} {value!r} (from {source}) is not a whole number; fix it there")
+    if not 1 <= int(text) <= (high or int(text)):
+        want = f"1-{high}" if high else "at least 1"
+        raise TargetError(label, f"{label}: {key} {value!r} (from {source}) must be {want}; fix it there")
+    return int(text)
 
 
 def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | None = None) -> Target:
@@ -324,7 +326,7 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
     return Target(
         name=name,
         host=_address(label, "HostName", str(opts.get("hostname") or host), source("hostname")),
-        port=_int(label, "Port", opts["port"], source("port")) if opts.get("port") else 22,
+        port=_int(label, "Port", opts["port"], source("port"), 65535) if opts.get("port") else 22,
         user=opts.get("user") or None,
         identity_files=tuple(os.path.expanduser(k) for k in keys) or (inherit.identity_files if inherit else ()),
         identities_only=(str(opts["identitiesonly"]).lower() == "yes" if "identitiesonly" in opts

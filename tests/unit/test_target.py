@@ -205,3 +205,18 @@ def test_a_repeated_option_keeps_its_first_value_as_openssh_does(tmp_path):
     # every key is offered, in OpenSSH's order (Ansible's own -o IdentityFile comes first)
     assert t.identity_files == ("/k/inv", "/k/a", "/k/b", "/k/c")
     assert [w for w in ssh_argv(t) if w.startswith("/k/")] == list(t.identity_files)
+
+
+@pytest.mark.parametrize("args, config_text, found", [
+    ("-p 70000", "", "must be 1-65535"),
+    ("-J h:99999", "", "must be 1-65535"),
+    ("", "Host *\n  Port 2_2\n", "is not a whole number"),
+    ("-p 0", "", "must be 1-65535"),
+    ("-o ConnectTimeout=0", "", "must be at least 1"),
+    ("-o ConnectTimeout=1e3", "", "is not a whole number"),
+])
+def test_a_port_or_timeout_out_of_range_is_refused(tmp_path, args, config_text, found):
+    cfg = tmp_path / "cfg"
+    cfg.write_text(config_text)
+    with pytest.raises(TargetError, match=rf"host n1.*{found}"):
+        resolve(node(args=args), HostKeyPolicy(), str(cfg))
