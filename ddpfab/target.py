@@ -289,7 +289,7 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
     if spec and spec.lower() != "none":
         if target.proxy_command:
             raise TargetError(node.name, f"{label}: both ProxyJump and ProxyCommand are set; keep one")
-        target = replace(target, jump=_jumps(spec, config, where, target, node.name, policy))
+        target = replace(target, jump=_jumps(spec, config, where, target, node.name, policy, (node.host,)))
     return target
 
 
@@ -343,9 +343,10 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
 
 
 def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node_name: str,
-           policy: HostKeyPolicy) -> Target:
+           policy: HostKeyPolicy, path: tuple[str, ...]) -> Target:
     """The jump chain of ``ProxyJump a,b``: b reached through a (a's own ssh_config ProxyJump is
-    what OpenSSH would use for a; b's is replaced by the list, as ``ssh -J a b`` does)."""
+    what OpenSSH would use for a; b's is replaced by the list, as ``ssh -J a b`` does). *path*:
+    the hosts whose ProxyJump led here; reaching one of them again is a loop."""
     jump: Target | None = None
     hops = [h.strip() for h in spec.split(",") if h.strip()]
     for i, hop in enumerate(hops):
@@ -366,7 +367,11 @@ def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node
         t = replace(t, jump_of=node_name)
         own = opts.get("proxyjump")
         if i == 0 and own and own.lower() != "none":
-            t = replace(t, jump=_jumps(own, config, where, node, node_name, policy))
+            if host in path:
+                raise TargetError(node_name, (
+                    f"{label}: ProxyJump loop {' -> '.join([*path, host])} (ssh_config {where}); "
+                    f"give {host} its own route there (e.g. 'ProxyJump none' in a Host {host} block above)"))
+            t = replace(t, jump=_jumps(own, config, where, node, node_name, policy, (*path, host)))
         elif jump is not None:
             t = replace(t, jump=jump)
         jump = t

@@ -220,3 +220,15 @@ def test_a_port_or_timeout_out_of_range_is_refused(tmp_path, args, config_text, 
     cfg.write_text(config_text)
     with pytest.raises(TargetError, match=rf"host n1.*{found}"):
         resolve(node(args=args), HostKeyPolicy(), str(cfg))
+
+
+@pytest.mark.parametrize("config_text, name, loop", [
+    ("Host a\n  ProxyJump b\nHost b\n  ProxyJump a\n", "a", "a -> b -> a"),
+    ("Host 10.0.0.5\n  ProxyJump 10.0.0.5\n", "10.0.0.5", "10.0.0.5 -> 10.0.0.5"),
+    ("Host a\n  ProxyJump b\nHost b\n  ProxyJump c\nHost c\n  ProxyJump b\n", "a", "a -> b -> c -> b"),
+])
+def test_a_proxyjump_loop_is_an_error_naming_it(tmp_path, config_text, name, loop):
+    cfg = tmp_path / "cfg"
+    cfg.write_text(config_text)
+    with pytest.raises(TargetError, match=rf"host {re.escape(name)}: .*ProxyJump loop {re.escape(loop)}"):
+        resolve(node(name), HostKeyPolicy(), str(cfg))
