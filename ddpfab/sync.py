@@ -59,7 +59,8 @@ from . import treehash, workdir
 from .inventory import Cluster, Node
 from .problems import Problem
 from .reaper import Reaper
-from .target import HostKeyPolicy, Target, TargetError, bracket, destination, openssh_options, resolve_all, ssh_problem
+from .target import (HostKeyPolicy, Target, TargetError, bracket, destination, openssh_options, remote_path,
+                     resolve_all, ssh_problem)
 
 #: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
 #: (files belong to the SSH user); no deletions (ddpfab deletes only what it placed, on the node);
@@ -670,7 +671,7 @@ class _Sync:
 
     # -- copies ---------------------------------------------------------------------------
     def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
-        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, f"{t.link.dest}:{t.real}",
+        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, remote_path(t.link.target, t.real),
                           compress=self.compress, checksum=self.checksum, dry_run=dry_run)
         return self._run_copy(t, argv, "controller")
 

@@ -391,13 +391,19 @@ def _opt_value(value: str) -> str:
 
 
 def bracket(host: str) -> str:
-    """*host* as the host word of an ssh or rsync command line (an IPv6 address bracketed)."""
+    """*host* as the host part of rsync's or scp's ``HOST:PATH`` (an IPv6 address bracketed)."""
     return f"[{host}]" if ":" in host else host
 
 
 def destination(t: Target) -> str:
-    """The host word of an ssh command line for *t*."""
-    return bracket(t.host)
+    """The host word of an ssh command line for *t*: the bare address (ssh reads ``[::1]`` as a
+    name it cannot resolve; brackets belong only in ``HOST:PATH``, see :func:`remote_path`)."""
+    return t.host
+
+
+def remote_path(t: Target, path: str) -> str:
+    """``HOST:PATH`` for rsync and scp (an IPv6 address bracketed, so its colons are not the path's)."""
+    return f"{bracket(t.host)}:{path}"
 
 
 def openssh_options(t: Target, keepalive: bool = False) -> list[str]:
@@ -445,7 +451,7 @@ def scp_argv(t: Target, *files: str) -> list[str]:
         else:
             out += opts[i:i + 2]
         i += 2
-    return ["scp", *out, "--", *files, destination(t) + ":"]
+    return ["scp", *out, "--", *files, remote_path(t, "")]
 
 
 def ssh_line(t: Target) -> str:

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from ddpfab.inventory import InventoryError, Node, parse_ssh_args
-from ddpfab.target import (HostKeyPolicy, Target, TargetError, ansible_vars, openssh_options, resolve, scp_argv,
-                           ssh_argv, ssh_problem)
+from ddpfab.target import (HostKeyPolicy, Target, TargetError, ansible_vars, openssh_options, remote_path, resolve,
+                           scp_argv, ssh_argv, ssh_problem)
 
 CONFIG = """\
 Host bastion
@@ -232,3 +232,15 @@ def test_a_proxyjump_loop_is_an_error_naming_it(tmp_path, config_text, name, loo
     cfg.write_text(config_text)
     with pytest.raises(TargetError, match=rf"host {re.escape(name)}: .*ProxyJump loop {re.escape(loop)}"):
         resolve(node(name), HostKeyPolicy(), str(cfg))
+
+
+def test_an_ipv6_host_is_bare_for_ssh_and_bracketed_only_in_host_path():
+    jump = Target("j", "fd00::9", port=2222, jump_of="n1")
+    t = Target("n1", "fd00::5", port=2200, jump=jump)
+    argv = ssh_argv(t, "true")
+    assert argv[-2:] == ["fd00::5", "true"]
+    seen = _ssh_g(argv[1:-1])  # OpenSSH's own reading: the address, not a name "[fd00::5]"
+    assert seen["hostname"] == ["fd00::5"] and seen["port"] == ["2200"]
+    inner = shlex.split(next(a for a in argv if a.startswith("ProxyCommand="))[len("ProxyCommand="):])
+    assert inner[-1] == "fd00::9" or inner[inner.index("-W") - 1] == "fd00::9"
+    assert scp_argv(t, "f")[-1] == "[fd00::5]:" and remote_path(t, "/w") == "[fd00::5]:/w"
