@@ -112,7 +112,7 @@ class Target:
         identity_files: private keys to offer, in order.
         identities_only: offer only those (no agent keys).
         known_hosts: the known_hosts files; the first is where an accepted new key is written.
-        global_known_hosts: GlobalKnownHostsFile; None = none (/dev/null).
+        global_known_hosts: the GlobalKnownHostsFile files (read only); () = none (/dev/null).
         accept_new: StrictHostKeyChecking=accept-new (else yes; a changed key is always refused).
         connect_timeout: seconds to wait for the TCP connect and the handshake.
         jump: the jump host this host is reached through (itself a Target, with its own jump).
@@ -128,7 +128,7 @@ class Target:
     identity_files: tuple[str, ...] = ()
     identities_only: bool = False
     known_hosts: tuple[str, ...] = ("~/.ssh/known_hosts",)
-    global_known_hosts: str | None = None
+    global_known_hosts: tuple[str, ...] = ()
     accept_new: bool = False
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     jump: Target | None = None
@@ -332,7 +332,8 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
         identities_only=(str(opts["identitiesonly"]).lower() == "yes" if "identitiesonly" in opts
                          else bool(inherit and inherit.identities_only)),
         known_hosts=tuple(os.path.expanduser(k) for k in known_files),
-        global_known_hosts=opts.get("globalknownhostsfile") or (inherit.global_known_hosts if inherit else None),
+        global_known_hosts=(tuple(os.path.expanduser(f) for f in shlex.split(opts["globalknownhostsfile"]))
+                            if opts.get("globalknownhostsfile") else inherit.global_known_hosts if inherit else ()),
         accept_new=policy.accept_new or str(opts.get("stricthostkeychecking", "")).lower() == "accept-new",
         connect_timeout=(float(_int(label, "ConnectTimeout", timeout, source("connecttimeout"))) if timeout
                          else inherit.connect_timeout if inherit else DEFAULT_CONNECT_TIMEOUT),
@@ -386,8 +387,14 @@ def resolve_all(nodes, policy: HostKeyPolicy | None = None, ssh_config: str | No
 
 
 # -- OpenSSH ------------------------------------------------------------------------------------
-def _opt_value(value: str) -> str:
-    return f'"{value}"' if any(c.isspace() for c in value) else value
+def _files_value(files: tuple[str, ...]) -> str:
+    """Several files as one ssh option value, each quoted on its own where it needs it (OpenSSH
+    splits the value into words itself: '"/a/my kh" /a/kh2' is two files, '"/a/my kh /a/kh2"' one)."""
+    def word(f: str) -> str:
+        if not any(c.isspace() or c in "\"'\\" for c in f):
+            return f
+        return '"' + f.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return " ".join(word(f) for f in files)
 
 
 def bracket(host: str) -> str:
@@ -412,8 +419,8 @@ def openssh_options(t: Target, keepalive: bool = False) -> list[str]:
     policy, port, user, keys, and the jump chain as a ProxyCommand running this same rendering
     of the jump host, so its key is checked the same way."""
     out = ["-F", "/dev/null", "-o", "BatchMode=yes",
-           "-o", "UserKnownHostsFile=" + _opt_value(" ".join(t.known_hosts)),
-           "-o", "GlobalKnownHostsFile=" + (t.global_known_hosts or "/dev/null"),
+           "-o", "UserKnownHostsFile=" + _files_value(t.known_hosts),
+           "-o", "GlobalKnownHostsFile=" + (_files_value(t.global_known_hosts) or "/dev/null"),
            "-o", "StrictHostKeyChecking=" + ("accept-new" if t.accept_new else "yes"),
            "-o", f"ConnectTimeout={t.connect_timeout:g}", "-p", str(t.port)]
     if t.user:

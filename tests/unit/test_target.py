@@ -244,3 +244,15 @@ def test_an_ipv6_host_is_bare_for_ssh_and_bracketed_only_in_host_path():
     inner = shlex.split(next(a for a in argv if a.startswith("ProxyCommand="))[len("ProxyCommand="):])
     assert inner[-1] == "fd00::9" or inner[inner.index("-W") - 1] == "fd00::9"
     assert scp_argv(t, "f")[-1] == "[fd00::5]:" and remote_path(t, "/w") == "[fd00::5]:/w"
+
+
+def test_several_known_hosts_files_are_quoted_one_by_one(tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.write_text('Host *\n  UserKnownHostsFile "/x/my kh" /x/kh2\n  GlobalKnownHostsFile /g/a "/g/b c"\n')
+    t = resolve(node(), HostKeyPolicy(), str(cfg))
+    assert t.known_hosts == ("/x/my kh", "/x/kh2") and t.global_known_hosts == ("/g/a", "/g/b c")
+    opts = openssh_options(t)
+    assert 'UserKnownHostsFile="/x/my kh" /x/kh2' in opts and 'GlobalKnownHostsFile=/g/a "/g/b c"' in opts
+    odd = Target("n1", "10.0.0.5", known_hosts=('/x/a"b', "/x/c\\d"))
+    # OpenSSH's own reading keeps the quote and the backslash in the names
+    assert _ssh_g([*openssh_options(odd), "h"])["userknownhostsfile"] == ['/x/a"b /x/c\\d']
