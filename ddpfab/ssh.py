@@ -15,6 +15,7 @@ import errno
 import getpass
 import os
 import resource
+import shlex
 import socket
 import threading
 import time
@@ -30,7 +31,7 @@ from .inventory import Node
 from .problems import NodeError
 from .results import GroupResult
 # HostKeyPolicy is ddpfab.ssh.HostKeyPolicy to callers too
-from .target import HostKeyPolicy, Target, TargetError, resolve
+from .target import HostKeyPolicy, Target, TargetError, proxy_argv, resolve
 
 T = TypeVar("T")
 #: Seconds between SSH keepalives on long-lived connections, so a dead peer is noticed.
@@ -102,8 +103,8 @@ def _connection(node: str, t: Target) -> Connection:
     gateway: Connection | str | bool = False
     if t.jump is not None:
         gateway = _connection(node, t.jump)
-    elif t.proxy_command:
-        gateway = t.proxy_command
+    elif t.proxy_command:  # paramiko splits this back into proxy_argv's words
+        gateway = shlex.join(proxy_argv(t))
     connect_kwargs = {"look_for_keys": not t.identity_files, "banner_timeout": t.connect_timeout,
                       "auth_timeout": t.connect_timeout}
     if t.identity_files:

@@ -22,6 +22,7 @@ the option, the host and the fix (:class:`TargetError`), never silently dropped.
 
 from __future__ import annotations
 
+import getpass
 import glob
 import os
 import re
@@ -116,7 +117,7 @@ class Target:
         accept_new: StrictHostKeyChecking=accept-new (else yes; a changed key is always refused).
         connect_timeout: seconds to wait for the TCP connect and the handshake.
         jump: the jump host this host is reached through (itself a Target, with its own jump).
-        proxy_command: a ProxyCommand (exclusive with *jump*).
+        proxy_command: a ProxyCommand (exclusive with *jump*), its %-tokens expanded.
         tuning: OpenSSH-only options (name, value) that change neither route nor trust.
         jump_of: for a jump host: the inventory name of the node it serves (for messages).
     """
@@ -167,24 +168,57 @@ class Target:
 
 
 # -- resolving ----------------------------------------------------------------------------------
-def _config_text(path: str, depth: int = 0) -> str:
+#: ``Keyword value`` or ``Keyword=value``, as OpenSSH reads an ssh_config line.
+_CONFIG_LINE = re.compile(r"^\s*(\w+)(?:\s*=\s*|\s+)(.*?)\s*$")
+#: ProxyCommand's ``%`` and ``~`` while paramiko reads the file: paramiko expands its tokens at
+#: lookup with the file's port (22 when the inventory says 2222); :func:`_proxy_command` expands
+#: them from the final host, port and user, the same for a ProxyCommand from the inventory.
+_RAW = {"%": "\ue000", "~": "\ue001"}
+
+
+def _keyword(line: str) -> tuple[str, str]:
+    m = _CONFIG_LINE.match(line)
+    return (m[1].lower(), m[2]) if m else ("", "")
+
+
+def _config_text(path: str, depth: int = 0, block: str | None = None) -> str:
     """An ssh_config file's text with its ``Include`` lines replaced by the files they name
     (paramiko does not follow them); relative names are under ~/.ssh, or /etc/ssh for the
-    system file, as OpenSSH reads them."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    system file, as OpenSSH reads them. *block*: the Host/Match line the Include is under.
+
+    OpenSSH reads an included file's Host/Match blocks only within the including block and
+    goes back to that block after it; flat text cannot say "this block within that one", so such
+    an Include inside a block is an error, and after a top-level one the top level (``Host *``)
+    is restored for the lines that follow."""
     if depth > 8:
-        raise TargetError("", f"ssh_config {path}: Include nested more than 8 deep")
+        raise TargetError("", f"ssh_config {path}: Include nested more than 8 deep (an Include loop?); "
+                              "fix its Include lines")
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
     base = "/etc/ssh" if os.path.abspath(path).startswith("/etc/ssh/") else os.path.expanduser("~/.ssh")
     out = []
     for line in text.splitlines():
-        words = line.split(None, 1)
-        if len(words) == 2 and words[0].lower() == "include":
-            for pattern in shlex.split(words[1]):
-                pattern = os.path.expanduser(pattern)
-                for name in sorted(glob.glob(pattern if os.path.isabs(pattern) else os.path.join(base, pattern))):
-                    out.append(_config_text(name, depth + 1))
-        else:
+        key, value = _keyword(line)
+        if key in ("host", "match"):
+            block = line.strip()
+        elif key == "proxycommand":
+            for char, mark in _RAW.items():
+                line = line.replace(char, mark)
+        if key != "include":
             out.append(line)
+            continue
+        for pattern in shlex.split(value):
+            pattern = os.path.expanduser(pattern)
+            for name in sorted(glob.glob(pattern if os.path.isabs(pattern) else os.path.join(base, pattern))):
+                included = _config_text(name, depth + 1, block)
+                if not any(_keyword(ln)[0] in ("host", "match") for ln in included.splitlines()):
+                    out.append(included)
+                elif block is not None:
+                    raise TargetError("", (
+                        f"ssh_config {path}: 'Include {name}' under '{block}' reads a file with Host/Match blocks "
+                        "of its own, which ddpfab cannot apply only within that block; put the Include before "
+                        "the first Host/Match line, or its options inline"))
+                else:
+                    out += [included, "Host *"]
     return "\n".join(out)
 
 
@@ -210,7 +244,11 @@ def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> di
         found = config.lookup(host)
     except (paramiko.SSHException, ValueError) as exc:  # e.g. a Match exec paramiko refuses
         raise TargetError(label, f"{label}: ssh_config {where} cannot be applied to {host}: {exc}") from None
-    return {k: " ".join(v) if isinstance(v, list) and k != "identityfile" else v for k, v in found.items()}
+    out = {k: " ".join(v) if isinstance(v, list) and k != "identityfile" else v for k, v in found.items()}
+    if out.get("proxycommand"):
+        for char, mark in _RAW.items():
+            out["proxycommand"] = out["proxycommand"].replace(mark, char)
+    return out
 
 
 def _check(label: str, options: dict, source: str) -> None:
@@ -305,6 +343,17 @@ def _known_hosts(label: str, files: tuple[str, ...], source: str) -> tuple[str, 
     return out
 
 
+def _proxy_command(label: str, command: str, source: str, tokens: dict[str, str]) -> str:
+    """*command* with OpenSSH's ProxyCommand tokens (%h %n %p %r %%) expanded from the final
+    host, port and user, once, for every path; a token OpenSSH would refuse there is refused."""
+    def one(m: re.Match) -> str:
+        if m[1] not in tokens:
+            raise TargetError(label, f"{label}: ProxyCommand {command!r} (from {source}) has %{m[1]}; ProxyCommand "
+                                     "takes only %h, %n, %p, %r and %% (fix it there)")
+        return tokens[m[1]]
+    return re.sub(r"%(.?)", one, command)
+
+
 def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPolicy, inherit: Target | None,
             label: str, origin: dict[str, str] | str) -> Target:
     """A Target from merged options; a jump host takes what its own options do not say (keys,
@@ -320,14 +369,20 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
                    else inherit.known_hosts if inherit else ("~/.ssh/known_hosts",))
     timeout = opts.get("connecttimeout")
     tuning = tuple((k, str(v)) for k, v in opts.items() if OPTIONS.get(k) == "tuning")
+    address = _address(label, "HostName", str(opts.get("hostname") or host), source("hostname"))
+    port = _int(label, "Port", opts["port"], source("port"), 65535) if opts.get("port") else 22
+    user = opts.get("user") or None
     proxy = opts.get("proxycommand")
-    if proxy and proxy.lower() == "none":
+    if proxy and proxy.lower() != "none":
+        proxy = _proxy_command(label, proxy, source("proxycommand"), {
+            "%": "%", "h": address, "n": host, "p": str(port), "r": user or getpass.getuser()})
+    else:
         proxy = None
     return Target(
         name=name,
-        host=_address(label, "HostName", str(opts.get("hostname") or host), source("hostname")),
-        port=_int(label, "Port", opts["port"], source("port"), 65535) if opts.get("port") else 22,
-        user=opts.get("user") or None,
+        host=address,
+        port=port,
+        user=user,
         identity_files=tuple(os.path.expanduser(k) for k in keys) or (inherit.identity_files if inherit else ()),
         identities_only=(str(opts["identitiesonly"]).lower() == "yes" if "identitiesonly" in opts
                          else bool(inherit and inherit.identities_only)),
@@ -432,14 +487,22 @@ def openssh_options(t: Target, keepalive: bool = False) -> list[str]:
     if t.jump is not None:
         inner = [w.replace("%", "%%") for w in ["ssh", *openssh_options(t.jump), destination(t.jump)]]
         out += ["-o", "ProxyCommand=" + shlex.join(inner) + " -W [%h]:%p"]
-    elif t.proxy_command:
-        out += ["-o", "ProxyCommand=" + t.proxy_command]
+    elif t.proxy_command:  # expanded already (_proxy_command): ssh must not expand it again
+        out += ["-o", "ProxyCommand=" + t.proxy_command.replace("%", "%%")]
     tuning = dict(t.tuning)
     if keepalive:
         tuning = {**dict(_KEEPALIVE), **tuning}
     for key, value in tuning.items():
         out += ["-o", f"{key}={value}"]
     return out
+
+
+def proxy_argv(t: Target) -> list[str]:
+    """How a ProxyCommand runs, in every path: as OpenSSH runs it, ``$SHELL -c 'exec COMMAND'``
+    (/bin/sh without $SHELL), so shell syntax means the same for Fabric (paramiko would split
+    the line into words and run the first) as for ssh, rsync and Ansible."""
+    assert t.proxy_command is not None
+    return [os.environ.get("SHELL") or "/bin/sh", "-c", "exec " + t.proxy_command]
 
 
 def ssh_argv(t: Target, *command: str) -> list[str]:

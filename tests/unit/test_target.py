@@ -256,3 +256,38 @@ def test_several_known_hosts_files_are_quoted_one_by_one(tmp_path):
     odd = Target("n1", "10.0.0.5", known_hosts=('/x/a"b', "/x/c\\d"))
     # OpenSSH's own reading keeps the quote and the backslash in the names
     assert _ssh_g([*openssh_options(odd), "h"])["userknownhostsfile"] == ['/x/a"b /x/c\\d']
+
+
+def _fabric_proxy_output(t: Target) -> None:
+    """Run *t*'s ProxyCommand the way the runner does (paramiko, from the Fabric gateway)."""
+    import paramiko
+
+    from ddpfab.ssh import _connection
+
+    proc = paramiko.ProxyCommand(_connection("n1", t).gateway).process
+    proc.wait(10)
+
+
+@pytest.mark.parametrize("where", ["inventory", "ssh_config"])
+def test_a_proxycommand_runs_the_same_in_fabric_and_openssh(tmp_path, monkeypatch, where):
+    """Tokens from the final port and user (the ssh_config's %p is not 22 when ansible_port says
+    2222), shell syntax honoured by the runner too: OpenSSH runs ``$SHELL -c 'exec CMD'``."""
+    out = tmp_path / "out"
+    # "$T_OUT" is the shell's (paramiko alone would pass it on as it is); the inner sh holds
+    # ssh's pipe until the line is written (ssh ends its ProxyCommand when the pipe closes)
+    monkeypatch.setenv("T_OUT", str(out))
+    monkeypatch.chdir(tmp_path)
+    command = "sh -c 'echo %h %n %p %r 100%% >> \"$0\"' \"$T_OUT\""
+    cfg = tmp_path / "cfg"
+    cfg.write_text(f"Host *\n  ProxyCommand {command}\n" if where == "ssh_config" else "")
+    args = f"-o {shlex.quote('ProxyCommand=' + command)}" if where == "inventory" else ""
+    t = resolve(node(host="10.0.0.5", args=args, port=2222, user="alice"), HostKeyPolicy(), str(cfg))
+    assert t.proxy_command == "sh -c 'echo 10.0.0.5 10.0.0.5 2222 alice 100% >> \"$0\"' \"$T_OUT\""
+    _fabric_proxy_output(t)
+    subprocess.run(ssh_argv(t, "true"), capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert out.read_text().splitlines() == ["10.0.0.5 10.0.0.5 2222 alice 100%"] * 2
+
+
+def test_a_proxycommand_token_openssh_does_not_take_is_refused():
+    with pytest.raises(TargetError, match=r"host n1: ProxyCommand .* has %C"):
+        resolve(node(args="-o 'ProxyCommand=nc %C'"), HostKeyPolicy(), os.devnull)
