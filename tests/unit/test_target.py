@@ -291,3 +291,27 @@ def test_a_proxycommand_runs_the_same_in_fabric_and_openssh(tmp_path, monkeypatc
 def test_a_proxycommand_token_openssh_does_not_take_is_refused():
     with pytest.raises(TargetError, match=r"host n1: ProxyCommand .* has %C"):
         resolve(node(args="-o 'ProxyCommand=nc %C'"), HostKeyPolicy(), os.devnull)
+
+
+@pytest.mark.parametrize("main, part, host", [
+    ("Include {part}\nPort 2200\n", "Host other\n  User bob\n", "n1"),    # top level again after the file
+    ("Host n1\n  Include {part}\nHost *\n  Port 2300\n", "Port 2201\nUser bob\n", "n1"),  # options of the block
+    ("Host n1\n  Include {part}\nHost *\n  Port 2300\n", "Port 2201\nUser bob\n", "n2"),
+    ("Include={part}\n", "Host n1\n  Port 2202\n", "n1"),
+])
+def test_include_means_what_it_means_to_openssh(tmp_path, main, part, host):
+    (tmp_path / "part").write_text(part)
+    cfg = tmp_path / "cfg"
+    cfg.write_text(main.format(part=tmp_path / "part"))
+    t = resolve(node(host), HostKeyPolicy(), str(cfg))
+    seen = _ssh_g(["-F", str(cfg), host])
+    assert (str(t.port), t.user or "root") == (seen["port"][0], seen["user"][0])
+
+
+def test_an_include_of_host_blocks_inside_a_host_block_is_refused(tmp_path):
+    """OpenSSH applies the file's blocks only within the outer block; flat text cannot say that."""
+    (tmp_path / "part").write_text("Host *\n  User bob\n")
+    cfg = tmp_path / "cfg"
+    cfg.write_text(f"Host special\n  Include {tmp_path / 'part'}\n  Port 2200\n")
+    with pytest.raises(TargetError, match=r"host n1: .*Include .* under 'Host special' .*Host/Match blocks"):
+        resolve(node(), HostKeyPolicy(), str(cfg))
