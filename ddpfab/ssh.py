@@ -115,13 +115,16 @@ def _connection(node: str, t: Target) -> Connection:
                       config=Config(ssh_config=paramiko.SSHConfig()), gateway=gateway,
                       connect_timeout=max(1, int(t.connect_timeout)), connect_kwargs=connect_kwargs)
     client = conn.client
-    for known in t.known_hosts:
-        path = Path(os.path.expanduser(known))
-        if path.exists():
-            try:
-                client.load_host_keys(str(path))
-            except (OSError, paramiko.SSHException) as exc:
-                raise _hop_error(node, t, f"cannot read known_hosts {path}: {exc}", at=None) from None
+    # GlobalKnownHostsFile is read only, as OpenSSH reads it (paramiko's "system" keys)
+    for files, load, what in ((t.known_hosts, client.load_host_keys, "known_hosts"),
+                              (t.global_known_hosts, client.load_system_host_keys, "GlobalKnownHostsFile")):
+        for known in files:
+            path = Path(os.path.expanduser(known))
+            if path.exists():
+                try:
+                    load(str(path))
+                except (OSError, paramiko.SSHException) as exc:
+                    raise _hop_error(node, t, f"cannot read {what} {path}: {exc}", at=None) from None
     client.set_missing_host_key_policy(_UnknownKey(node, t))
     return conn
 

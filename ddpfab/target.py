@@ -309,8 +309,12 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
         raise TargetError(node.name, f"{label}: {exc}") from None
     from_cfg = _lookup(config, where, node.host, label)
     _check(label, from_cfg, f"ssh_config {where}")
+    if len(_ROUTE & inv.keys()) > 1:
+        raise TargetError(node.name, f"{label}: both ProxyJump and ProxyCommand are set (in {src_inv}); keep one")
+    if _ROUTE & inv.keys():  # one route: the inventory's (even 'none') before any of the ssh_config's
+        from_cfg = {k: v for k, v in from_cfg.items() if k not in _ROUTE}
     # OpenSSH takes the first value it sees: the command line's (inventory) before the file's
-    merged = {**from_cfg, **{k: v for k, v in inv.items() if k != "configfile"}}
+    merged = {**_first_route(from_cfg), **{k: v for k, v in inv.items() if k != "configfile"}}
     origin = {k: src_inv if k in inv else f"ssh_config {where}" for k in merged}
     if node.port:
         merged["port"], origin["port"] = str(node.port), f"host {node.name}'s ansible_port"
@@ -325,10 +329,19 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
     target = _target(node.name, node.host, merged, keys, policy, None, label, origin)
     spec = merged.get("proxyjump")
     if spec and spec.lower() != "none":
-        if target.proxy_command:
-            raise TargetError(node.name, f"{label}: both ProxyJump and ProxyCommand are set; keep one")
         target = replace(target, jump=_jumps(spec, config, where, target, node.name, policy, (node.host,)))
     return target
+
+
+#: ProxyJump and ProxyCommand: one setting to OpenSSH, the first of either wins.
+_ROUTE = {"proxyjump", "proxycommand"}
+
+
+def _first_route(opts: dict) -> dict:
+    """*opts* (an ssh_config lookup, keys in the order they first appear) with only the first of
+    ProxyJump/ProxyCommand, as OpenSSH keeps it (a later block's other one does not apply)."""
+    first = next((k for k in opts if k in _ROUTE), None)
+    return {k: v for k, v in opts.items() if k not in _ROUTE or k == first}
 
 
 def _known_hosts(label: str, files: tuple[str, ...], source: str) -> tuple[str, ...]:
@@ -411,8 +424,10 @@ def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node
         if not m:
             raise TargetError(node_name, f"{label}: ProxyJump entry {hop!r} is not [user@]host[:port]; fix it")
         host = _address(label, "ProxyJump host", m["host"].strip("[]"), f"ProxyJump {spec!r}")
+        # the first hop's route is its own (the first of its ssh_config's); a later hop's is the list
         opts = _lookup(config, where, host, label)
         _check(label, opts, f"ssh_config {where}")
+        opts = _first_route(opts) if i == 0 else {k: v for k, v in opts.items() if k not in _ROUTE}
         if m["user"]:
             opts["user"] = m["user"]
         if m["port"]:
@@ -489,9 +504,9 @@ def openssh_options(t: Target, keepalive: bool = False) -> list[str]:
         out += ["-o", "ProxyCommand=" + shlex.join(inner) + " -W [%h]:%p"]
     elif t.proxy_command:  # expanded already (_proxy_command): ssh must not expand it again
         out += ["-o", "ProxyCommand=" + t.proxy_command.replace("%", "%%")]
-    tuning = dict(t.tuning)
-    if keepalive:
-        tuning = {**dict(_KEEPALIVE), **tuning}
+    tuning = {k.lower(): v for k, v in t.tuning}
+    if keepalive:  # the user's own value, if any, wins (keys in any case: ssh_config's are lower-case)
+        tuning = {**{k.lower(): v for k, v in _KEEPALIVE}, **tuning}
     for key, value in tuning.items():
         out += ["-o", f"{key}={value}"]
     return out

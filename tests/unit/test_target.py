@@ -315,3 +315,34 @@ def test_an_include_of_host_blocks_inside_a_host_block_is_refused(tmp_path):
     cfg.write_text(f"Host special\n  Include {tmp_path / 'part'}\n  Port 2200\n")
     with pytest.raises(TargetError, match=r"host n1: .*Include .* under 'Host special' .*Host/Match blocks"):
         resolve(node(), HostKeyPolicy(), str(cfg))
+
+
+def test_proxycommand_none_in_the_inventory_cancels_the_ssh_configs_proxyjump(tmp_path):
+    """ProxyJump and ProxyCommand are one setting to OpenSSH: the first given wins, even 'none'."""
+    cfg = tmp_path / "cfg"
+    cfg.write_text("Host n1\n  ProxyJump 10.9.9.9\nHost *\n  ProxyCommand nc %h %p\n")
+    t = resolve(node(args="-o ProxyCommand=none"), HostKeyPolicy(), str(cfg))
+    assert (t.jump, t.proxy_command) == (None, None)
+    seen = _ssh_g(["-F", str(cfg), "-o", "ProxyCommand=none", "n1"])
+    assert "proxyjump" not in seen and "proxycommand" not in seen
+    # in the file alone, the first block's wins over a later block's other one
+    t = resolve(node(), HostKeyPolicy(), str(cfg))
+    assert (t.jump.host, t.proxy_command) == ("10.9.9.9", None)
+    assert _ssh_g(["-F", str(cfg), "n1"])["proxyjump"][0].strip("[]") == "10.9.9.9"
+
+
+def test_keepalive_keeps_the_users_own_interval():
+    t = resolve(node(args="-o ServerAliveInterval=60"), HostKeyPolicy(), os.devnull)
+    assert _ssh_g([*openssh_options(t, keepalive=True), "h"])["serveraliveinterval"] == ["60"]
+    assert _ssh_g([*openssh_options(t, keepalive=True), "h"])["serveralivecountmax"] == ["6"]
+
+
+def test_the_runner_reads_the_global_known_hosts_file_too(tmp_path):
+    from ddpfab.ssh import _connection
+
+    glob_kh = tmp_path / "global"
+    glob_kh.write_text("10.0.0.5 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n")
+    t = Target("n1", "10.0.0.5", known_hosts=(str(tmp_path / "user"),), global_known_hosts=(str(glob_kh),))
+    client = _connection("n1", t).client
+    assert client.get_host_keys().lookup("10.0.0.5") is None  # not where new keys are written
+    assert client._system_host_keys.lookup("10.0.0.5") is not None
