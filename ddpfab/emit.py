@@ -1,8 +1,8 @@
 """``ddpfab plan --emit DIR``: the plan as one self-contained shell script per node, plus a README.
 
 Each script is the node's launch rendered by :func:`ddpfab.render.script_lines` as ``set -eu;
-cd WORKDIR; exec env K=V ... ARGV``: the same renderer parts that give the argv ``ddpfab run``
-hands the node supervisor, so what runs by hand over plain SSH is what ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
+cd WORKDIR; export K=V ...; exec ARGV`` (no secret value in any process's argv): the same
+renderer parts that give the argv ``ddpfab run`` hands the node supervisor, so what runs by hand over plain SSH is what ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
 ``~/.ddpfab/runs/<id>/output.log``, ending the job tree when the link goes), and the run record.
 
 Pure text functions plus :func:`write`; no SSH here.
@@ -34,7 +34,7 @@ def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Targ
 
 
 def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
-    cd, exec_line = script_lines(plan, node)
+    lines = "\n".join(script_lines(plan, node))
     how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
     return (
         "#!/bin/sh\n"
@@ -46,8 +46,7 @@ def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
         "# Exactly the command `ddpfab run` would start there (ddpfab.render), without ddpfab's\n"
         "# supervisor. It may hold secret env values: keep it private.\n"
         "set -eu\n"
-        f"{cd}\n"
-        f"{exec_line}\n")
+        f"{lines}\n")
 
 
 def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:

@@ -8,7 +8,7 @@ the script with its arguments (``{{placeholders}}`` filled in with the node's va
 
 - :func:`argv`: what the node's supervisor execs (no shell in between);
 - :func:`shell_line`: ``cd WORKDIR && env K=V ... ARGV`` for dry-run output and pasting into an
-  SSH session; :func:`script_lines` the same as an emitted script's ``cd`` and ``exec`` lines;
+  SSH session; :func:`script_lines` the same as an emitted script's ``cd``, ``export`` and ``exec`` lines;
 - :func:`shell_words`: the launch as shell words, the rendezvous flags optionally left out or given
   as a scheduler's references (sbatch and Kubeflow exports, :mod:`ddpfab.export`).
 
@@ -170,8 +170,11 @@ def shell_line(plan: Plan, node: NodePlan) -> str:
 
 
 def script_lines(plan: Plan, node: NodePlan) -> list[str]:
-    """The same as a script's lines (``cd``, then ``exec``: the launcher replaces the shell)."""
-    return [f"cd {shlex.quote(node.workdir)}", f"exec {env_command(plan, node)}"]
+    """The same as a script's lines: ``cd``, one ``export K=V`` per variable, then ``exec`` (the
+    launcher replaces the shell). Exports, not ``exec env K=V``: the env program's argv would show a
+    secret value to every user (``ps``) until it execs; a shell builtin has no argv."""
+    exports = [f"export {shlex.quote(f'{k}={v}')}" for k, v in node.env.items()]
+    return [f"cd {shlex.quote(node.workdir)}", *exports, f"exec {' '.join(shell_words(command(plan, node)))}"]
 
 
 def masked(plan: Plan) -> Plan:

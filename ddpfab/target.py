@@ -434,7 +434,8 @@ def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node
             opts["port"] = m["port"]
         t = _target(hop, host, opts, list(opts.get("identityfile") or []),
                     HostKeyPolicy(policy.known_hosts, node.accept_new), node, label,
-                    {**dict.fromkeys(opts, f"ssh_config {where}"), **({"port": f"ProxyJump {spec!r}"} if m["port"] else {})})
+                    {**dict.fromkeys(opts, f"ssh_config {where}"),
+                     **({"port": f"ProxyJump {spec!r}"} if m["port"] else {})})
         t = replace(t, jump_of=node_name)
         own = opts.get("proxyjump")
         if i == 0 and own and own.lower() != "none":

@@ -264,7 +264,7 @@ def test_emitted_script_runs_exactly_the_node_command(tmp_path):
         assert got["argv"][-5:] == ["t.py", "it's", "$HOME", "", "日本"]
         assert got["cwd"] == str(wd) and got["env"]["K"] == "a 'b' \"c\" $d"
         text = path.read_text()
-        assert "set -eu\n" in text and "\nexec env " in text
+        assert "set -eu\n" in text and "\nexport " in text and "\nexec " in text and "exec env" not in text
 
 
 def test_emitted_script_fails_fast_on_a_missing_workdir(tmp_path):
@@ -281,14 +281,14 @@ def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     text = emit.readme(p, resolve_all(c.nodes, HostKeyPolicy(), "/dev/null"))
     policy = ("-F /dev/null -o BatchMode=yes -o UserKnownHostsFile={kh} -o GlobalKnownHostsFile=/dev/null "
               "-o StrictHostKeyChecking=yes -o ConnectTimeout=10")
-    a = f"ssh {policy.format(kh='/k/kh')} -p 22 -l root -i /k/id 10.0.0.1"
+    a = f"ssh {policy.format(kh='/k/kh')} -p 22 -l root -i /k/id -- 10.0.0.1"
     assert f"{a} 'sh -s' < node0_a.sh" in text
     kh = os.path.expanduser("~/.ssh/known_hosts")
     jump = f"ssh {policy.format(kh=kh)} -p 22 -l j 10.0.0.9 -W [%h]:%p"
-    b = f"ssh {policy.format(kh=kh)} -p 2222 -l root -o 'ProxyCommand={jump}' 10.0.0.2"
+    b = f"ssh {policy.format(kh=kh)} -p 2222 -l root -o 'ProxyCommand={jump}' -- 10.0.0.2"
     assert f"{b} 'sh -s' < node1_b.sh" in text
-    scp = f"scp {policy.format(kh=kh)} -P 2222 -o User=root -o 'ProxyCommand={jump}' node1_b.sh 10.0.0.2:"
-    assert f"{scp} && {b[:-len(' 10.0.0.2')]} -t 10.0.0.2 sh node1_b.sh" in text
+    scp = f"scp {policy.format(kh=kh)} -P 2222 -o User=root -o 'ProxyCommand={jump}' -- node1_b.sh 10.0.0.2:"
+    assert f"{scp} && ssh -t {b[len('ssh '):]} sh node1_b.sh" in text
 
 
 def test_emit_replaces_a_previous_emit_and_only_its_files(tmp_path):
@@ -393,9 +393,9 @@ def test_plan_offline_emit_from_the_cli(tmp_path):
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert res.returncode == 0, res.stderr
     # the route as decided (ddpfab.target): its own -F /dev/null, the host-key policy, port, address
-    assert re.search(r"\n  ssh -F /dev/null -o BatchMode=yes .*-o StrictHostKeyChecking=yes .*-p 22 10\.1\.0\.2 "
+    assert re.search(r"\n  ssh -F /dev/null -o BatchMode=yes .*-o StrictHostKeyChecking=yes .*-p 22 -- 10\.1\.0\.2 "
                      r"'sh -s' < node1_n2.sh\n", res.stdout), res.stdout
     n1 = (out / "node0_n1.sh").read_text()
-    assert "cd /srv/code\nexec env " in n1
+    assert re.search(r"\ncd /srv/code\n(export \S+\n)*exec ", n1)
     assert "--rdzv-endpoint=10.1.0.1:29500" in n1 and n1.rstrip().endswith("train.py --steps 2")
     assert Path(out / "README.txt").exists()

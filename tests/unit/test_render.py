@@ -99,10 +99,13 @@ def test_the_dry_run_line_and_the_emitted_script_split_into_the_nodes_argv(plan)
         words = shlex.split(render.shell_line(plan, node))
         assert words == ["cd", node.workdir, "&&", "env", *env_words(node), *as_shell_sees(cmd)]
         text = emit.node_script(plan, node)
-        # after `set -eu`: the cd line, then the exec command (an argument may hold a newline)
-        cd, exec_line = text.split("\nset -eu\n", 1)[1].split("\n", 1)
-        assert shlex.split(cd) == ["cd", node.workdir]
-        assert shlex.split(exec_line) == ["exec", "env", *env_words(node), *as_shell_sees(cmd)]
+        # after `set -eu`: the cd line, an export per variable, then the exec command (a value or
+        # an argument may hold a newline: each line is one shell command of its own)
+        lines = render.script_lines(plan, node)
+        assert text.split("\nset -eu\n", 1)[1] == "\n".join(lines) + "\n"
+        assert shlex.split(lines[0]) == ["cd", node.workdir]
+        assert [shlex.split(line) for line in lines[1:-1]] == [["export", w] for w in env_words(node)]
+        assert shlex.split(lines[-1]) == ["exec", *as_shell_sees(cmd)]
 
 
 def srun_words(text: str) -> list[str]:
@@ -187,3 +190,13 @@ def test_no_rendering_of_a_masked_plan_shows_a_secret_value(data, secret):
     for text in texts:
         assert not any(q in text for q in quoted)
     assert any(q in render.shell_line(plan, plan.nodes[0]) for q in (shlex.quote(f"HF_TOKEN={secret}"),))
+
+
+@SETTINGS
+@given(plan=plans(secret="hf_SECRET"))
+def test_an_emitted_script_puts_no_env_value_on_a_command_line(plan):
+    """``exec env K=V ...`` showed the value in the env program's argv (``ps``) until it exec'd."""
+    for node in plan.nodes:
+        for line in render.script_lines(plan, node):
+            if "hf_SECRET" in line:
+                assert shlex.split(line)[0] == "export", line
