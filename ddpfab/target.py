@@ -44,7 +44,8 @@ _KEEPALIVE = (("ServerAliveInterval", "5"), ("ServerAliveCountMax", "6"))
 #: Every ssh option ddpfab knows (lower-case, as ssh_config and ``-o`` spell them, any case).
 #: "target": decided into the Target and rendered for every path. "tuning": changes neither where
 #: nor whom ssh trusts; passed to OpenSSH and Ansible, paramiko has its own equivalent or needs
-#: none. "own": ddpfab (or Ansible) sets it itself in every path, the user's value is not used.
+#: none. "own": ddpfab (or Ansible) sets it itself in every path, the user's value is not used (a
+#: value that would change what the user expects is refused: :data:`_OWN_REFUSED`).
 #: Anything else is refused with :class:`TargetError`.
 OPTIONS: dict[str, str] = {
     **dict.fromkeys((
@@ -60,6 +61,15 @@ OPTIONS: dict[str, str] = {
         "pubkeyauthentication", "passwordauthentication", "kbdinteractiveauthentication",
         "challengeresponseauthentication", "preferredauthentications", "checkhostip", "usekeychain",
         "canonicalizehostname"), "own"),
+}
+#: "own" options whose value would be silently overridden in a way the user would notice:
+#: (is this value refused, why). The others' values change nothing a run depends on.
+_OWN_REFUSED = {
+    "forwardagent": (lambda v: v != "no", "ddpfab never forwards your agent to the nodes (a node's root could use "
+                                          "it); sync forwards a key of its own only where it needs one"),
+    "preferredauthentications": (lambda v: "publickey" not in v.split(","),
+                                 "ddpfab authenticates with keys only (publickey), never a password prompt"),
+    "forwardx11": (lambda v: v != "no", "ddpfab opens no X11 forwarding"),
 }
 #: Why an option is refused, where a reason is more useful than "not supported".
 _REFUSED_WHY = {
@@ -259,6 +269,11 @@ def _check(label: str, options: dict, source: str) -> None:
             raise TargetError(label, (
                 f"{label}: ssh option {key}={value} (from {source}) cannot be honoured: {why}. "
                 f"Remove it there (supported: {', '.join(sorted(k for k, v in OPTIONS.items() if v != 'own'))})"))
+        refused = _OWN_REFUSED.get(key)
+        if refused and refused[0](str(value).lower()):
+            raise TargetError(label, (
+                f"{label}: ssh option {key}={value} (from {source}) cannot be honoured: {refused[1]}. "
+                "Remove it there"))
     strict = str(options.get("stricthostkeychecking", "yes")).lower()
     if strict not in ("yes", "ask", "accept-new", "true"):
         raise TargetError(label, (

@@ -346,3 +346,13 @@ def test_the_runner_reads_the_global_known_hosts_file_too(tmp_path):
     client = _connection("n1", t).client
     assert client.get_host_keys().lookup("10.0.0.5") is None  # not where new keys are written
     assert client._system_host_keys.lookup("10.0.0.5") is not None
+
+
+@pytest.mark.parametrize("args", ["-o ForwardAgent=yes", "-o PreferredAuthentications=password",
+                                  "-o ForwardX11=yes"])
+def test_an_own_option_whose_value_ddpfab_would_override_is_refused(args):
+    with pytest.raises(TargetError, match=r"host n1: ssh option .* cannot be honoured"):
+        resolve(node(args=args), HostKeyPolicy(), os.devnull)
+    # the values ddpfab uses anyway are fine
+    resolve(node(args="-o ForwardAgent=no -o PreferredAuthentications=publickey,password -o ControlMaster=auto"),
+            HostKeyPolicy(), os.devnull)
