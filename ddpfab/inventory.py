@@ -575,6 +575,12 @@ def _make_node(name: str, var) -> Node:
             raise InventoryError(f"host {name}: {ssh_var} must be a string of ssh options, got {value!r}")
         for key, opt in parse_ssh_args(value, ssh_var).items():
             _add_option(ssh_options, key, opt)
+    for hkc_var in ("ansible_host_key_checking", "ansible_ssh_host_key_checking"):
+        hkc = var(hkc_var, None)
+        if hkc is not None and hkc != "" and not _bool_var(hkc):
+            raise InventoryError(f"host {name}: {hkc_var}={hkc!r} cannot be honoured: ddpfab always checks host keys "
+                                 "(every path, provision too). Remove it; to trust hosts on first use pass "
+                                 "--accept-new-host-keys")
     data_addr = str(var(VAR_DATA_ADDR, None) or host)
     _check_address(name, VAR_DATA_ADDR, data_addr)
     _check_address(name, "ansible_host", host)

@@ -46,8 +46,6 @@ all:
       ansible_host: 127.0.0.1
       ansible_port: 1
       ansible_user: root
-      ansible_host_key_checking: false
-      ansible_ssh_host_key_checking: false
       ansible_ssh_executable: {fake}
       ansible_ssh_common_args: -o UserKnownHostsFile={kh} -o ConnectTimeout=2
 """)
@@ -92,3 +90,13 @@ all:
       ansible_ssh_extra_args: -o UserKnownHostsFile=/other
 """)
     assert load(str(inv), group="all").nodes[0].ssh_options["userknownhostsfile"] == "/etc/kh"
+
+
+@pytest.mark.parametrize("var", ["ansible_host_key_checking", "ansible_ssh_host_key_checking"])
+def test_host_key_checking_off_in_the_inventory_is_refused(tmp_path, var):
+    inv = tmp_path / "inv.yml"
+    inv.write_text(f"all:\n  hosts:\n    n1:\n  vars:\n    {var}: false\n")
+    with pytest.raises(InventoryError, match=rf"host n1: {var}=False cannot be honoured.*--accept-new-host-keys"):
+        load(str(inv), group="all")
+    inv.write_text(f"all:\n  hosts:\n    n1:\n  vars:\n    {var}: true\n")
+    assert load(str(inv), group="all").nodes[0].name == "n1"
