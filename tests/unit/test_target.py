@@ -43,6 +43,14 @@ def node(name="n1", host=None, args="", **kw) -> Node:
     return Node(name=name, host=host or name, ssh_options=parse_ssh_args(args), **kw)
 
 
+def refused(tmp_path, match: str, config_text: str = "", policy: HostKeyPolicy | None = None, **node_kw) -> None:
+    """resolve() of node(**node_kw) with an ssh_config of *config_text* raises a TargetError matching *match*."""
+    cfg = tmp_path / "cfg"
+    cfg.write_text(config_text)
+    with pytest.raises(TargetError, match=match):
+        resolve(node(**node_kw), policy or HostKeyPolicy(), str(cfg))
+
+
 def test_ssh_config_gives_address_port_user_and_a_chain_of_checked_jump_hosts(config):
     t = resolve(node(key_file="/k/id", args="-o UserKnownHostsFile=/kh/nodes"), HostKeyPolicy(), config)
     assert (t.host, t.port, t.user, t.identity_files) == ("10.0.0.5", 2200, "cfguser", ("/k/id",))
@@ -152,10 +160,7 @@ def test_an_openssh_failure_names_the_hop_that_failed():
 ])
 def test_a_host_name_or_jump_host_that_is_no_address_is_refused(tmp_path, config_text, args):
     """It would become an ssh argument (``ssh ... -oProxyCommand=...`` runs the command)."""
-    cfg = tmp_path / "cfg"
-    cfg.write_text(config_text)
-    with pytest.raises(TargetError, match=r"host n1.*is neither an IP address nor a host name"):
-        resolve(node(args=args), HostKeyPolicy(), str(cfg))
+    refused(tmp_path, r"host n1.*is neither an IP address nor a host name", config_text, args=args)
 
 
 def test_the_destination_comes_after_the_end_of_options():
@@ -176,10 +181,8 @@ def test_the_destination_comes_after_the_end_of_options():
 ])
 def test_a_known_hosts_file_that_records_nothing_is_refused(tmp_path, args, config_text, policy, source):
     """/dev/null plus accept-new would accept any key: no host-key check at all."""
-    cfg = tmp_path / "cfg"
-    cfg.write_text(config_text)
-    with pytest.raises(TargetError, match=r"host n1.*UserKnownHostsFile .* \(from [^)]*" + re.escape(source)):
-        resolve(node(args=args), policy, str(cfg))
+    refused(tmp_path, r"host n1.*UserKnownHostsFile .* \(from [^)]*" + re.escape(source), config_text, policy,
+            args=args)
 
 
 def _ssh_g(argv: list[str]) -> dict[str, list[str]]:
@@ -216,10 +219,7 @@ def test_a_repeated_option_keeps_its_first_value_as_openssh_does(tmp_path):
     ("-o ConnectTimeout=1e3", "", "is not a whole number"),
 ])
 def test_a_port_or_timeout_out_of_range_is_refused(tmp_path, args, config_text, found):
-    cfg = tmp_path / "cfg"
-    cfg.write_text(config_text)
-    with pytest.raises(TargetError, match=rf"host n1.*{found}"):
-        resolve(node(args=args), HostKeyPolicy(), str(cfg))
+    refused(tmp_path, rf"host n1.*{found}", config_text, args=args)
 
 
 @pytest.mark.parametrize("config_text, name, loop", [
@@ -228,10 +228,7 @@ def test_a_port_or_timeout_out_of_range_is_refused(tmp_path, args, config_text, 
     ("Host a\n  ProxyJump b\nHost b\n  ProxyJump c\nHost c\n  ProxyJump b\n", "a", "a -> b -> c -> b"),
 ])
 def test_a_proxyjump_loop_is_an_error_naming_it(tmp_path, config_text, name, loop):
-    cfg = tmp_path / "cfg"
-    cfg.write_text(config_text)
-    with pytest.raises(TargetError, match=rf"host {re.escape(name)}: .*ProxyJump loop {re.escape(loop)}"):
-        resolve(node(name), HostKeyPolicy(), str(cfg))
+    refused(tmp_path, rf"host {re.escape(name)}: .*ProxyJump loop {re.escape(loop)}", config_text, name=name)
 
 
 def test_an_ipv6_host_is_bare_for_ssh_and_bracketed_only_in_host_path():
@@ -311,10 +308,8 @@ def test_include_means_what_it_means_to_openssh(tmp_path, main, part, host):
 def test_an_include_of_host_blocks_inside_a_host_block_is_refused(tmp_path):
     """OpenSSH applies the file's blocks only within the outer block; flat text cannot say that."""
     (tmp_path / "part").write_text("Host *\n  User bob\n")
-    cfg = tmp_path / "cfg"
-    cfg.write_text(f"Host special\n  Include {tmp_path / 'part'}\n  Port 2200\n")
-    with pytest.raises(TargetError, match=r"host n1: .*Include .* under 'Host special' .*Host/Match blocks"):
-        resolve(node(), HostKeyPolicy(), str(cfg))
+    refused(tmp_path, r"host n1: .*Include .* under 'Host special' .*Host/Match blocks",
+            f"Host special\n  Include {tmp_path / 'part'}\n  Port 2200\n")
 
 
 def test_proxycommand_none_in_the_inventory_cancels_the_ssh_configs_proxyjump(tmp_path):
