@@ -23,7 +23,6 @@ import configparser
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
