@@ -371,6 +371,18 @@ def _known_hosts(label: str, files: tuple[str, ...], source: str) -> tuple[str, 
     return out
 
 
+def _writable(label: str, path: str, source: str) -> None:
+    """With accept-new, a new key must be recorded where the next connection checks it: OpenSSH
+    only warns when it cannot write it, and would then accept any key again next time."""
+    parent = os.path.dirname(path) or "."
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)  # a missing directory is made where its parent allows it
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise TargetError(label, (
+            f"{label}: accept-new needs to record new host keys in {path} (UserKnownHostsFile, from {source}), "
+            "which is not writable; make it writable or name a known_hosts file you can write"))
+
+
 def _proxy_command(label: str, command: str, source: str, tokens: dict[str, str]) -> str:
     """*command* with OpenSSH's ProxyCommand tokens (%h %n %p %r %%) expanded from the final
     host, port and user, once, for every path; a token OpenSSH would refuse there is refused."""
@@ -397,6 +409,9 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
                    else inherit.known_hosts if inherit else ("~/.ssh/known_hosts",))
     timeout = opts.get("connecttimeout")
     tuning = tuple((k, str(v)) for k, v in opts.items() if OPTIONS.get(k) == "tuning")
+    accept_new = policy.accept_new or str(opts.get("stricthostkeychecking", "")).lower() == "accept-new"
+    if accept_new:
+        _writable(label, os.path.expanduser(known_files[0]), source("userknownhostsfile") if known else "the default")
     address = _address(label, "HostName", str(opts.get("hostname") or host), source("hostname"))
     port = _int(label, "Port", opts["port"], source("port"), 65535) if opts.get("port") else 22
     user = opts.get("user") or None
@@ -417,7 +432,7 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
         known_hosts=tuple(os.path.expanduser(k) for k in known_files),
         global_known_hosts=(tuple(os.path.expanduser(f) for f in shlex.split(opts["globalknownhostsfile"]))
                             if opts.get("globalknownhostsfile") else inherit.global_known_hosts if inherit else ()),
-        accept_new=policy.accept_new or str(opts.get("stricthostkeychecking", "")).lower() == "accept-new",
+        accept_new=accept_new,
         connect_timeout=(float(_int(label, "ConnectTimeout", timeout, source("connecttimeout"))) if timeout
                          else inherit.connect_timeout if inherit else DEFAULT_CONNECT_TIMEOUT),
         proxy_command=proxy,

@@ -351,3 +351,19 @@ def test_an_own_option_whose_value_ddpfab_would_override_is_refused(args):
     # the values ddpfab uses anyway are fine
     resolve(node(args="-o ForwardAgent=no -o PreferredAuthentications=publickey,password -o ControlMaster=auto"),
             HostKeyPolicy(), os.devnull)
+
+
+def test_accept_new_with_a_known_hosts_file_it_cannot_write_is_refused(tmp_path):
+    """OpenSSH only warns when it cannot record the new key, and accepts any key again next time."""
+    kh = tmp_path / "known_hosts"
+    kh.write_text("")
+    # root may write any file its mode forbids, but not an immutable one
+    lock, unlock = (["chattr", "+i", str(kh)], ["chattr", "-i", str(kh)]) if os.geteuid() == 0 else (
+        ["chmod", "444", str(kh)], ["chmod", "644", str(kh)])
+    subprocess.run(lock, check=True)
+    try:
+        refused(tmp_path, r"host n1: accept-new needs to record new host keys in .*not writable",
+                policy=HostKeyPolicy(known_hosts=str(kh), accept_new=True))
+        assert resolve(node(), HostKeyPolicy(known_hosts=str(kh)), os.devnull).known_hosts == (str(kh),)
+    finally:
+        subprocess.run(unlock, check=True)
