@@ -156,7 +156,7 @@ class Target:
 
     @property
     def where(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{bracket(self.host)}:{self.port}"
 
     @property
     def label(self) -> str:
@@ -599,10 +599,11 @@ _KEY_UNKNOWN = re.compile(r"No (?:ED25519|RSA|ECDSA|DSA)?\s*host key is known fo
 
 def _hop_of(t: Target, stderr: str) -> Target:
     """The hop of *t*'s chain an OpenSSH message is about: the one whose address it names."""
-    m = re.search(r"(?:Host key for|host key is known for|for host|key for) \[?([^\]\s:]+)", stderr)
+    # OpenSSH names a host as ADDRESS, or [ADDRESS]:PORT off port 22 (an IPv6 address has colons)
+    m = re.search(r"(?:Host key for|host key is known for|for host|key for) (?:\[([^\]\s]+)\]|(\S+))", stderr)
     if m:
         for hop in t.chain():
-            if hop.host == m.group(1):
+            if hop.host == (m.group(1) or m.group(2)):
                 return hop
     # the ProxyCommand's ssh failed before the target's ssh got a banner: a jump host's fault
     if t.jump is not None and ("kex_exchange_identification" in stderr or "Connection closed by UNKNOWN" in stderr):

@@ -367,3 +367,12 @@ def test_accept_new_with_a_known_hosts_file_it_cannot_write_is_refused(tmp_path)
         assert resolve(node(), HostKeyPolicy(known_hosts=str(kh)), os.devnull).known_hosts == (str(kh),)
     finally:
         subprocess.run(unlock, check=True)
+
+
+def test_an_openssh_failure_names_an_ipv6_hop():
+    jump = Target("bastion", "fd00::9", port=2222, known_hosts=("/kh",), jump_of="n1")
+    t = Target("n1", "fd00::5", known_hosts=("/kh",), jump=jump)
+    changed = "Host key for [fd00::9]:2222 has changed and you have requested strict checking."
+    assert ssh_problem(t, 255, changed).startswith("host n1: jump host bastion ([fd00::9]:2222): host key CHANGED")
+    unknown = "No ED25519 host key is known for fd00::5 and you have requested strict checking."
+    assert ssh_problem(t, 255, unknown).startswith("host n1 ([fd00::5]:22): host key not in")
