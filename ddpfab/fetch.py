@@ -25,7 +25,7 @@ from . import node as nodeprog
 from .inventory import Cluster, Node
 from .plan import REMOTE_RUNS_DIR, node_order
 from .sync import SyncError, _node_reply, check_workdir, node_command
-from .target import HostKeyPolicy, TargetError, destination, openssh_options, remote_path, resolve, ssh_problem
+from .target import HostKeyPolicy, TargetError, destination, host_path, openssh_options, resolve, ssh_problem
 
 #: Above this size rsync shows its one-line progress (on stderr).
 PROGRESS_BYTES = 16 * 2**20
@@ -110,7 +110,7 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     show = progress if progress is not None else size >= PROGRESS_BYTES
     argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
             " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
-            remote_path(target, path), local_dir + "/"]
+            host_path(target, path), local_dir + "/"]
     # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
     copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
     if copy.returncode != 0:

@@ -59,7 +59,7 @@ from . import treehash, workdir
 from .inventory import Cluster, Node
 from .problems import Problem
 from .reaper import Reaper
-from .target import (HostKeyPolicy, Target, TargetError, bracket, destination, openssh_options, remote_path,
+from .target import (HostKeyPolicy, Target, TargetError, bracket, destination, host_path, openssh_options,
                      resolve_all, ssh_problem)
 
 #: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
@@ -671,7 +671,7 @@ class _Sync:
 
     # -- copies ---------------------------------------------------------------------------
     def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
-        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, remote_path(t.link.target, t.real),
+        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, host_path(t.link.target, t.real),
                           compress=self.compress, checksum=self.checksum, dry_run=dry_run)
         return self._run_copy(t, argv, "controller")
 

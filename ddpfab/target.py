@@ -505,11 +505,11 @@ def bracket(host: str) -> str:
 
 def destination(t: Target) -> str:
     """The host word of an ssh command line for *t*: the bare address (ssh reads ``[::1]`` as a
-    name it cannot resolve; brackets belong only in ``HOST:PATH``, see :func:`remote_path`)."""
+    name it cannot resolve; brackets belong only in ``HOST:PATH``, see :func:`host_path`)."""
     return t.host
 
 
-def remote_path(t: Target, path: str) -> str:
+def host_path(t: Target, path: str) -> str:
     """``HOST:PATH`` for rsync and scp (an IPv6 address bracketed, so its colons are not the path's)."""
     return f"{bracket(t.host)}:{path}"
 
@@ -567,7 +567,7 @@ def scp_argv(t: Target, *files: str) -> list[str]:
         else:
             out += opts[i:i + 2]
         i += 2
-    return ["scp", *out, "--", *files, remote_path(t, "")]
+    return ["scp", *out, "--", *files, host_path(t, "")]
 
 
 def ssh_line(t: Target) -> str:

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from ddpfab.inventory import InventoryError, Node, parse_ssh_args
-from ddpfab.target import (HostKeyPolicy, Target, TargetError, ansible_vars, openssh_options, remote_path, resolve,
+from ddpfab.target import (HostKeyPolicy, Target, TargetError, ansible_vars, host_path, openssh_options, resolve,
                            scp_argv, ssh_argv, ssh_problem)
 
 CONFIG = """\
@@ -240,7 +240,7 @@ def test_an_ipv6_host_is_bare_for_ssh_and_bracketed_only_in_host_path():
     assert seen["hostname"] == ["fd00::5"] and seen["port"] == ["2200"]
     inner = shlex.split(next(a for a in argv if a.startswith("ProxyCommand="))[len("ProxyCommand="):])
     assert inner[-1] == "fd00::9" or inner[inner.index("-W") - 1] == "fd00::9"
-    assert scp_argv(t, "f")[-1] == "[fd00::5]:" and remote_path(t, "/w") == "[fd00::5]:/w"
+    assert scp_argv(t, "f")[-1] == "[fd00::5]:" and host_path(t, "/w") == "[fd00::5]:/w"
 
 
 def test_several_known_hosts_files_are_quoted_one_by_one(tmp_path):
