@@ -119,6 +119,9 @@ def test_per_host_env_and_gpu_lists_reach_the_right_ranks(lab, tmp_path):
     plan = {n["name"]: n for n in json.loads(dry.stdout)["nodes"]}
     assert (plan["node1"]["nproc"], plan["node2"]["nproc"]) == (2, 1)  # the GPU list's length
     assert plan["node1"]["env"]["CUDA_VISIBLE_DEVICES"] == "0,2" and plan["node2"]["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    # the per-host env, per host, as the real run below gets it: node1's mapping replaces the group's
+    assert (plan["node1"]["env"]["SITE"], "NCCL_IB_HCA" in plan["node1"]["env"]) == ("node1-only", False)
+    assert (plan["node2"]["env"]["SITE"], plan["node2"]["env"]["NCCL_IB_HCA"]) == ("group", "mlx5_0")
     res = ddpfab("run", "-i", str(inv), "--limit", "node1:node2", *keys, "--runs-dir", str(tmp_path / "runs"),
                  REPORT_ENV)
     assert res.returncode == 0, res.stdout + res.stderr
