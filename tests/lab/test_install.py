@@ -69,6 +69,8 @@ def test_wheel_and_sdist_carry_the_ansible_content_and_the_licence(dist):
     assert set(PACKAGE_DATA) <= names and "LICENSE" in names, sorted(set(PACKAGE_DATA) - names)
     meta = zipfile.ZipFile(dist["wheel"]).read(next(n for n in wheel if n.endswith("METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in meta and "Classifier: Typing :: Typed" in meta
+    assert {ln.split(":", 1)[1].split(",")[0].strip() for ln in meta.splitlines() if ln.startswith("Project-URL:")} == {
+        "Homepage", "Documentation", "Issues", "Source"}, meta[:2000]
 
 
 def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(dist, tmp_path):

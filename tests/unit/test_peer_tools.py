@@ -14,6 +14,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest itself brings tomli there
+    import tomli as tomllib
+
 from ddpfab import cli, inventory, render
 from ddpfab.cli import completion, config
 from ddpfab.cli import run as run_cli
@@ -257,6 +262,12 @@ def test_collection_metadata_matches_the_package():
     galaxy = yaml.safe_load((provision.collection_dir() / "galaxy.yml").read_text())
     assert (galaxy["namespace"], galaxy["name"], galaxy["version"]) == ("ddpfab", "cluster", __version__)
     assert galaxy["license"] == ["Apache-2.0"]
+    # the project URLs: all four, one repository, the same in the package's and the collection's metadata
+    urls = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["urls"]
+    assert set(urls) == {"Homepage", "Documentation", "Issues", "Source"}
+    assert all(u.startswith(urls["Source"]) for u in urls.values()), urls
+    assert (galaxy["repository"], galaxy["homepage"], galaxy["documentation"], galaxy["issues"]) == (
+        urls["Source"], urls["Homepage"], urls["Documentation"], urls["Issues"])
     for meta in (provision.collection_dir() / "roles").glob("*/meta/main.yml"):
         assert yaml.safe_load(meta.read_text())["galaxy_info"]["license"] == "Apache-2.0", meta
     assert "Apache License" in (REPO / "LICENSE").read_text()[:200]
