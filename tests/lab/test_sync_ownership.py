@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import ddpfab as ddpfab_pkg
 from ddpfab import lab as labmod
 
 from .helpers import ddpfab, wait_no_processes
@@ -56,14 +57,39 @@ def overlay(lab, node: str, path: str) -> None:
         probe = os.path.dirname(probe.rstrip("/")) or "/"
 
 
-def snapshot(lab, node: str, path: str, shallow: bool = False) -> str:
-    """Everything under *path* on *node* (names, sizes, mtimes, sha256), or that it is absent;
-    *shallow*: its entries only (a system dir)."""
-    depth = "-maxdepth 1" if shallow else ""
-    sums = "" if shallow else " && find . -xdev -type f -exec sha256sum {} + | sort"
-    cmd = (f"if [ -e {path!r} ]; then cd {path!r} && find . -xdev {depth} -printf '%p %s %y %T@\\n' | sort"
-           f"{sums}; else echo ABSENT; fi")
-    return on_node(lab, node, cmd).stdout
+#: Per dir, what a snapshot of it records: ``tree``, everything under it by name, size, mode and
+#: times, the change time included, which nothing can set back (a created, changed or chmod-ed file
+#: shows); ``content``, the same and every file's sha256 (small trees).
+SNAPSHOT_FIND = {"tree": "find . -xdev -printf '%p %s %y %m %T@ %C@\\n' | sort",
+                 "content": "find . -xdev -printf '%p %s %y %m %T@ %C@\\n' | sort && "
+                            "find . -xdev -type f -exec sha256sum {} + | sort"}
+#: What sshd itself writes into a lab host's overlays at every login (the test's own logins too).
+LOGIN_RECORDS = {"upper_var/log/wtmp", "upper_var/log/btmp", "upper_var/log/lastlog"}
+
+
+def snapshot(lab, node: str, dirs: dict[str, str]) -> dict[str, str]:
+    """Each of *dirs* (path: a key of SNAPSHOT_FIND) as *node* sees it, or that it is absent; one login."""
+    parts = [f"echo '=== {path}'; if [ -e {path!r} ]; then (cd {path!r} && {SNAPSHOT_FIND[how]}); else echo ABSENT; fi"
+             for path, how in dirs.items()]
+    out = on_node(lab, node, "; ".join(parts)).stdout
+    return dict(zip(dirs, out.split("=== ")[1:], strict=True))
+
+
+def written(lab, node: str) -> dict[str, tuple[int, int, int, int]]:
+    """Everything *node* ever wrote into its overlays (/etc, /opt, /var, /root, /usr, /home, /tmp and
+    its shares), at any depth: their upper layers, read here. The node's own writes only: what
+    changes on this machine under the overlays' lower dirs (other work's) does not show."""
+    store = Path(lab.store) / node
+    out = {}
+    for upper in sorted(store.glob("upper*")):
+        for dirpath, dirnames, filenames in os.walk(upper):
+            for name in dirnames + filenames:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, store)
+                if rel not in LOGIN_RECORDS:
+                    st = os.lstat(path)
+                    out[rel] = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
 
 
 @pytest.fixture
@@ -138,6 +164,20 @@ BAD_WORKDIRS = {
 }
 
 
+#: Every dir a bad workdir above could resolve to, as the node might take it, with its parent where
+#: a dir could be created next to them, as the node sees them (before and after each refusal). The
+#: overlays' upper layers (``written``) cover the same dirs at any depth, and the rest of the node.
+WATCHED = {
+    "/opt/ddpfab": "content",  # newline, tab, the `..` path taken literally, the symlink, the foreign dir
+    "/opt/ddpfab-escape": "content",  # where the `..` leads ...
+    "/opt": "tree",  # ... inside its parent
+    "/opt/ddpfab-homes": "content",  # ~ddpfabalice and her home
+    "/root/.cache": "tree",  # ddpfab's per-user caches on the node (a tmpfs of its own on lab hosts)
+    "/var/lib": "tree",  # the system dir
+    "/etc": "tree",  # the symlink's target
+}
+
+
 @pytest.fixture(scope="module")
 def hostile_nodes(lab):
     """On every node: a second user whose home is under /opt, a symlink to /etc, a foreign dir."""
@@ -155,11 +195,7 @@ def hostile_nodes(lab):
 @pytest.mark.parametrize("case", list(BAD_WORKDIRS))
 def test_a_bad_workdir_is_refused_and_nothing_on_the_node_changes(lab, tmp_path, trainproj, hostile_nodes, case):
     raw = BAD_WORKDIRS[case]
-    def state(n: str) -> list[str]:
-        return [snapshot(lab, n, "/opt/ddpfab"), snapshot(lab, n, "/opt/ddpfab-homes"),
-                snapshot(lab, n, "/var/lib", shallow=True), snapshot(lab, n, "/etc", shallow=True)]
-
-    before = {n: state(n) for n in NODES}
+    before = {n: (snapshot(lab, n, WATCHED), written(lab, n)) for n in NODES}
     inv = tmp_path / "inv.yml"
     data = yaml.safe_load(labmod.render_inventory(lab, sys.executable))
     data["all"]["vars"]["ddpfab_workdir"] = raw
@@ -173,7 +209,10 @@ def test_a_bad_workdir_is_refused_and_nothing_on_the_node_changes(lab, tmp_path,
                 "system dir": "system directory", "symlink to a system dir": "(/etc) is a system directory",
                 "non-empty foreign dir": "--adopt"}[case]
     assert expected in errors[0], errors[0]
-    assert {n: state(n) for n in NODES} == before
+    for n in NODES:
+        seen, wrote = snapshot(lab, n, WATCHED), written(lab, n)
+        assert {p: seen[p] for p in WATCHED if seen[p] != before[n][0][p]} == {}, f"{n} changed; before: {before[n][0]}"
+        assert {p for p in wrote.keys() | before[n][1].keys() if wrote.get(p) != before[n][1].get(p)} == set(), n
     # `ddpfab plan` takes the workdir through the same rules (the text ones; it does not log in)
     if case in ("trailing newline", "tab", "dotdot", "other user's ~"):
         plan = ddpfab("plan", "-i", str(inv), "--offline", "train.py", cwd=trainproj)
@@ -218,42 +257,64 @@ def _slow_links(lab, rate: str | None) -> None:
                             "latency", "400ms"], check=True)
 
 
+def _cmdlines() -> dict[int, str]:
+    """Every process's command line here, but this one's."""
+    out = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if int(entry) != os.getpid():
+            try:
+                out[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace")
+            except OSError:
+                continue
+    return out
+
+
 def _descendants_ctl_dir(pid: int) -> str | None:
     """The sync's private temp dir, read from the ControlPath of an ssh that *pid* started."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for child, cmd in _cmdlines().items():
+        m = re.search(r"ControlPath=(/tmp/ddpfab-sync-[^/ ]+)/", cmd)
         try:
-            stat_line = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
-        ppid = int(stat_line.rsplit(")", 1)[1].split()[1])
-        m = re.search(r"ControlPath=(/tmp/ddpfab-sync-[^/ ]+)/", cmd)
         if ppid == pid and m:
             return m.group(1)
     return None
 
 
 def _controller_processes_with(text: str) -> list[str]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd:
-                out.append(f"{entry}: {cmd[:200]}")
-    return out
+    return [f"{pid}: {cmd[:200]}" for pid, cmd in _cmdlines().items() if text in cmd]
 
 
-def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tuple[subprocess.Popen, str]:
+#: The prefixes of every temp dir the package makes in the controller's /tmp, read from its code (so
+#: a new kind is covered too): the sync's, the provisioner's.
+PRODUCT_TMP_PREFIXES = tuple(sorted({m for f in Path(ddpfab_pkg.__file__).parent.rglob("*.py")
+                                     for m in re.findall(r'prefix="(ddpfab-[\w-]+)"', f.read_text())}))
+
+
+def _product_tmp_dirs() -> set[str]:
+    return {e.path for e in os.scandir("/tmp") if e.name.startswith(PRODUCT_TMP_PREFIXES)}
+
+
+def _node_tmp(lab, node: str) -> dict:
+    """What *node* wrote into its own /tmp and the dirs it shares there (each host's are its own)."""
+    return {p: v for p, v in written(lab, node).items() if p.startswith(("upper_tmp", "upper_share"))}
+
+
+def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tuple[subprocess.Popen, str, dict]:
+    """A sync of a large file over shaped links, once its copy runs on the nodes; its control dir;
+    what the controller's and the nodes' temp dirs held before it started."""
     (trainproj / "weights.bin").write_bytes(os.urandom(12 * 2**20))  # ~12 s at 8 Mbit/s
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
+    tmpdir = tmp_path / "tmpdir"  # where ddpfab and its children put temp files by default: here, its own
+    tmpdir.mkdir(exist_ok=True)
+    before = {"tmp": _product_tmp_dirs(), "nodes": {n: _node_tmp(lab, n) for n in NODES}, "tmpdir": tmpdir,
+              "cache": tmp_path / "cache"}
     proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "sync", "-i", str(inv), *extra, str(trainproj)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "NO_COLOR": "1"})
+                            env={**os.environ, "NO_COLOR": "1", "TMPDIR": str(tmpdir),
+                                 "XDG_CACHE_HOME": str(before["cache"])})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # until the copy runs on the nodes
         if any("rsync --server" in cmd for n in NODES for _, cmd in lab.processes(n)):
@@ -264,21 +325,41 @@ def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tup
         pytest.fail("the copy never started")
     ctl = _descendants_ctl_dir(proc.pid)
     assert ctl and os.path.isdir(ctl)
-    return proc, ctl
+    return proc, ctl, before
 
 
-def _assert_nothing_left(lab, ctl: str, workdir: str) -> None:
+def _assert_nothing_left(lab, proc: subprocess.Popen, ctl: str, workdir: str, before: dict) -> None:
     deadline = time.monotonic() + 10
     while (os.path.exists(ctl) or _controller_processes_with(ctl)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(ctl), f"{ctl} left behind"
     assert not _controller_processes_with(ctl), _controller_processes_with(ctl)  # masters, rsync, agent, watcher
+    # no SSH master socket anywhere: none bound by any process under its dir or ddpfab's temp dir
+    sockets = [ln.split()[-1] for ln in Path("/proc/net/unix").read_text().splitlines()[1:] if len(ln.split()) > 7]
+    assert not [p for p in sockets if p.startswith((ctl, str(before["tmpdir"])))], sockets
+    # no temp dir of any kind: nothing in its TMPDIR; no dir of ddpfab's in /tmp that was not there
+    # before, except another sync's (in a test running beside this one: its ssh processes name it,
+    # and it goes when that sync ends)
+    assert list(before["tmpdir"].iterdir()) == []
+    new = _product_tmp_dirs() - before["tmp"]
+    while new and time.monotonic() < deadline + 10:
+        time.sleep(0.2)
+        live = " ".join(_cmdlines().values())
+        new = {d for d in _product_tmp_dirs() - before["tmp"] if d not in live}
+    assert not new, f"left in /tmp: {new} ({PRODUCT_TMP_PREFIXES})"
+    # nor a digest-cache temp file of the killed process's (the cache is this test's own)
+    assert not list(before["cache"].rglob(f"*.{proc.pid}.tmp")) and not list(before["cache"].rglob(".tmp-*"))
     wait_no_processes(lab, timeout=10, names=list(NODES))  # the remote rsync ends too
     for node in NODES:
         there = listing_there(lab, node, workdir, state=True)
         partial = [p for p in there if re.search(r"(^|/)\.[^/]+\.[A-Za-z0-9]{6}$", p)]
         assert not partial, f"{node}: rsync temp files left: {partial}"
-        assert not [p for p in there if p.startswith(".ddpfab/stage/s-")], there
+        assert not [p for p in there if p.startswith((".ddpfab/stage/s-", ".ddpfab/sync.json."))], there
+        # the node's /tmp gained nothing, nor its digest cache a temp file
+        now = _node_tmp(lab, node)
+        assert {p for p in now.keys() | before["nodes"][node].keys() if now.get(p) != before["nodes"][node].get(p)} \
+            == set(), f"{node}: its /tmp changed: {sorted(now)}"
+        assert on_node(lab, node, "find /root/.cache -name '*.tmp' 2>/dev/null").stdout == "", node
 
 
 @pytest.mark.parametrize("fanout", ["star", "tree"])
@@ -286,12 +367,12 @@ def test_sigkill_mid_sync_leaves_no_master_agent_or_temp_dir(lab, tmp_path, trai
     workdir = f"/opt/ddpfab/killed-{fanout}"
     _slow_links(lab, "8mbit")
     try:
-        proc, ctl = _start_slow_sync(lab, tmp_path, trainproj, workdir, "--fanout", fanout)
+        proc, ctl, before = _start_slow_sync(lab, tmp_path, trainproj, workdir, "--fanout", fanout)
         if fanout == "tree":
             assert _controller_processes_with(f"ssh-agent -D -a {ctl}/agent.sock")
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
-        _assert_nothing_left(lab, ctl, workdir)
+        _assert_nothing_left(lab, proc, ctl, workdir, before)
     finally:
         _slow_links(lab, None)
 
@@ -300,14 +381,14 @@ def test_ctrl_c_mid_sync_exits_130_with_one_line(lab, tmp_path, trainproj):
     workdir = "/opt/ddpfab/interrupted"
     _slow_links(lab, "8mbit")
     try:
-        proc, ctl = _start_slow_sync(lab, tmp_path, trainproj, workdir)
+        proc, ctl, before = _start_slow_sync(lab, tmp_path, trainproj, workdir)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130
         assert err.strip().splitlines() == [
             "ddpfab: sync interrupted: nothing is left running; files already copied stay, the next sync completes "
             "them"], err
-        _assert_nothing_left(lab, ctl, workdir)
+        _assert_nothing_left(lab, proc, ctl, workdir, before)
     finally:
         _slow_links(lab, None)
     assert run_sync("-i", str(tmp_path / "inv.yml"), str(trainproj)).returncode == 0  # and the next sync completes
