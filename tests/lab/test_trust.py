@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,24 @@ REPORT = "tests/lab/scripts/report.py"
 QUOTED = "tok'en\"$(id) \\x"
 #: A 1-character secret: string replacement garbled every "1" in printed commands.
 ONE = "1"
+#: A secret typed on the command line (`--env KEY=VALUE`, with a quote): in ddpfab's own argv, as the
+#: user gave it, and nowhere else: not in any record of that argv, not on any node.
+TYPED = "pa\"ss w'd"
+
+
+def written_forms(key: str, value: str) -> list[str]:
+    """Every way a file could hold secret *value* of *key*: as a pair, env-file and JSON style, and
+    (unless it is too short to tell from anything else: a 1-character one) as it is, JSON-escaped
+    and shell-quoted."""
+    pairs = [f"{key}={value}", f"{key}={shlex.quote(value)}", f"{json.dumps(key)}: {json.dumps(value)}",
+             f"{json.dumps(key)}:{json.dumps(value)}"]
+    alone = [value, json.dumps(value)[1:-1], shlex.quote(value)] if len(value) > 3 else []
+    return list(dict.fromkeys(pairs + alone))
+
+
+#: What no file, record or output may hold (one per line: grep -F -f's patterns).
+SECRET_FORMS = "\n".join([*written_forms("HF_TOKEN", QUOTED), *written_forms("API_KEY", ONE),
+                          *written_forms("DB_PASSWORD", TYPED)]) + "\n"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
@@ -103,40 +122,50 @@ def test_a_second_user_never_sees_a_secret_and_no_record_holds_one(lab, inventor
     env_file = tmp_path / "secrets.env"
     env_file.write_text(f"API_KEY={ONE}\n")
     runs = tmp_path / "runs"
-    # HF_TOKEN from this shell (a bare --env KEY), API_KEY from a file: not in ddpfab's own argv either
+    # HF_TOKEN from this shell (a bare --env KEY) and API_KEY from a file: not in ddpfab's own argv
+    # either; DB_PASSWORD typed as --env KEY=VALUE: in ddpfab's own argv only, as the user gave it
     proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory2), "--runs-dir", str(runs),
-                             "--no-sync", "--env", "HF_TOKEN", "--env-file", str(env_file), "--env", "REPORT_HANG=4",
-                             REPORT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                             "--no-sync", "--env", "HF_TOKEN", "--env-file", str(env_file), "--env",
+                             f"DB_PASSWORD={TYPED}", "--env", "REPORT_HANG=4", REPORT],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env={**os.environ, "NO_COLOR": "1", "HF_TOKEN": QUOTED})
+    forms = SECRET_FORMS.splitlines()
     try:
         wait_for_line(proc, "READY", 2, timeout=120)
         run_id = only_run(runs)
-        # the controller: no process's argv holds the secret
+        # the controller: no process's argv holds a secret (but ddpfab's own the one typed there)
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode("utf-8", "replace")
             except OSError:
                 continue
-            assert QUOTED not in argv and f"API_KEY={ONE}" not in argv, (entry, argv)
+            if int(entry) == proc.pid:
+                assert f"DB_PASSWORD={TYPED}" in argv  # (what this loop would find, had it leaked)
+                argv = argv.replace(f"DB_PASSWORD={TYPED}", "")
+            assert not [f for f in forms if f in argv], (entry, argv)
         for name in ("node1", "node2"):
-            # the job got both values (root reads its workers' environment)
+            # the job got every value (root reads its workers' environment)
             workers = [p for p, cmd in lab.processes(name) if "report.py" in cmd and "torch.distributed" not in cmd]
             environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
-            assert f"HF_TOKEN={QUOTED}".encode() in environ and f"API_KEY={ONE}".encode() in environ
+            for pair in (f"HF_TOKEN={QUOTED}", f"API_KEY={ONE}", f"DB_PASSWORD={TYPED}"):
+                assert pair.encode() in environ, pair
             # ... but as mallory: ps, every cmdline, every environ, every file she can read
             ps = host_sh(lab, name, "ps -ww -eo pid,args", user=mallory)
             assert ps.returncode == 0 and f"ddpfab-agent {run_id}" in ps.stdout, ps.stdout  # a readable line
-            assert QUOTED not in ps.stdout and "HF_TOKEN" not in ps.stdout and "API_KEY" not in ps.stdout, ps.stdout
+            assert not [f for f in forms if f in ps.stdout], ps.stdout
+            assert not [k for k in ("HF_TOKEN", "API_KEY", "DB_PASSWORD") if k in ps.stdout], ps.stdout
             # (the secret is in no script here: mallory's own argv must not hold it either)
             look = host_sh(lab, name, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '; echo ---; "
-                                      "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c 'HF_TOK[E]N'; true",
+                                      "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | "
+                                      "grep -c -e 'HF_TOK[E]N' -e 'API_KE[Y]' -e 'DB_PASSWOR[D]'; true",
                            user=mallory)
             cmdlines, count = look.stdout.rsplit("---", 1)
             assert f"ddpfab-agent {run_id}" in cmdlines and "report.py" in cmdlines  # she does see the job
-            assert QUOTED not in cmdlines and "HF_TOKEN" not in cmdlines and "API_KEY" not in cmdlines, cmdlines
-            assert count.strip() == "0", look.stdout[-500:]  # no environ she can read holds it
+            assert not [f for f in forms if f in cmdlines], cmdlines
+            assert not [k for k in ("HF_TOKEN", "API_KEY", "DB_PASSWORD") if k in cmdlines], cmdlines
+            assert count.strip() == "0", look.stdout[-500:]  # no environ she can read holds one
             files = host_sh(lab, name, "grep -rlsF -f /dev/stdin /root /tmp /home /run /dev/shm /var/tmp; true",
-                            user=mallory, input=f"{QUOTED}\nAPI_KEY={ONE}\n")
+                            user=mallory, input=SECRET_FORMS)
             assert files.stdout == "", files.stdout
             denied = host_sh(lab, name, f"cat ~root/.ddpfab/runs/{run_id}/output.log", user=mallory)
             assert denied.returncode != 0 and "Permission denied" in denied.stderr
@@ -147,24 +176,27 @@ def test_a_second_user_never_sees_a_secret_and_no_record_holds_one(lab, inventor
     # after the run: the nodes' files (everything a node wrote: its overlays' upper layers) and ours
     for name in ("node1", "node2"):
         store = Path(lab.store) / name
-        hits = subprocess.run(["grep", "-rlsF", "-e", QUOTED, "-e", f"API_KEY={ONE}", str(store)],
+        hits = subprocess.run(["grep", "-rlsF", "-f", "/dev/stdin", str(store)], input=SECRET_FORMS,
                               capture_output=True, text=True).stdout
         assert hits == "", hits
         files = host_sh(lab, name, "grep -rlsF -f /dev/stdin /root /tmp /home /run /var/tmp; true",
-                        user=mallory, input=f"{QUOTED}\nAPI_KEY={ONE}\n")
+                        user=mallory, input=SECRET_FORMS)
         assert files.stdout == "", files.stdout
     manifest = (runs / run_id / "manifest.json").read_text()
     everything = manifest + "".join(p.read_text() for p in (runs / run_id).glob("*.log")) + out
-    assert QUOTED not in everything and f"API_KEY={ONE}" not in everything and "tok'en" not in everything
+    assert not [f for f in forms if f in everything] and "tok'en" not in everything and "ss w'd" not in everything
     data = json.loads(manifest)
-    assert data["controller"]["argv"].count("HF_TOKEN") == 1  # recorded as given: the key only
+    argv = data["controller"]["argv"]
+    assert argv.count("HF_TOKEN") == 1  # recorded as given: the key only
+    assert "DB_PASSWORD=***" in argv and not [a for a in argv if TYPED in a], argv  # the typed value, masked
     recorded = Plan.from_dict(data["plan"])  # data: no rendered command is stored
     for node in recorded.nodes:
-        assert node.env["HF_TOKEN"] == "***" and node.env["API_KEY"] == "***"
+        assert node.env["HF_TOKEN"] == "***" and node.env["API_KEY"] == "***" and node.env["DB_PASSWORD"] == "***"
         line = render.shell_line(recorded, node)
-        assert "HF_TOKEN=***" in line and "API_KEY=***" in line
+        assert "HF_TOKEN=***" in line and "API_KEY=***" in line and "DB_PASSWORD=***" in line
         assert "--nproc-per-node=1" in line  # a 1-char secret garbles nothing else
-    assert dict(map(tuple, data["options"]["env"]))["HF_TOKEN"] == "***"
+    options_env = dict(map(tuple, data["options"]["env"]))
+    assert options_env["HF_TOKEN"] == "***" and options_env["DB_PASSWORD"] == "***"
 
 
 def test_printed_plans_and_exports_mask_by_key_and_private_files_are_private(lab, inventory2, tmp_path):
