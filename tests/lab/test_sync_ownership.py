@@ -24,7 +24,7 @@ import yaml
 import ddpfab as ddpfab_pkg
 from ddpfab import lab as labmod
 
-from .helpers import ddpfab, wait_no_processes
+from .helpers import ddpfab, host_tmp_leftovers, wait_no_processes
 from .test_sync import NODES, git, listing_there, on_node, run_sync, write_inventory
 
 TRAIN = r'''
@@ -297,11 +297,6 @@ def _product_tmp_dirs() -> set[str]:
     return {e.path for e in os.scandir("/tmp") if e.name.startswith(PRODUCT_TMP_PREFIXES)}
 
 
-def _node_tmp(lab, node: str) -> dict:
-    """What *node* wrote into its own /tmp and the dirs it shares there (each host's are its own)."""
-    return {p: v for p, v in written(lab, node).items() if p.startswith(("upper_tmp", "upper_share"))}
-
-
 def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tuple[subprocess.Popen, str, dict]:
     """A sync of a large file over shaped links, once its copy runs on the nodes; its control dir;
     what the controller's and the nodes' temp dirs held before it started."""
@@ -309,8 +304,8 @@ def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tup
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
     tmpdir = tmp_path / "tmpdir"  # where ddpfab and its children put temp files by default: here, its own
     tmpdir.mkdir(exist_ok=True)
-    before = {"tmp": _product_tmp_dirs(), "nodes": {n: _node_tmp(lab, n) for n in NODES}, "tmpdir": tmpdir,
-              "cache": tmp_path / "cache"}
+    before = {"tmp": _product_tmp_dirs(), "nodes": {n: set(host_tmp_leftovers(lab, n)) for n in NODES},
+              "tmpdir": tmpdir, "cache": tmp_path / "cache"}
     proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "sync", "-i", str(inv), *extra, str(trainproj)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "NO_COLOR": "1", "TMPDIR": str(tmpdir),
@@ -356,9 +351,7 @@ def _assert_nothing_left(lab, proc: subprocess.Popen, ctl: str, workdir: str, be
         assert not partial, f"{node}: rsync temp files left: {partial}"
         assert not [p for p in there if p.startswith((".ddpfab/stage/s-", ".ddpfab/sync.json."))], there
         # the node's /tmp gained nothing, nor its digest cache a temp file
-        now = _node_tmp(lab, node)
-        assert {p for p in now.keys() | before["nodes"][node].keys() if now.get(p) != before["nodes"][node].get(p)} \
-            == set(), f"{node}: its /tmp changed: {sorted(now)}"
+        assert set(host_tmp_leftovers(lab, node)) - before["nodes"][node] == set(), node
         assert on_node(lab, node, "find /root/.cache -name '*.tmp' 2>/dev/null").stdout == "", node
 
 
