@@ -37,7 +37,7 @@ COLORS = {"ddpfab exec": "C0", "ddpfab run": "C0", "ddpfab run --no-check": "C9"
           "pdsh": "C1",
           "pdsh + torchrun": "C1", "ssh loop": "C3", "ansible": "C2", "ansible (warm)": "C8",
           "ddpfab startup": "C7", "in-process cold": "C4", "in-process warm": "C6", "torchrun (local)": "C5",
-          "torchrun alone": "C5"}
+          "torchrun alone": "C5", "ddpfab check": "C3", "ddpfab plan": "C4", "ddpfab plan --no-check": "C2"}
 
 
 def load(name: str) -> dict | None:
@@ -243,7 +243,7 @@ def plot_scale(data, plt) -> str | None:
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("hosts")
     ax.set_ylabel("seconds (median, bars: min-max)")
-    ax.set_title("Scale: commands on N lab hosts (one loaded 2-core machine)")
+    ax.set_title("Scale: commands on N lab hosts (all on one 2-core machine)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     return _save(fig, plt, "bench-scale.png")
