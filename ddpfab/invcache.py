@@ -82,16 +82,24 @@ def _ansible_version() -> str:
         return "?"
 
 
-def key(path: Path, group: str) -> str | None:
-    """The cache key for (*path*, *group*), or None when this inventory is not cacheable."""
+def key(paths: Path | list[Path], group: str) -> str | None:
+    """The cache key for (*paths*, *group*), or None when this inventory is not cacheable.
+
+    *paths*: one inventory, or several (a repeated ``-i``, merged in that order: the order is
+    part of the key, as the later source's variables win)."""
     if os.environ.get("DDPFAB_INVENTORY_CACHE", "1") in ("0", "false", "no", "off"):
         return None
-    inputs = _inputs(path)
-    if inputs is None:
-        return None
+    paths = [paths] if isinstance(paths, Path) else list(paths)
+    inputs = []
+    for path in paths:
+        found = _inputs(path)
+        if found is None:
+            return None
+        inputs.append(found)
 
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT, __version__, _ansible_version(), str(path.resolve()), group]).encode())
+    h.update(json.dumps([FORMAT, __version__, _ansible_version(), [str(p.resolve()) for p in paths],
+                         group]).encode())
     configs = []
     for c in (os.environ.get("ANSIBLE_CONFIG"), "ansible.cfg", "~/.ansible.cfg", "/etc/ansible/ansible.cfg"):
         try:

@@ -40,9 +40,6 @@ VAR_GPU_IDS = "ddpfab_gpu_ids"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: a DeepSpeed / MPI hostfile line: ``host slots=N`` (``max_slots=M`` allowed and ignored)
-_HOSTFILE_LINE = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9_.\-]*)(?:\s+slots\s*=\s*(?P<slots>\d+))?"
-                            r"(?:\s+max_slots\s*=\s*\d+)?\s*$")
 _RANGE = re.compile(r"\[([^\[\]]*)\]")
 _HOST_WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 #: generated inventories (from host lists and hostfiles) are kept at most this many
@@ -104,11 +101,19 @@ class Node:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The ordered nodes of one group: node_rank follows this order."""
+    """The ordered nodes of one group: node_rank follows this order.
+
+    Args:
+        source: the inventory as shown (several ``-i`` joined by `` + ``).
+        group: the group whose hosts these are.
+        nodes: in inventory order.
+        sources: what was given to ``-i``, in order (:func:`load` takes it back); () when made by hand.
+    """
 
     source: str
     group: str
     nodes: tuple[Node, ...]
+    sources: tuple[str, ...] = ()
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -210,53 +215,133 @@ def _ansible_env() -> None:
     os.environ.setdefault("ANSIBLE_DUPLICATE_YAML_DICT_KEY", "error")  # a host listed twice is an error
 
 
+#: at most this many hosts from one range entry (a typo like ``n[1:1000000]`` is not a cluster)
+MAX_RANGE_HOSTS = 100_000
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+#: ``[v6]`` or ``[v6]:port`` (ssh's and Ansible's way to give an IPv6 literal a port)
+_BRACKETED_V6 = re.compile(r"^\[(?P<addr>[0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.\-]+)?)\](?::(?P<port>\d+))?$")
+#: a ``slots=``/``max_slots=`` word: what makes a file a DeepSpeed/MPI hostfile
+_SLOTS_WORD = re.compile(r"(?:^|\s)(?:max_)?slots\s*=", re.MULTILINE)
+
+
 def expand_ranges(word: str) -> list[str]:
-    """pdsh-style ranges in a host name: ``node[01-04]`` -> node01..node04 (zero padding kept),
-    ``n[1-2,5]`` -> n1 n2 n5, several brackets multiply; Ansible's ``node[01:04]`` works too."""
+    """The host names of one host pattern: Ansible's ranges as Ansible's own expander reads them
+    (``node[01:04]``, ``node[1:10:3]``, ``node[a:c]``) and pdsh's (``node[01-04]``, ``n[1-2,5]``,
+    zero padding kept); several brackets multiply."""
     m = _RANGE.search(word)
     if not m:
         return [word]
+    head, inner, tail = word[:m.start()], m.group(1), word[m.end():]
+    items = _ansible_range(word, inner) if ":" in inner else _pdsh_range(word, inner)
+    return [name for item in items for name in expand_ranges(head + item + tail)]
+
+
+def _ansible_range(word: str, inner: str) -> list[str]:
+    """``[beg:end]`` / ``[beg:end:step]`` by Ansible's expander (imported only for these: 0.4 s)."""
+    bounds = inner.split(":")
+    numeric = [b.strip() for b in bounds]
+    if len(bounds) in (2, 3) and all(b.isdigit() for b in numeric if b) and numeric[1]:
+        step = int(numeric[2]) if len(bounds) == 3 and numeric[2] else 1
+        if step < 1:
+            raise InventoryError(f"host range {word!r}: step {numeric[2]} must be >= 1")
+        if (int(numeric[1]) - int(numeric[0] or 0)) // step >= MAX_RANGE_HOSTS:
+            raise InventoryError(f"host range {word!r} makes more than {MAX_RANGE_HOSTS} hosts; check the bounds")
+    from ansible.errors import AnsibleError
+    from ansible.plugins.inventory import expand_hostname_range
+
+    try:
+        items = list(expand_hostname_range(f"[{inner}]"))
+    except (AnsibleError, ValueError) as exc:
+        reason = str(exc) if isinstance(exc, AnsibleError) else "bounds must be numbers or single letters"
+        raise InventoryError(f"host range {word!r}: {reason} (Ansible's [beg:end] or [beg:end:step], like "
+                             "[01:04], [1:10:3] or [a:c]; pdsh's [01-04] or [1-2,5])") from None
+    if not items:
+        raise InventoryError(f"host range {word!r} makes no host: it counts down; write [end:beg] the other way round")
+    return items
+
+
+def _pdsh_range(word: str, inner: str) -> list[str]:
     items: list[str] = []
-    for part in m.group(1).split(","):
-        lo, sep, hi = part.strip().replace(":", "-").partition("-")
+    for part in inner.split(","):
+        lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise InventoryError(f"host range {word!r}: expected digits like [01-04] or [1,3,5], found [{m.group(1)}]")
+            raise InventoryError(f"host range {word!r}: expected digits like [01-04] or [1,3,5] (pdsh), or "
+                                 f"Ansible's [01:04], [1:10:3], [a:c]; found [{inner}]")
         if not sep:
             items.append(lo)
             continue
         if int(hi) < int(lo):
             raise InventoryError(f"host range {word!r}: {lo}-{hi} counts down; write [{hi}-{lo}]")
+        if int(hi) - int(lo) >= MAX_RANGE_HOSTS:
+            raise InventoryError(f"host range {word!r} makes more than {MAX_RANGE_HOSTS} hosts; check the bounds")
         width = len(lo) if lo.startswith("0") else 0
         items += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-    head, tail = word[:m.start()], word[m.end():]
-    return [name for item in items for name in expand_ranges(head + item + tail)]
+    return items
 
 
-def parse_hostfile(text: str) -> list[tuple[str, int | None]] | None:
-    """The (host, slots) of a DeepSpeed/MPI hostfile, or None when *text* is not one.
-
-    A hostfile has one ``host [slots=N]`` per line (``#`` comments), at least one ``slots=``; an
-    INI inventory would read ``slots=4`` as a variable nobody uses, which is why it is told apart.
-    """
-    hosts: list[tuple[str, int | None]] = []
+def is_hostfile(text: str) -> bool:
+    """Whether *text* is a DeepSpeed/MPI hostfile: some line has a ``slots=`` word, and nothing in
+    it is INI (a ``[section]``) or YAML (``key:``). Any slots word decides, so a broken hostfile
+    (``slots=four``) is refused as a hostfile, never read as an INI inventory of odd variables."""
+    if not _SLOTS_WORD.search("\n".join(line.split("#", 1)[0] for line in text.splitlines())):
+        return False
     for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
+        words = line.split("#", 1)[0].split()
+        if words and (words[0].startswith(("[", "-", "{")) or words[0].endswith(":")):
+            return False
+    return True
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> list[tuple[str, int | None]] | None:
+    """The (host, slots) of a DeepSpeed/MPI hostfile, or None when *text* is not one (:func:`is_hostfile`).
+
+    One ``host [slots=N] [max_slots=M]`` per line (``#`` comments, blank lines); N >= 1; each host
+    once. *source* names the file in errors, as ``source:line``.
+
+    Raises:
+        InventoryError: a hostfile with a line that is not one of these.
+    """
+    if not is_hostfile(text):
+        return None
+    hosts: list[tuple[str, int | None]] = []
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = re.sub(r"\s*=\s*", "=", raw.split("#", 1)[0].strip())
         if not line:
             continue
-        m = _HOSTFILE_LINE.match(line)
-        if not m:
-            return None
-        hosts.append((m.group("host"), int(m.group("slots")) if m.group("slots") else None))
-    if not hosts or all(slots is None for _, slots in hosts):
-        return None
-    return hosts
+        where = f"{source}:{number}"
+        host, *words = line.split()
+        if not _HOST_WORD.fullmatch(host) or "=" in host:
+            raise InventoryError(f"{where}: {host!r} is not a host name (letters, digits, '.', '-', '_'); "
+                                 "a hostfile line is `host slots=N`")
+        if host in first_line:
+            raise InventoryError(f"{where}: host {host} is listed again (first on line {first_line[host]}); "
+                                 "list each host once, with all its slots")
+        first_line[host] = number
+        values: dict[str, int] = {}
+        for w in words:
+            key, sep, value = w.partition("=")
+            if not sep or key not in ("slots", "max_slots"):
+                raise InventoryError(f"{where}: {w!r} after host {host}: a hostfile line is `host slots=N` "
+                                     "(max_slots=M allowed); put other settings in an Ansible inventory")
+            if key in values:
+                raise InventoryError(f"{where}: {key} given twice for host {host}")
+            if not value.isdigit():
+                raise InventoryError(f"{where}: {key}={value!r} for host {host} is not a whole number; "
+                                     f"write {key}=N with N the processes on that host, e.g. {key}=4")
+            if int(value) < 1:
+                raise InventoryError(f"{where}: {key}={value} for host {host}: a host needs at least one slot; "
+                                     "remove the line to leave the host out")
+            values[key] = int(value)
+        if "slots" in values and "max_slots" in values and values["slots"] > values["max_slots"]:
+            raise InventoryError(f"{where}: slots={values['slots']} exceeds max_slots={values['max_slots']} "
+                                 f"for host {host}")
+        hosts.append((host, values.get("slots")))
+    return hosts or None
 
 
-def _host_list(source: str) -> list[str] | None:
-    """The names of an Ansible-style host list (``a,b,``, ``a,``, with pdsh ranges), or None."""
-    if "," not in source and not _RANGE.search(source):
-        return None
-    # split on commas outside brackets (n[1,3],m)
+def _split_list(source: str) -> list[str]:
+    """The entries of a host list: split on commas outside brackets (``n[1,3],m``)."""
     words, depth, cur = [], 0, ""
     for ch in source:
         depth += ch == "["
@@ -267,24 +352,71 @@ def _host_list(source: str) -> list[str] | None:
         else:
             cur += ch
     words.append(cur.strip())
-    names = []
-    for w in filter(None, words):
-        for name in expand_ranges(w):
-            if not _HOST_WORD.fullmatch(name):
-                raise InventoryError(f"host list {source!r}: {name!r} is not a host name (letters, digits, "
-                                     "'.', '-', '_'); put users, ports and addresses in an inventory file")
-            names.append(name)
-    if not names:
+    return [w for w in words if w]
+
+
+def host_entry(entry: str, source: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """The hosts of one host-list entry with their connection vars: ``[user@]pattern[:port]``, where
+    pattern is a name, an IP (IPv6 as ``[v6]:port``) or a range (:func:`expand_ranges`); the user
+    and port become the hosts' ``ansible_user`` and ``ansible_port`` (pdsh's and ssh's habits)."""
+    where = f"host list {source!r}: entry {entry!r}" if source else f"host entry {entry!r}"
+    user, at, rest = entry.rpartition("@")
+    host_vars: dict[str, Any] = {}
+    if at:
+        if not _USER.fullmatch(user):
+            raise InventoryError(f"{where}: {user!r} is not a user name (letters, digits, '.', '-', '_')")
+        host_vars["ansible_user"] = user
+    port = None
+    v6 = _BRACKETED_V6.fullmatch(rest)
+    if v6 and _is_ip(v6.group("addr")):
+        pattern, port = v6.group("addr"), v6.group("port")
+    elif _is_ip(rest):
+        pattern = rest  # an IPv6 literal without brackets has no port
+    else:
+        pattern, port = rest, None
+        outside = _RANGE.sub("", rest)
+        if ":" in outside:
+            pattern, _, port = rest.rpartition(":")
+            if ":" in _RANGE.sub("", pattern):
+                raise InventoryError(f"{where}: an IPv6 address with a port is written [ADDR]:PORT")
+    if port is not None:
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise InventoryError(f"{where}: port {port!r} must be a number in 1-65535")
+        host_vars["ansible_port"] = int(port)
+    names = [pattern] if _is_ip(pattern) else expand_ranges(pattern)
+    for name in names:
+        if not (_is_ip(name) or _HOST_WORD.fullmatch(name)):
+            raise InventoryError(f"{where}: {name!r} is not a host name (letters, digits, '.', '-', '_') or an "
+                                 "IP address; write [user@]host[:port], and other settings in an inventory file")
+    return [(name, dict(host_vars)) for name in names]
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _host_list(source: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """The (name, vars) of an Ansible-style host list (``a,b,``, ``a,``, with ranges, ``user@host``,
+    ``host:port``), or None when *source* is not one (no comma, no range)."""
+    if "," not in source and not _RANGE.search(source):
+        return None
+    hosts = [h for entry in _split_list(source) for h in host_entry(entry, source)]
+    if not hosts:
         raise InventoryError(f"host list {source!r} names no hosts")
+    names = [name for name, _ in hosts]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
-        raise InventoryError(f"host list {source!r} names {', '.join(dup)} more than once")
-    return names
+        raise InventoryError(f"host list {source!r} names {', '.join(dup)} more than once; list each host once")
+    return hosts
 
 
-def _generated(kind: str, hosts: list[tuple[str, int | None]]) -> str:
-    """A YAML inventory for *hosts* (name, nproc) in a private cache dir, named by its content."""
-    body = {"all": {"hosts": {name: ({VAR_NPROC: slots} if slots else None) for name, slots in hosts}}}
+def _generated(kind: str, hosts: list[tuple[str, dict[str, Any]]]) -> str:
+    """A YAML inventory for *hosts* (name, vars) in a private cache dir, named by its content."""
+    body = {"all": {"hosts": {name: (host_vars or None) for name, host_vars in hosts}}}
     text = f"# generated by ddpfab from a {kind}\n" + json.dumps(body, indent=1) + "\n"
     d = cache_dir().parent / "generated"
     path = d / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.yml"
@@ -300,10 +432,10 @@ def _generated(kind: str, hosts: list[tuple[str, int | None]]) -> str:
 
 def ansible_source(source: str) -> str:
     """What Ansible's ``-i`` gets for ddpfab's *source*: an inventory file or dir as it is, a
-    DeepSpeed/MPI hostfile or a host list (with pdsh ranges) as a generated YAML inventory.
+    DeepSpeed/MPI hostfile or a host list (ranges, ``user@host:port``) as a generated YAML inventory.
 
     Raises:
-        InventoryError: *source* is none of these.
+        InventoryError: *source* is none of these, or a hostfile or host list with a mistake.
     """
     path = Path(os.path.expanduser(source))
     if path.is_file():
@@ -311,16 +443,53 @@ def ansible_source(source: str) -> str:
             head = path.read_text(encoding="utf-8", errors="replace")[:1 << 20]
         except OSError as exc:
             raise InventoryError(f"inventory {source}: {exc.strerror}") from None
-        slots = parse_hostfile(head)
-        return _generated(f"hostfile {path.resolve()}", slots) if slots else str(path)
+        slots = parse_hostfile(head, source)
+        if not slots:
+            return str(path)
+        return _generated(f"hostfile {path.resolve()}", [(h, {VAR_NPROC: n} if n else {}) for h, n in slots])
     if path.exists():
         return str(path)
-    names = _host_list(source)
-    if names is not None:
-        return _generated(f"host list {source}", [(n, None) for n in names])
+    hosts = _host_list(source)
+    if hosts is not None:
+        return _generated(f"host list {source}", hosts)
     hint = f"; for a single host write {source},  (a host list ends with a comma)" \
         if _HOST_WORD.fullmatch(source) else ""
     raise InventoryError(f"inventory {source}: no such file or directory{hint}")
+
+
+def sources_of(source: str | os.PathLike | list | tuple) -> list[str]:
+    """*source* as the list of ``-i`` values it stands for (a repeated ``-i`` gives several)."""
+    items = [source] if isinstance(source, (str, os.PathLike)) else list(source or ())
+    if not items:
+        raise InventoryError("no inventory given")
+    return [str(s) for s in items]
+
+
+def limit_patterns(limit: str | None) -> str | None:
+    """*limit* as Ansible patterns: ``@FILE`` (Ansible's form) is the file's lines, one pattern each
+    (blank lines skipped), joined by ``,``; anything else as it is."""
+    if not limit or not limit.startswith("@"):
+        return limit
+    name = limit[1:]
+    try:
+        lines = Path(os.path.expanduser(name)).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise InventoryError(f"--limit {limit}: {exc.strerror or exc}; --limit @FILE reads one host pattern "
+                             "a line") from None
+    except UnicodeDecodeError:
+        raise InventoryError(f"--limit {limit}: not a text file; --limit @FILE reads one host pattern a line") from None
+    patterns = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        if any(ch.isspace() for ch in text) or "," in text:
+            raise InventoryError(f"--limit {limit}: {name}:{number}: {text!r} is not one host pattern; "
+                                 "write one pattern a line")
+        patterns.append(text)
+    if not patterns:
+        raise InventoryError(f"--limit {limit}: {name} names no host pattern; write one pattern a line")
+    return ",".join(patterns)
 
 
 def parse_extra_vars(items) -> dict[str, Any]:
@@ -347,8 +516,8 @@ def parse_extra_vars(items) -> dict[str, Any]:
                 value = parse_kv(text)
             except Exception as exc:  # noqa: BLE001 - Ansible's parser raises several kinds
                 raise InventoryError(f"-e {item!r}: {exc}") from None
-            value.pop("_raw_params", None)
-            bad = [w for w in text.split() if "=" not in w]
+            # Ansible's own reading: quotes group (key='a b c' is one value); words without '=' are left over
+            bad = str(value.pop("_raw_params", "")).split()
             if bad or not value:
                 raise InventoryError(f"-e {item!r}: expected KEY=VALUE (or JSON, or @file), found {bad[0] if bad else text!r}")
         out.update(value)
@@ -367,15 +536,17 @@ def _yaml_mapping(text: str, item: Any) -> dict[str, Any]:
     return value
 
 
-def load(source: str | os.PathLike, group: str = "all", limit: str | None = None,
+def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: str | None = None,
          extra_vars=()) -> Cluster:
     """Load the hosts of *group* from the inventory *source*, in inventory order.
 
     Args:
-        source: an inventory file or dir, a host list (``a,b,``), pdsh ranges or a hostfile
-            (:func:`ansible_source`).
+        source: an inventory file or dir, a host list (``a,b,``), ranges or a hostfile
+            (:func:`ansible_source`); or a list of them (a repeated ``-i``), merged in order as
+            Ansible merges its sources.
         group: the group whose hosts are the nodes.
-        limit: an Ansible host pattern; only the group's hosts it matches are kept (in order).
+        limit: an Ansible host pattern, or ``@FILE`` of patterns (:func:`limit_patterns`); only the
+            group's hosts it matches are kept (in order).
         extra_vars: ``-e`` values (:func:`parse_extra_vars`), over every host's variables.
 
     Ansible parses it; its result is kept in a cache (:mod:`ddpfab.invcache`) and reused while
@@ -383,21 +554,24 @@ def load(source: str | os.PathLike, group: str = "all", limit: str | None = None
     on every command, more than the rest of a ``ddpfab exec`` on a few hosts.
     """
     group = group or "all"
-    path = Path(ansible_source(str(source)))
+    sources = sources_of(source)
+    paths = [Path(ansible_source(s)) for s in sources]
+    shown = " + ".join(sources)
+    limit = limit_patterns(limit)  # the file's patterns are the key, not its name
     extra = parse_extra_vars(extra_vars) if extra_vars else {}
     _ansible_env()  # first: its settings are part of the cache key
     selection = json.dumps([group, limit, extra], sort_keys=True, default=str)
-    key = invcache.key(path, selection if (limit or extra) else group)
+    key = invcache.key(paths, selection if (limit or extra) else group)
     cached = invcache.get(key)
     if cached is not None:
-        cluster = Cluster(source=str(source), group=group, nodes=tuple(_node_from_cache(n) for n in cached))
+        nodes = tuple(_node_from_cache(n) for n in cached)
     else:
-        cluster = _load_with_ansible(path, group, limit, extra, str(source))
-        invcache.put(key, [dataclasses.asdict(n) for n in cluster.nodes])
-        cluster = dataclasses.replace(cluster, source=str(source))
-    _check_ini_repeats(path)  # (on a cached load too: the cache may predate these checks)
-    _check_duplicates(path, list(cluster.nodes))
-    return cluster
+        nodes = _load_with_ansible(paths, group, limit, extra, shown).nodes
+        invcache.put(key, [dataclasses.asdict(n) for n in nodes])
+    for path in paths:
+        _check_ini_repeats(path)  # (on a cached load too: the cache may predate these checks)
+    _check_duplicates(shown, list(nodes))
+    return Cluster(source=shown, group=group, nodes=nodes, sources=tuple(sources))
 
 
 def _node_from_cache(data: dict) -> Node:
@@ -406,22 +580,22 @@ def _node_from_cache(data: dict) -> Node:
     return Node(**data)
 
 
-def _load_with_ansible(path: Path, group: str, limit: str | None = None,
+def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
                        extra: dict[str, Any] | None = None, shown: str | None = None) -> Cluster:
-    """Ansible's InventoryManager on *path* (its settings made strict by :func:`load` first);
-    messages name *shown* (what the user gave: a host list, a hostfile) rather than *path*."""
+    """Ansible's InventoryManager on *paths*, merged in order (its settings made strict by
+    :func:`load` first); messages name *shown* (what the user gave: host lists, hostfiles)."""
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
     from ansible.template import Templar
     from ansible.vars.manager import VariableManager
 
-    where = shown or str(path)
+    where = shown or " + ".join(map(str, paths))
     loader = DataLoader()
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter), _strict_parsing():
-            inv = InventoryManager(loader=loader, sources=[str(path)])
+            inv = InventoryManager(loader=loader, sources=[str(p) for p in paths])
     except AnsibleError as exc:
         detail = " ".join(str(exc).split())
         reason = _inner_reason(chatter.getvalue()) or detail
@@ -470,10 +644,10 @@ def _load_with_ansible(path: Path, group: str, limit: str | None = None,
     if len(masters) > 1:
         raise InventoryError(f"inventory {where}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
                              "set it on one")
-    return Cluster(source=str(path), group=group, nodes=tuple(nodes))
+    return Cluster(source=where, group=group, nodes=tuple(nodes))
 
 
-def _check_duplicates(path: Path, nodes: list[Node]) -> None:
+def _check_duplicates(path: Path | str, nodes: list[Node]) -> None:
     """One machine, one node: two entries that reach the same sshd would run two node ranks
     there in the same run dir (and a YAML key given twice is refused by the parser itself)."""
     seen: dict[tuple, str] = {}

@@ -216,23 +216,23 @@ class AnsibleOptions:
         return self.ask_become_pass or self.ask_vault_pass
 
 
-def build_command(inventory: str | os.PathLike, playbook: str = "provision", tags: list[str] | None = None,
+def build_command(inventory: str | os.PathLike | list, playbook: str = "provision", tags: list[str] | None = None,
                   check: bool = False, limit: str | None = None,
                   extra_args: list[str] | None = None, options: AnsibleOptions | None = None) -> list[str]:
     """The ansible-playbook argv for these options (no side effects beyond looking files up).
 
     *inventory* is anything ``-i`` takes (see :func:`ddpfab.inventory.ansible_source`): a file, a
-    host list ``a,b,``, a DeepSpeed hostfile or pdsh ranges.
+    host list ``a,b,``, a DeepSpeed hostfile or ranges; or a list of them (one ``-i`` each, in order).
     """
     try:
-        source = invmod.ansible_source(str(inventory))
+        sources = [invmod.ansible_source(s) for s in invmod.sources_of(inventory)]
     except invmod.InventoryError as exc:
         raise ProvisionError(str(exc)) from None
     opts = options or AnsibleOptions()
     if tags or check or limit:
         opts = AnsibleOptions(**{**opts.__dict__, "tags": opts.tags + tuple(tags or ()),
                                  "check": opts.check or check, "limit": limit or opts.limit})
-    argv = [find_ansible_playbook(), "-i", source, str(playbook_path(playbook))]
+    argv = [find_ansible_playbook(), *(w for s in sources for w in ("-i", s)), str(playbook_path(playbook))]
     return argv + opts.argv() + list(extra_args or [])
 
 
@@ -341,11 +341,11 @@ def summarize(recap: list[HostRecap], rc: int, why: dict[str, str] | None = None
     return lines
 
 
-def targets_of(inventory: str | Path, policy: HostKeyPolicy | None = None,
+def targets_of(inventory: str | Path | list, policy: HostKeyPolicy | None = None,
                ssh_config: str | None = None) -> dict[str, Target]:
     """How ddpfab reaches every host of *inventory* (:func:`ddpfab.target.resolve`)."""
     try:
-        return resolve_all(invmod.load(str(inventory), group="all").nodes, policy, ssh_config)
+        return resolve_all(invmod.load(inventory, group="all").nodes, policy, ssh_config)
     except (invmod.InventoryError, TargetError) as exc:
         raise ProvisionError(str(exc)) from None
 
@@ -390,7 +390,7 @@ def why_unreachable(targets: list[Target]) -> dict[str, str]:
     return {name: why for name, why in found.items() if why}
 
 
-def run_playbook(inventory: str | Path, playbook: str = "provision", tags: list[str] | None = None,
+def run_playbook(inventory: str | Path | list, playbook: str = "provision", tags: list[str] | None = None,
                  check: bool = False, limit: str | None = None, extra_args: list[str] | None = None,
                  out: TextIO | None = None, options: AnsibleOptions | None = None,
                  policy: HostKeyPolicy | None = None, ssh_config: str | None = None) -> int:

@@ -480,7 +480,7 @@ def split_spares(cluster: Cluster, spares_group: str | None) -> tuple[Cluster, t
     if spares_group == cluster.group:
         raise inventory.InventoryError(f"inventory {cluster.source}: the spares group {spares_group!r} is the "
                                        "group of the nodes itself; pick another --group or --spares")
-    spares = inventory.load(cluster.source, spares_group).nodes
+    spares = inventory.load(cluster.sources or cluster.source, spares_group).nodes
     names = {s.name for s in spares}
     active = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.name not in names))
     if not active.nodes:

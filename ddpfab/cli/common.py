@@ -7,9 +7,10 @@ import argparse
 from .. import inventory
 
 INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list ending in a comma "
-                  "(node1,node2, or node1,), pdsh ranges (node[01-04],), or a DeepSpeed/MPI hostfile "
-                  "(`host slots=N`: N processes on that host). Default: $DDPFAB_INVENTORY, else `inventory:` "
-                  "in ./ddpfab.yml")
+                  "(node1,node2, or node1,; [user@]host[:port] entries, [v6]:port), Ansible or pdsh ranges "
+                  "(node[01:04], node[1:10:3], node[a:c], node[01-04]), or a DeepSpeed/MPI hostfile "
+                  "(`host slots=N`: N processes on that host). Repeatable: merged in order, as Ansible does. "
+                  "Default: $DDPFAB_INVENTORY, else `inventory:` in ./ddpfab.yml")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = True,
@@ -17,12 +18,13 @@ def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = T
     """Which nodes (inventory, group, limit, extra vars) and, with *ssh*, how to reach them (the
     host-key policy). Unset values are filled by :func:`ddpfab.cli.config.apply` (flags > env > config)."""
     p.set_defaults(_cluster_args=True, _inventory_required=inventory_required)
-    p.add_argument("-i", "--inventory", default=None, help=inventory_help)
+    p.add_argument("-i", "--inventory", action="append", default=None, help=inventory_help)
     p.add_argument("--group", default=None,
                    help="inventory group whose hosts are the nodes (default: $DDPFAB_GROUP, the config's, or all)")
     p.add_argument("-l", "--limit", metavar="PATTERN",
                    help="only the hosts of the group that match this Ansible pattern (node1:node3, 'gpu*', "
-                        "'all:!node2', 'rack1:&gpus'); node ranks follow the remaining hosts' order")
+                        "'all:!node2', 'rack1:&gpus', or @FILE: one pattern a line); node ranks follow the "
+                        "remaining hosts' order")
     p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
                    help="inventory variables over every host's, as Ansible's -e: KEY=VALUE, JSON/YAML, or "
                         "@file (e.g. -e ddpfab_python=/opt/venv/bin/python); repeatable, later wins")

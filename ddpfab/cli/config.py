@@ -81,6 +81,12 @@ def read(path: Path) -> dict[str, Any]:
                 raise ConfigError(f"config {path}: extra_vars must be a mapping of variables, found {value!r}")
             out[key] = value
             continue
+        if key == "inventory" and isinstance(value, list) and value:
+            # several inventories, merged in order (as a repeated -i)
+            if not all(isinstance(v, str) and v for v in value):
+                raise ConfigError(f"config {path}: inventory must be a string or a list of strings, found {value!r}")
+            out[key] = [v if "," in v else str((path.parent / os.path.expanduser(v)).resolve()) for v in value]
+            continue
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise ConfigError(f"config {path}: {key} must be a string, found {value!r}")
         value = str(value)
@@ -113,24 +119,32 @@ def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: 
         if getattr(args, dest) not in (None, []):
             continue
         if env and environ.get(env):
-            setattr(args, dest, environ[env])
+            setattr(args, dest, _as_given(key, environ[env]))
             continue
         if config is None:
             path = find(cwd, environ)
             config = read(path) if path else {}
         if key in config:
-            setattr(args, dest, config[key])
+            setattr(args, dest, _as_given(key, config[key]))
     if getattr(args, "group", "") is None:
         args.group = DEFAULT_GROUP
 
 
-def default_inventory(flag: str | None, environ: dict[str, str] | None = None, cwd: str | None = None) -> str:
+def _as_given(key: str, value: Any) -> Any:
+    """*value* as its flag would have given it: ``-i`` is repeatable, so the inventory is a list."""
+    if key == "inventory" and isinstance(value, str):
+        return [value]
+    return value
+
+
+def default_inventory(flag: str | list[str] | None, environ: dict[str, str] | None = None,
+                      cwd: str | None = None) -> list[str]:
     """The inventory to use: *flag*, else ``$DDPFAB_INVENTORY``, else the project config's, else an error."""
     ns = argparse.Namespace(_cluster_args=True, inventory=flag)
     apply(ns, environ, cwd)
     if not ns.inventory:
         raise ConfigError(MISSING_INVENTORY)
-    return ns.inventory
+    return _as_given("inventory", ns.inventory)
 
 
 MISSING_INVENTORY = ("no inventory: give -i INVENTORY (a file, a host list like node1,node2, or a hostfile), "

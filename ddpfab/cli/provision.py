@@ -23,7 +23,7 @@ def register(sub) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``ddpfab provision``: ddpfab's own, then the ansible-playbook options passed
     through with their usual names."""
-    parser.add_argument("-i", "--inventory", default=None, help=INVENTORY_HELP)
+    parser.add_argument("-i", "--inventory", action="append", default=None, help=INVENTORY_HELP)
     parser.add_argument("--playbook", default="provision",
                         help=f"{' | '.join(PLAYBOOKS)} or a path to a playbook (default: provision)")
     parser.add_argument("-t", "--tags", action="append", default=[],

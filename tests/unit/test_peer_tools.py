@@ -186,14 +186,15 @@ def test_flags_win_over_environment_over_project_config(tmp_path, monkeypatch):
     monkeypatch.delenv("DDPFAB_CONFIG")
     ns = argparse.Namespace(_cluster_args=True, inventory=None, group=None, limit=None, extra_vars=["k=v"])
     config.apply(ns, environ={}, cwd=str(proj / "sub"))  # found in a parent dir
-    assert ns.inventory == str(proj / "inv/cluster.yml") and ns.group == "gpus" and ns.limit == "gpus:!n9"
+    # -i is repeatable: a default is the one-item list a single -i gives
+    assert ns.inventory == [str(proj / "inv/cluster.yml")] and ns.group == "gpus" and ns.limit == "gpus:!n9"
     assert ns.extra_vars == [{"ddpfab_python": "/opt/v/bin/python"}, "k=v"]  # -e after: it wins
     ns = argparse.Namespace(_cluster_args=True, inventory=None, group=None, limit=None)
     config.apply(ns, environ={"DDPFAB_INVENTORY": "a,b,", "DDPFAB_GROUP": "all"}, cwd=str(proj))
-    assert (ns.inventory, ns.group) == ("a,b,", "all")
-    ns = argparse.Namespace(_cluster_args=True, inventory="flag.yml", group="g", limit=None)
+    assert (ns.inventory, ns.group) == (["a,b,"], "all")
+    ns = argparse.Namespace(_cluster_args=True, inventory=["flag.yml"], group="g", limit=None)
     config.apply(ns, environ={"DDPFAB_INVENTORY": "env.yml"}, cwd=str(proj))
-    assert (ns.inventory, ns.group) == ("flag.yml", "g")
+    assert (ns.inventory, ns.group) == (["flag.yml"], "g")
     (proj / "ddpfab.yml").write_text("inventroy: x.yml\n")
     with pytest.raises(config.ConfigError, match=r"unknown setting 'inventroy' \(did you mean 'inventory'"):
         config.apply(argparse.Namespace(_cluster_args=True, inventory=None), environ={}, cwd=str(proj))
