@@ -41,7 +41,8 @@ def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
         f"# ddpfab plan {plan.run_id}: node {node.name} (node_rank {node.node_rank} of {plan.nnodes}, "
         f"{node.nproc} procs; world size {plan.world_size}; master {plan.master_addr}:{plan.master_port}; "
         f"rdzv {plan.rdzv}, launcher {plan.launcher}, init {plan.init_method}).\n"
-        f"# Run it on {node.name} (start every node's script; any order, they wait for each other):\n"
+        + (f"# {plan.unresolved_note()}\n" if plan.unresolved else "")
+        + f"# Run it on {node.name} (start every node's script; any order, they wait for each other):\n"
         f"{how}"
         "# Exactly the command `ddpfab run` would start there (ddpfab.render), without ddpfab's\n"
         "# supervisor. It may hold secret env values: keep it private.\n"
@@ -56,6 +57,7 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
         f"script: {plan.script} {shlex.join(plan.args)}".rstrip(),
         (f"launch style: rdzv {plan.rdzv}, launcher {plan.launcher}, init method {plan.init_method}"
          + (", debug logging" if plan.debug else "")),
+        *([plan.unresolved_note()] if plan.unresolved else []),
         "",
         "Start every node's script on that node, in any order, within the rendezvous timeout; they wait",
         "for each other. From this directory, non-interactively (output comes back; Ctrl-C does NOT",

@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .inventory import Cluster, Node
+from .inventory import Cluster, Node, is_address
 from .suggest import did_you_mean
 from .workdir import WorkdirError
 from .workdir import resolve as resolve_workdir
@@ -122,6 +122,9 @@ class Facts:
         homes: node name -> the SSH user's home dir there (anchors relative remote paths).
         ifnames: node name -> the network interface it reaches its peers through (for
             ``socket_ifname="auto"``).
+        unresolved: nodes whose address is their name as given, not an IP: an offline plan's
+            names the controller could not resolve (:func:`ddpfab.probe.offline_addresses`).
+            The real run never has any: it resolves every address (or refuses) before planning.
     """
 
     addresses: dict[str, str]
@@ -129,6 +132,7 @@ class Facts:
     cwd: str
     homes: dict[str, str] = field(default_factory=dict)
     ifnames: dict[str, str | None] = field(default_factory=dict)
+    unresolved: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,9 @@ class Plan:
         max_restarts: torchrun's in-node restarts.
         nodes: by node rank.
         rdzv, launcher, init_method, debug, local_rank_arg: the launch style (see RunOptions).
+        unresolved: nodes (in node rank order) whose ``data_addr`` (the master's: ``master_addr``)
+            is a host name the controller could not resolve: only in an offline plan, which shows
+            them as such; each node then resolves the name itself.
     """
 
     run_id: str
@@ -198,6 +205,7 @@ class Plan:
     init_method: str = "env"
     debug: bool = False
     local_rank_arg: str = "--local-rank"
+    unresolved: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -229,6 +237,7 @@ class Plan:
             nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {})}))
         data["args"] = tuple(data["args"])
         data["nodes"] = tuple(nodes)
+        data["unresolved"] = tuple(data.get("unresolved") or ())
         return cls(**data)
 
     @classmethod
@@ -240,6 +249,17 @@ class Plan:
             if n.name == name:
                 return n
         raise KeyError(name)
+
+    def unresolved_note(self) -> str:
+        """One line on the addresses an offline plan kept as names ("" when there are none): the
+        printed dry run, emitted scripts and their README all say it the same way."""
+        if not self.unresolved:
+            return ""
+        master = (f"; the master address {self.master_addr!r} is a name each node resolves itself"
+                  if self.master in self.unresolved else "")
+        return (f"unresolved: {', '.join(self.unresolved)} did not resolve on this controller (neither by ssh_config "
+                f"HostName nor by DNS), kept as names{master}; `ddpfab run` resolves every address to an IP "
+                "literal before starting (or refuses)")
 
 
 def choose_master(cluster: Cluster) -> Node:
@@ -456,9 +476,14 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"host {master.name}: no resolved address for the master")
     try:
         ip = ipaddress.ip_address(master_addr)
+        master_addr = str(ip)
     except ValueError:
-        raise PlanError(f"host {master.name}: master address {master_addr!r} is not an IP literal") from None
-    if ip.is_loopback and len(ordered) > 1:
+        # an offline plan may keep a name the controller could not resolve (marked as such); a
+        # real run's master address is always an IP literal every peer reaches
+        if master.name not in facts.unresolved or not is_address(master_addr):
+            raise PlanError(f"host {master.name}: master address {master_addr!r} is not an IP literal") from None
+        ip = None
+    if ip is not None and ip.is_loopback and len(ordered) > 1:
         raise PlanError(f"host {master.name}: its data address {master.data_addr} resolves to {master_addr}, "
                         "a loopback address the other nodes cannot reach; set ddpfab_data_addr "
                         "(or ansible_host) to an address on the network the nodes share")
@@ -490,7 +515,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         node_env.update(node.env)
         node_env.update(asked)
         node_env["DDPFAB_RUN_ID"] = options.run_id
-        init_url = init_method_url(options.init_method, master_addr=str(ip), master_port=port,
+        init_url = init_method_url(options.init_method, master_addr=master_addr, master_port=port,
                                    shared_dir=node.shared_dir, run_id=options.run_id)
         if init_url:
             node_env[INIT_METHOD_VAR] = init_url
@@ -511,7 +536,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
             workdir=workdir, python=node.python, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir))
     return Plan(
         run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
-        master_addr=str(ip), master_port=port, nnodes=len(ordered),
+        master_addr=master_addr, master_port=port, nnodes=len(ordered),
         world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
         max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
-        init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg)
+        init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg,
+        unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved))

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from dataclasses import replace
 
@@ -181,7 +182,7 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
 def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
     """Where results are: rank 0's workdir, and the command that brings a file back."""
     node = plan.nodes[0]
-    inv = f" -i {args.inventory}" if args.inventory else ""
+    inv = "".join(f" -i {shlex.quote(s)}" for s in args.inventory or ())
     sys.stderr.write(f"ddpfab: rank 0's workdir: {node.name}:{node.workdir} (copy results here with: ddpfab fetch"
                      f"{inv} --rank 0 PATH)\n")
 
@@ -333,15 +334,12 @@ def _env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def _offline_facts(cluster, port, targets: dict):
-    addresses = {}
-    for n in cluster.nodes:
-        try:
-            from ..probe import resolve
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..probe import offline_addresses
 
-            addresses[n.name] = resolve(n, target=targets[n.name])
-        except Exception:  # noqa: BLE001 - offline: keep what the inventory says
-            addresses[n.name] = n.data_addr
-    return Facts(addresses=addresses, master_port=master_port(port, offline=True), cwd=os.getcwd())
+    addresses, unresolved = offline_addresses(cluster, targets)
+    return Facts(addresses=addresses, master_port=master_port(port, offline=True), cwd=os.getcwd(),
+                 unresolved=unresolved)
 
 
 def _targets(cluster, args: argparse.Namespace) -> dict:
@@ -368,6 +366,8 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
           f"master {plan.master} {plan.master_addr}:{plan.master_port}")
     if offline:
         print("# offline: the master port was not checked on the host")
+    if plan.unresolved:
+        print(f"# {plan.unresolved_note()}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
     by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:
