@@ -465,31 +465,35 @@ def sources_of(source: str | os.PathLike | list | tuple) -> list[str]:
     return [str(s) for s in items]
 
 
-def limit_patterns(limit: str | None) -> str | None:
-    """*limit* as Ansible patterns: ``@FILE`` (Ansible's form) is the file's lines, one pattern each
-    (blank lines skipped), joined by ``,``; anything else as it is."""
-    if not limit or not limit.startswith("@"):
-        return limit
-    name = limit[1:]
-    try:
-        lines = Path(os.path.expanduser(name)).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise InventoryError(f"--limit {limit}: {exc.strerror or exc}; --limit @FILE reads one host pattern "
-                             "a line") from None
-    except UnicodeDecodeError:
-        raise InventoryError(f"--limit {limit}: not a text file; --limit @FILE reads one host pattern a line") from None
-    patterns = []
-    for number, line in enumerate(lines, 1):
-        text = line.strip()
-        if not text:
+def limit_patterns(limit: str | None) -> list | None:
+    """What *limit* selects, as data for the cache key: its comma-separated parts, each ``@FILE``
+    (Ansible's ``--limit @retry_file``) replaced by the file's patterns, one a line (Ansible applies
+    them; this reads them first to key on their content and to name a bad line)."""
+    if not limit:
+        return None
+    out: list = []
+    for part in limit.split(","):
+        if not part.startswith("@"):
+            out.append(part)
             continue
-        if any(ch.isspace() for ch in text) or "," in text:
-            raise InventoryError(f"--limit {limit}: {name}:{number}: {text!r} is not one host pattern; "
-                                 "write one pattern a line")
-        patterns.append(text)
-    if not patterns:
-        raise InventoryError(f"--limit {limit}: {name} names no host pattern; write one pattern a line")
-    return ",".join(patterns)
+        name = part[1:]
+        try:
+            lines = Path(name).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not a text file"
+            raise InventoryError(f"--limit {part}: {reason}; --limit @FILE reads one host pattern a line") from None
+        patterns = []
+        for number, line in enumerate(lines, 1):
+            text = line.strip()
+            if text and (any(ch.isspace() for ch in text) or "," in text):
+                raise InventoryError(f"--limit {part}: {name}:{number}: {text!r} is not one host pattern; "
+                                     "write one pattern a line")
+            if text:
+                patterns.append(text)
+        if not patterns:
+            raise InventoryError(f"--limit {part}: {name} names no host pattern; write one pattern a line")
+        out.append(patterns)
+    return out
 
 
 def parse_extra_vars(items) -> dict[str, Any]:
@@ -557,10 +561,10 @@ def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: st
     sources = sources_of(source)
     paths = [Path(ansible_source(s)) for s in sources]
     shown = " + ".join(sources)
-    limit = limit_patterns(limit)  # the file's patterns are the key, not its name
+    limit_key = limit_patterns(limit)  # an @FILE's patterns are the key, not its name
     extra = parse_extra_vars(extra_vars) if extra_vars else {}
     _ansible_env()  # first: its settings are part of the cache key
-    selection = json.dumps([group, limit, extra], sort_keys=True, default=str)
+    selection = json.dumps([group, limit_key, extra], sort_keys=True, default=str)
     key = invcache.key(paths, selection if (limit or extra) else group)
     cached = invcache.get(key)
     if cached is not None:
@@ -609,10 +613,13 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
         raise InventoryError(f"inventory {where}: group {group!r} has no hosts; add hosts or pick another --group")
     if limit:
         with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
-            try:
-                matched = {h.name for h in inv.get_hosts(pattern=limit)}
+            try:  # Ansible's --limit itself: patterns, and @FILE with one pattern a line
+                inv.subset(limit)
+                matched = {h.name for h in inv.get_hosts(pattern="all")}
             except AnsibleError as exc:
                 raise InventoryError(f"--limit {limit!r}: {' '.join(str(exc).split())}") from None
+            finally:
+                inv.subset(None)
         kept = [h for h in hosts if h.name in matched]
         if not kept:
             words = [w.lstrip("!&") for w in re.split(r"[:,]", limit) if w.strip("!&")]

@@ -59,8 +59,9 @@ def _on_each_node(args, cluster, fn) -> GroupResult:
 
 
 def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
-    p.add_argument("-i", "--inventory", required=inventory_required,
-                   help="inventory (default: the one recorded in the run's local manifest)")
+    p.add_argument("-i", "--inventory", action="append", required=inventory_required,
+                   help="inventory, repeatable: merged in order (default: the one recorded in the run's local "
+                        "manifest)")
     p.add_argument("--group", help="inventory group (default: the recorded one, else all)")
     p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"))
     p.add_argument("--known-hosts")

@@ -21,7 +21,8 @@ def register(sub) -> None:
                                    "inventory or the code changed (unless --force) or a masked secret is "
                                    "not given again with --env.")
     p.add_argument("run_id")
-    p.add_argument("-i", "--inventory", help="inventory (default: the one the run recorded)")
+    p.add_argument("-i", "--inventory", action="append",
+                   help="inventory, repeatable: merged in order (default: the one the run recorded)")
     p.add_argument("--group", help="inventory group (default: the recorded one)")
     p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
                    help="where run records are (default: ./runs, or $DDPFAB_RUNS_DIR)")
