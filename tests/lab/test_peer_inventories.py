@@ -162,3 +162,21 @@ def test_placeholders_arrive_expanded_per_node(lab, inventory2, tmp_path):
                                         "--total=2", "{{ untouched"]
     res = ddpfab("run", "-i", str(inventory2), "--dry-run", REPORT_ENV, "{{nodes}}")
     assert res.returncode == 2 and "did you mean 'nnodes'" in res.stderr
+
+
+def test_user_at_ip_port_host_lists_reach_the_nodes(lab, tmp_path):
+    """pdsh's and ssh's habit, `user@host:port,`: the user and port are the node's ansible_user and
+    ansible_port, so exec and check connect as that user to that port (no inventory file, no
+    ssh_config: the key, known_hosts and python come by -e and flags, a quoted -e value too)."""
+    a, b = lab.host("node1").address, lab.host("node2").address
+    how = ["--ssh-config", "/dev/null", "--known-hosts", str(lab.known_hosts),
+           "-e", f"ansible_ssh_private_key_file='{lab.key}' ddpfab_python='{sys.executable}'"]
+    res = ddpfab("exec", "-i", f"root@{a}:22,root@{b}:22,", *how, "--", "sh", "-c", 'echo "$(id -un)@$(hostname)"')
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "root@node1" in res.stdout and "root@node2" in res.stdout
+    res = ddpfab("check", "--fast", "--json", "-i", f"root@{a}:22,", "-i", f"root@{b},", *how)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(json.loads(res.stdout)["nodes"]) == sorted([a, b])
+    # the port is the one connected to: a port nothing listens on fails, naming the node and port
+    res = ddpfab("exec", "-i", f"root@{a}:2999,", *how, "--", "true")
+    assert res.returncode != 0 and a in res.stderr and "2999" in res.stderr, res.stdout + res.stderr
