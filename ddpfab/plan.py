@@ -208,7 +208,11 @@ class Plan:
     unresolved: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.unresolved:
+            # only offline plans of names have it: a real run's plan (and its manifest) is as before
+            del data["unresolved"]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)

@@ -43,6 +43,7 @@ def test_an_offline_plan_keeps_an_unresolved_master_as_a_marked_name_the_real_ru
     resolved = make_plan(cluster, RunOptions("t.py"), Facts({"a.invalid": "10.0.0.1", "b.invalid": "10.0.0.2"},
                                                             29500, "/w"))
     assert (resolved.master_addr, resolved.unresolved, resolved.unresolved_note()) == ("10.0.0.1", (), "")
+    assert "unresolved" not in resolved.to_dict()  # a real run's plan and manifest are as before
     # marked or not, a word that is no address at all never reaches torchrun's command line
     with pytest.raises(PlanError, match="not an IP literal"):
         make_plan(cluster, RunOptions("t.py"), Facts({**addresses, "a.invalid": "-oProxy=x"}, 29500, "/w",

@@ -461,7 +461,7 @@ def test_register_adds_the_subcommand():
     args = parser.parse_args(["sync", "-i", "inv.yml", "--fanout", "tree", "--keep", "ckpt/", "--adopt", "--dry-run",
                               "proj"])
     assert args.func is sync_cli.cmd_sync
-    assert (args.inventory, args.fanout, args.keep, args.path) == ("inv.yml", "tree", ["ckpt/"], "proj")
+    assert (args.inventory, args.fanout, args.keep, args.path) == (["inv.yml"], "tree", ["ckpt/"], "proj")
     assert args.adopt and args.dry_run
 
 
