@@ -33,6 +33,7 @@ from typing import Any
 
 from . import node as nodeprog
 from . import probe, render, ssh, sync
+from . import inventory
 from .inventory import Cluster
 from .plan import Plan, PlanError, RunOptions, choose_master, master_port, parse_env
 from .problems import Problem
@@ -68,10 +69,27 @@ def script_file(plan: Plan) -> str | None:
 
 
 def manifest_fields(cluster: Cluster, plan: Plan) -> dict[str, Any]:
-    """What a manifest needs so that ``replay`` can check it is replaying the same thing."""
+    """What a manifest needs so that ``replay`` can check it is replaying the same thing (and, for
+    a repeated ``-i``, load the same inventories again: the plan's ``inventory`` only shows them)."""
     path = script_file(plan)
+    several = {"inventory_sources": list(cluster.sources)} if len(cluster.sources) > 1 else {}
     return {"inventory_fingerprint": inventory_fingerprint(cluster), "script_file": path,
-            "script_sha256": file_sha256(path) if path else None}
+            "script_sha256": file_sha256(path) if path else None, **several}
+
+
+def recorded_inventory(manifest: dict) -> str | list[str] | None:
+    """The inventory a run was planned from, as :func:`ddpfab.inventory.load` takes it: the
+    recorded ``inventory_sources`` (several ``-i``, validated), else the plan's ``inventory``
+    (None when the manifest names none)."""
+    sources = manifest.get("inventory_sources")
+    if sources is None:
+        plan = manifest.get("plan")
+        found = plan.get("inventory") if isinstance(plan, dict) else None
+        return found if isinstance(found, str) and found else None
+    if not isinstance(sources, list) or not sources or not all(isinstance(s, str) and s for s in sources):
+        raise inventory.InventoryError(f"run {manifest.get('run_id')}: the manifest's inventory_sources must be a "
+                                       f"list of inventories, found {json.dumps(sources)[:80]}; pass -i again")
+    return sources
 
 
 def _current_tree_hash(code: dict) -> str:

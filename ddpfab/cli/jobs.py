@@ -18,8 +18,9 @@ from .errors import die, warn
 def _cluster(args, manifest: dict | None):
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..recover import attempt_cluster
+    from ..replay import recorded_inventory
 
-    source = args.inventory or (manifest or {}).get("plan", {}).get("inventory")
+    source = args.inventory or (recorded_inventory(manifest) if manifest else None)
     if not source:
         raise inventory.InventoryError("no inventory: pass --inventory (no local manifest names one)")
     group = args.group or (manifest or {}).get("plan", {}).get("group") or "all"

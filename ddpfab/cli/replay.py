@@ -45,7 +45,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from .. import runner, ssh
     from ..launch import Printer
-    from ..replay import ManifestError, _pick_port, check, differences, masked_keys, validate
+    from ..replay import ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory, validate
     from ..runs import new_run_id
 
     path = Path(args.runs_dir) / args.run_id / "manifest.json"
@@ -66,7 +66,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                              f"replaying the last, {latest['run_id']} (its nodes)\n")
             manifest = latest
         recorded, cwd = validate(manifest, str(path))
-        source = args.inventory or manifest["plan"]["inventory"]
+        source = args.inventory or recorded_inventory(manifest)
         if "attempt_nodes" in manifest:
             cluster = attempt_cluster(manifest, source, args.group)
         else:

@@ -14,8 +14,9 @@ from ansible.plugins.inventory import expand_hostname_range
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import cli, inventory, invcache
+from ddpfab import cli, inventory, invcache, replay
 from ddpfab.inventory import InventoryError
+from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.target import HostKeyPolicy, resolve
 
 
@@ -191,3 +192,23 @@ def test_extra_vars_take_one_quoted_value_as_ansible_does(tmp_path):
         inventory.load("h1,", extra_vars=["ddpfab_python=/x stray"])
     with pytest.raises(InventoryError, match="found 'b'"):
         inventory.load("h1,", extra_vars=["key=a b"])  # unquoted: b is a word of its own, as in Ansible
+
+
+def test_a_run_of_several_inventories_records_them_for_replay_and_reads_them_back_validated(tmp_path):
+    one, two = tmp_path / "one.yml", tmp_path / "two.yml"
+    one.write_text("all:\n  hosts:\n    a: {ansible_host: 10.0.0.1}\n")
+    two.write_text("all:\n  hosts:\n    b: {ansible_host: 10.0.0.2}\n")
+    cluster = inventory.load([str(one), str(two)])
+    plan = make_plan(cluster, RunOptions("t.py"), Facts({"a": "10.0.0.1", "b": "10.0.0.2"}, 29500, "/w"))
+    manifest = {"plan": plan.to_dict(), **replay.manifest_fields(cluster, plan)}
+    assert manifest["plan"]["inventory"] == f"{one} + {two}"  # shown; the sources are recorded apart
+    assert replay.recorded_inventory(manifest) == [str(one), str(two)]
+    assert inventory.load(replay.recorded_inventory(manifest)).nodes == cluster.nodes
+    # one inventory: the manifest is as before, the plan's inventory is the source
+    single = inventory.load(str(one))
+    plan1 = make_plan(single, RunOptions("t.py"), Facts({"a": "10.0.0.1"}, 29500, "/w"))
+    fields = replay.manifest_fields(single, plan1)
+    assert "inventory_sources" not in fields
+    assert replay.recorded_inventory({"plan": plan1.to_dict(), **fields}) == str(one)
+    with pytest.raises(InventoryError, match="inventory_sources must be a list of inventories"):
+        replay.recorded_inventory({**manifest, "inventory_sources": [str(one), 7]})
