@@ -453,8 +453,16 @@ def ansible_source(source: str) -> str:
     if hosts is not None:
         return _generated(f"host list {source}", hosts)
     hint = f"; for a single host write {source},  (a host list ends with a comma)" \
-        if _HOST_WORD.fullmatch(source) else ""
+        if _is_host_entry(source) else ""
     raise InventoryError(f"inventory {source}: no such file or directory{hint}")
+
+
+def _is_host_entry(word: str) -> bool:
+    """Whether *word* would be a host-list entry (``node1``, ``root@node1:2222``) with a comma after it."""
+    try:
+        return bool(host_entry(word))
+    except InventoryError:
+        return False
 
 
 def sources_of(source: str | os.PathLike | list | tuple) -> list[str]:

@@ -131,6 +131,9 @@ def test_user_at_host_and_host_port_reach_the_nodes_target():
     assert (target.user, target.host, target.port) == ("root", "10.0.0.3", 2222)
     target = resolve(nodes["fd00::7"], HostKeyPolicy(), ssh_config="/dev/null")
     assert (target.host, target.port) == ("fd00::7", 2200)
+    # without the comma it is no host list (as in Ansible), and the error says what to add
+    with pytest.raises(InventoryError, match=r"for a single host write root@gpu1:2222,"):
+        inventory.load("root@gpu1:2222")
     # a range with a user and a port: every host of it gets both
     ranged = inventory.load("ops@gpu[1:2]:2022,").nodes
     assert [(n.name, n.user, n.port) for n in ranged] == [("gpu1", "ops", 2022), ("gpu2", "ops", 2022)]
