@@ -14,7 +14,7 @@ from ansible.plugins.inventory import expand_hostname_range
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import cli, inventory, invcache, replay
+from ddpfab import cli, inventory, invcache, provision, replay
 from ddpfab.inventory import InventoryError
 from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.target import HostKeyPolicy, resolve
@@ -215,3 +215,13 @@ def test_a_run_of_several_inventories_records_them_for_replay_and_reads_them_bac
     assert replay.recorded_inventory({"plan": plan1.to_dict(), **fields}) == str(one)
     with pytest.raises(InventoryError, match="inventory_sources must be a list of inventories"):
         replay.recorded_inventory({**manifest, "inventory_sources": [str(one), 7]})
+
+
+def test_provision_hands_ansible_playbook_every_inventory_in_order(tmp_path):
+    one = tmp_path / "one.yml"
+    one.write_text("all:\n  hosts:\n    a: {}\n")
+    argv = provision.build_command([str(one), "root@b1:2222,"])
+    sources = [argv[i + 1] for i, w in enumerate(argv) if w == "-i"]
+    assert sources[0] == str(one) and len(sources) == 2
+    generated = json.loads(Path(sources[1]).read_text().split("\n", 1)[1])  # a host list: a generated file
+    assert generated == {"all": {"hosts": {"b1": {"ansible_user": "root", "ansible_port": 2222}}}}
