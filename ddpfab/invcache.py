@@ -28,7 +28,8 @@ from pathlib import Path
 from . import __version__
 
 #: Bump when the cached node format changes.
-FORMAT = 2  # 2: ssh_options from ansible_ssh_args too, first value wins, identityfile a list
+FORMAT = 3  # 3: host lists with user@host:port and Ansible's ranges, several sources; 2: ssh_options from
+#   ansible_ssh_args too, first value wins, identityfile a list
 #: Files bigger than this are not read for the templating check (and so never cached).
 MAX_SCAN_BYTES = 4 << 20
 _DYNAMIC = (b"{{", b"{%", b"plugin:")
@@ -72,7 +73,7 @@ def _inputs(path: Path) -> list[tuple[str, str]] | None:
     return out
 
 
-def _ansible_version() -> str:
+def ansible_version() -> str:
     """ansible-core's version, read from its release.py: importlib.metadata takes 0.2 s to find it."""
     try:
         spec = importlib.util.find_spec("ansible")
@@ -98,7 +99,7 @@ def key(paths: Path | list[Path], group: str) -> str | None:
         inputs.append(found)
 
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT, __version__, _ansible_version(), [str(p.resolve()) for p in paths],
+    h.update(json.dumps([FORMAT, __version__, ansible_version(), [str(p.resolve()) for p in paths],
                          group]).encode())
     configs = []
     for c in (os.environ.get("ANSIBLE_CONFIG"), "ansible.cfg", "~/.ansible.cfg", "/etc/ansible/ansible.cfg"):

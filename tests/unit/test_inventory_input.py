@@ -6,7 +6,10 @@ Ansible's own expander), user@host and host:port entries, --limit @FILE, -e with
 from __future__ import annotations
 
 import json
+import os
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from ddpfab import cli, inventory, invcache, provision, replay
 from ddpfab.inventory import InventoryError
 from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.target import HostKeyPolicy, resolve
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -225,3 +230,16 @@ def test_provision_hands_ansible_playbook_every_inventory_in_order(tmp_path):
     assert sources[0] == str(one) and len(sources) == 2
     generated = json.loads(Path(sources[1]).read_text().split("\n", 1)[1])  # a host list: a generated file
     assert generated == {"all": {"hosts": {"b1": {"ansible_user": "root", "ansible_port": 2222}}}}
+
+
+def test_a_host_list_is_expanded_once_later_commands_do_not_import_ansible(tmp_path):
+    """Ansible's range expander costs an import of ansible (0.4 s, more than a small `exec`): the
+    expanded list is kept, named by the list's text, and the inventory cache does the rest."""
+    probe = ("import sys; from ddpfab import inventory; "
+             "print([n.name for n in inventory.load(sys.argv[1]).nodes], 'ansible' in sys.modules)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", probe, "ops@n[1:7:3]:2022,"], capture_output=True, text=True,
+                           env=env, cwd=REPO, check=True).stdout.split("] ")
+            for _ in range(2)]
+    assert runs[0] == ["['n1', 'n4', 'n7'", "True\n"]  # the first expands (and parses) with Ansible
+    assert runs[1] == ["['n1', 'n4', 'n7'", "False\n"]  # the second finds both kept
