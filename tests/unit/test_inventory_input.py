@@ -5,6 +5,7 @@ Ansible's own expander), user@host and host:port entries, --limit @FILE, -e with
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import string
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpfab import cli, inventory, invcache, provision, replay
+from ddpfab.cli import config
 from ddpfab.inventory import InventoryError
 from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.target import HostKeyPolicy, resolve
@@ -243,3 +245,18 @@ def test_a_host_list_is_expanded_once_later_commands_do_not_import_ansible(tmp_p
             for _ in range(2)]
     assert runs[0] == ["['n1', 'n4', 'n7'", "True\n"]  # the first expands (and parses) with Ansible
     assert runs[1] == ["['n1', 'n4', 'n7'", "False\n"]  # the second finds both kept
+
+
+def test_defaults_give_the_inventory_as_a_repeated_flag_would(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "ddpfab.yml").write_text("inventory: [inv/a.yml, 'h1,h2,']\n")
+    ns = argparse.Namespace(_cluster_args=True, inventory=None, group=None)
+    config.apply(ns, environ={}, cwd=str(proj))
+    assert ns.inventory == [str(proj / "inv/a.yml"), "h1,h2,"]  # paths relative to the config, lists as given
+    ns = argparse.Namespace(_cluster_args=True, inventory=None, group=None)
+    config.apply(ns, environ={"DDPFAB_INVENTORY": "e.yml"}, cwd=str(proj))
+    assert ns.inventory == ["e.yml"]
+    (proj / "ddpfab.yml").write_text("inventory: [a.yml, 3]\n")
+    with pytest.raises(config.ConfigError, match="inventory must be a string or a list of strings"):
+        config.apply(argparse.Namespace(_cluster_args=True, inventory=None), environ={}, cwd=str(proj))
