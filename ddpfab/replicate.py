@@ -236,7 +236,8 @@ def describe(copy: Copy, dry_run: bool = False) -> str:
 
 
 def _read_line(chan, limit: int = 1 << 16) -> bytes:
-    """The reply line a ``replica_send`` starts with (byte by byte: what follows is the file)."""
+    """A reply line of the node program on *chan*, at most *limit* bytes (a ``replica_send``'s
+    starts its output: read byte by byte, what follows is the file)."""
     line = b""
     while not line.endswith(b"\n"):
         b = chan.recv(1)
@@ -316,12 +317,7 @@ def _receipt(name: str, chan, copy: Copy) -> list[Problem]:
     """The receiving node's answer: its reply (the sha256 it found) once its stdin ends."""
     try:
         chan.shutdown_write()
-        data = b""
-        while True:
-            part = chan.recv(65536)
-            if not part:
-                break
-            data += part
+        data = _read_line(chan)  # its one reply line (bounded: a node that writes on is no node program)
         code = chan.recv_exit_status()
     except Exception as exc:  # noqa: BLE001
         return [Problem(name, "replicate", found=str(exc), text=f"host {name}: replicate {copy.path}: no answer: {exc}")]

@@ -10,9 +10,11 @@ The protocol (:func:`serve`): after the program's code, stdin carries requests, 
 so whatever follows stays in the pipe. Each request gets one JSON line on stdout,
 ``{"id": N, "op": NAME, "ok": true, "result": {...}}`` or ``{"id": N, "op": NAME, "ok": false,
 "error": TEXT}``: a failing operation is data, the next request still runs. The program ends at
-stdin EOF (listeners of a mesh probe close then). Three operations take the session over and are
+stdin EOF (listeners of a mesh probe close then). Some operations take the session over and are
 last in it: ``supervise`` (the job supervisor: stdin carries heartbeats, stdout the job's output),
-``follow`` (a run's output, raw) and ``stage`` with ``hold`` (its one reply, then EOF ends it).
+``follow`` (a run's output, raw), ``stage`` with ``hold`` (its one reply, then EOF ends it), and
+``--replicate``'s ``replica_send`` (its reply, then the file's bytes) and ``replica_receive`` (the
+file's bytes follow its frame on stdin).
 """
 
 import base64
