@@ -165,3 +165,22 @@ def test_warnings_name_the_nodes_lacking_a_resume_file_and_the_fix():
     ws = {w.found.split()[0]: w for w in replicate.warnings(["n1", "n2"], ("s.pt",), stats)}
     assert "differs between nodes (n1: 4 bytes, n2: 1 bytes)" in ws["c.ckpt"].found
     assert ws["s.pt"].fix.startswith("delete it on n2")
+
+
+def test_the_command_line_refuses_a_bad_path_before_any_host_and_the_offline_dry_run_names_the_copy(
+        tmp_path, monkeypatch, capsys):
+    from ddpfab import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # hosts that do not exist: the refusal comes before any connection is tried, in the real run too
+    for extra in ([], ["--dry-run"]):
+        assert cli.main(["run", "-i", "nohost1.invalid,nohost2.invalid,", *extra, "--replicate", "../snap.pt",
+                         "train.py"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("ddpfab: error:") == 1 and "--replicate: '../snap.pt' is refused" in err, err
+    assert cli.main(["run", "-i", "10.0.0.1,10.0.0.2,", "--dry-run", "--offline", "--replicate", "snapshot.pt",
+                     "train.py"]) == 0
+    err = capsys.readouterr().err
+    assert "replicate (offline, not looked at on the hosts): snapshot.pt from 10.0.0.1 (rank 0's node)" in err
