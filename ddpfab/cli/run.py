@@ -210,7 +210,8 @@ def _replicate(prepared, paths: tuple[str, ...], args: argparse.Namespace) -> di
     warned = replicate.warnings(order, paths, prepared.replicas)
     for w in warned:
         sys.stderr.write(f"ddpfab: warning: {w}\n")
-    decision = replicate.decide(order, paths, prepared.replicas)
+    # without paths the look was for the warning alone: a node that could not answer it stops nothing
+    decision = replicate.decide(order, paths, prepared.replicas) if paths else replicate.Decision()
     if decision.problems:
         raise runner.RunError([*decision.problems, "replicate: nothing was copied"])
     for path in decision.missing:
