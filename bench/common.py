@@ -40,6 +40,7 @@ SUBNETS = {
     "scale": "10.213.106.0/24",
     "resync": os.environ.get("DDPFAB_BENCH_SUBNET_RESYNC", "10.213.107.0/24"),
     "perf_check": "10.213.108.0/24",
+    "replicate": os.environ.get("DDPFAB_BENCH_SUBNET_REPLICATE", "10.213.109.0/24"),
 }
 MASTER_PORT_BASE = 29700
 

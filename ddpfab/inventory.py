@@ -37,6 +37,7 @@ VAR_SHARED_DIR = "ddpfab_shared_dir"
 VAR_SPARES = "ddpfab_spares_group"
 VAR_ENV = "ddpfab_env"
 VAR_GPU_IDS = "ddpfab_gpu_ids"
+VAR_REPLICATE = "ddpfab_replicate"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -76,6 +77,8 @@ class Node:
             the host's value replaces its group's whole). The command line's --env wins over it.
         gpu_ids: the GPUs this node's ranks may use (``ddpfab_gpu_ids``, a list of indexes or
             UUIDs): CUDA_VISIBLE_DEVICES, and nproc defaults to its length. None: all.
+        replicate: files of the workdir that ``ddpfab run`` copies from rank 0's node to the other
+            nodes before the launch (``ddpfab_replicate``, a list; ``--replicate`` adds to it).
     """
 
     name: str
@@ -94,6 +97,7 @@ class Node:
     spares_group: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     gpu_ids: tuple[str, ...] | None = None
+    replicate: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -606,6 +610,7 @@ def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: st
 def _node_from_cache(data: dict) -> Node:
     if data.get("gpu_ids") is not None:
         data = {**data, "gpu_ids": tuple(data["gpu_ids"])}
+    data = {**data, "replicate": tuple(data.get("replicate") or ())}
     return Node(**data)
 
 
@@ -813,7 +818,18 @@ def _make_node(name: str, var) -> Node:
         spares_group=str(var(VAR_SPARES, None) or "") or None,
         env=_env_var(name, var(VAR_ENV, None)),
         gpu_ids=_gpu_ids(name, var(VAR_GPU_IDS, None)),
+        replicate=_replicate_var(name, var(VAR_REPLICATE, None)),
     )
+
+
+def _replicate_var(host: str, value: Any) -> tuple[str, ...]:
+    """``ddpfab_replicate``: a list of paths relative to the workdir (checked as paths by the run)."""
+    if value is None or value == "":
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise InventoryError(f"host {host}: {VAR_REPLICATE} must be a list of paths relative to the workdir like "
+                             f"[snapshot.pt], got {value!r}")
+    return tuple(value)
 
 
 def _env_var(host: str, value: Any) -> dict[str, str]:

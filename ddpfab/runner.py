@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fabric import Connection
 
-from . import check, inventory, probe, ssh
+from . import check, inventory, probe, replicate, ssh
 from . import node as nodeprog
 from .launch import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
 from .mesh import listen_request
@@ -46,6 +46,7 @@ class Prepared:
     options: RunOptions | None = None  # what the plan was made from (recorded for replay)
     cwd: str | None = None
     preflight: dict | None = None  # the preflight check's full report (the run dir's check.json)
+    replicas: dict[str, dict] | None = None  # per node, its replica_stat answer (ddpfab.replicate)
 
     def reconnect(self, name: str) -> Connection:
         """A fresh connection to node *name*, the same way as the first one."""
@@ -117,14 +118,17 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
             ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
             conns: dict[str, Connection] | None = None, probing: Probing | None = None,
-            synced: bool = False) -> Prepared:
+            synced: bool = False, replicate_paths: tuple[str, ...] = ()) -> Prepared:
     """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
     and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
     problem; nothing has been started on any node then.
 
     *probing*: what :func:`start_probe` sent already (the caller asked the code's hash on the same
     sessions meanwhile); *synced*: the code was copied since, so the workdir facts are asked
-    again. The sessions end here either way."""
+    again. The sessions end here either way.
+
+    *replicate_paths* (and, with *preflight*, the workdir's resume files) are looked at on every
+    node over the same sessions, after the sync: the Prepared's ``replicas``."""
     cwd = cwd or os.getcwd()
     conns = conns if conns is not None else connect_all(cluster, policy, ssh_config)
     try:
@@ -148,6 +152,8 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 listening = answers.map(lambda replies: replies[1])
                 report = _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
                                     options, probing.sessions, listening)
+            replicas = (replicate.ask(cluster, probing.sessions, cwd, replicate_paths, scan=preflight)
+                        if replicate_paths or preflight else None)
         except BaseException:
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
             raise
@@ -157,7 +163,7 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
         for c in conns.values():
             c.close()
         raise
-    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report)
+    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report, replicas=replicas)
 
 
 def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[nodeprog.Reply]], options: RunOptions,

@@ -467,6 +467,32 @@ def itemized(text: str) -> list[list[str]]:
     return out
 
 
+def mismatch_advice(ours: dict | None, theirs: dict | None, *, verify_only: bool, checksum: bool) -> str:
+    """What to do about a node whose tree hash is not this tree's, from what differs (each side's
+    ``tree_digest(detail=True)``; None when that could not be read). ``--checksum`` only where it
+    helps: for a file whose size is the same on both sides (rsync's quick check, size and mtime,
+    may skip it; a size change it never skips), and not when the copy compared contents already."""
+    if ours is None or theirs is None:
+        return ("A file there differs from here (`ddpfab sync --checksum` compares contents, not size and mtime), "
+                "or the tree changed during the sync: sync again")
+    mine, there = ours.get("entries", {}), theirs.get("entries", {})
+    same_size = sorted((rel for rel in set(mine) & set(there)
+                        if mine[rel] != there[rel] and ours["sizes"].get(rel) == theirs["sizes"].get(rel)),
+                       key=os.fsencode)
+    shown = ", ".join(same_size[:3]) + (", ..." if len(same_size) > 3 else "")
+    if verify_only:
+        if same_size:
+            return (f"Nothing was copied (--verify-only); {shown} has the same size here and there: run "
+                    "`ddpfab sync --checksum` (rsync's quick check may skip a file whose size and mtime match)")
+        return "Nothing was copied (--verify-only): run `ddpfab sync` to copy this tree there"
+    if same_size and not checksum:
+        return (f"{shown}: the same size here and there but other contents, so a file there was changed without "
+                "changing its size and mtime (rsync's quick check skips those), or it changed during the sync: "
+                "run `ddpfab sync --checksum`")
+    return ("The tree changed during the sync (here, or in the node's workdir meanwhile): sync again"
+            + ("" if checksum else " (rsync copies a file whose size changed: --checksum would not help)"))
+
+
 def _rsync_problem(name: str, rc: int, stderr: str) -> str:
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     text = " | ".join(lines[-3:]) or "no message"
@@ -600,6 +626,7 @@ class _Sync:
         self.copies: set[subprocess.Popen] = set()
         self.cancelled = False
         self.dry_run = False
+        self.verify_only = False
 
     def note(self, text: str) -> None:
         with self.lock:
@@ -785,16 +812,17 @@ class _Sync:
             return None
         req = self.request(t, "hash", detail=True, paths=self.sel.files)
         try:
-            theirs = _node_call(t.link, req)["entries"]
-            diffs = treehash.diff_entries(local_tree(self.sel, detail=True, cache=False)["entries"], theirs)
-        except (SyncError, OSError):
+            theirs = _node_call(t.link, req)
+            ours = local_tree(self.sel, detail=True, cache=False)
+            diffs = treehash.diff_entries(ours["entries"], theirs["entries"])
+        except (SyncError, OSError, KeyError):
+            ours = theirs = None
             diffs = []
         return self.fail(t, (
             f"host {t.node.name}: tree hash mismatch in {t.rec.workdir}: the node has {out['tree_hash'][:12]} "
             f"({out['files']} files), this tree is {self.local['tree_hash'][:12]} ({self.local['files']} files)"
             + (f"; differs: {', '.join(diffs)}" if diffs else "")
-            + ". A file there was changed without changing its size and mtime (rsync's quick check skips "
-              "those), or the tree changed during the sync: run `ddpfab sync --checksum`"))
+            + ". " + mismatch_advice(ours, theirs, verify_only=self.verify_only, checksum=self.checksum)))
 
     # -- phase 2: star ------------------------------------------------------------------------
     def star(self, targets: list[_Target]) -> None:
@@ -1027,7 +1055,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
     if problems:
         raise SyncError(problems)
     job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress, adopt)
-    job.dry_run = dry_run
+    job.dry_run, job.verify_only = dry_run, verify_only
     result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
                         git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout, dry_run=dry_run)
     try:

@@ -374,10 +374,10 @@ def entry_record(root, rel, old=None, new=None, now=None):
 
 
 def tree_digest(root, rels, detail=False, cache=False):
-    """``{"tree_hash", "files", "bytes"}`` of *rels* under *root* (plus ``"entries"``, a per-path
-    digest, with *detail*: for naming the paths two trees differ in). With *cache*, content
-    digests are reused from, and saved to, :func:`cache_path`."""
-    total, tree, entries = 0, hashlib.sha256(), {}
+    """``{"tree_hash", "files", "bytes"}`` of *rels* under *root* (plus, with *detail*, ``"entries"``,
+    a per-path digest, and ``"sizes"``: for naming the paths two trees differ in, and how). With
+    *cache*, content digests are reused from, and saved to, :func:`cache_path`."""
+    total, tree, entries, sizes = 0, hashlib.sha256(), {}, {}
     where = cache_path(root) if cache else None
     old, new, now = (_load_cache(where), {}, time.time()) if cache else (None, None, None)
     for rel in sorted(set(rels), key=os.fsencode):
@@ -386,11 +386,12 @@ def tree_digest(root, rels, detail=False, cache=False):
         tree.update(record)
         if detail:
             entries[rel] = hashlib.sha256(record).hexdigest()[:16]
+            sizes[rel] = size
     if cache and new != old:
         _save_cache(where, new)
     out = {"tree_hash": tree.hexdigest(), "files": len(set(rels)), "bytes": total}
     if detail:
-        out["entries"] = entries
+        out["entries"], out["sizes"] = entries, sizes
     return out
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from .. import inventory
 from .. import plan as planmod
+from .. import replicate
 from ..plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
 from ..problems import Problem
 from ..progress import Ticker
@@ -73,6 +74,10 @@ def register(sub) -> None:
     run.add_argument("--fanout", choices=("star", "tree"), default="star",
                      help="sync: star = controller to every node; tree = nodes forward to each other")
     run.add_argument("--compress", action="store_true", help="sync: rsync --compress (slow uplinks)")
+    run.add_argument("--replicate", action="append", default=[], metavar="PATH",
+                     help="copy PATH (a file, relative to the workdir: a checkpoint saved by rank 0 only) from rank "
+                          "0's node to every other node before the launch, verified by hash on each; repeatable; "
+                          "adds to the inventory's ddpfab_replicate. Nothing to copy (a first run): said, and on")
     run.add_argument("--detach", action="store_true",
                      help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
     run.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
@@ -109,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ropts = recovery.recovery_options(args, cluster)
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
         options = _run_options(args)
+        args.replicate_paths = replicate.wanted(cluster, args.replicate)
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
             raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
                                     "exists already: a run id names one run; pick another (or leave --run-id out)")
@@ -117,6 +123,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.dry_run and args.offline:
             targets = _targets(cluster, args)
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
+            for path in args.replicate_paths:
+                sys.stderr.write(f"ddpfab: replicate (offline, not looked at on the hosts): {path} from "
+                                 f"{plan.nodes[0].name} (rank 0's node) to the other nodes, where it differs\n")
             return _print_dry_run(plan, args.json, offline=True, targets=targets)
         if recovery.wanted(args) and args.detach and not recover.is_supervisor():
             return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
@@ -174,9 +183,53 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
             c.close()
         raise
     copied = bool(code) and any(n.get("source") != "unchanged" for n in code.get("nodes", {}).values())
+    paths = getattr(args, "replicate_paths", ())
     prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns,
-                              probing=probing, synced=copied)
-    return prepared, ({"code": code} if code else {})
+                              probing=probing, synced=copied, replicate_paths=paths)
+    extra = {"code": code} if code else {}
+    try:
+        replicated = _replicate(prepared, paths, args)
+    except BaseException:
+        prepared.close()
+        raise
+    if replicated:
+        extra["replicate"] = replicated
+    return prepared, extra
+
+
+def _replicate(prepared, paths: tuple[str, ...], args: argparse.Namespace) -> dict | None:
+    """``--replicate``: copy each path from rank 0's node to the others (the dry run says what it
+    would copy), after the preflight's warning about resume files that differ between nodes.
+    The manifest's ``replicate`` entry, or None when there was nothing to say; RunError when a
+    copy is refused or fails (nothing has started)."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from .. import runner
+
+    if prepared.replicas is None:
+        return None
+    order = [n.name for n in sorted(prepared.plan.nodes, key=lambda n: n.node_rank)]
+    warned = replicate.warnings(order, paths, prepared.replicas)
+    for w in warned:
+        sys.stderr.write(f"ddpfab: warning: {w}\n")
+    # without paths the look was for the warning alone: a node that could not answer it stops nothing
+    decision = replicate.decide(order, paths, prepared.replicas) if paths else replicate.Decision()
+    if decision.problems:
+        raise runner.RunError([*decision.problems, "replicate: nothing was copied"])
+    for path in decision.missing:
+        sys.stderr.write(f"ddpfab: replicate: {path} is not in the workdir of {order[0]} (rank 0's node): nothing to "
+                         "replicate (a first run?)\n")
+    workdirs = {n.name: n.workdir for n in prepared.plan.nodes}
+    nodes = {n.name: n for n in prepared.cluster.nodes}
+    for copy in decision.copies:
+        if copy.to and not args.dry_run:
+            problems = replicate.relay(copy, prepared.conns, nodes, workdirs)
+            if problems:
+                raise runner.RunError([*problems, f"replicate {copy.path}: nothing was started (the nodes that did not "
+                                                  "get it keep their old file)"])
+        sys.stderr.write(f"ddpfab: replicate: {replicate.describe(copy, dry_run=args.dry_run)}\n")
+    if not (paths or warned):
+        return None
+    return replicate.record(decision, warned)
 
 
 def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:

@@ -10,12 +10,16 @@ The protocol (:func:`serve`): after the program's code, stdin carries requests, 
 so whatever follows stays in the pipe. Each request gets one JSON line on stdout,
 ``{"id": N, "op": NAME, "ok": true, "result": {...}}`` or ``{"id": N, "op": NAME, "ok": false,
 "error": TEXT}``: a failing operation is data, the next request still runs. The program ends at
-stdin EOF (listeners of a mesh probe close then). Three operations take the session over and are
+stdin EOF (listeners of a mesh probe close then). Some operations take the session over and are
 last in it: ``supervise`` (the job supervisor: stdin carries heartbeats, stdout the job's output),
-``follow`` (a run's output, raw) and ``stage`` with ``hold`` (its one reply, then EOF ends it).
+``follow`` (a run's output, raw), ``stage`` with ``hold`` (its one reply, then EOF ends it), and
+``--replicate``'s ``replica_send`` (its reply, then the file's bytes) and ``replica_receive`` (the
+file's bytes follow its frame on stdin).
 """
 
 import base64
+import fnmatch
+import hashlib
 import importlib.util
 import io
 import json
@@ -32,9 +36,10 @@ import threading
 import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program
-    from ..agent import _detach_stdin, read_frame, stop_job
+    from ..agent import _detach_stdin, read_exactly, read_frame, stop_job
     from ..agent import main as supervise_job
-    from ..treehash import RecordError, node_commit, node_hash, node_locate, node_probe, node_stage
+    from ..treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
+                            rel_ok)
     from ..workdir import WorkdirError
 except ImportError:
     supervise_job = main  # noqa: F821 - agent.py's main, defined earlier in the shipped text
@@ -447,6 +452,155 @@ def op_perf_clean(req, session):
     return {"removed": run_dir}
 
 
+# -- replicate: a file of the workdir, from rank 0's node to the others (ddpfab.replicate) ---------
+#: Top-level names in a workdir that look like a file a script resumes from (the preflight's
+#: candidates when they differ between nodes; fnmatch, case-insensitive).
+RESUME_PATTERNS = ("*snapshot*.pt", "*checkpoint*", "*.ckpt")
+REPLICA_CHUNK = 1 << 20
+
+
+def replica_path(req):
+    """``(real workdir, real path)`` of the request's ``path``: relative, without ``..``, not into
+    ddpfab's state, and inside the workdir as this node resolves it (a symlinked parent that leads
+    out of it is refused; the last component itself is not followed)."""
+    rel = req["path"]
+    if not rel_ok(rel) or any(ord(c) < 32 or ord(c) == 127 for c in rel):
+        raise NodeOpError("the path %r is refused: write it relative to the workdir, without '..', control "
+                          "characters or ddpfab's own .ddpfab/" % (rel,))
+    _, real_wd = node_workdir(req)
+    parent = os.path.realpath(os.path.join(real_wd, os.path.dirname(rel)))
+    if parent != real_wd and not parent.startswith(real_wd.rstrip("/") + "/"):
+        raise NodeOpError("%s leads out of the workdir %s (through a symlink to %s)" % (rel, real_wd, parent))
+    return real_wd, os.path.join(parent, os.path.basename(rel))
+
+
+def _sha256_fd(fd):
+    h = hashlib.sha256()
+    while True:
+        block = os.read(fd, REPLICA_CHUNK)
+        if not block:
+            return h.hexdigest()
+        h.update(block)
+
+
+def _replica_file(req, path, digest):
+    """What is at workdir path *path* here: kind missing, file (with bytes and, with *digest*,
+    sha256), link, dir or other; a refused path as ``error``."""
+    try:
+        _, real = replica_path(dict(req, path=path))
+        st = os.lstat(real)
+    except FileNotFoundError:
+        return {"kind": "missing"}
+    except (NodeOpError, WorkdirError, OSError) as exc:
+        return {"kind": "error", "error": str(exc)}
+    if not stat_is_reg(st.st_mode):
+        return {"kind": "link" if os.path.islink(real) else "dir" if os.path.isdir(real) else "other"}
+    out = {"kind": "file", "bytes": st.st_size, "mtime": st.st_mtime}
+    if digest:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            out["sha256"] = _sha256_fd(fd)
+        finally:
+            os.close(fd)
+    return out
+
+
+def stat_is_reg(mode):
+    return (mode & 0o170000) == 0o100000
+
+
+def op_replica_stat(req, session):
+    """Per path of ``paths`` (with ``hash``: and its sha256) what this node's workdir holds; with
+    ``scan``, also the top-level regular files named like a resume file (:data:`RESUME_PATTERNS`),
+    without a hash (a preflight must stay cheap). A workdir not there yet holds nothing."""
+    _, real_wd = node_workdir(req)
+    files = {p: _replica_file(req, p, req.get("hash", False)) for p in req.get("paths", [])}
+    found = {}
+    if req.get("scan") and os.path.isdir(real_wd):
+        for name in sorted(os.listdir(real_wd)):
+            if name not in files and any(fnmatch.fnmatch(name.lower(), pat) for pat in RESUME_PATTERNS):
+                info = _replica_file(req, name, False)
+                if info["kind"] == "file":
+                    found[name] = info
+    return {"files": files, "scan": found}
+
+
+def replica_send(req, write_raw):
+    """``replica_send`` (takes the session over): one reply line with the file's ``bytes``, then
+    exactly those bytes of it. A regular file inside the workdir only (never through a symlink)."""
+    try:
+        _, real = replica_path(req)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+    except (NodeOpError, WorkdirError, OSError) as exc:
+        write_raw(reply(req.get("id"), "replica_send", error=str(exc)).encode())
+        return 1
+    try:
+        st = os.fstat(fd)
+        if not stat_is_reg(st.st_mode):
+            write_raw(reply(req.get("id"), "replica_send", error="%s is not a regular file" % req["path"]).encode())
+            return 1
+        write_raw(reply(req.get("id"), "replica_send", {"bytes": st.st_size}).encode())
+        left = st.st_size
+        while left > 0:  # the size announced is the size sent: a file growing meanwhile is cut there
+            block = os.read(fd, min(REPLICA_CHUNK, left))
+            if not block:
+                break  # shrank meanwhile: the receivers' hash check refuses it
+            write_raw(block)
+            left -= len(block)
+        return 0
+    finally:
+        os.close(fd)
+
+
+def replica_receive(req, fd):
+    """``replica_receive``: read exactly ``bytes`` bytes from *fd* (they follow the request) into a
+    new file beside ``path``, check its sha256 against ``sha256``, then rename it onto ``path``:
+    only that path is replaced (a symlink there is replaced, not followed), and a copy that fails
+    its check leaves the old file as it was. Its result: the sha256 it found."""
+    size, want = int(req["bytes"]), req["sha256"]
+    tmp = None
+    try:
+        _, real = replica_path(req)
+        if os.path.isdir(real) and not os.path.islink(real):
+            raise NodeOpError("%s is a directory here; replicate replaces only a file" % real)
+        parent = os.path.dirname(real)
+        if not os.path.isdir(parent):
+            os.makedirs(parent)
+        tmp = os.path.join(parent, ".%s.ddpfab-%d" % (os.path.basename(real), os.getpid()))
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except Exception:
+        tmp = None
+        raise
+    finally:
+        if tmp is None:
+            read_exactly(fd, size)  # drain what was sent for it: the stream ends cleanly
+    h, left = hashlib.sha256(), size
+    try:
+        with os.fdopen(out, "wb") as fh:
+            while left > 0:
+                block = os.read(fd, min(REPLICA_CHUNK, left))
+                if not block:
+                    raise NodeOpError("the copy ended after %d of %d bytes" % (size - left, size))
+                h.update(block)
+                fh.write(block)
+                left -= len(block)
+            fh.flush()
+            os.fsync(fh.fileno())
+        got = h.hexdigest()
+        if got != want:
+            raise NodeOpError("the copy's sha256 is %s, rank 0's node sent %s (did the file change while it was "
+                              "copied?); the old file is left as it was" % (got[:12], want[:12]))
+        os.replace(tmp, real)
+        tmp = None
+        return {"sha256": got, "bytes": size}
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
 # -- the loop -------------------------------------------------------------------------------------
 class NodeOpError(Exception):
     """An operation's own failure, reported as its error reply (with its *code*, when it has one:
@@ -471,12 +625,15 @@ def _treehash(fn):
 OPS = {
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
     "ps": op_ps, "stop": op_stop, "rank_logs": op_rank_logs,
-    "perf_place": op_perf_place, "perf_clean": op_perf_clean,
+    "perf_place": op_perf_place, "perf_clean": op_perf_clean, "replica_stat": op_replica_stat,
     "probe": _treehash(node_probe), "commit": _treehash(node_commit), "hash": _treehash(node_hash),
     "locate": _treehash(node_locate), "stage": _treehash(node_stage),
 }
 #: Operations that take the session over (last in it); their exit status is the program's.
 TAKEOVER = {"supervise": supervise, "follow": follow}
+#: Operations that read raw bytes after their frame (replica_receive) or write them after their
+#: reply (replica_send): last in a session, like :data:`TAKEOVER`.
+RAW = ("replica_send", "replica_receive")
 
 
 def reply(rid, op, result=None, error=None, code=None):
@@ -491,14 +648,15 @@ def reply(rid, op, result=None, error=None, code=None):
     return json.dumps(out) + "\n"
 
 
-def handle(req, session):
-    """Run one request; its reply line (never an exception: the next request still runs)."""
+def handle(req, session, fn=None):
+    """Run one request (by its op, or with *fn*); its reply line (never an exception: the next
+    request still runs)."""
     if not isinstance(req, dict):
         return reply(None, None, error="a request is a JSON object, got %s" % type(req).__name__)
     rid, op = req.get("id"), req.get("op")
-    fn = OPS.get(op) if isinstance(op, str) else None
+    fn = fn or (OPS.get(op) if isinstance(op, str) else None)
     if fn is None:
-        return reply(rid, op, error="unknown operation %r (known: %s)" % (op, ", ".join(sorted(list(OPS) + list(TAKEOVER)))))
+        return reply(rid, op, error="unknown operation %r (known: %s)" % (op, ", ".join(sorted(list(OPS) + list(TAKEOVER) + list(RAW)))))
     try:
         return reply(rid, op, fn(req, session))
     except NodeOpError as exc:
@@ -533,9 +691,25 @@ def serve(fd=0, write=None):
             continue
         if isinstance(req, dict) and req.get("op") in TAKEOVER:
             return TAKEOVER[req["op"]](req)
+        if isinstance(req, dict) and req.get("op") == "replica_send":
+            return replica_send(req, _raw_writer())
+        if isinstance(req, dict) and req.get("op") == "replica_receive":
+            text = handle(req, session, lambda r, _s: replica_receive(r, fd))
+            write(text)
+            return 0 if json.loads(text)["ok"] else 1
         if isinstance(req, dict) and req.get("op") == "stage" and req.get("hold"):
             return _hold_stage(req, session, write, fd)
         write(handle(req, session))
+
+
+def _raw_writer():
+    """Write bytes to stdout as they are (a reply line, then a file's content)."""
+    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else sys.stdout
+
+    def write(data):
+        out.write(data)
+        out.flush()
+    return write
 
 
 def _hold_stage(req, session, write, fd):

@@ -232,8 +232,17 @@ def test_tampering_on_one_node_is_caught_by_the_hash(lab, tmp_path, project):
     verify = run_sync("-i", str(inv), "--verify-only", str(project))
     errors = [ln for ln in verify.stderr.splitlines() if ln.startswith("ddpfab: error:")]
     assert verify.returncode == 1 and len(errors) == 1 and "host node2" in errors[0]
+    assert "train.py has the same size here and there: run `ddpfab sync --checksum`" in errors[0], errors
     repaired = run_sync("-i", str(inv), "--checksum", str(project))
     assert repaired.returncode == 0, repaired.stderr
+    assert_exact(lab, project, workdir)
+    # a size change: a plain sync copies it (rsync's quick check sees sizes), and the advice says so
+    on_node(lab, "node2", f"echo '# more' >> {workdir}/train.py")
+    verify = run_sync("-i", str(inv), "--verify-only", str(project))
+    errors = [ln for ln in verify.stderr.splitlines() if ln.startswith("ddpfab: error:")]
+    assert verify.returncode == 1 and len(errors) == 1 and "train.py (differs)" in errors[0], verify.stderr
+    assert "run `ddpfab sync` to copy this tree there" in errors[0] and "--checksum" not in errors[0], errors
+    assert run_sync("-i", str(inv), str(project)).returncode == 0
     assert_exact(lab, project, workdir)
 
 

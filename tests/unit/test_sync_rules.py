@@ -504,3 +504,30 @@ def test_digest_cache_skips_unchanged_files_but_not_rewrites_with_old_stamps(tmp
     os.utime(root / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))
     assert json.loads(where.read_text())["files"]["a.py"][:2] == [st.st_size, st.st_mtime_ns]
     assert treehash.tree_digest(str(root), ["a.py", "b.py"], cache=True)["tree_hash"] != first
+
+
+def _two_trees(tmp_path, here: bytes, there: bytes):
+    """The detailed digests of a one-file tree here and on a 'node' whose file holds *there*."""
+    a, b = tmp_path / "here", tmp_path / "there"
+    tmp_path.mkdir(exist_ok=True)
+    for d, data in ((a, here), (b, there)):
+        d.mkdir()
+        (d / "train.py").write_bytes(data)
+    return (treehash.tree_digest(str(a), ["train.py"], detail=True),
+            treehash.tree_digest(str(b), ["train.py"], detail=True))
+
+
+def test_mismatch_advice_names_checksum_only_where_the_quick_check_could_have_skipped(tmp_path):
+    ours, theirs = _two_trees(tmp_path, b"print(1)\n", b"print(22)\n")  # the size changed
+    assert ours["sizes"] == {"train.py": 9} and theirs["sizes"] == {"train.py": 10}
+    after_copy = sync.mismatch_advice(ours, theirs, verify_only=False, checksum=False)
+    assert "--checksum would not help" in after_copy and "run `ddpfab sync --checksum`" not in after_copy
+    verify = sync.mismatch_advice(ours, theirs, verify_only=True, checksum=False)
+    assert "--verify-only" in verify and "`ddpfab sync`" in verify and "--checksum" not in verify
+
+    ours, theirs = _two_trees(tmp_path / "same", b"print(1)\n", b"print(2)\n")  # same size, other bytes
+    after_copy = sync.mismatch_advice(ours, theirs, verify_only=False, checksum=False)
+    assert after_copy.startswith("train.py: the same size") and "run `ddpfab sync --checksum`" in after_copy
+    assert "`ddpfab sync --checksum`" in sync.mismatch_advice(ours, theirs, verify_only=True, checksum=False)
+    # contents were compared already: --checksum is no advice
+    assert "--checksum" not in sync.mismatch_advice(ours, theirs, verify_only=False, checksum=True)
