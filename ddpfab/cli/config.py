@@ -99,6 +99,9 @@ def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: 
         return
     environ = os.environ if environ is None else environ
     config: dict[str, Any] | None = None
+    # which options came from here, not the command line: a run's record (stop, logs, replay) names
+    # its own inventory, which wins over these defaults but never over a flag
+    args._defaulted = set()
     for key, (dest, env, _path) in KEYS.items():
         if not hasattr(args, dest):
             continue
@@ -114,14 +117,22 @@ def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: 
             continue
         if env and environ.get(env):
             setattr(args, dest, environ[env])
+            args._defaulted.add(dest)
             continue
         if config is None:
             path = find(cwd, environ)
             config = read(path) if path else {}
         if key in config:
             setattr(args, dest, config[key])
+            args._defaulted.add(dest)
     if getattr(args, "group", "") is None:
         args.group = DEFAULT_GROUP
+        args._defaulted.add("group")
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether option *dest* was given on the command line (not filled by :func:`apply`)."""
+    return getattr(args, dest, None) not in (None, []) and dest not in getattr(args, "_defaulted", set())
 
 
 def default_inventory(flag: str | None, environ: dict[str, str] | None = None, cwd: str | None = None) -> str:

@@ -11,18 +11,23 @@ from pathlib import Path
 from .. import inventory
 from .. import node as nodeprog
 from ..plan import Plan
+from ..problems import NodeError, Problem
 from ..results import GroupResult
-from .errors import die, warn
+from .config import MISSING_INVENTORY, ConfigError, given
+from .errors import EXIT_FAILED, die, warn
 
 
 def _cluster(args, manifest: dict | None):
+    """The nodes: -i/--group as given, else the run's record's, else $DDPFAB_INVENTORY/ddpfab.yml's
+    (:func:`ddpfab.cli.config.apply` filled those in)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..recover import attempt_cluster
 
-    source = args.inventory or (manifest or {}).get("plan", {}).get("inventory")
+    recorded = (manifest or {}).get("plan", {})
+    source = args.inventory if given(args, "inventory") else recorded.get("inventory") or args.inventory
     if not source:
-        raise inventory.InventoryError("no inventory: pass --inventory (no local manifest names one)")
-    group = args.group or (manifest or {}).get("plan", {}).get("group") or "all"
+        raise ConfigError(MISSING_INVENTORY)
+    group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
         return attempt_cluster(manifest, source, group)
     return inventory.load(source, group)
@@ -44,12 +49,24 @@ def _connect(args, cluster):
     return runner.connect_all(cluster, policy, args.ssh_config)
 
 
-def _on_each_node(args, cluster, fn) -> GroupResult:
+def _on_each_node(args, cluster, fn, each: bool = False) -> GroupResult:
     """``fn(conn, node)`` on every node of *cluster* in parallel over fresh connections, closed
-    after; node name -> its result, or the exception it raised."""
+    after; node name -> its result, or the exception it raised. Every node must connect first
+    (else RunError, nothing done), unless *each*: then a node that cannot be reached is one
+    failure among the results."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from .. import ssh
 
+    if each:
+        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+
+        def connected(n):
+            conn = ssh.connect(n, policy, args.ssh_config)
+            try:
+                return fn(conn, n)
+            finally:
+                conn.close()
+        return ssh.parallel(cluster.nodes, connected)
     conns = _connect(args, cluster)
     try:
         return ssh.parallel(cluster.nodes, lambda n: fn(conns[n.name], n))
@@ -59,9 +76,14 @@ def _on_each_node(args, cluster, fn) -> GroupResult:
 
 
 def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
-    p.add_argument("-i", "--inventory", required=inventory_required,
-                   help="inventory (default: the one recorded in the run's local manifest)")
-    p.add_argument("--group", help="inventory group (default: the recorded one, else all)")
+    # the defaults of every inventory command ($DDPFAB_INVENTORY, ddpfab.yml: cli/config.py), after a run's record
+    p.set_defaults(_cluster_args=True, _inventory_required=inventory_required)
+    p.add_argument("-i", "--inventory",
+                   help="inventory (default: the one recorded in the run's local manifest, else "
+                        "$DDPFAB_INVENTORY, else `inventory:` in ./ddpfab.yml)" if not inventory_required else
+                        "inventory (default: $DDPFAB_INVENTORY, else `inventory:` in ./ddpfab.yml)")
+    p.add_argument("--group", help="inventory group (default: the recorded one, else $DDPFAB_GROUP, the config's, "
+                                   "or all)")
     p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"))
     p.add_argument("--known-hosts")
     p.add_argument("--ssh-config")
@@ -92,7 +114,7 @@ def _guard(fn):
 
         try:
             return fn(args)
-        except inventory.InventoryError as exc:
+        except (inventory.InventoryError, ConfigError) as exc:
             return die(str(exc))
         except runner.RunError as exc:
             return die(exc.problems)
@@ -109,9 +131,10 @@ def cmd_ps(args) -> int:
         return float(res["now"]), [_ps_record(r) for r in res["runs"]]
 
     cluster = _cluster(args, None)
-    results = _on_each_node(args, cluster, ps)
-    for name, exc in results.failed.items():  # one node's failure (or malformed reply) is a warning
-        warn(f"host {name}: cannot list jobs: {exc}")
+    results = _on_each_node(args, cluster, ps, each=True)
+    problems = [_problem(name, exc) for name, exc in results.failed.items()]
+    for p in problems:  # one node's failure (unreachable, a malformed reply) is data: the others are listed
+        warn(p)
     runs: dict[str, dict] = {}
     for name, (now, records) in results.succeeded.items():
         for rec in records:
@@ -129,9 +152,11 @@ def cmd_ps(args) -> int:
         states = {s["state"] for s in r["nodes"].values()}
         r["state"] = "running" if "running" in states else ("dead" if "dead" in states else "exited")
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
+    code = EXIT_FAILED if problems else 0
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
+        print(json.dumps({"ok": not problems, "runs": rows, "problems": [p.to_dict() for p in problems]}, indent=2,
+                         ensure_ascii=False))
+        return code
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
     for r in rows:
         states = {n: s["state"] + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
@@ -140,7 +165,16 @@ def cmd_ps(args) -> int:
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
-    return 0
+    return code
+
+
+def _problem(name: str, exc: BaseException) -> Problem:
+    """A node's failure as a problem record: an SSHError is one already; anything else (a reply
+    the node program should never give) is named by its type and text."""
+    if isinstance(exc, NodeError):
+        return Problem(name, exc.kind, found=exc.found, text=str(exc))
+    found = f"cannot list jobs: {type(exc).__name__}: {exc}"
+    return Problem(name, "ps", found=found, text=f"host {name}: {found}")
 
 
 @_guard

@@ -11,6 +11,8 @@ import sys
 import time
 
 from .. import inventory, perf
+from ..plan import PlanError
+from .common import load_cluster
 from .errors import die
 
 
@@ -36,7 +38,7 @@ def cmd_check_perf(args) -> int:
         nodes = None
         if args.inventory:
             try:
-                nodes = [n.name for n in inventory.load(args.inventory, args.group).nodes]
+                nodes = [n.name for n in load_cluster(args).nodes]
             except inventory.InventoryError as exc:
                 return die(str(exc))
         hist = perf.history(records, nodes)
@@ -48,11 +50,11 @@ def cmd_check_perf(args) -> int:
                 sys.stderr.write(f"ddpfab: warning: {path} is not a perf record; skipped\n")
         return 0
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
         record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
                                     args.ssh_config, echo=args.verbose)
-    except inventory.InventoryError as exc:
+    except (inventory.InventoryError, PlanError) as exc:  # e.g. --nproc-per-node 0: nothing was started
         return die(str(exc))
     except (PerfError, runner.RunError) as exc:
         return die(exc.problems, getattr(exc, "code", 2))

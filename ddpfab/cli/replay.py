@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import inventory
 from ..plan import PlanError, make_plan, parse_env
+from .config import given
 from .errors import die, print_problems
 from .run import _print_dry_run
 
@@ -21,6 +22,9 @@ def register(sub) -> None:
                                    "inventory or the code changed (unless --force) or a masked secret is "
                                    "not given again with --env.")
     p.add_argument("run_id")
+    # the defaults of every inventory command (cli/config.py) fill --ssh-config and --known-hosts; the
+    # nodes are the recorded ones unless -i/--group are given on the command line
+    p.set_defaults(_cluster_args=True)
     p.add_argument("-i", "--inventory", help="inventory (default: the one the run recorded)")
     p.add_argument("--group", help="inventory group (default: the recorded one)")
     p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
@@ -65,11 +69,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
                              f"replaying the last, {latest['run_id']} (its nodes)\n")
             manifest = latest
         recorded, cwd = validate(manifest, str(path))
-        source = args.inventory or manifest["plan"]["inventory"]
+        source = args.inventory if given(args, "inventory") else manifest["plan"]["inventory"]
+        group = args.group if given(args, "group") else None
         if "attempt_nodes" in manifest:
-            cluster = attempt_cluster(manifest, source, args.group)
+            cluster = attempt_cluster(manifest, source, group)
         else:
-            cluster = inventory.load(source, args.group or manifest["plan"]["group"])
+            cluster = inventory.load(source, group or manifest["plan"]["group"])
         overrides = dict(parse_env(args.env, dict(os.environ)))
     except (ManifestError, inventory.InventoryError, PlanError) as exc:
         return die(str(exc))

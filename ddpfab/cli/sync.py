@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from .. import inventory
 from .common import add_cluster_args, load_cluster
+from .config import MISSING_INVENTORY
 from .errors import die
 
 if TYPE_CHECKING:
@@ -95,8 +96,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             out.write(rel + "\n")
         return 0
     if not args.inventory:
-        die("--inventory is required (or --list)")
-        return 2
+        return die(MISSING_INVENTORY + " (or --list)")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from .. import ssh
 
