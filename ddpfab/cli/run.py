@@ -107,6 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args)
         ropts = recovery.recovery_options(args, cluster)
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
+        recovery.check_sizes(ropts, len(cluster.nodes), len(spares))
         options = _run_options(args)
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
             raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
