@@ -23,7 +23,7 @@ from .. import __version__
 from ..interrupt import run_interruptible
 from . import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
 from .common import fill_missing_help
-from .errors import closed_stdout_ends_quietly, die
+from .errors import closed_stdout_ends_quietly, die, refuse
 
 #: The subcommands, in the order ``ddpfab --help`` lists them.
 COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, replay)
@@ -61,9 +61,9 @@ def unguarded_main(argv: list[str] | None = None) -> int:
     try:
         config.apply(args)  # flags > environment > project config
     except config.ConfigError as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "config")
     if getattr(args, "_inventory_required", False) and not args.inventory:
-        return die(config.MISSING_INVENTORY)
+        return refuse(args, config.MISSING_INVENTORY, "inventory")
     if args.command in ("run", "replay") and args.json and not args.dry_run:
         # --json prints the plan: it never turns a dry run into a real one (sync --json reports a real sync)
         return die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")

@@ -7,7 +7,7 @@ import json
 from .. import inventory
 from .. import mesh as meshmod
 from .common import add_cluster_args, load_cluster
-from .errors import die
+from .errors import refuse
 from .perf import add_check_arguments, cmd_check_perf
 
 
@@ -36,7 +36,7 @@ def cmd_check(args) -> int:
     try:
         cluster = load_cluster(args)
     except inventory.InventoryError as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "inventory")
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     report = check_cluster(cluster, policy, CheckOptions(
         master_port=args.master_port, nproc_per_node=args.nproc_per_node,

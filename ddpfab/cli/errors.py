@@ -45,6 +45,15 @@ def print_problems(problems: Iterable[str | Problem], check: str) -> None:
     print(json.dumps({"ok": False, "problems": records}, indent=2, ensure_ascii=False))
 
 
+def refuse(args, lines: Iterable[str | Problem] | str | Problem, check: str, code: int = EXIT_USAGE) -> int:
+    """:func:`die`, and with ``--json`` the same as a problems document on stdout: a command asked
+    for JSON writes JSON whatever ends it (*check*: the key of a line about no one node)."""
+    lines = [lines] if isinstance(lines, (str, Problem)) else list(lines)
+    if getattr(args, "json", False):
+        print_problems(lines, check)
+    return die(lines, code)
+
+
 def warn(line: str | Problem) -> None:
     sys.stderr.write(f"ddpfab: warning: {line}\n")
 

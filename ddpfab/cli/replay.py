@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import inventory
 from ..plan import PlanError, make_plan, parse_env
 from .config import given
-from .errors import die, print_problems
+from .errors import die, print_problems, refuse
 from .run import _print_dry_run
 
 
@@ -55,9 +55,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         manifest = json.loads(path.read_text())
     except OSError:
-        return die(f"no run record {path} (pass --runs-dir where the run was recorded)")
+        return refuse(args, f"no run record {path} (pass --runs-dir where the run was recorded)", "replay")
     except ValueError as exc:
-        return die(f"{path} is not a ddpfab run manifest (not JSON: {exc})")
+        return refuse(args, f"{path} is not a ddpfab run manifest (not JSON: {exc})", "replay")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..recover import attempt_cluster, current_manifest
 
@@ -77,7 +77,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             cluster = inventory.load(source, group or manifest["plan"]["group"])
         overrides = dict(parse_env(args.env, dict(os.environ)))
     except (ManifestError, inventory.InventoryError, PlanError) as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "replay")
     problems = check(manifest, cluster)
     if problems and not args.force:
         if args.json:
