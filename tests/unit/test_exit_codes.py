@@ -56,9 +56,14 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
                   (["provision", "-i", "missing.yml"], EXIT_USAGE, "missing.yml")],
     "completion": [(["completion", "fish"], EXIT_USAGE, "fish")],
     "ps": [(["ps"], EXIT_USAGE, "DDPFAB_INVENTORY")],
-    "stop": [(["stop", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY")],
-    "attach": [(["attach", "r1"], EXIT_USAGE, "no local record of run r1")],
-    "logs": [(["logs", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY")],
+    "stop": [(["stop", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["stop", "-i", IPS, "bad"], EXIT_USAGE, "cannot be read as a run record"),
+             (["stop", "-i", IPS, "odd"], EXIT_USAGE, "is not a ddpfab run record")],
+    "attach": [(["attach", "r1"], EXIT_USAGE, "no local record of run r1"),
+               (["attach", "bad"], EXIT_USAGE, "cannot be read as a run record"),
+               (["attach", "odd"], EXIT_USAGE, "is not a ddpfab run record")],
+    "logs": [(["logs", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["logs", "-i", IPS, "bad"], EXIT_USAGE, "cannot be read as a run record")],
     "export slurm": [(["export", "slurm", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
                      (["export", "slurm", "-i", IPS, "--master-port", "0", "t.py"], EXIT_USAGE, "--master-port 0")],
     "export pytorchjob": [(["export", "pytorchjob", "--image", "i", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
@@ -98,6 +103,8 @@ def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(cl
     (clean / "existing").write_text("mine")
     (clean / "runs" / "bad").mkdir(parents=True)
     (clean / "runs" / "bad" / "manifest.json").write_text("{not json")
+    (clean / "runs" / "odd").mkdir()
+    (clean / "runs" / "odd" / "manifest.json").write_text('{"run_id": "odd", "plan": 3}')
     fill = {"SPARES": str(clean / "spares.yml"), "LAB": str(clean / "nolab"), "FILE": str(clean / "existing")}
     for command, cases in CASES.items():
         for argv, code, says in cases:
@@ -117,6 +124,18 @@ def test_a_refused_min_nodes_is_about_the_size_only(clean, capsys):
     # the same options with a size the job has pass the dry run: the refusal above is the size's
     assert cli.main(["run", "-i", IPS, *OFFLINE, "--max-job-restarts", "1", "--min-nodes", "2", "t.py"]) == 0
     assert "# ddpfab plan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["check", "--json"], ["check", "--perf", "--json"], ["ps", "--json"],
+                                  ["sync", "--json"], ["check", "-i", "nowhere.yml", "--json"],
+                                  ["run", "-i", IPS, *OFFLINE, "--json", "--master-port", "0", "t.py"],
+                                  ["plan", "-i", IPS, "--offline", "--json", "--master-port", "0", "t.py"],
+                                  ["replay", "r1", "--dry-run", "--json"]])
+def test_json_asked_for_is_json_when_refused_too(argv, clean, capsys):
+    assert cli.main(argv) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["ok"] is False and len(doc["problems"]) == 1 and doc["problems"][0]["text"] in err, (out, err)
 
 
 # -- what a host or a reader causes: as a process, where paramiko's logging and a closed pipe print ------
@@ -185,6 +204,16 @@ def test_ps_json_writes_json_with_the_unreachable_host_as_data(silent_sshd, tmp_
     _one_banner_problem(listing["problems"], port, "no-banner")
     # on stderr: one warning naming the host, nothing of paramiko's
     assert res.stderr.startswith("ddpfab: warning: host quiet") and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_stop_and_logs_name_a_host_that_never_sends_a_banner(silent_sshd, tmp_path):
+    port, how = silent_sshd
+    for command in ("stop", "logs"):
+        res = _ddpfab(command, *how, "--runs-dir", str(tmp_path / "runs"), "r1", cwd=tmp_path)
+        assert res.returncode == EXIT_FAILED, res.stderr
+        said = res.stdout + res.stderr
+        assert "quiet: " in said and "no SSH banner within 1 s" in said and "Traceback" not in said, said
+        assert said.count("\n") == 1 and "host quiet: host quiet" not in said, said
 
 
 def test_a_closed_stdout_ends_quietly(tmp_path):
