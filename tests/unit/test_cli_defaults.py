@@ -56,8 +56,23 @@ class Loaded(inventory.InventoryError):
     pass
 
 
+#: The settings cli/config.py reads from the environment (DDPFAB_CONFIG aside).
+DEFAULT_VARS = ("DDPFAB_INVENTORY", "DDPFAB_GROUP", "DDPFAB_LIMIT", "DDPFAB_SSH_CONFIG", "DDPFAB_KNOWN_HOSTS")
+
+
 @pytest.fixture
-def recorder(monkeypatch, tmp_path):
+def clean(monkeypatch, tmp_path):
+    """No defaults from this machine: a clean directory, no DDPFAB_* settings, no config."""
+    for var in DEFAULT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DDPFAB_CONFIG", "")
+    monkeypatch.setenv("DDPFAB_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def recorder(monkeypatch, clean):
     """inventory.load records what it is asked and refuses (nothing goes further); the defaults
     come from the environment only, in a clean directory."""
     calls: list[dict] = []
@@ -67,11 +82,6 @@ def recorder(monkeypatch, tmp_path):
         raise Loaded(f"recorded {source}")
 
     monkeypatch.setattr(inventory, "load", load)
-    for var in ("DDPFAB_INVENTORY", "DDPFAB_GROUP", "DDPFAB_LIMIT", "DDPFAB_SSH_CONFIG", "DDPFAB_KNOWN_HOSTS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("DDPFAB_CONFIG", "")
-    monkeypatch.setenv("DDPFAB_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.chdir(tmp_path)
     return calls
 
 
@@ -117,11 +127,9 @@ def test_every_inventory_command_honours_the_defaults_limit_and_extra_vars(recor
             assert "ddpfab_marker=1" in recorder[0]["extra_vars"], (name, recorder)
 
 
-def test_the_project_config_is_a_default_of_ps_and_stop(recorder, tmp_path, capsys):
+def test_the_project_config_is_a_default_of_ps_and_stop(recorder, monkeypatch, tmp_path, capsys):
     (tmp_path / "ddpfab.yml").write_text("inventory: cluster.yml\ngroup: gpus\n")
-    import os
-
-    os.environ.pop("DDPFAB_CONFIG")  # (restored by monkeypatch) the config is found in the current dir
+    monkeypatch.delenv("DDPFAB_CONFIG")  # the config is found in the current dir
     for argv in (["ps"], ["stop", "r1"]):
         recorder.clear()
         assert cli.main(argv) == 2

@@ -19,7 +19,7 @@ import pytest
 from ddpfab import cli
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, EXIT_USAGE
 
-from .test_cli_defaults import leaf_parsers
+from .test_cli_defaults import DEFAULT_VARS, clean, leaf_parsers  # noqa: F401 - clean is a fixture
 
 REPO = Path(__file__).resolve().parents[2]
 IPS = "10.0.0.1,10.0.0.2,"
@@ -85,17 +85,6 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
 }
 
 
-@pytest.fixture
-def clean(monkeypatch, tmp_path):
-    """No defaults from this machine: a clean directory, no DDPFAB_* settings, no config."""
-    for var in ("DDPFAB_INVENTORY", "DDPFAB_GROUP", "DDPFAB_LIMIT", "DDPFAB_SSH_CONFIG", "DDPFAB_KNOWN_HOSTS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("DDPFAB_CONFIG", "")
-    monkeypatch.setenv("DDPFAB_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
-
-
 def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(clean, capsys):
     commands = {name for name, _ in leaf_parsers(cli.build_parser())}
     assert set(CASES) == commands, "every command needs its error paths here"
@@ -141,7 +130,7 @@ def test_json_asked_for_is_json_when_refused_too(argv, clean, capsys):
 # -- what a host or a reader causes: as a process, where paramiko's logging and a closed pipe print ------
 def _ddpfab(*args: str, cwd: Path, stdout=subprocess.PIPE, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "DDPFAB_CONFIG": ""}
-    for var in ("DDPFAB_INVENTORY", "DDPFAB_SSH_CONFIG", "DDPFAB_KNOWN_HOSTS", "DDPFAB_LIMIT", "DDPFAB_GROUP"):
+    for var in DEFAULT_VARS:
         env.pop(var, None)
     return subprocess.run([sys.executable, "-m", "ddpfab", *args], cwd=cwd, stdout=stdout, stderr=subprocess.PIPE,
                           text=True, env=env, timeout=timeout)
