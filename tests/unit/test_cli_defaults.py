@@ -160,3 +160,15 @@ def test_a_runs_record_wins_over_the_defaults_and_a_flag_over_the_record(command
     assert cli.main([command, "-i", str(tmp_path / "flag.yml"), "r1"]) == 2
     assert recorder[-1]["source"] == str(tmp_path / "flag.yml"), recorder
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_configs_limit_and_extra_vars_reach_provision(clean, monkeypatch):
+    monkeypatch.delenv("DDPFAB_CONFIG")
+    (clean / "cluster.yml").write_text("all:\n  hosts:\n    n1: {ansible_host: 10.0.0.1}\n")
+    (clean / "ddpfab.yml").write_text("inventory: cluster.yml\nlimit: n1\nextra_vars: {ddpfab_python: /v/bin/python}\n")
+    calls = _provision_calls(monkeypatch)
+    assert cli.main(["provision", "-e", "ddpfab_x=1"]) == 0
+    source, opts = calls[0]
+    # the config's variables first, as one JSON -e; the command line's after them (it wins, as in Ansible)
+    assert (source, opts.limit) == (str(clean / "cluster.yml"), "n1")
+    assert opts.extra_vars == (json.dumps({"ddpfab_python": "/v/bin/python"}), "ddpfab_x=1")
