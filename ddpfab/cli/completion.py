@@ -4,7 +4,7 @@ bash: ``eval "$(ddpfab completion bash)"`` (in ~/.bashrc), or the script saved a
 bash-completion's completions dir. zsh, either way: the script saved as ``_ddpfab`` in a directory
 on ``$fpath`` before ``compinit`` runs (its first line, ``#compdef ddpfab``, is what compinit
 looks for; the function then defines itself and completes), or ``eval "$(ddpfab completion zsh)"``
-after ``compinit`` (it calls ``compdef``). The zsh one is a native completion function, not the
+in ~/.zshrc (it calls ``compdef``, running ``compinit`` first if nothing has). The zsh one is a native completion function, not the
 bash one through bashcompinit, which an autoloaded file cannot register. Subcommands and options
 complete; anything else completes as a file name (scripts, inventories, hostfiles).
 """
@@ -98,7 +98,8 @@ _ddpfab() {{
 }}
 {known_fn}if [[ "${{funcstack[1]}}" == _ddpfab ]]; then
     _ddpfab "$@"  # autoloaded from $fpath by the first completion: the function above replaced this one
-else
-    compdef _ddpfab ddpfab  # eval'd or sourced, after compinit
+else  # eval'd or sourced (in ~/.zshrc, maybe before compinit or with none): compdef needs compinit
+    (( $+functions[compdef] )) || {{ autoload -Uz compinit && compinit; }}
+    compdef _ddpfab ddpfab
 fi
 """

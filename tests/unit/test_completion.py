@@ -56,14 +56,16 @@ def _type_on_terminal(argv: list[str], env: dict[str, str], steps: list[tuple[st
     return out.decode(errors="replace")
 
 
-@pytest.mark.parametrize("how", ["fpath", "eval"])
+@pytest.mark.parametrize("how", ["fpath", "eval", "eval-first"])
 def test_zsh_completion_registers_and_completes(how, tmp_path):
     if how == "fpath":  # as the help says: the script saved as _ddpfab in a directory on $fpath
         fdir = _script("zsh", tmp_path / "functions" / "_ddpfab").parent
         setup = f"fpath=({fdir} $fpath); autoload -Uz compinit; compinit -u -D"
-    else:
+    elif how == "eval":  # eval'd in ~/.zshrc after compinit
         script = _script("zsh", tmp_path / "ddpfab.zsh")
         setup = f'autoload -Uz compinit; compinit -u -D; eval "$(cat {script})"'
+    else:  # eval'd in a ~/.zshrc that runs no compinit (plain zsh has none)
+        setup = f'eval "$(cat {_script("zsh", tmp_path / "ddpfab.zsh")})"'
     env = _clean_env(tmp_path / "home")
     res = subprocess.run([ZSH, "-c", f"{setup}; print -r -- ${{_comps[ddpfab]}}"], capture_output=True, text=True,
                          env=env, timeout=60)
