@@ -127,7 +127,10 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
     if os.path.lexists(dest) and not overwrite:
         raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR")
-    os.makedirs(local_dir, exist_ok=True)
+    try:
+        os.makedirs(local_dir, exist_ok=True)
+    except OSError as exc:
+        raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
     show = progress if progress is not None else size >= PROGRESS_BYTES
     argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
             " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),

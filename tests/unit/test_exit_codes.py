@@ -41,6 +41,7 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
     "run": [(["run", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
             (["run", "-i", IPS, *OFFLINE, "--master-port", "0", "t.py"], EXIT_USAGE, "--master-port 0"),
             (["run", "-i", IPS, "--max-restarts", "x", "t.py"], EXIT_USAGE, "--max-restarts"),
+            (["run", "-i", IPS, *OFFLINE, "--ssh-config", "FILE", "t.py"], EXIT_USAGE, "cannot be parsed"),
             (["run", "-i", IPS, *OFFLINE, "--max-job-restarts", "1", "--min-nodes", "5", "t.py"], EXIT_USAGE,
              "--min-nodes 5"),
             (["run", "-i", "SPARES", "--group", "trainers", "--spares", "standby", "--max-job-restarts", "1",
@@ -72,7 +73,8 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
                         (["export", "trainjob", "-i", IPS, "t.py"], EXIT_USAGE, "--image")],
     "check": [(["check"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["check", "--perf"], EXIT_USAGE, "DDPFAB_INVENTORY"),
-              (["check", "-i", IPS, "--max-skew", "x"], EXIT_USAGE, "--max-skew")],
+              (["check", "-i", IPS, "--max-skew", "x"], EXIT_USAGE, "--max-skew"),
+              (["check", "-i", IPS, "--master-port", "99999"], EXIT_USAGE, "--master-port 99999")],
     "sync": [(["sync"], EXIT_USAGE, "DDPFAB_INVENTORY")],
     "fetch": [(["fetch", "ckpt.pt"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["fetch", "-i", IPS, "--rank", "5", "ckpt.pt"], EXIT_USAGE, "--rank 5"),
@@ -89,7 +91,7 @@ def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(cl
     commands = {name for name, _ in leaf_parsers(cli.build_parser())}
     assert set(CASES) == commands, "every command needs its error paths here"
     (clean / "spares.yml").write_text(SPARES_INV)
-    (clean / "existing").write_text("mine")
+    (clean / "existing").write_text("mine")  # (also an ssh_config that is not one)
     (clean / "runs" / "bad").mkdir(parents=True)
     (clean / "runs" / "bad" / "manifest.json").write_text("{not json")
     (clean / "runs" / "odd").mkdir()
