@@ -33,7 +33,8 @@ PROGRESS_BYTES = 16 * 2**20
 
 class FetchError(Exception):
     """Nothing was fetched; the message says why and what to do. *code*: the exit code, 2 when the
-    request itself cannot be met (bad input: nothing was copied or changed), 1 when the copy failed."""
+    request is refused before any host is contacted (bad input), 1 once the node has been asked (the
+    path refused or missing there, a destination that exists, the copy failed)."""
 
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
@@ -126,7 +127,7 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     local_dir = os.path.abspath(os.fspath(local_dir))
     dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
     if os.path.lexists(dest) and not overwrite:
-        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR")
+        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR", 1)
     try:
         os.makedirs(local_dir, exist_ok=True)
     except OSError as exc:
