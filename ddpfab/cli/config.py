@@ -13,6 +13,11 @@ parent that has one, a small YAML mapping::
 Environment: ``DDPFAB_INVENTORY``, ``DDPFAB_GROUP``, ``DDPFAB_LIMIT``, ``DDPFAB_SSH_CONFIG``,
 ``DDPFAB_KNOWN_HOSTS``; ``DDPFAB_CONFIG`` names the config file (empty: none). A flag given on the
 command line always wins; an environment variable wins over the file.
+
+Every command that takes an inventory applies them (its parser is marked ``_cluster_args``;
+tests/unit/test_cli_defaults.py walks the parser to hold that). ``stop``, ``logs``, ``attach`` and
+``replay`` act on a recorded run: its local record's inventory and group win over these defaults,
+never over a flag (:func:`given`).
 """
 
 from __future__ import annotations
