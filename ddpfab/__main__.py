@@ -4,8 +4,9 @@ from .interrupt import run_interruptible
 
 def _main() -> int:
     from .cli import unguarded_main
+    from .cli.errors import closed_stdout_ends_quietly
 
-    return unguarded_main()
+    return closed_stdout_ends_quietly(unguarded_main)
 
 
 raise SystemExit(run_interruptible(_main))

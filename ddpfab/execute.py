@@ -39,6 +39,11 @@ def remote_command(words: list[str]) -> str:
     return words[0] if len(words) == 1 else shlex.join(words)
 
 
+#: The watcher's TERM to the command's process group ``$p``, once more after 0.2 s when the group is
+#: not there yet (a connection that closes at once can beat the ``setsid`` child to making it).
+TERM_GROUP = 'kill -s TERM -- "-$p" || { sleep 0.2; kill -s TERM -- "-$p"; }'
+
+
 def guarded(command: str) -> str:
     """*command* run so that it ends with the connection: in a session of its own (stdin from
     /dev/null), while a watcher reads this SSH session's stdin, which ddpfab keeps open; when it
@@ -47,7 +52,7 @@ def guarded(command: str) -> str:
     outlive a Ctrl-C (no terminal, so no SIGHUP)."""
     return ("exec 3<&0; "
             f'setsid "${{SHELL:-sh}}" -c {shlex.quote(command)} </dev/null 3<&- & p=$!; '
-            '( cat <&3 >/dev/null; kill -s TERM -- "-$p" || {{ sleep 0.2; kill -s TERM -- "-$p"; }}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
+            f'( cat <&3 >/dev/null; {TERM_GROUP}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
             'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
 
 

@@ -32,7 +32,28 @@ PROGRESS_BYTES = 16 * 2**20
 
 
 class FetchError(Exception):
-    """Nothing was fetched; the message says why and what to do."""
+    """Nothing was fetched; the message says why and what to do. *code*: the exit code, 2 when the
+    request is refused before any host is contacted (bad input), 1 once the node has been asked (the
+    path refused or missing there, a destination that exists, the copy failed)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def check_local_dir(local_dir: str | os.PathLike) -> None:
+    """LOCAL_DIR must be a directory, or not exist yet (it is made): a file there is refused before
+    any host is contacted."""
+    path = os.path.abspath(os.fspath(local_dir))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise FetchError(f"LOCAL_DIR {path} exists and is not a directory; the copy goes into a directory "
+                         "(it is made if missing): give a directory, e.g. the file's parent, or another path")
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FetchError(f"LOCAL_DIR {path}: {parent} is not a directory, so {path} cannot be made; "
+                         "give another LOCAL_DIR")
 
 
 def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
@@ -61,7 +82,7 @@ def located(name: str, found: dict) -> tuple[str, int]:
     if not name_ok or not isinstance(size, int) or isinstance(size, bool):
         raise FetchError(f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
                          f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
-                         "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there")
+                         "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there", 1)
     return path, size
 
 
@@ -96,17 +117,21 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
                           input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
     stderr = proc.stderr.decode(errors="replace")
     if proc.returncode == 255:
-        raise FetchError(ssh_problem(target, 255, stderr))
+        raise FetchError(ssh_problem(target, 255, stderr), 1)
     try:
         found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
-    except SyncError as exc:
-        raise FetchError(exc.problems[0]) from None
+    except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
+        raise FetchError(exc.problems[0], 1) from None
     path, size = located(node.name, found)
+    check_local_dir(local_dir)
     local_dir = os.path.abspath(os.fspath(local_dir))
     dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
     if os.path.lexists(dest) and not overwrite:
-        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR")
-    os.makedirs(local_dir, exist_ok=True)
+        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR", 1)
+    try:
+        os.makedirs(local_dir, exist_ok=True)
+    except OSError as exc:
+        raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
     show = progress if progress is not None else size >= PROGRESS_BYTES
     argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
             " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
@@ -115,5 +140,5 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
     if copy.returncode != 0:
         text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
-        raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}")
+        raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}", 1)
     return {**found, "node": node.name, "local": dest}

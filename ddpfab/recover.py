@@ -482,6 +482,14 @@ def split_spares(cluster: Cluster, spares_group: str | None) -> tuple[Cluster, t
                                        "group of the nodes itself; pick another --group or --spares")
     spares = inventory.load(cluster.sources or cluster.source, spares_group).nodes
     names = {s.name for s in spares}
+    both = [n.name for n in cluster.nodes if n.name in names]
+    if both and cluster.group != "all":
+        # a group named for the nodes that also holds a spare: which one the host is meant to be is
+        # unclear, and dropping it silently would start a smaller job than the group says
+        raise inventory.InventoryError(
+            f"inventory {cluster.source}: host{'s' * (len(both) > 1)} {', '.join(both)} {'are' if len(both) > 1 else 'is'} "
+            f"in the nodes' group {cluster.group!r} and in the spares group {spares_group!r}; a host is a node or a "
+            "spare: take it out of one of the groups (or use --group all, whose spares are its other hosts)")
     active = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.name not in names))
     if not active.nodes:
         raise inventory.InventoryError(f"inventory {cluster.source}: every host of group {cluster.group!r} is a "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import getpass
+import logging
 import os
 import resource
 import shlex
@@ -45,6 +46,13 @@ WINDOW = 64
 JUMP_WINDOW = 8
 _jump_slots: dict[str, threading.BoundedSemaphore] = {}
 _jump_lock = threading.Lock()
+
+# paramiko's transport thread logs each failed handshake (e.g. a server that never sends its banner)
+# at ERROR with a traceback; with no handler of its own, Python's last-resort handler prints that on
+# stderr (~60 lines a try). The failure reaches the caller as an exception, which becomes one
+# SSHError naming the host; paramiko's record of it stays available to any handler an embedding
+# program configures, but is not printed by default.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class SSHError(NodeError):
@@ -178,9 +186,21 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
             f"({exc or 'timed out'}); "
             "check ansible_host and that the host is up"), "unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
+        if _no_banner(conn):
+            raise _hop_error(node, t, (
+                f"no SSH banner within {timeout:g} s in {CONNECT_ATTEMPTS} tries: something accepts TCP "
+                f"connections on port {t.port} but does not answer as an SSH server (another service, or an "
+                "sshd too busy to greet); check ansible_port and the sshd there"), "no-banner") from None
         raise _hop_error(node, t, (
             f"unreachable: {exc}; check ansible_host/ansible_port and that "
             "sshd runs there"), "unreachable") from None
+
+
+def _no_banner(conn: Connection) -> bool:
+    """The last try got a transport (so a connection was made) that never read the server's
+    ``SSH-...`` greeting: paramiko sets ``remote_version`` only once it has."""
+    transport = conn.client.get_transport()
+    return transport is not None and not transport.remote_version
 
 
 #: Tries to open a connection when the failure may be load, not a fault (a timeout, a handshake the

@@ -244,7 +244,11 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
         text = "\n".join(_config_text(p) for p in paths)
     except OSError as exc:
         raise TargetError("", f"ssh_config {path} cannot be read: {exc}; fix --ssh-config or -F") from None
-    return paramiko.SSHConfig.from_text(text), path or "~/.ssh/config or /etc/ssh/ssh_config"
+    where = path or "~/.ssh/config or /etc/ssh/ssh_config"
+    try:
+        return paramiko.SSHConfig.from_text(text), where
+    except paramiko.SSHException as exc:  # ConfigParseError: a line that is not `Keyword value`
+        raise TargetError("", f"ssh_config {where} cannot be parsed: {exc}; fix it, or --ssh-config / -F") from None
 
 
 def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> dict[str, str]:

@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 PKGS=(openssh-server openssh-client rsync iptables nftables iproute2 procps util-linux python3 python3-venv git)
-# Only for the test suite (`setup.sh --test`): Vagrantfile checks, the real-Slurm export test, and
-# the benchmark harness test (pdsh is one of the tools it compares).
-TEST_PKGS=(ruby vagrant slurmctld slurmd slurm-client munge pdsh)
+# Only for the test suite (`setup.sh --test`): Vagrantfile checks, the real-Slurm export test, the
+# benchmark harness test (pdsh is one of the tools it compares), and the zsh completion test.
+TEST_PKGS=(ruby vagrant slurmctld slurmd slurm-client munge pdsh zsh)
 if [ "${1:-}" = "--test" ]; then PKGS+=("${TEST_PKGS[@]}"); fi
 
 missing=()

@@ -23,7 +23,7 @@ from .. import __version__
 from ..interrupt import run_interruptible
 from . import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
 from .common import fill_missing_help
-from .errors import die
+from .errors import closed_stdout_ends_quietly, die, refuse
 
 #: The subcommands, in the order ``ddpfab --help`` lists them.
 COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, replay)
@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         if module is provision:  # `completion` has always been listed after `provision`
             comp = sub.add_parser("completion", help="print a bash or zsh completion script",
                                   description="Print a completion script: eval \"$(ddpfab completion bash)\" in "
-                                              "~/.bashrc, or the zsh one into a file on $fpath named _ddpfab.")
+                                              "~/.bashrc; zsh: the script into a file named _ddpfab in a directory on "
+                                              "$fpath (before compinit), or eval \"$(ddpfab completion zsh)\" after "
+                                              "compinit.")
             comp.add_argument("shell", choices=("bash", "zsh"), help="the shell")
             comp.set_defaults(func=cmd_completion)
     fill_missing_help(parser)
@@ -47,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse and run one command; SIGINT/SIGTERM at any stage end it with one line (130/143)."""
-    return run_interruptible(lambda: unguarded_main(argv))
+    """Parse and run one command; SIGINT/SIGTERM at any stage end it with one line (130/143), a
+    closed stdout quietly (141)."""
+    return run_interruptible(lambda: closed_stdout_ends_quietly(lambda: unguarded_main(argv)))
 
 
 def unguarded_main(argv: list[str] | None = None) -> int:
@@ -58,9 +61,9 @@ def unguarded_main(argv: list[str] | None = None) -> int:
     try:
         config.apply(args)  # flags > environment > project config
     except config.ConfigError as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "config")
     if getattr(args, "_inventory_required", False) and not args.inventory:
-        return die(config.MISSING_INVENTORY)
+        return refuse(args, config.MISSING_INVENTORY, "inventory")
     if args.command in ("run", "replay") and args.json and not args.dry_run:
         # --json prints the plan: it never turns a dry run into a real one (sync --json reports a real sync)
         return die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")

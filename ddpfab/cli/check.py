@@ -6,8 +6,9 @@ import json
 
 from .. import inventory
 from .. import mesh as meshmod
+from ..plan import PlanError, master_port
 from .common import add_cluster_args, load_cluster
-from .errors import die
+from .errors import refuse
 from .perf import add_check_arguments, cmd_check_perf
 
 
@@ -35,8 +36,9 @@ def cmd_check(args) -> int:
 
     try:
         cluster = load_cluster(args)
-    except inventory.InventoryError as exc:
-        return die(str(exc))
+        master_port(args.master_port, offline=True)  # the one rule for a given port, before any host is contacted
+    except (inventory.InventoryError, PlanError) as exc:
+        return refuse(args, str(exc), "inventory" if isinstance(exc, inventory.InventoryError) else "master_port")
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     report = check_cluster(cluster, policy, CheckOptions(
         master_port=args.master_port, nproc_per_node=args.nproc_per_node,

@@ -13,6 +13,11 @@ parent that has one, a small YAML mapping::
 Environment: ``DDPFAB_INVENTORY``, ``DDPFAB_GROUP``, ``DDPFAB_LIMIT``, ``DDPFAB_SSH_CONFIG``,
 ``DDPFAB_KNOWN_HOSTS``; ``DDPFAB_CONFIG`` names the config file (empty: none). A flag given on the
 command line always wins; an environment variable wins over the file.
+
+Every command that takes an inventory applies them (its parser is marked ``_cluster_args``;
+tests/unit/test_cli_defaults.py walks the parser to hold that). ``stop``, ``logs``, ``attach`` and
+``replay`` act on a recorded run: its local record's inventory and group win over these defaults,
+never over a flag (:func:`given`).
 """
 
 from __future__ import annotations
@@ -105,6 +110,9 @@ def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: 
         return
     environ = os.environ if environ is None else environ
     config: dict[str, Any] | None = None
+    # which options came from here, not the command line: a run's record (stop, logs, replay) names
+    # its own inventory, which wins over these defaults but never over a flag
+    args._defaulted = set()
     for key, (dest, env, _path) in KEYS.items():
         if not hasattr(args, dest):
             continue
@@ -120,14 +128,22 @@ def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: 
             continue
         if env and environ.get(env):
             setattr(args, dest, _as_given(key, environ[env]))
+            args._defaulted.add(dest)
             continue
         if config is None:
             path = find(cwd, environ)
             config = read(path) if path else {}
         if key in config:
             setattr(args, dest, _as_given(key, config[key]))
+            args._defaulted.add(dest)
     if getattr(args, "group", "") is None:
         args.group = DEFAULT_GROUP
+        args._defaulted.add("group")
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether option *dest* was given on the command line (not filled by :func:`apply`)."""
+    return getattr(args, dest, None) not in (None, []) and dest not in getattr(args, "_defaulted", set())
 
 
 def _as_given(key: str, value: Any) -> Any:

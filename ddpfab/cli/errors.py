@@ -1,15 +1,34 @@
 """The one error printer of the command line: ``ddpfab: error: ...`` lines on stderr, and the
-exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print as their text."""
+exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print as their text.
+
+The exit codes of every command, one table (README.md, "Exit codes", prints it; a unit test walks
+every subcommand's error paths against it):
+
+    0    success
+    1    the command ran and met a failure: a check found problems, a copy failed, a node could
+         not be reached or a job not be stopped
+    2    refused before anything started or changed: bad input, no inventory, a failed preflight
+    N    run, attach, replay, exec: the failing node's own exit code (exec: 255 unreachable)
+    130  SIGINT, 143 SIGTERM (:mod:`ddpfab.interrupt`)
+    141  stdout was closed before the output ended (``| head``); the rest was dropped
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..problems import Problem
 
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and met a failure (checks found problems, a copy failed, ...)
 EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
+EXIT_UNREACHABLE = 255  # exec: a node that could not be reached (ssh's own code for it)
+EXIT_SIGINT = 130  # 128 + SIGINT: see ddpfab.interrupt
+EXIT_SIGTERM = 143  # 128 + SIGTERM
+EXIT_CLOSED_STDOUT = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
 
 
 def die(lines: Iterable[str | Problem] | str | Problem, code: int = EXIT_USAGE) -> int:
@@ -26,9 +45,33 @@ def print_problems(problems: Iterable[str | Problem], check: str) -> None:
     print(json.dumps({"ok": False, "problems": records}, indent=2, ensure_ascii=False))
 
 
+def refuse(args, lines: Iterable[str | Problem] | str | Problem, check: str, code: int = EXIT_USAGE) -> int:
+    """:func:`die`, and with ``--json`` the same as a problems document on stdout: a command asked
+    for JSON writes JSON whatever ends it (*check*: the key of a line about no one node)."""
+    lines = [lines] if isinstance(lines, (str, Problem)) else list(lines)
+    if getattr(args, "json", False):
+        print_problems(lines, check)
+    return die(lines, code)
+
+
 def warn(line: str | Problem) -> None:
     sys.stderr.write(f"ddpfab: warning: {line}\n")
 
 
 def note(line: str) -> None:
     sys.stderr.write(f"ddpfab: {line}\n")
+
+
+def closed_stdout_ends_quietly(call: Callable[[], int]) -> int:
+    """``call()``, its output flushed here; when the reader of stdout has gone (``ddpfab ... | head``)
+    the command ends at once with :data:`EXIT_CLOSED_STDOUT` and no traceback. stdout then points at
+    /dev/null, so the interpreter's own flush at exit cannot fail a second time."""
+    try:
+        code = call()
+        sys.stdout.flush()  # here, not at exit, where a closed pipe prints "Exception ignored"
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_CLOSED_STDOUT

@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from .. import inventory
-from .common import add_cluster_args
-from .errors import die
+from ..fetch import FetchError, check_local_dir, pick_node
+from .common import add_cluster_args, load_cluster
+from .errors import EXIT_SIGINT, die
 
 
 def register(subparsers) -> None:
@@ -28,19 +29,23 @@ def register(subparsers) -> None:
 def cmd_fetch(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from .. import ssh
-    from ..fetch import FetchError, fetch, pick_node
+    from ..fetch import fetch
 
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)  # --limit and -e as every command: --rank counts the nodes they leave
         node = pick_node(cluster, args.node, args.rank)
+        check_local_dir(args.local_dir)
+    except (inventory.InventoryError, FetchError) as exc:
+        return die(str(exc))  # nothing was contacted
+    try:
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
         got = fetch(node, args.remote_path, args.local_dir, policy, ssh_config=args.ssh_config,
                     overwrite=args.overwrite)
-    except (inventory.InventoryError, FetchError) as exc:
-        return die(str(exc), 1)
+    except FetchError as exc:
+        return die(str(exc), exc.code)
     except KeyboardInterrupt:
         sys.stderr.write("ddpfab: fetch interrupted\n")
-        return 130
+        return EXIT_SIGINT
     size = f"{got['bytes'] / 1e6:.1f} MB" if got["bytes"] >= 1e5 else f"{got['bytes']} bytes"
     what = f"{got['files']} files, {size}" if got["kind"] == "dir" else size
     print(f"fetched {got['node']}:{got['path']} -> {got['local']} ({what})")

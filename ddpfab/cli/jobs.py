@@ -11,22 +11,62 @@ from pathlib import Path
 from .. import inventory
 from .. import node as nodeprog
 from ..plan import Plan
+from ..problems import NodeError, Problem
 from ..results import GroupResult
-from .errors import die, warn
+from .config import MISSING_INVENTORY, ConfigError, given
+from .errors import EXIT_FAILED, die, refuse, warn
 
 
 def _cluster(args, manifest: dict | None):
+    """The nodes: -i/--group as given, else the run's record's, else $DDPFAB_INVENTORY/ddpfab.yml's
+    (:func:`ddpfab.cli.config.apply` filled those in)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..recover import attempt_cluster
     from ..replay import recorded_inventory
 
-    source = args.inventory or (recorded_inventory(manifest) if manifest else None)
+    recorded = (manifest or {}).get("plan", {})
+    if given(args, "inventory"):
+        source = args.inventory
+    else:
+        source = (recorded_inventory(manifest) if manifest else None) or args.inventory
     if not source:
-        raise inventory.InventoryError("no inventory: pass --inventory (no local manifest names one)")
-    group = args.group or (manifest or {}).get("plan", {}).get("group") or "all"
+        raise ConfigError(MISSING_INVENTORY)
+    group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
         return attempt_cluster(manifest, source, group)
     return inventory.load(source, group)
+
+
+class RecordError(Exception):
+    """A local run record that cannot be read as one; the message names the file and the fix."""
+
+
+def _record(runs_dir: str, run_id: str) -> dict | None:
+    """runs/<run_id>/manifest.json (None when there is none), checked as data before anything
+    reads it: an object with the run's id and a plan whose nodes have names and remote dirs."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ..jobs import _load_manifest
+
+    where = Path(runs_dir) / run_id / "manifest.json"
+    try:
+        manifest = _load_manifest(runs_dir, run_id)
+    except (OSError, ValueError) as exc:
+        raise RecordError(f"{where} cannot be read as a run record ({type(exc).__name__}); move it out of "
+                          f"{runs_dir} (then -i INVENTORY names the nodes)") from None
+    if manifest is None:
+        return None
+    plan = manifest.get("plan") if isinstance(manifest, dict) else None
+    nodes = plan.get("nodes") if isinstance(plan, dict) else None
+    ok = (isinstance(manifest.get("run_id") if isinstance(manifest, dict) else None, str)
+          and isinstance(nodes, list)
+          and all(isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("remote_dir"), str)
+                  for n in nodes)
+          and all(isinstance(plan.get(k), (str, type(None))) for k in ("inventory", "group")))
+    if not ok:
+        raise RecordError(f"{where} is not a ddpfab run record (expected an object with run_id and a plan whose "
+                          "nodes have a name and remote_dir); move it out of "
+                          f"{runs_dir} (then -i INVENTORY names the nodes)")
+    return manifest
 
 
 def _latest(args, manifest: dict | None) -> dict | None:
@@ -45,12 +85,24 @@ def _connect(args, cluster):
     return runner.connect_all(cluster, policy, args.ssh_config)
 
 
-def _on_each_node(args, cluster, fn) -> GroupResult:
+def _on_each_node(args, cluster, fn, each: bool = False) -> GroupResult:
     """``fn(conn, node)`` on every node of *cluster* in parallel over fresh connections, closed
-    after; node name -> its result, or the exception it raised."""
+    after; node name -> its result, or the exception it raised. Every node must connect first
+    (else RunError, nothing done), unless *each*: then a node that cannot be reached is one
+    failure among the results."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from .. import ssh
 
+    if each:
+        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+
+        def connected(n):
+            conn = ssh.connect(n, policy, args.ssh_config)
+            try:
+                return fn(conn, n)
+            finally:
+                conn.close()
+        return ssh.parallel(cluster.nodes, connected)
     conns = _connect(args, cluster)
     try:
         return ssh.parallel(cluster.nodes, lambda n: fn(conns[n.name], n))
@@ -60,10 +112,15 @@ def _on_each_node(args, cluster, fn) -> GroupResult:
 
 
 def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
-    p.add_argument("-i", "--inventory", action="append", required=inventory_required,
+    # the defaults of every inventory command ($DDPFAB_INVENTORY, ddpfab.yml: cli/config.py), after a run's record
+    p.set_defaults(_cluster_args=True, _inventory_required=inventory_required)
+    p.add_argument("-i", "--inventory", action="append",
                    help="inventory, repeatable: merged in order (default: the one recorded in the run's local "
-                        "manifest)")
-    p.add_argument("--group", help="inventory group (default: the recorded one, else all)")
+                        "manifest, else $DDPFAB_INVENTORY, else `inventory:` in ./ddpfab.yml)" if not inventory_required
+                   else "inventory, repeatable: merged in order (default: $DDPFAB_INVENTORY, else `inventory:` in "
+                        "./ddpfab.yml)")
+    p.add_argument("--group", help="inventory group (default: the recorded one, else $DDPFAB_GROUP, the config's, "
+                                   "or all)")
     p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"))
     p.add_argument("--known-hosts")
     p.add_argument("--ssh-config")
@@ -94,26 +151,29 @@ def _guard(fn):
 
         try:
             return fn(args)
-        except inventory.InventoryError as exc:
-            return die(str(exc))
+        except (inventory.InventoryError, ConfigError) as exc:
+            return refuse(args, str(exc), "inventory")  # (ps --json: as JSON too)
+        except RecordError as exc:
+            return refuse(args, str(exc), "record")
         except runner.RunError as exc:
-            return die(exc.problems)
+            return refuse(args, exc.problems, "ssh")
     return wrapper
 
 
 @_guard
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _load_manifest, _ps_record, grouped
+    from ..jobs import _ps_record, grouped
 
     def ps(conn, n) -> tuple[float, list[dict]]:
         res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name)
         return float(res["now"]), [_ps_record(r) for r in res["runs"]]
 
     cluster = _cluster(args, None)
-    results = _on_each_node(args, cluster, ps)
-    for name, exc in results.failed.items():  # one node's failure (or malformed reply) is a warning
-        warn(f"host {name}: cannot list jobs: {exc}")
+    results = _on_each_node(args, cluster, ps, each=True)
+    problems = [_problem(name, exc) for name, exc in results.failed.items()]
+    for p in problems:  # one node's failure (unreachable, a malformed reply) is data: the others are listed
+        warn(p)
     runs: dict[str, dict] = {}
     for name, (now, records) in results.succeeded.items():
         for rec in records:
@@ -122,7 +182,11 @@ def cmd_ps(args) -> int:
             run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
-        local = _load_manifest(args.runs_dir, r["run_id"]) or {}
+        try:
+            local = _record(args.runs_dir, r["run_id"]) or {}
+        except RecordError as exc:  # the nodes' listing stands without it
+            warn(str(exc))
+            local = {}
         if local.get("recovery_of"):  # an attempt of a run with restarts
             r["attempt_of"], r["restart"] = local["recovery_of"], local.get("restart")
         elif local.get("recovery"):
@@ -131,9 +195,11 @@ def cmd_ps(args) -> int:
         states = {s["state"] for s in r["nodes"].values()}
         r["state"] = "running" if "running" in states else ("dead" if "dead" in states else "exited")
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
+    code = EXIT_FAILED if problems else 0
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
+        print(json.dumps({"ok": not problems, "runs": rows, "problems": [p.to_dict() for p in problems]}, indent=2,
+                         ensure_ascii=False))
+        return code
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
     for r in rows:
         states = {n: s["state"] + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
@@ -142,20 +208,34 @@ def cmd_ps(args) -> int:
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
-    return 0
+    return code
+
+
+def _problem(name: str, exc: BaseException) -> Problem:
+    """A node's failure as a problem record: an SSHError is one already; anything else (a reply
+    the node program should never give) is named by its text."""
+    if isinstance(exc, NodeError):
+        return Problem(name, exc.kind, found=exc.found, text=str(exc))
+    found = f"cannot list jobs: {_found(exc)}"
+    return Problem(name, "ps", found=found, text=f"host {name}: {found}")
+
+
+def _found(exc: BaseException) -> str:
+    """What went wrong on a node, without its name (the line that prints it names the node)."""
+    return exc.found if isinstance(exc, NodeError) else str(exc)
 
 
 @_guard
 def cmd_stop(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _load_manifest, _remote_dir, grouped
+    from ..jobs import _remote_dir, grouped
     from ..launch import STOP_GRACE_S
     from ..recover import stop_supervisor
 
     supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
     if supervisor:
         print(f"controller: {supervisor}")
-    root = _load_manifest(args.runs_dir, args.run_id)
+    root = _record(args.runs_dir, args.run_id)
     manifest = _latest(args, root)
     run_id = (manifest or {}).get("run_id", args.run_id)
     cluster = _cluster(args, manifest)
@@ -163,19 +243,21 @@ def cmd_stop(args) -> int:
     def stop(conn, n):
         return nodeprog.stop(conn, n, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
 
-    results = _on_each_node(args, cluster, stop)
-    for line in grouped({n: str(said) for n, said in results.map(lambda r: r[0]).items()}):
+    # a node that cannot be reached does not keep the job running on the others
+    results = _on_each_node(args, cluster, stop, each=True)
+    said = {n: f"not stopped: {_found(r)}" if isinstance(r, Exception) else str(r[0]) for n, r in results.items()}
+    for line in grouped(said):
         print(line)
-    return 1 if results.failed or not all(gone for _, gone in results.succeeded.values()) else 0
+    return EXIT_FAILED if results.failed or not all(gone for _, gone in results.succeeded.values()) else 0
 
 
 @_guard
 def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _follow_all, _load_manifest
+    from ..jobs import _follow_all
     from ..launch import Printer
 
-    manifest = _load_manifest(args.runs_dir, args.run_id)
+    manifest = _record(args.runs_dir, args.run_id)
     if manifest is None:
         return die(f"no local record of run {args.run_id} in {args.runs_dir}; "
                    "attach from the machine (and --runs-dir) that started it")
@@ -184,7 +266,11 @@ def cmd_attach(args) -> int:
 
     root, followed = manifest, None
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
-        plan = Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
+        try:
+            plan = Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
+        except (KeyError, TypeError, ValueError):  # a record's plan is data: checked, never trusted
+            raise RecordError(f"{Path(args.runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
+                              "back; attach needs the record of a run this ddpfab started") from None
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster)
         printer = Printer(plan)
@@ -209,11 +295,10 @@ def cmd_attach(args) -> int:
 @_guard
 def cmd_logs(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _load_manifest
     from ..recover import attempt_manifests
     from ..runner import RunError
 
-    root = _load_manifest(args.runs_dir, args.run_id)
+    root = _record(args.runs_dir, args.run_id)
     bad = 0
     for manifest in attempt_manifests(args.runs_dir, root) if root else [None]:
         run_id = manifest["run_id"] if manifest else args.run_id
@@ -253,8 +338,8 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
             return f"{path}, {count} per-rank log files in {dest / 'ranks' / node.name}"
         return str(path)
 
-    results = _on_each_node(args, cluster, fetch)
-    failed = {n: str(e) for n, e in results.failed.items()}
+    results = _on_each_node(args, cluster, fetch, each=True)  # an unreachable node's output is the one missing
+    failed = {n: _found(e) for n, e in results.failed.items()}
     die([f"host {line}" for line in grouped(failed)])
     fetched = results.succeeded
     if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 
-from .errors import die
+from .errors import EXIT_FAILED, die
 
 
 def register(sub) -> None:
     p = sub.add_parser("lab", help="a local multi-host lab in network namespaces (root)")
     lab_sub = p.add_subparsers(dest="lab_command", required=True)
     up = lab_sub.add_parser("up", help="bring up N hosts node1..nodeN with sshd")
-    up.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
+    up.add_argument("--hosts", type=_count, default=2, help="how many hosts (default 2)")
     up.add_argument("--dir", required=True, help="where the lab keeps its state, keys and inventory")
-    up.add_argument("--subnet", default="10.213.0.0/24", help="the lab's private /24 (default 10.213.0.0/24)")
+    up.add_argument("--subnet", type=_network, default="10.213.0.0/24",
+                    help="the lab's private /24 (default 10.213.0.0/24)")
     up.add_argument("--python", metavar="PATH",
                     help="the nodes' python, written as ddpfab_python in the lab inventory (default: this python "
                          "when it has torch, else the venv `ddpfab provision` makes, /opt/ddpfab/venv/bin/python)")
@@ -25,6 +27,24 @@ def register(sub) -> None:
         q = lab_sub.add_parser(name, help=text)
         q.add_argument("--dir", required=True, help="the lab's dir (as given to lab up)")
     p.set_defaults(func=cmd_lab)
+
+
+def _count(text: str) -> int:
+    """--hosts: a whole number of at least 1 (argparse's error, exit 2, otherwise)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of hosts, 1 or more, got {text!r}")
+    return int(text)
+
+
+def _network(text: str) -> str:
+    """--subnet: an IPv4 network such as 10.213.0.0/24."""
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an IPv4 network such as 10.213.0.0/24, got {text!r}") from None
+    if net.version != 4:
+        raise argparse.ArgumentTypeError(f"expected an IPv4 network such as 10.213.0.0/24, got {text!r}")
+    return text
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
@@ -50,7 +70,9 @@ def cmd_lab(args: argparse.Namespace) -> int:
             lab.check_prerequisites()
             print("lab down" if lab.down(args.dir) else f"no lab in {os.path.abspath(args.dir)}")
             return 0
+        if lab.Lab.load(args.dir) is None:
+            return die(f"no lab in {os.path.abspath(args.dir)} (bring one up with: ddpfab lab up --dir {args.dir})")
         print(lab.status(args.dir))
         return 0
     except lab.LabError as exc:
-        return die(str(exc), 1)
+        return die(str(exc), EXIT_FAILED)

@@ -11,7 +11,9 @@ import sys
 import time
 
 from .. import inventory, perf
-from .errors import die
+from ..plan import PlanError
+from .common import load_cluster
+from .errors import EXIT_USAGE, refuse
 
 
 def add_check_arguments(p) -> None:
@@ -36,9 +38,9 @@ def cmd_check_perf(args) -> int:
         nodes = None
         if args.inventory:
             try:
-                nodes = [n.name for n in inventory.load(args.inventory, args.group).nodes]
+                nodes = [n.name for n in load_cluster(args).nodes]
             except inventory.InventoryError as exc:
-                return die(str(exc))
+                return refuse(args, str(exc), "inventory")
         hist = perf.history(records, nodes)
         if args.json:
             print(json.dumps({"history": hist, "unreadable": bad}, indent=2))
@@ -48,14 +50,14 @@ def cmd_check_perf(args) -> int:
                 sys.stderr.write(f"ddpfab: warning: {path} is not a perf record; skipped\n")
         return 0
     try:
-        cluster = inventory.load(args.inventory, args.group)
+        cluster = load_cluster(args)
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
         record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
                                     args.ssh_config, echo=args.verbose)
-    except inventory.InventoryError as exc:
-        return die(str(exc))
+    except (inventory.InventoryError, PlanError) as exc:  # e.g. --nproc-per-node 0: nothing was started
+        return refuse(args, str(exc), "perf")
     except (PerfError, runner.RunError) as exc:
-        return die(exc.problems, getattr(exc, "code", 2))
+        return refuse(args, exc.problems, "perf", getattr(exc, "code", EXIT_USAGE))
     if args.json:
         print(json.dumps({**record, "run_dir": str(run_dir), "report": str(run_dir / "report.html")}, indent=2))
     else:

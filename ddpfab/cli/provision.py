@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from ..provision import PLAYBOOKS, AnsibleOptions, ProvisionError, run_playbook
 from ..target import HostKeyPolicy
@@ -17,7 +18,9 @@ def register(sub) -> None:
                                       "ansible-playbook over your own Ansible configuration: ansible-playbook options "
                                       "> your ANSIBLE_* environment > your ansible.cfg > ddpfab's ansible.cfg.")
     add_arguments(prov)
-    prov.set_defaults(func=cmd_provision)
+    # the defaults of every inventory command ($DDPFAB_INVENTORY, ddpfab.yml's inventory, limit, extra_vars,
+    # ssh_config, known_hosts: cli/config.py), filled before the command runs
+    prov.set_defaults(func=cmd_provision, _cluster_args=True, _inventory_required=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +65,8 @@ def options_from_args(args: argparse.Namespace) -> AnsibleOptions:
         vault_ids=tuple(args.vault_id), ask_vault_pass=args.ask_vault_pass,
         vault_password_files=tuple(args.vault_password_file), check=args.check, diff=args.diff,
         limit=args.limit, tags=tuple(args.tags), skip_tags=tuple(args.skip_tags),
-        extra_vars=tuple(args.extra_vars))
+        # the project config's extra_vars are a mapping: one JSON -e, before the command line's
+        extra_vars=tuple(ev if isinstance(ev, str) else json.dumps(ev) for ev in args.extra_vars))
 
 
 def policy_from_args(args: argparse.Namespace) -> HostKeyPolicy:
@@ -73,8 +77,9 @@ def policy_from_args(args: argparse.Namespace) -> HostKeyPolicy:
 def cmd_provision(args: argparse.Namespace) -> int:
     try:
         inventory = default_inventory(args.inventory)
+        # ansible-playbook's own exit code (it uses 2 for a failed host, 4 for an unreachable one)
         return run_playbook(inventory, playbook=args.playbook, extra_args=args.ansible_args,
                             options=options_from_args(args), policy=policy_from_args(args),
                             ssh_config=args.ssh_config)
-    except (ProvisionError, ConfigError) as exc:
-        return die(str(exc), 1)
+    except (ProvisionError, ConfigError) as exc:  # ansible-playbook was not started
+        return die(str(exc))

@@ -49,5 +49,14 @@ def recovery_options(args: argparse.Namespace, cluster: Cluster) -> RecoveryOpti
     return RecoveryOptions(args.max_job_restarts, spares, retry, args.min_nodes)
 
 
+def check_sizes(ropts: RecoveryOptions, nodes: int, spares: int) -> None:
+    """What the job's size makes impossible, refused before anything starts (the dry run too):
+    a --min-nodes above the number of nodes it starts with can never be met."""
+    if ropts.min_nodes is not None and ropts.min_nodes > nodes:
+        raise PlanError(f"--min-nodes {ropts.min_nodes}: the job starts on {nodes} node{'s' * (nodes != 1)} "
+                        f"({spares} spare{'s' * (spares != 1)} aside), so it can never shrink to {ropts.min_nodes}; "
+                        f"give --min-nodes 1..{nodes}, or leave it out (never shrink)")
+
+
 def wanted(args: argparse.Namespace) -> bool:
     return bool(args.max_job_restarts or args.retry_on or args.min_nodes)

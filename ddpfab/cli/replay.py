@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .. import inventory
 from ..plan import PlanError, make_plan, parse_env
-from .errors import die, print_problems
+from .config import given
+from .errors import die, print_problems, refuse
 from .run import _print_dry_run
 
 
@@ -21,6 +22,9 @@ def register(sub) -> None:
                                    "inventory or the code changed (unless --force) or a masked secret is "
                                    "not given again with --env.")
     p.add_argument("run_id")
+    # the defaults of every inventory command (cli/config.py) fill --ssh-config and --known-hosts; the
+    # nodes are the recorded ones unless -i/--group are given on the command line
+    p.set_defaults(_cluster_args=True)
     p.add_argument("-i", "--inventory", action="append",
                    help="inventory, repeatable: merged in order (default: the one the run recorded)")
     p.add_argument("--group", help="inventory group (default: the recorded one)")
@@ -52,9 +56,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         manifest = json.loads(path.read_text())
     except OSError:
-        return die(f"no run record {path} (pass --runs-dir where the run was recorded)")
+        return refuse(args, f"no run record {path} (pass --runs-dir where the run was recorded)", "replay")
     except ValueError as exc:
-        return die(f"{path} is not a ddpfab run manifest (not JSON: {exc})")
+        return refuse(args, f"{path} is not a ddpfab run manifest (not JSON: {exc})", "replay")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..recover import attempt_cluster, current_manifest
 
@@ -66,14 +70,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
                              f"replaying the last, {latest['run_id']} (its nodes)\n")
             manifest = latest
         recorded, cwd = validate(manifest, str(path))
-        source = args.inventory or recorded_inventory(manifest)
+        source = args.inventory if given(args, "inventory") else recorded_inventory(manifest)
+        group = args.group if given(args, "group") else None
         if "attempt_nodes" in manifest:
-            cluster = attempt_cluster(manifest, source, args.group)
+            cluster = attempt_cluster(manifest, source, group)
         else:
-            cluster = inventory.load(source, args.group or manifest["plan"]["group"])
+            cluster = inventory.load(source, group or manifest["plan"]["group"])
         overrides = dict(parse_env(args.env, dict(os.environ)))
     except (ManifestError, inventory.InventoryError, PlanError) as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "replay")
     problems = check(manifest, cluster)
     if problems and not args.force:
         if args.json:

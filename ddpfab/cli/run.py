@@ -19,7 +19,7 @@ from ..progress import Ticker
 from ..suggest import did_you_mean
 from . import recover as recovery
 from .common import add_cluster_args, add_env_args, load_cluster
-from .errors import die, print_problems
+from .errors import die, print_problems, refuse
 from .perf import add_run_arguments as add_perf_arguments
 from .perf import before_run
 
@@ -113,6 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args)
         ropts = recovery.recovery_options(args, cluster)
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
+        recovery.check_sizes(ropts, len(cluster.nodes), len(spares))
         options = _run_options(args)
         args.replicate_paths = replicate.wanted(cluster, args.replicate)
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
@@ -144,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if perf:
             extra["perf"] = perf
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "run")
     except runner.RunError as exc:
         if args.json:
             print_problems(exc.problems, "run")
@@ -354,7 +355,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             prepared.close()
             plan = prepared.plan
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
-        return die(str(exc))
+        return refuse(args, str(exc), "plan")
     except runner.RunError as exc:
         if args.json:
             print_problems(exc.problems, "plan")

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from .. import inventory
 from .common import add_cluster_args, load_cluster
-from .errors import die
+from .config import MISSING_INVENTORY
+from .errors import die, refuse
 
 if TYPE_CHECKING:
     from ..sync import SyncResult
@@ -95,16 +96,14 @@ def _cmd_sync(args: argparse.Namespace) -> int:
             out.write(rel + "\n")
         return 0
     if not args.inventory:
-        die("--inventory is required (or --list)")
-        return 2
+        return refuse(args, MISSING_INVENTORY + " (or --list)", "inventory")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from .. import ssh
 
     try:
         cluster = load_cluster(args)
     except inventory.InventoryError as exc:
-        die(str(exc))
-        return 2
+        return refuse(args, str(exc), "inventory")
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     say = (lambda line: None) if args.json or args.dry_run else (lambda line: sys.stderr.write(line + "\n"))
     try:

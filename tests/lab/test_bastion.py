@@ -158,7 +158,7 @@ def test_every_command_goes_through_the_jump_host(bastion, route, tmp_path):
         res = ddpfab("ps", *how, "--runs-dir", str(runs), "--json")
         assert res.returncode == 0, res.stderr
         _no_direct(lab, before, res.args[3])
-        assert {r["run_id"]: r["state"] for r in json.loads(res.stdout)}[run_id] == "running"
+        assert {r["run_id"]: r["state"] for r in json.loads(res.stdout)["runs"]}[run_id] == "running"
         deadline = time.monotonic() + 90
         while True:  # the ranks' output, fetched from the nodes
             res = ddpfab("logs", *how, "--runs-dir", str(runs), run_id)

@@ -140,6 +140,15 @@ def test_python_without_torch_is_refused(lab, tmp_path):
     assert any("node2" in ln and "cannot import torch" in ln for ln in errors), res.stderr
 
 
+def test_perf_check_with_zero_processes_is_one_clear_line(lab, inventory2, tmp_path):
+    # the perf check's plan refuses the value after the nodes are reached: one line, exit 2, nothing left
+    runs = tmp_path / "runs"
+    res = ddpfab("check", "-i", str(inventory2), "--perf", "--nproc-per-node", "0", "--runs-dir", str(runs))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert _error_lines(res) == ["ddpfab: error: --nproc-per-node must be >= 1, got 0"], res.stderr
+    _nothing_started(lab, runs)
+
+
 def test_port_probe_leaves_the_port_free(lab, inventory2):
     """The probe binds and releases: the port it reports is connectable-free right after."""
     res = ddpfab("run", "-i", str(inventory2), "--dry-run", "--json", REPORT)

@@ -32,7 +32,9 @@ def _run_ids(runs) -> list[str]:
 def _ps(inventory) -> dict[str, dict]:
     res = ddpfab("ps", "-i", str(inventory), "--json")
     assert res.returncode == 0, res.stderr
-    return {r["run_id"]: r for r in json.loads(res.stdout)}
+    listing = json.loads(res.stdout)
+    assert listing["ok"] and listing["problems"] == [], listing
+    return {r["run_id"]: r for r in listing["runs"]}
 
 
 @pytest.fixture

@@ -140,6 +140,19 @@ def test_a_guarded_command_ends_when_its_stdin_closes(tmp_path):
         time.sleep(0.02)
 
 
+def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
+    # the watcher's TERM, as guarded() writes it, run by a real sh on a process group that does not
+    # exist: it must wait 0.2 s and try once more (a brace group, not a command named `{{`)
+    watcher = guarded("true").split("cat <&3 >/dev/null; ", 1)[1].split("; sleep 2;", 1)[0]
+    start = time.monotonic()
+    res = subprocess.run(["sh", "-xc", f"p=2147480000; {watcher}"], capture_output=True, text=True)
+    took = time.monotonic() - start
+    trace = [ln for ln in res.stderr.splitlines() if ln.startswith("+")]
+    assert [ln.split()[1] for ln in trace] == ["p=2147480000", "kill", "sleep", "kill"], res.stderr
+    assert took >= 0.2 and "not found" not in res.stderr and res.returncode != 0
+    assert subprocess.run(["sh", "-n", "-c", guarded("echo hi")]).returncode == 0
+
+
 @pytest.mark.parametrize("name, text", [
     ("dup.yml", "all:\n  hosts:\n    node1:\n      ansible_host: 10.0.0.1\n    node1:\n      ansible_host: 10.0.0.2\n"),
     ("dup.ini", "[all]\nnode1 ansible_host=10.0.0.1\nnode1 ansible_host=10.0.0.2\n"),

@@ -1,0 +1,174 @@
+"""Every option means the same in every command: the parser is walked, and each command that takes
+an inventory is run with the defaults of cli/config.py ($DDPFAB_INVENTORY, ddpfab.yml) and, where it
+accepts them, --limit and -e; the inventory it then loads must be the one they name, limited and
+with the variables. A run's record names its own inventory: stop, logs, attach and replay use it
+over the defaults, and a flag over the record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from ddpfab import cli, inventory
+from ddpfab.inventory import Cluster, Node
+from ddpfab.plan import Facts, RunOptions, make_plan
+from ddpfab.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
+
+#: The rest of a command line that reaches the inventory (positional arguments, a mode).
+ARGS = {
+    "run": ["--dry-run", "--offline", "t.py"],
+    "plan": ["--offline", "t.py"],
+    "check": ["--fast"],
+    "sync": [],
+    "fetch": ["ckpt.pt"],
+    "exec": ["--", "true"],
+    "export slurm": ["t.py"],
+    "export pytorchjob": ["--image", "img", "t.py"],
+    "export trainjob": ["--image", "img", "t.py"],
+    "ps": [],
+    "stop": ["r1"],
+    "logs": ["r1"],
+    "provision": [],
+}
+#: Modes of a command that load the inventory on a path of their own.
+MODES = {"check --perf": ["check", "--perf"], "check --perf --history": ["check", "--perf", "--history"]}
+#: Commands that take -i but plan from a run's record, which wins over the defaults (tested below).
+FROM_RECORD = {"attach", "replay"}
+
+
+def leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command path, its parser) for every command that runs (argparse has no public walk)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from leaf_parsers(sub, (*path, name))
+            return
+    yield " ".join(path), parser
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+class Loaded(inventory.InventoryError):
+    pass
+
+
+#: The settings cli/config.py reads from the environment (DDPFAB_CONFIG aside).
+DEFAULT_VARS = ("DDPFAB_INVENTORY", "DDPFAB_GROUP", "DDPFAB_LIMIT", "DDPFAB_SSH_CONFIG", "DDPFAB_KNOWN_HOSTS")
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    """No defaults from this machine: a clean directory, no DDPFAB_* settings, no config."""
+    for var in DEFAULT_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DDPFAB_CONFIG", "")
+    monkeypatch.setenv("DDPFAB_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def recorder(monkeypatch, clean):
+    """inventory.load records what it is asked and refuses (nothing goes further); the defaults
+    come from the environment only, in a clean directory."""
+    calls: list[dict] = []
+
+    def load(source, group="all", limit=None, extra_vars=()):
+        calls.append({"source": str(source), "group": group, "limit": limit, "extra_vars": list(extra_vars or ())})
+        raise Loaded(f"recorded {source}")
+
+    monkeypatch.setattr(inventory, "load", load)
+    return calls
+
+
+def _provision_calls(monkeypatch) -> list[tuple]:
+    """provision hands the inventory to ansible-playbook: what it would hand, recorded instead."""
+    from ddpfab.cli import provision as provision_cli
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(provision_cli, "run_playbook", lambda inv, **kw: seen.append((inv, kw["options"])) or 0)
+    return seen
+
+
+def test_every_inventory_command_honours_the_defaults_limit_and_extra_vars(recorder, monkeypatch, tmp_path, capsys):
+    ansible = _provision_calls(monkeypatch)
+    commands = dict(leaf_parsers(cli.build_parser()))
+    takes_inventory = {name for name, p in commands.items() if "--inventory" in options(p)}
+    assert takes_inventory == set(ARGS) | FROM_RECORD, "a command takes -i: add it to ARGS (or FROM_RECORD)"
+    inv = tmp_path / "cluster.yml"
+    inv.write_text("all:\n  hosts:\n    n1: {ansible_host: 10.0.0.1}\n    n2: {ansible_host: 10.0.0.2}\n")
+    monkeypatch.setenv("DDPFAB_INVENTORY", str(inv))
+    for name, argv in [*((n, [*n.split(), *a]) for n, a in ARGS.items()), *((m, [*a]) for m, a in MODES.items())]:
+        parser = commands[" ".join(w for w in name.split() if not w.startswith("-"))]
+        extra = []
+        if "--limit" in options(parser):
+            extra += ["--limit", "n2"]
+        if "--extra-vars" in options(parser):
+            extra += ["-e", "ddpfab_marker=1"]
+        recorder.clear()
+        ansible.clear()
+        argv = [*argv[:len(name.split())], *extra, *argv[len(name.split()):]]
+        code = cli.main(argv)
+        err = capsys.readouterr().err
+        if name == "provision":  # ansible-playbook gets the inventory, the limit and the variables
+            assert code == 0 and ansible, err
+            source, opts = ansible[0]
+            assert (source, opts.limit, opts.extra_vars) == (str(inv), "n2", ("ddpfab_marker=1",)), ansible
+            continue
+        assert code == 2 and f"recorded {inv}" in err, (name, err)
+        assert recorder[0]["source"] == str(inv), (name, recorder)
+        if "--limit" in extra:
+            assert recorder[0]["limit"] == "n2", (name, recorder)
+        if "-e" in extra:
+            assert "ddpfab_marker=1" in recorder[0]["extra_vars"], (name, recorder)
+
+
+def test_the_project_config_is_a_default_of_ps_and_stop(recorder, monkeypatch, tmp_path, capsys):
+    (tmp_path / "ddpfab.yml").write_text("inventory: cluster.yml\ngroup: gpus\n")
+    monkeypatch.delenv("DDPFAB_CONFIG")  # the config is found in the current dir
+    for argv in (["ps"], ["stop", "r1"]):
+        recorder.clear()
+        assert cli.main(argv) == 2
+        assert recorder[0]["source"] == str(tmp_path / "cluster.yml") and recorder[0]["group"] == "gpus", recorder
+        assert "-i/--inventory is required" not in capsys.readouterr().err
+
+
+def _record(tmp_path, inventory_path: str) -> None:
+    """runs/r1/manifest.json of a run planned on *inventory_path* (what replay validates)."""
+    cluster = Cluster(inventory_path, "all", (Node("n1", "10.0.0.1"), Node("n2", "10.0.0.2")))
+    options = RunOptions("t.py", run_id="r1")
+    plan = make_plan(cluster, options, Facts(addresses={"n1": "10.0.0.1", "n2": "10.0.0.2"}, master_port=29500,
+                                             cwd=str(tmp_path)))
+    manifest = {"kind": MANIFEST_KIND, "schema_version": SCHEMA_VERSION, "run_id": "r1", "plan": plan.to_dict(),
+                "options": recorded_options(options, str(tmp_path))}
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "runs" / "r1" / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("command", ["stop", "logs", "attach", "replay"])
+def test_a_runs_record_wins_over_the_defaults_and_a_flag_over_the_record(command, recorder, monkeypatch, tmp_path,
+                                                                         capsys):
+    _record(tmp_path, str(tmp_path / "recorded.yml"))
+    monkeypatch.setenv("DDPFAB_INVENTORY", str(tmp_path / "env.yml"))
+    assert cli.main([command, "r1"]) == 2
+    assert recorder[-1]["source"] == str(tmp_path / "recorded.yml"), recorder
+    recorder.clear()
+    assert cli.main([command, "-i", str(tmp_path / "flag.yml"), "r1"]) == 2
+    assert recorder[-1]["source"] == str(tmp_path / "flag.yml"), recorder
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_configs_limit_and_extra_vars_reach_provision(clean, monkeypatch):
+    monkeypatch.delenv("DDPFAB_CONFIG")
+    (clean / "cluster.yml").write_text("all:\n  hosts:\n    n1: {ansible_host: 10.0.0.1}\n")
+    (clean / "ddpfab.yml").write_text("inventory: cluster.yml\nlimit: n1\nextra_vars: {ddpfab_python: /v/bin/python}\n")
+    calls = _provision_calls(monkeypatch)
+    assert cli.main(["provision", "-e", "ddpfab_x=1"]) == 0
+    source, opts = calls[0]
+    # the config's variables first, as one JSON -e; the command line's after them (it wins, as in Ansible)
+    assert (source, opts.limit) == (str(clean / "cluster.yml"), "n1")
+    assert opts.extra_vars == (json.dumps({"ddpfab_python": "/v/bin/python"}), "ddpfab_x=1")

@@ -1,0 +1,218 @@
+"""One exit-code table (ddpfab/cli/errors.py, README "Exit codes"), followed by every command: the
+parser is walked and each subcommand's error paths (no inventory, bad option values, a missing
+lab or run record, ...) must end with the table's code, one clear line and no traceback. The cases
+a host causes (an sshd that never greets, a reader that closes stdout) run ddpfab as a process,
+where a traceback would be printed rather than raised."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ddpfab import cli
+from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, EXIT_USAGE
+
+from .test_cli_defaults import DEFAULT_VARS, clean, leaf_parsers  # noqa: F401 - clean is a fixture
+
+REPO = Path(__file__).resolve().parents[2]
+IPS = "10.0.0.1,10.0.0.2,"
+SPARES_INV = """all:
+  children:
+    trainers:
+      hosts:
+        n1: {ansible_host: 10.0.0.1}
+        n2: {ansible_host: 10.0.0.2}
+    standby:
+      hosts:
+        n2:
+        n3: {ansible_host: 10.0.0.3}
+"""
+OFFLINE = ["--dry-run", "--offline"]
+
+#: command -> its error paths: (argv, exit code, words the error names). FILE: an existing file.
+CASES: dict[str, list[tuple[list[str], int, str]]] = {
+    "run": [(["run", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+            (["run", "-i", IPS, *OFFLINE, "--master-port", "0", "t.py"], EXIT_USAGE, "--master-port 0"),
+            (["run", "-i", IPS, "--max-restarts", "x", "t.py"], EXIT_USAGE, "--max-restarts"),
+            (["run", "-i", IPS, *OFFLINE, "--ssh-config", "FILE", "t.py"], EXIT_USAGE, "cannot be parsed"),
+            (["run", "-i", IPS, *OFFLINE, "--max-job-restarts", "1", "--min-nodes", "5", "t.py"], EXIT_USAGE,
+             "--min-nodes 5"),
+            (["run", "-i", "SPARES", "--group", "trainers", "--spares", "standby", "--max-job-restarts", "1",
+              *OFFLINE, "t.py"], EXIT_USAGE, "host n2 is in the nodes' group 'trainers' and in the spares group")],
+    "plan": [(["plan", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["plan", "-i", IPS, "--offline", "--master-port", "70000", "t.py"], EXIT_USAGE, "--master-port 70000")],
+    "lab up": [(["lab", "up"], EXIT_USAGE, "--dir"),
+               (["lab", "up", "--dir", "LAB", "--hosts", "0"], EXIT_USAGE, "--hosts"),
+               (["lab", "up", "--dir", "LAB", "--subnet", "bogus"], EXIT_USAGE, "--subnet")],
+    "lab down": [(["lab", "down"], EXIT_USAGE, "--dir")],
+    "lab status": [(["lab", "status", "--dir", "LAB"], EXIT_USAGE, "no lab in")],
+    "provision": [(["provision"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+                  (["provision", "-i", "missing.yml"], EXIT_USAGE, "missing.yml")],
+    "completion": [(["completion", "fish"], EXIT_USAGE, "fish")],
+    "ps": [(["ps"], EXIT_USAGE, "DDPFAB_INVENTORY")],
+    "stop": [(["stop", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["stop", "-i", IPS, "bad"], EXIT_USAGE, "cannot be read as a run record"),
+             (["stop", "-i", IPS, "odd"], EXIT_USAGE, "is not a ddpfab run record")],
+    "attach": [(["attach", "r1"], EXIT_USAGE, "no local record of run r1"),
+               (["attach", "bad"], EXIT_USAGE, "cannot be read as a run record"),
+               (["attach", "odd"], EXIT_USAGE, "is not a ddpfab run record")],
+    "logs": [(["logs", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["logs", "-i", IPS, "bad"], EXIT_USAGE, "cannot be read as a run record")],
+    "export slurm": [(["export", "slurm", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+                     (["export", "slurm", "-i", IPS, "--master-port", "0", "t.py"], EXIT_USAGE, "--master-port 0")],
+    "export pytorchjob": [(["export", "pytorchjob", "--image", "i", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+                          (["export", "pytorchjob", "-i", IPS, "t.py"], EXIT_USAGE, "--image")],
+    "export trainjob": [(["export", "trainjob", "--image", "i", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+                        (["export", "trainjob", "-i", IPS, "t.py"], EXIT_USAGE, "--image")],
+    "check": [(["check"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+              (["check", "--perf"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+              (["check", "-i", IPS, "--max-skew", "x"], EXIT_USAGE, "--max-skew"),
+              (["check", "-i", IPS, "--master-port", "99999"], EXIT_USAGE, "--master-port 99999")],
+    "sync": [(["sync"], EXIT_USAGE, "DDPFAB_INVENTORY")],
+    "fetch": [(["fetch", "ckpt.pt"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+              (["fetch", "-i", IPS, "--rank", "5", "ckpt.pt"], EXIT_USAGE, "--rank 5"),
+              (["fetch", "-i", IPS, "ckpt.pt", "FILE"], EXIT_USAGE, "exists and is not a directory")],
+    "exec": [(["exec", "--", "true"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["exec", "-i", IPS], EXIT_USAGE, "no command given"),
+             (["exec", "-i", IPS, "--nodes", "zz", "--", "true"], EXIT_USAGE, "--nodes: zz")],
+    "replay": [(["replay", "r1"], EXIT_USAGE, "no run record"),
+               (["replay", "bad"], EXIT_USAGE, "not a ddpfab run manifest")],
+}
+
+
+def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(clean, capsys):
+    commands = {name for name, _ in leaf_parsers(cli.build_parser())}
+    assert set(CASES) == commands, "every command needs its error paths here"
+    (clean / "spares.yml").write_text(SPARES_INV)
+    (clean / "existing").write_text("mine")  # (also an ssh_config that is not one)
+    (clean / "runs" / "bad").mkdir(parents=True)
+    (clean / "runs" / "bad" / "manifest.json").write_text("{not json")
+    (clean / "runs" / "odd").mkdir()
+    (clean / "runs" / "odd" / "manifest.json").write_text('{"run_id": "odd", "plan": 3}')
+    fill = {"SPARES": str(clean / "spares.yml"), "LAB": str(clean / "nolab"), "FILE": str(clean / "existing")}
+    for command, cases in CASES.items():
+        for argv, code, says in cases:
+            argv = [fill.get(a, a) for a in argv]
+            try:
+                got = cli.main(argv)
+            except SystemExit as exc:  # argparse's own refusal of a value (its usage line, exit 2)
+                got = exc.code
+            out, err = capsys.readouterr()
+            assert got == code, (argv, got, err)
+            errors = [ln for ln in err.splitlines() if "error:" in ln]
+            assert errors and says in err and "Traceback" not in err, (argv, err)
+    assert (clean / "existing").read_text() == "mine" and not (clean / "nolab").exists()
+
+
+def test_a_refused_min_nodes_is_about_the_size_only(clean, capsys):
+    # the same options with a size the job has pass the dry run: the refusal above is the size's
+    assert cli.main(["run", "-i", IPS, *OFFLINE, "--max-job-restarts", "1", "--min-nodes", "2", "t.py"]) == 0
+    assert "# ddpfab plan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["check", "--json"], ["check", "--perf", "--json"], ["ps", "--json"],
+                                  ["sync", "--json"], ["check", "-i", "nowhere.yml", "--json"],
+                                  ["run", "-i", IPS, *OFFLINE, "--json", "--master-port", "0", "t.py"],
+                                  ["plan", "-i", IPS, "--offline", "--json", "--master-port", "0", "t.py"],
+                                  ["replay", "r1", "--dry-run", "--json"]])
+def test_json_asked_for_is_json_when_refused_too(argv, clean, capsys):
+    assert cli.main(argv) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["ok"] is False and len(doc["problems"]) == 1 and doc["problems"][0]["text"] in err, (out, err)
+
+
+# -- what a host or a reader causes: as a process, where paramiko's logging and a closed pipe print ------
+def _ddpfab(*args: str, cwd: Path, stdout=subprocess.PIPE, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DDPFAB_CONFIG": ""}
+    for var in DEFAULT_VARS:
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "ddpfab", *args], cwd=cwd, stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture
+def silent_sshd(tmp_path):
+    """A listener on 127.0.0.1 that accepts connections and never says a word (no SSH banner), and
+    an inventory (host `quiet`) plus ssh_config (ConnectTimeout 1) that point at it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    (tmp_path / "inv.yml").write_text(f"all:\n  hosts:\n    quiet:\n      ansible_host: 127.0.0.1\n"
+                                      f"      ansible_port: {port}\n")
+    (tmp_path / "ssh_config").write_text("Host *\n  ConnectTimeout 1\n")
+    (tmp_path / "known_hosts").write_text("")
+    yield port, ["-i", str(tmp_path / "inv.yml"), "--ssh-config", str(tmp_path / "ssh_config"),
+                 "--known-hosts", str(tmp_path / "known_hosts")]
+    stop.set()
+    thread.join()
+    for s in held:
+        s.close()
+    server.close()
+
+
+def _one_banner_problem(problems: list[dict], port: int, check: str) -> None:
+    assert len(problems) == 1 and problems[0]["node"] == "quiet" and problems[0]["check"] == check, problems
+    assert problems[0]["found"].startswith("no SSH banner within 1 s") and f"port {port}" in problems[0]["found"]
+
+
+def test_check_json_names_a_host_that_never_sends_a_banner_without_a_traceback(silent_sshd, tmp_path):
+    port, how = silent_sshd
+    res = _ddpfab("check", *how, "--json", "--fast", cwd=tmp_path)
+    assert res.returncode == EXIT_FAILED and res.stderr == "", res.stderr  # paramiko's thread says nothing
+    report = json.loads(res.stdout)
+    assert report["ok"] is False
+    _one_banner_problem(report["problems"], port, "ssh")  # check's key for reaching a host
+
+
+def test_ps_json_writes_json_with_the_unreachable_host_as_data(silent_sshd, tmp_path):
+    port, how = silent_sshd
+    res = _ddpfab("ps", *how, "--json", cwd=tmp_path)
+    assert res.returncode == EXIT_FAILED, res.stderr
+    listing = json.loads(res.stdout)
+    assert listing["ok"] is False and listing["runs"] == []
+    _one_banner_problem(listing["problems"], port, "no-banner")
+    # on stderr: one warning naming the host, nothing of paramiko's
+    assert res.stderr.startswith("ddpfab: warning: host quiet") and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_stop_and_logs_name_a_host_that_never_sends_a_banner(silent_sshd, tmp_path):
+    port, how = silent_sshd
+    for command in ("stop", "logs"):
+        res = _ddpfab(command, *how, "--runs-dir", str(tmp_path / "runs"), "r1", cwd=tmp_path)
+        assert res.returncode == EXIT_FAILED, res.stderr
+        said = res.stdout + res.stderr
+        assert "quiet: " in said and "no SSH banner within 1 s" in said and "Traceback" not in said, said
+        assert said.count("\n") == 1 and "host quiet: host quiet" not in said, said
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path):
+    (tmp_path / "t.py").write_text("")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before ddpfab writes a line (`| head` that has had enough)
+    try:
+        res = _ddpfab("run", "-i", IPS, "--dry-run", "--offline", "t.py", cwd=tmp_path, stdout=write)
+    finally:
+        os.close(write)
+    assert res.returncode == EXIT_CLOSED_STDOUT and res.stderr == "", res.stderr
