@@ -6,6 +6,7 @@ over the defaults, and a flag over the record."""
 
 from __future__ import annotations
 
+import os
 import argparse
 import json
 
@@ -78,8 +79,10 @@ def recorder(monkeypatch, clean):
     calls: list[dict] = []
 
     def load(source, group="all", limit=None, extra_vars=()):
-        calls.append({"source": str(source), "group": group, "limit": limit, "extra_vars": list(extra_vars or ())})
-        raise Loaded(f"recorded {source}")
+        # -i is repeatable: a list of sources (one here), recorded as the one path it names
+        sources = [str(s) for s in ([source] if isinstance(source, (str, os.PathLike)) else source)]
+        calls.append({"source": ",".join(sources), "group": group, "limit": limit, "extra_vars": list(extra_vars or ())})
+        raise Loaded(f"recorded {','.join(sources)}")
 
     monkeypatch.setattr(inventory, "load", load)
     return calls
@@ -117,7 +120,7 @@ def test_every_inventory_command_honours_the_defaults_limit_and_extra_vars(recor
         if name == "provision":  # ansible-playbook gets the inventory, the limit and the variables
             assert code == 0 and ansible, err
             source, opts = ansible[0]
-            assert (source, opts.limit, opts.extra_vars) == (str(inv), "n2", ("ddpfab_marker=1",)), ansible
+            assert (source, opts.limit, opts.extra_vars) == ([str(inv)], "n2", ("ddpfab_marker=1",)), ansible
             continue
         assert code == 2 and f"recorded {inv}" in err, (name, err)
         assert recorder[0]["source"] == str(inv), (name, recorder)
@@ -170,5 +173,5 @@ def test_the_configs_limit_and_extra_vars_reach_provision(clean, monkeypatch):
     assert cli.main(["provision", "-e", "ddpfab_x=1"]) == 0
     source, opts = calls[0]
     # the config's variables first, as one JSON -e; the command line's after them (it wins, as in Ansible)
-    assert (source, opts.limit) == (str(clean / "cluster.yml"), "n1")
+    assert (source, opts.limit) == ([str(clean / "cluster.yml")], "n1")
     assert opts.extra_vars == (json.dumps({"ddpfab_python": "/v/bin/python"}), "ddpfab_x=1")
