@@ -37,6 +37,7 @@ VAR_SHARED_DIR = "ddpfab_shared_dir"
 VAR_SPARES = "ddpfab_spares_group"
 VAR_ENV = "ddpfab_env"
 VAR_GPU_IDS = "ddpfab_gpu_ids"
+VAR_SECRET_ENV = "ddpfab_secret_env"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -79,6 +80,8 @@ class Node:
             the host's value replaces its group's whole). The command line's --env wins over it.
         gpu_ids: the GPUs this node's ranks may use (``ddpfab_gpu_ids``, a list of indexes or
             UUIDs): CUDA_VISIBLE_DEVICES, and nproc defaults to its length. None: all.
+        secret_env: env keys whose values are masked wherever shown or recorded, on top of
+            :mod:`ddpfab.masking`'s rule (``ddpfab_secret_env``, a list of keys).
     """
 
     name: str
@@ -97,6 +100,7 @@ class Node:
     spares_group: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     gpu_ids: tuple[str, ...] | None = None
+    secret_env: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -403,6 +407,8 @@ def load(source: str | os.PathLike, group: str = "all", limit: str | None = None
 def _node_from_cache(data: dict) -> Node:
     if data.get("gpu_ids") is not None:
         data = {**data, "gpu_ids": tuple(data["gpu_ids"])}
+    if data.get("secret_env") is not None:
+        data = {**data, "secret_env": tuple(data["secret_env"])}
     return Node(**data)
 
 
@@ -607,7 +613,20 @@ def _make_node(name: str, var) -> Node:
         spares_group=str(var(VAR_SPARES, None) or "") or None,
         env=_env_var(name, var(VAR_ENV, None)),
         gpu_ids=_gpu_ids(name, var(VAR_GPU_IDS, None)),
+        secret_env=_secret_env_var(name, var(VAR_SECRET_ENV, None)),
     )
+
+
+def _secret_env_var(host: str, value: Any) -> tuple[str, ...]:
+    """``ddpfab_secret_env``: a list of environment variable names (or one name)."""
+    if value is None or value == "":
+        return ()
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    bad = [k for k in items or [] if not isinstance(k, str) or not _ENV_KEY.fullmatch(k)]
+    if items is None or bad:
+        raise InventoryError(f"host {host}: {VAR_SECRET_ENV} must be a list of environment variable names like "
+                             f"[DB_URL, MY_CREDS], got {value!r}")
+    return tuple(items)
 
 
 def _env_var(host: str, value: Any) -> dict[str, str]:
