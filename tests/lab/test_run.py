@@ -66,17 +66,26 @@ def test_script_args_arrive_byte_for_byte(lab, inventory2, tmp_path):
 def test_failing_rank_stops_every_node_within_seconds(lab, inventory2, tmp_path):
     start = time.monotonic()
     res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(tmp_path / "runs"),
-                 "--env", "REPORT_FAIL_RANK=3", "--env", "REPORT_FAIL_AFTER=2", REPORT, timeout=90)
+                 "--env", "REPORT_FAIL_RANK=3", "--env", "REPORT_FAIL_AFTER=2", "--env", "REPORT_FAIL_RAISE=1",
+                 REPORT, timeout=90)
     elapsed = time.monotonic() - start
     assert res.returncode != 0
     assert "node2" in res.stderr and "node_rank 1" in res.stderr, res.stderr
     assert "failing on purpose" in res.stdout
+    # ddpfab's own closing line quotes the cause: node, rank, exit code and the rank's exception line
+    closing = [ln for ln in res.stderr.splitlines() if ln.startswith("ddpfab: failed: ")]
+    assert len(closing) == 1, res.stderr
+    assert closing[0].startswith("ddpfab: failed: node2 (node_rank 1) exit code ")
+    assert "rank 3 (local rank 1)" in closing[0] and closing[0].count("RuntimeError: rank 3 failing on purpose") == 1
     # without ddpfab the other ranks would wait in init for the 120 s process-group timeout
     assert elapsed < 45, f"took {elapsed:.1f} s"
     wait_no_processes(lab, timeout=3)
     manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
     assert manifest["state"] == "failed" and manifest["first_failure"] == "node2"
     assert manifest["nodes"]["node1"]["stopped_by_ddpfab"] is True
+    cause = manifest["nodes"]["node2"]["cause"]
+    assert (cause["rank"], cause["local_rank"], cause["exception"]) == (3, 1, "RuntimeError: rank 3 failing on purpose")
+    assert "RuntimeError: rank 3 failing on purpose" in manifest["summary"]
 
 
 def _wait_for_lines(proc: subprocess.Popen, marker: str, count: int, timeout: float) -> list[str]:
