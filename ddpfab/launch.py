@@ -305,7 +305,7 @@ class _NodeJob:
             out.error = out.error or f"{type(exc).__name__}: {exc}"
         finally:
             out.ended = time.time()
-            out.cause = out.causes.cause()
+            out.cause = ranked(self.plan, self.node, out.causes.cause())
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:
@@ -355,16 +355,20 @@ class _NodeJob:
                 conn.close()
 
 
+def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
+    """*cause* with its global rank: torchrun's, else the node's offset plus the local rank
+    (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
+    if cause is not None and cause.rank is None and cause.local_rank is not None and plan.rdzv == "static":
+        offset = sum(n.nproc for n in plan.nodes if n.node_rank < node.node_rank)
+        return Cause(offset + cause.local_rank, cause.local_rank, cause.exit_code, cause.exception)
+    return cause
+
+
 def failure_cause(plan: Plan, node: NodePlan, cause: Cause | None) -> str:
     """The failing rank's part of the closing line (``rank 3 (local rank 1), exit code 1:
-    RuntimeError: boom``), or "" when its output named none. A global rank torchrun did not report
-    is the node's offset plus the local rank (static rendezvous only: with c10d it is not known here)."""
-    if cause is None:
-        return ""
-    if cause.rank is None and cause.local_rank is not None and plan.rdzv == "static":
-        offset = sum(n.nproc for n in plan.nodes if n.node_rank < node.node_rank)
-        cause = Cause(offset + cause.local_rank, cause.local_rank, cause.exit_code, cause.exception)
-    return cause.text()
+    RuntimeError: boom``), or "" when its output named none."""
+    cause = ranked(plan, node, cause)
+    return cause.text() if cause else ""
 
 
 def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None:
