@@ -118,14 +118,16 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
             ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
             conns: dict[str, Connection] | None = None, probing: Probing | None = None,
-            synced: bool = False) -> Prepared:
+            synced: bool = False, will_sync: bool = False) -> Prepared:
     """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
     and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
     problem; nothing has been started on any node then.
 
     *probing*: what :func:`start_probe` sent already (the caller asked the code's hash on the same
     sessions meanwhile); *synced*: the code was copied since, so the workdir facts are asked
-    again. The sessions end here either way."""
+    again; *will_sync*: a dry run of a run that copies the code first, so a workdir or script not
+    on a node yet is the copy's to place, not a refusal (the real run checks them after the copy,
+    and the script was checked here). The sessions end here either way."""
     cwd = cwd or os.getcwd()
     conns = conns if conns is not None else connect_all(cluster, policy, ssh_config)
     try:
@@ -141,6 +143,8 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 master_port=options.master_port, sent_at=probing.sent_at)
             problems = [Problem(n.name, "node_program", found=e.found, text=str(e))
                         for n in cluster.nodes if (e := probing.errors.get(n.name))] + problems
+            if will_sync:
+                problems = [p for p in problems if not (isinstance(p, Problem) and p.check in ("workdir", "script"))]
             if problems:
                 raise RunError(problems)
             port = master_port(options.master_port, found=facts[master.name].free_port,

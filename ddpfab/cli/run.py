@@ -185,7 +185,7 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
         raise
     copied = bool(code) and any(n.get("source") != "unchanged" for n in code.get("nodes", {}).values())
     prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns,
-                              probing=probing, synced=copied)
+                              probing=probing, synced=copied, will_sync=args.dry_run and not args.no_sync)
     return prepared, ({"code": code} if code else {})
 
 

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,22 @@ def test_dry_run_commands_reproduce_the_run_over_plain_ssh(lab, inventory2, tmp_
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
     assert {r["sum"] for r in got} == {10.0}
     assert all(r["argv"] == ["x y"] for r in got)
+
+
+def test_the_dry_run_refuses_what_the_real_run_would_and_nothing_more(lab, inventory2, tmp_path):
+    """A fresh workdir on the nodes: the real run copies the code there first, so its dry run
+    plans it (the script checked here); with --no-sync the real run would refuse it, and so does
+    its dry run; a script missing here is refused either way."""
+    fresh = f"/tmp/ddpfab-fresh-{uuid.uuid4().hex[:8]}"
+    common = ["run", "-i", str(inventory2), "-e", f"ddpfab_workdir={fresh}", "--dry-run"]
+    synced = ddpfab(*common, REPORT)
+    assert synced.returncode == 0, synced.stderr
+    assert synced.stdout.count(f"cd {fresh} && ") == 2
+    unsynced = ddpfab(*common, "--no-sync", REPORT)
+    assert unsynced.returncode == 2 and f"workdir {fresh} does not exist" in unsynced.stderr, unsynced.stderr
+    missing = ddpfab(*common, "tests/lab/scripts/nope.py")
+    assert missing.returncode == 2 and "script tests/lab/scripts/nope.py not found" in missing.stderr
+    assert all(lab.processes(n) == [] for n in ("node1", "node2")), "a dry run starts nothing"
 
 
 def test_ini_and_yaml_inventories_launch_the_same_job(lab, tmp_path):
