@@ -172,13 +172,13 @@ def test_a_local_rank_script_gets_each_ranks_local_rank_under_torchrun(lab, inve
     """A script that parses --local_rank (default 0) and never reads LOCAL_RANK, started with the
     default launcher on 2 nodes x 2 procs: each rank gets its own local rank, never 0 everywhere."""
     res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(tmp_path / "runs"),
-                 "tests/lab/scripts/local_rank_default.py", "--tag", "t")
+                 "--env", "LOCAL_RANK_DEFAULT=0", "tests/lab/scripts/legacy_underscore.py", "--tag", "t")
     assert res.returncode == 0, res.stdout + res.stderr
     got = reports(res.stdout)
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3] and {r["sum"] for r in got} == {4.0}
     for host in ("node1", "node2"):
         mine = [r for r in got if r["hostname"] == host]
-        assert sorted(r["local_rank_arg"] for r in mine) == [0, 1]
-    assert all(r["local_rank_arg"] == r["local_rank_env"] and r["tag"] == "t" for r in got)
+        assert sorted(r["local_rank"] for r in mine) == [0, 1]
+    assert all(r["local_rank"] == r["local_rank_env"] and r["tag"] == "t" for r in got)
     plan = manifest_of(tmp_path / "runs")["plan"]
     assert (plan["launcher"], plan["script_local_rank"], plan["local_rank_arg"]) == ("torchrun", True, "--local_rank")

@@ -8,7 +8,21 @@ from ddpfab.cause import MAX_LINE, Cause, CauseReader
 from ddpfab.inventory import Cluster, Node
 from ddpfab.plan import Facts, RunOptions, make_plan
 
-#: What torchrun 2.x prints on a node whose local rank 1 (global 3) raised, with --tee=3.
+def root_cause(host: str, rank: int, local: int, error_file: str, traceback: str) -> str:
+    """torchrun 2.x's "Root Cause" block (torch/distributed/elastic/multiprocessing/errors)."""
+    return f"""\
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_12:00:00
+  host      : {host}
+  rank      : {rank} (local_rank: {local})
+  exitcode  : 1 (pid: 123)
+  error_file: {error_file}
+  traceback : {traceback}
+============================================================"""
+
+
+#: What torchrun prints on a node whose local rank 1 (global 3) raised, with --tee=3.
 TORCHRUN_OUTPUT = """\
 [default0]:step 0
 [default1]:[rank3]: Traceback (most recent call last):
@@ -26,31 +40,15 @@ t.py FAILED
 Failures:
   <NO_OTHER_FAILURES>
 ------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-12-01_12:00:00
-  host      : node2
-  rank      : 3 (local_rank: 1)
-  exitcode  : 1 (pid: 123)
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================"""
+""" + root_cause("node2", 3, 1, "<N/A>", "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
 
 #: The Root Cause block of a script whose entry point is decorated with @record (an error file).
-RECORDED = """\
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-12-01_12:00:00
-  host      : node1
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: 77)
-  error_file: /r/.ddpfab/runs/x/torchrun/none_x/attempt_0/0/error.json
-  traceback : Traceback (most recent call last):
+RECORDED = root_cause("node1", 0, 0, "/r/.ddpfab/runs/x/torchrun/none_x/attempt_0/0/error.json", """\
+Traceback (most recent call last):
     File "/w/t.py", line 9, in main
       raise ValueError("bad shape (3, 4)")
   ValueError: bad shape (3, 4)
-  
-============================================================"""
+  """)
 
 
 def read(text: str) -> CauseReader:
