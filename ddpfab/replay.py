@@ -196,7 +196,8 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
         raise ManifestError(f"{source}: plan: expected an object with a list of nodes")
     for key, kind in (("inventory", str), ("group", str), ("run_id", str), ("master_port", int)):
         _typed(f"{source}: plan.{key}", plan.get(key), kind, False)
-    _typed(f"{source}: plan.secret_env", plan.get("secret_env", []), list, False)
+    for key, default in LATER_PLAN_FIELDS.items():
+        _typed(f"{source}: plan.{key}", plan.get(key, default), type(default), False)
     for i, key in enumerate(plan.get("secret_env", [])):
         _typed(f"{source}: plan.secret_env[{i}]", key, str, False)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.utils.api import macros
 
-from ddpfab import cli, probe, render, replay, runner, scriptfile
+from ddpfab import check, cli, probe, render, replay, runner, scriptfile
 from ddpfab.cli import run as run_cli
 from ddpfab.inventory import Cluster, Node
 from ddpfab.plan import Facts, PlanError, RunOptions, make_plan, nproc_for, parse_nproc
@@ -197,3 +197,22 @@ def test_plans_and_options_recorded_before_these_fields_still_replay():
                 "options": {k: v for k, v in recorded.items() if k not in replay.LATER_OPTION_FIELDS}}
     options, _ = replay.validate(manifest, "m.json")
     assert (options.nproc_per_node, options.module, options.secret_env) == ("auto", False, ())
+
+
+def test_a_manifest_with_a_wrongly_typed_new_plan_field_is_refused():
+    plan = make_plan(TWO, RunOptions("t.py", run_id="r"), probed({"g": 0, "c": 0}, {"g": 1, "c": 1}))
+    options = replay.recorded_options(RunOptions("t.py", run_id="r"), "/w")
+    for key, bad in (("module", "yes"), ("secret_env", "KEY"), ("script_local_rank", 1)):
+        manifest = {"kind": replay.MANIFEST_KIND, "schema_version": replay.SCHEMA_VERSION, "options": options,
+                    "plan": {**json.loads(plan.to_json()), key: bad}}
+        with pytest.raises(replay.ManifestError, match=f"plan.{key}: expected"):
+            replay.validate(manifest, "m.json")
+
+
+def test_check_names_a_node_where_the_asked_count_cannot_be():
+    raw = {"g": {"nvidia_gpus": 2, "cpus": 8}, "c": {"cpus": 4}}  # "x" did not answer: left to the probe's failure
+    cluster = Cluster("inv.yml", "all", (GPU_NODE, CPU_NODE, Node("x", "10.0.0.3")))
+    nproc, refused = check._nprocs(cluster, RunOptions("check", nproc_per_node="gpu"), raw)
+    assert nproc == {"g": 2} and [(r.node, r.check, r.status) for r in refused] == [("c", "gpus", "fail")]
+    assert "it has no GPU" in refused[0].found
+    assert check._nprocs(cluster, RunOptions("check", nproc_per_node="auto"), raw) == ({"g": 2, "c": 4}, [])
