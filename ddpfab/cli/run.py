@@ -8,13 +8,12 @@ import os
 import sys
 from dataclasses import replace
 
-from .. import inventory
+from .. import inventory, scriptfile
 from .. import plan as planmod
 from ..plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
 from ..problems import Problem
 from ..progress import Ticker
 from ..suggest import did_you_mean
-from .. import scriptfile
 from . import recover as recovery
 from .common import add_cluster_args, add_env_args, load_cluster, nproc_type
 from .errors import die, print_problems

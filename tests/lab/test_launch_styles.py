@@ -182,3 +182,24 @@ def test_a_local_rank_script_gets_each_ranks_local_rank_under_torchrun(lab, inve
     assert all(r["local_rank"] == r["local_rank_env"] and r["tag"] == "t" for r in got)
     plan = manifest_of(tmp_path / "runs")["plan"]
     assert (plan["launcher"], plan["script_local_rank"], plan["local_rank_arg"]) == ("torchrun", True, "--local_rank")
+
+
+def test_nproc_gpu_counts_what_nvidia_smi_lists_on_each_node(lab, tmp_path, shared_dir):
+    """``--nproc-per-node gpu`` on nodes whose nvidia-smi (tests/infra/fake-nvidia-smi, first on the
+    PATH of the nodes' python through a wrapper in the shared dir) lists two GPUs: two ranks each,
+    decided from the probe; the CPU-only torch runs them on gloo."""
+    fake_bin = shared_dir / "bin"
+    fake_bin.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "infra" / "fake-nvidia-smi", fake_bin / "nvidia-smi")
+    wrapper = shared_dir / "python"
+    wrapper.write_text(f'#!/bin/sh\nPATH={fake_bin}:$PATH exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    inv = inventory_with(lab, tmp_path / "inv.yml", ddpfab_python=str(wrapper))
+    res = ddpfab("run", "-i", str(inv), "--nproc-per-node", "gpu", "--runs-dir", str(tmp_path / "runs"),
+                 "tests/lab/scripts/report.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = reports(res.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3] and {r["world_size"] for r in got} == {4}
+    for host in ("node1", "node2"):
+        assert sorted(r["local_rank"] for r in got if r["hostname"] == host) == [0, 1]
+    assert [n["nproc"] for n in manifest_of(tmp_path / "runs")["plan"]["nodes"]] == [2, 2]
