@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.utils.api import macros
 
-from ddpfab import check, cli, probe, render, replay, runner, scriptfile
+from ddpfab import check, cli, emit, probe, render, replay, runner, scriptfile
 from ddpfab.cli import run as run_cli
 from ddpfab.inventory import Cluster, Node
 from ddpfab.plan import Facts, PlanError, RunOptions, make_plan, nproc_for, parse_nproc
@@ -110,6 +110,7 @@ def test_module_mode_as_torchrun_writes_it_or_as_an_option_is_one_plan(tmp_path,
     assert argv[-4:] == ("-m", "pkg.train", "--lr", "1")
     assert argv.index("-m", 3) > argv.index("--max-restarts=0")  # torchrun's -m: after its other flags
     assert shlex.split(render.shell_line(plan, plan.nodes[0]))[-len(argv):] == list(argv)  # the line ends in the argv
+    assert "module (-m): pkg.train --lr 1" in emit.readme(plan)
     legacy = make_plan(Cluster("inv.yml", "all", (GPU_NODE,)), RunOptions("pkg.train", module=True, launcher="legacy"),
                        probed({"g": 0}, {"g": 2}))
     assert render.argv(legacy, legacy.nodes[0])[-2:] == ("-m", "pkg.train")
