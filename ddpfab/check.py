@@ -26,7 +26,7 @@ from . import mesh as meshmod
 from . import node as nodeprog
 from . import probe, ssh
 from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
-from .plan import RunOptions, choose_master, master_port, nproc_for
+from .plan import PlanError, RunOptions, choose_master, master_port, nproc_for
 from .problems import NodeError, Problem
 
 #: Clock skew (seconds) between a node and the controller beyond which check fails.
@@ -61,7 +61,7 @@ class CheckResult:
 @dataclass
 class CheckOptions:
     master_port: int | None = None
-    nproc_per_node: int | None = None
+    nproc_per_node: int | str | None = None
     max_skew_s: float = DEFAULT_MAX_SKEW_S
     full: bool = True  # import torch on every node (CUDA/NCCL/GPU facts); run's fast checks skip it
     exhaustive: bool = False  # probe every pair of nodes, whatever the cluster size
@@ -157,7 +157,7 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
     # GPUs vs processes
     for n in ok:
         f = fx[n.name]
-        gpus = f.get("gpus") if f.get("gpus") is not None else f.get("nvidia_gpus", 0)
+        gpus = probe.gpu_count(f)
         want = nproc.get(n.name, 1)
         if n.gpus is not None and gpus != n.gpus and (options.full or f.get("nvidia_gpus") is not None):
             results.append(CheckResult(n.name, "gpus", "fail", found=f"{gpus} GPUs", expected=f"{n.gpus} (ddpfab_gpus)",
@@ -302,14 +302,28 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         nodeprog.close_all(sessions)
         for c in conns.values():
             c.close()
-    run_opts = RunOptions("check", nproc_per_node=options.nproc_per_node)
-    nproc = {n.name: nproc_for(n, run_opts) for n in cluster.nodes}
-    checks = evaluate(cluster, master.name, raw, unreachable, mesh, CheckOptions(
+    nproc, refused = _nprocs(cluster, RunOptions("check", nproc_per_node=options.nproc_per_node), raw)
+    checks = refused + evaluate(cluster, master.name, raw, unreachable, mesh, CheckOptions(
         master_port=port, nproc_per_node=options.nproc_per_node, max_skew_s=options.max_skew_s,
         full=options.full), nproc)
     return Report(nodes=[n.name for n in cluster.nodes], results=checks, seconds=time.monotonic() - started,
                   extra={"master": master.name, "master_port": port, "mesh": mesh_detail(cluster, mesh),
                          "phases_s": {k: round(v, 3) for k, v in phases.items()}})
+
+
+def _nprocs(cluster, options: RunOptions, raw: dict[str, dict]) -> tuple[dict[str, int], list[CheckResult]]:
+    """Processes per node that answered, as a run would decide them (``gpu|cpu|auto`` from its
+    facts); a node where the asked count cannot be (``gpu`` without GPUs) is a failed check."""
+    nproc, refused = {}, []
+    for n in cluster.nodes:
+        if n.name not in raw:
+            continue
+        try:
+            nproc[n.name] = nproc_for(n, options, probe.gpu_count(raw[n.name]), probe.cpu_count(raw[n.name]))
+        except PlanError as exc:
+            refused.append(CheckResult(n.name, "gpus", "fail", found=str(exc), expected="a count it can run",
+                                       fix="give --nproc-per-node a number, cpu or auto"))
+    return nproc, refused
 
 
 # -- presentation ------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
     lines = [
         (f"ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
          f"master {plan.master} {plan.master_addr}:{plan.master_port}"),
-        f"script: {plan.script} {shlex.join(plan.args)}".rstrip(),
+        f"{'module (-m)' if plan.module else 'script'}: {plan.script} {shlex.join(plan.args)}".rstrip(),
         (f"launch style: rdzv {plan.rdzv}, launcher {plan.launcher}, init method {plan.init_method}"
          + (", debug logging" if plan.debug else "")),
         *([plan.unresolved_note()] if plan.unresolved else []),

@@ -38,6 +38,7 @@ VAR_SPARES = "ddpfab_spares_group"
 VAR_ENV = "ddpfab_env"
 VAR_GPU_IDS = "ddpfab_gpu_ids"
 VAR_REPLICATE = "ddpfab_replicate"
+VAR_SECRET_ENV = "ddpfab_secret_env"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -79,6 +80,8 @@ class Node:
             UUIDs): CUDA_VISIBLE_DEVICES, and nproc defaults to its length. None: all.
         replicate: files of the workdir that ``ddpfab run`` copies from rank 0's node to the other
             nodes before the launch (``ddpfab_replicate``, a list; ``--replicate`` adds to it).
+        secret_env: env keys whose values are masked wherever shown or recorded, on top of
+            :mod:`ddpfab.masking`'s rule (``ddpfab_secret_env``, a list of keys).
     """
 
     name: str
@@ -98,6 +101,7 @@ class Node:
     env: dict[str, str] = field(default_factory=dict)
     gpu_ids: tuple[str, ...] | None = None
     replicate: tuple[str, ...] = ()
+    secret_env: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -611,6 +615,8 @@ def _node_from_cache(data: dict) -> Node:
     if data.get("gpu_ids") is not None:
         data = {**data, "gpu_ids": tuple(data["gpu_ids"])}
     data = {**data, "replicate": tuple(data.get("replicate") or ())}
+    if data.get("secret_env") is not None:
+        data = {**data, "secret_env": tuple(data["secret_env"])}
     return Node(**data)
 
 
@@ -819,6 +825,7 @@ def _make_node(name: str, var) -> Node:
         env=_env_var(name, var(VAR_ENV, None)),
         gpu_ids=_gpu_ids(name, var(VAR_GPU_IDS, None)),
         replicate=_replicate_var(name, var(VAR_REPLICATE, None)),
+        secret_env=_secret_env_var(name, var(VAR_SECRET_ENV, None)),
     )
 
 
@@ -830,6 +837,18 @@ def _replicate_var(host: str, value: Any) -> tuple[str, ...]:
         raise InventoryError(f"host {host}: {VAR_REPLICATE} must be a list of paths relative to the workdir like "
                              f"[snapshot.pt], got {value!r}")
     return tuple(value)
+
+
+def _secret_env_var(host: str, value: Any) -> tuple[str, ...]:
+    """``ddpfab_secret_env``: a list of environment variable names (or one name)."""
+    if value is None or value == "":
+        return ()
+    items = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    bad = [k for k in items or [] if not isinstance(k, str) or not _ENV_KEY.fullmatch(k)]
+    if items is None or bad:
+        raise InventoryError(f"host {host}: {VAR_SECRET_ENV} must be a list of environment variable names like "
+                             f"[DB_URL, MY_CREDS], got {value!r}")
+    return tuple(items)
 
 
 def _env_var(host: str, value: Any) -> dict[str, str]:

@@ -23,6 +23,7 @@ from typing import BinaryIO, Callable, TextIO
 from fabric import Connection
 
 from . import hints, ssh, streams
+from .cause import Cause, CauseReader
 from . import node as nodeprog
 from .agent import CANNOT_START
 from .interrupt import Interrupted, signals_raise
@@ -106,6 +107,8 @@ class NodeOutcome:
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
     hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
     cleanup: str | None = None  # what ending a supervisor-less job there found (None: not needed)
+    cause: Cause | None = None  # the failing rank and its first exception line, from its output (cause.py)
+    causes: CauseReader = field(default_factory=CauseReader, repr=False, compare=False)  # reads it
 
     def to_dict(self) -> dict:
         return {"node_rank": self.node_rank, "exit_code": self.exit_code, "error": self.error,
@@ -115,7 +118,8 @@ class NodeOutcome:
                 "last_state": self.state(time.monotonic()),
                 "restarts": (self.remote or {}).get("restarts"),
                 "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints,
-                "failed_at": (self.remote or {}).get("failed_at"), "cleanup": self.cleanup}
+                "failed_at": (self.remote or {}).get("failed_at"), "cleanup": self.cleanup,
+                "cause": self.cause.to_dict() if self.cause else None}
 
     def state(self, now: float) -> str:
         """What the node looked like from here: silent, in rendezvous (only torchrun has spoken),
@@ -285,6 +289,7 @@ class _NodeJob:
             self.outcome.rank_lines += 1
             self.outcome.last_rank_line = self.outcome.last_line
         self.printer.line(self.node.name, text)
+        self.outcome.causes.feed(text)
         hint = hints.hint_for(text)
         if hint and hint not in self.outcome.hints:
             self.outcome.hints.append(hint)
@@ -300,6 +305,7 @@ class _NodeJob:
             out.error = out.error or f"{type(exc).__name__}: {exc}"
         finally:
             out.ended = time.time()
+            out.cause = ranked(self.plan, self.node, out.causes.cause())
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:
@@ -347,6 +353,22 @@ class _NodeJob:
         finally:
             if conn is not self.conn:
                 conn.close()
+
+
+def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
+    """*cause* with its global rank: torchrun's, else the node's offset plus the local rank
+    (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
+    if cause is not None and cause.rank is None and cause.local_rank is not None and plan.rdzv == "static":
+        offset = sum(n.nproc for n in plan.nodes if n.node_rank < node.node_rank)
+        return Cause(offset + cause.local_rank, cause.local_rank, cause.exit_code, cause.exception)
+    return cause
+
+
+def failure_cause(plan: Plan, node: NodePlan, cause: Cause | None) -> str:
+    """The failing rank's part of the closing line (``rank 3 (local rank 1), exit code 1:
+    RuntimeError: boom``), or "" when its output named none."""
+    cause = ranked(plan, node, cause)
+    return cause.text() if cause else ""
 
 
 def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None:
@@ -440,7 +462,9 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
                 if failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
                     first_failure = name
                     why = out.error or f"exit code {out.exit_code}"
-                    printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}); stopping the other nodes")
+                    cause = failure_cause(jobs[name].plan, jobs[name].node, out.cause)
+                    printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}{f'; {cause}' if cause else ''}); "
+                                 "stopping the other nodes")
                     stop_all(fast=True)
             except Interrupted as exc:
                 if interrupted is None:
@@ -465,7 +489,9 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
         out = outcomes[first_failure]
         code = out.exit_code if out.exit_code not in (None, 0) else 1
         why = out.error or f"exit code {out.exit_code}"
-        summary = f"failed: {first_failure} (node_rank {out.node_rank}) {why}; the others were stopped"
+        cause = failure_cause(jobs[first_failure].plan, jobs[first_failure].node, out.cause)
+        summary = (f"failed: {first_failure} (node_rank {out.node_rank}) {why}"
+                   f"{f'; {cause}' if cause else ''}; the others were stopped")
         for hint in dict.fromkeys(h for o in outcomes.values() for h in o.hints):
             printer.note(f"hint: {hint}")
     else:

@@ -53,6 +53,11 @@ _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 #: What plans recorded by schema version 2 stored per node beside the data: renderings, now derived.
 LEGACY_NODE_FIELDS = ("argv", "command")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: ``--nproc-per-node`` words, as torchrun means them, decided per node from the probe's facts:
+#: gpu = its GPU count, cpu = its CPU count, auto = its GPUs if it has any, else its CPUs.
+NPROC_WORDS = ("gpu", "cpu", "auto")
+#: A module for ``-m`` (module mode): dotted Python identifiers.
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 #: A run id names a local and a remote directory: no separators, no dot-dot, no shell characters.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 
@@ -68,7 +73,8 @@ class RunOptions:
     Args:
         script: the training script, relative to the workdir (or absolute).
         args: the script's arguments, passed through byte for byte.
-        nproc_per_node: overrides the inventory's ``ddpfab_nproc_per_node`` on every node.
+        nproc_per_node: overrides the inventory's ``ddpfab_nproc_per_node`` on every node: a
+            number, or one of :data:`NPROC_WORDS` (resolved per node, see :func:`nproc_for`).
         master_port: a fixed MASTER_PORT; None lets the probe find a free one on the master.
         env: extra environment for every node, as (key, value) pairs.
         max_restarts: torchrun's in-node restarts.
@@ -93,11 +99,17 @@ class RunOptions:
             rank: "--local-rank" (what torch 2.x passes) or "--local_rank" (scripts written for
             torch 1.x; then the launcher runs with ``--use-env`` and each worker gets
             ``--local_rank=N`` through torch's ``${local_rank}`` substitution).
+        module: *script* is a module to run as ``-m MODULE`` (torchrun's module mode).
+        secret_env: env keys to mask wherever shown or recorded (``--secret-env``), on top of
+            :mod:`ddpfab.masking`'s rule and the inventory's ``ddpfab_secret_env``.
+        script_local_rank: with ``launcher="torchrun"``, also give each rank its local rank as
+            ``local_rank_arg=N`` (the script declares that argument and may never read
+            LOCAL_RANK): torchrun substitutes ``${local_rank}`` in the workers' arguments.
     """
 
     script: str
     args: tuple[str, ...] = ()
-    nproc_per_node: int | None = None
+    nproc_per_node: int | str | None = None
     master_port: int | None = None
     env: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
@@ -109,6 +121,9 @@ class RunOptions:
     init_method: str = "env"
     debug: bool = False
     local_rank_arg: str = "--local-rank"
+    module: bool = False
+    secret_env: tuple[str, ...] = ()
+    script_local_rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,8 @@ class Facts:
         unresolved: nodes whose address is their name as given, not an IP: an offline plan's
             names the controller could not resolve (:func:`ddpfab.probe.offline_addresses`).
             The real run never has any: it resolves every address (or refuses) before planning.
+        gpus, cpus: node name -> its GPU and CPU counts as probed (for ``--nproc-per-node
+            gpu|cpu|auto``); a node missing here was not probed (an offline plan).
     """
 
     addresses: dict[str, str]
@@ -133,6 +150,8 @@ class Facts:
     homes: dict[str, str] = field(default_factory=dict)
     ifnames: dict[str, str | None] = field(default_factory=dict)
     unresolved: tuple[str, ...] = ()
+    gpus: dict[str, int] = field(default_factory=dict)
+    cpus: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,15 +195,20 @@ class Plan:
         inventory, group: where the nodes came from.
         master, master_addr, master_port: the rendezvous point (node rank 0).
         nnodes, world_size: the job's size.
-        script: the training script, relative to each node's workdir (or absolute).
+        script: the training script, relative to each node's workdir (or absolute); with
+            *module*, the module torchrun runs as ``-m MODULE``.
         args: the script's arguments, byte for byte, with ``{{name}}`` placeholders
             (:data:`PLACEHOLDERS`) that each node's rendering fills in.
         max_restarts: torchrun's in-node restarts.
         nodes: by node rank.
-        rdzv, launcher, init_method, debug, local_rank_arg: the launch style (see RunOptions).
         unresolved: nodes (in node rank order) whose ``data_addr`` (the master's: ``master_addr``)
             is a host name the controller could not resolve: only in an offline plan, which shows
             them as such; each node then resolves the name itself.
+        rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank: the launch
+            style (see RunOptions).
+        secret_env: env keys whose values are masked wherever the plan is shown or recorded
+            (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
+            :mod:`ddpfab.masking`'s rule.
     """
 
     run_id: str
@@ -206,6 +230,9 @@ class Plan:
     debug: bool = False
     local_rank_arg: str = "--local-rank"
     unresolved: tuple[str, ...] = ()
+    module: bool = False
+    secret_env: tuple[str, ...] = ()
+    script_local_rank: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -240,6 +267,7 @@ class Plan:
                 raise ValueError(f"plan: node {n.get('name')!r}: unknown field(s) {', '.join(unknown)}")
             nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {})}))
         data["args"] = tuple(data["args"])
+        data["secret_env"] = tuple(data.get("secret_env") or ())
         data["nodes"] = tuple(nodes)
         data["unresolved"] = tuple(data.get("unresolved") or ())
         return cls(**data)
@@ -272,11 +300,39 @@ def choose_master(cluster: Cluster) -> Node:
     return flagged[0] if flagged else cluster.nodes[0]
 
 
-def nproc_for(node: Node, options: RunOptions) -> int:
+def parse_nproc(text: str) -> int | str:
+    """``--nproc-per-node``'s value: a number >= 1 or one of :data:`NPROC_WORDS` (torchrun's
+    vocabulary); a PlanError (argparse's type error) otherwise."""
+    word = text.strip().lower()
+    if word in NPROC_WORDS:
+        return word
+    try:
+        value = int(word)
+    except ValueError:
+        raise PlanError(f"--nproc-per-node {text!r}: expected a number >= 1, or gpu, cpu or auto") from None
+    if value < 1:
+        raise PlanError(f"--nproc-per-node must be >= 1, got {value}")
+    return value
+
+
+def nproc_for(node: Node, options: RunOptions, gpus: int | None = None, cpus: int | None = None) -> int:
     """Processes on *node*: the command line wins, then the inventory's nproc (a hostfile's slots),
-    then the length of its GPU list, then its GPU count, then 1."""
-    if options.nproc_per_node is not None:
-        return options.nproc_per_node
+    then the length of its GPU list, then its GPU count, then 1.
+
+    A word on the command line is torchrun's, decided here per node: ``gpu`` its GPUs (the
+    length of its GPU list, else *gpus* as probed, else the inventory's ``ddpfab_gpus``), ``cpu``
+    its CPUs (*cpus* as probed), ``auto`` its GPUs if it has any, else its CPUs. A count that
+    cannot be known (an offline plan) or a ``gpu`` node without GPUs is a PlanError naming the node.
+
+    Args:
+        node, options: the node and what the user asked.
+        gpus, cpus: the node's GPU and CPU counts as probed; None when not probed.
+    """
+    asked = options.nproc_per_node
+    if isinstance(asked, str):
+        return _nproc_word(node, asked, gpus, cpus)
+    if asked is not None:
+        return asked
     if node.nproc is not None:
         return node.nproc
     if node.gpu_ids:
@@ -284,6 +340,26 @@ def nproc_for(node: Node, options: RunOptions) -> int:
     if node.gpus:
         return node.gpus
     return 1
+
+
+def _nproc_word(node: Node, word: str, gpus: int | None, cpus: int | None) -> int:
+    """``--nproc-per-node gpu|cpu|auto`` on *node* (see :func:`nproc_for`)."""
+    if word not in NPROC_WORDS:
+        raise PlanError(f"--nproc-per-node {word!r}: expected a number >= 1, or gpu, cpu or auto")
+    gpu_count = len(node.gpu_ids) if node.gpu_ids else gpus if gpus is not None else node.gpus
+    if word == "gpu" or (word == "auto" and gpu_count):
+        if gpu_count is None:
+            raise PlanError(f"host {node.name}: --nproc-per-node {word}: its GPU count is not known without "
+                            "probing it (an offline plan); set ddpfab_gpus in the inventory, give a number, or "
+                            "plan without --offline")
+        if not gpu_count:
+            raise PlanError(f"host {node.name}: --nproc-per-node gpu: it has no GPU (nvidia-smi lists none), and "
+                            "torchrun refuses gpu there; use cpu, auto or a number")
+        return gpu_count
+    if cpus is None:
+        raise PlanError(f"host {node.name}: --nproc-per-node {word}: its CPU count is not known without probing "
+                        "it (an offline plan); give a number or plan without --offline")
+    return cpus
 
 
 #: Controller environment variables with these prefixes are forwarded to every rank (documented
@@ -462,8 +538,13 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
     if options.max_restarts < 0:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
-    if options.nproc_per_node is not None and options.nproc_per_node < 1:
+    if isinstance(options.nproc_per_node, int) and options.nproc_per_node < 1:
         raise PlanError(f"--nproc-per-node must be >= 1, got {options.nproc_per_node}")
+    if options.module and not _MODULE.fullmatch(options.script):
+        raise PlanError(f"-m {options.script!r}: expected a module name (dotted Python identifiers, e.g. pkg.train)")
+    bad_keys = [k for k in options.secret_env if not _ENV_KEY.fullmatch(k)]
+    if bad_keys:
+        raise PlanError(f"--secret-env {bad_keys[0]!r}: expected an environment variable name (letters, digits, '_')")
     for what, value, allowed in (("--rdzv", options.rdzv, RDZV_STYLES), ("--launcher", options.launcher, LAUNCHERS),
                                  ("--init-method", options.init_method, INIT_METHODS)):
         if value not in allowed:
@@ -502,7 +583,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     if options.debug:
         env.update(DEBUG_ENV)
     asked = dict(options.env)
-    nprocs = [nproc_for(node, options) for node in ordered]
+    nprocs = [nproc_for(node, options, facts.gpus.get(node.name), facts.cpus.get(node.name)) for node in ordered]
     nodes = []
     for rank, node in enumerate(ordered):
         nproc = nprocs[rank]
@@ -544,4 +625,15 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
         max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
         init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg,
-        unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved))
+        unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
+        module=options.module, secret_env=secret_env(cluster, options),
+        script_local_rank=options.script_local_rank and options.launcher == "torchrun")
+
+
+def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:
+    """The keys marked secret for a run: ``--secret-env``'s, then every node's ``ddpfab_secret_env``
+    (one set for the whole plan: masking a key on every node where one node marks it is harmless)."""
+    keys = dict.fromkeys(options.secret_env)
+    for node in cluster.nodes:
+        keys.update(dict.fromkeys(node.secret_env))
+    return tuple(keys)

@@ -114,6 +114,19 @@ def _peer_address(conn: Connection | None, target: Target | None = None) -> str 
         return None
 
 
+def gpu_count(raw: dict) -> int:
+    """A node's GPUs from its facts: torch's count when asked (``check --full``), else the lines
+    nvidia-smi lists, else none (no nvidia-smi)."""
+    gpus = raw.get("gpus") if raw.get("gpus") is not None else raw.get("nvidia_gpus")
+    return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0 else 0
+
+
+def cpu_count(raw: dict) -> int | None:
+    """A node's CPUs from its facts (``os.cpu_count()`` there, as torchrun's ``cpu`` counts), or None."""
+    cpus = raw.get("cpus")
+    return cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus >= 1 else None
+
+
 def facts_request(node: Node, *, workdir: str, script: str | None, port: int | None = None,
                   find_port: bool = False, peers: dict[str, str] | None = None,
                   resolve_names: list[str] | None = None, full: bool = False) -> dict:

@@ -54,7 +54,8 @@ class Command:
         log_dir: torchrun's per-rank log dir on the node (``--log-dir``); relative to the node
             user's home when the plan was made offline.
         legacy: ``--use-env`` for the legacy launcher with ``--local_rank`` scripts, else empty.
-        script: the script and its arguments, placeholders filled in.
+        script: the script and its arguments, placeholders filled in; in module mode
+            ``("-m", MODULE, *args)`` (the launcher's own ``-m`` flag, last of its flags).
     """
 
     program: tuple[str, ...]
@@ -114,6 +115,13 @@ def command(plan: Plan, node: NodePlan, where: Rendezvous | None = None) -> Comm
     with ``--use-env`` and passes ``--local_rank=${local_rank}`` itself (torch substitutes each
     worker's local rank), for scripts written for torch 1.x.
 
+    Under torchrun, a script that declares a local-rank argument (*script_local_rank*) gets it the
+    same way: ``LOCAL_RANK_ARG=${local_rank}`` before its own arguments, which torchrun's agent
+    substitutes per worker (torch.distributed.elastic.utils.macros); torchrun itself only sets
+    LOCAL_RANK, and a script that parses ``--local_rank`` with a default would get that default.
+
+    Module mode (*module*): ``-m MODULE`` after the launcher's flags, as ``torchrun -m`` takes it.
+
     Args:
         plan, node: the node's plan.
         where: rendezvous values instead of the plan's (see :func:`rendezvous_flags`).
@@ -123,11 +131,14 @@ def command(plan: Plan, node: NodePlan, where: Rendezvous | None = None) -> Comm
     if plan.launcher == "legacy" and plan.local_rank_arg == "--local_rank":
         legacy = ("--use-env",)
         script_args = ("--local_rank=${local_rank}", *script_args)
+    elif plan.launcher == "torchrun" and plan.script_local_rank:
+        script_args = (f"{plan.local_rank_arg}=${{local_rank}}", *script_args)
+    script = ("-m", plan.script) if plan.module else (plan.script,)
     return Command(program=(node.python, "-m", LAUNCHERS[plan.launcher]),
                    size=(f"--nnodes={plan.nnodes}", f"--nproc-per-node={node.nproc}"),
                    rendezvous=rendezvous_flags(plan, node, where),
                    flags=(f"--max-restarts={plan.max_restarts}", "--tee=3"), log_dir=f"{node.remote_dir}/torchrun",
-                   legacy=legacy, script=(plan.script, *script_args))
+                   legacy=legacy, script=(*script, *script_args))
 
 
 def argv(plan: Plan, node: NodePlan) -> tuple[str, ...]:
@@ -180,4 +191,4 @@ def script_lines(plan: Plan, node: NodePlan) -> list[str]:
 def masked(plan: Plan) -> Plan:
     """*plan* with every secret env value masked, by key (:func:`ddpfab.runs.mask_env`): render
     this one wherever the plan is shown."""
-    return replace(plan, nodes=tuple(replace(n, env=mask_env(n.env)) for n in plan.nodes))
+    return replace(plan, nodes=tuple(replace(n, env=mask_env(n.env, plan.secret_env)) for n in plan.nodes))

@@ -37,7 +37,8 @@ from . import inventory
 from .inventory import Cluster
 from .plan import Plan, PlanError, RunOptions, choose_master, master_port, parse_env
 from .problems import Problem
-from .runs import MASK, SECRET_KEY, mask_env
+from .masking import was_masked
+from .runs import mask_env
 
 
 def inventory_fingerprint(cluster: Cluster) -> str:
@@ -142,30 +143,38 @@ SCHEMA_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 #: RunOptions field -> (type, may be null), as recorded in ``manifest["options"]``.
 OPTION_FIELDS: dict[str, tuple[type, bool]] = {
-    "script": (str, False), "args": (list, False), "nproc_per_node": (int, True), "master_port": (int, True),
+    "script": (str, False), "args": (list, False), "nproc_per_node": ((int, str), True), "master_port": (int, True),
     "env": (list, False), "max_restarts": (int, False), "run_id": (str, False), "remote_runs_dir": (str, False),
     "socket_ifname": (str, True), "rdzv": (str, False), "launcher": (str, False), "init_method": (str, False),
-    "debug": (bool, False), "local_rank_arg": (str, False)}
+    "debug": (bool, False), "local_rank_arg": (str, False), "module": (bool, False), "secret_env": (list, False),
+    "script_local_rank": (bool, False)}
+#: Plan fields recorded only by newer versions, with the value a plan without them meant.
+LATER_PLAN_FIELDS: dict[str, Any] = {"module": False, "secret_env": [], "script_local_rank": False}
+#: Options recorded only by newer versions: a manifest without them gets RunOptions' defaults.
+LATER_OPTION_FIELDS = ("module", "secret_env", "script_local_rank")
 
 
 class ManifestError(Exception):
     """A manifest that cannot be replayed: malformed, foreign, or of another schema version."""
 
 
-def recorded_options(options: RunOptions, cwd: str | None) -> dict[str, Any]:
-    """RunOptions as the manifest records them: plain JSON, secret env values masked by key."""
+def recorded_options(options: RunOptions, cwd: str | None, marked: tuple[str, ...] = ()) -> dict[str, Any]:
+    """RunOptions as the manifest records them: plain JSON, secret env values masked
+    (:mod:`ddpfab.masking`; *marked*: the plan's marked keys, the inventory's included)."""
     data = asdict(options)
     data["args"] = list(options.args)
-    data["env"] = [list(kv) for kv in mask_env(dict(options.env)).items()]
+    data["secret_env"] = list(options.secret_env)
+    data["env"] = [list(kv) for kv in mask_env(dict(options.env), (*options.secret_env, *marked)).items()]
     return {**data, "cwd": cwd or os.getcwd()}
 
 
-def _typed(where: str, value: Any, kind: type, nullable: bool) -> None:
+def _typed(where: str, value: Any, kind: type | tuple[type, ...], nullable: bool) -> None:
     if value is None and nullable:
         return
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (int in kinds and isinstance(value, bool))
     if not ok:
-        raise ManifestError(f"{where}: expected {kind.__name__}{' or null' if nullable else ''}, "
+        raise ManifestError(f"{where}: expected {' or '.join(k.__name__ for k in kinds)}{' or null' if nullable else ''}, "
                             f"found {type(value).__name__} {json.dumps(value)[:60]}")
 
 
@@ -183,13 +192,16 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
     if not isinstance(opts, dict):
         raise ManifestError(f"{source}: options: expected an object, found {type(opts).__name__}")
     unknown = sorted(set(opts) - set(OPTION_FIELDS) - {"cwd"})
-    missing = sorted(set(OPTION_FIELDS) - set(opts))
+    missing = sorted(set(OPTION_FIELDS) - set(opts) - set(LATER_OPTION_FIELDS))
     if unknown or missing:
         raise ManifestError(f"{source}: options: " + "; ".join(
             part for part in (f"unknown {', '.join(unknown)}" if unknown else "",
                               f"missing {', '.join(missing)}" if missing else "") if part))
     for name, (kind, nullable) in OPTION_FIELDS.items():
-        _typed(f"{source}: options.{name}", opts[name], kind, nullable)
+        if name in opts:
+            _typed(f"{source}: options.{name}", opts[name], kind, nullable)
+    for i, key in enumerate(opts.get("secret_env", [])):
+        _typed(f"{source}: options.secret_env[{i}]", key, str, False)
     for i, arg in enumerate(opts["args"]):
         _typed(f"{source}: options.args[{i}]", arg, str, False)
     for i, pair in enumerate(opts["env"]):
@@ -202,17 +214,23 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
         raise ManifestError(f"{source}: plan: expected an object with a list of nodes")
     for key, kind in (("inventory", str), ("group", str), ("run_id", str), ("master_port", int)):
         _typed(f"{source}: plan.{key}", plan.get(key), kind, False)
+    for key, default in LATER_PLAN_FIELDS.items():
+        _typed(f"{source}: plan.{key}", plan.get(key, default), type(default), False)
+    for i, key in enumerate(plan.get("secret_env", [])):
+        _typed(f"{source}: plan.secret_env[{i}]", key, str, False)
     try:
         env = parse_env([f"{k}={v}" for k, v in opts["env"]])
     except PlanError as exc:
         raise ManifestError(f"{source}: options.env: {exc}") from None
-    fields = {k: opts[k] for k in OPTION_FIELDS}
-    return RunOptions(**{**fields, "args": tuple(opts["args"]), "env": env}), cwd
+    fields = {k: opts[k] for k in OPTION_FIELDS if k in opts}
+    return RunOptions(**{**fields, "args": tuple(opts["args"]), "env": env,
+                         "secret_env": tuple(opts.get("secret_env", ()))}), cwd
 
 
-def masked_keys(options: RunOptions) -> list[str]:
-    """Env keys whose value the manifest stores masked (to be given again with --env)."""
-    return sorted({k for k, v in options.env if v == MASK and SECRET_KEY.search(k)})
+def masked_keys(options: RunOptions, marked: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Env keys whose value the manifest stores masked (to be given again with --env); *marked*:
+    the recorded plan's marked keys (``secret_env``, the inventory's included)."""
+    return sorted({k for k, v in options.env if was_masked(k, v, (*options.secret_env, *marked))})
 
 
 def as_recorded(now: Plan, version: int = SCHEMA_VERSION) -> dict[str, Any]:
@@ -231,6 +249,7 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
     """Every way the recorded plan (as stored: masked, by a manifest of schema *version*) differs
     from *now* (masked here), by field."""
     planned = as_recorded(now, version)
+    recorded = {**LATER_PLAN_FIELDS, **recorded}  # a plan recorded before these fields had their defaults
 
     def short(value: Any) -> str:
         text = json.dumps(value, ensure_ascii=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fabric import Connection
 
-from . import check, inventory, probe, replicate, ssh
+from . import check, inventory, probe, replicate, scriptfile, ssh
 from . import node as nodeprog
 from .launch import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
 from .mesh import listen_request
@@ -102,7 +102,8 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
     later (the code's hash) travels with it in the same round trip."""
     master = choose_master(cluster)
     sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
-    reqs = probe.requests(cluster, conns, master, cwd=cwd, script=options.script, master_port=options.master_port)
+    script = scriptfile.file_to_check(options.script, options.module, cwd)  # the file the nodes must have
+    reqs = probe.requests(cluster, conns, master, cwd=cwd, script=script, master_port=options.master_port)
     sent, sent_at = {}, time.time()
     for name, session in sessions.items():
         batch = [reqs[name]]
@@ -118,14 +119,16 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
             ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
             conns: dict[str, Connection] | None = None, probing: Probing | None = None,
-            synced: bool = False, replicate_paths: tuple[str, ...] = ()) -> Prepared:
+            synced: bool = False, replicate_paths: tuple[str, ...] = (), will_sync: bool = False) -> Prepared:
     """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
     and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
     problem; nothing has been started on any node then.
 
     *probing*: what :func:`start_probe` sent already (the caller asked the code's hash on the same
     sessions meanwhile); *synced*: the code was copied since, so the workdir facts are asked
-    again. The sessions end here either way.
+    again; *will_sync*: a dry run of a run that copies the code first, so a workdir or script not
+    on a node yet is the copy's to place, not a refusal (the real run checks them after the copy,
+    and the script was checked here). The sessions end here either way.
 
     *replicate_paths* (and, with *preflight*, the workdir's resume files) are looked at on every
     node over the same sessions, after the sync: the Prepared's ``replicas``."""
@@ -140,9 +143,12 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 answers = _after_sync(cluster, conns, probing, answers, options, cwd)
             facts, problems = probe.collect(
                 cluster, conns, master, answers.map(lambda replies: replies[0]),
-                cwd=cwd, script=options.script, master_port=options.master_port, sent_at=probing.sent_at)
+                cwd=cwd, script=scriptfile.file_to_check(options.script, options.module, cwd),
+                master_port=options.master_port, sent_at=probing.sent_at)
             problems = [Problem(n.name, "node_program", found=e.found, text=str(e))
                         for n in cluster.nodes if (e := probing.errors.get(n.name))] + problems
+            if will_sync:
+                problems = [p for p in problems if not (isinstance(p, Problem) and p.check in ("workdir", "script"))]
             if problems:
                 raise RunError(problems)
             port = master_port(options.master_port, found=facts[master.name].free_port,
@@ -170,7 +176,8 @@ def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[node
                 cwd: str) -> GroupResult[list[nodeprog.Reply]]:
     """The workdir facts again after a copy (the rest stands: a port found free is held by the
     mesh listener now, so it is not looked for again)."""
-    reqs = probe.requests(cluster, conns, probing.master, cwd=cwd, script=options.script, master_port=None)
+    reqs = probe.requests(cluster, conns, probing.master, cwd=cwd,
+                          script=scriptfile.file_to_check(options.script, options.module, cwd), master_port=None)
     again = nodeprog.exchange(probing.sessions, {
         n: [{k: v for k, v in reqs[n].items() if k not in ("port", "find_port")}]
         for n, a in answers.succeeded.items() if a[0].ok}, timeout=60)
@@ -186,9 +193,12 @@ def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[node
 
 
 def plan_facts(facts: dict[str, probe.NodeFacts], port: int, cwd: str) -> Facts:
-    """What the planner needs from the probe: addresses, homes, interfaces; and the port."""
+    """What the planner needs from the probe: addresses, homes, interfaces, GPU and CPU counts
+    (``--nproc-per-node gpu|cpu|auto``); and the port."""
     return Facts(addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
-                 homes={n: f.home for n, f in facts.items()}, ifnames={n: _ifname(f) for n, f in facts.items()})
+                 homes={n: f.home for n, f in facts.items()}, ifnames={n: _ifname(f) for n, f in facts.items()},
+                 gpus={n: probe.gpu_count(f.raw) for n, f in facts.items()},
+                 cpus={n: c for n, f in facts.items() if (c := probe.cpu_count(f.raw)) is not None})
 
 
 def _ifname(facts: probe.NodeFacts) -> str | None:
@@ -204,7 +214,8 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
     Returns the full report (``check --json``'s form), which the run dir keeps as check.json."""
     started = time.monotonic()
     mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening)
-    nproc = {n.name: nproc_for(n, options) for n in cluster.nodes}
+    counted = plan_facts(facts, port, "")
+    nproc = {n.name: nproc_for(n, options, counted.gpus.get(n.name), counted.cpus.get(n.name)) for n in cluster.nodes}
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
                              check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
                                                 full=False), nproc)
@@ -229,11 +240,11 @@ def _manifest_head(prepared: Prepared) -> dict:
         "state": "running",
         "started": time.time(),
         "plan": mask_plan(plan.to_dict()),
-        "controller": controller_info(),
+        "controller": controller_info(plan.secret_env),
         "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address}
                         for n, f in prepared.facts.items()},
         "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
-        "options": recorded_options(prepared.options, prepared.cwd) if prepared.options else None,
+        "options": recorded_options(prepared.options, prepared.cwd, plan.secret_env) if prepared.options else None,
         **_replay_fields(prepared),
     }
 

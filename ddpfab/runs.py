@@ -9,18 +9,16 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, masking
 
-#: Env values whose key matches this are masked in manifests and printed plans.
-SECRET_KEY = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|PRIVATE)", re.IGNORECASE)
-MASK = "***"
+#: The masking rule lives in :mod:`ddpfab.masking` (re-exported here for the run record's users).
+SECRET_KEY, MASK = masking.SECRET_KEY, masking.MASK
 
 
 def new_run_id() -> str:
@@ -28,26 +26,47 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def mask_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: (MASK if SECRET_KEY.search(k) else v) for k, v in env.items()}
+def mask_env(env: dict[str, str], marked: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """*env* as shown and recorded (:func:`ddpfab.masking.mask_env`); *marked*: keys marked secret."""
+    return masking.mask_env(env, marked)
 
 
 def mask_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a plan dict with secret env values masked, by key (the plan holds no rendered
-    command: whatever is rendered from the masked plan shows no secret either)."""
+    """A copy of a plan dict with secret env values masked, by key and URL structure, the plan's
+    own marked keys (``secret_env``) included (the plan holds no rendered command: whatever is
+    rendered from the masked plan shows no secret either)."""
     out = json.loads(json.dumps(plan_dict))
+    marked = out.get("secret_env") or ()
     for node in out["nodes"]:
-        node["env"] = mask_env(node["env"])
+        node["env"] = mask_env(node["env"], marked)
     return out
 
 
 #: Options whose value is ``KEY=VALUE`` for the ranks' environment.
 ENV_OPTIONS = ("--env",)
+#: Options whose value marks a key secret (``--secret-env KEY``).
+SECRET_ENV_OPTIONS = ("--secret-env",)
 
 
-def mask_argv(argv: list[str]) -> list[str]:
-    """A command line with the values of secret-looking ``--env KEY=VALUE`` options masked (for
-    the manifest's record of how ddpfab was called)."""
+def _marked_in(argv: list[str]) -> set[str]:
+    """The keys ``--secret-env KEY`` / ``--secret-env=KEY`` marks in *argv* (before any ``--``)."""
+    marked: set[str] = set()
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        opt, eq, rest = word.partition("=")
+        if eq and opt in SECRET_ENV_OPTIONS:
+            marked.add(rest)
+        elif word in SECRET_ENV_OPTIONS and i + 1 < len(argv):
+            marked.add(argv[i + 1])
+    return marked
+
+
+def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """A command line with the values of secret ``--env KEY=VALUE`` options masked (for the
+    manifest's record of how ddpfab was called): by :mod:`ddpfab.masking`'s rule, with the keys
+    the command line itself marks (``--secret-env``) and *marked* (e.g. the inventory's)."""
+    marked = set(marked) | _marked_in(argv)
     out, after_env = [], False
     for word in argv:
         if word == "--":
@@ -58,8 +77,8 @@ def mask_argv(argv: list[str]) -> list[str]:
         if after_env or (eq and opt in ENV_OPTIONS):
             pair = word if after_env else rest
             key, sep, value = pair.partition("=")
-            if sep and SECRET_KEY.search(key):
-                pair = f"{key}={MASK}"
+            if sep:
+                pair = f"{key}={masking.mask_value(key, value, marked)}"
             word = pair if after_env else f"{opt}={pair}"
         out.append(word)
         after_env = word in ENV_OPTIONS
@@ -101,9 +120,10 @@ class RunDir:
         return path
 
 
-def controller_info() -> dict[str, Any]:
+def controller_info(marked: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """ddpfab's own side of a run record; *marked*: env keys marked secret (masked in the argv too)."""
     info = {"ddpfab": __version__, "python": platform.python_version(), "host": platform.node(),
-            "argv": mask_argv(sys.argv)}
+            "argv": mask_argv(sys.argv, marked)}
     # here, not at the top: importlib.metadata costs ~0.27 s (see LAZY in ddpfab/cli/__init__.py), and
     # render, and through it export and the command line's parser, import this module for mask_env
     from importlib.metadata import version

@@ -7,7 +7,7 @@ import json
 from .. import inventory
 from .. import mesh as meshmod
 from ..plan import PlanError, master_port
-from .common import add_cluster_args, load_cluster
+from .common import add_cluster_args, load_cluster, nproc_type
 from .errors import refuse
 from .perf import add_check_arguments, cmd_check_perf
 
@@ -15,8 +15,8 @@ from .perf import add_check_arguments, cmd_check_perf
 def register(sub) -> None:
     p = sub.add_parser("check", help="prove the cluster can train: ssh, versions, GPUs, names, firewall, clocks")
     add_cluster_args(p)
-    p.add_argument("--master-port", type=int, help="check this port instead of picking a free one")
-    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--master-port", "--master_port", type=int, help="check this port instead of picking a free one")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_type, metavar="N|gpu|cpu|auto")
     p.add_argument("--max-skew", type=float, help="clock skew bound in seconds")
     p.add_argument("--fast", action="store_true", help="skip importing torch on the nodes (no CUDA/NCCL facts)")
     p.add_argument("--exhaustive", action="store_true",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import inventory
+from ..plan import PlanError, parse_nproc
 
 INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list ending in a comma "
                   "(node1,node2, or node1,; [user@]host[:port] entries, [v6]:port), Ansible or pdsh ranges "
@@ -47,6 +48,15 @@ def add_env_args(p: argparse.ArgumentParser) -> None:
                    help="KEY=VALUE lines for every rank (--env wins over it)")
     p.add_argument("--no-forward-env", action="store_true",
                    help="do not forward this shell's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables")
+
+
+def nproc_type(text: str) -> int | str:
+    """argparse's type for ``--nproc-per-node``: a number >= 1 or gpu|cpu|auto (torchrun's words,
+    :func:`ddpfab.plan.parse_nproc`); one meaning in every command that takes it."""
+    try:
+        return parse_nproc(text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--nproc-per-node ")) from None
 
 
 def load_cluster(args: argparse.Namespace):

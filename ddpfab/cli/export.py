@@ -20,7 +20,7 @@ from ..export import (
     to_sbatch,
     to_trainjob,
 )
-from .common import add_cluster_args, add_env_args
+from .common import add_cluster_args, add_env_args, nproc_type
 from .errors import die
 from .run import _env as run_env
 
@@ -37,10 +37,10 @@ def register(subparsers) -> None:
     trjob = sub.add_parser("trainjob", help="a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1)")
     for p in (slurm, pyjob, trjob):
         add_cluster_args(p, ssh=False)
-        p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
-        p.add_argument("--master-port", type=int, help="MASTER_PORT (default 29500)")
+        p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_type, metavar="N|gpu|cpu|auto", help="processes per node (default: inventory, GPUs, or 1)")
+        p.add_argument("--master-port", "--master_port", type=int, help="MASTER_PORT (default 29500)")
         add_env_args(p)
-        p.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
+        p.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
         p.add_argument("--run-id", help="the run id (default: time + random suffix)")
         p.add_argument("--gpus-per-node", type=int,
                        help="GPUs per node to request (default: the inventory's ddpfab_gpus if all nodes agree)")

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import inventory
+from .. import inventory, scriptfile
 from ..plan import PlanError, make_plan, parse_env
 from .config import given
 from .errors import die, print_problems, refuse
@@ -87,7 +87,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     + ["nothing was started; --force replays anyway"])
     for p in problems:
         sys.stderr.write(f"ddpfab: warning: {p} (--force: replaying anyway)\n")
-    missing = [k for k in masked_keys(recorded) if k not in overrides]
+    missing = [k for k in masked_keys(recorded, manifest["plan"].get("secret_env") or ()) if k not in overrides]
     if missing:
         return die([f"replay of {args.run_id} refused: the manifest stores {', '.join(missing)} masked (***); "
                      "give the value again with " + " ".join(f"--env {k}=..." for k in missing),
@@ -103,7 +103,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print_problems(exc.problems, "replay")
         return die(exc.problems + ["nothing was started"])
     try:
-        port, facts, problems = _pick_port(cluster, conns, old_port, recorded.script, cwd, args.same_port)
+        port, facts, problems = _pick_port(cluster, conns, old_port,
+                                           scriptfile.file_to_check(recorded.script, recorded.module, cwd), cwd,
+                                           args.same_port)
         if problems:
             if args.json:
                 print_problems(problems, "replay")

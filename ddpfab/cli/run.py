@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 from dataclasses import replace
 
-from .. import inventory
+from .. import inventory, scriptfile
 from .. import plan as planmod
 from .. import replicate
 from ..plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
@@ -18,7 +17,7 @@ from ..problems import Problem
 from ..progress import Ticker
 from ..suggest import did_you_mean
 from . import recover as recovery
-from .common import add_cluster_args, add_env_args, load_cluster
+from .common import add_cluster_args, add_env_args, load_cluster, nproc_type
 from .errors import die, print_problems, refuse
 from .perf import add_run_arguments as add_perf_arguments
 from .perf import before_run
@@ -27,15 +26,22 @@ from .perf import before_run
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """Everything that shapes the plan: shared by `run` and `plan`."""
     add_cluster_args(p)
-    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: inventory, GPUs, or 1)")
-    p.add_argument("--master-port", type=int, help="MASTER_PORT (default: a port found free on the master)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_type, metavar="N|gpu|cpu|auto",
+                   help="processes per node (default: inventory, GPUs, or 1); as torchrun: gpu = the node's GPUs, "
+                        "cpu = its CPUs, auto = its GPUs if any, else its CPUs (decided per node from the probe)")
+    p.add_argument("--master-port", "--master_port", type=int,
+                   help="MASTER_PORT (default: a port found free on the master)")
     add_env_args(p)
+    p.add_argument("--secret-env", action="append", default=[], metavar="KEY",
+                   help="mask KEY's value wherever the run is shown or recorded (repeatable; also the inventory's "
+                        "ddpfab_secret_env list), besides the keys the built-in rule masks (see README, Secrets)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the preflight checks (firewall/data plane, hostnames, versions)")
     p.add_argument("--socket-ifname", metavar="IFACE|auto",
                    help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
                         "reaches its peers through")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="torchrun's in-node restarts (default 0)")
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
@@ -44,8 +50,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="torchrun (default), or legacy: torch.distributed.launch, which passes --local-rank=N "
                         "to scripts written for it (--local_rank=N to a script that declares only that spelling)")
     p.add_argument("--local-rank-style", choices=("auto", "dash", "underscore"), default="auto",
-                   help="legacy launcher: pass --local-rank (dash) or --local_rank (underscore); auto (default) "
-                        "reads the script here and picks the spelling it declares")
+                   help="how the script gets its local rank as an argument: --local-rank (dash) or --local_rank "
+                        "(underscore); auto (default) reads the script here: the legacy launcher passes the "
+                        "spelling it declares (else the dash), torchrun passes it only to a script that declares "
+                        "one (torchrun itself sets only LOCAL_RANK)")
     p.add_argument("--init-method", choices=("env", "tcp", "file"), default="env",
                    help="for scripts that call init_process_group via ddpfab.dist: env:// (default), "
                         "tcp://MASTER:PORT, or file:// in the inventory's ddpfab_shared_dir (DDPFAB_INIT_METHOD)")
@@ -58,7 +66,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (run: only with --dry-run)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (copies, rendezvous waits); they are off anyway when stderr is not a terminal")
-    p.add_argument("script", help="training script, relative to the nodes' workdir")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="SCRIPT is a module, run as `python -m SCRIPT` (torchrun's -m; `-- -m pkg.train` too)")
+    p.add_argument("script", help="training script, relative to the nodes' workdir (with -m: a module)")
     p.add_argument("args", nargs=argparse.REMAINDER,
                    help="arguments for the script, passed unchanged except the per-node placeholders "
                         "{{node_rank}} {{nnodes}} {{nproc}} {{world_size}} {{master_addr}} {{master_port}} "
@@ -119,8 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
             raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
                                     "exists already: a run id names one run; pick another (or leave --run-id out)")
-        if not args.dry_run and not args.no_sync:
-            _check_script_here(args.script)
+        if not args.no_sync:  # the dry run too: the real run refuses it before starting
+            _check_script_here(options.script, options.module)
         if args.dry_run and args.offline:
             targets = _targets(cluster, args)
             plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
@@ -186,7 +196,8 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
     copied = bool(code) and any(n.get("source") != "unchanged" for n in code.get("nodes", {}).values())
     paths = getattr(args, "replicate_paths", ())
     prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns,
-                              probing=probing, synced=copied, replicate_paths=paths)
+                              probing=probing, synced=copied, replicate_paths=paths,
+                              will_sync=args.dry_run and not args.no_sync)
     extra = {"code": code} if code else {}
     try:
         replicated = _replicate(prepared, paths, args)
@@ -255,17 +266,20 @@ def _progress(args: argparse.Namespace) -> bool:
     return not getattr(args, "quiet", False) and sys.stderr.isatty()
 
 
-def _check_script_here(script: str) -> None:
-    """A relative script is synced from here: name a typo before anything starts (did you mean)."""
-    if os.path.isabs(script) or os.path.exists(script):
-        return
-    folder = os.path.dirname(script) or "."
+def _check_script_here(script: str, module: bool = False) -> None:
+    """A relative script (or a module of this directory) is synced from here: name a typo before
+    anything starts (did you mean), in the real run and the dry run alike."""
     try:
-        names = [os.path.join(os.path.dirname(script), n) for n in os.listdir(folder) if n.endswith(".py")]
-    except OSError:
-        names = []
-    raise PlanError(f"script {script} not found in {os.getcwd()}{did_you_mean(script, names)} "
-                    "(it is synced from here; with --no-sync it must be in the nodes' workdir)")
+        scriptfile.check_here(script, module, os.getcwd())
+    except scriptfile.ScriptError as exc:
+        folder = os.path.dirname(script) or "."
+        try:
+            names = [os.path.join(os.path.dirname(script), n) for n in os.listdir(folder) if n.endswith(".py")]
+        except OSError:
+            names = []
+        hint = "" if module else did_you_mean(script, names)
+        raise PlanError(f"{exc}{hint} (it is synced from here; with --no-sync it must be in the nodes' "
+                        "workdir)") from None
 
 
 def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress: bool = True,
@@ -311,30 +325,41 @@ def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
 
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+    script, script_args, module = _script_and_mode(args)
+    local_rank_arg, to_script = _local_rank_arg(args, script, module)
     return planmod.RunOptions(
-        script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
+        script=script, args=script_args, nproc_per_node=args.nproc_per_node,
         master_port=args.master_port, env=_env(args), max_restarts=args.max_restarts,
         run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
         launcher=args.launcher, init_method=args.init_method, debug=args.debug,
-        local_rank_arg=_local_rank_arg(args))
+        local_rank_arg=local_rank_arg, module=module, secret_env=tuple(args.secret_env),
+        script_local_rank=to_script)
 
 
-def _local_rank_arg(args: argparse.Namespace) -> str:
-    """The legacy launcher's local-rank spelling: asked for, or the one the script here declares
-    (a script that declares only ``--local_rank`` gets that; everything else the dashed form)."""
+def _script_and_mode(args: argparse.Namespace) -> tuple[str, tuple[str, ...], bool]:
+    """(script or module, its arguments, module mode): ``-m MODULE`` as ddpfab's option or as the
+    first words after ``--`` (torchrun's habit), the same thing."""
+    script, rest = args.script, tuple(args.args)
+    if not args.module and script in ("-m", "--module"):
+        if not rest:
+            raise planmod.PlanError(f"{script} needs a module name after it (e.g. -- -m pkg.train)")
+        return rest[0], rest[1:], True
+    return script, rest, bool(args.module)
+
+
+def _local_rank_arg(args: argparse.Namespace, script: str, module: bool) -> tuple[str, bool]:
+    """The local-rank argument's spelling, and whether torchrun passes it to the script.
+
+    Legacy launcher: the spelling asked for, or the one the script here declares (only
+    ``--local_rank``: that; everything else the dashed form); it always passes one. torchrun sets
+    only LOCAL_RANK, so a script that declares the argument (and may never read LOCAL_RANK: the
+    argument's default on every rank) is given it too, in its spelling; a style asked for is
+    passed as asked."""
     style = getattr(args, "local_rank_style", "auto")
     if style != "auto":
-        return LOCAL_RANK_ARGS[style == "underscore"]
-    if args.launcher != "legacy":
-        return LOCAL_RANK_ARGS[0]
-    try:
-        with open(args.script, encoding="utf-8", errors="replace") as fh:
-            text = fh.read(1 << 20)
-    except OSError:
-        return LOCAL_RANK_ARGS[0]
-    underscore = re.search(r"""["']--local_rank["']""", text)
-    dash = re.search(r"""["']--local-rank["']""", text)
-    return LOCAL_RANK_ARGS[1] if underscore and not dash else LOCAL_RANK_ARGS[0]
+        return LOCAL_RANK_ARGS[style == "underscore"], True
+    declared = scriptfile.declared_local_rank(scriptfile.local_file(script, module, os.getcwd()))
+    return declared or LOCAL_RANK_ARGS[0], declared is not None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -133,7 +133,8 @@ def op_facts(req, session):
     """Hostname, python, torch, workdir and script, a free port (or whether the user's is free),
     name resolution, the interface towards each peer, GPUs; with ``full`` torch is imported."""
     out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
-           "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None}
+           "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None,
+           "cpus": os.cpu_count()}  # what torchrun's --nproc-per-node cpu counts
     if req.get("port"):
         out["port_free"] = _port_free(req["port"])
     if req.get("find_port"):

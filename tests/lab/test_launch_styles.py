@@ -15,7 +15,9 @@ Every run checks ranks, world size, hosts and a real all_reduce and all_gather r
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -132,3 +134,72 @@ def test_script_written_for_torch_distributed_launch_runs_unchanged(lab, invento
     assert {r["sum"] for r in got} == {3.0}
     assert {r["hostname"] for r in got} == {"node1", "node2"}
     assert all(r["local_rank"] == r["local_rank_env"] == 0 for r in got)
+
+
+def test_module_mode_and_nproc_auto_run_as_the_dry_run_shows(lab, inventory2, tmp_path):
+    """``-- -m pkg.mod`` (torchrun's module mode) with ``--nproc_per_node auto`` (torchrun's word and
+    spelling): the dry run and the real run plan the same launch; auto is each node's CPU count
+    (the lab hosts have no GPU), decided from the probe."""
+    words = ["--nproc_per_node", "auto", "--", "-m", "tests.lab.scripts.report", "--lr", "1"]
+    dry = ddpfab("run", "-i", str(inventory2), "--dry-run", "--json", "--run-id", "mod-dry", *words)
+    assert dry.returncode == 0, dry.stderr
+    shown = Plan.from_dict(json.loads(dry.stdout))
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), *words)
+    assert res.returncode == 0, res.stdout + res.stderr
+    cpus = os.cpu_count()  # the lab hosts are namespaces of this machine
+    got = reports(res.stdout)
+    assert sorted(r["rank"] for r in got) == list(range(2 * cpus)) and {r["world_size"] for r in got} == {2 * cpus}
+    for host in ("node1", "node2"):
+        assert sorted(r["local_rank"] for r in got if r["hostname"] == host) == list(range(cpus))
+    assert all(r["argv"] == ["--lr", "1"] for r in got)
+    ran = Plan.from_dict(manifest_of(tmp_path / "runs")["plan"])
+    assert (ran.module, ran.script, [n.nproc for n in ran.nodes]) == (True, "tests.lab.scripts.report", [cpus, cpus])
+    for node in ran.nodes:  # one launch: the same argv but for the run's own id and port
+        same = dataclasses.replace(shown, run_id=ran.run_id, master_port=ran.master_port,
+                                   nodes=tuple(dataclasses.replace(n, remote_dir=ran.node(n.name).remote_dir,
+                                                                   env=ran.node(n.name).env) for n in shown.nodes))
+        assert render.argv(ran, node) == render.argv(same, same.node(node.name))
+        assert render.argv(ran, node)[-4:] == ("-m", "tests.lab.scripts.report", "--lr", "1")
+    # a module of this tree that is not there: refused before anything starts, dry run or not
+    for dry_run in ([], ["--dry-run"]):
+        bad = ddpfab("run", "-i", str(inventory2), *dry_run, "--runs-dir", str(tmp_path / "runs2"),
+                     "--", "-m", "tests.lab.scripts.nope")
+        assert bad.returncode == 2 and "module tests.lab.scripts.nope not found" in bad.stderr, bad.stderr
+        assert not (tmp_path / "runs2").exists()
+
+
+def test_a_local_rank_script_gets_each_ranks_local_rank_under_torchrun(lab, inventory2, tmp_path):
+    """A script that parses --local_rank (default 0) and never reads LOCAL_RANK, started with the
+    default launcher on 2 nodes x 2 procs: each rank gets its own local rank, never 0 everywhere."""
+    res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(tmp_path / "runs"),
+                 "--env", "LOCAL_RANK_DEFAULT=0", "tests/lab/scripts/legacy_underscore.py", "--tag", "t")
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = reports(res.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3] and {r["sum"] for r in got} == {4.0}
+    for host in ("node1", "node2"):
+        mine = [r for r in got if r["hostname"] == host]
+        assert sorted(r["local_rank"] for r in mine) == [0, 1]
+    assert all(r["local_rank"] == r["local_rank_env"] and r["tag"] == "t" for r in got)
+    plan = manifest_of(tmp_path / "runs")["plan"]
+    assert (plan["launcher"], plan["script_local_rank"], plan["local_rank_arg"]) == ("torchrun", True, "--local_rank")
+
+
+def test_nproc_gpu_counts_what_nvidia_smi_lists_on_each_node(lab, tmp_path, shared_dir):
+    """``--nproc-per-node gpu`` on nodes whose nvidia-smi (tests/infra/fake-nvidia-smi, first on the
+    PATH of the nodes' python through a wrapper in the shared dir) lists two GPUs: two ranks each,
+    decided from the probe; the CPU-only torch runs them on gloo."""
+    fake_bin = shared_dir / "bin"
+    fake_bin.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "infra" / "fake-nvidia-smi", fake_bin / "nvidia-smi")
+    wrapper = shared_dir / "python"
+    wrapper.write_text(f'#!/bin/sh\nPATH={fake_bin}:$PATH exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    inv = inventory_with(lab, tmp_path / "inv.yml", ddpfab_python=str(wrapper))
+    res = ddpfab("run", "-i", str(inv), "--nproc-per-node", "gpu", "--runs-dir", str(tmp_path / "runs"),
+                 "tests/lab/scripts/report.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = reports(res.stdout)
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3] and {r["world_size"] for r in got} == {4}
+    for host in ("node1", "node2"):
+        assert sorted(r["local_rank"] for r in got if r["hostname"] == host) == [0, 1]
+    assert [n["nproc"] for n in manifest_of(tmp_path / "runs")["plan"]["nodes"]] == [2, 2]

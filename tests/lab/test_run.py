@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -66,17 +67,26 @@ def test_script_args_arrive_byte_for_byte(lab, inventory2, tmp_path):
 def test_failing_rank_stops_every_node_within_seconds(lab, inventory2, tmp_path):
     start = time.monotonic()
     res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "2", "--runs-dir", str(tmp_path / "runs"),
-                 "--env", "REPORT_FAIL_RANK=3", "--env", "REPORT_FAIL_AFTER=2", REPORT, timeout=90)
+                 "--env", "REPORT_FAIL_RANK=3", "--env", "REPORT_FAIL_AFTER=2", "--env", "REPORT_FAIL_RAISE=1",
+                 REPORT, timeout=90)
     elapsed = time.monotonic() - start
     assert res.returncode != 0
     assert "node2" in res.stderr and "node_rank 1" in res.stderr, res.stderr
     assert "failing on purpose" in res.stdout
+    # ddpfab's own closing line quotes the cause: node, rank, exit code and the rank's exception line
+    closing = [ln for ln in res.stderr.splitlines() if ln.startswith("ddpfab: failed: ")]
+    assert len(closing) == 1, res.stderr
+    assert closing[0].startswith("ddpfab: failed: node2 (node_rank 1) exit code ")
+    assert "rank 3 (local rank 1)" in closing[0] and closing[0].count("RuntimeError: rank 3 failing on purpose") == 1
     # without ddpfab the other ranks would wait in init for the 120 s process-group timeout
     assert elapsed < 45, f"took {elapsed:.1f} s"
     wait_no_processes(lab, timeout=3)
     manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
     assert manifest["state"] == "failed" and manifest["first_failure"] == "node2"
     assert manifest["nodes"]["node1"]["stopped_by_ddpfab"] is True
+    cause = manifest["nodes"]["node2"]["cause"]
+    assert (cause["rank"], cause["local_rank"], cause["exception"]) == (3, 1, "RuntimeError: rank 3 failing on purpose")
+    assert "RuntimeError: rank 3 failing on purpose" in manifest["summary"]
 
 
 def _wait_for_lines(proc: subprocess.Popen, marker: str, count: int, timeout: float) -> list[str]:
@@ -147,6 +157,22 @@ def test_dry_run_commands_reproduce_the_run_over_plain_ssh(lab, inventory2, tmp_
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3]
     assert {r["sum"] for r in got} == {10.0}
     assert all(r["argv"] == ["x y"] for r in got)
+
+
+def test_the_dry_run_refuses_what_the_real_run_would_and_nothing_more(lab, inventory2, tmp_path):
+    """A fresh workdir on the nodes: the real run copies the code there first, so its dry run
+    plans it (the script checked here); with --no-sync the real run would refuse it, and so does
+    its dry run; a script missing here is refused either way."""
+    fresh = f"/tmp/ddpfab-fresh-{uuid.uuid4().hex[:8]}"
+    common = ["run", "-i", str(inventory2), "-e", f"ddpfab_workdir={fresh}", "--dry-run"]
+    synced = ddpfab(*common, REPORT)
+    assert synced.returncode == 0, synced.stderr
+    assert synced.stdout.count(f"cd {fresh} && ") == 2
+    unsynced = ddpfab(*common, "--no-sync", REPORT)
+    assert unsynced.returncode == 2 and f"workdir {fresh} does not exist" in unsynced.stderr, unsynced.stderr
+    missing = ddpfab(*common, "tests/lab/scripts/nope.py")
+    assert missing.returncode == 2 and "script tests/lab/scripts/nope.py not found" in missing.stderr
+    assert all(lab.processes(n) == [] for n in ("node1", "node2")), "a dry run starts nothing"
 
 
 def test_ini_and_yaml_inventories_launch_the_same_job(lab, tmp_path):

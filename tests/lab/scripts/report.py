@@ -30,6 +30,8 @@ fail_rank = os.environ.get("REPORT_FAIL_RANK")
 if fail_rank is not None and int(fail_rank) == rank:
     time.sleep(float(os.environ.get("REPORT_FAIL_AFTER", "1")))
     print(f"rank {rank} failing on purpose", flush=True)
+    if os.environ.get("REPORT_FAIL_RAISE"):  # a traceback, as a crashing script leaves
+        raise RuntimeError(f"rank {rank} failing on purpose")
     sys.exit(int(os.environ.get("REPORT_FAIL_CODE", "3")))
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=120))

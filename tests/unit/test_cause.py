@@ -1,0 +1,108 @@
+"""The failure summary's cause (ddpfab.cause): the failing rank's first exception line, read from a
+node's output as data, and the closing line that quotes it (ddpfab.launch.failure_cause)."""
+
+from __future__ import annotations
+
+from ddpfab import launch
+from ddpfab.cause import MAX_LINE, Cause, CauseReader
+from ddpfab.inventory import Cluster, Node
+from ddpfab.plan import Facts, RunOptions, make_plan
+
+def root_cause(host: str, rank: int, local: int, error_file: str, traceback: str) -> str:
+    """torchrun 2.x's "Root Cause" block (torch/distributed/elastic/multiprocessing/errors)."""
+    return f"""\
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_12:00:00
+  host      : {host}
+  rank      : {rank} (local_rank: {local})
+  exitcode  : 1 (pid: 123)
+  error_file: {error_file}
+  traceback : {traceback}
+============================================================"""
+
+
+#: What torchrun prints on a node whose local rank 1 (global 3) raised, with --tee=3.
+TORCHRUN_OUTPUT = """\
+[default0]:step 0
+[default1]:[rank3]: Traceback (most recent call last):
+[default1]:[rank3]:   File "/w/t.py", line 3, in <module>
+[default1]:[rank3]:     raise RuntimeError("boom")
+[default1]:[rank3]: RuntimeError: boom
+[default1]:[rank3]: During handling of the above exception, another exception occurred:
+E1201 12:00:00.000000 1234 api.py:1] failed (exitcode: 1) local_rank: 1 (pid: 123) of binary: /usr/bin/python3
+Traceback (most recent call last):
+  File "/x/torch/distributed/run.py", line 1, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+t.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+""" + root_cause("node2", 3, 1, "<N/A>", "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+
+#: The Root Cause block of a script whose entry point is decorated with @record (an error file).
+RECORDED = root_cause("node1", 0, 0, "/r/.ddpfab/runs/x/torchrun/none_x/attempt_0/0/error.json", """\
+Traceback (most recent call last):
+    File "/w/t.py", line 9, in main
+      raise ValueError("bad shape (3, 4)")
+  ValueError: bad shape (3, 4)
+  """)
+
+
+def read(text: str) -> CauseReader:
+    reader = CauseReader()
+    for line in text.splitlines():
+        reader.feed(line)
+    return reader
+
+
+def test_the_root_cause_rank_and_its_own_exception_line():
+    cause = read(TORCHRUN_OUTPUT).cause()
+    assert cause == Cause(rank=3, local_rank=1, exit_code=1, exception="RuntimeError: boom")
+    assert cause.text() == "rank 3 (local rank 1), exit code 1: RuntimeError: boom"
+
+
+def test_torchruns_own_traceback_is_never_the_ranks_cause():
+    untagged = "\n".join(ln for ln in TORCHRUN_OUTPUT.splitlines() if not ln.startswith("[default"))
+    cause = read(untagged).cause()
+    assert cause == Cause(rank=3, local_rank=1, exit_code=1, exception=None)
+    assert "ChildFailedError" not in cause.text()
+
+
+def test_the_error_files_traceback_in_the_root_cause_block():
+    assert read(RECORDED).cause() == Cause(0, 0, 1, "ValueError: bad shape (3, 4)")
+
+
+def test_without_a_root_cause_the_first_rank_that_raised():
+    lines = ["[default0]:Traceback (most recent call last):", '[default0]:  File "t.py", line 1',
+             "[default1]:Traceback (most recent call last):", '[default1]:  File "t.py", line 1',
+             "[default1]:    x = 1 / 0", "[default1]:ZeroDivisionError: division by zero",
+             "[default0]:KeyError: 'lr'"]
+    assert read("\n".join(lines)).cause() == Cause(None, 1, None, "ZeroDivisionError: division by zero")
+    assert read("[default0]:loss 0.1\nplain line").cause() is None
+
+
+def test_what_a_rank_prints_is_bounded_and_printable():
+    long = "x" * 5000
+    cause = read(f"[default0]:Traceback (most recent call last):\n[default0]:RuntimeError: {long}\x1b[31m").cause()
+    assert len(cause.exception) == MAX_LINE and cause.exception.startswith("RuntimeError: xxx")
+    assert "\x1b" not in cause.exception
+    # not an exception's shape: nothing is quoted
+    assert read("[default0]:Traceback (most recent call last):\n[default0]:$(rm -rf /) oops").cause() is None
+
+
+def test_the_closing_line_names_node_rank_exit_code_and_exception():
+    c = Cluster("inv.yml", "all", (Node("node1", "10.0.0.1", nproc=2), Node("node2", "10.0.0.2", nproc=2)))
+    plan = make_plan(c, RunOptions("t.py"), Facts({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 29500, "/w"))
+    node2 = plan.node("node2")
+    # a rank's own lines only (the supervisor stopped torchrun before its Root Cause): rank = offset + local
+    assert launch.failure_cause(plan, node2, Cause(None, 1, None, "RuntimeError: boom")) == \
+        "rank 3 (local rank 1): RuntimeError: boom"
+    assert launch.failure_cause(plan, node2, None) == ""
+    out = launch.NodeOutcome("node2", 1, exit_code=1)
+    for line in TORCHRUN_OUTPUT.splitlines():
+        out.causes.feed(line)
+    out.cause = out.causes.cause()
+    assert out.to_dict()["cause"] == {"rank": 3, "local_rank": 1, "exit_code": 1, "exception": "RuntimeError: boom"}
