@@ -91,6 +91,7 @@ def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(cl
     commands = {name for name, _ in leaf_parsers(cli.build_parser())}
     assert set(CASES) == commands, "every command needs its error paths here"
     (clean / "spares.yml").write_text(SPARES_INV)
+    (clean / "t.py").write_text("print('train')\n")  # the dry runs' script: a missing one is refused first
     (clean / "existing").write_text("mine")  # (also an ssh_config that is not one)
     (clean / "runs" / "bad").mkdir(parents=True)
     (clean / "runs" / "bad" / "manifest.json").write_text("{not json")
@@ -112,6 +113,7 @@ def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(cl
 
 
 def test_a_refused_min_nodes_is_about_the_size_only(clean, capsys):
+    (clean / "t.py").write_text("print('train')\n")
     # the same options with a size the job has pass the dry run: the refusal above is the size's
     assert cli.main(["run", "-i", IPS, *OFFLINE, "--max-job-restarts", "1", "--min-nodes", "2", "t.py"]) == 0
     assert "# ddpfab plan" in capsys.readouterr().out

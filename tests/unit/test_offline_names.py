@@ -23,6 +23,8 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("DDPFAB_INVENTORY", raising=False)
     monkeypatch.setenv("DDPFAB_CONFIG", "")
     monkeypatch.chdir(tmp_path)
+    # the script the plans name: a dry run refuses a missing one, as the real run would
+    (tmp_path / "t.py").write_text("print('train')\n")
 
 
 def nodes(*names: str) -> tuple[Node, ...]:
