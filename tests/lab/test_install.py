@@ -36,6 +36,7 @@ PACKAGE_DATA = ["ddpfab/py.typed", "ddpfab/ansible/ansible.cfg", "ddpfab/ansible
                 "ddpfab/ansible/firewall.yml", "ddpfab/ansible/inventory/example.yml",
                 "ddpfab/ansible/examples/site.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/galaxy.yml",
+                "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/changelogs/changelog.yaml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/playbooks/provision.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/roles/ddpfab_python/tasks/main.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/plugins/filter/ddpfab_firewall.py"]

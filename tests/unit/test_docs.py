@@ -3,8 +3,8 @@
 - Every benchmark figure README.md and docs/*.md quote sits behind a `<!-- bench:KEY -->` marker
   (bench/markers.py) and equals what bench/report.py computes from bench/results/*.json, rounded as
   printed; docs/benchmarks.md is exactly what bench/report.py writes from those results.
-- Every relative link and every file or path the docs name (backticked, or a `*.md` in prose) is a
-  file of this repository: no design notes or lab recipes that live somewhere else. Paths on the
+- Every relative link and every file or path the docs name (backticked, a `*.md` or a path under one
+  of the repository's top directories in prose; code blocks aside) is a file of this repository: no design notes or lab recipes that live somewhere else. Paths on the
   nodes (absolute, `~/...`), placeholders (`<run-id>`, `DIR/...`) and the few names of what ddpfab
   or another tool makes at run time (ELSEWHERE) are not files here.
 """
@@ -127,13 +127,18 @@ NAMING = re.compile(r"\.(md|py|ya?ml|json|txt|cfg|sh|toml|png|svg|html|rst|log|i
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 TICKED = re.compile(r"`([^`\n]+)`")
 PROSE_MD = re.compile(r"(?<![\w./`-])([\w./-]*\w\.md)\b(?!`)")
+#: a path of this repository in prose: a word with a slash, a file's extension, and a top-level
+#: directory of the repository first (pkg/a.py in an example is the user's)
+PROSE_PATH = re.compile(r"(?<![\w./~-])((?:bench|ddpfab|docs|examples|inventory|playbooks|roles|scripts|tests)"
+                        r"/(?:[\w.-]+/)*[\w-]+\.(?:md|py|ya?ml|json|txt|cfg|sh|toml))\b")
 
 
 def doc_files() -> list[Path]:
     roles = REPO / "ddpfab" / "ansible" / "collections" / "ansible_collections" / "ddpfab" / "cluster"
     return [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "perf_gpu" / "README.md",
             *sorted((REPO / "docs").glob("*.md")), roles / "README.md", *sorted(roles.glob("roles/*/README.md")),
-            REPO / "tests" / "fixtures" / "kubeflow" / "README.md", REPO / "inventory" / "example.yml"]
+            REPO / "tests" / "fixtures" / "kubeflow" / "README.md", REPO / "inventory" / "example.yml",
+            roles / "galaxy.yml", roles / "changelogs" / "changelog.yaml"]
 
 
 @cache
@@ -172,7 +177,12 @@ def named(text: str, doc: Path) -> list[tuple[int, str]]:
     if doc.suffix != ".md":  # a YAML file: its comments only
         text = "\n".join(ln.split("#", 1)[1] if "#" in ln else "" for ln in text.splitlines())
     refs = []
+    fenced = False
     for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced:  # a code block: commands and the user's own files, e.g. `inventory: inventory/cluster.yml`
+            continue
         for m in LINK.finditer(line):
             refs.append((n, "link:" + m.group(1)))
         for m in TICKED.finditer(line):
@@ -182,8 +192,8 @@ def named(text: str, doc: Path) -> list[tuple[int, str]]:
             word = word.split(":", 1)[0] if NAMING.search(word.split(":", 1)[0]) else word  # `file.py:function`
             if "/" in word or NAMING.search(word):
                 refs.append((n, word))
-        prose = TICKED.sub("", LINK.sub("", line))
-        refs += [(n, m.group(1)) for m in PROSE_MD.finditer(prose)]
+        prose = re.sub(r"\S+://\S+", " ", TICKED.sub(" ", LINK.sub(" ", line)))
+        refs += sorted({(n, m.group(1)) for pattern in (PROSE_MD, PROSE_PATH) for m in pattern.finditer(prose)})
     return refs
 
 
@@ -220,14 +230,17 @@ def test_a_name_from_outside_the_repository_is_found():
     doc = REPO / "docs" / "example.md"  # not a file: broken() is given its text below
     text = ("Design notes: `DESIGN.md` in the shared folder; the lab recipe in `shared/LAB.md` (see LAB.md).\n"
             "[sync](sync.md#no-such-heading), [bench](README.md), `ddpfab/agent.py:watch_workers`, `fanout.py`,\n"
-            "`~/.ddpfab/runs/<run-id>/`, `runs/R/manifest.json`, `/etc/hosts`, `ddpfab/nothere.py`, `K=a/b.py`.\n")
+            "`~/.ddpfab/runs/<run-id>/`, `runs/R/manifest.json`, `/etc/hosts`, `ddpfab/nothere.py`, `K=a/b.py`.\n"
+            "In prose docs/gone.md and bench/gone.py, not pkg/a.py nor https://example.org/x/README.md.\n"
+            "```yaml\ninventory: inventory/cluster.yml   # `the user's.md`\n```\n")
     found = named(text, doc)
     assert {ref for _, ref in found} == {
         "DESIGN.md", "shared/LAB.md", "LAB.md", "link:sync.md#no-such-heading", "link:README.md",
-        "ddpfab/agent.py", "fanout.py", "runs/R/manifest.json", "ddpfab/nothere.py"}
+        "ddpfab/agent.py", "fanout.py", "runs/R/manifest.json", "ddpfab/nothere.py", "docs/gone.md", "bench/gone.py"}
     bad = {ref for _, ref in found if not ref.startswith(ELSEWHERE_PREFIXES)
            and not in_repo(ref.removeprefix("link:").partition("#")[0], doc, ref.startswith("link:"))}
     # README.md is a file of the repository, but not beside docs/example.md, where the link leads
-    assert bad == {"DESIGN.md", "shared/LAB.md", "LAB.md", "link:README.md", "ddpfab/nothere.py"}
+    assert bad == {"DESIGN.md", "shared/LAB.md", "LAB.md", "link:README.md", "ddpfab/nothere.py", "docs/gone.md",
+                   "bench/gone.py"}
     assert "no-such-heading" not in anchors((REPO / "docs" / "sync.md").read_text())
     assert "the-no-change-re-sync-as-fast-as-before-ownership" in anchors((REPO / "docs" / "sync.md").read_text())
