@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpfab import __version__
 from ddpfab import lab as labmod
 from ddpfab import provision
 
@@ -81,6 +82,11 @@ def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(di
     res = sh([vbin / "pip", "install", "-q", "--disable-pip-version-check", dist["wheel"]], cwd=tmp_path, timeout=600)
     assert res.returncode == 0
     assert sh([vbin / "python", "-c", "import torch"], cwd=tmp_path).returncode != 0  # a controller without torch
+    # what `ddpfab provision` runs is beside it in the venv (what a pipx install, whose PATH has only
+    # `ddpfab`, relies on), and the command answers from outside the checkout
+    assert (vbin / "ansible-playbook").is_file()
+    res = sh([vbin / "ddpfab", "--version"], cwd=tmp_path)
+    assert res.returncode == 0 and __version__ in res.stdout + res.stderr, res.stdout + res.stderr
     project = tmp_path / "project"  # the user's project: not the checkout
     project.mkdir()
     shutil.copy(REPO / "examples" / "train.py", project / "train.py")

@@ -15,11 +15,13 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tomllib
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -244,3 +246,22 @@ def test_a_name_from_outside_the_repository_is_found():
                    "bench/gone.py"}
     assert "no-such-heading" not in anchors((REPO / "docs" / "sync.md").read_text())
     assert "the-no-change-re-sync-as-fast-as-before-ownership" in anchors((REPO / "docs" / "sync.md").read_text())
+
+
+# -- the install section -----------------------------------------------------------------------------
+def test_the_install_section_names_extras_and_a_torch_that_exist():
+    text = (REPO / "README.md").read_text()
+    install = text[text.index("\n## Install\n"):]
+    install = install[:install.index("\n## ", 1)]
+    assert text.index("\n## Quick start\n") < text.index("\n## Install\n") < text.index("\n## Using it on your machines\n")
+    for route in ("pip install .", "pip wheel --no-deps -w dist .", "pip install dist/ddpfab-*.whl", "pipx install ."):
+        assert route in install, route
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = re.findall(r"'\.\[(\w+)\]'", install)
+    assert extras and set(extras) <= set(project["optional-dependencies"]), extras
+    # the torch to install first is the one scripts/setup.sh installs, and the node extra keeps it
+    pinned = re.findall(r"pip install torch==([\w.]+)", install)
+    assert len(pinned) == 1 and {pinned[0]} == set(re.findall(r"\btorch==([\w.]+)",
+                                                              (REPO / "scripts" / "setup.sh").read_text()))
+    torch = next(Requirement(r) for r in project["optional-dependencies"]["node"] if r.startswith("torch"))
+    assert torch.specifier.contains(pinned[0]), (str(torch), pinned)
