@@ -4,9 +4,10 @@
   (bench/markers.py) and equals what bench/report.py computes from bench/results/*.json, rounded as
   printed; docs/benchmarks.md is exactly what bench/report.py writes from those results.
 - Every relative link and every file or path the docs name (backticked, a `*.md` or a path under one
-  of the repository's top directories in prose; code blocks aside) is a file of this repository: no design notes or lab recipes that live somewhere else. Paths on the
-  nodes (absolute, `~/...`), placeholders (`<run-id>`, `DIR/...`) and the few names of what ddpfab
-  or another tool makes at run time (ELSEWHERE) are not files here.
+  of the repository's top directories in prose; code blocks aside) is a file of this repository:
+  no design notes or lab recipes that live somewhere else. Paths on the nodes (absolute, `~/...`),
+  placeholders (`<run-id>`, `DIR/...`), API groups and sysctls (`nvidia.com/gpu`) and the few names
+  of what ddpfab or another tool makes at run time (ELSEWHERE) are not files here.
 """
 
 from __future__ import annotations
@@ -119,12 +120,13 @@ def test_benchmarks_page_is_what_report_writes_from_the_results():
 ELSEWHERE = {
     "ddpfab.yml", ".ddpfab.yml", "./ddpfab.yml",  # the user's project config
     "manifest.json", "agent.json", "perf.json", "report.html", "README.txt", "pyvenv.cfg",  # run records, outputs
-    "runs/", "wandb/", "__pycache__/", "collections/", ".git/info/exclude", "torch/version.py",
-    "debian/bookworm64", "nvidia.com/gpu", "kubeflow.org/v1", "trainer.kubeflow.org/v1alpha1",
-    "task/affinity", "task/cgroup", "net.ipv4.neigh.default.gc_thresh2/3",
+    "runs/", "wandb/", "__pycache__/", ".git/info/exclude", "torch/version.py", "debian/bookworm64",
+    "task/affinity", "task/cgroup",  # torchrun's and Slurm's
 }
 #: prefixes of run-time paths: a run's records, a workdir's own records, the lab's output dir
-ELSEWHERE_PREFIXES = ("runs/", "./runs/", ".ddpfab/", "DIR/")
+ELSEWHERE_PREFIXES = ("runs/", ".ddpfab/", "DIR/")
+#: `nvidia.com/gpu`, `kubeflow.org/v1`, `net.ipv4.neigh...`: a dotted name first, not a path
+DOTTED = re.compile(r"[\w-]+\.[\w.-]+/")
 NAMING = re.compile(r"\.(md|py|ya?ml|json|txt|cfg|sh|toml|png|svg|html|rst|log|ini)$")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 TICKED = re.compile(r"`([^`\n]+)`")
@@ -205,8 +207,9 @@ def broken(doc: Path) -> list[str]:
         link = ref.startswith("link:")
         ref = ref.removeprefix("link:")
         target, _, anchor = ref.partition("#")
-        if re.match(r"[a-z]+:", target) or target in ELSEWHERE or target.startswith(ELSEWHERE_PREFIXES):
-            continue  # a URL (http:, mailto:), or something made at run time
+        if (re.match(r"[a-z]+:", target) or DOTTED.match(target) or target in ELSEWHERE
+                or target.startswith(ELSEWHERE_PREFIXES)):
+            continue  # a URL (http:, mailto:), an API group or sysctl, or something made at run time
         if target and not in_repo(target, doc, link):
             out.append(f"{_rel(doc)}:{n}: {ref!r} is not a file of this repository")
         elif anchor and target.endswith(".md") or (not target and anchor):
