@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerate docs/benchmarks.md and docs/bench-*.png from bench/results/*.json.
+"""Regenerate docs/benchmarks.md and docs/bench-*.png from bench/results/*.json, and the figures
+README.md and docs/*.md quote from them (behind `<!-- bench:KEY -->` markers, bench/markers.py).
 
     .venv/bin/python bench/report.py
 
@@ -15,7 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import markers
 from common import BUSY_LIMIT, REPO, RESULTS, fmt
+from markers import Figure
 
 DOCS = REPO / "docs"
 DOC = DOCS / "benchmarks.md"
@@ -33,6 +36,10 @@ FANOUT_LABEL = {
 }
 LAUNCH_ORDER = ("ddpfab run", "ddpfab run --no-check", "ddpfab run --no-sync", "pdsh + torchrun", "torchrun (local)")
 TEARDOWN_ORDER = ("ddpfab run", "pdsh + torchrun", "torchrun alone")
+#: the launch target: what ddpfab adds to a torchrun on the same hosts, at 8 hosts (seconds)
+LAUNCH_TARGET_S = 0.5
+#: bench/launch.py's isolated cost of loading an inventory through Ansible (its `micro` key)
+INVENTORY_PARSE = "ddpfab.inventory.load(inventory) (Ansible parses it)"
 COLORS = {"ddpfab exec": "C0", "ddpfab run": "C0", "ddpfab run --no-check": "C9", "ddpfab run --no-sync": "C4",
           "pdsh": "C1",
           "pdsh + torchrun": "C1", "ssh loop": "C3", "ansible": "C2", "ansible (warm)": "C8",
@@ -968,18 +975,19 @@ def verdicts(t: dict) -> list[str]:
         ["fan-out growth with N close to flat (here: t(32)/t(2) <= 2)",
          f"ddpfab {x(t.get('fanout_growth'))} (pdsh {x(t.get('fanout_growth_pdsh'))})",
          v(None if t.get("fanout_growth") is None else t["fanout_growth"] <= 2)],
-        [f"launch overhead < 0.5 s at {t.get('launch_n', 8)} hosts beyond torchrun on the same hosts "
+        [f"launch overhead < {LAUNCH_TARGET_S:g} s at {t.get('launch_n', 8)} hosts beyond torchrun on the same hosts "
          "(pdsh + torchrun: the same torchruns, the same CPU contention)",
          f"ddpfab run - pdsh + torchrun = {x(t.get('launch_pdsh'), '{:+.2f} s')} (--no-check "
          f"{x(t.get('launch_nocheck_pdsh'), '{:+.2f} s')}); ddpfab's own steps before it starts the nodes "
          f"{x(t.get('launch_own'), '{:.2f} s')}; code check {x(t.get('launch_sync'), '{:+.2f} s')}",
-         v(None if t.get("launch_pdsh") is None else t["launch_pdsh"] < 0.5)],
+         v(None if t.get("launch_pdsh") is None else t["launch_pdsh"] < LAUNCH_TARGET_S)],
         ["the same beyond one torchrun started locally (the target's literal baseline)",
          f"{x(t.get('launch_local'), '{:+.2f} s')}, of which pdsh + torchrun pays "
          f"{x(t.get('launch_pdsh_local'), '{:+.2f} s')} too: {t.get('launch_n', 8)} hosts importing torch twice "
          "each on this machine's 2 cores (see section 2)",
-         v(None if t.get("launch_local") is None else t["launch_local"] < 0.5)
-         + (" on this lab (one machine)" if t.get("launch_local") is not None and t["launch_local"] >= 0.5 else "")],
+         v(None if t.get("launch_local") is None else t["launch_local"] < LAUNCH_TARGET_S)
+         + (" on this lab (one machine)" if t.get("launch_local") is not None and t["launch_local"] >= LAUNCH_TARGET_S
+            else "")],
         ["teardown < 2 s after a crash, every N", f"worst median {x(t.get('teardown_worst_median'), '{:.2f} s')}, "
          f"worst single run {x(t.get('teardown_worst_sample'), '{:.2f} s')}",
          v(None if t.get("teardown_worst_median") is None else t["teardown_worst_median"] < 2)],
@@ -1000,17 +1008,28 @@ def verdicts(t: dict) -> list[str]:
     return table(["target", "measured", "verdict"], rows)
 
 
-def main() -> int:
-    DOCS.mkdir(exist_ok=True)
-    fanout, launch, teardown, provision, recovery, scale = (
-        load(n) for n in ("fanout", "launch", "teardown", "provision", "recovery", "scale"))
-    plt = _plt()
+RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check")
+
+
+def load_all() -> dict[str, dict | None]:
+    """Every result this page and the quoted figures read, by name (None: not run yet)."""
+    return {n: load(n) for n in RESULT_NAMES}
+
+
+def plots_for(data: dict[str, dict | None], plt) -> set[str]:
+    """Draw the plots the results allow; their file names under docs/."""
     plots: set[str] = set()
-    if plt is not None:
-        for data, fn in ((fanout, plot_fanout), (launch, plot_launch), (teardown, plot_teardown),
-                         (provision, plot_provision), (scale, plot_scale), (scale, plot_scale_torch)):
-            if data:
-                plots.add(fn(data, plt))
+    for name, fn in (("fanout", plot_fanout), ("launch", plot_launch), ("teardown", plot_teardown),
+                     ("provision", plot_provision), ("scale", plot_scale), ("scale", plot_scale_torch)):
+        if data[name]:
+            plots.add(fn(data[name], plt))
+    return plots
+
+
+def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = True) -> str:
+    """docs/benchmarks.md from the results; *plots*: the docs/ images to show."""
+    fanout, launch, teardown, provision, recovery, scale = (
+        data[n] for n in ("fanout", "launch", "teardown", "provision", "recovery", "scale"))
     targets: dict = {}
     f_lines, t1 = fanout_section(fanout, plots)
     l_lines, t2 = launch_section(launch, plots)
@@ -1059,11 +1078,102 @@ def main() -> int:
     head += verdicts(targets)
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
     body += recovery_section(recovery) + s_lines
-    if plt is None:
+    if not have_plotter:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]
-    DOC.write_text("\n".join(head + body).rstrip() + "\n")
+    return "\n".join(head + body).rstrip() + "\n"
+
+
+def quoted(data: dict[str, dict | None]) -> dict[str, Figure]:
+    """The figures README.md and docs/*.md quote behind `<!-- bench:KEY -->` markers (bench/markers.py),
+    computed as this page computes them."""
+    t: dict = {}
+    for section, name in ((fanout_section, "fanout"), (launch_section, "launch"), (teardown_section, "teardown")):
+        t.update(section(data[name], set())[1])
+    figs = {
+        "fanout.hosts": Figure(t.get("fanout_n")),
+        "fanout.exec_over_pdsh": Figure(t.get("fanout_pdsh"), "x"),
+        "fanout.loop_over_exec": Figure(t.get("fanout_loop"), "x"),
+        "fanout.ansible_over_exec": Figure(t.get("fanout_ansible"), "x"),
+        "launch.hosts": Figure(t.get("launch_n")),
+        "launch.own": Figure(t.get("launch_own"), " s"),
+        "launch.over_pdsh": Figure(t.get("launch_pdsh"), " s"),
+        "launch.target": Figure(LAUNCH_TARGET_S, " s"),
+        "launch.verdict": Figure(None if t.get("launch_pdsh") is None else
+                                 "met" if t["launch_pdsh"] < LAUNCH_TARGET_S else "not met"),
+    }
+    launch = data["launch"]
+    if launch:
+        figs["launch.reps"] = Figure(launch["meta"]["reps"])
+        parse = (launch.get("micro") or {}).get(INVENTORY_PARSE)
+        figs["launch.inventory_parse"] = Figure(parse, " s")
+    teardown = data["teardown"]
+    if teardown:
+        figs["teardown.cap"] = Figure(teardown["config"]["cap_s"], " s")
+        for key, tool in (("teardown.crash_ddpfab", "ddpfab run"), ("teardown.crash_pdsh", "pdsh + torchrun")):
+            meds = [med(get(teardown, tool, n, scenario="crash")) for n in teardown["config"]["sizes"]]
+            figs[key] = Figure((min(meds), max(meds)) if meds and None not in meds else None, " s")
+    provision = data["provision"]
+    if provision:
+        n = provision["config"]["hosts"]
+        base, defaults = (med(get(provision, tool, n)) for tool in ("ddpfab provision", "ansible-playbook (defaults)"))
+        figs["provision.defaults_over_ddpfab"] = Figure(defaults / base if base and defaults else None, "x")
+    figs.update(_resync_figures(data["resync"]))
+    figs.update(_perf_check_figures(data["perf_check"]))
+    return figs
+
+
+def _resync_figures(data: dict | None) -> dict[str, Figure]:
+    """docs/sync.md's table: the no-change re-sync, this checkout against its base (bench/resync.py)."""
+    if not data:
+        return {}
+    res = data["results"]
+    figs = {"resync.reps": Figure(data["meta"]["reps"])}
+    base = next(k.split(": ")[0] for k in res if k.endswith(": fast path") and not k.startswith("this: "))
+    for key, stat in (("fast_this", "this: fast path"), ("fast_base", f"{base}: fast path"),
+                      ("full_this", "this: full sync"), ("full_base", f"{base}: full sync"), ("floor", "rsync loop")):
+        figs[f"resync.{key}"] = Figure(res[stat]["median"], " s")
+        figs[f"resync.{key}_iqr"] = Figure((res[stat]["p25"], res[stat]["p75"]))
+    for key, op in (("fast_ratio", "fast path"), ("full_ratio", "full sync")):
+        figs[f"resync.{key}"] = Figure(data["ratio_this_over_base"][op])
+    return figs
+
+
+def _perf_check_figures(data: dict | None) -> dict[str, Figure]:
+    """docs/perf-check.md's spread of healthy checks and times (bench/perf_check.py), at its largest size."""
+    if not data:
+        return {}
+    n = max(data["sizes"], key=int)
+    one = data["sizes"][n]
+    healthy = one["healthy"]
+    figs = {"perf.nodes": Figure(int(n)), "perf.healthy_checks": Figure(len(healthy)),
+            "perf.healthy_seconds": Figure((min(h["seconds"] for h in healthy), max(h["seconds"] for h in healthy)), " s")}
+    for kind in ("compute", "memory", "link", "latency"):
+        figs[f"perf.healthy_{kind}"] = Figure((min(h["spread"][kind][0] for h in healthy),
+                                               max(h["spread"][kind][1] for h in healthy)),
+                                              "x" if kind == "latency" else "")
+    for drill in ("link_drill", "cpu_drill"):
+        if one.get(drill):
+            figs[f"perf.{drill}_seconds"] = Figure(one[drill]["seconds"], " s")
+    return figs
+
+
+def main() -> int:
+    DOCS.mkdir(exist_ok=True)
+    data = load_all()
+    plt = _plt()
+    plots = plots_for(data, plt) if plt is not None else set()
+    DOC.write_text(page(data, plots, plt is not None))
     print(f"wrote {DOC}" + (f" and {', '.join(sorted('docs/' + p for p in plots))}" if plots else ""))
+    figures = quoted(data)
+    for path in markers.quoting_files():
+        text = path.read_text()
+        new = markers.update(text, figures)
+        if new != text:
+            path.write_text(new)
+            print(f"updated the quoted figures in {path.relative_to(REPO)}")
+        for problem in markers.problems(new, figures, str(path.relative_to(REPO))):
+            print(problem, file=sys.stderr)
     return 0
 
 

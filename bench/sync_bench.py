@@ -188,7 +188,7 @@ def write_markdown(results: dict, path: Path, plot: Path | None) -> None:
         "# Sync benchmarks",
         "",
         "Measured by `bench/sync_bench.py` on a local lab (hosts are network namespaces with sshd on "
-        "this machine; see LAB.md). Numbers are wall times of complete syncs: median and (min-max) over "
+        "this machine; see `ddpfab/lab.py`). Numbers are wall times of complete syncs: median and (min-max) over "
         f"{env['reps_a']} runs for (a), {env['reps_b']} for (b). Re-run: `.venv/bin/python bench/sync_bench.py` "
         f"(this run took {env.get('bench_s', '?')} s{', part (b) only' if env.get('merged') else ''}).",
         "",

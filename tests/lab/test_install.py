@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpfab import __version__
 from ddpfab import lab as labmod
 from ddpfab import provision
 
@@ -36,6 +37,7 @@ PACKAGE_DATA = ["ddpfab/py.typed", "ddpfab/ansible/ansible.cfg", "ddpfab/ansible
                 "ddpfab/ansible/firewall.yml", "ddpfab/ansible/inventory/example.yml",
                 "ddpfab/ansible/examples/site.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/galaxy.yml",
+                "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/changelogs/changelog.yaml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/playbooks/provision.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/roles/ddpfab_python/tasks/main.yml",
                 "ddpfab/ansible/collections/ansible_collections/ddpfab/cluster/plugins/filter/ddpfab_firewall.py"]
@@ -80,6 +82,11 @@ def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(di
     res = sh([vbin / "pip", "install", "-q", "--disable-pip-version-check", dist["wheel"]], cwd=tmp_path, timeout=600)
     assert res.returncode == 0
     assert sh([vbin / "python", "-c", "import torch"], cwd=tmp_path).returncode != 0  # a controller without torch
+    # what `ddpfab provision` runs is beside it in the venv (what a pipx install, whose PATH has only
+    # `ddpfab`, relies on), and the command answers from outside the checkout
+    assert (vbin / "ansible-playbook").is_file()
+    res = sh([vbin / "ddpfab", "--version"], cwd=tmp_path)
+    assert res.returncode == 0 and __version__ in res.stdout + res.stderr, res.stdout + res.stderr
     project = tmp_path / "project"  # the user's project: not the checkout
     project.mkdir()
     shutil.copy(REPO / "examples" / "train.py", project / "train.py")
