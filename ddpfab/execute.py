@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from . import ssh, streams
+from . import nodeenv, ssh, streams
 from .launch import COLORS
 
 UNREACHABLE = 255
@@ -106,7 +106,7 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
         chan = conn.transport.open_session(timeout=30)
         if timeout:
             chan.settimeout(timeout)
-        chan.exec_command(guarded(command))  # our end of stdin stays open: closing it ends the command
+        chan.exec_command(guarded(nodeenv.prefix(node, export_python=True) + command))  # our end of stdin stays open: closing it ends the command
         err_thread = threading.Thread(target=_pump, args=(chan, chan.recv_stderr, node.name, printer, True),
                                       daemon=True)
         err_thread.start()

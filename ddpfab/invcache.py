@@ -28,7 +28,7 @@ from pathlib import Path
 from . import __version__
 
 #: Bump when the cached node format changes.
-FORMAT = 2  # 2: ssh_options from ansible_ssh_args too, first value wins, identityfile a list
+FORMAT = 3  # 2: ssh_options from ansible_ssh_args too, first value wins, identityfile a list; 3: python_from, setup
 #: Files bigger than this are not read for the templating check (and so never cached).
 MAX_SCAN_BYTES = 4 << 20
 _DYNAMIC = (b"{{", b"{%", b"plugin:")

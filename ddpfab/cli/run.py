@@ -354,7 +354,7 @@ def _targets(cluster, args: argparse.Namespace) -> dict:
 
 def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import render
+    from .. import nodeenv, render
     from ..emit import ssh_target
     from ..runs import mask_plan
     from ..target import ssh_line
@@ -373,5 +373,6 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
     for node in masked["nodes"]:
         print(f"\n# {node['name']} (node_rank {node['node_rank']}, {node['nproc']} procs): "
               f"{ssh_line(ssh_target(by_name[node['name']], targets))}")
+        print(f"# python: {nodeenv.describe(by_name[node['name']])}")
         print(render.shell_line(shown, shown.node(node["name"])))
     return 0
