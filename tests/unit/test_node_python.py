@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import venv
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,15 @@ import pytest
 from ddpfab import node as nodeprog
 from ddpfab import nodeenv, render
 from ddpfab.cli import main as cli_main
+from ddpfab.export import ExportError, to_sbatch
 from ddpfab.inventory import Cluster, InventoryError, Node, load
 from ddpfab.node import ops
 from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.probe import decide, to_facts
+
+from .test_export import cluster as export_cluster
+from .test_export import fake_slurm, run_sbatch  # noqa: F401 - the fake Slurm fixture
+from .test_export import plan_of as export_plan_of
 
 FACTS = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="/work/proj")
 
@@ -197,3 +203,24 @@ def test_emitted_scripts_and_the_dry_run_apply_the_same_setup(tmp_path, capsys):
     assert "# python: decided on the node (not known offline)" in shown
     assert "# python: /p/bin/python (from inventory)" in shown
     assert shown.count("export SITE=1") == 2
+
+
+def test_an_sbatch_export_runs_the_setup_and_the_nodes_own_choice_on_each_task(fake_slurm, tmp_path):
+    """An offline plan whose python is the node's to choose, with a setup line: each Slurm task's
+    shell runs the setup, then the choice (here the env the setup activated), then the launch."""
+    bindir, recorder_python, records = fake_slurm
+    env_bin = tmp_path / "site env" / "bin"
+    env_bin.mkdir(parents=True)
+    (env_bin / "python").symlink_to(recorder_python)
+    setup = (f"export VIRTUAL_ENV='{env_bin.parent}'", "export SITE_FLAG=on-the-task")
+    c = export_cluster(2, python_from="", setup=setup)
+    plan = export_plan_of(c, cwd=str(tmp_path), homes={})
+    text = to_sbatch(plan)
+    got = run_sbatch(text, bindir, records, tmp_path)
+    for rec in got:
+        assert rec["env"]["SITE_FLAG"] == "on-the-task" and rec["env"]["DDPFAB_PYTHON_FROM"] == "ddpfab_setup"
+        assert rec["argv"][:2] == ["-m", "torch.distributed.run"]
+    # a node with other setup lines cannot be one scheduler command
+    odd = Cluster("inv", "all", (*c.nodes[:1], replace(c.nodes[1], setup=("module load x",))))
+    with pytest.raises(ExportError, match="another setup.*ddpfab_setup"):
+        to_sbatch(export_plan_of(odd))
