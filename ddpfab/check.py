@@ -380,6 +380,13 @@ def render(report: Report) -> str:
     lines = [f"{'node':<{width}}  " + "  ".join(f"{c:<{max(len(c), 4)}}" for c in checks)]
     for label, (_, row) in zip(labels, rows):
         lines.append(f"{label:<{width}}  " + "  ".join(f"{s:<{max(len(c), 4)}}" for s, c in zip(row, checks)))
+    # what runs there, in words (the table only says ok): nodes with the same python grouped
+    for check, label in (("interpreter", "python"), ("environment", "setup")):
+        same: dict[str, list[str]] = {}
+        for r in report.results:
+            if r.check == check:
+                same.setdefault(r.found, []).append(r.node)
+        lines += [f"{label} {meshmod.compact(names, limit=4)}: {found}" for found, names in same.items()]
     fails = report.failures
     fail_lines = grouped_lines(report.results, "fail")
     warn_lines = grouped_lines(report.results, "warn")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import node as nodeprog
-from ddpfab import nodeenv, render
+from ddpfab import check, nodeenv, render
 from ddpfab.cli import main as cli_main
 from ddpfab.export import ExportError, to_sbatch
 from ddpfab.inventory import Cluster, InventoryError, Node, load
@@ -224,3 +224,19 @@ def test_an_sbatch_export_runs_the_setup_and_the_nodes_own_choice_on_each_task(f
     odd = Cluster("inv", "all", (*c.nodes[:1], replace(c.nodes[1], setup=("module load x",))))
     with pytest.raises(ExportError, match="another setup.*ddpfab_setup"):
         to_sbatch(export_plan_of(odd))
+
+
+def test_check_says_which_python_each_node_runs_and_what_its_setup_sets():
+    """From the probe's facts to ``ddpfab check``'s words: the interpreter and where it came from,
+    the setup's changed keys (never their values), and a torch failure's fix by source."""
+    nodes = (Node("a", "10.0.0.1", python_from=""), Node("b", "10.0.0.2", python_from=""))
+    venv_facts = {"hostname": "a", "python": "3.11.7", "torch": True, "launcher": True, "torch_version": "2.13.0",
+                  "executable": "/opt/ddpfab/venv/bin/python", "python_from": "provisioned venv",
+                  "env_changes": {"set": {"HF_TOKEN": "s3cret", "PATH": "/x"}, "unset": []}}
+    facts = {"a": venv_facts, "b": {**venv_facts, "torch": False, "env_changes": None}}
+    results = check.evaluate(Cluster("inv", "all", nodes), "a", facts, {}, None, check.CheckOptions(), {"a": 1, "b": 1})
+    text = check.render(check.Report(nodes=["a", "b"], results=results))
+    assert "python a, b: /opt/ddpfab/venv/bin/python (from provisioned venv)" in text
+    assert "setup a: setup sets HF_TOKEN, PATH" in text and "s3cret" not in text
+    torch_fail = next(r for r in results if r.node == "b" and r.check == "torch")
+    assert "provision the node" not in torch_fail.fix and "lacks torch" in torch_fail.fix
