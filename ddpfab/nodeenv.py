@@ -159,7 +159,8 @@ def decided(node: Any, facts: dict) -> Any:
         return node
     source = facts.get("python_from")
     executable = facts.get("executable")
-    if source not in SOURCES or not isinstance(executable, str) or not executable.startswith("/"):
+    if source not in SOURCES or not isinstance(executable, str) or not executable.startswith("/") \
+            or re.search(r"[\x00-\x1f\x7f]", executable):
         return node
     return replace(node, python=executable, python_from=source)
 

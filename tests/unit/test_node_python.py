@@ -86,7 +86,8 @@ def test_the_probe_decides_an_undecided_node_from_validated_facts():
     assert (got.python, got.python_from) == ("/opt/ddpfab/venv/bin/python", "provisioned venv")
     # records are data: an unknown source or a relative/odd executable decides nothing
     for bad in ({"executable": "/x/python", "python_from": "rm -rf /"}, {"executable": "python3", "python_from": "default"},
-                {"executable": ["/x"], "python_from": "default"}, {}):
+                {"executable": ["/x"], "python_from": "default"},
+                {"executable": "/x/py\nthon", "python_from": "default"}, {}):
         assert nodeenv.undecided(nodeenv.decided(node, bad)), bad
     facts = to_facts(node, {"hostname": "h", "python": "3.11.7", "home": "/root", "torch": True,
                             "workdir_exists": True, "executable": "/opt/ddpfab/venv/bin/python",
