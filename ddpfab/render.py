@@ -173,8 +173,9 @@ def shell_line(plan: Plan, node: NodePlan) -> str:
 
 
 def script_lines(plan: Plan, node: NodePlan, prefix: bool = True) -> list[str]:
-    """The same as a script's lines: ``cd``, one ``export K=V`` per variable, then ``exec`` (the
-    launcher replaces the shell). Exports, not ``exec env K=V``: the env program's argv would show a
+    """The same as a script's lines: the node's setup (:func:`ddpfab.nodeenv.prefix`; unless
+    *prefix* is false, when the caller puts it first itself), ``cd``, one ``export K=V`` per
+    variable, then ``exec`` (the launcher replaces the shell). Exports, not ``exec env K=V``: the env program's argv would show a
     secret value to every user (``ps``) until it execs; a shell builtin has no argv."""
     exports = [f"export {shlex.quote(f'{k}={v}')}" for k, v in node.env.items()]
     return [*(nodeenv.prefix(node).splitlines() if prefix else ()), f"cd {shlex.quote(node.workdir)}", *exports,
