@@ -241,3 +241,10 @@ def test_check_says_which_python_each_node_runs_and_what_its_setup_sets():
     assert "setup a: setup sets HF_TOKEN, PATH" in text and "s3cret" not in text
     torch_fail = next(r for r in results if r.node == "b" and r.check == "torch")
     assert "provision the node" not in torch_fail.fix and "lacks torch" in torch_fail.fix
+
+
+def test_exec_runs_after_the_setup_with_the_nodes_python_first_on_path(tmp_path):
+    py = fake_python(tmp_path / "env" / "bin" / "python")
+    node = Node("a", "h", python=str(py), python_from="inventory", setup=("export SITE_FLAG=1",))
+    res = sh(nodeenv.prefix(node, export_python=True) + 'echo "$SITE_FLAG $DDPFAB_PYTHON_FROM"; command -v python')
+    assert res.stdout.decode().splitlines() == ["1 inventory", str(py)]
