@@ -109,7 +109,8 @@ def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisione
     # (the dry run does not copy the code, and refuses a workdir not there yet: sync first)
     assert sh([ddpfab_bin, "sync", "-i", inv], cwd=proj, env=env).returncode == 0
     res = sh([ddpfab_bin, "run", "-i", inv, "--dry-run", "job.py"], cwd=proj, env=env)
-    assert res.returncode == 0 and res.stdout.count(f"# python: {venv_python} (from provisioned venv)") == 2
+    assert res.returncode == 0 and all(
+        f"# python on {n}: {venv_python} (from provisioned venv)" in res.stdout for n in ("node1", "node2"))
     assert f"{venv_python} -m torch.distributed.run" in res.stdout
 
     res = sh([ddpfab_bin, "run", "-i", inv, "job.py"], cwd=proj, env=env, timeout=300)

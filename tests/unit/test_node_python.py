@@ -201,8 +201,8 @@ def test_emitted_scripts_and_the_dry_run_apply_the_same_setup(tmp_path, capsys):
         nodeenv.MARKER not in script_b.read_text()
     assert cli_main(["run", "-i", str(inv), "--dry-run", "--offline", "train.py"]) == 0
     shown = capsys.readouterr().out
-    assert "# python: decided on the node (not known offline)" in shown
-    assert "# python: /p/bin/python (from inventory)" in shown
+    assert "# python on a: decided on the node (not known offline)" in shown
+    assert "# python on b: /p/bin/python (from inventory)" in shown
     assert shown.count("export SITE=1") == 2
 
 
