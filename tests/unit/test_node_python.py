@@ -248,3 +248,23 @@ def test_exec_runs_after_the_setup_with_the_nodes_python_first_on_path(tmp_path)
     node = Node("a", "h", python=str(py), python_from="inventory", setup=("export SITE_FLAG=1",))
     res = sh(nodeenv.prefix(node, export_python=True) + 'echo "$SITE_FLAG $DDPFAB_PYTHON_FROM"; command -v python')
     assert res.stdout.decode().splitlines() == ["1 inventory", str(py)]
+
+
+def test_a_conda_env_is_activated_through_condas_own_hook_and_its_python_chosen(tmp_path):
+    """``ddpfab_conda_env``: conda found (here through $CONDA_EXE, a stand-in whose POSIX hook
+    defines ``conda activate`` as conda's does: CONDA_PREFIX and PATH), the env activated, its
+    python the node's; a conda that cannot activate the env is a named setup failure."""
+    env = tmp_path / "envs" / "train"
+    py = fake_python(env / "bin" / "python")
+    conda = tmp_path / "conda"
+    conda.write_text('#!/bin/sh\n[ "$1 $2" = "shell.posix hook" ] || exit 2\n'
+                     "echo 'conda() { [ \"$1\" = activate ] && [ -d \"$2\" ] || return 1; "
+                     "CONDA_PREFIX=\"$2\"; PATH=\"$2/bin:$PATH\"; export CONDA_PREFIX PATH; }'\n")
+    conda.chmod(0o755)
+    node = Node("a", "h", python_from="", setup=nodeenv.setup_lines((), str(env)), conda_env=str(env))
+    res = sh(nodeenv.prefix(node) + 'echo "$DDPFAB_PYTHON $DDPFAB_PYTHON_FROM"', env={"CONDA_EXE": str(conda)})
+    assert res.stdout.decode().split() == [str(py), "ddpfab_conda_env"], res.stderr
+    missing = replace(node, setup=nodeenv.setup_lines((), str(tmp_path / "nope")), conda_env=str(tmp_path / "nope"))
+    res = sh(nodeenv.prefix(missing) + "echo ran", env={"CONDA_EXE": str(conda)})
+    assert res.returncode == nodeenv.SETUP_FAILED and b"ran" not in res.stdout
+    assert "setup line 1 `" in nodeenv.setup_failure(missing.setup, res.returncode, res.stderr.decode())
