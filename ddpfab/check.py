@@ -24,7 +24,7 @@ from typing import Any
 
 from . import mesh as meshmod
 from . import node as nodeprog
-from . import probe, ssh
+from . import nodeenv, probe, ssh
 from .mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from .plan import PlanError, RunOptions, choose_master, master_port, nproc_for
 from .problems import NodeError, Problem
@@ -128,10 +128,16 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
     with_torch = {}
     for n in ok:
         f = fx[n.name]
+        results.append(CheckResult(n.name, "interpreter", "pass", found=nodeenv.describe(nodeenv.decided(n, f))))
+        changes = nodeenv.env_changes(f)
+        if changes and (changes["set"] or changes["unset"]):
+            results.append(CheckResult(n.name, "environment", "pass", found="setup sets " + (
+                ", ".join(sorted(changes["set"])) or "nothing") + (
+                "; unsets " + ", ".join(changes["unset"]) if changes["unset"] else "")))
         if not f.get("torch"):
-            results.append(CheckResult(n.name, "torch", "fail", found=f"{n.python} cannot import torch",
-                                       expected="torch in the node's python",
-                                       fix="ddpfab provision (python role), or set ddpfab_python"))
+            results.append(CheckResult(n.name, "torch", "fail",
+                                       found=f"{nodeenv.decided(n, f).python} cannot import torch",
+                                       expected="torch in the node's python", fix=nodeenv.torch_fix(nodeenv.decided(n, f))))
         elif f.get("torch_import_error"):
             results.append(CheckResult(n.name, "torch", "fail", found=f"import torch failed: {f['torch_import_error']}",
                                        fix="reinstall torch on this node (ddpfab provision)"))
@@ -302,6 +308,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         nodeprog.close_all(sessions)
         for c in conns.values():
             c.close()
+    cluster = probe.decide(cluster, facts)  # the python each node's probe ran: the one a run uses
     nproc, refused = _nprocs(cluster, RunOptions("check", nproc_per_node=options.nproc_per_node), raw)
     checks = refused + evaluate(cluster, master.name, raw, unreachable, mesh, CheckOptions(
         master_port=port, nproc_per_node=options.nproc_per_node, max_skew_s=options.max_skew_s,
@@ -387,6 +394,13 @@ def render(report: Report) -> str:
     lines = [f"{'node':<{width}}  " + "  ".join(f"{c:<{max(len(c), 4)}}" for c in checks)]
     for label, (_, row) in zip(labels, rows):
         lines.append(f"{label:<{width}}  " + "  ".join(f"{s:<{max(len(c), 4)}}" for s, c in zip(row, checks)))
+    # what runs there, in words (the table only says ok): nodes with the same python grouped
+    for check, label in (("interpreter", "python"), ("environment", "setup")):
+        same: dict[str, list[str]] = {}
+        for r in report.results:
+            if r.check == check:
+                same.setdefault(r.found, []).append(r.node)
+        lines += [f"{label} {meshmod.compact(names, limit=4)}: {found}" for found, names in same.items()]
     fails = report.failures
     fail_lines = grouped_lines(report.results, "fail")
     warn_lines = grouped_lines(report.results, "warn")

@@ -14,6 +14,7 @@ import os
 import shlex
 from pathlib import Path
 
+from . import nodeenv
 from .plan import NodePlan, Plan
 from .render import script_lines
 from .target import Target, scp_argv, ssh_argv, ssh_line
@@ -34,7 +35,7 @@ def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Targ
 
 
 def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
-    lines = "\n".join(script_lines(plan, node))
+    lines = "\n".join(script_lines(plan, node, prefix=False))
     how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
     return (
         "#!/bin/sh\n"
@@ -46,6 +47,8 @@ def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
         f"{how}"
         "# Exactly the command `ddpfab run` would start there (ddpfab.render), without ddpfab's\n"
         "# supervisor. It may hold secret env values: keep it private.\n"
+        # the node's setup before `set -eu`: as ddpfab runs it (activate scripts trip over -u)
+        f"{nodeenv.prefix(node)}"
         "set -eu\n"
         f"{lines}\n")
 

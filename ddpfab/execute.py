@@ -11,6 +11,9 @@ Each node connects and runs on its own thread through the same SSH layer as ``dd
 keys verified; an unreachable node is reported, the others still run). stdout lines go to stdout,
 stderr lines to stderr, each prefixed ``<host> |`` as they arrive. The exit status is 0 when every
 node exited 0, else the first failing node's exit code (255 for a node ddpfab could not reach).
+The command runs after the node's ``ddpfab_setup`` lines (a failing one: exit 96, the line named
+on stderr), with the node's python (:mod:`ddpfab.nodeenv`) in ``$DDPFAB_PYTHON`` and its
+directory first on PATH, so ``python`` there is the python a run would use.
 The remote command gets no terminal and reads /dev/null; it runs in a session of its own that
 ends (TERM, then KILL after 2 s) when the connection closes, so a Ctrl-C here (exit 130) leaves
 nothing running on any node, unlike plain ``ssh host cmd``.
@@ -26,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from . import ssh, streams
+from . import nodeenv, ssh, streams
 from .launch import COLORS
 
 UNREACHABLE = 255
@@ -111,7 +114,9 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
         chan = conn.transport.open_session(timeout=30)
         if timeout:
             chan.settimeout(timeout)
-        chan.exec_command(guarded(command))  # our end of stdin stays open: closing it ends the command
+        # after the node's setup, with its python first on PATH; our end of stdin stays open:
+        # closing it ends the command
+        chan.exec_command(guarded(nodeenv.prefix(node, export_python=True) + command))
         err_thread = threading.Thread(target=_pump, args=(chan, chan.recv_stderr, node.name, printer, True),
                                       daemon=True)
         err_thread.start()

@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from . import inventory, render
+from . import inventory, nodeenv, render
 from .plan import Facts, make_plan, placeholders_in
 from .plan import master_port as decide_port
 
@@ -69,6 +69,8 @@ class Launch:
         workdir: the working dir the script runs in.
         env: the environment of every rank.
         master_port: the plan's MASTER_PORT.
+        prefix: the shell every node runs first (:func:`ddpfab.nodeenv.prefix`: its setup lines,
+            and the choice of its python when the plan leaves that to the node).
     """
 
     command: render.Command
@@ -77,6 +79,7 @@ class Launch:
     workdir: str
     env: tuple[tuple[str, str], ...]
     master_port: int
+    prefix: str = ""
 
 
 def launch_of(plan) -> Launch:
@@ -97,6 +100,7 @@ def launch_of(plan) -> Launch:
     for node in plan.nodes[1:]:
         for what, mine, theirs, fix in (
                 ("python", first.python, node.python, "ddpfab_python"),
+                ("setup", first.setup, node.setup, "ddpfab_setup and ddpfab_conda_env"),
                 ("nproc", first.nproc, node.nproc, "--nproc-per-node or ddpfab_nproc_per_node"),
                 ("workdir", first.workdir, node.workdir, "ddpfab_workdir"),
                 ("env", first.env, node.env, "--env")):
@@ -117,7 +121,7 @@ def launch_of(plan) -> Launch:
         raise ExportError(f"environment variable name(s) {', '.join(map(repr, bad))} cannot be exported: "
                           "use letters, digits and '_'")
     return Launch(command=first_cmd, nnodes=plan.nnodes, nproc=first.nproc, workdir=first.workdir,
-                  env=tuple(first.env.items()), master_port=plan.master_port)
+                  env=tuple(first.env.items()), master_port=plan.master_port, prefix=nodeenv.prefix(first))
 
 
 # -- Slurm ----------------------------------------------------------------------------------------
@@ -179,6 +183,10 @@ def to_sbatch(plan, *, job_name: str | None = None, gpus_per_node: int = 0, cpus
     n_prefix = len(cmd.program) + len(cmd.size)
     slurm = render.static_rendezvous(render.Rendezvous('"$SLURM_NODEID"', '"$MASTER_ADDR"', '"$MASTER_PORT"'))
     inner = f'exec "${{@:1:{n_prefix}}}" {" ".join(slurm)} "${{@:{n_prefix + 1}}}"'
+    if cmd.program[0] == nodeenv.ON_NODE:  # the python each task's shell chooses (launch.prefix)
+        words[0] = shlex.quote(nodeenv.ON_NODE)
+        inner = 'set -- "$DDPFAB_PYTHON" "${@:2}"; ' + inner
+    inner = launch.prefix + inner
     srun = ["srun", f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", "/bin/bash", "-c", shlex.quote(inner), "ddpfab-node"]
     n_script = len(cmd.legacy) + len(cmd.script)

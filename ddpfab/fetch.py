@@ -113,7 +113,7 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         raise FetchError(str(exc)) from None
     opts = openssh_options(target, keepalive=True)
     reqs = nodeprog.numbered({"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR})
-    proc = subprocess.run(["ssh", *opts, destination(target), node_command(node.python)],
+    proc = subprocess.run(["ssh", *opts, destination(target), node_command(node)],
                           input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
     stderr = proc.stderr.decode(errors="replace")
     if proc.returncode == 255:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, invcache
+from . import __version__, invcache, nodeenv
 from .invcache import cache_dir
 from .suggest import did_you_mean
 
@@ -39,6 +39,8 @@ VAR_ENV = "ddpfab_env"
 VAR_GPU_IDS = "ddpfab_gpu_ids"
 VAR_REPLICATE = "ddpfab_replicate"
 VAR_SECRET_ENV = "ddpfab_secret_env"
+VAR_SETUP = "ddpfab_setup"
+VAR_CONDA_ENV = "ddpfab_conda_env"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -68,7 +70,15 @@ class Node:
         gpus: GPUs the host is expected to have (``ddpfab_gpus``), None if not stated.
         data_addr: the address peers use for training traffic (``ddpfab_data_addr``, else ``host``).
         workdir: remote working dir (``ddpfab_workdir``), None for the controller's cwd.
-        python: the node's python with torch (``ddpfab_python``).
+        python: the node's python with torch (``ddpfab_python``); without it the node chooses
+            (:mod:`ddpfab.nodeenv`: an env the setup activated, the provisioned venv, python3).
+        python_from: where *python* came from (:data:`ddpfab.nodeenv.SOURCES`): "inventory" for
+            an explicit ``ddpfab_python``, after the probe the node's choice; "" while the node is
+            to choose (an inventory without ``ddpfab_python``). A Node made in code without it
+            runs *python* as given ("default").
+        setup: shell lines run before anything ddpfab starts there (``ddpfab_setup``, then the
+            activation of ``ddpfab_conda_env``).
+        conda_env: the conda env (a name or a path) activated there (``ddpfab_conda_env``).
         master: this node hosts the rendezvous (``ddpfab_master``).
         shared_dir: a directory every node sees with the same content (NFS and the like;
             ``ddpfab_shared_dir``), used for the file:// init method; None if not set.
@@ -95,6 +105,9 @@ class Node:
     data_addr: str = ""
     workdir: str | None = None
     python: str = "python3"
+    python_from: str = "default"
+    setup: tuple[str, ...] = ()
+    conda_env: str | None = None
     master: bool = False
     shared_dir: str | None = None
     spares_group: str | None = None
@@ -614,7 +627,7 @@ def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: st
 def _node_from_cache(data: dict) -> Node:
     if data.get("gpu_ids") is not None:
         data = {**data, "gpu_ids": tuple(data["gpu_ids"])}
-    data = {**data, "replicate": tuple(data.get("replicate") or ())}
+    data = {**data, "replicate": tuple(data.get("replicate") or ()), "setup": tuple(data.get("setup") or ())}
     if data.get("secret_env") is not None:
         data = {**data, "secret_env": tuple(data["secret_env"])}
     return Node(**data)
@@ -807,6 +820,12 @@ def _make_node(name: str, var) -> Node:
     shared_dir = var(VAR_SHARED_DIR, None)
     if shared_dir is not None and not str(shared_dir).startswith("/"):
         raise InventoryError(f"host {name}: {VAR_SHARED_DIR} must be an absolute path, got {shared_dir!r}")
+    try:
+        conda_env = nodeenv.parse_conda_env(name, var(VAR_CONDA_ENV, None))
+        setup = nodeenv.setup_lines(nodeenv.parse_setup(name, var(VAR_SETUP, None)), conda_env)
+    except ValueError as exc:
+        raise InventoryError(str(exc)) from None
+    python = var(VAR_PYTHON, None)
     return Node(
         name=name,
         host=host,
@@ -818,7 +837,10 @@ def _make_node(name: str, var) -> Node:
         gpus=_int_var(name, VAR_GPUS, var(VAR_GPUS), 0),
         data_addr=data_addr,
         workdir=str(workdir) if workdir else None,
-        python=str(var(VAR_PYTHON, None) or "python3"),
+        python=str(python or "python3"),
+        python_from="inventory" if python else "",
+        setup=setup,
+        conda_env=conda_env,
         master=_bool_var(var(VAR_MASTER, False)),
         shared_dir=str(shared_dir) if shared_dir else None,
         spares_group=str(var(VAR_SPARES, None) or "") or None,

@@ -72,7 +72,7 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
         n = plan.node(node.name)
         chan = conns[node.name].transport.open_session(timeout=30)
         chan.set_combine_stderr(True)
-        chan.exec_command(nodeprog.command(node.python, "ddpfab-node"))
+        chan.exec_command(nodeprog.command(node, "ddpfab-node"))
         chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         for line in streams.lines(chan.recv):
             printer.line(node.name, line)

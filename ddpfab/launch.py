@@ -22,7 +22,7 @@ from typing import BinaryIO, Callable, TextIO
 
 from fabric import Connection
 
-from . import hints, ssh, streams
+from . import hints, nodeenv, ssh, streams
 from .cause import Cause, CauseReader
 from . import node as nodeprog
 from .agent import CANNOT_START
@@ -77,9 +77,11 @@ def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
     its code and the ``supervise`` request (:func:`agent_input`) from stdin and starts
     the node's argv (:mod:`ddpfab.render`) in its own session. Nothing secret in it: ``ps`` on the node shows
     ``... ddpfab-agent RUN_ID``."""
-    start = nodeprog.command(node.python, *nodeprog.supervisor_words(plan.run_id))
+    start = nodeprog.command(node, *nodeprog.supervisor_words(plan.run_id))
     if not detach:
         return start
+    if nodeenv.prefix(node):  # setup lines: a script, which setsid runs through a shell
+        start = f"sh -c {shlex.quote(start)}"
     # detached: a new session, no link to this SSH session; report once the supervisor is up.
     # A background command's stdin is /dev/null unless redirected: fd 3 hands it this session's.
     record = shlex.quote(f"{node.remote_dir}/agent.json")

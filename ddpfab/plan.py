@@ -19,6 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from . import nodeenv
 from .inventory import Cluster, Node, is_address
 from .suggest import did_you_mean
 from .workdir import WorkdirError
@@ -166,7 +167,13 @@ class NodePlan:
         nproc: processes on the node (torchrun's ``--nproc-per-node``).
         data_addr: the IP literal peers reach it at.
         workdir: the directory the launcher starts in.
-        python: the node's python (the launcher runs as ``PYTHON -m MODULE``).
+        python: the node's python (the launcher runs as ``PYTHON -m MODULE``);
+            :data:`ddpfab.nodeenv.ON_NODE` when only the node can choose it (an offline plan).
+        python_from: where it came from (:data:`ddpfab.nodeenv.SOURCES`, or
+            :data:`ddpfab.nodeenv.ON_NODE_FROM`).
+        setup: the shell lines run before the launcher there (``ddpfab_setup``, then the
+            activation of ``ddpfab_conda_env``).
+        conda_env: the node's ``ddpfab_conda_env``, None when unset.
         remote_dir: the run's record dir on the node (torchrun's per-rank logs go under it).
         env: the ranks' environment, by key (secret values masked by key when shown or recorded).
         shared_dir: the node's ``ddpfab_shared_dir`` (file:// init), None when unset.
@@ -184,6 +191,15 @@ class NodePlan:
     remote_dir: str
     env: dict[str, str] = field(default_factory=dict)
     shared_dir: str | None = None  # the node's ddpfab_shared_dir (file:// init), None when unset
+    # defaults keep plans recorded before these existed loadable (their python ran as written)
+    python_from: str = "default"
+    setup: tuple[str, ...] = ()
+    conda_env: str | None = None
+
+
+#: NodePlan fields later than the first recorded plans: a recorded plan without one is not
+#: different for lacking it (its default is what that plan meant).
+LATER_NODE_FIELDS = ("python_from", "setup", "conda_env")
 
 
 @dataclass(frozen=True)
@@ -265,7 +281,7 @@ class Plan:
             unknown = sorted(set(n) - node_fields)
             if unknown:
                 raise ValueError(f"plan: node {n.get('name')!r}: unknown field(s) {', '.join(unknown)}")
-            nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {})}))
+            nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {}), "setup": tuple(n.get("setup") or ())}))
         data["args"] = tuple(data["args"])
         data["secret_env"] = tuple(data.get("secret_env") or ())
         data["nodes"] = tuple(nodes)
@@ -292,6 +308,14 @@ class Plan:
         return (f"unresolved: {', '.join(self.unresolved)} did not resolve on this controller (neither by ssh_config "
                 f"HostName nor by DNS), kept as names{master}; `ddpfab run` resolves every address to an IP "
                 "literal before starting (or refuses)")
+
+
+def node_python(node: Node) -> dict[str, str]:
+    """The plan's ``python`` and ``python_from`` for *node*: as decided (the inventory's, or the
+    probe's), else the node's own choice (:data:`ddpfab.nodeenv.ON_NODE`: an offline plan)."""
+    if nodeenv.undecided(node):
+        return {"python": nodeenv.ON_NODE, "python_from": nodeenv.ON_NODE_FROM}
+    return {"python": node.python, "python_from": node.python_from}
 
 
 def choose_master(cluster: Cluster) -> Node:
@@ -618,7 +642,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         nodes.append(NodePlan(
             name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
             node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
-            workdir=workdir, python=node.python, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir))
+            workdir=workdir, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir,
+            **node_python(node), setup=node.setup, conda_env=node.conda_env))
     return Plan(
         run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
         master_addr=master_addr, master_port=port, nnodes=len(ordered),

@@ -13,12 +13,12 @@ import ipaddress
 import random
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fabric import Connection
 
 from . import node as nodeprog
-from . import ssh
+from . import nodeenv, ssh
 from .inventory import Cluster, Node
 from .plan import DEFAULT_PORT_RANGE, is_port
 from .problems import Problem
@@ -46,6 +46,18 @@ class NodeFacts:
     workdir_exists: bool = True
     script_exists: bool | None = None
     raw: dict = field(default_factory=dict)
+    #: the node's python as decided (:func:`ddpfab.nodeenv.decided`) and where it came from
+    executable: str = ""
+    python_from: str = ""
+    #: what the node's setup lines changed in its environment (``{"set": ..., "unset": ...}``)
+    env_changes: dict | None = None
+
+
+def decide(cluster: Cluster, facts: dict[str, NodeFacts]) -> Cluster:
+    """*cluster* with each probed node's python decided from its facts (the one decision every
+    later step uses: the plan, the preflight, the launch)."""
+    return replace(cluster, nodes=tuple(nodeenv.decided(n, facts[n.name].raw) if n.name in facts else n
+                                        for n in cluster.nodes))
 
 
 def resolve(node: Node, conn: Connection | None = None, target: Target | None = None) -> str:
@@ -152,8 +164,12 @@ def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
     if bad:
         raise nodeprog.NodeProgramError(node.name, f"its facts give {'; '.join(bad)}; ddpfab's node program never "
                                                    "answers so: check what runs as ddpfab_python there")
+    chosen = nodeenv.decided(node, data)
     try:
         return NodeFacts(name=node.name, hostname=nodeprog.printable(data["hostname"]),
+                         executable=nodeprog.printable(chosen.python),
+                         python_from=chosen.python_from or nodeenv.ON_NODE_FROM,
+                         env_changes=nodeenv.env_changes(data),
                          python=nodeprog.printable(data["python"]), home=str(data["home"]), torch=bool(data["torch"]),
                          free_port=free_port, port_free=port_free, workdir_exists=bool(data["workdir_exists"]),
                          script_exists=data.get("script_exists"),
@@ -247,11 +263,12 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
                                     text=f"host {node.name}: script {script} not found in {workdir}; sync the "
                                          "code first"))
         if not res.torch:
-            problems.append(Problem(node.name, "torch", expected=f"{node.python} imports torch",
-                                    found=f"it cannot (python {res.python})",
-                                    fix="provision the node (ddpfab provision) or set ddpfab_python",
-                                    text=f"host {node.name}: {node.python} cannot import torch (python "
-                                         f"{res.python}); provision the node (ddpfab provision) or set ddpfab_python"))
+            chosen = nodeenv.decided(node, res.raw)
+            fix = nodeenv.torch_fix(chosen)
+            problems.append(Problem(node.name, "torch", expected=f"{chosen.python} imports torch",
+                                    found=f"it cannot (python {res.python}, {nodeenv.describe(chosen)})", fix=fix,
+                                    text=f"host {node.name}: {chosen.python} cannot import torch (python "
+                                         f"{res.python}, from {chosen.python_from or 'inventory'}); {fix}"))
         if node.name == master.name:
             if master_port is not None and res.port_free is False:
                 problems.append(Problem(node.name, "master_port", expected=f"port {master_port} free",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, replace
 
+from . import nodeenv
 from .plan import LAUNCHERS, NodePlan, Plan, expand_placeholders, host_port
 from .runs import mask_env
 
@@ -164,6 +165,8 @@ def shell_words(cmd: Command, rendezvous: bool = True, log_dir: bool = True) -> 
     """*cmd* as shell words (each quoted), without the rendezvous flags or the log dir when asked
     (a scheduler puts its own in, or has no node-local log dir)."""
     words = [shlex.quote(w) for w in (*cmd.program, *cmd.size, *(cmd.rendezvous if rendezvous else ()), *cmd.flags)]
+    if cmd.program[0] == nodeenv.ON_NODE:  # the python the node chooses (nodeenv.prefix sets it)
+        words[0] = nodeenv.ON_NODE_WORD
     if log_dir:
         words.append(log_dir_word(cmd.log_dir))
     return words + [shlex.quote(w) for w in (*cmd.legacy, *cmd.script)]
@@ -177,15 +180,17 @@ def env_command(plan: Plan, node: NodePlan) -> str:
 
 def shell_line(plan: Plan, node: NodePlan) -> str:
     """The one shell line a node runs: paste it into an SSH session and you get the same run."""
-    return f"cd {shlex.quote(node.workdir)} && {env_command(plan, node)}"
+    return f"{nodeenv.prefix(node)}cd {shlex.quote(node.workdir)} && {env_command(plan, node)}"
 
 
-def script_lines(plan: Plan, node: NodePlan) -> list[str]:
-    """The same as a script's lines: ``cd``, one ``export K=V`` per variable, then ``exec`` (the
-    launcher replaces the shell). Exports, not ``exec env K=V``: the env program's argv would show a
+def script_lines(plan: Plan, node: NodePlan, prefix: bool = True) -> list[str]:
+    """The same as a script's lines: the node's setup (:func:`ddpfab.nodeenv.prefix`; unless
+    *prefix* is false, when the caller puts it first itself), ``cd``, one ``export K=V`` per
+    variable, then ``exec`` (the launcher replaces the shell). Exports, not ``exec env K=V``: the env program's argv would show a
     secret value to every user (``ps``) until it execs; a shell builtin has no argv."""
     exports = [f"export {shlex.quote(f'{k}={v}')}" for k, v in node.env.items()]
-    return [f"cd {shlex.quote(node.workdir)}", *exports, f"exec {' '.join(shell_words(command(plan, node)))}"]
+    return [*(nodeenv.prefix(node).splitlines() if prefix else ()), f"cd {shlex.quote(node.workdir)}", *exports,
+            f"exec {' '.join(shell_words(command(plan, node)))}"]
 
 
 def masked(plan: Plan) -> Plan:

@@ -35,7 +35,7 @@ from . import node as nodeprog
 from . import probe, render, ssh, sync
 from . import inventory
 from .inventory import Cluster
-from .plan import Plan, PlanError, RunOptions, choose_master, master_port, parse_env
+from .plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, master_port, parse_env
 from .problems import Problem
 from .masking import was_masked
 from .runs import mask_env
@@ -265,7 +265,7 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
         if old is None:
             continue
         for key in sorted(set(old) | set(node)):
-            if old.get(key) == node.get(key):
+            if old.get(key) == node.get(key) or (key in LATER_NODE_FIELDS and key not in old):
                 continue
             if key == "env" and isinstance(old.get(key), dict):
                 keys = sorted(k for k in set(old[key]) | set(node[key]) if old[key].get(k) != node[key].get(k))

@@ -23,7 +23,7 @@ from .plan import Facts, Plan, RunOptions, choose_master, make_plan, master_port
 from .problems import Problem
 from .replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from .results import GroupResult
-from .runs import RunDir, controller_info, mask_plan
+from .runs import RunDir, controller_info, mask_env, mask_plan
 
 
 class RunError(Exception):
@@ -151,6 +151,7 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 problems = [p for p in problems if not (isinstance(p, Problem) and p.check in ("workdir", "script"))]
             if problems:
                 raise RunError(problems)
+            cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
             port = master_port(options.master_port, found=facts[master.name].free_port,
                                asked_free=facts[master.name].port_free)
             report = None
@@ -241,7 +242,10 @@ def _manifest_head(prepared: Prepared) -> dict:
         "started": time.time(),
         "plan": mask_plan(plan.to_dict()),
         "controller": controller_info(plan.secret_env),
-        "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address}
+        "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address,
+                            "executable": f.executable, "python_from": f.python_from,
+                            **({"env_changes": {"set": mask_env(f.env_changes["set"], plan.secret_env),
+                                                "unset": f.env_changes["unset"]}} if f.env_changes else {})}
                         for n, f in prepared.facts.items()},
         "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
         "options": recorded_options(prepared.options, prepared.cwd, plan.secret_env) if prepared.options else None,

@@ -400,10 +400,10 @@ class _Link:
         self.errfile.close()
 
 
-def node_command(python: str) -> str:
+def node_command(node) -> str:
     """The shell command that runs the node program with *python* there, else ``python3`` (its
     code and then its requests come on stdin: :func:`ddpfab.node.stdin_for`)."""
-    return nodeprog.command(python, "ddpfab-node", fallback="python3")
+    return nodeprog.command(node, "ddpfab-node", fallback="python3")
 
 
 def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
@@ -411,9 +411,12 @@ def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
     there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
     name = link.node.name
     reqs = nodeprog.numbered(request)
-    proc = link.run(node_command(link.node.python), nodeprog.stdin_for(*reqs), timeout)
+    proc = link.run(node_command(link.node), nodeprog.stdin_for(*reqs), timeout)
     if proc.returncode == 255:
         raise SyncError([ssh_problem(link.target, 255, proc.stderr.decode(errors="replace"))])
+    setup = nodeprog.start_failure(link.node, proc.returncode, proc.stderr.decode(errors="replace"))
+    if setup is not None and setup.kind == "setup":
+        raise SyncError([str(setup)])
     if proc.returncode == 127:
         raise SyncError([f"host {name}: neither {link.node.python} nor python3 found there; sync needs a python "
                          "(3.6+, standard library only) on the nodes"])
@@ -891,7 +894,7 @@ class _Sync:
             req = {**self.request(order[j], "stage"), "hold": True, "files": {
                 "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
             proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest,
-                                     node_command(link.node.python)],
+                                     node_command(link.node)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
             self.reaper.watch(proc.pid)

@@ -47,7 +47,7 @@ def register(sub) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner, ssh
+    from .. import probe, runner, ssh
     from ..launch import Printer
     from ..replay import ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory, validate
     from ..runs import new_run_id
@@ -110,6 +110,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             if args.json:
                 print_problems(problems, "replay")
             return die(problems + ["nothing was started"])
+        cluster = probe.decide(cluster, facts)  # the python the probe ran, as a run decides it
         # the recorded options planned again under the old id and port must give the recorded plan
         again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
         changed = differences(manifest["plan"], again, manifest["schema_version"])

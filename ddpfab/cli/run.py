@@ -431,7 +431,7 @@ def _targets(cluster, args: argparse.Namespace) -> dict:
 
 def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import render
+    from .. import nodeenv, render
     from ..emit import ssh_target
     from ..runs import mask_plan
     from ..target import ssh_line
@@ -450,7 +450,8 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
     by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:
-        print(f"\n# {node['name']} (node_rank {node['node_rank']}, {node['nproc']} procs): "
+        print(f"\n# python on {node['name']}: {nodeenv.describe(by_name[node['name']])}")
+        print(f"# {node['name']} (node_rank {node['node_rank']}, {node['nproc']} procs): "
               f"{ssh_line(ssh_target(by_name[node['name']], targets))}")
         print(render.shell_line(shown, shown.node(node["name"])))
     return 0

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import agent, treehash, workdir
+from .. import agent, nodeenv, treehash, workdir
 from ..problems import NodeError
 from ..results import GroupResult
 from . import ops as _ops
@@ -74,12 +74,18 @@ def argv(python: str, *words: str) -> list[str]:
     return [python, "-c", LOADER, str(len(program())), *words]
 
 
-def command(python: str, *words: str, fallback: str | None = None) -> str:
-    """:func:`argv` as a shell line; with *fallback* (e.g. ``python3``) that python runs it where
-    *python* does not exist there (sync may come before the node's venv does)."""
+def command(node, *words: str, fallback: str | None = None) -> str:
+    """:func:`argv` as a shell line for *node* (a Node or a NodePlan), after its environment's
+    prefix (:func:`ddpfab.nodeenv.prefix`: setup lines, and the choice of its python while that is
+    the node's to make); with *fallback* (e.g. ``python3``) that python runs it where an explicit
+    python does not exist there (sync may come before the node's venv does)."""
+    pre = nodeenv.prefix(node, record_env=True)
+    if nodeenv.undecided(node):
+        return f"{pre}exec {nodeenv.python_word(node)} {shlex.join(argv('', *words)[1:])}"
+    python = node.python
     if not fallback or fallback == python:
-        return shlex.join(argv(python, *words))
-    return (f"if command -v {shlex.quote(python)} >/dev/null; then exec {shlex.join(argv(python, *words))}; "
+        return pre + ("exec " if pre else "") + shlex.join(argv(python, *words))
+    return (f"{pre}if command -v {shlex.quote(python)} >/dev/null; then exec {shlex.join(argv(python, *words))}; "
             f"else exec {shlex.join(argv(fallback, *words))}; fi")
 
 
@@ -196,10 +202,18 @@ def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str
     return _answers(requests, got, exit_code, stderr)
 
 
-def python_missing(node, exit_code: int) -> NodeProgramError | None:
-    """Exit 127: the node's python is not there."""
+def start_failure(node, exit_code: int | None, stderr: str = "") -> NodeProgramError | None:
+    """Why the program did not start on *node*, when its exit status says so: a setup line of
+    its own failed (:data:`ddpfab.nodeenv.SETUP_FAILED`, the line named), or its python is not
+    there (127)."""
+    failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr)
+    if failed:
+        return NodeProgramError(node.name, failed, kind="setup")
     if exit_code != 127:
         return None
+    if nodeenv.undecided(node):
+        return NodeProgramError(node.name, "no python there: no python3 on PATH and no venv from ddpfab provision; "
+                                           "provision the node or set ddpfab_python", kind="python")
     return NodeProgramError(node.name, f"python {node.python!r} not found there; set "
                                        "ddpfab_python to the python that has torch", kind="python")
 
@@ -213,8 +227,8 @@ def call(conn, node, *requests: dict, timeout: float = 60, words: tuple[str, ...
     from .. import ssh
 
     reqs = numbered(*requests)
-    res = ssh.run(conn, node.name, command(node.python, *words), timeout=timeout, stdin=stdin_for(*reqs))
-    missing = python_missing(node, res.exit_code)
+    res = ssh.run(conn, node.name, command(node, *words), timeout=timeout, stdin=stdin_for(*reqs))
+    missing = start_failure(node, res.exit_code, res.stderr)
     if missing:
         raise missing
     return match_replies(node.name, reqs, res.stdout.splitlines(), res.exit_code, res.stderr)
@@ -233,7 +247,7 @@ class Session:
         self._err = b""
         self._broken: NodeProgramError | None = None
         self.chan = conn.transport.open_session(timeout=timeout)
-        self.chan.exec_command(command(node.python, *words))
+        self.chan.exec_command(command(node, *words))
         self.chan.sendall(program())
 
     def send(self, *requests: dict) -> list[dict]:
@@ -294,7 +308,7 @@ class Session:
             return self._pop(reqs, [self._replies[r["id"]] for r in reqs])
         if self.ended and not self.chan.recv_ready():
             code = self.chan.recv_exit_status()
-            missing = python_missing(self.node, code)
+            missing = start_failure(self.node, code, self._err.decode(errors="replace"))
             if missing:
                 raise missing
             return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace")))

@@ -47,6 +47,11 @@ except ImportError:
 #: How a node program's replies start: a line that does not is not a reply (e.g. a warning a
 #: sitecustomize printed) and is skipped by the controller.
 REPLY_KEYS = ("id", "op", "ok")
+#: The environment from before the node's setup lines (ddpfab.nodeenv.prefix hands it over as hex
+#: of ``env -0``), taken out of the environment at once: nothing this program starts inherits it.
+_ENV0 = os.environ.pop("DDPFAB_ENV0", None)
+#: Variables a shell sets by itself, and those the prefix sets: not the setup's changes.
+_SHELL_VARS = ("_", "SHLVL", "PWD", "OLDPWD", "DDPFAB_PYTHON", "DDPFAB_PYTHON_FROM", "DDPFAB_ENV0")
 
 
 # -- facts: what the plan and the preflight checks need ------------------------------------------
@@ -129,12 +134,31 @@ def route_dev(addr, mine):
         return None
 
 
+def env_changes(before_hex, after):
+    """What the setup lines changed: ``{"set": {KEY: VALUE}, "unset": [KEY]}`` from the hex of
+    ``env -0`` before them and the environment *after*; None when *before_hex* is not that."""
+    try:
+        raw = bytes.fromhex(before_hex)
+    except (TypeError, ValueError):
+        return None
+    before = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.decode("utf-8", "replace").partition("=")
+        if sep:
+            before[key] = value
+    return {"set": {k: v for k, v in sorted(after.items()) if before.get(k) != v and k not in _SHELL_VARS},
+            "unset": sorted(k for k in before if k not in after and k not in _SHELL_VARS)}
+
+
 def op_facts(req, session):
     """Hostname, python, torch, workdir and script, a free port (or whether the user's is free),
     name resolution, the interface towards each peer, GPUs; with ``full`` torch is imported."""
     out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
            "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None,
-           "cpus": os.cpu_count()}  # what torchrun's --nproc-per-node cpu counts
+           "cpus": os.cpu_count(),  # what torchrun's --nproc-per-node cpu counts
+           "python_from": os.environ.get("DDPFAB_PYTHON_FROM")}
+    if _ENV0 is not None:
+        out["env_changes"] = env_changes(_ENV0, os.environ)
     if req.get("port"):
         out["port_free"] = _port_free(req["port"])
     if req.get("find_port"):

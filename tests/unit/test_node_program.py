@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import node as nodeprog
+from ddpfab.inventory import Node
 from ddpfab.node import ops as program
 
 
@@ -183,7 +184,8 @@ def test_the_command_line_carries_no_code_and_no_request():
     words = nodeprog.argv("/opt/venv/bin/python", "ddpfab-node")
     assert words[:2] == ["/opt/venv/bin/python", "-c"] and len(words[2]) < 300
     assert int(words[3]) == len(nodeprog.program()) and words[4:] == ["ddpfab-node"]
-    line = nodeprog.command("/opt/venv/bin/python", "ddpfab-node", fallback="python3")
+    line = nodeprog.command(Node("n", "h", python="/opt/venv/bin/python", python_from="inventory"), "ddpfab-node",
+                            fallback="python3")
     assert "command -v /opt/venv/bin/python" in line and "exec python3 -c" in line
 
 

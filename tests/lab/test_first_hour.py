@@ -1,0 +1,182 @@
+"""The first hour on real machines, as README's "Using it on your machines" describes it.
+
+- The wheel installed in a fresh venv outside the checkout; an inventory of host names only (the
+  lab's ssh_config maps each `Host` alias to its address; no IP and no ddpfab_python anywhere);
+  `provision`, then `check`, `run` (dry run first), `fetch`. The run uses the venv provision made:
+  the manifest says so, and so does each rank about itself and its torchrun (the process that
+  started it, read from the node's /proc).
+- A setup line that activates another environment (a second venv made here, with a marker
+  package) changes what `check` reports and what the job imports; a failing setup line is named
+  with its node by `check`, `run` and `exec`.
+
+One lab of 2 hosts for the module (its hosts see the tests' temp dirs, as a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ddpfab import nodeenv
+
+from .conftest import extra_subnet, own_lab
+from .helpers import ddpfab, reports
+from .test_install import dist, sh  # noqa: F401 - the wheel fixture, and the logged subprocess
+
+#: The job: who am I, which python, which torchrun started me (the node's /proc), one all_reduce,
+#: a file for `fetch`. With the marker env's package importable, its name too.
+JOB = r'''
+import json, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+try:
+    import ddpfab_marker_env
+    marker = ddpfab_marker_env.NAME
+except ImportError:
+    marker = None
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+t = torch.tensor([1.0])
+dist.all_reduce(t)
+with open("/proc/%d/cmdline" % os.getppid(), "rb") as fh:
+    parent = [w.decode() for w in fh.read().split(b"\0") if w]
+out = {"rank": rank, "sum": t.item(), "executable": sys.executable, "prefix": sys.prefix, "parent": parent,
+       "marker": marker, "site": os.environ.get("SITE_FLAG")}
+os.makedirs("out", exist_ok=True)
+with open("out/rank%d.json" % rank, "w") as fh:
+    json.dump(out, fh)
+print("REPORT " + json.dumps(out), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with own_lab(tmp_path_factory, "firsthour", hosts=2, subnet=extra_subnet(147)) as the_lab:
+        yield the_lab
+
+
+def names_inventory(the_lab, path: Path, **group_vars) -> Path:
+    """An inventory of host names only: how to reach them is the ssh_config's (the lab's, named
+    with -F as any Ansible inventory can), no ansible_host, no ddpfab_python. (ansible_user: the
+    play's become needs to know it connects as root, which ssh_config's User does not tell it.)"""
+    inv = {"all": {"hosts": {h.name: None for h in the_lab.hosts},
+                   "vars": {"ansible_ssh_common_args": f"-F {the_lab.ssh_config}", "ansible_user": "root",
+                            "ansible_python_interpreter": "/usr/bin/python3", **group_vars}}}
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return path
+
+
+def project(tmp_path: Path) -> Path:
+    proj = tmp_path / "project"
+    proj.mkdir()
+    (proj / "job.py").write_text(JOB)
+    return proj
+
+
+def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisioned_venv(dist, hosts, tmp_path):
+    venv_dir = tmp_path / "venv"
+    assert sh([sys.executable, "-m", "venv", venv_dir], cwd=tmp_path).returncode == 0
+    vbin = venv_dir / "bin"
+    res = sh([vbin / "pip", "install", "-q", "--disable-pip-version-check", dist["wheel"]], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0
+    env = {"PATH": f"{vbin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
+    proj = project(tmp_path)
+    inv = names_inventory(hosts, proj / "inv.yml", ddpfab_workdir="/opt/ddpfab-first-hour")
+    text = inv.read_text()
+    assert "ddpfab_python" not in text and not any(h.address in text for h in hosts.hosts)
+    ddpfab_bin = vbin / "ddpfab"
+
+    res = sh([ddpfab_bin, "provision", "-i", inv, "-e", "ddpfab_python_pip_compile=false",
+              "-e", '{"ddpfab_python_pip_environment": {"PIP_RETRIES": "0"}}'], cwd=proj, env=env)
+    assert res.returncode == 0
+
+    venv_python = "/opt/ddpfab/venv/bin/python"
+    res = sh([ddpfab_bin, "check", "-i", inv, "--json"], cwd=proj, env=env)
+    assert res.returncode == 0
+    found = {(r["node"], r["check"]): r["found"] for r in json.loads(res.stdout)["results"]}
+    for name in ("node1", "node2"):
+        assert found[(name, "interpreter")] == f"{venv_python} (from provisioned venv)"
+
+    # (the dry run does not copy the code, and refuses a workdir not there yet: sync first)
+    assert sh([ddpfab_bin, "sync", "-i", inv], cwd=proj, env=env).returncode == 0
+    res = sh([ddpfab_bin, "run", "-i", inv, "--dry-run", "job.py"], cwd=proj, env=env)
+    assert res.returncode == 0 and all(
+        f"# python on {n}: {venv_python} (from provisioned venv)" in res.stdout for n in ("node1", "node2"))
+    assert f"{venv_python} -m torch.distributed.run" in res.stdout
+
+    res = sh([ddpfab_bin, "run", "-i", inv, "job.py"], cwd=proj, env=env, timeout=300)
+    assert res.returncode == 0
+    got = {r["rank"]: r for r in reports(res.stdout)}
+    assert sorted(got) == [0, 1] and {r["sum"] for r in got.values()} == {2.0}
+    for r in got.values():  # the rank itself, and the torchrun that started it, on the node
+        assert r["executable"] == venv_python and r["prefix"] == "/opt/ddpfab/venv"
+        assert r["parent"][:3] == [venv_python, "-m", "torch.distributed.run"], r["parent"]
+    manifest = json.loads(next((proj / "runs").glob("*/manifest.json")).read_text())
+    for node in manifest["plan"]["nodes"]:
+        assert (node["python"], node["python_from"]) == (venv_python, "provisioned venv")
+    for facts in manifest["nodes_facts"].values():
+        assert (facts["executable"], facts["python_from"]) == (venv_python, "provisioned venv")
+
+    res = sh([ddpfab_bin, "fetch", "-i", inv, "--rank", "1", "out/rank1.json", proj / "fetched"], cwd=proj, env=env)
+    assert res.returncode == 0
+    fetched = json.loads(next((proj / "fetched").rglob("rank1.json")).read_text())
+    assert fetched["rank"] == 1 and fetched["executable"] == venv_python
+
+
+def test_a_setup_line_activates_another_env_for_check_and_job_and_a_failing_one_is_named(hosts, tmp_path):
+    other = tmp_path / "other-env"
+    venv.create(other, with_pip=False)
+    site = next(other.glob("lib/python*/site-packages"))
+    (site / "torch_from_here.pth").write_text(str(Path(torch.__file__).resolve().parents[1]) + "\n")
+    (site / "ddpfab_marker_env").mkdir()
+    (site / "ddpfab_marker_env" / "__init__.py").write_text('NAME = "the second env"\n')
+    proj = project(tmp_path)
+    setup = [f". {other}/bin/activate", "export SITE_FLAG=from-setup"]
+    inv = names_inventory(hosts, proj / "inv.yml", ddpfab_workdir="/opt/ddpfab-first-hour-setup", ddpfab_setup=setup)
+
+    res = ddpfab("check", "-i", str(inv), "--json", cwd=proj)
+    assert res.returncode == 0, res.stdout + res.stderr
+    found = {(r["node"], r["check"]): r["found"] for r in json.loads(res.stdout)["results"]}
+    for name in ("node1", "node2"):
+        assert found[(name, "interpreter")] == f"{other}/bin/python (from ddpfab_setup)"
+        assert "VIRTUAL_ENV" in found[(name, "environment")] and "SITE_FLAG" in found[(name, "environment")]
+
+    res = ddpfab("run", "-i", str(inv), "job.py", cwd=proj, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = {r["rank"]: r for r in reports(res.stdout)}
+    assert sorted(got) == [0, 1]
+    for r in got.values():
+        assert r["marker"] == "the second env" and r["site"] == "from-setup"
+        assert r["executable"] == f"{other}/bin/python" and r["parent"][0] == f"{other}/bin/python"
+    manifest = json.loads(next((proj / "runs").glob("*/manifest.json")).read_text())
+    for facts in manifest["nodes_facts"].values():
+        assert facts["python_from"] == "ddpfab_setup"
+        assert facts["env_changes"]["set"]["SITE_FLAG"] == "from-setup"
+    assert [n["setup"] for n in manifest["plan"]["nodes"]] == [setup, setup]
+
+    # node2's own setup line fails: every command names node2 and the line; node1 is fine
+    data = yaml.safe_load(inv.read_text())
+    data["all"]["hosts"]["node2"] = {"ddpfab_setup": ["test -d /nonexistent-ddpfab-setup"]}
+    inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    line = "setup line 1 `test -d /nonexistent-ddpfab-setup` failed there (exit 1)"
+    res = ddpfab("check", "-i", str(inv), "--json", cwd=proj)
+    assert res.returncode != 0
+    failed = {(r["node"], r["check"]): r["found"] for r in json.loads(res.stdout)["results"] if r["status"] == "fail"}
+    assert [n for n, _ in failed] == ["node2"] and line in " ".join(failed.values()), failed
+    res = ddpfab("run", "-i", str(inv), "job.py", cwd=proj, timeout=300)
+    assert res.returncode == 2 and f"host node2: {line}" in res.stderr, res.stdout + res.stderr
+    assert "node1: setup" not in res.stderr
+    res = ddpfab("exec", "-i", str(inv), "--", "echo ran-here", cwd=proj)
+    assert res.returncode == nodeenv.SETUP_FAILED
+    assert "node1 | ran-here" in res.stdout and "node2 | ran-here" not in res.stdout
+    assert f"node2 | {nodeenv.SETUP_MARK}: line 1 exit 1" in res.stderr
+    shutil.rmtree(other)
