@@ -187,7 +187,9 @@ def test_the_torch_fix_says_what_fits_where_the_python_came_from():
     assert "provision the node" in nodeenv.torch_fix(Node("a", "h", python="python3", python_from="default"))
 
 
-def test_emitted_scripts_and_the_dry_run_apply_the_same_setup(tmp_path, capsys):
+def test_emitted_scripts_and_the_dry_run_apply_the_same_setup(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('train')\n")  # a dry run refuses a missing script, as a run would
     """The setup lines and the choice come first in the emitted script (before `set -eu`, as ddpfab
     runs them) and in the dry run's line; running the script's prefix chooses as the node would."""
     inv = inventory(tmp_path, "all:\n  vars:\n    ddpfab_setup: [export SITE=1]\n  hosts:\n"
