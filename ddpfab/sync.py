@@ -42,8 +42,10 @@ import getpass
 import os
 import re
 import secrets
+import select as selectmod
 import shlex
 import shutil
+import socket
 import stat
 import subprocess
 import tempfile
@@ -69,6 +71,11 @@ from .target import (HostKeyPolicy, Target, TargetError, bracket, destination, h
 RSYNC_BASE = ("-lpt", "--omit-dir-times", "--from0", "--stats", "--itemize-changes")
 #: How long the forwarded agent keeps the key at most, should ddpfab die without cleaning up.
 AGENT_KEY_LIFETIME_S = 3600
+#: How long a sync waits for another sync of the same workdir to finish, by default (seconds).
+LOCK_WAIT_S = 600.0
+#: ``SyncError.code`` and ``NodeSync.state`` of a node whose workdir another sync holds: refused
+#: (``--no-wait``, or the wait ran out) before anything was changed anywhere.
+BUSY = "busy"
 
 
 class SyncError(Exception):
@@ -433,6 +440,98 @@ def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str
     return reply.result
 
 
+class _Session:
+    """The node program kept open over a node's master connection for the whole sync: it probes,
+    holds the workdir's lock (``flock`` on the node: released by the node's kernel when this
+    session ends in any way, a SIGKILLed ddpfab included) and commits. rsync runs beside it."""
+
+    def __init__(self, link: _Link, reaper: Reaper):
+        self.link, self.reaper, self.next_id, self.buf = link, reaper, 1, b""
+        self.proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest, node_command(link.node)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        reaper.watch(self.proc.pid)
+        self.started = False
+
+    def call(self, *requests: dict, timeout: float = 600) -> list[dict]:
+        """Send *requests*, return their results in order; a SyncError naming the node for the
+        first that failed (its ``code`` kept) or when the session ended without answering."""
+        name = self.link.node.name
+        reqs = nodeprog.numbered(*requests, start=self.next_id)
+        self.next_id += len(reqs)
+        data = b"".join(nodeprog.frame(r) for r in reqs)
+        try:
+            self.proc.stdin.write(data if self.started else nodeprog.program() + data)
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the session is gone: reading says why
+        self.started = True
+        sent = {r["id"]: r["op"] for r in reqs}
+        lines: list[bytes] = []
+        got: set[int] = set()
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while len(got) < len(reqs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncError([f"host {name}: the node program did not answer within {timeout:g} s"])
+            if not selectmod.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return self._ended(reqs, lines)
+            *done, self.buf = (self.buf + chunk).split(b"\n")
+            lines += done
+            for line in done:
+                r = nodeprog.parse_reply(line)
+                if r is not None and r.id is not None and sent.get(r.id) == r.op:
+                    got.add(r.id)
+        return [self._result(r) for r in nodeprog.match_replies(name, reqs, lines, None)]
+
+    def _ended(self, reqs: list[dict], lines: list[bytes]) -> list[dict]:
+        code = self.proc.wait()
+        err = self.proc.stderr.read().decode(errors="replace")
+        if code == 255:
+            raise SyncError([ssh_problem(self.link.target, 255, err)])
+        if code == 127:
+            raise SyncError([f"host {self.link.node.name}: neither {self.link.node.python} nor python3 found there; "
+                             "sync needs a python (3.6+, standard library only) on the nodes"])
+        return [self._result(r) for r in nodeprog.match_replies(self.link.node.name, reqs, lines, code, err)]
+
+    def _result(self, reply: nodeprog.Reply) -> dict:
+        if not reply.ok:
+            raise SyncError([f"host {self.link.node.name}: {reply.op}: {reply.error}"], code=reply.code)
+        return reply.result
+
+    def close(self) -> None:
+        """End the program (stdin EOF: it releases the lock as it exits)."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.reaper.forget(self.proc.pid)
+
+
+def holder_text(holder: object) -> str:
+    """Who holds a workdir's lock, from what the node read back (checked again here: data)."""
+    h = holder if isinstance(holder, dict) else {}
+
+    def get(key: str, kind: type) -> object:
+        v = h.get(key)
+        return v if isinstance(v, kind) and not isinstance(v, bool) else None
+
+    user, host, src = get("user", str), get("host", str), get("src", str)
+    pid, since = get("pid", int), get("since", (int, float))
+    if not (user or host or pid):
+        return "another sync (it did not say whose)"
+    who = nodeprog.printable(f"{user or '?'}@{host or '?'}")
+    when = time.strftime("%H:%M:%S UTC", time.gmtime(since)) if since else "?"
+    where = f", from {nodeprog.printable(src)}" if src else ""
+    return f"a sync by {who} (pid {pid or '?'}, since {when}{where})"
+
+
 _STATS = re.compile(r"^(Total bytes sent|Number of regular files transferred):\s*([\d,]+)", re.MULTILINE)
 
 
@@ -601,12 +700,17 @@ class _Target:
     placed: list[str] | None = None
     shared: bool = False
     ready: bool = False
+    session: _Session | None = None
+    locked: bool = False
+    holder: dict | None = None
 
 
 class _Sync:
     def __init__(self, cluster: Cluster, sel: Selection, policy: HostKeyPolicy, ssh_config: str | None,
-                 compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False):
+                 compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False,
+                 lock_wait: float = LOCK_WAIT_S):
         self.cluster, self.sel, self.policy, self.ssh_config = cluster, sel, policy, ssh_config
+        self.lock_wait, self.refused = lock_wait, False
         self.compress, self.checksum, self.progress, self.adopt = compress, checksum, progress, adopt
         try:  # before anything is started: a route that cannot be honoured starts nothing
             reach = resolve_all(cluster.nodes, policy, ssh_config)
@@ -657,12 +761,19 @@ class _Sync:
             t.link.start(agent_env)
 
         def probe(t: _Target) -> None:
+            """First look, changing nothing: the workdir checked as the node resolves it, whose it
+            is, whether it is this very directory; for a real sync in the session that then holds
+            the lock, with a first try (no wait) at the lock."""
             try:
                 raw = check_workdir(t.node, self.sel.root)
                 t.link.ready()
-                out = _node_call(t.link, {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
-                                          "create": create, "adopt": self.adopt,
-                                          "files": self.sel.files if create else []}, timeout=120)
+                req = {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
+                       "create": False, "adopt": self.adopt, "files": []}
+                if create:
+                    t.session = _Session(t.link, self.reaper)
+                    out = t.session.call(req, timeout=120)[0]
+                else:
+                    out = _node_call(t.link, req, timeout=120)
             except SyncError as exc:
                 if exc.code == treehash.NOT_OURS:
                     t.rec.state = exc.code
@@ -678,6 +789,23 @@ class _Sync:
                 return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
                                     "or ddpfab provision)")
             t.placed, t.ready = out.get("record", []), True
+            if create:
+                self.try_lock(t, 0)
+            return None
+
+        def prepare(t: _Target) -> None:
+            """Under the lock: read the record and record the files about to be placed (the union
+            of old and new until the commit), moving aside what is in the way."""
+            try:
+                out = t.session.call({"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
+                                      "nonce_error": nonce_error, "create": True, "adopt": self.adopt,
+                                      "files": self.sel.files, "locked": True}, timeout=120)[0]
+            except SyncError as exc:
+                t.ready = False
+                if exc.code == treehash.NOT_OURS:
+                    t.rec.state = exc.code
+                return self.fail(t, exc.problems[0])
+            t.rec.state, t.placed = out.get("state", ""), out.get("record", [])
             if out.get("kept"):
                 t.rec.kept = out["kept"]
                 shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
@@ -688,6 +816,10 @@ class _Sync:
         try:
             with ThreadPoolExecutor(max_workers=min(32, len(self.targets))) as pool:
                 list(pool.map(probe, self.targets.values()))
+                if create:
+                    self.lock_all()
+                    mine = [t for t in self.targets.values() if t.ready and not t.shared]
+                    list(pool.map(prepare, mine))
         finally:
             if nonce:
                 try:
@@ -698,6 +830,62 @@ class _Sync:
         if shared:
             self.note(f"{', '.join(shared)}: the workdir is this very directory (shared filesystem): nothing to "
                       "copy, verifying only")
+
+    # -- one writer per workdir ----------------------------------------------------------------
+    def try_lock(self, t: _Target, wait_s: float) -> None:
+        """Ask *t*'s session for its workdir's lock, waiting up to *wait_s* s on the node."""
+        holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.time(), "src": self.sel.root}
+        try:
+            out = t.session.call({"op": "lock", "holder": holder, "wait_s": wait_s}, timeout=wait_s + 120)[0]
+        except SyncError as exc:
+            t.ready = False
+            return self.fail(t, exc.problems[0])
+        t.locked, t.holder = out.get("locked") is True, out.get("holder")
+        return None
+
+    def lock_all(self) -> None:
+        """Hold every node's workdir lock, or none and refuse (nothing changed anywhere). A sync
+        that must wait releases what it holds and waits for one busy node at a time, so two syncs
+        over overlapping nodes never wait for each other; the wait is bounded (``lock_wait``)."""
+        deadline = time.monotonic() + self.lock_wait
+        said: set[str] = set()
+        while True:
+            wanted = [t for t in self.targets.values() if t.ready and not t.shared]
+            busy = [t for t in wanted if not t.locked]
+            if not busy:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = ("--no-wait" if self.lock_wait <= 0 else
+                       f"waited {self.lock_wait:g} s; retry when it has finished, or end it")
+                for t in wanted:
+                    self.fail(t, f"host {t.node.name}: refusing to sync: {t.rec.workdir} is being changed by "
+                                 f"{holder_text(t.holder)} ({why}); nothing was changed there" if not t.locked else
+                                 f"host {t.node.name}: not synced: another node's workdir is being synced "
+                                 "(see there); nothing was changed here")
+                    t.rec.state, t.ready = BUSY, False
+                self.refused = True
+                return
+            with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
+                list(pool.map(self.unlock, [t for t in wanted if t.locked]))
+            t = busy[0]
+            whose = f"{t.node.name}: {t.rec.workdir} is being changed by {holder_text(t.holder)}"
+            if whose not in said:  # one line per holder met, not one per retry
+                said.add(whose)
+                self.progress(f"{whose}; waiting for it (up to {left:.0f} s; --no-wait refuses instead)")
+            self.try_lock(t, left)
+            if t.locked:
+                with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
+                    list(pool.map(lambda u: self.try_lock(u, 0), [u for u in wanted if not u.locked and u is not t]))
+
+    def unlock(self, t: _Target) -> None:
+        try:
+            t.session.call({"op": "unlock"}, timeout=60)
+        except SyncError as exc:
+            t.ready = False
+            self.fail(t, exc.problems[0])
+        t.locked = False
 
     # -- copies ---------------------------------------------------------------------------
     def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
@@ -782,8 +970,8 @@ class _Sync:
         gone = deletions(self.sel, t.placed or [])
         start = time.monotonic()
         try:
-            out = _node_call(t.link, self.request(t, "commit", delete=gone, files=self.sel.files,
-                                                  cache=not self.checksum))
+            out = t.session.call(self.request(t, "commit", delete=gone, files=self.sel.files,
+                                              cache=not self.checksum, locked=True))[0]
         except SyncError as exc:
             return self.fail(t, exc.problems[0])
         t.rec.deleted = out["deleted"]
@@ -1003,6 +1191,8 @@ class _Sync:
         if self.agent:
             self.agent.close()
         for t in self.targets.values():
+            if t.session:  # its end releases the node's lock
+                t.session.close()
             t.link.close()
         shutil.rmtree(self.ctl_dir, ignore_errors=True)
         self.reaper.close()
@@ -1015,7 +1205,7 @@ def _mb(n: int | None) -> str:
 def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
                  compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
-                 adopt: bool = False, dry_run: bool = False,
+                 adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
                  progress: Callable[[str], None] | None = None) -> SyncResult:
     """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
     and is gone here, and prove the result by hash.
@@ -1035,6 +1225,9 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             deleted; files the project overwrites are moved aside first).
         dry_run: change nothing anywhere; each node's ``items`` say what a sync would copy,
             update and delete (always the star: there is nothing to forward).
+        lock_wait: how long to wait (seconds) for another sync that is changing a node's workdir
+            (one line says whose it is); 0: refuse at once. Refused: a SyncError with code
+            ``BUSY``, nothing changed on any node.
         progress: called with one line per event (node done, fallback...).
 
     Returns the SyncResult; raises SyncError (with the result) when any node failed.
@@ -1057,7 +1250,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             problems += exc.problems
     if problems:
         raise SyncError(problems)
-    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress, adopt)
+    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress, adopt, lock_wait)
     job.dry_run, job.verify_only = dry_run, verify_only
     result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
                         git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout, dry_run=dry_run)
@@ -1081,6 +1274,9 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             finally:
                 hasher.shutdown()
         result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
+        if job.refused:
+            result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
+            raise SyncError([str(p) for p in result.problems()], result, code=BUSY)
         ready = [t for t in job.targets.values() if t.ready]
         only_verify = [] if dry_run else ready if verify_only else [t for t in ready if t.shared]
         to_copy = [] if verify_only else [t for t in ready if not t.shared]

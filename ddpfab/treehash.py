@@ -468,8 +468,9 @@ def _open_parent(root, rel):
 
 
 def remove_placed(root, rel):
-    """Delete file or symlink *rel* of *root* (not a directory), then its emptied parents.
-    True when something was deleted."""
+    """Delete file or symlink *rel* of *root* (not a directory), then its emptied parents (also
+    when the file is gone already: a sync interrupted mid-copy leaves the directories rsync made
+    for files it never wrote). True when something was deleted."""
     parts = rel.split("/")
     try:
         fds = _open_parent(root, rel)
@@ -479,16 +480,17 @@ def remove_placed(root, rel):
         try:
             st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
         except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode):
             return False
-        if stat.S_ISDIR(st.st_mode):
-            return False
-        os.unlink(parts[-1], dir_fd=fds[-1])
+        if st is not None:
+            os.unlink(parts[-1], dir_fd=fds[-1])
         for i in range(len(parts) - 1, 0, -1):
             try:
                 os.rmdir(parts[i - 1], dir_fd=fds[i - 1])
             except OSError:  # not empty (the user's files are there) or gone: stop
                 break
-        return True
+        return st is not None
     finally:
         for fd in fds:
             os.close(fd)

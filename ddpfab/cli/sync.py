@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="change nothing; list per node what would be copied, updated and deleted")
     p.add_argument("--verify-only", action="store_true", help="copy nothing; compare every node's tree hash")
+    p.add_argument("--no-wait", action="store_true",
+                   help="when another sync is changing a node's workdir, refuse at once (exit 2, nothing changed) "
+                        "instead of waiting for it (at most 10 minutes)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--list", action="store_true", help="print the files that would be sent, and stop")
     p.add_argument("path", nargs="?", default=".", help="the project directory to send (default: .)")
@@ -83,7 +86,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def _cmd_sync(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..sync import SyncError, _mb, select, sync_cluster
+    from ..sync import BUSY, LOCK_WAIT_S, SyncError, _mb, select, sync_cluster
 
     out = sys.stdout
     if args.list:
@@ -110,13 +113,13 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         result = sync_cluster(cluster, args.path, policy, fanout=args.fanout, compress=args.compress,
                               ssh_config=args.ssh_config, checksum=args.checksum, keep=tuple(args.keep),
                               with_git=args.with_git, verify_only=args.verify_only, adopt=args.adopt,
-                              dry_run=args.dry_run, progress=say)
+                              dry_run=args.dry_run, lock_wait=0 if args.no_wait else LOCK_WAIT_S, progress=say)
     except SyncError as exc:
         if args.json and exc.result is not None:
             _write_json(exc.result, out)
         for line in exc.problems:
             die(line)
-        return 1
+        return 2 if exc.code == BUSY else 1  # refused before anything changed
     if args.json:
         _write_json(result, out)
         return 0

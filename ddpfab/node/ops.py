@@ -18,6 +18,8 @@ file's bytes follow its frame on stdin).
 """
 
 import base64
+import errno
+import fcntl
 import fnmatch
 import hashlib
 import importlib.util
@@ -624,6 +626,98 @@ def replica_receive(req, fd):
                 os.unlink(tmp)
             except OSError:
                 pass
+# -- one writer per workdir (ddpfab.sync) ---------------------------------------------------------
+#: Where a sync's lock files live (one per workdir, named by its real path's hash): in the SSH
+#: user's home, not in the workdir, because the lock is taken before ddpfab may write there (a
+#: workdir that does not exist yet, or that is refused as not ddpfab's, must stay untouched).
+LOCK_DIR = "~/.ddpfab/locks"
+#: The holder's fields a waiting sync reads back (as data: each checked for its type).
+HOLDER_FIELDS = (("user", str), ("host", str), ("pid", int), ("since", float), ("src", str), ("node_pid", int))
+
+
+def lock_path(real):
+    """The lock file of workdir *real* (its resolved path) on this node."""
+    name = "sync-%s.lock" % hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
+    return os.path.join(os.path.expanduser(LOCK_DIR), name)
+
+
+def read_holder(fd):
+    """Who holds the lock of open lock file *fd*, as the holder wrote it: only fields of the right
+    type (a short printable string, a positive number); {} when nothing valid is there."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = json.loads(os.read(fd, 4096).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for key, kind in HOLDER_FIELDS if isinstance(data, dict) else ():
+        v = data.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
+            continue
+        if isinstance(v, str) and (len(v) > 512 or not v.isprintable()):
+            continue
+        if not isinstance(v, str) and v <= 0:
+            continue
+        out[key] = v
+    return out
+
+
+def op_lock(req, session):
+    """Take the write lock of the workdir this session's probe checked (``flock``: the kernel
+    releases it when this program ends, however it ends) and write ``holder`` into it; wait up to
+    ``wait_s`` seconds. ``{"locked": true}``, or ``{"locked": false, "holder": ...}`` (who has it)."""
+    real = session.get("probed")
+    if not real:
+        raise NodeOpError("lock: no workdir probed in this session")
+    if session.get("lock", (None,))[0] == real:
+        return {"locked": True}
+    path = lock_path(real)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    deadline = time.monotonic() + max(0.0, float(req.get("wait_s", 0)))
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+        if time.monotonic() >= deadline:
+            holder = read_holder(fd)
+            os.close(fd)
+            return {"locked": False, "holder": holder}
+        time.sleep(0.05)
+    holder = dict(req.get("holder") or {}, node_pid=os.getpid())
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps(holder).encode("utf-8"))
+    session["lock"] = (real, fd)
+    return {"locked": True}
+
+
+def op_unlock(req, session):
+    """Release this session's workdir lock (a sync that must wait for another node's lock holds
+    none meanwhile: two syncs never wait for each other)."""
+    held = session.pop("lock", None)
+    if held:
+        os.close(held[1])  # closing the only descriptor releases the flock
+    return {"locked": False}
+
+
+def _locked(fn):
+    """An operation that changes a workdir: with ``locked`` in the request it runs only while this
+    session holds that workdir's lock."""
+    def op(req, session):
+        if req.get("locked"):
+            _, real = node_workdir(req)
+            if session.get("lock", (None,))[0] != real:
+                raise NodeOpError("%s is not locked by this session; refusing to change it" % real)
+        out = fn(req, session)
+        if req.get("op") == "probe" and isinstance(out, dict) and "real" in out:
+            session["probed"] = out["real"]
+        return out
+    return op
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -651,7 +745,8 @@ OPS = {
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
     "ps": op_ps, "stop": op_stop, "rank_logs": op_rank_logs,
     "perf_place": op_perf_place, "perf_clean": op_perf_clean, "replica_stat": op_replica_stat,
-    "probe": _treehash(node_probe), "commit": _treehash(node_commit), "hash": _treehash(node_hash),
+    "probe": _locked(_treehash(node_probe)), "commit": _locked(_treehash(node_commit)), "hash": _treehash(node_hash),
+    "lock": op_lock, "unlock": op_unlock,
     "locate": _treehash(node_locate), "stage": _treehash(node_stage),
 }
 #: Operations that take the session over (last in it); their exit status is the program's.
