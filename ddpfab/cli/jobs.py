@@ -14,7 +14,7 @@ from ..plan import Plan
 from ..problems import NodeError, Problem
 from ..results import GroupResult
 from .config import MISSING_INVENTORY, ConfigError, given
-from .errors import EXIT_FAILED, die, refuse, warn
+from .errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 
 
 def _cluster(args, manifest: dict | None):
@@ -283,6 +283,9 @@ def cmd_attach(args) -> int:
         finally:
             for c in conns.values():
                 c.close()
+        if printer.closed:
+            note(f"stdout was closed: detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
+            return EXIT_CLOSED_STDOUT
         followed = plan.run_id
         manifest = next_attempt(args.runs_dir, root, followed)
         if manifest is not None:
