@@ -342,6 +342,18 @@ def host_port(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
+def nproc_per_node(asked: int | None) -> int | None:
+    """``--nproc-per-node`` as asked (None: decide per node): the one rule for it, in run, plan
+    and check alike.
+
+    Raises:
+        PlanError: fewer than one process.
+    """
+    if asked is not None and asked < 1:
+        raise PlanError(f"--nproc-per-node must be >= 1, got {asked}")
+    return asked
+
+
 def master_port(asked: int | None, *, found: int | None = None, asked_free: bool | None = None,
                 replace_taken: bool = False, offline: bool = False) -> int | None:
     """The run's master port: the one place it is decided (run, plan, check, replay, recovery
@@ -462,8 +474,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
     if options.max_restarts < 0:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
-    if options.nproc_per_node is not None and options.nproc_per_node < 1:
-        raise PlanError(f"--nproc-per-node must be >= 1, got {options.nproc_per_node}")
+    nproc_per_node(options.nproc_per_node)
     for what, value, allowed in (("--rdzv", options.rdzv, RDZV_STYLES), ("--launcher", options.launcher, LAUNCHERS),
                                  ("--init-method", options.init_method, INIT_METHODS)):
         if value not in allowed:
