@@ -131,6 +131,23 @@ def test_json_asked_for_is_json_when_refused_too(argv, clean, capsys):
     assert doc["ok"] is False and len(doc["problems"]) == 1 and doc["problems"][0]["text"] in err, (out, err)
 
 
+@pytest.mark.parametrize("argv, says", [(["check", "-i", IPS, "--json", "--max-skew", "x"], "--max-skew"),
+                                        (["ps", "--json", "-l", "node1"], "unrecognized arguments: -l node1"),
+                                        (["run", "-i", IPS, "--dry-run", "--json", "--nproc-per-node"], "expected one")])
+def test_json_asked_for_is_json_when_argparse_refuses_too(argv, says, clean, capsys):
+    # argparse's own refusals (usage, exit 2) wrote no JSON on stdout
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert exit_.value.code == EXIT_USAGE and doc["ok"] is False and says in doc["problems"][0]["text"], (out, err)
+    assert "usage:" in err and says in err
+    # without --json, stdout stays empty
+    with pytest.raises(SystemExit):
+        cli.main([a for a in argv if a != "--json"])
+    assert capsys.readouterr().out == ""
+
+
 # -- what a host or a reader causes: as a process, where paramiko's logging and a closed pipe print ------
 def _ddpfab(*args: str, cwd: Path, stdout=subprocess.PIPE, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "DDPFAB_CONFIG": ""}
