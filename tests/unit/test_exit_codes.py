@@ -224,6 +224,7 @@ def test_stop_and_logs_name_a_host_that_never_sends_a_banner(silent_sshd, tmp_pa
         said = res.stdout + res.stderr
         assert "quiet: " in said and "no SSH banner within 1 s" in said and "Traceback" not in said, said
         assert said.count("\n") == 1 and "host quiet: host quiet" not in said, said
+    assert not (tmp_path / "runs" / "r1").exists()  # logs that fetched nothing leaves no empty record dir
 
 
 def test_a_closed_stdout_ends_quietly(tmp_path):
