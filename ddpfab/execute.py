@@ -85,6 +85,7 @@ class LinePrinter:
         self.width = max((len(n) for n in names), default=1)
         self.index = {n: i for i, n in enumerate(names)}
         self.lock = threading.Lock()
+        self.closed = False  # stdout's reader went away (`| head`): the commands are ended
 
     def line(self, name: str, text: str, stderr: bool = False) -> None:
         prefix = f"{name:<{self.width}} |"
@@ -94,13 +95,21 @@ class LinePrinter:
             prefix = f"\x1b[{COLORS[self.index.get(name, 0) % len(COLORS)]}m{prefix}\x1b[0m"
         stream = self.err if stderr else self.out
         with self.lock:
-            stream.write(f"{prefix} {text}\n")
-            stream.flush()
+            if self.closed:
+                return
+            try:
+                stream.write(f"{prefix} {text}\n")
+                stream.flush()
+            except BrokenPipeError:
+                self.closed = True
 
 
 def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
     for line in streams.lines(read):
         printer.line(name, line, stderr)
+        if printer.closed:  # nobody reads on: closing the channel ends the command (see guarded)
+            chan.close()
+            return
 
 
 def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
@@ -121,6 +130,8 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
                                       daemon=True)
         err_thread.start()
         _pump(chan, chan.recv, node.name, printer, False)
+        if printer.closed:  # ended by us: no exit status will come
+            return result
         err_thread.join(timeout=timeout)
         code = chan.recv_exit_status()
         if code == -1:

@@ -332,9 +332,9 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[tuple[str, int |
             continue
         where = f"{source}:{number}"
         host, *words = line.split()
-        if not _HOST_WORD.fullmatch(host) or "=" in host:
-            raise InventoryError(f"{where}: {host!r} is not a host name (letters, digits, '.', '-', '_'); "
-                                 "a hostfile line is `host slots=N`")
+        if not _is_host_word(host):
+            raise InventoryError(f"{where}: {host!r} is not a host name (letters, digits, '.', '-', '_') or an "
+                                 "IP address; a hostfile line is `host slots=N`")
         if host in first_line:
             raise InventoryError(f"{where}: host {host} is listed again (first on line {first_line[host]}); "
                                  "list each host once, with all its slots")
@@ -406,10 +406,15 @@ def host_entry(entry: str, source: str = "") -> list[tuple[str, dict[str, Any]]]
         host_vars["ansible_port"] = int(port)
     names = [pattern] if _is_ip(pattern) else expand_ranges(pattern)
     for name in names:
-        if not (_is_ip(name) or _HOST_WORD.fullmatch(name)):
+        if not _is_host_word(name):
             raise InventoryError(f"{where}: {name!r} is not a host name (letters, digits, '.', '-', '_') or an "
                                  "IP address; write [user@]host[:port], and other settings in an inventory file")
     return [(name, dict(host_vars)) for name in names]
+
+
+def _is_host_word(word: str) -> bool:
+    """Whether *word* names one host in a host list or a hostfile: a host name or an IP literal."""
+    return _is_ip(word) or bool(_HOST_WORD.fullmatch(word))
 
 
 def _is_ip(text: str) -> bool:
@@ -476,7 +481,8 @@ def ansible_source(source: str) -> str:
     path = Path(os.path.expanduser(source))
     if path.is_file():
         try:
-            head = path.read_text(encoding="utf-8", errors="replace")[:1 << 20]
+            # utf-8-sig: a BOM (Windows editors write one) is no part of the first host
+            head = path.read_text(encoding="utf-8-sig", errors="replace")[:1 << 20]
         except OSError as exc:
             raise InventoryError(f"inventory {source}: {exc.strerror}") from None
         slots = parse_hostfile(head, source)

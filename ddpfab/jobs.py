@@ -76,6 +76,9 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
         chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         for line in streams.lines(chan.recv):
             printer.line(node.name, line)
+            if printer.closed:  # `| head` had enough: stop following; the job goes on
+                chan.close()
+                return 0
         return chan.recv_exit_status()
 
     nodes = [n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}]

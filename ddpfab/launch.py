@@ -159,6 +159,10 @@ class RunResult:
 _RANK_TAG = re.compile(r"^\[default(\d+)\]:")
 
 
+#: RunResult.interrupted when the run ended because stdout's reader went away
+CLOSED_STDOUT = "closed stdout"
+
+
 class Printer:
     """Prefixes every line with host and global rank, one colour per node, one line at a time.
 
@@ -183,6 +187,18 @@ class Printer:
             self.offset[n.name] = total
             total += n.nproc
         self.lock = threading.Lock()
+        self.closed = False  # the reader of the stream went away (`| head`): the rest is dropped
+
+    def _write(self, text: str) -> None:
+        """*text* on the stream; once its reader has gone, nothing (the monitor then stops the job)."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except BrokenPipeError:
+                self.closed = True
 
     def prefix(self, node: str, rank: int | None) -> str:
         n = self.nodes[node]
@@ -201,14 +217,10 @@ class Printer:
         if tag:
             rank = int(tag.group(1)) + (0 if self.local_only else self.offset[node])
             text = text[tag.end():]
-        with self.lock:
-            self.stream.write(f"{self.prefix(node, rank)} {text}\n")
-            self.stream.flush()
+        self._write(f"{self.prefix(node, rank)} {text}\n")
 
     def note(self, text: str) -> None:
-        with self.lock:
-            self.stream.write(f"ddpfab: {text}\n")
-            self.stream.flush()
+        self._write(f"ddpfab: {text}\n")
 
 
 class _NodeJob:
@@ -434,6 +446,10 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
         pending = set(jobs)
         while pending:
             try:
+                if printer.closed and interrupted is None:  # `| head` had enough: as an interrupt
+                    interrupted = CLOSED_STDOUT
+                    sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
+                    stop_all()
                 try:
                     name = events.get(timeout=0.1)
                 except queue.Empty:
@@ -484,7 +500,10 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
             printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
     if not interrupted:
         first_failure = _blame(outcomes, first_failure)
-    if interrupted:
+    if interrupted == CLOSED_STDOUT:
+        code = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
+        summary = "stdout was closed (its reader went away); the job was stopped on every node"
+    elif interrupted:
         code = 130 if interrupted == "SIGINT" else 143
         summary = f"interrupted by {interrupted}; the job was stopped on every node"
     elif first_failure:

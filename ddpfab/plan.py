@@ -442,6 +442,18 @@ def host_port(addr: str, port: int) -> str:
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
+def nproc_per_node(asked: int | str | None) -> int | str | None:
+    """``--nproc-per-node`` as asked (None: decide per node; ``gpu``/``cpu``/``auto``: per node from
+    its facts, see :func:`parse_nproc`): the one rule for it, in run, plan and check alike.
+
+    Raises:
+        PlanError: fewer than one process.
+    """
+    if isinstance(asked, int) and asked < 1:
+        raise PlanError(f"--nproc-per-node must be >= 1, got {asked}")
+    return asked
+
+
 def master_port(asked: int | None, *, found: int | None = None, asked_free: bool | None = None,
                 replace_taken: bool = False, offline: bool = False) -> int | None:
     """The run's master port: the one place it is decided (run, plan, check, replay, recovery
@@ -562,8 +574,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
     if options.max_restarts < 0:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
-    if isinstance(options.nproc_per_node, int) and options.nproc_per_node < 1:
-        raise PlanError(f"--nproc-per-node must be >= 1, got {options.nproc_per_node}")
+    nproc_per_node(options.nproc_per_node)
     if options.module and not _MODULE.fullmatch(options.script):
         raise PlanError(f"-m {options.script!r}: expected a module name (dotted Python identifiers, e.g. pkg.train)")
     bad_keys = [k for k in options.secret_env if not _ENV_KEY.fullmatch(k)]

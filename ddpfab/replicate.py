@@ -26,6 +26,7 @@ hold and others do not, or that differs in size between them, is named with the 
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -205,15 +206,16 @@ def warnings(order: list[str], paths: tuple[str, ...], stats: dict[str, dict]) -
         if n in paths and order[0] in have:
             continue  # it is copied before the launch
         sizes = {held[name].get("bytes") for name in have}
+        word = shlex.quote(n)  # the fix is a command line to type
         if lack:
             src_lacks = order[0] in lack
             found = f"{n} is in the workdir of {', '.join(have)} but not of {', '.join(lack)}"
             fix = (f"delete it on {', '.join(have)}, or put it on {order[0]} (rank 0's node) and run with --replicate "
-                   f"{n}" if src_lacks else f"run with --replicate {n} (copies it from {order[0]}, rank 0's node)")
+                   f"{word}" if src_lacks else f"run with --replicate {word} (copies it from {order[0]}, rank 0's node)")
         elif len(sizes) > 1:
             shown = ", ".join(f"{name}: {_size(held[name].get('bytes'))}" for name in have)
             found = f"{n} differs between nodes ({shown})"
-            fix = f"run with --replicate {n} (copies {order[0]}'s, rank 0's node)"
+            fix = f"run with --replicate {word} (copies {order[0]}'s, rank 0's node)"
         else:
             continue
         text = (f"{found}: a script that resumes from it would resume on some ranks and start over on others "

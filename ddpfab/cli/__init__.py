@@ -23,14 +23,14 @@ from .. import __version__
 from ..interrupt import run_interruptible
 from . import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
 from .common import fill_missing_help
-from .errors import closed_stdout_ends_quietly, die, refuse
+from .errors import Parser, closed_stdout_ends_quietly, die, refuse
 
 #: The subcommands, in the order ``ddpfab --help`` lists them.
 COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, replay)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpfab", description=(
+    parser = Parser(prog="ddpfab", description=(
         "Start and debug multi-node PyTorch training on bare-metal GPU boxes over plain SSH."))
     parser.add_argument("--version", action="version", version=f"ddpfab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -6,7 +6,7 @@ import json
 
 from .. import inventory
 from .. import mesh as meshmod
-from ..plan import PlanError, master_port
+from ..plan import PlanError, master_port, nproc_per_node
 from .common import add_cluster_args, load_cluster, nproc_type
 from .errors import refuse
 from .perf import add_check_arguments, cmd_check_perf
@@ -39,6 +39,10 @@ def cmd_check(args) -> int:
         master_port(args.master_port, offline=True)  # the one rule for a given port, before any host is contacted
     except (inventory.InventoryError, PlanError) as exc:
         return refuse(args, str(exc), "inventory" if isinstance(exc, inventory.InventoryError) else "master_port")
+    try:
+        nproc_per_node(args.nproc_per_node)  # run's rule, as for the port
+    except PlanError as exc:
+        return refuse(args, str(exc), "nproc_per_node")
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     report = check_cluster(cluster, policy, CheckOptions(
         master_port=args.master_port, nproc_per_node=args.nproc_per_node,

@@ -15,6 +15,7 @@ every subcommand's error paths against it):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -52,6 +53,25 @@ def refuse(args, lines: Iterable[str | Problem] | str | Problem, check: str, cod
     if getattr(args, "json", False):
         print_problems(lines, check)
     return die(lines, code)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose own refusals (a bad value, an unknown option: usage, exit 2) also
+    write the problems document when ``--json`` was asked for: a command asked for JSON writes
+    JSON whatever ends it. (Subparsers are made of the same class.)"""
+
+    _argv: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        words = self._argv[:self._argv.index("--")] if "--" in self._argv else self._argv
+        if "--json" in words:
+            print_problems([message], "usage")
+            sys.stdout.flush()
+        super().error(message)
 
 
 def warn(line: str | Problem) -> None:

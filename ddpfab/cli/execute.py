@@ -7,7 +7,7 @@ import time
 
 from .. import inventory
 from .common import add_cluster_args, load_cluster
-from .errors import die, note
+from .errors import EXIT_CLOSED_STDOUT, die, note
 
 
 def register(sub) -> None:
@@ -47,6 +47,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
     printer = LinePrinter([n.name for n in nodes], color=False if args.no_color else None)
     start = time.monotonic()
     results = exec_all(nodes, command, policy, args.ssh_config, printer, args.timeout)
+    if printer.closed:  # a reader that went away is not a node's failure
+        note("stdout was closed: the command was ended on every node")
+        return EXIT_CLOSED_STDOUT
     code, text = summary(results, time.monotonic() - start)
     for r in results.values():
         if r.error:

@@ -76,8 +76,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..runs import new_run_id
 
     try:
-        if args.master_port is not None and not 1 <= args.master_port <= 65535:
-            raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+        planmod.master_port(args.master_port, offline=True)  # the port's one rule (raises PlanError)
         options = planmod.RunOptions(
             script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
             master_port=args.master_port, env=run_env(args), max_restarts=args.max_restarts,

@@ -14,7 +14,7 @@ from ..plan import Plan
 from ..problems import NodeError, Problem
 from ..results import GroupResult
 from .config import MISSING_INVENTORY, ConfigError, given
-from .errors import EXIT_FAILED, die, refuse, warn
+from .errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 
 
 def _cluster(args, manifest: dict | None):
@@ -283,6 +283,9 @@ def cmd_attach(args) -> int:
         finally:
             for c in conns.values():
                 c.close()
+        if printer.closed:
+            note(f"stdout was closed: detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
+            return EXIT_CLOSED_STDOUT
         followed = plan.run_id
         manifest = next_attempt(args.runs_dir, root, followed)
         if manifest is not None:
@@ -322,13 +325,13 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
 
     cluster = _cluster(args, manifest)
     dest = Path(args.runs_dir) / run_id
-    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def fetch(conn, node) -> str:
         remote = _remote_dir(node.name, manifest, run_id)
         res = ssh.run(conn, node.name, f"cat {shlex.quote(remote)}/output.log", timeout=60)
         if res.exit_code != 0:
             raise RuntimeError(res.stderr.strip() or f"no output.log in {remote}")
+        dest.mkdir(parents=True, exist_ok=True, mode=0o700)  # only once there is output: no empty record dir
         path = dest / f"{node.name}.remote.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:

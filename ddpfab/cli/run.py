@@ -245,11 +245,13 @@ def _replicate(prepared, paths: tuple[str, ...], args: argparse.Namespace) -> di
 
 
 def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
-    """Where results are: rank 0's workdir, and the command that brings a file back."""
+    """Where results are: rank 0's workdir, and the command that brings a file back. The command
+    names the node, not ``--rank 0``: fetch's ranks count the hosts its own --limit leaves, and a
+    run's rank 0 is often not the inventory's first host (``-l``, spares)."""
     node = plan.nodes[0]
     inv = "".join(f" -i {shlex.quote(s)}" for s in args.inventory or ())
     sys.stderr.write(f"ddpfab: rank 0's workdir: {node.name}:{node.workdir} (copy results here with: ddpfab fetch"
-                     f"{inv} --rank 0 PATH)\n")
+                     f"{inv} --node {shlex.quote(node.name)} PATH)\n")
 
 
 def _perf_check(cluster, policy, args: argparse.Namespace, env) -> dict | None:
@@ -323,8 +325,7 @@ def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ..runs import new_run_id
 
-    if args.master_port is not None and not 1 <= args.master_port <= 65535:
-        raise planmod.PlanError(f"--master-port {args.master_port} is not a TCP port (1-65535)")
+    planmod.master_port(args.master_port, offline=True)  # the port's one rule (raises PlanError)
     script, script_args, module = _script_and_mode(args)
     local_rank_arg, to_script = _local_rank_arg(args, script, module)
     return planmod.RunOptions(

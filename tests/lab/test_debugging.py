@@ -10,6 +10,7 @@ checkout lies), so a test can change "the code" there without touching the repos
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -175,3 +176,21 @@ def test_exec_runs_on_every_node_at_once_and_reports_failures(lab, tmp_path):
     res = ddpfab("exec", "-i", str(inv), "--nodes", "node1,node3", "--", "printf", "%s\\n", "a b", "$HOME")
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["node1 | $HOME", "node1 | a b", "node3 | $HOME", "node3 | a b"]
+
+
+def test_exec_with_a_closed_stdout_ends_the_command_everywhere_with_141(lab, tmp_path):
+    """`ddpfab exec ... | head -1`: a reader that went away is not an unreachable node (it was
+    255, `node1: BrokenPipeError`, `node1=unreachable`); the commands end, nothing is left."""
+    inv = tmp_path / "inv.yml"
+    inv.write_text(labmod.render_inventory(lab, sys.executable))
+    read, write = os.pipe()
+    os.close(read)  # `| head` that has had enough
+    try:
+        res = subprocess.run([sys.executable, "-m", "ddpfab", "exec", "-i", str(inv), "--",
+                              "for i in $(seq 1 60); do echo $i; sleep 0.1; done"],
+                             stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=60)
+    finally:
+        os.close(write)
+    assert res.returncode == 141, res.stderr
+    assert "unreachable" not in res.stderr and "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr
+    wait_no_processes(lab, timeout=5)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -115,6 +117,52 @@ def test_sigint_stops_every_process_on_every_host(lab, inventory2, tmp_path):
     assert took < 5
     manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
     assert manifest["state"] == "interrupted"
+
+
+def test_a_closed_stdout_stops_the_job_says_so_and_records_it(lab, inventory2, tmp_path):
+    """`ddpfab run ... | head`: the reader going away ends the run as an interrupt would (the job
+    stopped on every node, one line on stderr, the manifest finished), exit 141. It used to fail
+    a node with a BrokenPipeError and leave the manifest "running"."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory2), "--runs-dir",
+                             str(tmp_path / "runs"), "tests/lab/scripts/ticker.py"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "NO_COLOR": "1"})
+    try:
+        _wait_for_lines(proc, "READY", 2, timeout=90)
+        proc.stdout.close()  # `| head` has had enough; the ranks' next lines meet a closed pipe
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err
+    assert "stdout was closed" in err and "the job was stopped on every node" in err and "Traceback" not in err
+    wait_no_processes(lab, timeout=5)
+    manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
+    assert (manifest["state"], manifest["exit_code"]) == ("interrupted", 141)
+    assert all(not o.get("error") for o in manifest["nodes"].values()), manifest["nodes"]
+
+
+def test_attach_with_a_closed_stdout_detaches_and_the_job_goes_on(lab, inventory2, tmp_path):
+    """`ddpfab attach RUN | head`: the follow ends (141, one line), the detached job does not."""
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "tests/lab/scripts/ticker.py")
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = next(runs.glob("*/manifest.json")).parent.name
+    try:
+        att = subprocess.Popen([sys.executable, "-m", "ddpfab", "attach", "--runs-dir", str(runs), run_id],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env={**os.environ, "NO_COLOR": "1"})
+        try:
+            att.stdout.readline()
+            att.stdout.close()
+            _, err = att.communicate(timeout=20)
+        finally:
+            att.kill()
+        assert att.returncode == 141 and "the job goes on" in err and "Traceback" not in err, err
+        assert lab.processes("node1") and lab.processes("node2")
+    finally:
+        stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    wait_no_processes(lab, timeout=8)
 
 
 def test_sigkill_of_ddpfab_leaves_no_orphan(lab, inventory2, tmp_path):

@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import argparse
 import json
+import shlex
 
 import pytest
 
 from ddpfab import cli, inventory
+from ddpfab.cli.run import _say_where_rank0_is
+from ddpfab.fetch import pick_node
 from ddpfab.inventory import Cluster, Node
 from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
@@ -175,3 +178,15 @@ def test_the_configs_limit_and_extra_vars_reach_provision(clean, monkeypatch):
     # the config's variables first, as one JSON -e; the command line's after them (it wins, as in Ansible)
     assert (source, opts.limit) == ([str(clean / "cluster.yml")], "n1")
     assert opts.extra_vars == (json.dumps({"ddpfab_python": "/v/bin/python"}), "ddpfab_x=1")
+
+
+def test_the_fetch_a_run_suggests_fetches_from_its_rank_0_whatever_limit_picked_it(tmp_path, monkeypatch, capsys):
+    # `run -l b,c` makes b rank 0; the suggested `fetch ... --rank 0` without the limit picked a
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cluster = inventory.load("a,b,c,", limit="b,c")
+    plan = make_plan(cluster, RunOptions("t.py"), Facts({"b": "10.0.0.2", "c": "10.0.0.3"}, 29500, "/w"))
+    _say_where_rank0_is(plan, argparse.Namespace(inventory=["a,b,c,"], limit="b,c", group=None, extra_vars=[]))
+    hint = capsys.readouterr().err
+    words = shlex.split(hint.split("copy results here with: ddpfab ", 1)[1].rstrip(")\n"))
+    args = cli.build_parser().parse_args([w if w != "PATH" else "ckpt.pt" for w in words])
+    assert pick_node(inventory.load(args.inventory, "all", limit=args.limit), args.node, args.rank).name == "b"

@@ -74,7 +74,9 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
     "check": [(["check"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["check", "--perf"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["check", "-i", IPS, "--max-skew", "x"], EXIT_USAGE, "--max-skew"),
-              (["check", "-i", IPS, "--master-port", "99999"], EXIT_USAGE, "--master-port 99999")],
+              (["check", "-i", IPS, "--master-port", "99999"], EXIT_USAGE, "--master-port 99999"),
+              # run's rule, before any host (check passed with 0 processes a node)
+              (["check", "-i", IPS, "--nproc-per-node", "0"], EXIT_USAGE, "--nproc-per-node must be >= 1, got 0")],
     "sync": [(["sync"], EXIT_USAGE, "DDPFAB_INVENTORY")],
     "fetch": [(["fetch", "ckpt.pt"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["fetch", "-i", IPS, "--rank", "5", "ckpt.pt"], EXIT_USAGE, "--rank 5"),
@@ -129,6 +131,23 @@ def test_json_asked_for_is_json_when_refused_too(argv, clean, capsys):
     out, err = capsys.readouterr()
     doc = json.loads(out)
     assert doc["ok"] is False and len(doc["problems"]) == 1 and doc["problems"][0]["text"] in err, (out, err)
+
+
+@pytest.mark.parametrize("argv, says", [(["check", "-i", IPS, "--json", "--max-skew", "x"], "--max-skew"),
+                                        (["ps", "--json", "-l", "node1"], "unrecognized arguments: -l node1"),
+                                        (["run", "-i", IPS, "--dry-run", "--json", "--nproc-per-node"], "expected one")])
+def test_json_asked_for_is_json_when_argparse_refuses_too(argv, says, clean, capsys):
+    # argparse's own refusals (usage, exit 2) wrote no JSON on stdout
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert exit_.value.code == EXIT_USAGE and doc["ok"] is False and says in doc["problems"][0]["text"], (out, err)
+    assert "usage:" in err and says in err
+    # without --json, stdout stays empty
+    with pytest.raises(SystemExit):
+        cli.main([a for a in argv if a != "--json"])
+    assert capsys.readouterr().out == ""
 
 
 # -- what a host or a reader causes: as a process, where paramiko's logging and a closed pipe print ------
@@ -207,6 +226,7 @@ def test_stop_and_logs_name_a_host_that_never_sends_a_banner(silent_sshd, tmp_pa
         said = res.stdout + res.stderr
         assert "quiet: " in said and "no SSH banner within 1 s" in said and "Traceback" not in said, said
         assert said.count("\n") == 1 and "host quiet: host quiet" not in said, said
+    assert not (tmp_path / "runs" / "r1").exists()  # logs that fetched nothing leaves no empty record dir
 
 
 def test_a_closed_stdout_ends_quietly(tmp_path):

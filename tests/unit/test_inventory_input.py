@@ -260,3 +260,18 @@ def test_defaults_give_the_inventory_as_a_repeated_flag_would(tmp_path):
     (proj / "ddpfab.yml").write_text("inventory: [a.yml, 3]\n")
     with pytest.raises(config.ConfigError, match="inventory must be a string or a list of strings"):
         config.apply(argparse.Namespace(_cluster_args=True, inventory=None), environ={}, cwd=str(proj))
+
+
+def test_a_hostfile_saved_with_a_bom_and_crlf_reads_as_without(tmp_path):
+    # Windows editors (Notepad's "UTF-8 with BOM") write both; the BOM is no part of the first host
+    hf = tmp_path / "hostfile"
+    hf.write_bytes(b"\xef\xbb\xbfworker-1 slots=2\r\nworker-2\tslots=1  \r\n\r\n# spare\r\n")
+    nodes = inventory.load(str(hf)).nodes
+    assert [(n.name, n.nproc) for n in nodes] == [("worker-1", 2), ("worker-2", 1)]
+
+
+def test_a_hostfile_takes_the_ip_literals_a_host_list_takes(tmp_path):
+    # one rule for a host word in both forms: an IPv6 literal is a host in `-i '::1,'`, so in a hostfile too
+    hf = tmp_path / "hostfile"
+    hf.write_text("10.0.0.1 slots=1\nfe80::1 slots=2\n")
+    assert names(str(hf)) == ["10.0.0.1", "fe80::1"] == names("10.0.0.1,fe80::1,")

@@ -184,3 +184,10 @@ def test_the_command_line_refuses_a_bad_path_before_any_host_and_the_offline_dry
                      "train.py"]) == 0
     err = capsys.readouterr().err
     assert "replicate (offline, not looked at on the hosts): snapshot.pt from 10.0.0.1 (rank 0's node)" in err
+
+
+def test_the_fix_a_warning_prints_is_a_command_line_word_for_any_name():
+    # a resume file whose name has a space: the fix's --replicate word is quoted for the shell
+    stats = {"n1": {"files": {}, "scan": {"my snap.pt": f(b"a")}}, "n2": {"files": {}, "scan": {}}}
+    [w] = replicate.warnings(["n1", "n2"], (), stats)
+    assert "--replicate 'my snap.pt' " in w.fix
