@@ -76,7 +76,7 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
               (["check", "-i", IPS, "--max-skew", "x"], EXIT_USAGE, "--max-skew"),
               (["check", "-i", IPS, "--master-port", "99999"], EXIT_USAGE, "--master-port 99999"),
               # run's rule, before any host (check passed with 0 processes a node)
-              (["check", "-i", IPS, "--nproc-per-node", "0"], EXIT_USAGE, "--nproc-per-node must be >= 1, got 0")],
+              (["check", "-i", IPS, "--nproc-per-node", "0"], EXIT_USAGE, "must be >= 1, got 0")],
     "sync": [(["sync"], EXIT_USAGE, "DDPFAB_INVENTORY")],
     "fetch": [(["fetch", "ckpt.pt"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["fetch", "-i", IPS, "--rank", "5", "ckpt.pt"], EXIT_USAGE, "--rank 5"),
