@@ -419,16 +419,23 @@ def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
     name = link.node.name
     reqs = nodeprog.numbered(request)
     proc = link.run(node_command(link.node), nodeprog.stdin_for(*reqs), timeout)
-    if proc.returncode == 255:
-        raise SyncError([ssh_problem(link.target, 255, proc.stderr.decode(errors="replace"))])
-    setup = nodeprog.start_failure(link.node, proc.returncode, proc.stderr.decode(errors="replace"))
-    if setup is not None and setup.kind == "setup":
-        raise SyncError([str(setup)])
-    if proc.returncode == 127:
-        raise SyncError([f"host {name}: neither {link.node.python} nor python3 found there; sync needs a python "
-                         "(3.6+, standard library only) on the nodes"])
+    _raise_start_failure(link, proc.returncode, proc.stderr.decode(errors="replace"))
     return _node_reply(name, reqs, proc.returncode, proc.stdout.decode(errors="replace"),
                        proc.stderr.decode(errors="replace"))
+
+
+def _raise_start_failure(link: _Link, code: int | None, stderr: str) -> None:
+    """A SyncError naming the node when the node program ended before it could answer: SSH itself
+    failed (255), a setup line of the node's failed (named), or no python there (127). Every way
+    sync starts the node program (one call, or the session that holds the lock) asks this."""
+    if code == 255:
+        raise SyncError([ssh_problem(link.target, 255, stderr)])
+    setup = nodeprog.start_failure(link.node, code, stderr)
+    if setup is not None and setup.kind == "setup":
+        raise SyncError([str(setup)])
+    if code == 127:
+        raise SyncError([f"host {link.node.name}: neither {link.node.python} nor python3 found there; sync needs a "
+                         "python (3.6+, standard library only) on the nodes"])
 
 
 def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str) -> dict:
@@ -491,11 +498,7 @@ class _Session:
     def _ended(self, reqs: list[dict], lines: list[bytes]) -> list[dict]:
         code = self.proc.wait()
         err = self.proc.stderr.read().decode(errors="replace")
-        if code == 255:
-            raise SyncError([ssh_problem(self.link.target, 255, err)])
-        if code == 127:
-            raise SyncError([f"host {self.link.node.name}: neither {self.link.node.python} nor python3 found there; "
-                             "sync needs a python (3.6+, standard library only) on the nodes"])
+        _raise_start_failure(self.link, code, err)
         return [self._result(r) for r in nodeprog.match_replies(self.link.node.name, reqs, lines, code, err)]
 
     def _result(self, reply: nodeprog.Reply) -> dict:
