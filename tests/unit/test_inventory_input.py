@@ -24,14 +24,9 @@ from ddpfab.inventory import InventoryError
 from ddpfab.plan import Facts, RunOptions, make_plan
 from ddpfab.target import HostKeyPolicy, resolve
 
+from .test_peer_tools import private_cache  # noqa: F401,E402 - the same autouse fixture: no cache, no defaults
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("DDPFAB_INVENTORY", raising=False)
-    monkeypatch.setenv("DDPFAB_CONFIG", "")
 
 
 def names(source, **kw) -> list[str]:
