@@ -2,7 +2,7 @@
 result files. Stdlib + ddpfab only (matplotlib is needed by report.py alone).
 
 Every benchmark is a script of its own (``.venv/bin/python bench/<name>.py [--quick] [--reps R]``)
-that needs root (it brings up a lab of namespace hosts, see ddpfab/lab.py), always takes its lab
+that needs root (it brings up a lab of namespace hosts, see ddpfab/lab/__init__.py), always takes its lab
 down again (also on Ctrl-C / SIGTERM), and writes ``bench/results/<name>.json``.
 """
 

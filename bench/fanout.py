@@ -14,8 +14,8 @@ Tools, each a fresh process as a user would type it (wall time from spawn to exi
   ddpfab startup     python -m ddpfab exec -i INV --nodes - -- true: interpreter, imports, inventory
                      load, then exit before any SSH (the fixed cost inside `ddpfab exec`)
 and in this process, on the same inventory (no interpreter start, no inventory load):
-  in-process cold    ddpfab.ssh.connect + ddpfab.ssh.run on every host at once (ddpfab.ssh.parallel)
-  in-process warm    ddpfab.ssh.run on the connections already open: what a persistent pool would give
+  in-process cold    ddpfab.remote.ssh.connect + ddpfab.remote.ssh.run on every host at once (ddpfab.remote.ssh.parallel)
+  in-process warm    ddpfab.remote.ssh.run on the connections already open: what a persistent pool would give
                      (ddpfab keeps none today)
 
 Tools are interleaved (rotated order inside every repetition) so load drifts hit all of them alike.
@@ -93,7 +93,8 @@ class Bench:
         return cold, warm
 
     def in_process(self, n: int) -> tuple[float, float]:
-        from ddpfab import inventory, ssh
+        from ddpfab.hosts import inventory
+        from ddpfab.remote import ssh
 
         cluster = inventory.load(self.inv[n])
         nodes = list(cluster.nodes)

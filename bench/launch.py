@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import re
 import shutil
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -275,7 +275,8 @@ class Bench:
     def micro(self, n: int, reps: int = 5) -> dict:
         """Small, isolated costs behind the profile's suggestions (min of *reps*: the least noisy
         estimate of a fixed cost). Seconds."""
-        from ddpfab import inventory, ssh
+        from ddpfab.hosts import inventory
+        from ddpfab.remote import ssh
 
         inv = str(self.inv[n])
 
@@ -295,13 +296,13 @@ class Bench:
             "import ddpfab.cli": local("import ddpfab.cli"),
             "ddpfab.cli.build_parser() (imports every plugin module)": local(
                 "import ddpfab.cli as c; c.build_parser()"),
-            "import ddpfab.runner (what `run` imports)": local("import ddpfab.runner"),
-            "build_parser() then import ddpfab.runner": local("import ddpfab.cli as c; c.build_parser(); import ddpfab.runner"),
+            "import ddpfab.runner (what `run` imports)": local("import ddpfab.launch.runner"),
+            "build_parser() then import ddpfab.runner": local("import ddpfab.cli as c; c.build_parser(); import ddpfab.launch.runner"),
             "ddpfab.inventory.load(inventory) (Ansible parses it)": local(
                 f"import os; os.environ['DDPFAB_INVENTORY_CACHE'] = '0'; "
-                f"from ddpfab import inventory; inventory.load({inv!r})"),
+                f"from ddpfab.hosts import inventory; inventory.load({inv!r})"),
             "ddpfab.inventory.load(inventory) (cached: Ansible's result, file unchanged)": local(
-                f"from ddpfab import inventory; inventory.load({inv!r})"),
+                f"from ddpfab.hosts import inventory; inventory.load({inv!r})"),
         }
         cluster = inventory.load(inv)
         node = cluster.nodes[0]
@@ -323,7 +324,7 @@ class Bench:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
             out["ssh.run true (Nagle on: paramiko's default)"] = remote("true")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            from ddpfab import probe
+            from ddpfab.planning import probe
 
             peers = {h.name: h.address for h in self.lab.hosts[1:n]}
             best = float("inf")

@@ -1,7 +1,7 @@
 """`ddpfab check --perf` on a lab: how long it takes, how far healthy nodes spread, and the drills.
 
 For each lab size: REPS healthy checks (time, and every node's and link's ratio to the median: the
-spread the thresholds in ddpfab/perf.py must stay clear of), then one check with one host's link
+spread the thresholds in ddpfab/health/perf.py must stay clear of), then one check with one host's link
 throttled by tc and one with one host's CPU held to a cgroup quota (the ratio each fault
 produces). The drills' report figures are copied to docs/ (perf-link-drill-*.svg,
 perf-cpu-drill-*.svg).
@@ -20,7 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-from common import PYTHON, REPO, WORK_ROOT, base_parser, begin, bench_lab, log, names, sizes_of, write_inventory, write_result
+from common import (
+    PYTHON,
+    REPO,
+    WORK_ROOT,
+    base_parser,
+    begin,
+    bench_lab,
+    log,
+    names,
+    sizes_of,
+    write_inventory,
+    write_result,
+)
 
 DOCS = REPO / "docs"
 
@@ -57,7 +69,7 @@ def main() -> int:
     p.add_argument("--cpu-percent", type=int, default=5, help="the CPU drill's quota, %% of one CPU")
     args = p.parse_args()
     reps, meta, started = begin(args)
-    from ddpfab.labdrills import cpu_quota, throttled_link
+    from ddpfab.lab.drills import cpu_quota, throttled_link
 
     data: dict = {"sizes": {}}
     for n in sizes_of(args, (4, 8), (3,)):

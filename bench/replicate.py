@@ -6,7 +6,7 @@
     .venv/bin/python bench/replicate.py --quick    # 1 repetition
 
 Ways, each ending with every receiver holding the file and its sha256 checked there:
-  relay          ddpfab.replicate.relay over open ddpfab.ssh connections: node1 sends the file
+  relay          ddpfab.launch.replicate.relay over open ddpfab.remote.ssh connections: node1 sends the file
                  once, the controller writes each chunk to node2..node4 as it arrives, each
                  receiver hashes while it writes and renames the file into place (the run's path)
   rsync star     on node1: rsync to node2, node3, node4 at once (node-to-node SSH), then
@@ -48,8 +48,10 @@ def main() -> int:
     p.add_argument("--mb", type=int, default=50, help="file size in MB (default 50)")
     args = p.parse_args()
     reps, meta, started = common.begin(args)
-    from ddpfab import inventory, replicate, runner, ssh
     from ddpfab import node as nodeprog
+    from ddpfab.hosts import inventory
+    from ddpfab.launch import replicate, runner
+    from ddpfab.remote import ssh
 
     names = common.names(HOSTS)
     results: dict[str, list[float]] = {w: [] for w in WAYS}

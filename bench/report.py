@@ -538,12 +538,12 @@ def profile_section(launch, fanout) -> list[str]:
               "`bench/results/fanout-profile.txt`.", "",
               "Cut in this round (each measured; the earlier figures are from the previous run of these scripts, "
               "git a0c45be/4afe7e0, on a loaded machine):", "",
-              f"1. **Nagle's algorithm off on every SSH connection** (`ddpfab/ssh.py:_socket`). paramiko leaves "
+              f"1. **Nagle's algorithm off on every SSH connection** (`ddpfab/remote/ssh.py:_socket`). paramiko leaves "
               f"it on, so each request written while a small packet is unacknowledged waits for the peer's "
               f"delayed ACK (40 ms on Linux): every session open and exec, and several handshake steps. "
               f"`ssh.run true` on an open connection: {s(m('ssh.run true (Nagle on'))} with Nagle on (paramiko's "
               f"default), {s(m('ssh.run true (open connection'))} with TCP_NODELAY.",
-              "2. **No-copy code check before `run`** (`ddpfab/sync.py:unchanged`): the nodes' tree hashes are "
+              "2. **No-copy code check before `run`** (`ddpfab/transfer/sync.py:unchanged`): the nodes' tree hashes are "
               "computed over the run's own SSH connections (one python per node); only when one differs does the "
               "full sync start (OpenSSH masters, rsync, verification). "
               + (f"The step now takes {', '.join(f'{ph[n][sync_step]:.2f} s at N={n}' for n in sorted(ph))} "
@@ -555,21 +555,21 @@ def profile_section(launch, fanout) -> list[str]:
               "follows on the same session, so all three are answered in one round trip, and the mesh connects "
               "in the same session. Before, each was a python program of its own per node (three starts per node "
               "before the supervisor's, each with its own protocol); the nodes' part before the start went from 10.66 s to 5.21 s at N=8 (measured loaded, section 2).",
-              f"3. **The parsed inventory is cached** (`ddpfab/invcache.py`): Ansible still parses it, but its "
+              f"3. **The parsed inventory is cached** (`ddpfab/hosts/invcache.py`): Ansible still parses it, but its "
               f"answer is reused while every file it read, the Ansible settings and versions are unchanged (never "
               f"for templated, script or plugin inventories). `inventory.load` in a fresh process: "
               f"{s(m('ddpfab.inventory.load(inventory) (Ansible'))} parsed by Ansible, "
               f"{s(m('ddpfab.inventory.load(inventory) (cached'))} from the cache; every command that reads an "
               "inventory gains the difference.",
-              f"4. **The probe starts no processes** (`ddpfab/probe.py`, the `routes` part and the torch version): "
+              f"4. **The probe starts no processes** (`ddpfab/planning/probe.py`, the `routes` part and the torch version): "
               f"the interface towards each peer comes from the kernel's source-address choice (a UDP `connect()`, "
               f"nothing sent) mapped to the interface holding that address, instead of one `ip route get` per "
               f"peer (N-1 processes per node: {s(m('ssh.run 31 x ip -o route get'))} for 31 peers, one round trip "
               f"included), and torch's version from `torch/version.py` instead of importlib.metadata (20+ ms). "
               f"One node's probe with 7 peers now: {s(m('probe.probe_node on one node'))}.",
-              "5. **The supervisor watches torchrun's workers** (`ddpfab/agent.py:watch_workers`): see the "
+              "5. **The supervisor watches torchrun's workers** (`ddpfab/node/agent.py:watch_workers`): see the "
               "teardown section.",
-              "6. **Lab hosts start with a distribution's root dotfiles** (`ddpfab/lab.py`), not the "
+              "6. **Lab hosts start with a distribution's root dotfiles** (`ddpfab/lab/__init__.py`), not the "
               "controller's: bash sources `~/.bashrc` for every SSH command, and this machine's has a pyenv "
               "init that cost about 0.09 s of CPU per command (measured once: `ssh.run true` 0.093 s before, "
               "0.003 s after), on every tool alike. It was the largest term of every fan-out number before. "
@@ -598,7 +598,7 @@ def profile_section(launch, fanout) -> list[str]:
         cold = med(get(fanout, "in-process cold", big_f))
         warm = med(get(fanout, "in-process warm", big_f))
         if cold and warm:
-            lines.append(f"- **No connection reuse across commands** (`ddpfab/ssh.py:connect`, once per host per "
+            lines.append(f"- **No connection reuse across commands** (`ddpfab/remote/ssh.py:connect`, once per host per "
                          f"command): on {big_f} hosts connect + run takes {cold:.2f} s in-process, run on open "
                          f"connections {warm:.2f} s. A pool (a local agent holding the connections, in the spirit "
                          "of ssh's ControlMaster) would save the difference per `exec`; `run` already reuses its "
@@ -676,7 +676,7 @@ def teardown_section(data, plots) -> tuple[list[str], dict]:
         lines += [f"Where ddpfab's crash teardown goes (N={sizes[worst]}, the slowest median): {nt:.2f} s until "
                   f"ddpfab hears of the failure, {total - nt:.2f} s from there to the last process gone. The "
                   "supervisor on the failed node watches torchrun's workers through pidfds "
-                  "(`ddpfab/agent.py:watch_workers`, on with `--max-restarts 0`, the default): the moment a worker "
+                  "(`ddpfab/node/agent.py:watch_workers`, on with `--max-restarts 0`, the default): the moment a worker "
                   "exits with an error (its status read from its zombie before torchrun reaps it) it waits 0.25 s "
                   "(`TAIL_SETTLE`: torchrun's `--tee` relays the worker's last lines, its traceback, every 0.1 s), "
                   "then ends the node's job tree (TERM, KILL after `FAST_GRACE` = 0.1 s) instead of waiting for "
@@ -1060,7 +1060,7 @@ def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = Tru
         + ", ".join(v if v.lower().startswith(k) else f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v)
         + ".",
         "- Hosts are **`ddpfab lab` hosts: Linux namespaces on this one machine** (own address, sshd, host key, "
-        "process table, hostname; see `ddpfab/lab.py`). The \"network\" is a Linux bridge (sub-millisecond, no "
+        "process table, hostname; see `ddpfab/lab/__init__.py`). The \"network\" is a Linux bridge (sub-millisecond, no "
         "bandwidth limit) and **all hosts share this machine's CPUs**: work that would run in parallel on N "
         "real machines (N sshd handshakes, N `import torch`) competes for the same cores here. Absolute times "
         "are therefore pessimistic for large N; ratios measured in the same run are the point.",

@@ -38,9 +38,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ddpfab import inventory, ssh
 from ddpfab import lab as labmod
-from ddpfab.sync import sync_cluster
+from ddpfab.hosts import inventory
+from ddpfab.remote import ssh
+from ddpfab.transfer.sync import sync_cluster
 
 
 def make_tree(root: Path, files: int, megabytes: int, seed: int = 1) -> tuple[int, int]:
@@ -188,7 +189,7 @@ def write_markdown(results: dict, path: Path, plot: Path | None) -> None:
         "# Sync benchmarks",
         "",
         "Measured by `bench/sync_bench.py` on a local lab (hosts are network namespaces with sshd on "
-        "this machine; see `ddpfab/lab.py`). Numbers are wall times of complete syncs: median and (min-max) over "
+        "this machine; see `ddpfab/lab/__init__.py`). Numbers are wall times of complete syncs: median and (min-max) over "
         f"{env['reps_a']} runs for (a), {env['reps_b']} for (b). Re-run: `.venv/bin/python bench/sync_bench.py` "
         f"(this run took {env.get('bench_s', '?')} s{', part (b) only' if env.get('merged') else ''}).",
         "",

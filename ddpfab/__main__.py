@@ -1,10 +1,10 @@
 # the signal handlers first: a Ctrl-C while the rest is still being imported ends cleanly too
-from .interrupt import run_interruptible
+from ddpfab.launch.interrupt import run_interruptible
 
 
 def _main() -> int:
-    from .cli import unguarded_main
-    from .cli.errors import closed_stdout_ends_quietly
+    from ddpfab.cli import unguarded_main
+    from ddpfab.cli.errors import closed_stdout_ends_quietly
 
     return closed_stdout_ends_quietly(unguarded_main)
 

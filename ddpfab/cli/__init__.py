@@ -5,12 +5,12 @@ the library modules under ``ddpfab/`` never import this package.
 
 LAZY: every module imports at its top, except here, in the command line, where a handler imports
 the library modules that reach Fabric/paramiko (ssh, runner, launch, probe, check, execute, jobs,
-recover, replay, sync, fetch, perfrun), ``ddpfab.runs`` (importlib.metadata) and ``ddpfab.lab``
+recover, replay, sync, fetch, perfrun), ``ddpfab.launch.runs`` (importlib.metadata) and ``ddpfab.lab``
 inside itself: building the parser for ``ddpfab --help``, ``--version`` or ``completion`` must not
 pay for them. Measured on the 2-core test machine under load (best of 5-7): ``python -c pass``
 0.21 s, ``python -c "import fabric"`` 1.38 s; importlib.metadata 0.27 s and ddpfab.lab 0.34 s
 cumulative (``-X importtime``). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
-For the same reason ddpfab.target (which emit and provision import, and so the parser) imports
+For the same reason ddpfab.remote.target (which emit and provision import, and so the parser) imports
 paramiko only where it reads an ssh_config.
 """
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import __version__
-from ..interrupt import run_interruptible
-from . import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
-from .common import fill_missing_help
-from .errors import Parser, closed_stdout_ends_quietly, die, refuse
+from ddpfab import __version__
+from ddpfab.cli import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
+from ddpfab.cli.common import fill_missing_help
+from ddpfab.cli.errors import Parser, closed_stdout_ends_quietly, die, refuse
+from ddpfab.launch.interrupt import run_interruptible
 
 #: The subcommands, in the order ``ddpfab --help`` lists them.
 COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, replay)

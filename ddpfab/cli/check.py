@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from .. import inventory
-from .. import mesh as meshmod
-from ..plan import PlanError, master_port, nproc_per_node
-from .common import add_cluster_args, load_cluster, nproc_type
-from .errors import refuse
-from .perf import add_check_arguments, cmd_check_perf
+from ddpfab.cli.common import add_cluster_args, load_cluster, nproc_type
+from ddpfab.cli.errors import refuse
+from ddpfab.cli.perf import add_check_arguments, cmd_check_perf
+from ddpfab.health import mesh as meshmod
+from ddpfab.hosts import inventory
+from ddpfab.planning.plan import PlanError, master_port, nproc_per_node
 
 
 def register(sub) -> None:
@@ -23,7 +23,7 @@ def register(sub) -> None:
                    help=f"probe every pair of nodes (default: all pairs up to {meshmod.EXHAUSTIVE_MAX_NODES} nodes, "
                         f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
     p.add_argument("--json", action="store_true")
-    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/perfrun.py)
+    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/health/perfrun.py)
     p.set_defaults(func=cmd_check)
 
 
@@ -31,8 +31,8 @@ def cmd_check(args) -> int:
     if args.perf or args.history:
         return cmd_check_perf(args)
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import ssh
-    from ..check import CheckOptions, check_cluster, render
+    from ddpfab.health.check import CheckOptions, check_cluster, render
+    from ddpfab.remote import ssh
 
     try:
         cluster = load_cluster(args)
@@ -46,7 +46,7 @@ def cmd_check(args) -> int:
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     report = check_cluster(cluster, policy, CheckOptions(
         master_port=args.master_port, nproc_per_node=args.nproc_per_node,
-        max_skew_s=CheckOptions.max_skew_s if args.max_skew is None else args.max_skew,  # its default: ddpfab.check's
+        max_skew_s=CheckOptions.max_skew_s if args.max_skew is None else args.max_skew,  # its default: ddpfab.health.check's
         full=not args.fast, exhaustive=args.exhaustive), args.ssh_config)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0

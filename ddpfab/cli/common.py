@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .. import inventory
-from ..plan import PlanError, parse_nproc
+from ddpfab.hosts import inventory
+from ddpfab.planning.plan import PlanError, parse_nproc
 
 INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list ending in a comma "
                   "(node1,node2, or node1,; [user@]host[:port] entries, [v6]:port), Ansible or pdsh ranges "
@@ -52,7 +52,7 @@ def add_env_args(p: argparse.ArgumentParser) -> None:
 
 def nproc_type(text: str) -> int | str:
     """argparse's type for ``--nproc-per-node``: a number >= 1 or gpu|cpu|auto (torchrun's words,
-    :func:`ddpfab.plan.parse_nproc`); one meaning in every command that takes it."""
+    :func:`ddpfab.planning.plan.parse_nproc`); one meaning in every command that takes it."""
     try:
         return parse_nproc(text)
     except PlanError as exc:

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..suggest import did_you_mean
+from ddpfab.hosts.suggest import did_you_mean
 
 NAMES = ("ddpfab.yml", ".ddpfab.yml")
 #: config key -> (argparse dest, environment variable, is a path)

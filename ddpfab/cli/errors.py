@@ -9,7 +9,7 @@ every subcommand's error paths against it):
          not be reached or a job not be stopped
     2    refused before anything started or changed: bad input, no inventory, a failed preflight
     N    run, attach, replay, exec: the failing node's own exit code (exec: 255 unreachable)
-    130  SIGINT, 143 SIGTERM (:mod:`ddpfab.interrupt`)
+    130  SIGINT, 143 SIGTERM (:mod:`ddpfab.launch.interrupt`)
     141  stdout was closed before the output ended (``| head``); the rest was dropped
 """
 
@@ -21,13 +21,13 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ..problems import Problem
+from ddpfab.problems import Problem
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and met a failure (checks found problems, a copy failed, ...)
 EXIT_USAGE = 2  # bad input or a failed preflight: nothing was started
 EXIT_UNREACHABLE = 255  # exec: a node that could not be reached (ssh's own code for it)
-EXIT_SIGINT = 130  # 128 + SIGINT: see ddpfab.interrupt
+EXIT_SIGINT = 130  # 128 + SIGINT: see ddpfab.launch.interrupt
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 EXIT_CLOSED_STDOUT = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
 

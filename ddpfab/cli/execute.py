@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import inventory
-from .common import add_cluster_args, load_cluster
-from .errors import EXIT_CLOSED_STDOUT, die, note
+from ddpfab.cli.common import add_cluster_args, load_cluster
+from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, die, note
+from ddpfab.hosts import inventory
 
 
 def register(sub) -> None:
@@ -24,8 +24,8 @@ def register(sub) -> None:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import ssh
-    from ..execute import LinePrinter, exec_all, remote_command, summary
+    from ddpfab.remote import ssh
+    from ddpfab.remote.command import LinePrinter, exec_all, remote_command, summary
 
     words = list(args.cmd)
     if words and words[0] == "--":

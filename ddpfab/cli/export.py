@@ -6,11 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import inventory
-from .. import plan as planmod
-from .. import render
-from ..emit import write_private
-from ..export import (
+from ddpfab.cli.common import add_cluster_args, add_env_args, nproc_type
+from ddpfab.cli.errors import die
+from ddpfab.cli.run import _env as run_env
+from ddpfab.hosts import inventory
+from ddpfab.planning import plan as planmod
+from ddpfab.planning import render
+from ddpfab.planning.emit import write_private
+from ddpfab.planning.export import (
     DEFAULT_TRAINJOB_RUNTIME,
     ExportError,
     dump_manifest,
@@ -20,9 +23,6 @@ from ..export import (
     to_sbatch,
     to_trainjob,
 )
-from .common import add_cluster_args, add_env_args, nproc_type
-from .errors import die
-from .run import _env as run_env
 
 
 def register(subparsers) -> None:
@@ -73,7 +73,7 @@ def register(subparsers) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..runs import new_run_id
+    from ddpfab.launch.runs import new_run_id
 
     try:
         planmod.master_port(args.master_port, offline=True)  # the port's one rule (raises PlanError)

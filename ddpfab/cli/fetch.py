@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import inventory
-from ..fetch import FetchError, check_local_dir, pick_node
-from .common import add_cluster_args, load_cluster
-from .errors import EXIT_SIGINT, die
+from ddpfab.cli.common import add_cluster_args, load_cluster
+from ddpfab.cli.errors import EXIT_SIGINT, die
+from ddpfab.hosts import inventory
+from ddpfab.transfer.fetch import FetchError, check_local_dir, pick_node
 
 
 def register(subparsers) -> None:
@@ -28,8 +28,8 @@ def register(subparsers) -> None:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import ssh
-    from ..fetch import fetch
+    from ddpfab.remote import ssh
+    from ddpfab.transfer.fetch import fetch
 
     try:
         cluster = load_cluster(args)  # --limit and -e as every command: --rank counts the nodes they leave

@@ -8,21 +8,21 @@ import os
 import shlex
 from pathlib import Path
 
-from .. import inventory
-from .. import node as nodeprog
-from ..plan import Plan
-from ..problems import NodeError, Problem
-from ..results import GroupResult
-from .config import MISSING_INVENTORY, ConfigError, given
-from .errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
+from ddpfab import node as nodeprog
+from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
+from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
+from ddpfab.hosts import inventory
+from ddpfab.planning.plan import Plan
+from ddpfab.problems import NodeError, Problem
+from ddpfab.results import GroupResult
 
 
 def _cluster(args, manifest: dict | None):
     """The nodes: -i/--group as given, else the run's record's, else $DDPFAB_INVENTORY/ddpfab.yml's
     (:func:`ddpfab.cli.config.apply` filled those in)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..recover import attempt_cluster
-    from ..replay import recorded_inventory
+    from ddpfab.launch.recover import attempt_cluster
+    from ddpfab.launch.replay import recorded_inventory
 
     recorded = (manifest or {}).get("plan", {})
     if given(args, "inventory"):
@@ -45,7 +45,7 @@ def _record(runs_dir: str, run_id: str) -> dict | None:
     """runs/<run_id>/manifest.json (None when there is none), checked as data before anything
     reads it: an object with the run's id and a plan whose nodes have names and remote dirs."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _load_manifest
+    from ddpfab.launch.jobs import _load_manifest
 
     where = Path(runs_dir) / run_id / "manifest.json"
     try:
@@ -72,14 +72,15 @@ def _record(runs_dir: str, run_id: str) -> dict | None:
 def _latest(args, manifest: dict | None) -> dict | None:
     """For a run with restarts, its latest attempt's manifest (the one running, or that ran last)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..recover import current_manifest
+    from ddpfab.launch.recover import current_manifest
 
     return current_manifest(args.runs_dir, manifest) if manifest else None
 
 
 def _connect(args, cluster):
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner, ssh
+    from ddpfab.launch import runner
+    from ddpfab.remote import ssh
 
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
     return runner.connect_all(cluster, policy, args.ssh_config)
@@ -91,7 +92,7 @@ def _on_each_node(args, cluster, fn, each: bool = False) -> GroupResult:
     (else RunError, nothing done), unless *each*: then a node that cannot be reached is one
     failure among the results."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import ssh
+    from ddpfab.remote import ssh
 
     if each:
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
@@ -147,7 +148,7 @@ def register(sub) -> None:
 def _guard(fn):
     def wrapper(args) -> int:
         # slow to import: see LAZY in ddpfab/cli/__init__.py
-        from .. import runner
+        from ddpfab.launch import runner
 
         try:
             return fn(args)
@@ -163,7 +164,7 @@ def _guard(fn):
 @_guard
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _ps_record, grouped
+    from ddpfab.launch.jobs import _ps_record, grouped
 
     def ps(conn, n) -> tuple[float, list[dict]]:
         res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name)
@@ -228,9 +229,9 @@ def _found(exc: BaseException) -> str:
 @_guard
 def cmd_stop(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _remote_dir, grouped
-    from ..launch import STOP_GRACE_S
-    from ..recover import stop_supervisor
+    from ddpfab.launch.execute import STOP_GRACE_S
+    from ddpfab.launch.jobs import _remote_dir, grouped
+    from ddpfab.launch.recover import stop_supervisor
 
     supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
     if supervisor:
@@ -254,15 +255,15 @@ def cmd_stop(args) -> int:
 @_guard
 def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..jobs import _follow_all
-    from ..launch import Printer
+    from ddpfab.launch.execute import Printer
+    from ddpfab.launch.jobs import _follow_all
 
     manifest = _record(args.runs_dir, args.run_id)
     if manifest is None:
         return die(f"no local record of run {args.run_id} in {args.runs_dir}; "
                    "attach from the machine (and --runs-dir) that started it")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..recover import next_attempt
+    from ddpfab.launch.recover import next_attempt
 
     root, followed = manifest, None
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
@@ -298,8 +299,8 @@ def cmd_attach(args) -> int:
 @_guard
 def cmd_logs(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..recover import attempt_manifests
-    from ..runner import RunError
+    from ddpfab.launch.recover import attempt_manifests
+    from ddpfab.launch.runner import RunError
 
     root = _record(args.runs_dir, args.run_id)
     bad = 0
@@ -320,8 +321,8 @@ def cmd_logs(args) -> int:
 def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import ssh
-    from ..jobs import FOLD_ABOVE, _remote_dir, fetch_rank_logs, grouped
+    from ddpfab.launch.jobs import FOLD_ABOVE, _remote_dir, fetch_rank_logs, grouped
+    from ddpfab.remote import ssh
 
     cluster = _cluster(args, manifest)
     dest = Path(args.runs_dir) / run_id

@@ -6,7 +6,7 @@ import argparse
 import ipaddress
 import os
 
-from .errors import EXIT_FAILED, die
+from ddpfab.cli.errors import EXIT_FAILED, die
 
 
 def register(sub) -> None:
@@ -49,7 +49,7 @@ def _network(text: str) -> str:
 
 def cmd_lab(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import lab
+    from ddpfab import lab
 
     try:
         if args.lab_command == "up":

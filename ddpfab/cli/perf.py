@@ -1,6 +1,6 @@
 """Command line of the slow-node check: ``check --perf [--history]`` and ``run --perf-check``.
 
-Kept apart from :mod:`ddpfab.perfrun` so building the parser imports nothing heavy (no Fabric).
+Kept apart from :mod:`ddpfab.health.perfrun` so building the parser imports nothing heavy (no Fabric).
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import os
 import sys
 import time
 
-from .. import inventory, perf
-from ..plan import PlanError
-from .common import load_cluster
-from .errors import EXIT_USAGE, refuse
+from ddpfab.cli.common import load_cluster
+from ddpfab.cli.errors import EXIT_USAGE, refuse
+from ddpfab.health import perf
+from ddpfab.hosts import inventory
+from ddpfab.planning.plan import PlanError
 
 
 def add_check_arguments(p) -> None:
@@ -30,8 +31,9 @@ def add_check_arguments(p) -> None:
 def cmd_check_perf(args) -> int:
     """``ddpfab check --perf [--history]``: 0 healthy, 1 stragglers, 2 could not run."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner, ssh
-    from ..perfrun import PerfError, load_records, result_of, run_check
+    from ddpfab.health.perfrun import PerfError, load_records, result_of, run_check
+    from ddpfab.launch import runner
+    from ddpfab.remote import ssh
 
     if args.history:
         records, bad = load_records(args.runs_dir)
@@ -78,8 +80,8 @@ def before_run(cluster, policy, args, env: tuple[tuple[str, str], ...]) -> dict:
     the manifest's ``perf`` entry. Raises
     ``runner.RunError`` (nothing started) on a straggler unless ``--perf-check-warn``."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner
-    from ..perfrun import PerfError, result_of, run_check
+    from ddpfab.health.perfrun import PerfError, result_of, run_check
+    from ddpfab.launch import runner
 
     try:
         record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..provision import PLAYBOOKS, AnsibleOptions, ProvisionError, run_playbook
-from ..target import HostKeyPolicy
-from .common import INVENTORY_HELP
-from .config import ConfigError, default_inventory
-from .errors import die
+from ddpfab.cli.common import INVENTORY_HELP
+from ddpfab.cli.config import ConfigError, default_inventory
+from ddpfab.cli.errors import die
+from ddpfab.hosts.provision import PLAYBOOKS, AnsibleOptions, ProvisionError, run_playbook
+from ddpfab.remote.target import HostKeyPolicy
 
 
 def register(sub) -> None:

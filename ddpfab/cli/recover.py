@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ..inventory import Cluster
-from ..plan import PlanError
+from ddpfab.hosts.inventory import Cluster
+from ddpfab.planning.plan import PlanError
 
 #: What ``--retry-on`` may name: a lost node, or a failure of the script itself.
 RETRY_KINDS = ("node", "script")
 
 if TYPE_CHECKING:
-    from ..recover import RecoveryOptions
+    from ddpfab.launch.recover import RecoveryOptions
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def recovery_options(args: argparse.Namespace, cluster: Cluster) -> RecoveryOptions:
     """From the command line and the inventory; an impossible combination is an error."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..recover import RecoveryOptions
+    from ddpfab.launch.recover import RecoveryOptions
 
     if args.max_job_restarts < 0:
         raise PlanError(f"--max-job-restarts must be >= 0, got {args.max_job_restarts}")

@@ -9,11 +9,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import inventory, scriptfile
-from ..plan import PlanError, make_plan, parse_env
-from .config import given
-from .errors import die, print_problems, refuse
-from .run import _print_dry_run
+from ddpfab.cli.config import given
+from ddpfab.cli.errors import die, print_problems, refuse
+from ddpfab.cli.run import _print_dry_run
+from ddpfab.hosts import inventory
+from ddpfab.planning import scriptfile
+from ddpfab.planning.plan import PlanError, make_plan, parse_env
 
 
 def register(sub) -> None:
@@ -47,10 +48,20 @@ def register(sub) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import probe, runner, ssh
-    from ..launch import Printer
-    from ..replay import ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory, validate
-    from ..runs import new_run_id
+    from ddpfab.launch import runner
+    from ddpfab.launch.execute import Printer
+    from ddpfab.launch.replay import (
+        ManifestError,
+        _pick_port,
+        check,
+        differences,
+        masked_keys,
+        recorded_inventory,
+        validate,
+    )
+    from ddpfab.launch.runs import new_run_id
+    from ddpfab.planning import probe
+    from ddpfab.remote import ssh
 
     path = Path(args.runs_dir) / args.run_id / "manifest.json"
     try:
@@ -60,7 +71,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return refuse(args, f"{path} is not a ddpfab run manifest (not JSON: {exc})", "replay")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..recover import attempt_cluster, current_manifest
+    from ddpfab.launch.recover import attempt_cluster, current_manifest
 
     try:
         validate(manifest, str(path))

@@ -9,18 +9,19 @@ import shlex
 import sys
 from dataclasses import replace
 
-from .. import inventory, scriptfile
-from .. import plan as planmod
-from .. import replicate
-from ..plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
-from ..problems import Problem
-from ..progress import Ticker
-from ..suggest import did_you_mean
-from . import recover as recovery
-from .common import add_cluster_args, add_env_args, load_cluster, nproc_type
-from .errors import die, print_problems, refuse
-from .perf import add_run_arguments as add_perf_arguments
-from .perf import before_run
+from ddpfab.cli import recover as recovery
+from ddpfab.cli.common import add_cluster_args, add_env_args, load_cluster, nproc_type
+from ddpfab.cli.errors import die, print_problems, refuse
+from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
+from ddpfab.cli.perf import before_run
+from ddpfab.hosts import inventory
+from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.launch import replicate
+from ddpfab.launch.progress import Ticker
+from ddpfab.planning import plan as planmod
+from ddpfab.planning import scriptfile
+from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
+from ddpfab.problems import Problem
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -115,9 +116,10 @@ def register(sub) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import recover, runner, ssh
-    from ..launch import Printer
-    from ..target import TargetError
+    from ddpfab.launch import recover, runner
+    from ddpfab.launch.execute import Printer
+    from ddpfab.remote import ssh
+    from ddpfab.remote.target import TargetError
 
     try:
         cluster = load_cluster(args)
@@ -179,7 +181,7 @@ def _prepare(cluster, options, policy, args: argparse.Namespace):
     """One attempt's start: connect, sync the code (unless --no-sync or --dry-run), probe,
     preflight, plan. Returns (Prepared, manifest extra); raises RunError with nothing started."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner
+    from ddpfab.launch import runner
 
     conns = runner.connect_all(cluster, policy, args.ssh_config)
     probing = None
@@ -215,7 +217,7 @@ def _replicate(prepared, paths: tuple[str, ...], args: argparse.Namespace) -> di
     The manifest's ``replicate`` entry, or None when there was nothing to say; RunError when a
     copy is refused or fails (nothing has started)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner
+    from ddpfab.launch import runner
 
     if prepared.replicas is None:
         return None
@@ -256,7 +258,7 @@ def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
 
 def _perf_check(cluster, policy, args: argparse.Namespace, env) -> dict | None:
     """``run --perf-check``: the slow-node check first (its own job and record); the manifest's
-    ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.perfrun.before_run`)."""
+    ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.health.perfrun.before_run`)."""
     if not (args.perf_check or args.perf_check_warn) or args.dry_run:
         return None
 
@@ -291,8 +293,8 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
     node has the tree already (checked in the run's node program *sessions*) nothing is started
     for it."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import runner
-    from .. import sync as syncmod
+    from ddpfab.launch import runner
+    from ddpfab.transfer import sync as syncmod
 
     same = syncmod.unchanged(cluster, conns, os.getcwd(), sessions=sessions)
     if same is not None:
@@ -323,7 +325,7 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
 
 def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..runs import new_run_id
+    from ddpfab.launch.runs import new_run_id
 
     planmod.master_port(args.master_port, offline=True)  # the port's one rule (raises PlanError)
     script, script_args, module = _script_and_mode(args)
@@ -366,8 +368,10 @@ def _local_rank_arg(args: argparse.Namespace, script: str, module: bool) -> tupl
 def cmd_plan(args: argparse.Namespace) -> int:
     """`ddpfab plan`: the plan `run` would make, printed, or emitted as one shell script per node."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import emit, runner, ssh
-    from ..target import TargetError
+    from ddpfab.launch import runner
+    from ddpfab.planning import emit
+    from ddpfab.remote import ssh
+    from ddpfab.remote.target import TargetError
 
     try:
         cluster = load_cluster(args)
@@ -415,7 +419,7 @@ def _env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def _offline_facts(cluster, port, targets: dict):
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..probe import offline_addresses
+    from ddpfab.planning.probe import offline_addresses
 
     addresses, unresolved = offline_addresses(cluster, targets)
     return Facts(addresses=addresses, master_port=master_port(port, offline=True), cwd=os.getcwd(),
@@ -423,19 +427,20 @@ def _offline_facts(cluster, port, targets: dict):
 
 
 def _targets(cluster, args: argparse.Namespace) -> dict:
-    """How each node is reached (:mod:`ddpfab.target`), for the ssh lines a plan prints."""
+    """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..target import HostKeyPolicy, resolve_all
+    from ddpfab.remote.target import HostKeyPolicy, resolve_all
 
     return resolve_all(cluster.nodes, HostKeyPolicy(args.known_hosts, args.accept_new_host_keys), args.ssh_config)
 
 
 def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import nodeenv, render
-    from ..emit import ssh_target
-    from ..runs import mask_plan
-    from ..target import ssh_line
+    from ddpfab.hosts import nodeenv
+    from ddpfab.launch.runs import mask_plan
+    from ddpfab.planning import render
+    from ddpfab.planning.emit import ssh_target
+    from ddpfab.remote.target import ssh_line
 
     if as_json:
         print(json.dumps(mask_plan(plan.to_dict()), indent=2, ensure_ascii=False))

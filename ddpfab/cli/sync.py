@@ -7,13 +7,13 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from .. import inventory
-from .common import add_cluster_args, load_cluster
-from .config import MISSING_INVENTORY
-from .errors import die, refuse
+from ddpfab.cli.common import add_cluster_args, load_cluster
+from ddpfab.cli.config import MISSING_INVENTORY
+from ddpfab.cli.errors import die, refuse
+from ddpfab.hosts import inventory
 
 if TYPE_CHECKING:
-    from ..sync import SyncResult
+    from ddpfab.transfer.sync import SyncResult
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +86,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def _cmd_sync(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ..sync import BUSY, LOCK_WAIT_S, SyncError, _mb, select, sync_cluster
+    from ddpfab.transfer.sync import BUSY, LOCK_WAIT_S, SyncError, _mb, select, sync_cluster
 
     out = sys.stdout
     if args.list:
@@ -101,7 +101,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     if not args.inventory:
         return refuse(args, MISSING_INVENTORY + " (or --list)", "inventory")
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from .. import ssh
+    from ddpfab.remote import ssh
 
     try:
         cluster = load_cluster(args)

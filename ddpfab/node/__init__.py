@@ -2,8 +2,8 @@
 
 Every node-side operation is an operation of one stdlib-only program: facts (the probe), the
 data-plane probe (mesh), the tree hash and the rest of sync's node side, job control (ps, stop,
-per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.workdir`,
-:mod:`ddpfab.treehash`, :mod:`ddpfab.agent` and :mod:`ddpfab.node.ops`, concatenated
+per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.node.workdir`,
+:mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.agent` and :mod:`ddpfab.node.ops`, concatenated
 (:func:`program`); its protocol is :func:`ddpfab.node.ops.serve`'s: framed JSON requests on
 stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).
 
@@ -35,10 +35,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import agent, nodeenv, treehash, workdir
-from ..problems import NodeError
-from ..results import GroupResult
-from . import ops as _ops
+from ddpfab.hosts import nodeenv
+from ddpfab.node import agent, treehash, workdir
+from ddpfab.node import ops as _ops
+from ddpfab.problems import NodeError
+from ddpfab.results import GroupResult
 
 #: The modules that make the node program, in order (each may use the names of those before it).
 SOURCES = (workdir, treehash, agent, _ops)
@@ -76,7 +77,7 @@ def argv(python: str, *words: str) -> list[str]:
 
 def command(node, *words: str, fallback: str | None = None) -> str:
     """:func:`argv` as a shell line for *node* (a Node or a NodePlan), after its environment's
-    prefix (:func:`ddpfab.nodeenv.prefix`: setup lines, and the choice of its python while that is
+    prefix (:func:`ddpfab.hosts.nodeenv.prefix`: setup lines, and the choice of its python while that is
     the node's to make); with *fallback* (e.g. ``python3``) that python runs it where an explicit
     python does not exist there (sync may come before the node's venv does)."""
     pre = nodeenv.prefix(node, record_env=True)
@@ -204,7 +205,7 @@ def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str
 
 def start_failure(node, exit_code: int | None, stderr: str = "") -> NodeProgramError | None:
     """Why the program did not start on *node*, when its exit status says so: a setup line of
-    its own failed (:data:`ddpfab.nodeenv.SETUP_FAILED`, the line named), or its python is not
+    its own failed (:data:`ddpfab.hosts.nodeenv.SETUP_FAILED`, the line named), or its python is not
     there (127)."""
     failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr)
     if failed:
@@ -224,7 +225,7 @@ def call(conn, node, *requests: dict, timeout: float = 60, words: tuple[str, ...
     node's python is missing."""
     # here, not at the top: mesh (and through it the command line's parser) imports this module, and
     # must not pay for paramiko (see LAZY in ddpfab/cli/__init__.py)
-    from .. import ssh
+    from ddpfab.remote import ssh
 
     reqs = numbered(*requests)
     res = ssh.run(conn, node.name, command(node, *words), timeout=timeout, stdin=stdin_for(*reqs))

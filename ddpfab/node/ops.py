@@ -1,6 +1,6 @@
 """The node program's operations and its one request/response loop (the node side of :mod:`ddpfab.node`).
 
-What a node runs is one program: :mod:`ddpfab.workdir`, :mod:`ddpfab.treehash`, :mod:`ddpfab.agent`
+What a node runs is one program: :mod:`ddpfab.node.workdir`, :mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.agent`
 and this file, in that order, as one source text (:func:`ddpfab.node.program`); on the controller
 each is an ordinary module, so every operation is unit-tested as a function. Standard library only,
 Python 3.6+, no ddpfab imports beyond those three (which come first in the shipped text).
@@ -37,19 +37,20 @@ import tarfile
 import threading
 import time
 
-try:  # as a module of ddpfab; on a node their source comes first in the same program
-    from ..agent import _detach_stdin, read_exactly, read_frame, stop_job
-    from ..agent import main as supervise_job
-    from ..treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
-                            rel_ok)
-    from ..workdir import WorkdirError
+try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
+    # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
+    from .agent import _detach_stdin, read_exactly, read_frame, stop_job
+    from .agent import main as supervise_job
+    from .treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
+                           rel_ok)
+    from .workdir import WorkdirError
 except ImportError:
     supervise_job = main  # noqa: F821 - agent.py's main, defined earlier in the shipped text
 
 #: How a node program's replies start: a line that does not is not a reply (e.g. a warning a
 #: sitecustomize printed) and is skipped by the controller.
 REPLY_KEYS = ("id", "op", "ok")
-#: The environment from before the node's setup lines (ddpfab.nodeenv.prefix hands it over as hex
+#: The environment from before the node's setup lines (ddpfab.hosts.nodeenv.prefix hands it over as hex
 #: of ``env -0``), taken out of the environment at once: nothing this program starts inherits it.
 _ENV0 = os.environ.pop("DDPFAB_ENV0", None)
 #: Variables a shell sets by itself, and those the prefix sets: not the setup's changes.
@@ -214,7 +215,7 @@ def op_facts(req, session):
     return out
 
 
-# -- the data-plane probe (ddpfab.mesh plans it and reads the results) ----------------------------
+# -- the data-plane probe (ddpfab.health.mesh plans it and reads the results) ----------------------------
 class Listeners(object):
     """Listening sockets and the one thread that accepts on all of them; a connection is closed
     when the peer has closed it, so the TIME_WAIT stays on the client's ephemeral port, not on
@@ -434,14 +435,14 @@ def follow(req):
 
 
 def supervise(req):
-    """Become the job's supervisor (:mod:`ddpfab.agent`); ``spec`` is the job as data."""
+    """Become the job's supervisor (:mod:`ddpfab.node.agent`); ``spec`` is the job as data."""
     spec = req["spec"]
     if spec.get("detached"):
         _detach_stdin()
     return supervise_job(spec)
 
 
-# -- the perf check's files (ddpfab.perfrun) ------------------------------------------------------
+# -- the perf check's files (ddpfab.health.perfrun) ------------------------------------------------------
 def op_perf_place(req, session):
     """Make the fresh run dir ``dir`` (relative to home; refused if it exists) and write ``files``
     (name -> text) into it; the dirs it made, for :func:`op_perf_clean`."""
@@ -479,7 +480,7 @@ def op_perf_clean(req, session):
     return {"removed": run_dir}
 
 
-# -- replicate: a file of the workdir, from rank 0's node to the others (ddpfab.replicate) ---------
+# -- replicate: a file of the workdir, from rank 0's node to the others (ddpfab.launch.replicate) ---------
 #: Top-level names in a workdir that look like a file a script resumes from (the preflight's
 #: candidates when they differ between nodes; fnmatch, case-insensitive).
 RESUME_PATTERNS = ("*snapshot*.pt", "*checkpoint*", "*.ckpt")
@@ -626,7 +627,7 @@ def replica_receive(req, fd):
                 os.unlink(tmp)
             except OSError:
                 pass
-# -- one writer per workdir (ddpfab.sync) ---------------------------------------------------------
+# -- one writer per workdir (ddpfab.transfer.sync) ---------------------------------------------------------
 #: Where a sync's lock files live (one per workdir, named by its real path's hash): in the SSH
 #: user's home, not in the workdir, because the lock is taken before ddpfab may write there (a
 #: workdir that does not exist yet, or that is refused as not ddpfab's, must stay untouched).

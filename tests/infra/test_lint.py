@@ -36,7 +36,7 @@ def _tool(name: str) -> str:
 
 
 def _run(argv: list, cwd: Path = REPO, **env_extra: str) -> subprocess.CompletedProcess:
-    # no ANSIBLE_* of this process: ddpfab.inventory makes Ansible's inventory parsing strict through
+    # no ANSIBLE_* of this process: ddpfab.hosts.inventory makes Ansible's inventory parsing strict through
     # them when another test loaded an inventory in this worker, and a syntax check has none to parse
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
     env = {**clean, "NO_COLOR": "1", "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),

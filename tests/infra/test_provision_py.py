@@ -1,4 +1,4 @@
-"""ddpfab/provision.py without hosts: finding ansible-playbook and the playbooks, the command line,
+"""ddpfab/hosts/provision.py without hosts: finding ansible-playbook and the playbooks, the command line,
 and naming failed hosts from Ansible's PLAY RECAP. (Fast; the real runs are in tests/lab.)"""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import provision
+from ddpfab.hosts import provision
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Fixtures for tests on real lab hosts (network namespaces with sshd, see ddpfab/lab.py).
+"""Fixtures for tests on real lab hosts (network namespaces with sshd, see ddpfab/lab/__init__.py).
 
 These tests need root and namespaces; CI runs as root. They do not skip elsewhere: a lab test that
 cannot run is a failure to look at, not a green mark.
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from ddpfab import lab as labmod
-
 
 
 def worker_subnet(base: str) -> str:

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from ddpfab import hints
+from ddpfab.health import hints
 
 from .helpers import ddpfab
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from ddpfab import render
-from ddpfab.plan import Plan
+from ddpfab.planning import render
+from ddpfab.planning.plan import Plan
 
 from .helpers import ddpfab, reports, start_ddpfab, wait_no_processes
 
@@ -145,7 +145,7 @@ def test_network_cut_names_the_lost_node_and_stops_everything(lab, inventory2, t
     """node2's link goes down mid-run: ddpfab declares it lost within its keepalive bound (5 s +
     1 s heartbeat), stops node1, and node2's own supervisor ends its job once ddpfab falls silent
     (10 s), even though no message can reach it."""
-    from ddpfab.launch import LOST_AFTER_S, SILENCE_S, STOP_GRACE_S
+    from ddpfab.launch.execute import LOST_AFTER_S, SILENCE_S, STOP_GRACE_S
 
     runs = tmp_path / "runs"
     proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT)
@@ -278,7 +278,7 @@ def test_attach_follows_every_node_beyond_the_fanout_window(lab, inventory2, tmp
                  REPORT)
     assert res.returncode == 0, res.stdout + res.stderr
     run_id = _run_ids(runs)[0]
-    att = subprocess.Popen([sys.executable, "-c", "import sys; from ddpfab import cli, ssh; ssh.WINDOW = 1; "
+    att = subprocess.Popen([sys.executable, "-c", "import sys; from ddpfab import cli; from ddpfab.remote import ssh; ssh.WINDOW = 1; "
                             "sys.exit(cli.main(sys.argv[1:]))", "attach", "--runs-dir", str(runs), run_id],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
     lines: list[str] = []

@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from ddpfab import nodeenv
+from ddpfab.hosts import nodeenv
 
 from .conftest import extra_subnet, own_lab
 from .helpers import ddpfab, reports

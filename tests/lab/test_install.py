@@ -26,7 +26,7 @@ import pytest
 
 from ddpfab import __version__
 from ddpfab import lab as labmod
-from ddpfab import provision
+from ddpfab.hosts import provision
 
 from .conftest import session_subnet
 

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from ddpfab import lab as labmod
-from ddpfab import render
-from ddpfab.plan import Plan
+from ddpfab.planning import render
+from ddpfab.planning.plan import Plan
 
 from .helpers import ddpfab, reports
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import lab as labmod
-from ddpfab.labdrills import cpu_quota, throttled_link
+from ddpfab.lab.drills import cpu_quota, throttled_link
 
 from .helpers import REPO, ddpfab
 

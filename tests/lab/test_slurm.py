@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.export import plan_for_export, to_sbatch
-from ddpfab.plan import RunOptions
+from ddpfab.planning.export import plan_for_export, to_sbatch
+from ddpfab.planning.plan import RunOptions
 
 from .helpers import REPO, host_tmp_leftovers, reports
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from ddpfab import lab as labmod
-from ddpfab import sync
+from ddpfab.transfer import sync
 
 from .helpers import REPO
 

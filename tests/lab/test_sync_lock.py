@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import sync
+from ddpfab.transfer import sync
 
 from .helpers import wait_no_processes
 from .test_sync import NODES, expected_listing, listing_there, on_node, write_inventory

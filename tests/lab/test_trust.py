@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from ddpfab import lab as labmod
-from ddpfab import render
-from ddpfab.plan import Plan
+from ddpfab.planning import render
+from ddpfab.planning.plan import Plan
 
 from .helpers import REPO, ddpfab, reports, start_ddpfab, wait_no_processes
 

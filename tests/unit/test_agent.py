@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from ddpfab import agent
 from ddpfab import node as nodeprog
+from ddpfab.node import agent
 
 # a job tree like torchrun's: a parent, a child in a session of its own (as torchrun's workers
 # are), and a grandchild that ignores SIGTERM; each writes its pid to a file

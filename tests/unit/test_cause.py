@@ -1,12 +1,13 @@
-"""The failure summary's cause (ddpfab.cause): the failing rank's first exception line, read from a
-node's output as data, and the closing line that quotes it (ddpfab.launch.failure_cause)."""
+"""The failure summary's cause (ddpfab.launch.cause): the failing rank's first exception line, read from a
+node's output as data, and the closing line that quotes it (ddpfab.launch.execute.failure_cause)."""
 
 from __future__ import annotations
 
-from ddpfab import launch
-from ddpfab.cause import MAX_LINE, Cause, CauseReader
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, RunOptions, make_plan
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import execute as launch
+from ddpfab.launch.cause import MAX_LINE, Cause, CauseReader
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
+
 
 def root_cause(host: str, rank: int, local: int, error_file: str, traceback: str) -> str:
     """torchrun 2.x's "Root Cause" block (torch/distributed/elastic/multiprocessing/errors)."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ddpfab.check import CheckOptions, Report, evaluate, render
-from ddpfab.inventory import Cluster, Node
+from ddpfab.health.check import CheckOptions, Report, evaluate, render
+from ddpfab.hosts.inventory import Cluster, Node
 
 C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")))
 

@@ -6,19 +6,20 @@ over the defaults, and a flag over the record."""
 
 from __future__ import annotations
 
-import os
 import argparse
 import json
+import os
 import shlex
 
 import pytest
 
-from ddpfab import cli, inventory
+from ddpfab import cli
 from ddpfab.cli.run import _say_where_rank0_is
-from ddpfab.fetch import pick_node
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, RunOptions, make_plan
-from ddpfab.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
+from ddpfab.hosts import inventory
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
+from ddpfab.transfer.fetch import pick_node
 
 #: The rest of a command line that reaches the inventory (positional arguments, a mode).
 ARGS = {

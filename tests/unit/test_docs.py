@@ -16,12 +16,12 @@ import importlib.util
 import re
 import subprocess
 import sys
-import tomllib
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,14 +234,14 @@ def test_every_file_a_doc_names_is_in_the_repository(doc):
 def test_a_name_from_outside_the_repository_is_found():
     doc = REPO / "docs" / "example.md"  # not a file: broken() is given its text below
     text = ("Design notes: `DESIGN.md` in the shared folder; the lab recipe in `shared/LAB.md` (see LAB.md).\n"
-            "[sync](sync.md#no-such-heading), [bench](README.md), `ddpfab/agent.py:watch_workers`, `fanout.py`,\n"
+            "[sync](sync.md#no-such-heading), [bench](README.md), `ddpfab/node/agent.py:watch_workers`, `fanout.py`,\n"
             "`~/.ddpfab/runs/<run-id>/`, `runs/R/manifest.json`, `/etc/hosts`, `ddpfab/nothere.py`, `K=a/b.py`.\n"
             "In prose docs/gone.md and bench/gone.py, not pkg/a.py nor https://example.org/x/README.md.\n"
             "```yaml\ninventory: inventory/cluster.yml   # `the user's.md`\n```\n")
     found = named(text, doc)
     assert {ref for _, ref in found} == {
         "DESIGN.md", "shared/LAB.md", "LAB.md", "link:sync.md#no-such-heading", "link:README.md",
-        "ddpfab/agent.py", "fanout.py", "runs/R/manifest.json", "ddpfab/nothere.py", "docs/gone.md", "bench/gone.py"}
+        "ddpfab/node/agent.py", "fanout.py", "runs/R/manifest.json", "ddpfab/nothere.py", "docs/gone.md", "bench/gone.py"}
     bad = {ref for _, ref in found if not ref.startswith(ELSEWHERE_PREFIXES)
            and not in_repo(ref.removeprefix("link:").partition("#")[0], doc, ref.startswith("link:"))}
     # README.md is a file of the repository, but not beside docs/example.md, where the link leads

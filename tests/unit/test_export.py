@@ -24,18 +24,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import export, render
 from ddpfab.cli import export as export_cli
-from ddpfab.export import (
-    ExportError,
-    k8s_escape,
-    launch_of,
-    to_pytorchjob,
-    to_sbatch,
-    to_trainjob,
-)
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, RunOptions, make_plan
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.planning import export, render
+from ddpfab.planning.export import ExportError, k8s_escape, launch_of, to_pytorchjob, to_sbatch, to_trainjob
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubeflow"
 NASTY = ["with space", "it's", '"dq"', "$HOME", "${PATH}", "a;b", "x && y", "`id`", "$(id)", "$$", "$", "*",
@@ -178,7 +171,7 @@ def run_sbatch(text: str, bindir: Path, records: Path, tmp_path: Path, nnodes: i
 
 
 def expected_argv(plan, node_rank: int, master_addr: str, log_dir: str, master_port: int | None = None) -> list[str]:
-    """The plan's argv of *node_rank* (:func:`ddpfab.render.command`), as the exported job must start it
+    """The plan's argv of *node_rank* (:func:`ddpfab.planning.render.command`), as the exported job must start it
     there (minus argv[0]): the scheduler's master, the log dir as the node's shell resolves it."""
     node = plan.nodes[node_rank]
     port = str(master_port or plan.master_port)
@@ -494,7 +487,7 @@ def test_cli_slurm_uses_the_inventory_offline(inventory_file, capsys, monkeypatc
     assert "--nproc-per-node=4" in out  # ddpfab_gpus, as `ddpfab run` decides it
     assert out.rstrip().endswith("train.py --lr 0.1 ''")
     if "NCCL_DEBUG=INFO" not in out:
-        from ddpfab import plan as planmod
+        from ddpfab.planning import plan as planmod
         assert not hasattr(planmod, "forwarded_env")
 
 
@@ -525,7 +518,7 @@ def test_cli_errors_are_one_line_and_exit_2(inventory_file, capsys, tmp_path):
 def test_export_module_is_cheap_to_import():
     """The export module and the whole command line (every invocation builds its parser): no yaml,
     ansible or fabric at import time."""
-    code = ("import sys; import ddpfab.export; import ddpfab.cli; "
+    code = ("import sys; import ddpfab.planning.export; import ddpfab.cli; "
             "ddpfab.cli.build_parser(); print(sorted(m for m in ('yaml', 'ansible', 'fabric', 'paramiko', 'jsonschema', 'importlib.metadata') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})

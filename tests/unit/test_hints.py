@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ddpfab import hints, launch
+from ddpfab.health import hints
+from ddpfab.launch import execute as launch
 
 
 def test_the_gloo_exit_abort_line_gets_the_known_cause_and_the_fix():

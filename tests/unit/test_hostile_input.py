@@ -14,20 +14,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddpfab.inventory import InventoryError, load
-from ddpfab.launch import Printer
-from ddpfab.plan import (
-    Facts,
-    Plan,
-    PlanError,
-    RunOptions,
-    forwarded_env,
-    make_plan,
-    parse_env,
-    read_env_file,
-)
-from ddpfab import render
-from ddpfab.runs import MASK, mask_plan
+from ddpfab.hosts.inventory import InventoryError, load
+from ddpfab.launch.execute import Printer
+from ddpfab.launch.runs import MASK, mask_plan
+from ddpfab.planning import render
+from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, forwarded_env, make_plan, parse_env, read_env_file
 
 names = st.text(alphabet=st.sampled_from("abcXYZ019-_.;$`'\" |&*[]:{}()!\\/\n\t#é"), min_size=1, max_size=12)
 values = st.one_of(st.integers(-5, 70000), st.text(max_size=12), st.booleans(), st.none(),
@@ -93,7 +84,7 @@ def test_only_allowlisted_prefixes_are_forwarded():
 
 
 def test_secrets_are_masked_in_manifests_and_dry_runs():
-    from ddpfab.inventory import Cluster, Node
+    from ddpfab.hosts.inventory import Cluster, Node
 
     c = Cluster("i", "all", (Node("a", "10.0.0.1"),))
     plan = make_plan(c, RunOptions("t.py", env=(("WANDB_API_KEY", "s3cr3t-value"), ("HF_TOKEN", "hf_abc"),
@@ -109,7 +100,7 @@ def test_secrets_are_masked_in_manifests_and_dry_runs():
 
 
 def test_printer_maps_local_rank_tags_to_global_ranks():
-    from ddpfab.inventory import Cluster, Node
+    from ddpfab.hosts.inventory import Cluster, Node
 
     c = Cluster("i", "all", (Node("a", "10.0.0.1", nproc=2), Node("b", "10.0.0.2", nproc=3)))
     plan = make_plan(c, RunOptions("t.py"), Facts({"a": "10.0.0.1", "b": "10.0.0.2"}, 29500, "/w"))

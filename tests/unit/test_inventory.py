@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.inventory import InventoryError, load, parse_ssh_args
-from ddpfab.plan import Facts, RunOptions, make_plan
+from ddpfab.hosts.inventory import InventoryError, load, parse_ssh_args
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
 YAML = """
 all:

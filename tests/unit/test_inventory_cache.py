@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from ddpfab import inventory, invcache
+from ddpfab.hosts import invcache, inventory
 
 INV = """
 all:

@@ -18,11 +18,13 @@ from ansible.plugins.inventory import expand_hostname_range
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import cli, inventory, invcache, provision, replay
+from ddpfab import cli
 from ddpfab.cli import config
-from ddpfab.inventory import InventoryError
-from ddpfab.plan import Facts, RunOptions, make_plan
-from ddpfab.target import HostKeyPolicy, resolve
+from ddpfab.hosts import invcache, inventory, provision
+from ddpfab.hosts.inventory import InventoryError
+from ddpfab.launch import replay
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
+from ddpfab.remote.target import HostKeyPolicy, resolve
 
 from .test_peer_tools import private_cache  # noqa: F401,E402 - the same autouse fixture: no cache, no defaults
 
@@ -232,7 +234,7 @@ def test_provision_hands_ansible_playbook_every_inventory_in_order(tmp_path):
 def test_a_host_list_is_expanded_once_later_commands_do_not_import_ansible(tmp_path):
     """Ansible's range expander costs an import of ansible (0.4 s, more than a small `exec`): the
     expanded list is kept, named by the list's text, and the inventory cache does the rest."""
-    probe = ("import sys; from ddpfab import inventory; "
+    probe = ("import sys; from ddpfab.hosts import inventory; "
              "print([n.name for n in inventory.load(sys.argv[1]).nodes], 'ansible' in sys.modules)")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", probe, "ops@n[1:7:3]:2022,"], capture_output=True, text=True,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpfab.jobs import FOLD_ABOVE, grouped
+from ddpfab.launch.jobs import FOLD_ABOVE, grouped
 
 
 def test_up_to_the_limit_every_node_keeps_its_line_in_order():

@@ -93,7 +93,7 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "ddpfab.plan" in graph and graph["ddpfab.__main__"], "the graph missed the package"
+    assert "ddpfab.planning.plan" in graph and graph["ddpfab.__main__"], "the graph missed the package"
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -114,7 +114,7 @@ def test_the_library_does_not_import_argparse_or_the_cli():
 
 
 def test_stream_lines_splits_across_chunks_and_keeps_the_last_partial_line():
-    from ddpfab.streams import lines
+    from ddpfab.remote.streams import lines
 
     chunks = iter([b"a\r\nb", b"c\n\xff\n", b"", b"never read"])
     seen: list[bytes] = []

@@ -1,4 +1,4 @@
-"""The masking rule (ddpfab.masking): which keys are secret, URL credentials, marked keys, and that
+"""The masking rule (ddpfab.planning.masking): which keys are secret, URL credentials, marked keys, and that
 no printed or recorded form of a run shows a secret value of a key the rule covers."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddpfab import inventory, masking, render, replay
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, RunOptions, make_plan
-from ddpfab.runs import MASK, mask_argv, mask_plan
+from ddpfab.hosts import inventory
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import replay
+from ddpfab.launch.runs import MASK, mask_argv, mask_plan
+from ddpfab.planning import masking, render
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
 #: The keys issue 24 found printed in clear, and a few of the same families.
 ISSUE_KEYS = ("DB_PASS", "MYSQL_PWD", "GITHUB_PAT", "AWS_ACCESS_KEY_ID", "COMET_KEY", "HF_TOKEN",

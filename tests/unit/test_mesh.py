@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import mesh
-from ddpfab.check import CheckOptions, CheckResult, evaluate, grouped_lines
-from ddpfab.inventory import Cluster, Node
+from ddpfab.health import mesh
+from ddpfab.health.check import CheckOptions, CheckResult, evaluate, grouped_lines
+from ddpfab.hosts.inventory import Cluster, Node
 
 
 def names(n: int) -> list[str]:
@@ -133,7 +133,7 @@ def test_grouped_output_for_64_failing_nodes_is_a_few_lines():
 
 
 def test_a_waiting_run_names_its_nodes_by_state():
-    from ddpfab.launch import NodeOutcome, waiting_report
+    from ddpfab.launch.execute import NodeOutcome, waiting_report
 
     outs = {f"node{i}": NodeOutcome(f"node{i}", i - 1) for i in range(1, 41)}
     for i in range(1, 31):  # torchrun spoke, no rank yet

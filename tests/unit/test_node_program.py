@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import node as nodeprog
-from ddpfab.inventory import Node
+from ddpfab.hosts.inventory import Node
 from ddpfab.node import ops as program
 
 
@@ -230,7 +230,7 @@ class FakeConn:
 
 
 def session(chunks, **kw) -> nodeprog.Session:
-    from ddpfab.inventory import Node
+    from ddpfab.hosts.inventory import Node
     return nodeprog.Session(FakeConn(FakeChannel(chunks, **kw)), Node(name="n1", host="10.0.0.1"))
 
 
@@ -336,8 +336,8 @@ def test_what_a_node_says_is_printed_without_its_control_characters():
 
 
 def test_facts_with_a_port_that_is_none_are_a_problem_of_that_node():
-    from ddpfab.inventory import Node
-    from ddpfab.probe import to_facts
+    from ddpfab.hosts.inventory import Node
+    from ddpfab.planning.probe import to_facts
 
     base = {"hostname": "h", "python": "3.12", "home": "/root", "torch": True, "workdir_exists": True}
     node = Node(name="n1", host="10.0.0.1")
@@ -351,7 +351,7 @@ def test_facts_with_a_port_that_is_none_are_a_problem_of_that_node():
 
 
 def test_ps_records_name_run_ids_not_paths():
-    from ddpfab.jobs import _ps_record
+    from ddpfab.launch.jobs import _ps_record
 
     good = {"run_id": "20260101-000000-abcdef", "state": "exited", "exit_code": 3, "started": 1.0}
     assert _ps_record(good) == good
@@ -362,7 +362,7 @@ def test_ps_records_name_run_ids_not_paths():
 
 
 def test_a_locate_answer_must_name_a_file_or_dir():
-    from ddpfab.fetch import FetchError, located
+    from ddpfab.transfer.fetch import FetchError, located
 
     assert located("n1", {"path": "/opt/w/ckpt", "bytes": 5}) == ("/opt/w/ckpt", 5)
     assert located("n1", {"path": "/opt/w/ckpt/", "bytes": 0}) == ("/opt/w/ckpt/", 0)

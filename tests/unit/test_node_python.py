@@ -1,4 +1,4 @@
-"""The node's python and environment (ddpfab.nodeenv): decided once, by one rule, rendered the
+"""The node's python and environment (ddpfab.hosts.nodeenv): decided once, by one rule, rendered the
 same everywhere. The node side runs for real here: the shell ddpfab sends (sh), the node program
 started by it, a venv made by the test."""
 
@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 
 from ddpfab import node as nodeprog
-from ddpfab import check, nodeenv, render
 from ddpfab.cli import main as cli_main
-from ddpfab.export import ExportError, to_sbatch
-from ddpfab.inventory import Cluster, InventoryError, Node, load
+from ddpfab.health import check
+from ddpfab.hosts import nodeenv
+from ddpfab.hosts.inventory import Cluster, InventoryError, Node, load
 from ddpfab.node import ops
-from ddpfab.plan import Facts, RunOptions, make_plan
-from ddpfab.probe import decide, to_facts
+from ddpfab.planning import render
+from ddpfab.planning.export import ExportError, to_sbatch
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
+from ddpfab.planning.probe import decide, to_facts
 
 from .test_export import cluster as export_cluster
 from .test_export import fake_slurm, run_sbatch  # noqa: F401 - the fake Slurm fixture

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ddpfab import cli
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, Plan, PlanError, RunOptions, make_plan
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, make_plan
 
 
 @pytest.fixture(autouse=True)

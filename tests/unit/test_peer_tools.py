@@ -19,11 +19,13 @@ try:
 except ImportError:  # Python 3.10: pytest itself brings tomli there
     import tomli as tomllib
 
-from ddpfab import cli, inventory, render
+from ddpfab import cli
 from ddpfab.cli import completion, config
 from ddpfab.cli import run as run_cli
-from ddpfab.inventory import Cluster, InventoryError, Node
-from ddpfab.plan import Facts, PlanError, RunOptions, make_plan
+from ddpfab.hosts import inventory
+from ddpfab.hosts.inventory import Cluster, InventoryError, Node
+from ddpfab.planning import render
+from ddpfab.planning.plan import Facts, PlanError, RunOptions, make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -255,7 +257,8 @@ def test_completion_completes_commands_options_and_files(tmp_path):
 def test_collection_metadata_matches_the_package():
     import yaml
 
-    from ddpfab import __version__, provision
+    from ddpfab import __version__
+    from ddpfab.hosts import provision
 
     galaxy = yaml.safe_load((provision.collection_dir() / "galaxy.yml").read_text())
     assert (galaxy["namespace"], galaxy["name"], galaxy["version"]) == ("ddpfab", "cluster", __version__)
@@ -288,7 +291,7 @@ def test_progress_lines_come_while_working_and_stop_with_the_work():
     import io
     import time
 
-    from ddpfab.progress import Ticker
+    from ddpfab.launch.progress import Ticker
 
     out = io.StringIO()
     with Ticker(lambda s: f"copying, {s:.0f} s", enabled=True, every=0.05, stream=out):

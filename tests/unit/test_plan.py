@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import render
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, Plan, PlanError, RunOptions, make_plan, master_port, parse_env
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.planning import render
+from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, make_plan, master_port, parse_env
 
 
 def cluster(*nodes: Node) -> Cluster:

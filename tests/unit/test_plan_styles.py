@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import emit, render, replay
-from ddpfab.execute import remote_command
-from ddpfab.inventory import Cluster, Node
-from ddpfab.launch import Printer
-from ddpfab.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan
-from ddpfab.runs import mask_plan
-from ddpfab.target import HostKeyPolicy, resolve_all
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import replay
+from ddpfab.launch.execute import Printer
+from ddpfab.launch.runs import mask_plan
+from ddpfab.planning import emit, render
+from ddpfab.planning.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan
+from ddpfab.remote.command import remote_command
+from ddpfab.remote.target import HostKeyPolicy, resolve_all
 
 
 def cluster(*nodes: Node) -> Cluster:
@@ -212,7 +213,7 @@ V2_FACTS = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29501
 @pytest.mark.parametrize("style", sorted(SCHEMA_V2))
 def test_a_schema_2_manifest_replays_and_its_renderings_match_what_the_plan_renders_now(style):
     """Replay of runs recorded by the old shape: their options plan the same plan again, and the
-    argv and shell line they stored are exactly what :mod:`ddpfab.render` gives now (compared, as
+    argv and shell line they stored are exactly what :mod:`ddpfab.planning.render` gives now (compared, as
     data, never run); an edited one is a difference."""
     m = json.loads(json.dumps(SCHEMA_V2[style]))
     back, _ = replay.validate(m, "old.json")
@@ -392,7 +393,7 @@ def test_plan_offline_emit_from_the_cli(tmp_path):
                           "--rdzv", "c10d", "--emit", str(out), "train.py", "--steps", "2"],
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert res.returncode == 0, res.stderr
-    # the route as decided (ddpfab.target): its own -F /dev/null, the host-key policy, port, address
+    # the route as decided (ddpfab.remote.target): its own -F /dev/null, the host-key policy, port, address
     assert re.search(r"\n  ssh -F /dev/null -o BatchMode=yes .*-o StrictHostKeyChecking=yes .*-p 22 -- 10\.1\.0\.2 "
                      r"'sh -s' < node1_n2.sh\n", res.stdout), res.stdout
     n1 = (out / "node0_n1.sh").read_text()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.inventory import InventoryError, load
-from ddpfab.provision import run_playbook
-from ddpfab.target import HostKeyPolicy
+from ddpfab.hosts.inventory import InventoryError, load
+from ddpfab.hosts.provision import run_playbook
+from ddpfab.remote.target import HostKeyPolicy
 
 
 def _ssh_g(argv: list[str]) -> dict[str, str]:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddpfab.agent import prune_records
+from ddpfab.node.agent import prune_records
 
 
 def record(root, name, pid=999999, run_id=None):

@@ -1,6 +1,6 @@
 """Quoting for the remote shell, checked against a real /bin/sh (what sshd runs the command with):
-the plan's shell line (:func:`ddpfab.render.shell_line`), run by sh, starts exactly the argv the
-supervisor would exec (:func:`ddpfab.render.argv`)."""
+the plan's shell line (:func:`ddpfab.planning.render.shell_line`), run by sh, starts exactly the argv the
+supervisor would exec (:func:`ddpfab.planning.render.argv`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import sys
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ddpfab import render
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, RunOptions, make_plan, placeholders_in
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.planning import render
+from ddpfab.planning.plan import Facts, RunOptions, make_plan, placeholders_in
 
 NASTY = ["with space", "it's", '"dq"', "$HOME", "${PATH}", "a;b", "x && y", "`id`", "$(id)", "*", "?",
          "~", "héllo ✓ 日本", "", "new\nline", "tab\there", "back\\slash", "-n", "--", "!", "#comment"]

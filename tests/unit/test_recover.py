@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpfab import recover
 from ddpfab.cli import recover as recover_cli
-from ddpfab.inventory import InventoryError, Node
-from ddpfab.plan import PlanError, RunOptions
+from ddpfab.hosts.inventory import InventoryError, Node
+from ddpfab.launch import recover
+from ddpfab.planning.plan import PlanError, RunOptions
 from ddpfab.problems import Problem
 
 
@@ -123,7 +123,7 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_options_from_the_command_line_and_the_inventory():
-    from ddpfab.inventory import Cluster
+    from ddpfab.hosts.inventory import Cluster
 
     cl = Cluster("inv.yml", "all", (Node("a", "a", spares_group="standby"), Node("b", "b", spares_group="standby")))
     o = recover_cli.recovery_options(_args(max_job_restarts=2), cl)
@@ -153,7 +153,7 @@ all:
 
 
 def test_spares_are_never_in_the_first_set(tmp_path: Path):
-    from ddpfab import inventory
+    from ddpfab.hosts import inventory
 
     path = tmp_path / "inv.yml"
     path.write_text(INVENTORY)

@@ -16,10 +16,10 @@ import shlex
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ddpfab import emit, export, render
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import PLACEHOLDERS, Facts, Plan, RunOptions, make_plan
-from ddpfab.runs import MASK, mask_plan
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch.runs import MASK, mask_plan
+from ddpfab.planning import emit, export, render
+from ddpfab.planning.plan import PLACEHOLDERS, Facts, Plan, RunOptions, make_plan
 
 TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
 #: script arguments: any text, and placeholders (per node and job-wide)

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from ddpfab import node as nodeprog
-from ddpfab import replicate
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import PlanError
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import replicate
+from ddpfab.planning.plan import PlanError
 
 
 def program(*requests: dict, after: bytes = b"") -> tuple[list[bytes], int]:

@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import check, ssh
 from ddpfab import node as nodeprog
 from ddpfab.cli.errors import print_problems
-from ddpfab.inventory import Cluster, Node
+from ddpfab.health import check
+from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.problems import Problem
+from ddpfab.remote import ssh
 from ddpfab.results import GroupResult
 
 hosts = st.text("abcdefghijklmnop0123456789-", min_size=1, max_size=8)

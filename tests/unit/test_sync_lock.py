@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from ddpfab import node as nodeprog
-from ddpfab import sync
 from ddpfab.node import ops as program
+from ddpfab.transfer import sync
 
 HOLDER = {"user": "alice", "host": "laptop", "pid": 4242, "since": 1764590000.5, "src": "/home/alice/proj"}
 

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import cli, sync, treehash
+from ddpfab import cli
 from ddpfab import node as nodeprog
 from ddpfab.cli import sync as sync_cli
-from ddpfab.inventory import Node
-from ddpfab.ssh import HostKeyPolicy
+from ddpfab.hosts.inventory import Node
+from ddpfab.node import treehash
+from ddpfab.remote.ssh import HostKeyPolicy
+from ddpfab.transfer import sync
 
 
 @pytest.fixture(autouse=True)
@@ -473,7 +475,7 @@ def test_list_needs_no_inventory(tmp_path, capsys):
 
 
 def test_an_empty_selection_stops_before_any_host_is_contacted(tmp_path):
-    from ddpfab.inventory import Cluster
+    from ddpfab.hosts.inventory import Cluster
 
     root = make_tree(tmp_path / "p", {".gitignore": "*\n"})
     cluster = Cluster("inv", "all", (Node(name="n1", host="192.0.2.1"),))

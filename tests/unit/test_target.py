@@ -1,4 +1,4 @@
-"""ddpfab.target: one decision of how to reach a node, the same in every rendering."""
+"""ddpfab.remote.target: one decision of how to reach a node, the same in every rendering."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ import subprocess
 
 import pytest
 
-from ddpfab.inventory import InventoryError, Node, parse_ssh_args
-from ddpfab.target import (HostKeyPolicy, Target, TargetError, ansible_vars, host_path, openssh_options, resolve,
-                           scp_argv, ssh_argv, ssh_problem)
+from ddpfab.hosts.inventory import InventoryError, Node, parse_ssh_args
+from ddpfab.remote.target import (
+    HostKeyPolicy,
+    Target,
+    TargetError,
+    ansible_vars,
+    host_path,
+    openssh_options,
+    resolve,
+    scp_argv,
+    ssh_argv,
+    ssh_problem,
+)
 
 CONFIG = """\
 Host bastion
@@ -259,7 +269,7 @@ def _fabric_proxy_output(t: Target) -> None:
     """Run *t*'s ProxyCommand the way the runner does (paramiko, from the Fabric gateway)."""
     import paramiko
 
-    from ddpfab.ssh import _connection
+    from ddpfab.remote.ssh import _connection
 
     proc = paramiko.ProxyCommand(_connection("n1", t).gateway).process
     proc.wait(10)
@@ -333,7 +343,7 @@ def test_keepalive_keeps_the_users_own_interval():
 
 
 def test_the_runner_reads_the_global_known_hosts_file_too(tmp_path):
-    from ddpfab.ssh import _connection
+    from ddpfab.remote.ssh import _connection
 
     glob_kh = tmp_path / "global"
     glob_kh.write_text("10.0.0.5 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n")

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.utils.api import macros
 
-from ddpfab import check, cli, emit, probe, render, replay, runner, scriptfile
+from ddpfab import cli
 from ddpfab.cli import run as run_cli
-from ddpfab.inventory import Cluster, Node
-from ddpfab.plan import Facts, PlanError, RunOptions, make_plan, nproc_for, parse_nproc
+from ddpfab.health import check
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import replay, runner
+from ddpfab.planning import emit, probe, render, scriptfile
+from ddpfab.planning.plan import Facts, PlanError, RunOptions, make_plan, nproc_for, parse_nproc
 
 GPU_NODE, CPU_NODE = Node("g", "10.0.0.1"), Node("c", "10.0.0.2")
 TWO = Cluster("inv.yml", "all", (GPU_NODE, CPU_NODE))

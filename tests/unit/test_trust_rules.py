@@ -15,12 +15,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import agent, render
 from ddpfab import node as nodeprog
-from ddpfab.execute import guarded
-from ddpfab.inventory import Cluster, InventoryError, Node, _check_duplicates
-from ddpfab.plan import Facts, Plan, PlanError, RunOptions, check_run_id, make_plan, parse_env
-from ddpfab.runs import MASK, mask_argv, mask_plan
+from ddpfab.hosts.inventory import Cluster, InventoryError, Node, _check_duplicates
+from ddpfab.launch.runs import MASK, mask_argv, mask_plan
+from ddpfab.node import agent
+from ddpfab.planning import render
+from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, check_run_id, make_plan, parse_env
+from ddpfab.remote.command import guarded
 
 C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2")))
 F = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="/w")
@@ -159,7 +160,7 @@ def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
     ("alias.ini", "[all]\nnode1 ansible_host=10.0.0.1\nnode2 ansible_host=10.0.0.1\n"),
 ])
 def test_a_host_listed_twice_in_an_inventory_is_an_error_naming_it(tmp_path, name, text):
-    from ddpfab import inventory
+    from ddpfab.hosts import inventory
 
     path = tmp_path / name
     path.write_text(text)

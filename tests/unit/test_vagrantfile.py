@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import export, inventory
-from ddpfab.plan import RunOptions, make_plan
+from ddpfab.hosts import inventory
+from ddpfab.planning import export
+from ddpfab.planning.plan import RunOptions, make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 VAGRANTFILE = REPO / "Vagrantfile"

@@ -1,4 +1,4 @@
-"""The workdir rules every command shares (ddpfab/workdir.py), with hypothesis for the text rules."""
+"""The workdir rules every command shares (ddpfab/node/workdir.py), with hypothesis for the text rules."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import plan, workdir
-from ddpfab.workdir import lexical_problem, node_problem, resolve
+from ddpfab.node import workdir
+from ddpfab.node.workdir import lexical_problem, node_problem, resolve
+from ddpfab.planning import plan
 
 SEGMENT = st.text(alphabet=string.ascii_letters + string.digits + "_-. ", min_size=1, max_size=8).filter(
     lambda s: s not in (".", ".."))
@@ -90,9 +91,9 @@ def test_torchrun_logs_stay_out_of_the_workdir_in_offline_plans_and_emitted_scri
     would put the per-rank logs into the project."""
     import subprocess
 
-    from ddpfab import emit, render
-    from ddpfab.inventory import Cluster, Node
-    from ddpfab.plan import Facts, RunOptions, make_plan
+    from ddpfab.hosts.inventory import Cluster, Node
+    from ddpfab.planning import emit, render
+    from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
     c = Cluster("inv", "all", (Node(name="n1", host="10.0.0.1", workdir="/opt/proj"),))
     p = make_plan(c, RunOptions("train.py", run_id="r1"), Facts(addresses={"n1": "10.0.0.1"}, master_port=29500,

@@ -1,0 +1,368 @@
+"""The data-plane probe of ``ddpfab check`` (and of ``run``'s preflight): can every member reach
+every other on the ports gloo and NCCL use?
+
+Each node's program (:mod:`ddpfab.node`) answers ``mesh_listen``: it listens on port 0 (the kernel
+picks an ephemeral port, exactly as gloo and NCCL do) and, on the master, on the master port, and
+reports its ports; then ``mesh_connect``: it connects to its targets with a bounded number of
+connects in flight and reports; it keeps listening until every node is done (the session's stdin
+EOF), so nothing it opened outlives the check.
+
+Why it is shaped like this (measured on lab hosts, see docs/benchmarks.md):
+
+- **A timeout is not yet a failure.** With every host on a loaded machine, a connect can take
+  seconds to complete although nothing drops it. A timed-out connect is retried with a longer
+  timeout (:data:`ATTEMPT_TIMEOUTS_S`) until the node's deadline; only a connect that times out on
+  every attempt counts as dropped. A *refused* or *unreachable* connect is an answer from the
+  network and fails at once.
+- **Bounded work per node.** At most :data:`DEFAULT_CONCURRENCY` connects are in flight per node
+  and the node accepts on one thread (a selector), whatever the cluster size; the deadline grows
+  with the number of targets, so a large cluster gets the time its work needs.
+- **Which pairs.** Up to :data:`EXHAUSTIVE_MAX_NODES` nodes every ordered pair is probed.
+  Beyond, each node probes :data:`DEFAULT_DEGREE` peers at offsets ``{1} + random`` around the
+  ring of nodes (a random circulant graph, fresh offsets each check): every node is then the
+  target of exactly ``degree`` peers and the source of exactly ``degree`` probes, so the faults
+  that concern a node as a whole are found with certainty, however large the cluster: a node whose
+  firewall drops members (every probe to it fails), a node on the wrong subnet or with a dead
+  route (every probe to and from it fails), a node whose OUTPUT rules drop members (every probe
+  from it fails). A rule that drops only some pairs, or one direction between two groups, is
+  caught when a sampled pair crosses it: a rule between one specific pair with probability
+  ``degree/(N-1)`` per check (stated in the report as ``coverage``); ``check --exhaustive`` probes
+  all pairs.
+- **The master port is probed from every node**, always: it is O(N), and the TCPStore is the one
+  port every rank must reach.
+
+:func:`plan_targets` and :func:`classify` are pure (unit-tested without hosts); :func:`run_mesh`
+is the effectful part.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from dataclasses import dataclass, field
+
+from ddpfab import node as nodeprog
+from ddpfab.results import GroupResult
+
+#: Per-attempt connect timeouts (seconds). The kernel answers a SYN itself, so CPU load alone
+#: rarely delays a connect; the kernel resends a lost SYN after 1 s, so an attempt of 2 s already
+#: covers one loss, and three attempts (8 s in all) cover a burst. A dropped connect costs 8 s.
+ATTEMPT_TIMEOUTS_S = (2.0, 2.0, 4.0)
+#: Connects in flight per node (a thread pool of this size on each node).
+DEFAULT_CONCURRENCY = 16
+#: Up to this many nodes every ordered pair is probed. Evidence (lab, one loaded 2-core machine):
+#: on a healthy cluster all pairs cost little even at 128 nodes (the mesh step took 3.3 s at 64
+#: nodes and 7.5 s at 128 exhaustive, against 5.7 s sampled at 128: most of it is starting python
+#: on every node); what does not scale is the *faulty* case: a node whose connects all time out
+#: works through its targets DEFAULT_CONCURRENCY at a time, each after every attempt (8 s), so a
+#: check takes ceil((N-1)/16) x 8 s: 16 s at 32 nodes, 32 s at 64, 64 s at 128. Sampling keeps
+#: that at 8 s (+ the master port) at any size, with certainty for node-wide faults.
+EXHAUSTIVE_MAX_NODES = 32
+#: Peers each node probes beyond EXHAUSTIVE_MAX_NODES (and sources that probe each node).
+DEFAULT_DEGREE = 16
+#: Seconds of slack on every node's deadline (python start, thread start) on top of the work.
+DEADLINE_BASE_S = 10.0
+
+@dataclass
+class MeshPlan:
+    """Which node probes which peers.
+
+    Args:
+        nodes: the nodes taking part, in inventory order (those that answered the probe).
+        offsets: node i probes nodes (i + d) mod N for each d; all of 1..N-1 when exhaustive.
+        exhaustive: every ordered pair is probed.
+        seed: the seed the sampled offsets came from (None when exhaustive), for the record.
+    """
+
+    nodes: list[str]
+    offsets: list[int]
+    exhaustive: bool
+    seed: int | None = None
+
+    def targets_of(self, name: str) -> list[str]:
+        i = self.nodes.index(name)
+        n = len(self.nodes)
+        return [self.nodes[(i + d) % n] for d in self.offsets]
+
+    @property
+    def pairs(self) -> int:
+        return len(self.nodes) * len(self.offsets)
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of all ordered pairs probed (1.0 when exhaustive)."""
+        n = len(self.nodes)
+        return 1.0 if n < 2 else self.pairs / (n * (n - 1))
+
+    def to_dict(self) -> dict:
+        return {"mode": "exhaustive" if self.exhaustive else "sampled", "nodes": len(self.nodes),
+                "degree": len(self.offsets), "pairs_probed": self.pairs,
+                "pairs_total": len(self.nodes) * (len(self.nodes) - 1), "coverage": round(self.coverage, 4),
+                "seed": self.seed, "offsets": self.offsets}
+
+
+def plan_targets(nodes: list[str], exhaustive: bool = False, degree: int = DEFAULT_DEGREE,
+                 exhaustive_max: int = EXHAUSTIVE_MAX_NODES, seed: int | None = None) -> MeshPlan:
+    """Choose the probed pairs: all of them up to *exhaustive_max* nodes (or when asked), else a
+    random circulant graph of the given degree (offset 1 always, so neighbours in inventory order,
+    often rack neighbours, are always probed).
+
+    Args:
+        nodes: node names in inventory order.
+        exhaustive: probe every ordered pair whatever the size.
+        degree: peers per node when sampling.
+        exhaustive_max: the largest cluster probed exhaustively by default.
+        seed: for the sampled offsets; None draws one (recorded in the plan).
+    """
+    n = len(nodes)
+    if exhaustive or n <= exhaustive_max or degree >= n - 1:
+        return MeshPlan(list(nodes), list(range(1, n)), exhaustive=True)
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    offsets = [1] + sorted(rng.sample(range(2, n), degree - 1))
+    return MeshPlan(list(nodes), offsets, exhaustive=False, seed=seed)
+
+
+def deadline_for(targets: int, concurrency: int = DEFAULT_CONCURRENCY,
+                 attempts: tuple[float, ...] = ATTEMPT_TIMEOUTS_S) -> float:
+    """Seconds one node may take: every target timing out on every attempt, *concurrency* at a time."""
+    if not targets:
+        return DEADLINE_BASE_S
+    return DEADLINE_BASE_S + math.ceil(targets / concurrency) * sum(attempts)
+
+
+# -- classification (pure) ----------------------------------------------------------------
+@dataclass
+class MeshProblem:
+    """One distinct data-plane problem and the nodes it concerns.
+
+    Args:
+        kind: isolated | no-inbound | no-outbound | pairs | master-port.
+        nodes: the nodes to blame, in inventory order.
+        summary: what was found, the same text for every node of the problem (so it groups).
+        fix: the likely cause and what to do.
+        pairs: the failed (source, target, result) triples behind it.
+    """
+
+    kind: str
+    nodes: list[str]
+    summary: str
+    fix: str
+    pairs: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def _cause(results: list[str]) -> tuple[str, str]:
+    """(what the failures were, their likely cause) from the connect results behind a problem."""
+    kinds = sorted(set(results))
+    seen = ", ".join(kinds)
+    if all(r == "timed out" for r in results):
+        return seen, "dropped (a firewall DROP rule)"
+    if all(r == "refused" for r in results):
+        return seen, "rejected (a firewall REJECT rule, or nothing listening)"
+    if any("unreachable" in r.lower() or "no route" in r.lower() for r in results):
+        return seen, ("not routed (a wrong address or subnet, a missing route, or a full neighbour table: "
+                      "net.ipv4.neigh.default.gc_thresh3)")
+    return seen, "refused or dropped"
+
+
+FIREWALL_FIX = "allow TCP from the cluster members (ddpfab provision --tags firewall)"
+
+
+def classify(order: list[str], results: dict[str, list[dict]]) -> list[MeshProblem]:
+    """Explain failed ephemeral-port probes by the fewest causes: nodes nobody reaches (their
+    INPUT), nodes that reach nobody (their OUTPUT), nodes cut off both ways (address, subnet,
+    route), and what remains as pair rules. A failure explained by a node-wide cause is not
+    blamed on the other end too.
+
+    Args:
+        order: node names in inventory order.
+        results: source -> its probe results (``target``, ``kind``, ``result``).
+    """
+    ins: dict[str, list[tuple[str, str]]] = {n: [] for n in order}
+    outs: dict[str, list[tuple[str, str]]] = {n: [] for n in order}
+    for src, probes in results.items():
+        for p in probes:
+            if p.get("kind", "ephemeral") != "ephemeral" or p["target"] not in ins or src not in outs:
+                continue
+            ins[p["target"]].append((src, p["result"]))
+            outs[src].append((p["target"], p["result"]))
+
+    def all_fail(entries: list[tuple[str, str]]) -> bool:
+        return bool(entries) and all(r != "ok" for _, r in entries)
+
+    no_in = {n for n in order if all_fail(ins[n])}
+    no_out = {n for n in order if all_fail(outs[n])}
+    isolated = no_in & no_out
+    # a source whose every failed probe went to a node nobody reaches is not at fault itself
+    no_out = {n for n in no_out - isolated if any(t not in no_in for t, r in outs[n] if r != "ok")}
+    # a node reached by nobody only because its sources reach nobody is not at fault itself
+    no_in = {n for n in no_in - isolated if any(s not in no_out | isolated for s, r in ins[n] if r != "ok")}
+    blamed = isolated | no_in | no_out
+    problems: list[MeshProblem] = []
+
+    def add(kind: str, members: set[str], text, fix) -> None:
+        # one problem per distinct text, so "unreachable from 61 peers" groups and "from 59" does not
+        by_text: dict[str, list[str]] = {}
+        for n in order:
+            if n in members:
+                by_text.setdefault(text(n), []).append(n)
+        for summary, nodes in by_text.items():
+            pairs = [(s, n, r) for n in nodes for s, r in ins[n] if r != "ok"]
+            pairs += [(n, t, r) for n in nodes for t, r in outs[n] if r != "ok"]
+            problems.append(MeshProblem(kind, nodes, summary, fix(pairs) if callable(fix) else fix, pairs))
+
+    def peers(entries):
+        return len({p for p, _ in entries})
+
+    def seen(entries):
+        return _cause([r for _, r in entries if r != "ok"])[0]
+
+    add("isolated", isolated,
+        lambda n: f"cannot reach or be reached by any of {peers(ins[n] + outs[n])} peers probed "
+                  f"({seen(ins[n] + outs[n])})",
+        "likely a wrong address or subnet, or no route between them: check ddpfab_data_addr and "
+        "`ip route` on these nodes")
+    add("no-inbound", no_in, lambda n: f"unreachable from {peers(ins[n])} peers ({seen(ins[n])})",
+        lambda pairs: f"likely their firewall: connects to them are {_cause([r for _, _, r in pairs])[1]}; "
+                      + FIREWALL_FIX)
+    add("no-outbound", no_out, lambda n: f"cannot reach {peers(outs[n])} peers ({seen(outs[n])})",
+        "likely their OUTPUT firewall rules; allow TCP to the cluster members")
+    rest = [(s, t, r) for s in order for t, r in outs[s] if r != "ok" and s not in blamed and t not in blamed]
+    if rest:
+        targets = [n for n in order if any(t == n for _, t, _ in rest)]
+        shown = ", ".join(f"{s}->{t} ({r})" for s, t, r in rest[:6])
+        more = f" and {len(rest) - 6} more" if len(rest) > 6 else ""
+        problems.append(MeshProblem(
+            "pairs", targets, f"{len(rest)} connections fail between nodes that reach others: {shown}{more}",
+            "likely a firewall rule that drops some members or one direction; " + FIREWALL_FIX, rest))
+    return problems
+
+
+def master_port_problem(master: str, port: int | None, order: list[str],
+                        results: dict[str, list[dict]]) -> MeshProblem | None:
+    """The master port must be reachable from every other node (all of them are always probed)."""
+    failed = [(src, master, p["result"]) for src in order for p in results.get(src, [])
+              if p.get("kind") == "master" and p["result"] != "ok"]
+    if not failed:
+        return None
+    probed = sum(1 for src in order for p in results.get(src, []) if p.get("kind") == "master")
+    seen, cause = _cause([r for _, _, r in failed])
+    names = compact([s for s, _, _ in failed])
+    return MeshProblem("master-port", [master], f"port {port} unreachable from {len(failed)} of {probed} nodes "
+                       f"({seen}): {names}", f"connects are {cause}; open TCP {port} to the cluster members", failed)
+
+
+# -- presentation helper --------------------------------------------------------------------
+def compact(names: list[str], limit: int = 8) -> str:
+    """Names as a short list: all of them up to *limit*, else runs of numbered names folded
+    (``node[1-40,42]``) in the given order."""
+    if len(names) <= limit:
+        return ", ".join(names)
+
+    groups: list[tuple[str, list[int]]] = []
+    loose: list[str] = []
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        if not m or m.group(2).startswith("0") and m.group(2) != "0":
+            loose.append(name)
+            continue
+        prefix, num = m.group(1), int(m.group(2))
+        if groups and groups[-1][0] == prefix:
+            groups[-1][1].append(num)
+        else:
+            groups.append((prefix, [num]))
+    parts = []
+    for prefix, nums in groups:
+        spans, start, prev = [], nums[0], nums[0]
+        for x in nums[1:] + [None]:
+            if x is not None and x == prev + 1:
+                prev = x
+                continue
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            if x is not None:
+                start = prev = x
+        parts.append(f"{prefix}[{','.join(spans)}]" if len(nums) > 1 else f"{prefix}{nums[0]}")
+    return ", ".join(parts + loose) + f" ({len(names)} nodes)"
+
+
+# -- collection (effectful) -------------------------------------------------------------------
+def listen_request(name: str, master: str, master_port: int | str | None) -> dict:
+    """A node's ``mesh_listen`` request; ``"found"`` as *master_port*: the port the same session's
+    ``facts`` found free on the master."""
+    return {"op": "mesh_listen", "master_port": master_port if name == master else None}
+
+
+def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, master_port: int | None,
+             exhaustive: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
+             attempts: tuple[float, ...] = ATTEMPT_TIMEOUTS_S, degree: int = DEFAULT_DEGREE,
+             sessions: dict | None = None, listening: GroupResult[nodeprog.Reply] | None = None) -> dict:
+    """Probe the data plane (see the module docstring); returns ``ports`` (node -> its listener
+    ports), ``results`` (source -> its probes), ``errors`` (node -> why its probe did not run)
+    and ``plan`` (which pairs, the coverage, the deadline).
+
+    Over the nodes' open program *sessions* when given (*listening*: their ``mesh_listen``
+    replies, when that was asked already), else in sessions of its own."""
+    started = time.monotonic()
+    nodes = [n for n in cluster.nodes if n.name in conns]
+    ports: dict[str, dict] = {}
+    results: dict[str, list] = {}
+    errors: dict[str, str] = {}
+    own = sessions is None
+    if own:
+        sessions, failed = nodeprog.open_sessions(nodes, conns)
+        errors = {n: str(e) for n, e in failed.items()}
+    deadline = 0.0
+    try:
+        if listening is None:
+            listening = nodeprog.exchange(
+                sessions, {n.name: [listen_request(n.name, master, master_port)] for n in nodes if n.name in sessions},
+                timeout=60).map(lambda replies: replies[0])
+        errors.update({n: str(e) for n, e in listening.failed.items()})
+        for name, reply in listening.succeeded.items():
+            try:
+                ports[name] = _ports(name, reply.value(name))
+            except (nodeprog.NodeProgramError, ValueError) as exc:
+                errors[name] = str(exc)
+        plan = plan_targets([n.name for n in nodes if n.name in ports], exhaustive=exhaustive, degree=degree)
+        master_ports = ports.get(master, {}).get("master")
+        work = {}
+        for name in plan.nodes:
+            targets = [{"target": t, "kind": "ephemeral", "addr": addresses[t], "port": ports[t]["ephemeral"]}
+                       for t in plan.targets_of(name)]
+            if master_ports and name != master:
+                targets.append({"target": master, "kind": "master", "addr": addresses[master],
+                                "port": master_ports})
+            node_deadline = deadline_for(len(targets), concurrency, attempts)
+            deadline = max(deadline, node_deadline)
+            work[name] = [{"op": "mesh_connect", "targets": targets, "attempts": list(attempts),
+                           "concurrency": concurrency, "deadline": node_deadline}]
+        # the nodes stop on their own deadline; the margin covers the transfer
+        answers = nodeprog.exchange(sessions, work, timeout=deadline + 15)
+        errors.update({n: str(e) for n, e in answers.failed.items()})
+        for name, replies in answers.succeeded.items():
+            try:
+                probes = replies[0].value(name)["probes"]
+                if not isinstance(probes, list) or not all(isinstance(p, dict) and "result" in p for p in probes):
+                    raise ValueError(f"host {name}: mesh_connect: malformed probe results")
+                results[name] = probes
+            except (nodeprog.NodeProgramError, ValueError, KeyError, TypeError) as exc:
+                errors[name] = str(exc)
+    finally:
+        if own:
+            nodeprog.close_all(sessions)
+    retried = sum(1 for probes in results.values() for p in probes if p.get("attempts", 1) > 1)
+    return {"ports": ports, "results": results, "errors": errors,
+            "plan": {**plan.to_dict(), "concurrency": concurrency, "attempt_timeouts_s": list(attempts),
+                     "deadline_s": round(deadline, 1), "retried": retried,
+                     "seconds": round(time.monotonic() - started, 3)}}
+
+
+def _ports(name: str, got: dict) -> dict:
+    """A ``mesh_listen`` result, validated: an ephemeral port, maybe the master port or its error."""
+    ok = isinstance(got.get("ephemeral"), int) and isinstance(got.get("master", 0), int)
+    if not ok:
+        raise ValueError(f"host {name}: mesh_listen: malformed ports {got!r:.200}")
+    return got

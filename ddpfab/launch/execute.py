@@ -1,0 +1,523 @@
+"""Execute a plan: start every node at once, stream its output, stop everything on the first failure.
+
+Thin and effectful by design; every decision was made in :mod:`ddpfab.planning.plan`. Each node runs the
+supervisor from :mod:`ddpfab.node.agent` over its own SSH channel; closing our side of a channel (or
+losing the connection, or ddpfab dying) tells that node's supervisor to end the job's whole
+process tree, so no process outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Callable, TextIO
+
+from fabric import Connection
+
+from ddpfab import node as nodeprog
+from ddpfab.health import hints
+from ddpfab.health.mesh import compact
+from ddpfab.hosts import nodeenv
+from ddpfab.launch.cause import Cause, CauseReader
+from ddpfab.launch.interrupt import Interrupted, signals_raise
+from ddpfab.node.agent import CANNOT_START
+from ddpfab.planning.plan import NodePlan, Plan
+from ddpfab.planning.render import command as render_command
+from ddpfab.remote import ssh, streams
+
+#: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
+STOP_GRACE_S = 3.0
+#: Seconds ddpfab waits for nodes to report after asking them to stop.
+STOP_WAIT_S = STOP_GRACE_S + 7.0
+#: ddpfab sends each supervisor a heartbeat byte and each sshd a keepalive request this often.
+HEARTBEAT_S = 1.0
+#: A node whose sshd has not answered a keepalive for this long is declared lost.
+LOST_AFTER_S = 5.0
+#: A supervisor that has heard no heartbeat for this long ends its job on its own (network cut:
+#: no EOF ever reaches it). Longer than LOST_AFTER_S, so ddpfab always notices first.
+SILENCE_S = 10.0
+COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
+#: Seconds without a line from any rank before ddpfab says which nodes it is waiting for; the next
+#: report comes after twice the interval, and so on. ``DDPFAB_WAIT_REPORT_S`` overrides (0: never).
+WAIT_REPORT_S = 60.0
+
+
+def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
+    """The job as data for the supervisor: argv (:func:`ddpfab.planning.render.command`), workdir and env
+    (no shell line to parse)."""
+    launch = render_command(plan, node)
+    spec = {"run_id": plan.run_id, "dir": node.remote_dir, "workdir": node.workdir, "argv": list(launch.argv()),
+            "env": dict(node.env), "grace": STOP_GRACE_S, "log_dir": launch.log_dir}
+    if os.environ.get("DDPFAB_KEEP_RECORDS"):  # run records each node keeps (agent.KEEP_RECORDS)
+        spec["keep_records"] = int(os.environ["DDPFAB_KEEP_RECORDS"])
+    if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
+        spec["watch_workers"] = True
+    if detach:
+        spec["detached"] = True
+    else:
+        spec["silence"] = SILENCE_S
+    return spec
+
+
+def agent_input(plan: Plan, node: NodePlan, detach: bool = False) -> bytes:
+    """What goes to the supervisor's stdin first: the node program, then its ``supervise``
+    request with the spec (env values included: they travel inside the SSH session, never in a
+    command line)."""
+    return nodeprog.supervisor_input(agent_spec(plan, node, detach))
+
+
+def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
+    """The command ddpfab really sends: the node's python running the node program, which reads
+    its code and the ``supervise`` request (:func:`agent_input`) from stdin and starts
+    the node's argv (:mod:`ddpfab.planning.render`) in its own session. Nothing secret in it: ``ps`` on the node shows
+    ``... ddpfab-agent RUN_ID``."""
+    start = nodeprog.command(node, *nodeprog.supervisor_words(plan.run_id))
+    if not detach:
+        return start
+    if nodeenv.prefix(node):  # setup lines: a script, which setsid runs through a shell
+        start = f"sh -c {shlex.quote(start)}"
+    # detached: a new session, no link to this SSH session; report once the supervisor is up.
+    # A background command's stdin is /dev/null unless redirected: fd 3 hands it this session's.
+    record = shlex.quote(f"{node.remote_dir}/agent.json")
+    # (`a && b &` would background a subshell that keeps this session's stdout open until b ends)
+    return (f"[ -e {record} ] && {{ echo 'ddpfab: run id {plan.run_id} was used on this node already' >&2; exit 1; }}; "
+            f"mkdir -p -m 700 {shlex.quote(node.remote_dir)} || exit 1; exec 3<&0; "
+            f"setsid {start} <&3 3<&- >/dev/null 2>&1 & exec 3<&-; "
+            f"for i in $(seq 100); do [ -s {record} ] && exit 0; sleep 0.05; done; "
+            f"echo 'ddpfab: the node supervisor did not start' >&2; exit 1")
+
+
+@dataclass
+class NodeOutcome:
+    name: str
+    node_rank: int
+    exit_code: int | None = None
+    error: str | None = None
+    started: float = 0.0
+    ended: float = 0.0
+    lines: int = 0
+    rank_lines: int = 0  # lines from a rank (torchrun's own lines are not)
+    last_line: float = 0.0  # time.monotonic() of the last line, 0 = none yet
+    last_rank_line: float = 0.0  # ... of the last line from a rank
+    stopped_by_ddpfab: bool = False
+    remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
+    hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
+    cleanup: str | None = None  # what ending a supervisor-less job there found (None: not needed)
+    cause: Cause | None = None  # the failing rank and its first exception line, from its output (cause.py)
+    causes: CauseReader = field(default_factory=CauseReader, repr=False, compare=False)  # reads it
+
+    def to_dict(self) -> dict:
+        return {"node_rank": self.node_rank, "exit_code": self.exit_code, "error": self.error,
+                "started": self.started, "ended": self.ended,
+                "duration_s": round(self.ended - self.started, 3) if self.ended else None,
+                "lines": self.lines, "stopped_by_ddpfab": self.stopped_by_ddpfab,
+                "last_state": self.state(time.monotonic()),
+                "restarts": (self.remote or {}).get("restarts"),
+                "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints,
+                "failed_at": (self.remote or {}).get("failed_at"), "cleanup": self.cleanup,
+                "cause": self.cause.to_dict() if self.cause else None}
+
+    def state(self, now: float) -> str:
+        """What the node looked like from here: silent, in rendezvous (only torchrun has spoken),
+        quiet for a while, or ended."""
+        if self.ended:
+            return "ended" if self.exit_code is not None else f"ended ({self.error or 'no exit status'})"
+        if not self.lines:
+            return "silent since start"
+        if not self.rank_lines:
+            return "in rendezvous (no rank has printed yet)"
+        return f"quiet for {now - self.last_line:.0f} s"
+
+
+def waiting_report(outcomes: dict[str, NodeOutcome], now: float, quiet_s: float) -> str:
+    """One line: which nodes the run waits for, grouped by state (nodes in inventory order)."""
+    groups: dict[str, list[str]] = {}
+    for name, out in outcomes.items():
+        if not out.ended:
+            state = out.state(now)
+            groups.setdefault("quiet" if state.startswith("quiet") else state, []).append(name)
+    parts = [f"{state}: {compact(names)}" for state, names in groups.items()]
+    return f"waiting: no rank has printed for {quiet_s:.0f} s; " + "; ".join(parts)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    outcomes: dict[str, NodeOutcome]
+    first_failure: str | None = None
+    interrupted: str | None = None
+    summary: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+_RANK_TAG = re.compile(r"^\[default(\d+)\]:")
+
+
+#: RunResult.interrupted when the run ended because stdout's reader went away
+CLOSED_STDOUT = "closed stdout"
+
+
+class Printer:
+    """Prefixes every line with host and global rank, one colour per node, one line at a time.
+
+    torchrun (``--tee``) tags each rank's lines with its local rank; with static rendezvous the
+    global rank is the node's offset (the procs of all lower node ranks) plus the local rank.
+    Lines from torchrun itself carry the node rank only. With c10d rendezvous torchrun assigns the
+    node ranks at run time, so neither is known here: lines show the local rank (``node2 l1|``)
+    and torchrun's own lines no rank (``node2 --|``).
+    """
+
+    def __init__(self, plan: Plan, stream: TextIO | None = None, color: bool | None = None):
+        self.stream = stream or sys.stdout
+        if color is None:
+            color = self.stream.isatty() and os.environ.get("NO_COLOR") is None
+        self.color = color
+        self.width = max(len(n.name) for n in plan.nodes)
+        self.rank_width = len(str(plan.world_size - 1))
+        self.local_only = getattr(plan, "rdzv", "static") == "c10d"
+        self.nodes = {n.name: n for n in plan.nodes}
+        self.offset, total = {}, 0
+        for n in sorted(plan.nodes, key=lambda n: n.node_rank):
+            self.offset[n.name] = total
+            total += n.nproc
+        self.lock = threading.Lock()
+        self.closed = False  # the reader of the stream went away (`| head`): the rest is dropped
+
+    def _write(self, text: str) -> None:
+        """*text* on the stream; once its reader has gone, nothing (the monitor then stops the job)."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except BrokenPipeError:
+                self.closed = True
+
+    def prefix(self, node: str, rank: int | None) -> str:
+        n = self.nodes[node]
+        if self.local_only:
+            who = f"l{rank:<{self.rank_width}}" if rank is not None else "-" * (self.rank_width + 1)
+        else:
+            who = f"r{rank:<{self.rank_width}}" if rank is not None else f"n{n.node_rank:<{self.rank_width}}"
+        text = f"{node:<{self.width}} {who}|"
+        if self.color:
+            text = f"\x1b[{COLORS[n.node_rank % len(COLORS)]}m{text}\x1b[0m"
+        return text
+
+    def line(self, node: str, text: str) -> None:
+        rank = None
+        tag = _RANK_TAG.match(text)
+        if tag:
+            rank = int(tag.group(1)) + (0 if self.local_only else self.offset[node])
+            text = text[tag.end():]
+        self._write(f"{self.prefix(node, rank)} {text}\n")
+
+    def note(self, text: str) -> None:
+        self._write(f"ddpfab: {text}\n")
+
+
+class _NodeJob:
+    def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
+                 events: queue.Queue, reconnect: Callable[[str], Connection] | None = None):
+        self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
+        self.log, self.events, self.reconnect = log, events, reconnect
+        self.outcome = NodeOutcome(node.name, node.node_rank)
+        self.chan = None
+        self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
+        self.done = threading.Event()
+        self.reported = threading.Event()
+        self.fast_stop = False
+        self.ping_pending_since: float | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+        threading.Thread(target=self._heartbeat, name=f"beat-{self.node.name}", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Heartbeat bytes for the supervisor, keepalive requests for sshd, until the job ends.
+
+        A keepalive that sshd does not answer (``ping_pending_since`` grows old) means the node or
+        the network to it is gone; the monitor reads that and declares the node lost.
+        """
+        transport = self.conn.transport
+        while not self.done.is_set():
+            began = time.monotonic()
+            chan = self.chan
+            if chan is not None and not self.outcome.stopped_by_ddpfab:
+                try:
+                    chan.send(b"\n")
+                except Exception:  # noqa: BLE001 - the job thread reports a dead channel
+                    pass
+            self.ping_pending_since = began
+            try:
+                transport.global_request("keepalive@openssh.com", wait=True)
+            except Exception:  # noqa: BLE001
+                return
+            self.ping_pending_since = None
+            if not transport.is_active():
+                return
+            self.done.wait(max(0.0, HEARTBEAT_S - (time.monotonic() - began)))
+
+    def _result_record(self) -> dict | None:
+        try:
+            res = ssh.run(self.conn, self.node.name, f"cat {shlex.quote(self.node.remote_dir)}/result.json",
+                          timeout=10)
+            return json.loads(res.stdout) if res.exit_code == 0 else None
+        except Exception:  # noqa: BLE001 - the record is informative; the exit code is what counts
+            return None
+
+    def lost_for(self) -> float:
+        since = self.ping_pending_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def stop(self, fast: bool = False) -> None:
+        """Ask the node's supervisor to end the job: close our write side (EOF on its stdin),
+        after a ``!`` when *fast* (another node failed: no point in a graceful shutdown)."""
+        self.outcome.stopped_by_ddpfab = True
+        self.fast_stop = fast
+        chan = self.chan
+        if chan is not None:
+            try:
+                if fast:
+                    chan.sendall(b"!")
+                chan.shutdown_write()
+            except Exception:  # noqa: BLE001 - a dead channel is already a stopped one
+                pass
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _line(self, text: str) -> None:
+        self.outcome.lines += 1
+        if _RANK_TAG.match(text):
+            self.outcome.rank_lines += 1
+            self.outcome.last_rank_line = self.outcome.last_line
+        self.printer.line(self.node.name, text)
+        self.outcome.causes.feed(text)
+        hint = hints.hint_for(text)
+        if hint and hint not in self.outcome.hints:
+            self.outcome.hints.append(hint)
+
+    def _run(self) -> None:
+        """The node's whole life on the controller; whatever goes wrong here is this node's
+        failure, reported like any other (the monitor always hears that the node ended)."""
+        out = self.outcome
+        out.started = time.time()
+        try:
+            self._stream(out)
+        except Exception as exc:  # noqa: BLE001 - reported as this node's failure
+            out.error = out.error or f"{type(exc).__name__}: {exc}"
+        finally:
+            out.ended = time.time()
+            out.cause = ranked(self.plan, self.node, out.causes.cause())
+            self.done.set()
+            self.events.put(self.node.name)  # first: the monitor may have others to stop
+        try:
+            if out.exit_code != CANNOT_START and not (out.error or "").startswith("lost"):
+                out.remote = self._result_record()
+                if out.remote is None:
+                    out.cleanup = self._clean_up_after_supervisor()
+        except Exception as exc:  # noqa: BLE001 - the record is informative; the exit code is what counts
+            out.cleanup = f"could not check the node afterwards: {type(exc).__name__}: {exc}"
+        finally:
+            self.reported.set()
+
+    def _stream(self, out: NodeOutcome) -> None:
+        log = self.log
+        with log:
+            chan = self.conn.transport.open_session(timeout=30)
+            chan.set_combine_stderr(True)
+            chan.exec_command(remote_command(self.plan, self.node))
+            chan.sendall(agent_input(self.plan, self.node))
+            self.chan = chan
+            if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
+                self.stop(self.fast_stop)
+
+            def logged(data: bytes) -> None:
+                log.write(data)
+                log.flush()
+
+            for line in streams.lines(chan.recv, on_chunk=logged):
+                out.last_line = time.monotonic()
+                self._line(line)
+            out.exit_code = chan.recv_exit_status()
+            if out.exit_code == -1:
+                out.exit_code = None
+                out.error = out.error or ("the node supervisor ended without an exit status (killed?)"
+                                          if self.conn.transport.is_active() else
+                                          "the SSH session ended without an exit status (connection lost)")
+
+    def _clean_up_after_supervisor(self) -> str:
+        """The supervisor left no result: it was killed or never started. Whatever of the job is
+        left on the node is ended by its marker, over a fresh connection (the old one may be the
+        reason it is gone). Returns what the node said."""
+        conn = self.reconnect(self.node.name) if self.reconnect else self.conn
+        try:
+            return nodeprog.stop(conn, self.node, self.node.remote_dir, STOP_GRACE_S, timeout=STOP_WAIT_S + 5)[0]
+        finally:
+            if conn is not self.conn:
+                conn.close()
+
+
+def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
+    """*cause* with its global rank: torchrun's, else the node's offset plus the local rank
+    (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
+    if cause is not None and cause.rank is None and cause.local_rank is not None and plan.rdzv == "static":
+        offset = sum(n.nproc for n in plan.nodes if n.node_rank < node.node_rank)
+        return Cause(offset + cause.local_rank, cause.local_rank, cause.exit_code, cause.exception)
+    return cause
+
+
+def failure_cause(plan: Plan, node: NodePlan, cause: Cause | None) -> str:
+    """The failing rank's part of the closing line (``rank 3 (local rank 1), exit code 1:
+    RuntimeError: boom``), or "" when its output named none."""
+    cause = ranked(plan, node, cause)
+    return cause.text() if cause else ""
+
+
+def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None:
+    """The node whose failure came first, by the time each node reports for its job's failure
+    (``failed_at``, the node's clock); a node without one (lost, supervisor gone) counts at the
+    time ddpfab saw it end. A node whose job failed on its own is never "stopped by ddpfab"."""
+    times = {}
+    for name, out in outcomes.items():
+        failed_at = (out.remote or {}).get("failed_at")
+        if failed_at is not None and out.exit_code not in (None, 0):
+            times[name] = failed_at
+            out.stopped_by_ddpfab = False
+    if detected is not None and detected not in times:
+        times[detected] = outcomes[detected].ended
+    return min(times, key=lambda n: (times[n], outcomes[n].node_rank)) if times else None
+
+
+def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer,
+            reconnect: Callable[[str], Connection] | None = None) -> RunResult:
+    """Run *plan* on the open connections; block until every node is done; never leave one running.
+    *reconnect(name)* opens a fresh connection to a node (to clean up after a lost supervisor)."""
+    events: queue.Queue = queue.Queue()
+    logs = {}
+    try:  # every node's local log before any node starts: a node that cannot have one starts nothing
+        for n in plan.nodes:
+            path = log_dir / f"{n.name}.log"
+            logs[n.name] = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "wb")
+    except OSError as exc:
+        for log in logs.values():
+            log.close()
+        why = f"host {n.name}: cannot create its local log {path}: {exc.strerror or exc}; nothing was started"
+        printer.note(why)
+        return RunResult(2, {m.name: NodeOutcome(m.name, m.node_rank) for m in plan.nodes}, n.name, None, why)
+    jobs = {n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect)
+            for n in plan.nodes}
+    stop_deadline: float | None = None
+
+    def stop_all(fast: bool = False) -> None:
+        nonlocal stop_deadline
+        if stop_deadline is None:
+            stop_deadline = time.monotonic() + STOP_WAIT_S
+            for job in jobs.values():
+                if job.outcome.ended == 0:
+                    job.stop(fast)
+
+    with signals_raise():
+        return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline)
+
+
+def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, stop_all, stop_deadline) -> RunResult:
+    """Wait for every node; stop them all on the first failure or on SIGINT/SIGTERM."""
+    interrupted: str | None = None
+    first_failure: str | None = None
+    extra_wait: float | None = None
+    wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
+    wait_every, quiet_since, next_report = wait_base, None, 0.0
+    try:
+        started = time.monotonic()
+        for job in jobs.values():
+            job.start()
+        pending = set(jobs)
+        while pending:
+            try:
+                if printer.closed and interrupted is None:  # `| head` had enough: as an interrupt
+                    interrupted = CLOSED_STDOUT
+                    sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
+                    stop_all()
+                try:
+                    name = events.get(timeout=0.1)
+                except queue.Empty:
+                    for n in pending:
+                        job = jobs[n]
+                        if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
+                            job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
+                                                 "(host down or network cut)")
+                            job.close()  # unblocks its reader; its supervisor stops on silence
+                    now = time.monotonic()
+                    last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
+                    if last != quiet_since:  # a rank printed: the next report is a full interval away
+                        quiet_since, wait_every, next_report = last, wait_base, last + wait_base
+                    if wait_base > 0 and stop_deadline() is None and now >= next_report:
+                        printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
+                        wait_every *= 2  # a growing interval: a long wait is not a wall of notes
+                        next_report = now + wait_every
+                    deadline = extra_wait or stop_deadline()
+                    if deadline is not None and time.monotonic() > deadline:
+                        for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
+                            jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
+                            jobs[n].close()
+                        extra_wait = time.monotonic() + 5
+                    continue
+                pending.discard(name)
+                out = jobs[name].outcome
+                failed = out.error is not None or out.exit_code != 0
+                if failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
+                    first_failure = name
+                    why = out.error or f"exit code {out.exit_code}"
+                    cause = failure_cause(jobs[name].plan, jobs[name].node, out.cause)
+                    printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}{f'; {cause}' if cause else ''}); "
+                                 "stopping the other nodes")
+                    stop_all(fast=True)
+            except Interrupted as exc:
+                if interrupted is None:
+                    interrupted = exc.args[0]
+                    printer.note(f"{interrupted}: stopping the job on every node")
+                    stop_all()
+        for job in jobs.values():  # their supervisors' result records, fetched after the stop
+            job.reported.wait(timeout=STOP_WAIT_S + 10)
+    finally:
+        for job in jobs.values():
+            job.close()
+    outcomes = {n: j.outcome for n, j in jobs.items()}
+    for name, out in outcomes.items():
+        if out.cleanup:
+            printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
+    if not interrupted:
+        first_failure = _blame(outcomes, first_failure)
+    if interrupted == CLOSED_STDOUT:
+        code = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
+        summary = "stdout was closed (its reader went away); the job was stopped on every node"
+    elif interrupted:
+        code = 130 if interrupted == "SIGINT" else 143
+        summary = f"interrupted by {interrupted}; the job was stopped on every node"
+    elif first_failure:
+        out = outcomes[first_failure]
+        code = out.exit_code if out.exit_code not in (None, 0) else 1
+        why = out.error or f"exit code {out.exit_code}"
+        cause = failure_cause(jobs[first_failure].plan, jobs[first_failure].node, out.cause)
+        summary = (f"failed: {first_failure} (node_rank {out.node_rank}) {why}"
+                   f"{f'; {cause}' if cause else ''}; the others were stopped")
+        for hint in dict.fromkeys(h for o in outcomes.values() for h in o.hints):
+            printer.note(f"hint: {hint}")
+    else:
+        code = 0
+        summary = f"all {len(outcomes)} nodes exited 0"
+    return RunResult(code, outcomes, first_failure, interrupted, summary)

@@ -1,0 +1,69 @@
+"""SIGINT and SIGTERM as one exception, so that every command ends the same way at every stage.
+
+:class:`Interrupted` is a ``KeyboardInterrupt``: code that already cleans up on Ctrl-C (closing
+connections in ``finally``, stopping a job) does the same for SIGTERM. The command line catches
+it once (:func:`ddpfab.cli.main`): one line, exit 130 (SIGINT) or 143 (SIGTERM), no traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+from ddpfab.node.agent import _signal_all, descendants
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached ddpfab."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Within: SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_interruptible(call: Callable[[], int]) -> int:
+    """``call()`` with SIGINT/SIGTERM raising :class:`Interrupted`; if one comes, this process's
+    children are ended, one line is printed and the process exits 130/143 at once (threads still
+    blocked on a connection that is closing must not hold the exit up)."""
+    try:
+        with signals_raise():
+            return call()
+    except KeyboardInterrupt as exc:
+        code = exc.exit_code if isinstance(exc, Interrupted) else 130
+        end_own_children()
+        sys.stderr.write(f"ddpfab: interrupted by {'SIGTERM' if code == 143 else 'SIGINT'}; stopped\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def end_own_children() -> None:
+    """TERM this process's child processes (rsync, ssh) so that an interrupted command leaves
+    none behind; the node side of each ends when its connection closes."""
+    _signal_all(descendants(os.getpid()), signal.SIGTERM)

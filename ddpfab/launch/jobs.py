@@ -1,0 +1,99 @@
+"""Jobs on the cluster, by run id: ``ps``, ``stop``, ``attach``, ``logs``.
+
+Everything here reads the records the node supervisor keeps under each node's run dir
+(``agent.json``: pids; ``exit_code``/``result.json``: the end), and signals only the supervisor
+named there, after checking that the pid still belongs to that run; a job whose supervisor is gone
+is found by the ``DDPFAB_JOB=<run id>`` marker in its processes' environment. Never a name
+pattern: two jobs, or two users, may share a host.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from ddpfab import node as nodeprog
+from ddpfab.health.mesh import compact
+from ddpfab.planning.plan import is_run_id
+from ddpfab.remote import ssh, streams
+
+
+def _ps_record(rec) -> dict:
+    """One run record from a node's ``ps`` reply, validated (records are data): its run id names a
+    local directory (the run's manifest), so it must be a run id, not a path."""
+    if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in (
+            "running", "exited", "dead") or not _is_int_or_none(rec.get("exit_code")):
+        raise ValueError(f"malformed run record {nodeprog.printable(repr(rec))[:200]}")
+    started = rec.get("started")
+    return {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
+            "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
+
+
+def _is_int_or_none(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
+    path = Path(runs_dir) / run_id / "manifest.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _remote_dir(node_name: str, manifest: dict | None, run_id: str) -> str:
+    if manifest:
+        for n in manifest["plan"]["nodes"]:
+            if n["name"] == node_name:
+                return n["remote_dir"]
+    return f".ddpfab/runs/{run_id}"  # relative: SSH sessions start in the user's home
+
+
+#: Up to this many nodes every node has a line of its own; beyond, nodes with the same outcome
+#: share one (``node[1-64,66-128]: stopped``), as the check table folds its rows.
+FOLD_ABOVE = 16
+
+
+def grouped(outcomes: dict[str, str]) -> list[str]:
+    """``name: text`` per node (in the given order), or beyond FOLD_ABOVE nodes one line per
+    distinct text naming its nodes compactly: 128 nodes' identical answers are one line, not 128."""
+    if len(outcomes) <= FOLD_ABOVE:
+        return [f"{name}: {text}" for name, text in outcomes.items()]
+    by_text: dict[str, list[str]] = {}
+    for name, text in outcomes.items():
+        by_text.setdefault(text, []).append(name)
+    return [f"{compact(names)}: {text}" for text, names in by_text.items()]
+
+
+def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
+    def follow(node) -> int:
+        n = plan.node(node.name)
+        chan = conns[node.name].transport.open_session(timeout=30)
+        chan.set_combine_stderr(True)
+        chan.exec_command(nodeprog.command(node, "ddpfab-node"))
+        chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
+        for line in streams.lines(chan.recv):
+            printer.line(node.name, line)
+            if printer.closed:  # `| head` had enough: stop following; the job goes on
+                chan.close()
+                return 0
+        return chan.recv_exit_status()
+
+    nodes = [n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}]
+    # a follow lasts as long as the job: every node at once (on connections already open: no
+    # handshakes), else the nodes beyond the fan-out window would wait for the job's end unseen
+    results = ssh.parallel(nodes, follow, window=len(nodes))
+    return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
+
+
+def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:
+    """Copy torchrun's per-rank logs of a run (``--log-dir``: ``<id>_<x>/attempt_<n>/<local
+    rank>/{stdout,stderr}.log``) from *node* into *dest*; returns the number of files."""
+    got = nodeprog.call(conn, node, {"op": "rank_logs", "dir": remote_dir}, timeout=120)[0].value(node.name)
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(str(got["tar_gz"]))), mode="r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]  # no links, devices
+        tar.extractall(dest, members=members, filter="data")
+        return sum(1 for m in members if m.isfile())

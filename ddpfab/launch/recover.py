@@ -1,0 +1,629 @@
+"""Unattended training: when a node is lost, start the job again without it, on a spare.
+
+A thin loop over the single-attempt launch (:func:`ddpfab.launch.runner.run`): each attempt is a plan of
+its own, made by the same pure planner from a new list of nodes, with a run id of its own
+(``R``, ``R-r1``, ``R-r2``...), so a fresh master port, a fresh file:// init file and, when the
+master was lost, a new master. What this module adds:
+
+- which nodes the next attempt runs on (:func:`next_nodes`, pure: survivors keep their order, a
+  healthy spare takes each lost node's place, or the job shrinks down to ``--min-nodes``);
+- whether a failure is the node's or the script's (:func:`classify`: a node that was lost, that
+  ended without an exit status, or that does not answer a fresh SSH connection now, is a node
+  failure; an exit code on nodes that all still answer is the script's);
+- the record: every attempt in the first attempt's manifest under ``recovery`` (nodes, ranks,
+  master, why it ended, which node replaced which, how long the recovery took).
+
+Ctrl-C (or SIGTERM) never starts another attempt: an interrupted attempt ends the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ddpfab.hosts import inventory
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch.execute import Interrupted, Printer, RunResult
+from ddpfab.launch.runner import RunError
+from ddpfab.launch.runs import RunDir
+from ddpfab.planning.plan import Plan, RunOptions
+from ddpfab.problems import Problem
+from ddpfab.remote import ssh
+from ddpfab.remote.ssh import HostKeyPolicy
+
+#: Env vars that tell the script it is a restart (beside DDPFAB_RUN_ID, the attempt's own id).
+RESTART_VAR, ROOT_VAR, LINEAGE_VAR = "DDPFAB_RESTART_COUNT", "DDPFAB_ROOT_RUN_ID", "DDPFAB_RUN_LINEAGE"
+#: Lines of a failed node's log kept as evidence.
+EVIDENCE_LINES = 8
+#: Seconds a health check waits for a node's sshd after a failure.
+HEALTH_TIMEOUT_S = 5.0
+_HOST_PROBLEM = re.compile(r"^(?:sync: )?host ([^\s:(]+)")
+_RANK_TAG = re.compile(r"^\[default\d+\]:(?:\[rank\d+\]:)?")  # torchrun's --tee tag, torch's own rank tag
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s.*)?$")
+
+
+class NoRecovery(Exception):
+    """The job cannot go on: no healthy spare and no smaller world allowed; says which node and why."""
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """How a run recovers.
+
+    Args:
+        max_job_restarts: how many times the whole job may be started again (0: never).
+        spares_group: the inventory group whose hosts stand by (None: no spares).
+        retry_on: which failures start the job again: "node" (lost, unreachable or failing the
+            preflight) and/or "script" (an exit code on nodes that are all healthy).
+        min_nodes: with no healthy spare left, go on with fewer nodes, down to this many (None:
+            never shrink; the script must cope with a smaller world).
+    """
+
+    max_job_restarts: int = 0
+    spares_group: str | None = None
+    retry_on: frozenset[str] = frozenset({"node"})
+    min_nodes: int | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why an attempt ended, as data.
+
+    Args:
+        kind: "node", "script", "interrupted" or "none" (the attempt succeeded).
+        nodes: the failed nodes (node failure), or the node the script failed on first.
+        evidence: node -> what shows it (the error, the health check, the log's last lines).
+        error: for a script failure, the exception line its log ends with (or the exit code).
+    """
+
+    kind: str
+    nodes: tuple[str, ...] = ()
+    evidence: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "node":
+            return "node failure: " + "; ".join(f"{n}: {self.evidence.get(n, '?').splitlines()[0]}"
+                                                for n in self.nodes)
+        if self.kind == "script":
+            return f"script failure on {', '.join(self.nodes)}: {self.error}"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class NextSet:
+    """The nodes of the next attempt.
+
+    Args:
+        nodes: in order (node_rank follows it; the master is the flagged one, else the first).
+        replaced: failed node -> the spare that takes its place.
+        dropped: failed nodes nobody replaces (the job shrank).
+    """
+
+    nodes: tuple[Node, ...]
+    replaced: dict[str, str]
+    dropped: tuple[str, ...]
+
+
+def next_nodes(current: tuple[Node, ...], failed: set[str] | frozenset[str], spares: tuple[Node, ...],
+               excluded: set[str] | frozenset[str], min_nodes: int | None) -> NextSet:
+    """The next attempt's nodes: the survivors in their order, then one healthy spare per failed node.
+
+    Args:
+        current: the failed attempt's nodes, in order.
+        failed: names of the nodes that failed (the ones to leave out).
+        spares: the spare group's hosts, in inventory order.
+        excluded: names never to use again (failed before, or found unhealthy).
+        min_nodes: without enough spares, go on with at least this many nodes; None: never shrink.
+
+    Raises NoRecovery naming the lost nodes when neither is possible. Survivors keep their
+    relative order, so when the master is lost the first survivor becomes the master.
+    """
+    survivors = tuple(n for n in current if n.name not in failed)
+    lost = [n.name for n in current if n.name in failed]
+    in_use = {n.name for n in current}
+    free = [s for s in spares if s.name not in excluded and s.name not in in_use and s.name not in failed]
+    taken = free[:len(lost)]
+    replaced = {old: new.name for old, new in zip(lost, taken)}
+    dropped = tuple(lost[len(taken):])
+    nodes = survivors + tuple(taken)
+    if dropped and (min_nodes is None or len(nodes) < min_nodes):
+        have = f"{len(free)} healthy spare{'s' if len(free) != 1 else ''} left"
+        shrink = ("no --min-nodes (the job does not shrink)" if min_nodes is None
+                  else f"{len(nodes)} node(s) would be left, below --min-nodes {min_nodes}")
+        raise NoRecovery(f"lost {', '.join(dropped)}; {have}, {shrink}; add hosts to the spares group "
+                         "(--spares / ddpfab_spares_group) or allow a smaller world with --min-nodes")
+    if not nodes:
+        raise NoRecovery(f"lost {', '.join(lost)}: no node left")
+    return NextSet(nodes, replaced, dropped)
+
+
+def attempt_id(root: str, restart: int) -> str:
+    """The run id of attempt *restart*: the root id itself first, then ``<root>-r<k>``."""
+    return root if restart == 0 else f"{root}-r{restart}"
+
+
+def attempt_options(options: RunOptions, restart: int, lineage: tuple[str, ...]) -> RunOptions:
+    """*options* for one attempt: its own run id, and the restart count and lineage in the env
+    (DDPFAB_RUN_ID, set by the planner, is the attempt's id)."""
+    root = lineage[0]
+    env = tuple((k, v) for k, v in options.env if k not in (RESTART_VAR, ROOT_VAR, LINEAGE_VAR))
+    env += ((RESTART_VAR, str(restart)), (ROOT_VAR, root), (LINEAGE_VAR, ",".join(lineage)))
+    return replace(options, run_id=attempt_id(root, restart), env=env)
+
+
+def problem_host(problem: Problem | str) -> str | None:
+    """The node a problem is about: a :class:`Problem`'s own; for a line of text from a layer that
+    has no problem type yet (``sync: host NAME: ...``), the name its ``host NAME`` prefix gives."""
+    if isinstance(problem, Problem):
+        return problem.node
+    m = _HOST_PROBLEM.match(problem)
+    return m.group(1) if m else None
+
+
+def problem_hosts(problems: list[Problem | str], names: set[str]) -> set[str]:
+    """The hosts that preflight/probe problems are about, among *names* (exact names)."""
+    return {host for host in map(problem_host, problems) if host in names}
+
+
+def exception_line(log_text: str) -> str | None:
+    """The last Python exception line a rank printed (``ValueError: ...``): from the ranks' own
+    output (torchrun tags it ``[default<N>]:``) first, else torchrun's, its wrappers for a child's
+    failure or for the stop signal aside."""
+    ranks, launcher = None, None
+    for raw in log_text.splitlines():
+        raw = raw.strip()
+        tagged = _RANK_TAG.match(raw)
+        line = raw[tagged.end():].strip() if tagged else re.sub(r"^\[rank\d+\]:", "", raw).strip()
+        m = _EXC_LINE.match(line)
+        if m and not m.group(1).endswith(("ChildFailedError", "SignalException")):
+            if tagged:
+                ranks = line
+            else:
+                launcher = line
+    return ranks or launcher
+
+
+def tail(path: Path, lines: int = EVIDENCE_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def health(nodes: tuple[Node, ...], policy: HostKeyPolicy, ssh_config: str | None) -> dict[str, str]:
+    """node -> why it is unhealthy now, for the nodes that do not answer a fresh SSH connection
+    and a trivial command (retried once: a timeout is not yet evidence of a fault)."""
+    def one(node: Node) -> None:
+        last: BaseException | None = None
+        for _ in range(2):
+            try:
+                conn = ssh.connect(node, policy, ssh_config, timeout=HEALTH_TIMEOUT_S)
+            except ssh.SSHError as exc:
+                last = exc
+                if exc.kind != "unreachable":
+                    break
+                continue
+            try:
+                if ssh.run(conn, node.name, "true", timeout=HEALTH_TIMEOUT_S).exit_code == 0:
+                    return None
+            finally:
+                conn.close()
+        raise last or RuntimeError(f"host {node.name}: `true` failed")
+
+    results = ssh.parallel(nodes, one)
+    return {n: str(r) for n, r in results.failed.items()}
+
+
+def classify(result: RunResult, nodes: tuple[Node, ...], log_dir: Path, policy: HostKeyPolicy,
+             ssh_config: str | None) -> Failure:
+    """Whose failure ended the attempt: a node's or the script's."""
+    if result.exit_code == 0:
+        return Failure("none")
+    if result.interrupted:
+        return Failure("interrupted", error=result.interrupted)
+    evidence: dict[str, str] = {}
+    for name, out in result.outcomes.items():
+        if out.exit_code is None and out.error:  # lost, cut off, or no exit status
+            evidence[name] = out.error
+    # a node declared lost has its evidence (keepalives unanswered for seconds); the others answered
+    # a moment ago, so their check is quick, and it catches a node whose failure looked like an exit
+    for name, why in health(tuple(n for n in nodes if n.name not in evidence), policy, ssh_config).items():
+        evidence[name] = f"health check: {why}"
+    if evidence:
+        for name in evidence:
+            last = tail(log_dir / f"{name}.log")
+            if last:
+                evidence[name] += "\nlast lines:\n" + last
+        return Failure("node", tuple(n.name for n in nodes if n.name in evidence), evidence)
+    first = result.first_failure or next(iter(result.outcomes))
+    error = None
+    for name in [first] + [n for n in result.outcomes if n != first]:  # the first to fail, else any
+        try:
+            error = exception_line((log_dir / f"{name}.log").read_text(errors="replace"))
+        except OSError:
+            continue
+        if error:
+            break
+    error = error or f"exit code {result.outcomes[first].exit_code}"
+    return Failure("script", (first,), {first: tail(log_dir / f"{first}.log")}, error)
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+#: Prepares one attempt: connect, sync, probe, preflight, plan. Returns (Prepared, manifest extra).
+PrepareFn = Callable[[Cluster, RunOptions], tuple]
+RunFn = Callable  # runner.run
+
+
+@dataclass
+class Attempt:
+    run_id: str
+    restart: int
+    nodes: list[str]
+    started: float
+    replaced: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    recovery_s: float | None = None
+    plan: Plan | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    ended_because: str = ""
+    failure: Failure | None = None
+    skipped: dict[str, str] = field(default_factory=dict)  # spare/survivor -> why it was left out
+
+    def to_dict(self) -> dict:
+        plan = self.plan
+        return {
+            "run_id": self.run_id, "restart": self.restart, "nodes": self.nodes,
+            "ranks": {n.name: n.node_rank for n in plan.nodes} if plan else {},
+            "master": plan.master if plan else None,
+            "master_addr": plan.master_addr if plan else None,
+            "master_port": plan.master_port if plan else None,
+            "started": self.started, "ended": self.ended, "exit_code": self.exit_code,
+            "ended_because": self.ended_because,
+            "failure_kind": self.failure.kind if self.failure else None,
+            "failed_nodes": list(self.failure.nodes) if self.failure and self.failure.kind == "node" else [],
+            "replaced": self.replaced, "dropped": self.dropped, "left_out": self.skipped,
+            "recovery_s": self.recovery_s,
+        }
+
+
+class Recovery:
+    """One run with restarts. *prepare* and *run* are the single-attempt steps (cli and runner)."""
+
+    def __init__(self, cluster: Cluster, spares: tuple[Node, ...], options: RunOptions, ropts: RecoveryOptions,
+                 policy: HostKeyPolicy, ssh_config: str | None, runs_dir: str, prepare: PrepareFn,
+                 run: RunFn, color: bool | None = None, out=None):
+        self.cluster, self.spares, self.options, self.ropts = cluster, spares, options, ropts
+        self.policy, self.ssh_config, self.runs_dir = policy, ssh_config, runs_dir
+        self.prepare, self.run_attempt, self.color = prepare, run, color
+        self.out = out or sys.stdout
+        self.root = options.run_id
+        self.attempts: list[Attempt] = []
+        self.failed: dict[str, str] = {}  # node -> evidence, over the whole run
+        self.excluded: set[str] = set()
+
+    def note(self, text: str) -> None:
+        self.out.write(f"ddpfab: {text}\n")
+        self.out.flush()
+
+    def record(self, state: str, exit_code: int | None) -> None:
+        path = Path(self.runs_dir) / self.root / "manifest.json"
+        if not path.exists():
+            return
+        manifest = json.loads(path.read_text())
+        manifest["recovery"] = {
+            "state": state, "exit_code": exit_code,
+            "final_run_id": self.attempts[-1].run_id if self.attempts else self.root,
+            "options": {"max_job_restarts": self.ropts.max_job_restarts, "spares_group": self.ropts.spares_group,
+                        "retry_on": sorted(self.ropts.retry_on), "min_nodes": self.ropts.min_nodes},
+            "spares": [s.name for s in self.spares],
+            "attempts": [a.to_dict() for a in self.attempts],
+            "failed_nodes": self.failed,
+        }
+        RunDir.existing(self.runs_dir, self.root).write_manifest(manifest)
+
+    def _prepare(self, attempt: Attempt, nodes: tuple[Node, ...], restart: int, lineage: tuple[str, ...]):
+        """Prepare the attempt on *nodes*; a node the preflight blames is left out and replaced by
+        another spare (at most once per spare). Returns (prepared, extra, nodes actually used)."""
+        opts = attempt_options(self.options, restart, lineage)
+        while True:
+            try:
+                prepared, extra = self.prepare(replace(self.cluster, nodes=nodes), opts)
+                return prepared, extra, nodes
+            except RunError as exc:
+                blamed = problem_hosts(exc.problems, {n.name for n in nodes})
+                if restart == 0 or not blamed:
+                    raise
+                for name in blamed:
+                    why = "; ".join(str(p) for p in exc.problems if problem_host(p) == name)  # node1 is not node10
+                    attempt.skipped[name] = why
+                    self.excluded.add(name)
+                    self.note(f"{name} left out of restart {restart}: {why}")
+                nxt = next_nodes(nodes, blamed, self.spares, self.excluded, self.ropts.min_nodes)
+                for old, new in nxt.replaced.items():
+                    origin = next((k for k, v in attempt.replaced.items() if v == old), old)
+                    attempt.replaced.pop(origin, None)
+                    attempt.replaced[origin] = new
+                attempt.dropped += list(nxt.dropped)
+                nodes = nxt.nodes
+
+    def run(self) -> int:
+        restart, lineage = 0, (self.root,)
+        nodes = self.cluster.nodes
+        pending: NextSet | None = None
+        failed_at: float | None = None
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted) \
+            if threading_main() else None
+        try:
+            while True:
+                attempt = Attempt(attempt_id(self.root, restart), restart, [], time.time(),
+                                  replaced=dict(pending.replaced) if pending else {},
+                                  dropped=list(pending.dropped) if pending else [])
+                try:
+                    prepared, extra, nodes = self._prepare(attempt, nodes, restart, lineage)
+                except (RunError, NoRecovery) as exc:
+                    lines = exc.problems if hasattr(exc, "problems") else [str(exc)]
+                    attempt.ended, attempt.ended_because = time.time(), "could not start: " + "; ".join(lines)
+                    self.attempts.append(attempt)
+                    if restart == 0:
+                        raise
+                    return self._give_up(lines + ["nothing is running"])
+                attempt.nodes = [n.name for n in nodes]
+                attempt.plan = prepared.plan
+                self.attempts.append(attempt)
+                extra = {**extra, "spares_group": self.ropts.spares_group, "attempt_nodes": attempt.nodes}
+                if restart:
+                    extra = {**extra, "recovery_of": self.root, "restart": restart, "lineage": list(lineage)}
+                printer = Printer(prepared.plan, stream=self.out, color=self.color)
+                if restart:
+                    swap = ", ".join(f"{a} -> {b}" for a, b in attempt.replaced.items()) or "no replacement"
+                    printer.note(f"restart {restart}/{self.ropts.max_job_restarts} as {attempt.run_id}: {swap}"
+                                 + (f", dropped {', '.join(attempt.dropped)}" if attempt.dropped else ""))
+                attempt.started = time.time()
+                if failed_at is not None:
+                    attempt.recovery_s = round(attempt.started - failed_at, 3)
+                self.record("running", None)
+                try:
+                    result, _ = self.run_attempt(prepared, self.runs_dir, printer, extra=extra)
+                finally:
+                    prepared.close()
+                attempt.ended, attempt.exit_code = time.time(), result.exit_code
+                failure = classify(result, nodes, Path(self.runs_dir) / attempt.run_id, self.policy,
+                                   self.ssh_config)
+                attempt.failure = failure
+                attempt.ended_because = "succeeded" if failure.kind == "none" else (
+                    f"interrupted by {result.interrupted}" if failure.kind == "interrupted" else failure.describe())
+                if failure.kind == "node":
+                    self.failed.update({n: failure.evidence[n] for n in failure.nodes})
+                    self.excluded.update(failure.nodes)
+                if failure.kind in ("none", "interrupted"):
+                    self.record("succeeded" if failure.kind == "none" else "interrupted", result.exit_code)
+                    return self._finish(result.exit_code)
+                self.note(f"attempt {attempt.run_id} ended: {attempt.ended_because}")
+                if failure.kind not in self.ropts.retry_on:
+                    why = ("a script failure is not retried (--retry-on script retries it)"
+                           if failure.kind == "script" else "node failures are not retried (--retry-on node)")
+                    return self._give_up([f"{attempt.ended_because}; {why}"], result.exit_code)
+                if restart >= self.ropts.max_job_restarts:
+                    return self._give_up([f"{attempt.ended_because}; no restarts left "
+                                          f"(--max-job-restarts {self.ropts.max_job_restarts})"], result.exit_code)
+                failed_at = min((result.outcomes[n].ended for n in failure.nodes if result.outcomes[n].ended),
+                                default=attempt.ended)
+                if failure.kind == "node":
+                    try:
+                        pending = next_nodes(nodes, set(failure.nodes), self.spares, self.excluded,
+                                             self.ropts.min_nodes)
+                    except NoRecovery as exc:
+                        return self._give_up([str(exc)], result.exit_code)
+                    nodes = pending.nodes
+                else:
+                    pending = None
+                restart += 1
+                lineage += (attempt_id(self.root, restart),)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            name = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
+            self.note(f"{name} between attempts: no restart; nothing is running")
+            self.record("interrupted", 130 if name == "SIGINT" else 143)
+            return 130 if name == "SIGINT" else 143
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _finish(self, code: int) -> int:
+        if len(self.attempts) > 1:
+            self.note(f"run {self.root}: {len(self.attempts)} attempts, the last ({self.attempts[-1].run_id}) "
+                      f"{'succeeded' if code == 0 else f'ended with {code}'}")
+        self._report_failed()
+        return code
+
+    def _give_up(self, lines: list[str], code: int | None = 1) -> int:
+        self.record("failed", code or 1)
+        self._report_failed()
+        for line in lines:
+            sys.stderr.write(f"ddpfab: error: {line}\n")
+        return code or 1
+
+    def _report_failed(self) -> None:
+        """The nodes that failed during the run, with their evidence: what a person fixes next."""
+        if not self.failed:
+            return
+        self.note(f"failed node{'s' if len(self.failed) > 1 else ''} during run {self.root}: "
+                  + ", ".join(self.failed))
+        for name, why in self.failed.items():
+            for i, line in enumerate(why.splitlines()):
+                self.note(f"  {name}: {line}" if i == 0 else f"  {name}|   {line}")
+
+
+def threading_main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def split_spares(cluster: Cluster, spares_group: str | None) -> tuple[Cluster, tuple[Node, ...]]:
+    """The cluster without the spares group's hosts, and the spares (in inventory order)."""
+    if not spares_group:
+        return cluster, ()
+    if spares_group == cluster.group:
+        raise inventory.InventoryError(f"inventory {cluster.source}: the spares group {spares_group!r} is the "
+                                       "group of the nodes itself; pick another --group or --spares")
+    spares = inventory.load(cluster.sources or cluster.source, spares_group).nodes
+    names = {s.name for s in spares}
+    both = [n.name for n in cluster.nodes if n.name in names]
+    if both and cluster.group != "all":
+        # a group named for the nodes that also holds a spare: which one the host is meant to be is
+        # unclear, and dropping it silently would start a smaller job than the group says
+        raise inventory.InventoryError(
+            f"inventory {cluster.source}: host{'s' * (len(both) > 1)} {', '.join(both)} {'are' if len(both) > 1 else 'is'} "
+            f"in the nodes' group {cluster.group!r} and in the spares group {spares_group!r}; a host is a node or a "
+            "spare: take it out of one of the groups (or use --group all, whose spares are its other hosts)")
+    active = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.name not in names))
+    if not active.nodes:
+        raise inventory.InventoryError(f"inventory {cluster.source}: every host of group {cluster.group!r} is a "
+                                       f"spare (group {spares_group!r}); nothing to start on")
+    return active, spares
+
+
+#: Set in the environment of the controller-side supervisor of a detached run with restarts.
+SUPERVISOR_VAR = "DDPFAB_RECOVERY_SUPERVISOR"
+
+
+def is_supervisor() -> bool:
+    return os.environ.get(SUPERVISOR_VAR) == "1"
+
+
+def start_detached(argv: list[str], run_id: str, runs_dir: str, out=None) -> int:
+    """``run --detach`` with restarts: the recovery loop itself must outlive this command, so it runs
+    as a controller-side supervisor in a session of its own (``runs/<id>.supervisor.log``), and
+    this command returns once the first attempt is recorded (or the supervisor has failed)."""
+    out = out or sys.stdout
+    root = Path(runs_dir)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log_path = root / f"{run_id}.supervisor.log"
+    child = ["--run-id", run_id, *argv]  # the same command, attended (SUPERVISOR_VAR); a later --run-id wins
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", *child], stdin=subprocess.DEVNULL, stdout=fd,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "NO_COLOR": "1", SUPERVISOR_VAR: "1"})
+    os.close(fd)
+    (root / f"{run_id}.supervisor.json").write_text(json.dumps({"pid": proc.pid, "run_id": run_id,
+                                                                "started": time.time()}))
+    manifest = root / run_id / "manifest.json"
+    while proc.poll() is None:
+        if manifest.exists() and json.loads(manifest.read_text()).get("state") == "running":
+            out.write(f"ddpfab: run {run_id} started detached, with restarts supervised from this machine (pid "
+                      f"{proc.pid}, log {log_path}); `ddpfab stop {run_id}` ends it\n")
+            return 0
+        time.sleep(0.1)
+    sys.stderr.write(f"ddpfab: error: the run's supervisor ended with {proc.returncode} before the job "
+                     f"started:\n{log_path.read_text()[-2000:]}")
+    return proc.returncode or 1
+
+
+def stop_supervisor(runs_dir: str, run_id: str, timeout: float = 30.0) -> str | None:
+    """End the controller-side supervisor of a detached run with restarts (so it starts no more
+    attempts; it stops the running one on every node). None when there is none."""
+    path = Path(runs_dir) / f"{run_id}.supervisor.json"
+    try:
+        pid = int(json.loads(path.read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+    def alive() -> bool:
+        try:
+            return run_id.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() and \
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    if not alive():
+        return "supervisor not running"
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return "supervisor stopped" if not alive() else "supervisor still running"
+
+
+def current_manifest(runs_dir: str, manifest: dict | None) -> dict | None:
+    """For a run with restarts, the manifest of its latest attempt (what is running now, or ran
+    last); else *manifest* itself."""
+    final = ((manifest or {}).get("recovery") or {}).get("final_run_id")
+    if not final or final == manifest.get("run_id"):
+        return manifest
+    path = Path(runs_dir) / final / "manifest.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return manifest
+
+
+def attempt_manifests(runs_dir: str, manifest: dict) -> list[dict]:
+    """Every attempt's manifest of a run with restarts, in order ([*manifest*] for a plain run)."""
+    out = []
+    for a in ((manifest.get("recovery") or {}).get("attempts") or []):
+        if a.get("run_id") == manifest.get("run_id"):
+            out.append(manifest)
+            continue
+        try:
+            out.append(json.loads((Path(runs_dir) / a["run_id"] / "manifest.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out or [manifest]
+
+
+def next_attempt(runs_dir: str, root: dict, followed: str, wait_s: float = 300.0) -> dict | None:
+    """After attempt *followed* of a run with restarts has ended: the manifest of the attempt that
+    follows it, once it has started, or None when the run has ended (or has no restarts)."""
+    if not root.get("recovery"):
+        return None
+    path = Path(runs_dir) / root["run_id"] / "manifest.json"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            rec = json.loads(path.read_text()).get("recovery") or {}
+        except (OSError, ValueError):
+            return None
+        final = rec.get("final_run_id")
+        if final and final != followed:
+            try:
+                manifest = json.loads((Path(runs_dir) / final / "manifest.json").read_text())
+            except (OSError, ValueError):
+                manifest = None
+            if manifest is not None:
+                return manifest
+        elif rec.get("state") != "running":
+            return None
+        time.sleep(0.5)
+    return None
+
+
+def attempt_cluster(manifest: dict, source: str | None = None, group: str | None = None) -> Cluster:
+    """The cluster an attempt ran on, in its order: its nodes, from the run's group and its spares."""
+    plan = manifest["plan"]
+    source = source or plan["inventory"]
+    cluster = inventory.load(source, group or plan["group"])
+    spares_group = manifest.get("spares_group")
+    pool = {n.name: n for n in cluster.nodes}
+    if spares_group:
+        pool.update({n.name: n for n in inventory.load(source, spares_group).nodes})
+    order = manifest.get("attempt_nodes") or [n["name"] for n in plan["nodes"]]
+    missing = [n for n in order if n not in pool]
+    if missing:
+        raise inventory.InventoryError(f"inventory {source}: the run's nodes {', '.join(missing)} are not in "
+                                       f"group {cluster.group!r}" + (f" or {spares_group!r}" if spares_group else ""))
+    return replace(cluster, nodes=tuple(pool[n] for n in order))

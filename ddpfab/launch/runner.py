@@ -1,0 +1,334 @@
+"""``ddpfab run`` end to end: connect, probe, plan, execute, record.
+
+The order is the safety property: every node is connected (host keys verified) and probed, and
+the whole plan is made, before any node starts anything. A problem anywhere means nothing starts
+anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fabric import Connection
+
+from ddpfab import node as nodeprog
+from ddpfab.health import check
+from ddpfab.health.mesh import listen_request
+from ddpfab.hosts import inventory
+from ddpfab.launch import replicate
+from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
+from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
+from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
+from ddpfab.planning import probe, scriptfile
+from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, master_port, nproc_for
+from ddpfab.problems import Problem
+from ddpfab.remote import ssh
+from ddpfab.results import GroupResult
+
+
+class RunError(Exception):
+    """The run could not start; ``problems`` has one entry per host or cause: a
+    :class:`~ddpfab.problems.Problem` (about a node), or a line of text."""
+
+    def __init__(self, problems: list[Problem | str]):
+        super().__init__("\n".join(map(str, problems)))
+        self.problems = problems
+
+
+@dataclass
+class Prepared:
+    cluster: inventory.Cluster
+    plan: Plan
+    conns: dict[str, Connection]
+    facts: dict[str, probe.NodeFacts]
+    policy: ssh.HostKeyPolicy | None = None  # for fresh connections (cleanup after a lost supervisor)
+    ssh_config: str | None = None
+    options: RunOptions | None = None  # what the plan was made from (recorded for replay)
+    cwd: str | None = None
+    preflight: dict | None = None  # the preflight check's full report (the run dir's check.json)
+    replicas: dict[str, dict] | None = None  # per node, its replica_stat answer (ddpfab.launch.replicate)
+
+    def reconnect(self, name: str) -> Connection:
+        """A fresh connection to node *name*, the same way as the first one."""
+        return ssh.connect(self.cluster.node(name), self.policy or ssh.HostKeyPolicy(), self.ssh_config)
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+
+
+def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
+                ssh_config: str | None = None) -> dict[str, Connection]:
+    """Open verified connections to every node in parallel; on any failure close them all and
+    raise one error listing every host that failed."""
+    results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
+    conns, failed = results.succeeded, results.failed
+    if failed:
+        for c in conns.values():
+            c.close()
+        raise RunError([Problem(name, e.kind if isinstance(e, ssh.SSHError) else "ssh", found=str(e),
+                                text=str(e) if isinstance(e, ssh.SSHError) else repr(e)) for name, e in failed.items()])
+    return conns
+
+
+@dataclass
+class Probing:
+    """One preparation's node program sessions (one python start per node before the supervisor's)
+    and what was sent on them at once: per node ``facts`` and, with the preflight, ``mesh_listen``.
+
+    Args:
+        sessions: node -> its program session (open until :func:`prepare` ends).
+        errors: node -> why its session did not open.
+        master: the master node (the plan's choice, made before anything was asked).
+        sent: node -> the requests on their way, in order: facts, then mesh_listen (preflight).
+        sent_at: when they were sent (the facts' controller_sent, for the clock check).
+    """
+
+    sessions: dict[str, nodeprog.Session]
+    errors: dict[str, nodeprog.NodeProgramError]
+    master: inventory.Node
+    sent: dict[str, list[dict]]
+    sent_at: float
+
+    def close(self, wait: float | None = None) -> None:
+        nodeprog.close_all(self.sessions, wait)
+
+
+def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], options: RunOptions, cwd: str,
+                preflight: bool = True) -> Probing:
+    """Start the node program on every node and send what the preparation asks, without waiting:
+    the facts, and with *preflight* the mesh listeners (on the master also on the master port,
+    the one its facts find free unless the user gave one). Whatever is asked on the same sessions
+    later (the code's hash) travels with it in the same round trip."""
+    master = choose_master(cluster)
+    sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
+    script = scriptfile.file_to_check(options.script, options.module, cwd)  # the file the nodes must have
+    reqs = probe.requests(cluster, conns, master, cwd=cwd, script=script, master_port=options.master_port)
+    sent, sent_at = {}, time.time()
+    for name, session in sessions.items():
+        batch = [reqs[name]]
+        if preflight:
+            batch.append(listen_request(name, master.name, options.master_port or "found"))
+        try:
+            sent[name] = session.send(*batch)
+        except Exception as exc:  # noqa: BLE001 - one node's failure is data
+            errors[name] = nodeprog.NodeProgramError(name, f"the node program's session broke: {exc}")
+    return Probing({n: s for n, s in sessions.items() if n in sent}, errors, master, sent, sent_at)
+
+
+def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
+            ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
+            conns: dict[str, Connection] | None = None, probing: Probing | None = None,
+            synced: bool = False, replicate_paths: tuple[str, ...] = (), will_sync: bool = False) -> Prepared:
+    """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
+    and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
+    problem; nothing has been started on any node then.
+
+    *probing*: what :func:`start_probe` sent already (the caller asked the code's hash on the same
+    sessions meanwhile); *synced*: the code was copied since, so the workdir facts are asked
+    again; *will_sync*: a dry run of a run that copies the code first, so a workdir or script not
+    on a node yet is the copy's to place, not a refusal (the real run checks them after the copy,
+    and the script was checked here). The sessions end here either way.
+
+    *replicate_paths* (and, with *preflight*, the workdir's resume files) are looked at on every
+    node over the same sessions, after the sync: the Prepared's ``replicas``."""
+    cwd = cwd or os.getcwd()
+    conns = conns if conns is not None else connect_all(cluster, policy, ssh_config)
+    try:
+        probing = probing or start_probe(cluster, conns, options, cwd, preflight)
+        try:
+            master = probing.master
+            answers = nodeprog.exchange(probing.sessions, {}, timeout=60, sent=probing.sent)
+            if synced:
+                answers = _after_sync(cluster, conns, probing, answers, options, cwd)
+            facts, problems = probe.collect(
+                cluster, conns, master, answers.map(lambda replies: replies[0]),
+                cwd=cwd, script=scriptfile.file_to_check(options.script, options.module, cwd),
+                master_port=options.master_port, sent_at=probing.sent_at)
+            problems = [Problem(n.name, "node_program", found=e.found, text=str(e))
+                        for n in cluster.nodes if (e := probing.errors.get(n.name))] + problems
+            if will_sync:
+                problems = [p for p in problems if not (isinstance(p, Problem) and p.check in ("workdir", "script"))]
+            if problems:
+                raise RunError(problems)
+            cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
+            port = master_port(options.master_port, found=facts[master.name].free_port,
+                               asked_free=facts[master.name].port_free)
+            report = None
+            if preflight:
+                listening = answers.map(lambda replies: replies[1])
+                report = _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
+                                    options, probing.sessions, listening)
+            replicas = (replicate.ask(cluster, probing.sessions, cwd, replicate_paths, scan=preflight)
+                        if replicate_paths or preflight else None)
+        except BaseException:
+            probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
+            raise
+        probing.close()
+        plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
+    except BaseException:
+        for c in conns.values():
+            c.close()
+        raise
+    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report, replicas=replicas)
+
+
+def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[nodeprog.Reply]], options: RunOptions,
+                cwd: str) -> GroupResult[list[nodeprog.Reply]]:
+    """The workdir facts again after a copy (the rest stands: a port found free is held by the
+    mesh listener now, so it is not looked for again)."""
+    reqs = probe.requests(cluster, conns, probing.master, cwd=cwd,
+                          script=scriptfile.file_to_check(options.script, options.module, cwd), master_port=None)
+    again = nodeprog.exchange(probing.sessions, {
+        n: [{k: v for k, v in reqs[n].items() if k not in ("port", "find_port")}]
+        for n, a in answers.succeeded.items() if a[0].ok}, timeout=60)
+    answers.update(again.failed)
+    for name, new in again.succeeded.items():
+        if not new[0].ok:
+            answers[name] = [new[0], *answers[name][1:]]
+            continue
+        old = answers[name][0]
+        fresh = {k: new[0].result.get(k) for k in ("workdir_exists", "script_exists")}
+        answers[name] = [nodeprog.Reply(old.id, old.op, True, result={**old.result, **fresh}), *answers[name][1:]]
+    return answers
+
+
+def plan_facts(facts: dict[str, probe.NodeFacts], port: int, cwd: str) -> Facts:
+    """What the planner needs from the probe: addresses, homes, interfaces, GPU and CPU counts
+    (``--nproc-per-node gpu|cpu|auto``); and the port."""
+    return Facts(addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
+                 homes={n: f.home for n, f in facts.items()}, ifnames={n: _ifname(f) for n, f in facts.items()},
+                 gpus={n: probe.gpu_count(f.raw) for n, f in facts.items()},
+                 cpus={n: c for n, f in facts.items() if (c := probe.cpu_count(f.raw)) is not None})
+
+
+def _ifname(facts: probe.NodeFacts) -> str | None:
+    """The one interface a node uses to reach all its peers, if there is exactly one."""
+    devs = {d for d in facts.raw.get("routes", {}).values() if d}
+    return devs.pop() if len(devs) == 1 else None
+
+
+def _preflight(cluster, conns, facts, addresses, master: str, port: int, options: RunOptions,
+               sessions: dict | None = None, listening: GroupResult[nodeprog.Reply] | None = None) -> dict:
+    """The fast part of ``ddpfab check`` (no torch import): a hang at init becomes an error here.
+    Over the preparation's node program *sessions*, whose listeners are up (*listening*).
+    Returns the full report (``check --json``'s form), which the run dir keeps as check.json."""
+    started = time.monotonic()
+    mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening)
+    counted = plan_facts(facts, port, "")
+    nproc = {n.name: nproc_for(n, options, counted.gpus.get(n.name), counted.cpus.get(n.name)) for n in cluster.nodes}
+    results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
+                             check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
+                                                full=False), nproc)
+    failures: list[Problem | str] = list(check.grouped_problems(results))  # one per distinct problem, however many nodes
+    failures += [Problem(n, "mesh", found=str(e), text=f"host {n}: data-plane probe failed: {e}")
+                 for n, e in mesh.get("errors", {}).items()]
+    if failures:
+        raise RunError(failures + [f"preflight checks failed (details: ddpfab check -i {cluster.source}; "
+                                   "skip with --no-check)"])
+    return check.Report(nodes=[n.name for n in cluster.nodes], results=results,
+                        seconds=time.monotonic() - started,
+                        extra={"master": master, "master_port": port, "fast": True,
+                               "mesh": check.mesh_detail(cluster, mesh)}).to_dict()
+
+
+def _manifest_head(prepared: Prepared) -> dict:
+    plan = prepared.plan
+    return {
+        "kind": MANIFEST_KIND,
+        "schema_version": SCHEMA_VERSION,
+        "run_id": plan.run_id,
+        "state": "running",
+        "started": time.time(),
+        "plan": mask_plan(plan.to_dict()),
+        "controller": controller_info(plan.secret_env),
+        "nodes_facts": {n: {"hostname": f.hostname, "python": f.python, "address": f.address,
+                            "executable": f.executable, "python_from": f.python_from,
+                            **({"env_changes": {"set": mask_env(f.env_changes["set"], plan.secret_env),
+                                                "unset": f.env_changes["unset"]}} if f.env_changes else {})}
+                        for n, f in prepared.facts.items()},
+        "logs": {n.name: f"{n.name}.log" for n in plan.nodes},
+        "options": recorded_options(prepared.options, prepared.cwd, plan.secret_env) if prepared.options else None,
+        **_replay_fields(prepared),
+    }
+
+
+def _replay_fields(prepared: Prepared) -> dict:
+    """inventory_fingerprint, script_file, script_sha256: what `ddpfab replay` checks."""
+    return manifest_fields(prepared.cluster, prepared.plan)
+
+
+def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict | None) -> tuple[RunDir, dict]:
+    """The run's dir (with the preflight's full report, check.json) and its manifest's head."""
+    run_dir = RunDir(runs_root, prepared.plan.run_id)
+    manifest = _manifest_head(prepared)
+    if prepared.preflight is not None:
+        manifest["check"] = run_dir.write_json("check.json", prepared.preflight).name
+    manifest.update(extra or {})
+    return run_dir, manifest
+
+
+def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | None = None,
+        extra: dict | None = None) -> tuple[RunResult, Path]:
+    """Execute the prepared plan and record it; *extra* goes into the manifest as is (e.g. replay_of)."""
+    plan = prepared.plan
+    printer = printer or Printer(plan)
+    run_dir, manifest = _open_record(prepared, runs_root, extra)
+    run_dir.write_manifest(manifest)
+    printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
+                 f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
+    result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect)
+    manifest.update({
+        "state": "succeeded" if result.exit_code == 0 else ("interrupted" if result.interrupted else "failed"),
+        "ended": time.time(),
+        "exit_code": result.exit_code,
+        "first_failure": result.first_failure,
+        "interrupted": result.interrupted,
+        "summary": result.summary,
+        "nodes": {n: o.to_dict() for n, o in result.outcomes.items()},
+    })
+    manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
+    path = run_dir.write_manifest(manifest)
+    line = f"{result.summary} (manifest: {path})"
+    if result.exit_code == 0:
+        printer.note(line)
+    else:  # printed once, where errors go: stdout is the job's own output
+        sys.stderr.write(f"ddpfab: {line}\n")
+    return result, path
+
+
+def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
+                   extra: dict | None = None) -> int:
+    """Start every node's supervisor in a session of its own and return: the job outlives ddpfab.
+
+    If any node fails to start, the ones that did are stopped again: a detached job is started
+    whole or not at all.
+    """
+    plan = prepared.plan
+    run_dir, manifest = _open_record(prepared, runs_root, extra)
+    manifest["state"] = "detached"
+    run_dir.write_manifest(manifest)
+    results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
+        prepared.conns[n.name], n.name, remote_command(plan, plan.node(n.name), detach=True), timeout=30,
+        stdin=agent_input(plan, plan.node(n.name), detach=True)))
+    failed = {**results.failed, **{n: r.stderr.strip() or f"exit {r.exit_code}"
+                                   for n, r in results.succeeded.items() if r.exit_code != 0}}
+    if failed:
+        for name, why in failed.items():
+            printer.note(f"{name}: could not start: {why}")
+
+        def stop(n):
+            return nodeprog.stop(prepared.conns[n.name], n, plan.node(n.name).remote_dir, STOP_GRACE_S, timeout=20)
+
+        # only where it started: a node that refused may hold another run's job under this id
+        ssh.parallel([n for n in prepared.cluster.nodes if n.name not in failed], stop)
+        manifest["state"] = "failed to start"
+        run_dir.write_manifest(manifest)
+        return 1
+    printer.note(f"run {plan.run_id} started detached on {plan.nnodes} nodes; follow it with "
+                 f"`ddpfab attach {plan.run_id}`, end it with `ddpfab stop {plan.run_id}`")
+    return 0

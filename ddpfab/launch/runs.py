@@ -1,0 +1,137 @@
+"""Local run records: ``runs/<run-id>/manifest.json`` and one log per node.
+
+The manifest is the plan plus what happened (per-node exit codes and timings, who failed first),
+so a run can be understood, and redone by hand, long after it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpfab import __version__
+from ddpfab.planning import masking
+
+#: The masking rule lives in :mod:`ddpfab.planning.masking` (re-exported here for the run record's users).
+SECRET_KEY, MASK = masking.SECRET_KEY, masking.MASK
+
+
+def new_run_id() -> str:
+    """Sortable by time, unique enough for two runs started in the same second."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def mask_env(env: dict[str, str], marked: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """*env* as shown and recorded (:func:`ddpfab.planning.masking.mask_env`); *marked*: keys marked secret."""
+    return masking.mask_env(env, marked)
+
+
+def mask_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a plan dict with secret env values masked, by key and URL structure, the plan's
+    own marked keys (``secret_env``) included (the plan holds no rendered command: whatever is
+    rendered from the masked plan shows no secret either)."""
+    out = json.loads(json.dumps(plan_dict))
+    marked = out.get("secret_env") or ()
+    for node in out["nodes"]:
+        node["env"] = mask_env(node["env"], marked)
+    return out
+
+
+#: Options whose value is ``KEY=VALUE`` for the ranks' environment.
+ENV_OPTIONS = ("--env",)
+#: Options whose value marks a key secret (``--secret-env KEY``).
+SECRET_ENV_OPTIONS = ("--secret-env",)
+
+
+def _marked_in(argv: list[str]) -> set[str]:
+    """The keys ``--secret-env KEY`` / ``--secret-env=KEY`` marks in *argv* (before any ``--``)."""
+    marked: set[str] = set()
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        opt, eq, rest = word.partition("=")
+        if eq and opt in SECRET_ENV_OPTIONS:
+            marked.add(rest)
+        elif word in SECRET_ENV_OPTIONS and i + 1 < len(argv):
+            marked.add(argv[i + 1])
+    return marked
+
+
+def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """A command line with the values of secret ``--env KEY=VALUE`` options masked (for the
+    manifest's record of how ddpfab was called): by :mod:`ddpfab.planning.masking`'s rule, with the keys
+    the command line itself marks (``--secret-env``) and *marked* (e.g. the inventory's)."""
+    marked = set(marked) | _marked_in(argv)
+    out, after_env = [], False
+    for word in argv:
+        if word == "--":
+            out.append(word)
+            after_env = False
+            continue
+        opt, eq, rest = word.partition("=")
+        if after_env or (eq and opt in ENV_OPTIONS):
+            pair = word if after_env else rest
+            key, sep, value = pair.partition("=")
+            if sep:
+                pair = f"{key}={masking.mask_value(key, value, marked)}"
+            word = pair if after_env else f"{opt}={pair}"
+        out.append(word)
+        after_env = word in ENV_OPTIONS
+    return out
+
+
+class RunDir:
+    """A private local directory for one run."""
+
+    def __init__(self, root: str | os.PathLike, run_id: str):
+        self.path = Path(root) / run_id
+        self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        os.chmod(self.path, 0o700)
+
+    @classmethod
+    def existing(cls, root: str | os.PathLike, run_id: str) -> RunDir:
+        """The directory of a run recorded already (to update its manifest)."""
+        self = cls.__new__(cls)
+        self.path = Path(root) / run_id
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"no run record {self.path}")
+        return self
+
+    def log_path(self, node: str) -> Path:
+        return self.path / f"{node}.log"
+
+    def write_manifest(self, manifest: dict[str, Any]) -> Path:
+        return self.write_json("manifest.json", manifest)
+
+    def write_json(self, name: str, data: dict[str, Any]) -> Path:
+        """Write *name* in the run dir whole or not at all (a reader never sees half a file)."""
+        path = self.path / name
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, ensure_ascii=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+        return path
+
+
+def controller_info(marked: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """ddpfab's own side of a run record; *marked*: env keys marked secret (masked in the argv too)."""
+    info = {"ddpfab": __version__, "python": platform.python_version(), "host": platform.node(),
+            "argv": mask_argv(sys.argv, marked)}
+    # here, not at the top: importlib.metadata costs ~0.27 s (see LAZY in ddpfab/cli/__init__.py), and
+    # render, and through it export and the command line's parser, import this module for mask_env
+    from importlib.metadata import version
+
+    try:
+        info["fabric"] = version("fabric")
+        info["ansible-core"] = version("ansible-core")
+    except Exception:  # noqa: BLE001 - versions are informative only
+        pass
+    return info

@@ -1,0 +1,155 @@
+"""``ddpfab plan --emit DIR``: the plan as one self-contained shell script per node, plus a README.
+
+Each script is the node's launch rendered by :func:`ddpfab.planning.render.script_lines` as ``set -eu;
+cd WORKDIR; export K=V ...; exec ARGV`` (no secret value in any process's argv): the same
+renderer parts that give the argv ``ddpfab run`` hands the node supervisor, so what runs by hand over plain SSH is what ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
+``~/.ddpfab/runs/<id>/output.log``, ending the job tree when the link goes), and the run record.
+
+Pure text functions plus :func:`write`; no SSH here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from ddpfab.hosts import nodeenv
+from ddpfab.planning.plan import NodePlan, Plan
+from ddpfab.planning.render import script_lines
+from ddpfab.remote.target import Target, scp_argv, ssh_argv, ssh_line
+
+README = "README.txt"
+
+
+def script_name(node: NodePlan) -> str:
+    return f"node{node.node_rank}_{node.name}.sh"
+
+
+def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Target:
+    """How to reach *node*: its resolved :class:`ddpfab.remote.target.Target` (inventory + ssh_config +
+    host-key policy, jump hosts included), else what the plan records (address, port, user)."""
+    if targets and node.name in targets:
+        return targets[node.name]
+    return Target(node.name, node.ssh_host, node.ssh_port or 22, node.ssh_user)
+
+
+def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
+    lines = "\n".join(script_lines(plan, node, prefix=False))
+    how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
+    return (
+        "#!/bin/sh\n"
+        f"# ddpfab plan {plan.run_id}: node {node.name} (node_rank {node.node_rank} of {plan.nnodes}, "
+        f"{node.nproc} procs; world size {plan.world_size}; master {plan.master_addr}:{plan.master_port}; "
+        f"rdzv {plan.rdzv}, launcher {plan.launcher}, init {plan.init_method}).\n"
+        + (f"# {plan.unresolved_note()}\n" if plan.unresolved else "")
+        + f"# Run it on {node.name} (start every node's script; any order, they wait for each other):\n"
+        f"{how}"
+        "# Exactly the command `ddpfab run` would start there (ddpfab.planning.render), without ddpfab's\n"
+        "# supervisor. It may hold secret env values: keep it private.\n"
+        # the node's setup before `set -eu`: as ddpfab runs it (activate scripts trip over -u)
+        f"{nodeenv.prefix(node)}"
+        "set -eu\n"
+        f"{lines}\n")
+
+
+def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
+    lines = [
+        (f"ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
+         f"master {plan.master} {plan.master_addr}:{plan.master_port}"),
+        f"{'module (-m)' if plan.module else 'script'}: {plan.script} {shlex.join(plan.args)}".rstrip(),
+        (f"launch style: rdzv {plan.rdzv}, launcher {plan.launcher}, init method {plan.init_method}"
+         + (", debug logging" if plan.debug else "")),
+        *([plan.unresolved_note()] if plan.unresolved else []),
+        "",
+        "Start every node's script on that node, in any order, within the rendezvous timeout; they wait",
+        "for each other. From this directory, non-interactively (output comes back; Ctrl-C does NOT",
+        "stop the remote job):",
+        "",
+    ]
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        ssh = ssh_line(ssh_target(node, targets))
+        lines.append(f"  # {node.name}: node_rank {node.node_rank}, {node.nproc} procs")
+        lines.append(f"  {ssh} 'sh -s' < {script_name(node)}")
+    lines += [
+        "",
+        "Interactively (a terminal, so Ctrl-C / a dropped connection ends torchrun and its workers):",
+        "",
+    ]
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        target = ssh_target(node, targets)
+        ssh = ssh_argv(target)
+        lines.append(f"  {shlex.join(scp_argv(target, script_name(node)))} && {shlex.join(['ssh', '-t', *ssh[1:]])} "
+                     f"sh {script_name(node)}")
+    lines += [
+        "",
+        f"The master port {plan.master_port} was free on {plan.master} when this was planned; if it is",
+        "taken by the time you run, plan again (or pass --master-port).",
+        f"torchrun keeps each rank's full log under {plan.nodes[0].remote_dir}/torchrun on every node.",
+        "These files may contain secret env values (--env, --env-file): keep them private.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class EmitError(Exception):
+    """The scripts cannot be written where asked; the message says why and what to do."""
+
+
+#: The list of files ddpfab wrote into an emit dir: all that a later emit there may replace.
+MARKER = ".ddpfab-emit"
+
+
+def _own_files(out: Path) -> list[str] | None:
+    """The names a previous emit recorded in *out*, or None when ddpfab never wrote there."""
+    marker = out / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    return [n for n in marker.read_text(encoding="utf-8").splitlines() if n and "/" not in n and n != MARKER]
+
+
+def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] | None = None,
+          force: bool = False) -> list[Path]:
+    """Write every node's script and the README into *directory*: files 0700/0600 (they may hold
+    secrets), a new directory 0700. An existing directory is never re-moded, and one that is not
+    empty is refused unless ddpfab emitted there before (its ``.ddpfab-emit`` lists what it
+    wrote: only those files are replaced) or *force* (then ddpfab writes its own files and
+    touches nothing else)."""
+    out = Path(directory)
+    if not out.exists():
+        out.mkdir(parents=True, mode=0o700)
+        os.chmod(out, 0o700)  # (mkdir's mode is filtered by the umask)
+    elif not out.is_dir() or out.is_symlink():
+        raise EmitError(f"--emit {out}: exists and is not a directory; pick a new directory")
+    ours = _own_files(out)
+    if ours is None and any(out.iterdir()) and not force:
+        raise EmitError(f"--emit {out}: the directory is not empty and ddpfab did not write it; pick a new or "
+                        "empty directory, or --force to add ddpfab's files there (nothing else is touched)")
+    for name in ours or []:  # a previous emit's scripts: the directory holds exactly this plan
+        old = out / name
+        if old.is_file() and not old.is_symlink():
+            old.unlink()
+    written = []
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        path = out / script_name(node)
+        write_private(path, node_script(plan, node, ssh_line(ssh_target(node, targets))), 0o700)
+        written.append(path)
+    path = out / README
+    write_private(path, readme(plan, targets), 0o600)
+    written.append(path)
+    write_private(out / MARKER, "".join(f"{p.name}\n" for p in written), 0o600)
+    return written
+
+
+def write_private(path: Path, text: str, mode: int) -> None:
+    """A new file with *mode* from the start, then renamed over *path* (never writes through a
+    link, never leaves an old file's looser mode)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

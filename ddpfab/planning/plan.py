@@ -1,0 +1,675 @@
+"""The launch plan: every decision about a run, made before anything starts.
+
+``make_plan(cluster, options, facts)`` takes data and returns data: which node is the master, its
+address and port, each node's node_rank, nproc, python, workdir and env, and the launch itself
+(launcher, its flags, the script and its arguments with their ``{{placeholders}}``, the rendezvous
+style). No SSH, no clock, no randomness in here: the same inputs give the same plan, so
+``--dry-run`` prints it, the manifest stores it, and unit tests cover every rule without a network.
+The plan holds no rendered command: :mod:`ddpfab.planning.render` turns it into a node's argv, a shell line,
+an emitted script or a scheduler's job, and nothing reads a rendered command back.
+The facts it needs from the hosts (resolved addresses, a free port on the master) are gathered
+beforehand by :mod:`ddpfab.planning.probe`; :func:`master_port` decides the port from them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ddpfab.hosts import nodeenv
+from ddpfab.hosts.inventory import Cluster, Node, is_address
+from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.node.workdir import WorkdirError
+from ddpfab.node.workdir import resolve as resolve_workdir
+
+#: Where each node keeps its run records, relative to the SSH user's home.
+REMOTE_RUNS_DIR = ".ddpfab/runs"
+
+#: torchrun's own default is 29500; free ports are looked for from there upwards.
+DEFAULT_PORT_RANGE = (29500, 29999)
+#: Always set on every node: unbuffered output makes lines stream live instead of at exit.
+BASE_ENV = {"PYTHONUNBUFFERED": "1"}
+#: ``--debug``: what NCCL, c10d and gloo log when asked (user --env values win over these).
+DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+             "TORCH_CPP_LOG_LEVEL": "INFO"}
+#: ... except on nodes the inventory gives no GPUs (ddpfab_gpus): they run gloo, and DETAIL crashes
+#: DDP on gloo (torch 2.13: SIGSEGV in the DDP constructor, c10d::Logger::set_env_variables casts
+#: DETAIL's wrapper process group to ProcessGroupGloo). INFO still logs DDP's setup.
+DEBUG_ENV_GLOO = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
+RDZV_STYLES = ("static", "c10d")
+#: launcher name -> the module the node's python runs
+LAUNCHERS = {"torchrun": "torch.distributed.run", "legacy": "torch.distributed.launch"}
+INIT_METHODS = ("env", "tcp", "file")
+#: The env var that tells a training script (via :mod:`ddpfab.dist`) which init method to use.
+INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
+#: How a legacy-launcher script spells the local rank argument (torch 2.x passes the dashed one).
+LOCAL_RANK_ARGS = ("--local-rank", "--local_rank")
+#: Per-node values a script argument may name as ``{{name}}`` (expanded on the controller, per node).
+PLACEHOLDERS = ("node_rank", "nnodes", "nproc", "world_size", "master_addr", "master_port", "run_id",
+                "node_name")
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+#: What plans recorded by schema version 2 stored per node beside the data: renderings, now derived.
+LEGACY_NODE_FIELDS = ("argv", "command")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: ``--nproc-per-node`` words, as torchrun means them, decided per node from the probe's facts:
+#: gpu = its GPU count, cpu = its CPU count, auto = its GPUs if it has any, else its CPUs.
+NPROC_WORDS = ("gpu", "cpu", "auto")
+#: A module for ``-m`` (module mode): dotted Python identifiers.
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+#: A run id names a local and a remote directory: no separators, no dot-dot, no shell characters.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
+
+
+class PlanError(Exception):
+    """The run cannot be planned as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the user asked for, independent of any host.
+
+    Args:
+        script: the training script, relative to the workdir (or absolute).
+        args: the script's arguments, passed through byte for byte.
+        nproc_per_node: overrides the inventory's ``ddpfab_nproc_per_node`` on every node: a
+            number, or one of :data:`NPROC_WORDS` (resolved per node, see :func:`nproc_for`).
+        master_port: a fixed MASTER_PORT; None lets the probe find a free one on the master.
+        env: extra environment for every node, as (key, value) pairs.
+        max_restarts: torchrun's in-node restarts.
+        run_id: the run's id (names the remote and local run dirs).
+        remote_runs_dir: where each node keeps a run's record (supervisor pid, exit code, output,
+            per-rank logs); relative paths are under the node user's home.
+        socket_ifname: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME on every node: an interface
+            name, or "auto" for the interface each node uses to reach its peers (an explicit
+            --env of either variable still wins).
+        rdzv: "static" (node_rank fixed by ddpfab in inventory order, ``--node-rank``) or "c10d"
+            (torchrun's c10d rendezvous on the master's address and port; torchrun assigns the
+            node ranks).
+        launcher: "torchrun" (``python -m torch.distributed.run``) or "legacy"
+            (``python -m torch.distributed.launch`` without ``--use-env``: the script also gets
+            ``--local-rank=N`` before its own arguments, as scripts written for it expect).
+        init_method: how a script that calls ``init_process_group`` itself should rendezvous:
+            "env" (env://), "tcp" (tcp://MASTER_ADDR:MASTER_PORT) or "file" (a file in each
+            node's ``ddpfab_shared_dir``). Told to the script in ``DDPFAB_INIT_METHOD`` (unset for
+            env://); :mod:`ddpfab.dist` reads it.
+        debug: add :data:`DEBUG_ENV` (NCCL and torch.distributed debug logging); ``env`` wins.
+        local_rank_arg: with ``launcher="legacy"``, the argument the script declares for its local
+            rank: "--local-rank" (what torch 2.x passes) or "--local_rank" (scripts written for
+            torch 1.x; then the launcher runs with ``--use-env`` and each worker gets
+            ``--local_rank=N`` through torch's ``${local_rank}`` substitution).
+        module: *script* is a module to run as ``-m MODULE`` (torchrun's module mode).
+        secret_env: env keys to mask wherever shown or recorded (``--secret-env``), on top of
+            :mod:`ddpfab.planning.masking`'s rule and the inventory's ``ddpfab_secret_env``.
+        script_local_rank: with ``launcher="torchrun"``, also give each rank its local rank as
+            ``local_rank_arg=N`` (the script declares that argument and may never read
+            LOCAL_RANK): torchrun substitutes ``${local_rank}`` in the workers' arguments.
+    """
+
+    script: str
+    args: tuple[str, ...] = ()
+    nproc_per_node: int | str | None = None
+    master_port: int | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    max_restarts: int = 0
+    run_id: str = "run"
+    remote_runs_dir: str = REMOTE_RUNS_DIR
+    socket_ifname: str | None = None
+    rdzv: str = "static"
+    launcher: str = "torchrun"
+    init_method: str = "env"
+    debug: bool = False
+    local_rank_arg: str = "--local-rank"
+    module: bool = False
+    secret_env: tuple[str, ...] = ()
+    script_local_rank: bool = False
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the probe learnt from the hosts, the only non-user input of the plan.
+
+    Args:
+        addresses: node name -> the IP literal its data address resolves to.
+        master_port: a port free on the master (or the user's, verified free).
+        cwd: the controller's working dir, the default workdir on the nodes.
+        homes: node name -> the SSH user's home dir there (anchors relative remote paths).
+        ifnames: node name -> the network interface it reaches its peers through (for
+            ``socket_ifname="auto"``).
+        unresolved: nodes whose address is their name as given, not an IP: an offline plan's
+            names the controller could not resolve (:func:`ddpfab.planning.probe.offline_addresses`).
+            The real run never has any: it resolves every address (or refuses) before planning.
+        gpus, cpus: node name -> its GPU and CPU counts as probed (for ``--nproc-per-node
+            gpu|cpu|auto``); a node missing here was not probed (an offline plan).
+    """
+
+    addresses: dict[str, str]
+    master_port: int
+    cwd: str
+    homes: dict[str, str] = field(default_factory=dict)
+    ifnames: dict[str, str | None] = field(default_factory=dict)
+    unresolved: tuple[str, ...] = ()
+    gpus: dict[str, int] = field(default_factory=dict)
+    cpus: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one node runs, as data (:func:`ddpfab.planning.render.argv` makes its argv).
+
+    Args:
+        name: the inventory name.
+        ssh_host, ssh_port, ssh_user: how the node is reached.
+        node_rank: its rank in inventory order (the master is 0); with c10d rendezvous torchrun
+            assigns the ranks and this one only says who hosts the store.
+        nproc: processes on the node (torchrun's ``--nproc-per-node``).
+        data_addr: the IP literal peers reach it at.
+        workdir: the directory the launcher starts in.
+        python: the node's python (the launcher runs as ``PYTHON -m MODULE``);
+            :data:`ddpfab.hosts.nodeenv.ON_NODE` when only the node can choose it (an offline plan).
+        python_from: where it came from (:data:`ddpfab.hosts.nodeenv.SOURCES`, or
+            :data:`ddpfab.hosts.nodeenv.ON_NODE_FROM`).
+        setup: the shell lines run before the launcher there (``ddpfab_setup``, then the
+            activation of ``ddpfab_conda_env``).
+        conda_env: the node's ``ddpfab_conda_env``, None when unset.
+        remote_dir: the run's record dir on the node (torchrun's per-rank logs go under it).
+        env: the ranks' environment, by key (secret values masked by key when shown or recorded).
+        shared_dir: the node's ``ddpfab_shared_dir`` (file:// init), None when unset.
+    """
+
+    name: str
+    ssh_host: str
+    ssh_port: int | None
+    ssh_user: str | None
+    node_rank: int
+    nproc: int
+    data_addr: str
+    workdir: str
+    python: str
+    remote_dir: str
+    env: dict[str, str] = field(default_factory=dict)
+    shared_dir: str | None = None  # the node's ddpfab_shared_dir (file:// init), None when unset
+    # defaults keep plans recorded before these existed loadable (their python ran as written)
+    python_from: str = "default"
+    setup: tuple[str, ...] = ()
+    conda_env: str | None = None
+
+
+#: NodePlan fields later than the first recorded plans: a recorded plan without one is not
+#: different for lacking it (its default is what that plan meant).
+LATER_NODE_FIELDS = ("python_from", "setup", "conda_env")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run, decided: the launch as data, the same on every node but each node's own values.
+
+    Args:
+        run_id: names the run here and on every node (also c10d's rendezvous id).
+        inventory, group: where the nodes came from.
+        master, master_addr, master_port: the rendezvous point (node rank 0).
+        nnodes, world_size: the job's size.
+        script: the training script, relative to each node's workdir (or absolute); with
+            *module*, the module torchrun runs as ``-m MODULE``.
+        args: the script's arguments, byte for byte, with ``{{name}}`` placeholders
+            (:data:`PLACEHOLDERS`) that each node's rendering fills in.
+        max_restarts: torchrun's in-node restarts.
+        nodes: by node rank.
+        unresolved: nodes (in node rank order) whose ``data_addr`` (the master's: ``master_addr``)
+            is a host name the controller could not resolve: only in an offline plan, which shows
+            them as such; each node then resolves the name itself.
+        rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank: the launch
+            style (see RunOptions).
+        secret_env: env keys whose values are masked wherever the plan is shown or recorded
+            (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
+            :mod:`ddpfab.planning.masking`'s rule.
+    """
+
+    run_id: str
+    inventory: str
+    group: str
+    master: str
+    master_addr: str
+    master_port: int
+    nnodes: int
+    world_size: int
+    script: str
+    args: tuple[str, ...]
+    max_restarts: int
+    nodes: tuple[NodePlan, ...]
+    # launch style (see RunOptions); defaults keep plans recorded before these existed loadable
+    rdzv: str = "static"
+    launcher: str = "torchrun"
+    init_method: str = "env"
+    debug: bool = False
+    local_rank_arg: str = "--local-rank"
+    unresolved: tuple[str, ...] = ()
+    module: bool = False
+    secret_env: tuple[str, ...] = ()
+    script_local_rank: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.unresolved:
+            # only offline plans of names have it: a real run's plan (and its manifest) is as before
+            del data["unresolved"]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], legacy: bool = False) -> Plan:
+        """A plan from :meth:`to_dict`'s shape; an unknown key is an error.
+
+        Args:
+            data: the plan as :meth:`to_dict` gives it.
+            legacy: *data* comes from a manifest of schema version 2, whose nodes also stored their
+                rendered ``argv`` and ``command``: those are dropped, never read (the data they
+                were rendered from is all here).
+        """
+        data = dict(data)
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"plan: unknown field(s) {', '.join(unknown)}")
+        node_fields = {f.name for f in fields(NodePlan)}
+        nodes = []
+        for n in data["nodes"]:
+            n = {k: v for k, v in n.items() if not (legacy and k in LEGACY_NODE_FIELDS)}
+            unknown = sorted(set(n) - node_fields)
+            if unknown:
+                raise ValueError(f"plan: node {n.get('name')!r}: unknown field(s) {', '.join(unknown)}")
+            nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {}), "setup": tuple(n.get("setup") or ())}))
+        data["args"] = tuple(data["args"])
+        data["secret_env"] = tuple(data.get("secret_env") or ())
+        data["nodes"] = tuple(nodes)
+        data["unresolved"] = tuple(data.get("unresolved") or ())
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def unresolved_note(self) -> str:
+        """One line on the addresses an offline plan kept as names ("" when there are none): the
+        printed dry run, emitted scripts and their README all say it the same way."""
+        if not self.unresolved:
+            return ""
+        master = (f"; the master address {self.master_addr!r} is a name each node resolves itself"
+                  if self.master in self.unresolved else "")
+        return (f"unresolved: {', '.join(self.unresolved)} did not resolve on this controller (neither by ssh_config "
+                f"HostName nor by DNS), kept as names{master}; `ddpfab run` resolves every address to an IP "
+                "literal before starting (or refuses)")
+
+
+def node_python(node: Node) -> dict[str, str]:
+    """The plan's ``python`` and ``python_from`` for *node*: as decided (the inventory's, or the
+    probe's), else the node's own choice (:data:`ddpfab.hosts.nodeenv.ON_NODE`: an offline plan)."""
+    if nodeenv.undecided(node):
+        return {"python": nodeenv.ON_NODE, "python_from": nodeenv.ON_NODE_FROM}
+    return {"python": node.python, "python_from": node.python_from}
+
+
+def choose_master(cluster: Cluster) -> Node:
+    """The node flagged ``ddpfab_master``, else the first node in inventory order."""
+    flagged = [n for n in cluster.nodes if n.master]
+    return flagged[0] if flagged else cluster.nodes[0]
+
+
+def parse_nproc(text: str) -> int | str:
+    """``--nproc-per-node``'s value: a number >= 1 or one of :data:`NPROC_WORDS` (torchrun's
+    vocabulary); a PlanError (argparse's type error) otherwise."""
+    word = text.strip().lower()
+    if word in NPROC_WORDS:
+        return word
+    try:
+        value = int(word)
+    except ValueError:
+        raise PlanError(f"--nproc-per-node {text!r}: expected a number >= 1, or gpu, cpu or auto") from None
+    if value < 1:
+        raise PlanError(f"--nproc-per-node must be >= 1, got {value}")
+    return value
+
+
+def nproc_for(node: Node, options: RunOptions, gpus: int | None = None, cpus: int | None = None) -> int:
+    """Processes on *node*: the command line wins, then the inventory's nproc (a hostfile's slots),
+    then the length of its GPU list, then its GPU count, then 1.
+
+    A word on the command line is torchrun's, decided here per node: ``gpu`` its GPUs (the
+    length of its GPU list, else *gpus* as probed, else the inventory's ``ddpfab_gpus``), ``cpu``
+    its CPUs (*cpus* as probed), ``auto`` its GPUs if it has any, else its CPUs. A count that
+    cannot be known (an offline plan) or a ``gpu`` node without GPUs is a PlanError naming the node.
+
+    Args:
+        node, options: the node and what the user asked.
+        gpus, cpus: the node's GPU and CPU counts as probed; None when not probed.
+    """
+    asked = options.nproc_per_node
+    if isinstance(asked, str):
+        return _nproc_word(node, asked, gpus, cpus)
+    if asked is not None:
+        return asked
+    if node.nproc is not None:
+        return node.nproc
+    if node.gpu_ids:
+        return len(node.gpu_ids)
+    if node.gpus:
+        return node.gpus
+    return 1
+
+
+def _nproc_word(node: Node, word: str, gpus: int | None, cpus: int | None) -> int:
+    """``--nproc-per-node gpu|cpu|auto`` on *node* (see :func:`nproc_for`)."""
+    if word not in NPROC_WORDS:
+        raise PlanError(f"--nproc-per-node {word!r}: expected a number >= 1, or gpu, cpu or auto")
+    gpu_count = len(node.gpu_ids) if node.gpu_ids else gpus if gpus is not None else node.gpus
+    if word == "gpu" or (word == "auto" and gpu_count):
+        if gpu_count is None:
+            raise PlanError(f"host {node.name}: --nproc-per-node {word}: its GPU count is not known without "
+                            "probing it (an offline plan); set ddpfab_gpus in the inventory, give a number, or "
+                            "plan without --offline")
+        if not gpu_count:
+            raise PlanError(f"host {node.name}: --nproc-per-node gpu: it has no GPU (nvidia-smi lists none), and "
+                            "torchrun refuses gpu there; use cpu, auto or a number")
+        return gpu_count
+    if cpus is None:
+        raise PlanError(f"host {node.name}: --nproc-per-node {word}: its CPU count is not known without probing "
+                        "it (an offline plan); give a number or plan without --offline")
+    return cpus
+
+
+#: Controller environment variables with these prefixes are forwarded to every rank (documented
+#: in the README); anything else only when asked with --env or --env-file.
+FORWARD_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "PYTORCH_")
+
+
+def forwarded_env(environ: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The allowlisted part of the controller's environment, in a stable order."""
+    return tuple(sorted((k, v) for k, v in environ.items() if k.startswith(FORWARD_PREFIXES)))
+
+
+def read_env_file(text: str, source: str) -> list[str]:
+    """``KEY=VALUE`` lines of an env file (blank lines and # comments ignored, no shell expansion)."""
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise PlanError(f"env file {source}, line {number}: expected KEY=VALUE, got {line!r}")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        pairs.append(f"{key.strip()}={value}")
+    return pairs
+
+
+def parse_env(pairs: list[str] | tuple[str, ...],
+              environ: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """``K=V`` strings as pairs; a key that is not a shell identifier is an error, not a surprise.
+
+    Args:
+        pairs: ``KEY=VALUE`` strings; with *environ*, a bare ``KEY`` takes its value from there
+            (``--env HF_TOKEN``: the secret is not in ddpfab's own command line either).
+        environ: the controller's environment, for bare keys.
+    """
+    out = []
+    for pair in pairs:
+        if environ is not None and "=" not in pair and _ENV_KEY.fullmatch(pair):
+            if pair not in environ:
+                raise PlanError(f"--env {pair}: no value given and {pair} is not set in this shell; "
+                                f"export it, or pass --env {pair}=VALUE")
+            pair = f"{pair}={environ[pair]}"
+        key, sep, value = pair.partition("=")
+        if not sep or not _ENV_KEY.fullmatch(key):
+            raise PlanError(f"--env {pair!r}: expected KEY=VALUE with KEY made of letters, digits and '_'")
+        out.append((key, value))
+    return tuple(out)
+
+
+def host_port(addr: str, port: int) -> str:
+    """``addr:port``, with an IPv6 literal in brackets."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def nproc_per_node(asked: int | str | None) -> int | str | None:
+    """``--nproc-per-node`` as asked (None: decide per node; ``gpu``/``cpu``/``auto``: per node from
+    its facts, see :func:`parse_nproc`): the one rule for it, in run, plan and check alike.
+
+    Raises:
+        PlanError: fewer than one process.
+    """
+    if isinstance(asked, int) and asked < 1:
+        raise PlanError(f"--nproc-per-node must be >= 1, got {asked}")
+    return asked
+
+
+def master_port(asked: int | None, *, found: int | None = None, asked_free: bool | None = None,
+                replace_taken: bool = False, offline: bool = False) -> int | None:
+    """The run's master port: the one place it is decided (run, plan, check, replay, recovery
+    attempts, the perf check and exports all ask here).
+
+    Args:
+        asked: the port asked for: ``--master-port``, or the port a replayed run recorded; None
+            for any free one.
+        found: a port the probe found free on the master (it looks when *asked* is None, or when
+            *asked* is taken and *replace_taken*).
+        asked_free: whether the probe found *asked* free on the master; None when not probed.
+        replace_taken: a taken *asked* port gives way to *found* (replay without ``--same-port``);
+            otherwise a taken port is kept, and the probe's "in use" problem stops the run.
+        offline: nothing was probed (``--offline``, exports): *asked*, else torchrun's default.
+
+    Returns:
+        The port, or None when the probe found none free (its problem says so).
+    """
+    if asked is not None and not 1 <= asked <= 65535:
+        raise PlanError(f"--master-port {asked} is not a TCP port (1-65535)")
+    if offline:
+        return asked if asked is not None else DEFAULT_PORT_RANGE[0]
+    if asked is not None and not (asked_free is False and replace_taken):
+        return asked
+    return found
+
+
+def placeholders_in(args: tuple[str, ...] | list[str]) -> list[str]:
+    """The ``{{name}}`` placeholder names used in *args*, in order of first use."""
+    seen: list[str] = []
+    for a in args:
+        for name in _PLACEHOLDER.findall(a):
+            if name not in seen:
+                seen.append(name)
+    return seen
+
+
+def expand_placeholders(args: tuple[str, ...], values: dict[str, Any]) -> tuple[str, ...]:
+    """*args* with each ``{{name}}`` replaced by ``values[name]``; other text is left byte for byte.
+    ``world_size`` is not per node: :func:`make_plan` puts it in *values* when it is known."""
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in values:
+            raise PlanError(f"script argument placeholder {{{{{name}}}}} is unknown{did_you_mean(name, PLACEHOLDERS)}; "
+                            f"known: {', '.join(PLACEHOLDERS)}")
+        return str(values[name])
+
+    return tuple(_PLACEHOLDER.sub(sub, a) for a in args)
+
+
+def init_method_url(kind: str, *, master_addr: str, master_port: int, shared_dir: str | None,
+                    run_id: str) -> str | None:
+    """The ``DDPFAB_INIT_METHOD`` value for one node (None for env://, the default).
+
+    tcp:// points at MASTER_ADDR:MASTER_PORT: under torchrun that is the store torchrun already
+    hosts there (it sets TORCHELASTIC_USE_AGENT_STORE, so ``init_process_group`` connects to it
+    as a client instead of binding the port a second time), with static and c10d rendezvous alike.
+    file:// is a file named after the run in the node's shared dir.
+    """
+    if kind == "tcp":
+        return f"tcp://{host_port(master_addr, master_port)}"
+    if kind == "file":
+        return f"file://{shared_dir.rstrip('/')}/ddpfab-{run_id}.init"
+    return None
+
+
+def remote_path(path: str, home: str | None) -> str:
+    """*path* as an absolute path on a node whose home is *home*."""
+    if path.startswith("~/"):
+        path = path[2:]
+    if path.startswith("/") or not home:
+        return path
+    return f"{home.rstrip('/')}/{path}"
+
+
+def node_order(cluster: Cluster) -> list[Node]:
+    """Nodes by node_rank: the master first (node_rank 0 must be where the store is), then the
+    others in inventory order."""
+    master = choose_master(cluster)
+    return [master] + [n for n in cluster.nodes if n is not master]
+
+
+def remote_workdir(raw: str, home: str | None) -> str:
+    """The workdir *raw* (``ddpfab_workdir``) as a node with SSH home *home* resolves it: the same
+    rules and the same answer as ``ddpfab sync`` (:func:`ddpfab.node.workdir.resolve`)."""
+    try:
+        return resolve_workdir(raw, home)
+    except WorkdirError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def is_run_id(value: object) -> bool:
+    """Whether *value* may be a run id (it names a directory here and on every node)."""
+    return isinstance(value, str) and bool(_RUN_ID.fullmatch(value)) and ".." not in value
+
+
+def is_port(value: object) -> bool:
+    """Whether *value* is a TCP port: an int (not a bool) in 1-65535."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+
+
+def check_run_id(run_id: str) -> str:
+    """*run_id*, or a PlanError: it becomes a directory name here and on every node."""
+    if not is_run_id(run_id):
+        raise PlanError(f"--run-id {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
+                        "letter or digit, no '..'): it names a directory here and on every node")
+    return run_id
+
+
+def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
+    check_run_id(options.run_id)
+    if not cluster.nodes:
+        raise PlanError(f"inventory {cluster.source}: no nodes in group {cluster.group!r}")
+    if not options.script:
+        raise PlanError("no training script given")
+    port = facts.master_port
+    if not is_port(port):
+        raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
+    if options.max_restarts < 0:
+        raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
+    nproc_per_node(options.nproc_per_node)
+    if options.module and not _MODULE.fullmatch(options.script):
+        raise PlanError(f"-m {options.script!r}: expected a module name (dotted Python identifiers, e.g. pkg.train)")
+    bad_keys = [k for k in options.secret_env if not _ENV_KEY.fullmatch(k)]
+    if bad_keys:
+        raise PlanError(f"--secret-env {bad_keys[0]!r}: expected an environment variable name (letters, digits, '_')")
+    for what, value, allowed in (("--rdzv", options.rdzv, RDZV_STYLES), ("--launcher", options.launcher, LAUNCHERS),
+                                 ("--init-method", options.init_method, INIT_METHODS)):
+        if value not in allowed:
+            raise PlanError(f"{what} {value!r}: expected one of {', '.join(allowed)}")
+    if options.init_method == "file":
+        missing = [n.name for n in cluster.nodes if not n.shared_dir]
+        if missing:
+            raise PlanError(f"--init-method file needs ddpfab_shared_dir (a directory every node shares, e.g. "
+                            f"on NFS) in the inventory; not set for {', '.join(missing)}")
+    ordered = node_order(cluster)
+    master = ordered[0]
+    master_addr = facts.addresses.get(master.name)
+    if master_addr is None:
+        raise PlanError(f"host {master.name}: no resolved address for the master")
+    try:
+        ip = ipaddress.ip_address(master_addr)
+        master_addr = str(ip)
+    except ValueError:
+        # an offline plan may keep a name the controller could not resolve (marked as such); a
+        # real run's master address is always an IP literal every peer reaches
+        if master.name not in facts.unresolved or not is_address(master_addr):
+            raise PlanError(f"host {master.name}: master address {master_addr!r} is not an IP literal") from None
+        ip = None
+    if ip is not None and ip.is_loopback and len(ordered) > 1:
+        raise PlanError(f"host {master.name}: its data address {master.data_addr} resolves to {master_addr}, "
+                        "a loopback address the other nodes cannot reach; set ddpfab_data_addr "
+                        "(or ansible_host) to an address on the network the nodes share")
+    if options.local_rank_arg not in LOCAL_RANK_ARGS:
+        raise PlanError(f"local rank argument {options.local_rank_arg!r}: expected one of {', '.join(LOCAL_RANK_ARGS)}")
+    used = placeholders_in(options.args)
+    if options.rdzv == "c10d" and "node_rank" in used:
+        raise PlanError("{{node_rank}} in a script argument needs --rdzv static: with c10d, torchrun assigns node "
+                        "ranks at rendezvous and ddpfab cannot know them beforehand (read GROUP_RANK in the script)")
+    expand_placeholders(tuple(options.args), dict.fromkeys(PLACEHOLDERS, ""))  # an unknown name: PlanError
+    env = dict(BASE_ENV)
+    if options.debug:
+        env.update(DEBUG_ENV)
+    asked = dict(options.env)
+    nprocs = [nproc_for(node, options, facts.gpus.get(node.name), facts.cpus.get(node.name)) for node in ordered]
+    nodes = []
+    for rank, node in enumerate(ordered):
+        nproc = nprocs[rank]
+        home = facts.homes.get(node.name)
+        try:
+            workdir = remote_workdir(node.workdir, home) if node.workdir is not None else facts.cwd
+        except PlanError as exc:
+            raise PlanError(f"host {node.name}: {exc}") from None
+        remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
+        # the inventory's per-node env (ddpfab_env, the GPU list), then what the command line asked
+        node_env = dict(env)
+        if node.gpu_ids:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpu_ids)
+        node_env.update(node.env)
+        node_env.update(asked)
+        node_env["DDPFAB_RUN_ID"] = options.run_id
+        init_url = init_method_url(options.init_method, master_addr=master_addr, master_port=port,
+                                   shared_dir=node.shared_dir, run_id=options.run_id)
+        if init_url:
+            node_env[INIT_METHOD_VAR] = init_url
+        if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in asked \
+                and "TORCH_DISTRIBUTED_DEBUG" not in node.env:
+            node_env.update(DEBUG_ENV_GLOO)
+        ifname = facts.ifnames.get(node.name) if options.socket_ifname == "auto" else options.socket_ifname
+        if options.socket_ifname == "auto" and not ifname:
+            raise PlanError(f"host {node.name}: --socket-ifname auto: no single interface reaches all its peers; "
+                            "name one with --socket-ifname IFACE")
+        if ifname:
+            for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if key not in asked and key not in node.env:
+                    node_env[key] = ifname
+        nodes.append(NodePlan(
+            name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
+            node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
+            workdir=workdir, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir,
+            **node_python(node), setup=node.setup, conda_env=node.conda_env))
+    return Plan(
+        run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
+        master_addr=master_addr, master_port=port, nnodes=len(ordered),
+        world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
+        max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
+        init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg,
+        unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
+        module=options.module, secret_env=secret_env(cluster, options),
+        script_local_rank=options.script_local_rank and options.launcher == "torchrun")
+
+
+def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:
+    """The keys marked secret for a run: ``--secret-env``'s, then every node's ``ddpfab_secret_env``
+    (one set for the whole plan: masking a key on every node where one node marks it is harmless)."""
+    keys = dict.fromkeys(options.secret_env)
+    for node in cluster.nodes:
+        keys.update(dict.fromkeys(node.secret_env))
+    return tuple(keys)

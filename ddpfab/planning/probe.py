@@ -1,0 +1,285 @@
+"""One parallel pass over the nodes that gathers the facts the plan needs, before anything starts.
+
+Each node's program (:mod:`ddpfab.node`, with its own ``ddpfab_python``) answers a ``facts``
+request: its hostname, python, whether torch is importable, whether the workdir and script exist,
+and on the master a free port (or whether the user's port is free). Connecting is also where host keys are
+verified, so an unknown key, an unreachable host or a busy port stops the run before any node
+has started anything.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+import socket
+import time
+from dataclasses import dataclass, field, replace
+
+from fabric import Connection
+
+from ddpfab import node as nodeprog
+from ddpfab.hosts import nodeenv
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port
+from ddpfab.problems import Problem
+from ddpfab.remote import ssh
+from ddpfab.remote.target import Target
+from ddpfab.results import GroupResult
+
+
+class ProbeError(Exception):
+    """A node is not ready for the run; ``problems`` holds one clear line per host."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class NodeFacts:
+    name: str
+    hostname: str = ""
+    python: str = ""
+    home: str = ""
+    torch: bool = False
+    address: str = ""
+    free_port: int | None = None
+    port_free: bool | None = None
+    workdir_exists: bool = True
+    script_exists: bool | None = None
+    raw: dict = field(default_factory=dict)
+    #: the node's python as decided (:func:`ddpfab.hosts.nodeenv.decided`) and where it came from
+    executable: str = ""
+    python_from: str = ""
+    #: what the node's setup lines changed in its environment (``{"set": ..., "unset": ...}``)
+    env_changes: dict | None = None
+
+
+def decide(cluster: Cluster, facts: dict[str, NodeFacts]) -> Cluster:
+    """*cluster* with each probed node's python decided from its facts (the one decision every
+    later step uses: the plan, the preflight, the launch)."""
+    return replace(cluster, nodes=tuple(nodeenv.decided(n, facts[n.name].raw) if n.name in facts else n
+                                        for n in cluster.nodes))
+
+
+def resolve(node: Node, conn: Connection | None = None, target: Target | None = None) -> str:
+    """The node's data address as an IP literal (names are resolved here, on the controller): the
+    one rule for the real run and for offline plans (:func:`offline_addresses`).
+
+    An IP literal is itself. The default data address (no ddpfab_data_addr: the name or
+    ansible_host) is first what ssh connects to: ssh_config's HostName (*target*, else the
+    connection's), when ssh goes straight there (behind a jump host, the jump host resolves it).
+    Then the controller's resolver; a name it cannot resolve is, last, the address the node's open
+    SSH connection *conn* goes to: the one way ddpfab reaches the node."""
+    try:
+        return str(ipaddress.ip_address(node.data_addr))
+    except ValueError:
+        pass
+    default = node.data_addr in (node.host, node.name)
+    target = target or getattr(conn, "target", None)
+    name = node.data_addr
+    if default and target is not None and target.host and target.jump is None and not target.proxy_command:
+        try:
+            return str(ipaddress.ip_address(target.host))
+        except ValueError:
+            name = target.host
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a label longer than DNS allows
+        peer = _peer_address(conn, target) if default else None
+        if peer:
+            return peer
+        shown = f"{node.data_addr!r}" + (f" (ssh_config HostName {name!r})" if name != node.data_addr else "")
+        found = (f"data address {shown} does not resolve ({getattr(exc, 'strerror', None) or exc}); "
+                 "set ddpfab_data_addr to an IP address")
+        raise ssh.SSHError(node.name, f"host {node.name}: {found}", found=found) from None
+    return infos[0][4][0]
+
+
+def offline_addresses(cluster: Cluster, targets: dict[str, Target]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Each node's address as the real run's :func:`resolve` finds it, with no host contacted, and
+    the nodes whose name did not resolve here (kept as given: an offline plan marks them, where
+    the real run, which also has the open connection's peer address, resolves or refuses)."""
+    addresses: dict[str, str] = {}
+    unresolved: list[str] = []
+    for n in cluster.nodes:
+        try:
+            addresses[n.name] = resolve(n, target=targets.get(n.name))
+        except ssh.SSHError:
+            addresses[n.name] = n.data_addr
+            unresolved.append(n.name)
+    return addresses, tuple(unresolved)
+
+
+def _peer_address(conn: Connection | None, target: Target | None = None) -> str | None:
+    """The address ddpfab reaches the node at: its target's (ssh_config's HostName; *target*, else
+    the connection's), not the socket's peer, which behind a jump host is the jump host."""
+    target = target or getattr(conn, "target", None)
+    if target is not None:
+        try:
+            return str(ipaddress.ip_address(target.host))
+        except ValueError:
+            if target.jump is not None or target.proxy_command:
+                return None
+    transport = conn.client.get_transport() if conn is not None and conn.is_connected else None
+    try:
+        return str(ipaddress.ip_address(transport.getpeername()[0])) if transport else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def gpu_count(raw: dict) -> int:
+    """A node's GPUs from its facts: torch's count when asked (``check --full``), else the lines
+    nvidia-smi lists, else none (no nvidia-smi)."""
+    gpus = raw.get("gpus") if raw.get("gpus") is not None else raw.get("nvidia_gpus")
+    return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0 else 0
+
+
+def cpu_count(raw: dict) -> int | None:
+    """A node's CPUs from its facts (``os.cpu_count()`` there, as torchrun's ``cpu`` counts), or None."""
+    cpus = raw.get("cpus")
+    return cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus >= 1 else None
+
+
+def facts_request(node: Node, *, workdir: str, script: str | None, port: int | None = None,
+                  find_port: bool = False, peers: dict[str, str] | None = None,
+                  resolve_names: list[str] | None = None, full: bool = False) -> dict:
+    """The node program's ``facts`` request (see :func:`ddpfab.node.ops.op_facts`)."""
+    req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
+                 "resolve": resolve_names or [], "full": full}
+    if port:
+        req["port"] = port
+    if find_port:
+        lo, hi = DEFAULT_PORT_RANGE
+        # start at a random place so two jobs probing at once rarely pick the same port
+        req["find_port"] = [lo, hi, random.randint(lo, hi)]
+    return req
+
+
+def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
+    """A ``facts`` reply as NodeFacts; a reply without the facts every node reports, or with a
+    port that is none, is an error."""
+    free_port, port_free = data.get("free_port"), data.get("port_free")
+    bad = [f"{key} {nodeprog.printable(repr(value))[:60]} (expected {want})" for key, value, ok, want in (
+        ("free_port", free_port, free_port is None or is_port(free_port), "an integer 1-65535, or null"),
+        ("port_free", port_free, port_free is None or isinstance(port_free, bool), "true, false or null")) if not ok]
+    if bad:
+        raise nodeprog.NodeProgramError(node.name, f"its facts give {'; '.join(bad)}; ddpfab's node program never "
+                                                   "answers so: check what runs as ddpfab_python there")
+    chosen = nodeenv.decided(node, data)
+    try:
+        return NodeFacts(name=node.name, hostname=nodeprog.printable(data["hostname"]),
+                         executable=nodeprog.printable(chosen.python),
+                         python_from=chosen.python_from or nodeenv.ON_NODE_FROM,
+                         env_changes=nodeenv.env_changes(data),
+                         python=nodeprog.printable(data["python"]), home=str(data["home"]), torch=bool(data["torch"]),
+                         free_port=free_port, port_free=port_free, workdir_exists=bool(data["workdir_exists"]),
+                         script_exists=data.get("script_exists"),
+                         raw={**data, "controller_sent": sent, "controller_received": received})
+    except KeyError as exc:
+        raise nodeprog.NodeProgramError(node.name, f"its facts lack {exc}") from None
+
+
+def probe_node(conn: Connection, node: Node, **request) -> NodeFacts:
+    """One node's facts in one exchange of its own (``facts_request``'s keyword arguments)."""
+    sent = time.time()
+    reply = nodeprog.call(conn, node, facts_request(node, **request), timeout=60)[0]
+    return to_facts(node, reply.value(node.name), sent, time.time())
+
+
+def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
+             master_port: int | None, full: bool = False) -> dict[str, dict]:
+    """Every node's ``facts`` request: the master's asks for the port, each names its peers."""
+    addresses = {}
+    for n in cluster.nodes:
+        try:
+            addresses[n.name] = resolve(n, conns.get(n.name))
+        except ssh.SSHError:
+            addresses[n.name] = n.data_addr
+    names = sorted({n.data_addr for n in cluster.nodes if n.data_addr != addresses[n.name]})
+    return {node.name: facts_request(
+        node, workdir=node.workdir or cwd, script=script or None,  # absolute paths too: the node joins and checks it
+        port=master_port if node.name == master.name else None,
+        find_port=node.name == master.name and master_port is None,
+        peers={k: v for k, v in addresses.items() if k != node.name}, resolve_names=names, full=full)
+        for node in cluster.nodes if node.name in conns}
+
+
+def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
+           master_port: int | None, full: bool = False,
+           sessions: dict[str, nodeprog.Session] | None = None) -> tuple[dict[str, NodeFacts], list[Problem]]:
+    """Probe every node at once; return the facts and a list of problems (empty = ready). In the
+    nodes' open program *sessions* when given (left open for what comes next), else in a session
+    of its own per node. (``ddpfab run`` sends its facts requests with the rest of its preparation
+    instead: :func:`requests`, :func:`collect`.)"""
+    own = sessions is None
+    errors: dict[str, nodeprog.NodeProgramError] = {}
+    if own:
+        sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
+    try:
+        sent_at = time.time()
+        todo = {n: [r] for n, r in requests(cluster, conns, master, cwd=cwd, script=script,
+                                            master_port=master_port, full=full).items() if n in sessions}
+        answers = nodeprog.exchange(sessions, todo, timeout=120 if full else 60)
+    finally:
+        if own:
+            nodeprog.close_all(sessions)
+    answers.update(errors)
+    return collect(cluster, conns, master, answers.map(lambda replies: replies[0]),
+                   cwd=cwd, script=script, master_port=master_port, sent_at=sent_at)
+
+
+def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
+            answers: GroupResult[nodeprog.Reply], *, cwd: str, script: str | None,
+            master_port: int | None, sent_at: float) -> tuple[dict[str, NodeFacts], list[Problem]]:
+    """The nodes' ``facts`` replies (or why a node gave none) as facts and problems."""
+    received = time.time()
+    failed: dict[str, Exception] = answers.failed
+    got: dict[str, NodeFacts] = {}
+    for name, reply in answers.succeeded.items():
+        node = cluster.node(name)
+        try:
+            got[name] = to_facts(node, reply.value(name), sent_at, received)
+            got[name].address = resolve(node, conns[name])
+        except (ssh.SSHError, nodeprog.NodeProgramError) as exc:
+            failed[name] = exc
+    facts: dict[str, NodeFacts] = {}
+    problems: list[Problem] = []
+    for node in cluster.nodes:
+        if node.name in failed:
+            why = str(failed[node.name])
+            problems.append(Problem(node.name, "probe", found=why, text=why))
+            continue
+        if node.name not in got:
+            continue
+        res = facts[node.name] = got[node.name]
+        workdir = node.workdir or cwd
+        if not res.workdir_exists:
+            problems.append(Problem(node.name, "workdir", expected=f"{workdir} exists", found="missing",
+                                    fix="create it, sync the code, or set ddpfab_workdir",
+                                    text=f"host {node.name}: workdir {workdir} does not exist there; create it, "
+                                         "sync the code, or set ddpfab_workdir"))
+        elif script and res.script_exists is False:
+            problems.append(Problem(node.name, "script", expected=f"{script} in {workdir}", found="missing",
+                                    fix="sync the code first",
+                                    text=f"host {node.name}: script {script} not found in {workdir}; sync the "
+                                         "code first"))
+        if not res.torch:
+            chosen = nodeenv.decided(node, res.raw)
+            fix = nodeenv.torch_fix(chosen)
+            problems.append(Problem(node.name, "torch", expected=f"{chosen.python} imports torch",
+                                    found=f"it cannot (python {res.python}, {nodeenv.describe(chosen)})", fix=fix,
+                                    text=f"host {node.name}: {chosen.python} cannot import torch (python "
+                                         f"{res.python}, from {chosen.python_from or 'inventory'}); {fix}"))
+        if node.name == master.name:
+            if master_port is not None and res.port_free is False:
+                problems.append(Problem(node.name, "master_port", expected=f"port {master_port} free",
+                                        found="in use", fix="pick another port or leave --master-port out",
+                                        text=f"host {node.name}: --master-port {master_port} is already in use "
+                                             "there; pick another port or leave --master-port out to get a free one"))
+            if master_port is None and res.free_port is None:
+                lo, hi = DEFAULT_PORT_RANGE
+                problems.append(Problem(node.name, "master_port", expected=f"a free port in {lo}-{hi}",
+                                        found="none", fix="pass --master-port",
+                                        text=f"host {node.name}: no free port in {lo}-{hi}; pass --master-port"))
+    return facts, problems

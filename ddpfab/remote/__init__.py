@@ -1,0 +1,2 @@
+"""Reaching nodes: one connection target per node (ssh_config + inventory + host-key policy), the
+SSH runner every command uses, its helper processes' reaper, and `ddpfab exec`."""

@@ -1,0 +1,167 @@
+"""``ddpfab exec``: one ad-hoc command on every node at once, output prefixed per host, exit codes summed up.
+
+    ddpfab exec -i inv.yml -- nvidia-smi -L
+    ddpfab exec -i inv.yml --nodes gpu01,gpu03 -- 'ss -tlnp | grep 295'
+
+Quoting rule: several words after ``--`` are one command, each word quoted for the remote shell
+(``shlex.join``): ``-- ls "my dir"`` lists the directory ``my dir``. A single word is passed to the
+remote shell as it is, so pipes, redirections, ``$VARS`` and ``&&`` work: ``-- 'ls | wc -l'``.
+
+Each node connects and runs on its own thread through the same SSH layer as ``ddpfab run`` (host
+keys verified; an unreachable node is reported, the others still run). stdout lines go to stdout,
+stderr lines to stderr, each prefixed ``<host> |`` as they arrive. The exit status is 0 when every
+node exited 0, else the first failing node's exit code (255 for a node ddpfab could not reach).
+The command runs after the node's ``ddpfab_setup`` lines (a failing one: exit 96, the line named
+on stderr), with the node's python (:mod:`ddpfab.hosts.nodeenv`) in ``$DDPFAB_PYTHON`` and its
+directory first on PATH, so ``python`` there is the python a run would use.
+The remote command gets no terminal and reads /dev/null; it runs in a session of its own that
+ends (TERM, then KILL after 2 s) when the connection closes, so a Ctrl-C here (exit 130) leaves
+nothing running on any node, unlike plain ``ssh host cmd``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from ddpfab.hosts import nodeenv
+from ddpfab.launch.execute import COLORS
+from ddpfab.remote import ssh, streams
+
+UNREACHABLE = 255
+
+
+def remote_command(words: list[str]) -> str:
+    """One word: a shell snippet, as is. Several: a command line, each word quoted."""
+    if not words:
+        raise ValueError("no command given (put it after --)")
+    return words[0] if len(words) == 1 else shlex.join(words)
+
+
+#: The watcher's TERM to the command's process group ``$p``, once more after 0.2 s when the group is
+#: not there yet (a connection that closes at once can beat the ``setsid`` child to making it).
+TERM_GROUP = 'kill -s TERM -- "-$p" || { sleep 0.2; kill -s TERM -- "-$p"; }'
+
+
+def guarded(command: str) -> str:
+    """*command* run so that it ends with the connection: in a session of its own (stdin from
+    /dev/null), while a watcher reads this SSH session's stdin, which ddpfab keeps open; when it
+    closes (ddpfab exits, is interrupted or killed, or the connection drops) the watcher ends
+    the command's whole process group, TERM then KILL. Without it a quiet remote command would
+    outlive a Ctrl-C (no terminal, so no SIGHUP)."""
+    return ("exec 3<&0; "
+            f'setsid "${{SHELL:-sh}}" -c {shlex.quote(command)} </dev/null 3<&- & p=$!; '
+            f'( cat <&3 >/dev/null; {TERM_GROUP}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
+            'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
+
+
+@dataclass
+class HostResult:
+    name: str
+    exit_code: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def code(self) -> int:
+        if self.error is not None or self.exit_code is None:
+            return UNREACHABLE
+        return self.exit_code
+
+
+class LinePrinter:
+    """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""
+
+    def __init__(self, names: list[str], out: TextIO | None = None, err: TextIO | None = None,
+                 color: bool | None = None):
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        if color is None:
+            color = self.out.isatty() and os.environ.get("NO_COLOR") is None
+        self.color = color
+        self.width = max((len(n) for n in names), default=1)
+        self.index = {n: i for i, n in enumerate(names)}
+        self.lock = threading.Lock()
+        self.closed = False  # stdout's reader went away (`| head`): the commands are ended
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None:
+        prefix = f"{name:<{self.width}} |"
+        if self.color:
+            # (launch imports fabric: not while the parser is built)
+
+            prefix = f"\x1b[{COLORS[self.index.get(name, 0) % len(COLORS)]}m{prefix}\x1b[0m"
+        stream = self.err if stderr else self.out
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                stream.write(f"{prefix} {text}\n")
+                stream.flush()
+            except BrokenPipeError:
+                self.closed = True
+
+
+def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
+    for line in streams.lines(read):
+        printer.line(name, line, stderr)
+        if printer.closed:  # nobody reads on: closing the channel ends the command (see guarded)
+            chan.close()
+            return
+
+
+def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
+           timeout: float | None = None) -> HostResult:
+    """Connect to *node*, run *command*, stream its output; never raises."""
+    result = HostResult(node.name)
+    start = time.monotonic()
+    conn = None
+    try:
+        conn = ssh.connect(node, policy, ssh_config)
+        chan = conn.transport.open_session(timeout=30)
+        if timeout:
+            chan.settimeout(timeout)
+        # after the node's setup, with its python first on PATH; our end of stdin stays open:
+        # closing it ends the command
+        chan.exec_command(guarded(nodeenv.prefix(node, export_python=True) + command))
+        err_thread = threading.Thread(target=_pump, args=(chan, chan.recv_stderr, node.name, printer, True),
+                                      daemon=True)
+        err_thread.start()
+        _pump(chan, chan.recv, node.name, printer, False)
+        if printer.closed:  # ended by us: no exit status will come
+            return result
+        err_thread.join(timeout=timeout)
+        code = chan.recv_exit_status()
+        if code == -1:
+            result.error = "the SSH session ended without an exit status"
+        else:
+            result.exit_code = code
+    except ssh.SSHError as exc:
+        result.error = str(exc)
+    except TimeoutError:
+        result.error = f"no output and no exit within {timeout:g} s (--timeout)"
+    except Exception as exc:  # noqa: BLE001 - a failure on one host is data
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.seconds = time.monotonic() - start
+        if conn is not None:
+            conn.close()
+    return result
+
+
+def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: LinePrinter,
+             timeout: float | None = None) -> dict[str, HostResult]:
+    results = ssh.parallel(list(nodes), lambda n: run_on(n, command, policy, ssh_config, printer, timeout))
+    return {k: (v if isinstance(v, HostResult) else HostResult(k, error=repr(v))) for k, v in results.items()}
+
+
+def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
+    failed = [r for r in results.values() if r.code != 0]
+    parts = []
+    for r in results.values():
+        parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
+    text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s: " + " ".join(parts))
+    return (failed[0].code if failed else 0), text

@@ -1,0 +1,1 @@
+"""Moving files: `ddpfab sync` (code to every node, owning only what it placed) and `ddpfab fetch`."""

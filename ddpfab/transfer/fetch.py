@@ -1,0 +1,152 @@
+"""``ddpfab fetch``: bring results back (a checkpoint, a log dir) from a node to this machine.
+
+    ddpfab fetch -i INV [--node NODE | --rank R] REMOTE_PATH [LOCAL_DIR]
+
+REMOTE_PATH is relative to the node's workdir (the same one sync and run use), or absolute inside
+the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
+path (symlinks followed), before anything is copied. The copy is rsync over the very SSH options
+and host-key policy of ``ddpfab sync`` (:mod:`ddpfab.remote.target`), with rsync's progress
+line for anything over :data:`PROGRESS_BYTES`. The result lands in LOCAL_DIR (default: .) under the
+remote path's last name; an existing file or dir there is never overwritten unless ``--overwrite``.
+
+``--rank R`` is the node rank of a static rendezvous (``ddpfab run``'s default): rank 0 is the
+master, then the other nodes in inventory order (:func:`ddpfab.planning.plan.node_order`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from ddpfab import node as nodeprog
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
+from ddpfab.remote.target import (
+    HostKeyPolicy,
+    TargetError,
+    destination,
+    host_path,
+    openssh_options,
+    resolve,
+    ssh_problem,
+)
+from ddpfab.transfer.sync import SyncError, _node_reply, check_workdir, node_command
+
+#: Above this size rsync shows its one-line progress (on stderr).
+PROGRESS_BYTES = 16 * 2**20
+
+
+class FetchError(Exception):
+    """Nothing was fetched; the message says why and what to do. *code*: the exit code, 2 when the
+    request is refused before any host is contacted (bad input), 1 once the node has been asked (the
+    path refused or missing there, a destination that exists, the copy failed)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def check_local_dir(local_dir: str | os.PathLike) -> None:
+    """LOCAL_DIR must be a directory, or not exist yet (it is made): a file there is refused before
+    any host is contacted."""
+    path = os.path.abspath(os.fspath(local_dir))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise FetchError(f"LOCAL_DIR {path} exists and is not a directory; the copy goes into a directory "
+                         "(it is made if missing): give a directory, e.g. the file's parent, or another path")
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FetchError(f"LOCAL_DIR {path}: {parent} is not a directory, so {path} cannot be made; "
+                         "give another LOCAL_DIR")
+
+
+def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
+    """The node named *node*, or the one with node rank *rank* (default: rank 0, the master)."""
+    if node is not None:
+        try:
+            return cluster.node(node)
+        except KeyError:
+            raise FetchError(f"no host {node!r} in the inventory (hosts: {', '.join(n.name for n in cluster.nodes)})") \
+                from None
+    order = node_order(cluster)
+    r = 0 if rank is None else rank
+    if not 0 <= r < len(order):
+        raise FetchError(f"--rank {r}: the inventory has node ranks 0..{len(order) - 1}")
+    return order[r]
+
+
+def located(name: str, found: dict) -> tuple[str, int]:
+    """A ``locate`` reply's path and size, validated (records are data): the path's last name
+    becomes the local destination's, so it must be a name (not ``..``, ``.`` or empty) of an
+    absolute path without control characters, and the size an integer."""
+    path, size = found.get("path"), found.get("bytes")
+    name_ok = isinstance(path, str) and path.startswith("/") and \
+        os.path.basename(path.rstrip("/")) not in ("", ".", "..") and \
+        not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in path)
+    if not name_ok or not isinstance(size, int) or isinstance(size, bool):
+        raise FetchError(f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
+                         f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
+                         "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there", 1)
+    return path, size
+
+
+def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: HostKeyPolicy, *,
+          ssh_config: str | None = None, overwrite: bool = False, default_workdir: str | None = None,
+          progress: bool | None = None) -> dict:
+    """Copy *remote_path* from *node* into *local_dir*; the node's answer about it plus ``local``.
+
+    Args:
+        node: the inventory node.
+        remote_path: relative to its workdir, or absolute inside the workdir or its run dirs.
+        local_dir: where the copy goes (created if missing).
+        policy: the host-key policy (the same as sync and run).
+        ssh_config: an ssh_config file (else the node's ``-F``, else ~/.ssh/config).
+        overwrite: replace what is already at the destination.
+        default_workdir: the workdir when the inventory sets none (the controller's cwd, as run).
+        progress: rsync's progress line on stderr (default: for transfers over PROGRESS_BYTES).
+    """
+    if not shutil.which("rsync"):
+        raise FetchError("rsync not found on this machine: apt-get install rsync")
+    try:
+        raw = check_workdir(node, default_workdir or os.getcwd())
+    except SyncError as exc:
+        raise FetchError(exc.problems[0]) from None
+    try:
+        target = resolve(node, policy, ssh_config)
+    except TargetError as exc:
+        raise FetchError(str(exc)) from None
+    opts = openssh_options(target, keepalive=True)
+    reqs = nodeprog.numbered({"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR})
+    proc = subprocess.run(["ssh", *opts, destination(target), node_command(node)],
+                          input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
+    stderr = proc.stderr.decode(errors="replace")
+    if proc.returncode == 255:
+        raise FetchError(ssh_problem(target, 255, stderr), 1)
+    try:
+        found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
+    except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
+        raise FetchError(exc.problems[0], 1) from None
+    path, size = located(node.name, found)
+    check_local_dir(local_dir)
+    local_dir = os.path.abspath(os.fspath(local_dir))
+    dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
+    if os.path.lexists(dest) and not overwrite:
+        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR", 1)
+    try:
+        os.makedirs(local_dir, exist_ok=True)
+    except OSError as exc:
+        raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
+    show = progress if progress is not None else size >= PROGRESS_BYTES
+    argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
+            " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
+            host_path(target, path), local_dir + "/"]
+    # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
+    copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if copy.returncode != 0:
+        text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
+        raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}", 1)
+    return {**found, "node": node.name, "local": dest}

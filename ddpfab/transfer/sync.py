@@ -1,0 +1,1378 @@
+"""Code sync: every node gets this project's files, checked by hash, and nothing else is touched.
+
+``ddpfab sync --inventory INV [PATH]`` (PATH defaults to the current dir) copies the project to
+every node's workdir (``ddpfab_workdir``, else the same absolute path as here) with rsync over
+OpenSSH, all nodes at once, then has each node hash the files it received (the same stdlib code
+as here, :mod:`ddpfab.node.treehash`) and compares that with the local hash. A node whose copy differs
+is an error naming the node and the paths that differ.
+
+What is sent (the *selection*): in a git work tree, exactly ``git ls-files -co --exclude-standard``
+(tracked plus untracked-but-not-ignored files; submodules and nested repos are listed by their own
+git); elsewhere, a walk that applies ``.gitignore`` files like git does. Then, in both cases,
+``.ddpfabignore`` files (gitignore syntax) remove more, and the skipped paths of
+:mod:`ddpfab.node.treehash` (``runs/``, ``__pycache__``, ``.git`` unless ``--with-git``, ``.ddpfab/``,
+virtualenvs, *keep* patterns) are never sent. rsync receives that list as ``--files-from``.
+
+Ownership, not a mirror: each node's workdir records what ddpfab placed (``.ddpfab/sync.json``).
+A sync deletes on a node only recorded files that are gone here (deleted or renamed); a file that
+is still here but no longer selected (it became ignored) is released, not deleted. Everything else
+on a node is the user's: checkpoints, datasets, logs, ignored paths. A directory that exists, is
+not empty and has no record is refused unless ``--adopt``; every workdir is checked here and on
+the node as the node resolves it (:mod:`ddpfab.node.workdir`). ``--dry-run`` lists, per node, what would
+be copied, updated and deleted; a real sync prints one line per node with those counts.
+
+SSH: every command reaches the node as the runner does (:mod:`ddpfab.remote.target`: the
+node's known_hosts and host-key policy, its jump hosts, key, port and user, on every hop) and the node's
+inventory connection options; one multiplexed OpenSSH connection per node carries the probe,
+rsync and the hash check. Its helpers (masters, rsync, the agent) and its temp dir are ended by a
+watcher (:mod:`ddpfab.remote.reaper`) even when ddpfab is killed.
+
+Fan-out (``--fanout tree``): the controller sends to one node only; nodes then forward along a
+binomial tree (each round doubles the nodes that hold the code), so a slow uplink is crossed once.
+Node-to-node rsync authenticates through a forwarded, dedicated ssh-agent that lives only for the
+sync and holds the inventory key restricted (``ssh-add -h``) to exactly the planned hops; the
+forwarding node verifies the next node's host key against lines pushed from the controller's
+known_hosts. When that is not possible ddpfab says why and uses the star. See docs/sync.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import os
+import re
+import secrets
+import select as selectmod
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ddpfab import node as nodeprog
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.node import treehash, workdir
+from ddpfab.problems import Problem
+from ddpfab.remote.reaper import Reaper
+from ddpfab.remote.target import (
+    HostKeyPolicy,
+    Target,
+    TargetError,
+    bracket,
+    destination,
+    host_path,
+    openssh_options,
+    resolve_all,
+    ssh_problem,
+)
+
+#: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
+#: (files belong to the SSH user); no deletions (ddpfab deletes only what it placed, on the node);
+#: the file list comes as --files-from; one itemised line per change (counted, or listed by
+#: --dry-run).
+RSYNC_BASE = ("-lpt", "--omit-dir-times", "--from0", "--stats", "--itemize-changes")
+#: How long the forwarded agent keeps the key at most, should ddpfab die without cleaning up.
+AGENT_KEY_LIFETIME_S = 3600
+#: How long a sync waits for another sync of the same workdir to finish, by default (seconds).
+LOCK_WAIT_S = 600.0
+#: ``SyncError.code`` and ``NodeSync.state`` of a node whose workdir another sync holds: refused
+#: (``--no-wait``, or the wait ran out) before anything was changed anywhere.
+BUSY = "busy"
+
+
+class SyncError(Exception):
+    """Sync failed on some nodes; ``problems`` has one line per failing node, ``result`` what
+    happened everywhere (the nodes that did sync are in it too), ``code`` the node program's
+    code for a refusal on one node (``treehash.NOT_OURS``...), when it gave one."""
+
+    def __init__(self, problems: list[str], result: SyncResult | None = None, code: str = ""):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+        self.result = result
+        self.code = code
+
+    @property
+    def not_ours(self) -> list[str]:
+        """The nodes whose workdir was refused as not ddpfab's (``--adopt`` takes it over)."""
+        nodes = self.result.nodes.values() if self.result else ()
+        return [r.name for r in nodes if r.state == treehash.NOT_OURS]
+
+
+# -- results -----------------------------------------------------------------------------------
+@dataclass
+class NodeSync:
+    """What happened on one node.
+
+    Args:
+        name: the inventory name.
+        workdir: the absolute workdir there.
+        source: where the code came from: "controller", another node's name, or "shared" (the
+            workdir is the controller's own directory, e.g. a shared filesystem: nothing copied).
+        transfer_s: seconds the copy took (rsync, end to end).
+        verify_s: seconds the hash check on the node took.
+        state: whose the workdir was: new (created by this sync), owned (ddpfab's record was
+            there), empty, adopted (``--adopt``), missing (a dry run into a dir not there yet),
+            not-ours (it holds what ddpfab did not put there: refused, unless ``--adopt``).
+        bytes_sent: bytes the sender put on the wire (rsync's "Total bytes sent").
+        files_transferred: regular files rsync (re)wrote.
+        copied: files and links that were not there; updated: ones rsync changed.
+        deleted: files ddpfab had placed and this sync deleted (gone here).
+        kept: paths that were there, not ddpfab's, and were moved aside for a project file.
+        items: with --dry-run, ``[action, path]`` per change (copy, update, delete).
+        tree_hash: the hash the node computed.
+        ok: synced and verified.
+        error: the problem, one line, when not ok.
+    """
+
+    name: str
+    workdir: str = ""
+    source: str = ""
+    state: str = ""
+    transfer_s: float | None = None
+    verify_s: float | None = None
+    bytes_sent: int | None = None
+    files_transferred: int | None = None
+    copied: int | None = None
+    updated: int | None = None
+    deleted: int | None = None
+    kept: list[str] = field(default_factory=list)
+    items: list[list[str]] = field(default_factory=list)
+    tree_hash: str | None = None
+    ok: bool = False
+    error: str | None = None
+
+
+@dataclass
+class SyncResult:
+    """The synced tree and what happened on each node; ``to_dict()`` goes into the run manifest.
+
+    Args:
+        src: the local directory that was sent.
+        tree_hash: sha256 tree hash of the selection (see :mod:`ddpfab.node.treehash`).
+        files: number of files and symlinks in the selection; bytes: their total size.
+        selection: "git" (git ls-files) or "walk" (not a git work tree).
+        git_commit: HEAD of the work tree, None outside git or before the first commit.
+        git_dirty: uncommitted changes or untracked files (the tree is not exactly the commit).
+        fanout: the fan-out used ("star" or "tree"; "tree" may have fallen back to "star").
+        nodes: per node, in inventory order.
+        notes: things the user should know (fallbacks, shared dirs).
+        duration_s: wall time of the whole sync.
+        dry_run: nothing was written; ``items`` per node say what would be.
+    """
+
+    src: str
+    tree_hash: str
+    files: int
+    bytes: int
+    selection: str
+    git_commit: str | None
+    git_dirty: bool | None
+    fanout: str
+    nodes: dict[str, NodeSync] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+    dry_run: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(n.ok for n in self.nodes.values())
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["nodes"] = {k: asdict(v) for k, v in self.nodes.items()}
+        return out
+
+    def problems(self) -> list[Problem]:
+        """Every node that did not sync, as a problem (a workdir refused as not ddpfab's names
+        ``--adopt`` as its fix)."""
+        out = []
+        for r in self.nodes.values():
+            if r.ok:
+                continue
+            text = r.error or f"host {r.name}: not synced"
+            if r.state == treehash.NOT_OURS:
+                out.append(Problem(r.name, "workdir", expected="a workdir ddpfab placed, or an empty one",
+                                   found="files ddpfab did not put there", fix="ddpfab sync --adopt", text=text))
+            else:
+                out.append(Problem(r.name, "sync", found=text, text=text))
+        return out
+
+
+# -- what is sent ------------------------------------------------------------------------------
+@dataclass
+class Selection:
+    """The files (and symlinks) to send, relative to ``root``, and where that list came from."""
+
+    root: str
+    files: list[str]
+    source: str
+    keep: tuple[str, ...] = ()
+    with_git: bool = False
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+
+
+def keep_patterns(root: str, extra: tuple[str, ...] | list[str] = ()) -> tuple[str, ...]:
+    """The keep patterns: lines of ROOT/.ddpfabkeep, then *extra* (``--keep``)."""
+    lines = treehash.read_lines(os.path.join(root, treehash.KEEP_FILE))
+    return tuple(ln for ln in lines if treehash.compile_line(ln)) + tuple(extra)
+
+
+def _git(root: str, *args: str) -> bytes | None:
+    try:
+        proc = subprocess.run(["git", "-C", root, *args], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _git_listing(root: str) -> list[str] | None:
+    """``git ls-files -co --exclude-standard`` of *root*, or None when git does not apply (no git,
+    not a work tree, or *root* itself ignored by an enclosing repo)."""
+    inside = _git(root, "rev-parse", "--is-inside-work-tree")
+    if inside is None or inside.strip() != b"true":
+        return None
+    if _git(root, "check-ignore", "-q", ".") is not None:  # exit 0: root is ignored
+        return None
+    out = _git(root, "ls-files", "-z", "-c", "-o", "--exclude-standard")
+    if out is None:
+        return None
+    seen, rels = set(), []
+    for raw in out.split(b"\0"):
+        if raw and raw not in seen:
+            seen.add(raw)
+            rels.append(os.fsdecode(raw).rstrip("/"))
+    return rels
+
+
+def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_git: bool = False) -> Selection:
+    """The selection of *src*: what a sync sends (see the module doc)."""
+    root = os.path.abspath(os.fspath(src))
+    if not os.path.isdir(root):
+        raise SyncError([f"{root}: not a directory"])
+    patterns = keep_patterns(root, keep)
+    skipper = treehash.Skipper(root, patterns, with_git)
+    ddp_ignore = treehash.IgnoreFiles(root, [treehash.IGNORE_FILE])
+    listed = _git_listing(root)
+    files: list[str] = []
+    if listed is None:
+        found, _ = treehash.walk(root, skipper, treehash.IgnoreFiles(root, [".gitignore", treehash.IGNORE_FILE]))
+        files, source, commit, dirty = found, "walk", None, None
+    else:
+        source = "git"
+        head = _git(root, "rev-parse", "--verify", "-q", "HEAD")
+        commit = head.decode().strip() if head else None
+        status = _git(root, "status", "--porcelain", "-z", "--untracked-files=normal", "--", ".")
+        dirty = bool(status) if status is not None else None
+        queue = list(listed)
+        while queue:
+            rel = queue.pop()
+            try:
+                st = os.lstat(os.path.join(root, rel))
+            except OSError:  # tracked but deleted here
+                continue
+            if stat.S_ISDIR(st.st_mode):  # a submodule or a nested repository: its own listing
+                if skipper.dir_reason(rel):
+                    continue
+                sub = os.path.join(root, rel)
+                inner = _git_listing(sub)
+                if inner is None:
+                    inner, _ = treehash.walk(sub, treehash.Skipper(sub, (), with_git),
+                                             treehash.IgnoreFiles(sub, [".gitignore"]))
+                queue.extend(rel + "/" + r for r in inner)
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                continue
+            if skipper.file_reason(rel) or ddp_ignore.ignored(rel):
+                continue
+            files.append(rel)
+        if with_git and os.path.isdir(os.path.join(root, ".git")):
+            for dirpath, dirnames, filenames in os.walk(os.path.join(root, ".git")):
+                for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                    files.append(os.path.relpath(os.path.join(dirpath, name), root))
+    files.sort(key=os.fsencode)
+    return Selection(root=root, files=files, source=source, keep=patterns, with_git=with_git,
+                     git_commit=commit, git_dirty=dirty)
+
+
+def write_list(files: list[str], path: str | os.PathLike) -> None:
+    """Write *files* NUL-separated, for ``rsync --from0 --files-from=PATH`` (names may hold
+    newlines)."""
+    with open(path, "wb") as fh:
+        fh.write(b"".join(os.fsencode(r) + b"\0" for r in files))
+
+
+def deletions(sel: Selection, placed: list[str]) -> list[str]:
+    """Which of the files ddpfab *placed* on a node to delete there: those gone from this tree
+    (deleted or renamed). A placed file that is still here but no longer selected (it became
+    ignored) is left alone, and so is anything the keep patterns, ``runs/``, ``.git`` or a
+    virtualenv cover: the node may have made it its own."""
+    selected, out = set(sel.files), []
+    skipper = treehash.Skipper(sel.root, sel.keep, sel.with_git)
+    for rel in placed:
+        if rel in selected or os.path.lexists(os.path.join(sel.root, rel)):
+            continue
+        if skipper.file_reason(rel) in treehash.PROTECTED:
+            continue
+        out.append(rel)
+    return out
+
+
+def check_workdir(node: Node, default: str) -> str:
+    """The node's workdir as written (``ddpfab_workdir``, else *default*), checked as text here
+    (the node checks it again as it resolves it); a SyncError names the host."""
+    raw = node.workdir if node.workdir is not None else default
+    why = workdir.lexical_problem(raw)
+    if why:
+        raise SyncError([f"host {node.name}: refusing to sync: {why}; nothing was changed there"])
+    return raw
+
+
+def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict:
+    """The tree hash of the selection here (content digests cached, see ``treehash``)."""
+    return treehash.tree_digest(sel.root, sel.files, detail=detail, cache=cache)
+
+
+# -- SSH ---------------------------------------------------------------------------------------
+class _Link:
+    """One multiplexed OpenSSH connection to a node for the duration of a sync."""
+
+    def __init__(self, node: Node, target: Target, ctl: str, reaper: Reaper | None = None):
+        self.node, self.target, self.reaper = node, target, reaper
+        self.opts = openssh_options(target, keepalive=True)
+        self.dest = destination(target)
+        self.ctl = ctl
+        self.proc: subprocess.Popen | None = None
+        self.timeout = target.connect_timeout
+
+    def mux(self) -> list[str]:
+        return ["-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no"]
+
+    def start(self, agent_env: dict[str, str] | None = None) -> None:
+        """Start the master (from the caller's thread; ``ready`` waits for it). With *agent_env*
+        (the sync's own agent) sessions that ask for it (``forwarding_argv``) get the agent
+        forwarded; all others never do."""
+        self.errfile = open(self.ctl + ".err", "w+b")
+        forward = ["-o", "ForwardAgent=yes"] if agent_env else ["-o", "ForwardAgent=no"]
+        self.proc = subprocess.Popen(
+            ["ssh", *self.opts, *forward, "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=yes",
+             "-o", "ControlPersist=no", "-N", self.dest],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.errfile, start_new_session=True,
+            env=agent_env)
+        if self.reaper:
+            self.reaper.watch(self.proc.pid)
+
+    def ready(self) -> None:
+        deadline = time.monotonic() + self.timeout + 15
+        while not os.path.exists(self.ctl):
+            rc = self.proc.poll()
+            if rc is not None:
+                self.errfile.seek(0)
+                err = self.errfile.read().decode(errors="replace")
+                raise SyncError([ssh_problem(self.target, rc, err)])
+            if time.monotonic() > deadline:
+                raise SyncError([f"host {self.node.name} ({self.target.where}): no SSH connection within "
+                                 f"{self.timeout + 15:g} s"])
+            time.sleep(0.01)
+
+    def run(self, command: str, stdin: bytes = b"", timeout: float | None = 600) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(["ssh", *self.opts, *self.mux(), self.dest, command],
+                                  input=stdin, capture_output=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SyncError([f"host {self.node.name}: `{command[:40]}...` did not finish within {timeout:g} s"]) from None
+
+    def forwarding_argv(self, command: str) -> list[str]:
+        """ssh running *command* on the node with the sync's agent forwarded (the master's)."""
+        return ["ssh", *self.opts, *self.mux(), "-A", self.dest, command]
+
+    def rsync_e(self) -> str:
+        """The ``rsync -e`` command: this connection's ssh (rsync splits it like a shell would)."""
+        return " ".join(shlex.quote(a) for a in ["ssh", *self.opts, *self.mux()])
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                subprocess.run(["ssh", *self.opts, "-o", f"ControlPath={self.ctl}", "-O", "exit",
+                                self.dest], capture_output=True, timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.reaper:
+            self.reaper.forget(self.proc.pid)
+        self.errfile.close()
+
+
+def node_command(node) -> str:
+    """The shell command that runs the node program with *python* there, else ``python3`` (its
+    code and then its requests come on stdin: :func:`ddpfab.node.stdin_for`)."""
+    return nodeprog.command(node, "ddpfab-node", fallback="python3")
+
+
+def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
+    """One operation of the node program, run with the node's ``ddpfab_python`` when that exists
+    there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
+    name = link.node.name
+    reqs = nodeprog.numbered(request)
+    proc = link.run(node_command(link.node), nodeprog.stdin_for(*reqs), timeout)
+    _raise_start_failure(link, proc.returncode, proc.stderr.decode(errors="replace"))
+    return _node_reply(name, reqs, proc.returncode, proc.stdout.decode(errors="replace"),
+                       proc.stderr.decode(errors="replace"))
+
+
+def _raise_start_failure(link: _Link, code: int | None, stderr: str) -> None:
+    """A SyncError naming the node when the node program ended before it could answer: SSH itself
+    failed (255), a setup line of the node's failed (named), or no python there (127). Every way
+    sync starts the node program (one call, or the session that holds the lock) asks this."""
+    if code == 255:
+        raise SyncError([ssh_problem(link.target, 255, stderr)])
+    setup = nodeprog.start_failure(link.node, code, stderr)
+    if setup is not None and setup.kind == "setup":
+        raise SyncError([str(setup)])
+    if code == 127:
+        raise SyncError([f"host {link.node.name}: neither {link.node.python} nor python3 found there; sync needs a "
+                         "python (3.6+, standard library only) on the nodes"])
+
+
+def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str) -> dict:
+    """The node program's answer to the one request of *reqs*; a SyncError when there is none or
+    it reports an error."""
+    reply = nodeprog.match_replies(name, reqs, stdout.splitlines(), code, stderr)[0]
+    if not reply.ok:
+        raise SyncError([f"host {name}: {reply.op}: {reply.error}"], code=reply.code)
+    return reply.result
+
+
+class _Session:
+    """The node program kept open over a node's master connection for the whole sync: it probes,
+    holds the workdir's lock (``flock`` on the node: released by the node's kernel when this
+    session ends in any way, a SIGKILLed ddpfab included) and commits. rsync runs beside it."""
+
+    def __init__(self, link: _Link, reaper: Reaper):
+        self.link, self.reaper, self.next_id, self.buf = link, reaper, 1, b""
+        self.proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest, node_command(link.node)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        reaper.watch(self.proc.pid)
+        self.started = False
+
+    def call(self, *requests: dict, timeout: float = 600) -> list[dict]:
+        """Send *requests*, return their results in order; a SyncError naming the node for the
+        first that failed (its ``code`` kept) or when the session ended without answering."""
+        name = self.link.node.name
+        reqs = nodeprog.numbered(*requests, start=self.next_id)
+        self.next_id += len(reqs)
+        data = b"".join(nodeprog.frame(r) for r in reqs)
+        try:
+            self.proc.stdin.write(data if self.started else nodeprog.program() + data)
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the session is gone: reading says why
+        self.started = True
+        sent = {r["id"]: r["op"] for r in reqs}
+        lines: list[bytes] = []
+        got: set[int] = set()
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while len(got) < len(reqs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncError([f"host {name}: the node program did not answer within {timeout:g} s"])
+            if not selectmod.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return self._ended(reqs, lines)
+            *done, self.buf = (self.buf + chunk).split(b"\n")
+            lines += done
+            for line in done:
+                r = nodeprog.parse_reply(line)
+                if r is not None and r.id is not None and sent.get(r.id) == r.op:
+                    got.add(r.id)
+        return [self._result(r) for r in nodeprog.match_replies(name, reqs, lines, None)]
+
+    def _ended(self, reqs: list[dict], lines: list[bytes]) -> list[dict]:
+        code = self.proc.wait()
+        err = self.proc.stderr.read().decode(errors="replace")
+        _raise_start_failure(self.link, code, err)
+        return [self._result(r) for r in nodeprog.match_replies(self.link.node.name, reqs, lines, code, err)]
+
+    def _result(self, reply: nodeprog.Reply) -> dict:
+        if not reply.ok:
+            raise SyncError([f"host {self.link.node.name}: {reply.op}: {reply.error}"], code=reply.code)
+        return reply.result
+
+    def close(self) -> None:
+        """End the program (stdin EOF: it releases the lock as it exits)."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.reaper.forget(self.proc.pid)
+
+
+def holder_text(holder: object) -> str:
+    """Who holds a workdir's lock, from what the node read back (checked again here: data)."""
+    h = holder if isinstance(holder, dict) else {}
+
+    def get(key: str, kind: type) -> object:
+        v = h.get(key)
+        return v if isinstance(v, kind) and not isinstance(v, bool) else None
+
+    user, host, src = get("user", str), get("host", str), get("src", str)
+    pid, since = get("pid", int), get("since", (int, float))
+    if not (user or host or pid):
+        return "another sync (it did not say whose)"
+    who = nodeprog.printable(f"{user or '?'}@{host or '?'}")
+    when = time.strftime("%H:%M:%S UTC", time.gmtime(since)) if since else "?"
+    where = f", from {nodeprog.printable(src)}" if src else ""
+    return f"a sync by {who} (pid {pid or '?'}, since {when}{where})"
+
+
+_STATS = re.compile(r"^(Total bytes sent|Number of regular files transferred):\s*([\d,]+)", re.MULTILINE)
+
+
+def _rsync_stats(text: str) -> dict[str, int]:
+    keys = {"Total bytes sent": "bytes_sent", "Number of regular files transferred": "files_transferred"}
+    return {keys[m.group(1)]: int(m.group(2).replace(",", "")) for m in _STATS.finditer(text)}
+
+
+def rsync_argv(files_from: str, ssh_e: str, src: str, dest: str, *, compress: bool = False,
+               checksum: bool = False, dry_run: bool = False) -> list[str]:
+    """The rsync command line of one copy (controller to node, or node to node)."""
+    argv = ["rsync", *RSYNC_BASE]
+    if compress:
+        argv.append("--compress")
+    if checksum:
+        argv.append("--checksum")
+    if dry_run:
+        argv.append("--dry-run")
+    argv += [f"--files-from={files_from}", "-e", ssh_e, src.rstrip("/") + "/", dest.rstrip("/") + "/"]
+    return argv
+
+
+def itemized(text: str) -> list[list[str]]:
+    """``[action, path]`` for each file or link rsync's ``--itemize-changes`` lines report:
+    "copy" (not there before) or "update" (content or attributes changed). Directories are left
+    out (they follow from the files)."""
+    out = []
+    for line in text.splitlines():
+        code, _, name = line.partition(" ")
+        if len(code) != 11 or code[0] not in "<>ch." or code[1] not in "fLDS" or not name:
+            continue
+        if code[1] == "L":
+            name = name.split(" -> ", 1)[0]
+        out.append(["copy" if code[2:] == "+++++++++" else "update", name])
+    return out
+
+
+def mismatch_advice(ours: dict | None, theirs: dict | None, *, verify_only: bool, checksum: bool) -> str:
+    """What to do about a node whose tree hash is not this tree's, from what differs (each side's
+    ``tree_digest(detail=True)``; None when that could not be read). ``--checksum`` only where it
+    helps: for a file whose size is the same on both sides (rsync's quick check, size and mtime,
+    may skip it; a size change it never skips), and not when the copy compared contents already."""
+    if ours is None or theirs is None:
+        return ("A file there differs from here (`ddpfab sync --checksum` compares contents, not size and mtime), "
+                "or the tree changed during the sync: sync again")
+    mine, there = ours.get("entries", {}), theirs.get("entries", {})
+    same_size = sorted((rel for rel in set(mine) & set(there)
+                        if mine[rel] != there[rel] and ours["sizes"].get(rel) == theirs["sizes"].get(rel)),
+                       key=os.fsencode)
+    shown = ", ".join(same_size[:3]) + (", ..." if len(same_size) > 3 else "")
+    if verify_only:
+        if same_size:
+            return (f"Nothing was copied (--verify-only); {shown} has the same size here and there: run "
+                    "`ddpfab sync --checksum` (rsync's quick check may skip a file whose size and mtime match)")
+        return "Nothing was copied (--verify-only): run `ddpfab sync` to copy this tree there"
+    if same_size and not checksum:
+        return (f"{shown}: the same size here and there but other contents, so a file there was changed without "
+                "changing its size and mtime (rsync's quick check skips those), or it changed during the sync: "
+                "run `ddpfab sync --checksum`")
+    return ("The tree changed during the sync (here, or in the node's workdir meanwhile): sync again"
+            + ("" if checksum else " (rsync copies a file whose size changed: --checksum would not help)"))
+
+
+def _rsync_problem(name: str, rc: int, stderr: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    text = " | ".join(lines[-3:]) or "no message"
+    return f"host {name}: rsync failed (exit {rc}): {text}"
+
+
+# -- fan-out -----------------------------------------------------------------------------------
+def tree_schedule(n: int) -> dict[int, list[int]]:
+    """Who forwards to whom in a binomial tree over nodes 0..n-1 (0 gets the code from the
+    controller): in round r every node that holds the code sends it to one that does not, so all n
+    nodes hold it after ceil(log2 n) rounds. Children are listed in the order they are served."""
+    children: dict[int, list[int]] = {j: [] for j in range(n)}
+    r = 1
+    while r < n:
+        for j in range(r):
+            if j + r < n:
+                children[j].append(j + r)
+        r *= 2
+    return children
+
+
+def _known_keys(known_hosts: str, lookup: str) -> list[str]:
+    """``keytype key`` of every (non-revoked, non-CA) key known_hosts has for *lookup*."""
+    try:
+        proc = subprocess.run(["ssh-keygen", "-F", lookup, "-f", known_hosts], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    keys = []
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#") or words[0].startswith("@"):
+            continue
+        if len(words) >= 3:
+            keys.append(f"{words[1]} {words[2]}")
+    return keys
+
+
+def _host_entry(host: str, port: str | int | None) -> str:
+    return host if str(port or 22) == "22" else f"[{host}]:{port}"
+
+
+class _Agent:
+    """A dedicated ssh-agent for one sync: its socket in the sync's private temp dir, its keys
+    destination-constrained and time-limited, the whole agent ended when the sync ends."""
+
+    def __init__(self, ctl_dir: str, reaper: Reaper | None = None):
+        self.sock = os.path.join(ctl_dir, "agent.sock")
+        self.proc: subprocess.Popen | None = None
+        self.reaper = reaper
+
+    def start(self) -> str | None:
+        if not (shutil.which("ssh-agent") and shutil.which("ssh-add")):
+            return "ssh-agent/ssh-add not found on the controller"
+        self.proc = subprocess.Popen(["ssh-agent", "-D", "-a", self.sock], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        if self.reaper:
+            self.reaper.watch(self.proc.pid)
+        deadline = time.monotonic() + 5
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return "could not start ssh-agent: " + (self.proc.stderr.read().decode(errors="replace").strip()
+                                                        if self.proc.poll() is not None else "timeout")
+            time.sleep(0.01)
+        return None
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("SSH_AGENT_PID", "DISPLAY", "SSH_ASKPASS")}
+        env.update(SSH_AUTH_SOCK=self.sock, SSH_ASKPASS_REQUIRE="never")
+        return env
+
+    def add(self, keys: list[str], labels_file: str, constraints: list[str]) -> str | None:
+        argv = ["ssh-add", "-q", "-t", str(AGENT_KEY_LIFETIME_S), "-H", labels_file]
+        for c in constraints:
+            argv += ["-h", c]
+        proc = subprocess.run(argv + keys, env=self.env(), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=30)
+        if proc.returncode != 0:
+            msg = " ".join((proc.stderr or proc.stdout).split())
+            return f"ssh-add refused the key with destination constraints ({msg[-200:]}; needs OpenSSH >= 8.9 and " \
+                   "a key without passphrase)"
+        return None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.reaper:
+            self.reaper.forget(self.proc.pid)
+
+
+# -- the sync ----------------------------------------------------------------------------------
+@dataclass
+class _Target:
+    node: Node
+    link: _Link
+    rec: NodeSync
+    real: str = ""
+    placed: list[str] | None = None
+    shared: bool = False
+    ready: bool = False
+    session: _Session | None = None
+    locked: bool = False
+    holder: dict | None = None
+
+
+class _Sync:
+    def __init__(self, cluster: Cluster, sel: Selection, policy: HostKeyPolicy, ssh_config: str | None,
+                 compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False,
+                 lock_wait: float = LOCK_WAIT_S):
+        self.cluster, self.sel, self.policy, self.ssh_config = cluster, sel, policy, ssh_config
+        self.lock_wait, self.refused = lock_wait, False
+        self.compress, self.checksum, self.progress, self.adopt = compress, checksum, progress, adopt
+        try:  # before anything is started: a route that cannot be honoured starts nothing
+            reach = resolve_all(cluster.nodes, policy, ssh_config)
+        except TargetError as exc:
+            raise SyncError([str(exc)]) from None
+        self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self.reaper = Reaper(self.ctl_dir)
+        self.list_file = os.path.join(self.ctl_dir, "files")
+        write_list(sel.files, self.list_file)
+        self.targets = {n.name: _Target(n, _Link(n, reach[n.name], os.path.join(self.ctl_dir, f"c{i}"), self.reaper),
+                                        NodeSync(n.name))
+                        for i, n in enumerate(cluster.nodes)}
+        self.notes: list[str] = []
+        self.local: dict | None = None
+        self.agent: _Agent | None = None
+        self.stages: dict[str, str] = {}
+        self.holds: list[subprocess.Popen] = []
+        self.fanout_used = "star"
+        self.lock = threading.Lock()
+        self.copies: set[subprocess.Popen] = set()
+        self.cancelled = False
+        self.dry_run = False
+        self.verify_only = False
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.notes.append(text)
+        self.progress(text)
+
+    def fail(self, t: _Target, problem: str) -> None:
+        t.rec.ok, t.rec.error = False, problem  # reported once, at the end (SyncError)
+
+    def request(self, t: _Target, op: str, **fields) -> dict:
+        return {"op": op, "workdir": t.rec.workdir, **fields}
+
+    # -- phase 1: connect and probe --------------------------------------------------------
+    def connect_and_probe(self, create: bool) -> None:
+        nonce: str | None = f"{treehash.PROBE_PREFIX}{secrets.token_hex(8)}"
+        nonce_path = os.path.join(self.sel.root, nonce)
+        nonce_error = None
+        try:
+            fd = os.open(nonce_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.close(fd)
+        except OSError as exc:
+            nonce, nonce_error = None, f"could not write a probe file into {self.sel.root}: {exc.strerror}"
+        agent_env = self.agent.env() if self.agent else None
+        for t in self.targets.values():
+            t.link.start(agent_env)
+
+        def probe(t: _Target) -> None:
+            """First look, changing nothing: the workdir checked as the node resolves it, whose it
+            is, whether it is this very directory; for a real sync in the session that then holds
+            the lock, with a first try (no wait) at the lock."""
+            try:
+                raw = check_workdir(t.node, self.sel.root)
+                t.link.ready()
+                req = {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
+                       "create": False, "adopt": self.adopt, "files": []}
+                if create:
+                    t.session = _Session(t.link, self.reaper)
+                    out = t.session.call(req, timeout=120)[0]
+                else:
+                    out = _node_call(t.link, req, timeout=120)
+            except SyncError as exc:
+                if exc.code == treehash.NOT_OURS:
+                    t.rec.state = exc.code
+                return self.fail(t, exc.problems[0])
+            t.rec.workdir, t.real = out["workdir"], out["real"]
+            if out.get("shared"):
+                t.shared, t.ready, t.rec.source = True, True, "shared"
+                return None
+            t.rec.state = out.get("state", "")
+            if out["state"] == "missing" and not create and not self.dry_run:
+                return self.fail(t, f"host {t.node.name}: workdir {out['workdir']} does not exist; run ddpfab sync")
+            if create and not out.get("rsync"):
+                return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
+                                    "or ddpfab provision)")
+            t.placed, t.ready = out.get("record", []), True
+            if create:
+                self.try_lock(t, 0)
+            return None
+
+        def prepare(t: _Target) -> None:
+            """Under the lock: read the record and record the files about to be placed (the union
+            of old and new until the commit), moving aside what is in the way."""
+            try:
+                out = t.session.call({"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
+                                      "nonce_error": nonce_error, "create": True, "adopt": self.adopt,
+                                      "files": self.sel.files, "locked": True}, timeout=120)[0]
+            except SyncError as exc:
+                t.ready = False
+                if exc.code == treehash.NOT_OURS:
+                    t.rec.state = exc.code
+                return self.fail(t, exc.problems[0])
+            t.rec.state, t.placed = out.get("state", ""), out.get("record", [])
+            if out.get("kept"):
+                t.rec.kept = out["kept"]
+                shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
+                self.note(f"{t.node.name}: {len(out['kept'])} files there that ddpfab had not placed are in the way "
+                          f"of project files; moved to {out['kept_dir']}: {shown}")
+            return None
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(32, len(self.targets))) as pool:
+                list(pool.map(probe, self.targets.values()))
+                if create:
+                    self.lock_all()
+                    mine = [t for t in self.targets.values() if t.ready and not t.shared]
+                    list(pool.map(prepare, mine))
+        finally:
+            if nonce:
+                try:
+                    os.unlink(nonce_path)
+                except OSError:
+                    pass
+        shared = [t.node.name for t in self.targets.values() if t.shared]
+        if shared:
+            self.note(f"{', '.join(shared)}: the workdir is this very directory (shared filesystem): nothing to "
+                      "copy, verifying only")
+
+    # -- one writer per workdir ----------------------------------------------------------------
+    def try_lock(self, t: _Target, wait_s: float) -> None:
+        """Ask *t*'s session for its workdir's lock, waiting up to *wait_s* s on the node."""
+        holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.time(), "src": self.sel.root}
+        try:
+            out = t.session.call({"op": "lock", "holder": holder, "wait_s": wait_s}, timeout=wait_s + 120)[0]
+        except SyncError as exc:
+            t.ready = False
+            return self.fail(t, exc.problems[0])
+        t.locked, t.holder = out.get("locked") is True, out.get("holder")
+        return None
+
+    def lock_all(self) -> None:
+        """Hold every node's workdir lock, or none and refuse (nothing changed anywhere). A sync
+        that must wait releases what it holds and waits for one busy node at a time, so two syncs
+        over overlapping nodes never wait for each other; the wait is bounded (``lock_wait``)."""
+        deadline = time.monotonic() + self.lock_wait
+        said: set[str] = set()
+        while True:
+            wanted = [t for t in self.targets.values() if t.ready and not t.shared]
+            busy = [t for t in wanted if not t.locked]
+            if not busy:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = ("--no-wait" if self.lock_wait <= 0 else
+                       f"waited {self.lock_wait:g} s; retry when it has finished, or end it")
+                for t in wanted:
+                    self.fail(t, f"host {t.node.name}: refusing to sync: {t.rec.workdir} is being changed by "
+                                 f"{holder_text(t.holder)} ({why}); nothing was changed there" if not t.locked else
+                                 f"host {t.node.name}: not synced: another node's workdir is being synced "
+                                 "(see there); nothing was changed here")
+                    t.rec.state, t.ready = BUSY, False
+                self.refused = True
+                return
+            with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
+                list(pool.map(self.unlock, [t for t in wanted if t.locked]))
+            t = busy[0]
+            whose = f"{t.node.name}: {t.rec.workdir} is being changed by {holder_text(t.holder)}"
+            if whose not in said:  # one line per holder met, not one per retry
+                said.add(whose)
+                self.progress(f"{whose}; waiting for it (up to {left:.0f} s; --no-wait refuses instead)")
+            self.try_lock(t, left)
+            if t.locked:
+                with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
+                    list(pool.map(lambda u: self.try_lock(u, 0), [u for u in wanted if not u.locked and u is not t]))
+
+    def unlock(self, t: _Target) -> None:
+        try:
+            t.session.call({"op": "unlock"}, timeout=60)
+        except SyncError as exc:
+            t.ready = False
+            self.fail(t, exc.problems[0])
+        t.locked = False
+
+    # -- copies ---------------------------------------------------------------------------
+    def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
+        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, host_path(t.link.target, t.real),
+                          compress=self.compress, checksum=self.checksum, dry_run=dry_run)
+        return self._run_copy(t, argv, "controller")
+
+    def copy_from_node(self, src: _Target, t: _Target, hop: dict) -> bool:
+        inner_e = " ".join(shlex.quote(a) for a in [
+            "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={hop['stage']}/known_hosts",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes",
+            "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6",
+            "-p", str(hop["port"]), "-l", hop["user"]])
+        inner = rsync_argv(f"{hop['stage']}/files", inner_e, src.real, f"{bracket(hop['addr'])}:{t.real}",
+                           compress=self.compress, checksum=self.checksum)
+        argv = src.link.forwarding_argv(" ".join(shlex.quote(a) for a in inner))
+        return self._run_copy(t, argv, src.node.name)
+
+    def _run_copy(self, t: _Target, argv: list[str], source: str) -> bool:
+        if self.cancelled:
+            t.rec.error = f"host {t.node.name}: sync interrupted"
+            return False
+        start = time.monotonic()
+        # its own session: a terminal's Ctrl-C reaches ddpfab, which ends the copy (abort), and the
+        # reaper ends it when ddpfab is killed
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        self.reaper.watch(proc.pid)
+        with self.lock:
+            self.copies.add(proc)
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            with self.lock:
+                self.copies.discard(proc)
+            self.reaper.forget(proc.pid)
+        elapsed = time.monotonic() - start
+        out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        if self.cancelled:
+            t.rec.error = f"host {t.node.name}: sync interrupted"
+            return False
+        if proc.returncode not in (0, 24):  # 24: files vanished meanwhile; the hash check decides
+            problem = _rsync_problem(t.node.name, proc.returncode, err)
+            if source != "controller":
+                problem = f"{problem} (copying from {source})"
+            t.rec.error = problem
+            return False
+        t.rec.source, t.rec.transfer_s, t.rec.error = source, round(elapsed, 3), None
+        for key, value in _rsync_stats(out).items():
+            setattr(t.rec, key, value)
+        items = itemized(out)
+        t.rec.copied = sum(1 for a, _ in items if a == "copy")
+        t.rec.updated = len(items) - t.rec.copied
+        if self.dry_run:
+            t.rec.items = items
+        return True
+
+    def abort(self) -> None:
+        """Ctrl-C or an error in ddpfab itself: end the copies now (the threads then finish)."""
+        self.cancelled = True
+        with self.lock:
+            procs = list(self.copies)
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, 15)
+            except OSError:
+                pass
+
+    # -- verification ------------------------------------------------------------------------
+    def summary(self, t: _Target) -> str:
+        counts = f"{t.rec.copied or 0} copied, {t.rec.updated or 0} updated, {t.rec.deleted or 0} deleted"
+        src = f"from {t.rec.source}"
+        sent = f", sent {_mb(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
+        took = f" in {t.rec.transfer_s:.2f} s" if t.rec.transfer_s is not None else ""
+        return (f"{t.node.name}: {t.rec.workdir}: {counts} ({src}{took}{sent}; verified in {t.rec.verify_s:.2f} s)")
+
+    def commit(self, t: _Target) -> None:
+        """After a copy: delete what ddpfab placed and is gone here, record what is placed now,
+        and check the node's hash of it (one node call)."""
+        if self.cancelled:
+            return self.fail(t, f"host {t.node.name}: sync interrupted")
+        gone = deletions(self.sel, t.placed or [])
+        start = time.monotonic()
+        try:
+            out = t.session.call(self.request(t, "commit", delete=gone, files=self.sel.files,
+                                              cache=not self.checksum, locked=True))[0]
+        except SyncError as exc:
+            return self.fail(t, exc.problems[0])
+        t.rec.deleted = out["deleted"]
+        self.check_hash(t, out, start)
+        return None
+
+    def verify(self, t: _Target) -> None:
+        req = self.request(t, "hash", cache=not self.checksum)
+        if t.shared:
+            req["paths"] = self.sel.files
+        start = time.monotonic()
+        try:
+            out = _node_call(t.link, req)
+        except SyncError as exc:
+            return self.fail(t, exc.problems[0])
+        self.check_hash(t, out, start)
+        return None
+
+    def check_hash(self, t: _Target, out: dict, start: float) -> None:
+        t.rec.verify_s = round(time.monotonic() - start, 3)
+        t.rec.tree_hash = out["tree_hash"]
+        if out["tree_hash"] == self.local["tree_hash"]:
+            t.rec.ok = True
+            if t.shared or t.rec.copied is None:
+                self.progress(f"{t.node.name}: {t.rec.workdir} ok ({'shared' if t.shared else 'unchanged'}; verified "
+                              f"in {t.rec.verify_s:.2f} s)")
+            else:
+                self.progress(self.summary(t))
+            return None
+        req = self.request(t, "hash", detail=True, paths=self.sel.files)
+        try:
+            theirs = _node_call(t.link, req)
+            ours = local_tree(self.sel, detail=True, cache=False)
+            diffs = treehash.diff_entries(ours["entries"], theirs["entries"])
+        except (SyncError, OSError, KeyError):
+            ours = theirs = None
+            diffs = []
+        return self.fail(t, (
+            f"host {t.node.name}: tree hash mismatch in {t.rec.workdir}: the node has {out['tree_hash'][:12]} "
+            f"({out['files']} files), this tree is {self.local['tree_hash'][:12]} ({self.local['files']} files)"
+            + (f"; differs: {', '.join(diffs)}" if diffs else "")
+            + ". " + mismatch_advice(ours, theirs, verify_only=self.verify_only, checksum=self.checksum)))
+
+    # -- phase 2: star ------------------------------------------------------------------------
+    def star(self, targets: list[_Target]) -> None:
+        def one(t: _Target) -> None:
+            if not self.copy_from_controller(t, dry_run=self.dry_run):
+                return self.fail(t, t.rec.error)
+            if self.dry_run:
+                t.rec.items += [["delete", rel] for rel in deletions(self.sel, t.placed or [])]
+                t.rec.deleted = sum(1 for a, _ in t.rec.items if a == "delete")
+                t.rec.ok = True
+                return None
+            return self.commit(t)
+
+        if targets:
+            pool = ThreadPoolExecutor(max_workers=min(32, len(targets)))
+            try:
+                list(pool.map(one, targets))
+            except BaseException:  # Ctrl-C: end the copies first, or shutdown() waits for them
+                self.abort()
+                raise
+            finally:
+                pool.shutdown(wait=True)
+
+    # -- phase 2: tree ------------------------------------------------------------------------
+    def tree_setup(self, order: list[_Target]) -> tuple[dict, str | None]:
+        """The hops of the binomial tree over *order*, or why the tree cannot be used."""
+        if len(order) < 2:
+            return {}, "tree fan-out needs at least 2 nodes to copy to"
+        keys: list[str] = []
+        children = tree_schedule(len(order))
+        labels, constraints, hops = [], [], {}
+        for t in order:
+            if t.link.target.jump is not None or t.link.target.proxy_command:
+                return {}, (f"host {t.node.name} is reached through {t.link.target.jump.name if t.link.target.jump else 'a ProxyCommand'}"
+                            "; node-to-node copies would go around it")
+        for i, t in enumerate(order):
+            reach = t.link.target
+            found = [k for k in reach.identity_files if os.path.isfile(k)]
+            if not found:
+                return {}, (f"no private key file for host {t.node.name} (ansible_ssh_private_key_file or an ssh_config "
+                            "IdentityFile): the forwarded agent needs the key in a file")
+            keys += [k for k in found if k not in keys]
+            lookup = _host_entry(reach.host, reach.port)
+            host_keys = [k for f in reach.known_hosts for k in _known_keys(os.path.expanduser(f), lookup)]
+            if not host_keys:
+                return {}, (f"host {t.node.name}: no key for {lookup} in {', '.join(reach.known_hosts)} to hand to the "
+                            "forwarding node")
+            labels += [f"ddpfab-n{i} {k}" for k in host_keys]
+            hops[t.node.name] = {"user": reach.user or getpass.getuser(), "port": str(reach.port),
+                                 "addr": t.node.data_addr or t.node.host, "keys": host_keys}
+        for j, kids in children.items():
+            for c in kids:
+                constraints += [f"ddpfab-n{j}", f"ddpfab-n{j}>{hops[order[c].node.name]['user']}@ddpfab-n{c}"]
+        labels_file = os.path.join(self.ctl_dir, "agent_known_hosts")
+        Path(labels_file).write_text("\n".join(labels) + "\n")
+        problem = self.agent.add(keys, labels_file, list(dict.fromkeys(constraints)))
+        if problem:
+            return {}, problem
+        list_b64 = base64.b64encode(Path(self.list_file).read_bytes()).decode()
+
+        def stage(j: int) -> str | None:
+            """The file list and the known_hosts lines of its next hops, onto forwarding node j."""
+            lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
+                     for c in children[j] for k in hops[order[c].node.name]["keys"]]
+            link = order[j].link
+            req = {**self.request(order[j], "stage"), "hold": True, "files": {
+                "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
+            proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest,
+                                     node_command(link.node)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+            self.reaper.watch(proc.pid)
+            with self.lock:
+                self.holds.append(proc)
+            try:
+                reqs = nodeprog.numbered(req)
+                proc.stdin.write(nodeprog.stdin_for(*reqs))
+                proc.stdin.flush()
+                line = proc.stdout.readline().decode(errors="replace")
+                err = "" if line else proc.stderr.read().decode(errors="replace")
+                out = _node_reply(link.node.name, reqs, 0 if line else 1, line, err)
+            except (OSError, SyncError) as exc:
+                why = exc.problems[0] if isinstance(exc, SyncError) else str(exc)
+                return f"cannot stage the forwarding files: {why}"
+            with self.lock:
+                self.stages[order[j].node.name] = out["dir"]
+            return None
+
+        forwarders = [j for j, kids in children.items() if kids]
+        with ThreadPoolExecutor(max_workers=min(32, len(forwarders))) as pool:
+            problems = [p for p in pool.map(stage, forwarders) if p]
+        if problems:
+            return {}, problems[0]
+        return {"children": children, "hops": hops}, None
+
+    def tree(self, order: list[_Target]) -> None:
+        if not order:
+            return
+        got = [threading.Event() for _ in order]
+        have = [False] * len(order)
+
+        def first_copy() -> None:  # over the slow uplink: starts at once, the hop setup overlaps it
+            have[0] = self.copy_from_controller(order[0])
+            if not have[0]:
+                self.fail(order[0], order[0].rec.error)
+
+        first = threading.Thread(target=first_copy)
+        first.start()
+        plan, why = self.tree_setup(order)
+        if why:
+            self.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+            self.fanout_used = "star"
+            rest = threading.Thread(target=self.star, args=(order[1:],))
+            rest.start()
+            first.join()
+            if have[0]:
+                self.commit(order[0])
+            rest.join()
+            return
+        self.fanout_used = "tree"
+        children, hops = plan["children"], plan["hops"]
+
+        def deliver(j: int) -> None:
+            verifier = None
+            try:
+                if j == 0:
+                    first.join()
+                    got[0].set()
+                got[j].wait()
+                if have[j]:
+                    verifier = threading.Thread(target=self.commit, args=(order[j],))
+                    verifier.start()
+                for c in children[j]:
+                    t = order[c]
+                    ok = False
+                    if have[j]:
+                        hop = dict(hops[t.node.name], stage=self.stages[order[j].node.name])
+                        ok = self.copy_from_node(order[j], t, hop)
+                        if not ok:
+                            self.note(f"{t.node.name}: copy from {order[j].node.name} failed ({t.rec.error}); "
+                                      "copying from this machine instead")
+                    else:
+                        self.note(f"{t.node.name}: {order[j].node.name} has no copy to forward; "
+                                  "copying from this machine")
+                    if not ok:
+                        ok = self.copy_from_controller(t)
+                        if not ok:
+                            self.fail(t, t.rec.error)
+                    have[c] = ok
+                    got[c].set()
+            finally:
+                for c in children[j]:
+                    got[c].set()  # never leave a subtree waiting, whatever happened here
+                if verifier:
+                    verifier.join()
+
+        threads = [threading.Thread(target=deliver, args=(j,)) for j in range(len(order))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return
+
+    def cleanup(self) -> None:
+        if self.cancelled:
+            self.abort()
+        for proc in self.holds:  # the node removes its staged files when the session ends
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            self.reaper.forget(proc.pid)
+        if self.agent:
+            self.agent.close()
+        for t in self.targets.values():
+            if t.session:  # its end releases the node's lock
+                t.session.close()
+            t.link.close()
+        shutil.rmtree(self.ctl_dir, ignore_errors=True)
+        self.reaper.close()
+
+
+def _mb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
+                 compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
+                 keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
+                 adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
+                 progress: Callable[[str], None] | None = None) -> SyncResult:
+    """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
+    and is gone here, and prove the result by hash.
+
+    Args:
+        cluster: the nodes (``inventory.load``).
+        src: the local project directory.
+        policy: the host-key policy (the runner's).
+        fanout: "star" (the controller sends to every node) or "tree" (to one node; nodes forward).
+        compress: rsync --compress (off by default: code on a LAN is not worth the CPU).
+        ssh_config: an ssh_config file for every ssh (else the node's ``-F``, else ~/.ssh/config).
+        checksum: compare files by content, not size and mtime (repairs files changed in place).
+        keep: extra keep patterns (gitignore syntax) on top of ``.ddpfabkeep``.
+        with_git: send ``.git`` too.
+        verify_only: copy nothing; only compare each node's tree hash with the local one.
+        adopt: take over a workdir that is not empty and has no ddpfab record (nothing there is
+            deleted; files the project overwrites are moved aside first).
+        dry_run: change nothing anywhere; each node's ``items`` say what a sync would copy,
+            update and delete (always the star: there is nothing to forward).
+        lock_wait: how long to wait (seconds) for another sync that is changing a node's workdir
+            (one line says whose it is); 0: refuse at once. Refused: a SyncError with code
+            ``BUSY``, nothing changed on any node.
+        progress: called with one line per event (node done, fallback...).
+
+    Returns the SyncResult; raises SyncError (with the result) when any node failed.
+    """
+    if fanout not in ("star", "tree"):
+        raise ValueError(f"fanout must be 'star' or 'tree', not {fanout!r}")
+    started = time.monotonic()
+    progress = progress or (lambda _line: None)
+    missing = [tool for tool in ("ssh", "rsync") if shutil.which(tool) is None]
+    if missing:
+        raise SyncError([f"{' and '.join(missing)} not found on this machine: apt-get install openssh-client rsync"])
+    sel = select(src, keep, with_git)
+    if not sel.files and not verify_only:
+        raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty)"])
+    problems = []
+    for n in cluster.nodes:
+        try:
+            check_workdir(n, sel.root)
+        except SyncError as exc:
+            problems += exc.problems
+    if problems:
+        raise SyncError(problems)
+    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress, adopt, lock_wait)
+    job.dry_run, job.verify_only = dry_run, verify_only
+    result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
+                        git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout, dry_run=dry_run)
+    try:
+        if fanout == "tree" and not (verify_only or dry_run):
+            # the agent first: the masters to the nodes must know it to forward it later
+            job.agent = _Agent(job.ctl_dir, job.reaper)
+            why = job.agent.start()
+            if why:
+                job.agent = None
+                job.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+        hasher = ThreadPoolExecutor(max_workers=1)
+        local = hasher.submit(local_tree, sel, False, not checksum)
+        try:
+            job.connect_and_probe(create=not (verify_only or dry_run))
+        finally:
+            try:
+                job.local = local.result()
+            except OSError as exc:
+                raise SyncError([f"cannot hash {sel.root}: {exc}"]) from None
+            finally:
+                hasher.shutdown()
+        result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
+        if job.refused:
+            result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
+            raise SyncError([str(p) for p in result.problems()], result, code=BUSY)
+        ready = [t for t in job.targets.values() if t.ready]
+        only_verify = [] if dry_run else ready if verify_only else [t for t in ready if t.shared]
+        to_copy = [] if verify_only else [t for t in ready if not t.shared]
+        for t in ready if dry_run else []:
+            t.rec.ok = t.shared
+        pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(only_verify))))
+        try:
+            checks = [pool.submit(job.verify, t) for t in only_verify]
+            if fanout == "tree" and job.agent is not None:
+                job.tree(to_copy)
+            else:
+                job.star(to_copy)
+            for c in checks:
+                c.result()
+        except BaseException:  # Ctrl-C (or a bug): end the copies before waiting for their threads
+            job.abort()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+        result.fanout = job.fanout_used
+    except BaseException:
+        job.abort()
+        raise
+    finally:
+        job.cleanup()
+    result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
+    result.notes = job.notes
+    result.duration_s = round(time.monotonic() - started, 3)
+    problems = [str(p) for p in result.problems()]
+    if problems:
+        raise SyncError(problems, result)
+    return result
+
+
+def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tuple[str, ...] | list[str] = (),
+              with_git: bool = False, sessions: dict | None = None) -> SyncResult | None:
+    """The no-copy fast path of a sync before ``run``: when every node's workdir already hashes to
+    this tree (the usual case while iterating: nothing changed since the last sync), the result
+    that proves it, else None (then :func:`sync_cluster` does the real work).
+
+    It asks the node program's ``hash`` over ddpfab's open SSH connections (*conns*, Fabric), in
+    the node program *sessions* ``run`` keeps open for its whole preparation when given (no python
+    started for it then), else in one of its own per node: the same proof as the verification
+    after a copy (the hash of the files ddpfab placed, by its record there), without the OpenSSH
+    masters, probes and rsync a full sync starts. A workdir without a record (a shared filesystem)
+    is asked once more for the hash of exactly this tree's paths. Any problem (no python, no
+    workdir, a mismatch) is not an error here, only a reason to do the full sync, which reports it
+    properly.
+    """
+    started = time.monotonic()
+    sel = select(src, keep, with_git)
+    if not sel.files:
+        return None
+    local = local_tree(sel)
+    nodes = [n for n in cluster.nodes if not workdir.lexical_problem(n.workdir if n.workdir is not None else sel.root)]
+    if len(nodes) < len(cluster.nodes):
+        return None
+    own = sessions is None
+    if own:
+        sessions, errors = nodeprog.open_sessions(nodes, conns)
+        if errors:
+            nodeprog.close_all(sessions)
+            return None
+    try:
+        t0 = time.monotonic()
+        reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
+                for n in nodes}
+        answers = nodeprog.exchange(sessions, {k: [v] for k, v in reqs.items()}, timeout=120)
+        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in answers.succeeded.items()
+                 if not ans[0].ok and ans[0].code == treehash.NO_RECORD}
+        if again:
+            answers.update(nodeprog.exchange(sessions, again, timeout=120))
+    finally:
+        if own:
+            nodeprog.close_all(sessions)
+    seconds = round(time.monotonic() - t0, 3)
+    if answers.failed or any(not ans[0].ok or ans[0].result.get("tree_hash") != local["tree_hash"]
+                             for ans in answers.succeeded.values()):
+        return None
+    result = SyncResult(src=sel.root, tree_hash=local["tree_hash"], files=len(sel.files), bytes=local["bytes"],
+                        selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")
+    for n in cluster.nodes:
+        result.nodes[n.name] = NodeSync(n.name, workdir=workdir.resolve(n.workdir, None) if n.workdir else sel.root,
+                                        source="unchanged", verify_s=seconds, tree_hash=local["tree_hash"], ok=True)
+    result.notes = ["every node already had this tree (verified by hash): nothing copied"]
+    result.duration_s = round(time.monotonic() - started, 3)
+    return result
