@@ -138,3 +138,18 @@ def test_a_problem_travels_as_data_and_prints_as_its_sentence():
 
     with pytest.raises(ValueError):
         Problem.from_dict({"node": 3, "check": "x"})
+
+
+#: The top level holds only the entry points and the data every layer shares; everything else lives
+#: in the subpackage that owns its capability.
+TOP_LEVEL = {"ddpfab", "ddpfab.__main__", "ddpfab.api", "ddpfab.dist", "ddpfab.problems", "ddpfab.results"}
+
+
+def test_modules_live_in_the_subpackage_of_their_capability_and_each_says_what_it_owns():
+    mods = _modules()
+    loose = sorted(name for name in mods if name.count(".") == 1 and name not in TOP_LEVEL
+                   and not (PACKAGE / name.split(".")[1]).is_dir())
+    assert loose == [], f"modules beside the core: {loose}; move each into the subpackage that owns it"
+    for pkg in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and len(doc.split()) >= 8, f"ddpfab/{pkg.name}/__init__.py: say what the subpackage owns"
