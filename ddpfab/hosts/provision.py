@@ -65,7 +65,7 @@ SETTING_ENV = {
 NOT_LAYERED = ("collections_path",)
 
 #: The connection vars :func:`ssh_vars_file` decides for every inventory host.
-ANSIBLE_SSH_VARS = ("ansible_host", "ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
+ANSIBLE_SSH_VARS = ("ansible_host", "ansible_user", "ansible_ssh_args", "ansible_ssh_common_args", "ansible_ssh_extra_args")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RECAP_LINE = re.compile(r"^(?P<host>\S+)\s*:\s*(?P<counts>(?:\w+=\d+\s*)+)$")
@@ -363,6 +363,8 @@ def ssh_vars_file(targets: dict[str, Target], directory: str) -> str:
                   "ansible_host_key_checking": True, "ansible_ssh_host_key_checking": True}
     for var in ANSIBLE_SSH_VARS:
         fallback = "inventory_hostname" if var == "ansible_host" else "''"
+        if var == "ansible_user":  # Ansible's own choice (remote_user, else the local user)
+            fallback = "lookup('config', 'DEFAULT_REMOTE_USER') or lookup('env', 'USER')"
         if var == "ansible_ssh_args":  # Ansible's default, for hosts ddpfab does not reach (localhost)
             fallback = "'-C -o ControlMaster=auto -o ControlPersist=60s'"
         data[var] = f"{{{{ (ddpfab_ssh_vars[inventory_hostname] | default({{}})).{var} | default({fallback}) }}}}"

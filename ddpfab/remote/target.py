@@ -592,7 +592,11 @@ def ansible_vars(t: Target, control_path: str) -> dict[str, str]:
     this run past a host key that changed since)."""
     argv = [*openssh_options(t), "-o", "ControlMaster=auto", "-o", "ControlPersist=30s",
             "-o", "ControlPath=" + control_path]
-    return {"ansible_host": t.host, "ansible_ssh_args": shlex.join(argv),
+    # Ansible decides become from the user it believes it logs in as: a login user that only the
+    # ssh_config names (``User root``) must be Ansible's too, or it wraps every task in sudo (a
+    # root login on a box without sudo fails) or, the other way round, skips sudo for a non-root
+    # login. The local user (no user decided) is what both ssh and Ansible use by themselves.
+    return {"ansible_host": t.host, "ansible_user": t.user or getpass.getuser(), "ansible_ssh_args": shlex.join(argv),
             "ansible_ssh_common_args": "", "ansible_ssh_extra_args": ""}
 
 

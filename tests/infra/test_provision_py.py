@@ -4,14 +4,17 @@ and naming failed hosts from Ansible's PLAY RECAP. (Fast; the real runs are in t
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from ddpfab.hosts import provision
+from ddpfab.remote.target import HostKeyPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -178,3 +181,25 @@ def test_run_playbook_streams_output_and_names_failed_hosts(tmp_path, monkeypatc
     assert text.rstrip().splitlines()[-2:] == [
         line for line in text.splitlines() if line.startswith("ddpfab provision: ")]
     assert "ddpfab provision: gpu02: FAILED" in text and "ddpfab provision: gpu03: UNREACHABLE" in text
+
+
+def test_ansible_logs_in_as_the_user_ssh_does_so_its_become_decision_is_right(tmp_path):
+    """Real ansible-playbook templating of ddpfab's extra-vars file: a host whose login user only
+    the ssh_config names (``User root``) is that user for Ansible too (Ansible skips sudo for a root
+    login, and wraps a non-root one in it); a host outside the inventory keeps Ansible's own user."""
+    (tmp_path / "ssh_config").write_text("Host gpu01\n  HostName 10.9.9.1\n  User root\n")
+    (tmp_path / "inv.ini").write_text("gpu01\ngpu02 ansible_host=10.9.9.2 ansible_user=alice\n")
+    targets = provision.targets_of(str(tmp_path / "inv.ini"), HostKeyPolicy(), str(tmp_path / "ssh_config"))
+    extra = provision.ssh_vars_file(targets, str(tmp_path))
+    (tmp_path / "show.yml").write_text(
+        "- hosts: all:localhost\n  gather_facts: false\n  connection: local\n  tasks:\n"
+        "    - ansible.builtin.copy:\n        content: '{{ ansible_user }}'\n"
+        "        dest: '" + str(tmp_path) + "/user-{{ inventory_hostname }}'\n      delegate_to: localhost\n")
+    env = {**provision.ansible_env(), "USER": "ctl", "ANSIBLE_REMOTE_USER": "", "ANSIBLE_LOCALHOST_WARNING": "0"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "inv.ini"),
+                           "-i", "localhost,", "-e", f"@{extra}", "-e", f"ansible_python_interpreter={sys.executable}",
+                           str(tmp_path / "show.yml")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    users = {h: (tmp_path / f"user-{h}").read_text() for h in ("gpu01", "gpu02", "localhost")}
+    assert users == {"gpu01": "root", "gpu02": "alice", "localhost": "ctl"}, json.dumps(users)

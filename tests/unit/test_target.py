@@ -112,6 +112,8 @@ def test_scp_and_ansible_render_the_same_target(config):
     assert scp[-2:] == ["f.sh", "10.0.0.5:"]
     av = ansible_vars(t, "/cp/%C")
     assert av["ansible_host"] == "10.0.0.5" and av["ansible_ssh_extra_args"] == av["ansible_ssh_common_args"] == ""
+    # the ssh_config's User is Ansible's login user too (its become decision reads it)
+    assert av["ansible_user"] == "cfguser"
     # ssh_args: the first on Ansible's ssh command line, so OpenSSH takes ddpfab's values
     ssh_args = shlex.split(av["ansible_ssh_args"])
     assert ssh_args[:len(openssh_options(t))] == openssh_options(t) and "ControlPath=/cp/%C" in ssh_args
