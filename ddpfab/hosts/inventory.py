@@ -531,7 +531,8 @@ def limit_patterns(limit: str | None) -> list | None:
             continue
         name = part[1:]
         try:
-            lines = Path(name).read_text(encoding="utf-8").splitlines()
+            # utf-8-sig: a byte-order mark (an editor on Windows) is not part of the first pattern
+            lines = Path(name).read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             reason = getattr(exc, "strerror", None) or "not a text file"
             raise InventoryError(f"--limit {part}: {reason}; --limit @FILE reads one host pattern a line") from None
@@ -623,7 +624,7 @@ def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: st
     if cached is not None:
         nodes = tuple(_node_from_cache(n) for n in cached)
     else:
-        nodes = _load_with_ansible(paths, group, limit, extra, shown).nodes
+        nodes = _load_with_ansible(paths, group, limit, extra, shown, limit_key).nodes
         invcache.put(key, [dataclasses.asdict(n) for n in nodes])
     for path in paths:
         _check_ini_repeats(path)  # (on a cached load too: the cache may predate these checks)
@@ -641,9 +642,12 @@ def _node_from_cache(data: dict) -> Node:
 
 
 def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
-                       extra: dict[str, Any] | None = None, shown: str | None = None) -> Cluster:
+                       extra: dict[str, Any] | None = None, shown: str | None = None,
+                       limit_key: list | None = None) -> Cluster:
     """Ansible's InventoryManager on *paths*, merged in order (its settings made strict by
-    :func:`load` first); messages name *shown* (what the user gave: host lists, hostfiles)."""
+    :func:`load` first); messages name *shown* (what the user gave: host lists, hostfiles).
+    *limit_key* (:func:`limit_patterns`) is what Ansible applies: an ``@FILE`` is read once, by
+    ddpfab, and each of its patterns must match a host (a typo in a file is not dropped silently)."""
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
@@ -669,8 +673,14 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
         raise InventoryError(f"inventory {where}: group {group!r} has no hosts; add hosts or pick another --group")
     if limit:
         with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
-            try:  # Ansible's --limit itself: patterns, and @FILE with one pattern a line
-                inv.subset(limit)
+            try:  # Ansible's --limit itself: patterns, and @FILE's patterns as read by limit_patterns
+                for part in limit_key or [limit]:
+                    for pattern in part if isinstance(part, list) else ():
+                        if pattern[0] not in "!&" and not inv.get_hosts(pattern=pattern):
+                            raise InventoryError(
+                                f"--limit {limit!r}: the pattern {pattern!r} of that file matches no host in "
+                                f"{where}{did_you_mean(pattern, [*inv.hosts, *inv.groups])}") from None
+                inv.subset([p for part in (limit_key or [limit]) for p in (part if isinstance(part, list) else [part])])
                 matched = {h.name for h in inv.get_hosts(pattern="all")}
             except AnsibleError as exc:
                 raise InventoryError(f"--limit {limit!r}: {' '.join(str(exc).split())}") from None

@@ -187,6 +187,11 @@ def test_limit_from_a_file_of_patterns_as_in_ansible(tmp_path, capsys):
         inventory.load(str(inv), limit=f"@{patterns}")
     with pytest.raises(InventoryError, match=r"--limit @.*nope: No such file"):
         inventory.load(str(inv), limit=f"@{tmp_path / 'nope'}")
+    patterns.write_bytes(b"\xef\xbb\xbfn1\r\nn3\r\n")  # a byte-order mark and CRLF, as Notepad writes them
+    assert names(str(inv), limit=f"@{patterns}") == ["n1", "n3"]
+    patterns.write_text("n1\nn4x\n")  # a typo in a file is named, not dropped
+    with pytest.raises(InventoryError, match=r"'n4x' of that file matches no host.*did you mean 'n4'"):
+        inventory.load(str(inv), limit=f"@{patterns}")
     patterns.write_text("rack2\n")
     assert cli.main(["plan", "-i", str(inv), "--limit", f"@{patterns}", "--offline", "--json", "t.py"]) == 0
     assert [n["name"] for n in json.loads(capsys.readouterr().out)["nodes"]] == ["n3", "n4"]
