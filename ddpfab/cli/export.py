@@ -18,6 +18,7 @@ from ddpfab.planning.export import (
     ExportError,
     dump_manifest,
     inventory_gpus,
+    not_in_containers,
     plan_for_export,
     to_pytorchjob,
     to_sbatch,
@@ -90,6 +91,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                                  "into a private file\n")
             plan = masked
         gpus = args.gpus_per_node if args.gpus_per_node is not None else inventory_gpus(cluster)
+        if args.export_target != "slurm" and (note := not_in_containers(plan)):
+            sys.stderr.write(f"ddpfab: note: {note}\n")
         if args.export_target == "slurm":
             text = to_sbatch(plan, job_name=args.job_name, gpus_per_node=gpus, cpus_per_task=args.cpus_per_task,
                              partition=args.partition, time_limit=args.time_limit, account=args.account,

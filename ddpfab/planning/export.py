@@ -265,6 +265,18 @@ def _metadata(plan, name: str | None, namespace: str | None) -> dict[str, Any]:
     return meta
 
 
+def not_in_containers(plan) -> str | None:
+    """What a Kubeflow job does not take from the inventory, said once before the manifest: the
+    node's setup lines and conda env prepare a bare-metal node's shell; a pod runs the image's
+    environment and the image's python (``--python``). None when the plan has neither."""
+    first = plan.nodes[0] if plan.nodes else None
+    if first is None or not (first.setup or first.conda_env):
+        return None
+    what = " and ".join(w for w, v in (("ddpfab_setup", first.setup), ("ddpfab_conda_env", first.conda_env)) if v)
+    return (f"{what} of the inventory are not part of a Kubeflow job: its pods run the image's environment "
+            "and --python; put what they set up into the image")
+
+
 def _k8s_command(launch: Launch, python: str, rank: str, addr: str, port: str) -> tuple[list[str], list[str]]:
     """(command, args) of the training container: the launch with the operator's rank and master
     (``$(VAR)`` references) as its rendezvous flags, the image's python, no node-local log dir;

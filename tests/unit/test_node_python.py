@@ -231,6 +231,21 @@ def test_an_sbatch_export_runs_the_setup_and_the_nodes_own_choice_on_each_task(f
         to_sbatch(export_plan_of(odd))
 
 
+def test_a_kubeflow_export_says_setup_lines_are_not_part_of_a_pod(tmp_path, capsys):
+    """A pod runs the image's environment: the inventory's setup lines and conda env are named as
+    left out (once, on stderr), not dropped silently; the manifest itself stays clean YAML."""
+    inv = inventory(tmp_path, "all:\n  vars:\n    ddpfab_setup: [module load cuda/12.4]\n"
+                              "    ddpfab_conda_env: train\n  hosts:\n    a: {ansible_host: 10.0.0.1}\n")
+    assert cli_main(["export", "pytorchjob", "-i", str(inv), "--image", "img:1", "train.py"]) == 0
+    out, err = capsys.readouterr()
+    assert "ddpfab_setup and ddpfab_conda_env of the inventory are not part of a Kubeflow job" in err
+    assert "module load" not in out and "note" not in out
+    (tmp_path / "p").mkdir()
+    plain = inventory(tmp_path / "p", "all:\n  hosts:\n    a: {ansible_host: 10.0.0.1}\n")
+    assert cli_main(["export", "pytorchjob", "-i", str(plain), "--image", "img:1", "train.py"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
 def test_check_says_which_python_each_node_runs_and_what_its_setup_sets():
     """From the probe's facts to ``ddpfab check``'s words: the interpreter and where it came from,
     the setup's changed keys (never their values), and a torch failure's fix by source."""
