@@ -14,6 +14,7 @@ digits), a 4-byte big-endian length, the payload.
 
 import json
 import os
+import select
 import socket
 import struct
 import sys
@@ -34,10 +35,28 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def _read(fd: int) -> bytes:
+    """Read from *fd*, waiting when it is non-blocking (rsync may hand us such a descriptor)."""
+    while True:
+        try:
+            return os.read(fd, 65536)
+        except BlockingIOError:
+            select.select([fd], [], [])
+
+
+def _write(fd: int, data: bytes) -> None:
+    """Write all of *data* to *fd*, waiting when it is non-blocking and full."""
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            select.select([], [fd], [])
+
+
 def _pump_stdin(sock: socket.socket) -> None:
     try:
         while True:
-            data = os.read(0, 65536)
+            data = _read(0)
             if not data:
                 break
             sock.sendall(data)
@@ -73,9 +92,7 @@ def main(argv: list) -> int:
             return FAILED
         if kind == b"x":
             return int(payload or FAILED)
-        fd = 1 if kind == b"o" else 2
-        while payload:
-            payload = payload[os.write(fd, payload):]
+        _write(1 if kind == b"o" else 2, payload)
 
 
 if __name__ == "__main__":

@@ -135,8 +135,8 @@ def test_a_no_change_check_is_not_unchanged_while_another_sync_holds_the_workdir
     assert res.returncode == 0, res.stderr
     old = tmp_path / "old"  # the tree the nodes hold now
     shutil.copytree(bigproj, old)
-    (bigproj / "data.bin").write_bytes(os.urandom(8 * 2**20))  # the first sync changes it, slowly
-    _slow_links(lab, "16mbit")
+    (bigproj / "data.bin").write_bytes(os.urandom(4 * 2**20))  # the first sync changes it, slowly (~16 s)
+    _slow_links(lab, "2mbit")
     try:
         first = subprocess.Popen([sys.executable, "-m", "ddpfab", "sync", "-i", str(inv), str(bigproj)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
