@@ -141,8 +141,8 @@ def test_a_no_change_check_is_not_unchanged_while_another_sync_holds_the_workdir
         first = subprocess.Popen([sys.executable, "-m", "ddpfab", "sync", "-i", str(inv), str(bigproj)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env={**os.environ, "NO_COLOR": "1"})
-        deadline = time.monotonic() + 60
-        while not any("rsync --server" in cmd for _, cmd in lab.processes("node1")):
+        deadline = time.monotonic() + 240  # (a loaded machine starts a sync slowly)
+        while not any("rsync --server" in cmd for n in NODES for _, cmd in lab.processes(n)):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.05)
         second = ddpfab("sync", "-i", str(inv), "--no-wait", str(old), timeout=120)
