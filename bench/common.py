@@ -41,6 +41,7 @@ SUBNETS = {
     "resync": os.environ.get("DDPFAB_BENCH_SUBNET_RESYNC", "10.213.107.0/24"),
     "perf_check": "10.213.108.0/24",
     "replicate": os.environ.get("DDPFAB_BENCH_SUBNET_REPLICATE", "10.213.109.0/24"),
+    "nochange_sync": os.environ.get("DDPFAB_BENCH_SUBNET_NOCHANGE", "10.213.110.0/24"),
 }
 MASTER_PORT_BASE = 29700
 

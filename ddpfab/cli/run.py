@@ -289,9 +289,9 @@ def _check_script_here(script: str, module: bool = False) -> None:
 def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress: bool = True,
                sessions: dict | None = None) -> dict:
     """Sync the current directory to every node and verify it by hash (before the probe, which
-    checks that the script is there); the result goes into the manifest as ``code``. When every
-    node has the tree already (checked in the run's node program *sessions*) nothing is started
-    for it."""
+    checks that the script is there) over the run's own connections (*conns*: one per node); the
+    result goes into the manifest as ``code``. When every node has the tree already (checked in
+    the run's node program *sessions*) nothing is started for it."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import runner
     from ddpfab.transfer import sync as syncmod
@@ -312,7 +312,7 @@ def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress:
     try:
         with Ticker(copying, enabled=progress):
             result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
-                                          ssh_config=args.ssh_config, progress=say)
+                                          ssh_config=args.ssh_config, progress=say, conns=conns, fast=False)
     except syncmod.SyncError as exc:
         # per node as problems (a restart leaves out the node they name) when sync got that far
         problems = exc.result.problems() if exc.result else exc.problems

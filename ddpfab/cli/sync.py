@@ -129,7 +129,8 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     git = ""
     if result.git_commit:
         git = f", git {result.git_commit[:10]}{' (dirty)' if result.git_dirty else ''}"
-    verb = "verified" if args.verify_only else f"synced ({result.fanout})"
+    verb = ("verified" if args.verify_only else "verified (nothing changed)" if result.fanout == "none"
+            else f"synced ({result.fanout})")
     out.write(f"{verb} {len(result.nodes)} nodes in {result.duration_s:.1f} s: {result.files} files, "
               f"{_mb(result.bytes)}, tree {result.tree_hash[:12]}{git}\n")
     return 0

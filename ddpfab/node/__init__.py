@@ -239,7 +239,8 @@ class Session:
     """The program running on one node over a channel of its open connection, kept open for
     several exchanges; nothing is left on the node when it closes (stdin EOF ends the program)."""
 
-    def __init__(self, conn, node, words: tuple[str, ...] = ("ddpfab-node",), timeout: float = 30):
+    def __init__(self, conn, node, words: tuple[str, ...] = ("ddpfab-node",), timeout: float = 30,
+                 fallback: str | None = None):
         self.node = node
         self._ids = itertools.count(1)
         self._buf = bytearray()  # the line begun and not yet ended
@@ -248,7 +249,7 @@ class Session:
         self._err = b""
         self._broken: NodeProgramError | None = None
         self.chan = conn.transport.open_session(timeout=timeout)
-        self.chan.exec_command(command(node, *words))
+        self.chan.exec_command(command(node, *words, fallback=fallback))
         self.chan.sendall(program())
 
     def send(self, *requests: dict) -> list[dict]:

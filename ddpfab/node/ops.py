@@ -666,8 +666,10 @@ def read_holder(fd):
 def op_lock(req, session):
     """Take the write lock of the workdir this session's probe checked (``flock``: the kernel
     releases it when this program ends, however it ends) and write ``holder`` into it; wait up to
-    ``wait_s`` seconds. ``{"locked": true}``, or ``{"locked": false, "holder": ...}`` (who has it)."""
+    ``wait_s`` seconds (the workdir: the probed one, else the request's). ``{"locked": true}``, or ``{"locked": false, "holder": ...}`` (who has it)."""
     real = session.get("probed")
+    if not real and req.get("workdir"):  # a check that only reads (sync's hash-only fast path)
+        _, real = node_workdir(req)
     if not real:
         raise NodeOpError("lock: no workdir probed in this session")
     if session.get("lock", (None,))[0] == real:

@@ -78,8 +78,7 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
         target = ssh_target(node, targets)
-        ssh = ssh_argv(target)
-        lines.append(f"  {shlex.join(scp_argv(target, script_name(node)))} && {shlex.join(['ssh', '-t', *ssh[1:]])} "
+        lines.append(f"  {shlex.join(scp_argv(target, script_name(node)))} && {shlex.join(ssh_argv(target, tty=True))} "
                      f"sh {script_name(node)}")
     lines += [
         "",

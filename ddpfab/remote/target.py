@@ -555,9 +555,9 @@ def proxy_argv(t: Target) -> list[str]:
     return [os.environ.get("SHELL") or "/bin/sh", "-c", "exec " + t.proxy_command]
 
 
-def ssh_argv(t: Target, *command: str) -> list[str]:
-    """``ssh OPTIONS HOST [COMMAND...]`` for *t*."""
-    return ["ssh", *openssh_options(t), "--", destination(t), *command]
+def ssh_argv(t: Target, *command: str, tty: bool = False) -> list[str]:
+    """``ssh OPTIONS HOST [COMMAND...]`` for *t* (with *tty*: ``-t``, a terminal there)."""
+    return ["ssh", *(["-t"] if tty else []), *openssh_options(t), "--", destination(t), *command]
 
 
 def scp_argv(t: Target, *files: str) -> list[str]:

@@ -4,9 +4,9 @@
 
 REMOTE_PATH is relative to the node's workdir (the same one sync and run use), or absolute inside
 the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
-path (symlinks followed), before anything is copied. The copy is rsync over the very SSH options
-and host-key policy of ``ddpfab sync`` (:mod:`ddpfab.remote.target`), with rsync's progress
-line for anything over :data:`PROGRESS_BYTES`. The result lands in LOCAL_DIR (default: .) under the
+path (symlinks followed), before anything is copied. The copy is rsync over the one SSH
+connection that asked the node (:class:`ddpfab.remote.runner.NodeRunner`: the host-key policy and
+route of every command), with rsync's progress line for anything over :data:`PROGRESS_BYTES`. The result lands in LOCAL_DIR (default: .) under the
 remote path's last name; an existing file or dir there is never overwritten unless ``--overwrite``.
 
 ``--rank R`` is the node rank of a static rendezvous (``ddpfab run``'s default): rank 0 is the
@@ -16,7 +16,6 @@ master, then the other nodes in inventory order (:func:`ddpfab.planning.plan.nod
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,16 +23,10 @@ import sys
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
-from ddpfab.remote.target import (
-    HostKeyPolicy,
-    TargetError,
-    destination,
-    host_path,
-    openssh_options,
-    resolve,
-    ssh_problem,
-)
-from ddpfab.transfer.sync import SyncError, _node_reply, check_workdir, node_command
+from ddpfab.problems import NodeError
+from ddpfab.remote.runner import NodeRunner, rsync_argv
+from ddpfab.remote.target import HostKeyPolicy
+from ddpfab.transfer.sync import SyncError, _ask, check_workdir
 
 #: Above this size rsync shows its one-line progress (on stderr).
 PROGRESS_BYTES = 16 * 2**20
@@ -116,18 +109,22 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     except SyncError as exc:
         raise FetchError(exc.problems[0]) from None
     try:
-        target = resolve(node, policy, ssh_config)
-    except TargetError as exc:
-        raise FetchError(str(exc)) from None
-    opts = openssh_options(target, keepalive=True)
-    reqs = nodeprog.numbered({"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR})
-    proc = subprocess.run(["ssh", *opts, destination(target), node_command(node)],
-                          input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
-    stderr = proc.stderr.decode(errors="replace")
-    if proc.returncode == 255:
-        raise FetchError(ssh_problem(target, 255, stderr), 1)
+        runner = NodeRunner.open(node, policy, ssh_config)
+    except NodeError as exc:  # an ssh option that cannot be honoured is bad input: nothing was contacted
+        raise FetchError(str(exc), 2 if exc.kind == "ssh-option" else 1) from None
     try:
-        found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
+        return _fetch(runner, raw, remote_path, local_dir, overwrite, progress)
+    finally:
+        runner.close()
+
+
+def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.PathLike, overwrite: bool,
+           progress: bool | None) -> dict:
+    """:func:`fetch` over *runner*: ask the node, then rsync over the same connection."""
+    node = runner.node
+    req = {"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR}
+    try:
+        found = _ask(runner, None, req, timeout=120)[0]
     except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
         raise FetchError(exc.problems[0], 1) from None
     path, size = located(node.name, found)
@@ -141,12 +138,11 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     except OSError as exc:
         raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
     show = progress if progress is not None else size >= PROGRESS_BYTES
-    argv = ["rsync", "-rlpt", "--partial-dir=.ddpfab-partial", "-e",
-            " ".join(shlex.quote(a) for a in ["ssh", *opts]), *(["--info=progress2"] if show else []),
-            host_path(target, path), local_dir + "/"]
+    flags = ["-rlpt", "--partial-dir=.ddpfab-partial", *(["--info=progress2"] if show else [])]
+    argv = rsync_argv(flags, None, runner.rsh(), runner.remote(path), local_dir + "/", trailing=False)
     # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
-    copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
-    if copy.returncode != 0:
+    copy = runner.rsync(argv, stdout=sys.stderr if show else subprocess.DEVNULL)
+    if copy.code != 0:
         text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
-        raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}", 1)
+        raise FetchError(f"host {node.name}: rsync failed (exit {copy.code}): {text or 'no message'}", 1)
     return {**found, "node": node.name, "local": dest}

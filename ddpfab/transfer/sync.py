@@ -2,7 +2,7 @@
 
 ``ddpfab sync --inventory INV [PATH]`` (PATH defaults to the current dir) copies the project to
 every node's workdir (``ddpfab_workdir``, else the same absolute path as here) with rsync over
-OpenSSH, all nodes at once, then has each node hash the files it received (the same stdlib code
+each node's one SSH connection, all nodes at once, then has each node hash the files it received (the same stdlib code
 as here, :mod:`ddpfab.node.treehash`) and compares that with the local hash. A node whose copy differs
 is an error naming the node and the paths that differ.
 
@@ -21,16 +21,17 @@ not empty and has no record is refused unless ``--adopt``; every workdir is chec
 the node as the node resolves it (:mod:`ddpfab.node.workdir`). ``--dry-run`` lists, per node, what would
 be copied, updated and deleted; a real sync prints one line per node with those counts.
 
-SSH: every command reaches the node as the runner does (:mod:`ddpfab.remote.target`: the
-node's known_hosts and host-key policy, its jump hosts, key, port and user, on every hop) and the node's
-inventory connection options; one multiplexed OpenSSH connection per node carries the probe,
-rsync and the hash check. Its helpers (masters, rsync, the agent) and its temp dir are ended by a
-watcher (:mod:`ddpfab.remote.reaper`) even when ddpfab is killed.
+SSH: one connection per node (a run's own, when a run syncs) carries the probe, the lock's
+session, rsync and the hash check: the node's :class:`ddpfab.remote.runner.NodeRunner`, which
+reaches it as every command does (:mod:`ddpfab.remote.target`) and runs rsync's remote side on
+a channel of it. With nothing changed, only the hash check runs (:func:`unchanged`). The helpers
+(rsync and its relay, the fan-out's agent) and the temp dir are ended by a watcher
+(:mod:`ddpfab.remote.reaper`) even when ddpfab is killed.
 
 Fan-out (``--fanout tree``): the controller sends to one node only; nodes then forward along a
 binomial tree (each round doubles the nodes that hold the code), so a slow uplink is crossed once.
 Node-to-node rsync authenticates through a forwarded, dedicated ssh-agent that lives only for the
-sync and holds the inventory key restricted (``ssh-add -h``) to exactly the planned hops; the
+sync and holds the inventory key restricted (``ssh-add -h``) to the planned hops' destinations; the
 forwarding node verifies the next node's host key against lines pushed from the controller's
 known_hosts. When that is not possible ddpfab says why and uses the star. See docs/sync.md.
 """
@@ -42,7 +43,6 @@ import getpass
 import os
 import re
 import secrets
-import select as selectmod
 import shlex
 import shutil
 import socket
@@ -59,27 +59,18 @@ from pathlib import Path
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import treehash, workdir
-from ddpfab.problems import Problem
+from ddpfab.problems import NodeError, Problem
 from ddpfab.remote.reaper import Reaper
-from ddpfab.remote.target import (
-    HostKeyPolicy,
-    Target,
-    TargetError,
-    bracket,
-    destination,
-    host_path,
-    openssh_options,
-    resolve_all,
-    ssh_problem,
-)
+from ddpfab.remote.runner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
+from ddpfab.remote.runner import rsync_argv as runner_argv
+from ddpfab.remote.target import HostKeyPolicy, TargetError, bracket, resolve_all
+from ddpfab.results import GroupResult
 
 #: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
 #: (files belong to the SSH user); no deletions (ddpfab deletes only what it placed, on the node);
 #: the file list comes as --files-from; one itemised line per change (counted, or listed by
 #: --dry-run).
 RSYNC_BASE = ("-lpt", "--omit-dir-times", "--from0", "--stats", "--itemize-changes")
-#: How long the forwarded agent keeps the key at most, should ddpfab die without cleaning up.
-AGENT_KEY_LIFETIME_S = 3600
 #: How long a sync waits for another sync of the same workdir to finish, by default (seconds).
 LOCK_WAIT_S = 600.0
 #: ``SyncError.code`` and ``NodeSync.state`` of a node whose workdir another sync holds: refused
@@ -340,190 +331,38 @@ def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict
     return treehash.tree_digest(sel.root, sel.files, detail=detail, cache=cache)
 
 
-# -- SSH ---------------------------------------------------------------------------------------
-class _Link:
-    """One multiplexed OpenSSH connection to a node for the duration of a sync."""
-
-    def __init__(self, node: Node, target: Target, ctl: str, reaper: Reaper | None = None):
-        self.node, self.target, self.reaper = node, target, reaper
-        self.opts = openssh_options(target, keepalive=True)
-        self.dest = destination(target)
-        self.ctl = ctl
-        self.proc: subprocess.Popen | None = None
-        self.timeout = target.connect_timeout
-
-    def mux(self) -> list[str]:
-        return ["-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=no"]
-
-    def start(self, agent_env: dict[str, str] | None = None) -> None:
-        """Start the master (from the caller's thread; ``ready`` waits for it). With *agent_env*
-        (the sync's own agent) sessions that ask for it (``forwarding_argv``) get the agent
-        forwarded; all others never do."""
-        self.errfile = open(self.ctl + ".err", "w+b")
-        forward = ["-o", "ForwardAgent=yes"] if agent_env else ["-o", "ForwardAgent=no"]
-        self.proc = subprocess.Popen(
-            ["ssh", *self.opts, *forward, "-o", f"ControlPath={self.ctl}", "-o", "ControlMaster=yes",
-             "-o", "ControlPersist=no", "-N", self.dest],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.errfile, start_new_session=True,
-            env=agent_env)
-        if self.reaper:
-            self.reaper.watch(self.proc.pid)
-
-    def ready(self) -> None:
-        deadline = time.monotonic() + self.timeout + 15
-        while not os.path.exists(self.ctl):
-            rc = self.proc.poll()
-            if rc is not None:
-                self.errfile.seek(0)
-                err = self.errfile.read().decode(errors="replace")
-                raise SyncError([ssh_problem(self.target, rc, err)])
-            if time.monotonic() > deadline:
-                raise SyncError([f"host {self.node.name} ({self.target.where}): no SSH connection within "
-                                 f"{self.timeout + 15:g} s"])
-            time.sleep(0.01)
-
-    def run(self, command: str, stdin: bytes = b"", timeout: float | None = 600) -> subprocess.CompletedProcess:
-        try:
-            return subprocess.run(["ssh", *self.opts, *self.mux(), self.dest, command],
-                                  input=stdin, capture_output=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise SyncError([f"host {self.node.name}: `{command[:40]}...` did not finish within {timeout:g} s"]) from None
-
-    def forwarding_argv(self, command: str) -> list[str]:
-        """ssh running *command* on the node with the sync's agent forwarded (the master's)."""
-        return ["ssh", *self.opts, *self.mux(), "-A", self.dest, command]
-
-    def rsync_e(self) -> str:
-        """The ``rsync -e`` command: this connection's ssh (rsync splits it like a shell would)."""
-        return " ".join(shlex.quote(a) for a in ["ssh", *self.opts, *self.mux()])
-
-    def close(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                subprocess.run(["ssh", *self.opts, "-o", f"ControlPath={self.ctl}", "-O", "exit",
-                                self.dest], capture_output=True, timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.reaper:
-            self.reaper.forget(self.proc.pid)
-        self.errfile.close()
+# -- the node program, over the node's runner ---------------------------------------------------
+def _start_problem(node: Node, exc: NodeError) -> str:
+    """One line for a node program that could not answer (no python there, a setup line, the
+    connection): the sync's words for a missing python, else the error's own sentence."""
+    if exc.kind == "python":
+        return (f"host {node.name}: neither {node.python} nor python3 found there; sync needs a python (3.6+, "
+                "standard library only) on the nodes")
+    return str(exc)
 
 
-def node_command(node) -> str:
-    """The shell command that runs the node program with *python* there, else ``python3`` (its
-    code and then its requests come on stdin: :func:`ddpfab.node.stdin_for`)."""
-    return nodeprog.command(node, "ddpfab-node", fallback="python3")
+def _session(runner: NodeRunner) -> nodeprog.Session:
+    """The node program kept open on *runner*'s connection (it holds the workdir's lock: the node's
+    kernel releases it when the session ends in any way, a SIGKILLed ddpfab included)."""
+    try:
+        return runner.session(fallback="python3")
+    except NodeError as exc:
+        raise SyncError([_start_problem(runner.node, exc)]) from None
 
 
-def _node_call(link: _Link, request: dict, timeout: float = 600) -> dict:
-    """One operation of the node program, run with the node's ``ddpfab_python`` when that exists
-    there (the runner's python, often a venv), else ``python3`` (sync may come first)."""
-    name = link.node.name
-    reqs = nodeprog.numbered(request)
-    proc = link.run(node_command(link.node), nodeprog.stdin_for(*reqs), timeout)
-    _raise_start_failure(link, proc.returncode, proc.stderr.decode(errors="replace"))
-    return _node_reply(name, reqs, proc.returncode, proc.stdout.decode(errors="replace"),
-                       proc.stderr.decode(errors="replace"))
-
-
-def _raise_start_failure(link: _Link, code: int | None, stderr: str) -> None:
-    """A SyncError naming the node when the node program ended before it could answer: SSH itself
-    failed (255), a setup line of the node's failed (named), or no python there (127). Every way
-    sync starts the node program (one call, or the session that holds the lock) asks this."""
-    if code == 255:
-        raise SyncError([ssh_problem(link.target, 255, stderr)])
-    setup = nodeprog.start_failure(link.node, code, stderr)
-    if setup is not None and setup.kind == "setup":
-        raise SyncError([str(setup)])
-    if code == 127:
-        raise SyncError([f"host {link.node.name}: neither {link.node.python} nor python3 found there; sync needs a "
-                         "python (3.6+, standard library only) on the nodes"])
-
-
-def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str) -> dict:
-    """The node program's answer to the one request of *reqs*; a SyncError when there is none or
-    it reports an error."""
-    reply = nodeprog.match_replies(name, reqs, stdout.splitlines(), code, stderr)[0]
-    if not reply.ok:
-        raise SyncError([f"host {name}: {reply.op}: {reply.error}"], code=reply.code)
-    return reply.result
-
-
-class _Session:
-    """The node program kept open over a node's master connection for the whole sync: it probes,
-    holds the workdir's lock (``flock`` on the node: released by the node's kernel when this
-    session ends in any way, a SIGKILLed ddpfab included) and commits. rsync runs beside it."""
-
-    def __init__(self, link: _Link, reaper: Reaper):
-        self.link, self.reaper, self.next_id, self.buf = link, reaper, 1, b""
-        self.proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest, node_command(link.node)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-        reaper.watch(self.proc.pid)
-        self.started = False
-
-    def call(self, *requests: dict, timeout: float = 600) -> list[dict]:
-        """Send *requests*, return their results in order; a SyncError naming the node for the
-        first that failed (its ``code`` kept) or when the session ended without answering."""
-        name = self.link.node.name
-        reqs = nodeprog.numbered(*requests, start=self.next_id)
-        self.next_id += len(reqs)
-        data = b"".join(nodeprog.frame(r) for r in reqs)
-        try:
-            self.proc.stdin.write(data if self.started else nodeprog.program() + data)
-            self.proc.stdin.flush()
-        except OSError:
-            pass  # the session is gone: reading says why
-        self.started = True
-        sent = {r["id"]: r["op"] for r in reqs}
-        lines: list[bytes] = []
-        got: set[int] = set()
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while len(got) < len(reqs):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SyncError([f"host {name}: the node program did not answer within {timeout:g} s"])
-            if not selectmod.select([fd], [], [], left)[0]:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return self._ended(reqs, lines)
-            *done, self.buf = (self.buf + chunk).split(b"\n")
-            lines += done
-            for line in done:
-                r = nodeprog.parse_reply(line)
-                if r is not None and r.id is not None and sent.get(r.id) == r.op:
-                    got.add(r.id)
-        return [self._result(r) for r in nodeprog.match_replies(name, reqs, lines, None)]
-
-    def _ended(self, reqs: list[dict], lines: list[bytes]) -> list[dict]:
-        code = self.proc.wait()
-        err = self.proc.stderr.read().decode(errors="replace")
-        _raise_start_failure(self.link, code, err)
-        return [self._result(r) for r in nodeprog.match_replies(self.link.node.name, reqs, lines, code, err)]
-
-    def _result(self, reply: nodeprog.Reply) -> dict:
-        if not reply.ok:
-            raise SyncError([f"host {self.link.node.name}: {reply.op}: {reply.error}"], code=reply.code)
-        return reply.result
-
-    def close(self) -> None:
-        """End the program (stdin EOF: it releases the lock as it exits)."""
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        self.reaper.forget(self.proc.pid)
+def _ask(runner: NodeRunner, session: nodeprog.Session | None, *requests: dict, timeout: float = 600) -> list[dict]:
+    """The results of *requests* in *session* (None: a session of its own, closed after it), run
+    with the node's ``ddpfab_python`` when that exists there, else ``python3`` (sync may come
+    first); a SyncError naming the node for the first that failed (its ``code`` kept)."""
+    try:
+        replies = (runner.ask(session, *requests, timeout=timeout) if session is not None else
+                   runner.call(*requests, timeout=timeout, fallback="python3"))
+    except NodeError as exc:
+        raise SyncError([_start_problem(runner.node, exc)]) from None
+    for r in replies:
+        if not r.ok:
+            raise SyncError([f"host {runner.name}: {r.op}: {r.error}"], code=r.code)
+    return [r.result for r in replies]
 
 
 def holder_text(holder: object) -> str:
@@ -552,18 +391,11 @@ def _rsync_stats(text: str) -> dict[str, int]:
     return {keys[m.group(1)]: int(m.group(2).replace(",", "")) for m in _STATS.finditer(text)}
 
 
-def rsync_argv(files_from: str, ssh_e: str, src: str, dest: str, *, compress: bool = False,
+def rsync_argv(files_from: str, rsh_e: str, src: str, dest: str, *, compress: bool = False,
                checksum: bool = False, dry_run: bool = False) -> list[str]:
     """The rsync command line of one copy (controller to node, or node to node)."""
-    argv = ["rsync", *RSYNC_BASE]
-    if compress:
-        argv.append("--compress")
-    if checksum:
-        argv.append("--checksum")
-    if dry_run:
-        argv.append("--dry-run")
-    argv += [f"--files-from={files_from}", "-e", ssh_e, src.rstrip("/") + "/", dest.rstrip("/") + "/"]
-    return argv
+    return runner_argv(RSYNC_BASE, files_from, rsh_e, src, dest, compress=compress, checksum=checksum,
+                       dry_run=dry_run)
 
 
 def itemized(text: str) -> list[list[str]]:
@@ -649,100 +481,44 @@ def _host_entry(host: str, port: str | int | None) -> str:
     return host if str(port or 22) == "22" else f"[{host}]:{port}"
 
 
-class _Agent:
-    """A dedicated ssh-agent for one sync: its socket in the sync's private temp dir, its keys
-    destination-constrained and time-limited, the whole agent ended when the sync ends."""
-
-    def __init__(self, ctl_dir: str, reaper: Reaper | None = None):
-        self.sock = os.path.join(ctl_dir, "agent.sock")
-        self.proc: subprocess.Popen | None = None
-        self.reaper = reaper
-
-    def start(self) -> str | None:
-        if not (shutil.which("ssh-agent") and shutil.which("ssh-add")):
-            return "ssh-agent/ssh-add not found on the controller"
-        self.proc = subprocess.Popen(["ssh-agent", "-D", "-a", self.sock], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        if self.reaper:
-            self.reaper.watch(self.proc.pid)
-        deadline = time.monotonic() + 5
-        while not os.path.exists(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return "could not start ssh-agent: " + (self.proc.stderr.read().decode(errors="replace").strip()
-                                                        if self.proc.poll() is not None else "timeout")
-            time.sleep(0.01)
-        return None
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("SSH_AGENT_PID", "DISPLAY", "SSH_ASKPASS")}
-        env.update(SSH_AUTH_SOCK=self.sock, SSH_ASKPASS_REQUIRE="never")
-        return env
-
-    def add(self, keys: list[str], labels_file: str, constraints: list[str]) -> str | None:
-        argv = ["ssh-add", "-q", "-t", str(AGENT_KEY_LIFETIME_S), "-H", labels_file]
-        for c in constraints:
-            argv += ["-h", c]
-        proc = subprocess.run(argv + keys, env=self.env(), stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=30)
-        if proc.returncode != 0:
-            msg = " ".join((proc.stderr or proc.stdout).split())
-            return f"ssh-add refused the key with destination constraints ({msg[-200:]}; needs OpenSSH >= 8.9 and " \
-                   "a key without passphrase)"
-        return None
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc is not None and self.reaper:
-            self.reaper.forget(self.proc.pid)
-
-
 # -- the sync ----------------------------------------------------------------------------------
 @dataclass
 class _Target:
     node: Node
-    link: _Link
+    runner: NodeRunner | None
     rec: NodeSync
     real: str = ""
     placed: list[str] | None = None
     shared: bool = False
     ready: bool = False
-    session: _Session | None = None
+    session: nodeprog.Session | None = None
     locked: bool = False
     holder: dict | None = None
 
 
 class _Sync:
-    def __init__(self, cluster: Cluster, sel: Selection, policy: HostKeyPolicy, ssh_config: str | None,
+    def __init__(self, cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Exception],
                  compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False,
                  lock_wait: float = LOCK_WAIT_S):
-        self.cluster, self.sel, self.policy, self.ssh_config = cluster, sel, policy, ssh_config
+        """*conns*: each node's open connection (the run's, or sync_cluster's own); *down*: why
+        the others have none."""
+        self.cluster, self.sel, self.down = cluster, sel, down
         self.lock_wait, self.refused = lock_wait, False
         self.compress, self.checksum, self.progress, self.adopt = compress, checksum, progress, adopt
-        try:  # before anything is started: a route that cannot be honoured starts nothing
-            reach = resolve_all(cluster.nodes, policy, ssh_config)
-        except TargetError as exc:
-            raise SyncError([str(exc)]) from None
         self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
         self.reaper = Reaper(self.ctl_dir)
         self.list_file = os.path.join(self.ctl_dir, "files")
         write_list(sel.files, self.list_file)
-        self.targets = {n.name: _Target(n, _Link(n, reach[n.name], os.path.join(self.ctl_dir, f"c{i}"), self.reaper),
-                                        NodeSync(n.name))
-                        for i, n in enumerate(cluster.nodes)}
+        self.targets = {n.name: _Target(n, NodeRunner(n, conns[n.name], sock_dir=self.ctl_dir, reaper=self.reaper)
+                                        if n.name in conns else None, NodeSync(n.name))
+                        for n in cluster.nodes}
         self.notes: list[str] = []
         self.local: dict | None = None
-        self.agent: _Agent | None = None
+        self.agent: Agent | None = None
         self.stages: dict[str, str] = {}
-        self.holds: list[subprocess.Popen] = []
+        self.holds: list[nodeprog.Session] = []
         self.fanout_used = "star"
         self.lock = threading.Lock()
-        self.copies: set[subprocess.Popen] = set()
         self.cancelled = False
         self.dry_run = False
         self.verify_only = False
@@ -768,9 +544,6 @@ class _Sync:
             os.close(fd)
         except OSError as exc:
             nonce, nonce_error = None, f"could not write a probe file into {self.sel.root}: {exc.strerror}"
-        agent_env = self.agent.env() if self.agent else None
-        for t in self.targets.values():
-            t.link.start(agent_env)
 
         def probe(t: _Target) -> None:
             """First look, changing nothing: the workdir checked as the node resolves it, whose it
@@ -778,14 +551,13 @@ class _Sync:
             the lock, with a first try (no wait) at the lock."""
             try:
                 raw = check_workdir(t.node, self.sel.root)
-                t.link.ready()
+                if t.runner is None:
+                    return self.fail(t, str(self.down[t.node.name]))
                 req = {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
                        "create": False, "adopt": self.adopt, "files": []}
                 if create:
-                    t.session = _Session(t.link, self.reaper)
-                    out = t.session.call(req, timeout=120)[0]
-                else:
-                    out = _node_call(t.link, req, timeout=120)
+                    t.session = _session(t.runner)
+                out = _ask(t.runner, t.session, req, timeout=120)[0]
             except SyncError as exc:
                 if exc.code == treehash.NOT_OURS:
                     t.rec.state = exc.code
@@ -809,7 +581,7 @@ class _Sync:
             """Under the lock: read the record and record the files about to be placed (the union
             of old and new until the commit), moving aside what is in the way."""
             try:
-                out = t.session.call({"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
+                out = _ask(t.runner, t.session, {"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
                                       "nonce_error": nonce_error, "create": True, "adopt": self.adopt,
                                       "files": self.sel.files, "locked": True}, timeout=120)[0]
             except SyncError as exc:
@@ -849,7 +621,7 @@ class _Sync:
         holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
                   "since": time.time(), "src": self.sel.root}
         try:
-            out = t.session.call({"op": "lock", "holder": holder, "wait_s": wait_s}, timeout=wait_s + 120)[0]
+            out = _ask(t.runner, t.session, {"op": "lock", "holder": holder, "wait_s": wait_s}, timeout=wait_s + 120)[0]
         except SyncError as exc:
             t.ready = False
             return self.fail(t, exc.problems[0])
@@ -893,7 +665,7 @@ class _Sync:
 
     def unlock(self, t: _Target) -> None:
         try:
-            t.session.call({"op": "unlock"}, timeout=60)
+            _ask(t.runner, t.session, {"op": "unlock"}, timeout=60)
         except SyncError as exc:
             t.ready = False
             self.fail(t, exc.problems[0])
@@ -901,46 +673,29 @@ class _Sync:
 
     # -- copies ---------------------------------------------------------------------------
     def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
-        argv = rsync_argv(self.list_file, t.link.rsync_e(), self.sel.root, host_path(t.link.target, t.real),
+        argv = rsync_argv(self.list_file, t.runner.rsh(), self.sel.root, t.runner.remote(t.real),
                           compress=self.compress, checksum=self.checksum, dry_run=dry_run)
-        return self._run_copy(t, argv, "controller")
+        return self._run_copy(t, lambda: t.runner.rsync(argv), "controller")
 
     def copy_from_node(self, src: _Target, t: _Target, hop: dict) -> bool:
-        inner_e = " ".join(shlex.quote(a) for a in [
-            "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={hop['stage']}/known_hosts",
-            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes",
-            "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6",
-            "-p", str(hop["port"]), "-l", hop["user"]])
-        inner = rsync_argv(f"{hop['stage']}/files", inner_e, src.real, f"{bracket(hop['addr'])}:{t.real}",
-                           compress=self.compress, checksum=self.checksum)
-        argv = src.link.forwarding_argv(" ".join(shlex.quote(a) for a in inner))
-        return self._run_copy(t, argv, src.node.name)
+        inner = rsync_argv(f"{hop['stage']}/files", hop_rsh(hop["stage"], hop["port"], hop["user"]), src.real,
+                           f"{bracket(hop['addr'])}:{t.real}", compress=self.compress, checksum=self.checksum)
+        return self._run_copy(t, lambda: src.runner.run_forwarding(shlex.join(inner), self.agent.sock), src.node.name)
 
-    def _run_copy(self, t: _Target, argv: list[str], source: str) -> bool:
+    def _run_copy(self, t: _Target, copy: Callable[[], Finished], source: str) -> bool:
+        """*copy* (rsync here, or on a forwarding node) to its end; its counts into *t*'s record."""
         if self.cancelled:
             t.rec.error = f"host {t.node.name}: sync interrupted"
             return False
         start = time.monotonic()
-        # its own session: a terminal's Ctrl-C reaches ddpfab, which ends the copy (abort), and the
-        # reaper ends it when ddpfab is killed
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        self.reaper.watch(proc.pid)
-        with self.lock:
-            self.copies.add(proc)
-        try:
-            stdout, stderr = proc.communicate()
-        finally:
-            with self.lock:
-                self.copies.discard(proc)
-            self.reaper.forget(proc.pid)
+        done = copy()
         elapsed = time.monotonic() - start
-        out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        out, err = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
         if self.cancelled:
             t.rec.error = f"host {t.node.name}: sync interrupted"
             return False
-        if proc.returncode not in (0, 24):  # 24: files vanished meanwhile; the hash check decides
-            problem = _rsync_problem(t.node.name, proc.returncode, err)
+        if done.code not in (0, 24):  # 24: files vanished meanwhile; the hash check decides
+            problem = _rsync_problem(t.node.name, done.code, err)
             if source != "controller":
                 problem = f"{problem} (copying from {source})"
             t.rec.error = problem
@@ -958,13 +713,9 @@ class _Sync:
     def abort(self) -> None:
         """Ctrl-C or an error in ddpfab itself: end the copies now (the threads then finish)."""
         self.cancelled = True
-        with self.lock:
-            procs = list(self.copies)
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, 15)
-            except OSError:
-                pass
+        for t in self.targets.values():
+            if t.runner is not None:
+                t.runner.cancel()
 
     # -- verification ------------------------------------------------------------------------
     def summary(self, t: _Target) -> str:
@@ -982,7 +733,7 @@ class _Sync:
         gone = deletions(self.sel, t.placed or [])
         start = time.monotonic()
         try:
-            out = t.session.call(self.request(t, "commit", delete=gone, files=self.sel.files,
+            out = _ask(t.runner, t.session, self.request(t, "commit", delete=gone, files=self.sel.files,
                                               cache=not self.checksum, locked=True))[0]
         except SyncError as exc:
             return self.fail(t, exc.problems[0])
@@ -996,7 +747,7 @@ class _Sync:
             req["paths"] = self.sel.files
         start = time.monotonic()
         try:
-            out = _node_call(t.link, req)
+            out = _ask(t.runner, None, req)[0]
         except SyncError as exc:
             return self.fail(t, exc.problems[0])
         self.check_hash(t, out, start)
@@ -1015,7 +766,7 @@ class _Sync:
             return None
         req = self.request(t, "hash", detail=True, paths=self.sel.files)
         try:
-            theirs = _node_call(t.link, req)
+            theirs = _ask(t.runner, None, req)[0]
             ours = local_tree(self.sel, detail=True, cache=False)
             diffs = treehash.diff_entries(ours["entries"], theirs["entries"])
         except (SyncError, OSError, KeyError):
@@ -1058,11 +809,11 @@ class _Sync:
         children = tree_schedule(len(order))
         labels, constraints, hops = [], [], {}
         for t in order:
-            if t.link.target.jump is not None or t.link.target.proxy_command:
-                return {}, (f"host {t.node.name} is reached through {t.link.target.jump.name if t.link.target.jump else 'a ProxyCommand'}"
+            if t.runner.target.jump is not None or t.runner.target.proxy_command:
+                return {}, (f"host {t.node.name} is reached through {t.runner.target.jump.name if t.runner.target.jump else 'a ProxyCommand'}"
                             "; node-to-node copies would go around it")
         for i, t in enumerate(order):
-            reach = t.link.target
+            reach = t.runner.target
             found = [k for k in reach.identity_files if os.path.isfile(k)]
             if not found:
                 return {}, (f"no private key file for host {t.node.name} (ansible_ssh_private_key_file or an ssh_config "
@@ -1076,9 +827,12 @@ class _Sync:
             labels += [f"ddpfab-n{i} {k}" for k in host_keys]
             hops[t.node.name] = {"user": reach.user or getpass.getuser(), "port": str(reach.port),
                                  "addr": t.node.data_addr or t.node.host, "keys": host_keys}
-        for j, kids in children.items():
-            for c in kids:
-                constraints += [f"ddpfab-n{j}", f"ddpfab-n{j}>{hops[order[c].node.name]['user']}@ddpfab-n{c}"]
+        # Each hop's key use is bound to its destination (user@host key). The first hop is
+        # paramiko's, which does not tell the agent which host it forwards to (no session-bind), so
+        # the agent sees a forwarding node's use as its own: the key is restricted to the planned
+        # hop destinations, each with its user, rather than to the (forwarder > child) pairs.
+        for kids in children.values():
+            constraints += [f"{hops[order[c].node.name]['user']}@ddpfab-n{c}" for c in kids]
         labels_file = os.path.join(self.ctl_dir, "agent_known_hosts")
         Path(labels_file).write_text("\n".join(labels) + "\n")
         problem = self.agent.add(keys, labels_file, list(dict.fromkeys(constraints)))
@@ -1090,26 +844,15 @@ class _Sync:
             """The file list and the known_hosts lines of its next hops, onto forwarding node j."""
             lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
                      for c in children[j] for k in hops[order[c].node.name]["keys"]]
-            link = order[j].link
             req = {**self.request(order[j], "stage"), "hold": True, "files": {
                 "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
-            proc = subprocess.Popen(["ssh", *link.opts, *link.mux(), link.dest,
-                                     node_command(link.node)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
-            self.reaper.watch(proc.pid)
-            with self.lock:
-                self.holds.append(proc)
             try:
-                reqs = nodeprog.numbered(req)
-                proc.stdin.write(nodeprog.stdin_for(*reqs))
-                proc.stdin.flush()
-                line = proc.stdout.readline().decode(errors="replace")
-                err = "" if line else proc.stderr.read().decode(errors="replace")
-                out = _node_reply(link.node.name, reqs, 0 if line else 1, line, err)
-            except (OSError, SyncError) as exc:
-                why = exc.problems[0] if isinstance(exc, SyncError) else str(exc)
-                return f"cannot stage the forwarding files: {why}"
+                hold = _session(order[j].runner)  # the node removes its staged files when it ends
+                with self.lock:
+                    self.holds.append(hold)
+                out = _ask(order[j].runner, hold, req, timeout=120)[0]
+            except SyncError as exc:
+                return f"cannot stage the forwarding files: {exc.problems[0]}"
             with self.lock:
                 self.stages[order[j].node.name] = out["dir"]
             return None
@@ -1192,20 +935,15 @@ class _Sync:
     def cleanup(self) -> None:
         if self.cancelled:
             self.abort()
-        for proc in self.holds:  # the node removes its staged files when the session ends
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-                proc.wait()
-            self.reaper.forget(proc.pid)
+        for hold in self.holds:  # the node removes its staged files when the session ends
+            hold.close()
         if self.agent:
             self.agent.close()
         for t in self.targets.values():
             if t.session:  # its end releases the node's lock
                 t.session.close()
-            t.link.close()
+            if t.runner is not None:  # its rsync relay; the connection is sync_cluster's or the run's
+                t.runner.close()
         shutil.rmtree(self.ctl_dir, ignore_errors=True)
         self.reaper.close()
 
@@ -1218,7 +956,8 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
                  compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
                  adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
-                 progress: Callable[[str], None] | None = None) -> SyncResult:
+                 progress: Callable[[str], None] | None = None, conns: dict | None = None,
+                 fast: bool = True) -> SyncResult:
     """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
     and is gone here, and prove the result by hash.
 
@@ -1241,6 +980,10 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             (one line says whose it is); 0: refuse at once. Refused: a SyncError with code
             ``BUSY``, nothing changed on any node.
         progress: called with one line per event (node done, fallback...).
+        conns: each node's open connection (a run's): everything goes over it, nothing else is
+            opened; else one is opened per node for this sync and closed after it.
+        fast: first the hash-only check (:func:`unchanged`): when every node already has this
+            tree, nothing more is started (not for a dry run, ``verify_only`` or ``checksum``).
 
     Returns the SyncResult; raises SyncError (with the result) when any node failed.
     """
@@ -1248,9 +991,8 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         raise ValueError(f"fanout must be 'star' or 'tree', not {fanout!r}")
     started = time.monotonic()
     progress = progress or (lambda _line: None)
-    missing = [tool for tool in ("ssh", "rsync") if shutil.which(tool) is None]
-    if missing:
-        raise SyncError([f"{' and '.join(missing)} not found on this machine: apt-get install openssh-client rsync"])
+    if not verify_only and shutil.which("rsync") is None:
+        raise SyncError(["rsync not found on this machine: apt-get install rsync"])
     sel = select(src, keep, with_git)
     if not sel.files and not verify_only:
         raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty)"])
@@ -1262,14 +1004,41 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             problems += exc.problems
     if problems:
         raise SyncError(problems)
-    job = _Sync(cluster, sel, policy, ssh_config, compress, checksum, progress, adopt, lock_wait)
+    opened: GroupResult = GroupResult()
+    if conns is None:
+        try:  # before anything is started: a route that cannot be honoured starts nothing
+            resolve_all(cluster.nodes, policy, ssh_config)
+        except TargetError as exc:
+            raise SyncError([str(exc)]) from None
+        opened = open_group(cluster.nodes, policy, ssh_config)
+        conns = {name: r.conn for name, r in opened.succeeded.items()}
+    down = {n.name: opened.get(n.name, SyncError([f"host {n.name}: no connection"])) for n in cluster.nodes
+            if n.name not in conns}
+    try:
+        if fast and not (down or dry_run or verify_only or checksum):
+            same = _unchanged(cluster, conns, sel)
+            if same is not None:
+                for rec in same.nodes.values():
+                    progress(f"{rec.name}: {rec.workdir} ok (unchanged; verified in {rec.verify_s:.2f} s)")
+                return same
+        return _sync(cluster, sel, conns, down, started, fanout=fanout, compress=compress, checksum=checksum,
+                     verify_only=verify_only, adopt=adopt, dry_run=dry_run, lock_wait=lock_wait, progress=progress)
+    finally:
+        close_group(opened)
+
+
+def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Exception], started: float, *,
+          fanout: str, compress: bool, checksum: bool, verify_only: bool, adopt: bool, dry_run: bool,
+          lock_wait: float, progress: Callable[[str], None]) -> SyncResult:
+    """:func:`sync_cluster` once every node's connection is open (or known to be down)."""
+    job = _Sync(cluster, sel, conns, down, compress, checksum, progress, adopt, lock_wait)
     job.dry_run, job.verify_only = dry_run, verify_only
     result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
                         git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout, dry_run=dry_run)
     try:
         if fanout == "tree" and not (verify_only or dry_run):
             # the agent first: the masters to the nodes must know it to forward it later
-            job.agent = _Agent(job.ctl_dir, job.reaper)
+            job.agent = Agent(job.ctl_dir, job.reaper)
             why = job.agent.start()
             if why:
                 job.agent = None
@@ -1325,21 +1094,28 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
 
 def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tuple[str, ...] | list[str] = (),
               with_git: bool = False, sessions: dict | None = None) -> SyncResult | None:
-    """The no-copy fast path of a sync before ``run``: when every node's workdir already hashes to
-    this tree (the usual case while iterating: nothing changed since the last sync), the result
-    that proves it, else None (then :func:`sync_cluster` does the real work).
+    """The no-copy fast path of a sync (``ddpfab sync``, and before ``run``): when every node's
+    workdir already hashes to this tree (the usual case while iterating: nothing changed since
+    the last sync), the result that proves it, else None (then :func:`sync_cluster` does the
+    real work).
 
-    It asks the node program's ``hash`` over ddpfab's open SSH connections (*conns*, Fabric), in
-    the node program *sessions* ``run`` keeps open for its whole preparation when given (no python
-    started for it then), else in one of its own per node: the same proof as the verification
-    after a copy (the hash of the files ddpfab placed, by its record there), without the OpenSSH
-    masters, probes and rsync a full sync starts. A workdir without a record (a shared filesystem)
-    is asked once more for the hash of exactly this tree's paths. Any problem (no python, no
-    workdir, a mismatch) is not an error here, only a reason to do the full sync, which reports it
-    properly.
+    It asks the node program's ``hash`` over ddpfab's open SSH connections (*conns*), in the node
+    program *sessions* ``run`` keeps open for its whole preparation when given (no python started
+    for it then), else in one of its own per node: the same proof as the verification after a
+    copy (the hash of the files ddpfab placed, by its record there), without the probes and rsync
+    a full sync starts. The hash is taken holding the workdir's lock (tried without waiting, in
+    the same exchange): while another sync is changing a workdir its hash proves nothing, so a
+    busy workdir is not "unchanged" but a reason for the full sync, which waits for that sync and
+    says whose it is. A workdir without a record (a shared filesystem) is asked once more for the
+    hash of exactly this tree's paths. Any problem (no python, no workdir, a mismatch) is not an
+    error here, only a reason to do the full sync, which reports it properly.
     """
-    started = time.monotonic()
     sel = select(src, keep, with_git)
+    return _unchanged(cluster, conns, sel, sessions)
+
+
+def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | None = None) -> SyncResult | None:
+    started = time.monotonic()
     if not sel.files:
         return None
     local = local_tree(sel)
@@ -1352,21 +1128,30 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
         if errors:
             nodeprog.close_all(sessions)
             return None
+    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+              "src": sel.root, "check": "unchanged"}
     try:
         t0 = time.monotonic()
         reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
                 for n in nodes}
-        answers = nodeprog.exchange(sessions, {k: [v] for k, v in reqs.items()}, timeout=120)
-        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in answers.succeeded.items()
-                 if not ans[0].ok and ans[0].code == treehash.NO_RECORD}
+        answers = nodeprog.exchange(sessions, {k: [{"op": "lock", "workdir": v["workdir"], "holder": holder,
+                                                    "wait_s": 0}, v, {"op": "unlock"}]
+                                               for k, v in reqs.items()}, timeout=120)
+        if answers.failed or any(not (ans[0].ok and ans[0].result.get("locked") is True)
+                                 for ans in answers.succeeded.values()):
+            return None  # a node's workdir is being changed (or did not answer): the full sync sees to it
+        hashed = {name: ans[1] for name, ans in answers.succeeded.items()}
+        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in hashed.items()
+                 if not ans.ok and ans.code == treehash.NO_RECORD}
         if again:
-            answers.update(nodeprog.exchange(sessions, again, timeout=120))
+            hashed.update((name, ans[0]) for name, ans in nodeprog.exchange(sessions, again, timeout=120).items()
+                          if not isinstance(ans, Exception))
     finally:
         if own:
             nodeprog.close_all(sessions)
     seconds = round(time.monotonic() - t0, 3)
-    if answers.failed or any(not ans[0].ok or ans[0].result.get("tree_hash") != local["tree_hash"]
-                             for ans in answers.succeeded.values()):
+    if len(hashed) < len(nodes) or any(not ans.ok or ans.result.get("tree_hash") != local["tree_hash"]
+                                       for ans in hashed.values()):
         return None
     result = SyncResult(src=sel.root, tree_hash=local["tree_hash"], files=len(sel.files), bytes=local["bytes"],
                         selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")

@@ -271,9 +271,10 @@ def _cmdlines() -> dict[int, str]:
 
 
 def _descendants_ctl_dir(pid: int) -> str | None:
-    """The sync's private temp dir, read from the ControlPath of an ssh that *pid* started."""
+    """The sync's private temp dir, read from the command line of a child of *pid* (rsync's remote
+    shell names its relay socket there, the reaper the dir itself)."""
     for child, cmd in _cmdlines().items():
-        m = re.search(r"ControlPath=(/tmp/ddpfab-sync-[^/ ]+)/", cmd)
+        m = re.search(r"(/tmp/ddpfab-sync-[^/ ]+)", cmd)
         try:
             ppid = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
