@@ -8,9 +8,9 @@ import os
 import sys
 from dataclasses import fields
 
-from ddpfab.api import Cluster, Options
+from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
-from ddpfab.cli.common import add_cluster_args, add_env_args, load_cluster, nproc_type
+from ddpfab.cli.common import add_cluster_args, add_env_args, api_cluster, nproc_type
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
@@ -119,12 +119,6 @@ def options(args: argparse.Namespace) -> Options:
     given.update({field: not getattr(args, flag) for flag, field in NEGATED.items() if hasattr(args, flag)})
     given["color"] = False if getattr(args, "no_color", False) else None
     return Options.of(**given)
-
-
-def api_cluster(args: argparse.Namespace) -> Cluster:
-    """The API's cluster for the parsed cluster options (inventory, group, limit, -e, ssh)."""
-    return Cluster(load_cluster(args), inventory=args.inventory, ssh_config=args.ssh_config,
-                   known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
