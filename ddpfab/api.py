@@ -135,8 +135,9 @@ class Options:
         if unknown:
             raise PlanError(f"unknown option {unknown[0]!r}{did_you_mean(unknown[0], names)} (options: "
                             f"{', '.join(names)})")
-        seqs = {k: tuple(v) for k, v in given.items()
-                if k in ("env_file", "secret_env", "replicate", "retry_on") and v is not None}
+        seqs = {k: tuple(v) for k, v in given.items()  # lists (argparse's, a caller's) as tuples: comparable
+                if k in ("env", "env_file", "secret_env", "replicate", "retry_on") and v is not None
+                and not isinstance(v, (str, Mapping))}
         return cls(**{**given, **seqs})
 
     @property
@@ -501,6 +502,8 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
     from ddpfab.launch.runs import new_run_id
 
     planmod.master_port(opts.master_port, offline=True)  # the port's one rule (raises PlanError)
+    if isinstance(args, str):  # its characters would become the arguments
+        raise PlanError(f"the script's arguments are a list of words, not one string: {args!r}")
     script, script_args, module = script_and_mode(script, tuple(args), opts.module)
     local_rank_arg, to_script = local_rank_spelling(opts.local_rank_style, script, module)
     return planmod.RunOptions(
