@@ -187,7 +187,8 @@ class Cluster:
     """The nodes of one inventory group and how to reach them; the pipelines as methods.
 
     Args:
-        nodes: the parsed inventory (:class:`ddpfab.hosts.inventory.Cluster`).
+        parsed: the parsed inventory (:class:`ddpfab.hosts.inventory.Cluster`, whose ``nodes`` are
+            the nodes in rank order).
         inventory: what it was loaded from (for the commands ddpfab prints back).
         ssh_config: an ssh_config file to read (None: ~/.ssh/config).
         known_hosts: the known_hosts file (None: the inventory's, else ~/.ssh/known_hosts).
@@ -195,10 +196,10 @@ class Cluster:
         say: where ddpfab's own lines go (default: ``ddpfab: ...`` on stderr).
     """
 
-    def __init__(self, nodes: inventory.Cluster, *, inventory: str | list[str] | None = None,
+    def __init__(self, parsed: inventory.Cluster, *, inventory: str | list[str] | None = None,
                  ssh_config: str | None = None, known_hosts: str | None = None,
                  accept_new_host_keys: bool = False, say: Say = stderr_say):
-        self.nodes = nodes
+        self.parsed = parsed
         self.inventory = inventory
         self.ssh_config, self.known_hosts, self.accept_new_host_keys = ssh_config, known_hosts, accept_new_host_keys
         self.say = say
@@ -211,13 +212,13 @@ class Cluster:
         merged in order), *limit* (an Ansible pattern) and *extra_vars* (``-e``) applied."""
         source = ([os.fspath(s) for s in inventory_source]
                   if not isinstance(inventory_source, (str, os.PathLike)) else [os.fspath(inventory_source)])
-        nodes = inventory.load(source, group or "all", limit=limit, extra_vars=tuple(extra_vars))
-        return cls(nodes, inventory=source, ssh_config=ssh_config, known_hosts=known_hosts,
+        parsed = inventory.load(source, group or "all", limit=limit, extra_vars=tuple(extra_vars))
+        return cls(parsed, inventory=source, ssh_config=ssh_config, known_hosts=known_hosts,
                    accept_new_host_keys=accept_new_host_keys, say=say)
 
     @property
     def names(self) -> list[str]:
-        return [n.name for n in self.nodes.nodes]
+        return [n.name for n in self.parsed.nodes]
 
     @property
     def policy(self) -> HostKeyPolicy:
@@ -225,7 +226,7 @@ class Cluster:
 
     def targets(self, nodes: inventory.Cluster | None = None) -> dict:
         """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
-        return resolve_all((nodes or self.nodes).nodes, self.policy, self.ssh_config)
+        return resolve_all((nodes or self.parsed).nodes, self.policy, self.ssh_config)
 
     # -- check, sync, exec ------------------------------------------------------------------
     def check(self, *, master_port: int | None = None, nproc_per_node: int | str | None = None,
@@ -236,7 +237,7 @@ class Cluster:
 
         planmod.master_port(master_port, offline=True)  # the port's one rule, before any host is contacted
         planmod.nproc_per_node(nproc_per_node)  # run's rule, as for the port
-        return check_cluster(self.nodes, self.policy, CheckOptions(
+        return check_cluster(self.parsed, self.policy, CheckOptions(
             master_port=master_port, nproc_per_node=nproc_per_node,
             max_skew_s=CheckOptions.max_skew_s if max_skew is None else max_skew,
             full=not fast, exhaustive=exhaustive), self.ssh_config)
@@ -248,7 +249,7 @@ class Cluster:
         # slow to import: see LAZY above
         from ddpfab.transfer.sync import LOCK_WAIT_S, sync_cluster
 
-        return sync_cluster(self.nodes, path, self.policy, fanout=fanout, compress=compress,
+        return sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
                             ssh_config=self.ssh_config, checksum=checksum, keep=tuple(keep), with_git=with_git,
                             verify_only=verify_only, adopt=adopt, dry_run=dry_run,
                             lock_wait=LOCK_WAIT_S if wait else 0, progress=progress)
@@ -262,13 +263,13 @@ class Cluster:
         from ddpfab.remote.command import LinePrinter, exec_all, remote_command
 
         command = remote_command([cmd] if isinstance(cmd, str) else list(cmd))
-        chosen = list(self.nodes.nodes)
+        chosen = list(self.parsed.nodes)
         if nodes is not None:
             wanted = list(nodes)
             unknown = [w for w in wanted if w not in self.names]
             if unknown:
                 raise inventory.InventoryError(
-                    f"--nodes: {', '.join(unknown)} not in group {self.nodes.group} of {self.nodes.source} "
+                    f"--nodes: {', '.join(unknown)} not in group {self.parsed.group} of {self.parsed.source} "
                     f"(nodes: {', '.join(self.names)})")
             chosen = [n for n in chosen if n.name in wanted]
         printer = printer or LinePrinter([n.name for n in chosen], color=color)
@@ -282,11 +283,11 @@ class Cluster:
         opts = _options(options, given)
         run_options = planner_options(script, args, opts)
         if opts.offline:
-            return self._offline_plan(self.nodes, run_options, opts)
+            return self._offline_plan(self.parsed, run_options, opts)
         # slow to import: see LAZY above
         from ddpfab.launch import runner
 
-        prepared = runner.prepare(self.nodes, run_options, self.policy, self.ssh_config, preflight=opts.check)
+        prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
         prepared.close()
         return prepared.plan
 
@@ -304,8 +305,8 @@ class Cluster:
         from ddpfab.launch import recover, runner
         from ddpfab.launch.execute import Printer
 
-        ropts = recover.recovery_options(opts, self.nodes)
-        nodes, spares = recover.split_spares(self.nodes, ropts.spares_group)  # spares never start in the set
+        ropts = recover.recovery_options(opts, self.parsed)
+        nodes, spares = recover.split_spares(self.parsed, ropts.spares_group)  # spares never start in the set
         recover.check_sizes(ropts, len(nodes.nodes), len(spares))
         run_options = planner_options(script, args, opts)
         paths = replicate.wanted(nodes, opts.replicate)
