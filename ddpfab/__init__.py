@@ -10,7 +10,7 @@ The public surface is small: load a cluster from an Ansible inventory, make a pl
 imported on first use of one of its names, and it imports Fabric/paramiko only inside its calls.
 """
 
-__version__ = "0.1.0"
+from ddpfab.version import __version__
 
 #: The public names that live in :mod:`ddpfab.api`, loaded on first use.
 _API = ("Cluster", "Options", "RunOutcome")
