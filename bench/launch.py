@@ -18,10 +18,9 @@ launcher's stdout:
                           started by the plainest SSH fan-out there is. On this lab all N hosts
                           share this machine's CPUs, so N torchruns importing torch at once are
                           slower than one: this baseline carries the same contention as ddpfab.
-Also, once per N: a phase breakdown of one ddpfab run (the CLI run in-process with timers around
-inventory.load, cli._sync_code, runner.connect_all, runner.start_probe + prepare (probe.gather before
-the node program), runner._preflight, make_plan,
-execute), isolated costs (imports, inventory, a remote python start), and on
+Also, once per N: a phase breakdown of one ddpfab run (ddpfab.Cluster.run, the API the CLI calls, in
+process with timers around inventory.load, Cluster._sync_code, runner.connect_all, runner.start_probe +
+prepare, runner._preflight, make_plan, execute), isolated costs (imports, inventory, a remote python start), and on
 the largest N a profile (python -X importtime, pyinstrument) in bench/results/launch-profile.txt.
 Writes bench/results/launch.json.
 """
@@ -54,44 +53,42 @@ print("READY", os.environ["RANK"], flush=True)
 READY = re.compile(r"READY (\d+)")
 RUN_TIMEOUT = 300
 
-#: Runs `ddpfab run` in-process with a timestamp (CLOCK_MONOTONIC, shared by all processes) before
-#: and after each step of runner.prepare and execute; events go to stderr as BENCHPHASE lines.
+#: Runs one `ddpfab run` in-process through the library API (ddpfab.Cluster.load(INV).run(SCRIPT), what
+#: the command line calls) with a timestamp (CLOCK_MONOTONIC, shared by all processes) before and after
+#: each step of the preparation and execute; events go to stderr as BENCHPHASE lines.
+#: argv: INVENTORY RUNS_DIR SCRIPT.
 PHASE_DRIVER = r"""
 import sys, time
 def ev(name):
     sys.stderr.write("BENCHPHASE %s %.6f\n" % (name, time.monotonic()))
     sys.stderr.flush()
 ev("interpreter-ready")
-from ddpfab import cli, inventory, runner, probe, check, launch, plan, ssh, runs  # what `run` imports
+import ddpfab
+from ddpfab import api
+from ddpfab.hosts import inventory
+from ddpfab.launch import runner  # what `run` imports (fabric/paramiko)
 ev("imports-done")
-def wrap(mod, attr, label):
-    fn = getattr(mod, attr)
+def wrap(owner, attr, label):
+    fn = getattr(owner, attr)
     def timed(*a, **k):
         ev(label + ":start")
         try:
             return fn(*a, **k)
         finally:
             ev(label + ":end")
-    setattr(mod, attr, timed)
+    setattr(owner, attr, timed)
 wrap(inventory, "load", "inventory.load")
-try:  # `run` syncs the code to every node first (unless --no-sync); since 16b in ddpfab/cli/run.py
-    from ddpfab.cli import run as cli_run
-except ImportError:
-    cli_run = cli
-if hasattr(cli_run, "_sync_code"):
-    wrap(cli_run, "_sync_code", "sync")
+wrap(api.Cluster, "_sync_code", "sync")  # `run` syncs the code to every node first (unless sync=False)
 wrap(runner, "connect_all", "connect")
-if hasattr(runner, "start_probe"):  # one node program session per node for the whole preparation
-    wrap(runner, "start_probe", "probe-start")
-    wrap(runner, "prepare", "prepare")
-else:  # before: a python snippet per node for the probe (and one for the hash, one for the mesh)
-    wrap(probe, "gather", "probe")
+wrap(runner, "start_probe", "probe-start")  # one node program session per node for the whole preparation
+wrap(runner, "prepare", "prepare")
 wrap(runner, "_preflight", "preflight")
 wrap(runner, "make_plan", "plan")
 wrap(runner, "execute", "execute")
-code = cli.main(sys.argv[1:])
+inv, runs_dir, script = sys.argv[1:4]
+result = ddpfab.Cluster.load(inv).run(script, runs_dir=runs_dir, color=False)
 ev("main-returned")
-sys.exit(code)
+sys.exit(result.exit_code)
 """
 
 
@@ -225,8 +222,7 @@ class Bench:
     def phases(self, n: int, script: str = SCRIPT, timeout: float = RUN_TIMEOUT) -> dict:
         """One `ddpfab run` of *script*, timed step by step; also its exit time and what the controller
         process held (peak threads, open files, memory; CPU seconds)."""
-        argv = [PYTHON, "-c", PHASE_DRIVER, "run", "-i", str(self.inv[n]), "--no-color", "--runs-dir",
-                str(self.runs), script]
+        argv = [PYTHON, "-c", PHASE_DRIVER, str(self.inv[n]), str(self.runs), script]
         run = Run(argv, common.env_with(), self.wd)
         sampler = common.ProcessSampler(run.proc.pid)
         try:

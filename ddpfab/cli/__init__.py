@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpfab import __version__
+from ddpfab.version import __version__
 from ddpfab.cli import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
 from ddpfab.cli.common import fill_missing_help
 from ddpfab.cli.errors import Parser, closed_stdout_ends_quietly, die, refuse

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ddpfab.cli.common import add_cluster_args, load_cluster, nproc_type
+from ddpfab.cli.common import add_cluster_args, api_cluster, nproc_type
 from ddpfab.cli.errors import refuse
 from ddpfab.cli.perf import add_check_arguments, cmd_check_perf
 from ddpfab.health import mesh as meshmod
@@ -31,11 +31,10 @@ def cmd_check(args) -> int:
     if args.perf or args.history:
         return cmd_check_perf(args)
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.health.check import CheckOptions, check_cluster, render
-    from ddpfab.remote import ssh
+    from ddpfab.health.check import render
 
     try:
-        cluster = load_cluster(args)
+        cluster = api_cluster(args)
         master_port(args.master_port, offline=True)  # the one rule for a given port, before any host is contacted
     except (inventory.InventoryError, PlanError) as exc:
         return refuse(args, str(exc), "inventory" if isinstance(exc, inventory.InventoryError) else "master_port")
@@ -43,10 +42,7 @@ def cmd_check(args) -> int:
         nproc_per_node(args.nproc_per_node)  # run's rule, as for the port
     except PlanError as exc:
         return refuse(args, str(exc), "nproc_per_node")
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-    report = check_cluster(cluster, policy, CheckOptions(
-        master_port=args.master_port, nproc_per_node=args.nproc_per_node,
-        max_skew_s=CheckOptions.max_skew_s if args.max_skew is None else args.max_skew,  # its default: ddpfab.health.check's
-        full=not args.fast, exhaustive=args.exhaustive), args.ssh_config)
+    report = cluster.check(master_port=args.master_port, nproc_per_node=args.nproc_per_node, max_skew=args.max_skew,
+                           fast=args.fast, exhaustive=args.exhaustive)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ddpfab.api import Cluster
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError, parse_nproc
 
@@ -63,6 +64,12 @@ def load_cluster(args: argparse.Namespace):
     """The cluster the parsed cluster options name: inventory, group, --limit and -e applied."""
     return inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
                           extra_vars=getattr(args, "extra_vars", None) or ())
+
+
+def api_cluster(args: argparse.Namespace) -> Cluster:
+    """The API's cluster for the parsed cluster options (inventory, group, limit, -e, ssh)."""
+    return Cluster(load_cluster(args), inventory=args.inventory, ssh_config=args.ssh_config,
+                   known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys)
 
 
 #: Help for options some subcommands define without any, by destination: one wording everywhere.

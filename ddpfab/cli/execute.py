@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ddpfab.cli.common import add_cluster_args, load_cluster
+from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, die, note
 from ddpfab.hosts import inventory
 
@@ -24,29 +24,20 @@ def register(sub) -> None:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote import ssh
-    from ddpfab.remote.command import LinePrinter, exec_all, remote_command, summary
+    from ddpfab.remote.command import LinePrinter, summary
 
     words = list(args.cmd)
     if words and words[0] == "--":
         words = words[1:]
     try:
-        command = remote_command(words)
-        cluster = load_cluster(args)
+        cluster = api_cluster(args)
+        wanted = None if not args.nodes else [w.strip() for w in args.nodes.split(",") if w.strip()]
+        names = [n for n in cluster.names if wanted is None or n in wanted]
+        printer = LinePrinter(names, color=False if args.no_color else None)
+        start = time.monotonic()
+        results = cluster.exec(words, nodes=wanted, timeout=args.timeout, printer=printer)
     except (ValueError, inventory.InventoryError) as exc:
         return die(str(exc))
-    nodes = list(cluster.nodes)
-    if args.nodes:
-        wanted = [w.strip() for w in args.nodes.split(",") if w.strip()]
-        unknown = [w for w in wanted if w not in {n.name for n in nodes}]
-        if unknown:
-            return die(f"--nodes: {', '.join(unknown)} not in group {cluster.group} of "
-                       f"{cluster.source} (nodes: {', '.join(n.name for n in nodes)})")
-        nodes = [n for n in nodes if n.name in wanted]
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-    printer = LinePrinter([n.name for n in nodes], color=False if args.no_color else None)
-    start = time.monotonic()
-    results = exec_all(nodes, command, policy, args.ssh_config, printer, args.timeout)
     if printer.closed:  # a reader that went away is not a node's failure
         note("stdout was closed: the command was ended on every node")
         return EXIT_CLOSED_STDOUT

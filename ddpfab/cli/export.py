@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ddpfab.cli.common import add_cluster_args, add_env_args, nproc_type
 from ddpfab.cli.errors import die
-from ddpfab.cli.run import _env as run_env
+from ddpfab.cli.run import options as run_options
 from ddpfab.hosts import inventory
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import render
@@ -80,7 +80,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         planmod.master_port(args.master_port, offline=True)  # the port's one rule (raises PlanError)
         options = planmod.RunOptions(
             script=args.script, args=tuple(args.args), nproc_per_node=args.nproc_per_node,
-            master_port=args.master_port, env=run_env(args), max_restarts=args.max_restarts,
+            master_port=args.master_port, env=run_options(args).env_pairs(), max_restarts=args.max_restarts,
             run_id=args.run_id or new_run_id())
         cluster, plan = plan_for_export(args.inventory, args.group, options, limit=args.limit,
                                         extra_vars=args.extra_vars)

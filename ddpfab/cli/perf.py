@@ -73,30 +73,3 @@ def add_run_arguments(p) -> None:
                         "stops the launch (nothing is started)")
     p.add_argument("--perf-check-warn", action="store_true",
                    help="--perf-check, but a straggler is only reported and the job starts anyway")
-
-
-def before_run(cluster, policy, args, env: tuple[tuple[str, str], ...]) -> dict:
-    """``run --perf-check``: the check (with the job's *env* and --socket-ifname), printed; returns
-    the manifest's ``perf`` entry. Raises
-    ``runner.RunError`` (nothing started) on a straggler unless ``--perf-check-warn``."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.health.perfrun import PerfError, result_of, run_check
-    from ddpfab.launch import runner
-
-    try:
-        record, run_dir = run_check(cluster, policy, args.runs_dir, perf.PerfOptions(nproc_per_node=args.nproc_per_node),
-                                    args.ssh_config, env=env, socket_ifname=args.socket_ifname)
-    except PerfError as exc:
-        raise runner.RunError([f"perf check: {p}" for p in exc.problems]) from None
-    result = record["result"]
-    sys.stderr.write(perf.render(result_of(record), str(run_dir / "report.html"), record["seconds"]) + "\n")
-    entry = {"run_id": record["run_id"], "record": str(run_dir / "perf.json"), "report": str(run_dir / "report.html"),
-             "ok": result["ok"], "stragglers": result["stragglers"], "findings": [f["text"] for f in result["findings"]],
-             "medians": result["medians"],
-             "nodes": {n: {k: f[k] for k in ("compute_gflops", "memory_gbs", "link_gbs", "latency_us")}
-                       for n, f in result["node_figures"].items()}}
-    if result["findings"] and not args.perf_check_warn:
-        raise runner.RunError([f"perf check: {f['text']}" for f in result["findings"]] +
-                              [f"perf check found stragglers (report: {run_dir / 'report.html'}; "
-                               "start anyway with --perf-check-warn)"])
-    return entry

@@ -5,23 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
-from dataclasses import replace
+from dataclasses import fields
 
+from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
-from ddpfab.cli.common import add_cluster_args, add_env_args, load_cluster, nproc_type
+from ddpfab.cli.common import add_cluster_args, add_env_args, api_cluster, nproc_type
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
-from ddpfab.cli.perf import before_run
 from ddpfab.hosts import inventory
-from ddpfab.hosts.suggest import did_you_mean
-from ddpfab.launch import replicate
-from ddpfab.launch.progress import Ticker
 from ddpfab.planning import plan as planmod
-from ddpfab.planning import scriptfile
-from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
-from ddpfab.problems import Problem
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -114,48 +107,31 @@ def register(sub) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
+#: ``run``/``plan`` flags that say "not": flag's dest -> the :class:`ddpfab.api.Options` field it negates.
+NEGATED = {"no_check": "check", "no_sync": "sync", "no_forward_env": "forward_env"}
+
+
+def options(args: argparse.Namespace) -> Options:
+    """The run's :class:`ddpfab.api.Options` from the parsed command line: every option under its
+    own name (``--nproc-per-node`` is ``nproc_per_node``), the ``--no-X`` flags negated. The one
+    mapping from command line to API."""
+    given = {f.name: getattr(args, f.name) for f in fields(Options) if hasattr(args, f.name)}
+    given.update({field: not getattr(args, flag) for flag, field in NEGATED.items() if hasattr(args, flag)})
+    given["color"] = False if getattr(args, "no_color", False) else None
+    return Options.of(**given)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import recover, runner
-    from ddpfab.launch.execute import Printer
-    from ddpfab.remote import ssh
     from ddpfab.remote.target import TargetError
 
     try:
-        cluster = load_cluster(args)
-        ropts = recovery.recovery_options(args, cluster)
-        cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
-        recovery.check_sizes(ropts, len(cluster.nodes), len(spares))
-        options = _run_options(args)
-        args.replicate_paths = replicate.wanted(cluster, args.replicate)
-        if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
-            raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
-                                    "exists already: a run id names one run; pick another (or leave --run-id out)")
-        if not args.no_sync:  # the dry run too: the real run refuses it before starting
-            _check_script_here(options.script, options.module)
-        if args.dry_run and args.offline:
-            targets = _targets(cluster, args)
-            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
-            for path in args.replicate_paths:
-                sys.stderr.write(f"ddpfab: replicate (offline, not looked at on the hosts): {path} from "
-                                 f"{plan.nodes[0].name} (rank 0's node) to the other nodes, where it differs\n")
-            return _print_dry_run(plan, args.json, offline=True, targets=targets)
-        if recovery.wanted(args) and args.detach and not recover.is_supervisor():
-            return recover.start_detached(args.argv[1:], options.run_id, args.runs_dir)
-        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        perf = _perf_check(cluster, policy, args, _env(args))
-
-        def prepare(cl, opts):
-            return _prepare(cl, opts, policy, args)
-
-        if recovery.wanted(args) and not args.dry_run:
-            return recover.Recovery(cluster, spares, options, ropts, policy, args.ssh_config, args.runs_dir,
-                                    prepare, runner.run, color=False if args.no_color else None).run()
-        prepared, extra = prepare(cluster, options)
-        if spares:  # the nodes are the group without its spares: replay, stop and logs must know
-            extra.update(spares_group=ropts.spares_group, attempt_nodes=[n.name for n in cluster.nodes])
-        if perf:
-            extra["perf"] = perf
+        cluster = api_cluster(args)
+        # --detach with restarts: the restarts outlive this command, so this command line runs again
+        # as their supervisor, in a process of its own
+        result = cluster.run(args.script, args.args, options(args), supervise=lambda run_id: recover.start_detached(
+            args.argv[1:], run_id, args.runs_dir))
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return refuse(args, str(exc), "run")
     except runner.RunError as exc:
@@ -163,206 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print_problems(exc.problems, "run")
         return die(exc.problems + ["nothing was started"])
     if args.dry_run:
-        prepared.close()
-        return _print_dry_run(prepared.plan, args.json, offline=False, targets=_targets(cluster, args))
-    printer = Printer(prepared.plan, color=False if args.no_color else None)
-    try:
-        if args.detach:
-            return runner.start_detached(prepared, args.runs_dir, printer, extra=extra)
-        result, _ = runner.run(prepared, args.runs_dir, printer, extra=extra)
-    finally:
-        prepared.close()
-        _say_where_rank0_is(prepared.plan, args)
+        return _print_dry_run(result.plan, args.json, offline=args.offline, targets=cluster.targets())
     # the summary was printed once already, with the manifest's path
     return result.exit_code
-
-
-def _prepare(cluster, options, policy, args: argparse.Namespace):
-    """One attempt's start: connect, sync the code (unless --no-sync or --dry-run), probe,
-    preflight, plan. Returns (Prepared, manifest extra); raises RunError with nothing started."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch import runner
-
-    conns = runner.connect_all(cluster, policy, args.ssh_config)
-    probing = None
-    try:  # one node program per node for the whole preparation: facts, hash, mesh in one session
-        probing = runner.start_probe(cluster, conns, options, os.getcwd(), preflight=not args.no_check)
-        code = None if args.dry_run or args.no_sync else _sync_code(cluster, policy, args, conns,
-                                                                    progress=_progress(args), sessions=probing.sessions)
-    except BaseException:
-        if probing:
-            probing.close(wait=0)
-        for c in conns.values():
-            c.close()
-        raise
-    copied = bool(code) and any(n.get("source") != "unchanged" for n in code.get("nodes", {}).values())
-    paths = getattr(args, "replicate_paths", ())
-    prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check, conns=conns,
-                              probing=probing, synced=copied, replicate_paths=paths,
-                              will_sync=args.dry_run and not args.no_sync)
-    extra = {"code": code} if code else {}
-    try:
-        replicated = _replicate(prepared, paths, args)
-    except BaseException:
-        prepared.close()
-        raise
-    if replicated:
-        extra["replicate"] = replicated
-    return prepared, extra
-
-
-def _replicate(prepared, paths: tuple[str, ...], args: argparse.Namespace) -> dict | None:
-    """``--replicate``: copy each path from rank 0's node to the others (the dry run says what it
-    would copy), after the preflight's warning about resume files that differ between nodes.
-    The manifest's ``replicate`` entry, or None when there was nothing to say; RunError when a
-    copy is refused or fails (nothing has started)."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch import runner
-
-    if prepared.replicas is None:
-        return None
-    order = [n.name for n in sorted(prepared.plan.nodes, key=lambda n: n.node_rank)]
-    warned = replicate.warnings(order, paths, prepared.replicas)
-    for w in warned:
-        sys.stderr.write(f"ddpfab: warning: {w}\n")
-    # without paths the look was for the warning alone: a node that could not answer it stops nothing
-    decision = replicate.decide(order, paths, prepared.replicas) if paths else replicate.Decision()
-    if decision.problems:
-        raise runner.RunError([*decision.problems, "replicate: nothing was copied"])
-    for path in decision.missing:
-        sys.stderr.write(f"ddpfab: replicate: {path} is not in the workdir of {order[0]} (rank 0's node): nothing to "
-                         "replicate (a first run?)\n")
-    workdirs = {n.name: n.workdir for n in prepared.plan.nodes}
-    nodes = {n.name: n for n in prepared.cluster.nodes}
-    for copy in decision.copies:
-        if copy.to and not args.dry_run:
-            problems = replicate.relay(copy, prepared.conns, nodes, workdirs)
-            if problems:
-                raise runner.RunError([*problems, f"replicate {copy.path}: nothing was started (the nodes that did not "
-                                                  "get it keep their old file)"])
-        sys.stderr.write(f"ddpfab: replicate: {replicate.describe(copy, dry_run=args.dry_run)}\n")
-    if not (paths or warned):
-        return None
-    return replicate.record(decision, warned)
-
-
-def _say_where_rank0_is(plan, args: argparse.Namespace) -> None:
-    """Where results are: rank 0's workdir, and the command that brings a file back. The command
-    names the node, not ``--rank 0``: fetch's ranks count the hosts its own --limit leaves, and a
-    run's rank 0 is often not the inventory's first host (``-l``, spares)."""
-    node = plan.nodes[0]
-    inv = "".join(f" -i {shlex.quote(s)}" for s in args.inventory or ())
-    sys.stderr.write(f"ddpfab: rank 0's workdir: {node.name}:{node.workdir} (copy results here with: ddpfab fetch"
-                     f"{inv} --node {shlex.quote(node.name)} PATH)\n")
-
-
-def _perf_check(cluster, policy, args: argparse.Namespace, env) -> dict | None:
-    """``run --perf-check``: the slow-node check first (its own job and record); the manifest's
-    ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.health.perfrun.before_run`)."""
-    if not (args.perf_check or args.perf_check_warn) or args.dry_run:
-        return None
-
-    return before_run(cluster, policy, args, env)
-
-
-def _progress(args: argparse.Namespace) -> bool:
-    """Progress lines (copies, rendezvous waits): only on a terminal, never with -q."""
-    return not getattr(args, "quiet", False) and sys.stderr.isatty()
-
-
-def _check_script_here(script: str, module: bool = False) -> None:
-    """A relative script (or a module of this directory) is synced from here: name a typo before
-    anything starts (did you mean), in the real run and the dry run alike."""
-    try:
-        scriptfile.check_here(script, module, os.getcwd())
-    except scriptfile.ScriptError as exc:
-        folder = os.path.dirname(script) or "."
-        try:
-            names = [os.path.join(os.path.dirname(script), n) for n in os.listdir(folder) if n.endswith(".py")]
-        except OSError:
-            names = []
-        hint = "" if module else did_you_mean(script, names)
-        raise PlanError(f"{exc}{hint} (it is synced from here; with --no-sync it must be in the nodes' "
-                        "workdir)") from None
-
-
-def _sync_code(cluster, policy, args: argparse.Namespace, conns: dict, progress: bool = True,
-               sessions: dict | None = None) -> dict:
-    """Sync the current directory to every node and verify it by hash (before the probe, which
-    checks that the script is there) over the run's own connections (*conns*: one per node); the
-    result goes into the manifest as ``code``. When every node has the tree already (checked in
-    the run's node program *sessions*) nothing is started for it."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch import runner
-    from ddpfab.transfer import sync as syncmod
-
-    same = syncmod.unchanged(cluster, conns, os.getcwd(), sessions=sessions)
-    if same is not None:
-        return same.to_dict()
-    done: list[str] = []
-
-    def say(line: str) -> None:
-        done.append(line)
-        if progress:
-            sys.stderr.write(f"ddpfab: sync: {line}\n")
-
-    def copying(elapsed: float) -> str:
-        return f"sync: copying to {len(cluster.nodes)} nodes, {elapsed:.0f} s ({len(done)} reported)"
-
-    try:
-        with Ticker(copying, enabled=progress):
-            result = syncmod.sync_cluster(cluster, os.getcwd(), policy, fanout=args.fanout, compress=args.compress,
-                                          ssh_config=args.ssh_config, progress=say, conns=conns, fast=False)
-    except syncmod.SyncError as exc:
-        # per node as problems (a restart leaves out the node they name) when sync got that far
-        problems = exc.result.problems() if exc.result else exc.problems
-        raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
-                               for p in problems]
-                              + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
-                              + ["(skip syncing with --no-sync)"]) from None
-    return result.to_dict()
-
-
-def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.runs import new_run_id
-
-    planmod.master_port(args.master_port, offline=True)  # the port's one rule (raises PlanError)
-    script, script_args, module = _script_and_mode(args)
-    local_rank_arg, to_script = _local_rank_arg(args, script, module)
-    return planmod.RunOptions(
-        script=script, args=script_args, nproc_per_node=args.nproc_per_node,
-        master_port=args.master_port, env=_env(args), max_restarts=args.max_restarts,
-        run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
-        launcher=args.launcher, init_method=args.init_method, debug=args.debug,
-        local_rank_arg=local_rank_arg, module=module, secret_env=tuple(args.secret_env),
-        script_local_rank=to_script)
-
-
-def _script_and_mode(args: argparse.Namespace) -> tuple[str, tuple[str, ...], bool]:
-    """(script or module, its arguments, module mode): ``-m MODULE`` as ddpfab's option or as the
-    first words after ``--`` (torchrun's habit), the same thing."""
-    script, rest = args.script, tuple(args.args)
-    if not args.module and script in ("-m", "--module"):
-        if not rest:
-            raise planmod.PlanError(f"{script} needs a module name after it (e.g. -- -m pkg.train)")
-        return rest[0], rest[1:], True
-    return script, rest, bool(args.module)
-
-
-def _local_rank_arg(args: argparse.Namespace, script: str, module: bool) -> tuple[str, bool]:
-    """The local-rank argument's spelling, and whether torchrun passes it to the script.
-
-    Legacy launcher: the spelling asked for, or the one the script here declares (only
-    ``--local_rank``: that; everything else the dashed form); it always passes one. torchrun sets
-    only LOCAL_RANK, so a script that declares the argument (and may never read LOCAL_RANK: the
-    argument's default on every rank) is given it too, in its spelling; a style asked for is
-    passed as asked."""
-    style = getattr(args, "local_rank_style", "auto")
-    if style != "auto":
-        return LOCAL_RANK_ARGS[style == "underscore"], True
-    declared = scriptfile.declared_local_rank(scriptfile.local_file(script, module, os.getcwd()))
-    return declared or LOCAL_RANK_ARGS[0], declared is not None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -370,20 +149,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import runner
     from ddpfab.planning import emit
-    from ddpfab.remote import ssh
     from ddpfab.remote.target import TargetError
 
     try:
-        cluster = load_cluster(args)
-        targets = _targets(cluster, args)
-        options = _run_options(args)
-        if args.offline:
-            plan = planmod.make_plan(cluster, options, _offline_facts(cluster, args.master_port, targets))
-        else:
-            policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-            prepared = runner.prepare(cluster, options, policy, args.ssh_config, preflight=not args.no_check)
-            prepared.close()
-            plan = prepared.plan
+        cluster = api_cluster(args)
+        targets = cluster.targets()
+        plan = cluster.plan(args.script, args.args, options(args))
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return refuse(args, str(exc), "plan")
     except runner.RunError as exc:
@@ -400,38 +171,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sys.stderr.write(f"ddpfab: wrote {path}\n")
     print((written[-1]).read_text(), end="")
     return 0
-
-
-def _env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """Forwarded allowlist, then env files, then --env: later wins."""
-    merged: dict[str, str] = {}
-    if not args.no_forward_env:
-        merged.update(planmod.forwarded_env(dict(os.environ)))
-    for path in args.env_file:
-        try:
-            text = open(path, encoding="utf-8").read()
-        except OSError as exc:
-            raise planmod.PlanError(f"env file {path}: {exc.strerror}") from None
-        merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
-    merged.update(planmod.parse_env(args.env, dict(os.environ)))
-    return tuple(merged.items())
-
-
-def _offline_facts(cluster, port, targets: dict):
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.planning.probe import offline_addresses
-
-    addresses, unresolved = offline_addresses(cluster, targets)
-    return Facts(addresses=addresses, master_port=master_port(port, offline=True), cwd=os.getcwd(),
-                 unresolved=unresolved)
-
-
-def _targets(cluster, args: argparse.Namespace) -> dict:
-    """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote.target import HostKeyPolicy, resolve_all
-
-    return resolve_all(cluster.nodes, HostKeyPolicy(args.known_hosts, args.accept_new_host_keys), args.ssh_config)
 
 
 def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from ddpfab.cli.common import add_cluster_args, load_cluster
+from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.config import MISSING_INVENTORY
 from ddpfab.cli.errors import die, refuse
 from ddpfab.hosts import inventory
@@ -86,7 +86,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def _cmd_sync(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.transfer.sync import BUSY, LOCK_WAIT_S, SyncError, _mb, select, sync_cluster
+    from ddpfab.transfer.sync import BUSY, SyncError, _mb, select
 
     out = sys.stdout
     if args.list:
@@ -100,20 +100,15 @@ def _cmd_sync(args: argparse.Namespace) -> int:
         return 0
     if not args.inventory:
         return refuse(args, MISSING_INVENTORY + " (or --list)", "inventory")
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote import ssh
-
     try:
-        cluster = load_cluster(args)
+        cluster = api_cluster(args)
     except inventory.InventoryError as exc:
         return refuse(args, str(exc), "inventory")
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     say = (lambda line: None) if args.json or args.dry_run else (lambda line: sys.stderr.write(line + "\n"))
     try:
-        result = sync_cluster(cluster, args.path, policy, fanout=args.fanout, compress=args.compress,
-                              ssh_config=args.ssh_config, checksum=args.checksum, keep=tuple(args.keep),
-                              with_git=args.with_git, verify_only=args.verify_only, adopt=args.adopt,
-                              dry_run=args.dry_run, lock_wait=0 if args.no_wait else LOCK_WAIT_S, progress=say)
+        result = cluster.sync(args.path, fanout=args.fanout, compress=args.compress, checksum=args.checksum,
+                              keep=args.keep, with_git=args.with_git, verify_only=args.verify_only, adopt=args.adopt,
+                              dry_run=args.dry_run, wait=not args.no_wait, progress=say)
     except SyncError as exc:
         if args.json and exc.result is not None:
             _write_json(exc.result, out)

@@ -27,7 +27,7 @@ from ddpfab.health import mesh as meshmod
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hosts import nodeenv
 from ddpfab.planning import probe
-from ddpfab.planning.plan import PlanError, RunOptions, choose_master, master_port, nproc_for
+from ddpfab.planning.plan import PlanError, RunOptions, choose_master, nproc_for
 from ddpfab.problems import NodeError, Problem
 from ddpfab.remote import ssh
 
@@ -298,9 +298,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
             if name not in facts:
                 unreachable.setdefault(name, "probe failed: " + "; ".join(str(p) for p in _problems if p.about(name)))
         addresses = {n.name: (facts[n.name].address if n.name in facts else n.data_addr) for n in cluster.nodes}
-        found = facts.get(master.name)
-        port = master_port(options.master_port, found=found and found.free_port,
-                           asked_free=found and found.port_free)
+        port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=os.getcwd())
         mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port,
                         exhaustive=options.exhaustive, sessions=sessions)
         for name, err in mesh.get("errors", {}).items():

@@ -153,6 +153,33 @@ def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: s
     return record, run_dir
 
 
+def before_run(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, opts, env: tuple[tuple[str, str], ...],
+               ssh_config: str | None = None, say=None) -> dict:
+    """``run --perf-check`` (``perf_check=True``): the check, with the job's *env* and
+    ``socket_ifname``, its table given to *say*; returns the manifest's ``perf`` entry. *opts*:
+    the run's options (:class:`ddpfab.api.Options`: ``runs_dir``, ``nproc_per_node``,
+    ``socket_ifname``, ``perf_check_warn``). Raises ``runner.RunError`` (nothing started) on a
+    straggler unless ``perf_check_warn``."""
+    say = say or (lambda text: sys.stderr.write(text + "\n"))
+    try:
+        record, run_dir = run_check(cluster, policy, opts.runs_dir, perf.PerfOptions(nproc_per_node=opts.nproc_per_node),
+                                    ssh_config, env=env, socket_ifname=opts.socket_ifname)
+    except PerfError as exc:
+        raise runner.RunError([f"perf check: {p}" for p in exc.problems]) from None
+    result = record["result"]
+    say(perf.render(result_of(record), str(run_dir / "report.html"), record["seconds"]))
+    entry = {"run_id": record["run_id"], "record": str(run_dir / "perf.json"), "report": str(run_dir / "report.html"),
+             "ok": result["ok"], "stragglers": result["stragglers"], "findings": [f["text"] for f in result["findings"]],
+             "medians": result["medians"],
+             "nodes": {n: {k: f[k] for k in ("compute_gflops", "memory_gbs", "link_gbs", "latency_us")}
+                       for n, f in result["node_figures"].items()}}
+    if result["findings"] and not opts.perf_check_warn:
+        raise runner.RunError([f"perf check: {f['text']}" for f in result["findings"]] +
+                              [f"perf check found stragglers (report: {run_dir / 'report.html'}; "
+                               "start anyway with --perf-check-warn)"])
+    return entry
+
+
 def write_record(run_dir: Path, record: dict) -> dict[str, Path]:
     path = run_dir / "perf.json"
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

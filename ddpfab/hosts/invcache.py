@@ -25,7 +25,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from ddpfab import __version__
+from ddpfab.version import __version__
 
 #: Bump when the cached node format changes.
 FORMAT = 5  # 5: python_from, setup, conda_env; 4: a node's replicate list; 3: host lists with user@host:port

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpfab import __version__
+from ddpfab.version import __version__
 from ddpfab.hosts import invcache, nodeenv
 from ddpfab.hosts.invcache import cache_dir
 from ddpfab.hosts.suggest import did_you_mean

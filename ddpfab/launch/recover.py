@@ -35,7 +35,7 @@ from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch.execute import Interrupted, Printer, RunResult
 from ddpfab.launch.runner import RunError
 from ddpfab.launch.runs import RunDir
-from ddpfab.planning.plan import Plan, RunOptions
+from ddpfab.planning.plan import Plan, PlanError, RunOptions
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.ssh import HostKeyPolicy
@@ -72,6 +72,39 @@ class RecoveryOptions:
     spares_group: str | None = None
     retry_on: frozenset[str] = frozenset({"node"})
     min_nodes: int | None = None
+
+
+#: What ``retry_on`` (``--retry-on``) may name: a lost node, or a failure of the script itself.
+RETRY_KINDS = ("node", "script")
+
+
+def recovery_options(opts, cluster: Cluster) -> RecoveryOptions:
+    """From the run's options (:class:`ddpfab.api.Options`, or anything with ``max_job_restarts``,
+    ``spares``, ``retry_on``, ``min_nodes``) and the inventory; an impossible combination is a
+    PlanError."""
+    if opts.max_job_restarts < 0:
+        raise PlanError(f"--max-job-restarts must be >= 0, got {opts.max_job_restarts}")
+    if opts.min_nodes is not None and opts.min_nodes < 1:
+        raise PlanError(f"--min-nodes must be >= 1, got {opts.min_nodes}")
+    groups = {n.spares_group for n in cluster.nodes if n.spares_group}
+    if len(groups) > 1 and not opts.spares:
+        raise PlanError(f"inventory {cluster.source}: hosts disagree on ddpfab_spares_group ({', '.join(sorted(groups))});"
+                        " set it once (in all:vars) or pass --spares GROUP")
+    unknown = sorted(set(opts.retry_on or ()) - set(RETRY_KINDS))
+    if unknown:
+        raise PlanError(f"--retry-on {unknown[0]}: expected one of {', '.join(RETRY_KINDS)}")
+    spares = opts.spares or (groups.pop() if groups else None)
+    retry = frozenset(opts.retry_on or ("node",))
+    return RecoveryOptions(opts.max_job_restarts, spares, retry, opts.min_nodes)
+
+
+def check_sizes(ropts: RecoveryOptions, nodes: int, spares: int) -> None:
+    """What the job's size makes impossible, refused before anything starts (the dry run too):
+    a --min-nodes above the number of nodes it starts with can never be met."""
+    if ropts.min_nodes is not None and ropts.min_nodes > nodes:
+        raise PlanError(f"--min-nodes {ropts.min_nodes}: the job starts on {nodes} node{'s' * (nodes != 1)} "
+                        f"({spares} spare{'s' * (spares != 1)} aside), so it can never shrink to {ropts.min_nodes}; "
+                        f"give --min-nodes 1..{nodes}, or leave it out (never shrink)")
 
 
 @dataclass(frozen=True)
@@ -300,7 +333,7 @@ class Attempt:
 
 
 class Recovery:
-    """One run with restarts. *prepare* and *run* are the single-attempt steps (cli and runner)."""
+    """One run with restarts. *prepare* and *run* are the single-attempt steps (api and runner)."""
 
     def __init__(self, cluster: Cluster, spares: tuple[Node, ...], options: RunOptions, ropts: RecoveryOptions,
                  policy: HostKeyPolicy, ssh_config: str | None, runs_dir: str, prepare: PrepareFn,

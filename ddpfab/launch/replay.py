@@ -31,15 +31,13 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from ddpfab import node as nodeprog
 from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster
 from ddpfab.launch.runs import mask_env
 from ddpfab.planning import probe, render
 from ddpfab.planning.masking import was_masked
-from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, master_port, parse_env
+from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
 from ddpfab.problems import Problem
-from ddpfab.remote import ssh
 from ddpfab.transfer import sync
 
 
@@ -278,28 +276,14 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
 
 
 def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool):
-    """One probe pass (torch, workdir, script, the old port on the master); a second look on the
-    master for a free port only if the old one is taken and that is allowed."""
+    """One probe pass (torch, workdir, script, the old port on the master), then the port
+    (:func:`ddpfab.planning.probe.pick_port`: a second look on the master for a free port only if
+    the old one is taken and that is allowed)."""
     master = choose_master(cluster)
     facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port)
-    taken = master.name in facts and facts[master.name].port_free is False
-    found = None
-    if taken:
-        problems = [p for p in problems if not p.about(master.name, "master_port")]
-        if same_port:
-            problems.append(Problem(
-                master.name, "master_port", expected=f"the recorded port {old_port} free (--same-port)",
-                found="in use",
-                text=f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)"))
-        else:
-            try:
-                found = probe.probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
-                                         find_port=True).free_port
-            except (nodeprog.NodeProgramError, ssh.SSHError) as exc:  # a bad answer is a problem, not a traceback
-                problems.append(Problem(master.name, "master_port", found=str(exc), text=str(exc)))
-            else:
-                if found is None:
-                    problems.append(Problem(master.name, "master_port", expected="a free port", found="none",
-                                            text=f"host {master.name}: no free port for the replay"))
-    port = master_port(old_port, found=found, asked_free=not taken, replace_taken=not same_port)
+    if same_port and master.name in facts and facts[master.name].port_free is False:
+        problems = [p for p in problems if not p.about(master.name, "master_port")] + [Problem(
+            master.name, "master_port", expected=f"the recorded port {old_port} free (--same-port)", found="in use",
+            text=f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)")]
+    port, problems = probe.pick_port(conns, master, facts, problems, old_port, cwd=cwd, replace_taken=not same_port)
     return port or 0, facts, problems

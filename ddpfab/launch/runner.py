@@ -24,7 +24,7 @@ from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input,
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
 from ddpfab.planning import probe, scriptfile
-from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, master_port, nproc_for
+from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.results import GroupResult
@@ -156,8 +156,7 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             if problems:
                 raise RunError(problems)
             cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
-            port = master_port(options.master_port, found=facts[master.name].free_port,
-                               asked_free=facts[master.name].port_free)
+            port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=cwd)
             report = None
             if preflight:
                 listening = answers.map(lambda replies: replies[1])

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpfab import __version__
+from ddpfab.version import __version__
 from ddpfab.planning import masking
 
 #: The masking rule lives in :mod:`ddpfab.planning.masking` (re-exported here for the run record's users).

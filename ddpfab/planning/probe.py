@@ -20,7 +20,7 @@ from fabric import Connection
 from ddpfab import node as nodeprog
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
-from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port
+from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port, master_port
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
@@ -283,3 +283,27 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
                                         found="none", fix="pass --master-port",
                                         text=f"host {node.name}: no free port in {lo}-{hi}; pass --master-port"))
     return facts, problems
+
+
+def pick_port(conns: dict[str, Connection], master: Node, facts: dict[str, NodeFacts], problems: list[Problem],
+              asked: int | None, *, cwd: str, replace_taken: bool = False) -> tuple[int | None, list[Problem]]:
+    """Probe, then pick the master port: what the probe found on the master (*facts*, whose
+    requests asked for *asked*, or for a free port) made into the port, for run, check and replay
+    alike (:func:`ddpfab.planning.plan.master_port` is the rule). With *replace_taken* (replay
+    without ``--same-port``) a taken *asked* port is not a problem: the master is asked once
+    more, for a free one. Returns the port (None: none free; a problem says so) and the problems."""
+    mine = facts.get(master.name)
+    found = mine.free_port if mine else None
+    asked_free = mine.port_free if mine else None
+    if replace_taken and asked_free is False:
+        problems = [p for p in problems if not p.about(master.name, "master_port")]
+        try:
+            found = probe_node(conns[master.name], master, workdir=master.workdir or cwd, script=None,
+                               find_port=True).free_port
+        except (nodeprog.NodeProgramError, ssh.SSHError) as exc:  # a bad answer is a problem, not a traceback
+            problems.append(Problem(master.name, "master_port", found=str(exc), text=str(exc)))
+        else:
+            if found is None:
+                problems.append(Problem(master.name, "master_port", expected="a free port", found="none",
+                                        text=f"host {master.name}: no free port for the replay"))
+    return master_port(asked, found=found, asked_free=asked_free, replace_taken=replace_taken), problems

@@ -14,7 +14,7 @@ import shlex
 import pytest
 
 from ddpfab import cli
-from ddpfab.cli.run import _say_where_rank0_is
+from ddpfab.api import Cluster as ApiCluster
 from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
@@ -186,7 +186,7 @@ def test_the_fetch_a_run_suggests_fetches_from_its_rank_0_whatever_limit_picked_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cluster = inventory.load("a,b,c,", limit="b,c")
     plan = make_plan(cluster, RunOptions("t.py"), Facts({"b": "10.0.0.2", "c": "10.0.0.3"}, 29500, "/w"))
-    _say_where_rank0_is(plan, argparse.Namespace(inventory=["a,b,c,"], limit="b,c", group=None, extra_vars=[]))
+    ApiCluster(cluster, inventory=["a,b,c,"])._say_where_rank0_is(plan)
     hint = capsys.readouterr().err
     words = shlex.split(hint.split("copy results here with: ddpfab ", 1)[1].rstrip(")\n"))
     args = cli.build_parser().parse_args([w if w != "PATH" else "ckpt.pt" for w in words])

@@ -20,6 +20,7 @@ except ImportError:  # Python 3.10: pytest itself brings tomli there
     import tomli as tomllib
 
 from ddpfab import cli
+from ddpfab.api import planner_options
 from ddpfab.cli import completion, config
 from ddpfab.cli import run as run_cli
 from ddpfab.hosts import inventory
@@ -173,10 +174,10 @@ def test_legacy_launcher_passes_the_spelling_the_script_declares(tmp_path, monke
     (tmp_path / "new.py").write_text('p.add_argument("--local-rank", "--local_rank", type=int)\n')
     for script, want in (("old.py", "--local_rank"), ("new.py", "--local-rank"), ("missing.py", "--local-rank")):
         args = cli.build_parser().parse_args(["run", "-i", "a,", "--launcher", "legacy", script])
-        assert run_cli._run_options(args).local_rank_arg == want
+        assert planner_options(args.script, args.args, run_cli.options(args)).local_rank_arg == want
     args = cli.build_parser().parse_args(["run", "-i", "a,", "--launcher", "legacy",
                                           "--local-rank-style", "underscore", "new.py"])
-    assert run_cli._run_options(args).local_rank_arg == "--local_rank"
+    assert planner_options(args.script, args.args, run_cli.options(args)).local_rank_arg == "--local_rank"
 
 
 # -- defaults: flags > env > config -------------------------------------------------------------

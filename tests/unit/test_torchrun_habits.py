@@ -13,6 +13,7 @@ import pytest
 from torch.distributed.elastic.utils.api import macros
 
 from ddpfab import cli
+from ddpfab.api import planner_options
 from ddpfab.cli import run as run_cli
 from ddpfab.health import check
 from ddpfab.hosts.inventory import Cluster, Node
@@ -99,7 +100,8 @@ def test_torchruns_underscore_spellings_mean_the_same(command):
 
 
 def _options(*words: str) -> RunOptions:
-    return run_cli._run_options(cli.build_parser().parse_args(["run", "-i", "a,", "--no-forward-env", *words]))
+    args = cli.build_parser().parse_args(["run", "-i", "a,", "--no-forward-env", *words])
+    return planner_options(args.script, args.args, run_cli.options(args))
 
 
 def test_module_mode_as_torchrun_writes_it_or_as_an_option_is_one_plan(tmp_path, monkeypatch):

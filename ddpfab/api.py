@@ -1,0 +1,563 @@
+"""The public API: a cluster loaded from an inventory, and the whole pipelines as calls on it.
+
+    import ddpfab
+    cluster = ddpfab.Cluster.load("lab.yml", group="gpus")
+    result = cluster.run("train.py", ["--epochs", "1"], nproc_per_node=2)
+    print(result.exit_code, result.manifest)
+
+``check``, ``sync``, ``exec``, ``plan`` and ``run`` are what ``ddpfab check|sync|exec|plan|run`` do,
+with the command line's options under their Python names (:class:`Options`; the CLI builds the
+same object from its arguments and calls these). Fabric's ``Group`` and torchrunx's ``launch`` are
+the models: a small surface over the library, every decision made where the library makes it.
+
+Errors are the library's: ``InventoryError``, ``PlanError``, ``TargetError`` (bad input, nothing
+contacted) and ``RunError`` (a problem on the nodes before anything started; ``.problems``).
+
+Printing is injectable: *say* takes ddpfab's own lines (default: ``ddpfab: ...`` on stderr, as the
+command line prints them), *out* the job's prefixed output lines (default stdout).
+
+LAZY: this module is imported by ``ddpfab.cli`` (whose parser must stay light) and by ``ddpfab``
+itself on first use of ``ddpfab.Cluster``; the modules that reach Fabric/paramiko are imported
+inside the calls that need them, as in the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from ddpfab.hosts import inventory
+from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.launch import replicate
+from ddpfab.launch.progress import Ticker
+from ddpfab.planning import plan as planmod
+from ddpfab.planning import scriptfile
+from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
+from ddpfab.problems import Problem
+from ddpfab.remote.target import HostKeyPolicy, resolve_all
+from ddpfab.results import GroupResult
+
+Say = Callable[[str], None]
+
+
+def stderr_say(line: str) -> None:
+    """The library's default for its own lines: as the command line prints them."""
+    sys.stderr.write(f"ddpfab: {line}\n")
+
+
+def _runs_dir_default() -> str:
+    return os.environ.get("DDPFAB_RUNS_DIR", "runs")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What shapes a run (and a plan): ``ddpfab run``'s options under their Python names.
+
+    Args:
+        nproc_per_node: processes per node: a number, or ``gpu``/``cpu``/``auto`` (None: inventory, GPUs, or 1).
+        master_port: MASTER_PORT (None: a port found free on the master).
+        env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
+            process's value), over the env files and the forwarded variables.
+        env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
+        forward_env: forward this process's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables.
+        secret_env: keys whose values are masked wherever the run is shown or recorded.
+        check: run the preflight checks (firewall/data plane, hostnames, versions).
+        socket_ifname: GLOO/NCCL_SOCKET_IFNAME, or ``auto``.
+        max_restarts: torchrun's in-node restarts.
+        run_id: the run id (None: time + random suffix).
+        rdzv: ``static`` (node_rank in inventory order) or ``c10d``.
+        launcher: ``torchrun`` or ``legacy`` (torch.distributed.launch).
+        local_rank_style: ``auto``, ``dash`` or ``underscore``.
+        init_method: ``env``, ``tcp`` or ``file``.
+        debug: NCCL/torch distributed debug variables.
+        module: the script is a module (``python -m``).
+        sync: sync the current directory to the nodes' workdirs first.
+        fanout: sync's ``star`` or ``tree``.
+        compress: sync with rsync --compress.
+        replicate: files (relative to the workdir) copied from rank 0's node to the others first.
+        detach: start the job and return.
+        runs_dir: where run records go.
+        max_job_restarts: start the whole job again up to N times after a node is lost.
+        spares: inventory group of standby hosts.
+        retry_on: which failures are retried: ``node`` and/or ``script``.
+        min_nodes: with no spare left, go on with fewer nodes, down to this many.
+        perf_check: the slow-node check before the launch (a straggler stops it).
+        perf_check_warn: the slow-node check, a straggler only reported.
+        dry_run: make the plan as the real run would, start nothing.
+        offline: plan without contacting the hosts (port: ``master_port`` or 29500).
+        quiet: no progress lines (they are off anyway when stderr is not a terminal).
+        color: colours in the job's output (None: on a terminal without NO_COLOR).
+    """
+
+    nproc_per_node: int | str | None = None
+    master_port: int | None = None
+    env: Mapping[str, str] | tuple[str, ...] = ()
+    env_file: tuple[str, ...] = ()
+    forward_env: bool = True
+    secret_env: tuple[str, ...] = ()
+    check: bool = True
+    socket_ifname: str | None = None
+    max_restarts: int = 0
+    run_id: str | None = None
+    rdzv: str = "static"
+    launcher: str = "torchrun"
+    local_rank_style: str = "auto"
+    init_method: str = "env"
+    debug: bool = False
+    module: bool = False
+    sync: bool = True
+    fanout: str = "star"
+    compress: bool = False
+    replicate: tuple[str, ...] = ()
+    detach: bool = False
+    runs_dir: str = field(default_factory=_runs_dir_default)
+    max_job_restarts: int = 0
+    spares: str | None = None
+    retry_on: tuple[str, ...] = ()
+    min_nodes: int | None = None
+    perf_check: bool = False
+    perf_check_warn: bool = False
+    dry_run: bool = False
+    offline: bool = False
+    quiet: bool = False
+    color: bool | None = None
+
+    @classmethod
+    def of(cls, **given: Any) -> Options:
+        """From keyword arguments; an unknown name is a PlanError that names the close ones."""
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in given if k not in names]
+        if unknown:
+            raise PlanError(f"unknown option {unknown[0]!r}{did_you_mean(unknown[0], names)} (options: "
+                            f"{', '.join(names)})")
+        seqs = {k: tuple(v) for k, v in given.items()  # lists (argparse's, a caller's) as tuples: comparable
+                if k in ("env", "env_file", "secret_env", "replicate", "retry_on") and v is not None
+                and not isinstance(v, (str, Mapping))}
+        return cls(**{**given, **seqs})
+
+    @property
+    def recovering(self) -> bool:
+        """Restarts asked for: the run is a :class:`ddpfab.launch.recover.Recovery`."""
+        return bool(self.max_job_restarts or self.retry_on or self.min_nodes)
+
+    def env_pairs(self) -> tuple[tuple[str, str], ...]:
+        """The ranks' environment: forwarded allowlist, then env files, then ``env``: later wins."""
+        merged: dict[str, str] = {}
+        if self.forward_env:
+            merged.update(planmod.forwarded_env(dict(os.environ)))
+        for path in self.env_file:
+            try:
+                text = open(path, encoding="utf-8").read()
+            except OSError as exc:
+                raise PlanError(f"env file {path}: {exc.strerror}") from None
+            merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
+        given = [f"{k}={v}" for k, v in self.env.items()] if isinstance(self.env, Mapping) else list(self.env)
+        merged.update(planmod.parse_env(given, dict(os.environ)))
+        return tuple(merged.items())
+
+
+@dataclass
+class RunOutcome:
+    """What a run did.
+
+    Args:
+        run_id: the run's id (with restarts: the first attempt's, whose manifest records them all).
+        exit_code: 0 when every rank succeeded (a dry run: 0).
+        plan: the plan started (with restarts: the last attempt's; None if none was made).
+        outcomes: node -> its :class:`ddpfab.launch.execute.NodeOutcome` (empty: detached, dry run,
+            or a run with restarts, whose attempts are in the manifest's ``recovery``).
+        manifest: the run record (None for a dry run).
+        summary: the one-line summary printed at the end.
+    """
+
+    run_id: str
+    exit_code: int
+    plan: Plan | None
+    outcomes: dict[str, Any] = field(default_factory=dict)
+    manifest: Path | None = None
+    summary: str = ""
+
+
+class Cluster:
+    """The nodes of one inventory group and how to reach them; the pipelines as methods.
+
+    Args:
+        parsed: the parsed inventory (:class:`ddpfab.hosts.inventory.Cluster`, whose ``nodes`` are
+            the nodes in rank order).
+        inventory: what it was loaded from (for the commands ddpfab prints back).
+        ssh_config: an ssh_config file to read (None: ~/.ssh/config).
+        known_hosts: the known_hosts file (None: the inventory's, else ~/.ssh/known_hosts).
+        accept_new_host_keys: trust and record host keys not yet known (a changed key is refused).
+        say: where ddpfab's own lines go (default: ``ddpfab: ...`` on stderr).
+    """
+
+    def __init__(self, parsed: inventory.Cluster, *, inventory: str | list[str] | None = None,
+                 ssh_config: str | None = None, known_hosts: str | None = None,
+                 accept_new_host_keys: bool = False, say: Say = stderr_say):
+        self.parsed = parsed
+        self.inventory = inventory
+        self.ssh_config, self.known_hosts, self.accept_new_host_keys = ssh_config, known_hosts, accept_new_host_keys
+        self.say = say
+
+    @classmethod
+    def load(cls, inventory_source: str | os.PathLike | Iterable[str | os.PathLike], group: str | None = None,
+             limit: str | None = None, ssh_config: str | None = None, extra_vars: Iterable[str] = (),
+             accept_new_host_keys: bool = False, known_hosts: str | None = None, say: Say = stderr_say) -> Cluster:
+        """The nodes of *group* (default ``all``) of the inventory (a path, a host list, several:
+        merged in order), *limit* (an Ansible pattern) and *extra_vars* (``-e``) applied."""
+        source = ([os.fspath(s) for s in inventory_source]
+                  if not isinstance(inventory_source, (str, os.PathLike)) else [os.fspath(inventory_source)])
+        parsed = inventory.load(source, group or "all", limit=limit, extra_vars=tuple(extra_vars))
+        return cls(parsed, inventory=source, ssh_config=ssh_config, known_hosts=known_hosts,
+                   accept_new_host_keys=accept_new_host_keys, say=say)
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.parsed.nodes]
+
+    @property
+    def policy(self) -> HostKeyPolicy:
+        return HostKeyPolicy(known_hosts=self.known_hosts, accept_new=self.accept_new_host_keys)
+
+    def targets(self, nodes: inventory.Cluster | None = None) -> dict:
+        """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
+        return resolve_all((nodes or self.parsed).nodes, self.policy, self.ssh_config)
+
+    # -- check, sync, exec ------------------------------------------------------------------
+    def check(self, *, master_port: int | None = None, nproc_per_node: int | str | None = None,
+              max_skew: float | None = None, fast: bool = False, exhaustive: bool = False):
+        """``ddpfab check``: the :class:`ddpfab.health.check.Report` (``.failures`` empty: ready)."""
+        # slow to import: see LAZY above
+        from ddpfab.health.check import CheckOptions, check_cluster
+
+        planmod.master_port(master_port, offline=True)  # the port's one rule, before any host is contacted
+        planmod.nproc_per_node(nproc_per_node)  # run's rule, as for the port
+        return check_cluster(self.parsed, self.policy, CheckOptions(
+            master_port=master_port, nproc_per_node=nproc_per_node,
+            max_skew_s=CheckOptions.max_skew_s if max_skew is None else max_skew,
+            full=not fast, exhaustive=exhaustive), self.ssh_config)
+
+    def sync(self, path: str | os.PathLike = ".", *, fanout: str = "star", compress: bool = False,
+             checksum: bool = False, keep: Iterable[str] = (), with_git: bool = False, verify_only: bool = False,
+             adopt: bool = False, dry_run: bool = False, wait: bool = True, progress: Say | None = None):
+        """``ddpfab sync``: the :class:`ddpfab.transfer.sync.SyncResult`; SyncError when refused."""
+        # slow to import: see LAZY above
+        from ddpfab.transfer.sync import LOCK_WAIT_S, sync_cluster
+
+        return sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
+                            ssh_config=self.ssh_config, checksum=checksum, keep=tuple(keep), with_git=with_git,
+                            verify_only=verify_only, adopt=adopt, dry_run=dry_run,
+                            lock_wait=LOCK_WAIT_S if wait else 0, progress=progress)
+
+    def exec(self, cmd: str | Iterable[str], *, nodes: Iterable[str] | None = None, timeout: float | None = None,
+             printer=None, color: bool | None = None) -> GroupResult:
+        """``ddpfab exec``: *cmd* on every node (or *nodes*) at once, output prefixed per host on
+        *printer* (default: stdout). A string is run by the remote shell as is; a list of words
+        is quoted. Node -> :class:`ddpfab.remote.command.HostResult` (``exit_code``, ``error``)."""
+        # slow to import: see LAZY above
+        from ddpfab.remote.command import LinePrinter, exec_all, remote_command
+
+        command = remote_command([cmd] if isinstance(cmd, str) else list(cmd))
+        chosen = list(self.parsed.nodes)
+        if nodes is not None:
+            wanted = list(nodes)
+            unknown = [w for w in wanted if w not in self.names]
+            if unknown:
+                raise inventory.InventoryError(
+                    f"--nodes: {', '.join(unknown)} not in group {self.parsed.group} of {self.parsed.source} "
+                    f"(nodes: {', '.join(self.names)})")
+            chosen = [n for n in chosen if n.name in wanted]
+        printer = printer or LinePrinter([n.name for n in chosen], color=color)
+        return GroupResult(exec_all(chosen, command, self.policy, self.ssh_config, printer, timeout))
+
+    # -- plan and run -----------------------------------------------------------------------
+    def plan(self, script: str, args: Iterable[str] = (), options: Options | None = None, **given: Any) -> Plan:
+        """``ddpfab plan``: the plan ``run`` would make (probing the nodes for a free port and the
+        preflight, unless ``offline=True``); nothing is started. The options as keywords, or as
+        an :class:`Options` (what the command line passes)."""
+        opts = _options(options, given)
+        run_options = planner_options(script, args, opts)
+        if opts.offline:
+            return self._offline_plan(self.parsed, run_options, opts)
+        # slow to import: see LAZY above
+        from ddpfab.launch import runner
+
+        prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
+        prepared.close()
+        return prepared.plan
+
+    def run(self, script: str, args: Iterable[str] = (), options: Options | None = None, *,
+            out: TextIO | None = None, supervise: Callable[[str], int] | None = None, **given: Any) -> RunOutcome:
+        """``ddpfab run``: sync (unless ``sync=False``), probe, preflight, plan, start on every node,
+        stream the output (prefixed, to *out*), record. Returns when the job has ended (``detach``:
+        once it started; ``dry_run``: with the plan, nothing started).
+
+        *supervise*: for ``detach`` with job restarts, which a process of its own must supervise:
+        called with the run id, it starts that process and returns an exit code (the command line
+        runs itself again); without it such a run is refused."""
+        opts = _options(options, given)
+        # slow to import: see LAZY above
+        from ddpfab.launch import recover, runner
+        from ddpfab.launch.execute import Printer
+
+        ropts = recover.recovery_options(opts, self.parsed)
+        nodes, spares = recover.split_spares(self.parsed, ropts.spares_group)  # spares never start in the set
+        recover.check_sizes(ropts, len(nodes.nodes), len(spares))
+        run_options = planner_options(script, args, opts)
+        paths = replicate.wanted(nodes, opts.replicate)
+        opts = replace(opts, replicate=paths)
+        record = os.path.join(opts.runs_dir, run_options.run_id)
+        if not opts.dry_run and os.path.lexists(record):
+            raise PlanError(f"--run-id {run_options.run_id}: {record} exists already: a run id names one run; pick "
+                            "another (or leave --run-id out)")
+        if opts.sync:  # the dry run too: the real run refuses it before starting
+            check_script_here(run_options.script, run_options.module)
+        if opts.dry_run and opts.offline:
+            plan = self._offline_plan(nodes, run_options, opts)
+            for path in paths:
+                self.say(f"replicate (offline, not looked at on the hosts): {path} from {plan.nodes[0].name} "
+                         "(rank 0's node) to the other nodes, where it differs")
+            return RunOutcome(plan.run_id, 0, plan)
+        if opts.recovering and opts.detach and not recover.is_supervisor():
+            if supervise is None:
+                raise PlanError("detach with job restarts: the restarts are supervised by a process of their own; "
+                                "start it with `ddpfab run --detach`")
+            code = supervise(run_options.run_id)
+            return RunOutcome(run_options.run_id, code, None, manifest=self._manifest(opts, run_options.run_id))
+        perf = self._perf_check(nodes, opts, run_options.env)
+        if opts.recovering and not opts.dry_run:
+            code = recover.Recovery(nodes, spares, run_options, ropts, self.policy, self.ssh_config, opts.runs_dir,
+                                    lambda cl, o: self.prepare(cl, o, opts), runner.run, color=opts.color,
+                                    out=out).run()
+            return RunOutcome(run_options.run_id, code, None, manifest=self._manifest(opts, run_options.run_id))
+        prepared, extra = self.prepare(nodes, run_options, opts)
+        if spares:  # the nodes are the group without its spares: replay, stop and logs must know
+            extra.update(spares_group=ropts.spares_group, attempt_nodes=[n.name for n in nodes.nodes])
+        if perf:
+            extra["perf"] = perf
+        if opts.dry_run:
+            prepared.close()
+            return RunOutcome(prepared.plan.run_id, 0, prepared.plan)
+        printer = Printer(prepared.plan, stream=out, color=opts.color)
+        try:
+            if opts.detach:
+                code = runner.start_detached(prepared, opts.runs_dir, printer, extra=extra)
+                return RunOutcome(prepared.plan.run_id, code, prepared.plan,
+                                  manifest=self._manifest(opts, prepared.plan.run_id))
+            result, path = runner.run(prepared, opts.runs_dir, printer, extra=extra)
+        finally:
+            prepared.close()
+            self._say_where_rank0_is(prepared.plan)
+        return RunOutcome(prepared.plan.run_id, result.exit_code, prepared.plan, dict(result.outcomes), path,
+                          result.summary)
+
+    def prepare(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options):
+        """One attempt's start: connect, sync the code (unless ``sync=False`` or a dry run), probe,
+        preflight, plan, replicate. Returns (Prepared, manifest extra); raises RunError with
+        nothing started. (The step :class:`ddpfab.launch.recover.Recovery` repeats per attempt.)"""
+        # slow to import: see LAZY above
+        from ddpfab.launch import runner
+
+        conns = runner.connect_all(nodes, self.policy, self.ssh_config)
+        probing = None
+        try:  # one node program per node for the whole preparation: facts, hash, mesh in one session
+            probing = runner.start_probe(nodes, conns, run_options, os.getcwd(), preflight=opts.check)
+            code = None if opts.dry_run or not opts.sync else self._sync_code(nodes, opts, conns, probing.sessions)
+        except BaseException:
+            if probing:
+                probing.close(wait=0)
+            for c in conns.values():
+                c.close()
+            raise
+        copied = bool(code) and any(n.get("source") != "unchanged" for n in code.get("nodes", {}).values())
+        prepared = runner.prepare(nodes, run_options, self.policy, self.ssh_config, preflight=opts.check, conns=conns,
+                                  probing=probing, synced=copied, replicate_paths=tuple(opts.replicate),
+                                  will_sync=opts.dry_run and opts.sync)
+        extra = {"code": code} if code else {}
+        try:
+            replicated = self._replicate(prepared, tuple(opts.replicate), opts.dry_run)
+        except BaseException:
+            prepared.close()
+            raise
+        if replicated:
+            extra["replicate"] = replicated
+        return prepared, extra
+
+    # -- the steps of a run -----------------------------------------------------------------
+    def _offline_plan(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options) -> Plan:
+        # slow to import: see LAZY above
+        from ddpfab.planning.probe import offline_addresses
+
+        addresses, unresolved = offline_addresses(nodes, self.targets(nodes))
+        facts = Facts(addresses=addresses, master_port=planmod.master_port(opts.master_port, offline=True),
+                      cwd=os.getcwd(), unresolved=unresolved)
+        return planmod.make_plan(nodes, run_options, facts)
+
+    def _perf_check(self, nodes: inventory.Cluster, opts: Options, env) -> dict | None:
+        """``perf_check``: the slow-node check first (its own job and record); the manifest's
+        ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.health.perfrun.before_run`)."""
+        if not (opts.perf_check or opts.perf_check_warn) or opts.dry_run:
+            return None
+        # slow to import: see LAZY above
+        from ddpfab.health.perfrun import before_run
+
+        return before_run(nodes, self.policy, opts, env, self.ssh_config)
+
+    def _progress(self, opts: Options) -> bool:
+        """Progress lines (copies, rendezvous waits): only on a terminal, never with ``quiet``."""
+        return not opts.quiet and sys.stderr.isatty()
+
+    def _sync_code(self, nodes: inventory.Cluster, opts: Options, conns: dict, sessions: dict | None) -> dict:
+        """Sync the current directory to every node and verify it by hash (before the probe, which
+        checks that the script is there); the result goes into the manifest as ``code``. When every
+        node has the tree already (checked in the run's node program *sessions*) nothing is started
+        for it."""
+        # slow to import: see LAZY above
+        from ddpfab.launch import runner
+        from ddpfab.transfer import sync as syncmod
+
+        same = syncmod.unchanged(nodes, conns, os.getcwd(), sessions=sessions)
+        if same is not None:
+            return same.to_dict()
+        done: list[str] = []
+        progress = self._progress(opts)
+
+        def say(line: str) -> None:
+            done.append(line)
+            if progress:
+                self.say(f"sync: {line}")
+
+        def copying(elapsed: float) -> str:
+            return f"sync: copying to {len(nodes.nodes)} nodes, {elapsed:.0f} s ({len(done)} reported)"
+
+        try:
+            with Ticker(copying, enabled=progress):
+                result = syncmod.sync_cluster(nodes, os.getcwd(), self.policy, fanout=opts.fanout,
+                                              compress=opts.compress, ssh_config=self.ssh_config, progress=say,
+                                              conns=conns, fast=False)
+        except syncmod.SyncError as exc:
+            # per node as problems (a restart leaves out the node they name) when sync got that far
+            problems = exc.result.problems() if exc.result else exc.problems
+            raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
+                                   for p in problems]
+                                  + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
+                                  + ["(skip syncing with --no-sync)"]) from None
+        return result.to_dict()
+
+    def _replicate(self, prepared, paths: tuple[str, ...], dry_run: bool) -> dict | None:
+        """``replicate``: copy each path from rank 0's node to the others (the dry run says what it
+        would copy), after the preflight's warning about resume files that differ between nodes.
+        The manifest's ``replicate`` entry, or None when there was nothing to say; RunError when a
+        copy is refused or fails (nothing has started)."""
+        # slow to import: see LAZY above
+        from ddpfab.launch import runner
+
+        if prepared.replicas is None:
+            return None
+        order = [n.name for n in sorted(prepared.plan.nodes, key=lambda n: n.node_rank)]
+        warned = replicate.warnings(order, paths, prepared.replicas)
+        for w in warned:
+            self.say(f"warning: {w}")
+        # without paths the look was for the warning alone: a node that could not answer it stops nothing
+        decision = replicate.decide(order, paths, prepared.replicas) if paths else replicate.Decision()
+        if decision.problems:
+            raise runner.RunError([*decision.problems, "replicate: nothing was copied"])
+        for path in decision.missing:
+            self.say(f"replicate: {path} is not in the workdir of {order[0]} (rank 0's node): nothing to "
+                     "replicate (a first run?)")
+        workdirs = {n.name: n.workdir for n in prepared.plan.nodes}
+        nodes = {n.name: n for n in prepared.cluster.nodes}
+        for copy in decision.copies:
+            if copy.to and not dry_run:
+                problems = replicate.relay(copy, prepared.conns, nodes, workdirs)
+                if problems:
+                    raise runner.RunError([*problems, f"replicate {copy.path}: nothing was started (the nodes that "
+                                                      "did not get it keep their old file)"])
+            self.say(f"replicate: {replicate.describe(copy, dry_run=dry_run)}")
+        if not (paths or warned):
+            return None
+        return replicate.record(decision, warned)
+
+    def _say_where_rank0_is(self, plan: Plan) -> None:
+        """Where results are: rank 0's workdir, and the command that brings a file back. The command
+        names the node, not ``--rank 0``: fetch's ranks count the hosts its own --limit leaves, and a
+        run's rank 0 is often not the inventory's first host (``-l``, spares)."""
+        node = plan.nodes[0]
+        inv = "".join(f" -i {shlex.quote(s)}" for s in self.inventory or ())
+        self.say(f"rank 0's workdir: {node.name}:{node.workdir} (copy results here with: ddpfab fetch"
+                 f"{inv} --node {shlex.quote(node.name)} PATH)")
+
+    @staticmethod
+    def _manifest(opts: Options, run_id: str) -> Path | None:
+        path = Path(opts.runs_dir) / run_id / "manifest.json"
+        return path if path.exists() else None
+
+
+def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.RunOptions:
+    """The planner's options from *opts*: one mapping, for the API and the command line."""
+    # slow to import: see LAZY above
+    from ddpfab.launch.runs import new_run_id
+
+    planmod.master_port(opts.master_port, offline=True)  # the port's one rule (raises PlanError)
+    if isinstance(args, str):  # its characters would become the arguments
+        raise PlanError(f"the script's arguments are a list of words, not one string: {args!r}")
+    script, script_args, module = script_and_mode(script, tuple(args), opts.module)
+    local_rank_arg, to_script = local_rank_spelling(opts.local_rank_style, script, module)
+    return planmod.RunOptions(
+        script=script, args=script_args, nproc_per_node=opts.nproc_per_node,
+        master_port=opts.master_port, env=opts.env_pairs(), max_restarts=opts.max_restarts,
+        run_id=planmod.check_run_id(opts.run_id or new_run_id()), socket_ifname=opts.socket_ifname,
+        rdzv=opts.rdzv, launcher=opts.launcher, init_method=opts.init_method, debug=opts.debug,
+        local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
+        script_local_rank=to_script)
+
+
+def _options(options: Options | None, given: dict[str, Any]) -> Options:
+    if options is not None and given:
+        raise PlanError(f"options given twice: as an Options and as {', '.join(given)}; use one way")
+    return options if options is not None else Options.of(**given)
+
+
+def check_script_here(script: str, module: bool = False) -> None:
+    """A relative script (or a module of this directory) is synced from here: name a typo before
+    anything starts (did you mean), in the real run and the dry run alike."""
+    try:
+        scriptfile.check_here(script, module, os.getcwd())
+    except scriptfile.ScriptError as exc:
+        folder = os.path.dirname(script) or "."
+        try:
+            names = [os.path.join(os.path.dirname(script), n) for n in os.listdir(folder) if n.endswith(".py")]
+        except OSError:
+            names = []
+        hint = "" if module else did_you_mean(script, names)
+        raise PlanError(f"{exc}{hint} (it is synced from here; with --no-sync it must be in the nodes' "
+                        "workdir)") from None
+
+
+def script_and_mode(script: str, args: tuple[str, ...], module: bool) -> tuple[str, tuple[str, ...], bool]:
+    """(script or module, its arguments, module mode): ``-m MODULE`` as ddpfab's option or as the
+    first words after ``--`` (torchrun's habit), the same thing."""
+    if not module and script in ("-m", "--module"):
+        if not args:
+            raise PlanError(f"{script} needs a module name after it (e.g. -- -m pkg.train)")
+        return args[0], args[1:], True
+    return script, args, bool(module)
+
+
+def local_rank_spelling(style: str, script: str, module: bool) -> tuple[str, bool]:
+    """The local-rank argument's spelling, and whether torchrun passes it to the script.
+
+    Legacy launcher: the spelling asked for, or the one the script here declares (only
+    ``--local_rank``: that; everything else the dashed form); it always passes one. torchrun sets
+    only LOCAL_RANK, so a script that declares the argument (and may never read LOCAL_RANK: the
+    argument's default on every rank) is given it too, in its spelling; a style asked for is
+    passed as asked."""
+    if style != "auto":
+        return LOCAL_RANK_ARGS[style == "underscore"], True
+    declared = scriptfile.declared_local_rank(scriptfile.local_file(script, module, os.getcwd()))
+    return declared or LOCAL_RANK_ARGS[0], declared is not None

@@ -1,0 +1,136 @@
+"""``ddpfab replay``'s pipeline: read the record, refuse what would not be the same run, connect,
+probe, pick the port, plan again, compare, start.
+
+The rules (what is refused, and why) are :mod:`ddpfab.launch.replay`'s; this module puts them in
+order around the runner, so that the command line only parses and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ddpfab.hosts import inventory
+from ddpfab.launch import runner
+from ddpfab.launch.execute import Printer, RunResult
+from ddpfab.launch.recover import attempt_cluster, current_manifest
+from ddpfab.launch.replay import ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory, validate
+from ddpfab.launch.runs import new_run_id
+from ddpfab.planning import probe, scriptfile
+from ddpfab.planning.plan import Plan, make_plan, parse_env
+from ddpfab.problems import Problem
+from ddpfab.remote.ssh import HostKeyPolicy
+
+
+class ReplayRefused(Exception):
+    """The replay would not be the same run, and nothing was started.
+
+    Args:
+        lines: what to say, one line each.
+        problems: the same as problems (``--json``), or None when they are not reported so.
+    """
+
+    def __init__(self, lines: list[str], problems: list[str | Problem] | None = None):
+        super().__init__("\n".join(lines))
+        self.lines, self.problems = lines, problems
+
+
+@dataclass
+class Replaying:
+    """A replay made ready: its nodes connected and probed, its plan made; nothing started.
+
+    Args:
+        of: the replayed run's id.
+        prepared: the plan and the open connections (:meth:`close` them, or :meth:`run`).
+        changed: how the plan its recorded options make now differs from the recorded plan.
+        port: the master port; *old_port* the recorded one.
+    """
+
+    of: str
+    prepared: runner.Prepared
+    changed: list[str]
+    port: int
+    old_port: int
+
+    @property
+    def plan(self) -> Plan:
+        return self.prepared.plan
+
+    def run(self, runs_dir: str | os.PathLike, printer: Printer) -> tuple[RunResult, Path]:
+        """Start it and record it (``replay_of``); the connections are closed after."""
+        try:
+            printer.note(f"replaying {self.of} as {self.plan.run_id} (master port {self.port}"
+                         f"{', the recorded one' if self.port == self.old_port else f', the recorded {self.old_port} is taken'})")
+            return runner.run(self.prepared, runs_dir, printer, extra={"replay_of": self.of})
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.prepared.close()
+
+
+def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str | list[str] | None = None,
+            group: str | None = None, env: Iterable[str] = (), same_port: bool = False, force: bool = False,
+            new_id: str | None = None, policy: HostKeyPolicy | None = None, ssh_config: str | None = None,
+            say: Callable[[str], None] = lambda line: None) -> Replaying:
+    """Everything before the start of a replay of *run_id* (from *runs_dir*): ManifestError,
+    InventoryError or PlanError for a record or input that cannot be replayed, ReplayRefused for a
+    run that would not be the same (*force* lets a changed inventory or code pass, with a line to
+    *say*), RunError for the nodes' problems; nothing has started then. *inventory_source* and
+    *group*: instead of the recorded ones; *env*: ``K=V`` given again (masked secrets) or replaced."""
+    path = Path(runs_dir) / run_id / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except OSError:
+        raise ManifestError(f"no run record {path} (pass --runs-dir where the run was recorded)") from None
+    except ValueError as exc:
+        raise ManifestError(f"{path} is not a ddpfab run manifest (not JSON: {exc})") from None
+    validate(manifest, str(path))
+    latest = current_manifest(runs_dir, manifest)  # a run with restarts: its last attempt
+    if latest is not manifest:
+        say(f"{run_id} ran {len(manifest['recovery']['attempts'])} attempts; replaying the last, "
+            f"{latest['run_id']} (its nodes)")
+        manifest = latest
+    recorded, cwd = validate(manifest, str(path))
+    source = inventory_source if inventory_source is not None else recorded_inventory(manifest)
+    if "attempt_nodes" in manifest:
+        cluster = attempt_cluster(manifest, source, group)
+    else:
+        cluster = inventory.load(source, group or manifest["plan"]["group"])
+    overrides = dict(parse_env(list(env), dict(os.environ)))
+    problems = check(manifest, cluster)
+    if problems and not force:
+        raise ReplayRefused([f"replay of {run_id} refused: {p}" for p in problems]
+                            + ["nothing was started; --force replays anyway"], list(problems))
+    for p in problems:
+        say(f"warning: {p} (--force: replaying anyway)")
+    missing = [k for k in masked_keys(recorded, manifest["plan"].get("secret_env") or ()) if k not in overrides]
+    if missing:
+        raise ReplayRefused([f"replay of {run_id} refused: the manifest stores {', '.join(missing)} masked (***); "
+                             "give the value again with " + " ".join(f"--env {k}=..." for k in missing),
+                             "nothing was started"])
+    old_rid, old_port = manifest["plan"]["run_id"], manifest["plan"]["master_port"]
+    policy = policy or HostKeyPolicy()
+    conns = runner.connect_all(cluster, policy, ssh_config)
+    try:
+        port, facts, problems = _pick_port(cluster, conns, old_port,
+                                           scriptfile.file_to_check(recorded.script, recorded.module, cwd), cwd,
+                                           same_port)
+        if problems:
+            raise runner.RunError(problems)
+        cluster = probe.decide(cluster, facts)  # the python the probe ran, as a run decides it
+        # the recorded options planned again under the old id and port must give the recorded plan
+        again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
+        changed = differences(manifest["plan"], again, manifest["schema_version"])
+        options = replace(recorded, run_id=new_id or new_run_id(), env=tuple({**dict(recorded.env), **overrides}.items()),
+                          master_port=port)
+        plan = make_plan(cluster, options, runner.plan_facts(facts, port, cwd))
+    except BaseException:
+        for c in conns.values():
+            c.close()
+        raise
+    prepared = runner.Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd)
+    return Replaying(run_id, prepared, changed, port, old_port)

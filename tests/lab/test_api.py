@@ -1,0 +1,80 @@
+"""The library API on real lab hosts: README's "As a library" example, exactly as printed there."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ddpfab
+from ddpfab.hosts.inventory import InventoryError
+from ddpfab.planning.plan import PlanError
+
+from .helpers import REPO, wait_no_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def readme_example() -> str:
+    """The python block of README's "As a library" section, as the README shows it."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## As a library\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "README's 'As a library' section shows one python example"
+    return blocks[0]
+
+
+def test_the_readme_api_example_runs_a_two_node_job_and_returns_its_result(lab, inventory2, tmp_path):
+    # the example's relative paths, in a dir of its own (the lab hosts see the test's temp dirs)
+    (tmp_path / "lab").mkdir()
+    shutil.copy(inventory2, tmp_path / "lab" / "inventory.yml")
+    (tmp_path / "examples").mkdir()
+    shutil.copy(REPO / "examples" / "train.py", tmp_path / "examples" / "train.py")
+    code = readme_example()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "NO_COLOR": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    # the example's last line: exit code, the nodes with an outcome, the manifest's path
+    exit_code, rest = res.stdout.splitlines()[-1].split(" ", 1)
+    nodes_text, manifest = rest.rsplit("] ", 1)
+    assert int(exit_code) == 0
+    assert ast.literal_eval(nodes_text + "]") == ["node1", "node2"]
+    record = json.loads((tmp_path / manifest).read_text())
+    assert record["state"] == "succeeded" and record["exit_code"] == 0
+    assert {n: v["exit_code"] for n, v in record["nodes"].items()} == {"node1": 0, "node2": 0}
+    # the job really ran: 2 nodes x 2 procs, every rank through its steps, with the env given
+    assert record["plan"]["world_size"] == 4
+    assert all(n["env"].get("OMP_NUM_THREADS") == "1" for n in record["plan"]["nodes"])
+    for rank in range(4):
+        assert f"rank {rank} done, parameter checksum" in res.stdout, res.stdout
+    # the library printed the command's lines (prefixed output, the closing line where rank 0 is)
+    assert re.search(r"^node2 r3\| rank 3 step 1 mean loss", res.stdout, re.M), res.stdout
+    assert "ddpfab: rank 0's workdir: node1:" in res.stderr, res.stderr
+    wait_no_processes(lab, timeout=5)
+
+
+def test_api_refusals_dry_run_and_exec_are_the_commands(lab, inventory2, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print('never')\n")
+    cluster = ddpfab.Cluster.load(str(inventory2))
+    assert cluster.names == ["node1", "node2"]
+    with pytest.raises(PlanError, match="nproc_per_nod"):  # a misspelt option names the one meant
+        cluster.run("t.py", nproc_per_nod=2)
+    with pytest.raises(PlanError, match="tain.py"):  # as `run`: a script not here is named before any contact
+        cluster.run("tain.py")
+    # a dry run is the real run minus starting: probed, planned, nothing recorded
+    outcome = cluster.run("t.py", dry_run=True, runs_dir=str(tmp_path / "runs"))
+    assert outcome.exit_code == 0 and outcome.manifest is None and not (tmp_path / "runs").exists()
+    assert [n.name for n in outcome.plan.nodes] == ["node1", "node2"]
+    # exec: per node results, a failure on one node is data next to the others
+    results = cluster.exec("test $(hostname) = node1")
+    assert {n: r.exit_code for n, r in results.items()} == {"node1": 0, "node2": 1}
+    assert results.failed == {}
+    with pytest.raises(InventoryError, match="node7"):
+        cluster.exec("true", nodes=["node7"])
