@@ -32,6 +32,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "cpu = its CPUs, auto = its GPUs if any, else its CPUs (decided per node from the probe)")
     p.add_argument("--master-port", "--master_port", type=int,
                    help="MASTER_PORT (default: a port found free on the master)")
+    p.add_argument("--gpus-per-node", type=int, metavar="N",
+                   help="GPUs each node's supervisor leases for the job, free ones (default: one per process, "
+                        "or the inventory's ddpfab_gpu_ids); the job sees exactly those (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--wait", action="store_true",
+                   help="GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing")
     add_env_args(p)
     p.add_argument("--secret-env", action="append", default=[], metavar="KEY",
                    help="mask KEY's value wherever the run is shown or recorded (repeatable; also the inventory's "
@@ -127,6 +132,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         cluster, spares = recover.split_spares(cluster, ropts.spares_group)  # spares never start in the set
         recovery.check_sizes(ropts, len(cluster.nodes), len(spares))
         options = _run_options(args)
+        if options.wait and args.detach:
+            raise planmod.PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
+                                    "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
         args.replicate_paths = replicate.wanted(cluster, args.replicate)
         if not args.dry_run and os.path.lexists(os.path.join(args.runs_dir, options.run_id)):
             raise planmod.PlanError(f"--run-id {options.run_id}: {os.path.join(args.runs_dir, options.run_id)} "
@@ -336,7 +344,7 @@ def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
         run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
         launcher=args.launcher, init_method=args.init_method, debug=args.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(args.secret_env),
-        script_local_rank=to_script)
+        script_local_rank=to_script, gpus_per_node=args.gpus_per_node, wait=args.wait)
 
 
 def _script_and_mode(args: argparse.Namespace) -> tuple[str, tuple[str, ...], bool]:
