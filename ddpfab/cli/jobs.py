@@ -226,6 +226,7 @@ def cmd_ps(args) -> int:
     return code
 
 
+@_guard
 def cmd_queue(args) -> int:
     """Running and waiting jobs across users, with their GPUs, owners and ages, from every node's
     lease dir; and the GPUs used without a lease."""
