@@ -44,7 +44,7 @@ import time
 
 try:  # as a module of ddpfab; on a node leases.py's source comes first in the same program
     from .leases import (TOUCH_S, LeaseError, describe_leases, drop_ticket, grantable, lease_state, make_ticket,
-                         reserve_port, take_leases, ticket_key, tickets, touch_leases, uses_leases)
+                         lease_user, reserve_port, take_leases, ticket_key, tickets, touch_leases, uses_leases)
 except ImportError:
     pass
 
@@ -603,7 +603,7 @@ def wait_for_leases(spec, count, pin, run_id):
     and what it waits for whenever that changes. Returns ``(fds, gpus, None)``, or ``(None, None,
     why)`` when told to stop (EOF, ``!``, or ddpfab's heartbeat gone for the spec's silence)."""
     key = ticket_key(spec["wait"].get("arrival", time.time()), run_id)
-    record = {"run_id": run_id, "user": _lease_user(), "pid": os.getpid(), "since": time.time(), "count": count,
+    record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(), "count": count,
               "pin": list(pin)}
     silence = float(spec.get("silence", 0))
     events = {"go": False, "granted": False, "stop": None, "beat": time.monotonic()}
@@ -682,14 +682,6 @@ def wait_for_leases(spec, count, pin, run_id):
     finally:
         if fd is not None:
             drop_ticket(fd, path)
-
-
-def _lease_user():
-    try:
-        import pwd
-        return pwd.getpwuid(os.getuid()).pw_name
-    except (ImportError, KeyError):
-        return str(os.getuid())
 
 
 def _keep_leases_fresh(fds):

@@ -137,15 +137,17 @@ def _open_lease(path):
         return fd
 
 
-def read_lease_holder(fd):
-    """Who holds the lease of open file *fd*, as written: fields of the right type only."""
+def read_fields(fd, fields):
+    """The JSON object in open file *fd*, only its *fields* ((name, type) pairs) of the right type:
+    a short printable string, a number, a list of short printable strings; {} when none is valid.
+    (Every user may write these files: what they hold is data, checked, never trusted.)"""
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         data = json.loads(os.read(fd, 4096).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     out = {}
-    for key, kind in LEASE_FIELDS if isinstance(data, dict) else ():
+    for key, kind in fields if isinstance(data, dict) else ():
         v = data.get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
             continue
@@ -155,6 +157,11 @@ def read_lease_holder(fd):
             v = [g for g in v[:64] if isinstance(g, str) and len(g) < 80 and g.isprintable()]
         out[key] = v
     return out
+
+
+def read_lease_holder(fd):
+    """Who holds the lease of open file *fd*, as written (:func:`read_fields`)."""
+    return read_fields(fd, LEASE_FIELDS)
 
 
 def _try_flock(fd):
@@ -194,7 +201,7 @@ def lease_state(table=None):
     return out
 
 
-def _user_name():
+def lease_user():
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
@@ -246,7 +253,7 @@ def take_leases(count, pin, run_id, table=None, among=None):
         for fd in fds:
             os.close(fd)  # closing the only descriptor releases its flock
         return None, None, lease_state(table)
-    record = json.dumps({"run_id": run_id, "user": _user_name(), "pid": os.getpid(), "since": time.time(),
+    record = json.dumps({"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(),
                          "gpus": got}).encode("utf-8")
     for fd in fds:
         try:
@@ -309,7 +316,7 @@ def reserve_port(port, run_id, hold=False):
         os.close(fd)
         return None
     now = time.time()
-    record = {"run_id": run_id, "user": _user_name(), "pid": os.getpid(), "since": now}
+    record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": now}
     if not hold:
         record["until"] = now + PORT_RESERVE_S
     try:
@@ -352,25 +359,6 @@ def drop_ticket(fd, path):
     os.close(fd)
 
 
-def _read_fields(fd, fields):
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        data = json.loads(os.read(fd, 4096).decode("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key, kind in fields if isinstance(data, dict) else ():
-        v = data.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
-            continue
-        if isinstance(v, str) and (len(v) > 200 or not v.isprintable()):
-            continue
-        if kind is list:
-            v = [str(g) for g in v[:64] if isinstance(g, (str, int)) and not isinstance(g, bool)]
-        out[key] = v
-    return out
-
-
 def tickets(own_path=None):
     """The live tickets in the queue, in arrival order (their waiters hold their flocks); a dead
     waiter's ticket of this user is removed on the way."""
@@ -397,7 +385,7 @@ def tickets(own_path=None):
                     except OSError:
                         pass
                 continue
-            rec = _read_fields(fd, TICKET_FIELDS)
+            rec = read_fields(fd, TICKET_FIELDS)
             if rec.get("key") == name[5:-7]:
                 out.append(rec)
         finally:
