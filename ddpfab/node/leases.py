@@ -137,10 +137,11 @@ def _open_lease(path):
         return fd
 
 
-def read_fields(fd, fields):
+def read_fields(fd, fields, longest=200):
     """The JSON object in open file *fd*, only its *fields* ((name, type) pairs) of the right type:
-    a short printable string, a number, a list of short printable strings; {} when none is valid.
-    (Every user may write these files: what they hold is data, checked, never trusted.)"""
+    a printable string of at most *longest* characters, a positive number, a list of short
+    printable strings; {} when none is valid. (Lock and lease files: whoever wrote them, what
+    they hold is data, checked, never trusted.)"""
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         data = json.loads(os.read(fd, 4096).decode("utf-8"))
@@ -151,7 +152,9 @@ def read_fields(fd, fields):
         v = data.get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
             continue
-        if isinstance(v, str) and (len(v) > 200 or not v.isprintable()):
+        if isinstance(v, str) and (len(v) > longest or not v.isprintable()):
+            continue
+        if isinstance(v, (int, float)) and v <= 0:
             continue
         if kind is list:
             v = [g for g in v[:64] if isinstance(g, str) and len(g) < 80 and g.isprintable()]

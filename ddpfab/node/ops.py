@@ -41,7 +41,7 @@ try:  # as a module of ddpfab; on a node their source comes first in the same pr
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
     from .agent import _detach_stdin, read_exactly, read_frame, stop_job
     from .agent import main as supervise_job
-    from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
+    from .leases import LEASE_DIR, LeaseError, lease_state, read_fields, reserve_port, tickets, uses_leases
     from .treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
                            rel_ok)
     from .workdir import WorkdirError
@@ -683,22 +683,7 @@ def lock_path(real):
 def read_holder(fd):
     """Who holds the lock of open lock file *fd*, as the holder wrote it: only fields of the right
     type (a short printable string, a positive number); {} when nothing valid is there."""
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        data = json.loads(os.read(fd, 4096).decode("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key, kind in HOLDER_FIELDS if isinstance(data, dict) else ():
-        v = data.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
-            continue
-        if isinstance(v, str) and (len(v) > 512 or not v.isprintable()):
-            continue
-        if not isinstance(v, str) and v <= 0:
-            continue
-        out[key] = v
-    return out
+    return read_fields(fd, HOLDER_FIELDS, longest=512)
 
 
 def op_lock(req, session):
