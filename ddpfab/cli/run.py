@@ -461,6 +461,10 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
         print("# offline: the master port was not checked on the host")
     if plan.unresolved:
         print(f"# {plan.unresolved_note()}")
+    if any(n.gpus for n in plan.nodes):  # what each node's supervisor leases before it starts (README: leases)
+        leased = ", ".join(f"{n.name} {n.gpus}" + (f" (pinned {','.join(n.gpu_pin)})" if n.gpu_pin else "")
+                           for n in plan.nodes if n.gpus)
+        print(f"# GPU leases: {leased}; {'waits for them (--wait)' if plan.wait else 'refused if taken'}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
     by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:

@@ -156,3 +156,18 @@ def test_the_gate_says_go_when_every_node_holds_its_leases_and_again_after_a_yie
     assert len(said) == 1
     gate.saw("n1", ctl.GRANTED + "0,1")
     assert len(said) == 2
+
+
+def test_the_dry_run_shows_each_nodes_lease_request_and_refuses_a_bad_one(tmp_path, monkeypatch, capsys):
+    from ddpfab import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    (tmp_path / "inv.yml").write_text("all:\n  hosts:\n    n1: {ansible_host: 10.0.0.1, ddpfab_gpus: 4}\n"
+                                      "    n2: {ansible_host: 10.0.0.2, ddpfab_gpus: 4, ddpfab_gpu_ids: [1, 3]}\n")
+    assert cli.main(["plan", "--offline", "-i", "inv.yml", "--wait", "t.py"]) == 0
+    assert "# GPU leases: n1 4, n2 2 (pinned 1,3); waits for them (--wait)\n" in capsys.readouterr().out
+    assert cli.main(["plan", "--offline", "-i", "inv.yml", "--gpus-per-node", "3", "t.py"]) == 2
+    assert "host n2: --gpus-per-node 3 but ddpfab_gpu_ids pins 2 (1,3)" in capsys.readouterr().err
+    assert cli.main(["run", "-i", "inv.yml", "--wait", "--detach", "--dry-run", "t.py"]) == 2
+    assert "--wait with --detach" in capsys.readouterr().err
