@@ -61,6 +61,9 @@ class Options:
     Args:
         nproc_per_node: processes per node: a number, or ``gpu``/``cpu``/``auto`` (None: inventory, GPUs, or 1).
         master_port: MASTER_PORT (None: a port found free on the master).
+        gpus_per_node: GPUs each node's supervisor leases for the job (None: one per process, or
+            the inventory's ``ddpfab_gpu_ids``); the job sees exactly those (CUDA_VISIBLE_DEVICES).
+        wait: GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing.
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -96,6 +99,8 @@ class Options:
 
     nproc_per_node: int | str | None = None
     master_port: int | None = None
+    gpus_per_node: int | None = None
+    wait: bool = False
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -309,6 +314,9 @@ class Cluster:
         nodes, spares = recover.split_spares(self.parsed, ropts.spares_group)  # spares never start in the set
         recover.check_sizes(ropts, len(nodes.nodes), len(spares))
         run_options = planner_options(script, args, opts)
+        if opts.wait and opts.detach:
+            raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
+                            "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
         paths = replicate.wanted(nodes, opts.replicate)
         opts = replace(opts, replicate=paths)
         record = os.path.join(opts.runs_dir, run_options.run_id)
@@ -514,7 +522,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         run_id=planmod.check_run_id(opts.run_id or new_run_id()), socket_ifname=opts.socket_ifname,
         rdzv=opts.rdzv, launcher=opts.launcher, init_method=opts.init_method, debug=opts.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
-        script_local_rank=to_script)
+        script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shlex
+from dataclasses import asdict
 from pathlib import Path
 
 from ddpfab import node as nodeprog
@@ -132,6 +133,10 @@ def register(sub) -> None:
     _common(ps, inventory_required=True)
     ps.add_argument("--json", action="store_true")
     ps.set_defaults(func=cmd_ps)
+    q = sub.add_parser("queue", help="GPU leases and waiting jobs on the nodes, every user's (ddpfab run --wait)")
+    _common(q, inventory_required=True)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_queue)
     for name, text, func in (("stop", "end one job on every node", cmd_stop),
                              ("attach", "stream a (detached) job's output from every node until it ends", cmd_attach),
                              ("logs", "fetch a job's output from every node into runs/<id>/", cmd_logs)):
@@ -164,10 +169,15 @@ def _guard(fn):
 @_guard
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch import leases
     from ddpfab.launch.jobs import _ps_record, grouped
 
+    gpus: dict[str, list] = {}
+
     def ps(conn, n) -> tuple[float, list[dict]]:
-        res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs"}, timeout=20)[0].value(n.name)
+        res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
+                            timeout=20)[0].value(n.name)
+        gpus[n.name] = leases.parse(res.get("leases")) or []
         return float(res["now"]), [_ps_record(r) for r in res["runs"]]
 
     cluster = _cluster(args, None)
@@ -198,8 +208,9 @@ def cmd_ps(args) -> int:
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
     code = EXIT_FAILED if problems else 0
     if args.json:
-        print(json.dumps({"ok": not problems, "runs": rows, "problems": [p.to_dict() for p in problems]}, indent=2,
-                         ensure_ascii=False))
+        print(json.dumps({"ok": not problems, "runs": rows, "problems": [p.to_dict() for p in problems],
+                          "gpus": {n: [asdict(g) for g in states] for n, states in gpus.items() if states}},
+                         indent=2, ensure_ascii=False))
         return code
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
     for r in rows:
@@ -209,6 +220,44 @@ def cmd_ps(args) -> int:
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
+    for name in (n.name for n in cluster.nodes):  # the node's GPUs, every user's leases (ddpfab.node.leases)
+        for g in gpus.get(name) or ():
+            print(f"{name}: {g.describe()}")
+    return code
+
+
+@_guard
+def cmd_queue(args) -> int:
+    """Running and waiting jobs across users, with their GPUs, owners and ages, from every node's
+    lease dir; and the GPUs used without a lease."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch import leases
+
+    def ask(conn, n) -> dict:
+        return nodeprog.call(conn, n, {"op": "leases"}, timeout=30)[0].value(n.name)
+
+    cluster = _cluster(args, None)
+    results = _on_each_node(args, cluster, ask, each=True)
+    problems = [_problem(name, exc) for name, exc in results.failed.items()]
+    for p in problems:
+        warn(p)
+    answers = {n.name: results.succeeded[n.name] for n in cluster.nodes if n.name in results.succeeded}
+    rows = leases.queue_rows(answers)
+    busy = {name: [g for g in leases.parse(raw) or () if g.state == "busy"] for name, raw in answers.items()}
+    code = EXIT_FAILED if problems else 0
+    if args.json:
+        print(json.dumps({"ok": not problems, "jobs": rows, "problems": [p.to_dict() for p in problems],
+                          "busy": {n: [asdict(g) for g in gs] for n, gs in busy.items() if gs}}, indent=2,
+                         ensure_ascii=False))
+        return code
+    print(f"{'RUN ID':<26} {'USER':<10} {'STATE':<8} {'AGE':>8}  NODES")
+    for r in rows:
+        nodes = " ".join(f"{n}:{','.join(v) if isinstance(v, list) else '(' + v + ')'}" for n, v in r["nodes"].items())
+        age = f"{r['age_s']:>7.0f}s" if r["age_s"] is not None else f"{'?':>8}"
+        print(f"{r['run_id']:<26} {r['user'] or '?':<10} {r['state']:<8} {age}  {nodes}")
+    for name, gs in busy.items():
+        for g in gs:
+            print(f"{name}: {g.describe()}")
     return code
 
 

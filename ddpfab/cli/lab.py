@@ -23,6 +23,9 @@ def register(sub) -> None:
     up.add_argument("--share", action="append", default=[], metavar="DIR",
                     help="a dir under /tmp that hosts must see (each host has its own /tmp); the lab dir, "
                          "the python's venv and the current dir are always shared (repeatable)")
+    up.add_argument("--gpus", type=int, default=0, metavar="N",
+                    help="give each host a STAND-IN nvidia-smi reporting N GPUs (no GPU, no CUDA: for testing GPU "
+                         "leases and GPU counts on CPU; jobs still run on gloo)")
     for name, text in (("down", "remove everything the lab made"), ("status", "show the lab's hosts")):
         q = lab_sub.add_parser(name, help=text)
         q.add_argument("--dir", required=True, help="the lab's dir (as given to lab up)")
@@ -55,7 +58,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         if args.lab_command == "up":
             python, why = lab.node_python(args.python)
             the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=python,
-                                         share=args.share)
+                                         share=args.share, gpus=args.gpus)
             state = "already up" if already else "up"
             first, last = the_lab.hosts[0], the_lab.hosts[-1]
             # every host of a small lab; a large one as a range (one short line at 128 hosts)

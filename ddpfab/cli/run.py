@@ -25,6 +25,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "cpu = its CPUs, auto = its GPUs if any, else its CPUs (decided per node from the probe)")
     p.add_argument("--master-port", "--master_port", type=int,
                    help="MASTER_PORT (default: a port found free on the master)")
+    p.add_argument("--gpus-per-node", type=int, metavar="N",
+                   help="GPUs each node's supervisor leases for the job, free ones (default: one per process, "
+                        "or the inventory's ddpfab_gpu_ids); the job sees exactly those (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--wait", action="store_true",
+                   help="GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing")
     add_env_args(p)
     p.add_argument("--secret-env", action="append", default=[], metavar="KEY",
                    help="mask KEY's value wherever the run is shown or recorded (repeatable; also the inventory's "
@@ -192,6 +197,10 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
         print("# offline: the master port was not checked on the host")
     if plan.unresolved:
         print(f"# {plan.unresolved_note()}")
+    if any(n.gpus for n in plan.nodes):  # what each node's supervisor leases before it starts (README: leases)
+        leased = ", ".join(f"{n.name} {n.gpus}" + (f" (pinned {','.join(n.gpu_pin)})" if n.gpu_pin else "")
+                           for n in plan.nodes if n.gpus)
+        print(f"# GPU leases: {leased}; {'waits for them (--wait)' if plan.wait else 'refused if taken'}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
     by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:

@@ -26,6 +26,7 @@ from ddpfab import node as nodeprog
 from ddpfab.health import mesh as meshmod
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hosts import nodeenv
+from ddpfab.launch import leases
 from ddpfab.planning import probe
 from ddpfab.planning.plan import PlanError, RunOptions, choose_master, nproc_for
 from ddpfab.problems import NodeError, Problem
@@ -178,6 +179,12 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             results.append(CheckResult(n.name, "gpus", "pass", found=f"no GPU: {want} CPU processes (gloo)"))
         else:
             results.append(CheckResult(n.name, "gpus", "pass", found=f"{gpus} GPUs, {want} processes"))
+        states = leases.parse(f.get("leases"))
+        if states:  # every user's leases there, and GPUs used without one (shown, never judged here)
+            taken = [s.describe() for s in states if s.state != "free"]
+            free = sum(s.state == "free" for s in states)
+            results.append(CheckResult(n.name, "gpu_leases", "pass",
+                                       found=f"{free} of {len(states)} GPUs free" + (f"; {'; '.join(taken)}" if taken else "")))
 
     # names and addresses
     for n in ok:

@@ -49,6 +49,14 @@ HOST_OFFSET = 11  # node1 gets .11, like a small real rack
 NEIGH_SYSCTL = "/proc/sys/net/ipv4/neigh/default/gc_thresh{}"
 
 
+#: The stand-in nvidia-smi ``lab up --gpus N`` installs on each host (no GPU is there: it answers
+#: nvidia-smi's queries for N GPUs, and lists the compute processes a test writes into
+#: ``/etc/ddpfab-stand-in/compute-apps`` on a host, to simulate a GPU used without a lease).
+STAND_IN_SMI = Path(__file__).with_name("fake-nvidia-smi")
+#: Where a host's stand-in reads its GPU count and compute processes.
+STAND_IN_CONF = "/etc/ddpfab-stand-in"
+
+
 class LabError(Exception):
     """A lab operation failed; the message says what is missing and what to do."""
 
@@ -83,6 +91,8 @@ class Lab:
     forward_rules: bool = False
     #: controller dirs under /tmp that every host sees at the same path (see PRIVATE_TMP)
     shares: list[str] = field(default_factory=list)
+    #: stand-in GPUs per host (``lab up --gpus N``: :data:`STAND_IN_SMI` as each host's nvidia-smi)
+    gpus: int = 0
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -294,7 +304,7 @@ def node_python(asked: str | None = None) -> tuple[str, str]:
 
 
 def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
-       python: str | None = None, share: list[str | os.PathLike] | tuple = ()) -> tuple[Lab, bool]:
+       python: str | None = None, share: list[str | os.PathLike] | tuple = (), gpus: int = 0) -> tuple[Lab, bool]:
     """Bring up a lab of *hosts* hosts in *lab_dir*; return it and whether it was already up.
 
     Idempotent: on a running lab it changes nothing. A half-dead lab is an error that asks for
@@ -304,6 +314,8 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
         share: controller dirs under /tmp that hosts must see (each host's /tmp is its own). The
             lab dir, the venv of *python* and the current directory are always shared; elsewhere
             hosts see the controller's files anyway (through overlays, or directly).
+        gpus: stand-in GPUs per host: each host's nvidia-smi is :data:`STAND_IN_SMI` reporting
+            that many (no GPU is there; CUDA is not emulated: jobs run on gloo).
     """
     check_prerequisites()
     lab_dir = Path(lab_dir).resolve()
@@ -328,8 +340,10 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
     for other in _interfaces_in(net):
         raise LabError(f"subnet {subnet} is already used by interface {other}: pick another --subnet")
     python = python or sys.executable
+    if gpus < 0:
+        raise LabError(f"--gpus must be 0 or more, got {gpus}")
     lab = Lab(dir=lab_dir, subnet=str(net), bridge=bridge, gateway=str(net[1]), store=str(STORE_ROOT / lid),
-              shares=tmp_shares([lab_dir, Path(python).parent.parent, Path.cwd(), *share]))
+              shares=tmp_shares([lab_dir, Path(python).parent.parent, Path.cwd(), *share]), gpus=gpus)
     lab.hosts = [LabHost(name=f"node{i}", address=str(net[HOST_OFFSET + i - 1]),
                          netns=f"ddpfab-{lid}-node{i}", veth=f"dfb{lid}n{i}")
                  for i in range(1, hosts + 1)]
@@ -434,6 +448,8 @@ def _write_client_files(lab: Lab, python: str) -> None:
         (store / "controller_tmp").mkdir(exist_ok=True)
         (store / "empty_tmp").mkdir(exist_ok=True)
         os.chmod(store / "empty_tmp", 0o1777)
+        if lab.gpus:
+            _install_stand_in_gpus(store, lab.gpus)
         (root / "resolv.conf").write_text("")
         (root / "sshd_config").write_text(SSHD_CONFIG.format(address=h.address, root=root, labdir=d))
         (root / "init.sh").write_text(INIT_SCRIPT.format(
@@ -449,6 +465,18 @@ def _write_client_files(lab: Lab, python: str) -> None:
     lab.known_hosts.write_text("\n".join(known) + "\n")
     lab.ssh_config.write_text("\n".join(ssh_cfg))
     lab.inventory.write_text(render_inventory(lab, python))
+
+
+def _install_stand_in_gpus(store: Path, gpus: int) -> None:
+    """The stand-in nvidia-smi in a host's /usr/local/bin and its GPU count in its /etc, written
+    into the host's own overlay layers (the controller's /usr and /etc stay untouched)."""
+    bin_dir = store / "upper_usr" / "local" / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(STAND_IN_SMI, bin_dir / "nvidia-smi")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    conf = store / ("upper" + STAND_IN_CONF.replace("/", "_", 1))  # /etc/X is upper_etc/X
+    conf.mkdir(parents=True, exist_ok=True)
+    (conf / "gpus").write_text(f"{gpus}\n")
 
 
 def render_inventory(lab: Lab, python: str, names: list[str] | None = None) -> str:

@@ -26,6 +26,7 @@ from ddpfab import node as nodeprog
 from ddpfab.health import hints
 from ddpfab.health.mesh import compact
 from ddpfab.hosts import nodeenv
+from ddpfab.launch import leases
 from ddpfab.launch.cause import Cause, CauseReader
 from ddpfab.launch.interrupt import Interrupted, signals_raise
 from ddpfab.node.agent import CANNOT_START
@@ -50,14 +51,21 @@ COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 WAIT_REPORT_S = 60.0
 
 
-def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
+def agent_spec(plan: Plan, node: NodePlan, detach: bool = False, arrival: float | None = None) -> dict:
     """The job as data for the supervisor: argv (:func:`ddpfab.planning.render.command`), workdir and env
-    (no shell line to parse)."""
+    (no shell line to parse). *arrival*: when the run came (this controller's clock), its place in
+    every node's queue with ``--wait``."""
     launch = render_command(plan, node)
     spec = {"run_id": plan.run_id, "dir": node.remote_dir, "workdir": node.workdir, "argv": list(launch.argv()),
             "env": dict(node.env), "grace": STOP_GRACE_S, "log_dir": launch.log_dir}
     if os.environ.get("DDPFAB_KEEP_RECORDS"):  # run records each node keeps (agent.KEEP_RECORDS)
         spec["keep_records"] = int(os.environ["DDPFAB_KEEP_RECORDS"])
+    if node.gpus:  # the supervisor leases them before it starts the job (ddpfab.node.leases)
+        spec["gpus"] = {"count": node.gpus, "pin": list(node.gpu_pin)}
+    if node.name == plan.master:  # held there from the probe's reservation until the job ends
+        spec["master_port"] = plan.master_port
+    if plan.wait and node.gpus and not detach:  # queue, then start when ddpfab says go (leases.Gate)
+        spec["wait"] = {"arrival": arrival if arrival is not None else time.time()}
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
     if detach:
@@ -67,11 +75,11 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False) -> dict:
     return spec
 
 
-def agent_input(plan: Plan, node: NodePlan, detach: bool = False) -> bytes:
+def agent_input(plan: Plan, node: NodePlan, detach: bool = False, arrival: float | None = None) -> bytes:
     """What goes to the supervisor's stdin first: the node program, then its ``supervise``
     request with the spec (env values included: they travel inside the SSH session, never in a
     command line)."""
-    return nodeprog.supervisor_input(agent_spec(plan, node, detach))
+    return nodeprog.supervisor_input(agent_spec(plan, node, detach, arrival))
 
 
 def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
@@ -227,9 +235,11 @@ class Printer:
 
 class _NodeJob:
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
-                 events: queue.Queue, reconnect: Callable[[str], Connection] | None = None):
+                 events: queue.Queue, reconnect: Callable[[str], Connection] | None = None,
+                 gate: leases.Gate | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
         self.log, self.events, self.reconnect = log, events, reconnect
+        self.gate = gate
         self.outcome = NodeOutcome(node.name, node.node_rank)
         self.chan = None
         self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
@@ -279,6 +289,15 @@ class _NodeJob:
         since = self.ping_pending_since
         return 0.0 if since is None else time.monotonic() - since
 
+    def send(self, data: bytes) -> None:
+        """*data* to the supervisor's stdin (a dead channel is the job thread's to report)."""
+        chan = self.chan
+        if chan is not None and not self.outcome.stopped_by_ddpfab:
+            try:
+                chan.sendall(data)
+            except Exception:  # noqa: BLE001
+                pass
+
     def stop(self, fast: bool = False) -> None:
         """Ask the node's supervisor to end the job: close our write side (EOF on its stdin),
         after a ``!`` when *fast* (another node failed: no point in a graceful shutdown)."""
@@ -305,6 +324,8 @@ class _NodeJob:
             self.outcome.rank_lines += 1
             self.outcome.last_rank_line = self.outcome.last_line
         self.printer.line(self.node.name, text)
+        if self.gate is not None:
+            self.gate.saw(self.node.name, text)
         self.outcome.causes.feed(text)
         hint = hints.hint_for(text)
         if hint and hint not in self.outcome.hints:
@@ -340,7 +361,7 @@ class _NodeJob:
             chan = self.conn.transport.open_session(timeout=30)
             chan.set_combine_stderr(True)
             chan.exec_command(remote_command(self.plan, self.node))
-            chan.sendall(agent_input(self.plan, self.node))
+            chan.sendall(agent_input(self.plan, self.node, arrival=self.gate.arrival if self.gate else None))
             self.chan = chan
             if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
                 self.stop(self.fast_stop)
@@ -418,8 +439,15 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         why = f"host {n.name}: cannot create its local log {path}: {exc.strerror or exc}; nothing was started"
         printer.note(why)
         return RunResult(2, {m.name: NodeOutcome(m.name, m.node_rank) for m in plan.nodes}, n.name, None, why)
-    jobs = {n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect)
-            for n in plan.nodes}
+    jobs: dict[str, _NodeJob] = {}
+
+    def go() -> None:
+        for job in jobs.values():
+            job.send(b"g")
+
+    gate = leases.Gate([n.name for n in plan.nodes if n.gpus], go) if plan.wait else None
+    jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate)
+                 for n in plan.nodes})
     stop_deadline: float | None = None
 
     def stop_all(fast: bool = False) -> None:

@@ -19,7 +19,7 @@ from ddpfab import node as nodeprog
 from ddpfab.health import check
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
-from ddpfab.launch import replicate
+from ddpfab.launch import leases, replicate
 from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
@@ -107,7 +107,8 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
     master = choose_master(cluster)
     sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
     script = scriptfile.file_to_check(options.script, options.module, cwd)  # the file the nodes must have
-    reqs = probe.requests(cluster, conns, master, cwd=cwd, script=script, master_port=options.master_port)
+    reqs = probe.requests(cluster, conns, master, cwd=cwd, script=script, master_port=options.master_port,
+                          run_id=options.run_id)
     sent, sent_at = {}, time.time()
     for name, session in sessions.items():
         batch = [reqs[name]]
@@ -169,6 +170,9 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             raise
         probing.close()
         plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
+        held = [] if options.wait else leases.refusals(plan, {n: f.raw.get("leases") for n, f in facts.items()})
+        if held:
+            raise RunError(held)
     except BaseException:
         for c in conns.values():
             c.close()

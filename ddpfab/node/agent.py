@@ -42,6 +42,12 @@ import signal
 import threading
 import time
 
+try:  # as a module of ddpfab; on a node leases.py's source comes first in the same program
+    from .leases import (TOUCH_S, describe_leases, drop_ticket, grantable, lease_state, make_ticket,
+                         lease_user, reserve_port, take_leases, ticket_key, tickets, touch_leases, uses_leases)
+except ImportError:
+    pass
+
 PR_SET_CHILD_SUBREAPER = 36
 #: Seconds between TERM and KILL when the job is stopped because another node failed: the
 #: collective is broken, so there is nothing to wait for (the workers die on TERM at once; this
@@ -57,6 +63,8 @@ LAUNCHER_MODULES = (b"torch.distributed.run", b"torch.distributed.launch")
 JOB_MARKER = "DDPFAB_JOB"
 #: The agent's exit code when it could not start the job at all (no record, no workdir, no program).
 CANNOT_START = 125
+#: The agent's exit code when the GPUs the job needs are leased or busy (EX_TEMPFAIL: try later).
+LEASES_HELD = 75
 
 
 def read_exactly(fd, n):
@@ -406,6 +414,11 @@ def main(spec):
                       int(spec.get("keep_records", KEEP_RECORDS)))
     except (OSError, ValueError):
         pass
+    leases, gpus = hold_leases(spec, run_dir, log)
+    if leases is None:
+        return LEASES_HELD
+    if gpus is not None:  # the job sees exactly its leased GPUs
+        spec = dict(spec, env=dict(spec.get("env") or {}, CUDA_VISIBLE_DEVICES=",".join(gpus)))
     last_beat = [time.monotonic()]
     grace_now = [grace]
     _set_subreaper()
@@ -523,6 +536,158 @@ def main(spec):
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
     log.close()
     return code
+
+
+def hold_leases(spec, run_dir, log):
+    """Lease the GPUs the spec's ``gpus`` asks for (``{"count": N, "pin": [ids]}``) before the job
+    starts: ``(descriptors, gpu indexes)`` to keep open for the job's life (the kernel releases them
+    when this supervisor ends, however it ends; on the master also the reserved ``master_port``),
+    ``(descriptors, None)`` when no GPU is asked, or
+    ``(None, None)`` when they are held or busy: then this says which, by whom, and records the
+    refusal (exit :data:`LEASES_HELD`) as a job that never started."""
+    want, port, run_id = spec.get("gpus"), spec.get("master_port"), str(spec.get("run_id"))
+    held, why = [], None
+    try:
+        if port and uses_leases():  # the master: the port the probe reserved, now for the job's life
+            fd = reserve_port(port, run_id, hold=True)
+            if fd is None:
+                why = "master port %s is reserved by another run here (started at the same time?)" % port
+            else:
+                held.append(fd)
+        if want and why is None:
+            count, pin = int(want.get("count", 0)), [str(g) for g in want.get("pin") or ()]
+            if spec.get("wait"):
+                fds, gpus, states = wait_for_leases(spec, count, pin, run_id)
+            else:
+                fds, gpus, states = take_leases(count, pin, run_id)
+            if fds is None and isinstance(states, str):  # stopped while it waited
+                why = states
+            elif fds is not None:
+                held += fds
+                threading.Thread(target=_keep_leases_fresh, args=(held,), daemon=True).start()
+                _say("leased GPU %s" % ",".join(gpus))
+                return held, gpus
+            else:
+                why = "%d GPU%s wanted%s, not free here: %s" % (
+                    count, "" if count == 1 else "s", " (pinned: %s)" % ",".join(pin) if pin else "",
+                    "; ".join(describe_leases(states, only=pin or None)) or "none free")
+    except Exception as exc:  # noqa: BLE001 - nvidia-smi hung, a lease dir refused...: no job, and a record saying why
+        why = "cannot lease GPUs: %s" % exc
+    if why is None:
+        return held, None
+    for fd in held:
+        os.close(fd)
+    _say(why + "; the job was not started")
+    try:
+        log.write(("ddpfab-agent: %s\n" % why).encode())
+        log.close()
+        _write(os.path.join(run_dir, "result.json"), json.dumps({
+            "exit_code": LEASES_HELD, "ended": time.time(), "failed_at": time.time(), "stopped": None,
+            "restarts": 0, "leases": why}) + "\n")
+        _write(os.path.join(run_dir, "exit_code"), "%d\n" % LEASES_HELD)
+    except OSError:
+        pass
+    return None, None
+
+
+#: How often a waiting supervisor looks at the queue and the leases (a release is seen this soon).
+WAIT_POLL_S = 0.2
+
+
+def wait_for_leases(spec, count, pin, run_id):
+    """``--wait``: queue for the GPUs in arrival order (:mod:`ddpfab.node.leases`' tickets), take
+    them when this job is first in line for them, then hold them until ddpfab says go (a ``g`` on
+    stdin, once every node of the job has its leases). A job that holds its GPUs here but has not
+    gone yet gives them back when an earlier job waits on this node for GPUs it cannot get (the
+    earlier job may be waiting for this one elsewhere: no deadlock, no starvation). Says its place
+    and what it waits for whenever that changes. Returns ``(fds, gpus, None)``, or ``(None, None,
+    why)`` when told to stop (EOF, ``!``, or ddpfab's heartbeat gone for the spec's silence)."""
+    key = ticket_key(spec["wait"].get("arrival", time.time()), run_id)
+    record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(), "count": count,
+              "pin": list(pin)}
+    silence = float(spec.get("silence", 0))
+    events = {"go": False, "granted": False, "stop": None, "beat": time.monotonic()}
+    lock = threading.Lock()
+
+    def link():
+        # stdin until the go (then the supervisor's own link watcher reads it) or the end
+        try:
+            while True:
+                data = os.read(0, 4096)
+                if not data:
+                    break
+                events["beat"] = time.monotonic()
+                if b"!" in data:
+                    break
+                if b"g" in data:
+                    with lock:  # a go counts only for leases held now (one sent before a yield does not)
+                        if events["granted"]:
+                            events["go"] = True
+                            return
+        except OSError:
+            pass
+        events["stop"] = "stopped by ddpfab while waiting for GPUs"
+
+    reader = threading.Thread(target=link, daemon=True)
+    reader.start()
+    fd, path = make_ticket(key, record)
+    held, gpus, said = None, None, None
+    try:
+        while True:
+            if silence and time.monotonic() - events["beat"] > silence:
+                events["stop"] = "controller silent for %.0f s while waiting for GPUs" % silence
+            if events["stop"] is not None:
+                if held:
+                    for h in held:
+                        os.close(h)
+                return None, None, events["stop"]
+            queue = tickets(path if fd is not None else None)
+            ahead = [t for t in queue if t.get("key", "") < key and not t.get("own")]
+            states = lease_state()
+            if held is None:
+                among = grantable(states, ahead, count, pin)
+                if among is not None:
+                    held, gpus, _ = take_leases(count, pin, run_id, among=among)
+                if held is not None:
+                    with lock:
+                        events["granted"] = True
+                    drop_ticket(fd, path)
+                    fd = None
+                    _say("granted GPU %s; waiting for the other nodes" % ",".join(gpus))
+                    said = None
+                else:
+                    text = "waiting: place %d in this node's queue; %s" % (
+                        len(ahead) + 1, "; ".join(describe_leases(states, only=pin or None)) or "GPUs are free, "
+                        "kept for the jobs ahead")
+                    if text != said:
+                        _say(text)
+                        said = text
+            else:
+                for t in ahead:  # an earlier job that cannot get its GPUs here: give ours back
+                    before = [u for u in queue if u.get("key", "") < t.get("key", "") and not u.get("own")]
+                    if grantable(states, before, t.get("count", 0), t.get("pin") or ()) is None:
+                        with lock:
+                            if events["go"]:
+                                break  # too late: the job goes
+                            events["granted"] = False
+                        for h in held:
+                            os.close(h)
+                        held = None
+                        fd, path = make_ticket(key, record)
+                        _say("yielded GPU %s to run %s, which came first" % (",".join(gpus), t.get("run_id", "?")))
+                        break
+                if events["go"]:
+                    return held, gpus, None
+            time.sleep(WAIT_POLL_S)
+    finally:
+        if fd is not None:
+            drop_ticket(fd, path)
+
+
+def _keep_leases_fresh(fds):
+    while True:
+        time.sleep(TOUCH_S)
+        touch_leases(fds)
 
 
 def stop_job(run_dir, grace):

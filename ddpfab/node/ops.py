@@ -41,6 +41,7 @@ try:  # as a module of ddpfab; on a node their source comes first in the same pr
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
     from .agent import _detach_stdin, read_exactly, read_frame, stop_job
     from .agent import main as supervise_job
+    from .leases import LEASE_DIR, LeaseError, lease_state, read_fields, reserve_port, tickets, uses_leases
     from .treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
                            rel_ok)
     from .workdir import WorkdirError
@@ -153,6 +154,26 @@ def env_changes(before_hex, after):
             "unset": sorted(k for k in before if k not in after and k not in _SHELL_VARS)}
 
 
+def _find_port(req, session):
+    """A free port in ``find_port`` = [lo, hi, start], looked for from start; on a node that leases
+    (:func:`ddpfab.node.leases.uses_leases`) also one no other run has reserved, reserved here for
+    run ``reserve_for`` (the session keeps the reservation's descriptor while it lives)."""
+    lo, hi, start = req["find_port"]
+    span = hi - lo + 1
+    reserve = req.get("reserve_for") if isinstance(req.get("reserve_for"), str) and uses_leases() else None
+    for i in range(span):
+        port = lo + (start - lo + i) % span
+        if not _port_free(port):
+            continue
+        if reserve:
+            fd = reserve_port(port, reserve)
+            if fd is None:
+                continue  # another job's, probed at the same time or waiting for its start
+            session.setdefault("port_leases", []).append(fd)
+        return port
+    return None
+
+
 def op_facts(req, session):
     """Hostname, python, torch, workdir and script, a free port (or whether the user's is free),
     name resolution, the interface towards each peer, GPUs; with ``full`` torch is imported."""
@@ -165,10 +186,7 @@ def op_facts(req, session):
     if req.get("port"):
         out["port_free"] = _port_free(req["port"])
     if req.get("find_port"):
-        lo, hi, start = req["find_port"]
-        span = hi - lo + 1
-        out["free_port"] = next((lo + (start - lo + i) % span for i in range(span)
-                                 if _port_free(lo + (start - lo + i) % span)), None)
+        out["free_port"] = _find_port(req, session)
         session["free_port"] = out["free_port"]
     wd = os.path.expanduser(req["workdir"])
     out["workdir_exists"] = os.path.isdir(wd)
@@ -202,6 +220,8 @@ def op_facts(req, session):
             out["nvidia_gpus"], out["driver"] = len(lines), (lines[0] if lines else None)
         except (OSError, subprocess.SubprocessError) as exc:
             out["nvidia_error"] = str(exc)
+    if req.get("leases"):
+        out["leases"] = _leases_or_error()
     if req.get("full") and out["torch"]:
         try:
             import torch
@@ -375,7 +395,25 @@ def op_ps(req, session):
                 state = "running"
         runs.append({"run_id": rid, "state": state, "exit_code": code, "started": rec.get("started"),
                      "agent_pid": pid, "dir": d})
-    return {"runs": runs, "now": time.time()}
+    out = {"runs": runs, "now": time.time()}
+    if req.get("leases"):
+        out["leases"] = _leases_or_error()
+    return out
+
+
+def _leases_or_error():
+    """Every GPU's lease state (:func:`ddpfab.node.leases.lease_state`), or ``{"error": why}``."""
+    try:
+        return {"gpus": lease_state()}
+    except (LeaseError, OSError, subprocess.SubprocessError) as exc:
+        return {"error": str(exc)}
+
+
+def op_leases(req, session):
+    """This node's GPU leases: each GPU free, leased (by whom) or busy without a lease."""
+    out = dict(_leases_or_error(), now=time.time())
+    out["queue"] = tickets() if os.path.isdir(LEASE_DIR) else []
+    return out
 
 
 def op_stop(req, session):
@@ -645,22 +683,7 @@ def lock_path(real):
 def read_holder(fd):
     """Who holds the lock of open lock file *fd*, as the holder wrote it: only fields of the right
     type (a short printable string, a positive number); {} when nothing valid is there."""
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        data = json.loads(os.read(fd, 4096).decode("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key, kind in HOLDER_FIELDS if isinstance(data, dict) else ():
-        v = data.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
-            continue
-        if isinstance(v, str) and (len(v) > 512 or not v.isprintable()):
-            continue
-        if not isinstance(v, str) and v <= 0:
-            continue
-        out[key] = v
-    return out
+    return read_fields(fd, HOLDER_FIELDS, longest=512)
 
 
 def op_lock(req, session):
@@ -746,7 +769,7 @@ def _treehash(fn):
 #: Operations with one reply each.
 OPS = {
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
-    "ps": op_ps, "stop": op_stop, "rank_logs": op_rank_logs,
+    "ps": op_ps, "stop": op_stop, "leases": op_leases, "rank_logs": op_rank_logs,
     "perf_place": op_perf_place, "perf_clean": op_perf_clean, "replica_stat": op_replica_stat,
     "probe": _locked(_treehash(node_probe)), "commit": _locked(_treehash(node_commit)), "hash": _treehash(node_hash),
     "lock": op_lock, "unlock": op_unlock,

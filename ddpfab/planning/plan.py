@@ -106,6 +106,10 @@ class RunOptions:
         script_local_rank: with ``launcher="torchrun"``, also give each rank its local rank as
             ``local_rank_arg=N`` (the script declares that argument and may never read
             LOCAL_RANK): torchrun substitutes ``${local_rank}`` in the workers' arguments.
+        gpus_per_node: GPUs each node's supervisor leases for the job (``--gpus-per-node``); None:
+            what the node's processes need (see :func:`gpu_lease`).
+        wait: ``--wait``: a node whose GPUs are leased or busy queues the job until they are free,
+            instead of refusing it.
     """
 
     script: str
@@ -125,6 +129,8 @@ class RunOptions:
     module: bool = False
     secret_env: tuple[str, ...] = ()
     script_local_rank: bool = False
+    gpus_per_node: int | None = None
+    wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,8 @@ class NodePlan:
         remote_dir: the run's record dir on the node (torchrun's per-rank logs go under it).
         env: the ranks' environment, by key (secret values masked by key when shown or recorded).
         shared_dir: the node's ``ddpfab_shared_dir`` (file:// init), None when unset.
+        gpus: GPUs its supervisor leases before starting (:func:`gpu_lease`); 0: none (a CPU node).
+        gpu_pin: the GPUs it must lease (``ddpfab_gpu_ids``); empty: any free ones.
     """
 
     name: str
@@ -195,11 +203,13 @@ class NodePlan:
     python_from: str = "default"
     setup: tuple[str, ...] = ()
     conda_env: str | None = None
+    gpus: int = 0
+    gpu_pin: tuple[str, ...] = ()
 
 
 #: NodePlan fields later than the first recorded plans: a recorded plan without one is not
 #: different for lacking it (its default is what that plan meant).
-LATER_NODE_FIELDS = ("python_from", "setup", "conda_env")
+LATER_NODE_FIELDS = ("python_from", "setup", "conda_env", "gpus", "gpu_pin")
 
 
 @dataclass(frozen=True)
@@ -225,6 +235,8 @@ class Plan:
         secret_env: env keys whose values are masked wherever the plan is shown or recorded
             (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
             :mod:`ddpfab.planning.masking`'s rule.
+        wait: ``--wait``: the nodes' supervisors queue for their GPU leases (each node's ``gpus``)
+            and start the job together once every node holds them.
     """
 
     run_id: str
@@ -249,6 +261,7 @@ class Plan:
     module: bool = False
     secret_env: tuple[str, ...] = ()
     script_local_rank: bool = False
+    wait: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -281,7 +294,8 @@ class Plan:
             unknown = sorted(set(n) - node_fields)
             if unknown:
                 raise ValueError(f"plan: node {n.get('name')!r}: unknown field(s) {', '.join(unknown)}")
-            nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {}), "setup": tuple(n.get("setup") or ())}))
+            nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {}), "setup": tuple(n.get("setup") or ()),
+                                     "gpu_pin": tuple(n.get("gpu_pin") or ())}))
         data["args"] = tuple(data["args"])
         data["secret_env"] = tuple(data.get("secret_env") or ())
         data["nodes"] = tuple(nodes)
@@ -364,6 +378,37 @@ def nproc_for(node: Node, options: RunOptions, gpus: int | None = None, cpus: in
     if node.gpus:
         return node.gpus
     return 1
+
+
+def gpu_lease(node: Node, options: RunOptions, nproc: int, gpus: int | None = None) -> int:
+    """How many GPUs *node*'s supervisor leases for the job: ``--gpus-per-node``, else the
+    length of its pinned list (``ddpfab_gpu_ids``), else one per process, at most its GPUs; 0 on a
+    node without GPUs (nothing to lease). More than the node has (or than its pinned list holds) is
+    a PlanError naming the node.
+
+    Args:
+        node: the node, with its inventory's GPU list and count.
+        options: what the user asked (``gpus_per_node``).
+        nproc: the node's processes, as decided (:func:`nproc_for`).
+        gpus: its GPU count as probed; None when not probed (an offline plan: the inventory's
+            ``ddpfab_gpus``, else the pinned list, says what it has).
+    """
+    have = gpus if gpus is not None else (node.gpus if node.gpus is not None else len(node.gpu_ids or ()))
+    asked = options.gpus_per_node
+    if asked is not None and asked < 0:
+        raise PlanError(f"--gpus-per-node {asked}: expected a number >= 0")
+    if gpus == 0 and not asked:
+        return 0  # probed: no nvidia-smi there (a pinned list is then only CUDA_VISIBLE_DEVICES, as asked)
+    if node.gpu_ids:
+        if asked is not None and asked != len(node.gpu_ids):
+            raise PlanError(f"host {node.name}: --gpus-per-node {asked} but ddpfab_gpu_ids pins "
+                            f"{len(node.gpu_ids)} ({','.join(node.gpu_ids)}); give {len(node.gpu_ids)} or change the pin")
+        return len(node.gpu_ids)
+    want = asked if asked is not None else min(nproc, have)
+    if want > have:
+        raise PlanError(f"host {node.name}: --gpus-per-node {want}, but it has {have} GPU{'' if have == 1 else 's'} "
+                        "(nvidia-smi's count)")
+    return want
 
 
 def _nproc_word(node: Node, word: str, gpus: int | None, cpus: int | None) -> int:
@@ -654,7 +699,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
             name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
             node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
             workdir=workdir, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir,
-            **node_python(node), setup=node.setup, conda_env=node.conda_env))
+            **node_python(node), setup=node.setup, conda_env=node.conda_env,
+            gpus=gpu_lease(node, options, nproc, facts.gpus.get(node.name)), gpu_pin=tuple(node.gpu_ids or ())))
     return Plan(
         run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
         master_addr=master_addr, master_port=port, nnodes=len(ordered),
@@ -663,7 +709,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg,
         unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
         module=options.module, secret_env=secret_env(cluster, options),
-        script_local_rank=options.script_local_rank and options.launcher == "torchrun")
+        script_local_rank=options.script_local_rank and options.launcher == "torchrun",
+        wait=options.wait and any(n.gpus for n in nodes))
 
 
 def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:

@@ -143,16 +143,19 @@ def cpu_count(raw: dict) -> int | None:
 
 def facts_request(node: Node, *, workdir: str, script: str | None, port: int | None = None,
                   find_port: bool = False, peers: dict[str, str] | None = None,
-                  resolve_names: list[str] | None = None, full: bool = False) -> dict:
-    """The node program's ``facts`` request (see :func:`ddpfab.node.ops.op_facts`)."""
+                  resolve_names: list[str] | None = None, full: bool = False, reserve_for: str | None = None) -> dict:
+    """The node program's ``facts`` request (see :func:`ddpfab.node.ops.op_facts`); with
+    *reserve_for* (a run id) the port found is reserved for that run where the node leases."""
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
-                 "resolve": resolve_names or [], "full": full}
+                 "resolve": resolve_names or [], "full": full, "leases": True}
     if port:
         req["port"] = port
     if find_port:
         lo, hi = DEFAULT_PORT_RANGE
         # start at a random place so two jobs probing at once rarely pick the same port
         req["find_port"] = [lo, hi, random.randint(lo, hi)]
+        if reserve_for:
+            req["reserve_for"] = reserve_for
     return req
 
 
@@ -188,8 +191,9 @@ def probe_node(conn: Connection, node: Node, **request) -> NodeFacts:
 
 
 def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
-             master_port: int | None, full: bool = False) -> dict[str, dict]:
-    """Every node's ``facts`` request: the master's asks for the port, each names its peers."""
+             master_port: int | None, full: bool = False, run_id: str | None = None) -> dict[str, dict]:
+    """Every node's ``facts`` request: the master's asks for the port (reserved for *run_id*,
+    when given, where the master leases), each names its peers."""
     addresses = {}
     for n in cluster.nodes:
         try:
@@ -201,7 +205,8 @@ def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cw
         node, workdir=node.workdir or cwd, script=script or None,  # absolute paths too: the node joins and checks it
         port=master_port if node.name == master.name else None,
         find_port=node.name == master.name and master_port is None,
-        peers={k: v for k, v in addresses.items() if k != node.name}, resolve_names=names, full=full)
+        peers={k: v for k, v in addresses.items() if k != node.name}, resolve_names=names, full=full,
+        reserve_for=run_id)
         for node in cluster.nodes if node.name in conns}
 
 

@@ -45,12 +45,12 @@ def lab(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def own_lab(tmp_path_factory, name: str, hosts: int, subnet: str):
+def own_lab(tmp_path_factory, name: str, hosts: int, subnet: str, gpus: int = 0):
     """A lab in a new temp dir, taken down whatever happens. Its hosts see the tests' own temp
     dirs (scripts, inventories) as a shared filesystem would show them; the rest of the
     controller's /tmp stays out of their sight."""
     lab_dir = tmp_path_factory.mktemp(name)
-    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, share=[tmp_path_factory.getbasetemp()])
+    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, share=[tmp_path_factory.getbasetemp()], gpus=gpus)
     try:
         yield the_lab
     finally:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpfab import lab as labmod
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "lab" / "scripts"
 
@@ -27,6 +29,17 @@ def start_ddpfab(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ddpfab", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=cwd,
                             env={**os.environ, "NO_COLOR": "1"})
+
+
+def host_sh(lab, name: str, script: str, user: str | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """*script* run inside lab host *name* (all its namespaces), as root or as *user*."""
+    init = labmod._child_pid(lab.host(name).pid)
+    # HOME as a login on the host has it: nsenter keeps this process's, and the suite may run with
+    # another HOME (a fresh one in CI), so `~` would name a dir the node's ssh sessions never use
+    argv = ["nsenter", "-t", str(init), "-a", "env", "HOME=/root", "sh", "-c", script]
+    if user:
+        argv = ["nsenter", "-t", str(init), "-a", "runuser", "-u", user, "--", "sh", "-c", script]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
 
 
 def reports(stdout: str) -> list[dict]:

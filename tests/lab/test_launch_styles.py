@@ -185,12 +185,12 @@ def test_a_local_rank_script_gets_each_ranks_local_rank_under_torchrun(lab, inve
 
 
 def test_nproc_gpu_counts_what_nvidia_smi_lists_on_each_node(lab, tmp_path, shared_dir):
-    """``--nproc-per-node gpu`` on nodes whose nvidia-smi (tests/infra/fake-nvidia-smi, first on the
+    """``--nproc-per-node gpu`` on nodes whose nvidia-smi (ddpfab/lab/fake-nvidia-smi, first on the
     PATH of the nodes' python through a wrapper in the shared dir) lists two GPUs: two ranks each,
     decided from the probe; the CPU-only torch runs them on gloo."""
     fake_bin = shared_dir / "bin"
     fake_bin.mkdir()
-    shutil.copy(Path(__file__).resolve().parents[1] / "infra" / "fake-nvidia-smi", fake_bin / "nvidia-smi")
+    shutil.copy(Path(__file__).resolve().parents[2] / "ddpfab" / "lab" / "fake-nvidia-smi", fake_bin / "nvidia-smi")
     wrapper = shared_dir / "python"
     wrapper.write_text(f'#!/bin/sh\nPATH={fake_bin}:$PATH exec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)

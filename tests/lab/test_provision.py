@@ -37,7 +37,7 @@ TORCH = "2.13.0"
 #: Host python for the listener/connector probes inside the hosts' network namespaces.
 PROBE_PYTHON = "/usr/bin/python3"
 #: A stand-in nvidia-smi (two H200s); lab hosts see the controller's checkout.
-FAKE_SMI = str(REPO / "tests/infra/fake-nvidia-smi")
+FAKE_SMI = str(REPO / "ddpfab/lab/fake-nvidia-smi")
 
 LISTEN = r"""
 import socket, sys, threading

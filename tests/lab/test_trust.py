@@ -29,7 +29,7 @@ from ddpfab import lab as labmod
 from ddpfab.planning import render
 from ddpfab.planning.plan import Plan
 
-from .helpers import REPO, ddpfab, reports, start_ddpfab, wait_no_processes
+from .helpers import REPO, ddpfab, host_sh, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
 #: A secret with both quotes, a `$(...)`, a backslash and a space: what string masking missed.
@@ -55,17 +55,6 @@ def written_forms(key: str, value: str) -> list[str]:
 SECRET_FORMS = "\n".join([*written_forms("HF_TOKEN", QUOTED), *written_forms("API_KEY", ONE),
                           *written_forms("DB_PASSWORD", TYPED)]) + "\n"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
-
-
-def host_sh(lab, name: str, script: str, user: str | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """*script* run inside lab host *name* (all its namespaces), as root or as *user*."""
-    init = labmod._child_pid(lab.host(name).pid)
-    # HOME as a login on the host has it: nsenter keeps this process's, and the suite may run with
-    # another HOME (a fresh one in CI), so `~` would name a dir the node's ssh sessions never use
-    argv = ["nsenter", "-t", str(init), "-a", "env", "HOME=/root", "sh", "-c", script]
-    if user:
-        argv = ["nsenter", "-t", str(init), "-a", "runuser", "-u", user, "--", "sh", "-c", script]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
 
 
 @pytest.fixture(scope="module")

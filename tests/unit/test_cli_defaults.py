@@ -33,6 +33,7 @@ ARGS = {
     "export pytorchjob": ["--image", "img", "t.py"],
     "export trainjob": ["--image", "img", "t.py"],
     "ps": [],
+    "queue": [],
     "stop": ["r1"],
     "logs": ["r1"],
     "provision": [],

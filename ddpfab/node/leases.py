@@ -1,0 +1,413 @@
+"""GPU leases on a node (part of the node program: stdlib only, Python 3.6+).
+
+One lock file per GPU in :data:`LEASE_DIR`, a directory every user of the node can use (mode 1777,
+like /tmp). A lease is an exclusive ``flock`` on the GPU's file, taken by the job's supervisor
+before it starts the job and held (the descriptor open) for as long as the supervisor lives: the
+kernel releases it however the supervisor ends, SIGKILL included, so no lease outlives its job.
+``flock`` needs only an open descriptor, so any user can take a free GPU's lock, whoever created
+the file; the holder writes who it is (run id, user, pid, since) into the file when it can write
+there, and readers take that as data (:func:`read_lease_holder`: typed fields only), and only while the
+lock is really held (a free lock's file may still hold its last holder's words).
+
+GPUs that a process uses without a lease (another tool's job: ``nvidia-smi --query-compute-apps``)
+are busy too: they are never granted, and shown with their processes.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import time
+
+#: Where every user's leases meet (one file per GPU, ``gpu-INDEX.lock``). ``DDPFAB_LEASE_DIR``
+#: overrides it (tests of one host's leases in a private dir).
+LEASE_DIR = os.environ.get("DDPFAB_LEASE_DIR") or "/tmp/ddpfab-leases"
+#: The fields of a holder record a reader takes, each with its type.
+LEASE_FIELDS = (("run_id", str), ("user", str), ("pid", int), ("since", float), ("gpus", list), ("until", float))
+#: How long a master port the probe found free stays reserved for its run after the probe's
+#: session ended, until the master's supervisor takes it for the job's life: jobs probed or
+#: released from the queue at the same instant never pick the same port.
+PORT_RESERVE_S = 120.0
+#: A supervisor refreshes its lease files' times this often, so /tmp cleaners (systemd-tmpfiles
+#: removes files unused for 10 days) never remove a held lease's file.
+TOUCH_S = 3600.0
+
+
+class LeaseError(Exception):
+    """The lease dir cannot be used safely, or a GPU asked for does not exist; the message says why."""
+
+
+def lease_dir():
+    """The lease dir, made (mode 1777) when missing; refused when it is not what it must be: a real
+    directory (not a link) that is sticky and writable by all, or owned by root or by us."""
+    d = LEASE_DIR
+    try:
+        os.mkdir(d, 0o700)
+        os.chmod(d, 0o1777)  # mkdir's mode passes through the umask
+    except OSError as exc:
+        if exc.errno != errno.EEXIST:
+            raise LeaseError("cannot make the GPU lease dir %s: %s" % (d, exc.strerror))
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise LeaseError("%s is not a directory (a link or a file): GPU leases need it as a directory" % d)
+    if st.st_mode & 0o1777 != 0o1777:
+        raise LeaseError("%s has mode %o, not 1777: not every user can lease GPUs there (fix: chmod 1777 %s)"
+                         % (d, st.st_mode & 0o7777, d))
+    return d
+
+
+def gpu_table():
+    """This node's GPUs as nvidia-smi lists them: [(index, uuid)], or [] without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20).stdout
+    table = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[0].isdigit():
+            table.append((parts[0], parts[1]))
+    return table
+
+
+def _ancestors(pid):
+    """*pid* and its ancestors (by /proc, readable for every user's processes)."""
+    seen = []
+    while pid > 1 and pid not in seen:
+        seen.append(pid)
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as fh:
+                data = fh.read()
+            pid = int(data[data.rfind(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
+
+
+def compute_apps(table):
+    """GPU index -> [{"pid", "name"}] of the processes nvidia-smi says use it."""
+    if not table or not shutil.which("nvidia-smi"):
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,process_name", "--format=csv,noheader"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20).stdout
+    index = dict((uuid, i) for i, uuid in table)
+    apps = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",", 2)]
+        if len(parts) == 3 and parts[0] in index and parts[1].isdigit():
+            apps.setdefault(index[parts[0]], []).append({"pid": int(parts[1]), "name": parts[2][:200]})
+    return apps
+
+
+def _lease_path(gpu):
+    return os.path.join(LEASE_DIR, "gpu-%s.lock" % gpu)
+
+
+def _open_lease(path):
+    """The lock file, opened for writing where we may (else read-only: flock needs no more), made
+    when missing (mode 0666 so that later holders of other users can write who they are). Never
+    through a link. An existing file is opened without O_CREAT: the kernel's protected_regular
+    refuses O_CREAT on another user's file in a sticky dir."""
+    flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        for mode in (os.O_RDWR, os.O_RDONLY):
+            try:
+                fd = os.open(path, mode | flags)
+            except OSError as exc:
+                if exc.errno == errno.EACCES and mode == os.O_RDWR:
+                    continue
+                if exc.errno != errno.ENOENT:
+                    raise
+                break
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise LeaseError("%s is not a regular file; GPU leases refuse it" % path)
+            return fd
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o666)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                continue  # another user made it meanwhile: open theirs
+            raise
+        os.fchmod(fd, 0o666)
+        return fd
+
+
+def read_fields(fd, fields, longest=200):
+    """The JSON object in open file *fd*, only its *fields* ((name, type) pairs) of the right type:
+    a printable string of at most *longest* characters, a positive number, a list of short
+    printable strings; {} when none is valid. (Lock and lease files: whoever wrote them, what
+    they hold is data, checked, never trusted.)"""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = json.loads(os.read(fd, 4096).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for key, kind in fields if isinstance(data, dict) else ():
+        v = data.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
+            continue
+        if isinstance(v, str) and (len(v) > longest or not v.isprintable()):
+            continue
+        if isinstance(v, (int, float)) and v <= 0:
+            continue
+        if kind is list:
+            v = [g for g in v[:64] if isinstance(g, str) and len(g) < 80 and g.isprintable()]
+        out[key] = v
+    return out
+
+
+def read_lease_holder(fd):
+    """Who holds the lease of open file *fd*, as written (:func:`read_fields`)."""
+    return read_fields(fd, LEASE_FIELDS)
+
+
+def _try_flock(fd):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def lease_state(table=None):
+    """Every GPU's state: [{"gpu", "uuid", "state": free|leased|busy, "holder", "procs"}]. A leased
+    GPU names its holder; a busy one (used without a lease) its processes."""
+    table = gpu_table() if table is None else table
+    if not table:
+        return []  # no GPU: nothing to lease, and no lease dir made
+    lease_dir()
+    apps = compute_apps(table)
+    out = []
+    for gpu, uuid in table:
+        fd = _open_lease(_lease_path(gpu))
+        try:
+            if _try_flock(fd):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                holder = None
+            else:
+                holder = read_lease_holder(fd)
+        finally:
+            os.close(fd)
+        procs = apps.get(gpu, [])
+        if holder is not None and holder.get("pid"):  # its own job's processes are no foreign use
+            procs = [p for p in procs if holder["pid"] not in _ancestors(p["pid"])]
+        st = "leased" if holder is not None else ("busy" if procs else "free")
+        out.append({"gpu": gpu, "uuid": uuid, "state": st, "holder": holder, "procs": procs})
+    return out
+
+
+def lease_user():
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def pinned_gpus(table, pin):
+    """The GPU indexes a pin (``ddpfab_gpu_ids``: indexes or UUIDs) names on this node, in order;
+    LeaseError for one the node does not have."""
+    by_uuid = dict((u, i) for i, u in table)
+    indexes = [i for i, _ in table]
+    out = []
+    for g in pin:
+        g = str(g)
+        i = g if g in indexes else by_uuid.get(g)
+        if i is None:
+            raise LeaseError("GPU %s is not on this node (nvidia-smi lists %s)" % (g, ", ".join(indexes) or "none"))
+        out.append(i)
+    return out
+
+
+def take_leases(count, pin, run_id, table=None, among=None):
+    """Lease *count* GPUs (the pinned ones, when *pin*; only of *among*, when given), none of them
+    leased or busy. Returns
+    ``(fds, gpus, None)`` when granted (keep the fds open: they are the lease), else
+    ``(None, None, states)`` with every GPU's state (nothing is held then)."""
+    table = gpu_table() if table is None else table
+    lease_dir()
+    candidates = pinned_gpus(table, pin) if pin else [i for i, _ in table]
+    if among is not None:
+        candidates = [g for g in candidates if g in among]
+    if count > len(candidates):
+        raise LeaseError("%d GPUs asked, this node has %d%s" % (count, len(candidates), " pinned" if pin else ""))
+    busy = set(i for i, procs in compute_apps(table).items() if procs)
+    fds, got = [], []
+    for gpu in candidates:
+        if len(got) == count:
+            break
+        if gpu in busy:
+            continue
+        fd = _open_lease(_lease_path(gpu))
+        # a reader (lease_state) holds a free GPU's lock for microseconds: one second look
+        if _try_flock(fd) or (time.sleep(0.01) or _try_flock(fd)):
+            fds.append(fd)
+            got.append(gpu)
+        else:
+            os.close(fd)
+    if len(got) < count:
+        for fd in fds:
+            os.close(fd)  # closing the only descriptor releases its flock
+        return None, None, lease_state(table)
+    record = json.dumps({"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(),
+                         "gpus": got}).encode("utf-8")
+    for fd in fds:
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, record)
+        except OSError:
+            pass  # a read-only descriptor (another user's file, made unwritable): the lock still holds
+    return fds, got, None
+
+
+def touch_leases(fds):
+    """Refresh the lease files' times (see :data:`TOUCH_S`)."""
+    for fd in fds:
+        try:
+            os.utime(fd)
+        except (OSError, NotImplementedError, TypeError):
+            pass
+
+
+def describe_leases(states, only=None):
+    """One line per GPU that is not free (among *only*): who holds it, or what uses it."""
+    lines = []
+    for s in states:
+        if s["state"] == "free" or (only is not None and s["gpu"] not in only):
+            continue
+        if s["state"] == "leased":
+            h = s["holder"] or {}
+            age = time.time() - h["since"] if isinstance(h.get("since"), float) else None
+            lines.append("GPU %s leased by run %s (user %s, pid %s%s)" % (
+                s["gpu"], h.get("run_id", "?"), h.get("user", "?"), h.get("pid", "?"),
+                ", for %.0f s" % age if age is not None else ""))
+        else:
+            lines.append("GPU %s busy without a lease: %s" % (
+                s["gpu"], ", ".join("pid %d (%s)" % (p["pid"], p["name"]) for p in s["procs"])))
+    return lines
+
+
+def uses_leases():
+    """Whether this node takes part in leasing: it has GPUs to lease (nvidia-smi) or a lease dir.
+    (A CPU node without one is left as it was: no lease dir is made there.)"""
+    return bool(shutil.which("nvidia-smi")) or os.path.isdir(LEASE_DIR)
+
+
+def reserve_port(port, run_id, hold=False):
+    """Reserve master port *port* for run *run_id* (a flock on ``port-PORT.lock`` and a record):
+    for :data:`PORT_RESERVE_S` after this process ends, or, with *hold* (the job's supervisor),
+    for as long as it lives. Returns the descriptor to keep open, or None when another run has it
+    (its supervisor holds it, or its reservation has not run out)."""
+    lease_dir()
+    fd = _open_lease(os.path.join(LEASE_DIR, "port-%d.lock" % int(port)))
+    deadline = time.monotonic() + (10.0 if hold else 0.0)  # the own probe's session may still be ending
+    while not _try_flock(fd):
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            return None
+        time.sleep(0.05)
+    rec = read_lease_holder(fd)
+    if rec.get("run_id") not in (None, run_id) and rec.get("until", 0.0) > time.time():
+        os.close(fd)
+        return None
+    now = time.time()
+    record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": now}
+    if not hold:
+        record["until"] = now + PORT_RESERVE_S
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps(record).encode("utf-8"))
+    except OSError:
+        pass
+    return fd
+
+
+# -- the queue: tickets in arrival order ----------------------------------------------------------
+#: A waiting job's ticket: ``wait-KEY.ticket``, KEY = its arrival time (the controller's, the same
+#: on every node of the job) and run id, so every node orders the same jobs the same way. The
+#: waiter holds an exclusive flock on its ticket while it waits: a dead waiter's ticket is free,
+#: and ignored by everyone (and removed by the next waiter of the same user).
+TICKET_FIELDS = (("run_id", str), ("user", str), ("pid", int), ("since", float), ("count", int), ("pin", list),
+                 ("key", str))
+
+
+def ticket_key(arrival, run_id):
+    return "%017.6f-%s" % (float(arrival), run_id)
+
+
+def make_ticket(key, record):
+    """This job's ticket in the queue (its flock held): the descriptor and path."""
+    path = os.path.join(lease_dir(), "wait-%s.ticket" % key)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(dict(record, key=key)).encode("utf-8"))
+    return fd, path
+
+
+def drop_ticket(fd, path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def tickets(own_path=None):
+    """The live tickets in the queue, in arrival order (their waiters hold their flocks); a dead
+    waiter's ticket of this user is removed on the way."""
+    d = LEASE_DIR
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(d) if n.startswith("wait-") and n.endswith(".ticket"))
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(d, name)
+        if path == own_path:
+            out.append({"key": name[5:-7], "own": True})
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            if _try_flock(fd):  # nobody waits on it: a dead waiter's
+                if os.fstat(fd).st_uid == os.getuid():
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+                continue
+            rec = read_fields(fd, TICKET_FIELDS)
+            if rec.get("key") == name[5:-7]:
+                out.append(rec)
+        finally:
+            os.close(fd)
+    return out
+
+
+def grantable(states, ahead, count, pin):
+    """The free GPUs a job asking *count* GPUs (or the pinned ones) may take now, or None: what is
+    left after every ticket *ahead* of it has been given, in order, what it asks of the free GPUs
+    (a large job first in line keeps the GPUs it waits for: no starvation by small ones)."""
+    free = [s["gpu"] for s in states if s["state"] == "free"]
+    index = dict((s["uuid"], s["gpu"]) for s in states)
+    for t in ahead:
+        want = [index.get(g, g) for g in t.get("pin") or ()]
+        if want:
+            free = [g for g in free if g not in want]
+        else:
+            free = free[t.get("count", 0):]
+    if pin:
+        return free if all(index.get(g, g) in free for g in pin) else None
+    return free if len(free) >= count else None

@@ -1,0 +1,173 @@
+"""GPU leases without a network: the node side (real flocks in a private lease dir, the lab's
+stand-in nvidia-smi on PATH), the plan's lease request, the controller's reading of what nodes
+report (validated data) and its refusal, the queue's order and the go gate of ``--wait``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import leases as ctl
+from ddpfab.node import leases
+from ddpfab.planning.plan import PlanError, RunOptions, gpu_lease
+
+STAND_IN = Path(leases.__file__).resolve().parents[1] / "lab" / "fake-nvidia-smi"
+
+
+@pytest.fixture
+def node_gpus(tmp_path, monkeypatch):
+    """Four stand-in GPUs and a private lease dir."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").symlink_to(STAND_IN)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("DDPFAB_STANDIN_GPUS", "4")
+    monkeypatch.setattr(leases, "LEASE_DIR", str(tmp_path / "leases"))
+    return tmp_path / "leases"
+
+
+def test_leases_are_never_granted_twice_and_name_their_holder(node_gpus):
+    fds, got, _ = leases.take_leases(3, [], "first")
+    assert got == ["0", "1", "2"]
+    assert oct(node_gpus.stat().st_mode & 0o7777) == "0o1777"
+    again, none, states = leases.take_leases(2, [], "second")
+    assert again is None and none is None
+    assert [s["state"] for s in states] == ["leased", "leased", "leased", "free"]
+    assert states[0]["holder"]["run_id"] == "first" and states[0]["holder"]["pid"] == os.getpid()
+    assert leases.describe_leases(states)[0].startswith("GPU 0 leased by run first (user ")
+    pinned, gpus, _ = leases.take_leases(1, ["GPU-6f1b2c3d-0000-4000-8000-000000000003"], "third")
+    assert gpus == ["3"]  # a UUID pin is the same GPU as its index: one lock file per GPU
+    for fd in fds + pinned:
+        os.close(fd)
+    assert {s["state"] for s in leases.lease_state()} == {"free"}
+
+
+def test_sigkill_of_the_holder_releases_its_leases(node_gpus):
+    code = ("import sys, time; sys.path.insert(0, %r); from ddpfab.node import leases; leases.LEASE_DIR = %r; "
+            "fds, g, _ = leases.take_leases(4, [], 'doomed'); print(g, flush=True); time.sleep(60)"
+            % (str(Path(__file__).resolve().parents[2]), str(node_gpus)))
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "['0', '1', '2', '3']"
+        assert {s["state"] for s in leases.lease_state()} == {"leased"}
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    fds, got, _ = leases.take_leases(4, [], "next")
+    assert got == ["0", "1", "2", "3"]
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_gpu_used_without_a_lease_is_busy(node_gpus, tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    script = STAND_IN.read_text().replace("conf=/etc/ddpfab-stand-in", f"conf={conf}")
+    (tmp_path / "bin" / "nvidia-smi").unlink()
+    (tmp_path / "bin" / "nvidia-smi").write_text(script)
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+    (conf / "compute-apps").write_text(f"1 {os.getpid()} other-tool\n")
+    fds, got, _ = leases.take_leases(3, [], "r")
+    assert got == ["0", "2", "3"]
+    states = leases.lease_state()
+    assert states[1]["state"] == "busy" and states[1]["procs"] == [{"pid": os.getpid(), "name": "other-tool"}]
+    for fd in fds:
+        os.close(fd)
+
+
+def test_the_queue_keeps_gpus_for_the_job_first_in_line():
+    """Two of four GPUs free; a 4-GPU job waits first in line: a 1-GPU job behind it gets none
+    (no starvation of the large job), one with nobody ahead gets one."""
+    states = [{"gpu": str(i), "uuid": f"u{i}", "state": s} for i, s in enumerate(["leased", "leased", "free", "free"])]
+    big = {"key": "1", "count": 4, "pin": []}
+    assert leases.grantable(states, [big], 1, []) is None
+    assert leases.grantable(states, [], 1, []) == ["2", "3"]
+    assert leases.grantable(states, [{"key": "1", "count": 0, "pin": ["u2"]}], 1, []) == ["3"]
+    assert leases.grantable(states, [], 0, ["0"]) is None
+
+
+def test_a_ticket_of_a_dead_waiter_leaves_the_queue(node_gpus):
+    leases.lease_dir()
+    fd, path = leases.make_ticket(leases.ticket_key(100.0, "alive"), {"run_id": "alive", "count": 2})
+    dead = node_gpus / f"wait-{leases.ticket_key(50.0, 'dead')}.ticket"
+    dead.write_text('{"run_id": "dead", "key": "%s"}' % leases.ticket_key(50.0, "dead"))  # no flock on it
+    assert [t["run_id"] for t in leases.tickets()] == ["alive"]
+    assert not dead.exists()  # our own user's dead ticket is removed on the way
+    leases.drop_ticket(fd, path)
+    assert leases.tickets() == []
+
+
+def _node(name="n1", gpus=None, gpu_ids=None) -> Node:
+    return Node(name=name, host=name, gpus=gpus, gpu_ids=gpu_ids)
+
+
+def test_the_plan_leases_what_the_processes_need():
+    opts = RunOptions("t.py")
+    assert gpu_lease(_node(), opts, nproc=2, gpus=4) == 2
+    assert gpu_lease(_node(), opts, nproc=8, gpus=4) == 4
+    assert gpu_lease(_node(), opts, nproc=2, gpus=0) == 0  # a CPU node: nothing to lease
+    assert gpu_lease(_node(), RunOptions("t.py", gpus_per_node=3), nproc=1, gpus=4) == 3
+    assert gpu_lease(_node(gpu_ids=("1", "3")), opts, nproc=1, gpus=4) == 2
+    with pytest.raises(PlanError, match="host n1: --gpus-per-node 5, but it has 4 GPUs"):
+        gpu_lease(_node(), RunOptions("t.py", gpus_per_node=5), nproc=1, gpus=4)
+    with pytest.raises(PlanError, match="ddpfab_gpu_ids pins 2"):
+        gpu_lease(_node(gpu_ids=("1", "3")), RunOptions("t.py", gpus_per_node=1), nproc=1, gpus=4)
+
+
+def test_what_a_node_reports_is_read_as_data_and_a_held_gpu_is_refused_by_name():
+    from ddpfab.planning.plan import Facts, make_plan
+
+    cluster = Cluster(nodes=(_node("n1"), _node("n2")), source="inv.yml", group="all")
+    plan = make_plan(cluster, RunOptions("t.py", gpus_per_node=2),
+                     Facts(addresses={"n1": "10.0.0.1", "n2": "10.0.0.2"}, master_port=29500, cwd="/w",
+                           gpus={"n1": 2, "n2": 2}))
+    assert [n.gpus for n in plan.nodes] == [2, 2]
+    free = {"gpus": [{"gpu": "0", "state": "free"}, {"gpu": "1", "state": "free"}]}
+    held = {"gpus": [{"gpu": "0", "state": "leased", "holder": {"run_id": "other", "user": "bob", "pid": 7,
+                                                                "since": "\x1b[2Jnot a number"}},
+                     {"gpu": "1", "state": "busy", "procs": [{"pid": 9, "name": "tool\x1b]0;x"}, {"pid": "no"}]},
+                     {"gpu": "2", "state": "exploded"}, "junk"]}
+    assert ctl.refusals(plan, {"n1": free, "n2": free}) == []
+    (problem,) = ctl.refusals(plan, {"n1": free, "n2": held})
+    assert problem.node == "n2" and problem.check == "gpus_held"
+    assert str(problem).startswith("host n2: 2 GPUs wanted, 0 free: GPU 0 leased by run other (user bob, pid 7); "
+                                   "GPU 1 busy without a lease: pid 9 (tool\\x1b]0;x)")
+    (missing,) = ctl.refusals(plan, {"n1": free, "n2": {"error": "lease dir is a link"}})
+    assert str(missing) == "host n2: cannot lease GPUs: lease dir is a link"
+
+
+def test_the_gate_says_go_when_every_node_holds_its_leases_and_again_after_a_yield():
+    said = []
+    gate = ctl.Gate(["n1", "n2"], lambda: said.append(time.monotonic()))
+    gate.saw("n1", ctl.GRANTED + "0,1; waiting for the other nodes")
+    gate.saw("n2", "ddpfab-agent: waiting: place 1 in this node's queue")
+    assert not said
+    gate.saw("n2", ctl.GRANTED + "2")
+    assert len(said) == 1
+    gate.saw("n1", ctl.YIELDED + "0,1 to run x, which came first")
+    gate.saw("n2", ctl.GRANTED + "2")
+    assert len(said) == 1
+    gate.saw("n1", ctl.GRANTED + "0,1")
+    assert len(said) == 2
+
+
+def test_the_dry_run_shows_each_nodes_lease_request_and_refuses_a_bad_one(tmp_path, monkeypatch, capsys):
+    from ddpfab import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    (tmp_path / "inv.yml").write_text("all:\n  hosts:\n    n1: {ansible_host: 10.0.0.1, ddpfab_gpus: 4}\n"
+                                      "    n2: {ansible_host: 10.0.0.2, ddpfab_gpus: 4, ddpfab_gpu_ids: [1, 3]}\n")
+    assert cli.main(["plan", "--offline", "-i", "inv.yml", "--wait", "t.py"]) == 0
+    assert "# GPU leases: n1 4, n2 2 (pinned 1,3); waits for them (--wait)\n" in capsys.readouterr().out
+    assert cli.main(["plan", "--offline", "-i", "inv.yml", "--gpus-per-node", "3", "t.py"]) == 2
+    assert "host n2: --gpus-per-node 3 but ddpfab_gpu_ids pins 2 (1,3)" in capsys.readouterr().err
+    assert cli.main(["run", "-i", "inv.yml", "--wait", "--detach", "--dry-run", "t.py"]) == 2
+    assert "--wait with --detach" in capsys.readouterr().err
