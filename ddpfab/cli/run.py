@@ -20,7 +20,7 @@ from ddpfab.launch import replicate
 from ddpfab.launch.progress import Ticker
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
-from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, PlanError, master_port
+from ddpfab.planning.plan import EXIT_GUARD_MODES, LOCAL_RANK_ARGS, Facts, PlanError, master_port
 from ddpfab.problems import Problem
 
 
@@ -43,6 +43,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "reaches its peers through")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="torchrun's in-node restarts (default 0)")
+    p.add_argument("--exit-guard", choices=EXIT_GUARD_MODES, default="on",
+                   help="the ranks' exit guard (README: 'A rank that aborts at exit'): on (default) = each rank "
+                        "records that it finished and leaves without the interpreter teardown where gloo can abort "
+                        "it; record = only record (a finished rank that aborts is reported as such, not as a "
+                        "failure); off = nothing in the ranks' interpreter")
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
@@ -336,7 +341,7 @@ def _run_options(args: argparse.Namespace) -> planmod.RunOptions:
         run_id=planmod.check_run_id(args.run_id or new_run_id()), socket_ifname=args.socket_ifname, rdzv=args.rdzv,
         launcher=args.launcher, init_method=args.init_method, debug=args.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(args.secret_env),
-        script_local_rank=to_script)
+        script_local_rank=to_script, exit_guard=args.exit_guard)
 
 
 def _script_and_mode(args: argparse.Namespace) -> tuple[str, tuple[str, ...], bool]:
