@@ -459,6 +459,9 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
     if plan.unresolved:
         print(f"# {plan.unresolved_note()}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
+    if plan.exit_guard != "off":  # the supervisor installs it: a pasted command runs without it
+        print(f"# exit guard: {plan.exit_guard} (ddpfab's node supervisor puts it on the ranks' PYTHONPATH; "
+              "a command pasted by hand runs without it)")
     by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:
         print(f"\n# python on {node['name']}: {nodeenv.describe(by_name[node['name']])}")

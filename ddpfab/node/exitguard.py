@@ -144,7 +144,7 @@ def install(environ=None):
     """Install the guard in this process if it is a rank of a ddpfab job; True if it did."""
     env = os.environ if environ is None else environ
     mode, directory = env.get(MODE_VAR), env.get(DIR_VAR)
-    if mode not in MODES or not directory or "LOCAL_RANK" not in env or env.get(OWNER_VAR):
+    if mode not in MODES or not directory or not env.get("LOCAL_RANK", "").isdigit() or env.get(OWNER_VAR):
         return False
     env[OWNER_VAR] = str(os.getpid())
     real_exit = sys.exit
