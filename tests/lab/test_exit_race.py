@@ -68,7 +68,7 @@ def soak(inventory: Path, tmp_path: Path, runs: int, world: int) -> int:
         argv = upstream(i, tmp_path)
         res, out = run(inventory, tmp_path, *argv)
         assert res.returncode == 0, f"run {i + 1} ({argv[0]}): a finished job reported as failed?\n{out[-4000:]}"
-        assert "ddpfab: failed:" not in res.stderr, out[-3000:]
+        assert "ddpfab: failed:" not in out, out[-3000:]
         assert finished_lines(argv[0], out) == world, f"run {i + 1}: not every rank finished\n{out[-3000:]}"
         aborts += out.count(hints.EXIT_ABORT_LINE)
     return aborts
@@ -94,14 +94,14 @@ def test_a_rank_that_aborts_after_finishing_is_reported_as_such_not_as_a_failure
     env = ("--env", "DRILL_EXIT_ABORT_RANK=3")
     # the guard (default) leaves before the abort: a plain success
     res, out = run(inventory2, tmp_path, *env, DRILL)
-    assert res.returncode == 0 and "all 2 nodes exited 0" in res.stderr, out[-3000:]
+    assert res.returncode == 0 and "all 2 nodes exited 0" in out, out[-3000:]
     assert "Signal 6" not in out and out.count("finished its work") == 4
     # record only: rank 3 aborts after its done record; the run names it and exits 0, with a warning
     res, out = run(inventory2, tmp_path, *env, "--exit-guard", "record", DRILL)
     assert res.returncode == 0, out[-3000:]
     assert ("all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) (known upstream race)"
-            in res.stderr), out[-3000:]
-    assert "ddpfab: warning: a rank aborted" in res.stderr
+            in out), out[-3000:]
+    assert "ddpfab: warning: a rank aborted" in out
     record = manifest(tmp_path)
     assert record["exit_code"] == 0 and record["first_failure"] is None
     assert record["nodes"]["node2"]["exit_race"] == {"ranks": [2, 3], "aborted": [
@@ -109,15 +109,15 @@ def test_a_rank_that_aborts_after_finishing_is_reported_as_such_not_as_a_failure
     assert record["nodes"]["node1"]["exit_code"] == 0 and record["nodes"]["node1"]["exit_race"] is None
     # off: nothing in the ranks' interpreter, and the abort fails the run as it always did
     res, out = run(inventory2, tmp_path, *env, "--exit-guard", "off", DRILL)
-    assert res.returncode != 0 and "failed: node2 (node_rank 1)" in res.stderr, out[-3000:]
+    assert res.returncode != 0 and "failed: node2 (node_rank 1)" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("guard", ["on", "record"])
 def test_a_rank_that_fails_before_finishing_is_still_a_failure(lab, inventory2, tmp_path, guard):
     res, out = run(inventory2, tmp_path, "--exit-guard", guard, "--env", "DRILL_RAISE_RANK=2", DRILL)
     assert res.returncode == 1, out[-3000:]
-    assert "failed: node2 (node_rank 1)" in res.stderr and "RuntimeError: rank 2 fails on purpose" in res.stderr
+    assert "failed: node2 (node_rank 1)" in out and "RuntimeError: rank 2 fails on purpose" in out
     assert "all ranks finished" not in out
     res, out = run(inventory2, tmp_path, "--exit-guard", guard, "--env", "DRILL_EARLY_ABORT_RANK=1", DRILL)
-    assert res.returncode != 0 and "failed: node1 (node_rank 0)" in res.stderr, out[-3000:]
+    assert res.returncode != 0 and "failed: node1 (node_rank 0)" in out, out[-3000:]
     assert "all ranks finished" not in out and manifest(tmp_path)["nodes"]["node1"]["exit_race"] is None
