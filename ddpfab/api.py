@@ -64,6 +64,8 @@ class Options:
         gpus_per_node: GPUs each node's supervisor leases for the job (None: one per process, or
             the inventory's ``ddpfab_gpu_ids``); the job sees exactly those (CUDA_VISIBLE_DEVICES).
         wait: GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing.
+        exit_guard: the ranks' exit guard: ``on`` (each rank records that it finished and leaves
+            without the interpreter teardown where gloo can abort it), ``record`` or ``off``.
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -101,6 +103,7 @@ class Options:
     master_port: int | None = None
     gpus_per_node: int | None = None
     wait: bool = False
+    exit_guard: str = "on"
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -522,7 +525,8 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         run_id=planmod.check_run_id(opts.run_id or new_run_id()), socket_ifname=opts.socket_ifname,
         rdzv=opts.rdzv, launcher=opts.launcher, init_method=opts.init_method, debug=opts.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
-        script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait)
+        script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait,
+        exit_guard=opts.exit_guard)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:

@@ -4,7 +4,9 @@ exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print
 The exit codes of every command, one table (README.md, "Exit codes", prints it; a unit test walks
 every subcommand's error paths against it):
 
-    0    success
+    0    success; for run and replay also a job whose ranks all finished their work and
+         one of which aborted at exit afterwards (the known gloo/torch race, README "A rank that
+         aborts at exit"): its work is done, so 0, with a warning line that names the rank
     1    the command ran and met a failure: a check found problems, a copy failed, a node could
          not be reached or a job not be stopped
     2    refused before anything started or changed: bad input, no inventory, a failed preflight

@@ -15,6 +15,7 @@ from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
 from ddpfab.planning import plan as planmod
+from ddpfab.planning.plan import EXIT_GUARD_MODES
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "reaches its peers through")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="torchrun's in-node restarts (default 0)")
+    p.add_argument("--exit-guard", choices=EXIT_GUARD_MODES, default="on",
+                   help="the ranks' exit guard (README: 'A rank that aborts at exit'): on (default) = each rank "
+                        "records that it finished and leaves without the interpreter teardown where gloo can abort "
+                        "it; record = only record (a finished rank that aborts is reported as such, not as a "
+                        "failure); off = nothing in the ranks' interpreter")
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
@@ -202,6 +208,9 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
                            for n in plan.nodes if n.gpus)
         print(f"# GPU leases: {leased}; {'waits for them (--wait)' if plan.wait else 'refused if taken'}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
+    if plan.exit_guard != "off":  # the supervisor installs it: a pasted command runs without it
+        print(f"# exit guard: {plan.exit_guard} (ddpfab's node supervisor puts it on the ranks' PYTHONPATH; "
+              "a command pasted by hand runs without it)")
     by_name = {n.name: n for n in plan.nodes}
     for node in masked["nodes"]:
         print(f"\n# python on {node['name']}: {nodeenv.describe(by_name[node['name']])}")

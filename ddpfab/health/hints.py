@@ -1,24 +1,115 @@
 """Known failure signatures in a node's output, and what to tell the user when one shows up.
 
-A hint never changes a run's outcome: a rank that aborted still failed the job. It names the known
-cause and the fix, in the run's output and in its manifest, so nobody hunts a bug in their model.
+Each :class:`Signature` is a few fixed patterns of what torch, gloo, NCCL or libstdc++ print (the
+texts below are theirs, as torch 2.x prints them), matched line by line as the output streams. A
+signature never changes a run's outcome by itself: it names the known cause, with the node it was
+seen on, in the run's closing lines and in its manifest, so nobody hunts a bug in their model. (The
+one outcome that is decided differently, a rank that aborts at exit after finishing its work, is
+decided from the ranks' done records, :mod:`ddpfab.node.exitguard`, never from these lines.)
 """
 
 from __future__ import annotations
 
-#: What libstdc++ prints when a thread object is destroyed while still joinable; gloo's worker
-#: threads do that when the interpreter tears down around them.
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A known cause, recognised in a node's output.
+
+    Args:
+        key: its name in manifests (``cuda_oom``).
+        what: what was seen, short (``CUDA out of memory``).
+        patterns: any one of them in a line is the signature.
+        hint: the cause and the fix.
+    """
+
+    key: str
+    what: str
+    patterns: tuple[re.Pattern, ...]
+    hint: str
+
+    def matches(self, line: str) -> bool:
+        return any(p.search(line) for p in self.patterns)
+
+
+#: What libstdc++ prints when a thread object is destroyed while still joinable; torch's C++
+#: threads (gloo's, autograd's) do that when the interpreter tears down around them.
 EXIT_ABORT_LINE = "terminate called without an active exception"
 
 EXIT_ABORT_HINT = (
     "a rank aborted (SIGABRT, 'terminate called without an active exception'): if it had finished "
-    "its work, this is the known gloo race at interpreter exit (pytorch issue 190489), not your "
-    "training. Fix: end the script with ddpfab.dist.finish(); without ddpfab.dist, call "
-    "dist.barrier() and dist.destroy_process_group(), flush stdout/stderr, then os._exit(0)")
+    "its work, this is the known race at interpreter exit (pytorch issue 190489; the atexit fix, PR "
+    "179291, was abandoned), not your training. ddpfab's exit guard (--exit-guard on, the default) "
+    "leaves each rank without that teardown; with ddpfab.dist end the script with ddist.finish()")
+
+
+def _re(*texts: str) -> tuple[re.Pattern, ...]:
+    return tuple(re.compile(t) for t in texts)
+
+
+SIGNATURES: tuple[Signature, ...] = (
+    Signature("exit_abort", "a rank aborted at exit ('terminate called without an active exception')",
+              _re(re.escape(EXIT_ABORT_LINE)), EXIT_ABORT_HINT),
+    Signature("gloo_loopback", "gloo bound to the loopback address",
+              _re(r"Unable to resolve hostname to a \(local\) address", r"Using the loopback address as fallback"),
+              "gloo could not resolve this node's hostname to an address of its own and bound to 127.0.0.1, "
+              "which no peer can reach (the job then hangs or fails to connect). Fix: --socket-ifname auto "
+              "(or GLOO_SOCKET_IFNAME=IFACE), or make the hostname resolve to the node's data-plane address "
+              "in /etc/hosts; `ddpfab check` names the hosts whose name resolves to loopback"),
+    Signature("nccl_connect", "an NCCL connection error",
+              _re(r"NCCL WARN .*(Connect to \S+ failed|socketStartConnect|socketFinalizeAccept|Call to connect returned)",
+                  r"\bncclRemoteError\b", r"remote process exited or there was a network error",
+                  r"\bncclSystemError\b.*(socket|connect)"),
+              "NCCL could not connect to a peer, or a peer went away: a firewall on the ports NCCL uses, the wrong "
+              "interface (set --socket-ifname / NCCL_SOCKET_IFNAME), or a crashed rank on another node (look "
+              "for the first failure above). `ddpfab check` tests the data plane between every pair of nodes"),
+    Signature("collective_timeout", "a collective timed out",
+              _re(r"Watchdog caught collective operation timeout", r"Timed out waiting \d+ms for (recv|send) operation"),
+              "a collective did not complete in time: one rank is stuck, slow or gone (the ranks that time out "
+              "are the waiting ones, not the culprit), or a path-MTU black hole drops large messages. Look for "
+              "the node that stopped printing first; `ddpfab check` tests bulk transfers between nodes"),
+    Signature("cuda_oom", "CUDA out of memory",
+              _re(r"CUDA out of memory\.", r"\bOutOfMemoryError\b.*CUDA"),
+              "a GPU ran out of memory: lower the batch size per GPU, use gradient accumulation or activation "
+              "checkpointing, or check for other processes on that GPU (`ddpfab check` lists them)"),
+    Signature("dataloader_bus_error", "a DataLoader worker killed by a bus error (shared memory)",
+              _re(r"Unexpected bus error encountered in worker", r"DataLoader worker \(pid \d+\) is killed by signal: Bus error",
+                  r"dataloader's workers are out of shared memory"),
+              "a DataLoader worker ran out of shared memory (/dev/shm is too small on that node: containers "
+              "default to 64 MB). Fix: a larger /dev/shm (docker --shm-size, or remount the tmpfs), fewer "
+              "num_workers, or smaller batches per worker"),
+)
+
+
+def signature_of(line: str) -> Signature | None:
+    """The signature a node's output *line* shows, or None."""
+    for sig in SIGNATURES:
+        if sig.matches(line):
+            return sig
+    return None
 
 
 def hint_for(line: str) -> str | None:
     """The hint a node's output *line* calls for, or None."""
-    if EXIT_ABORT_LINE in line:
-        return EXIT_ABORT_HINT
-    return None
+    sig = signature_of(line)
+    return sig.hint if sig else None
+
+
+def seen_on(found: Iterable[tuple[str, Signature]]) -> list[tuple[Signature, list[str]]]:
+    """(signature, the nodes it was seen on) for each distinct signature in *found* ((node,
+    signature) pairs), in the order first seen."""
+    nodes: dict[str, list[str]] = {}
+    sigs: dict[str, Signature] = {}
+    for node, sig in found:
+        sigs.setdefault(sig.key, sig)
+        if node not in nodes.setdefault(sig.key, []):
+            nodes[sig.key].append(node)
+    return [(sigs[k], nodes[k]) for k in sigs]
+
+
+def verdict_lines(found: Iterable[tuple[str, Signature]]) -> list[str]:
+    """``seen on node2: CUDA out of memory. HINT`` for each distinct signature, its nodes named."""
+    return [f"seen on {', '.join(nodes)}: {sig.what}. {sig.hint}" for sig, nodes in seen_on(found)]

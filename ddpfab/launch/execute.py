@@ -8,6 +8,7 @@ process tree, so no process outlives the run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -29,6 +30,7 @@ from ddpfab.hosts import nodeenv
 from ddpfab.launch import leases
 from ddpfab.launch.cause import Cause, CauseReader
 from ddpfab.launch.interrupt import Interrupted, signals_raise
+from ddpfab.node import exitguard
 from ddpfab.node.agent import CANNOT_START
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
@@ -68,11 +70,21 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False, arrival: float 
         spec["wait"] = {"arrival": arrival if arrival is not None else time.time()}
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
+    if plan.exit_guard != "off":  # the ranks' exit guard, its code as data (the node writes it out)
+        spec["nproc"] = node.nproc
+        spec["exit_guard"] = {"mode": plan.exit_guard, "source": exitguard_source()}
     if detach:
         spec["detached"] = True
     else:
         spec["silence"] = SILENCE_S
     return spec
+
+
+@functools.lru_cache(maxsize=1)
+def exitguard_source() -> str:
+    """The exit guard's source (:mod:`ddpfab.node.exitguard`), which the node supervisor installs
+    as the ranks' ``sitecustomize.py``."""
+    return Path(exitguard.__file__).read_text()
 
 
 def agent_input(plan: Plan, node: NodePlan, detach: bool = False, arrival: float | None = None) -> bytes:
@@ -118,6 +130,7 @@ class NodeOutcome:
     stopped_by_ddpfab: bool = False
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
     hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
+    signatures: list[hints.Signature] = field(default_factory=list)  # ... as the signatures themselves
     cleanup: str | None = None  # what ending a supervisor-less job there found (None: not needed)
     cause: Cause | None = None  # the failing rank and its first exception line, from its output (cause.py)
     causes: CauseReader = field(default_factory=CauseReader, repr=False, compare=False)  # reads it
@@ -130,8 +143,24 @@ class NodeOutcome:
                 "last_state": self.state(time.monotonic()),
                 "restarts": (self.remote or {}).get("restarts"),
                 "stopped_reason": (self.remote or {}).get("stopped"), "hints": self.hints,
+                "signatures": [sig.key for sig in self.signatures],
                 "failed_at": (self.remote or {}).get("failed_at"), "cleanup": self.cleanup,
+                "exit_race": self.exit_race,
                 "cause": self.cause.to_dict() if self.cause else None}
+
+    @property
+    def exit_race(self) -> dict | None:
+        """Its supervisor's word that the job failed only after every rank of the node had finished
+        its work (``{"ranks": [...], "aborted": [{"rank", "local_rank", "signal"}]}``), else None."""
+        race = (self.remote or {}).get("exit_race")
+        if self.exit_code in (None, 0) or self.error or not isinstance(race, dict):
+            return None
+        return race
+
+    @property
+    def failed(self) -> bool:
+        """Ended with an error or a non-zero exit code, not counting a finished node's abort at exit."""
+        return (self.error is not None or self.exit_code != 0) and self.exit_race is None
 
     def state(self, now: float) -> str:
         """What the node looked like from here: silent, in rendezvous (only torchrun has spoken),
@@ -327,9 +356,10 @@ class _NodeJob:
         if self.gate is not None:
             self.gate.saw(self.node.name, text)
         self.outcome.causes.feed(text)
-        hint = hints.hint_for(text)
-        if hint and hint not in self.outcome.hints:
-            self.outcome.hints.append(hint)
+        sig = hints.signature_of(text)
+        if sig and sig not in self.outcome.signatures:
+            self.outcome.signatures.append(sig)
+            self.outcome.hints.append(sig.hint)
 
     def _run(self) -> None:
         """The node's whole life on the controller; whatever goes wrong here is this node's
@@ -343,10 +373,13 @@ class _NodeJob:
         finally:
             out.ended = time.time()
             out.cause = ranked(self.plan, self.node, out.causes.cause())
+            if out.exit_code not in (None, 0, CANNOT_START) and out.error is None and self.plan.exit_guard != "off":
+                # before the monitor decides: did the job fail only after every rank had finished?
+                out.remote = self._result_record()
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:
-            if out.exit_code != CANNOT_START and not (out.error or "").startswith("lost"):
+            if out.remote is None and out.exit_code != CANNOT_START and not (out.error or "").startswith("lost"):
                 out.remote = self._result_record()
                 if out.remote is None:
                     out.cleanup = self._clean_up_after_supervisor()
@@ -415,7 +448,7 @@ def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None
     times = {}
     for name, out in outcomes.items():
         failed_at = (out.remote or {}).get("failed_at")
-        if failed_at is not None and out.exit_code not in (None, 0):
+        if failed_at is not None and out.failed:
             times[name] = failed_at
             out.stopped_by_ddpfab = False
     if detected is not None and detected not in times:
@@ -506,8 +539,7 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
                     continue
                 pending.discard(name)
                 out = jobs[name].outcome
-                failed = out.error is not None or out.exit_code != 0
-                if failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
+                if out.failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
                     first_failure = name
                     why = out.error or f"exit code {out.exit_code}"
                     cause = failure_cause(jobs[name].plan, jobs[name].node, out.cause)
@@ -541,11 +573,29 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
         code = out.exit_code if out.exit_code not in (None, 0) else 1
         why = out.error or f"exit code {out.exit_code}"
         cause = failure_cause(jobs[first_failure].plan, jobs[first_failure].node, out.cause)
+        found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
+        seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
         summary = (f"failed: {first_failure} (node_rank {out.node_rank}) {why}"
-                   f"{f'; {cause}' if cause else ''}; the others were stopped")
-        for hint in dict.fromkeys(h for o in outcomes.values() for h in o.hints):
-            printer.note(f"hint: {hint}")
+                   f"{f'; {cause}' if cause else ''}; the others were stopped{f'; seen: {seen}' if seen else ''}")
+        for line in hints.verdict_lines(found):
+            printer.note(f"hint: {line}")
+    elif races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:
+        code = 0  # the exit-code policy (ddpfab/cli/errors.py): the work is done, a warning says the rest
+        summary = exit_race_summary(races)
+        printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
     else:
         code = 0
         summary = f"all {len(outcomes)} nodes exited 0"
     return RunResult(code, outcomes, first_failure, interrupted, summary)
+
+
+def exit_race_summary(races: dict[str, dict]) -> str:
+    """The closing line of a run whose ranks all finished their work, some node's job failing only
+    after that (its supervisor's ``exit_race`` records, by node): ``all ranks finished their work;
+    rank 3 (node2) aborted at exit (known upstream race)``."""
+    aborted = [f"rank {a['rank']} ({name}) aborted at exit" + (f" (signal {a['signal']})" if "signal" in a else
+                                                              f" (exit code {a.get('exit')})")
+               for name, race in races.items() for a in race.get("aborted") or ()]
+    if not aborted:  # the supervisor did not see which worker: the node's job failed after all its ranks finished
+        aborted = [f"a rank of {name} aborted at exit" for name in races]
+    return f"all ranks finished their work; {', '.join(aborted)} (known upstream race)"

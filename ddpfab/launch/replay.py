@@ -147,11 +147,13 @@ OPTION_FIELDS: dict[str, tuple[type, bool]] = {
     "env": (list, False), "max_restarts": (int, False), "run_id": (str, False), "remote_runs_dir": (str, False),
     "socket_ifname": (str, True), "rdzv": (str, False), "launcher": (str, False), "init_method": (str, False),
     "debug": (bool, False), "local_rank_arg": (str, False), "module": (bool, False), "secret_env": (list, False),
-    "script_local_rank": (bool, False), "gpus_per_node": (int, True), "wait": (bool, False)}
+    "script_local_rank": (bool, False), "gpus_per_node": (int, True), "wait": (bool, False),
+    "exit_guard": (str, False)}
 #: Plan fields recorded only by newer versions, with the value a plan without them meant.
-LATER_PLAN_FIELDS: dict[str, Any] = {"module": False, "secret_env": [], "script_local_rank": False, "wait": False}
+LATER_PLAN_FIELDS: dict[str, Any] = {"module": False, "secret_env": [], "script_local_rank": False, "wait": False,
+                                     "exit_guard": "off"}
 #: Options recorded only by newer versions: a manifest without them gets RunOptions' defaults.
-LATER_OPTION_FIELDS = ("module", "secret_env", "script_local_rank", "gpus_per_node", "wait")
+LATER_OPTION_FIELDS = ("module", "secret_env", "script_local_rank", "gpus_per_node", "wait", "exit_guard")
 
 
 class ManifestError(Exception):
@@ -223,6 +225,7 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
     except PlanError as exc:
         raise ManifestError(f"{source}: options.env: {exc}") from None
     fields = {k: opts[k] for k in OPTION_FIELDS if k in opts}
+    fields.setdefault("exit_guard", LATER_PLAN_FIELDS["exit_guard"])  # runs before the guard had none
     return RunOptions(**{**fields, "args": tuple(opts["args"]), "env": env,
                          "secret_env": tuple(opts.get("secret_env", ()))}), cwd
 

@@ -6,6 +6,8 @@ per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.node.w
 :mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.leases`, :mod:`ddpfab.node.agent` and :mod:`ddpfab.node.ops`, concatenated
 (:func:`program`); its protocol is :func:`ddpfab.node.ops.serve`'s: framed JSON requests on
 stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).
+:mod:`ddpfab.node.exitguard` is not part of it: it is the ranks' ``sitecustomize``, whose source
+travels in the supervisor's job spec and which the supervisor writes into the run's dir.
 
 Shipping: once per SSH session, on stdin. The command line is a short loader (:data:`LOADER`:
 read LENGTH bytes of code from stdin, run them), so ``ps`` on a node shows ``python -c <loader>

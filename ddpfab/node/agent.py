@@ -390,6 +390,117 @@ def _say(text):
         pass
 
 
+#: Under the run's remote dir: the ranks' exit guard (as sitecustomize.py) and their done records.
+GUARD_DIR, RANKS_DIR = "exitguard", "ranks"
+
+
+def exit_guard_env(spec, run_dir, env):
+    """*env* with the ranks' exit guard installed (:mod:`ddpfab.node.exitguard`, its source and mode
+    in the spec's ``exit_guard``): the guard as ``sitecustomize.py`` in a dir of this run's, first
+    on PYTHONPATH, and where the ranks write their done records. Without a guard in the spec, or
+    when its files cannot be written (said on the stream), *env* as it was: the job runs unguarded."""
+    guard = spec.get("exit_guard")
+    if not isinstance(guard, dict) or guard.get("mode") not in ("on", "record"):
+        return env
+    guard_dir, ranks_dir = os.path.join(run_dir, GUARD_DIR), os.path.join(run_dir, RANKS_DIR)
+    try:
+        os.makedirs(guard_dir, mode=0o700, exist_ok=True)
+        os.makedirs(ranks_dir, mode=0o700, exist_ok=True)
+        _write(os.path.join(guard_dir, "sitecustomize.py"), str(guard.get("source", "")))
+    except OSError as exc:
+        _say("cannot install the exit guard in %s (%s); the ranks run without it" % (run_dir, exc))
+        return env
+    env = dict(env)
+    env["PYTHONPATH"] = guard_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["DDPFAB_EXIT_GUARD"], env["DDPFAB_EXIT_GUARD_DIR"] = guard["mode"], ranks_dir
+    return env
+
+
+def ranks_done(run_dir):
+    """local rank -> the done record its exit guard wrote (rank, pid, code, restart), validated:
+    a record that is not what the guard writes is left out (that rank counts as not finished)."""
+    ranks_dir = os.path.join(run_dir, RANKS_DIR)
+    done = {}
+    try:
+        names = os.listdir(ranks_dir)
+    except OSError:
+        return done
+    for name in names:
+        m = re.match(r"^rank-(\d{1,6})\.json$", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(ranks_dir, name)) as fh:
+                rec = json.loads(fh.read(4096))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(rec, dict):
+            continue
+        code, pid = rec.get("code"), rec.get("pid")
+        fields = (rec.get("rank"), rec.get("local_rank"), rec.get("restart"))
+        if not all(isinstance(f, str) and f.isdigit() for f in fields) or fields[1] != m.group(1):
+            continue
+        if type(pid) is not int or not (code is None or type(code) is int):
+            continue
+        done[int(m.group(1))] = {"rank": int(fields[0]), "local_rank": int(fields[1]), "pid": pid, "code": code,
+                                 "restart": int(fields[2])}
+    return done
+
+
+def finished_before(run_dir, pid):
+    """Did the rank with *pid* record that its work ended with exit code 0?"""
+    return any(r["pid"] == pid and r["code"] == 0 for r in ranks_done(run_dir).values())
+
+
+def exit_race(spec, run_dir, code, stopped, failed):
+    """The node's job failed (*code*) on its own (not *stopped*), yet every one of its ranks
+    (``nproc`` in the spec) recorded that its work ended with exit code 0, in the same attempt:
+    then the failure came after the work, at exit. Returns ``{"ranks": [...], "aborted": [...]}``
+    (*failed*: (pid, how) of workers seen failing; the aborted ones among the finished ranks, as
+    ``{"rank", "local_rank", "signal"|"exit"}``), else None."""
+    nproc = spec.get("nproc")
+    if code == 0 or stopped or type(nproc) is not int or nproc < 1:
+        return None
+    done = ranks_done(run_dir)
+    if sorted(done) != list(range(nproc)) or any(r["code"] != 0 for r in done.values()):
+        return None
+    if len({r["restart"] for r in done.values()}) != 1:
+        return None
+    by_pid = {r["pid"]: r for r in done.values()}
+    aborted = [{"rank": by_pid[pid]["rank"], "local_rank": by_pid[pid]["local_rank"], how[0]: how[1]}
+               for pid, how in failed if pid in by_pid]
+    return {"ranks": sorted(r["rank"] for r in done.values()), "aborted": aborted}
+
+
+#: Seconds a launcher may go on after every rank of its node finished (done record with exit code
+#: 0, process gone) before the supervisor ends it: torchrun then only waits at its exit barrier for
+#: the other nodes' launchers (300 s when one of them failed), and ddpfab waits for every node anyway.
+BARRIER_GRACE = 5.0
+AT_BARRIER = "every rank finished its work; the launcher was waiting at its exit barrier"
+
+
+def watch_finished(spec, run_dir, root, on_finished, stop, interval=0.5):
+    """Call ``on_finished()`` once every rank of this node (``nproc``) has recorded that its work
+    ended with exit code 0 and none of the launcher's workers is alive any more, and the launcher
+    (*root*'s tree) has gone on for :data:`BARRIER_GRACE` seconds since."""
+    nproc = spec.get("nproc")
+    if type(nproc) is not int or nproc < 1 or not isinstance(spec.get("exit_guard"), dict):
+        return
+    since = None
+    while not stop.wait(interval):
+        done = ranks_done(run_dir)
+        finished = (sorted(done) == list(range(nproc)) and all(r["code"] == 0 for r in done.values())
+                    and not any(os.path.exists("/proc/%d" % r["pid"]) and exit_status(r["pid"]) is None
+                                for r in done.values()))
+        if not finished:
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since >= BARRIER_GRACE:
+            on_finished()
+            return
+
+
 def main(spec):
     run_id = spec.get("run_id")
     run_dir = os.path.expanduser(spec["dir"])
@@ -438,7 +549,7 @@ def main(spec):
 
     try:
         job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
-                               env=_job_env(spec), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               env=exit_guard_env(spec, run_dir, _job_env(spec)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as exc:
         text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
@@ -499,7 +610,9 @@ def main(spec):
     def worker_failed(pid, how):
         if stop.is_set() or job.poll() is not None:
             return  # ended already: a worker that dies now was ended by torchrun's exit or by us
-        failed_worker.append(pid)
+        failed_worker.append((pid, how))
+        if finished_before(run_dir, pid):
+            return  # it finished its work, then died at exit: torchrun ends the job, not a failure yet
         failed_at.append(time.time())
         if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
             return
@@ -510,6 +623,15 @@ def main(spec):
         threading.Thread(target=watch_link, daemon=True).start()
     if spec.get("watch_workers"):
         threading.Thread(target=watch_workers, args=(job.pid, worker_failed, stop), daemon=True).start()
+    at_barrier = []
+
+    def ranks_finished():
+        # not after a worker failed: torchrun is then handling that failure, not waiting at a barrier
+        if not stop.is_set() and job.poll() is None and not failed_worker:
+            at_barrier.append(True)
+            request_stop(AT_BARRIER)
+
+    threading.Thread(target=watch_finished, args=(spec, run_dir, job.pid, ranks_finished, stop), daemon=True).start()
     relayer = threading.Thread(target=relay, daemon=True)
     relayer.start()
     while job.poll() is None and not stop.is_set():
@@ -526,13 +648,16 @@ def main(spec):
     own_failure = bool(failed_worker and reason and reason[0].startswith("a worker failed"))
     if own_failure:
         code = 1  # what torchrun itself exits with when a worker fails
+    if at_barrier and reason and reason[0] == AT_BARRIER:
+        code, reason[:] = 0, []  # ended by us after the work was done: the job succeeded on this node
     if reason:
         _write(os.path.join(run_dir, "stopped"), reason[0] + "\n")
     failed = code != 0 and (own_failure or not reason)
+    race = exit_race(spec, run_dir, code, reason, failed_worker)
     _write(os.path.join(run_dir, "result.json"), json.dumps({
         "exit_code": code, "ended": time.time(), "stopped": reason[0] if reason else None,
-        "failed_at": min(failed_at) if failed and failed_at else None,
-        "restarts": _restarts(spec.get("log_dir"))}) + "\n")
+        "failed_at": min(failed_at) if failed and failed_at and not race else None,
+        "restarts": _restarts(spec.get("log_dir")), "exit_race": race}) + "\n")
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
     log.close()
     return code

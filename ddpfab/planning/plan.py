@@ -63,6 +63,10 @@ _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 
 
+#: The ranks' exit guard (RunOptions.exit_guard): on (the default), record, off.
+EXIT_GUARD_MODES = ("on", "record", "off")
+
+
 class PlanError(Exception):
     """The run cannot be planned as asked; the message says what to change."""
 
@@ -110,6 +114,11 @@ class RunOptions:
             what the node's processes need (see :func:`gpu_lease`).
         wait: ``--wait``: a node whose GPUs are leased or busy queues the job until they are free,
             instead of refusing it.
+        exit_guard: the ranks' exit guard (:mod:`ddpfab.node.exitguard`, one of
+            :data:`EXIT_GUARD_MODES`): "on" records each rank's end and leaves without the
+            interpreter teardown where gloo can abort a finished rank; "record" only records (a
+            rank that aborts after finishing is reported as such, not as a failure); "off"
+            installs nothing.
     """
 
     script: str
@@ -131,6 +140,7 @@ class RunOptions:
     script_local_rank: bool = False
     gpus_per_node: int | None = None
     wait: bool = False
+    exit_guard: str = "on"
 
 
 @dataclass(frozen=True)
@@ -230,8 +240,8 @@ class Plan:
         unresolved: nodes (in node rank order) whose ``data_addr`` (the master's: ``master_addr``)
             is a host name the controller could not resolve: only in an offline plan, which shows
             them as such; each node then resolves the name itself.
-        rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank: the launch
-            style (see RunOptions).
+        rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank, exit_guard:
+            the launch style (see RunOptions).
         secret_env: env keys whose values are masked wherever the plan is shown or recorded
             (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
             :mod:`ddpfab.planning.masking`'s rule.
@@ -262,6 +272,7 @@ class Plan:
     secret_env: tuple[str, ...] = ()
     script_local_rank: bool = False
     wait: bool = False
+    exit_guard: str = "on"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -617,6 +628,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     port = facts.master_port
     if not is_port(port):
         raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
+    if options.exit_guard not in EXIT_GUARD_MODES:
+        raise PlanError(f"--exit-guard must be one of {', '.join(EXIT_GUARD_MODES)}, got {options.exit_guard!r}")
     if options.max_restarts < 0:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
     nproc_per_node(options.nproc_per_node)
@@ -710,7 +723,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
         module=options.module, secret_env=secret_env(cluster, options),
         script_local_rank=options.script_local_rank and options.launcher == "torchrun",
-        wait=options.wait and any(n.gpus for n in nodes))
+        wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard)
 
 
 def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:
