@@ -62,7 +62,11 @@ def ev(name):
     sys.stderr.write("BENCHPHASE %s %.6f\n" % (name, time.monotonic()))
     sys.stderr.flush()
 ev("interpreter-ready")
-from ddpfab import cli, inventory, runner, probe, check, launch, plan, ssh, runs  # what `run` imports
+import importlib
+from ddpfab import cli
+from ddpfab.hosts import inventory
+from ddpfab.launch import runner
+from ddpfab.planning import probe
 ev("imports-done")
 def wrap(mod, attr, label):
     fn = getattr(mod, attr)
@@ -74,12 +78,15 @@ def wrap(mod, attr, label):
             ev(label + ":end")
     setattr(mod, attr, timed)
 wrap(inventory, "load", "inventory.load")
-try:  # `run` syncs the code to every node first (unless --no-sync); since 16b in ddpfab/cli/run.py
-    from ddpfab.cli import run as cli_run
-except ImportError:
-    cli_run = cli
-if hasattr(cli_run, "_sync_code"):
-    wrap(cli_run, "_sync_code", "sync")
+# `run` syncs the code to every node first (unless --no-sync): in the CLI module, or the library's API
+for where in ("ddpfab.api", "ddpfab.cli.run"):
+    try:
+        mod = importlib.import_module(where)
+    except ImportError:
+        continue
+    for attr in ("_sync_code", "sync_code"):
+        if hasattr(mod, attr):
+            wrap(mod, attr, "sync")
 wrap(runner, "connect_all", "connect")
 if hasattr(runner, "start_probe"):  # one node program session per node for the whole preparation
     wrap(runner, "start_probe", "probe-start")
