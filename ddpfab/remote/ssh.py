@@ -125,17 +125,39 @@ def _connection(node: str, t: Target) -> Connection:
                       connect_timeout=max(1, int(t.connect_timeout)), connect_kwargs=connect_kwargs)
     client = conn.client
     # GlobalKnownHostsFile is read only, as OpenSSH reads it (paramiko's "system" keys)
-    for files, load, what in ((t.known_hosts, client.load_host_keys, "known_hosts"),
-                              (t.global_known_hosts, client.load_system_host_keys, "GlobalKnownHostsFile")):
+    for files, keys, what in ((t.known_hosts, client.get_host_keys(), "known_hosts"),
+                              (t.global_known_hosts, client._system_host_keys, "GlobalKnownHostsFile")):
         for known in files:
             path = Path(os.path.expanduser(known))
             if path.exists():
                 try:
-                    load(str(path))
+                    entries = _known_entries(path)
                 except (OSError, paramiko.SSHException) as exc:
                     raise _hop_error(node, t, f"cannot read {what} {path}: {exc}", at=None) from None
+                # copies: a key this connection records (accept-new) stays its own until the file changes
+                keys._entries.extend(paramiko.hostkeys.HostKeyEntry(list(e.hostnames), e.key) for e in entries)
     client.set_missing_host_key_policy(_UnknownKey(node, t))
     return conn
+
+
+_known_cache: dict[str, tuple[tuple[int, int, int], list]] = {}
+_known_lock = threading.Lock()
+
+
+def _known_entries(path: Path) -> list:
+    """*path*'s host keys, parsed once per version of the file (its inode, size and mtime). paramiko's
+    ``load_host_keys`` parses every line into a key object and compares it with every earlier
+    line, per connection: on N hosts sharing one known_hosts that is N x N key parses (at 128 hosts
+    the largest part of `exec`'s CPU time)."""
+    with _known_lock:
+        st = path.stat()
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = _known_cache.get(str(path))
+        if cached is None or cached[0] != version:
+            keys = paramiko.HostKeys()
+            keys.load(str(path))
+            cached = _known_cache[str(path)] = (version, keys._entries)
+        return cached[1]
 
 
 def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
