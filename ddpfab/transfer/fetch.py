@@ -24,6 +24,7 @@ import sys
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.target import (
     HostKeyPolicy,
     TargetError,
@@ -39,13 +40,15 @@ from ddpfab.transfer.sync import SyncError, _node_reply, check_workdir, node_com
 PROGRESS_BYTES = 16 * 2**20
 
 
-class FetchError(Exception):
-    """Nothing was fetched; the message says why and what to do. *code*: the exit code, 2 when the
+class FetchError(DdpfabError):
+    """Nothing was fetched; the problem says why and what to do. *code*: the exit code, 2 when the
     request is refused before any host is contacted (bad input), 1 once the node has been asked (the
     path refused or missing there, a destination that exists, the copy failed)."""
 
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
+    check = "fetch"
+
+    def __init__(self, problems: Problem | str | list[Problem | str], code: int = 2):
+        super().__init__(problems)
         self.code = code
 
 
@@ -88,9 +91,10 @@ def located(name: str, found: dict) -> tuple[str, int]:
         os.path.basename(path.rstrip("/")) not in ("", ".", "..") and \
         not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in path)
     if not name_ok or not isinstance(size, int) or isinstance(size, bool):
-        raise FetchError(f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
-                         f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
-                         "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there", 1)
+        raise FetchError(Problem(name, "locate", text=(
+            f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
+            f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
+            "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there")), 1)
     return path, size
 
 
@@ -118,14 +122,14 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     try:
         target = resolve(node, policy, ssh_config)
     except TargetError as exc:
-        raise FetchError(str(exc)) from None
+        raise FetchError(exc.problems) from None
     opts = openssh_options(target, keepalive=True)
     reqs = nodeprog.numbered({"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR})
     proc = subprocess.run(["ssh", *opts, destination(target), node_command(node)],
                           input=nodeprog.stdin_for(*reqs), capture_output=True, timeout=120)
     stderr = proc.stderr.decode(errors="replace")
     if proc.returncode == 255:
-        raise FetchError(ssh_problem(target, 255, stderr), 1)
+        raise FetchError(Problem(node.name, "ssh", text=ssh_problem(target, 255, stderr)), 1)
     try:
         found = _node_reply(node.name, reqs, proc.returncode, proc.stdout.decode(errors="replace"), stderr)
     except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
@@ -148,5 +152,6 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     copy = subprocess.run(argv, stdout=sys.stderr if show else subprocess.DEVNULL, stderr=subprocess.PIPE)
     if copy.returncode != 0:
         text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
-        raise FetchError(f"host {node.name}: rsync failed (exit {copy.returncode}): {text or 'no message'}", 1)
+        raise FetchError(Problem(node.name, "rsync", text=f"host {node.name}: rsync failed (exit {copy.returncode}): "
+                                                          f"{text or 'no message'}"), 1)
     return {**found, "node": node.name, "local": dest}

@@ -59,7 +59,7 @@ from pathlib import Path
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import treehash, workdir
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.target import (
     HostKeyPolicy,
@@ -87,14 +87,16 @@ LOCK_WAIT_S = 600.0
 BUSY = "busy"
 
 
-class SyncError(Exception):
-    """Sync failed on some nodes; ``problems`` has one line per failing node, ``result`` what
-    happened everywhere (the nodes that did sync are in it too), ``code`` the node program's
-    code for a refusal on one node (``treehash.NOT_OURS``...), when it gave one."""
+class SyncError(DdpfabError):
+    """Sync failed on some nodes; ``problems`` has one problem per failing node (or cause),
+    ``result`` what happened everywhere (the nodes that did sync are in it too), ``code`` the node
+    program's code for a refusal on one node (``treehash.NOT_OURS``...), when it gave one."""
 
-    def __init__(self, problems: list[str], result: SyncResult | None = None, code: str = ""):
-        super().__init__("\n".join(problems))
-        self.problems = problems
+    check = "sync"
+
+    def __init__(self, problems: Problem | str | list[Problem | str], result: SyncResult | None = None,
+                 code: str = ""):
+        super().__init__(problems)
         self.result = result
         self.code = code
 
@@ -331,7 +333,8 @@ def check_workdir(node: Node, default: str) -> str:
     raw = node.workdir if node.workdir is not None else default
     why = workdir.lexical_problem(raw)
     if why:
-        raise SyncError([f"host {node.name}: refusing to sync: {why}; nothing was changed there"])
+        raise SyncError(Problem(node.name, "workdir", found=why,
+                                text=f"host {node.name}: refusing to sync: {why}; nothing was changed there"))
     return raw
 
 
@@ -376,10 +379,10 @@ class _Link:
             if rc is not None:
                 self.errfile.seek(0)
                 err = self.errfile.read().decode(errors="replace")
-                raise SyncError([ssh_problem(self.target, rc, err)])
+                raise SyncError(Problem(self.node.name, "ssh", text=ssh_problem(self.target, rc, err)))
             if time.monotonic() > deadline:
-                raise SyncError([f"host {self.node.name} ({self.target.where}): no SSH connection within "
-                                 f"{self.timeout + 15:g} s"])
+                raise SyncError(Problem(self.node.name, "ssh", text=f"host {self.node.name} ({self.target.where}): "
+                                        f"no SSH connection within {self.timeout + 15:g} s"))
             time.sleep(0.01)
 
     def run(self, command: str, stdin: bytes = b"", timeout: float | None = 600) -> subprocess.CompletedProcess:
@@ -387,7 +390,8 @@ class _Link:
             return subprocess.run(["ssh", *self.opts, *self.mux(), self.dest, command],
                                   input=stdin, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise SyncError([f"host {self.node.name}: `{command[:40]}...` did not finish within {timeout:g} s"]) from None
+            raise SyncError(Problem(self.node.name, "timeout", text=(
+                f"host {self.node.name}: `{command[:40]}...` did not finish within {timeout:g} s"))) from None
 
     def forwarding_argv(self, command: str) -> list[str]:
         """ssh running *command* on the node with the sync's agent forwarded (the master's)."""
@@ -438,13 +442,13 @@ def _raise_start_failure(link: _Link, code: int | None, stderr: str) -> None:
     failed (255), a setup line of the node's failed (named), or no python there (127). Every way
     sync starts the node program (one call, or the session that holds the lock) asks this."""
     if code == 255:
-        raise SyncError([ssh_problem(link.target, 255, stderr)])
+        raise SyncError(Problem(link.node.name, "ssh", text=ssh_problem(link.target, 255, stderr)))
     setup = nodeprog.start_failure(link.node, code, stderr)
     if setup is not None and setup.kind == "setup":
-        raise SyncError([str(setup)])
+        raise SyncError(setup.problems)
     if code == 127:
-        raise SyncError([f"host {link.node.name}: neither {link.node.python} nor python3 found there; sync needs a "
-                         "python (3.6+, standard library only) on the nodes"])
+        raise SyncError(Problem(link.node.name, "python", text=f"host {link.node.name}: neither {link.node.python} nor "
+                                "python3 found there; sync needs a python (3.6+, standard library only) on the nodes"))
 
 
 def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str) -> dict:
@@ -452,8 +456,15 @@ def _node_reply(name: str, reqs: list[dict], code: int, stdout: str, stderr: str
     it reports an error."""
     reply = nodeprog.match_replies(name, reqs, stdout.splitlines(), code, stderr)[0]
     if not reply.ok:
-        raise SyncError([f"host {name}: {reply.op}: {reply.error}"], code=reply.code)
+        raise _refused(name, reply)
     return reply.result
+
+
+def _refused(name: str, reply: nodeprog.Reply) -> SyncError:
+    """The node program's error reply on node *name* as a SyncError: its operation the problem's
+    check, its code the error's (what the caller acts on)."""
+    return SyncError(Problem(name, reply.op or "node_program", found=reply.error,
+                             text=f"host {name}: {reply.op}: {reply.error}"), code=reply.code)
 
 
 class _Session:
@@ -490,7 +501,8 @@ class _Session:
         while len(got) < len(reqs):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SyncError([f"host {name}: the node program did not answer within {timeout:g} s"])
+                raise SyncError(Problem(name, "timeout",
+                                        text=f"host {name}: the node program did not answer within {timeout:g} s"))
             if not selectmod.select([fd], [], [], left)[0]:
                 continue
             chunk = os.read(fd, 65536)
@@ -512,7 +524,7 @@ class _Session:
 
     def _result(self, reply: nodeprog.Reply) -> dict:
         if not reply.ok:
-            raise SyncError([f"host {self.link.node.name}: {reply.op}: {reply.error}"], code=reply.code)
+            raise _refused(self.link.node.name, reply)
         return reply.result
 
     def close(self) -> None:
@@ -727,7 +739,7 @@ class _Sync:
         try:  # before anything is started: a route that cannot be honoured starts nothing
             reach = resolve_all(cluster.nodes, policy, ssh_config)
         except TargetError as exc:
-            raise SyncError([str(exc)]) from None
+            raise SyncError(exc.problems) from None
         self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
         self.reaper = Reaper(self.ctl_dir)
         self.list_file = os.path.join(self.ctl_dir, "files")
@@ -752,8 +764,8 @@ class _Sync:
             self.notes.append(text)
         self.progress(text)
 
-    def fail(self, t: _Target, problem: str) -> None:
-        t.rec.ok, t.rec.error = False, problem  # reported once, at the end (SyncError)
+    def fail(self, t: _Target, problem: Problem | str) -> None:
+        t.rec.ok, t.rec.error = False, str(problem)  # reported once, at the end (SyncError, by node)
 
     def request(self, t: _Target, op: str, **fields) -> dict:
         return {"op": op, "workdir": t.rec.workdir, **fields}
@@ -1288,7 +1300,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
         if job.refused:
             result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
-            raise SyncError([str(p) for p in result.problems()], result, code=BUSY)
+            raise SyncError(result.problems(), result, code=BUSY)
         ready = [t for t in job.targets.values() if t.ready]
         only_verify = [] if dry_run else ready if verify_only else [t for t in ready if t.shared]
         to_copy = [] if verify_only else [t for t in ready if not t.shared]
@@ -1317,7 +1329,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
     result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
     result.notes = job.notes
     result.duration_s = round(time.monotonic() - started, 3)
-    problems = [str(p) for p in result.problems()]
+    problems = result.problems()
     if problems:
         raise SyncError(problems, result)
     return result
