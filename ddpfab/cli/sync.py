@@ -106,7 +106,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     try:
         cluster = load_cluster(args)
     except inventory.InventoryError as exc:
-        return refuse(args, str(exc), "inventory")
+        return refuse(args, exc, "inventory")
     policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
     say = (lambda line: None) if args.json or args.dry_run else (lambda line: sys.stderr.write(line + "\n"))
     try:
