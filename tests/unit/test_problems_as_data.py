@@ -251,3 +251,37 @@ def test_a_node_error_is_one_problem_about_its_node():
         "node10", "unreachable", "unreachable: refused", "host node10: unreachable: refused")
     assert problem.about("node10") and not problem.about("node1")
     assert str(err) == "host node10: unreachable: refused"
+
+
+def test_sync_and_fetch_refusals_name_their_node_as_data():
+    """What recover and --json read: the node a refusal is about, without cutting it off the text."""
+    from ddpfab.hosts.inventory import Node
+    from ddpfab.transfer.fetch import FetchError, located
+    from ddpfab.transfer.sync import check_workdir
+
+    with pytest.raises(SyncError) as sync:
+        check_workdir(Node(name="node10", host="192.0.2.10", workdir="relative/dir"), "/w")
+    assert [(p.node, p.check) for p in sync.value.problems] == [("node10", "workdir")]
+    assert str(sync.value).startswith("host node10: refusing to sync: ")
+    with pytest.raises(FetchError) as fetch:
+        located("node1", {"path": "/w/..", "bytes": 3})
+    assert [(p.node, p.check) for p in fetch.value.problems] == [("node1", "locate")] and fetch.value.code == 1
+
+
+def test_a_node_programs_refusal_keeps_its_code_as_the_problems_kind():
+    """The node side's exceptions (stdlib-only) travel as a reply's code; the controller's error
+    names the node and takes the code as its kind."""
+    import subprocess
+    import sys
+
+    from ddpfab import node as nodeprog
+
+    reqs = nodeprog.numbered({"op": "hash", "workdir": "~x"})  # another user's home: refused on the node
+    proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), input=nodeprog.stdin_for(*reqs),
+                          capture_output=True, timeout=60)
+    [reply] = nodeprog.match_replies("node2", reqs, proc.stdout.splitlines(), proc.returncode, proc.stderr.decode())
+    assert not reply.ok and "another user's home" in reply.error
+    with pytest.raises(nodeprog.NodeProgramError) as err:
+        reply.value("node2")
+    assert (err.value.node, err.value.kind) == ("node2", "workdir")
+    assert err.value.problems[0].about("node2", "workdir")
