@@ -61,7 +61,7 @@ def unguarded_main(argv: list[str] | None = None) -> int:
     try:
         config.apply(args)  # flags > environment > project config
     except config.ConfigError as exc:
-        return refuse(args, str(exc), "config")
+        return refuse(args, exc, "config")
     if getattr(args, "_inventory_required", False) and not args.inventory:
         return refuse(args, config.MISSING_INVENTORY, "inventory")
     if args.command in ("run", "replay") and args.json and not args.dry_run:

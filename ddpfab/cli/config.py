@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.problems import DdpfabError
 
 NAMES = ("ddpfab.yml", ".ddpfab.yml")
 #: config key -> (argparse dest, environment variable, is a path)
@@ -42,8 +43,10 @@ KEYS: dict[str, tuple[str, str | None, bool]] = {
 DEFAULT_GROUP = "all"
 
 
-class ConfigError(Exception):
+class ConfigError(DdpfabError):
     """The project config cannot be used; the message names the file, the key and the fix."""
+
+    check = "config"
 
 
 def find(cwd: str | os.PathLike | None = None, environ: dict[str, str] | None = None) -> Path | None:

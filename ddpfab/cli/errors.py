@@ -1,5 +1,7 @@
 """The one error printer of the command line: ``ddpfab: error: ...`` lines on stderr, and the
-exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print as their text.
+exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print as their text; a
+:class:`ddpfab.problems.DdpfabError` prints as its problems, one line each (its exit code comes from
+its type or its ``code``, never from its text).
 
 The exit codes of every command, one table (README.md, "Exit codes", prints it; a unit test walks
 every subcommand's error paths against it):
@@ -23,7 +25,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and met a failure (checks found problems, a copy failed, ...)
@@ -34,9 +36,20 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM
 EXIT_CLOSED_STDOUT = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
 
 
-def die(lines: Iterable[str | Problem] | str | Problem, code: int = EXIT_USAGE) -> int:
-    """Print each line (a string or a problem) as ``ddpfab: error: LINE``; return *code*."""
-    for line in [lines] if isinstance(lines, (str, Problem)) else lines:
+#: What :func:`die` and :func:`refuse` print: lines, problems, or an error's problems.
+Lines = Iterable[str | Problem] | str | Problem | DdpfabError
+
+
+def _lines(lines: Lines) -> list[str | Problem]:
+    if isinstance(lines, DdpfabError):
+        return list(lines.problems)
+    return [lines] if isinstance(lines, (str, Problem)) else list(lines)
+
+
+def die(lines: Lines, code: int = EXIT_USAGE) -> int:
+    """Print each line (a string or a problem; an error's problems) as ``ddpfab: error: LINE``;
+    return *code*."""
+    for line in _lines(lines):
         sys.stderr.write(f"ddpfab: error: {line}\n")
     return code
 
@@ -48,10 +61,10 @@ def print_problems(problems: Iterable[str | Problem], check: str) -> None:
     print(json.dumps({"ok": False, "problems": records}, indent=2, ensure_ascii=False))
 
 
-def refuse(args, lines: Iterable[str | Problem] | str | Problem, check: str, code: int = EXIT_USAGE) -> int:
+def refuse(args, lines: Lines, check: str, code: int = EXIT_USAGE) -> int:
     """:func:`die`, and with ``--json`` the same as a problems document on stdout: a command asked
     for JSON writes JSON whatever ends it (*check*: the key of a line about no one node)."""
-    lines = [lines] if isinstance(lines, (str, Problem)) else list(lines)
+    lines = _lines(lines)
     if getattr(args, "json", False):
         print_problems(lines, check)
     return die(lines, code)

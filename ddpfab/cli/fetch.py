@@ -36,13 +36,13 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         node = pick_node(cluster, args.node, args.rank)
         check_local_dir(args.local_dir)
     except (inventory.InventoryError, FetchError) as exc:
-        return die(str(exc))  # nothing was contacted
+        return die(exc)  # nothing was contacted
     try:
         policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
         got = fetch(node, args.remote_path, args.local_dir, policy, ssh_config=args.ssh_config,
                     overwrite=args.overwrite)
     except FetchError as exc:
-        return die(str(exc), exc.code)
+        return die(exc, exc.code)
     except KeyboardInterrupt:
         sys.stderr.write("ddpfab: fetch interrupted\n")
         return EXIT_SIGINT

@@ -14,7 +14,7 @@ from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import Plan
-from ddpfab.problems import NodeError, Problem
+from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.results import GroupResult
 
 
@@ -38,8 +38,10 @@ def _cluster(args, manifest: dict | None):
     return inventory.load(source, group)
 
 
-class RecordError(Exception):
+class RecordError(DdpfabError):
     """A local run record that cannot be read as one; the message names the file and the fix."""
+
+    check = "record"
 
 
 def _record(runs_dir: str, run_id: str) -> dict | None:
@@ -160,7 +162,7 @@ def _guard(fn):
         except (inventory.InventoryError, ConfigError) as exc:
             return refuse(args, str(exc), "inventory")  # (ps --json: as JSON too)
         except RecordError as exc:
-            return refuse(args, str(exc), "record")
+            return refuse(args, exc, "record")
         except runner.RunError as exc:
             return refuse(args, exc.problems, "ssh")
     return wrapper

@@ -42,7 +42,7 @@ def cmd_check_perf(args) -> int:
             try:
                 nodes = [n.name for n in load_cluster(args).nodes]
             except inventory.InventoryError as exc:
-                return refuse(args, str(exc), "inventory")
+                return refuse(args, exc, "inventory")
         hist = perf.history(records, nodes)
         if args.json:
             print(json.dumps({"history": hist, "unreadable": bad}, indent=2))

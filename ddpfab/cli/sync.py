@@ -103,7 +103,7 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     try:
         cluster = api_cluster(args)
     except inventory.InventoryError as exc:
-        return refuse(args, str(exc), "inventory")
+        return refuse(args, exc, "inventory")
     say = (lambda line: None) if args.json or args.dry_run else (lambda line: sys.stderr.write(line + "\n"))
     try:
         result = cluster.sync(args.path, fanout=args.fanout, compress=args.compress, checksum=args.checksum,

@@ -19,6 +19,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddpfab.problems import DdpfabError, Problem
+
 #: The thresholds below come from healthy lab checks on a loaded shared machine (15 checks, 3 and
 #: 8 nodes, load average 13-56) against the drills; the table is in docs/perf-check.md.
 #: A device's matmul throughput below this fraction of the median device is "slow compute".
@@ -164,13 +166,18 @@ def schedule(n: int, all_pairs_max: int = ALL_PAIRS_MAX, max_rounds: int = MAX_R
 
 
 # -- what nodes send back ----------------------------------------------------------------------
-class PerfDataError(ValueError):
+class PerfDataError(DdpfabError, ValueError):
     """A node's report is malformed; the message names the node and the field."""
+
+    check = "perf_report"
+
+    def __init__(self, node: str, message: str):
+        super().__init__([Problem(node, self.check, text=message)])
 
 
 def _num(node: str, where: str, value: Any, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise PerfDataError(f"host {node}: perf report field {where}: expected a number >= {minimum:g}, "
+        raise PerfDataError(node, f"host {node}: perf report field {where}: expected a number >= {minimum:g}, "
                             f"found {value!r}")
     return float(value)
 
@@ -178,18 +185,18 @@ def _num(node: str, where: str, value: Any, minimum: float = 0.0) -> float:
 def validate_report(node: str, data: Any) -> dict:
     """Check one node's ``DDPFAB_PERF`` record (data, never code) and return the fields used."""
     if not isinstance(data, dict):
-        raise PerfDataError(f"host {node}: perf report: expected a JSON object, found {type(data).__name__}")
+        raise PerfDataError(node, f"host {node}: perf report: expected a JSON object, found {type(data).__name__}")
     out: dict[str, Any] = {"node_rank": int(_num(node, "node_rank", data.get("node_rank"))),
                            "device": str(data.get("device", "?"))[:80], "backend": str(data.get("backend", "?"))[:16]}
     comp = data.get("compute")
     if not isinstance(comp, dict) or not isinstance(comp.get("per_device"), list) or not comp["per_device"]:
-        raise PerfDataError(f"host {node}: perf report field compute.per_device: expected a non-empty list")
+        raise PerfDataError(node, f"host {node}: perf report field compute.per_device: expected a non-empty list")
     out["compute"] = [_num(node, "compute.per_device", v) for v in comp["per_device"]]
     mem = data.get("memory")
     out["memory"] = _num(node, "memory.gbs", mem.get("gbs") if isinstance(mem, dict) else None)
     links = data.get("links", [])
     if not isinstance(links, list):
-        raise PerfDataError(f"host {node}: perf report field links: expected a list")
+        raise PerfDataError(node, f"host {node}: perf report field links: expected a list")
     out["links"] = [{"peer": int(_num(node, "links.peer", ln.get("peer") if isinstance(ln, dict) else None)),
                      "gbs": _num(node, "links.gbs", ln.get("gbs")), "lat_us": _num(node, "links.lat_us", ln.get("lat_us"))}
                     for ln in links]
@@ -200,7 +207,7 @@ def validate_report(node: str, data: Any) -> dict:
                          for a in data.get("all_reduce", [])]
     skipped = data.get("all_reduce_skipped", [])
     if not isinstance(skipped, list):
-        raise PerfDataError(f"host {node}: perf report field all_reduce_skipped: expected a list")
+        raise PerfDataError(node, f"host {node}: perf report field all_reduce_skipped: expected a list")
     out["all_reduce_skipped"] = [int(_num(node, "all_reduce_skipped", v)) for v in skipped]
     out["rounds_skipped"] = int(_num(node, "rounds_skipped", data.get("rounds_skipped", 0)))
     out["seconds"] = _num(node, "seconds", data.get("seconds", 0))
@@ -392,20 +399,20 @@ def analyze(reports: dict[str, dict], order: list[str], *, compute_min: float = 
         if peers:
             f.text += (f"; its link{'s' if len(peers) > 1 else ''} to {_names(peers)} {'are' if len(peers) > 1 else 'is'} "
                        "slow too (gloo moves data on the CPU)")
-    for (a, b), why in slow_links.items():
+    for (a, b), slow_in in slow_links.items():
         if a in bad_nodes or b in bad_nodes or a in starved or b in starved:
             continue  # explained by a bad node, or by a starved CPU at one end
         v = link_vals[(a, b)]
         what = (f"bandwidth {_x(v['ratio'])} of median ({_fmt(v['gbs'])} vs {_fmt(med_link)} GB/s)"
-                if "bandwidth" in why else
+                if "bandwidth" in slow_in else
                 f"latency {v['lat_ratio']:.1f}x the median ({_fmt(v['lat_us'])} vs {_fmt(med_lat)} us)")
         enough = len(per_node_links[a]) >= 2 and len(per_node_links[b]) >= 2
         where = ("both nodes are fine with their other peers: check the path between them (cables, switch "
                  "ports, routes)" if enough else "too few pairs measured to tell which end is at fault")
-        res.findings.append(Finding(link_key(a, b), "pair", v["ratio"] if "bandwidth" in why else v["lat_ratio"],
-                                    v["gbs"] if "bandwidth" in why else v["lat_us"],
-                                    med_link if "bandwidth" in why else med_lat,
-                                    "GB/s" if "bandwidth" in why else "us",
+        res.findings.append(Finding(link_key(a, b), "pair", v["ratio"] if "bandwidth" in slow_in else v["lat_ratio"],
+                                    v["gbs"] if "bandwidth" in slow_in else v["lat_us"],
+                                    med_link if "bandwidth" in slow_in else med_lat,
+                                    "GB/s" if "bandwidth" in slow_in else "us",
                                     f"link {a}--{b}: {what}; {where}"))
     return res
 

@@ -27,18 +27,20 @@ from ddpfab.launch import runner
 from ddpfab.launch.execute import _RANK_TAG, Printer
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning.plan import RunOptions, forwarded_env
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 
 #: The node-side files (name in the node's run dir -> source here): read, never imported here (torch).
 SHIPPED = {"perfnode.py": Path(__file__).with_name("perfnode.py"), "dist.py": Path(__file__).parents[1] / "dist.py"}
 REMOTE_RUNS = ".ddpfab/runs"
 
-class PerfError(Exception):
-    """The check could not run; ``problems`` has one line per host or cause."""
+class PerfError(DdpfabError):
+    """The check could not run; ``problems`` has one problem per host or cause."""
 
-    def __init__(self, problems: list[str], code: int = 2):
-        super().__init__("\n".join(problems))
-        self.problems = problems
+    check = "perf"
+
+    def __init__(self, problems: Problem | str | list[Problem | str], code: int = 2):
+        super().__init__(problems)
         self.code = code  # the exit code: 2, or 130/143 when interrupted
 
 
@@ -137,8 +139,10 @@ def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: s
     try:
         for n in order:
             reports[n] = perf.validate_report(n, json.loads(printer.records[n]))
-    except (ValueError, perf.PerfDataError) as exc:
-        raise PerfError([str(exc)]) from None
+    except perf.PerfDataError as exc:
+        raise PerfError(exc.problems) from None
+    except ValueError as exc:  # not JSON
+        raise PerfError(Problem(n, perf.PerfDataError.check, text=str(exc))) from None
     res = perf.analyze(reports, order)
     perf.add_all_reduce(res, reports, order)
     skipped = max(r["rounds_skipped"] for r in reports.values())

@@ -26,6 +26,7 @@ from ddpfab.version import __version__
 from ddpfab.hosts import invcache, nodeenv
 from ddpfab.hosts.invcache import cache_dir
 from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.problems import DdpfabError, Problem
 
 #: ddpfab's own inventory variables; each is documented in inventory/example.yml.
 VAR_NPROC = "ddpfab_nproc_per_node"
@@ -51,8 +52,10 @@ _HOST_WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _MAX_GENERATED = 64
 
 
-class InventoryError(Exception):
+class InventoryError(DdpfabError):
     """The inventory cannot be used; the message names the file or host and what to fix."""
+
+    check = "inventory"
 
 
 @dataclass(frozen=True)
@@ -841,7 +844,7 @@ def _make_node(name: str, var) -> Node:
         conda_env = nodeenv.parse_conda_env(name, var(VAR_CONDA_ENV, None))
         setup = nodeenv.setup_lines(nodeenv.parse_setup(name, var(VAR_SETUP, None)), conda_env)
     except ValueError as exc:
-        raise InventoryError(str(exc)) from None
+        raise InventoryError(Problem(name, "inventory", text=str(exc))) from None
     python = var(VAR_PYTHON, None)
     return Node(
         name=name,

@@ -35,6 +35,7 @@ from typing import TextIO
 
 from ddpfab.hosts import inventory as invmod
 from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.problems import DdpfabError
 from ddpfab.remote.target import HostKeyPolicy, Target, TargetError, ansible_vars, resolve_all, ssh_argv, ssh_problem
 
 #: Playbooks ``ddpfab provision --playbook NAME`` knows by name (``<name>.yml`` in :func:`ansible_dir`).
@@ -71,8 +72,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RECAP_LINE = re.compile(r"^(?P<host>\S+)\s*:\s*(?P<counts>(?:\w+=\d+\s*)+)$")
 
 
-class ProvisionError(Exception):
+class ProvisionError(DdpfabError):
     """Provisioning could not start: ansible-playbook, a playbook or the inventory is missing."""
+
+    check = "provision"
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,7 @@ def build_command(inventory: str | os.PathLike | list, playbook: str = "provisio
     try:
         sources = [invmod.ansible_source(s) for s in invmod.sources_of(inventory)]
     except invmod.InventoryError as exc:
-        raise ProvisionError(str(exc)) from None
+        raise ProvisionError(exc.problems) from None
     opts = options or AnsibleOptions()
     if tags or check or limit:
         opts = AnsibleOptions(**{**opts.__dict__, "tags": opts.tags + tuple(tags or ()),
@@ -347,7 +350,7 @@ def targets_of(inventory: str | Path | list, policy: HostKeyPolicy | None = None
     try:
         return resolve_all(invmod.load(inventory, group="all").nodes, policy, ssh_config)
     except (invmod.InventoryError, TargetError) as exc:
-        raise ProvisionError(str(exc)) from None
+        raise ProvisionError(exc.problems) from None
 
 
 def ssh_vars_file(targets: dict[str, Target], directory: str) -> str:

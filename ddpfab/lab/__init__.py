@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ddpfab.problems import DdpfabError
+
 DEFAULT_SUBNET = "10.213.0.0/24"
 #: System dirs each host gets as a private overlay (writes stay per host, the real dirs untouched).
 OVERLAY_DIRS = ("/etc", "/opt", "/var", "/root", "/usr", "/home")
@@ -57,8 +59,10 @@ STAND_IN_SMI = Path(__file__).with_name("fake-nvidia-smi")
 STAND_IN_CONF = "/etc/ddpfab-stand-in"
 
 
-class LabError(Exception):
+class LabError(DdpfabError):
     """A lab operation failed; the message says what is missing and what to do."""
+
+    check = "lab"
 
 
 @dataclass

@@ -121,6 +121,7 @@ class NodeOutcome:
     node_rank: int
     exit_code: int | None = None
     error: str | None = None
+    lost: bool = False  # declared lost by the monitor (its sshd went silent): no record to fetch there
     started: float = 0.0
     ended: float = 0.0
     lines: int = 0
@@ -379,7 +380,7 @@ class _NodeJob:
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:
-            if out.remote is None and out.exit_code != CANNOT_START and not (out.error or "").startswith("lost"):
+            if out.remote is None and out.exit_code != CANNOT_START and not out.lost:
                 out.remote = self._result_record()
                 if out.remote is None:
                     out.cleanup = self._clean_up_after_supervisor()
@@ -521,6 +522,7 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
                         if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
                             job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
                                                  "(host down or network cut)")
+                            job.outcome.lost = True
                             job.close()  # unblocks its reader; its supervisor stops on silence
                     now = time.monotonic()
                     last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
@@ -548,7 +550,7 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
                     stop_all(fast=True)
             except Interrupted as exc:
                 if interrupted is None:
-                    interrupted = exc.args[0]
+                    interrupted = exc.name
                     printer.note(f"{interrupted}: stopping the job on every node")
                     stop_all()
         for job in jobs.values():  # their supervisors' result records, fetched after the stop

@@ -28,6 +28,11 @@ class Interrupted(KeyboardInterrupt):
     def exit_code(self) -> int:
         return 128 + self.signum
 
+    @property
+    def name(self) -> str:
+        """The signal's name (``SIGINT``, ``SIGTERM``)."""
+        return signal.Signals(self.signum).name
+
 
 def _raise(signum, frame):
     raise Interrupted(signum)

@@ -36,7 +36,7 @@ from ddpfab.launch.execute import Interrupted, Printer, RunResult
 from ddpfab.launch.runner import RunError
 from ddpfab.launch.runs import RunDir
 from ddpfab.planning.plan import Plan, PlanError, RunOptions
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.ssh import HostKeyPolicy
 
@@ -46,13 +46,14 @@ RESTART_VAR, ROOT_VAR, LINEAGE_VAR = "DDPFAB_RESTART_COUNT", "DDPFAB_ROOT_RUN_ID
 EVIDENCE_LINES = 8
 #: Seconds a health check waits for a node's sshd after a failure.
 HEALTH_TIMEOUT_S = 5.0
-_HOST_PROBLEM = re.compile(r"^(?:sync: )?host ([^\s:(]+)")
 _RANK_TAG = re.compile(r"^\[default\d+\]:(?:\[rank\d+\]:)?")  # torchrun's --tee tag, torch's own rank tag
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s.*)?$")
 
 
-class NoRecovery(Exception):
+class NoRecovery(DdpfabError):
     """The job cannot go on: no healthy spare and no smaller world allowed; says which node and why."""
+
+    check = "recovery"
 
 
 @dataclass(frozen=True)
@@ -194,18 +195,10 @@ def attempt_options(options: RunOptions, restart: int, lineage: tuple[str, ...])
     return replace(options, run_id=attempt_id(root, restart), env=env)
 
 
-def problem_host(problem: Problem | str) -> str | None:
-    """The node a problem is about: a :class:`Problem`'s own; for a line of text from a layer that
-    has no problem type yet (``sync: host NAME: ...``), the name its ``host NAME`` prefix gives."""
-    if isinstance(problem, Problem):
-        return problem.node
-    m = _HOST_PROBLEM.match(problem)
-    return m.group(1) if m else None
-
-
-def problem_hosts(problems: list[Problem | str], names: set[str]) -> set[str]:
-    """The hosts that preflight/probe problems are about, among *names* (exact names)."""
-    return {host for host in map(problem_host, problems) if host in names}
+def problem_hosts(problems: list[Problem], names: set[str]) -> set[str]:
+    """The hosts that preflight/probe problems are about, among *names*: each problem's own
+    ``node`` (exact names; a problem about no single node blames none, whatever its text says)."""
+    return {p.node for p in problems if p.node in names}
 
 
 def exception_line(log_text: str) -> str | None:
@@ -380,7 +373,7 @@ class Recovery:
                 if restart == 0 or not blamed:
                     raise
                 for name in blamed:
-                    why = "; ".join(str(p) for p in exc.problems if problem_host(p) == name)  # node1 is not node10
+                    why = "; ".join(str(p) for p in exc.problems if p.about(name))  # node1 is not node10
                     attempt.skipped[name] = why
                     self.excluded.add(name)
                     self.note(f"{name} left out of restart {restart}: {why}")
@@ -407,7 +400,7 @@ class Recovery:
                 try:
                     prepared, extra, nodes = self._prepare(attempt, nodes, restart, lineage)
                 except (RunError, NoRecovery) as exc:
-                    lines = exc.problems if hasattr(exc, "problems") else [str(exc)]
+                    lines = [str(p) for p in exc.problems]
                     attempt.ended, attempt.ended_because = time.time(), "could not start: " + "; ".join(lines)
                     self.attempts.append(attempt)
                     if restart == 0:
@@ -466,10 +459,10 @@ class Recovery:
                 restart += 1
                 lineage += (attempt_id(self.root, restart),)
         except (Interrupted, KeyboardInterrupt) as exc:
-            name = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
+            name, code = (exc.name, exc.exit_code) if isinstance(exc, Interrupted) else ("SIGINT", 130)
             self.note(f"{name} between attempts: no restart; nothing is running")
-            self.record("interrupted", 130 if name == "SIGINT" else 143)
-            return 130 if name == "SIGINT" else 143
+            self.record("interrupted", code)
+            return code
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

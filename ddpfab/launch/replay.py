@@ -37,7 +37,7 @@ from ddpfab.launch.runs import mask_env
 from ddpfab.planning import probe, render
 from ddpfab.planning.masking import was_masked
 from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
 
 
@@ -156,8 +156,10 @@ LATER_PLAN_FIELDS: dict[str, Any] = {"module": False, "secret_env": [], "script_
 LATER_OPTION_FIELDS = ("module", "secret_env", "script_local_rank", "gpus_per_node", "wait", "exit_guard")
 
 
-class ManifestError(Exception):
+class ManifestError(DdpfabError):
     """A manifest that cannot be replayed: malformed, foreign, or of another schema version."""
+
+    check = "manifest"
 
 
 def recorded_options(options: RunOptions, cwd: str | None, marked: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -25,18 +25,16 @@ from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields,
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
 from ddpfab.planning import probe, scriptfile
 from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 from ddpfab.results import GroupResult
 
 
-class RunError(Exception):
-    """The run could not start; ``problems`` has one entry per host or cause: a
-    :class:`~ddpfab.problems.Problem` (about a node), or a line of text."""
+class RunError(DdpfabError):
+    """The run could not start; ``problems`` has one :class:`~ddpfab.problems.Problem` per host
+    or cause (a line of text given is a problem about no single node)."""
 
-    def __init__(self, problems: list[Problem | str]):
-        super().__init__("\n".join(map(str, problems)))
-        self.problems = problems
+    check = "run"
 
 
 @dataclass

@@ -131,9 +131,11 @@ class Reply:
     code: str = ""
 
     def value(self, node: str) -> dict:
-        """The result, or a NodeProgramError naming *node* and the operation."""
+        """The result, or a NodeProgramError naming *node* and the operation: the node side's own
+        failure (its exceptions are shipped stdlib-only, without ddpfab's problems) becomes a
+        problem here, its ``code`` (``workdir``, ``record``, ``treehash.NOT_OURS``...) the kind."""
         if not self.ok:
-            raise NodeProgramError(node, f"{self.op}: {self.error}")
+            raise NodeProgramError(node, f"{self.op}: {self.error}", kind=self.code or "program")
         return self.result
 
 

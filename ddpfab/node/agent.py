@@ -535,11 +535,13 @@ def main(spec):
     _set_subreaper()
     stop = threading.Event()
     reason = []
+    by_worker = []
     failed_at = []
 
-    def request_stop(why):
+    def request_stop(why, worker=False):
         if not stop.is_set():
             reason.append(why)
+            by_worker.append(worker)  # what stopped it, as data: the reason is only for people
             stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
@@ -617,7 +619,8 @@ def main(spec):
         if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
             return
         grace_now[0] = min(grace, FAST_GRACE)
-        request_stop("a worker failed (pid %d, %s %d); ended without waiting for torchrun" % (pid, how[0], how[1]))
+        request_stop("a worker failed (pid %d, %s %d); ended without waiting for torchrun" % (pid, how[0], how[1]),
+                     worker=True)
 
     if not detached:
         threading.Thread(target=watch_link, daemon=True).start()
@@ -645,7 +648,7 @@ def main(spec):
     relayer.join(timeout=2)
     if code < 0:
         code = 128 - code
-    own_failure = bool(failed_worker and reason and reason[0].startswith("a worker failed"))
+    own_failure = bool(failed_worker and by_worker and by_worker[0])
     if own_failure:
         code = 1  # what torchrun itself exits with when a worker fails
     if at_barrier and reason and reason[0] == AT_BARRIER:

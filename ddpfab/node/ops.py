@@ -808,7 +808,7 @@ def handle(req, session, fn=None):
     except NodeOpError as exc:
         return reply(rid, op, error=str(exc), code=exc.code)
     except (WorkdirError, RecordError) as exc:
-        return reply(rid, op, error=str(exc))
+        return reply(rid, op, error=str(exc), code=exc.code)
     except OSError as exc:
         return reply(rid, op, error="%s: %s" % (getattr(exc, "filename", "") or "", exc.strerror or exc))
     except (KeyError, TypeError, ValueError) as exc:

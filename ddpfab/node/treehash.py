@@ -411,7 +411,10 @@ def diff_entries(ours, theirs, limit=5):
 
 # -- the node side: the workdir record ---------------------------------------------------------
 class RecordError(Exception):
-    """A workdir record that cannot be trusted (not ddpfab's format)."""
+    """A workdir record that cannot be trusted (not ddpfab's format); sent as an error reply with
+    this ``code`` (the controller's problem names the node)."""
+
+    code = "record"
 
 
 def rel_ok(rel):

@@ -35,7 +35,11 @@ SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/l
 
 
 class WorkdirError(ValueError):
-    """A workdir that no command may use; the message says why and what to write instead."""
+    """A workdir that no command may use; the message says why and what to write instead. (The
+    node program sends it as an error reply with this ``code``; the controller's problem names the
+    node: :meth:`ddpfab.node.Reply.value`, or a PlanError for the planner's own check.)"""
+
+    code = "workdir"
 
 
 def lexical_problem(raw):

@@ -17,6 +17,7 @@ from pathlib import Path
 from ddpfab.hosts import nodeenv
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import script_lines
+from ddpfab.problems import DdpfabError
 from ddpfab.remote.target import Target, scp_argv, ssh_argv, ssh_line
 
 README = "README.txt"
@@ -90,8 +91,10 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-class EmitError(Exception):
+class EmitError(DdpfabError):
     """The scripts cannot be written where asked; the message says why and what to do."""
+
+    check = "emit"
 
 
 #: The list of files ddpfab wrote into an emit dir: all that a later emit there may replace.

@@ -34,6 +34,7 @@ from ddpfab.hosts import inventory, nodeenv
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, make_plan, placeholders_in
 from ddpfab.planning.plan import master_port as decide_port
+from ddpfab.problems import DdpfabError
 
 #: Script-argument placeholders whose value differs from node to node (a scheduler's job cannot hold them).
 PER_NODE_PLACEHOLDERS = ("node_rank", "node_name")
@@ -54,8 +55,10 @@ _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_K8S_NAME = 48
 
 
-class ExportError(Exception):
+class ExportError(DdpfabError):
     """The plan cannot be exported as asked; the message says what to change."""
+
+    check = "export"
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ddpfab.hosts.inventory import Cluster, Node, is_address
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.node.workdir import WorkdirError
 from ddpfab.node.workdir import resolve as resolve_workdir
+from ddpfab.problems import DdpfabError
 
 #: Where each node keeps its run records, relative to the SSH user's home.
 REMOTE_RUNS_DIR = ".ddpfab/runs"
@@ -67,8 +68,10 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 EXIT_GUARD_MODES = ("on", "record", "off")
 
 
-class PlanError(Exception):
+class PlanError(DdpfabError):
     """The run cannot be planned as asked; the message says what to change."""
+
+    check = "plan"
 
 
 @dataclass(frozen=True)
@@ -597,8 +600,8 @@ def remote_workdir(raw: str, home: str | None) -> str:
     rules and the same answer as ``ddpfab sync`` (:func:`ddpfab.node.workdir.resolve`)."""
     try:
         return resolve_workdir(raw, home)
-    except WorkdirError as exc:
-        raise PlanError(str(exc)) from None
+    except WorkdirError as exc:  # (the node program's own, stdlib-only): a problem here
+        raise PlanError(str(exc), check=exc.code) from None
 
 
 def is_run_id(value: object) -> bool:

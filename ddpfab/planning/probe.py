@@ -21,18 +21,16 @@ from ddpfab import node as nodeprog
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port, master_port
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
 from ddpfab.results import GroupResult
 
 
-class ProbeError(Exception):
-    """A node is not ready for the run; ``problems`` holds one clear line per host."""
+class ProbeError(DdpfabError):
+    """A node is not ready for the run; ``problems`` holds one problem per host."""
 
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
+    check = "probe"
 
 
 @dataclass

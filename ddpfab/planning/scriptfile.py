@@ -16,13 +16,16 @@ import os
 import re
 
 from ddpfab.planning.plan import LOCAL_RANK_ARGS
+from ddpfab.problems import DdpfabError
 
 #: How much of a script is read to find its arguments.
 READ_LIMIT = 1 << 20
 
 
-class ScriptError(Exception):
+class ScriptError(DdpfabError):
     """The script or module is not where the run would look for it; the message says where it looked."""
+
+    check = "script"
 
 
 def module_candidates(module: str) -> tuple[str, str]:

@@ -234,6 +234,7 @@ _FINAL_ERRNOS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
 
 def _open(conn: Connection, timeout: float) -> None:
     for attempt in range(CONNECT_ATTEMPTS):
+        began = time.monotonic()
         try:
             if not conn.gateway:  # (a jump host or ProxyCommand brings its own socket)
                 conn.connect_kwargs["sock"] = _socket(conn.host, conn.port, timeout)
@@ -245,8 +246,11 @@ def _open(conn: Connection, timeout: float) -> None:
         except (SSHError, paramiko.BadHostKeyException):
             raise
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            # paramiko reports a server too busy to finish auth in time as an auth failure
-            busy_auth = isinstance(exc, paramiko.AuthenticationException) and "timeout" in str(exc).lower()
+            # paramiko reports a server too busy to finish auth in time as an auth failure: its own
+            # auth deadline having passed says which (its message is not read)
+            auth_timeout = conn.connect_kwargs.get("auth_timeout") or timeout
+            busy_auth = (isinstance(exc, paramiko.AuthenticationException)
+                         and time.monotonic() - began >= auth_timeout)
             final = (isinstance(exc, OSError) and exc.errno in _FINAL_ERRNOS
                      or isinstance(exc, paramiko.AuthenticationException) and not busy_auth)
             if attempt == CONNECT_ATTEMPTS - 1 or final:

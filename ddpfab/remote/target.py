@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpfab.hosts.inventory import SSH_ARG_VARS, Node, is_address
+from ddpfab.problems import DdpfabError, Problem
 
 if TYPE_CHECKING:
     import paramiko
@@ -88,11 +89,14 @@ _REFUSED_WHY = {
 }
 
 
-class TargetError(Exception):
-    """An ssh option or value ddpfab cannot honour; the message names it, the host and the fix."""
+class TargetError(DdpfabError):
+    """An ssh option or value ddpfab cannot honour; the message names it, the host and the fix.
+    *node*: the host it is about ("" for none: an ssh_config that cannot be read)."""
+
+    check = "ssh_option"
 
     def __init__(self, node: str, message: str):
-        super().__init__(message)
+        super().__init__([Problem(node or None, self.check, text=message)])
         self.node = node
 
 

@@ -23,7 +23,7 @@ import sys
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
-from ddpfab.problems import NodeError
+from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.runner import NodeRunner, rsync_argv
 from ddpfab.remote.target import HostKeyPolicy
 from ddpfab.transfer.sync import SyncError, _ask, check_workdir
@@ -32,13 +32,15 @@ from ddpfab.transfer.sync import SyncError, _ask, check_workdir
 PROGRESS_BYTES = 16 * 2**20
 
 
-class FetchError(Exception):
-    """Nothing was fetched; the message says why and what to do. *code*: the exit code, 2 when the
+class FetchError(DdpfabError):
+    """Nothing was fetched; the problem says why and what to do. *code*: the exit code, 2 when the
     request is refused before any host is contacted (bad input), 1 once the node has been asked (the
     path refused or missing there, a destination that exists, the copy failed)."""
 
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
+    check = "fetch"
+
+    def __init__(self, problems: Problem | str | list[Problem | str], code: int = 2):
+        super().__init__(problems)
         self.code = code
 
 
@@ -81,9 +83,10 @@ def located(name: str, found: dict) -> tuple[str, int]:
         os.path.basename(path.rstrip("/")) not in ("", ".", "..") and \
         not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in path)
     if not name_ok or not isinstance(size, int) or isinstance(size, bool):
-        raise FetchError(f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
-                         f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
-                         "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there", 1)
+        raise FetchError(Problem(name, "locate", text=(
+            f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
+            f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
+            "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there")), 1)
     return path, size
 
 
@@ -111,7 +114,7 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
     try:
         runner = NodeRunner.open(node, policy, ssh_config)
     except NodeError as exc:  # an ssh option that cannot be honoured is bad input: nothing was contacted
-        raise FetchError(str(exc), 2 if exc.kind == "ssh-option" else 1) from None
+        raise FetchError(exc.problems, 2 if exc.kind == "ssh-option" else 1) from None
     try:
         return _fetch(runner, raw, remote_path, local_dir, overwrite, progress)
     finally:
@@ -144,5 +147,6 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
     copy = runner.rsync(argv, stdout=sys.stderr if show else subprocess.DEVNULL)
     if copy.code != 0:
         text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
-        raise FetchError(f"host {node.name}: rsync failed (exit {copy.code}): {text or 'no message'}", 1)
+        raise FetchError(Problem(node.name, "rsync", text=f"host {node.name}: rsync failed (exit {copy.code}): "
+                                                          f"{text or 'no message'}"), 1)
     return {**found, "node": node.name, "local": dest}

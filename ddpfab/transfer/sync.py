@@ -59,7 +59,7 @@ from pathlib import Path
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import treehash, workdir
-from ddpfab.problems import NodeError, Problem
+from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.runner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
 from ddpfab.remote.runner import rsync_argv as runner_argv
@@ -78,14 +78,16 @@ LOCK_WAIT_S = 600.0
 BUSY = "busy"
 
 
-class SyncError(Exception):
-    """Sync failed on some nodes; ``problems`` has one line per failing node, ``result`` what
-    happened everywhere (the nodes that did sync are in it too), ``code`` the node program's
-    code for a refusal on one node (``treehash.NOT_OURS``...), when it gave one."""
+class SyncError(DdpfabError):
+    """Sync failed on some nodes; ``problems`` has one problem per failing node (or cause),
+    ``result`` what happened everywhere (the nodes that did sync are in it too), ``code`` the node
+    program's code for a refusal on one node (``treehash.NOT_OURS``...), when it gave one."""
 
-    def __init__(self, problems: list[str], result: SyncResult | None = None, code: str = ""):
-        super().__init__("\n".join(problems))
-        self.problems = problems
+    check = "sync"
+
+    def __init__(self, problems: Problem | str | list[Problem | str], result: SyncResult | None = None,
+                 code: str = ""):
+        super().__init__(problems)
         self.result = result
         self.code = code
 
@@ -322,7 +324,8 @@ def check_workdir(node: Node, default: str) -> str:
     raw = node.workdir if node.workdir is not None else default
     why = workdir.lexical_problem(raw)
     if why:
-        raise SyncError([f"host {node.name}: refusing to sync: {why}; nothing was changed there"])
+        raise SyncError(Problem(node.name, "workdir", found=why,
+                                text=f"host {node.name}: refusing to sync: {why}; nothing was changed there"))
     return raw
 
 
@@ -332,13 +335,13 @@ def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict
 
 
 # -- the node program, over the node's runner ---------------------------------------------------
-def _start_problem(node: Node, exc: NodeError) -> str:
-    """One line for a node program that could not answer (no python there, a setup line, the
-    connection): the sync's words for a missing python, else the error's own sentence."""
+def _start_problem(node: Node, exc: NodeError) -> Problem:
+    """The problem of a node program that could not answer (no python there, a setup line, the
+    connection): the sync's words for a missing python, else the error's own problem."""
     if exc.kind == "python":
-        return (f"host {node.name}: neither {node.python} nor python3 found there; sync needs a python (3.6+, "
-                "standard library only) on the nodes")
-    return str(exc)
+        return Problem(node.name, "python", text=f"host {node.name}: neither {node.python} nor python3 found there; "
+                       "sync needs a python (3.6+, standard library only) on the nodes")
+    return exc.problems[0] if exc.problems else Problem(node.name, exc.kind, text=str(exc))
 
 
 def _session(runner: NodeRunner) -> nodeprog.Session:
@@ -361,7 +364,8 @@ def _ask(runner: NodeRunner, session: nodeprog.Session | None, *requests: dict, 
         raise SyncError([_start_problem(runner.node, exc)]) from None
     for r in replies:
         if not r.ok:
-            raise SyncError([f"host {runner.name}: {r.op}: {r.error}"], code=r.code)
+            raise SyncError(Problem(runner.name, r.op or "node_program", found=r.error,
+                                    text=f"host {runner.name}: {r.op}: {r.error}"), code=r.code)
     return [r.result for r in replies]
 
 
@@ -528,8 +532,8 @@ class _Sync:
             self.notes.append(text)
         self.progress(text)
 
-    def fail(self, t: _Target, problem: str) -> None:
-        t.rec.ok, t.rec.error = False, problem  # reported once, at the end (SyncError)
+    def fail(self, t: _Target, problem: Problem | str) -> None:
+        t.rec.ok, t.rec.error = False, str(problem)  # reported once, at the end (SyncError, by node)
 
     def request(self, t: _Target, op: str, **fields) -> dict:
         return {"op": op, "workdir": t.rec.workdir, **fields}
@@ -1009,10 +1013,10 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         try:  # before anything is started: a route that cannot be honoured starts nothing
             resolve_all(cluster.nodes, policy, ssh_config)
         except TargetError as exc:
-            raise SyncError([str(exc)]) from None
+            raise SyncError(exc.problems) from None
         opened = open_group(cluster.nodes, policy, ssh_config)
         conns = {name: r.conn for name, r in opened.succeeded.items()}
-    down = {n.name: opened.get(n.name, SyncError([f"host {n.name}: no connection"])) for n in cluster.nodes
+    down = {n.name: opened.get(n.name, SyncError(Problem(n.name, "ssh", text=f"host {n.name}: no connection"))) for n in cluster.nodes
             if n.name not in conns}
     try:
         if fast and not (down or dry_run or verify_only or checksum):
@@ -1057,7 +1061,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
         result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
         if job.refused:
             result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
-            raise SyncError([str(p) for p in result.problems()], result, code=BUSY)
+            raise SyncError(result.problems(), result, code=BUSY)
         ready = [t for t in job.targets.values() if t.ready]
         only_verify = [] if dry_run else ready if verify_only else [t for t in ready if t.shared]
         to_copy = [] if verify_only else [t for t in ready if not t.shared]
@@ -1086,7 +1090,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
     result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
     result.notes = job.notes
     result.duration_s = round(time.monotonic() - started, 3)
-    problems = [str(p) for p in result.problems()]
+    problems = result.problems()
     if problems:
         raise SyncError(problems, result)
     return result

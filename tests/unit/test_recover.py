@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ddpfab.cli import recover as recover_cli
 from ddpfab.hosts.inventory import InventoryError, Node
 from ddpfab.launch import recover
+from ddpfab.launch.runner import RunError
 from ddpfab.planning.plan import PlanError, RunOptions
 from ddpfab.problems import Problem
 
@@ -88,19 +89,23 @@ def test_each_attempt_has_its_id_and_the_lineage_in_the_env():
     assert [v for k, v in again.env if k == "DDPFAB_RESTART_COUNT"] == ["1"]
 
 
-def test_problem_lines_name_their_hosts():
-    lines = ["host node3: unreachable, no answer within 5 s", "sync: host node4: rsync failed",
-             "host node9: not in this attempt", "preflight checks failed (details: ...)"]
-    assert recover.problem_hosts(lines, {"node3", "node4", "node1"}) == {"node3", "node4"}
+def test_problems_name_their_hosts_as_data():
+    """A RunError's problems blame the nodes they are about (a sync failure included); a line of
+    text blames no one, whatever host it mentions: no text is searched."""
+    err = RunError([Problem("node3", "ssh", text="host node3: unreachable, no answer within 5 s"),
+                    Problem("node4", "sync", text="host node4: rsync failed").prefixed("sync: "),
+                    "host node9: not in this attempt", "preflight checks failed (details: ...)"])
+    assert recover.problem_hosts(err.problems, {"node3", "node4", "node1", "node9"}) == {"node3", "node4"}
+    assert str(err.problems[1]) == "sync: host node4: rsync failed" and err.problems[1].about("node4", "sync")
 
 
 def test_a_problem_is_about_its_own_node_never_a_name_it_contains():
     """node1's problems are not node10's: the node travels as data, no text is searched."""
     problems = [Problem("node10", "script", text="host node10: script t.py not found in /w; sync the code first"),
                 Problem(None, "mesh", text="mesh: 2 nodes unreachable: node1, node10"),
-                "host node1: unreachable"]
+                Problem("node1", "ssh", text="host node1: unreachable")]
     assert recover.problem_hosts(problems, {"node1", "node10"}) == {"node1", "node10"}
-    assert [recover.problem_host(p) for p in problems] == ["node10", None, "node1"]
+    assert [p.node for p in problems] == ["node10", None, "node1"]
     assert not problems[0].about("node1") and problems[0].about("node10", "script")
 
 
