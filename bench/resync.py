@@ -34,7 +34,13 @@ import common  # noqa: E402
 #: One measurement in a subprocess: argv[1] the op, [2] inventory, [3] project. Prints seconds.
 DRIVER = r"""
 import sys, time
-from ddpfab import inventory, runner, ssh, sync
+try:
+    from ddpfab.hosts import inventory
+    from ddpfab.launch import runner
+    from ddpfab.remote import ssh
+    from ddpfab.transfer import sync
+except ImportError:  # --base: a revision from before the subpackages (fd02625)
+    from ddpfab import inventory, runner, ssh, sync
 op, inv, src = sys.argv[1:4]
 cluster = inventory.load(inv)
 policy = ssh.HostKeyPolicy()
