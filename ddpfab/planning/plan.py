@@ -275,7 +275,7 @@ class Plan:
     secret_env: tuple[str, ...] = ()
     script_local_rank: bool = False
     wait: bool = False
-    exit_guard: str = "on"
+    exit_guard: str = "off"  # a plan recorded before the guard ran without one (RunOptions: "on")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

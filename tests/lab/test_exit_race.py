@@ -23,6 +23,7 @@ import pytest
 
 from ddpfab import lab as labmod
 from ddpfab.health import hints
+from ddpfab.planning.plan import REMOTE_RUNS_DIR
 
 from .conftest import extra_subnet, own_lab
 from .helpers import assert_no_leftovers, ddpfab
@@ -34,10 +35,11 @@ DRILL = f"{SCRIPTS}/exit_abort_drill.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
-def upstream(i: int, tmp_path: Path) -> list[str]:
+def upstream(i: int) -> list[str]:
     """The i-th run's script and arguments: the three upstream scripts in turn, a fresh snapshot
-    path each run (upstream resumes from an existing snapshot)."""
-    snapshot = str(tmp_path / "snapshot-{{run_id}}.pt")
+    path each run (upstream resumes from an existing snapshot): in the node's own record of the
+    run (the node supervisor's run dir, pruned with it; a file in the hosts' /tmp is a leftover)."""
+    snapshot = f"{Path.home()}/{REMOTE_RUNS_DIR}/{{{{run_id}}}}/snapshot.pt"
     return [[f"{SCRIPTS}/ddp_multinode.py", "2", "1", "--snapshot_path", snapshot],
             [f"{SCRIPTS}/ddp_multigpu_torchrun.py", "2", "1", "--snapshot_path", snapshot],
             [f"{SCRIPTS}/dist_tuto_allreduce.py"]][i % 3]
@@ -55,17 +57,18 @@ def manifest(tmp_path: Path) -> dict:
 
 
 def finished_lines(script: str, out: str) -> int:
-    """Lines that show a rank got to the end of its work (each script's last print)."""
+    """How often the output shows a rank got to the end of its work (each script's last print;
+    dist_tuto prints without a flush, so two ranks' words can share a line)."""
     marks = {"ddp_multinode.py": "Epoch 1 | Batchsize", "ddp_multigpu_torchrun.py": "Epoch 1 | Batchsize",
              "dist_tuto_allreduce.py": " has data "}
-    return sum(marks[Path(script).name] in line for line in out.splitlines())
+    return out.count(marks[Path(script).name])
 
 
 def soak(inventory: Path, tmp_path: Path, runs: int, world: int) -> int:
     """*runs* upstream runs; every one must end as a success. Returns how many ranks aborted at exit."""
     aborts = 0
     for i in range(runs):
-        argv = upstream(i, tmp_path)
+        argv = upstream(i)
         res, out = run(inventory, tmp_path, *argv)
         assert res.returncode == 0, f"run {i + 1} ({argv[0]}): a finished job reported as failed?\n{out[-4000:]}"
         assert "ddpfab: failed:" not in out, out[-3000:]
