@@ -4,8 +4,10 @@
 #
 # Test files run in DDPFAB_TEST_WORKERS processes at once (pytest-xdist, default 2; 0 = one
 # process): each worker brings up a lab of its own on a subnet of its own, and a file stays on one
-# worker, since the tests in a file share labs and fixtures. Most of a lab test's time is waiting on
-# remote processes, so two workers pay off even on two cores.
+# worker, since the tests in a file share labs and fixtures; the longest files start first
+# (tests/conftest.py). Two workers pay off even on two cores; a third is not the default: the lab
+# files that train are CPU-bound (every rank and torchrun imports torch; test_exit_abort and
+# test_replicate used 168 CPU-seconds, where CI spent 146 s on them), so two already fill two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test

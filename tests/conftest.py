@@ -6,11 +6,40 @@ import ipaddress
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 #: Where the search for a free /16 for the session's labs starts (10.213.0.0/16 is the demo's).
 FIRST_TEST_NET = 213
+
+#: The test files that take longest, longest first (seconds in a CI run with 2 workers on 2 cores,
+#: the sum of each file's tests in `--durations`; lab bring-up not counted). The suite runs them
+#: first: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long file
+#: started last would be the tail both workers wait on. (xdist's own order, the most tests first,
+#: put these few-test files last: the unit files have the most tests.) Files not listed follow:
+#: the other lab files, then tests/infra, then tests/unit, each in collection order.
+LONGEST_FIRST = [
+    "tests/lab/test_provision.py",  # 342 s: torch provisioned on 3 hosts, twice; testinfra twice
+    "tests/lab/test_perf.py",  # 307 s: check --perf six times, one node at a 1 % CPU quota
+    "tests/lab/test_recover.py",  # 220 s
+    "tests/lab/test_first_hour.py",  # 205 s: provisions 2 hosts from the wheel
+    "tests/lab/test_install.py",  # 153 s + the wheel and its venv (`dist`, when it builds them)
+    "tests/lab/test_exit_abort.py",  # 100 s
+    "tests/lab/test_debugging.py",  # 89 s
+    "tests/lab/test_sync.py",  # 75 s
+    "tests/infra/test_lint.py",  # 68 s
+    "tests/lab/test_bastion.py",  # 62 s
+    "tests/lab/test_trust.py",  # 58 s
+    "tests/lab/test_sync_lock.py",  # 57 s
+    "tests/lab/test_faults.py",  # 57 s
+    "tests/lab/test_peer_inventories.py",  # 56 s
+    "tests/lab/test_launch_styles.py",  # 47 s
+    "tests/lab/test_replicate.py",  # 46 s
+    "tests/lab/test_sync_ownership.py",  # 44 s
+]
+#: After LONGEST_FIRST: the rest of each directory, in this order.
+DIR_ORDER = ["tests/lab/", "tests/infra/", "tests/unit/"]
 
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
@@ -24,6 +53,28 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
 
 
 def pytest_configure(config):
+    """Keep pytest-xdist from reordering the files by their number of tests: the order is
+    pytest_collection_modifyitems' (longest first)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+    _pick_test_subnet()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files in LONGEST_FIRST first, then the rest by DIR_ORDER; a file's tests keep their
+    order (a file's tests share its fixtures and some run in file order)."""
+    root = Path(str(config.rootpath))
+
+    def rank(item) -> tuple[int, int]:
+        path = Path(str(item.path)).relative_to(root).as_posix()
+        if path in LONGEST_FIRST:
+            return (0, LONGEST_FIRST.index(path))
+        return (1, next((i for i, d in enumerate(DIR_ORDER) if path.startswith(d)), len(DIR_ORDER)))
+
+    items.sort(key=rank)
+
+
+def _pick_test_subnet() -> None:
     """Pick the labs' /16 once, in the process that starts the workers (they inherit the
     environment): the first 10.N.0.0/16 from N = 213 that no interface on this machine uses.
     Every lab of the session takes a /24 of it, so a lab left up by another session (a killed run,

@@ -7,14 +7,19 @@ cannot run is a failure to look at, not a green mark.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from ddpfab import lab as labmod
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def worker_subnet(base: str) -> str:
@@ -65,6 +70,43 @@ def inventory2(lab, tmp_path) -> Path:
     return path
 
 
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory) -> dict[str, Path]:
+    """ddpfab as a user gets it: the wheel and the sdist built from the checkout offline (no build
+    isolation), and a fresh venv outside the checkout with the wheel installed (no torch: a
+    controller does not need it). Tests run ddpfab from that venv and never change it.
+
+    Made once per test session: under pytest-xdist the first worker that needs it builds it in
+    the session's shared temp dir, holding a lock; a worker that comes later waits on the lock and
+    reuses it (test_install and test_first_hour each installed the wheel on their own before)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, shared by its workers
+    out = root / "ddpfab-dist"
+    done = out / "done.json"
+    with open(root / "ddpfab-dist.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            for argv, cwd in (
+                    ([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, REPO], out),
+                    ([sys.executable, "-c", f"from setuptools import build_meta as b; b.build_sdist({str(out)!r})"],
+                     REPO),
+                    ([sys.executable, "-m", "venv", out / "venv"], out)):
+                _logged(argv, cwd)
+            wheel = next(out.glob("ddpfab-*.whl"))
+            _logged([out / "venv" / "bin" / "pip", "install", "-q", "--disable-pip-version-check", wheel], out)
+            done.write_text(json.dumps({"wheel": str(wheel), "sdist": str(next(out.glob("ddpfab-*.tar.gz"))),
+                                        "venv": str(out / "venv")}))
+    return {k: Path(v) for k, v in json.loads(done.read_text()).items()}
+
+
+def _logged(argv: list, cwd: Path) -> None:
+    """Run *argv*; its output is in the failure's message when it fails."""
+    res = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "NO_COLOR": "1"})
+    assert res.returncode == 0, f"$ {' '.join(map(str, argv))}  (exit {res.returncode})\n{(res.stdout + res.stderr)[-4000:]}"
 
 
 @pytest.fixture

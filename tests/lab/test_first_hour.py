@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import venv
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from ddpfab.hosts import nodeenv
 
 from .conftest import extra_subnet, own_lab
 from .helpers import ddpfab, reports
-from .test_install import dist, sh  # noqa: F401 - the wheel fixture, and the logged subprocess
+from .test_install import sh
 
 #: The job: who am I, which python, which torchrun started me (the node's /proc), one all_reduce,
 #: a file for `fetch`. With the marker env's package importable, its name too.
@@ -83,11 +82,7 @@ def project(tmp_path: Path) -> Path:
 
 
 def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisioned_venv(dist, hosts, tmp_path):
-    venv_dir = tmp_path / "venv"
-    assert sh([sys.executable, "-m", "venv", venv_dir], cwd=tmp_path).returncode == 0
-    vbin = venv_dir / "bin"
-    res = sh([vbin / "pip", "install", "-q", "--disable-pip-version-check", dist["wheel"]], cwd=tmp_path, timeout=600)
-    assert res.returncode == 0
+    vbin = dist["venv"] / "bin"  # the wheel installed in a fresh venv (the session's `dist` fixture)
     env = {"PATH": f"{vbin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
     proj = project(tmp_path)
     inv = names_inventory(hosts, proj / "inv.yml", ddpfab_workdir="/opt/ddpfab-first-hour")

@@ -7,7 +7,8 @@ ddpfab.cluster collection installed with ansible-galaxy (no Galaxy server), each
 - `ansible-galaxy collection build` + `install -p` into a temp path, then a user's playbook using
   the roles by FQCN, twice: the second run reports changed=0.
 
-The controller venv gets ddpfab's dependencies from pip's configured index (no torch: the
+The controller venv (the session's `dist` fixture, tests/lab/conftest.py, shared with
+test_first_hour) gets ddpfab's dependencies from pip's configured index (no torch: the
 controller does not need it); the nodes' torch comes from the local wheel mirror, as in
 tests/lab/test_provision.py. Each test brings up a lab of its own, under the test subnet's /16.
 """
@@ -21,8 +22,6 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
-
-import pytest
 
 from ddpfab import __version__
 from ddpfab import lab as labmod
@@ -51,17 +50,6 @@ def sh(argv: list, *, cwd: Path, env: dict | None = None, timeout: float = 900) 
     return res
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory) -> dict[str, Path]:
-    """The wheel and the sdist, built from the checkout offline (no build isolation)."""
-    out = tmp_path_factory.mktemp("dist")
-    res = sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, REPO], cwd=out)
-    assert res.returncode == 0
-    res = sh([sys.executable, "-c", f"from setuptools import build_meta as b; b.build_sdist({str(out)!r})"], cwd=REPO)
-    assert res.returncode == 0
-    return {"wheel": next(out.glob("ddpfab-*.whl")), "sdist": next(out.glob("ddpfab-*.tar.gz"))}
-
-
 def test_wheel_and_sdist_carry_the_ansible_content_and_the_licence(dist):
     wheel = set(zipfile.ZipFile(dist["wheel"]).namelist())
     assert set(PACKAGE_DATA) <= wheel, sorted(set(PACKAGE_DATA) - wheel)
@@ -76,11 +64,7 @@ def test_wheel_and_sdist_carry_the_ansible_content_and_the_licence(dist):
 
 
 def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(dist, tmp_path):
-    venv = tmp_path / "venv"
-    assert sh([sys.executable, "-m", "venv", venv], cwd=tmp_path).returncode == 0
-    vbin = venv / "bin"
-    res = sh([vbin / "pip", "install", "-q", "--disable-pip-version-check", dist["wheel"]], cwd=tmp_path, timeout=600)
-    assert res.returncode == 0
+    vbin = dist["venv"] / "bin"  # the wheel installed in a fresh venv (the session's `dist` fixture)
     assert sh([vbin / "python", "-c", "import torch"], cwd=tmp_path).returncode != 0  # a controller without torch
     # what `ddpfab provision` runs is beside it in the venv (what a pipx install, whose PATH has only
     # `ddpfab`, relies on), and the command answers from outside the checkout
