@@ -2,8 +2,8 @@
 # Install everything ddpfab, its demo and its tests need, on Debian/Ubuntu as root. Idempotent:
 # a second run checks and returns in seconds.
 #   - Debian packages: sshd/ssh, rsync, iptables, nftables, iproute2 (the lab), python3-venv
-#   - .venv with torch==2.13.0 pinned (the CPU wheel; a plain `torch` would pull a multi-GB CUDA
-#     build) and ddpfab itself with its node and test extras.
+#   - .venv with torch==2.13.0 installed FIRST (the CPU wheel; a plain `torch` would pull a
+#     multi-GB CUDA build), then ddpfab itself with its node and test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,22 +36,12 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-# What is installed is read from the venv's metadata (importing torch to ask its version costs
-# 2-3 s of CPU, twice per run before); the ready line's import is the one that proves it loads.
-has_torch() {
-  .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null
-}
-ddpfab_current() {
-  .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy, xdist' 2>/dev/null \
-    && [ ! pyproject.toml -nt .venv/.ddpfab-installed ]
-}
-if ! has_torch; then
-  # one pip run for both (one resolve, one pass over the indexes): the pin makes pip take the
-  # CPU wheel, as installing it first did
-  echo "setup: installing torch==2.13.0 (CPU) and ddpfab with its node and test extras"
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[node,test]'
-  touch .venv/.ddpfab-installed
-elif ! ddpfab_current; then
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (CPU)"
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+fi
+if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy, xdist' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.ddpfab-installed ]; then
   echo "setup: installing ddpfab with its node and test extras"
   .venv/bin/pip install -q --disable-pip-version-check -e '.[node,test]'
   touch .venv/.ddpfab-installed
