@@ -264,6 +264,8 @@ class Printer:
 
 
 class _NodeJob:
+    gate: leases.Gate | None = None  # --wait's go (set per job; none for a job made without __init__)
+
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
                  events: queue.Queue, reconnect: Callable[[str], Connection] | None = None,
                  gate: leases.Gate | None = None):

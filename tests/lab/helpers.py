@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import lab as labmod
+from ddpfab.node.leases import LEASE_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "lab" / "scripts"
@@ -67,6 +68,10 @@ def wait_no_processes(lab, timeout: float, names=("node1", "node2", "node3")) ->
 #: across runs on purpose (torch writes ``torchinductor_<user>`` the first time a process builds a
 #: DDP model). Anything else a job leaves in /tmp is a leftover.
 LIBRARY_CACHES = re.compile(r"^torchinductor_[A-Za-z0-9_.-]+$")
+#: The GPU lease dir (ddpfab.node.leases) on a host with GPUs: its lock files stay on purpose (one
+#: per GPU and reserved port; removing one another job may hold would break its lease). A queue
+#: ticket left there, or anything else, is a leftover.
+LEASE_FILES = re.compile(r"^(gpu-[0-9]+|port-[0-9]+)\.lock$")
 
 
 def host_tmp_leftovers(lab, name: str) -> list[str]:
@@ -85,6 +90,8 @@ def host_tmp_leftovers(lab, name: str) -> list[str]:
             real = real_root / p.relative_to(upper)
             top = real.relative_to("/tmp").parts[0]
             if LIBRARY_CACHES.match(top):
+                continue
+            if real.parent == Path(LEASE_DIR) and LEASE_FILES.match(real.name) or real == Path(LEASE_DIR):
                 continue
             if p.is_dir() and (any(p.iterdir()) or any(s == real or s.is_relative_to(real) for s in shares)):
                 continue

@@ -57,6 +57,7 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
                   (["provision", "-i", "missing.yml"], EXIT_USAGE, "missing.yml")],
     "completion": [(["completion", "fish"], EXIT_USAGE, "fish")],
     "ps": [(["ps"], EXIT_USAGE, "DDPFAB_INVENTORY")],
+    "queue": [(["queue"], EXIT_USAGE, "DDPFAB_INVENTORY"), (["queue", "-i", "missing.yml"], EXIT_USAGE, "missing.yml")],
     "stop": [(["stop", "r1"], EXIT_USAGE, "DDPFAB_INVENTORY"),
              (["stop", "-i", IPS, "bad"], EXIT_USAGE, "cannot be read as a run record"),
              (["stop", "-i", IPS, "odd"], EXIT_USAGE, "is not a ddpfab run record")],
@@ -122,7 +123,7 @@ def test_a_refused_min_nodes_is_about_the_size_only(clean, capsys):
 
 
 @pytest.mark.parametrize("argv", [["check", "--json"], ["check", "--perf", "--json"], ["ps", "--json"],
-                                  ["sync", "--json"], ["check", "-i", "nowhere.yml", "--json"],
+                                  ["queue", "--json"], ["sync", "--json"], ["check", "-i", "nowhere.yml", "--json"],
                                   ["run", "-i", IPS, *OFFLINE, "--json", "--master-port", "0", "t.py"],
                                   ["plan", "-i", IPS, "--offline", "--json", "--master-port", "0", "t.py"],
                                   ["replay", "r1", "--dry-run", "--json"]])
