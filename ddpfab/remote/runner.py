@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.remote import rsh as _rsh
-from ddpfab.remote import ssh
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.target import HostKeyPolicy, Target
 from ddpfab.results import GroupResult
@@ -73,6 +72,8 @@ class NodeRunner:
     @classmethod
     def open(cls, node: Node, policy: HostKeyPolicy, ssh_config: str | None = None, **kwargs) -> NodeRunner:
         """A runner over a new connection to *node* (it owns it); an SSHError names the hop that failed."""
+        from ddpfab.remote import ssh  # (paramiko, ~0.2 s: not for importers that only select or hash)
+
         return cls(node, ssh.connect(node, policy, ssh_config), owned=True, **kwargs)
 
     # -- the node program ---------------------------------------------------------------------
@@ -99,8 +100,10 @@ class NodeRunner:
         finally:
             s.close()
 
-    def run(self, command: str, timeout: float | None = 60, stdin: bytes | None = None) -> ssh.CommandResult:
-        """*command* on the node, its output collected (short commands)."""
+    def run(self, command: str, timeout: float | None = 60, stdin: bytes | None = None):
+        """*command* on the node, its output collected (short commands): a ``ssh.CommandResult``."""
+        from ddpfab.remote import ssh
+
         return ssh.run(self.conn, self.name, command, timeout=timeout, stdin=stdin)
 
     # -- rsync over the connection -------------------------------------------------------------
@@ -298,6 +301,8 @@ def _agent_relay(chan, agent_sock: str) -> None:
 def open_group(nodes: list[Node], policy: HostKeyPolicy, ssh_config: str | None = None,
                **kwargs) -> GroupResult[NodeRunner]:
     """A runner (its own connection) per node, opened in parallel; a node that failed has its SSHError."""
+    from ddpfab.remote import ssh
+
     return ssh.parallel(nodes, lambda n: NodeRunner.open(n, policy, ssh_config, **kwargs))
 
 

@@ -1020,7 +1020,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             if n.name not in conns}
     try:
         if fast and not (down or dry_run or verify_only or checksum):
-            same = _unchanged(cluster, conns, sel)
+            same = _unchanged(cluster, conns, sel, shared=False)
             if same is not None:
                 for rec in same.nodes.values():
                     progress(f"{rec.name}: {rec.workdir} ok (unchanged; verified in {rec.verify_s:.2f} s)")
@@ -1118,7 +1118,11 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
     return _unchanged(cluster, conns, sel, sessions)
 
 
-def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | None = None) -> SyncResult | None:
+def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | None = None,
+               shared: bool = True) -> SyncResult | None:
+    """:func:`unchanged` of the selection *sel*; without *shared*, a workdir without a record (a
+    shared filesystem, or a directory ddpfab cannot prove is not this one) is not taken as
+    unchanged: ``ddpfab sync`` reports and refuses those as its full probe does."""
     started = time.monotonic()
     if not sel.files:
         return None
@@ -1146,7 +1150,7 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
             return None  # a node's workdir is being changed (or did not answer): the full sync sees to it
         hashed = {name: ans[1] for name, ans in answers.succeeded.items()}
         again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in hashed.items()
-                 if not ans.ok and ans.code == treehash.NO_RECORD}
+                 if shared and not ans.ok and ans.code == treehash.NO_RECORD}
         if again:
             hashed.update((name, ans[0]) for name, ans in nodeprog.exchange(sessions, again, timeout=120).items()
                           if not isinstance(ans, Exception))
