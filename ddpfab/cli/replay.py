@@ -59,7 +59,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except (ManifestError, inventory.InventoryError, PlanError) as exc:
         return refuse(args, str(exc), "replay")
     except rerun.ReplayRefused as exc:
-        if args.json and exc.problems is not None:
+        if args.json and exc.reported:
             print_problems(exc.problems, "replay")
         return die(exc.lines)
     except runner.RunError as exc:

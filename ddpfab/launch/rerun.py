@@ -21,21 +21,24 @@ from ddpfab.launch.replay import ManifestError, _pick_port, check, differences, 
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning import probe, scriptfile
 from ddpfab.planning.plan import Plan, make_plan, parse_env
-from ddpfab.problems import Problem
+from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.ssh import HostKeyPolicy
 
 
-class ReplayRefused(Exception):
+class ReplayRefused(DdpfabError):
     """The replay would not be the same run, and nothing was started.
 
     Args:
         lines: what to say, one line each.
-        problems: the same as problems (``--json``), or None when they are not reported so.
+        problems: the same as problems (``--json`` reports them), or None when they are not
+            reported so (then the problems are the lines').
     """
 
+    check = "replay"
+
     def __init__(self, lines: list[str], problems: list[str | Problem] | None = None):
-        super().__init__("\n".join(lines))
-        self.lines, self.problems = lines, problems
+        super().__init__(problems if problems is not None else lines)
+        self.lines, self.reported = lines, problems is not None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import ddpfab
+from ddpfab import node as nodeprog
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.transfer.sync import SyncError
 
@@ -28,7 +29,10 @@ PACKAGE = Path(ddpfab.__file__).parent
 #: Files shipped to nodes and run there without ddpfab installed: stdlib only, so they cannot
 #: import ddpfab.problems. Their exceptions reach the controller as replies (the node program's
 #: ``error``/``code``) and become problems there (ddpfab.node.as_problem, PlanError for a workdir).
-SHIPPED = {"node/workdir.py", "node/treehash.py", "node/agent.py", "node/ops.py", "dist.py", "health/perfnode.py"}
+#: Shipped stdlib-only to nodes (the node program's sources, the ranks' exit guard, the perf
+#: check's files): they cannot import problems.py; their failures become problems on the controller.
+SHIPPED = {f"node/{Path(m.__file__).name}" for m in nodeprog.SOURCES} | {"node/exitguard.py", "dist.py",
+                                                                       "health/perfnode.py"}
 #: Not problems but signals: SIGINT/SIGTERM as a KeyboardInterrupt, which ``except Exception``
 #: must never catch (so it cannot also be an Exception); its data is its signal number.
 SIGNALS = {"ddpfab.launch.interrupt.Interrupted"}
