@@ -20,6 +20,8 @@ FIRST_TEST_NET = 213
 #: put these few-test files last: the unit files have the most tests.) Files not listed follow:
 #: the other lab files, then tests/infra, then tests/unit, each in collection order.
 LONGEST_FIRST = [
+    "tests/lab/test_exit_race.py",  # 23 upstream runs on 2 and 4 nodes, and the drills (new: not from CI yet)
+    "tests/lab/test_gpu_leases.py",  # four launches at once, the queue (new: not from CI yet)
     "tests/lab/test_provision.py",  # 342 s: torch provisioned on 3 hosts, twice; testinfra twice
     "tests/lab/test_perf.py",  # 307 s: check --perf six times, one node at a 1 % CPU quota
     "tests/lab/test_recover.py",  # 220 s
