@@ -690,14 +690,18 @@ def op_lock(req, session):
     """Take the write lock of the workdir this session's probe checked (``flock``: the kernel
     releases it when this program ends, however it ends) and write ``holder`` into it; wait up to
     ``wait_s`` seconds (the workdir: the probed one, else the request's). ``{"locked": true}``, or ``{"locked": false, "holder": ...}`` (who has it)."""
-    real = session.get("probed")
+    real, checking = session.get("probed"), False
     if not real and req.get("workdir"):  # a check that only reads (sync's hash-only fast path)
         _, real = node_workdir(req)
+        checking = True
     if not real:
         raise NodeOpError("lock: no workdir probed in this session")
     if session.get("lock", (None,))[0] == real:
         return {"locked": True}
     path = lock_path(real)
+    if checking and not os.path.exists(path):
+        # no sync ever locked this workdir (so none is changing it): a check creates nothing on the node
+        return {"locked": True, "held": False}
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
     deadline = time.monotonic() + max(0.0, float(req.get("wait_s", 0)))
