@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import sys
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def upstream(i: int) -> list[str]:
     """The i-th run's script and arguments: the three upstream scripts in turn, a fresh snapshot
     path each run (upstream resumes from an existing snapshot): in the node's own record of the
     run (the node supervisor's run dir, pruned with it; a file in the hosts' /tmp is a leftover)."""
-    snapshot = f"{Path.home()}/{REMOTE_RUNS_DIR}/{{{{run_id}}}}/snapshot.pt"
+    # the node's home is the login user's (sshd sets HOME from passwd), not this process's $HOME
+    # (CI runs the controller with a HOME of its own)
+    snapshot = f"{pwd.getpwuid(os.getuid()).pw_dir}/{REMOTE_RUNS_DIR}/{{{{run_id}}}}/snapshot.pt"
     return [[f"{SCRIPTS}/ddp_multinode.py", "2", "1", "--snapshot_path", snapshot],
             [f"{SCRIPTS}/ddp_multigpu_torchrun.py", "2", "1", "--snapshot_path", snapshot],
             [f"{SCRIPTS}/dist_tuto_allreduce.py"]][i % 3]
