@@ -1165,7 +1165,8 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
                         selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")
     for n in cluster.nodes:
         result.nodes[n.name] = NodeSync(n.name, workdir=workdir.resolve(n.workdir, None) if n.workdir else sel.root,
-                                        source="unchanged", verify_s=seconds, tree_hash=local["tree_hash"], ok=True)
+                                        source="unchanged", verify_s=seconds, tree_hash=local["tree_hash"], ok=True,
+                                        copied=0, updated=0, deleted=0)  # counts as data: nothing changed
     result.notes = ["every node already had this tree (verified by hash): nothing copied"]
     result.duration_s = round(time.monotonic() - started, 3)
     return result

@@ -79,7 +79,7 @@ def test_not_root_is_a_one_line_error():
 
     pkg_root = Path(tempfile.mkdtemp(prefix="ddpfab-nobody-"))
     try:
-        shutil.copytree(Path(labmod.__file__).parent, pkg_root / "ddpfab")
+        shutil.copytree(Path(labmod.__file__).parents[1], pkg_root / "ddpfab")  # the whole package (lab is a subpackage)
         subprocess.run(["chmod", "-R", "a+rX", str(pkg_root)], check=True)
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(pkg_root)}
         res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
