@@ -1039,7 +1039,9 @@ def verdicts(t: dict) -> list[str]:
         [f"moonshot: a command on {t.get('warm_n', 128)} hosts over connections already open at most 0.1x pdsh's time",
          f"in-process warm / pdsh = {x(t.get('warm_pdsh'))}, cold = {x(t.get('cold_pdsh'))} (in one process: "
          "no command-line tool keeps connections open between commands yet)",
-         v(None if t.get("warm_pdsh") is None else t["warm_pdsh"] <= 0.1)],
+         # the goal is repeated commands while debugging: in one process it is only what a warm
+         # runner could give, so it is not met until a command keeps its connections
+         "n/a" if t.get("warm_pdsh") is None else "**not met** (in one process only)"],
         ["teardown after a crash under 1 s at 64 hosts",
          x(t.get("scale_teardown_64"), "{:.2f} s") + (f" ({t['scale_teardown_64_job']} job)"
                                                      if t.get("scale_teardown_64_job") else ""),
