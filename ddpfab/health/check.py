@@ -231,13 +231,40 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
                                        fix="run time sync (ddpfab provision --tags timesync)" if status == "fail" else ""))
 
     if mesh is not None:
-        results += _evaluate_mesh(cluster, master, mesh, options)
+        results += _evaluate_mesh(cluster, master, mesh, options, fx)
     return results
 
 
-def _evaluate_mesh(cluster, master: str, mesh: dict, options: CheckOptions) -> list[CheckResult]:
+def iface_mtu(f: dict) -> int | None:
+    """The MTU of the interface a node's probe found towards most of its peers, when known."""
+    devs = [d for d in (f.get("routes") or {}).values() if d]
+    mtus = f.get("mtus") or {}
+    if not devs:
+        return None
+    dev = max(set(devs), key=devs.count)
+    mtu = mtus.get(dev)
+    return mtu if isinstance(mtu, int) else None
+
+
+def advertised_addresses(facts: dict[str, dict], skip: set[str] | frozenset = frozenset()) -> dict[str, str]:
+    """Node -> the address gloo/NCCL would advertise without a *_SOCKET_IFNAME (its hostname's),
+    from the probe's facts; nodes in *skip* (an interface will be set there) left out."""
+    return {n: f["hostname_addr"] for n, f in facts.items()
+            if n not in skip and isinstance(f.get("hostname_addr"), str)}
+
+
+def _advertised_info(cluster, fx: dict[str, dict]) -> dict[str, dict]:
+    return {n.name: {"addr": fx[n.name].get("hostname_addr"), "iface": fx[n.name].get("hostname_iface"),
+                     "hostname": fx[n.name].get("hostname"), "data_addr": n.data_addr or n.host}
+            for n in cluster.nodes if n.name in fx}
+
+
+def _evaluate_mesh(cluster, master: str, mesh: dict, options: CheckOptions,
+                   fx: dict[str, dict] | None = None) -> list[CheckResult]:
     """Mesh and master-port results per node, from :func:`mesh.classify`'s problems: each blamed
-    node carries its problem's text (the same for all nodes of a problem, so they print as one line)."""
+    node carries its problem's text (the same for all nodes of a problem, so they print as one line);
+    then the bulk transfers (path MTU) and the advertised addresses."""
+    fx = fx or {}
     results: list[CheckResult] = []
     ports = mesh.get("ports", {})
     m = ports.get(master, {})
@@ -269,6 +296,37 @@ def _evaluate_mesh(cluster, master: str, mesh: dict, options: CheckOptions) -> l
             results.append(CheckResult(master, "master-port", "fail", found=problem.summary, fix=problem.fix))
         else:
             results.append(CheckResult(master, "master-port", "pass", found=f"{m['master']} free and reachable"))
+    results += _evaluate_bulk(order, probes, fx)
+    for problem in meshmod.classify_advertised(order, probes, _advertised_info(cluster, fx)):
+        for name in problem.nodes:
+            results.append(CheckResult(name, "advertised", "fail", found=problem.summary,
+                                       expected="an address every peer reaches", fix=problem.fix))
+    return results
+
+
+def _evaluate_bulk(order: list[str], probes: dict[str, list[dict]], fx: dict[str, dict]) -> list[CheckResult]:
+    """A ``bulk`` result per node that took part in a bulk transfer: failed for the nodes
+    :func:`mesh.classify_bulk` blames."""
+    involved = {n: 0 for n in order}
+    for src, ps in probes.items():
+        for p in ps:
+            if p.get("kind") == "bulk" and p.get("result") == "ok":
+                for n in (src, p.get("target")):
+                    if n in involved:
+                        involved[n] += 1
+    blamed: dict[str, meshmod.MeshProblem] = {}
+    for problem in meshmod.classify_bulk(order, probes, {n: iface_mtu(f) for n, f in fx.items()}):
+        for name in problem.nodes:
+            blamed.setdefault(name, problem)
+    results = []
+    for name in order:
+        problem = blamed.get(name)
+        if problem:
+            results.append(CheckResult(name, "bulk", "fail", found=problem.summary,
+                                       expected="full-size segments delivered both ways", fix=problem.fix))
+        elif involved[name]:
+            results.append(CheckResult(name, "bulk", "pass",
+                                       found=f"{involved[name]} transfer(s) of {meshmod.BULK_BYTES // 1024} KiB"))
     return results
 
 
@@ -277,6 +335,7 @@ def mesh_detail(cluster, mesh: dict) -> dict:
     every distinct problem with the pairs behind it, and every failed probe."""
     order = [n.name for n in cluster.nodes if n.name in mesh.get("ports", {})]
     problems = meshmod.classify(order, mesh.get("results", {}))
+    problems += meshmod.classify_bulk(order, mesh.get("results", {}))
     return {**mesh.get("plan", {}), "problems": [asdict(p) for p in problems],
             "failed_probes": [dict(p, source=src) for src, probes in mesh.get("results", {}).items()
                               for p in probes if p["result"] != "ok"],
@@ -307,7 +366,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         addresses = {n.name: (facts[n.name].address if n.name in facts else n.data_addr) for n in cluster.nodes}
         port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=os.getcwd())
         mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port,
-                        exhaustive=options.exhaustive, sessions=sessions)
+                        exhaustive=options.exhaustive, sessions=sessions, advertised=advertised_addresses(raw))
         for name, err in mesh.get("errors", {}).items():
             unreachable.setdefault(name, f"data-plane probe failed: {err}")
         phases["mesh"] = time.monotonic() - started - sum(phases.values())

@@ -64,6 +64,13 @@ EXHAUSTIVE_MAX_NODES = 32
 DEFAULT_DEGREE = 16
 #: Seconds of slack on every node's deadline (python start, thread start) on top of the work.
 DEADLINE_BASE_S = 10.0
+#: Bytes of each bulk transfer: far more than one segment, so with any MTU the transfer needs
+#: full-size segments; a path that drops them (a path-MTU black hole: jumbo frames on some ports
+#: only) lets connects through and stalls this, as it stalls the backends' first large tensor.
+BULK_BYTES = 256 * 1024
+#: Seconds a bulk transfer may take. 256 KiB crosses a loaded lab bridge in milliseconds; a lost
+#: full-size segment is never delivered, so a stalled transfer does not complete at any timeout.
+BULK_TIMEOUT_S = 5.0
 
 @dataclass
 class MeshPlan:
@@ -241,6 +248,104 @@ def classify(order: list[str], results: dict[str, list[dict]]) -> list[MeshProbl
     return problems
 
 
+def bulk_pairs(nodes: list[str], master: str) -> list[tuple[str, str]]:
+    """The bulk transfers (source, target): each node to its ring neighbour (so every node sends
+    one and receives one: both directions of its port) and each node to the master (the pair
+    every backend uses first). O(N) transfers, N - 1 of them into the master."""
+    n = len(nodes)
+    pairs: list[tuple[str, str]] = []
+    for i, name in enumerate(nodes):
+        if n > 1:
+            pairs.append((name, nodes[(i + 1) % n]))
+        if name != master and master in nodes and (n < 2 or nodes[(i + 1) % n] != master):
+            pairs.append((name, master))
+    return pairs
+
+
+PATH_MTU_FIX = ("set the same MTU on every node and switch port (ip link set IFACE mtu N), "
+                "or lower this node's MTU to what the path carries")
+
+
+def classify_bulk(order: list[str], results: dict[str, list[dict]], mtus: dict[str, int | None] | None = None
+                  ) -> list[MeshProblem]:
+    """Explain stalled bulk transfers (connected, then the data never arrived): a node all of whose
+    transfers stalled, in and out, is the one whose path drops full-size frames; stalls left
+    unexplained are reported as pairs.
+
+    Args:
+        order: node names in inventory order.
+        results: source -> its probe results; the ``bulk`` ones are read.
+        mtus: node -> the MTU of its interface towards its peers (for the message), when known.
+    """
+    mtus = mtus or {}
+    mine: dict[str, list[tuple[str, str, str]]] = {n: [] for n in order}
+    for src, probes in results.items():
+        for p in probes:
+            if p.get("kind") != "bulk" or p.get("target") not in mine or src not in mine:
+                continue
+            if p["result"] != "ok" and p["result"] not in ("stalled", "short"):
+                continue  # the connect itself failed: the connect probes explain that
+            mine[src].append((src, p["target"], p["result"]))
+            mine[p["target"]].append((src, p["target"], p["result"]))
+    blamed = [n for n in order if mine[n] and all(r != "ok" for _, _, r in mine[n])]
+    problems = []
+    for n in blamed:
+        mtu = mtus.get(n)
+        stalled = mine[n]
+        problems.append(MeshProblem(
+            "path-mtu", [n],
+            f"path MTU: small packets pass, full-size ones are lost: {len(stalled)} transfer(s) of "
+            f"{BULK_BYTES // 1024} KiB to and from it stalled after connecting "
+            f"(interface MTU {mtu if mtu else 'unknown'} on {n}, the path drops its full-size frames)",
+            PATH_MTU_FIX, stalled))
+    rest = [t for n in order for t in mine[n] if t[2] != "ok" and t[0] == n
+            and t[0] not in blamed and t[1] not in blamed]
+    if rest:
+        targets = [n for n in order if any(n in (s, t) for s, t, _ in rest)]
+        shown = ", ".join(f"{s}->{t}" for s, t, _ in rest[:6])
+        problems.append(MeshProblem(
+            "bulk-pairs", targets, f"path MTU: {len(rest)} bulk transfer(s) stalled after connecting: {shown}",
+            PATH_MTU_FIX, rest))
+    return problems
+
+
+def classify_advertised(order: list[str], results: dict[str, list[dict]], advertised: dict[str, dict]
+                        ) -> list[MeshProblem]:
+    """Nodes whose advertised address (what gloo/NCCL bind and tell their peers: the hostname's
+    address) some peer cannot reach, although the same peer reaches its data address.
+
+    Args:
+        order: node names in inventory order.
+        results: source -> its probe results; the ``advertised`` ones are read.
+        advertised: node -> ``addr`` (the address), ``iface`` (its interface there, when known),
+            ``hostname``, ``data_addr`` (the address peers do reach).
+    """
+    failed: dict[str, list[tuple[str, str, str]]] = {n: [] for n in order}
+    probed: dict[str, int] = {n: 0 for n in order}
+    for src, probes in results.items():
+        for p in probes:
+            t = p.get("target")
+            if p.get("kind") != "advertised" or t not in failed:
+                continue
+            probed[t] += 1
+            if p["result"] != "ok":
+                failed[t].append((src, t, p["result"]))
+    problems = []
+    for n in order:
+        if not failed[n]:
+            continue
+        a = advertised.get(n, {})
+        seen = ", ".join(sorted({r for _, _, r in failed[n]}))
+        problems.append(MeshProblem(
+            "advertised", [n],
+            f"hostname {a.get('hostname')!r} resolves to {a.get('addr')} (interface "
+            f"{a.get('iface') or 'unknown'}), which {len(failed[n])} of {probed[n]} peers cannot reach ({seen}); "
+            f"gloo/NCCL advertise that address",
+            f"run with --socket-ifname auto (the interface towards the peers), or map {a.get('hostname')} "
+            f"to {a.get('data_addr')} in this node's /etc/hosts", failed[n]))
+    return problems
+
+
 def master_port_problem(master: str, port: int | None, order: list[str],
                         results: dict[str, list[dict]]) -> MeshProblem | None:
     """The master port must be reachable from every other node (all of them are always probed)."""
@@ -298,10 +403,16 @@ def listen_request(name: str, master: str, master_port: int | str | None) -> dic
 def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, master_port: int | None,
              exhaustive: bool = False, concurrency: int = DEFAULT_CONCURRENCY,
              attempts: tuple[float, ...] = ATTEMPT_TIMEOUTS_S, degree: int = DEFAULT_DEGREE,
-             sessions: dict | None = None, listening: GroupResult[nodeprog.Reply] | None = None) -> dict:
+             sessions: dict | None = None, listening: GroupResult[nodeprog.Reply] | None = None,
+             advertised: dict[str, str] | None = None) -> dict:
     """Probe the data plane (see the module docstring); returns ``ports`` (node -> its listener
     ports), ``results`` (source -> its probes), ``errors`` (node -> why its probe did not run)
     and ``plan`` (which pairs, the coverage, the deadline).
+
+    Besides the connects: a bulk transfer of :data:`BULK_BYTES` on each of :func:`bulk_pairs`
+    (a path-MTU black hole), and, for a node whose *advertised* address (node -> the address
+    gloo/NCCL would bind) is not its data address, a connect to that address from each of the
+    node's probing peers.
 
     Over the nodes' open program *sessions* when given (*listening*: their ``mesh_listen``
     replies, when that was asked already), else in sessions of its own."""
@@ -328,14 +439,22 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
                 errors[name] = str(exc)
         plan = plan_targets([n.name for n in nodes if n.name in ports], exhaustive=exhaustive, degree=degree)
         master_ports = ports.get(master, {}).get("master")
+        bulk = bulk_pairs(plan.nodes, master)
+        other = {t: a for t, a in (advertised or {}).items()
+                 if a and t in ports and a != addresses.get(t) and not a.startswith(("127.", "::1"))}
         work = {}
         for name in plan.nodes:
-            targets = [{"target": t, "kind": "ephemeral", "addr": addresses[t], "port": ports[t]["ephemeral"]}
-                       for t in plan.targets_of(name)]
+            # bulk first: they start while the connects queue behind them
+            targets = [{"target": t, "kind": "bulk", "addr": addresses[t], "port": ports[t]["ephemeral"],
+                        "bytes": BULK_BYTES, "timeout": BULK_TIMEOUT_S} for s, t in bulk if s == name]
+            targets += [{"target": t, "kind": "ephemeral", "addr": addresses[t], "port": ports[t]["ephemeral"]}
+                        for t in plan.targets_of(name)]
+            targets += [{"target": t, "kind": "advertised", "addr": other[t], "port": ports[t]["ephemeral"]}
+                        for t in plan.targets_of(name) if t in other]
             if master_ports and name != master:
                 targets.append({"target": master, "kind": "master", "addr": addresses[master],
                                 "port": master_ports})
-            node_deadline = deadline_for(len(targets), concurrency, attempts)
+            node_deadline = deadline_for(len(targets), concurrency, attempts) + BULK_TIMEOUT_S
             deadline = max(deadline, node_deadline)
             work[name] = [{"op": "mesh_connect", "targets": targets, "attempts": list(attempts),
                            "concurrency": concurrency, "deadline": node_deadline}]

@@ -138,6 +138,15 @@ def route_dev(addr, mine):
         return None
 
 
+def _mtu(dev):
+    """Interface *dev*'s MTU, None where it cannot be read."""
+    try:
+        with open("/sys/class/net/%s/mtu" % dev) as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return None
+
+
 def env_changes(before_hex, after):
     """What the setup lines changed: ``{"set": {KEY: VALUE}, "unset": [KEY]}`` from the hex of
     ``env -0`` before them and the environment *after*; None when *before_hex* is not that."""
@@ -212,6 +221,12 @@ def op_facts(req, session):
         mine = local_addrs()
         for peer, addr in req["peers"].items():
             out["routes"][peer] = route_dev(addr, mine)
+        # what a path-MTU or an advertised-address problem is reported with
+        out["mtus"] = {dev: _mtu(dev) for dev in set(out["routes"].values()) if dev}
+        if out.get("hostname_addr"):
+            out["hostname_iface"] = mine.get(out["hostname_addr"])
+            if out["hostname_iface"]:
+                out["mtus"][out["hostname_iface"]] = _mtu(out["hostname_iface"])
     if shutil.which("nvidia-smi"):
         try:
             q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -278,12 +293,24 @@ class Listeners(object):
                         continue
                     c.setblocking(False)
                     with self.lock:
-                        self.sel.register(c, selectors.EVENT_READ, "conn")
+                        self.sel.register(c, selectors.EVENT_READ, [0])
                     continue
+                # a connect probe closes without sending; a bulk probe sends its bytes, half-closes
+                # and waits for the count: only bytes that arrived (full-size segments) are counted
                 try:
-                    s.recv(1)
+                    data = s.recv(1 << 16)
+                except BlockingIOError:
+                    continue
                 except OSError:
-                    pass
+                    data = b""
+                if data:
+                    key.data[0] += len(data)
+                    continue
+                if key.data[0]:
+                    try:
+                        s.send(("%d\n" % key.data[0]).encode())
+                    except OSError:
+                        pass
                 with self.lock:
                     self.sel.unregister(s)
                 s.close()
@@ -293,7 +320,8 @@ def op_mesh_listen(req, session):
     """Listen on an ephemeral port and (on the master) on the master port; ``master_port``
     ``"found"`` is the port this session's ``facts`` found free. Listening lasts until stdin EOF."""
     lis = session.setdefault("listeners", Listeners())
-    ports = {"ephemeral": lis.add(0)}
+    # port 0: the kernel draws it from ip_local_port_range, where gloo's and NCCL's listeners live
+    ports = {"ephemeral": lis.add(0), "ephemeral_range": _ephemeral_range()}
     want = session.get("free_port") if req.get("master_port") == "found" else req.get("master_port")
     if want:
         try:
@@ -304,9 +332,52 @@ def op_mesh_listen(req, session):
     return ports
 
 
+def _ephemeral_range():
+    """This node's ip_local_port_range as [lo, hi], None where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            lo, hi = (int(x) for x in fh.read().split())
+        return [lo, hi]
+    except (OSError, ValueError):
+        return None
+
+
+def _bulk(s, size, timeout):
+    """Send *size* bytes on connected socket *s* and wait for the listener's count of what
+    arrived: "ok", or "stalled" when it does not come within *timeout* seconds (the connect
+    passed, so small packets pass; full-size segments are lost, a path-MTU black hole)."""
+    end = time.monotonic() + timeout
+    chunk = b"\0" * (1 << 16)
+    sent = 0
+    try:
+        while sent < size:
+            left = end - time.monotonic()
+            if left <= 0:
+                return "stalled", sent
+            s.settimeout(left)
+            sent += s.send(chunk[:min(len(chunk), size - sent)])
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while not got.endswith(b"\n"):
+            left = end - time.monotonic()
+            if left <= 0:
+                return "stalled", sent
+            s.settimeout(left)
+            more = s.recv(64)
+            if not more:
+                break
+            got += more
+        return ("ok" if got.strip() == str(size).encode() else "short"), sent
+    except socket.timeout:
+        return "stalled", sent
+    except OSError as exc:
+        return (exc.strerror or str(exc)), sent
+
+
 def _connect_one(target, attempts, deadline):
     """Connect to one target; a timed-out connect is retried with the next timeout, a refused or
-    unreachable one is an answer and ends the attempts."""
+    unreachable one is an answer and ends the attempts. A target with ``bytes`` then gets that
+    many bytes sent within ``timeout`` seconds (:func:`_bulk`)."""
     tries, t0, result = [], time.monotonic(), "not probed (deadline)"
     for timeout in attempts:
         left = deadline - time.monotonic()
@@ -318,6 +389,11 @@ def _connect_one(target, attempts, deadline):
         try:
             s.connect((target["addr"], target["port"]))
             result = "ok"
+            if target.get("bytes"):
+                result, sent = _bulk(s, int(target["bytes"]), float(target.get("timeout", 5.0)))
+                tries.append(round((time.monotonic() - a0) * 1000, 1))
+                return dict(target, result=result, sent=sent, attempts=len(tries),
+                            ms=round((time.monotonic() - t0) * 1000, 1))
         except socket.timeout:
             result = "timed out"
         except ConnectionRefusedError:
