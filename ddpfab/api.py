@@ -72,7 +72,9 @@ class Options:
         forward_env: forward this process's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables.
         secret_env: keys whose values are masked wherever the run is shown or recorded.
         check: run the preflight checks (firewall/data plane, hostnames, versions).
-        socket_ifname: GLOO/NCCL_SOCKET_IFNAME, or ``auto``.
+        socket_ifname: GLOO/NCCL_SOCKET_IFNAME: an interface, ``auto``, or ``none``/``off``; None (the
+            default): auto where neither variable is set, nothing on a node without one interface
+            towards all its peers (a warning).
         max_restarts: torchrun's in-node restarts.
         run_id: the run id (None: time + random suffix).
         rdzv: ``static`` (node_rank in inventory order) or ``c10d``.
@@ -390,6 +392,9 @@ class Cluster:
                                   probing=probing, synced=copied, replicate_paths=tuple(opts.replicate),
                                   will_sync=opts.dry_run and opts.sync)
         extra = {"code": code} if code else {}
+        for w in planmod.socket_ifname_warnings(prepared.cluster, run_options, runner.plan_facts(
+                prepared.facts, prepared.plan.master_port, os.getcwd())):
+            self.say(f"warning: {w}")
         try:
             replicated = self._replicate(prepared, tuple(opts.replicate), opts.dry_run)
         except BaseException:

@@ -37,9 +37,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "ddpfab_secret_env list), besides the keys the built-in rule masks (see README, Secrets)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the preflight checks (firewall/data plane, hostnames, versions)")
-    p.add_argument("--socket-ifname", metavar="IFACE|auto",
+    p.add_argument("--socket-ifname", metavar="IFACE|auto|none",
                    help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
-                        "reaches its peers through")
+                        "reaches its peers through (default where neither variable is set; a node "
+                        "without one such interface then gets none, with a warning); none/off = never")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="torchrun's in-node restarts (default 0)")
     p.add_argument("--exit-guard", choices=EXIT_GUARD_MODES, default="on",

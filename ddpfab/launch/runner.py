@@ -24,7 +24,7 @@ from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input,
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
 from ddpfab.planning import probe, scriptfile
-from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for
+from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for, socket_ifname_for
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 from ddpfab.results import GroupResult
@@ -219,8 +219,11 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
     Over the preparation's node program *sessions*, whose listeners are up (*listening*).
     Returns the full report (``check --json``'s form), which the run dir keeps as check.json."""
     started = time.monotonic()
-    mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening)
     counted = plan_facts(facts, port, "")
+    # where an interface is set, gloo/NCCL advertise its address, not the hostname's
+    chosen = {n.name for n in cluster.nodes if socket_ifname_for(n, options, counted)[0]}
+    mesh = check.run_mesh(cluster, conns, addresses, master, port, sessions=sessions, listening=listening,
+                          advertised=check.advertised_addresses({n: f.raw for n, f in facts.items()}, chosen))
     nproc = {n.name: nproc_for(n, options, counted.gpus.get(n.name), counted.cpus.get(n.name)) for n in cluster.nodes}
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
                              check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,

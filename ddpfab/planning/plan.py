@@ -90,8 +90,10 @@ class RunOptions:
         remote_runs_dir: where each node keeps a run's record (supervisor pid, exit code, output,
             per-rank logs); relative paths are under the node user's home.
         socket_ifname: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME on every node: an interface
-            name, or "auto" for the interface each node uses to reach its peers (an explicit
-            --env of either variable still wins).
+            name, "auto" for the interface each node uses to reach its peers (an explicit --env of
+            either variable still wins), "none"/"off" to set neither; None (the default) is auto
+            where the user set neither variable, and nothing on a node without one such interface
+            (see :func:`socket_ifname_for`).
         rdzv: "static" (node_rank fixed by ddpfab in inventory order, ``--node-rank``) or "c10d"
             (torchrun's c10d rendezvous on the master's address and port; torchrun assigns the
             node ranks).
@@ -622,6 +624,53 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+#: ``--socket-ifname`` words that turn the interface choice off.
+SOCKET_IFNAME_OFF = ("none", "off")
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def socket_ifname_for(node: Node, options: RunOptions, facts: Facts) -> tuple[str | None, str | None]:
+    """The interface the run names in GLOO/NCCL_SOCKET_IFNAME on *node*, and why none when the
+    default could not choose one (a warning line), decided once for the plan and the preflight.
+
+    By default (``socket_ifname`` None) it is the interface the node reaches all its peers
+    through, so the backends bind and advertise an address the peers reach (not whatever the
+    hostname resolves to), unless the user set either variable (``--env``, the inventory's
+    ``ddpfab_env``): then nothing. A node without one such interface (or not probed: an offline
+    plan) gets nothing, as before this default; an explicit ``auto`` refuses it instead.
+
+    Args:
+        node: the node.
+        options: ``socket_ifname`` (None, "auto", "none"/"off" or an interface) and ``env``.
+        facts: ``ifnames`` (node -> its one interface towards the peers) and ``gpus`` (probed nodes).
+    """
+    choice = options.socket_ifname
+    if choice in SOCKET_IFNAME_OFF:
+        return None, None
+    if choice is None:
+        asked = dict(options.env)
+        if any(k in asked or k in node.env for k in IFNAME_VARS):
+            return None, None
+    if choice not in (None, "auto"):
+        return choice, None
+    ifname = facts.ifnames.get(node.name)
+    if ifname:
+        return ifname, None
+    if choice == "auto":
+        raise PlanError(f"host {node.name}: --socket-ifname auto: no single interface reaches all its peers; "
+                        "name one with --socket-ifname IFACE")
+    if node.name not in facts.ifnames:
+        return None, None  # not probed (an offline plan): nothing to choose from
+    return None, (f"host {node.name}: no single interface reaches all its peers, so GLOO_SOCKET_IFNAME/"
+                  "NCCL_SOCKET_IFNAME are not set there (the backends advertise its hostname's address); "
+                  "name one with --socket-ifname IFACE, or --socket-ifname none to silence this")
+
+
+def socket_ifname_warnings(cluster: Cluster, options: RunOptions, facts: Facts) -> list[str]:
+    """The warning lines of :func:`socket_ifname_for`, one per node that has one."""
+    return [w for n in cluster.nodes if (w := socket_ifname_for(n, options, facts)[1])]
+
+
 def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     check_run_id(options.run_id)
     if not cluster.nodes:
@@ -703,10 +752,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in asked \
                 and "TORCH_DISTRIBUTED_DEBUG" not in node.env:
             node_env.update(DEBUG_ENV_GLOO)
-        ifname = facts.ifnames.get(node.name) if options.socket_ifname == "auto" else options.socket_ifname
-        if options.socket_ifname == "auto" and not ifname:
-            raise PlanError(f"host {node.name}: --socket-ifname auto: no single interface reaches all its peers; "
-                            "name one with --socket-ifname IFACE")
+        ifname, _ = socket_ifname_for(node, options, facts)
         if ifname:
             for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 if key not in asked and key not in node.env:
