@@ -341,8 +341,8 @@ def classify_advertised(order: list[str], results: dict[str, list[dict]], advert
             f"hostname {a.get('hostname')!r} resolves to {a.get('addr')} (interface "
             f"{a.get('iface') or 'unknown'}), which {len(failed[n])} of {probed[n]} peers cannot reach ({seen}); "
             f"gloo/NCCL advertise that address",
-            f"run with --socket-ifname auto (the interface towards the peers), or map {a.get('hostname')} "
-            f"to {a.get('data_addr')} in this node's /etc/hosts", failed[n]))
+            f"let ddpfab name the interface towards the peers (ddpfab run's default, --socket-ifname auto; "
+            f"not none), or map {a.get('hostname')} to {a.get('data_addr')} in this node's /etc/hosts", failed[n]))
     return problems
 
 

@@ -296,7 +296,7 @@ class Listeners(object):
                         self.sel.register(c, selectors.EVENT_READ, [0])
                     continue
                 # a connect probe closes without sending; a bulk probe sends its bytes, half-closes
-                # and waits for the count: only bytes that arrived (full-size segments) are counted
+                # and waits for the count and as many bytes back (:func:`_bulk_answer`)
                 try:
                     data = s.recv(1 << 16)
                 except BlockingIOError:
@@ -306,14 +306,29 @@ class Listeners(object):
                 if data:
                     key.data[0] += len(data)
                     continue
-                if key.data[0]:
-                    try:
-                        s.send(("%d\n" % key.data[0]).encode())
-                    except OSError:
-                        pass
                 with self.lock:
                     self.sel.unregister(s)
-                s.close()
+                if key.data[0]:
+                    threading.Thread(target=_bulk_answer, args=(s, key.data[0]), daemon=True).start()
+                else:
+                    s.close()
+
+
+def _bulk_answer(s, count, timeout=10.0):
+    """Answer a bulk probe: the count of bytes that arrived, then as many bytes back (so both
+    directions of both ports carry full-size segments); closed after the peer closes, so the
+    TIME_WAIT is the peer's. Its own thread: the answer may wait on a path that loses it."""
+    try:
+        s.setblocking(True)
+        s.settimeout(timeout)
+        s.sendall(("%d\n" % count).encode() + b"\0" * min(count, BULK_ANSWER_MAX))
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(1 << 16):
+            pass
+    except OSError:
+        pass
+    finally:
+        s.close()
 
 
 def op_mesh_listen(req, session):
@@ -342,10 +357,15 @@ def _ephemeral_range():
         return None
 
 
+#: The most bytes a bulk probe's listener sends back.
+BULK_ANSWER_MAX = 1 << 20
+
+
 def _bulk(s, size, timeout):
-    """Send *size* bytes on connected socket *s* and wait for the listener's count of what
-    arrived: "ok", or "stalled" when it does not come within *timeout* seconds (the connect
-    passed, so small packets pass; full-size segments are lost, a path-MTU black hole)."""
+    """Send *size* bytes on connected socket *s* and read the listener's count of what arrived
+    and as many bytes back: "ok", or "stalled" when that does not complete within *timeout*
+    seconds (the connect passed, so small packets pass; full-size segments are lost both ways
+    or one way: a path-MTU black hole)."""
     end = time.monotonic() + timeout
     chunk = b"\0" * (1 << 16)
     sent = 0
@@ -358,16 +378,18 @@ def _bulk(s, size, timeout):
             sent += s.send(chunk[:min(len(chunk), size - sent)])
         s.shutdown(socket.SHUT_WR)
         got = b""
-        while not got.endswith(b"\n"):
+        want = len(b"%d\n" % size) + min(size, BULK_ANSWER_MAX)
+        while len(got) < want:
             left = end - time.monotonic()
             if left <= 0:
                 return "stalled", sent
             s.settimeout(left)
-            more = s.recv(64)
+            more = s.recv(1 << 16)
             if not more:
                 break
             got += more
-        return ("ok" if got.strip() == str(size).encode() else "short"), sent
+        line, _, back = got.partition(b"\n")
+        return ("ok" if line == str(size).encode() and len(back) == min(size, BULK_ANSWER_MAX) else "short"), sent
     except socket.timeout:
         return "stalled", sent
     except OSError as exc:
