@@ -30,6 +30,14 @@ Why it is shaped like this (measured on lab hosts, see docs/benchmarks.md):
   all pairs.
 - **The master port is probed from every node**, always: it is O(N), and the TCPStore is the one
   port every rank must reach.
+- **Bulk transfers, not only connects** (:func:`bulk_pairs`): a path-MTU black hole (jumbo frames
+  on all ports but one) passes every connect and stalls the backends' first large tensor, so each
+  node sends :data:`BULK_BYTES` to its ring neighbour and to the master and reads as many back:
+  O(N) transfers, each node's port crossed both ways; the node all of whose transfers stall is
+  named (:func:`classify_bulk`).
+- **The advertised address**: gloo and NCCL bind and advertise what the node's hostname resolves
+  to (without a ``*_SOCKET_IFNAME``); where that is not the data address, the node's probing peers
+  also connect to it (:func:`classify_advertised`).
 
 :func:`plan_targets` and :func:`classify` are pure (unit-tested without hosts); :func:`run_mesh`
 is the effectful part.
