@@ -117,7 +117,9 @@ def _flush_open_files():
         except Exception:  # noqa: BLE001 - closed or broken: nothing left to save
             pass
     for obj in gc.get_objects():
-        if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
+        # type(), not isinstance(): isinstance reads obj.__class__, and some objects warn or run
+        # code on that (torch.distributed.reduce_op prints a FutureWarning in every rank)
+        if issubclass(type(obj), (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
             try:
                 if not obj.closed:
                     obj.flush()

@@ -187,3 +187,18 @@ def test_the_spec_carries_the_guard_unless_it_is_off():
     assert "exit_guard" not in launch.agent_spec(off, off.nodes[0])
     with pytest.raises(PlanError, match="--exit-guard must be one of on, record, off"):
         make_plan(c, RunOptions("t.py", exit_guard="maybe"), facts)
+
+
+def test_the_flush_at_exit_never_reads_a_live_objects_class_attribute(tmp_path):
+    """torch.distributed.reduce_op warns when its ``__class__`` is read: the guard's walk over live
+    objects must not read it (every rank printed a FutureWarning at exit)."""
+    touched = tmp_path / "touched"
+    body = ("class Loud:\n"
+            "    @property\n"
+            "    def __class__(self):\n"
+            f"        open({str(touched)!r}, 'w').close()\n"
+            "        return Loud\n"
+            "keep = Loud()\n")
+    status, record = guarded(tmp_path, body)
+    assert status == 0 and record["code"] == 0
+    assert not touched.exists()
