@@ -139,7 +139,7 @@ def holder_fix(procs: list[dict]) -> str:
     runs = sorted({p["run_id"] for p in procs if p.get("run_id")})
     pids = [str(p.get("pid")) for p in procs if not p.get("run_id")]
     fixes = [f"ddpfab stop {r}" for r in runs] + ([f"kill {' '.join(pids)} (if it is a left-over)"] if pids else [])
-    return " ; ".join(fixes)
+    return ", or ".join(fixes)
 
 
 def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: int | None = None,
@@ -231,7 +231,7 @@ def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | N
     if holders:
         out.append(Finding(node, "leftovers", "fail", f"port {master_port} held by " + "; ".join(map(holder, holders)),
                            expected=f"port {master_port} free for the job's master",
-                           fix=holder_fix(holders) + " ; or pick another --master-port (or leave it out)"))
+                           fix=holder_fix(holders) + ", or pick another --master-port (or leave it out)"))
     states = leases.parse(raw.get("leases")) or []
     busy = [s for s in states if s.state == "busy"]
     if busy:
@@ -256,4 +256,4 @@ def port_holders(raw: dict) -> tuple[str, str]:
     procs = [p for p in (res or {}).get("port_holders") or [] if isinstance(p, dict)]
     if not procs:
         return "", ""
-    return " by " + "; ".join(map(holder, procs)), holder_fix(procs) + " ; or "
+    return " by " + "; ".join(map(holder, procs)), holder_fix(procs) + ", or "
