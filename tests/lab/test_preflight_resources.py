@@ -3,7 +3,7 @@
 
 - a 16 MiB tmpfs on node3's /dev/shm (mounted in node3's own mount namespace: not seen elsewhere);
 - a full 8 MiB tmpfs mounted at node2's workdir (inside its /root overlay);
-- an open-files limit of 256 on node4's sshd (what every ssh login there, and so every rank, gets;
+- an open-files soft limit of 256 on node4's sshd (what every ssh login there, and so every rank, gets;
   the lab's sshd runs without PAM, so its own limit is the node's, as systemd's LimitNOFILE sets it);
 - a process of an "earlier job" listening on the master port on node1 (the master);
 - a process using GPU 0 of node4 without a lease (the stand-in nvidia-smi's compute apps).
@@ -138,12 +138,13 @@ def test_full_filesystem_under_the_workdir_of_one_node(rlab, project):
 def test_low_open_files_limit_of_one_nodes_sshd(rlab, project):
     before = host_sh(rlab, "node4", "prlimit --pid 1 --nofile --raw -o SOFT,HARD --noheadings").stdout.split()
     assert len(before) == 2, before
-    assert host_sh(rlab, "node4", "prlimit --pid 1 --nofile=256:256").returncode == 0
+    # the soft limit only: raising a hard limit back is refused even to root here, the soft one is not
+    assert host_sh(rlab, "node4", f"prlimit --pid 1 --nofile=256:{before[1]}").returncode == 0
     try:
         report = check(project)
         assert failed(report) == {"node4": {"nofile"}}
         (p,) = report["problems"]
-        assert p["found"] == "open files limit 256 (hard 256)" and "limits.conf" in p["fix"]
+        assert p["found"] == f"open files limit 256 (hard {before[1]})" and "limits.conf" in p["fix"]
         res = run(project)
         assert res.returncode != 0 and "preflight checks failed" in res.stderr, res.stderr
         assert_named_alone(res.stderr, "node4")
@@ -153,26 +154,27 @@ def test_low_open_files_limit_of_one_nodes_sshd(rlab, project):
 
 
 def test_leftover_listener_on_the_master_port(rlab, project):
-    code = (f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0',{PORT})); s.listen(); "
-            "print('up',flush=True); time.sleep(600)")
+    code = (f"import os,socket,time; s=socket.socket(); s.bind(('0.0.0.0',{PORT})); s.listen(); "
+            "print(os.getpid(),flush=True); time.sleep(600)")
     holder = subprocess.Popen(["nsenter", "-t", str(labmod._child_pid(rlab.host("node1").pid)), "-a", "env",
                                "DDPFAB_JOB=r-earlier", sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = holder.stdout.readline().strip()  # its pid in node1's pid namespace (nsenter forks it there)
     try:
-        assert holder.stdout.readline().strip() == "up"
+        assert pid.isdigit()
         report = check(project, "--master-port", str(PORT))
         assert set(failed(report)) == {"node1"}
         (left,) = [r for r in report["results"] if r["check"] == "leftovers" and r["status"] == "fail"]
-        assert left["found"].startswith(f"port {PORT} held by pid ") and "ddpfab run r-earlier" in left["found"]
+        assert left["found"].startswith(f"port {PORT} held by pid {pid} (") and "ddpfab run r-earlier" in left["found"]
         assert "user root" in left["found"] and "time.sleep(600)" in left["found"]
         assert left["fix"].startswith("ddpfab stop r-earlier")
         res = run(project, "--master-port", str(PORT))
         assert res.returncode != 0
         assert_named_alone(res.stderr, "node1")
-        assert f"--master-port {PORT} is already in use there by pid " in res.stderr, res.stderr
+        assert f"--master-port {PORT} is already in use there by pid {pid} (" in res.stderr, res.stderr
         assert "ddpfab stop r-earlier" in res.stderr
     finally:
-        holder.kill()
-        holder.wait()
+        host_sh(rlab, "node1", f"kill {pid}")
+        holder.wait(timeout=30)
     assert failed(check(project, "--master-port", str(PORT))) == {}
 
 
