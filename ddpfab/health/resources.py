@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 
 from ddpfab.launch import leases
+from ddpfab.node import printable
 from ddpfab.planning.plan import PlanError
 
 MIB = 2**20
@@ -126,6 +127,38 @@ def age(seconds: float | None) -> str:
     return f"up {seconds:.0f} s"
 
 
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: object, limit: int = 200) -> str:
+    return printable(value)[:limit] if isinstance(value, str) else "?"
+
+
+def _fs(raw: object) -> dict | None:
+    """A filesystem record from a node, validated (records are data): None when it is not one."""
+    if not isinstance(raw, dict) or _int(raw.get("free")) is None:
+        return None
+    return {"free": raw["free"], "total": _int(raw.get("total")),
+            **{k: _text(raw.get(k)) for k in ("path", "mount", "fstype")}}
+
+
+def _proc(raw: object) -> dict | None:
+    """A process record from a node, validated: pid, user, cmd, age_s, run_id."""
+    if not isinstance(raw, dict) or _int(raw.get("pid")) is None:
+        return None
+    age_s = raw.get("age_s")
+    return {"pid": raw["pid"], "user": _text(raw.get("user"), 64), "cmd": _text(raw.get("cmd")),
+            "age_s": age_s if isinstance(age_s, (int, float)) and not isinstance(age_s, bool) else None,
+            "run_id": printable(raw["run_id"])[:100] if isinstance(raw.get("run_id"), str) and raw["run_id"] else None}
+
+
+def _limit(raw: object) -> tuple[int, int] | None:
+    if isinstance(raw, list) and len(raw) == 2 and all(_int(v) is not None for v in raw):
+        return raw[0], raw[1]
+    return None
+
+
 def holder(proc: dict) -> str:
     """``pid 4242 (user alice, `python train.py`, up 3 h, ddpfab run R)``."""
     what = [f"user {proc.get('user') or '?'}", f"`{proc.get('cmd') or '?'}`", age(proc.get("age_s"))]
@@ -160,8 +193,8 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
         return []  # a node program without them (an older ddpfab on the node): nothing to judge
     out: list[Finding] = []
     # shared memory
-    shm, need = res.get("shm") or {}, floors.shm_for(nproc)
-    if "free" in shm:
+    shm, need = _fs(res.get("shm")), floors.shm_for(nproc)
+    if shm:
         found = f"/dev/shm {size(shm['free'])} free of {size(shm.get('total'))} ({shm.get('fstype')})"
         if shm["free"] < need:
             out.append(Finding(node, "shm", "fail", found,
@@ -172,9 +205,11 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
             out.append(Finding(node, "shm", "pass", found))
     # free space where the job writes
     short = []
-    for key, fs in (res.get("paths") or {}).items():
-        where, fails = PLACES.get(key, (key, False))
-        if not isinstance(fs, dict) or "free" not in fs:
+    paths = res.get("paths") if isinstance(res.get("paths"), dict) else {}
+    for key, where_fails in PLACES.items():
+        where, fails = where_fails
+        fs = _fs(paths.get(key))
+        if not fs:
             continue
         if fs["free"] < floors.disk:
             short.append(Finding(node, "disk", "fail" if fails else "warn",
@@ -182,11 +217,11 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
                                  expected=f"at least {size(floors.disk)} free",
                                  fix=f"free space on {fs.get('mount')}, or lower the floor with "
                                      "--resource-floors disk=SIZE"))
-    wd = (res.get("paths") or {}).get("workdir") or {}
+    wd = _fs(paths.get("workdir")) or {}
     out += short or [Finding(node, "disk", "pass", f"workdir {size(wd.get('free'))} free")]
     # limits: what the ssh login gets, which is what the supervisor gives the ranks
-    nofile = res.get("nofile")
-    if isinstance(nofile, list) and len(nofile) == 2:
+    nofile = _limit(res.get("nofile"))
+    if nofile:
         soft, hard = nofile
         if 0 <= soft < floors.nofile:
             raise_to = f"ulimit -n {min(floors.nofile * 4, hard) if hard >= 0 else floors.nofile * 4}"
@@ -197,8 +232,8 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
                                    f"LimitNOFILE= of sshd's unit ({raise_to} in a login shell shows it took)"))
         else:
             out.append(Finding(node, "nofile", "pass", f"open files {limit(soft)} (hard {limit(hard)})"))
-    memlock = res.get("memlock")
-    if isinstance(memlock, list) and len(memlock) == 2:
+    memlock = _limit(res.get("memlock"))
+    if memlock:
         soft = memlock[0]
         gpus = bool(raw.get("nvidia_gpus") or raw.get("gpus"))
         low = 0 <= soft < MEMLOCK_IB
@@ -212,9 +247,9 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
                                fix=fix))
         else:
             out.append(Finding(node, "memlock", "pass", found))
-    avail = res.get("mem_available")
-    if isinstance(avail, int):
-        found = f"{size(avail)} available of {size(res.get('mem_total'))}"
+    avail = _int(res.get("mem_available"))
+    if avail is not None:
+        found = f"{size(avail)} available of {size(_int(res.get('mem_total')))}"
         if avail < floors.mem:
             out.append(Finding(node, "memory", "fail", found, expected=f"at least {size(floors.mem)} available",
                                fix="end what uses the memory there, or lower the floor with --resource-floors mem=SIZE"))
@@ -224,10 +259,14 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
     return out
 
 
+def _list(value: object) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | None, busy_gpus_fail: bool) -> list[Finding]:
     """The processes that hold what the job will use: the master port, GPUs without a lease."""
     out = []
-    holders = [p for p in res.get("port_holders") or [] if isinstance(p, dict)]
+    holders = [p for p in map(_proc, _list(res.get("port_holders"))) if p]
     if holders:
         out.append(Finding(node, "leftovers", "fail", f"port {master_port} held by " + "; ".join(map(holder, holders)),
                            expected=f"port {master_port} free for the job's master",
@@ -235,7 +274,7 @@ def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | N
     states = leases.parse(raw.get("leases")) or []
     busy = [s for s in states if s.state == "busy"]
     if busy:
-        about = {p.get("pid"): p for p in res.get("gpu_holders") or [] if isinstance(p, dict)}
+        about = {p["pid"]: p for p in map(_proc, _list(res.get("gpu_holders"))) if p}
         procs = [about.get(pid, {"pid": pid, "cmd": name}) for s in busy for pid, name in s.procs]
         free = sum(s.state == "free" for s in states)
         status = "fail" if nproc > free and busy_gpus_fail else "warn"
@@ -253,7 +292,7 @@ def port_holders(raw: dict) -> tuple[str, str]:
     """The master's facts' listeners on the asked port, for the probe's "in use" refusal:
     (`` by pid N (...)``, ``ddpfab stop R ; or ``), or empty strings when none is known."""
     res = raw.get("resources") if isinstance(raw, dict) else None
-    procs = [p for p in (res or {}).get("port_holders") or [] if isinstance(p, dict)]
+    procs = [p for p in map(_proc, _list((res or {}).get("port_holders") if isinstance(res, dict) else None)) if p]
     if not procs:
         return "", ""
     return " by " + "; ".join(map(holder, procs)), holder_fix(procs) + ", or "

@@ -207,3 +207,12 @@ def test_the_holder_of_a_listening_port_is_named_with_its_command_and_run(tmp_pa
         proc.wait()
     time.sleep(0.1)
     assert noderes.res_port_holders(port) == []
+
+
+def test_records_are_data_malformed_resources_are_not_judged_and_node_text_is_escaped():
+    bad = res(shm={"free": "lots"}, paths={"workdir": {"free": True}}, nofile=["1", 2], memlock="x",
+              mem_available=None, port_holders=[{"pid": "1"}, {"pid": 9, "user": "u", "cmd": "evil\x1b[2J", "age_s": "x"}])
+    found = {(f.check, f.status): f for f in resources.evaluate("a", fact(resources=bad), 2, resources.Floors(),
+                                                                 master_port=29500)}
+    assert set(found) == {("disk", "pass"), ("leftovers", "fail")}
+    assert found[("leftovers", "fail")].found == "port 29500 held by pid 9 (user u, `evil\\x1b[2J`, age unknown)"
