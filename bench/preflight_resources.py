@@ -19,6 +19,7 @@ bench/results/preflight_resources.json with the machine's load before and after.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,27 @@ def once(tool: str, inv: Path, base: Path, n: int) -> dict:
     return out
 
 
+def node_side_ms(repeats: int = 200) -> dict:
+    """What the resource facts cost on one node (this machine): res_facts alone, in ms, and the
+    whole facts op with and without them (each node runs it once per check or run, in parallel)."""
+    from ddpfab.node import ops
+    from ddpfab.node.resources import res_facts
+
+    def timed(fn) -> dict:
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1000)
+        return common.summarize(samples)
+
+    req = {"workdir": str(REPO), "leases": True}
+    return {"res_facts": timed(lambda: res_facts(req, {})),
+            "facts_with": timed(lambda: ops.op_facts(dict(req, resources=True), {})),
+            "facts_without": timed(lambda: ops.op_facts(dict(req), {})),
+            "load": [round(x, 2) for x in os.getloadavg()]}
+
+
 def main() -> int:
     parser = common.base_parser("preflight_resources", __doc__, reps=3, quick_reps=1)
     parser.add_argument("--sizes", help="comma-separated host counts (default 8,32,64; --quick 8,32)")
@@ -65,6 +87,9 @@ def main() -> int:
     reps, meta, started = common.begin(args)
     sizes = common.sizes_of(args, SIZES, QUICK_SIZES)
     base = Path(args.base)
+    micro = node_side_ms()
+    log(f"node side: res_facts median {micro['res_facts']['median']:.2f} ms; facts with "
+        f"{micro['facts_with']['median']:.2f} ms, without {micro['facts_without']['median']:.2f} ms")
     work = common.WORK_ROOT / "preflight_resources"
     samples: dict[str, dict[int, list[dict]]] = {}
     with common.bench_lab("preflight_resources", max(sizes), args.subnet) as lab:
@@ -94,7 +119,7 @@ def main() -> int:
         log(f"N={n}: plan this/base = {ratios[n]}")
     common.write_result(args.out, "preflight_resources", args,
                         {"sizes": list(sizes), "tools": list(TOOLS), "base": str(base), "script": SCRIPT},
-                        {"series": series, "plan_ratio_this_over_base": ratios}, meta, started)
+                        {"series": series, "plan_ratio_this_over_base": ratios, "node_side_ms": micro}, meta, started)
     return 0
 
 
