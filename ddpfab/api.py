@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddpfab.health import resources
 from ddpfab.hosts import inventory
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.launch import replicate
@@ -66,6 +67,8 @@ class Options:
         wait: GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing.
         exit_guard: the ranks' exit guard: ``on`` (each rank records that it finished and leaves
             without the interpreter teardown where gloo can abort it), ``record`` or ``off``.
+        resource_floors: what the preflight requires of each node (``shm=2G,disk=5G,mem=4G,nofile=4096``,
+            any subset; see :mod:`ddpfab.health.resources`).
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -106,6 +109,7 @@ class Options:
     gpus_per_node: int | None = None
     wait: bool = False
     exit_guard: str = "on"
+    resource_floors: str | None = None
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -240,7 +244,8 @@ class Cluster:
 
     # -- check, sync, exec ------------------------------------------------------------------
     def check(self, *, master_port: int | None = None, nproc_per_node: int | str | None = None,
-              max_skew: float | None = None, fast: bool = False, exhaustive: bool = False):
+              max_skew: float | None = None, fast: bool = False, exhaustive: bool = False,
+              resource_floors: str | None = None):
         """``ddpfab check``: the :class:`ddpfab.health.check.Report` (``.failures`` empty: ready)."""
         # slow to import: see LAZY above
         from ddpfab.health.check import CheckOptions, check_cluster
@@ -250,7 +255,7 @@ class Cluster:
         return check_cluster(self.parsed, self.policy, CheckOptions(
             master_port=master_port, nproc_per_node=nproc_per_node,
             max_skew_s=CheckOptions.max_skew_s if max_skew is None else max_skew,
-            full=not fast, exhaustive=exhaustive), self.ssh_config)
+            full=not fast, exhaustive=exhaustive, floors=resources.parse_floors(resource_floors)), self.ssh_config)
 
     def sync(self, path: str | os.PathLike = ".", *, fanout: str = "star", compress: bool = False,
              checksum: bool = False, keep: Iterable[str] = (), with_git: bool = False, verify_only: bool = False,
@@ -520,6 +525,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
     from ddpfab.launch.runs import new_run_id
 
     planmod.master_port(opts.master_port, offline=True)  # the port's one rule (raises PlanError)
+    resources.parse_floors(opts.resource_floors)  # the floors' one reading (FloorError is a PlanError)
     if isinstance(args, str):  # its characters would become the arguments
         raise PlanError(f"the script's arguments are a list of words, not one string: {args!r}")
     script, script_args, module = script_and_mode(script, tuple(args), opts.module)
@@ -531,7 +537,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         rdzv=opts.rdzv, launcher=opts.launcher, init_method=opts.init_method, debug=opts.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
         script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait,
-        exit_guard=opts.exit_guard)
+        exit_guard=opts.exit_guard, resource_floors=opts.resource_floors)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:

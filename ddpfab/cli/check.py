@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from ddpfab.cli.common import add_cluster_args, api_cluster, nproc_type
+from ddpfab.cli.common import add_cluster_args, add_floors_arg, api_cluster, nproc_type
 from ddpfab.cli.errors import refuse
 from ddpfab.cli.perf import add_check_arguments, cmd_check_perf
 from ddpfab.health import mesh as meshmod
+from ddpfab.health.resources import parse_floors
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError, master_port, nproc_per_node
 
@@ -22,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--exhaustive", action="store_true",
                    help=f"probe every pair of nodes (default: all pairs up to {meshmod.EXHAUSTIVE_MAX_NODES} nodes, "
                         f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
+    add_floors_arg(p)
     p.add_argument("--json", action="store_true")
     add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/health/perfrun.py)
     p.set_defaults(func=cmd_check)
@@ -42,7 +44,11 @@ def cmd_check(args) -> int:
         nproc_per_node(args.nproc_per_node)  # run's rule, as for the port
     except PlanError as exc:
         return refuse(args, str(exc), "nproc_per_node")
+    try:
+        parse_floors(args.resource_floors)
+    except PlanError as exc:
+        return refuse(args, str(exc), "resource_floors")
     report = cluster.check(master_port=args.master_port, nproc_per_node=args.nproc_per_node, max_skew=args.max_skew,
-                           fast=args.fast, exhaustive=args.exhaustive)
+                           fast=args.fast, exhaustive=args.exhaustive, resource_floors=args.resource_floors)
     print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
     return 1 if report.failures else 0

@@ -99,3 +99,11 @@ def fill_missing_help(parser: argparse.ArgumentParser) -> list[str]:
             if action.help is None and action.option_strings:
                 missing.append(f"{parser.prog} {action.option_strings[0]}")
     return missing
+
+
+def add_floors_arg(p: argparse.ArgumentParser) -> None:
+    """``--resource-floors``, the same option on check and run (read by ddpfab.health.resources)."""
+    p.add_argument("--resource-floors", metavar="shm=SIZE,disk=SIZE,mem=SIZE,nofile=N",
+                   help="what each node must have: free /dev/shm (default: 256 MiB per process, at least 512 MiB), "
+                        "free space in the workdir and runs dir (1 GiB), available memory (1 GiB), open-files "
+                        "limit (1024); any subset")

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
-from ddpfab.cli.common import add_cluster_args, add_env_args, api_cluster, nproc_type
+from ddpfab.cli.common import add_cluster_args, add_env_args, add_floors_arg, api_cluster, nproc_type
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
@@ -37,6 +37,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "ddpfab_secret_env list), besides the keys the built-in rule masks (see README, Secrets)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the preflight checks (firewall/data plane, hostnames, versions)")
+    add_floors_arg(p)
     p.add_argument("--socket-ifname", metavar="IFACE|auto|none",
                    help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
                         "reaches its peers through (default where neither variable is set; a node "

@@ -24,6 +24,7 @@ from typing import Any
 
 from ddpfab import node as nodeprog
 from ddpfab.health import mesh as meshmod
+from ddpfab.health import resources
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hosts import nodeenv
 from ddpfab.launch import leases
@@ -68,6 +69,9 @@ class CheckOptions:
     max_skew_s: float = DEFAULT_MAX_SKEW_S
     full: bool = True  # import torch on every node (CUDA/NCCL/GPU facts); run's fast checks skip it
     exhaustive: bool = False  # probe every pair of nodes, whatever the cluster size
+    floors: resources.Floors = field(default_factory=resources.Floors)  # --resource-floors
+    # a GPU used without a lease fails here; run's preflight leaves it to the lease refusal (--wait aware)
+    busy_gpus_fail: bool = True
 
 
 @dataclass
@@ -185,6 +189,12 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             free = sum(s.state == "free" for s in states)
             results.append(CheckResult(n.name, "gpu_leases", "pass",
                                        found=f"{free} of {len(states)} GPUs free" + (f"; {'; '.join(taken)}" if taken else "")))
+
+    # the node's resources and left-overs of earlier jobs (ddpfab.health.resources)
+    for n in ok:
+        results += [CheckResult(f.node, f.check, f.status, f.found, f.expected, f.fix) for f in resources.evaluate(
+            n.name, fx[n.name], nproc.get(n.name, 1), options.floors,
+            master_port=options.master_port if n.name == master else None, busy_gpus_fail=options.busy_gpus_fail)]
 
     # names and addresses
     for n in ok:
@@ -378,7 +388,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
     nproc, refused = _nprocs(cluster, RunOptions("check", nproc_per_node=options.nproc_per_node), raw)
     checks = refused + evaluate(cluster, master.name, raw, unreachable, mesh, CheckOptions(
         master_port=port, nproc_per_node=options.nproc_per_node, max_skew_s=options.max_skew_s,
-        full=options.full), nproc)
+        full=options.full, floors=options.floors), nproc)
     return Report(nodes=[n.name for n in cluster.nodes], results=checks, seconds=time.monotonic() - started,
                   extra={"master": master.name, "master_port": port, "mesh": mesh_detail(cluster, mesh),
                          "phases_s": {k: round(v, 3) for k, v in phases.items()}})

@@ -3,7 +3,7 @@
 Every node-side operation is an operation of one stdlib-only program: facts (the probe), the
 data-plane probe (mesh), the tree hash and the rest of sync's node side, job control (ps, stop,
 per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.node.workdir`,
-:mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.leases`, :mod:`ddpfab.node.agent` and :mod:`ddpfab.node.ops`, concatenated
+:mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.leases`, :mod:`ddpfab.node.resources`, :mod:`ddpfab.node.agent` and :mod:`ddpfab.node.ops`, concatenated
 (:func:`program`); its protocol is :func:`ddpfab.node.ops.serve`'s: framed JSON requests on
 stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).
 :mod:`ddpfab.node.exitguard` is not part of it: it is the ranks' ``sitecustomize``, whose source
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpfab.hosts import nodeenv
-from ddpfab.node import agent, leases, treehash, workdir
+from ddpfab.node import agent, leases, resources, treehash, workdir
 from ddpfab.node import ops as _ops
 from ddpfab.problems import NodeError
 from ddpfab.results import GroupResult
 
 #: The modules that make the node program, in order (each may use the names of those before it).
-SOURCES = (workdir, treehash, leases, agent, _ops)
+SOURCES = (workdir, treehash, leases, resources, agent, _ops)
 
 #: The longest reply line a :class:`Session` takes (the largest real ones, a ``mesh_connect`` over
 #: 128 nodes or full facts, are well under 1 MiB): past it the node is not answering as the

@@ -42,6 +42,7 @@ try:  # as a module of ddpfab; on a node their source comes first in the same pr
     from .agent import _detach_stdin, read_exactly, read_frame, stop_job
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, read_fields, reserve_port, tickets, uses_leases
+    from .resources import res_facts
     from .treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
                            rel_ok)
     from .workdir import WorkdirError
@@ -237,6 +238,8 @@ def op_facts(req, session):
             out["nvidia_error"] = str(exc)
     if req.get("leases"):
         out["leases"] = _leases_or_error()
+    if req.get("resources"):
+        out["resources"] = res_facts(req, out)
     if req.get("full") and out["torch"]:
         try:
             import torch

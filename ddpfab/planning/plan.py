@@ -124,6 +124,9 @@ class RunOptions:
             interpreter teardown where gloo can abort a finished rank; "record" only records (a
             rank that aborts after finishing is reported as such, not as a failure); "off"
             installs nothing.
+        resource_floors: ``--resource-floors`` (``shm=2G,disk=5G,mem=4G,nofile=4096``): what the
+            preflight requires of each node's resources (:func:`ddpfab.health.resources.parse_floors`
+            reads it; None: its defaults).
     """
 
     script: str
@@ -146,6 +149,7 @@ class RunOptions:
     gpus_per_node: int | None = None
     wait: bool = False
     exit_guard: str = "on"
+    resource_floors: str | None = None
 
 
 @dataclass(frozen=True)

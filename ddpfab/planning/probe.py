@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from fabric import Connection
 
 from ddpfab import node as nodeprog
+from ddpfab.health import resources
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port, master_port
@@ -145,7 +146,8 @@ def facts_request(node: Node, *, workdir: str, script: str | None, port: int | N
     """The node program's ``facts`` request (see :func:`ddpfab.node.ops.op_facts`); with
     *reserve_for* (a run id) the port found is reserved for that run where the node leases."""
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
-                 "resolve": resolve_names or [], "full": full, "leases": True}
+                 "resolve": resolve_names or [], "full": full, "leases": True,
+                 "resources": True}  # the node's resources a job needs (ddpfab.health.resources)
     if port:
         req["port"] = port
     if find_port:
@@ -276,10 +278,12 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
                                          f"{res.python}, from {chosen.python_from or 'inventory'}); {fix}"))
         if node.name == master.name:
             if master_port is not None and res.port_free is False:
+                held, stop = resources.port_holders(res.raw)  # who holds it, and how to end it
                 problems.append(Problem(node.name, "master_port", expected=f"port {master_port} free",
-                                        found="in use", fix="pick another port or leave --master-port out",
+                                        found="in use" + held, fix=stop + "pick another port or leave --master-port out",
                                         text=f"host {node.name}: --master-port {master_port} is already in use "
-                                             "there; pick another port or leave --master-port out to get a free one"))
+                                             f"there{held}; {stop}pick another port or leave --master-port out to get "
+                                             "a free one"))
             if master_port is None and res.free_port is None:
                 lo, hi = DEFAULT_PORT_RANGE
                 problems.append(Problem(node.name, "master_port", expected=f"a free port in {lo}-{hi}",
