@@ -207,10 +207,11 @@ def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str
     return _answers(requests, got, exit_code, stderr)
 
 
-def start_failure(node, exit_code: int | None, stderr: str = "") -> NodeProgramError | None:
+def start_failure(node, exit_code: int | None, stderr: str = "",
+                  fallback: str | None = None) -> NodeProgramError | None:
     """Why the program did not start on *node*, when its exit status says so: a setup line of
     its own failed (:data:`ddpfab.hosts.nodeenv.SETUP_FAILED`, the line named), or its python is not
-    there (127)."""
+    there (127; with *fallback*, as in :func:`command`, neither python was)."""
     failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr)
     if failed:
         return NodeProgramError(node.name, failed, kind="setup")
@@ -219,6 +220,9 @@ def start_failure(node, exit_code: int | None, stderr: str = "") -> NodeProgramE
     if nodeenv.undecided(node):
         return NodeProgramError(node.name, "no python there: no python3 on PATH and no venv from ddpfab provision; "
                                            "provision the node or set ddpfab_python", kind="python")
+    if fallback and fallback != node.python:
+        return NodeProgramError(node.name, f"neither {node.python} nor {fallback} found there; the node program "
+                                           "needs a python (3.6+, standard library only) on the nodes", kind="python")
     return NodeProgramError(node.name, f"python {node.python!r} not found there; set "
                                        "ddpfab_python to the python that has torch", kind="python")
 
@@ -252,6 +256,7 @@ class Session:
         self._replies: dict[int | None, Reply] = {}
         self._err = b""
         self._broken: NodeProgramError | None = None
+        self._fallback = fallback
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback))
         self.chan.sendall(program())
@@ -314,7 +319,7 @@ class Session:
             return self._pop(reqs, [self._replies[r["id"]] for r in reqs])
         if self.ended and not self.chan.recv_ready():
             code = self.chan.recv_exit_status()
-            missing = start_failure(self.node, code, self._err.decode(errors="replace"))
+            missing = start_failure(self.node, code, self._err.decode(errors="replace"), self._fallback)
             if missing:
                 raise missing
             return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace")))
