@@ -10,13 +10,15 @@ stdin, one JSON reply line per request on stdout, a failure as data (``ok: false
 travels in the supervisor's job spec and which the supervisor writes into the run's dir.
 
 Shipping: once per SSH session, on stdin. The command line is a short loader (:data:`LOADER`:
-read LENGTH bytes of code from stdin, run them), so ``ps`` on a node shows ``python -c <loader>
-LENGTH ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing secret: requests,
-and the supervisor's env among them, travel inside the SSH session. The program is not cached on
-the node: a cache would be a file ddpfab keeps in the user's home that every version of ddpfab
-must trust, check and clean up, for a saving the launch benchmark puts at a few ms per start (the
-program is ~90 kB; compiling it is ~10 ms, measured by ``bench/launch.py``'s micro-measurements),
-while one session per node carries everything a launch needs before its supervisor starts.
+read the program from stdin, run it), so ``ps`` on a node shows ``python -c <loader> MAGIC CODE
+SOURCE ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing secret: requests,
+and the supervisor's env among them, travel inside the SSH session. The program travels compiled
+by the controller's python and as source: a node python with the same bytecode magic (the usual
+case: one python build across a cluster) runs the compiled code, any other compiles the source.
+Compiling the ~125 kB program was most of a start (~50 ms of CPU per node, measured on the lab:
+at 64 nodes sharing a machine, seconds). The program is not cached on the node: a cache would be
+a file ddpfab keeps in the user's home that every version of ddpfab must trust, check and clean
+up, while one session per node carries everything a launch needs before its supervisor starts.
 
 The controller keeps a :class:`Session` open per node while it needs the node (probe, hash check,
 mesh probe: one python start per node before a launch), or uses :func:`call` for one exchange.
@@ -28,12 +30,15 @@ node says reaches the terminal through :func:`printable` (no terminal escapes).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import json
+import marshal
 import re
 import shlex
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,16 +59,23 @@ MAX_REPLY_LINE = 8 * 2**20
 #: :func:`exchange` from the other nodes' channels and from its deadline.
 POLL_BYTES = 2**20
 
-#: What a node's python runs (``python -c LOADER LENGTH WORDS...``): read the program's code
-#: (LENGTH bytes) from stdin and run it; it then reads its requests from stdin. Short and readable
-#: in ``ps``, and nothing in it (or after it) is secret.
-LOADER = ("import os,sys\n"
-          "n=int(sys.argv[1]);b=b''\n"
-          "while len(b)<n:\n"
-          " c=os.read(0,n-len(b))\n"
-          " if not c:sys.exit('ddpfab-node: no code on stdin')\n"
-          " b+=c\n"
-          "exec(compile(b,'ddpfab-node','exec'),{'__name__':'ddpfab-node'})")
+#: What a node's python runs (``python -c LOADER MAGIC CODE SOURCE WORDS...``): read the program
+#: from stdin, first compiled by the controller's python (CODE bytes: marshal, zlib), then as
+#: source (SOURCE bytes, zlib), and run it; it then reads its requests from stdin. A python whose
+#: bytecode magic is MAGIC (the controller's) runs the compiled code, any other compiles the
+#: source: compiling is most of the program's start. Short and readable in ``ps``, and nothing in
+#: it (or after it) is secret.
+LOADER = ("import os,sys,zlib,marshal\nfrom importlib.util import MAGIC_NUMBER as m\n"
+          "def r(n):\n"
+          " b=b''\n"
+          " while len(b)<n:\n"
+          "  c=os.read(0,n-len(b))\n"
+          "  if not c:sys.exit('ddpfab-node: no code on stdin')\n"
+          "  b+=c\n"
+          " return zlib.decompress(b)\n"
+          "c,s=r(int(sys.argv[2])),r(int(sys.argv[3]))\n"
+          "c=marshal.loads(c) if m.hex()==sys.argv[1] else compile(s,'ddpfab-node','exec')\n"
+          "exec(c,{'__name__':'ddpfab-node'})")
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,9 +84,26 @@ def program() -> bytes:
     return b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
 
 
+@functools.lru_cache(maxsize=1)
+def _shipped() -> tuple[str, bytes, bytes]:
+    """(this python's bytecode magic, the compiled program, its source) as :data:`LOADER` reads
+    them (compiled as the node compiles it: no ``__future__`` flags of this module)."""
+    code = compile(program(), "ddpfab-node", "exec", dont_inherit=True)
+    return (importlib.util.MAGIC_NUMBER.hex(), zlib.compress(marshal.dumps(code), 6),
+            zlib.compress(program(), 6))
+
+
+def shipped() -> bytes:
+    """What comes first on the program's stdin: its compiled code, then its source."""
+    _, code, source = _shipped()
+    return code + source
+
+
 def argv(python: str, *words: str) -> list[str]:
-    """``python -c LOADER LENGTH WORDS...``: the program comes first on stdin (:func:`stdin_for`)."""
-    return [python, "-c", LOADER, str(len(program())), *words]
+    """``python -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
+    (:func:`stdin_for`)."""
+    magic, code, source = _shipped()
+    return [python, "-c", LOADER, magic, str(len(code)), str(len(source)), *words]
 
 
 def command(node, *words: str, fallback: str | None = None) -> str:
@@ -100,7 +129,7 @@ def frame(request: dict) -> bytes:
 
 def stdin_for(*requests: dict) -> bytes:
     """The program, then *requests* (give each an ``id``; :func:`numbered` does)."""
-    return program() + b"".join(frame(r) for r in requests)
+    return shipped() + b"".join(frame(r) for r in requests)
 
 
 def numbered(*requests: dict, start: int = 1) -> list[dict]:
@@ -259,7 +288,7 @@ class Session:
         self._fallback = fallback
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback))
-        self.chan.sendall(program())
+        self.chan.sendall(shipped())
 
     def send(self, *requests: dict) -> list[dict]:
         """Send *requests* (numbered here) without waiting; returns them with their ids."""
