@@ -87,8 +87,9 @@ def program() -> bytes:
 @functools.lru_cache(maxsize=1)
 def _shipped() -> tuple[str, bytes, bytes]:
     """(this python's bytecode magic, the compiled program, its source) as :data:`LOADER` reads
-    them (compiled as the node compiles it: no ``__future__`` flags of this module)."""
-    code = compile(program(), "ddpfab-node", "exec", dont_inherit=True)
+    them (compiled as the node compiles it: no ``__future__`` flags of this module, asserts kept
+    whatever -O this python runs with)."""
+    code = compile(program(), "ddpfab-node", "exec", dont_inherit=True, optimize=0)
     return (importlib.util.MAGIC_NUMBER.hex(), zlib.compress(marshal.dumps(code), 6),
             zlib.compress(program(), 6))
 
