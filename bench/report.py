@@ -997,6 +997,16 @@ def scale_torch_section(data, plots) -> tuple[list[str], dict]:
     return lines, t
 
 
+def nochange_targets(data: dict | None) -> dict:
+    """`bench/nochange_sync.py`'s ratio at its largest size, with the load it was taken at."""
+    if not data or not data.get("sizes"):
+        return {}
+    n = max(data["sizes"], key=int)
+    point = data["sizes"][n]
+    load = (data.get("meta") or {}).get("loadavg_start") or [None]
+    return {"nochange_n": int(n), "nochange_ratio": point.get("ratio_sync_over_exec"), "nochange_load": load[0]}
+
+
 def verdicts(t: dict) -> list[str]:
     def v(ok):
         return "n/a" if ok is None else ("**met**" if ok else "**not met**")
@@ -1036,6 +1046,11 @@ def verdicts(t: dict) -> list[str]:
          v(None if t.get("scale_exec_pdsh") is None else t["scale_exec_pdsh"] <= 0.5)],
         ["check at 64 hosts in under 5 s", x(t.get("scale_check_64"), "{:.2f} s"),
          v(None if t.get("scale_check_64") is None else t["scale_check_64"] < 5)],
+        [f"`sync` with nothing changed at {t.get('nochange_n', 128)} hosts at most 1.5x an `exec hostname` "
+         "(bench/nochange_sync.py)",
+         f"sync/exec = {x(t.get('nochange_ratio'))}"
+         + (f" (load {t['nochange_load']:.0f} at the start)" if t.get("nochange_load") is not None else ""),
+         v(None if t.get("nochange_ratio") is None else t["nochange_ratio"] <= 1.5)],
         [f"moonshot: a command on {t.get('warm_n', 128)} hosts over connections already open at most 0.1x pdsh's time",
          f"in-process warm / pdsh = {x(t.get('warm_pdsh'))}, cold = {x(t.get('cold_pdsh'))} (in one process: "
          "no command-line tool keeps connections open between commands yet)",
@@ -1087,6 +1102,7 @@ def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = Tru
     targets.update(t4)
     w_lines, t5 = warm_section(load("fanout-128"))
     targets.update(t5)
+    targets.update(nochange_targets(load("nochange_sync-128") or load("nochange_sync")))
     f_lines += w_lines
     metas = [d["meta"] for d in (fanout, launch, teardown, provision, recovery, scale) if d]
     m = metas[0] if metas else {}

@@ -4,7 +4,7 @@ printer, :mod:`ddpfab.cli.errors`) or writes them as JSON. Nothing re-parses a p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,10 +44,6 @@ class Problem:
     def about(self, node: str, check: str | None = None) -> bool:
         """Whether this problem is about *node* (and, given, *check*): exact names, never a substring."""
         return self.node == node and (check is None or self.check == check)
-
-    def prefixed(self, prefix: str) -> Problem:
-        """The same problem, its sentence after *prefix* (``"sync: "``): the fields stay as data."""
-        return replace(self, text=prefix + str(self))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "text": str(self)}

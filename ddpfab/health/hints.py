@@ -92,12 +92,6 @@ def signature_of(line: str) -> Signature | None:
     return None
 
 
-def hint_for(line: str) -> str | None:
-    """The hint a node's output *line* calls for, or None."""
-    sig = signature_of(line)
-    return sig.hint if sig else None
-
-
 def seen_on(found: Iterable[tuple[str, Signature]]) -> list[tuple[Signature, list[str]]]:
     """(signature, the nodes it was seen on) for each distinct signature in *found* ((node,
     signature) pairs), in the order first seen."""

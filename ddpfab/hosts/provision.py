@@ -123,11 +123,6 @@ def collection_dir() -> Path:
     return ansible_dir() / "collections" / "ansible_collections" / COLLECTION[0] / COLLECTION[1]
 
 
-def project_dir() -> Path:
-    """Kept for callers of the old name: :func:`ansible_dir`."""
-    return ansible_dir()
-
-
 def find_ansible_playbook() -> str:
     """``ansible-playbook`` beside the running python (its venv), else on PATH."""
     beside = Path(sys.executable).parent / "ansible-playbook"

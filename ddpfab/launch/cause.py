@@ -80,7 +80,6 @@ class CauseReader:
         self._in_root = False
         self._root_traceback = False
         self.root = Cause()
-        self.root_seen = False
 
     def feed(self, line: str) -> None:
         tag = _TAG.match(line)
@@ -103,7 +102,7 @@ class CauseReader:
     def _torchrun_line(self, line: str) -> None:
         text = line.rstrip()
         if text.strip() == _ROOT:
-            self._in_root, self.root_seen = True, True
+            self._in_root = True
             return
         if not self._in_root:
             return

@@ -10,13 +10,15 @@ stdin, one JSON reply line per request on stdout, a failure as data (``ok: false
 travels in the supervisor's job spec and which the supervisor writes into the run's dir.
 
 Shipping: once per SSH session, on stdin. The command line is a short loader (:data:`LOADER`:
-read LENGTH bytes of code from stdin, run them), so ``ps`` on a node shows ``python -c <loader>
-LENGTH ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing secret: requests,
-and the supervisor's env among them, travel inside the SSH session. The program is not cached on
-the node: a cache would be a file ddpfab keeps in the user's home that every version of ddpfab
-must trust, check and clean up, for a saving the launch benchmark puts at a few ms per start (the
-program is ~90 kB; compiling it is ~10 ms, measured by ``bench/launch.py``'s micro-measurements),
-while one session per node carries everything a launch needs before its supervisor starts.
+read the program from stdin, run it), so ``ps`` on a node shows ``python -c <loader> MAGIC CODE
+SOURCE ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing secret: requests,
+and the supervisor's env among them, travel inside the SSH session. The program travels compiled
+by the controller's python and as source: a node python with the same bytecode magic (the usual
+case: one python build across a cluster) runs the compiled code, any other compiles the source.
+Compiling the ~125 kB program was most of a start (~50 ms of CPU per node, measured on the lab:
+at 64 nodes sharing a machine, seconds). The program is not cached on the node: a cache would be
+a file ddpfab keeps in the user's home that every version of ddpfab must trust, check and clean
+up, while one session per node carries everything a launch needs before its supervisor starts.
 
 The controller keeps a :class:`Session` open per node while it needs the node (probe, hash check,
 mesh probe: one python start per node before a launch), or uses :func:`call` for one exchange.
@@ -28,12 +30,15 @@ node says reaches the terminal through :func:`printable` (no terminal escapes).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import json
+import marshal
 import re
 import shlex
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,16 +59,23 @@ MAX_REPLY_LINE = 8 * 2**20
 #: :func:`exchange` from the other nodes' channels and from its deadline.
 POLL_BYTES = 2**20
 
-#: What a node's python runs (``python -c LOADER LENGTH WORDS...``): read the program's code
-#: (LENGTH bytes) from stdin and run it; it then reads its requests from stdin. Short and readable
-#: in ``ps``, and nothing in it (or after it) is secret.
-LOADER = ("import os,sys\n"
-          "n=int(sys.argv[1]);b=b''\n"
-          "while len(b)<n:\n"
-          " c=os.read(0,n-len(b))\n"
-          " if not c:sys.exit('ddpfab-node: no code on stdin')\n"
-          " b+=c\n"
-          "exec(compile(b,'ddpfab-node','exec'),{'__name__':'ddpfab-node'})")
+#: What a node's python runs (``python -c LOADER MAGIC CODE SOURCE WORDS...``): read the program
+#: from stdin, first compiled by the controller's python (CODE bytes: marshal, zlib), then as
+#: source (SOURCE bytes, zlib), and run it; it then reads its requests from stdin. A python whose
+#: bytecode magic is MAGIC (the controller's) runs the compiled code, any other compiles the
+#: source: compiling is most of the program's start. Short and readable in ``ps``, and nothing in
+#: it (or after it) is secret.
+LOADER = ("import os,sys,zlib,marshal\nfrom importlib.util import MAGIC_NUMBER as m\n"
+          "def r(n):\n"
+          " b=b''\n"
+          " while len(b)<n:\n"
+          "  c=os.read(0,n-len(b))\n"
+          "  if not c:sys.exit('ddpfab-node: no code on stdin')\n"
+          "  b+=c\n"
+          " return zlib.decompress(b)\n"
+          "c,s=r(int(sys.argv[2])),r(int(sys.argv[3]))\n"
+          "c=marshal.loads(c) if m.hex()==sys.argv[1] else compile(s,'ddpfab-node','exec')\n"
+          "exec(c,{'__name__':'ddpfab-node'})")
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,9 +84,27 @@ def program() -> bytes:
     return b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
 
 
+@functools.lru_cache(maxsize=1)
+def _shipped() -> tuple[str, bytes, bytes]:
+    """(this python's bytecode magic, the compiled program, its source) as :data:`LOADER` reads
+    them (compiled as the node compiles it: no ``__future__`` flags of this module, asserts kept
+    whatever -O this python runs with)."""
+    code = compile(program(), "ddpfab-node", "exec", dont_inherit=True, optimize=0)
+    return (importlib.util.MAGIC_NUMBER.hex(), zlib.compress(marshal.dumps(code), 6),
+            zlib.compress(program(), 6))
+
+
+def shipped() -> bytes:
+    """What comes first on the program's stdin: its compiled code, then its source."""
+    _, code, source = _shipped()
+    return code + source
+
+
 def argv(python: str, *words: str) -> list[str]:
-    """``python -c LOADER LENGTH WORDS...``: the program comes first on stdin (:func:`stdin_for`)."""
-    return [python, "-c", LOADER, str(len(program())), *words]
+    """``python -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
+    (:func:`stdin_for`)."""
+    magic, code, source = _shipped()
+    return [python, "-c", LOADER, magic, str(len(code)), str(len(source)), *words]
 
 
 def command(node, *words: str, fallback: str | None = None) -> str:
@@ -100,7 +130,7 @@ def frame(request: dict) -> bytes:
 
 def stdin_for(*requests: dict) -> bytes:
     """The program, then *requests* (give each an ``id``; :func:`numbered` does)."""
-    return program() + b"".join(frame(r) for r in requests)
+    return shipped() + b"".join(frame(r) for r in requests)
 
 
 def numbered(*requests: dict, start: int = 1) -> list[dict]:
@@ -207,10 +237,11 @@ def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str
     return _answers(requests, got, exit_code, stderr)
 
 
-def start_failure(node, exit_code: int | None, stderr: str = "") -> NodeProgramError | None:
+def start_failure(node, exit_code: int | None, stderr: str = "",
+                  fallback: str | None = None) -> NodeProgramError | None:
     """Why the program did not start on *node*, when its exit status says so: a setup line of
     its own failed (:data:`ddpfab.hosts.nodeenv.SETUP_FAILED`, the line named), or its python is not
-    there (127)."""
+    there (127; with *fallback*, as in :func:`command`, neither python was)."""
     failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr)
     if failed:
         return NodeProgramError(node.name, failed, kind="setup")
@@ -219,6 +250,9 @@ def start_failure(node, exit_code: int | None, stderr: str = "") -> NodeProgramE
     if nodeenv.undecided(node):
         return NodeProgramError(node.name, "no python there: no python3 on PATH and no venv from ddpfab provision; "
                                            "provision the node or set ddpfab_python", kind="python")
+    if fallback and fallback != node.python:
+        return NodeProgramError(node.name, f"neither {node.python} nor {fallback} found there; the node program "
+                                           "needs a python (3.6+, standard library only) on the nodes", kind="python")
     return NodeProgramError(node.name, f"python {node.python!r} not found there; set "
                                        "ddpfab_python to the python that has torch", kind="python")
 
@@ -252,9 +286,10 @@ class Session:
         self._replies: dict[int | None, Reply] = {}
         self._err = b""
         self._broken: NodeProgramError | None = None
+        self._fallback = fallback
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback))
-        self.chan.sendall(program())
+        self.chan.sendall(shipped())
 
     def send(self, *requests: dict) -> list[dict]:
         """Send *requests* (numbered here) without waiting; returns them with their ids."""
@@ -314,7 +349,7 @@ class Session:
             return self._pop(reqs, [self._replies[r["id"]] for r in reqs])
         if self.ended and not self.chan.recv_ready():
             code = self.chan.recv_exit_status()
-            missing = start_failure(self.node, code, self._err.decode(errors="replace"))
+            missing = start_failure(self.node, code, self._err.decode(errors="replace"), self._fallback)
             if missing:
                 raise missing
             return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace")))
@@ -334,17 +369,16 @@ class Session:
 
 def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",)
                   ) -> tuple[dict[str, Session], dict[str, NodeProgramError]]:
-    """A :class:`Session` on every node in *conns*; (sessions, node -> why its session did not open)."""
-    sessions: dict[str, Session] = {}
-    errors: dict[str, NodeProgramError] = {}
-    for n in nodes:
-        if n.name not in conns:
-            continue
-        try:
-            sessions[n.name] = Session(conns[n.name], n, words)
-        except Exception as exc:  # noqa: BLE001 - one node's failure is data
-            errors[n.name] = NodeProgramError(n.name, f"could not start the node program: {exc}")
-    return sessions, errors
+    """A :class:`Session` on every node in *conns*, opened concurrently (each open is two round
+    trips to the node's sshd and the program's transfer: one after the other, 64 nodes took
+    seconds); (sessions, node -> why its session did not open)."""
+    # here, not at the top: see call()
+    from ddpfab.remote import ssh
+
+    opened = ssh.parallel([n for n in nodes if n.name in conns], lambda n: Session(conns[n.name], n, words))
+    errors = {name: NodeProgramError(name, f"could not start the node program: {exc}")
+              for name, exc in opened.failed.items()}
+    return dict(opened.succeeded), errors
 
 
 def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], timeout: float,

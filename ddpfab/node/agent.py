@@ -33,7 +33,6 @@ root) can read. It:
 Killing is by this job's process tree only, never by a name pattern: two jobs may share a host.
 """
 
-import ctypes
 import json
 import os
 import re
@@ -140,6 +139,10 @@ def end_marked(run_id, grace):
 
 
 def _set_subreaper():
+    # imported here: only the supervisor needs it, and every other start of the node program
+    # (one per node per command) would pay for it
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -33,7 +33,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 
@@ -528,6 +527,8 @@ def op_rank_logs(req, session):
     d = os.path.join(os.path.expanduser(req["dir"]), "torchrun")
     if not os.path.isdir(d):
         raise NodeOpError("no per-rank logs in %s" % d)
+    import tarfile  # here: one op needs it, every start of the node program would pay for it
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         tar.add(d, arcname=".")

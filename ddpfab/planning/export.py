@@ -22,7 +22,6 @@ is written as ``$$`` (Kubernetes' escape), and only ddpfab's own references stay
 from __future__ import annotations
 
 import copy
-import ipaddress
 import json
 import os
 import re
@@ -399,18 +398,17 @@ def dump_manifest(doc: dict[str, Any], fmt: str = "yaml") -> str:
 
 
 # -- planning offline -----------------------------------------------------------------------------
-def offline_facts(cluster, master_port: int | None, cwd: str):
-    """Facts for an export: nothing is contacted or resolved. Addresses are the inventory's when
-    they are usable IP literals, else a placeholder (an export never uses them: the scheduler
-    decides where the master is); the port is the user's or torchrun's default 29500."""
-    addresses = {}
-    for n in cluster.nodes:
-        try:
-            ip = ipaddress.ip_address(n.data_addr)
-            addresses[n.name] = str(ip) if not ip.is_loopback else "0.0.0.0"
-        except ValueError:
-            addresses[n.name] = "0.0.0.0"
-    return Facts(addresses=addresses, master_port=decide_port(master_port, offline=True), cwd=cwd)
+def offline_facts(cluster, master_port: int | None, cwd: str, ssh_config: str | None = None):
+    """Facts for an export, made as the dry run's offline plan makes them: each address by
+    :func:`ddpfab.planning.probe.offline_addresses` (no host contacted; a name this controller
+    cannot resolve is kept and marked), the port the user's or torchrun's default 29500."""
+    # slow to import (paramiko, through the probe): see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.planning.probe import offline_addresses
+    from ddpfab.remote.target import resolve_all
+
+    addresses, unresolved = offline_addresses(cluster, resolve_all(cluster.nodes, ssh_config=ssh_config))
+    return Facts(addresses=addresses, master_port=decide_port(master_port, offline=True), cwd=cwd,
+                 unresolved=unresolved)
 
 
 def plan_for_export(inventory_path: str, group: str, options, cwd: str | None = None, limit: str | None = None,

@@ -22,16 +22,10 @@ from ddpfab.health import resources
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port, master_port
-from ddpfab.problems import DdpfabError, Problem
+from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
 from ddpfab.results import GroupResult
-
-
-class ProbeError(DdpfabError):
-    """A node is not ready for the run; ``problems`` holds one problem per host."""
-
-    check = "probe"
 
 
 @dataclass

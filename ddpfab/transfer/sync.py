@@ -335,22 +335,13 @@ def local_tree(sel: Selection, detail: bool = False, cache: bool = True) -> dict
 
 
 # -- the node program, over the node's runner ---------------------------------------------------
-def _start_problem(node: Node, exc: NodeError) -> Problem:
-    """The problem of a node program that could not answer (no python there, a setup line, the
-    connection): the sync's words for a missing python, else the error's own problem."""
-    if exc.kind == "python":
-        return Problem(node.name, "python", text=f"host {node.name}: neither {node.python} nor python3 found there; "
-                       "sync needs a python (3.6+, standard library only) on the nodes")
-    return exc.problems[0] if exc.problems else Problem(node.name, exc.kind, text=str(exc))
-
-
 def _session(runner: NodeRunner) -> nodeprog.Session:
     """The node program kept open on *runner*'s connection (it holds the workdir's lock: the node's
     kernel releases it when the session ends in any way, a SIGKILLed ddpfab included)."""
     try:
         return runner.session(fallback="python3")
     except NodeError as exc:
-        raise SyncError([_start_problem(runner.node, exc)]) from None
+        raise SyncError(exc.problems) from None
 
 
 def _ask(runner: NodeRunner, session: nodeprog.Session | None, *requests: dict, timeout: float = 600) -> list[dict]:
@@ -361,7 +352,7 @@ def _ask(runner: NodeRunner, session: nodeprog.Session | None, *requests: dict, 
         replies = (runner.ask(session, *requests, timeout=timeout) if session is not None else
                    runner.call(*requests, timeout=timeout, fallback="python3"))
     except NodeError as exc:
-        raise SyncError([_start_problem(runner.node, exc)]) from None
+        raise SyncError(exc.problems) from None
     for r in replies:
         if not r.ok:
             raise SyncError(Problem(runner.name, r.op or "node_program", found=r.error,

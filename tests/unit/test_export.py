@@ -532,3 +532,22 @@ def test_a_per_node_placeholder_or_c10d_cannot_be_exported_and_the_error_says_wh
     assert "--of=2 --ws=4" in text
     with pytest.raises(ExportError, match="static rendezvous"):
         to_pytorchjob(plan_of(rdzv="c10d"), image="img")
+
+
+def test_an_export_addresses_the_nodes_as_the_dry_runs_offline_plan_does(tmp_path):
+    """One rule for offline addresses (:func:`ddpfab.planning.probe.offline_addresses`): a name the
+    controller resolves becomes its IP, one it cannot is kept and marked unresolved (no 0.0.0.0
+    stand-in), an IP literal is itself; the export's facts and the dry run's plan agree."""
+    import ddpfab
+
+    inv = tmp_path / "inv.yml"
+    inv.write_text("all:\n  hosts:\n    a: {ansible_host: nowhere-node.invalid}\n    b: {ansible_host: localhost}\n"
+                   "    c: {ansible_host: 10.0.0.3}\n")
+    c = export.inventory.load(str(inv), "all")
+    facts = export.offline_facts(c, None, "/x")
+    assert facts.addresses == {"a": "nowhere-node.invalid", "b": "127.0.0.1", "c": "10.0.0.3"}
+    assert facts.unresolved == ("a",)
+    _, plan = export.plan_for_export(str(inv), "all", RunOptions("t.py", run_id="r1"), cwd="/x")
+    dry = ddpfab.Cluster.load(str(inv)).plan("t.py", offline=True, run_id="r1")
+    assert plan.master_addr == dry.master_addr == "nowhere-node.invalid"
+    assert [n.name for n in plan.nodes] == [n.name for n in dry.nodes]

@@ -10,11 +10,11 @@ from ddpfab.launch import execute as launch
 
 def test_the_gloo_exit_abort_line_gets_the_known_cause_and_the_fix():
     line = "[default1]:terminate called without an active exception"
-    hint = hints.hint_for(line)
-    assert hint is not None
-    assert "190489" in hint and "--exit-guard" in hint and "ddist.finish()" in hint
-    assert hints.hint_for("terminate called after throwing an instance of 'c10::Error'") is None
-    assert hints.hint_for("step 3 mean loss 0.1") is None
+    sig = hints.signature_of(line)
+    assert sig is not None
+    assert "190489" in sig.hint and "--exit-guard" in sig.hint and "ddist.finish()" in sig.hint
+    assert hints.signature_of("terminate called after throwing an instance of 'c10::Error'") is None
+    assert hints.signature_of("step 3 mean loss 0.1") is None
 
 
 def test_a_node_job_records_each_hint_once():

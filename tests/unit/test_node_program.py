@@ -4,12 +4,15 @@ its code and the requests on stdin, one validated reply per request)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
+import marshal
 import os
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -66,7 +69,7 @@ def test_the_program_answers_every_request_even_after_a_failing_one(tmp_path):
 
 def test_a_broken_frame_ends_the_stream_with_an_error_reply():
     proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"),
-                          input=nodeprog.program() + b"abc\n{}", capture_output=True, timeout=60)
+                          input=nodeprog.shipped() + b"abc\n{}", capture_output=True, timeout=60)
     replies = nodeprog.match_replies("n1", [{"id": 1, "op": "facts"}], proc.stdout.splitlines(), proc.returncode,
                                      proc.stderr.decode())
     assert proc.returncode == 2 and not replies[0].ok and "bad frame" in replies[0].error
@@ -182,11 +185,30 @@ def test_the_shipped_program_is_one_namespace_without_clashes():
 
 def test_the_command_line_carries_no_code_and_no_request():
     words = nodeprog.argv("/opt/venv/bin/python", "ddpfab-node")
-    assert words[:2] == ["/opt/venv/bin/python", "-c"] and len(words[2]) < 300
-    assert int(words[3]) == len(nodeprog.program()) and words[4:] == ["ddpfab-node"]
+    assert words[:2] == ["/opt/venv/bin/python", "-c"] and len(words[2]) < 400
+    assert int(words[4]) + int(words[5]) == len(nodeprog.shipped()) and words[6:] == ["ddpfab-node"]
     line = nodeprog.command(Node("n", "h", python="/opt/venv/bin/python", python_from="inventory"), "ddpfab-node",
                             fallback="python3")
     assert "command -v /opt/venv/bin/python" in line and "exec python3 -c" in line
+
+
+def test_a_python_with_the_controllers_bytecode_runs_the_compiled_program_any_other_compiles_the_source():
+    """The loader as a node runs it: the compiled code when the magic on its command line is its
+    python's, else the source (a python of another version); the real program answers either way."""
+    words = nodeprog.argv(sys.executable, "ddpfab-node")
+    code = zlib.compress(marshal.dumps(compile("print('compiled')", "x", "exec")))
+    source = zlib.compress(b"print('source')")
+    for magic, said in ((words[3], b"compiled\n"), ("0d0d0a0a", b"source\n")):
+        proc = subprocess.run([*words[:3], magic, str(len(code)), str(len(source))], input=code + source,
+                              capture_output=True, timeout=60)
+        assert proc.stdout == said, proc.stderr
+    assert words[3] == importlib.util.MAGIC_NUMBER.hex()
+    for magic in (words[3], "0d0d0a0a"):
+        proc = subprocess.run([*words[:3], magic, *words[4:]], capture_output=True, timeout=60,
+                              input=nodeprog.stdin_for(*nodeprog.numbered({"op": "ps", "runs_dir": "/nonexistent"})))
+        replies = nodeprog.match_replies("n1", [{"id": 1, "op": "ps"}], proc.stdout.splitlines(), proc.returncode,
+                                         proc.stderr.decode())
+        assert proc.returncode == 0 and replies[0].ok, (magic, replies[0].error)
 
 
 # -- the controller's reading of replies: records are data ----------------------------------------

@@ -144,6 +144,20 @@ def test_a_failing_setup_line_stops_the_command_and_is_named_with_its_node():
     assert nodeenv.setup_failure(node.setup, 1, res.stderr.decode()) is None
 
 
+def test_a_missing_python_and_its_fallback_are_named_in_one_sentence_for_every_command():
+    """The real shell line with a fallback (sync's: the node's python, else python3), neither of
+    them there: the runner's one problem names both, the node and the fix (sync adds no words)."""
+    node = Node("gpu07", "10.0.0.7", python="/nowhere/bin/python", python_from="inventory")
+    res = sh(nodeprog.command(node, "ddpfab-node", fallback="no-such-python3"), stdin=nodeprog.stdin_for())
+    err = nodeprog.start_failure(node, res.returncode, res.stderr.decode(), fallback="no-such-python3")
+    assert res.returncode == 127 and err is not None and err.kind == "python" and err.node == "gpu07"
+    assert str(err) == ("host gpu07: neither /nowhere/bin/python nor no-such-python3 found there; the node "
+                        "program needs a python (3.6+, standard library only) on the nodes")
+    # without a fallback, only the node's own python is named
+    alone = nodeprog.start_failure(node, 127, "")
+    assert alone is not None and "nor" not in str(alone) and "'/nowhere/bin/python' not found there" in str(alone)
+
+
 def test_the_probe_runs_in_the_setup_environment_and_reports_what_it_changed(tmp_path):
     """The real node command (sh, setup lines, the choice, the node program) on this machine: a
     setup line that activates a venv makes that venv's python the one that answers, and the facts

@@ -93,7 +93,7 @@ def test_problems_name_their_hosts_as_data():
     """A RunError's problems blame the nodes they are about (a sync failure included); a line of
     text blames no one, whatever host it mentions: no text is searched."""
     err = RunError([Problem("node3", "ssh", text="host node3: unreachable, no answer within 5 s"),
-                    Problem("node4", "sync", text="host node4: rsync failed").prefixed("sync: "),
+                    Problem("node4", "sync", text="sync: host node4: rsync failed"),
                     "host node9: not in this attempt", "preflight checks failed (details: ...)"])
     assert recover.problem_hosts(err.problems, {"node3", "node4", "node1", "node9"}) == {"node3", "node4"}
     assert str(err.problems[1]) == "sync: host node4: rsync failed" and err.problems[1].about("node4", "sync")
