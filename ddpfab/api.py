@@ -66,6 +66,9 @@ class Options:
         wait: GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing.
         exit_guard: the ranks' exit guard: ``on`` (each rank records that it finished and leaves
             without the interpreter teardown where gloo can abort it), ``record`` or ``off``.
+        hang_timeout: seconds without a line from any rank before the run runs the doctor by
+            itself (its verdict printed and saved in the run's dir); 0: never.
+        on_hang: ``report`` (the doctor's verdict, then keep waiting) or ``stop`` (end the job: exit 124).
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -104,6 +107,8 @@ class Options:
     gpus_per_node: int | None = None
     wait: bool = False
     exit_guard: str = "on"
+    hang_timeout: float = planmod.HANG_TIMEOUT_S
+    on_hang: str = "report"
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -526,7 +531,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         rdzv=opts.rdzv, launcher=opts.launcher, init_method=opts.init_method, debug=opts.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
         script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait,
-        exit_guard=opts.exit_guard)
+        exit_guard=opts.exit_guard, hang_timeout=opts.hang_timeout, on_hang=opts.on_hang)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:
