@@ -84,8 +84,11 @@ class Site:
     collective: str | None
     where: str | None
     function: str | None
+    state: str | None = None  # an odd state's group (its ranks shown where they stopped)
 
     def text(self) -> str:
+        if self.state:
+            return f"state {self.state}"
         if self.collective:
             return f"{self.collective} ({self.where})" if self.where else self.collective
         if self.where:
@@ -165,13 +168,18 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
     *expected*: node -> its number of processes (the plan's)."""
     odd: list[dict] = []
     ranks: list[Rank] = []
-    ended_ok = 0
+    starting: list[str] = []  # nodes whose torchrun has not started its ranks yet
     for node, reply in replies.items():
         if isinstance(reply, str):
             odd.append({"node": node, "what": "node", "text": f"{node} did not answer: {reply}"})
             continue
         got = ranks_of(node, reply)
         ranks.extend(got)
+        job = reply.get("job")
+        if not got and isinstance(job, dict) and job.get("alive") is True and reply.get("exit_code") is None \
+                and not reply.get("ended"):
+            starting.append(node)  # in rendezvous or still importing: no rank is missing yet
+            continue
         done = {d.get("local_rank"): d for d in reply.get("ended") or () if isinstance(d, dict)} \
             if isinstance(reply.get("ended"), list) else {}
         seen = {r.local_rank for r in got}
@@ -180,8 +188,7 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
                 continue
             rec = done.get(local)
             if rec and _int(rec.get("code")) == 0:
-                ended_ok += 1
-                continue
+                continue  # it finished its work
             if not got and reply.get("exit_code") is not None and not rec:
                 continue  # the node's job ended as a whole: said once below
             code = f" (its exit code {rec.get('code')})" if rec and _int(rec.get("code")) is not None else ""
@@ -204,7 +211,7 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
     shown = {**by_site}
     for r in ranks:
         if r.state in ODD_STATES:
-            shown.setdefault(Site(None, f"{r.label}: state {r.state}", None), []).append(r)
+            shown.setdefault(Site(None, None, None, r.state), []).append(r)
     known = {s: rs for s, rs in by_site.items() if s.where or s.collective}
     main = max(known, key=lambda s: (len(known[s]), -min(r.rank or 0 for r in known[s]))) if known else None
     if main is not None and len(known) > 1 and len(known[main]) > max(len(v) for s, v in known.items() if s != main):
@@ -240,6 +247,9 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
         first = no_stack[0]
         nodes = compact(sorted({r.node for r in no_stack}))
         lines.append(f"no stack from {nodes}: {first.stack_error}; fix: {first.stack_fix}")
+    if starting:
+        lines.append(f"not started yet on {compact(starting)} (torchrun has not started the ranks there: "
+                     "rendezvous, or still importing)")
     if not lines:
         lines.append("no rank of the job was found on any node" if not ranks else "no verdict")
     hung = bool(odd) or (bool(waiting) and cpu == 0)

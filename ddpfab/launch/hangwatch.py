@@ -59,7 +59,7 @@ class HangWatch:
             self.note(("hang: " if verdict.hung else "doctor: ") + line if i < len(verdict.lines) else line)
         self.note(f"doctor's record: {path}")
         if not verdict.hung:
-            self.note("not a hang (the ranks use CPU); still waiting")
+            self.note("no hang found (no rank stands out, and the ranks use CPU or none runs yet); still waiting")
         elif self.stop_on_hang:
             self.verdict = verdict
             self.stop_now.set()

@@ -116,6 +116,17 @@ def test_all_ranks_in_one_place_using_cpu_is_not_a_hang():
     assert idle.hung and not idle.odd  # all waiting, none using CPU: a hang nobody stands out in
 
 
+def test_nodes_whose_ranks_have_not_started_are_not_missing_ranks():
+    replies = cluster_replies()
+    replies["node3"]["ranks"] = []  # torchrun alive (job.alive), its ranks not started: rendezvous
+    replies["node4"] = node_reply([])
+    v = doctor.analyse(replies, EXPECTED)
+    assert not v.odd and v.lines[-1] == ("not started yet on node3, node4 (torchrun has not started the ranks there: "
+                                         "rendezvous, or still importing)")
+    everywhere = doctor.analyse({n: node_reply([]) for n in EXPECTED}, EXPECTED)
+    assert not everywhere.hung and not everywhere.odd  # a slow start is not a hang to stop
+
+
 def test_without_py_spy_the_fix_is_named():
     replies = cluster_replies()
     for r in replies["node2"]["ranks"]:
