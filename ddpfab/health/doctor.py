@@ -227,7 +227,10 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
                "frames": [f.__dict__ for f in rs[0].frames]}
               for s, rs in sorted(shown.items(), key=lambda kv: -len(kv[1]))]
     no_stack = [r for r in ranks if r.stack_error]
-    cpu = sum(r.cpu_ticks or 0 for r in waiting)
+    # progress: a rank that runs (R) or used CPU in the sample is busy (importing, computing), not
+    # hung, even where it is elsewhere than the others; a stopped, stuck or gone rank is a hang
+    busy = [r for r in waiting if r.state == "R" or (r.cpu_ticks or 0) > 0]
+    hard = [o for o in odd if o["what"] != "site"]
     lines = []
     if odd:
         named = "; ".join(o["text"] for o in odd[:NAMED_AT_MOST])
@@ -239,8 +242,8 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
         if odd:
             lines.append(f"the other {len(others)} rank{plural} wait{'' if plural else 's'} in {main.text()}")
         else:
-            busy = " and use CPU (busy, not hung?)" if cpu else ""
-            lines.append(f"no rank stands out: all {len(others)} rank{plural} are in {main.text()}{busy}")
+            using = " and use CPU (busy, not hung?)" if busy else ""
+            lines.append(f"no rank stands out: all {len(others)} rank{plural} are in {main.text()}{using}")
     elif known:
         lines.append("the ranks are in " + "; ".join(f"{s.text()}: {_ranks_text(rs)}" for s, rs in known.items()))
     if no_stack:
@@ -252,7 +255,10 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
                      "rendezvous, or still importing)")
     if not lines:
         lines.append("no rank of the job was found on any node" if not ranks else "no verdict")
-    hung = bool(odd) or (bool(waiting) and cpu == 0)
+    if busy and not hard and odd:
+        lines.append(f"not a hang: {', '.join(r.label for r in busy[:NAMED_AT_MOST])} "
+                     f"{'is' if len(busy) == 1 else 'are'} using CPU (busy: still importing, or computing)")
+    hung = bool(hard) or (bool(waiting) and not busy)
     return Verdict(lines, hung, odd, groups)
 
 

@@ -548,7 +548,9 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
                         printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
                         wait_every *= 2  # a growing interval: a long wait is not a wall of notes
                         next_report = now + wait_every
-                    if hang is not None and stop_deadline() is None:
+                    # armed once a rank has printed: init_process_group is behind every rank then
+                    # (before it, ranks still importing are not hung; the waiting lines cover that)
+                    if hang is not None and stop_deadline() is None and any(jobs[n].outcome.rank_lines for n in jobs):
                         hang.tick(last, now)
                         if hang.stop_now.is_set() and hang.verdict is not None and hung is None:
                             hung = hang.verdict.lines

@@ -31,17 +31,18 @@ class HangWatch:
         self.stop_on_hang = plan.on_hang == "stop"
         self.stop_now = threading.Event()
         self.verdict: doctor.Verdict | None = None
-        self._spell: float | None = None  # the quiet spell (its start) already looked at
+        self._spell: float | None = None  # the quiet spell (its start) last looked at
+        self._next = 0.0  # when the same spell is looked at again (monotonic)
         self._thread: threading.Thread | None = None
 
     def tick(self, quiet_since: float, now: float) -> None:
-        """The ranks have been quiet since *quiet_since* (monotonic): past the timeout, once per spell,
-        start the doctor."""
-        if self.timeout <= 0 or now - quiet_since < self.timeout or self._spell == quiet_since:
+        """The ranks have been quiet since *quiet_since* (monotonic): past the timeout, start the
+        doctor; in the same quiet spell again every timeout (a busy rank may hang later)."""
+        if self.timeout <= 0 or now - quiet_since < self.timeout:
             return
-        if self._thread is not None and self._thread.is_alive():
+        if (self._spell == quiet_since and now < self._next) or (self._thread is not None and self._thread.is_alive()):
             return
-        self._spell = quiet_since
+        self._spell, self._next = quiet_since, now + self.timeout
         self._thread = threading.Thread(target=self._diagnose, args=(now - quiet_since,), name="ddpfab-hang",
                                         daemon=True)
         self._thread.start()

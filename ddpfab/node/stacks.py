@@ -110,14 +110,17 @@ def dump_stack(py_spy, pid, timeout=PY_SPY_TIMEOUT_S):
     except OSError as exc:
         return {"error": "cannot run %s: %s" % (py_spy, exc), "fix": "pip install py-spy into the node's python"}
     if proc.returncode != 0:
-        why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-        first = next((w for w in why if w.strip() and not w.startswith("Stack backtrace")), "exit %d" % proc.returncode)
-        fix = "run py-spy as the job's user"
-        if "ermission" in first or "not permitted" in first:
-            scope = ptrace_scope()
-            fix = ("the kernel refuses ptrace (kernel.yama.ptrace_scope=%s): sysctl kernel.yama.ptrace_scope=0, "
-                   "or give py-spy CAP_SYS_PTRACE" % scope)
-        return {"error": first[:300], "fix": fix}
+        # py-spy's own first line is what was found; the fix is decided from the kernel's setting
+        # (data), never from py-spy's wording
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        found = (lines[0] if lines else "py-spy dump: exit %d" % proc.returncode)[:300]
+        scope = ptrace_scope()
+        if scope is not None and (scope >= 2 or scope == 1 and os.geteuid() != 0):
+            fix = ("the kernel restricts ptrace (kernel.yama.ptrace_scope=%d): sysctl kernel.yama.ptrace_scope=0, "
+                   "or give py-spy CAP_SYS_PTRACE (setcap cap_sys_ptrace+ep %s)" % (scope, py_spy))
+        else:
+            fix = "check that py-spy reads this Python (pip install -U py-spy) and runs as the job's user"
+        return {"error": found, "fix": fix}
     try:
         return {"threads": frames_of(json.loads(proc.stdout.decode("utf-8", "replace")))}
     except ValueError:
@@ -166,7 +169,7 @@ def job_record(run_dir):
     return rec if isinstance(rec, dict) else None, code
 
 
-def node_stacks(run_dir, sample_s=0.5, python=None):
+def node_stacks(run_dir, sample_s=1.0, python=None):
     """Every rank of the job in *run_dir*: pid, rank, local rank, state, CPU ticks used in
     *sample_s*, stack; plus the done records of ranks that ended, and the flight-recorder dumps."""
     run_dir = os.path.expanduser(run_dir)
@@ -206,4 +209,4 @@ def node_stacks(run_dir, sample_s=0.5, python=None):
 
 def op_stacks(req, session):
     """The ``stacks`` operation: :func:`node_stacks` of run ``dir``."""
-    return node_stacks(req["dir"], float(req.get("sample_s", 0.5)))
+    return node_stacks(req["dir"], float(req.get("sample_s", 1.0)))

@@ -80,9 +80,9 @@ def start_run(inventory: Path, tmp_path: Path, *args: str) -> Lines:
 
 
 def test_a_stopped_rank_is_named_by_the_run_and_the_job_ends(lab4, inventory4, tmp_path):
-    run = start_run(inventory4, tmp_path, "--hang-timeout", "20", "--on-hang", "stop", SCRIPT, "--every", "20")
+    run = start_run(inventory4, tmp_path, "--hang-timeout", "20", "--on-hang", "stop", SCRIPT, "--every", "5")
     pid = int(run.wait_for(r"rank 5 pid (\d+) ready", 240).group(1))
-    run.wait_for(r"rank 5 step 40 ", 120)  # training, every rank in step
+    run.wait_for(r"rank 5 step 20 ", 120)  # training, every rank in step
     res = host_sh(lab4, "node3", f"kill -STOP {pid}")
     stopped = time.monotonic()
     assert res.returncode == 0, res.stderr
@@ -110,7 +110,7 @@ def test_a_stopped_rank_is_named_by_the_run_and_the_job_ends(lab4, inventory4, t
 def test_the_doctor_names_a_stopped_rank_of_a_detached_job(lab4, inventory4, tmp_path):
     runs = str(tmp_path / "runs")
     res = ddpfab("run", "-i", str(inventory4), "--nproc-per-node", "2", "--no-sync", "--no-check", "--runs-dir", runs,
-                 "--detach", "--run-id", "doc-detached", SCRIPT, "--every", "20", timeout=240)
+                 "--detach", "--run-id", "doc-detached", SCRIPT, "--every", "5", timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     log = "/root/.ddpfab/runs/doc-detached/output.log"
     pid = None
@@ -118,7 +118,7 @@ def test_the_doctor_names_a_stopped_rank_of_a_detached_job(lab4, inventory4, tmp
     while time.monotonic() < deadline:
         text = host_sh(lab4, "node2", f"cat {log} 2>/dev/null").stdout
         m = re.search(r"rank 2 pid (\d+) ready", text)
-        if m and "rank 2 step 40 " in text:
+        if m and "rank 2 step 20 " in text:
             pid = int(m.group(1))
             break
         time.sleep(1)
@@ -142,7 +142,7 @@ def test_the_doctor_names_a_stopped_rank_of_a_detached_job(lab4, inventory4, tmp
 
 
 def test_a_rank_in_another_collective_is_the_odd_one_out(lab4, inventory4, tmp_path):
-    run = start_run(inventory4, tmp_path, "--hang-timeout", "15", "--on-hang", "stop", SCRIPT, "--every", "10",
+    run = start_run(inventory4, tmp_path, "--hang-timeout", "15", "--on-hang", "stop", SCRIPT, "--every", "5",
                     "--odd-rank", "6", "--odd-at", "30")
     assert run.proc.wait(timeout=300) == EXIT_HUNG, run.text()[-4000:]
     run.thread.join(timeout=10)

@@ -83,6 +83,14 @@ def test_a_rank_in_another_collective_is_the_odd_one_out():
     assert v.odd[0]["what"] == "site" and v.odd[0]["ranks"] == [3]
 
 
+def test_a_rank_elsewhere_but_using_cpu_is_busy_not_hung():
+    # a rank still importing (lazily, on a loaded machine) while the others wait for it
+    replies = cluster_replies(r4={"state": "R", "cpu_ticks": 3, "stack": stack("_path_split", 134, "_get_cached")})
+    v = doctor.analyse(replies, EXPECTED)
+    assert v.odd[0]["what"] == "site" and not v.hung
+    assert v.lines[-1] == "not a hang: node3 rank 4 (pid 1004) is using CPU (busy: still importing, or computing)"
+
+
 def test_the_same_collective_at_another_call_site_is_odd_too():
     v = doctor.analyse(cluster_replies(r6={"stack": stack("all_reduce", 99)}), EXPECTED)
     assert v.lines[0].startswith("node4 rank 6 (pid 1006) is in all_reduce (train.py:99)")
