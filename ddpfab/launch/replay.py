@@ -229,6 +229,7 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
         raise ManifestError(f"{source}: options.env: {exc}") from None
     fields = {k: opts[k] for k in OPTION_FIELDS if k in opts}
     fields.setdefault("exit_guard", LATER_PLAN_FIELDS["exit_guard"])  # runs before the guard had none
+    fields.setdefault("hang_timeout", LATER_PLAN_FIELDS["hang_timeout"])  # ... and before the hang watch
     return RunOptions(**{**fields, "args": tuple(opts["args"]), "env": env,
                          "secret_env": tuple(opts.get("secret_env", ()))}), cwd
 

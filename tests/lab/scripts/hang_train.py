@@ -5,7 +5,9 @@ Each step: forward/backward, the gradients averaged with ``all_reduce`` (as DDP 
 Python, so a rank waiting for them shows the collective in its stack), a pause (the step's compute
 time), the loss all-reduced for the log, a line every ``--every`` steps. ``--steps`` ends it (0: run until stopped). With
 ``--odd-rank R`` rank R calls ``broadcast`` instead of ``all_reduce`` at step ``--odd-at``: one rank
-in a different collective than the others (the doctor names it).
+in a different collective than the others (the doctor names it). Its broadcast is on a group of
+its own with the next rank (made by every rank at the start, as new_group must be), so the two
+collectives never exchange a message: a hang for certain, whatever gloo's algorithms.
 """
 
 import argparse
@@ -27,8 +29,8 @@ def sync_loss(loss: torch.Tensor) -> None:
     dist.all_reduce(loss)
 
 
-def odd_call(loss: torch.Tensor) -> None:
-    dist.broadcast(loss, src=0)
+def odd_call(loss: torch.Tensor, side, partner: int) -> None:
+    dist.broadcast(loss, src=partner, group=side)
 
 
 def main() -> None:
@@ -41,6 +43,8 @@ def main() -> None:
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    partner = (a.odd_rank + 1) % dist.get_world_size()
+    side = dist.new_group([a.odd_rank, partner]) if a.odd_rank >= 0 else None
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -56,7 +60,7 @@ def main() -> None:
         time.sleep(a.sleep)
         value = loss.detach().clone()
         if rank == a.odd_rank and step == a.odd_at:
-            odd_call(value)
+            odd_call(value, side, partner)
         else:
             sync_loss(value)
         if step % a.every == 0:
