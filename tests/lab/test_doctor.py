@@ -171,4 +171,4 @@ def test_attach_reports_a_rank_that_aborted_after_finishing_as_run_does(lab4, in
     assert res.returncode == 0, out[-3000:]
     assert ("run doc-race ended: all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) "
             "(known upstream race)") in out, out[-3000:]
-    assert "ddpfab: warning: a rank aborted" in out and "failed on" not in out
+    assert "ddpfab: warning: a rank aborted" in out and "run doc-race ended: failed on" not in out
