@@ -42,6 +42,7 @@ SUBNETS = {
     "perf_check": "10.213.108.0/24",
     "replicate": os.environ.get("DDPFAB_BENCH_SUBNET_REPLICATE", "10.213.109.0/24"),
     "nochange_sync": os.environ.get("DDPFAB_BENCH_SUBNET_NOCHANGE", "10.213.110.0/24"),
+    "hang": os.environ.get("DDPFAB_BENCH_SUBNET_HANG", "10.213.111.0/24"),
 }
 MASTER_PORT_BASE = 29700
 
