@@ -58,6 +58,9 @@ HANG_TIMEOUT_S = 10
 
 
 class HangBench(Bench):
+    def torchrun_cmd(self, n: int, env: str) -> str:
+        return super().torchrun_cmd(n, env).replace(" bench_crash.py", f" {SCRIPT}")
+
     def start(self, launcher: str, n: int, scenario: str) -> Launch:
         if launcher != "ddpfab run":
             return super().start(launcher, n, scenario)
