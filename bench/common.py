@@ -43,6 +43,7 @@ SUBNETS = {
     "replicate": os.environ.get("DDPFAB_BENCH_SUBNET_REPLICATE", "10.213.109.0/24"),
     "nochange_sync": os.environ.get("DDPFAB_BENCH_SUBNET_NOCHANGE", "10.213.110.0/24"),
     "preflight_resources": os.environ.get("DDPFAB_BENCH_SUBNET_PREFLIGHT", "10.213.111.0/24"),
+    "hang": os.environ.get("DDPFAB_BENCH_SUBNET_HANG", "10.213.112.0/24"),
 }
 MASTER_PORT_BASE = 29700
 

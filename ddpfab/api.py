@@ -69,6 +69,9 @@ class Options:
             without the interpreter teardown where gloo can abort it), ``record`` or ``off``.
         resource_floors: what the preflight requires of each node (``shm=2G,disk=5G,mem=4G,nofile=4096``,
             any subset; see :mod:`ddpfab.health.resources`).
+        hang_timeout: seconds without a line from any rank before the run runs the doctor by
+            itself (its verdict printed and saved in the run's dir); 0: never.
+        on_hang: ``report`` (the doctor's verdict, then keep waiting) or ``stop`` (end the job: exit 124).
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -110,6 +113,8 @@ class Options:
     wait: bool = False
     exit_guard: str = "on"
     resource_floors: str | None = None
+    hang_timeout: float = planmod.HANG_TIMEOUT_S
+    on_hang: str = "report"
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -537,7 +542,8 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         rdzv=opts.rdzv, launcher=opts.launcher, init_method=opts.init_method, debug=opts.debug,
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
         script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait,
-        exit_guard=opts.exit_guard, resource_floors=opts.resource_floors)
+        exit_guard=opts.exit_guard, resource_floors=opts.resource_floors, hang_timeout=opts.hang_timeout,
+        on_hang=opts.on_hang)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:

@@ -1,4 +1,4 @@
-"""``ddpfab ps``, ``stop``, ``attach``, ``logs``: jobs on the cluster, by run id."""
+"""``ddpfab ps``, ``stop``, ``attach``, ``logs``, ``doctor``: jobs on the cluster, by run id."""
 
 from __future__ import annotations
 
@@ -150,6 +150,23 @@ def register(sub) -> None:
                            help="also fetch torchrun's full per-rank logs (stdout/stderr of every local rank, "
                                 "every restart) into runs/<id>/ranks/<node>/")
         p.set_defaults(func=func)
+    d = sub.add_parser("doctor", help="where a running job's ranks are: each rank's state and Python stack "
+                                      "(py-spy), grouped; a stopped, gone or odd rank named")
+    d.add_argument("run_id")
+    _common(d, inventory_required=False)
+    d.add_argument("--json", action="store_true", help="print the doctor's record (also saved in runs/<id>/)")
+    d.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long each node has to answer before it is named as not answering (default 30)")
+    d.set_defaults(func=cmd_doctor)
+
+
+def _plan_of(args, manifest: dict) -> Plan:
+    """A run record's plan, read back as data (checked, never trusted)."""
+    try:
+        return Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
+    except (KeyError, TypeError, ValueError):
+        raise RecordError(f"{Path(args.runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
+                          f"back; {args.command} needs the record of a run this ddpfab started") from None
 
 
 def _guard(fn):
@@ -306,8 +323,9 @@ def cmd_stop(args) -> int:
 @_guard
 def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.execute import Printer
-    from ddpfab.launch.jobs import _follow_all
+    from ddpfab.launch.execute import Printer, exit_race_summary
+    from ddpfab.health import hints
+    from ddpfab.launch.jobs import _follow_all, exit_races
 
     manifest = _record(args.runs_dir, args.run_id)
     if manifest is None:
@@ -316,19 +334,16 @@ def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import next_attempt
 
-    root, followed = manifest, None
+    root, followed, races = manifest, None, {}
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
-        try:
-            plan = Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
-        except (KeyError, TypeError, ValueError):  # a record's plan is data: checked, never trusted
-            raise RecordError(f"{Path(args.runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
-                              "back; attach needs the record of a run this ddpfab started") from None
+        plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster)
         printer = Printer(plan)
         codes: dict[str, int] = {}
         try:
             codes = _follow_all(plan, cluster, conns, printer)
+            races = exit_races(plan, conns, codes)  # as run reports them: finished, then aborted at exit
         except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
             return getattr(exc, "exit_code", 130)
@@ -342,9 +357,52 @@ def cmd_attach(args) -> int:
         manifest = next_attempt(args.runs_dir, root, followed)
         if manifest is not None:
             printer.note(f"attempt {followed} ended; following {manifest['run_id']}")
-    failed = {n: c for n, c in codes.items() if c != 0}
+    failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
+    if races and not failed:  # the exit-code policy (ddpfab/cli/errors.py): the work is done
+        printer.note(f"run {args.run_id} ended: {exit_race_summary(races)}")
+        printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
+        return 0
     printer.note(f"run {args.run_id} ended: " + (f"failed on {failed}" if failed else "all nodes exited 0"))
     return next(iter(failed.values()), 0) if failed else 0
+
+
+@_guard
+def cmd_doctor(args) -> int:
+    """Every rank's state and stack, grouped; the verdict on top; the record in runs/<id>/."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.health import doctor
+    from ddpfab.remote import ssh
+
+    if not args.timeout > 0:
+        return die(f"--timeout {args.timeout:g}: expected a number of seconds > 0")
+    manifest = _latest(args, _record(args.runs_dir, args.run_id))
+    if manifest is None:
+        return die(f"no local record of run {args.run_id} in {args.runs_dir}; run the doctor from the machine "
+                   "(and --runs-dir) that started it")
+    plan = _plan_of(args, manifest)
+    cluster = _cluster(args, manifest)
+    hosts = {n.name: n for n in cluster.nodes}
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+
+    def call(node, request: dict, timeout: float) -> dict:
+        # one connection per node, its own: a node that cannot be reached is one answer among the others
+        if node.name not in hosts:
+            raise NodeError(node.name, f"host {node.name}: not in the inventory given", "doctor",
+                            found="not in the inventory given")
+        conn = ssh.connect(hosts[node.name], policy, args.ssh_config)
+        try:
+            return nodeprog.call(conn, node, request, timeout=timeout)[0].value(node.name)
+        finally:
+            conn.close()
+
+    verdict, path = doctor.diagnose(plan, call, Path(args.runs_dir) / plan.run_id, timeout=args.timeout)
+    if args.json:
+        print(path.read_text() if path else json.dumps({"verdict": verdict.lines}))
+    else:
+        for line in doctor.render(verdict):
+            print(line)
+        print(f"record: {path}")
+    return EXIT_FAILED if verdict.odd else 0
 
 
 @_guard

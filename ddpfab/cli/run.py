@@ -15,7 +15,7 @@ from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
 from ddpfab.planning import plan as planmod
-from ddpfab.planning.plan import EXIT_GUARD_MODES
+from ddpfab.planning.plan import EXIT_GUARD_MODES, HANG_TIMEOUT_S, ON_HANG
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +49,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "records that it finished and leaves without the interpreter teardown where gloo can abort "
                         "it; record = only record (a finished rank that aborts is reported as such, not as a "
                         "failure); off = nothing in the ranks' interpreter")
+    p.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
+                   help=f"when no rank has printed for SECONDS, run `ddpfab doctor` by itself: print which rank "
+                        f"is stopped, gone or elsewhere and where the others wait (default {HANG_TIMEOUT_S:g}; 0: off)")
+    p.add_argument("--on-hang", choices=ON_HANG, default="report",
+                   help="when the doctor finds a hang: report (default: keep waiting) or stop (end the job at once, "
+                        "exit code 124)")
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "

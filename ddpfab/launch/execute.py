@@ -29,6 +29,7 @@ from ddpfab.health.mesh import compact
 from ddpfab.hosts import nodeenv
 from ddpfab.launch import leases
 from ddpfab.launch.cause import Cause, CauseReader
+from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_raise
 from ddpfab.node import exitguard
 from ddpfab.node.agent import CANNOT_START
@@ -153,10 +154,7 @@ class NodeOutcome:
     def exit_race(self) -> dict | None:
         """Its supervisor's word that the job failed only after every rank of the node had finished
         its work (``{"ranks": [...], "aborted": [{"rank", "local_rank", "signal"}]}``), else None."""
-        race = (self.remote or {}).get("exit_race")
-        if self.exit_code in (None, 0) or self.error or not isinstance(race, dict):
-            return None
-        return race
+        return None if self.error else exit_race_of(self.exit_code, self.remote)
 
     @property
     def failed(self) -> bool:
@@ -310,12 +308,7 @@ class _NodeJob:
             self.done.wait(max(0.0, HEARTBEAT_S - (time.monotonic() - began)))
 
     def _result_record(self) -> dict | None:
-        try:
-            res = ssh.run(self.conn, self.node.name, f"cat {shlex.quote(self.node.remote_dir)}/result.json",
-                          timeout=10)
-            return json.loads(res.stdout) if res.exit_code == 0 else None
-        except Exception:  # noqa: BLE001 - the record is informative; the exit code is what counts
-            return None
+        return result_record(self.conn, self.node)
 
     def lost_for(self) -> float:
         since = self.ping_pending_since
@@ -428,6 +421,23 @@ class _NodeJob:
                 conn.close()
 
 
+def result_record(conn: Connection, node: NodePlan) -> dict | None:
+    """The node supervisor's ``result.json`` of the run (restarts, why it stopped, an exit race),
+    None when there is none or it cannot be read."""
+    try:
+        res = ssh.run(conn, node.name, f"cat {shlex.quote(node.remote_dir)}/result.json", timeout=10)
+        return json.loads(res.stdout) if res.exit_code == 0 else None
+    except Exception:  # noqa: BLE001 - the record is informative; the exit code is what counts
+        return None
+
+
+def exit_race_of(code: int | None, record: dict | None) -> dict | None:
+    """A node's exit race (its supervisor's word that the job failed only after every rank of the
+    node had finished its work), from its exit code and result record; None when it is not one."""
+    race = (record or {}).get("exit_race")
+    return race if code not in (None, 0) and isinstance(race, dict) else None
+
+
 def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
     """*cause* with its global rank: torchrun's, else the node's offset plus the local rank
     (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
@@ -494,12 +504,16 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                 if job.outcome.ended == 0:
                     job.stop(fast)
 
+    hang = HangWatch(plan, conns, log_dir, printer.note) if plan.hang_timeout > 0 else None
     with signals_raise():
-        return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline)
+        return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang)
 
 
-def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, stop_all, stop_deadline) -> RunResult:
-    """Wait for every node; stop them all on the first failure or on SIGINT/SIGTERM."""
+def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, stop_all, stop_deadline,
+             hang: HangWatch | None = None) -> RunResult:
+    """Wait for every node; stop them all on the first failure, on SIGINT/SIGTERM, or on a hang
+    verdict with ``--on-hang stop``."""
+    hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
     interrupted: str | None = None
     first_failure: str | None = None
     extra_wait: float | None = None
@@ -534,6 +548,14 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
                         printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
                         wait_every *= 2  # a growing interval: a long wait is not a wall of notes
                         next_report = now + wait_every
+                    # armed once a rank has printed: init_process_group is behind every rank then
+                    # (before it, ranks still importing are not hung; the waiting lines cover that)
+                    if hang is not None and stop_deadline() is None and any(jobs[n].outcome.rank_lines for n in jobs):
+                        hang.tick(last, now)
+                        if hang.stop_now.is_set() and hang.verdict is not None and hung is None:
+                            hung = hang.verdict.lines
+                            printer.note("--on-hang stop: stopping the job on every node")
+                            stop_all(fast=True)
                     deadline = extra_wait or stop_deadline()
                     if deadline is not None and time.monotonic() > deadline:
                         for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
@@ -564,7 +586,7 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
     for name, out in outcomes.items():
         if out.cleanup:
             printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
-    if not interrupted:
+    if not interrupted and not hung:
         first_failure = _blame(outcomes, first_failure)
     if interrupted == CLOSED_STDOUT:
         code = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
@@ -572,6 +594,9 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
     elif interrupted:
         code = 130 if interrupted == "SIGINT" else 143
         summary = f"interrupted by {interrupted}; the job was stopped on every node"
+    elif hung:
+        code = EXIT_HUNG
+        summary = f"hung: {'; '.join(hung)}; the job was stopped on every node (--on-hang stop)"
     elif first_failure:
         out = outcomes[first_failure]
         code = out.exit_code if out.exit_code not in (None, 0) else 1

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ddpfab import node as nodeprog
 from ddpfab.health.mesh import compact
+from ddpfab.launch.execute import exit_race_of, result_record
 from ddpfab.planning.plan import is_run_id
 from ddpfab.remote import ssh, streams
 
@@ -86,6 +87,20 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
     # handshakes), else the nodes beyond the fan-out window would wait for the job's end unseen
     results = ssh.parallel(nodes, follow, window=len(nodes))
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
+
+
+def exit_races(plan, conns, codes: dict[str, int]) -> dict[str, dict]:
+    """The nodes whose job failed only after every rank of theirs had finished its work (their
+    supervisors' records, read as run reads them: :func:`ddpfab.launch.execute.exit_race_of`)."""
+    if plan.exit_guard == "off":
+        return {}
+    out = {}
+    for name, code in codes.items():
+        if code != 0 and name in conns:
+            race = exit_race_of(code, result_record(conns[name], plan.node(name)))
+            if race:
+                out[name] = race
+    return out
 
 
 def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:

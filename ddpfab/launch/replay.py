@@ -148,13 +148,14 @@ OPTION_FIELDS: dict[str, tuple[type, bool]] = {
     "socket_ifname": (str, True), "rdzv": (str, False), "launcher": (str, False), "init_method": (str, False),
     "debug": (bool, False), "local_rank_arg": (str, False), "module": (bool, False), "secret_env": (list, False),
     "script_local_rank": (bool, False), "gpus_per_node": (int, True), "wait": (bool, False),
-    "exit_guard": (str, False), "resource_floors": (str, True)}
+    "exit_guard": (str, False), "resource_floors": (str, True), "hang_timeout": ((int, float), False),
+    "on_hang": (str, False)}
 #: Plan fields recorded only by newer versions, with the value a plan without them meant.
 LATER_PLAN_FIELDS: dict[str, Any] = {"module": False, "secret_env": [], "script_local_rank": False, "wait": False,
-                                     "exit_guard": "off"}
+                                     "exit_guard": "off", "hang_timeout": 0.0, "on_hang": "report"}
 #: Options recorded only by newer versions: a manifest without them gets RunOptions' defaults.
 LATER_OPTION_FIELDS = ("module", "secret_env", "script_local_rank", "gpus_per_node", "wait", "exit_guard",
-                       "resource_floors")
+                       "resource_floors", "hang_timeout", "on_hang")
 
 
 class ManifestError(DdpfabError):
@@ -229,6 +230,7 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
         raise ManifestError(f"{source}: options.env: {exc}") from None
     fields = {k: opts[k] for k in OPTION_FIELDS if k in opts}
     fields.setdefault("exit_guard", LATER_PLAN_FIELDS["exit_guard"])  # runs before the guard had none
+    fields.setdefault("hang_timeout", LATER_PLAN_FIELDS["hang_timeout"])  # ... and before the hang watch
     return RunOptions(**{**fields, "args": tuple(opts["args"]), "env": env,
                          "secret_env": tuple(opts.get("secret_env", ()))}), cwd
 

@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpfab.hosts import nodeenv
-from ddpfab.node import agent, leases, resources, treehash, workdir
+from ddpfab.node import agent, leases, resources, stacks, treehash, workdir
 from ddpfab.node import ops as _ops
 from ddpfab.problems import NodeError
 from ddpfab.results import GroupResult
 
 #: The modules that make the node program, in order (each may use the names of those before it).
-SOURCES = (workdir, treehash, leases, resources, agent, _ops)
+SOURCES = (workdir, treehash, leases, resources, agent, stacks, _ops)
 
 #: The longest reply line a :class:`Session` takes (the largest real ones, a ``mesh_connect`` over
 #: 128 nodes or full facts, are well under 1 MiB): past it the node is not answering as the

@@ -42,6 +42,7 @@ try:  # as a module of ddpfab; on a node their source comes first in the same pr
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, read_fields, reserve_port, tickets, uses_leases
     from .resources import res_facts
+    from .stacks import op_stacks
     from .treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
                            rel_ok)
     from .workdir import WorkdirError
@@ -875,7 +876,7 @@ def _treehash(fn):
 #: Operations with one reply each.
 OPS = {
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
-    "ps": op_ps, "stop": op_stop, "leases": op_leases, "rank_logs": op_rank_logs,
+    "ps": op_ps, "stop": op_stop, "leases": op_leases, "rank_logs": op_rank_logs, "stacks": op_stacks,
     "perf_place": op_perf_place, "perf_clean": op_perf_clean, "replica_stat": op_replica_stat,
     "probe": _locked(_treehash(node_probe)), "commit": _locked(_treehash(node_commit)), "hash": _treehash(node_hash),
     "lock": op_lock, "unlock": op_unlock,

@@ -40,6 +40,22 @@ DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTR
 #: DDP on gloo (torch 2.13: SIGSEGV in the DDP constructor, c10d::Logger::set_env_variables casts
 #: DETAIL's wrapper process group to ProcessGroupGloo). INFO still logs DDP's setup.
 DEBUG_ENV_GLOO = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
+#: On nodes with GPUs (NCCL): PyTorch's NCCL flight recorder, its last collectives per rank, dumped
+#: on a collective timeout into the run's record dir (TORCH_FR_DUMP_TEMP_FILE + the global rank),
+#: where ``ddpfab doctor`` collects the dumps. The names are torch 2.13's (``TORCH_FR_*``) and the
+#: older ``TORCH_NCCL_*`` ones (torch >= 2.2 reads them); user --env values win.
+FLIGHT_RECORDER_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+#: The dump file's prefix in the run's record dir (ddpfab.node.stacks.TRACE_PREFIX: the same name).
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
+FLIGHT_RECORDER_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+#: The ranks' hang watch (RunOptions.hang_timeout): seconds without a line from any rank before
+#: ddpfab runs the doctor by itself. 300: far above a healthy job's quiet spells between log lines
+#: in the lab's and the examples' loops, far below the collective timeouts a hung job otherwise
+#: waits for (gloo's and NCCL's default: 30 and 10 minutes).
+HANG_TIMEOUT_S = 300.0
+#: What the run does when the doctor finds a hang: report (and keep waiting) or stop the job.
+ON_HANG = ("report", "stop")
 RDZV_STYLES = ("static", "c10d")
 #: launcher name -> the module the node's python runs
 LAUNCHERS = {"torchrun": "torch.distributed.run", "legacy": "torch.distributed.launch"}
@@ -127,6 +143,9 @@ class RunOptions:
         resource_floors: ``--resource-floors`` (``shm=2G,disk=5G,mem=4G,nofile=4096``): what the
             preflight requires of each node's resources (:func:`ddpfab.health.resources.parse_floors`
             reads it; None: its defaults).
+        hang_timeout: seconds without a line from any rank before the run runs the doctor by
+            itself (:mod:`ddpfab.health.doctor`) and prints its verdict; 0: never.
+        on_hang: what a hang verdict does: "report" (keep waiting) or "stop" (end the job at once).
     """
 
     script: str
@@ -150,6 +169,8 @@ class RunOptions:
     wait: bool = False
     exit_guard: str = "on"
     resource_floors: str | None = None
+    hang_timeout: float = HANG_TIMEOUT_S
+    on_hang: str = "report"
 
 
 @dataclass(frozen=True)
@@ -249,7 +270,8 @@ class Plan:
         unresolved: nodes (in node rank order) whose ``data_addr`` (the master's: ``master_addr``)
             is a host name the controller could not resolve: only in an offline plan, which shows
             them as such; each node then resolves the name itself.
-        rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank, exit_guard:
+        rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank, exit_guard,
+        hang_timeout, on_hang:
             the launch style (see RunOptions).
         secret_env: env keys whose values are masked wherever the plan is shown or recorded
             (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
@@ -282,6 +304,8 @@ class Plan:
     script_local_rank: bool = False
     wait: bool = False
     exit_guard: str = "off"  # a plan recorded before the guard ran without one (RunOptions: "on")
+    hang_timeout: float = 0.0  # a plan recorded before the hang watch ran without one
+    on_hang: str = "report"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -688,6 +712,11 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError(f"--exit-guard must be one of {', '.join(EXIT_GUARD_MODES)}, got {options.exit_guard!r}")
     if options.max_restarts < 0:
         raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
+    if not isinstance(options.hang_timeout, (int, float)) or isinstance(options.hang_timeout, bool) \
+            or not 0 <= options.hang_timeout < float("inf"):
+        raise PlanError(f"--hang-timeout must be a number of seconds >= 0 (0: off), got {options.hang_timeout!r}")
+    if options.on_hang not in ON_HANG:
+        raise PlanError(f"--on-hang must be one of {', '.join(ON_HANG)}, got {options.on_hang!r}")
     nproc_per_node(options.nproc_per_node)
     if options.module and not _MODULE.fullmatch(options.script):
         raise PlanError(f"-m {options.script!r}: expected a module name (dotted Python identifiers, e.g. pkg.train)")
@@ -753,6 +782,10 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
                                    shared_dir=node.shared_dir, run_id=options.run_id)
         if init_url:
             node_env[INIT_METHOD_VAR] = init_url
+        if node.gpus:  # NCCL: its flight recorder, dumped into the run's record dir
+            recorder = {**FLIGHT_RECORDER_ENV, **dict.fromkeys(FLIGHT_RECORDER_FILE_VARS,
+                                                               f"{remote_dir}/{FLIGHT_RECORDER_PREFIX}")}
+            node_env.update({k: v for k, v in recorder.items() if k not in asked and k not in node.env})
         if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in asked \
                 and "TORCH_DISTRIBUTED_DEBUG" not in node.env:
             node_env.update(DEBUG_ENV_GLOO)
@@ -776,7 +809,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
         module=options.module, secret_env=secret_env(cluster, options),
         script_local_rank=options.script_local_rank and options.launcher == "torchrun",
-        wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard)
+        wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard,
+        hang_timeout=float(options.hang_timeout), on_hang=options.on_hang)
 
 
 def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:

@@ -41,7 +41,7 @@ ARGS = {
 #: Modes of a command that load the inventory on a path of their own.
 MODES = {"check --perf": ["check", "--perf"], "check --perf --history": ["check", "--perf", "--history"]}
 #: Commands that take -i but plan from a run's record, which wins over the defaults (tested below).
-FROM_RECORD = {"attach", "replay"}
+FROM_RECORD = {"attach", "replay", "doctor"}
 
 
 def leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -157,7 +157,7 @@ def _record(tmp_path, inventory_path: str) -> None:
     (tmp_path / "runs" / "r1" / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("command", ["stop", "logs", "attach", "replay"])
+@pytest.mark.parametrize("command", ["stop", "logs", "attach", "replay", "doctor"])
 def test_a_runs_record_wins_over_the_defaults_and_a_flag_over_the_record(command, recorder, monkeypatch, tmp_path,
                                                                          capsys):
     _record(tmp_path, str(tmp_path / "recorded.yml"))

@@ -194,8 +194,10 @@ def test_a_local_rank_module_is_read_from_its_file(tmp_path, monkeypatch):
 
 
 def test_plans_and_options_recorded_before_these_fields_still_replay():
-    # exit_guard="off": what a ddpfab before the exit guard ran (and what such a record means)
-    plan = make_plan(TWO, RunOptions("t.py", run_id="r", exit_guard="off"), probed({"g": 0, "c": 0}, {"g": 1, "c": 1}))
+    # exit_guard="off", hang_timeout=0: what a ddpfab before the exit guard and the hang watch ran
+    # (and what such a record means)
+    plan = make_plan(TWO, RunOptions("t.py", run_id="r", exit_guard="off", hang_timeout=0),
+                     probed({"g": 0, "c": 0}, {"g": 1, "c": 1}))
     old = {k: v for k, v in replay.as_recorded(plan).items() if k not in replay.LATER_PLAN_FIELDS}
     assert replay.differences(old, plan) == []
     recorded = replay.recorded_options(RunOptions("t.py", run_id="r", nproc_per_node="auto"), "/w")

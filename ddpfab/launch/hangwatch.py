@@ -1,0 +1,68 @@
+"""``ddpfab run --hang-timeout``: when no rank has printed for that long, the doctor runs by itself.
+
+Once per quiet spell (a line from any rank starts a new one), in a thread of its own so the run's
+monitor keeps its heartbeats and its deadlines: the doctor asks every node over the run's own
+connections (:func:`ddpfab.health.doctor.over`), prints its verdict and the grouped stacks, and
+saves its record in the run's dir. With ``--on-hang stop`` a hang verdict (a rank stopped, gone or
+elsewhere, or every rank waiting without using CPU) asks the monitor to end the job at once; ranks
+that use CPU are busy, not hung, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable
+
+from ddpfab.health import doctor
+from ddpfab.planning.plan import Plan
+
+#: The run's exit code when ``--on-hang stop`` ended a hung job (as timeout(1) reports a command it
+#: ended): the exit-code table in ddpfab/cli/errors.py.
+EXIT_HUNG = 124
+
+
+class HangWatch:
+    """Call :meth:`tick` from the monitor's idle loop; :attr:`stop_now` is set when the job must end."""
+
+    def __init__(self, plan: Plan, conns: dict, run_dir: Path, note: Callable[[str], None]):
+        self.plan, self.conns, self.run_dir, self.note = plan, conns, run_dir, note
+        self.timeout = plan.hang_timeout
+        self.stop_on_hang = plan.on_hang == "stop"
+        self.stop_now = threading.Event()
+        self.verdict: doctor.Verdict | None = None
+        self._spell: float | None = None  # the quiet spell (its start) last looked at
+        self._next = 0.0  # when the same spell is looked at again (monotonic)
+        self._thread: threading.Thread | None = None
+
+    def tick(self, quiet_since: float, now: float) -> None:
+        """The ranks have been quiet since *quiet_since* (monotonic): past the timeout, start the
+        doctor; in the same quiet spell again every timeout (a busy rank may hang later)."""
+        if self.timeout <= 0 or now - quiet_since < self.timeout:
+            return
+        if (self._spell == quiet_since and now < self._next) or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._spell, self._next = quiet_since, now + self.timeout
+        self._thread = threading.Thread(target=self._diagnose, args=(now - quiet_since,), name="ddpfab-hang",
+                                        daemon=True)
+        self._thread.start()
+
+    def _diagnose(self, quiet_s: float) -> None:
+        self.note(f"hang watch: no rank has printed for {quiet_s:.0f} s (--hang-timeout {self.timeout:g}); "
+                  "asking every node where its ranks are")
+        try:
+            verdict, path = doctor.diagnose(self.plan, doctor.over(self.conns), self.run_dir)
+        except Exception as exc:  # noqa: BLE001 - the watch must never break the run it watches
+            self.note(f"hang watch: the doctor could not finish ({type(exc).__name__}: {exc}); still waiting")
+            return
+        shown = doctor.render(verdict)
+        for i, line in enumerate(shown):
+            self.note(("hang: " if verdict.hung else "doctor: ") + line if i < len(verdict.lines) else line)
+        self.note(f"doctor's record: {path}")
+        if not verdict.hung:
+            self.note("no hang found (no rank stands out, and the ranks use CPU or none runs yet); still waiting")
+        elif self.stop_on_hang:
+            self.verdict = verdict
+            self.stop_now.set()
+        else:
+            self.note(f"still waiting (--on-hang stop would end it now; `ddpfab stop {self.plan.run_id}` ends it)")

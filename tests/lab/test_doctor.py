@@ -1,0 +1,174 @@
+"""A live hang explained (issue 25, section 2), on a real 4-node lab, 2 gloo ranks a node.
+
+- One rank stopped with SIGSTOP mid-training: ``ddpfab run --hang-timeout 20 --on-hang stop`` prints,
+  within 60 s of the stop, a verdict naming that host and rank as stopped and the other 7 ranks as
+  waiting in all_reduce, with their stacks (py-spy), and ends the job (exit 124), nothing left.
+- The same on a detached job, by ``ddpfab doctor RUN_ID``; its record saved in the run's dir.
+- One rank calling broadcast while the others all_reduce: named as the odd one out.
+- ``ddpfab attach`` reports a node whose ranks finished and then aborted at exit as run does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpfab import lab as labmod
+from ddpfab.launch.hangwatch import EXIT_HUNG
+
+from .conftest import extra_subnet, own_lab
+from .helpers import assert_no_leftovers, ddpfab, host_sh, start_ddpfab
+
+SCRIPT = "tests/lab/scripts/hang_train.py"
+DRILL = "tests/lab/scripts/exit_abort_drill.py"
+
+
+@pytest.fixture(scope="module")
+def lab4(tmp_path_factory):
+    with own_lab(tmp_path_factory, "doctor4", hosts=4, subnet=extra_subnet(170)) as the_lab:
+        yield the_lab
+
+
+@pytest.fixture
+def inventory4(lab4, tmp_path) -> Path:
+    path = tmp_path / "inventory4.yml"
+    path.write_text(labmod.render_inventory(lab4, sys.executable))
+    yield path
+    assert_no_leftovers(lab4)
+
+
+class Lines:
+    """A running ddpfab's output, line by line, each with the time it came."""
+
+    def __init__(self, proc):
+        self.proc, self.lines = proc, []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for _, line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None and not self.thread.is_alive():
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout} s:\n" + self.text()[-4000:])
+
+    def when(self, needle: str) -> float:
+        return next(t for t, line in self.lines if needle in line)
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def start_run(inventory: Path, tmp_path: Path, *args: str) -> Lines:
+    return Lines(start_ddpfab("run", "-i", str(inventory), "--nproc-per-node", "2", "--no-sync", "--no-check",
+                              "--runs-dir", str(tmp_path / "runs"), *args))
+
+
+def test_a_stopped_rank_is_named_by_the_run_and_the_job_ends(lab4, inventory4, tmp_path):
+    run = start_run(inventory4, tmp_path, "--hang-timeout", "20", "--on-hang", "stop", SCRIPT, "--every", "5")
+    pid = int(run.wait_for(r"rank 5 pid (\d+) ready", 240).group(1))
+    run.wait_for(r"rank 5 step 20 ", 120)  # training, every rank in step
+    res = host_sh(lab4, "node3", f"kill -STOP {pid}")
+    stopped = time.monotonic()
+    assert res.returncode == 0, res.stderr
+    assert run.proc.wait(timeout=240) == EXIT_HUNG, run.text()[-4000:]
+    run.thread.join(timeout=10)
+    out = run.text()
+    verdict = f"node3 rank 5 (pid {pid}) is stopped (SIGSTOP, state T)"
+    assert f"ddpfab: hang: {verdict}" in out, out[-4000:]
+    assert re.search(r"ddpfab: hang: the other 7 ranks wait in all_reduce \(hang_train\.py:\d+\)", out), out[-4000:]
+    took = run.when(verdict) - stopped
+    assert took < 60, f"the verdict came {took:.0f} s after the stop"
+    # the stacks: the 7 waiting ranks' group, innermost first, with the script's frame
+    assert re.search(r"-- 7 ranks in all_reduce \(hang_train\.py:\d+\): node1 ranks 0, 1; node2 ranks 2, 3; "
+                     r"node3 rank 4; node4 ranks 6, 7", out), out[-4000:]
+    assert re.search(r"all_reduce \(.*torch/distributed/distributed_c10d\.py:\d+\)", out)
+    assert "--on-hang stop: stopping the job on every node" in out
+    assert f"hung: {verdict}" in out  # the closing line
+    run_dir = next((tmp_path / "runs").iterdir())
+    record = json.loads(next(run_dir.glob("doctor-*.json")).read_text())
+    assert record["hung"] and record["odd"][0]["node"] == "node3" and record["odd"][0]["rank"] == 5
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["exit_code"] == EXIT_HUNG and manifest["plan"]["on_hang"] == "stop"
+
+
+def test_the_doctor_names_a_stopped_rank_of_a_detached_job(lab4, inventory4, tmp_path):
+    runs = str(tmp_path / "runs")
+    res = ddpfab("run", "-i", str(inventory4), "--nproc-per-node", "2", "--no-sync", "--no-check", "--runs-dir", runs,
+                 "--detach", "--run-id", "doc-detached", SCRIPT, "--every", "5", timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = "/root/.ddpfab/runs/doc-detached/output.log"
+    pid = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        text = host_sh(lab4, "node2", f"cat {log} 2>/dev/null").stdout
+        m = re.search(r"rank 2 pid (\d+) ready", text)
+        if m and "rank 2 step 20 " in text:
+            pid = int(m.group(1))
+            break
+        time.sleep(1)
+    assert pid, "the detached job did not start training on node2"
+    try:
+        assert host_sh(lab4, "node2", f"kill -STOP {pid}").returncode == 0
+        time.sleep(3)  # the others reach the collective rank 2 never joins
+        res = ddpfab("doctor", "doc-detached", "--runs-dir", runs, timeout=180)
+        out = res.stdout + res.stderr
+        assert res.returncode == 1, out
+        lines = res.stdout.splitlines()
+        assert lines[0] == f"node2 rank 2 (pid {pid}) is stopped (SIGSTOP, state T)", out
+        assert re.fullmatch(r"the other 7 ranks wait in all_reduce \(hang_train\.py:\d+\)", lines[1]), out
+        assert "-- 7 ranks in all_reduce" in out and "record: " in out
+        res = ddpfab("doctor", "doc-detached", "--runs-dir", runs, "--json", timeout=180)
+        record = json.loads(res.stdout)
+        assert record["kind"] == "ddpfab-doctor" and record["hung"]
+        assert [(o["node"], o["rank"], o["state"]) for o in record["odd"]] == [("node2", 2, "T")]
+    finally:
+        assert ddpfab("stop", "doc-detached", "--runs-dir", runs, timeout=120).returncode == 0
+
+
+def test_a_rank_in_another_collective_is_the_odd_one_out(lab4, inventory4, tmp_path):
+    run = start_run(inventory4, tmp_path, "--hang-timeout", "15", "--on-hang", "stop", SCRIPT, "--every", "5",
+                    "--odd-rank", "6", "--odd-at", "30")
+    try:
+        code = run.proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        run.proc.terminate()  # ddpfab stops the job on every node
+        run.proc.wait(timeout=60)
+        code = None
+    run.thread.join(timeout=10)
+    out = run.text()
+    assert code == EXIT_HUNG, out[-4000:]
+    assert re.search(r"ddpfab: hang: node4 rank 6 \(pid \d+\) is in broadcast \(hang_train\.py:\d+\), not in "
+                     r"all_reduce like the others", out), out[-4000:]
+    assert re.search(r"the other 7 ranks wait in all_reduce \(hang_train\.py:\d+\)", out)
+    assert re.search(r"-- 1 rank in broadcast \(hang_train\.py:\d+\): node4 rank 6", out)
+
+
+def test_attach_reports_a_rank_that_aborted_after_finishing_as_run_does(lab4, inventory4, tmp_path):
+    runs = str(tmp_path / "runs")
+    res = ddpfab("run", "-i", str(inventory4), "--nproc-per-node", "2", "--no-sync", "--no-check", "--runs-dir", runs,
+                 "--detach", "--run-id", "doc-race", "--exit-guard", "record", "--env", "DRILL_EXIT_ABORT_RANK=3",
+                 DRILL, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = ddpfab("attach", "doc-race", "--runs-dir", runs, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert ("run doc-race ended: all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) "
+            "(known upstream race)") in out, out[-3000:]
+    assert "ddpfab: warning: a rank aborted" in out and "run doc-race ended: failed on" not in out

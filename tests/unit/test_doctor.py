@@ -1,0 +1,265 @@
+"""The doctor's grouping and verdict (ddpfab/health/doctor.py), its node side on real processes
+(ddpfab/node/stacks.py: /proc and a real py-spy), the flight recorder's plumbing in the plan, and
+the hang watch's options."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddpfab.api import Options, planner_options
+from ddpfab.health import doctor
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch.replay import recorded_options, validate
+from ddpfab.node import stacks
+from ddpfab.planning.plan import (FLIGHT_RECORDER_PREFIX, Facts, PlanError, Plan, RunOptions, make_plan)
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+LOGGER = "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py"
+
+
+def stack(collective: str, line: int, user_fn: str = "sync_loss") -> dict:
+    """A py-spy thread (as the node sends it) waiting in *collective* called from train.py:*line*."""
+    return {"threads": [{"thread": None, "tid": None, "active": False, "frames": [
+        {"name": collective, "file": TORCH, "line": 3252},
+        {"name": "_exception_logger.<locals>.wrapper", "file": LOGGER, "line": 83},
+        {"name": user_fn, "file": "/work/train.py", "line": line},
+        {"name": "main", "file": "/work/train.py", "line": 60}]}]}
+
+
+def node_reply(ranks: list[dict], ended: list[dict] | None = None, exit_code: int | None = None) -> dict:
+    return {"job": {"pid": 10, "alive": True}, "exit_code": exit_code, "ranks": ranks, "ended": ended or [],
+            "dumps": [], "py_spy": "/venv/bin/py-spy"}
+
+
+def rank(r: int, local: int, state: str = "S", where: tuple[str, int] = ("all_reduce", 42), pid: int | None = None,
+         cpu: int = 0) -> dict:
+    return {"pid": pid or 1000 + r, "rank": r, "local_rank": local, "state": state, "cpu_ticks": cpu,
+            "stack": stack(*where)}
+
+
+def cluster_replies(nodes: int = 4, nproc: int = 2, **special) -> dict:
+    """nodes x nproc ranks all in all_reduce (train.py:42); *special*: global rank -> dict of changes."""
+    out = {}
+    for n in range(nodes):
+        ranks = []
+        for local in range(nproc):
+            r = n * nproc + local
+            ranks.append({**rank(r, local), **special.get(f"r{r}", {})})
+        out[f"node{n + 1}"] = node_reply([x for x in ranks if x.get("state") != "gone"])
+    return out
+
+
+EXPECTED = {f"node{n + 1}": 2 for n in range(4)}
+
+
+def test_a_stopped_rank_is_named_first_and_the_others_wait_in_the_collective():
+    replies = cluster_replies(r5={"state": "T", "pid": 777, "stack": stack("", 55, "main")})
+    v = doctor.analyse(replies, EXPECTED)
+    assert v.lines[0] == "node3 rank 5 (pid 777) is stopped (SIGSTOP, state T)"
+    assert v.lines[1] == "the other 7 ranks wait in all_reduce (train.py:42)"
+    assert v.hung and [o["what"] for o in v.odd] == ["state"]
+    shown = "\n".join(doctor.render(v))
+    assert "-- 7 ranks in all_reduce (train.py:42): node1 ranks 0, 1; node2 ranks 2, 3" in shown
+    assert f"all_reduce ({TORCH}:3252)" in shown  # the stack itself, innermost first
+
+
+def test_a_rank_in_another_collective_is_the_odd_one_out():
+    replies = cluster_replies(r3={"stack": stack("broadcast", 50, "odd_call")})
+    v = doctor.analyse(replies, EXPECTED)
+    assert v.lines[0] == ("node2 rank 3 (pid 1003) is in broadcast (train.py:50), not in all_reduce like the "
+                          "others")
+    assert v.lines[1] == "the other 7 ranks wait in all_reduce (train.py:42)"
+    assert v.odd[0]["what"] == "site" and v.odd[0]["ranks"] == [3]
+
+
+def test_a_rank_elsewhere_but_using_cpu_is_busy_not_hung():
+    # a rank still importing (lazily, on a loaded machine) while the others wait for it
+    replies = cluster_replies(r4={"state": "R", "cpu_ticks": 3, "stack": stack("_path_split", 134, "_get_cached")})
+    v = doctor.analyse(replies, EXPECTED)
+    assert v.odd[0]["what"] == "site" and not v.hung
+    assert v.lines[-1] == "not a hang: node3 rank 4 (pid 1004) is using CPU (busy: still importing, or computing)"
+
+
+def test_the_same_collective_at_another_call_site_is_odd_too():
+    v = doctor.analyse(cluster_replies(r6={"stack": stack("all_reduce", 99)}), EXPECTED)
+    assert v.lines[0].startswith("node4 rank 6 (pid 1006) is in all_reduce (train.py:99)")
+
+
+def test_d_state_missing_ranks_and_a_silent_node_are_each_named():
+    replies = cluster_replies(r1={"state": "D"}, r4={"state": "gone"})
+    replies["node4"] = "timed out after 30 s"
+    v = doctor.analyse(replies, EXPECTED)
+    texts = [o["text"] for o in v.odd]
+    assert "node4 did not answer: timed out after 30 s" in texts
+    assert any(t.startswith("node1 rank 1 (pid 1001) is in uninterruptible sleep (state D") for t in texts)
+    assert "node3 local rank 0 is gone" in texts
+    assert v.hung
+
+
+def test_a_rank_that_finished_is_not_gone_and_one_that_failed_says_its_code():
+    replies = cluster_replies(r2={"state": "gone"}, r3={"state": "gone"})
+    replies["node2"]["ended"] = [{"rank": 2, "local_rank": 0, "pid": 5, "code": 0, "restart": 0},
+                                 {"rank": 3, "local_rank": 1, "pid": 6, "code": 1, "restart": 0}]
+    v = doctor.analyse(replies, EXPECTED)
+    assert [o["text"] for o in v.odd] == ["node2 rank 3 is gone (its exit code 1)"]
+
+
+def test_all_ranks_in_one_place_using_cpu_is_not_a_hang():
+    replies = cluster_replies(**{f"r{r}": {"cpu_ticks": 40} for r in range(8)})
+    v = doctor.analyse(replies, EXPECTED)
+    assert not v.odd and not v.hung
+    assert v.lines == ["no rank stands out: all 8 ranks are in all_reduce (train.py:42) and use CPU (busy, not hung?)"]
+    idle = doctor.analyse(cluster_replies(), EXPECTED)
+    assert idle.hung and not idle.odd  # all waiting, none using CPU: a hang nobody stands out in
+
+
+def test_nodes_whose_ranks_have_not_started_are_not_missing_ranks():
+    replies = cluster_replies()
+    replies["node3"]["ranks"] = []  # torchrun alive (job.alive), its ranks not started: rendezvous
+    replies["node4"] = node_reply([])
+    v = doctor.analyse(replies, EXPECTED)
+    assert not v.odd and v.lines[-1] == ("not started yet on node3, node4 (torchrun has not started the ranks there: "
+                                         "rendezvous, or still importing)")
+    everywhere = doctor.analyse({n: node_reply([]) for n in EXPECTED}, EXPECTED)
+    assert not everywhere.hung and not everywhere.odd  # a slow start is not a hang to stop
+
+
+def test_without_py_spy_the_fix_is_named():
+    replies = cluster_replies()
+    for r in replies["node2"]["ranks"]:
+        r["stack"] = {"error": "py-spy is not installed", "fix": "pip install py-spy"}
+    v = doctor.analyse(replies, EXPECTED)
+    assert "no stack from node2: py-spy is not installed; fix: pip install py-spy" in v.lines
+
+
+def test_a_hostile_reply_is_data_checked_never_trusted():
+    replies = cluster_replies()
+    replies["node1"]["ranks"] = [{"pid": "1; rm -rf /", "state": "T"}, "junk", {"pid": 5, "state": 3},
+                                 {"pid": 6, "rank": True, "local_rank": 0, "state": "S", "stack": {"threads": "x"}}]
+    replies["node2"] = {"ranks": "nope", "ended": 7}
+    v = doctor.analyse(replies, EXPECTED)
+    ranks = doctor.ranks_of("node1", replies["node1"])
+    assert [(r.pid, r.rank, r.frames) for r in ranks] == [(6, None, ())]
+    assert any(o["text"] == "node2 local rank 0 is gone" for o in v.odd)
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes=st.integers(1, 6), nproc=st.integers(1, 4), data=st.data())
+def test_exactly_the_odd_rank_is_named_whatever_the_shape(nodes, nproc, data):
+    world = nodes * nproc
+    if world < 3:
+        return  # an odd one out needs a majority of at least two others
+    odd = data.draw(st.integers(0, world - 1))
+    kind = data.draw(st.sampled_from(["T", "D", "site"]))
+    change = {"state": kind} if kind != "site" else {"stack": stack("barrier", 7, "elsewhere")}
+    replies = cluster_replies(nodes, nproc, **{f"r{odd}": change})
+    v = doctor.analyse(replies, {f"node{n + 1}": nproc for n in range(nodes)})
+    assert len(v.odd) == 1 and f"rank {odd} (pid {1000 + odd})" in v.odd[0]["text"]
+    assert v.odd[0]["node"] == f"node{odd // nproc + 1}"
+    assert v.lines[1] == f"the other {world - 1} rank{'s' if world > 2 else ''} wait" \
+                         f"{'' if world > 2 else 's'} in all_reduce (train.py:42)"
+
+
+def test_flight_recorder_dumps_are_kept_as_bytes_never_loaded(tmp_path):
+    replies = cluster_replies(1, 2)
+    pickle_bytes = b"\x80\x04\x95cos\nsystem\n."  # a pickle that would run a command if loaded
+    replies["node1"]["dumps"] = [{"name": "nccl_trace_rank_0", "size": len(pickle_bytes), "truncated": False,
+                                  "b64": base64.b64encode(pickle_bytes).decode()},
+                                 {"name": "../escape", "b64": ""}]
+    plan = _plan(tmp_path, gpus=0)
+    verdict, path = doctor.diagnose(plan, lambda node, req, t: replies[node.name], tmp_path, timeout=5)
+    assert (tmp_path / "nccl-trace" / "node1" / "nccl_trace_rank_0").read_bytes() == pickle_bytes
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "nccl-trace" / "escape").exists()
+    record = json.loads(path.read_text())
+    assert record["kind"] == "ddpfab-doctor" and record["verdict"] == verdict.lines
+    assert record["nccl_trace"] == [{"node": "node1", "file": "nccl-trace/node1/nccl_trace_rank_0",
+                                     "size": len(pickle_bytes)}]
+
+
+def test_a_node_that_raises_or_hangs_is_its_reason_not_the_doctors_failure(tmp_path):
+    plan = _plan(tmp_path, gpus=0)
+
+    def call(node, req, timeout):
+        raise TimeoutError(f"no answer in {timeout:g} s")
+    verdict, _ = doctor.diagnose(plan, call, None, timeout=2)
+    assert verdict.odd[0]["text"] == "node1 did not answer: no answer in 2 s"
+
+
+# -- the plan: the flight recorder where NCCL runs, the hang watch's options ---------------------
+def _plan(tmp_path: Path, gpus: int, **opts) -> Plan:
+    cluster = Cluster(str(tmp_path / "inv.yml"), "all", (Node("node1", "10.0.0.1", gpus=gpus),))
+    return make_plan(cluster, RunOptions("t.py", run_id="r1", nproc_per_node=2, **opts),
+                     Facts(addresses={"node1": "10.0.0.1"}, master_port=29500, cwd=str(tmp_path),
+                           homes={"node1": "/home/u"}))
+
+
+def test_the_flight_recorder_is_on_where_nccl_runs_and_dumps_into_the_run_dir(tmp_path):
+    env = _plan(tmp_path, gpus=2).nodes[0].env
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"/home/u/.ddpfab/runs/r1/{FLIGHT_RECORDER_PREFIX}"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert stacks.TRACE_PREFIX == FLIGHT_RECORDER_PREFIX  # the node looks where the plan points
+    assert not any(k.startswith(("TORCH_FR_", "TORCH_NCCL_")) for k in _plan(tmp_path, gpus=0).nodes[0].env)
+    mine = _plan(tmp_path, gpus=2, env=(("TORCH_FR_BUFFER_SIZE", "0"),)).nodes[0].env
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "0"  # the user's --env wins
+
+
+def test_hang_options_are_checked_planned_and_replayed(tmp_path):
+    plan = _plan(tmp_path, gpus=0, hang_timeout=20, on_hang="stop")
+    assert (plan.hang_timeout, plan.on_hang) == (20.0, "stop")
+    assert Plan.from_dict(json.loads(plan.to_json())).hang_timeout == 20.0
+    for bad in ({"hang_timeout": -1}, {"hang_timeout": float("nan")}, {"on_hang": "kill"}):
+        with pytest.raises(PlanError, match="--hang-timeout|--on-hang"):
+            _plan(tmp_path, gpus=0, **bad)
+    ropts = planner_options("t.py", (), Options(hang_timeout=20, on_hang="stop", run_id="r1"))
+    assert (ropts.hang_timeout, ropts.on_hang) == (20, "stop")
+    manifest = {"kind": "ddpfab-run-manifest", "schema_version": 3, "options": recorded_options(ropts, "/w"),
+                "plan": json.loads(plan.to_json())}
+    again, _ = validate(json.loads(json.dumps(manifest)), "m.json")
+    assert (again.hang_timeout, again.on_hang) == (20, "stop")
+
+
+# -- the node side, on real processes ------------------------------------------------------------
+PY_SPY = stacks.find_py_spy(sys.executable)
+
+
+def test_a_real_stopped_process_reads_as_state_t_with_its_stack():
+    code = "import time\ndef waits_here():\n    print('ready', flush=True)\n    time.sleep(60)\nwaits_here()\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"  # in waits_here by now (a loaded machine starts slowly)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert stacks.proc_stat(proc.pid)[0] == "T"
+        got = stacks.dump_stack(PY_SPY, proc.pid)
+        assert PY_SPY, "py-spy is in the node extra and the test extra: pip install -e '.[test]'"
+        names = [f["name"] for f in got["threads"][0]["frames"]]
+        assert names[:1] == ["waits_here"], got
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stacks.proc_stat(proc.pid) is None
+
+
+def test_without_py_spy_the_node_says_so_and_how_to_fix_it():
+    got = stacks.dump_stack(None, os.getpid())
+    assert got["error"] == "py-spy is not installed" and "pip install py-spy" in got["fix"]
+
+
+def test_a_run_dir_without_a_job_record_is_an_answer_not_a_crash(tmp_path):
+    out = stacks.node_stacks(str(tmp_path))
+    assert out["job"] is None and "no job record" in out["error"] and out["ranks"] == []
+    (tmp_path / "nccl_trace_rank_3").write_bytes(b"\x00\x01")
+    os.symlink("/etc/passwd", tmp_path / "nccl_trace_rank_4")  # a link is not a dump: not followed
+    assert [(d["name"], base64.b64decode(d["b64"])) for d in stacks.trace_dumps(str(tmp_path))] == [
+        ("nccl_trace_rank_3", b"\x00\x01")]
