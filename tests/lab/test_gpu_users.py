@@ -282,7 +282,8 @@ class Job:
     gpus: int
     hold: float
     at: float  # seconds after the schedule's start
-    fate: str  # finish, kill-waiting, kill-running (with SIGKILL or SIGINT: `signal`)
+    fate: str  # finish, kill-waiting, kill-running (with SIGKILL or SIGINT: `signal`), counted from
+    # its first line from a node (it queued) or from its script's first line (it runs)
     signal: int = 0
     kill_after: float = 0.0
     run_id: str = ""
@@ -337,7 +338,8 @@ def test_three_users_thirty_jobs_share_the_gpus_without_overlap_or_idle_waits(us
             if j.killed is not None or not j.signal or j.watched.proc.poll() is not None:
                 continue
             go = j.watched.first("leased GPU")
-            if j.fate == "kill-waiting" and time.time() - j.submitted >= j.kill_after + 3:  # 3 s: its probe
+            queued = j.watched.first("waiting: place") or j.watched.first("granted GPU")
+            if j.fate == "kill-waiting" and queued and time.time() - queued >= j.kill_after:
                 j.killed_state = "running" if go else "waiting"
             elif j.fate == "kill-running" and go and any("STARTED" in ln for _, ln in j.watched.lines) and \
                     time.time() - go >= j.kill_after:
