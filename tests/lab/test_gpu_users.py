@@ -322,9 +322,9 @@ def test_three_users_thirty_jobs_share_the_gpus_without_overlap_or_idle_waits(us
     start = time.time()
     pending = list(jobs)
     live: list[Job] = []
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 1500  # about 5 min on 2 cores with some other load; at a load of 80, 10+
     while pending or any(j.watched.proc.poll() is None for j in live):
-        assert time.monotonic() < deadline, "the schedule did not finish in 600 s"
+        assert time.monotonic() < deadline, "the schedule did not finish in 1500 s"
         now = time.time()
         while pending and now - start >= pending[0].at:
             j = pending.pop(0)
