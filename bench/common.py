@@ -44,6 +44,7 @@ SUBNETS = {
     "nochange_sync": os.environ.get("DDPFAB_BENCH_SUBNET_NOCHANGE", "10.213.110.0/24"),
     "preflight_resources": os.environ.get("DDPFAB_BENCH_SUBNET_PREFLIGHT", "10.213.111.0/24"),
     "hang": os.environ.get("DDPFAB_BENCH_SUBNET_HANG", "10.213.112.0/24"),
+    "leases": os.environ.get("DDPFAB_BENCH_SUBNET_LEASES", "10.213.113.0/24"),
 }
 MASTER_PORT_BASE = 29700
 
@@ -240,8 +241,8 @@ def sizes_of(args, default: tuple[int, ...], quick: tuple[int, ...]) -> tuple[in
 
 # -- the lab ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def bench_lab(name: str, hosts: int, subnet: str):
-    """A lab of *hosts* hosts for benchmark *name*; always taken down again."""
+def bench_lab(name: str, hosts: int, subnet: str, gpus: int = 0):
+    """A lab of *hosts* hosts (with *gpus* stand-in GPUs each) for benchmark *name*; always taken down again."""
     from ddpfab import lab as labmod
 
     lab_dir = WORK_ROOT / name / "lab"
@@ -250,7 +251,7 @@ def bench_lab(name: str, hosts: int, subnet: str):
         labmod.down(lab_dir)
     t0 = time.monotonic()
     # hosts must see the benchmark's work dir (it may lie under /tmp, which is each host's own)
-    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, python=PYTHON, share=[WORK_ROOT])
+    the_lab, _ = labmod.up(lab_dir, hosts=hosts, subnet=subnet, python=PYTHON, share=[WORK_ROOT], gpus=gpus)
     log(f"lab of {hosts} hosts up in {time.monotonic() - t0:.1f} s ({subnet}, {lab_dir})")
     try:
         yield the_lab

@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="1 repetition at 8 and 32 hosts")
     p.add_argument("--reps", type=int, help="repetitions per point (default 3, --quick 1)")
     p.add_argument("--sizes", help="host counts, comma-separated (default 8,32,64)")
-    p.add_argument("--subnet", default=os.environ.get("DDPFAB_BENCH_SUBNET_DATAPLANE", "10.213.111.0/24"))
+    p.add_argument("--subnet", default=os.environ.get("DDPFAB_BENCH_SUBNET_DATAPLANE", "10.213.114.0/24"))
     p.add_argument("--before-ref", default="main", help="the git ref measured as 'before' (default main)")
     p.add_argument("--out", default=str(RESULTS / "preflight_dataplane.json"))
     p.set_defaults(default_reps=3, quick_reps=1)

@@ -760,6 +760,32 @@ def recovery_section(data) -> list[str]:
     return lines
 
 
+def leases_section(data) -> list[str]:
+    """`bench/leases.py`: release of a lease -> the next waiting job's start; leasing's cost on a launch."""
+    lines = ["## 6. GPU leases and the queue (`bench/leases.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/leases.py`.", ""]
+    res, over = data["results"], data["overhead_vs_no_lease"]
+    lines += [describe("leases", data), "",
+              "One lab of 8 hosts with 4 stand-in GPUs each (the leases are the real flocks). **Release -> start**: "
+              "a plain process holds every GPU lease of node1 and node2, a `ddpfab run --wait --gpus-per-node 4` "
+              "queues behind it; t=0 just before the holder lets go (it closes its lease files and exits). "
+              "**Leasing's cost**: `ddpfab run` of a script that exits at once on all 8 hosts, spawn to exit, "
+              "without a GPU lease (`--gpus-per-node 0`, the same lab and probe) against a lease per node, "
+              "and a lease per node with `--wait` (tickets and the two-phase go), interleaved per repetition.", ""]
+    rows = [["release -> the waiting job's go on its last node (`leased GPU` seen by ddpfab)",
+             fmt(res["release -> go"]), ""],
+            ["release -> its script's first statement on its last node (after torchrun's start)",
+             fmt(res["release -> script start"]), ""]]
+    for name, stat in res.items():
+        if name.startswith("release"):
+            continue
+        o = over.get(name)
+        rows.append([f"launch on 8 hosts, {name}", fmt(stat),
+                     f"{o['delta_s']:+.2f} s ({o['ratio']:.2f}x)" if o else "baseline"])
+    return lines + table(["what", "median (min-max)", "vs no lease"], rows)
+
+
 def warm_section(data) -> tuple[list[str], dict]:
     """`bench/fanout.py --sizes 128 --out fanout-128.json`: the fan-out at the moonshot's size, cold
     and on connections already open (in-process), against pdsh."""
@@ -1069,7 +1095,7 @@ def verdicts(t: dict) -> list[str]:
     return table(["target", "measured", "verdict"], rows)
 
 
-RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check")
+RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check", "leases")
 
 
 def load_all() -> dict[str, dict | None]:
@@ -1142,7 +1168,7 @@ def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = Tru
     ]
     head += verdicts(targets)
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
-    body += recovery_section(recovery) + s_lines
+    body += recovery_section(recovery) + s_lines + leases_section(data.get("leases"))
     if not have_plotter:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]

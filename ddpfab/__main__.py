@@ -1,5 +1,19 @@
+import signal
+import sys
+
+
+def _before_start(signum, frame):
+    # a Ctrl-C while ddpfab itself is still being imported (seconds on a loaded machine): nothing has
+    # started yet, so one line and the exit code of the signal, not a KeyboardInterrupt traceback
+    sys.stderr.write(f"ddpfab: interrupted by {signal.Signals(signum).name} before it started; nothing was started\n")
+    raise SystemExit(128 + signum)
+
+
+for _signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signum, _before_start)
+
 # the signal handlers first: a Ctrl-C while the rest is still being imported ends cleanly too
-from ddpfab.launch.interrupt import run_interruptible
+from ddpfab.launch.interrupt import run_interruptible  # noqa: E402
 
 
 def _main() -> int:

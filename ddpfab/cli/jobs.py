@@ -223,7 +223,8 @@ def cmd_ps(args) -> int:
             r["attempts"] = len(local["recovery"].get("attempts") or [])
             r["recovery_state"] = local["recovery"].get("state")
         states = {s["state"] for s in r["nodes"].values()}
-        r["state"] = "running" if "running" in states else ("dead" if "dead" in states else "exited")
+        r["state"] = "running" if "running" in states else ("dead" if "dead" in states else
+                                                            "cancelled" if states == {"cancelled"} else "exited")
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
     code = EXIT_FAILED if problems else 0
     if args.json:

@@ -280,7 +280,7 @@ KbdInteractiveAuthentication no
 UsePAM no
 UseDNS no
 StrictModes no
-AuthorizedKeysFile {labdir}/authorized_keys
+AuthorizedKeysFile {labdir}/authorized_keys .ssh/authorized_keys
 MaxStartups 64:30:128
 MaxSessions 64
 AcceptEnv LANG LC_*
@@ -452,6 +452,8 @@ def _write_client_files(lab: Lab, python: str) -> None:
         (store / "controller_tmp").mkdir(exist_ok=True)
         (store / "empty_tmp").mkdir(exist_ok=True)
         os.chmod(store / "empty_tmp", 0o1777)
+        # an overlay's root takes its upper dir's mode: /tmp must be 1777 for the hosts' other users too
+        os.chmod(store / "upper_tmp", 0o1777)
         if lab.gpus:
             _install_stand_in_gpus(store, lab.gpus)
         (root / "resolv.conf").write_text("")

@@ -487,11 +487,11 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         return RunResult(2, {m.name: NodeOutcome(m.name, m.node_rank) for m in plan.nodes}, n.name, None, why)
     jobs: dict[str, _NodeJob] = {}
 
-    def go() -> None:
+    def to_all(data: bytes) -> None:
         for job in jobs.values():
-            job.send(b"g")
+            job.send(data)
 
-    gate = leases.Gate([n.name for n in plan.nodes if n.gpus], go) if plan.wait else None
+    gate = leases.Gate([n.name for n in plan.nodes if n.gpus], to_all) if plan.wait else None
     jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate)
                  for n in plan.nodes})
     stop_deadline: float | None = None

@@ -26,7 +26,7 @@ def _ps_record(rec) -> dict:
     """One run record from a node's ``ps`` reply, validated (records are data): its run id names a
     local directory (the run's manifest), so it must be a run id, not a path."""
     if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in (
-            "running", "exited", "dead") or not _is_int_or_none(rec.get("exit_code")):
+            "running", "exited", "dead", "cancelled") or not _is_int_or_none(rec.get("exit_code")):
         raise ValueError(f"malformed run record {nodeprog.printable(repr(rec))[:200]}")
     started = rec.get("started")
     return {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],

@@ -64,6 +64,9 @@ JOB_MARKER = "DDPFAB_JOB"
 CANNOT_START = 125
 #: The agent's exit code when the GPUs the job needs are leased or busy (EX_TEMPFAIL: try later).
 LEASES_HELD = 75
+#: ... and when its ``--wait`` was cancelled before it started (ddpfab stop, Ctrl-C of ddpfab: 128 + SIGTERM,
+#: what a stopped job reports; its record says "cancelled while waiting").
+CANCELLED_WAITING = 143
 
 
 def read_exactly(fd, n):
@@ -530,7 +533,7 @@ def main(spec):
         pass
     leases, gpus = hold_leases(spec, run_dir, log)
     if leases is None:
-        return LEASES_HELD
+        return _recorded_code(run_dir)
     if gpus is not None:  # the job sees exactly its leased GPUs
         spec = dict(spec, env=dict(spec.get("env") or {}, CUDA_VISIBLE_DEVICES=",".join(gpus)))
     last_beat = [time.monotonic()]
@@ -675,9 +678,11 @@ def hold_leases(spec, run_dir, log):
     when this supervisor ends, however it ends; on the master also the reserved ``master_port``),
     ``(descriptors, None)`` when no GPU is asked, or
     ``(None, None)`` when they are held or busy: then this says which, by whom, and records the
-    refusal (exit :data:`LEASES_HELD`) as a job that never started."""
+    refusal (exit :data:`LEASES_HELD`) as a job that never started; or when a ``--wait`` was
+    cancelled (``ddpfab stop``, a signal, ddpfab gone): then its record says "cancelled while
+    waiting" (exit :data:`CANCELLED_WAITING`), so ``ps`` and the history show it."""
     want, port, run_id = spec.get("gpus"), spec.get("master_port"), str(spec.get("run_id"))
-    held, why = [], None
+    held, why, code = [], None, LEASES_HELD
     try:
         if port and uses_leases():  # the master: the port the probe reserved, now for the job's life
             fd = reserve_port(port, run_id, hold=True)
@@ -692,7 +697,7 @@ def hold_leases(spec, run_dir, log):
             else:
                 fds, gpus, states = take_leases(count, pin, run_id)
             if fds is None and isinstance(states, str):  # stopped while it waited
-                why = states
+                why, code = states, CANCELLED_WAITING
             elif fds is not None:
                 held += fds
                 threading.Thread(target=_keep_leases_fresh, args=(held,), daemon=True).start()
@@ -712,13 +717,23 @@ def hold_leases(spec, run_dir, log):
     try:
         log.write(("ddpfab-agent: %s\n" % why).encode())
         log.close()
+        cancelled = code == CANCELLED_WAITING
         _write(os.path.join(run_dir, "result.json"), json.dumps({
-            "exit_code": LEASES_HELD, "ended": time.time(), "failed_at": time.time(), "stopped": None,
-            "restarts": 0, "leases": why}) + "\n")
-        _write(os.path.join(run_dir, "exit_code"), "%d\n" % LEASES_HELD)
+            "exit_code": code, "ended": time.time(), "failed_at": None if cancelled else time.time(),
+            "stopped": why if cancelled else None, "cancelled": cancelled, "restarts": 0, "leases": why}) + "\n")
+        _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)
     except OSError:
         pass
     return None, None
+
+
+def _recorded_code(run_dir):
+    """The exit code :func:`hold_leases` recorded for a job it did not start."""
+    try:
+        with open(os.path.join(run_dir, "exit_code")) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return LEASES_HELD
 
 
 #: How often a waiting supervisor looks at the queue and the leases (a release is seen this soon).
@@ -727,21 +742,28 @@ WAIT_POLL_S = 0.2
 
 def wait_for_leases(spec, count, pin, run_id):
     """``--wait``: queue for the GPUs in arrival order (:mod:`ddpfab.node.leases`' tickets), take
-    them when this job is first in line for them, then hold them until ddpfab says go (a ``g`` on
-    stdin, once every node of the job has its leases). A job that holds its GPUs here but has not
-    gone yet gives them back when an earlier job waits on this node for GPUs it cannot get (the
-    earlier job may be waiting for this one elsewhere: no deadlock, no starvation). Says its place
-    and what it waits for whenever that changes. Returns ``(fds, gpus, None)``, or ``(None, None,
-    why)`` when told to stop (EOF, ``!``, or ddpfab's heartbeat gone for the spec's silence)."""
+    them when this job is first in line for them, then hold them until ddpfab says go. A job that
+    holds its GPUs here but has not gone yet gives them back when an earlier job waits on this
+    node for GPUs it cannot get (the earlier job may be waiting for this one elsewhere: no
+    deadlock, no starvation). Says its place and what it waits for whenever that changes.
+
+    The go is two-phase so that a job starts on all its nodes or on none (a node yielding as the
+    go arrives would otherwise start it partly): ``p<round>;`` on stdin asks "do you still hold
+    them?": a node holding them answers ``ready for round <round>`` and from then on does not
+    yield; ``g`` (sent only when every node answered that round) starts the job, ``u`` (the round
+    failed: some node yielded) lets this node yield again. A ``g`` without a ``ready`` before it
+    is ignored. Returns ``(fds, gpus, None)``, or ``(None, None, why)`` when told to stop (EOF,
+    ``!``, or ddpfab's heartbeat gone for the spec's silence)."""
     key = ticket_key(spec["wait"].get("arrival", time.time()), run_id)
     record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(), "count": count,
               "pin": list(pin)}
     silence = float(spec.get("silence", 0))
-    events = {"go": False, "granted": False, "stop": None, "beat": time.monotonic()}
+    events = {"go": False, "granted": False, "ready": False, "stop": None, "beat": time.monotonic()}
     lock = threading.Lock()
 
     def link():
         # stdin until the go (then the supervisor's own link watcher reads it) or the end
+        pending = b""
         try:
             while True:
                 data = os.read(0, 4096)
@@ -750,15 +772,36 @@ def wait_for_leases(spec, count, pin, run_id):
                 events["beat"] = time.monotonic()
                 if b"!" in data:
                     break
-                if b"g" in data:
-                    with lock:  # a go counts only for leases held now (one sent before a yield does not)
-                        if events["granted"]:
+                pending += data.replace(b"\n", b"")
+                while pending:
+                    op = pending[:1]
+                    if op == b"p":  # are you still holding them? (the round's number up to the ';')
+                        end = pending.find(b";")
+                        if end < 0:
+                            break  # the rest of it comes with the next read
+                        rnd, pending = pending[1:end], pending[end + 1:]
+                        with lock:
+                            if events["granted"] and rnd.isdigit():
+                                events["ready"] = True  # no yield from now on, until a go or a "u"
+                                _say("ready for round %s" % rnd.decode())
+                        continue
+                    pending = pending[1:]
+                    with lock:
+                        if op == b"u":
+                            events["ready"] = False
+                        elif op == b"g" and events["ready"]:  # only after this node said ready
                             events["go"] = True
                             return
         except OSError:
             pass
-        events["stop"] = "stopped by ddpfab while waiting for GPUs"
+        events["stop"] = "cancelled while waiting for GPUs (stopped by ddpfab)"
 
+    def cancel(signum, frame):  # ddpfab stop TERMs a waiter: a record, not a silent death
+        events["stop"] = "cancelled while waiting for GPUs (signal %d)" % signum
+
+    caught = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    for sig in caught:
+        signal.signal(sig, cancel)
     reader = threading.Thread(target=link, daemon=True)
     reader.start()
     fd, path = make_ticket(key, record)
@@ -766,7 +809,7 @@ def wait_for_leases(spec, count, pin, run_id):
     try:
         while True:
             if silence and time.monotonic() - events["beat"] > silence:
-                events["stop"] = "controller silent for %.0f s while waiting for GPUs" % silence
+                events["stop"] = "cancelled while waiting for GPUs (controller silent for %.0f s)" % silence
             if events["stop"] is not None:
                 if held:
                     for h in held:
@@ -798,8 +841,8 @@ def wait_for_leases(spec, count, pin, run_id):
                     before = [u for u in queue if u.get("key", "") < t.get("key", "") and not u.get("own")]
                     if grantable(states, before, t.get("count", 0), t.get("pin") or ()) is None:
                         with lock:
-                            if events["go"]:
-                                break  # too late: the job goes
+                            if events["go"] or events["ready"]:
+                                break  # promised to ddpfab (or going): yield only after a "u"
                             events["granted"] = False
                         for h in held:
                             os.close(h)
@@ -811,6 +854,8 @@ def wait_for_leases(spec, count, pin, run_id):
                     return held, gpus, None
             time.sleep(WAIT_POLL_S)
     finally:
+        for sig in caught:  # main() installs the job's own handlers next
+            signal.signal(sig, signal.SIG_DFL)
         if fd is not None:
             drop_ticket(fd, path)
 

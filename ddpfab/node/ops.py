@@ -472,6 +472,16 @@ def _cmdline_has(pid, word):
         return False
 
 
+def _was_cancelled(run_dir):
+    """A ``--wait`` cancelled before it started (its supervisor's result.json says so)."""
+    try:
+        with open(os.path.join(run_dir, "result.json")) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and rec.get("cancelled") is True
+
+
 def op_ps(req, session):
     """The run records under the runs dir (``root``), each with its state: running (its
     supervisor lives), exited (with its exit code) or dead; only ``run_id`` when given."""
@@ -491,6 +501,8 @@ def op_ps(req, session):
             with open(os.path.join(d, "exit_code")) as fh:
                 text = fh.read().strip()
             code, state = (int(text) if text.lstrip("-").isdigit() else -1), "exited"
+            if _was_cancelled(d):
+                state = "cancelled"
         except OSError:
             if _cmdline_has(pid, rid):
                 state = "running"

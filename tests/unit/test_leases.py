@@ -4,10 +4,13 @@ report (validated data) and its refusal, the queue's order and the go gate of ``
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch import leases as ctl
-from ddpfab.node import leases
+from ddpfab.node import leases, ops
 from ddpfab.planning.plan import PlanError, RunOptions, gpu_lease
 
 STAND_IN = Path(leases.__file__).resolve().parents[1] / "lab" / "fake-nvidia-smi"
@@ -143,19 +146,117 @@ def test_what_a_node_reports_is_read_as_data_and_a_held_gpu_is_refused_by_name()
     assert str(missing) == "host n2: cannot lease GPUs: lease dir is a link"
 
 
-def test_the_gate_says_go_when_every_node_holds_its_leases_and_again_after_a_yield():
-    said = []
-    gate = ctl.Gate(["n1", "n2"], lambda: said.append(time.monotonic()))
+def test_the_gate_goes_in_two_phases_and_never_on_a_stale_or_partial_answer():
+    """The go is two-phase: a complete set of grants opens a round (``p1;``); ``g`` only when every
+    node said ready for that round. A node yielding during the round ends it (``u``), an answer
+    to an old round does not count, and nothing is sent after the go."""
+    sent: list[bytes] = []
+    gate = ctl.Gate(["n1", "n2"], sent.append)
     gate.saw("n1", ctl.GRANTED + "0,1; waiting for the other nodes")
     gate.saw("n2", "ddpfab-agent: waiting: place 1 in this node's queue")
-    assert not said
+    assert sent == []
     gate.saw("n2", ctl.GRANTED + "2")
-    assert len(said) == 1
-    gate.saw("n1", ctl.YIELDED + "0,1 to run x, which came first")
+    assert sent == [b"p1;"]
+    gate.saw("n1", ctl.READY + "1")
+    gate.saw("n2", ctl.YIELDED + "2 to run x, which came first")  # the race: n2 yields as the go would come
+    assert sent == [b"p1;", b"u"]
     gate.saw("n2", ctl.GRANTED + "2")
-    assert len(said) == 1
+    assert sent == [b"p1;", b"u", b"p2;"]
+    gate.saw("n2", ctl.READY + "1")  # late: round 1 is over
+    gate.saw("n1", ctl.READY + "1")
+    assert sent[-1] == b"p2;"
+    gate.saw("n1", ctl.READY + "2")
+    gate.saw("n2", ctl.READY + "2")
+    assert sent == [b"p1;", b"u", b"p2;", b"g"]
+    gate.saw("n1", ctl.YIELDED + "0,1")
     gate.saw("n1", ctl.GRANTED + "0,1")
-    assert len(said) == 2
+    assert sent[-1] == b"g"  # gone: nothing more
+
+
+class Waiter:
+    """A node's waiting supervisor in its own interpreter (``agent.hold_leases`` with ``--wait``'s
+    spec), stdin and stdout as ddpfab's channel, the lines read on a thread."""
+
+    def __init__(self, lease_dir: Path, run_dir: Path, run_id: str, count: int, arrival: float):
+        code = ("import json, sys; sys.path.insert(0, %r); from ddpfab.node import agent; "
+                "spec = json.loads(sys.argv[1]); held, gpus = agent.hold_leases(spec, spec['dir'], "
+                "open(spec['dir'] + '/output.log', 'ab')); sys.exit(0 if held else agent._recorded_code(spec['dir']))"
+                % str(Path(__file__).resolve().parents[2]))
+        spec = {"run_id": run_id, "dir": str(run_dir), "gpus": {"count": count}, "wait": {"arrival": arrival}}
+        run_dir.mkdir(parents=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=dict(os.environ, DDPFAB_LEASE_DIR=str(lease_dir)))
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(b.decode().rstrip()) for b in self.proc.stdout],
+                         daemon=True).start()
+
+    def send(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def said(self, prefix: str, within: float) -> list[str]:
+        """The lines up to the first that starts with *prefix* (an AssertionError if none within)."""
+        seen, deadline = [], time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                seen.append(self.lines.get(timeout=0.1))
+            except queue.Empty:
+                continue
+            if seen[-1].startswith(prefix):
+                return seen
+        raise AssertionError(f"no {prefix!r} within {within} s: {seen}")
+
+
+def test_a_node_that_said_ready_keeps_its_leases_until_the_go_and_a_go_without_ready_starts_nothing(
+        node_gpus, tmp_path):
+    """The race of the go, forced: a waiter holding its GPUs says ready for the round; an earlier
+    job then queues for them: the waiter keeps them (it promised) until ddpfab ends the round
+    (``u``), then yields; a ``g`` arriving after that starts nothing; the next round starts it."""
+    waiter = Waiter(node_gpus, tmp_path / "runs" / "late", "late", 4, arrival=200.0)
+    try:
+        waiter.said(ctl.GRANTED, 60)
+        waiter.send(b"p1;")
+        waiter.said(ctl.READY + "1", 20)
+        early, path = leases.make_ticket(leases.ticket_key(100.0, "early"), {"run_id": "early", "count": 4})
+        time.sleep(1.5)  # 7 polls: a waiter that had not promised yields at the first
+        assert {s["state"] for s in leases.lease_state()} == {"leased"}
+        assert waiter.lines.empty(), waiter.lines.get()
+        waiter.send(b"u")
+        waiter.said(ctl.YIELDED, 20)
+        waiter.send(b"g")  # the go of the round that failed: must not start the job
+        time.sleep(1)
+        assert waiter.proc.poll() is None and {s["state"] for s in leases.lease_state()} == {"free"}
+        leases.drop_ticket(early, path)
+        waiter.said(ctl.GRANTED, 20)
+        waiter.send(b"p2;g")
+        waiter.said("ddpfab-agent: leased GPU 0,1,2,3", 20)
+        assert waiter.proc.wait(timeout=20) == 0
+    finally:
+        waiter.proc.kill()
+        waiter.proc.wait()
+
+
+def test_a_waiter_cancelled_by_a_signal_leaves_a_record_ps_shows(node_gpus, tmp_path):
+    """ddpfab stop TERMs a waiting supervisor: it leaves its queue and records "cancelled while
+    waiting" (exit 143) instead of dying without a result; the node's ps says cancelled."""
+    held, _, _ = leases.take_leases(4, [], "holder")
+    runs = tmp_path / "runs"
+    waiter = Waiter(node_gpus, runs / "waiter", "waiter", 2, arrival=100.0)
+    try:
+        (runs / "waiter" / "agent.json").write_text(json.dumps({"agent_pid": waiter.proc.pid, "started": 1.0}))
+        waiter.said("ddpfab-agent: waiting: place 1", 60)
+        waiter.proc.send_signal(signal.SIGTERM)
+        assert waiter.proc.wait(timeout=20) == 143
+    finally:
+        waiter.proc.kill()
+        for fd in held:
+            os.close(fd)
+    record = json.loads((runs / "waiter" / "result.json").read_text())
+    assert record["cancelled"] is True and record["exit_code"] == 143
+    assert record["stopped"] == "cancelled while waiting for GPUs (signal 15)"
+    assert leases.tickets() == []
+    (run,) = ops.op_ps({"root": str(runs)}, None)["runs"]
+    assert (run["state"], run["exit_code"]) == ("cancelled", 143)
 
 
 def test_the_dry_run_shows_each_nodes_lease_request_and_refuses_a_bad_one(tmp_path, monkeypatch, capsys):
