@@ -12,24 +12,43 @@ PKGS=(openssh-server openssh-client rsync iptables nftables iproute2 procps util
 # Only for the test suite (`setup.sh --test`): Vagrantfile checks, the real-Slurm export test, the
 # benchmark harness test (pdsh is one of the tools it compares), and the zsh completion test.
 TEST_PKGS=(ruby vagrant slurmctld slurmd slurm-client munge pdsh zsh)
-if [ "${1:-}" = "--test" ]; then PKGS+=("${TEST_PKGS[@]}"); fi
 
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=()
-for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup: installing ${missing[*]}"
+for p in "${PKGS[@]}"; do installed "$p" || missing+=("$p"); done
+missing_test=()
+if [ "${1:-}" = "--test" ]; then
+  for p in "${TEST_PKGS[@]}"; do installed "$p" || missing_test+=("$p"); done
+fi
+apt_pid=""
+apt_log=""
+guard=""
+# on any exit: the background apt-get finishes before its guard goes
+cleanup() {
+  if [ -n "$apt_pid" ]; then wait "$apt_pid" 2>/dev/null || true; fi
+  if [ -n "$guard" ]; then rm -f /usr/sbin/policy-rc.d; fi
+}
+trap cleanup EXIT
+if [ "${#missing[@]}" -gt 0 ] || [ "${#missing_test[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   # keep packages from starting system services (sshd, munge, slurm) on this machine: the lab
   # starts its own, inside namespaces
-  guard=""
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && guard=1
   fi
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  if [ -n "$guard" ]; then rm -f /usr/sbin/policy-rc.d; fi
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "setup: installing ${missing[*]}"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  if [ "${#missing_test[@]}" -gt 0 ]; then
+    # the test-only packages (minutes: ruby, vagrant, slurm) install while pip installs below; no
+    # pip step needs them, and the venv needs only the packages above
+    echo "setup: installing ${missing_test[*]} (in the background, while pip runs)"
+    apt_log=$(mktemp)
+    apt-get install -y -qq --no-install-recommends "${missing_test[@]}" >"$apt_log" 2>&1 &
+    apt_pid=$!
+  fi
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -45,5 +64,16 @@ if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hyp
   echo "setup: installing ddpfab with its node and test extras"
   .venv/bin/pip install -q --disable-pip-version-check -e '.[node,test]'
   touch .venv/.ddpfab-installed
+fi
+if [ -n "$apt_pid" ]; then
+  rc=0
+  wait "$apt_pid" || rc=$?
+  apt_pid=""
+  if [ "$rc" != 0 ]; then
+    cat "$apt_log" >&2
+    echo "setup: apt-get install of ${missing_test[*]} failed (exit $rc, output above)" >&2
+    exit 1
+  fi
+  rm -f "$apt_log"
 fi
 echo "setup: ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

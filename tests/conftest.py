@@ -13,32 +13,39 @@ import pytest
 #: Where the search for a free /16 for the session's labs starts (10.213.0.0/16 is the demo's).
 FIRST_TEST_NET = 213
 
-#: The test files that take longest, longest first (seconds in a CI run with 2 workers on 2 cores,
-#: the sum of each file's tests in `--durations`; lab bring-up not counted). The suite runs them
-#: first: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long file
-#: started last would be the tail both workers wait on. (xdist's own order, the most tests first,
-#: put these few-test files last: the unit files have the most tests.) Files not listed follow:
-#: the other lab files, then tests/infra, then tests/unit, each in collection order.
+#: The test files that take longest, longest first (seconds: the sum of each file's tests in
+#: `--durations`, lab bring-up not counted; "CI" = a CI run with 2 workers on 2 cores, "alone" = the
+#: file run by itself on the engineers' shared 2-core machine, with its load average). The suite
+#: runs them first: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long
+#: file started last would be the tail both workers wait on. (xdist's own order, the most tests
+#: first, put these few-test files last: the unit files have the most tests.) Files not listed
+#: follow: the other lab files, then tests/infra, then tests/unit, each in collection order. A name
+#: here that no collected file has is never matched (files still on other branches may be listed).
 LONGEST_FIRST = [
-    "tests/lab/test_exit_race.py",  # 23 upstream runs on 2 and 4 nodes, and the drills (new: not from CI yet)
-    "tests/lab/test_gpu_leases.py",  # four launches at once, the queue (new: not from CI yet)
-    "tests/lab/test_provision.py",  # 342 s: torch provisioned on 3 hosts, twice; testinfra twice
-    "tests/lab/test_perf.py",  # 307 s: check --perf six times, one node at a 1 % CPU quota
-    "tests/lab/test_recover.py",  # 220 s
-    "tests/lab/test_first_hour.py",  # 205 s: provisions 2 hosts from the wheel
-    "tests/lab/test_install.py",  # 153 s + the wheel and its venv (`dist`, when it builds them)
-    "tests/lab/test_exit_abort.py",  # 100 s
-    "tests/lab/test_debugging.py",  # 89 s
-    "tests/lab/test_sync.py",  # 75 s
-    "tests/infra/test_lint.py",  # 68 s
-    "tests/lab/test_bastion.py",  # 62 s
-    "tests/lab/test_trust.py",  # 58 s
-    "tests/lab/test_sync_lock.py",  # 57 s
-    "tests/lab/test_faults.py",  # 57 s
-    "tests/lab/test_peer_inventories.py",  # 56 s
-    "tests/lab/test_launch_styles.py",  # 47 s
-    "tests/lab/test_replicate.py",  # 46 s
-    "tests/lab/test_sync_ownership.py",  # 44 s
+    "tests/lab/test_exit_race.py",  # alone 2030 s at load 20-110 (soak 838 s: 20 runs x 42 s); 28 torch runs
+    "tests/lab/test_gpu_leases.py",  # four launches at once, the queue (not measured yet)
+    "tests/lab/test_provision.py",  # CI 342 s: torch provisioned on 3 hosts, twice; testinfra twice
+    "tests/lab/test_first_hour.py",  # alone 744 s at load 10-38, + `dist` 104 s: 2 hosts provisioned once, 3 tests
+    "tests/lab/test_perf.py",  # CI 307 s: check --perf six times, one node at a 1 % CPU quota
+    "tests/lab/test_recover.py",  # CI 220 s
+    "tests/lab/test_gpu_users.py",  # three users' GPU queue (new: not measured yet)
+    "tests/lab/test_preflight_dataplane.py",  # (new: not measured yet)
+    "tests/lab/test_preflight_resources.py",  # (new: not measured yet)
+    "tests/lab/test_preflight_load.py",  # (new: not measured yet)
+    "tests/lab/test_doctor.py",  # (new: not measured yet)
+    "tests/lab/test_exit_abort.py",  # CI 100 s
+    "tests/lab/test_debugging.py",  # CI 89 s
+    "tests/lab/test_sync.py",  # CI 75 s
+    "tests/infra/test_lint.py",  # CI 68 s
+    "tests/lab/test_bastion.py",  # CI 62 s
+    "tests/lab/test_trust.py",  # CI 58 s
+    "tests/lab/test_sync_lock.py",  # CI 57 s
+    "tests/lab/test_faults.py",  # CI 57 s
+    "tests/lab/test_peer_inventories.py",  # CI 56 s
+    "tests/lab/test_install.py",  # alone 56 s at load 10-20: the wheel's contents, the collection on 1 host
+    "tests/lab/test_launch_styles.py",  # CI 47 s
+    "tests/lab/test_replicate.py",  # CI 46 s
+    "tests/lab/test_sync_ownership.py",  # CI 44 s
 ]
 #: After LONGEST_FIRST: the rest of each directory, in this order.
 DIR_ORDER = ["tests/lab/", "tests/infra/", "tests/unit/"]
