@@ -786,6 +786,48 @@ def leases_section(data) -> list[str]:
     return lines + table(["what", "median (min-max)", "vs no lease"], rows)
 
 
+def preflight_section(dataplane, resources) -> list[str]:
+    """`bench/preflight_dataplane.py` and `bench/preflight_resources.py`: what issue 25's preflight
+    checks add to `check --fast` (what `ddpfab run` runs before a launch), before and after."""
+    lines = ["## 7. The preflight's checks (`bench/preflight_dataplane.py`, `bench/preflight_resources.py`)", ""]
+    if not dataplane and not resources:
+        return lines + ["Not run yet: `.venv/bin/python bench/preflight_dataplane.py`, "
+                        "`.venv/bin/python bench/preflight_resources.py`.", ""]
+    if dataplane:
+        lines += ["### The data plane (bulk transfers across a path-MTU black hole, the advertised address)", "",
+                  describe("preflight_dataplane", dataplane), "",
+                  "`ddpfab check --fast` before (the tree without them) and after the bulk transfers (256 KiB "
+                  "from each node to its ring neighbour and to the master, answered with as many bytes back) and "
+                  "the advertised-address connects, interleaved on one lab. Median (min-max); the mesh phase "
+                  "holds the new probes.", ""]
+        rows = []
+        for n in sorted(dataplane["table"], key=int):
+            row = dataplane["table"][n]
+            before, after = row["before"], row["after"]
+            delta = med(after) - med(before)
+            rows.append([n, fmt(before), fmt(after), f"{delta:+.2f} s ({med(after) / med(before):.2f}x)",
+                         f"{med(row['before_mesh']):.2f} s", f"{med(row['after_mesh']):.2f} s"])
+        lines += table(["hosts", "before", "after", "added", "mesh before", "mesh after"], rows)
+    if resources:
+        lines += ["### The node's resources (/dev/shm, free space, limits, memory, left-overs)", "",
+                  describe("preflight_resources", resources), "",
+                  "`ddpfab plan` (the whole preflight) and `ddpfab check --fast`, base tree against this one, "
+                  "interleaved on one lab. Median (min-max).", ""]
+        by = {(s["tool"], s["hosts"]): s for s in resources["series"]}
+        rows = []
+        for n in resources["config"]["sizes"]:
+            for what in ("plan", "check"):
+                base, this = by.get((f"{what} (base)", n)), by.get((f"{what} ({'this'})", n))
+                if base and this:
+                    rows.append([str(n), what, fmt(base), fmt(this), f"{med(this) / med(base):.2f}x"])
+        lines += table(["hosts", "command", "base", "with the resource checks", "ratio"], rows)
+        node = (resources.get("node_side_ms") or {}).get("res_facts")
+        if node:
+            lines += [f"The node side of the resource facts: {node['median']:.2f} ms median over {node['runs']} "
+                      "calls on this machine.", ""]
+    return lines
+
+
 def warm_section(data) -> tuple[list[str], dict]:
     """`bench/fanout.py --sizes 128 --out fanout-128.json`: the fan-out at the moonshot's size, cold
     and on connections already open (in-process), against pdsh."""
@@ -1095,7 +1137,8 @@ def verdicts(t: dict) -> list[str]:
     return table(["target", "measured", "verdict"], rows)
 
 
-RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check", "leases")
+RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check", "leases",
+                "preflight_dataplane", "preflight_resources")
 
 
 def load_all() -> dict[str, dict | None]:
@@ -1169,6 +1212,7 @@ def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = Tru
     head += verdicts(targets)
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
     body += recovery_section(recovery) + s_lines + leases_section(data.get("leases"))
+    body += preflight_section(data.get("preflight_dataplane"), data.get("preflight_resources"))
     if not have_plotter:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]
