@@ -96,6 +96,12 @@ class Site:
         return "an unknown place (no stack)"
 
 
+def _where_key(where: str) -> tuple:
+    """file.py:LINE sorted by file, then line as a number."""
+    file, _, line = where.rpartition(":")
+    return (file, int(line)) if line.isdigit() else (where, 0)
+
+
 @dataclass
 class Verdict:
     lines: list[str]
@@ -213,8 +219,18 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
         if r.state in ODD_STATES:
             shown.setdefault(Site(None, None, None, r.state), []).append(r)
     known = {s: rs for s, rs in by_site.items() if s.where or s.collective}
+    # a stopped, stuck or gone rank (or a silent node) is the cause: the others wait wherever its
+    # stop caught them (a ring all_reduce lets some ranks through to the next call site of the same
+    # collective), so their places are not odd ones out; they are named as waiting, every place
+    caused = any(o["what"] != "site" for o in odd)
+    if caused and len(known) > 1 and len({s.collective for s in known}) == 1 and None not in {s.collective for s in known}:
+        merged = Site(next(iter(known)).collective, ", ".join(sorted({s.where for s in known if s.where}, key=_where_key)),
+                      None)
+        known = {merged: [r for rs in known.values() for r in rs]}
     main = max(known, key=lambda s: (len(known[s]), -min(r.rank or 0 for r in known[s]))) if known else None
-    if main is not None and len(known) > 1 and len(known[main]) > max(len(v) for s, v in known.items() if s != main):
+    if caused and main is not None and len(known) > 1:
+        main = None  # every place is listed, none is called odd
+    elif main is not None and len(known) > 1 and len(known[main]) > max(len(v) for s, v in known.items() if s != main):
         for site, rs in known.items():
             if site != main:
                 odd.append({"node": rs[0].node, "what": "site", "ranks": [r.rank for r in rs],

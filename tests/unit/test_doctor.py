@@ -74,6 +74,24 @@ def test_a_stopped_rank_is_named_first_and_the_others_wait_in_the_collective():
     assert f"all_reduce ({TORCH}:3252)" in shown  # the stack itself, innermost first
 
 
+
+def test_behind_a_stopped_rank_the_waiters_at_two_call_sites_of_one_collective_are_not_odd_ones():
+    """A ring all_reduce lets some ranks through to the next all_reduce of the step before the stopped
+    rank's share is missing: they wait at another line, for the same cause (seen on the lab)."""
+    replies = cluster_replies(r5={"state": "T", "pid": 777, "stack": stack("", 55, "main")},
+                              r0={"stack": stack("all_reduce", 24, "average_gradients")},
+                              r6={"stack": stack("all_reduce", 24, "average_gradients")},
+                              r7={"stack": stack("all_reduce", 24, "average_gradients")})
+    v = doctor.analyse(replies, EXPECTED)
+    assert v.lines[0] == "node3 rank 5 (pid 777) is stopped (SIGSTOP, state T)"
+    assert v.lines[1] == "the other 7 ranks wait in all_reduce (train.py:24, train.py:42)"
+    assert v.hung and [o["what"] for o in v.odd] == ["state"]
+    shown = "\n".join(doctor.render(v))  # the stacks stay grouped by their own place
+    assert "-- 4 ranks in all_reduce (train.py:42)" in shown and "-- 3 ranks in all_reduce (train.py:24)" in shown
+    # without a stopped rank, the same split is a difference worth naming (no cause seen)
+    v = doctor.analyse(cluster_replies(r0={"stack": stack("broadcast", 24, "odd_call")}), EXPECTED)
+    assert v.odd[0]["what"] == "site"
+
 def test_a_rank_in_another_collective_is_the_odd_one_out():
     replies = cluster_replies(r3={"stack": stack("broadcast", 50, "odd_call")})
     v = doctor.analyse(replies, EXPECTED)
