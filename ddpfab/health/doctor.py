@@ -96,6 +96,18 @@ class Site:
         return "an unknown place (no stack)"
 
 
+#: The share of one CPU a rank must use over the sample to count as busy (computing, importing).
+BUSY_SHARE = 0.1
+#: How long the node program samples each rank's CPU time (``stacks.node_stacks``' default).
+SAMPLE_S = 1.0
+
+
+def _ticks_per_sample(reply) -> float:
+    """Clock ticks in one sample on the node that sent *reply* (its SC_CLK_TCK; 100 when unknown)."""
+    ticks = reply.get("clock_ticks") if isinstance(reply, dict) else None
+    return SAMPLE_S * (ticks if type(ticks) is int and 0 < ticks <= 10_000 else 100)
+
+
 def _where_key(where: str) -> tuple:
     """file.py:LINE sorted by file, then line as a number."""
     file, _, line = where.rpartition(":")
@@ -244,8 +256,11 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
               for s, rs in sorted(shown.items(), key=lambda kv: -len(kv[1]))]
     no_stack = [r for r in ranks if r.stack_error]
     # progress: a rank that runs (R) or used CPU in the sample is busy (importing, computing), not
-    # hung, even where it is elsewhere than the others; a stopped, stuck or gone rank is a hang
-    busy = [r for r in waiting if r.state == "R" or (r.cpu_ticks or 0) > 0]
+    # hung, even where it is elsewhere than the others; a stopped, stuck or gone rank is a hang. A rank
+    # blocked in a collective still uses a tick or two a second (gloo's and the interpreter's threads:
+    # 0-2 of 100 seen on the lab), so "used CPU" means at least BUSY_SHARE of one CPU over the sample
+    busy = [r for r in waiting
+            if r.state == "R" or (r.cpu_ticks or 0) >= BUSY_SHARE * _ticks_per_sample(replies.get(r.node))]
     hard = [o for o in odd if o["what"] != "site"]
     lines = []
     if odd:

@@ -109,6 +109,17 @@ def test_a_rank_elsewhere_but_using_cpu_is_busy_not_hung():
     assert v.lines[-1] == "not a hang: node3 rank 4 (pid 1004) is using CPU (busy: still importing, or computing)"
 
 
+
+def test_a_tick_or_two_in_the_sample_is_a_blocked_rank_not_a_busy_one():
+    """Ranks blocked in gloo collectives used 0-2 ticks of 100 a second on the lab (its threads): the
+    odd rank in broadcast is a hang, not "busy" (the hang watch then kept waiting for ever)."""
+    ticks = {f"r{r}": {"cpu_ticks": r % 3} for r in range(8)}
+    ticks["r6"] = {"cpu_ticks": 1, "stack": stack("broadcast", 33, "odd_call")}
+    v = doctor.analyse(cluster_replies(**ticks), EXPECTED)
+    assert v.hung and v.odd[0]["what"] == "site" and not v.lines[-1].startswith("not a hang")
+    ticks["r2"] = {"cpu_ticks": 30}  # 30 % of a CPU: computing
+    assert not doctor.analyse(cluster_replies(**ticks), EXPECTED).hung
+
 def test_the_same_collective_at_another_call_site_is_odd_too():
     v = doctor.analyse(cluster_replies(r6={"stack": stack("all_reduce", 99)}), EXPECTED)
     assert v.lines[0].startswith("node4 rank 6 (pid 1006) is in all_reduce (train.py:99)")
