@@ -23,16 +23,16 @@ FIRST_TEST_NET = 213
 #: here that no collected file has is never matched (files still on other branches may be listed).
 LONGEST_FIRST = [
     "tests/lab/test_exit_race.py",  # alone 2030 s at load 20-110 (soak 838 s: 20 runs x 42 s); 28 torch runs
+    "tests/lab/test_gpu_users.py",  # 30 jobs of three users: 670 s alone at load 39-61
     "tests/lab/test_gpu_leases.py",  # four launches at once, the queue (not measured yet)
     "tests/lab/test_provision.py",  # CI 342 s: torch provisioned on 3 hosts, twice; testinfra twice
     "tests/lab/test_first_hour.py",  # alone 744 s at load 10-38, + `dist` 104 s: 2 hosts provisioned once, 3 tests
     "tests/lab/test_perf.py",  # CI 307 s: check --perf six times, one node at a 1 % CPU quota
     "tests/lab/test_recover.py",  # CI 220 s
-    "tests/lab/test_gpu_users.py",  # three users' GPU queue (new: not measured yet)
     "tests/lab/test_preflight_dataplane.py",  # (new: not measured yet)
     "tests/lab/test_preflight_resources.py",  # (new: not measured yet)
     "tests/lab/test_preflight_load.py",  # (new: not measured yet)
-    "tests/lab/test_doctor.py",  # (new: not measured yet)
+    "tests/lab/test_doctor.py",  # 174 s alone at load ~5
     "tests/lab/test_exit_abort.py",  # CI 100 s
     "tests/lab/test_debugging.py",  # CI 89 s
     "tests/lab/test_sync.py",  # CI 75 s
