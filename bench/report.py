@@ -828,6 +828,28 @@ def preflight_section(dataplane, resources) -> list[str]:
     return lines
 
 
+def hang_section(data) -> list[str]:
+    """`bench/hang.py`: from a rank stopped with SIGSTOP to the first message that says something is wrong."""
+    lines = ["## 8. A stopped rank: time to the first word (`bench/hang.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/hang.py`.", ""]
+    c = data["config"]
+    lines += [describe("hang", data), "",
+              f"A gloo job ({c['nproc_per_node']} process per host, an all_reduce every 50 ms) on the lab; t=0 "
+              "is the SIGSTOP of the last rank; t ends at the first line the launcher prints that is not the "
+              f"job's own progress. `ddpfab run --hang-timeout {c['hang_timeout_s']} --on-hang stop` against "
+              "pdsh + torchrun and torchrun alone, whose first word is the ranks' collective timeout error: "
+              f"the job's process group timeout is **{c['pg_timeout_s']:g} s** for every launcher (a user's "
+              "default is 30 minutes for gloo, 10 for NCCL; no benchmark waits that long). A launcher silent "
+              f"until {c['cap_s']:g} s counts as \"> cap\".", ""]
+    rows = []
+    for srow in sorted(data["series"], key=lambda x: (x["hosts"], c["launchers"].index(x["tool"])
+                                                      if x["tool"] in c["launchers"] else 99)):
+        verdict = fmt(srow["verdict"]) if srow.get("verdict") else ""
+        rows.append([str(srow["hosts"]), srow["tool"], fmt(srow), verdict])
+    return lines + table(["hosts", "launcher", "first message after the stop", "the verdict naming the rank"], rows)
+
+
 def warm_section(data) -> tuple[list[str], dict]:
     """`bench/fanout.py --sizes 128 --out fanout-128.json`: the fan-out at the moonshot's size, cold
     and on connections already open (in-process), against pdsh."""
@@ -1138,7 +1160,7 @@ def verdicts(t: dict) -> list[str]:
 
 
 RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check", "leases",
-                "preflight_dataplane", "preflight_resources")
+                "preflight_dataplane", "preflight_resources", "hang")
 
 
 def load_all() -> dict[str, dict | None]:
@@ -1213,6 +1235,7 @@ def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = Tru
     body = f_lines + l_lines + profile_section(launch, fanout) + d_lines + provision_section(provision, plots)
     body += recovery_section(recovery) + s_lines + leases_section(data.get("leases"))
     body += preflight_section(data.get("preflight_dataplane"), data.get("preflight_resources"))
+    body += hang_section(data.get("hang"))
     if not have_plotter:
         body += ["_matplotlib is not installed: no plots (`.venv/bin/pip install matplotlib`, then "
                  "`.venv/bin/python bench/report.py`)._", ""]
