@@ -37,7 +37,7 @@ PORT = 29517
 
 @pytest.fixture(scope="module")
 def rlab(tmp_path_factory):
-    with own_lab(tmp_path_factory, "reslab", hosts=4, subnet=extra_subnet(171), gpus=2) as the_lab:
+    with own_lab(tmp_path_factory, "reslab", hosts=4, subnet=extra_subnet(173), gpus=2) as the_lab:
         yield the_lab
 
 
