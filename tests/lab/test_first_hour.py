@@ -9,14 +9,7 @@
   package) changes what `check` reports and what the job imports; a failing setup line is named
   with its node by `check`, `run` and `exec`.
 
-- The installed wheel's own `lab up` / `lab down` (moved here from test_install): the lab is
-  brought up by it, and a 2-node x 2-proc training run from a project outside the checkout.
-
-One lab of 2 hosts for the module, brought up and taken down by the wheel's `ddpfab lab up|down`
-(its hosts see the tests' temp dirs, as a shared filesystem). The hosts are provisioned once for
-the module, by the first test (torch installed from scratch, an inventory of names only); the
-installed-wheel test's provision is then the second, idempotent run of the same playbook (the
-two tests provisioned a lab each before: the longest step of both).
+One lab of 2 hosts for the module (its hosts see the tests' temp dirs, as a shared filesystem).
 """
 
 from __future__ import annotations
@@ -24,22 +17,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import venv
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 
-from ddpfab import __version__
-from ddpfab import lab as labmod
-from ddpfab.hosts import nodeenv, provision
+from ddpfab.hosts import nodeenv
 
-from .conftest import extra_subnet
+from .conftest import extra_subnet, own_lab
 from .helpers import ddpfab, reports
-from .test_install import REPO, sh
+from .test_install import sh
 
 #: The job: who am I, which python, which torchrun started me (the node's /proc), one all_reduce,
 #: a file for `fetch`. With the marker env's package importable, its name too.
@@ -69,29 +58,9 @@ dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def wheel_lab(dist, tmp_path_factory):
-    """2 lab hosts brought up by the installed wheel's `ddpfab lab up` (run from a dir that is not
-    the checkout; the tests' temp dirs shared), taken down by its `lab down`, which must leave no
-    network namespace behind. `up` is lab up's result, for the test that reads what it said."""
-    vbin = dist["venv"] / "bin"
-    env = {"PATH": f"{vbin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
-    cwd = tmp_path_factory.mktemp("firsthour-cwd")
-    lab_dir = tmp_path_factory.mktemp("firsthour") / "lab"
-    up = sh([vbin / "ddpfab", "lab", "up", "--hosts", "2", "--dir", lab_dir, "--subnet", extra_subnet(147),
-             "--share", tmp_path_factory.getbasetemp()], cwd=cwd, env=env)
-    try:
-        assert up.returncode == 0
-        yield SimpleNamespace(lab=labmod.Lab.load(lab_dir), up=up, bin=vbin, env=env)
-    finally:
-        down = sh([vbin / "ddpfab", "lab", "down", "--dir", lab_dir], cwd=cwd, env=env)
-        assert down.returncode == 0
-        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-        assert labmod.lab_id(lab_dir.resolve()) not in netns
-
-
-@pytest.fixture(scope="module")
-def hosts(wheel_lab):
-    return wheel_lab.lab
+def hosts(tmp_path_factory):
+    with own_lab(tmp_path_factory, "firsthour", hosts=2, subnet=extra_subnet(147)) as the_lab:
+        yield the_lab
 
 
 def names_inventory(the_lab, path: Path, **group_vars) -> Path:
@@ -156,39 +125,6 @@ def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisione
     assert res.returncode == 0
     fetched = json.loads(next((proj / "fetched").rglob("rank1.json")).read_text())
     assert fetched["rank"] == 1 and fetched["executable"] == venv_python
-
-
-def test_installed_wheel_brings_up_provisions_and_trains_outside_the_checkout(dist, wheel_lab, tmp_path):
-    vbin = wheel_lab.bin  # the wheel installed in a fresh venv (the session's `dist` fixture)
-    assert sh([vbin / "python", "-c", "import torch"], cwd=tmp_path).returncode != 0  # a controller without torch
-    # what `ddpfab provision` runs is beside it in the venv (what a pipx install, whose PATH has only
-    # `ddpfab`, relies on), and the command answers from outside the checkout
-    assert (vbin / "ansible-playbook").is_file()
-    res = sh([vbin / "ddpfab", "--version"], cwd=tmp_path)
-    assert res.returncode == 0 and __version__ in res.stdout + res.stderr, res.stdout + res.stderr
-    project = tmp_path / "project"  # the user's project: not the checkout
-    project.mkdir()
-    shutil.copy(REPO / "examples" / "train.py", project / "train.py")
-    env = wheel_lab.env
-    ddpfab_bin = vbin / "ddpfab"
-    # the module's lab, brought up by this wheel's `lab up` (its `lab down` is checked at the end)
-    assert f"python:    {labmod.PROVISIONED_PYTHON} (this python has no torch" in wheel_lab.up.stdout
-    inv = wheel_lab.lab.inventory
-    # provision from the wheel: its collection, over no ansible.cfg of the user's
-    res = sh([ddpfab_bin, "provision", "-i", inv, "-e", "ddpfab_python_pip_compile=false",
-              "-e", '{"ddpfab_python_pip_environment": {"PIP_RETRIES": "0"}}'], cwd=project, env=env)
-    assert res.returncode == 0
-    assert "ddpfab.cluster.ddpfab_python : " in res.stdout  # the roles of the wheel's collection ran
-    recap = {h.host: h.counts for h in provision.parse_recap(res.stdout)}
-    assert sorted(recap) == ["node1", "node2"] and all(c["failed"] == 0 for c in recap.values())
-    # train from the project dir, copied to a workdir only the nodes have (inside their /opt overlay)
-    res = sh([ddpfab_bin, "run", "-i", inv, "-e", "ddpfab_workdir=/opt/ddpfab-install-test", "--nproc-per-node", "2",
-              "train.py", "--steps", "2"], cwd=project, env=env, timeout=300)
-    assert res.returncode == 0
-    assert "all 2 nodes exited 0" in res.stdout + res.stderr
-    ranks = {ln.split("|")[0].split()[-1] for ln in res.stdout.splitlines() if "|" in ln and " r" in ln.split("|")[0]}
-    assert ranks == {"r0", "r1", "r2", "r3"}, ranks
-    assert (project / "runs").is_dir()  # the run record lands in the user's project
 
 
 def test_a_setup_line_activates_another_env_for_check_and_job_and_a_failing_one_is_named(hosts, tmp_path):
