@@ -1,13 +1,14 @@
 """GPU leases on a node (part of the node program: stdlib only, Python 3.6+).
 
-One lock file per GPU in :data:`LEASE_DIR`, a directory every user of the node can use (mode 1777,
-like /tmp). A lease is an exclusive ``flock`` on the GPU's file, taken by the job's supervisor
-before it starts the job and held (the descriptor open) for as long as the supervisor lives: the
-kernel releases it however the supervisor ends, SIGKILL included, so no lease outlives its job.
-``flock`` needs only an open descriptor, so any user can take a free GPU's lock, whoever created
-the file; the holder writes who it is (run id, user, pid, since) into the file when it can write
-there, and readers take that as data (:func:`read_lease_holder`: typed fields only), and only while the
-lock is really held (a free lock's file may still hold its last holder's words).
+A lease is a Unix socket bound to the GPU's abstract name (Linux: a name in the node's network
+namespace, no file): the kernel lets one socket hold a name, and the job's supervisor binds it
+before it starts the job and keeps it for as long as it lives. The kernel drops the name however
+the supervisor ends, SIGKILL included, so no lease outlives its job; any user can bind a free
+GPU's name, whoever held it before; and no user can take it from its holder (a lock file could be
+removed by its creator, or by the owner of its dir, while another user holds it: then a second
+grant). Who holds a lease is written, as data, in ``gpu-INDEX.holder`` in :data:`LEASE_DIR`
+(mode 1777, like /tmp), read by :func:`read_lease_holder` (typed fields only) and only while the
+name is really held by a live process; a record removed or made to lie never frees the GPU.
 
 GPUs that a process uses without a lease (another tool's job: ``nvidia-smi --query-compute-apps``)
 are busy too: they are never granted, and shown with their processes.
@@ -15,16 +16,18 @@ are busy too: they are never granted, and shown with their processes.
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import pwd
 import shutil
+import socket
 import stat
 import subprocess
 import time
 
-#: Where every user's leases meet (one file per GPU, ``gpu-INDEX.lock``). ``DDPFAB_LEASE_DIR``
-#: overrides it (tests of one host's leases in a private dir).
+#: Where every user's lease records, port reservations and queue tickets meet. ``DDPFAB_LEASE_DIR``
+#: overrides it (tests of one host's leases in a private dir: the GPUs' lock names follow it).
 LEASE_DIR = os.environ.get("DDPFAB_LEASE_DIR") or "/tmp/ddpfab-leases"
 #: The fields of a holder record a reader takes, each with its type.
 LEASE_FIELDS = (("run_id", str), ("user", str), ("pid", int), ("since", float), ("gpus", list), ("until", float))
@@ -103,8 +106,32 @@ def compute_apps(table):
     return apps
 
 
-def _lease_path(gpu):
-    return os.path.join(LEASE_DIR, "gpu-%s.lock" % gpu)
+def _holder_path(gpu):
+    return os.path.join(LEASE_DIR, "gpu-%s.holder" % gpu)
+
+
+def _lock_name(gpu):
+    """GPU *gpu*'s abstract socket name: the same for every user of the lease dir."""
+    digest = hashlib.sha1(LEASE_DIR.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return "\0ddpfab-lease-%s-gpu-%s" % (digest, gpu)
+
+
+def _bind_lock(gpu):
+    """GPU *gpu*'s lease lock: the descriptor of a socket bound to its name (close it to release),
+    or None when another process holds it. Not inherited by the job (close-on-exec)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(_lock_name(gpu))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise LeaseError("cannot bind GPU %s's lease name: %s" % (gpu, exc.strerror))
+    return sock.detach()
+
+
+def _alive(pid):
+    return os.path.exists("/proc/%d" % pid)
 
 
 def _open_lease(path):
@@ -167,6 +194,20 @@ def read_lease_holder(fd):
     return read_fields(fd, LEASE_FIELDS)
 
 
+def _holder_of(gpu):
+    """Who holds GPU *gpu*'s lease, as its record says ({} when the record is missing, unreadable
+    or names a process that is gone: a holder that could not write its own)."""
+    try:
+        fd = os.open(_holder_path(gpu), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return {}
+    try:
+        rec = read_lease_holder(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else {}
+    finally:
+        os.close(fd)
+    return rec if rec.get("pid") and _alive(rec["pid"]) else {}
+
+
 def _try_flock(fd):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -187,15 +228,12 @@ def lease_state(table=None):
     apps = compute_apps(table)
     out = []
     for gpu, uuid in table:
-        fd = _open_lease(_lease_path(gpu))
-        try:
-            if _try_flock(fd):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                holder = None
-            else:
-                holder = read_lease_holder(fd)
-        finally:
-            os.close(fd)
+        lock = _bind_lock(gpu)
+        if lock is not None:
+            os.close(lock)
+            holder = None
+        else:
+            holder = _holder_of(gpu)
         procs = apps.get(gpu, [])
         if holder is not None and holder.get("pid"):  # its own job's processes are no foreign use
             procs = [p for p in procs if holder["pid"] not in _ancestors(p["pid"])]
@@ -245,26 +283,32 @@ def take_leases(count, pin, run_id, table=None, among=None):
             break
         if gpu in busy:
             continue
-        fd = _open_lease(_lease_path(gpu))
-        # a reader (lease_state) holds a free GPU's lock for microseconds: one second look
-        if _try_flock(fd) or (time.sleep(0.01) or _try_flock(fd)):
-            fds.append(fd)
+        # a reader (lease_state) binds a free GPU's name for microseconds: one second look
+        lock = _bind_lock(gpu)
+        if lock is None:
+            time.sleep(0.01)
+            lock = _bind_lock(gpu)
+        if lock is not None:
+            fds.append(lock)
             got.append(gpu)
-        else:
-            os.close(fd)
     if len(got) < count:
         for fd in fds:
-            os.close(fd)  # closing the only descriptor releases its flock
+            os.close(fd)  # closing the only descriptor releases the name
         return None, None, lease_state(table)
     record = json.dumps({"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(),
                          "gpus": got}).encode("utf-8")
-    for fd in fds:
+    for gpu in got:
+        try:
+            fd = _open_lease(_holder_path(gpu))
+        except (OSError, LeaseError):
+            continue  # no record (a link or another user's file in the way): the lease still holds
+        fds.append(fd)  # kept open for touch_leases (a /tmp cleaner must not remove it)
         try:
             os.ftruncate(fd, 0)
             os.lseek(fd, 0, os.SEEK_SET)
             os.write(fd, record)
         except OSError:
-            pass  # a read-only descriptor (another user's file, made unwritable): the lock still holds
+            pass  # a read-only descriptor (another user's file, made unwritable): the lease still holds
     return fds, got, None
 
 

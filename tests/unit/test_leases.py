@@ -1,4 +1,4 @@
-"""GPU leases without a network: the node side (real flocks in a private lease dir, the lab's
+"""GPU leases without a network: the node side (real lease names in a private lease dir, the lab's
 stand-in nvidia-smi on PATH), the plan's lease request, the controller's reading of what nodes
 report (validated data) and its refusal, the queue's order and the go gate of ``--wait``."""
 
@@ -46,10 +46,30 @@ def test_leases_are_never_granted_twice_and_name_their_holder(node_gpus):
     assert states[0]["holder"]["run_id"] == "first" and states[0]["holder"]["pid"] == os.getpid()
     assert leases.describe_leases(states)[0].startswith("GPU 0 leased by run first (user ")
     pinned, gpus, _ = leases.take_leases(1, ["GPU-6f1b2c3d-0000-4000-8000-000000000003"], "third")
-    assert gpus == ["3"]  # a UUID pin is the same GPU as its index: one lock file per GPU
+    assert gpus == ["3"]  # a UUID pin is the same GPU as its index: one lease name per GPU
     for fd in fds + pinned:
         os.close(fd)
     assert {s["state"] for s in leases.lease_state()} == {"free"}
+
+
+def test_removing_every_file_of_the_lease_dir_neither_frees_nor_regrants_a_leased_gpu(node_gpus):
+    """The lease is the abstract socket name, not a file: whoever can remove the holder records
+    (their creator, the dir's owner) only removes what they say; the GPU stays leased, is never
+    granted twice, and shows its holder as unknown until the holder ends."""
+    fds, got, _ = leases.take_leases(2, [], "first")
+    for f in node_gpus.iterdir():
+        f.unlink()
+    again, _, states = leases.take_leases(3, [], "second")
+    assert again is None and [s["state"] for s in states] == ["leased", "leased", "free", "free"]
+    assert states[0]["holder"] == {}
+    (node_gpus / "gpu-0.holder").write_text(json.dumps({"run_id": "liar", "user": "x", "pid": 999999999}))
+    assert leases.lease_state()[0]["holder"] == {}  # a record naming a process that is not there
+    for fd in fds:
+        os.close(fd)
+    fds, got, _ = leases.take_leases(4, [], "next")
+    assert got == ["0", "1", "2", "3"]
+    for fd in fds:
+        os.close(fd)
 
 
 def test_sigkill_of_the_holder_releases_its_leases(node_gpus):
