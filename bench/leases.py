@@ -5,7 +5,7 @@ are released, and what leasing adds to a launch.
     .venv/bin/python bench/leases.py [--quick] [--reps R] [--subnet 10.NN.111.0/24]
 
 On one lab of 8 hosts with 4 stand-in GPUs each (``ddpfab lab up --gpus 4``: a stand-in
-nvidia-smi, the leases are the real flocks):
+nvidia-smi, the leases are the real lease sockets):
 
 - ``release -> start``: a plain process on node1 and node2 holds all their GPU leases (the node
   program's own ``take_leases``, so the release is the kernel's, at a known instant); a

@@ -767,7 +767,7 @@ def leases_section(data) -> list[str]:
         return lines + ["Not run yet: `.venv/bin/python bench/leases.py`.", ""]
     res, over = data["results"], data["overhead_vs_no_lease"]
     lines += [describe("leases", data), "",
-              "One lab of 8 hosts with 4 stand-in GPUs each (the leases are the real flocks). **Release -> start**: "
+              "One lab of 8 hosts with 4 stand-in GPUs each (the leases are the real lease sockets). **Release -> start**: "
               "a plain process holds every GPU lease of node1 and node2, a `ddpfab run --wait --gpus-per-node 4` "
               "queues behind it; t=0 just before the holder lets go (it closes its lease files and exits). "
               "**Leasing's cost**: `ddpfab run` of a script that exits at once on all 8 hosts, spawn to exit, "
