@@ -44,6 +44,9 @@ class GpuState:
 
     def describe(self, now: float | None = None) -> str:
         """``GPU 1 leased by run R (user U, pid P, for 12 s)`` or ``GPU 2 busy without a lease: ...``."""
+        if self.state == "leased" and not (self.run_id or self.user or self.pid):
+            return (f"GPU {self.gpu} leased by a process that left no record of itself (as root, "
+                    "`ss -xap | grep ddpfab-lease-` names it)")
         if self.state == "leased":
             age = f", for {(now or time.time()) - self.since:.0f} s" if self.since else ""
             return (f"GPU {self.gpu} leased by run {self.run_id or '?'} (user {self.user or '?'}, "

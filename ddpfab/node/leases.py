@@ -327,8 +327,11 @@ def describe_leases(states, only=None):
     for s in states:
         if s["state"] == "free" or (only is not None and s["gpu"] not in only):
             continue
-        if s["state"] == "leased":
-            h = s["holder"] or {}
+        if s["state"] == "leased" and not s["holder"]:
+            lines.append("GPU %s leased by a process that left no record of itself (as root, `ss -xap | grep "
+                         "ddpfab-lease-` names it)" % s["gpu"])
+        elif s["state"] == "leased":
+            h = s["holder"]
             age = time.time() - h["since"] if isinstance(h.get("since"), float) else None
             lines.append("GPU %s leased by run %s (user %s, pid %s%s)" % (
                 s["gpu"], h.get("run_id", "?"), h.get("user", "?"), h.get("pid", "?"),

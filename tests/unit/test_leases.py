@@ -62,6 +62,8 @@ def test_removing_every_file_of_the_lease_dir_neither_frees_nor_regrants_a_lease
     again, _, states = leases.take_leases(3, [], "second")
     assert again is None and [s["state"] for s in states] == ["leased", "leased", "free", "free"]
     assert states[0]["holder"] == {}
+    assert leases.describe_leases(states)[0] == ctl.parse({"gpus": states})[0].describe() == (
+        "GPU 0 leased by a process that left no record of itself (as root, `ss -xap | grep ddpfab-lease-` names it)")
     (node_gpus / "gpu-0.holder").write_text(json.dumps({"run_id": "liar", "user": "x", "pid": 999999999}))
     assert leases.lease_state()[0]["holder"] == {}  # a record naming a process that is not there
     for fd in fds:
