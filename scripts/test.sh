@@ -13,6 +13,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 workers=${DDPFAB_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
-  exec .venv/bin/python -m pytest -q "$@"
+  exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
-exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=25 "$@"

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddpfab.health.resources import size
 from ddpfab.problems import DdpfabError, Problem
 
 #: The thresholds below come from healthy lab checks on a loaded shared machine (15 checks, 3 and
@@ -424,20 +425,13 @@ def add_all_reduce(res: PerfResult, reports: dict[str, dict], order: list[str]) 
     res.all_reduce = [dict(a) for a in first]
     skipped = reports[order[0]]["all_reduce_skipped"] if order else []
     if skipped:
-        res.notes.append(f"all_reduce at {', '.join(_size(s) for s in skipped)} skipped: over the slowest link "
+        res.notes.append(f"all_reduce at {', '.join(size(s) for s in skipped)} skipped: over the slowest link "
                          "measured it would take longer than the time cap")
     largest = max(first, key=lambda a: a["bytes"], default=None)
     if largest and largest["busbw_gbs"] and res.medians.get("link_gbs"):
         ratio = largest["busbw_gbs"] / res.medians["link_gbs"]
-        res.notes.append(f"all_reduce bus bandwidth at {_size(largest['bytes'])}: {_fmt(largest['busbw_gbs'])} GB/s, "
+        res.notes.append(f"all_reduce bus bandwidth at {size(largest['bytes'])}: {_fmt(largest['busbw_gbs'])} GB/s, "
                          f"{_x(ratio)} of the median link (a ring all_reduce moves at the pace of its slowest link)")
-
-
-def _size(nbytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):g} {unit}"
-    return f"{nbytes} B"
 
 
 # -- terminal ----------------------------------------------------------------------------------------
@@ -464,7 +458,7 @@ def render(res: PerfResult, report_path: str | None = None, seconds: float | Non
             for k, v in sorted(res.links.items(), key=lambda kv: kv[1]["ratio"])[:3]))
     if res.all_reduce:
         lines.append("all_reduce (bus bandwidth): " + ", ".join(
-            f"{_size(a['bytes'])} {_fmt(a['busbw_gbs']) if a['busbw_gbs'] is not None else '-'} GB/s"
+            f"{size(a['bytes'])} {_fmt(a['busbw_gbs']) if a['busbw_gbs'] is not None else '-'} GB/s"
             for a in res.all_reduce))
     for note in res.notes:
         lines.append(f"note: {note}")

@@ -106,12 +106,12 @@ def parse_floors(spec: str | None) -> Floors:
 
 
 def size(n: int | None) -> str:
-    """Bytes in words: ``64 MiB``, ``1.5 GiB``."""
+    """Bytes in words: ``256 KiB``, ``64 MiB``, ``1.5 GiB``."""
     if n is None:
         return "?"
     if n >= GIB:
         return f"{n / GIB:.1f} GiB".replace(".0 ", " ")
-    return f"{n / MIB:.0f} MiB" if n >= MIB else f"{n} B"
+    return f"{n / MIB:.0f} MiB" if n >= MIB else f"{n // 1024} KiB" if n >= 1024 else f"{n} B"
 
 
 def limit(n: int) -> str:
