@@ -685,11 +685,11 @@ def hold_leases(spec, run_dir, log):
     held, why, code = [], None, LEASES_HELD
     try:
         if port and uses_leases():  # the master: the port the probe reserved, now for the job's life
-            fd = reserve_port(port, run_id, hold=True)
-            if fd is None:
+            fds = reserve_port(port, run_id, hold=True)
+            if fds is None:
                 why = "master port %s is reserved by another run here (started at the same time?)" % port
             else:
-                held.append(fd)
+                held += fds
         if want and why is None:
             count, pin = int(want.get("count", 0)), [str(g) for g in want.get("pin") or ()]
             if spec.get("wait"):
@@ -815,6 +815,9 @@ def wait_for_leases(spec, count, pin, run_id):
                     for h in held:
                         os.close(h)
                 return None, None, events["stop"]
+            if fd is not None and os.fstat(fd).st_nlink == 0:  # removed (by the lease dir's owner): queue again
+                os.close(fd)
+                fd, path = make_ticket(key, record)
             queue = tickets(path if fd is not None else None)
             ahead = [t for t in queue if t.get("key", "") < key and not t.get("own")]
             states = lease_state()

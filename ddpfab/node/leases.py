@@ -6,9 +6,11 @@ before it starts the job and keeps it for as long as it lives. The kernel drops 
 the supervisor ends, SIGKILL included, so no lease outlives its job; any user can bind a free
 GPU's name, whoever held it before; and no user can take it from its holder (a lock file could be
 removed by its creator, or by the owner of its dir, while another user holds it: then a second
-grant). Who holds a lease is written, as data, in ``gpu-INDEX.holder`` in :data:`LEASE_DIR`
-(mode 1777, like /tmp), read by :func:`read_lease_holder` (typed fields only) and only while the
-name is really held by a live process; a record removed or made to lie never frees the GPU.
+grant). Readers see which names are held in /proc/net/unix, taking none. Who holds a lease is
+written, as data, in ``gpu-INDEX.holder`` in :data:`LEASE_DIR` (mode 1777, like /tmp), read by
+:func:`read_lease_holder` (typed fields only) and shown only while the name is held and the
+record's process is alive; a record removed or made to lie never frees the GPU. A supervisor's
+master port is held the same way (``port-PORT``), its reservation record in ``port-PORT.lock``.
 
 GPUs that a process uses without a lease (another tool's job: ``nvidia-smi --query-compute-apps``)
 are busy too: they are never granted, and shown with their processes.
@@ -110,24 +112,63 @@ def _holder_path(gpu):
     return os.path.join(LEASE_DIR, "gpu-%s.holder" % gpu)
 
 
-def _lock_name(gpu):
-    """GPU *gpu*'s abstract socket name: the same for every user of the lease dir."""
-    digest = hashlib.sha1(LEASE_DIR.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return "\0ddpfab-lease-%s-gpu-%s" % (digest, gpu)
+def _name(what):
+    """The abstract socket name of *what* (``gpu-0``, ``port-29500``), without its leading NUL:
+    the same for every user of the lease dir, however its path is spelled."""
+    where = os.path.abspath(os.path.normpath(LEASE_DIR))
+    return "ddpfab-lease-%s-%s" % (hashlib.sha1(where.encode("utf-8", "surrogateescape")).hexdigest()[:16], what)
 
 
-def _bind_lock(gpu):
-    """GPU *gpu*'s lease lock: the descriptor of a socket bound to its name (close it to release),
-    or None when another process holds it. Not inherited by the job (close-on-exec)."""
+def _bind_name(what):
+    """The descriptor of a socket bound to *what*'s name (close it to release), or None when
+    another process holds it. Not inherited by the job (close-on-exec)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(_lock_name(gpu))
+        sock.bind("\0" + _name(what))
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             return None
-        raise LeaseError("cannot bind GPU %s's lease name: %s" % (gpu, exc.strerror))
+        raise LeaseError("cannot bind the lease name of %s: %s" % (what, exc.strerror))
     return sock.detach()
+
+
+def _held_names():
+    """The lease names bound in this network namespace, from /proc/net/unix (readable by every
+    user; reading it takes no name, so a reader never stands in a taker's way), or None."""
+    try:
+        with open("/proc/net/unix", "rb") as fh:
+            lines = fh.read().splitlines()[1:]
+    except OSError:
+        return None
+    return set(p[-1][1:].decode("ascii", "replace") for p in (ln.split() for ln in lines)
+               if len(p) >= 8 and p[-1].startswith(b"@ddpfab-lease-"))
+
+
+def _is_held(what, names):
+    """Whether *what*'s name is held (by *names*, :func:`_held_names`; else by a bind's answer)."""
+    if names is not None:
+        return _name(what) in names
+    fd = _bind_name(what)
+    if fd is not None:
+        os.close(fd)
+    return fd is None
+
+
+#: TRANSITION: ddpfab before lease names (up to 065ce2b) leased a GPU by a flock on
+#: ``gpu-INDEX.lock``. Until no node runs such a version, a lease also takes that flock (so an
+#: older job cannot take the GPU) and a flock held there counts as a lease (an older job's).
+def _legacy_lock(gpu):
+    """The old lock file of *gpu*, flocked: its descriptor, None when an older job holds it, or
+    -1 when it cannot be used (a link, a FIFO: then no older job can use it either)."""
+    try:
+        fd = _open_lease(os.path.join(LEASE_DIR, "gpu-%s.lock" % gpu))
+    except (OSError, LeaseError):
+        return -1
+    if _try_flock(fd):
+        return fd
+    os.close(fd)
+    return None
 
 
 def _alive(pid):
@@ -135,11 +176,12 @@ def _alive(pid):
 
 
 def _open_lease(path):
-    """The lock file, opened for writing where we may (else read-only: flock needs no more), made
-    when missing (mode 0666 so that later holders of other users can write who they are). Never
-    through a link. An existing file is opened without O_CREAT: the kernel's protected_regular
-    refuses O_CREAT on another user's file in a sticky dir."""
-    flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    """A file of the lease dir (a lock or a record), opened for writing where we may (else
+    read-only: flock needs no more), never blocking on a FIFO, made when missing (mode 0666 so
+    that later holders of other users can write who they are). Never through a link. An existing
+    file is opened without O_CREAT: the kernel's protected_regular refuses O_CREAT on another
+    user's file in a sticky dir."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO there must not block
     while True:
         for mode in (os.O_RDWR, os.O_RDONLY):
             try:
@@ -194,11 +236,12 @@ def read_lease_holder(fd):
     return read_fields(fd, LEASE_FIELDS)
 
 
-def _holder_of(gpu):
-    """Who holds GPU *gpu*'s lease, as its record says ({} when the record is missing, unreadable
-    or names a process that is gone: a holder that could not write its own)."""
+def _holder_of(gpu, name=None):
+    """Who holds GPU *gpu*'s lease, as its record (or file *name* in the lease dir) says ({} when
+    the record is missing, unreadable or names a process that is gone: a holder that could not
+    write its own)."""
     try:
-        fd = os.open(_holder_path(gpu), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(os.path.join(LEASE_DIR, name) if name else _holder_path(gpu), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return {}
     try:
@@ -227,13 +270,17 @@ def lease_state(table=None):
     lease_dir()
     apps = compute_apps(table)
     out = []
+    names = _held_names()
     for gpu, uuid in table:
-        lock = _bind_lock(gpu)
-        if lock is not None:
-            os.close(lock)
-            holder = None
-        else:
+        holder = None
+        if _is_held("gpu-%s" % gpu, names):
             holder = _holder_of(gpu)
+        else:
+            legacy = _legacy_lock(gpu)
+            if legacy is None:
+                holder = _holder_of(gpu, "gpu-%s.lock" % gpu)  # an older ddpfab's lease, its record in its lock file
+            elif legacy >= 0:
+                os.close(legacy)
         procs = apps.get(gpu, [])
         if holder is not None and holder.get("pid"):  # its own job's processes are no foreign use
             procs = [p for p in procs if holder["pid"] not in _ancestors(p["pid"])]
@@ -267,7 +314,8 @@ def pinned_gpus(table, pin):
 def take_leases(count, pin, run_id, table=None, among=None):
     """Lease *count* GPUs (the pinned ones, when *pin*; only of *among*, when given), none of them
     leased or busy. Returns
-    ``(fds, gpus, None)`` when granted (keep the fds open: they are the lease), else
+    ``(fds, gpus, None)`` when granted (keep the fds open: the lease names and the records; close
+    them all to release), else
     ``(None, None, states)`` with every GPU's state (nothing is held then)."""
     table = gpu_table() if table is None else table
     lease_dir()
@@ -283,14 +331,18 @@ def take_leases(count, pin, run_id, table=None, among=None):
             break
         if gpu in busy:
             continue
-        # a reader (lease_state) binds a free GPU's name for microseconds: one second look
-        lock = _bind_lock(gpu)
+        lock = _bind_name("gpu-%s" % gpu)
         if lock is None:
+            continue
+        legacy = _legacy_lock(gpu)
+        if legacy is None:  # an older ddpfab's reader flocks for microseconds: one second look
             time.sleep(0.01)
-            lock = _bind_lock(gpu)
-        if lock is not None:
-            fds.append(lock)
-            got.append(gpu)
+            legacy = _legacy_lock(gpu)
+        if legacy is None:  # an older ddpfab's job holds it
+            os.close(lock)
+            continue
+        fds += [lock] + ([legacy] if legacy >= 0 else [])
+        got.append(gpu)
     if len(got) < count:
         for fd in fds:
             os.close(fd)  # closing the only descriptor releases the name
@@ -351,19 +403,27 @@ def uses_leases():
 def reserve_port(port, run_id, hold=False):
     """Reserve master port *port* for run *run_id* (a flock on ``port-PORT.lock`` and a record):
     for :data:`PORT_RESERVE_S` after this process ends, or, with *hold* (the job's supervisor),
-    for as long as it lives. Returns the descriptor to keep open, or None when another run has it
-    (its supervisor holds it, or its reservation has not run out)."""
+    for as long as it lives (then also by the port's lease name, which no one can remove).
+    Returns the descriptors to keep open, or None when another run has it (its supervisor holds
+    it, or its reservation has not run out)."""
     lease_dir()
-    fd = _open_lease(os.path.join(LEASE_DIR, "port-%d.lock" % int(port)))
+    what = "port-%d" % int(port)
+    name = _bind_name(what) if hold else None
+    if (name is None) if hold else _is_held(what, _held_names()):
+        return None
+    fd = _open_lease(os.path.join(LEASE_DIR, what + ".lock"))
+    keep = [fd] + ([name] if name is not None else [])
     deadline = time.monotonic() + (10.0 if hold else 0.0)  # the own probe's session may still be ending
     while not _try_flock(fd):
         if time.monotonic() >= deadline:
-            os.close(fd)
+            for k in keep:
+                os.close(k)
             return None
         time.sleep(0.05)
     rec = read_lease_holder(fd)
     if rec.get("run_id") not in (None, run_id) and rec.get("until", 0.0) > time.time():
-        os.close(fd)
+        for k in keep:
+            os.close(k)
         return None
     now = time.time()
     record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": now}
@@ -375,7 +435,7 @@ def reserve_port(port, run_id, hold=False):
         os.write(fd, json.dumps(record).encode("utf-8"))
     except OSError:
         pass
-    return fd
+    return keep
 
 
 # -- the queue: tickets in arrival order ----------------------------------------------------------
@@ -424,7 +484,7 @@ def tickets(own_path=None):
             out.append({"key": name[5:-7], "own": True})
             continue
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             continue
         try:

@@ -176,10 +176,10 @@ def _find_port(req, session):
         if not _port_free(port):
             continue
         if reserve:
-            fd = reserve_port(port, reserve)
-            if fd is None:
+            fds = reserve_port(port, reserve)
+            if fds is None:
                 continue  # another job's, probed at the same time or waiting for its start
-            session.setdefault("port_leases", []).append(fd)
+            session.setdefault("port_leases", []).extend(fds)
         return port
     return None
 

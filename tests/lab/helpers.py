@@ -68,10 +68,10 @@ def wait_no_processes(lab, timeout: float, names=("node1", "node2", "node3")) ->
 #: across runs on purpose (torch writes ``torchinductor_<user>`` the first time a process builds a
 #: DDP model). Anything else a job leaves in /tmp is a leftover.
 LIBRARY_CACHES = re.compile(r"^torchinductor_[A-Za-z0-9_.-]+$")
-#: The GPU lease dir (ddpfab.node.leases) on a host with GPUs: its holder records and port locks
-#: stay on purpose (one per GPU and reserved port; removing a port lock another job may hold would
-#: break its reservation). A queue ticket left there, or anything else, is a leftover.
-LEASE_FILES = re.compile(r"^(gpu-[0-9]+\.holder|port-[0-9]+\.lock)$")
+#: The GPU lease dir (ddpfab.node.leases) on a host with GPUs: its holder records, the older
+#: versions' GPU locks and the port locks stay on purpose (one per GPU and reserved port). A queue
+#: ticket left there, or anything else, is a leftover.
+LEASE_FILES = re.compile(r"^(gpu-[0-9]+\.(holder|lock)|port-[0-9]+\.lock)$")
 
 
 def host_tmp_leftovers(lab, name: str) -> list[str]:

@@ -1,6 +1,6 @@
 """GPU leases on real lab hosts (issue 27): each host has a stand-in nvidia-smi reporting 4 GPUs
-(``ddpfab lab up --gpus 4``; no GPU is there, the jobs run on gloo), the leases are real flocks
-held by each node's supervisor in the host's lease dir.
+(``ddpfab lab up --gpus 4``; no GPU is there, the jobs run on gloo), the leases are real lease names
+(abstract sockets) held by each node's supervisor in the host's network namespace.
 
 - four launches at the same instant on the same nodes, no --master-port: each trains with only
   its own ranks and all four hold disjoint GPUs at the same time;

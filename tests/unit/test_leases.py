@@ -74,6 +74,64 @@ def test_removing_every_file_of_the_lease_dir_neither_frees_nor_regrants_a_lease
         os.close(fd)
 
 
+def test_a_fifo_planted_in_the_lease_dir_blocks_no_reader(node_gpus):
+    """Another user's FIFO where a holder record or a ticket would be: every reader still answers
+    (opening a FIFO to read would wait for a writer forever)."""
+    fds, _, _ = leases.take_leases(1, [], "first")
+    (node_gpus / "gpu-0.holder").unlink()
+    os.mkfifo(node_gpus / "gpu-0.holder")
+    os.mkfifo(node_gpus / f"wait-{leases.ticket_key(1.0, 'fifo')}.ticket")
+    code = ("import sys, json; sys.path.insert(0, %r); from ddpfab.node import leases; leases.LEASE_DIR = %r; "
+            "print(json.dumps([[s['state'] for s in leases.lease_state()], leases.tickets(), "
+            "leases.take_leases(1, ['0'], 'x')[1]]))" % (str(Path(__file__).resolve().parents[2]), str(node_gpus)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert json.loads(res.stdout) == [["leased", "free", "free", "free"], [], None], res.stderr
+    for fd in fds:
+        os.close(fd)
+
+
+def test_an_older_ddpfabs_flock_lease_still_counts_and_the_dir_is_one_however_spelled(node_gpus, monkeypatch):
+    """A job of ddpfab before lease names holds GPU 0 by a flock on ``gpu-0.lock`` (the transition):
+    it shows as leased and is not granted; and a lease dir spelled with a trailing slash is the
+    same dir (the same names)."""
+    leases.lease_dir()
+    old = os.open(node_gpus / "gpu-0.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    os.write(old, json.dumps({"run_id": "older", "user": "u", "pid": os.getpid(), "since": 1.0}).encode())
+    holder = subprocess.Popen(["flock", "-x", str(node_gpus / "gpu-0.lock"), "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while leases.lease_state()[0]["state"] != "leased":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert leases.lease_state()[0]["holder"]["run_id"] == "older"
+        fds, got, _ = leases.take_leases(1, [], "new")
+        assert got == ["1"]
+        monkeypatch.setattr(leases, "LEASE_DIR", str(node_gpus) + "/")
+        assert leases.take_leases(1, ["1"], "again")[1] is None
+    finally:
+        holder.kill()
+        holder.wait()
+        os.close(old)
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_held_port_reservation_survives_the_removal_of_its_file(node_gpus):
+    """The supervisor's reservation of its master port is its lease name too: removing
+    ``port-P.lock`` (its creator or the dir's owner may) does not let another run reserve P."""
+    held = leases.reserve_port(29611, "job", hold=True)
+    assert held is not None
+    (node_gpus / "port-29611.lock").unlink()
+    assert leases.reserve_port(29611, "other") is None
+    assert leases.reserve_port(29611, "other", hold=True) is None
+    for fd in held:
+        os.close(fd)
+    again = leases.reserve_port(29611, "other")
+    assert again is not None
+    for fd in again:
+        os.close(fd)
+
+
 def test_sigkill_of_the_holder_releases_its_leases(node_gpus):
     code = ("import sys, time; sys.path.insert(0, %r); from ddpfab.node import leases; leases.LEASE_DIR = %r; "
             "fds, g, _ = leases.take_leases(4, [], 'doomed'); print(g, flush=True); time.sleep(60)"
