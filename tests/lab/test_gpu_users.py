@@ -115,6 +115,38 @@ def _make_user(name: str) -> None:
         subprocess.run(["runuser", "-u", name, "--", *argv], check=True, capture_output=True)
 
 
+def _readable_by(user: str, path: str) -> bool:
+    return subprocess.run(["runuser", "-u", user, "--", "test", "-r", path, "-a", "-x", path],
+                          capture_output=True).returncode == 0
+
+
+def _views(user: str, paths: list[str], shared: Path, mounts: list[Path]) -> list[str]:
+    """*paths* as the test users can reach them on the controller. A checkout under a dir closed
+    to other users (``/root``, a ``mktemp -d``) is shown to them read-only through a bind mount
+    under *shared* (recorded in *mounts*), its modes left alone; the original path stays too,
+    for the lab hosts (their /tmp and /root are their own, open to the test users)."""
+    out = []
+    for i, path in enumerate(paths):
+        if not _readable_by(user, path):
+            view = shared / f"view{i}"
+            view.mkdir()
+            subprocess.run(["mount", "--bind", path, str(view)], check=True, capture_output=True)
+            mounts.append(view)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True, capture_output=True)
+            out.append(str(view))
+        out.append(path)
+    return out
+
+
+def _unmount(mounts: list[Path]) -> bool:
+    """Unmount the views; True when none is mounted any more (only then may *shared* be removed:
+    removing it with a view mounted would remove the checkout)."""
+    for view in mounts:
+        if subprocess.run(["umount", str(view)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(view)], capture_output=True)
+    return not any(os.path.ismount(v) for v in mounts)
+
+
 @pytest.fixture(scope="module")
 def users(tmp_path_factory):
     """Three accounts (made here, removed after), a venv they may run, a 4-host lab with 4 stand-in
@@ -122,6 +154,7 @@ def users(tmp_path_factory):
     tag = "%04d" % (os.getpid() % 10000)
     names = [f"ddpq{i}u{tag}" for i in range(1, 4)]
     made: list[str] = []
+    mounts: list[Path] = []
     shared = Path(tempfile.mkdtemp(prefix="ddpfab-users-", dir="/tmp"))
     lab_dir = tmp_path_factory.mktemp("userlab")
     try:
@@ -141,7 +174,7 @@ def users(tmp_path_factory):
                               capture_output=True, text=True).stdout.strip()
         # this interpreter's packages (torch, paramiko...) and the checkout, read-only, for every user
         paths = [str(REPO)] + [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
-        Path(site, "ddpfab-test-deps.pth").write_text("\n".join(paths) + "\n")
+        Path(site, "ddpfab-test-deps.pth").write_text("\n".join(_views(names[0], paths, shared, mounts)) + "\n")
         (shared / "job.py").write_text(JOB)
         the_lab, _ = labmod.up(lab_dir, hosts=len(NODES), subnet=extra_subnet(161),
                                share=[tmp_path_factory.getbasetemp(), shared], gpus=GPUS)
@@ -167,7 +200,10 @@ def users(tmp_path_factory):
     finally:
         for name in made:  # only the accounts this fixture made
             subprocess.run(["userdel", "--remove", name], capture_output=True)
-        shutil.rmtree(shared, ignore_errors=True)
+        if _unmount(mounts):
+            shutil.rmtree(shared, ignore_errors=True)
+        else:
+            pytest.fail(f"could not unmount {mounts}: {shared} left in place (removing it would remove the checkout)")
 
 
 def as_user(users: Users, name: str, *args: str) -> subprocess.Popen:
