@@ -289,13 +289,23 @@ class Session:
         self._fallback = fallback
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback))
-        self.chan.sendall(shipped())
+        self._write(shipped())
+
+    def _write(self, data: bytes) -> None:
+        """*data* to the program's stdin. A program that has ended already (a setup line failed,
+        no python: the shell exits at once) closes the channel under a write: then :meth:`take`
+        names why from its exit status, and the write is no error of its own."""
+        try:
+            self.chan.sendall(data)
+        except OSError:
+            if not self.ended:
+                raise
 
     def send(self, *requests: dict) -> list[dict]:
         """Send *requests* (numbered here) without waiting; returns them with their ids."""
         reqs = [{**r, "id": next(self._ids)} for r in requests]
         self._sent.update((r["id"], r["op"]) for r in reqs)
-        self.chan.sendall(b"".join(frame(r) for r in reqs))
+        self._write(b"".join(frame(r) for r in reqs))
         return reqs
 
     def poll(self) -> bool:

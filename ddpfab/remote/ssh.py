@@ -326,8 +326,14 @@ def run(conn: Connection, node: str, command: str, timeout: float | None = 60,
             chan.settimeout(timeout)
         chan.exec_command(command)
         if stdin is not None:
-            chan.sendall(stdin)
-        chan.shutdown_write()
+            try:
+                chan.sendall(stdin)
+            except OSError:
+                if not (chan.closed or chan.exit_status_ready()):
+                    raise
+                # the command ended before reading its input (a setup line failed): its exit says why
+        if not chan.closed:
+            chan.shutdown_write()
         out, err = bytearray(), bytearray()
         while True:
             data = chan.recv(65536)

@@ -260,6 +260,31 @@ def line(rid, op, **result) -> bytes:
     return json.dumps({"id": rid, "op": op, "ok": True, "result": result}).encode() + b"\n"
 
 
+def test_a_program_that_ended_before_a_request_is_named_by_its_exit_status_not_the_closed_channel():
+    """A setup line fails: the node's shell exits at once and its channel closes, maybe before the
+    requests are written. The write is no error; the failure is what the exit status says."""
+    from ddpfab.hosts import nodeenv
+    from ddpfab.hosts.inventory import Node
+
+    chan = FakeChannel([], exit_code=nodeenv.SETUP_FAILED, stderr=f"{nodeenv.SETUP_MARK}: line 1 exit 1\n".encode())
+    s = nodeprog.Session(FakeConn(chan), Node(name="n1", host="10.0.0.1", setup=("test -d /nonexistent",)))
+    s.chan.closed = True
+
+    def closed(data):  # paramiko's Channel.sendall on a closed channel
+        raise OSError("Socket is closed")
+
+    s.chan.sendall = closed
+    reqs = s.send({"op": "facts", "workdir": "/"})
+    s.poll()
+    with pytest.raises(nodeprog.NodeProgramError) as err:
+        s.take(reqs)
+    assert "setup line 1 `test -d /nonexistent` failed there (exit 1)" in str(err.value), err.value
+    s.chan.closed = False
+    s.chan.exit_code, s.chan.next = None, b""  # still running: a failed write is the channel's fault
+    with pytest.raises(OSError):
+        s.send({"op": "facts", "workdir": "/"})
+
+
 def test_a_reply_naming_another_op_is_no_answer():
     reqs = nodeprog.numbered({"op": "stop", "dir": "d"})
     got = nodeprog.match_replies("n1", reqs, [line(1, "ps", said="x", stopped=True)], 0)[0]
