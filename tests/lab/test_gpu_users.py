@@ -270,6 +270,25 @@ class Watched:
                 out[m.group(1)] = (t, m.group(2)[len("leased GPU "):].split(","))
         return out
 
+    def held(self) -> dict[str, list[tuple[float, float | None, int]]]:
+        """node -> [(from, until or None, GPU count)]: a waiting job holds its GPUs from its grant
+        (``granted GPU``, while it waits for its other nodes) until it yields them (``yielded
+        GPU``), and from its last grant until it ends (None here); a job without a grant line
+        from its ``leased GPU`` line on."""
+        out: dict[str, list[tuple[float, float | None, int]]] = {}
+        for t, ln in list(self.lines):
+            m = AGENT_LINE.match(ln)
+            if not m:
+                continue
+            node, said = m.group(1), m.group(2)
+            spans = out.setdefault(node, [])
+            if said.startswith("granted GPU ") or (said.startswith("leased GPU ") and not spans):
+                if not spans or spans[-1][1] is not None:
+                    spans.append((t, None, len(said.split(" ")[2].rstrip(";").split(","))))
+            elif said.startswith("yielded GPU ") and spans and spans[-1][1] is None:
+                spans[-1] = (spans[-1][0], t, spans[-1][2])
+        return {n: sp for n, sp in out.items() if sp}
+
     def text(self) -> str:
         return "\n".join(ln for _, ln in self.lines)
 
@@ -438,11 +457,13 @@ def test_three_users_thirty_jobs_share_the_gpus_without_overlap_or_idle_waits(us
 
     # no job waited while its GPUs were free (on every node of it) and nobody ahead waited there
     occupied: dict[str, list[tuple[float, float, int]]] = {n: [] for n in NODES}
-    for j in jobs:  # from its go on a node until its ddpfab, its script or its supervisor there ended
-        for node, (t, gpus) in j.watched.leased().items():
+    for j in jobs:  # from its grant on a node until it yielded, or until its ddpfab, its script or its
+        for node, spans in j.watched.held().items():  # supervisor there ended, the latest
             mine = [r["end"] or r["alive"] for r in by_run.get(j.run_id, []) if r["node"] == node]
             mine += [ends[(node, j.run_id)]] if (node, j.run_id) in ends else []
-            occupied[node].append((t, max([j.watched.eof or time.time()] + mine), len(gpus)))
+            for t, until, count in spans:
+                occupied[node].append((t, until if until is not None else max([j.watched.eof or time.time()] + mine),
+                                       count))
     waits = {}
     for j in jobs:
         began = j.watched.first("waiting: place") or j.watched.first("granted GPU")
@@ -462,6 +483,15 @@ def test_three_users_thirty_jobs_share_the_gpus_without_overlap_or_idle_waits(us
             worst[run_id] = max(worst.get(run_id, 0.0), idle)
             t += 0.1
     print("longest idle wait per job (s):", {k: round(v, 1) for k, v in sorted(worst.items()) if v})
+    for run_id, idle in worst.items():
+        if idle > IDLE_MAX_S:  # what that job, and each job on its nodes, said and when
+            j = waits[run_id][0]
+            print(f"--- {run_id} idle {idle:.1f} s; its lines and the holders on {j.nodes}:")
+            for o in jobs:
+                if set(o.nodes) & set(j.nodes) and o.watched is not None:
+                    for t, ln in o.watched.lines:
+                        print(f"  {t - start:7.2f} {o.run_id} {ln[:160]}")
+            print("  supervisor ends:", {k: round(v - start, 2) for k, v in ends.items() if k[0] in j.nodes})
     assert max(worst.values(), default=0.0) <= IDLE_MAX_S, worst
     print(f"schedule done in {time.time() - start:.0f} s; load {os.getloadavg()}")
 
