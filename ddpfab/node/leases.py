@@ -6,7 +6,7 @@ before it starts the job and keeps it for as long as it lives. The kernel drops 
 the supervisor ends, SIGKILL included, so no lease outlives its job; any user can bind a free
 GPU's name, whoever held it before; and no user can take it from its holder (a lock file could be
 removed by its creator, or by the owner of its dir, while another user holds it: then a second
-grant). Readers see which names are held in /proc/net/unix, taking none. Who holds a lease is
+grant). Readers see which names are held in /proc/net/unix, binding none. Who holds a lease is
 written, as data, in ``gpu-INDEX.holder`` in :data:`LEASE_DIR` (mode 1777, like /tmp), read by
 :func:`read_lease_holder` (typed fields only) and shown only while the name is held and the
 record's process is alive; a record removed or made to lie never frees the GPU. A supervisor's
@@ -31,6 +31,8 @@ import time
 #: Where every user's lease records, port reservations and queue tickets meet. ``DDPFAB_LEASE_DIR``
 #: overrides it (tests of one host's leases in a private dir: the GPUs' lock names follow it).
 LEASE_DIR = os.environ.get("DDPFAB_LEASE_DIR") or "/tmp/ddpfab-leases"
+#: How a reader opens a file of the lease dir: never through a link, never waiting on a FIFO.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 #: The fields of a holder record a reader takes, each with its type.
 LEASE_FIELDS = (("run_id", str), ("user", str), ("pid", int), ("since", float), ("gpus", list), ("until", float))
 #: How long a master port the probe found free stays reserved for its run after the probe's
@@ -135,7 +137,7 @@ def _bind_name(what):
 
 def _held_names():
     """The lease names bound in this network namespace, from /proc/net/unix (readable by every
-    user; reading it takes no name, so a reader never stands in a taker's way), or None."""
+    user; reading it binds no name, so a reader never takes a name a taker wants), or None."""
     try:
         with open("/proc/net/unix", "rb") as fh:
             lines = fh.read().splitlines()[1:]
@@ -241,7 +243,7 @@ def _holder_of(gpu, name=None):
     the record is missing, unreadable or names a process that is gone: a holder that could not
     write its own)."""
     try:
-        fd = os.open(os.path.join(LEASE_DIR, name) if name else _holder_path(gpu), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(os.path.join(LEASE_DIR, name) if name else _holder_path(gpu), READ_FLAGS)
     except OSError:
         return {}
     try:
@@ -408,8 +410,12 @@ def reserve_port(port, run_id, hold=False):
     it, or its reservation has not run out)."""
     lease_dir()
     what = "port-%d" % int(port)
-    name = _bind_name(what) if hold else None
-    if (name is None) if hold else _is_held(what, _held_names()):
+    name = None
+    if hold:
+        name = _bind_name(what)
+        if name is None:
+            return None
+    elif _is_held(what, _held_names()):
         return None
     fd = _open_lease(os.path.join(LEASE_DIR, what + ".lock"))
     keep = [fd] + ([name] if name is not None else [])
@@ -484,7 +490,7 @@ def tickets(own_path=None):
             out.append({"key": name[5:-7], "own": True})
             continue
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, READ_FLAGS)
         except OSError:
             continue
         try:
