@@ -95,12 +95,25 @@ def transfer(lab, src: str, dst_addr: str, size: int) -> str:
 @contextmanager
 def path_mtu_black_hole(lab, host: str):
     """Jumbo frames everywhere but on *host*'s switch port: the bridge-side veth of *host* at 1500
-    while *host* itself keeps 9000, so its full-size frames (and those to it) are dropped."""
+    while *host* itself keeps 9000, so its full-size frames (and those to it) are dropped.
+
+    A veth exempts GSO super-packets from its MTU check, so the lab bridge alone lets some of
+    them through where a real switch port drops every frame over its MTU (measured: 10 of 10
+    transfers out of *host* passed, 0 of 10 into it; in CI a check saw one of *host*'s three
+    transfers pass). A length rule in *host* drops what the port would: every IP packet over
+    1500 bytes, both ways, between *host* and its peers. The controller (the lab's gateway) keeps
+    its path, as a management network would: ssh reaches *host* as before."""
+    drop = ["-m", "length", "--length", "1501:65535", "-j", "DROP"]
+    rules = {"INPUT": ["!", "-s", lab.gateway, *drop], "OUTPUT": ["!", "-d", lab.gateway, *drop]}
     set_mtu(lab, 9000)
     try:
         subprocess.run(["ip", "link", "set", lab.host(host).veth, "mtu", "1500"], check=True)
+        for chain, rule in rules.items():
+            lab.netns_exec(host, ["iptables", "-I", chain, *rule], check=True)
         yield
     finally:
+        for chain, rule in rules.items():
+            lab.netns_exec(host, ["iptables", "-D", chain, *rule])
         set_mtu(lab, 1500)
 
 
