@@ -112,8 +112,11 @@ def test_a_stopped_rank_is_named_by_the_run_and_the_job_ends(lab4, inventory4, t
     assert re.search(rf"ddpfab: hang: the other 7 ranks wait in all_reduce {SITES}\n", out), out[-4000:]
     took = run.when(verdict) - stopped
     assert took < 60, f"the verdict came {took:.0f} s after the stop"
-    # the stacks: the 7 waiting ranks' group, innermost first, with the script's frame
-    assert waiting_groups(out) == {"node1": {0, 1}, "node2": {2, 3}, "node3": {4}, "node4": {6, 7}}, out[-4000:]
+    # the stacks: the 7 waiting ranks' group, innermost first, with the script's frame. Those of the
+    # report with the verdict: at a high load an earlier quiet spell (before the stop) may have had
+    # the doctor look already, and find all 8 ranks in all_reduce and no hang
+    report = out[out.index(f"ddpfab: hang: {verdict}"):]
+    assert waiting_groups(report) == {"node1": {0, 1}, "node2": {2, 3}, "node3": {4}, "node4": {6, 7}}, out[-4000:]
     assert re.search(r"all_reduce \(.*torch/distributed/distributed_c10d\.py:\d+\)", out)
     assert "--on-hang stop: stopping the job on every node" in out
     assert f"hung: {verdict}" in out  # the closing line
