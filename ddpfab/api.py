@@ -232,6 +232,8 @@ class Cluster:
         source = ([os.fspath(s) for s in inventory_source]
                   if not isinstance(inventory_source, (str, os.PathLike)) else [os.fspath(inventory_source)])
         parsed = inventory.load(source, group or "all", limit=limit, extra_vars=tuple(extra_vars))
+        for line in parsed.warnings:  # a mistyped variable: it has no effect
+            say(f"warning: {line}")
         return cls(parsed, inventory=source, ssh_config=ssh_config, known_hosts=known_hosts,
                    accept_new_host_keys=accept_new_host_keys, say=say)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddpfab.api import Cluster
+from ddpfab.cli.errors import warn
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError, parse_nproc
 
@@ -61,9 +62,13 @@ def nproc_type(text: str) -> int | str:
 
 
 def load_cluster(args: argparse.Namespace):
-    """The cluster the parsed cluster options name: inventory, group, --limit and -e applied."""
-    return inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
-                          extra_vars=getattr(args, "extra_vars", None) or ())
+    """The cluster the parsed cluster options name: inventory, group, --limit and -e applied; what
+    in it has no effect (a mistyped variable) is shown as a warning."""
+    cluster = inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
+                             extra_vars=getattr(args, "extra_vars", None) or ())
+    for line in cluster.warnings:
+        warn(line)
+    return cluster
 
 
 def api_cluster(args: argparse.Namespace) -> Cluster:

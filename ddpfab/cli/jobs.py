@@ -35,7 +35,10 @@ def _cluster(args, manifest: dict | None):
     group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
         return attempt_cluster(manifest, source, group)
-    return inventory.load(source, group)
+    cluster = inventory.load(source, group)
+    for line in cluster.warnings:
+        warn(line)
+    return cluster
 
 
 class RecordError(DdpfabError):

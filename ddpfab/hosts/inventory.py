@@ -25,7 +25,7 @@ from typing import Any
 from ddpfab.version import __version__
 from ddpfab.hosts import invcache, nodeenv
 from ddpfab.hosts.invcache import cache_dir
-from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.hosts.suggest import close_matches, did_you_mean
 from ddpfab.problems import DdpfabError, Problem
 
 #: ddpfab's own inventory variables; each is documented in inventory/example.yml.
@@ -43,6 +43,11 @@ VAR_REPLICATE = "ddpfab_replicate"
 VAR_SECRET_ENV = "ddpfab_secret_env"
 VAR_SETUP = "ddpfab_setup"
 VAR_CONDA_ENV = "ddpfab_conda_env"
+#: Every ``VAR_*`` above: what ddpfab itself reads from a host's variables.
+OWN_VARS = frozenset({VAR_NPROC, VAR_GPUS, VAR_DATA_ADDR, VAR_WORKDIR, VAR_PYTHON, VAR_MASTER, VAR_SHARED_DIR,
+                      VAR_SPARES, VAR_ENV, VAR_GPU_IDS, VAR_REPLICATE, VAR_SECRET_ENV, VAR_SETUP, VAR_CONDA_ENV})
+#: The provisioning playbooks and roles: their variables share the ``ddpfab_`` prefix.
+ANSIBLE_DIR = Path(__file__).resolve().parent.parent / "ansible"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -96,6 +101,8 @@ class Node:
             nodes before the launch (``ddpfab_replicate``, a list; ``--replicate`` adds to it).
         secret_env: env keys whose values are masked wherever shown or recorded, on top of
             :mod:`ddpfab.planning.masking`'s rule (``ddpfab_secret_env``, a list of keys).
+        unknown_vars: the host's ``ddpfab_*`` variables that neither ddpfab nor its playbooks and
+            roles read: likely typos (:func:`unknown_var_warnings`), which have no effect.
     """
 
     name: str
@@ -119,6 +126,7 @@ class Node:
     gpu_ids: tuple[str, ...] | None = None
     replicate: tuple[str, ...] = ()
     secret_env: tuple[str, ...] = ()
+    unknown_vars: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -145,6 +153,53 @@ class Cluster:
             if n.name == name:
                 return n
         raise KeyError(name)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the inventory says that has no effect (:func:`unknown_var_warnings`): every
+        command that loads it shows these, the run going ahead."""
+        return unknown_var_warnings(self)
+
+
+def known_vars() -> frozenset[str]:
+    """The ``ddpfab_*`` names ddpfab reads (:data:`OWN_VARS`) or its playbooks, roles and their
+    plugins mention (options in argument_specs, defaults, facts they set): a name outside these set
+    on a host is read by nothing. Read once per process, and only when a host sets a name
+    outside :data:`OWN_VARS`."""
+    global _KNOWN_VARS
+    if _KNOWN_VARS is None:
+        found = set(OWN_VARS)
+        for path in ANSIBLE_DIR.rglob("*"):
+            if path.suffix in (".yml", ".yaml", ".py", ".j2", ".cfg") and path.is_file():
+                found.update(re.findall(r"\bddpfab_[a-z0-9_]+", path.read_text(errors="replace")))
+        _KNOWN_VARS = frozenset(found)
+    return _KNOWN_VARS
+
+
+_KNOWN_VARS: frozenset[str] | None = None
+
+
+def unknown_vars(names) -> tuple[str, ...]:
+    """Of a host's variable *names*, the ``ddpfab_*`` ones nothing reads (:func:`known_vars`)."""
+    maybe = [n for n in names if isinstance(n, str) and n.startswith("ddpfab_") and n not in OWN_VARS]
+    return tuple(sorted(n for n in maybe if n not in known_vars())) if maybe else ()
+
+
+def unknown_var_warnings(cluster: Cluster) -> list[str]:
+    """One line per unknown ``ddpfab_*`` variable of *cluster*'s nodes: which hosts set it, the
+    variable it likely meant, that it has no effect. A warning, not a refusal: a user's own
+    variables may share the prefix."""
+    hosts: dict[str, list[str]] = {}
+    for n in cluster.nodes:
+        for var in n.unknown_vars:
+            hosts.setdefault(var, []).append(n.name)
+    lines = []
+    for var, names in hosts.items():
+        where = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        best = close_matches(var, known_vars(), n=1)  # the one it likely meant; three read as a menu
+        lines.append(f"inventory {cluster.source}: {var} (set for {where}) is not a variable ddpfab or its "
+                     f"roles read{f' (did you mean {best[0]}?)' if best else ''}; it has no effect")
+    return lines
 
 
 #: The inventory vars that carry ssh options, in the order Ansible's ssh connection puts them on
@@ -638,7 +693,8 @@ def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: st
 def _node_from_cache(data: dict) -> Node:
     if data.get("gpu_ids") is not None:
         data = {**data, "gpu_ids": tuple(data["gpu_ids"])}
-    data = {**data, "replicate": tuple(data.get("replicate") or ()), "setup": tuple(data.get("setup") or ())}
+    data = {**data, "replicate": tuple(data.get("replicate") or ()), "setup": tuple(data.get("setup") or ()),
+            "unknown_vars": tuple(data.get("unknown_vars") or ())}
     if data.get("secret_env") is not None:
         data = {**data, "secret_env": tuple(data["secret_env"])}
     return Node(**data)
@@ -715,7 +771,7 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
                 raise InventoryError(f"host {h.name}: variable {name} cannot be templated: {exc}") from None
             return _plain(value)
 
-        nodes.append(_make_node(h.name, var))
+        nodes.append(dataclasses.replace(_make_node(h.name, var), unknown_vars=unknown_vars(raw)))
     masters = [n.name for n in nodes if n.master]
     if len(masters) > 1:
         raise InventoryError(f"inventory {where}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "

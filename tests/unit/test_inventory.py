@@ -133,3 +133,37 @@ def test_documented_example_inventory_loads():
     assert [n.name for n in c.nodes] == ["gpu01", "gpu02", "gpu03", "gpu04"]
     assert c.nodes[0].data_addr == "10.50.0.11" and c.nodes[0].host == "192.168.10.11"
     assert {n.nproc for n in c.nodes} == {8}
+
+
+def test_a_mistyped_ddpfab_variable_is_named_with_what_it_likely_meant_and_nothing_else_is(tmp_path, capsys):
+    inv = write(tmp_path, "inv.yml", """
+all:
+  vars:
+    ddpfab_pyhton: /opt/venv/bin/python
+    ddpfab_firewall_ports: [29500]
+  hosts:
+    n1: {ddpfab_firewall_prots: [1], ddpfab_workdir: /w}
+    n2: {}
+""")
+    cluster = load(str(inv))
+    assert [n.unknown_vars for n in cluster.nodes] == [("ddpfab_firewall_prots", "ddpfab_pyhton"), ("ddpfab_pyhton",)]
+    assert cluster.nodes[0].python == "python3"  # the typo has no effect: the warning says so
+    assert cluster.warnings == [
+        f"inventory {inv}: ddpfab_firewall_prots (set for n1) is not a variable ddpfab or its roles read "
+        "(did you mean ddpfab_firewall_ports?); it has no effect",
+        f"inventory {inv}: ddpfab_pyhton (set for n1, n2) is not a variable ddpfab or its roles read "
+        "(did you mean ddpfab_python?); it has no effect"]
+    assert load(str(inv)).warnings == cluster.warnings  # the cached load keeps them
+    # ddpfab's own variables, the roles' (a role option, a playbook's) and other names: no warning
+    quiet = write(tmp_path, "quiet.yml", """
+all:
+  vars: {ddpfab_python_venv: /opt/v, ddpfab_gpu_required: true, ddpfab_timesync_servers: [t], my_var: 1}
+  hosts:
+    n1: {ddpfab_python: /opt/v/bin/python, ddpfab_env: {A: "1"}}
+""")
+    assert load(str(quiet)).warnings == []
+    # the command line shows them as warnings and goes ahead
+    from ddpfab import cli
+    assert cli.main(["plan", "-i", str(inv), "--master-port", "29500", "--offline", "t.py"]) in (0, 2)
+    err = capsys.readouterr().err
+    assert "ddpfab: warning: inventory" in err and "did you mean ddpfab_python?" in err
