@@ -13,6 +13,9 @@ Tools, each a fresh process as a user would type it (wall time from spawn to exi
   ansible (warm)     the same again at once, over the ControlPersist masters the cold run left
   ddpfab startup     python -m ddpfab exec -i INV --nodes - -- true: interpreter, imports, inventory
                      load, then exit before any SSH (the fixed cost inside `ddpfab exec`)
+  ddpfab exec (held) the same `ddpfab exec` on a copy of the inventory that `ddpfab hold` holds:
+                     the connections stay open between commands (started once per N, untimed;
+                     stopped at the end; the copy keeps the cold `ddpfab exec` cold)
 and in this process, on the same inventory (no interpreter start, no inventory load):
   in-process cold    ddpfab.remote.ssh.connect + ddpfab.remote.ssh.run on every host at once (ddpfab.remote.ssh.parallel)
   in-process warm    ddpfab.remote.ssh.run on the connections already open: what a persistent pool would give
@@ -39,7 +42,7 @@ from common import PYTHON, REPO, log
 
 SIZES = (2, 4, 8, 16, 32)
 QUICK_SIZES = (2, 8, 32)
-TOOLS = ("ddpfab exec", "pdsh", "ssh loop", "ansible", "ddpfab startup")
+TOOLS = ("ddpfab exec", "pdsh", "ssh loop", "ansible", "ddpfab startup", "ddpfab exec (held)")
 ANSIBLE = str(Path(PYTHON).parent / "ansible")
 COMMAND_TIMEOUT = 300
 
@@ -48,6 +51,7 @@ class Bench:
     def __init__(self, lab, work: Path, sizes: tuple[int, ...]):
         self.lab, self.work = lab, work
         self.inv = {n: common.write_inventory(lab, common.names(n), work / f"inventory{n}.yml") for n in sizes}
+        self.held = {n: common.write_inventory(lab, common.names(n), work / f"inventory{n}-held.yml") for n in sizes}
         #: per N, this process's CPU seconds (user + system) during each in-process cold run: the
         #: controller's share, which real hosts would not spread over N machines as they do sshd's
         self.cpu: dict[int, list[float]] = {}
@@ -56,6 +60,9 @@ class Bench:
         inv = str(self.inv[n])
         if tool == "ddpfab exec":
             return [PYTHON, "-m", "ddpfab", "exec", "-i", inv, "--no-color", "--", "hostname"], common.env_with()
+        if tool == "ddpfab exec (held)":
+            return ([PYTHON, "-m", "ddpfab", "exec", "-i", str(self.held[n]), "--no-color", "--", "hostname"],
+                    common.env_with())
         if tool == "ddpfab startup":
             return [PYTHON, "-m", "ddpfab", "exec", "-i", inv, "--nodes", "-", "--", "true"], common.env_with()
         if tool == "pdsh":
@@ -74,6 +81,11 @@ class Bench:
         res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT,
                              stdin=subprocess.DEVNULL)
         elapsed = time.perf_counter() - t0
+        if tool == "ddpfab exec (held)":
+            return ([PYTHON, "-m", "ddpfab", "exec", "-i", str(self.held[n]), "--no-color", "--", "hostname"],
+                    common.env_with())
+        if tool == "ddpfab exec (held)" and "over the connections `ddpfab hold` keeps open" not in res.stderr:
+            raise RuntimeError(f"{tool} on {n} hosts ran cold:\n{res.stderr[-2000:]}")
         if tool == "ddpfab startup":
             ok = res.returncode == 2 and "--nodes" in res.stderr  # refused after loading the inventory
         else:
@@ -83,6 +95,13 @@ class Bench:
             raise RuntimeError(f"{tool} on {n} hosts failed (exit {res.returncode}):\n"
                                f"{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
         return elapsed
+
+    def hold(self, n: int, stop: bool = False) -> None:
+        """Start (untimed) or stop the holder of the held copy of the inventory of *n* hosts."""
+        res = subprocess.run([PYTHON, "-m", "ddpfab", "hold", "-i", str(self.held[n]), *(["--stop"] if stop else [])],
+                             capture_output=True, text=True, env=common.env_with(), timeout=COMMAND_TIMEOUT)
+        if res.returncode != 0:
+            raise RuntimeError(f"ddpfab hold{' --stop' if stop else ''} on {n} hosts failed:\n{res.stderr[-2000:]}")
 
     def ansible_pair(self, n: int) -> tuple[float, float]:
         """A cold run (no ControlPersist master) and, right after it, a warm one."""
@@ -163,29 +182,37 @@ def main() -> int:
     profile = None
     with common.bench_lab("fanout", max(sizes), args.subnet) as lab:
         b = Bench(lab, work, sizes)
-        log("warm-up (page cache, pycache): one untimed run of each tool")
-        for tool in tools:
-            if tool == "ansible":
-                b.ansible_pair(min(sizes))
-            else:
-                b.once(tool, min(sizes))
-        b.in_process(min(sizes))
-        b.cpu.clear()  # (the warm-up's)
-        for rep in range(reps):
-            for i, n in enumerate(sizes):
-                k = (rep + i) % len(tools)
-                for tool in tools[k:] + tools[:k]:
-                    if tool == "ansible":
-                        cold, warm = b.ansible_pair(n)
-                        add("ansible", n, cold)
-                        add("ansible (warm)", n, warm)
-                    else:
-                        add(tool, n, b.once(tool, n))
-                cold, warm = b.in_process(n)
-                add("in-process cold", n, cold)
-                add("in-process warm", n, warm)
-                line = "  ".join(f"{t}={samples[t][n][-1]:.2f}" for t in samples if n in samples[t])
-                log(f"rep {rep + 1}/{reps} N={n}: {line}")
+        try:
+            if "ddpfab exec (held)" in tools:
+                for n in sizes:
+                    b.hold(n)
+            log("warm-up (page cache, pycache): one untimed run of each tool")
+            for tool in tools:
+                if tool == "ansible":
+                    b.ansible_pair(min(sizes))
+                else:
+                    b.once(tool, min(sizes))
+            b.in_process(min(sizes))
+            b.cpu.clear()  # (the warm-up's)
+            for rep in range(reps):
+                for i, n in enumerate(sizes):
+                    k = (rep + i) % len(tools)
+                    for tool in tools[k:] + tools[:k]:
+                        if tool == "ansible":
+                            cold, warm = b.ansible_pair(n)
+                            add("ansible", n, cold)
+                            add("ansible (warm)", n, warm)
+                        else:
+                            add(tool, n, b.once(tool, n))
+                    cold, warm = b.in_process(n)
+                    add("in-process cold", n, cold)
+                    add("in-process warm", n, warm)
+                    line = "  ".join(f"{t}={samples[t][n][-1]:.2f}" for t in samples if n in samples[t])
+                    log(f"rep {rep + 1}/{reps} N={n}: {line}")
+        finally:  # no holder outlives the benchmark
+            if "ddpfab exec (held)" in tools:
+                for n in sizes:
+                    b.hold(n, stop=True)
         if not args.no_profile:
             log(f"profiling one `ddpfab exec` on {max(sizes)} hosts")
             profile, text = b.profile(max(sizes))

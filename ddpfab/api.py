@@ -283,6 +283,7 @@ class Cluster:
         is quoted. Node -> :class:`ddpfab.remote.command.HostResult` (``exit_code``, ``error``)."""
         # slow to import: see LAZY above
         from ddpfab.remote.command import LinePrinter, exec_all, remote_command
+        from ddpfab.remote.holder import address as holder_address, exec_held
 
         command = remote_command([cmd] if isinstance(cmd, str) else list(cmd))
         chosen = list(self.parsed.nodes)
@@ -295,6 +296,11 @@ class Cluster:
                     f"(nodes: {', '.join(self.names)})")
             chosen = [n for n in chosen if n.name in wanted]
         printer = printer or LinePrinter([n.name for n in chosen], color=color)
+        # the connections `ddpfab hold` keeps open, when it holds these nodes as given: no handshakes
+        held = exec_held(holder_address(self.inventory or [], self.ssh_config, self.policy), chosen, command,
+                         printer, timeout)
+        if held is not None:
+            return GroupResult(held)
         return GroupResult(exec_all(chosen, command, self.policy, self.ssh_config, printer, timeout))
 
     # -- plan and run -----------------------------------------------------------------------

@@ -20,13 +20,14 @@ import argparse
 import sys
 
 from ddpfab.version import __version__
-from ddpfab.cli import check, completion, config, execute, export, fetch, jobs, lab, provision, replay, run, sync
+from ddpfab.cli import (check, completion, config, execute, export, fetch, hold, jobs, lab, provision, replay, run,
+                        sync)
 from ddpfab.cli.common import fill_missing_help
 from ddpfab.cli.errors import Parser, closed_stdout_ends_quietly, die, refuse
 from ddpfab.launch.interrupt import run_interruptible
 
 #: The subcommands, in the order ``ddpfab --help`` lists them.
-COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, replay)
+COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, hold, replay)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,6 +66,7 @@ class HostResult:
     exit_code: int | None = None
     error: str | None = None
     seconds: float = 0.0
+    held: bool = False  # over a connection `ddpfab hold` keeps open (:mod:`ddpfab.remote.holder`)
 
     @property
     def code(self) -> int:
@@ -116,12 +117,30 @@ def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
 def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
            timeout: float | None = None) -> HostResult:
     """Connect to *node*, run *command*, stream its output; never raises."""
-    result = HostResult(node.name)
     start = time.monotonic()
     conn = None
     try:
         conn = ssh.connect(node, policy, ssh_config)
+        return run_over(conn, node, command, printer, timeout, start=start)
+    except ssh.SSHError as exc:
+        return HostResult(node.name, error=str(exc), seconds=time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - a failure on one host is data
+        return HostResult(node.name, error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - start)
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+def run_over(conn, node, command: str, printer: LinePrinter, timeout: float | None = None,
+             channels: list | None = None, start: float | None = None) -> HostResult:
+    """Run *command* on *node* over its open connection *conn*, streaming its output to *printer*;
+    never raises. The channel is added to *channels* (when given): closing it ends the command."""
+    result = HostResult(node.name)
+    start = time.monotonic() if start is None else start
+    try:
         chan = conn.transport.open_session(timeout=30)
+        if channels is not None:
+            channels.append(chan)
         if timeout:
             chan.settimeout(timeout)
         # after the node's setup, with its python first on PATH; our end of stdin stays open:
@@ -139,16 +158,12 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
             result.error = "the SSH session ended without an exit status"
         else:
             result.exit_code = code
-    except ssh.SSHError as exc:
-        result.error = str(exc)
     except TimeoutError:
         result.error = f"no output and no exit within {timeout:g} s (--timeout)"
     except Exception as exc:  # noqa: BLE001 - a failure on one host is data
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         result.seconds = time.monotonic() - start
-        if conn is not None:
-            conn.close()
     return result
 
 
@@ -163,5 +178,8 @@ def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
     parts = []
     for r in results.values():
         parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
-    text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s: " + " ".join(parts))
+    held = " (over the connections `ddpfab hold` keeps open)" if results and all(
+        r.held for r in results.values()) else ""
+    text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s{held}: "
+            + " ".join(parts))
     return (failed[0].code if failed else 0), text

@@ -29,6 +29,7 @@ ARGS = {
     "sync": [],
     "fetch": ["ckpt.pt"],
     "exec": ["--", "true"],
+    "hold": ["--status"],
     "export slurm": ["t.py"],
     "export pytorchjob": ["--image", "img", "t.py"],
     "export trainjob": ["--image", "img", "t.py"],

@@ -89,6 +89,9 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
     "exec": [(["exec", "--", "true"], EXIT_USAGE, "DDPFAB_INVENTORY"),
              (["exec", "-i", IPS], EXIT_USAGE, "no command given"),
              (["exec", "-i", IPS, "--nodes", "zz", "--", "true"], EXIT_USAGE, "--nodes: zz")],
+    "hold": [(["hold"], EXIT_USAGE, "DDPFAB_INVENTORY"),
+             (["hold", "-i", IPS, "--stop", "--status"], EXIT_USAGE, "not allowed with argument"),
+             (["hold", "-i", "nope.yml"], EXIT_USAGE, "nope.yml")],
     "replay": [(["replay", "r1"], EXIT_USAGE, "no run record"),
                (["replay", "bad"], EXIT_USAGE, "not a ddpfab run manifest")],
 }

@@ -1,0 +1,206 @@
+"""`ddpfab hold`: one SSH connection per node kept open by a background process of this user;
+`ddpfab exec` runs over it with the same output and exit codes as a cold exec, and everything
+ends cleanly (--stop, idle, a closed stdout, a broken connection made again).
+
+Real parts: the lab's sshd hosts, connections counted inside each host with ``ss``, a second
+Unix user (``nobody``) for the socket's owner checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpfab import lab as labmod
+from ddpfab.api import Cluster
+from ddpfab.remote import holder
+
+from .helpers import REPO, ddpfab
+
+NODES = ("node1", "node2", "node3")
+#: Another user, by exec (runuser would fork: killing it would leave its python running).
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+@pytest.fixture
+def inventory3(lab, tmp_path) -> Path:
+    path = tmp_path / "inventory.yml"
+    path.write_text(labmod.render_inventory(lab, sys.executable))
+    return path
+
+
+def connections(lab) -> dict[str, int]:
+    """Established connections to each node's sshd, counted inside the node."""
+    got = {}
+    for n in NODES:
+        out = lab.netns_exec(n, ["ss", "-Htn", "state", "established", "( sport = :22 )"],
+                             capture_output=True, text=True, check=True).stdout
+        got[n] = len([ln for ln in out.splitlines() if ln.strip()])
+    return got
+
+
+def end_sessions(lab, name: str) -> int:
+    """Kill the sshd processes of lab host *name*'s connections (not its listener): what a reboot
+    or a network cut leaves the controller with; how many there were."""
+    ns = lab.host(name).pid_namespace()
+    killed = 0
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != ns:
+                continue
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if cmd.startswith(("sshd: ", "sshd-session: ")) and "[listener]" not in cmd:  # the connection's
+            os.kill(int(entry), signal.SIGKILL)
+            killed += 1
+    return killed
+
+
+def holder_pid(inventory: Path) -> int | None:
+    res = ddpfab("hold", "-i", str(inventory), "--status")
+    if res.returncode != 0:
+        return None
+    return int(res.stderr.split("pid ")[1].split()[0])
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
+
+
+@pytest.fixture
+def held(inventory3):
+    res = ddpfab("hold", "-i", str(inventory3), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "holding 3/3 connections" in res.stderr
+    pid = holder_pid(inventory3)
+    assert pid and alive(pid)
+    try:
+        yield pid
+    finally:
+        ddpfab("hold", "-i", str(inventory3), "--stop")
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the holder outlived hold --stop")
+
+
+def exec_lines(inventory: Path, *args: str) -> tuple[int, set[str], str]:
+    res = ddpfab("exec", "-i", str(inventory), *args)
+    return res.returncode, set(res.stdout.splitlines()) | {f"ERR {ln}" for ln in res.stderr.splitlines()
+                                                            if " | " in ln}, res.stderr
+
+
+def test_exec_over_held_connections_is_the_cold_exec_without_the_handshakes(lab, inventory3, held):
+    assert connections(lab) == {n: 1 for n in NODES}  # the holder's, one per node
+    cmd = "hostname; echo to-stderr >&2; echo $DDPFAB_PYTHON | grep -c python; exit 3"
+    code, lines, err = exec_lines(inventory3, "--", cmd)
+    assert code == 3 and "over the connections `ddpfab hold` keeps open" in err, err
+    for _ in range(5):  # repeated commands: still the same one connection per node
+        assert exec_lines(inventory3, "--", "true")[0] == 0
+        assert connections(lab) == {n: 1 for n in NODES}
+    # a node limited with --nodes, and a node whose command fails: as cold
+    code, one, err = exec_lines(inventory3, "--nodes", "node2", "--", "hostname")
+    assert code == 0 and one == {"node2 | node2"} and "over the connections" in err, err
+    ddpfab("hold", "-i", str(inventory3), "--stop")
+    assert connections(lab) == {n: 0 for n in NODES}
+    cold_code, cold, err = exec_lines(inventory3, "--", cmd)
+    assert "over the connections" not in err
+    assert (cold_code, cold) == (3, lines), (cold, lines)
+
+
+def test_a_closed_stdout_and_an_interrupt_end_the_commands_on_every_node(lab, inventory3, held):
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "exec", "-i", str(inventory3), "--", "yes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout.readline().endswith(b"| y\n")
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 141
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "exec", "-i", str(inventory3), "--",
+                             "echo started; sleep 300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert b"started" in proc.stdout.readline()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = {n: [c for _, c in lab.processes(n) if c.startswith(("yes", "sleep 300"))] for n in NODES}
+        if not any(left.values()):
+            break
+        time.sleep(0.2)
+    assert not any(left.values()), left
+    assert alive(held)  # the holder serves on
+    assert exec_lines(inventory3, "--", "true")[0] == 0
+
+
+def test_a_broken_connection_is_made_again_and_a_changed_inventory_runs_cold(lab, inventory3, held):
+    # node2's sshd session for the holder ends (a reboot, a network blip ended it)
+    assert end_sessions(lab, "node2") >= 1
+    time.sleep(0.5)
+    code, lines, err = exec_lines(inventory3, "--", "hostname")
+    assert code == 0 and {"node1 | node1", "node2 | node2", "node3 | node3"} <= lines, err
+    assert connections(lab) == {n: 1 for n in NODES}
+    # the same inventory with a node's variables changed (-e): not what the holder connected; cold
+    code, lines, err = exec_lines(inventory3, "-e", "ddpfab_python=/usr/bin/python3", "--", "echo $DDPFAB_PYTHON")
+    assert code == 0 and "over the connections" not in err and "node1 | /usr/bin/python3" in lines, (lines, err)
+
+
+def test_the_holder_ends_when_idle_and_stop_leaves_nothing(lab, inventory3, tmp_path):
+    res = ddpfab("hold", "-i", str(inventory3), "--idle", "2", timeout=120)
+    assert res.returncode == 0, res.stderr
+    pid = holder_pid(inventory3)
+    assert pid and alive(pid)
+    assert ddpfab("hold", "-i", str(inventory3), timeout=60).stderr.startswith("ddpfab: already held")
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pid), "the holder outlived its idle limit"
+    assert connections(lab) == {n: 0 for n in NODES}
+    res = ddpfab("hold", "-i", str(inventory3), "--status")
+    assert res.returncode == 1 and "no holder" in res.stderr
+
+
+def test_another_user_can_neither_use_the_holder_nor_pose_as_it(lab, inventory3, tmp_path):
+    probe = ("import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect(chr(0)+sys.argv[1]);"
+             "s.sendall(b'{\"op\": \"status\"}\\n');s.settimeout(5)\n"
+             "try: print(repr(s.recv(100)))\nexcept ConnectionResetError: print(repr(b''))")  # closed unread: a reset
+    squat = ("import socket,sys;s=socket.socket(socket.AF_UNIX);s.bind(chr(0)+sys.argv[1]);s.listen();"
+             "print('bound',flush=True)\n"
+             "while True:\n c,_=s.accept()\n try: c.sendall(b'{\"done\": true}\\n')\n except OSError: pass\n c.close()")
+    # another user binds the name first: exec does not talk to it (its uid is not ours), runs cold
+    cluster = Cluster.load(str(inventory3))
+    real = holder.address(cluster.inventory, cluster.ssh_config, cluster.policy)
+    proc = subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-c", squat, real[1:]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "bound"
+        code, lines, err = exec_lines(inventory3, "--", "hostname")
+        assert code == 0 and "node2 | node2" in lines and "over the connections" not in err, err
+        res = ddpfab("hold", "-i", str(inventory3), timeout=60)
+        assert res.returncode == 2 and "socket name is taken" in res.stderr, res.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    # ours, held: another user connecting gets not a word
+    assert ddpfab("hold", "-i", str(inventory3), timeout=120).returncode == 0
+    pid = holder_pid(inventory3)
+    try:
+        res = subprocess.run([*AS_NOBODY, "/usr/bin/python3", "-c", probe, real[1:]],
+                             capture_output=True, text=True, timeout=30)
+        assert res.stdout.strip() == "b''", res.stdout + res.stderr
+    finally:
+        ddpfab("hold", "-i", str(inventory3), "--stop")
+    deadline = time.monotonic() + 10
+    while pid and alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)

@@ -1,0 +1,101 @@
+"""The connection holder's client: what it reads back is data, validated; anything it cannot read
+makes the nodes' results name the holder, never a traceback; no holder or a request the holder
+does not hold runs cold (None). The lab test (tests/lab/test_hold.py) drives the real holder."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from ddpfab.hosts.inventory import Node
+from ddpfab.remote import holder
+from ddpfab.remote.command import summary
+
+
+class Printer:
+    def __init__(self):
+        self.lines: list[tuple[str, str, bool]] = []
+        self.closed = False
+
+    def line(self, name, text, stderr=False):
+        self.lines.append((name, text, stderr))
+
+
+def fake_holder(answer: bytes) -> tuple[str, threading.Thread]:
+    """A server of this user on a fresh abstract name that reads one request and sends *answer*."""
+    name = f"\0ddpfab-hold-test-{os.getpid()}-{threading.get_ident()}-{len(answer)}"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(name)
+    srv.listen()
+
+    def serve():
+        c, _ = srv.accept()
+        c.recv(65536)
+        c.sendall(answer)
+        c.close()
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return name, t
+
+
+NODES = [Node("a", "10.0.0.1"), Node("b", "10.0.0.2")]
+
+
+def test_no_holder_means_cold():
+    assert holder.exec_held("\0ddpfab-hold-nobody-here", NODES, "true", Printer()) is None
+    assert holder.request("\0ddpfab-hold-nobody-here", {"op": "status"}) is None
+
+
+def test_a_holder_that_does_not_hold_the_nodes_as_given_means_cold():
+    name, t = fake_holder(b'{"held": false, "why": "not held as asked: a"}\n')
+    assert holder.exec_held(name, NODES, "true", Printer()) is None
+    t.join(5)
+
+
+def test_lines_and_results_are_read_as_data():
+    name, t = fake_holder(b'{"node": "a", "line": "hi", "stderr": false}\n'
+                          b'{"node": "b", "line": "oops", "stderr": true}\n'
+                          b'{"node": "a", "exit_code": 0, "error": null, "seconds": 0.1}\n'
+                          b'{"node": "b", "exit_code": null, "error": "unreachable", "seconds": 0.2}\n'
+                          b'{"done": true}\n')
+    printer = Printer()
+    got = holder.exec_held(name, NODES, "true", printer)
+    t.join(5)
+    assert printer.lines == [("a", "hi", False), ("b", "oops", True)]
+    assert (got["a"].exit_code, got["a"].held, got["b"].error) == (0, True, "unreachable")
+    code, text = summary(got, 0.5)
+    assert code == 255 and "b=unreachable" in text and "over the connections `ddpfab hold` keeps open" in text
+
+
+@pytest.mark.parametrize("answer, found", [
+    (b"not json\n", "not JSON"),
+    (b'["a list"]\n', "not an object"),
+    (b'{"node": "zz", "line": "x"}\n', "a node not asked"),
+    (b'{"node": "a", "exit_code": "0"}\n', "malformed result"),
+    (b'{"node": "a", "something": 1}\n', "unknown message"),
+    (b'{"node": "a", "line": "x"}', "ended mid-line"),
+    (b'{"node": "a", "exit_code": 0}\n', "gave no result"),  # b never answered, then EOF
+])
+def test_whatever_the_holder_answers_the_nodes_results_say_it(answer, found):
+    name, t = fake_holder(answer)
+    got = holder.exec_held(name, NODES, "true", Printer())
+    t.join(5)
+    assert set(got) == {"a", "b"}
+    assert any(r.error and found in r.error for r in got.values()), got
+
+
+def test_the_socket_name_is_per_user_and_per_inventory(tmp_path):
+    inv = tmp_path / "inv.yml"
+    inv.write_text("all: {hosts: {a: {}}}\n")
+    one = holder.address([str(inv)], None, None)
+    assert one.startswith(f"\0ddpfab-hold-{os.getuid()}-")
+    assert holder.address(str(inv), None, None) == one  # a path or a list of one
+    assert holder.address([str(inv)], "/etc/ssh/ssh_config", None) != one
+    assert holder.address([str(inv), "b,"], None, None) != one
+    # a node's every field is in its fingerprint: a changed variable is not served by old connections
+    assert holder.fingerprint(Node("a", "h")) != holder.fingerprint(Node("a", "h", workdir="/w"))
