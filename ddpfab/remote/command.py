@@ -114,6 +114,21 @@ def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
             return
 
 
+def _pump_stderr(chan, name: str, printer: LinePrinter) -> None:
+    """stderr's pump, on a thread of its own: its failures (the --timeout's TimeoutError, a closed
+    channel) end it quietly; the stdout side reports them as the node's result."""
+    try:
+        _pump(chan, chan.recv_stderr, name, printer, True)
+    except OSError:
+        return
+
+
+def host_error(exc: BaseException) -> str:
+    """How a failure to reach or run on a node reads in its result: an SSHError is its own
+    sentence (it names the hop and the fix); anything else its type and message."""
+    return str(exc) if isinstance(exc, ssh.SSHError) else f"{type(exc).__name__}: {exc}"
+
+
 def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
            timeout: float | None = None) -> HostResult:
     """Connect to *node*, run *command*, stream its output; never raises."""
@@ -122,10 +137,8 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
     try:
         conn = ssh.connect(node, policy, ssh_config)
         return run_over(conn, node, command, printer, timeout, start=start)
-    except ssh.SSHError as exc:
-        return HostResult(node.name, error=str(exc), seconds=time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001 - a failure on one host is data
-        return HostResult(node.name, error=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - start)
+        return HostResult(node.name, error=host_error(exc), seconds=time.monotonic() - start)
     finally:
         if conn is not None:
             conn.close()
@@ -133,21 +146,29 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
 
 def run_over(conn, node, command: str, printer: LinePrinter, timeout: float | None = None,
              channels: list | None = None, start: float | None = None) -> HostResult:
-    """Run *command* on *node* over its open connection *conn*, streaming its output to *printer*;
-    never raises. The channel is added to *channels* (when given): closing it ends the command."""
+    """Run *command* on *node* in a new session of its open connection *conn*; see :func:`run_in`.
+    A session that cannot be opened raises (the caller decides: a held connection may be full)."""
+    return run_in(conn.transport.open_session(timeout=30), node, command, printer, timeout, channels, start)
+
+
+def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None = None,
+           channels: list | None = None, start: float | None = None) -> HostResult:
+    """Run *command* on *node* in the open session *chan*, streaming its output to *printer*;
+    never raises. The channel is added to *channels* (when given: closing it ends the command), and
+    closed here unless the command exited (a --timeout, a closed printer): it ends there too."""
     result = HostResult(node.name)
     start = time.monotonic() if start is None else start
     try:
-        chan = conn.transport.open_session(timeout=30)
         if channels is not None:
             channels.append(chan)
+        if printer.closed:  # the reader went away before this node started: never start it
+            return result
         if timeout:
             chan.settimeout(timeout)
         # after the node's setup, with its python first on PATH; our end of stdin stays open:
         # closing it ends the command
         chan.exec_command(guarded(nodeenv.prefix(node, export_python=True) + command))
-        err_thread = threading.Thread(target=_pump, args=(chan, chan.recv_stderr, node.name, printer, True),
-                                      daemon=True)
+        err_thread = threading.Thread(target=_pump_stderr, args=(chan, node.name, printer), daemon=True)
         err_thread.start()
         _pump(chan, chan.recv, node.name, printer, False)
         if printer.closed:  # ended by us: no exit status will come
@@ -161,8 +182,10 @@ def run_over(conn, node, command: str, printer: LinePrinter, timeout: float | No
     except TimeoutError:
         result.error = f"no output and no exit within {timeout:g} s (--timeout)"
     except Exception as exc:  # noqa: BLE001 - a failure on one host is data
-        result.error = f"{type(exc).__name__}: {exc}"
+        result.error = host_error(exc)
     finally:
+        if result.exit_code is None:
+            chan.close()
         result.seconds = time.monotonic() - start
     return result
 

@@ -42,9 +42,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import paramiko
+
 from ddpfab.problems import DdpfabError
 from ddpfab.remote import ssh
-from ddpfab.remote.command import HostResult, run_over
+from ddpfab.remote.command import HostResult, host_error, run_in
 
 #: Seconds without a command after which the holder ends (``ddpfab hold --idle``).
 IDLE_S = 900.0
@@ -63,16 +65,18 @@ def address(sources: str | Iterable[str], ssh_config: str | None, policy) -> str
     """The abstract socket name of this user's holder for connections made from *sources* (the
     inventory as given to ``-i``), *ssh_config* and the host-key *policy*."""
     sources = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    known_hosts = getattr(policy, "known_hosts", None)
     key = json.dumps([[os.path.abspath(s) if os.path.exists(s) else os.fspath(s) for s in sources],
                       os.path.abspath(ssh_config) if ssh_config else None,
-                      dataclasses.asdict(policy) if dataclasses.is_dataclass(policy) else repr(policy)],
+                      os.path.abspath(known_hosts) if known_hosts else None, bool(getattr(policy, "accept_new", False))],
                      sort_keys=True, default=str)
     return f"\0ddpfab-hold-{os.getuid()}-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
 
 def _peer_uid(sock: socket.socket) -> int:
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))
+    # struct ucred: pid_t, uid_t, gid_t (the ids unsigned: a uid over 2**31 reads as itself)
+    _pid, uid, _gid = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("iII")))
     return uid
 
 
@@ -153,12 +157,16 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
         return None
     wanted = {n.name: fingerprint(n) for n in nodes}
     results: dict[str, HostResult] = {}
+    started = False  # the holder said it runs the command: from then on its failures are the nodes'
     try:
         sock.sendall((json.dumps({"op": "exec", "nodes": wanted, "command": command, "timeout": timeout})
                       + "\n").encode())
         for event in _lines(sock):
-            if event.get("held") is False:
-                return None
+            if not started:
+                if event.get("held") is True:
+                    started = True
+                    continue
+                return None  # not held as asked (or any other answer): nothing ran, run cold
             node = event.get("node")
             if event.get("done") is True:
                 break
@@ -167,7 +175,7 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
             if isinstance(event.get("line"), str):
                 printer.line(node, event["line"], bool(event.get("stderr")))
                 if printer.closed:  # nobody reads on: closing the socket ends the commands
-                    return results
+                    break
             elif "exit_code" in event or "error" in event:
                 code, error = event.get("exit_code"), event.get("error")
                 if not (code is None or isinstance(code, int)) or not (error is None or isinstance(error, str)):
@@ -178,22 +186,32 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
             else:
                 raise HolderError(f"the holder answered an unknown message for {node}")
     except HolderError as exc:
+        if not started:
+            return None
         for n in wanted:
-            results.setdefault(n, HostResult(n, error=f"the connection holder failed: {exc}"))
+            results.setdefault(n, HostResult(n, error=f"the connection holder failed: {exc}", held=True))
     except OSError as exc:
+        if not started:
+            return None  # the holder closed before it ran anything (it was ending): run cold
         for n in wanted:
-            results.setdefault(n, HostResult(n, error=f"the connection holder went away ({exc.strerror or exc})"))
+            results.setdefault(n, HostResult(n, error=f"the connection holder went away ({exc.strerror or exc})",
+                                             held=True))
     finally:
         sock.close()
-    for n in wanted:  # a node the holder never answered for
-        results.setdefault(n, HostResult(n, error="the connection holder gave no result"))
+    if not started:
+        return None
+    for n in wanted:  # ended by a closed printer (as cold: no exit status), or never answered for
+        results.setdefault(n, HostResult(n, held=True) if printer.closed else
+                           HostResult(n, error="the connection holder gave no result", held=True))
     return {n: results[n] for n in wanted}
 
 
 # -- the holder ---------------------------------------------------------------------------------
 class _SocketPrinter:
     """A printer (``line``, ``closed``) that sends each line to the client; ``closed`` once the
-    client has gone, and then every channel of its command is closed (ending the commands)."""
+    client has gone, and then every channel of its command is closed (ending the commands). A
+    channel registered after that is closed by :func:`ddpfab.remote.command.run_in` itself (it
+    checks ``closed`` after registering), so a node still connecting never starts its command."""
 
     def __init__(self, sock: socket.socket, lock: threading.Lock):
         self.sock, self.lock = sock, lock
@@ -209,7 +227,7 @@ class _SocketPrinter:
             self.gone()
 
     def gone(self) -> None:
-        self.closed = True
+        self.closed = True  # first: a channel registered from now on sees it
         for chan in list(self.channels):
             chan.close()
 
@@ -231,9 +249,10 @@ class Holder:
         self.connect = connect
         self.conns: dict[str, Any] = {}
         self.lock = threading.Lock()
-        self.node_locks = {n.name: threading.Lock() for n in nodes}  # one reconnect at a time per node
-        self.busy = 0
-        self.last = time.monotonic()
+        self.node_locks = {n.name: threading.Lock() for n in nodes}  # one (re)connect at a time per node
+        self.clients: set[socket.socket] = set()
+        self.busy = 0  # exec requests being answered
+        self.last = time.monotonic()  # the last exec request's start or end
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: socket.socket | None = None
@@ -253,18 +272,12 @@ class Holder:
 
     def open_all(self) -> dict[str, str]:
         """Connect every node; node -> why not, for those that failed (connected on first use)."""
-        got = ssh.parallel(list(self.nodes.values()), self.connect)
-        failed = {}
-        for name, conn in got.items():
-            if isinstance(conn, Exception):
-                failed[name] = str(conn)
-            else:
-                self.conns[name] = conn
-        return failed
+        got = ssh.parallel(list(self.nodes.values()), lambda node: self._conn(node.name))
+        return {name: host_error(err) for name, err in got.items() if isinstance(err, Exception)}
 
     def _conn(self, name: str):
-        """The node's open connection; one that broke (the node rebooted, a network blip) is made
-        again, host key verified as on any connect."""
+        """The node's open connection; one that broke (the node rebooted, a network blip ended it)
+        is made again, host key verified as on any connect; none once the holder is ending."""
         with self.node_locks[name]:
             with self.lock:
                 conn = self.conns.get(name)
@@ -272,53 +285,86 @@ class Holder:
                 return conn
             if conn is not None:
                 conn.close()
+            if self.stopping.is_set():
+                raise ConnectionAbortedError("the connection holder is ending")
             conn = self.connect(self.nodes[name])  # SSHError: the node's result says why
             with self.lock:
+                if self.stopping.is_set():  # serve() has closed the others: this one too
+                    conn.close()
+                    raise ConnectionAbortedError("the connection holder is ending")
                 self.conns[name] = conn
             return conn
 
     def _run(self, name: str, command: str, printer: _SocketPrinter, timeout: float | None) -> HostResult:
         start = time.monotonic()
+        if printer.closed:  # the client went away before this node's turn
+            return HostResult(name)
+        extra = None
         try:
             conn = self._conn(name)
+            try:
+                chan = conn.transport.open_session(timeout=30)
+            except paramiko.ChannelException:
+                # the node's sshd allows this many sessions per connection (MaxSessions, 10 by
+                # default) and other commands hold them: this one gets a connection of its own
+                extra = self.connect(self.nodes[name])
+                chan = extra.transport.open_session(timeout=30)
+            return run_in(chan, self.nodes[name], command, printer, timeout, printer.channels, start)
         except Exception as exc:  # noqa: BLE001 - a failure on one host is data
-            return HostResult(name, error=str(exc), seconds=time.monotonic() - start)
-        return run_over(conn, self.nodes[name], command, printer, timeout, printer.channels, start)
+            return HostResult(name, error=host_error(exc), seconds=time.monotonic() - start)
+        finally:
+            if extra is not None:
+                extra.close()
 
-    def serve(self) -> None:
-        """Answer commands until idle, stopped or signalled; then close every connection."""
+    def serve(self, on_ready: Callable[[dict[str, str]], None] = lambda failed: None) -> None:
+        """Answer requests until idle, stopped or signalled, connecting every node meanwhile
+        (*on_ready* gets :meth:`open_all`'s failures); then close every connection and client."""
         assert self.listener is not None, "bind() first"
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.stopping.set())
+        threading.Thread(target=lambda: on_ready(self.open_all()), name="ddpfab-hold-open", daemon=True).start()
         try:
             while not self.stopping.is_set():
                 with self.lock:
-                    idle = self.busy == 0 and time.monotonic() - self.last > self.idle
-                if idle:
-                    break
+                    if self.busy == 0 and time.monotonic() - self.last > self.idle:
+                        break
                 try:
                     client, _ = self.listener.accept()
                 except TimeoutError:
                     continue
                 except OSError:
                     break
+                try:
+                    ours = _peer_uid(client) == os.getuid()
+                except OSError:
+                    ours = False
+                if not ours:  # another user: not a word, and no activity
+                    client.close()
+                    continue
+                with self.lock:
+                    self.clients.add(client)
                 threading.Thread(target=self._client, args=(client,), daemon=True).start()
         finally:
+            self.stopping.set()
             self.listener.close()
             with self.lock:
-                conns = list(self.conns.values())
+                conns, clients = list(self.conns.values()), list(self.clients)
             for conn in conns:
                 conn.close()
+            for client in clients:  # a client that reads no more must not keep a sender blocked
+                try:
+                    client.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _client(self, sock: socket.socket) -> None:
-        with self.lock:
-            self.busy += 1
         try:
-            if _peer_uid(sock) != os.getuid():
-                return  # another user: not a word
             sock.settimeout(10)
             data = b""
-            while b"\n" not in data and len(data) < MAX_REQUEST:
+            while b"\n" not in data:
+                if len(data) > MAX_REQUEST:
+                    _send(sock, threading.Lock(), {"held": False, "why": "request too large"})
+                    return
                 chunk = sock.recv(65536)
                 if not chunk:
                     return
@@ -330,35 +376,47 @@ class Holder:
         except (OSError, ValueError):
             pass
         finally:
-            sock.close()
             with self.lock:
-                self.busy -= 1
-                self.last = time.monotonic()
+                self.clients.discard(sock)
+            sock.close()
+
+    def status(self) -> dict:
+        with self.lock:
+            connected = sorted(n for n, c in self.conns.items() if c.transport is not None and c.transport.is_active())
+        return {"pid": os.getpid(), "nodes": list(self.nodes), "prints": self.prints, "since": self.started,
+                "connected": connected, "idle_s": self.idle}
 
     def _answer(self, sock: socket.socket, req: dict) -> None:
         lock = threading.Lock()
         op = req.get("op")
         if op == "status":
-            _send(sock, lock, {"pid": os.getpid(), "nodes": list(self.nodes), "since": self.started,
-                               "connected": sorted(n for n, c in self.conns.items()
-                                                   if c.transport is not None and c.transport.is_active()),
-                               "idle_s": self.idle})
+            _send(sock, lock, self.status())
         elif op == "stop":
             self.stopping.set()
             _send(sock, lock, {"stopping": True, "pid": os.getpid()})
         elif op == "exec":
-            self._exec(sock, lock, req)
+            with self.lock:
+                self.busy += 1
+                self.last = time.monotonic()
+            try:
+                self._exec(sock, lock, req)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    self.last = time.monotonic()
 
     def _exec(self, sock: socket.socket, lock: threading.Lock, req: dict) -> None:
         wanted, command, timeout = req.get("nodes"), req.get("command"), req.get("timeout")
         if (not isinstance(wanted, dict) or not isinstance(command, str)
-                or not (timeout is None or isinstance(timeout, (int, float)))):
+                or not (timeout is None or (isinstance(timeout, (int, float)) and timeout > 0))):
             _send(sock, lock, {"held": False, "why": "malformed request"})
             return
         differ = [n for n, fp in wanted.items() if self.prints.get(n) != fp]
-        if differ:
-            _send(sock, lock, {"held": False, "why": f"not held as asked: {', '.join(differ[:4])}"})
+        if differ or self.stopping.is_set():
+            _send(sock, lock, {"held": False, "why": f"not held as asked: {', '.join(differ[:4])}" if differ
+                               else "the holder is ending"})
             return
+        _send(sock, lock, {"held": True})
         printer = _SocketPrinter(sock, lock)
 
         def watch():  # the client closes its end (Ctrl-C, a closed stdout): end the commands now
@@ -370,7 +428,6 @@ class Holder:
             printer.gone()
 
         threading.Thread(target=watch, daemon=True).start()
-        nodes = [self.nodes[n] for n in wanted]
 
         def one(node):
             res = self._run(node.name, command, printer, timeout)
@@ -382,6 +439,6 @@ class Holder:
                     printer.gone()
             return res
 
-        ssh.parallel(nodes, one)
+        ssh.parallel([self.nodes[n] for n in wanted], one)
         if not printer.closed:
             _send(sock, lock, {"done": True})

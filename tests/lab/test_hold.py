@@ -31,9 +31,27 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 @pytest.fixture
 def inventory3(lab, tmp_path) -> Path:
+    """The lab's three hosts; after the test no holder of it runs (one left is killed, and fails the test)."""
     path = tmp_path / "inventory.yml"
     path.write_text(labmod.render_inventory(lab, sys.executable))
-    return path
+    yield path
+    left = holders_of(path)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"holders left running: {left}"
+
+
+def holders_of(inventory: Path) -> list[int]:
+    """The holder processes (`hold ... --serve`) started for *inventory*, alive."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--serve" in argv and str(inventory).encode() in argv and alive(int(entry)):
+            found.append(int(entry))
+    return found
 
 
 def connections(lab) -> dict[str, int]:
@@ -131,6 +149,7 @@ def test_a_closed_stdout_and_an_interrupt_end_the_commands_on_every_node(lab, in
     proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "exec", "-i", str(inventory3), "--",
                              "echo started; sleep 300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     assert b"started" in proc.stdout.readline()
+    assert connections(lab) == {n: 1 for n in NODES}  # over the held connections (cold would add one)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     deadline = time.monotonic() + 15
@@ -161,7 +180,8 @@ def test_the_holder_ends_when_idle_and_stop_leaves_nothing(lab, inventory3, tmp_
     assert res.returncode == 0, res.stderr
     pid = holder_pid(inventory3)
     assert pid and alive(pid)
-    assert ddpfab("hold", "-i", str(inventory3), timeout=60).stderr.startswith("ddpfab: already held")
+    res = ddpfab("hold", "-i", str(inventory3), "--idle", "2", timeout=60)
+    assert res.stderr.startswith("ddpfab: already held"), res.stderr
     deadline = time.monotonic() + 30
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -204,3 +224,43 @@ def test_another_user_can_neither_use_the_holder_nor_pose_as_it(lab, inventory3,
     while pid and alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pid)
+
+
+def left_running(lab, *commands: str) -> dict[str, list[str]]:
+    return {n: [c for _, c in lab.processes(n) if c.startswith(commands)] for n in NODES}
+
+
+def wait_nothing_left(lab, *commands: str, timeout: float = 15) -> dict[str, list[str]]:
+    deadline = time.monotonic() + timeout
+    while any((left := left_running(lab, *commands)).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_a_timeout_and_a_stop_end_the_held_commands_as_cold_ones_end(lab, inventory3, held):
+    t0 = time.monotonic()
+    code, lines, err = exec_lines(inventory3, "--timeout", "2", "--", "sleep 30")
+    assert code == 255 and time.monotonic() - t0 < 20, err
+    assert err.count("no output and no exit within 2 s (--timeout)") == 3 and "over the connections" in err, err
+    assert not any(wait_nothing_left(lab, "sleep 30").values())
+    # a stop while a command runs: the command ends on every node, the holder's process ends
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "exec", "-i", str(inventory3), "--",
+                             "echo started; sleep 300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert b"started" in proc.stdout.readline()
+    res = ddpfab("hold", "-i", str(inventory3), "--stop")
+    assert res.returncode == 0 and f"stopped the holder (pid {held})" in res.stderr, res.stderr
+    assert not alive(held)
+    assert proc.wait(timeout=60) == 255  # each node's command ended without an exit status
+    assert not any(wait_nothing_left(lab, "sleep 300").values())
+    assert connections(lab) == {n: 0 for n in NODES}
+
+
+def test_hold_with_other_variables_replaces_the_holder(lab, inventory3, held):
+    res = ddpfab("hold", "-i", str(inventory3), "-e", "ddpfab_python=/usr/bin/python3", timeout=120)
+    assert res.returncode == 0 and "holds these nodes otherwise" in res.stderr, res.stderr
+    assert not alive(held)
+    code, lines, err = exec_lines(inventory3, "-e", "ddpfab_python=/usr/bin/python3", "--", "echo $DDPFAB_PYTHON")
+    assert code == 0 and "over the connections" in err and "node3 | /usr/bin/python3" in lines, err
+    code, lines, err = exec_lines(inventory3, "--", "hostname")  # as the inventory says: not held so, cold
+    assert code == 0 and "over the connections" not in err, err
+    assert ddpfab("hold", "-i", str(inventory3), "-e", "ddpfab_python=/usr/bin/python3", "--stop").returncode == 0

@@ -51,14 +51,19 @@ def test_no_holder_means_cold():
     assert holder.request("\0ddpfab-hold-nobody-here", {"op": "status"}) is None
 
 
-def test_a_holder_that_does_not_hold_the_nodes_as_given_means_cold():
-    name, t = fake_holder(b'{"held": false, "why": "not held as asked: a"}\n')
+@pytest.mark.parametrize("answer", [
+    b'{"held": false, "why": "not held as asked: a"}\n',
+    b"",  # closed before it ran anything (it was ending): nothing ran
+    b'not json\n', b'{"node": "a", "line": "x"}\n',  # no "held": true first: not a holder that runs it
+])
+def test_a_holder_that_does_not_say_it_runs_the_command_means_cold(answer):
+    name, t = fake_holder(answer)
     assert holder.exec_held(name, NODES, "true", Printer()) is None
     t.join(5)
 
 
 def test_lines_and_results_are_read_as_data():
-    name, t = fake_holder(b'{"node": "a", "line": "hi", "stderr": false}\n'
+    name, t = fake_holder(b'{"held": true}\n{"node": "a", "line": "hi", "stderr": false}\n'
                           b'{"node": "b", "line": "oops", "stderr": true}\n'
                           b'{"node": "a", "exit_code": 0, "error": null, "seconds": 0.1}\n'
                           b'{"node": "b", "exit_code": null, "error": "unreachable", "seconds": 0.2}\n'
@@ -81,8 +86,8 @@ def test_lines_and_results_are_read_as_data():
     (b'{"node": "a", "line": "x"}', "ended mid-line"),
     (b'{"node": "a", "exit_code": 0}\n', "gave no result"),  # b never answered, then EOF
 ])
-def test_whatever_the_holder_answers_the_nodes_results_say_it(answer, found):
-    name, t = fake_holder(answer)
+def test_whatever_the_holder_answers_once_it_runs_the_command_the_nodes_results_say_it(answer, found):
+    name, t = fake_holder(b'{"held": true}\n' + answer)
     got = holder.exec_held(name, NODES, "true", Printer())
     t.join(5)
     assert set(got) == {"a", "b"}
