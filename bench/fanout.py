@@ -18,8 +18,8 @@ Tools, each a fresh process as a user would type it (wall time from spawn to exi
                      stopped at the end; the copy keeps the cold `ddpfab exec` cold)
 and in this process, on the same inventory (no interpreter start, no inventory load):
   in-process cold    ddpfab.remote.ssh.connect + ddpfab.remote.ssh.run on every host at once (ddpfab.remote.ssh.parallel)
-  in-process warm    ddpfab.remote.ssh.run on the connections already open: what a persistent pool would give
-                     (ddpfab keeps none today)
+  in-process warm    ddpfab.remote.ssh.run on the connections already open: the floor under
+                     `ddpfab exec (held)` (no interpreter start, no inventory load, no output through a socket)
 
 Tools are interleaved (rotated order inside every repetition) so load drifts hit all of them alike.
 Writes bench/results/fanout.json (+ fanout-profile.txt: importtime and pyinstrument of one
@@ -81,9 +81,6 @@ class Bench:
         res = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT,
                              stdin=subprocess.DEVNULL)
         elapsed = time.perf_counter() - t0
-        if tool == "ddpfab exec (held)":
-            return ([PYTHON, "-m", "ddpfab", "exec", "-i", str(self.held[n]), "--no-color", "--", "hostname"],
-                    common.env_with())
         if tool == "ddpfab exec (held)" and "over the connections `ddpfab hold` keeps open" not in res.stderr:
             raise RuntimeError(f"{tool} on {n} hosts ran cold:\n{res.stderr[-2000:]}")
         if tool == "ddpfab startup":
