@@ -100,6 +100,14 @@ def test_a_held_gpu_refuses_a_second_job_naming_the_holder(glab, inv, tmp_path):
                 assert f"host {node}: 2 GPUs wanted, 1 free: GPU 0 leased by run holder (user root" in res.stderr, \
                     res.stderr
             assert "nothing was started" in res.stderr
+        # check shows each node's leases (every user's), and does not judge them
+        res = ddpfab("check", "-i", str(inv), "--fast", "--json", timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        shown = {r["node"]: r for r in json.loads(res.stdout)["results"] if r["check"] == "gpu_leases"}
+        assert set(shown) == set(NODES), shown
+        for node, r in shown.items():
+            assert r["status"] == "pass" and r["found"].startswith("1 of 4 GPUs free; GPU 0 leased by run holder "
+                                                                   "(user root"), r
         res = ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "--gpus-per-node", "1", SCRIPT, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         assert {r["cuda"] for r in reports(res.stdout)} == {"3"}
