@@ -15,6 +15,7 @@ import time
 from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.errors import die, note, warn
 from ddpfab.hosts import inventory
+from ddpfab.remote.reaper import pid_alive
 
 #: Seconds ``hold`` waits for the holder to have connected every node.
 START_WAIT_S = 300.0
@@ -94,26 +95,12 @@ def _stop(name: str, status: dict) -> bool:
 
     holder.request(name, {"op": "stop"})
     pid, deadline = status["pid"], time.monotonic() + STOP_WAIT_S
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(pid):
+    if pid_alive(pid):
         return False
     note(f"stopped the holder (pid {pid}); its connections are closed")
     return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (its parent, a `hold` still running in this process, has not reaped it) has ended
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _describe(status: dict) -> str:

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ddpfab.remote.reaper import pid_alive
 from ddpfab.problems import DdpfabError
 
 DEFAULT_SUBNET = "10.213.0.0/24"
@@ -197,21 +198,6 @@ def _child_pid(pid: int) -> int | None:
     except OSError:
         return None
     return int(children[0]) if children else None
-
-
-def _pid_alive(pid: int) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _port_open(addr: str, port: int, timeout: float) -> bool:
@@ -565,11 +551,11 @@ def down(lab_dir: str | os.PathLike) -> bool:
     # killing `unshare` SIGKILLs its child (--kill-child), PID 1 of the host, and with it the
     # whole PID namespace: every job left on the host dies with it
     for h in lab.hosts:
-        if h.pid and _pid_alive(h.pid) and _is_lab_unshare(h.pid, lab_dir):
+        if h.pid and pid_alive(h.pid) and _is_lab_unshare(h.pid, lab_dir):
             os.kill(h.pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     for h in lab.hosts:
-        while h.pid and _pid_alive(h.pid) and time.monotonic() < deadline:
+        while h.pid and pid_alive(h.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
     for h in lab.hosts:
         _run(["ip", "netns", "del", h.netns], check=False)

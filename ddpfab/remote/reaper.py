@@ -14,8 +14,10 @@ order, rather than killing them halfway), which is why they are ended by group.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 #: The watcher: stdlib only, started with ``python -I -S -c`` (no site, ~20 ms).
 WATCHER = r"""
@@ -90,3 +92,21 @@ class Reaper:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def pid_alive(pid: int | None) -> bool:
+    """*pid* runs on this machine (one answer for the lab's host inits and the connection holder):
+    it exists (another user's too) and is not a zombie (ended, not yet reaped:
+    its parent, maybe this very process, has not waited for it)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
