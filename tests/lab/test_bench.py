@@ -28,7 +28,7 @@ def test_fanout_runs_every_tool_against_every_host(tmp_path):
     tools = {s["tool"] for s in data["series"] if s["hosts"] == 2 and s["median"] is not None}
     # (each tool's output was checked for every host's hostname inside the script, or it fails)
     assert tools == {"ddpfab exec", "pdsh", "ssh loop", "ansible", "ansible (warm)", "ddpfab startup",
-                     "in-process cold", "in-process warm"}, tools
+                     "ddpfab exec (held)", "in-process cold", "in-process warm"}, tools
     assert data["meta"]["quick"] and "busy_before" in data["meta"]
     assert [c["hosts"] for c in data["controller_cpu"]] == [2] and data["controller_cpu"][0]["median"] > 0
 
