@@ -3,7 +3,7 @@
 (abstract sockets) held by each node's supervisor in the host's network namespace.
 
 - four launches at the same instant on the same nodes, no --master-port: each trains with only
-  its own ranks and all four hold disjoint GPUs at the same time;
+  its own ranks and all four hold disjoint GPUs at the same time (seen on the node's lease table);
 - a held GPU refuses a second job before anything starts, naming the holder (dry run too);
 - SIGKILL of a job's supervisor releases its lease: the next job gets the GPUs;
 - a GPU used by a process without a lease (nvidia-smi's compute apps) counts as busy and is named.
@@ -60,10 +60,12 @@ def wait_leases_free(glab, timeout: float = 20) -> None:
 
 def test_four_launches_at_once_get_disjoint_gpus_and_only_their_own_ranks(glab, inv, tmp_path):
     """Four jobs of one GPU per node started at the same instant, no --master-port: every job
-    trains with world size 2 and the sum of its own two ranks; while all four overlap, their
-    CUDA_VISIBLE_DEVICES on each node are four different GPUs (the leases, never granted twice)."""
+    trains with world size 2 and the sum of its own two ranks; at a moment when all four hold
+    their leases (each rank waits to see its node's four GPUs leased), the leases are four
+    different GPUs held by the four jobs, and each job's CUDA_VISIBLE_DEVICES is its own lease."""
     procs = [start_ddpfab("run", "-i", str(inv), "--runs-dir", str(tmp_path / f"runs{i}"), "--run-id", f"four-{i}",
-                          "--gpus-per-node", "1", "--env", "LEASE_HOLD=4", SCRIPT) for i in range(4)]
+                          "--gpus-per-node", "1", "--env", "LEASE_MEET=4", "--env", "LEASE_HOLD=1", SCRIPT)
+             for i in range(4)]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"job {i}:\n{out}"
@@ -73,10 +75,13 @@ def test_four_launches_at_once_get_disjoint_gpus_and_only_their_own_ranks(glab, 
         assert {(r["world_size"], r["sum"], r["run_id"]) for r in rows} == {(2, 3.0, f"four-{i}")}, outs[i]
     assert len({rows[0]["master_port"] for rows in got}) == 4, "two jobs shared a master port"
     for host in NODES:
-        mine = [(r["cuda"], r["start"], r["end"]) for rows in got for r in rows if r["hostname"] == host]
-        assert sorted(c for c, _, _ in mine) == ["0", "1", "2", "3"], mine  # one GPU each, all different
-        # and they really overlapped: each held its GPU while all the others held theirs
-        assert max(s for _, s, _ in mine) < min(e for _, _, e in mine), mine
+        mine = [r for rows in got for r in rows if r["hostname"] == host]
+        assert sorted(r["cuda"] for r in mine) == ["0", "1", "2", "3"], mine  # one GPU each, all different
+        for r in mine:
+            # seen by this rank on its node while it held its lease: all four jobs at once
+            assert r["met"] is not None, f"{host}: four leases never held at once: {r}"
+            assert sorted(r["met"].values()) == [f"four-{i}" for i in range(4)], r
+            assert r["met"][r["cuda"]] == r["run_id"], r  # the GPU it was given is the one it holds
     wait_leases_free(glab)
 
 

@@ -1,7 +1,11 @@
 """Test payload for GPU leases: each rank reports its node, run and CUDA_VISIBLE_DEVICES (set by its
 node's supervisor from the job's lease), holds for LEASE_HOLD seconds, and reports when it started
 and ended holding, after a real all_reduce over the job's own ranks (a stray rank of another job
-would change the sum or the world size)."""
+would change the sum or the world size).
+
+With LEASE_MEET=N a rank first waits (up to 120 s) until its node shows N GPUs leased, and reports
+that table: the proof that N jobs held their leases at the same moment, without depending on how
+fast a loaded machine starts them."""
 
 import json
 import os
@@ -17,12 +21,24 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 rank = int(os.environ["RANK"])
 value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
+met = None
+if os.environ.get("LEASE_MEET"):
+    from ddpfab.node import leases  # the node program's own reading (what ps, check and the probe show)
+
+    deadline = time.monotonic() + 120
+    while met is None and time.monotonic() < deadline:
+        table = leases.lease_state()
+        held = {g["gpu"]: g["holder"].get("run_id") for g in table if g["state"] == "leased"}
+        if len(held) >= int(os.environ["LEASE_MEET"]):
+            met = held
+        else:
+            time.sleep(0.1)
 time.sleep(float(os.environ.get("LEASE_HOLD", "0")))
 dist.barrier()
 print("REPORT " + json.dumps({
     "rank": rank, "world_size": int(os.environ["WORLD_SIZE"]), "sum": value.item(),
     "hostname": socket.gethostname(), "run_id": os.environ.get("DDPFAB_RUN_ID"),
     "master_port": int(os.environ["MASTER_PORT"]),
-    "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": started, "end": time.time(),
+    "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": started, "end": time.time(), "met": met,
 }), flush=True)
 dist.destroy_process_group()
