@@ -10,7 +10,7 @@ stdin, one JSON reply line per request on stdout, a failure as data (``ok: false
 travels in the supervisor's job spec and which the supervisor writes into the run's dir.
 
 Shipping: once per SSH session, on stdin. The command line is a short loader (:data:`LOADER`:
-read the program from stdin, run it), so ``ps`` on a node shows ``python -c <loader> MAGIC CODE
+read the program from stdin, run it), so ``ps`` on a node shows ``python -S -c <loader> MAGIC CODE
 SOURCE ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing secret: requests,
 and the supervisor's env among them, travel inside the SSH session. The program travels compiled
 by the controller's python and as source: a node python with the same bytecode magic (the usual
@@ -59,13 +59,15 @@ MAX_REPLY_LINE = 8 * 2**20
 #: :func:`exchange` from the other nodes' channels and from its deadline.
 POLL_BYTES = 2**20
 
-#: What a node's python runs (``python -c LOADER MAGIC CODE SOURCE WORDS...``): read the program
+#: What a node's python runs (``python -S -c LOADER MAGIC CODE SOURCE WORDS...``): read the program
 #: from stdin, first compiled by the controller's python (CODE bytes: marshal, zlib), then as
 #: source (SOURCE bytes, zlib), and run it; it then reads its requests from stdin. A python whose
 #: bytecode magic is MAGIC (the controller's) runs the compiled code, any other compiles the
 #: source: compiling is most of the program's start. Short and readable in ``ps``, and nothing in
 #: it (or after it) is secret.
-LOADER = ("import os,sys,zlib,marshal\nfrom importlib.util import MAGIC_NUMBER as m\n"
+LOADER = ("import os,sys,zlib,marshal\n"
+          "try:from _frozen_importlib_external import MAGIC_NUMBER as m\n"  # what importlib.util gives,
+          "except ImportError:from importlib.util import MAGIC_NUMBER as m\n"  # without importing it
           "def r(n):\n"
           " b=b''\n"
           " while len(b)<n:\n"
@@ -78,10 +80,37 @@ LOADER = ("import os,sys,zlib,marshal\nfrom importlib.util import MAGIC_NUMBER a
           "exec(c,{'__name__':'ddpfab-node'})")
 
 
+#: Standard modules the shipped program imports at their first use instead of at its start: a
+#: session asks for one or two operations, most of which need none of them, and importing them all
+#: was most of a start's CPU after the interpreter's own (a start 78 -> 40 ms of CPU, measured with
+#: ``python -S``; at 64 nodes sharing a lab's two cores that is seconds of every check and sync).
+#: The modules stay plain modules with their imports at the top; only the shipped text differs.
+LAZY_MODULES = ("base64", "fnmatch", "hashlib", "queue", "re", "selectors", "shutil", "signal", "socket",
+                "subprocess", "tempfile", "threading")
+_FIRST_USE = b'''
+class _FirstUse(object):
+    """A standard module imported at its first use (ddpfab.node.LAZY_MODULES)."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(__import__(self._name), attr)
+
+'''
+_LAZY_IMPORT = re.compile(rb"^import (%s)$" % b"|".join(m.encode() for m in LAZY_MODULES), re.MULTILINE)
+#: ``importlib.util.find_spec(...)`` works through the package's name: ``__import__`` of the
+#: submodule returns the package, with the submodule imported as its attribute.
+_LAZY_IMPORTLIB = re.compile(rb"^import importlib\.util$", re.MULTILINE)
+
+
 @functools.lru_cache(maxsize=1)
 def program() -> bytes:
-    """The node program's source (the :data:`SOURCES`, concatenated)."""
-    return b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
+    """The node program's source: the :data:`SOURCES`, concatenated, each top-level import of
+    one of the :data:`LAZY_MODULES` made an import at first use."""
+    source = b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
+    source = _LAZY_IMPORTLIB.sub(b"importlib = _FirstUse('importlib.util')", source)
+    return _FIRST_USE + _LAZY_IMPORT.sub(rb"\1 = _FirstUse('\1')", source)
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,10 +130,12 @@ def shipped() -> bytes:
 
 
 def argv(python: str, *words: str) -> list[str]:
-    """``python -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
-    (:func:`stdin_for`)."""
+    """``python -S -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
+    (:func:`stdin_for`). Without site (``-S``): the program is the standard library's alone, and
+    site is a good part of a start (a third on a venv with editable installs); the one operation
+    that looks at installed packages (facts: torch) loads it then (``ops._with_site``)."""
     magic, code, source = _shipped()
-    return [python, "-c", LOADER, magic, str(len(code)), str(len(source)), *words]
+    return [python, "-S", "-c", LOADER, magic, str(len(code)), str(len(source)), *words]
 
 
 def command(node, *words: str, fallback: str | None = None) -> str:

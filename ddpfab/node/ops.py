@@ -184,9 +184,18 @@ def _find_port(req, session):
     return None
 
 
+def _with_site():
+    """The node python's installed packages on sys.path, as a plain start has them: the program
+    runs without site (``python -S``, :func:`ddpfab.node.argv`) until an operation needs them."""
+    if sys.flags.no_site and "site" not in sys.modules:
+        import site
+        site.main()
+
+
 def op_facts(req, session):
     """Hostname, python, torch, workdir and script, a free port (or whether the user's is free),
     name resolution, the interface towards each peer, GPUs; with ``full`` torch is imported."""
+    _with_site()
     out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
            "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None,
            "cpus": os.cpu_count(),  # what torchrun's --nproc-per-node cpu counts

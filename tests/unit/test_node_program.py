@@ -185,11 +185,32 @@ def test_the_shipped_program_is_one_namespace_without_clashes():
 
 def test_the_command_line_carries_no_code_and_no_request():
     words = nodeprog.argv("/opt/venv/bin/python", "ddpfab-node")
-    assert words[:2] == ["/opt/venv/bin/python", "-c"] and len(words[2]) < 400
-    assert int(words[4]) + int(words[5]) == len(nodeprog.shipped()) and words[6:] == ["ddpfab-node"]
+    assert words[:3] == ["/opt/venv/bin/python", "-S", "-c"] and len(words[3]) < 500
+    assert int(words[5]) + int(words[6]) == len(nodeprog.shipped()) and words[7:] == ["ddpfab-node"]
     line = nodeprog.command(Node("n", "h", python="/opt/venv/bin/python", python_from="inventory"), "ddpfab-node",
                             fallback="python3")
-    assert "command -v /opt/venv/bin/python" in line and "exec python3 -c" in line
+    assert "command -v /opt/venv/bin/python" in line and "exec python3 -S -c" in line
+
+
+def test_a_start_imports_only_what_its_requests_need():
+    """The program starts without site and with its heavy standard modules imported at first use
+    (ddpfab.node.LAZY_MODULES): a request that needs none imports none; facts still finds the
+    packages installed in the node's python (torch here), and each lazy module works on first use."""
+    def imported(*requests):
+        proc = subprocess.run([sys.executable, "-X", "importtime", *nodeprog.argv(sys.executable, "ddpfab-node")[1:]],
+                              input=nodeprog.stdin_for(*nodeprog.numbered(*requests)), capture_output=True, timeout=60)
+        names = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.decode().splitlines() if "|" in line}
+        return names, [json.loads(line) for line in proc.stdout.splitlines()]
+    names, replies = imported({"op": "ps", "runs_dir": "/nonexistent"})
+    assert replies[0]["ok"], replies
+    # re is json's own (its decoder's), which every request needs
+    assert not names & {"site", *nodeprog.LAZY_MODULES, "importlib.util"} - {"re"}, sorted(names)
+    names, replies = imported({"op": "facts", "workdir": "/tmp", "peers": {"a": "127.0.0.1"}})
+    assert replies[0]["ok"] and replies[0]["result"]["torch"] is (importlib.util.find_spec("torch") is not None)
+    assert {"site", "socket"} <= names
+    source = nodeprog.program().decode()
+    assert not [line for line in source.splitlines() if line.split(" ")[:1] == ["import"]
+                and line.split(" ")[1] in (*nodeprog.LAZY_MODULES, "importlib.util")]
 
 
 def test_a_python_with_the_controllers_bytecode_runs_the_compiled_program_any_other_compiles_the_source():
@@ -198,13 +219,13 @@ def test_a_python_with_the_controllers_bytecode_runs_the_compiled_program_any_ot
     words = nodeprog.argv(sys.executable, "ddpfab-node")
     code = zlib.compress(marshal.dumps(compile("print('compiled')", "x", "exec")))
     source = zlib.compress(b"print('source')")
-    for magic, said in ((words[3], b"compiled\n"), ("0d0d0a0a", b"source\n")):
-        proc = subprocess.run([*words[:3], magic, str(len(code)), str(len(source))], input=code + source,
+    for magic, said in ((words[4], b"compiled\n"), ("0d0d0a0a", b"source\n")):
+        proc = subprocess.run([*words[:4], magic, str(len(code)), str(len(source))], input=code + source,
                               capture_output=True, timeout=60)
         assert proc.stdout == said, proc.stderr
-    assert words[3] == importlib.util.MAGIC_NUMBER.hex()
-    for magic in (words[3], "0d0d0a0a"):
-        proc = subprocess.run([*words[:3], magic, *words[4:]], capture_output=True, timeout=60,
+    assert words[4] == importlib.util.MAGIC_NUMBER.hex()
+    for magic in (words[4], "0d0d0a0a"):
+        proc = subprocess.run([*words[:4], magic, *words[5:]], capture_output=True, timeout=60,
                               input=nodeprog.stdin_for(*nodeprog.numbered({"op": "ps", "runs_dir": "/nonexistent"})))
         replies = nodeprog.match_replies("n1", [{"id": 1, "op": "ps"}], proc.stdout.splitlines(), proc.returncode,
                                          proc.stderr.decode())
