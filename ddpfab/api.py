@@ -280,10 +280,10 @@ class Cluster:
              printer=None, color: bool | None = None) -> GroupResult:
         """``ddpfab exec``: *cmd* on every node (or *nodes*) at once, output prefixed per host on
         *printer* (default: stdout). A string is run by the remote shell as is; a list of words
-        is quoted. Node -> :class:`ddpfab.remote.command.HostResult` (``exit_code``, ``error``)."""
-        # slow to import: see LAZY above
-        from ddpfab.remote.command import LinePrinter, exec_all, remote_command
+        is quoted. Node -> :class:`ddpfab.remote.output.HostResult` (``exit_code``, ``error``)."""
+        # the held path imports no SSH stack (paramiko: a third of its start): see LAZY above
         from ddpfab.remote.holder import address as holder_address, exec_held
+        from ddpfab.remote.output import LinePrinter, remote_command
 
         command = remote_command([cmd] if isinstance(cmd, str) else list(cmd))
         chosen = list(self.parsed.nodes)
@@ -301,6 +301,8 @@ class Cluster:
                          printer, timeout)
         if held is not None:
             return GroupResult(held)
+        from ddpfab.remote.command import exec_all  # cold: the SSH stack after all
+
         return GroupResult(exec_all(chosen, command, self.policy, self.ssh_config, printer, timeout))
 
     # -- plan and run -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import time
 from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, die, note
 from ddpfab.hosts import inventory
+from ddpfab.remote.output import LinePrinter, summary
 
 
 def register(sub) -> None:
@@ -23,9 +24,6 @@ def register(sub) -> None:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote.command import LinePrinter, summary
-
     words = list(args.cmd)
     if words and words[0] == "--":
         words = words[1:]

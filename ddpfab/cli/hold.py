@@ -15,6 +15,7 @@ import time
 from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.errors import die, note, warn
 from ddpfab.hosts import inventory
+from ddpfab.remote import holder
 from ddpfab.remote.reaper import pid_alive
 
 #: Seconds ``hold`` waits for the holder to have connected every node.
@@ -40,9 +41,6 @@ def register(sub) -> None:
 
 
 def cmd_hold(args: argparse.Namespace) -> int:
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote import holder
-
     if args.idle is not None and not (math.isfinite(args.idle) and args.idle > 0):
         return die(f"--idle {args.idle:g}: give a number of seconds above 0")
     try:
@@ -80,8 +78,6 @@ def cmd_hold(args: argparse.Namespace) -> int:
 
 def _status(name: str) -> dict | None:
     """The holder's status reply, validated; None when there is none (or it answers nonsense)."""
-    from ddpfab.remote import holder
-
     got = holder.request(name, {"op": "status"})
     ok = (isinstance(got, dict) and isinstance(got.get("pid"), int) and isinstance(got.get("nodes"), list)
           and isinstance(got.get("connected"), list) and isinstance(got.get("prints"), dict)
@@ -91,8 +87,6 @@ def _status(name: str) -> dict | None:
 
 def _stop(name: str, status: dict) -> bool:
     """Ask the holder to end and wait until its process has (its connections closed)."""
-    from ddpfab.remote import holder
-
     holder.request(name, {"op": "stop"})
     pid, deadline = status["pid"], time.monotonic() + STOP_WAIT_S
     while pid_alive(pid) and time.monotonic() < deadline:
@@ -156,10 +150,11 @@ def _start(args: argparse.Namespace, cluster, name: str) -> int:
 def _serve(args: argparse.Namespace, cluster, name: str) -> int:
     """The holder: take the name, connect every node while serving, say ready on stdout (the one
     line ``_start`` reads), serve until done; then leave at once (no thread keeps it alive)."""
-    from ddpfab.remote import holder, ssh
+    # slow to import (the SSH stack): see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.remote import holdserver, ssh
 
     idle = args.idle if args.idle is not None else holder.IDLE_S
-    keeper = holder.Holder(name, cluster.parsed.nodes,
+    keeper = holdserver.Holder(name, cluster.parsed.nodes,
                            lambda node: ssh.connect(node, cluster.policy, cluster.ssh_config), idle=idle)
     if not keeper.bind():
         print(json.dumps({"error": "the holder's socket name is taken: another holder started for this inventory "

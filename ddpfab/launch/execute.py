@@ -36,6 +36,7 @@ from ddpfab.node.agent import CANNOT_START
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
 from ddpfab.remote import ssh, streams
+from ddpfab.remote.output import COLORS
 
 #: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
 STOP_GRACE_S = 3.0
@@ -48,7 +49,6 @@ LOST_AFTER_S = 5.0
 #: A supervisor that has heard no heartbeat for this long ends its job on its own (network cut:
 #: no EOF ever reaches it). Longer than LOST_AFTER_S, so ddpfab always notices first.
 SILENCE_S = 10.0
-COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 #: Seconds without a line from any rank before ddpfab says which nodes it is waiting for; the next
 #: report comes after twice the interval, and so on. ``DDPFAB_WAIT_REPORT_S`` overrides (0: never).
 WAIT_REPORT_S = 60.0

@@ -21,26 +21,13 @@ nothing running on any node, unlike plain ``ssh host cmd``.
 
 from __future__ import annotations
 
-import os
 import shlex
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import TextIO
 
 from ddpfab.hosts import nodeenv
-from ddpfab.launch.execute import COLORS
 from ddpfab.remote import ssh, streams
-
-UNREACHABLE = 255
-
-
-def remote_command(words: list[str]) -> str:
-    """One word: a shell snippet, as is. Several: a command line, each word quoted."""
-    if not words:
-        raise ValueError("no command given (put it after --)")
-    return words[0] if len(words) == 1 else shlex.join(words)
+from ddpfab.remote.output import HostResult, LinePrinter
 
 
 #: The watcher's TERM to the command's process group ``$p``, once more after 0.2 s when the group is
@@ -58,52 +45,6 @@ def guarded(command: str) -> str:
             f'setsid "${{SHELL:-sh}}" -c {shlex.quote(command)} </dev/null 3<&- & p=$!; '
             f'( cat <&3 >/dev/null; {TERM_GROUP}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
             'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
-
-
-@dataclass
-class HostResult:
-    name: str
-    exit_code: int | None = None
-    error: str | None = None
-    seconds: float = 0.0
-    held: bool = False  # over a connection `ddpfab hold` keeps open (:mod:`ddpfab.remote.holder`)
-
-    @property
-    def code(self) -> int:
-        if self.error is not None or self.exit_code is None:
-            return UNREACHABLE
-        return self.exit_code
-
-
-class LinePrinter:
-    """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""
-
-    def __init__(self, names: list[str], out: TextIO | None = None, err: TextIO | None = None,
-                 color: bool | None = None):
-        self.out, self.err = out or sys.stdout, err or sys.stderr
-        if color is None:
-            color = self.out.isatty() and os.environ.get("NO_COLOR") is None
-        self.color = color
-        self.width = max((len(n) for n in names), default=1)
-        self.index = {n: i for i, n in enumerate(names)}
-        self.lock = threading.Lock()
-        self.closed = False  # stdout's reader went away (`| head`): the commands are ended
-
-    def line(self, name: str, text: str, stderr: bool = False) -> None:
-        prefix = f"{name:<{self.width}} |"
-        if self.color:
-            # (launch imports fabric: not while the parser is built)
-
-            prefix = f"\x1b[{COLORS[self.index.get(name, 0) % len(COLORS)]}m{prefix}\x1b[0m"
-        stream = self.err if stderr else self.out
-        with self.lock:
-            if self.closed:
-                return
-            try:
-                stream.write(f"{prefix} {text}\n")
-                stream.flush()
-            except BrokenPipeError:
-                self.closed = True
 
 
 def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
@@ -194,15 +135,3 @@ def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: LineP
              timeout: float | None = None) -> dict[str, HostResult]:
     results = ssh.parallel(list(nodes), lambda n: run_on(n, command, policy, ssh_config, printer, timeout))
     return {k: (v if isinstance(v, HostResult) else HostResult(k, error=repr(v))) for k, v in results.items()}
-
-
-def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
-    failed = [r for r in results.values() if r.code != 0]
-    parts = []
-    for r in results.values():
-        parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
-    held = " (over the connections `ddpfab hold` keeps open)" if results and all(
-        r.held for r in results.values()) else ""
-    text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s{held}: "
-            + " ".join(parts))
-    return (failed[0].code if failed else 0), text

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from ddpfab.hosts.inventory import Node
 from ddpfab.remote import holder
-from ddpfab.remote.command import summary
+from ddpfab.remote.output import summary
 
 
 class Printer:
@@ -104,3 +107,21 @@ def test_the_socket_name_is_per_user_and_per_inventory(tmp_path):
     assert holder.address([str(inv), "b,"], None, None) != one
     # a node's every field is in its fingerprint: a changed variable is not served by old connections
     assert holder.fingerprint(Node("a", "h")) != holder.fingerprint(Node("a", "h", workdir="/w"))
+
+
+def test_a_held_exec_does_not_import_the_ssh_stack(tmp_path):
+    """`ddpfab exec` over a holder's connections needs no paramiko or Fabric (their import was a
+    third of such a command's start): the whole command line, run against a holder that answers
+    for both nodes, leaves them unimported."""
+    inv = tmp_path / "lab.yml"
+    inv.write_text("all:\n  hosts:\n    a: {ansible_host: 10.0.0.1}\n    b: {ansible_host: 10.0.0.2}\n")
+    name, t = fake_holder(b'{"held": true}\n{"node": "a", "line": "hi"}\n{"node": "a", "exit_code": 0}\n'
+                          b'{"node": "b", "exit_code": 0}\n{"done": true}\n')
+    code = ("import json, sys; from ddpfab.remote import holder; holder.address = lambda *a: chr(0) + sys.argv[1]; "
+            "from ddpfab.cli import main; rc = main(['exec', '-i', sys.argv[2], '--', 'true']); "
+            "print(json.dumps([rc, sorted(m for m in ('paramiko', 'fabric', 'invoke') if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code, name[1:], str(inv)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    t.join(timeout=10)
+    assert out.stdout.splitlines()[-1] == "[0, []]", out.stdout + out.stderr
+    assert "a | hi" in out.stdout and "over the connections `ddpfab hold` keeps open" in out.stderr, out.stderr

@@ -21,7 +21,7 @@ from ddpfab.launch.execute import Printer
 from ddpfab.launch.runs import mask_plan
 from ddpfab.planning import emit, render
 from ddpfab.planning.plan import DEBUG_ENV, Facts, Plan, PlanError, RunOptions, make_plan
-from ddpfab.remote.command import remote_command
+from ddpfab.remote.output import remote_command
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
 
 

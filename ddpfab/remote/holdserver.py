@@ -1,0 +1,260 @@
+"""The holder behind ``ddpfab hold`` (:mod:`ddpfab.remote.holder` has the client side, the
+protocol and the safety rules): one SSH connection per node, opened once and kept, and the
+commands of this user's ``ddpfab exec`` run over them, exactly as a cold exec runs them
+(:func:`ddpfab.remote.command.run_in`). Apart from the client because it needs the SSH stack
+(paramiko, Fabric), which a command run over the holder's connections does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import paramiko
+
+from ddpfab.remote import ssh
+from ddpfab.remote.command import host_error, run_in
+from ddpfab.remote.holder import IDLE_S, MAX_REQUEST, _peer_uid, _send, fingerprint
+from ddpfab.remote.output import HostResult
+
+
+class _SocketPrinter:
+    """A printer (``line``, ``closed``) that sends each line to the client; ``closed`` once the
+    client has gone, and then every channel of its command is closed (ending the commands). A
+    channel registered after that is closed by :func:`ddpfab.remote.command.run_in` itself (it
+    checks ``closed`` after registering), so a node still connecting never starts its command."""
+
+    def __init__(self, sock: socket.socket, lock: threading.Lock):
+        self.sock, self.lock = sock, lock
+        self.closed = False
+        self.channels: list = []
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None:
+        if self.closed:
+            return
+        try:
+            _send(self.sock, self.lock, {"node": name, "line": text, "stderr": stderr})
+        except OSError:
+            self.gone()
+
+    def gone(self) -> None:
+        self.closed = True  # first: a channel registered from now on sees it
+        for chan in list(self.channels):
+            chan.close()
+
+
+class Holder:
+    """The connections of one cluster's nodes, served on the abstract socket *name*.
+
+    Args:
+        name: the socket's name (:func:`address`).
+        nodes: the inventory's nodes (``ddpfab.hosts.inventory.Node``).
+        connect: node -> an open connection (``ddpfab.remote.ssh.connect`` with the policy).
+        idle: seconds without a command after which :meth:`serve` returns.
+    """
+
+    def __init__(self, name: str, nodes, connect: Callable[[Any], Any], idle: float = IDLE_S):
+        self.name, self.idle = name, idle
+        self.nodes = {n.name: n for n in nodes}
+        self.prints = {n.name: fingerprint(n) for n in nodes}
+        self.connect = connect
+        self.conns: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.node_locks = {n.name: threading.Lock() for n in nodes}  # one (re)connect at a time per node
+        self.clients: set[socket.socket] = set()
+        self.busy = 0  # exec requests being answered
+        self.last = time.monotonic()  # the last exec request's start or end
+        self.started = time.time()
+        self.stopping = threading.Event()
+        self.listener: socket.socket | None = None
+
+    def bind(self) -> bool:
+        """Take the name; False when a holder (of this user or not) has it already."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.name)
+        except OSError:
+            sock.close()
+            return False
+        sock.listen(64)
+        sock.settimeout(0.5)
+        self.listener = sock
+        return True
+
+    def open_all(self) -> dict[str, str]:
+        """Connect every node; node -> why not, for those that failed (connected on first use)."""
+        got = ssh.parallel(list(self.nodes.values()), lambda node: self._conn(node.name))
+        return {name: host_error(err) for name, err in got.items() if isinstance(err, Exception)}
+
+    def _conn(self, name: str):
+        """The node's open connection; one that broke (the node rebooted, a network blip ended it)
+        is made again, host key verified as on any connect; none once the holder is ending."""
+        with self.node_locks[name]:
+            with self.lock:
+                conn = self.conns.get(name)
+            if conn is not None and conn.transport is not None and conn.transport.is_active():
+                return conn
+            if conn is not None:
+                conn.close()
+            if self.stopping.is_set():
+                raise ConnectionAbortedError("the connection holder is ending")
+            conn = self.connect(self.nodes[name])  # SSHError: the node's result says why
+            with self.lock:
+                if self.stopping.is_set():  # serve() has closed the others: this one too
+                    conn.close()
+                    raise ConnectionAbortedError("the connection holder is ending")
+                self.conns[name] = conn
+            return conn
+
+    def _run(self, name: str, command: str, printer: _SocketPrinter, timeout: float | None) -> HostResult:
+        start = time.monotonic()
+        if printer.closed:  # the client went away before this node's turn
+            return HostResult(name)
+        extra = None
+        try:
+            conn = self._conn(name)
+            try:
+                chan = conn.transport.open_session(timeout=30)
+            except paramiko.ChannelException:
+                # the node's sshd allows this many sessions per connection (MaxSessions, 10 by
+                # default) and other commands hold them: this one gets a connection of its own
+                extra = self.connect(self.nodes[name])
+                chan = extra.transport.open_session(timeout=30)
+            return run_in(chan, self.nodes[name], command, printer, timeout, printer.channels, start)
+        except Exception as exc:  # noqa: BLE001 - a failure on one host is data
+            return HostResult(name, error=host_error(exc), seconds=time.monotonic() - start)
+        finally:
+            if extra is not None:
+                extra.close()
+
+    def serve(self, on_ready: Callable[[dict[str, str]], None] = lambda failed: None) -> None:
+        """Answer requests until idle, stopped or signalled, connecting every node meanwhile
+        (*on_ready* gets :meth:`open_all`'s failures); then close every connection and client."""
+        assert self.listener is not None, "bind() first"
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        threading.Thread(target=lambda: on_ready(self.open_all()), name="ddpfab-hold-open", daemon=True).start()
+        try:
+            while not self.stopping.is_set():
+                with self.lock:
+                    if self.busy == 0 and time.monotonic() - self.last > self.idle:
+                        break
+                try:
+                    client, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                try:
+                    ours = _peer_uid(client) == os.getuid()
+                except OSError:
+                    ours = False
+                if not ours:  # another user: not a word, and no activity
+                    client.close()
+                    continue
+                with self.lock:
+                    self.clients.add(client)
+                threading.Thread(target=self._client, args=(client,), daemon=True).start()
+        finally:
+            self.stopping.set()
+            self.listener.close()
+            with self.lock:
+                conns, clients = list(self.conns.values()), list(self.clients)
+            for conn in conns:
+                conn.close()
+            for client in clients:  # a client that reads no more must not keep a sender blocked
+                try:
+                    client.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _client(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(10)
+            data = b""
+            while b"\n" not in data:
+                if len(data) > MAX_REQUEST:
+                    _send(sock, threading.Lock(), {"held": False, "why": "request too large"})
+                    return
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            req = json.loads(data.split(b"\n", 1)[0])
+            sock.settimeout(None)
+            if isinstance(req, dict):
+                self._answer(sock, req)
+        except (OSError, ValueError):
+            pass
+        finally:
+            with self.lock:
+                self.clients.discard(sock)
+            sock.close()
+
+    def status(self) -> dict:
+        with self.lock:
+            connected = sorted(n for n, c in self.conns.items() if c.transport is not None and c.transport.is_active())
+        return {"pid": os.getpid(), "nodes": list(self.nodes), "prints": self.prints, "since": self.started,
+                "connected": connected, "idle_s": self.idle}
+
+    def _answer(self, sock: socket.socket, req: dict) -> None:
+        lock = threading.Lock()
+        op = req.get("op")
+        if op == "status":
+            _send(sock, lock, self.status())
+        elif op == "stop":
+            self.stopping.set()
+            _send(sock, lock, {"stopping": True, "pid": os.getpid()})
+        elif op == "exec":
+            with self.lock:
+                self.busy += 1
+                self.last = time.monotonic()
+            try:
+                self._exec(sock, lock, req)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    self.last = time.monotonic()
+
+    def _exec(self, sock: socket.socket, lock: threading.Lock, req: dict) -> None:
+        wanted, command, timeout = req.get("nodes"), req.get("command"), req.get("timeout")
+        if (not isinstance(wanted, dict) or not isinstance(command, str)
+                or not (timeout is None or (isinstance(timeout, (int, float)) and timeout > 0))):
+            _send(sock, lock, {"held": False, "why": "malformed request"})
+            return
+        differ = [n for n, fp in wanted.items() if self.prints.get(n) != fp]
+        if differ or self.stopping.is_set():
+            _send(sock, lock, {"held": False, "why": f"not held as asked: {', '.join(differ[:4])}" if differ
+                               else "the holder is ending"})
+            return
+        _send(sock, lock, {"held": True})
+        printer = _SocketPrinter(sock, lock)
+
+        def watch():  # the client closes its end (Ctrl-C, a closed stdout): end the commands now
+            try:
+                while sock.recv(4096):
+                    pass
+            except OSError:
+                pass
+            printer.gone()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+        def one(node):
+            res = self._run(node.name, command, printer, timeout)
+            if not printer.closed:
+                try:
+                    _send(sock, lock, {"node": node.name, "exit_code": res.exit_code, "error": res.error,
+                                       "seconds": round(res.seconds, 3)})
+                except OSError:
+                    printer.gone()
+            return res
+
+        ssh.parallel([self.nodes[n] for n in wanted], one)
+        if not printer.closed:
+            _send(sock, lock, {"done": True})

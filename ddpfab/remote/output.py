@@ -1,0 +1,81 @@
+"""What ``ddpfab exec`` prints and returns, apart from how it reaches the nodes: the per-host
+line printer, a node's result and the summary line. Free of paramiko and Fabric, so that a command
+run over the connections ``ddpfab hold`` keeps open (:mod:`ddpfab.remote.holder`) does not import
+the SSH stack it does not use (paramiko's import is about a third of such a command's start)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+from dataclasses import dataclass
+from typing import TextIO
+
+#: A node's exit code when ddpfab could not reach or run on it (as ssh's own).
+UNREACHABLE = 255
+#: The terminal colours of the hosts' prefixes, in turn (ANSI SGR codes); a run's ranks use them too.
+COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
+
+
+def remote_command(words: list[str]) -> str:
+    """One word: a shell snippet, as is. Several: a command line, each word quoted."""
+    if not words:
+        raise ValueError("no command given (put it after --)")
+    return words[0] if len(words) == 1 else shlex.join(words)
+
+
+@dataclass
+class HostResult:
+    name: str
+    exit_code: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    held: bool = False  # over a connection `ddpfab hold` keeps open (:mod:`ddpfab.remote.holder`)
+
+    @property
+    def code(self) -> int:
+        if self.error is not None or self.exit_code is None:
+            return UNREACHABLE
+        return self.exit_code
+
+
+class LinePrinter:
+    """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""
+
+    def __init__(self, names: list[str], out: TextIO | None = None, err: TextIO | None = None,
+                 color: bool | None = None):
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        if color is None:
+            color = self.out.isatty() and os.environ.get("NO_COLOR") is None
+        self.color = color
+        self.width = max((len(n) for n in names), default=1)
+        self.index = {n: i for i, n in enumerate(names)}
+        self.lock = threading.Lock()
+        self.closed = False  # stdout's reader went away (`| head`): the commands are ended
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None:
+        prefix = f"{name:<{self.width}} |"
+        if self.color:
+            prefix = f"\x1b[{COLORS[self.index.get(name, 0) % len(COLORS)]}m{prefix}\x1b[0m"
+        stream = self.err if stderr else self.out
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                stream.write(f"{prefix} {text}\n")
+                stream.flush()
+            except BrokenPipeError:
+                self.closed = True
+
+
+def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
+    failed = [r for r in results.values() if r.code != 0]
+    parts = []
+    for r in results.values():
+        parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
+    held = " (over the connections `ddpfab hold` keeps open)" if results and all(
+        r.held for r in results.values()) else ""
+    text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s{held}: "
+            + " ".join(parts))
+    return (failed[0].code if failed else 0), text
