@@ -152,8 +152,9 @@ class Lab:
         """Per host: is its sshd answering on port 22?"""
         return {h.name: _port_open(h.address, 22, 0.5) for h in self.hosts}
 
-    def processes(self, name: str) -> list[tuple[int, str]]:
-        """Every process in host *name*'s PID namespace except its sshd: (pid, cmdline).
+    def processes(self, name: str, sshd: bool = False) -> list[tuple[int, str]]:
+        """Every process in host *name*'s PID namespace except its sshd (with *sshd*: its sshd
+        too): (pid, cmdline), the pid as this (the root) namespace numbers it.
 
         Read from the root namespace's /proc, so it sees what a user on the host would see with
         ``ps``, without adding an SSH session of its own to the picture.
@@ -172,7 +173,7 @@ class Lab:
                     "utf-8", "replace").strip()
             except OSError:
                 continue
-            if not cmd or cmd.startswith("sshd") or cmd.startswith("/usr/sbin/sshd"):
+            if not cmd or (not sshd and (cmd.startswith("sshd") or cmd.startswith("/usr/sbin/sshd"))):
                 continue
             found.append((int(entry), cmd))
         return found

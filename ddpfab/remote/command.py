@@ -77,19 +77,12 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
     conn = None
     try:
         conn = ssh.connect(node, policy, ssh_config)
-        return run_over(conn, node, command, printer, timeout, start=start)
+        return run_in(conn.transport.open_session(timeout=30), node, command, printer, timeout, start=start)
     except Exception as exc:  # noqa: BLE001 - a failure on one host is data
         return HostResult(node.name, error=host_error(exc), seconds=time.monotonic() - start)
     finally:
         if conn is not None:
             conn.close()
-
-
-def run_over(conn, node, command: str, printer: LinePrinter, timeout: float | None = None,
-             channels: list | None = None, start: float | None = None) -> HostResult:
-    """Run *command* on *node* in a new session of its open connection *conn*; see :func:`run_in`.
-    A session that cannot be opened raises (the caller decides: a held connection may be full)."""
-    return run_in(conn.transport.open_session(timeout=30), node, command, printer, timeout, channels, start)
 
 
 def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None = None,

@@ -10,7 +10,7 @@ hosts 0.48 s of wall, against 0.07 s for the same command on open connections). 
 the same few commands run again and again on the same nodes.
 
 What stays the same: the command runs exactly as a cold ``exec`` runs it (:func:`ddpfab.remote.
-command.run_over`: the node's setup and python, its own session that ends with the channel), the
+command.run_in`: the node's setup and python, its own session that ends with the channel), the
 output and exit codes are the same, and a node whose connection broke is connected again on the
 next command (host key verified as always).
 

@@ -67,17 +67,10 @@ def connections(lab) -> dict[str, int]:
 def end_sessions(lab, name: str) -> int:
     """Kill the sshd processes of lab host *name*'s connections (not its listener): what a reboot
     or a network cut leaves the controller with; how many there were."""
-    ns = lab.host(name).pid_namespace()
     killed = 0
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.readlink(f"/proc/{entry}/ns/pid") != ns:
-                continue
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
+    for pid, cmd in lab.processes(name, sshd=True):
         if cmd.startswith(("sshd: ", "sshd-session: ")) and "[listener]" not in cmd:  # the connection's
-            os.kill(int(entry), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             killed += 1
     return killed
 
