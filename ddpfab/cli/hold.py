@@ -155,7 +155,7 @@ def _serve(args: argparse.Namespace, cluster, name: str) -> int:
 
     idle = args.idle if args.idle is not None else holder.IDLE_S
     keeper = holdserver.Holder(name, cluster.parsed.nodes,
-                           lambda node: ssh.connect(node, cluster.policy, cluster.ssh_config), idle=idle)
+                               lambda node: ssh.connect(node, cluster.policy, cluster.ssh_config), idle=idle)
     if not keeper.bind():
         print(json.dumps({"error": "the holder's socket name is taken: another holder started for this inventory "
                                    "at this moment, or another user's process has the name (never used)"}),

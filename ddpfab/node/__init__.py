@@ -85,9 +85,17 @@ LOADER = ("import os,sys,zlib,marshal\n"
 #: was most of a start's CPU after the interpreter's own (a start 78 -> 40 ms of CPU, measured with
 #: ``python -S``; at 64 nodes sharing a lab's two cores that is seconds of every check and sync).
 #: The modules stay plain modules with their imports at the top; only the shipped text differs.
-LAZY_MODULES = ("base64", "fnmatch", "hashlib", "queue", "re", "selectors", "shutil", "signal", "socket",
-                "subprocess", "tempfile", "threading")
+#: (Not ``re``: json, which every request needs, imports it.)
+LAZY_MODULES = ("base64", "fnmatch", "hashlib", "queue", "selectors", "shutil", "signal", "socket", "subprocess",
+                "tempfile", "threading")
 _FIRST_USE = b'''
+try:
+    import json
+except ImportError:  # a legacy virtualenv (< 20) links part of the standard library, its site.py the rest
+    import site
+    site.main()
+
+
 class _FirstUse(object):
     """A standard module imported at its first use (ddpfab.node.LAZY_MODULES)."""
 
@@ -133,7 +141,9 @@ def argv(python: str, *words: str) -> list[str]:
     """``python -S -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
     (:func:`stdin_for`). Without site (``-S``): the program is the standard library's alone, and
     site is a good part of a start (a third on a venv with editable installs); the one operation
-    that looks at installed packages (facts: torch) loads it then (``ops._with_site``)."""
+    that looks at installed packages (facts: torch) loads it then (``ops._with_site``). So a
+    sitecustomize or ``.pth`` hook does not run in the node program or its supervisor; the job's
+    own pythons (torchrun, the ranks) start as usual, with site."""
     magic, code, source = _shipped()
     return [python, "-S", "-c", LOADER, magic, str(len(code)), str(len(source)), *words]
 

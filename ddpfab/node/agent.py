@@ -2,7 +2,7 @@
 
 ddpfab sends the node program's source and then the job spec over the SSH session's stdin (nothing
 to install on the nodes beyond a python; nothing secret in any command line: ``ps`` on the node
-shows ``python -S -c <a short loader> LENGTH ddpfab-agent RUN_ID``). The spec holds the job's argv, workdir
+shows ``python -S -c <a short loader> MAGIC CODE SOURCE ddpfab-agent RUN_ID``). The spec holds the job's argv, workdir
 and environment as data; the job is started without a shell, so its env values (secrets
 included) are in no process's argv, only in the job's own environment, which only its user (and
 root) can read. It:
@@ -339,7 +339,7 @@ def _write(path, text):
 #: older ones are removed when a job starts, except any whose supervisor still runs.
 KEEP_RECORDS = 20
 #: A run record's name: a run id as ddpfab makes them (runs.new_run_id), sortable by time.
-RECORD_NAME = r"^\d{8}-\d{6}-[0-9a-f]{6}$"  # a pattern, compiled at first use: re is slow to import
+RECORD_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
 
 
 def prune_records(root, own, keep):
@@ -351,7 +351,7 @@ def prune_records(root, own, keep):
     records = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name == own or not re.match(RECORD_NAME, name) or os.path.islink(path) or not os.path.isdir(path):
+        if name == own or not RECORD_NAME.match(name) or os.path.islink(path) or not os.path.isdir(path):
             continue
         try:
             with open(os.path.join(path, "agent.json")) as fh:

@@ -203,8 +203,7 @@ def test_a_start_imports_only_what_its_requests_need():
         return names, [json.loads(line) for line in proc.stdout.splitlines()]
     names, replies = imported({"op": "ps", "runs_dir": "/nonexistent"})
     assert replies[0]["ok"], replies
-    # re is json's own (its decoder's), which every request needs
-    assert not names & {"site", *nodeprog.LAZY_MODULES, "importlib.util"} - {"re"}, sorted(names)
+    assert not names & {"site", *nodeprog.LAZY_MODULES, "importlib.util"}, sorted(names)
     names, replies = imported({"op": "facts", "workdir": "/tmp", "peers": {"a": "127.0.0.1"}})
     assert replies[0]["ok"] and replies[0]["result"]["torch"] is (importlib.util.find_spec("torch") is not None)
     assert {"site", "socket"} <= names

@@ -10,8 +10,10 @@ fast a loaded machine starts them."""
 import json
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
 met = None
 if os.environ.get("LEASE_MEET"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the synced checkout's ddpfab
     from ddpfab.node import leases  # the node program's own reading (what ps, check and the probe show)
 
     deadline = time.monotonic() + 120
@@ -32,7 +35,7 @@ if os.environ.get("LEASE_MEET"):
         if len(held) >= int(os.environ["LEASE_MEET"]):
             met = held
         else:
-            time.sleep(0.1)
+            time.sleep(0.3)
 time.sleep(float(os.environ.get("LEASE_HOLD", "0")))
 dist.barrier()
 print("REPORT " + json.dumps({
