@@ -125,20 +125,35 @@ def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
     assert agent.marked_processes("orph-1") == []
 
 
-def test_a_guarded_command_ends_when_its_stdin_closes(tmp_path):
+@pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
+def test_a_guarded_command_ends_when_its_stdin_closes(tmp_path, leader):
+    """sshd starts the shell as a session leader: the command runs in that group (no setsid) and a
+    shell loop watches; elsewhere the command gets a session of its own and a `cat` watches."""
     pidfile = tmp_path / "pid"
-    proc = subprocess.Popen(["sh", "-c", guarded(f"echo $$ > {pidfile}; exec sleep 60")], stdin=subprocess.PIPE)
+    proc = subprocess.Popen(["sh", "-c", guarded(f"sleep 60 & echo $! > {pidfile}; wait")], stdin=subprocess.PIPE,
+                            start_new_session=leader)
     deadline = time.monotonic() + 10
     while not (pidfile.exists() and pidfile.read_text().strip()):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     pid = int(pidfile.read_text())
+    group = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    assert (group == proc.pid) if leader else (group not in (proc.pid, os.getpgid(0)))
     proc.stdin.close()  # what sshd does when ddpfab's connection goes
-    assert proc.wait(timeout=10) == 143
+    proc.wait(timeout=10)
     deadline = time.monotonic() + 5
     while os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "the command outlived its connection"
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
+def test_a_guarded_command_keeps_its_output_and_exit_code(leader):
+    proc = subprocess.Popen(["sh", "-c", guarded("echo out; echo err >&2; exit 3")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=leader)
+    out, err = proc.stdout.read(), proc.stderr.read()  # stdin stays open, as ddpfab keeps it
+    assert (proc.wait(timeout=10), out, err) == (3, b"out\n", b"err\n")
+    proc.stdin.close()
 
 
 def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
