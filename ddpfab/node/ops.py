@@ -184,20 +184,43 @@ def _find_port(req, session):
     return None
 
 
+_SITE_RUN = []  # [True] once site has run in this program (see _with_site)
+
+
 def _with_site():
     """The node python's installed packages on sys.path, as a plain start has them: the program
     runs without site (``python -S``, :func:`ddpfab.node.argv`) until an operation needs them."""
-    if sys.flags.no_site and "site" not in sys.modules:
+    if sys.flags.no_site and not _SITE_RUN:
+        _SITE_RUN.append(True)
         import site
         site.main()
+
+
+def _torch_spec():
+    """Where torch would be imported from, or None. First looked for in the site-packages
+    directories alone (the venv's, else the python's own), which a plain start always has on its path:
+    that costs a fraction of running site, whose ``.pth`` hooks are most of this program's start on
+    a venv with editable installs. Where torch is not there (the user's site, a ``.pth`` that adds
+    it, a venv that sees the system's packages), site runs and the search is a plain start's."""
+    if sys.flags.no_site and not _SITE_RUN:
+        import site
+        from importlib.machinery import PathFinder
+        # a venv's prefix, as site sets it (without site, sys.prefix is the base python's)
+        exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+        venv = any(os.path.isfile(os.path.join(d, "pyvenv.cfg")) for d in (exe_dir, os.path.dirname(exe_dir)))
+        spec = PathFinder.find_spec("torch", sys.path + site.getsitepackages([os.path.dirname(exe_dir)] if venv else None))
+        if spec is not None:
+            return spec
+        _with_site()
+    return importlib.util.find_spec("torch")
 
 
 def op_facts(req, session):
     """Hostname, python, torch, workdir and script, a free port (or whether the user's is free),
     name resolution, the interface towards each peer, GPUs; with ``full`` torch is imported."""
-    _with_site()
+    spec = _torch_spec()
     out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
-           "home": os.path.expanduser("~"), "torch": importlib.util.find_spec("torch") is not None,
+           "home": os.path.expanduser("~"), "torch": spec is not None,
            "cpus": os.cpu_count(),  # what torchrun's --nproc-per-node cpu counts
            "python_from": os.environ.get("DDPFAB_PYTHON_FROM")}
     if _ENV0 is not None:
@@ -216,7 +239,6 @@ def op_facts(req, session):
         out["hostname_addr"] = socket.gethostbyname(out["hostname"])
     except OSError as exc:
         out["hostname_addr"], out["hostname_error"] = None, str(exc)
-    spec = importlib.util.find_spec("torch") if out["torch"] else None
     out["launcher"] = bool(spec and spec.submodule_search_locations and any(
         os.path.exists(os.path.join(d, "distributed", "run.py")) for d in spec.submodule_search_locations))
     out["torch_version"] = _torch_version(spec) if spec and spec.submodule_search_locations else None
@@ -250,6 +272,7 @@ def op_facts(req, session):
     if req.get("resources"):
         out["resources"] = res_facts(req, out)
     if req.get("full") and out["torch"]:
+        _with_site()  # torch's own imports may need what site adds
         try:
             import torch
             out["torch_version"] = torch.__version__

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import marshal
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -210,6 +211,41 @@ def test_a_start_imports_only_what_its_requests_need():
     source = nodeprog.program().decode()
     assert not [line for line in source.splitlines() if line.split(" ")[:1] == ["import"]
                 and line.split(" ")[1] in (*nodeprog.LAZY_MODULES, "importlib.util")]
+
+
+def test_facts_finds_torch_in_site_packages_without_running_site_and_elsewhere_with_it(tmp_path):
+    """A venv whose site-packages has torch: facts finds it (version, launcher) without running
+    site (its .pth hook would say so). torch only on a path a .pth adds: site runs and finds it."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    packages = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+
+    def fake_torch(where: Path) -> None:
+        (where / "torch" / "distributed").mkdir(parents=True)
+        (where / "torch" / "__init__.py").write_text("")
+        (where / "torch" / "version.py").write_text("__version__ = '9.8.7'\n")
+        (where / "torch" / "distributed" / "run.py").write_text("")
+
+    def facts() -> tuple[dict, str]:
+        proc = subprocess.run(nodeprog.argv(python, "ddpfab-node"), capture_output=True, timeout=60,
+                              input=nodeprog.stdin_for(*nodeprog.numbered({"op": "facts", "workdir": "/tmp"})))
+        return json.loads(proc.stdout.splitlines()[0])["result"], proc.stderr.decode()
+
+    (packages / "hook.pth").write_text(f"import sys; sys.stderr.write('SITE RAN\\n'); sys.path.append({str(tmp_path / 'extra')!r})\n")
+    fake_torch(packages)
+    out, err = facts()
+    assert (out["torch"], out["torch_version"], out["launcher"]) == (True, "9.8.7", True), out
+    assert "SITE RAN" not in err
+    shutil.rmtree(packages / "torch")
+    fake_torch(tmp_path / "extra")
+    out, err = facts()
+    assert (out["torch"], out["torch_version"], out["launcher"]) == (True, "9.8.7", True), out
+    assert "SITE RAN" in err
+    shutil.rmtree(tmp_path / "extra" / "torch")
+    out, err = facts()
+    assert (out["torch"], out["torch_version"], out["launcher"]) == (False, None, False), out
 
 
 def test_a_python_with_the_controllers_bytecode_runs_the_compiled_program_any_other_compiles_the_source():
