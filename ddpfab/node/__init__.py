@@ -85,14 +85,13 @@ LOADER = ("import os,sys,zlib,marshal\n"
 #: was most of a start's CPU after the interpreter's own (a start 78 -> 40 ms of CPU, measured with
 #: ``python -S``; at 64 nodes sharing a lab's two cores that is seconds of every check and sync).
 #: The modules stay plain modules with their imports at the top; only the shipped text differs.
-#: (Not ``re``: json, which every request needs, imports it.)
-LAZY_MODULES = ("base64", "fnmatch", "hashlib", "queue", "selectors", "shutil", "signal", "socket", "subprocess",
-                "tempfile", "threading")
+#: json, which every request needs, is the program's own :data:`_FIRST_USE` ``_Json``.
+LAZY_MODULES = ("base64", "fnmatch", "hashlib", "queue", "re", "selectors", "shutil", "signal", "socket",
+                "subprocess", "tempfile", "threading")
 _FIRST_USE = b'''
-try:
-    import json
-except ImportError:  # a legacy virtualenv (< 20) links part of the standard library, its site.py the rest
-    import site
+from _frozen_importlib_external import PathFinder as _PathFinder
+if _PathFinder.find_spec("json") is None:  # a legacy virtualenv (< 20) links part of the standard library,
+    import site  # its site.py the rest
     site.main()
 
 
@@ -105,7 +104,55 @@ class _FirstUse(object):
     def __getattr__(self, attr):
         return getattr(__import__(self._name), attr)
 
+
+class _Json(object):
+    """json's ``loads`` and ``dumps`` of the program's requests, replies and records, done by
+    json's own C parts (``_json``, what json itself uses for them) without importing json, which
+    imports re and enum: a third of a start. Whatever else is asked (other arguments, other
+    names), and any input the C parts refuse, goes to json itself: its results and its errors."""
+
+    strict, object_hook, object_pairs_hook = True, None, None  # what _json's scanner reads
+    parse_float, parse_int = float, int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+    def __init__(self):
+        try:
+            import _json
+            self._c, self._scan = _json, _json.make_scanner(self)
+        except Exception:  # noqa: BLE001 - no C parts here: json itself
+            self._c = None
+
+    def __getattr__(self, attr):
+        return getattr(__import__("json"), attr)
+
+    def loads(self, s, **kw):
+        if self._c is not None and not kw and isinstance(s, str):
+            try:
+                obj, end = self._scan(s, len(s) - len(s.lstrip(" \\t\\n\\r")))
+                if not s[end:].strip(" \\t\\n\\r"):
+                    return obj
+            except Exception:  # noqa: BLE001 - json says what is wrong with it
+                pass
+        return __import__("json").loads(s, **kw)
+
+    def dumps(self, obj, **kw):
+        if self._c is not None and not kw:
+            try:
+                return "".join(self._c.make_encoder({}, _json_refuse, self._c.encode_basestring_ascii, None, ": ",
+                                                    ", ", False, False, True)(obj, 0))
+            except Exception:  # noqa: BLE001 - json says what is wrong with it
+                pass
+        return __import__("json").dumps(obj, **kw)
+
+
+def _json_refuse(obj):
+    raise TypeError("not JSON serializable")
+
+
+_JSON = _Json()
+
 '''
+_LAZY_JSON = re.compile(rb"^import json$", re.MULTILINE)
 _LAZY_IMPORT = re.compile(rb"^import (%s)$" % b"|".join(m.encode() for m in LAZY_MODULES), re.MULTILINE)
 #: ``importlib.util.find_spec(...)`` works through the package's name: ``__import__`` of the
 #: submodule returns the package, with the submodule imported as its attribute.
@@ -118,6 +165,7 @@ def program() -> bytes:
     one of the :data:`LAZY_MODULES` made an import at first use."""
     source = b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
     source = _LAZY_IMPORTLIB.sub(b"importlib = _FirstUse('importlib.util')", source)
+    source = _LAZY_JSON.sub(b"json = _JSON", source)
     return _FIRST_USE + _LAZY_IMPORT.sub(rb"\1 = _FirstUse('\1')", source)
 
 

@@ -339,7 +339,7 @@ def _write(path, text):
 #: older ones are removed when a job starts, except any whose supervisor still runs.
 KEEP_RECORDS = 20
 #: A run record's name: a run id as ddpfab makes them (runs.new_run_id), sortable by time.
-RECORD_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+RECORD_NAME = r"^\d{8}-\d{6}-[0-9a-f]{6}$"  # a pattern (re is imported at first use: ddpfab.node)
 
 
 def prune_records(root, own, keep):
@@ -351,7 +351,7 @@ def prune_records(root, own, keep):
     records = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if name == own or not RECORD_NAME.match(name) or os.path.islink(path) or not os.path.isdir(path):
+        if name == own or not re.match(RECORD_NAME, name) or os.path.islink(path) or not os.path.isdir(path):
             continue
         try:
             with open(os.path.join(path, "agent.json")) as fh:

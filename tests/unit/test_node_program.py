@@ -204,13 +204,40 @@ def test_a_start_imports_only_what_its_requests_need():
         return names, [json.loads(line) for line in proc.stdout.splitlines()]
     names, replies = imported({"op": "ps", "runs_dir": "/nonexistent"})
     assert replies[0]["ok"], replies
-    assert not names & {"site", *nodeprog.LAZY_MODULES, "importlib.util"}, sorted(names)
+    assert not names & {"site", "json", "enum", *nodeprog.LAZY_MODULES, "importlib.util"}, sorted(names)
     names, replies = imported({"op": "facts", "workdir": "/tmp", "peers": {"a": "127.0.0.1"}})
     assert replies[0]["ok"] and replies[0]["result"]["torch"] is (importlib.util.find_spec("torch") is not None)
     assert {"site", "socket"} <= names
     source = nodeprog.program().decode()
     assert not [line for line in source.splitlines() if line.split(" ")[:1] == ["import"]
-                and line.split(" ")[1] in (*nodeprog.LAZY_MODULES, "importlib.util")]
+                and line.split(" ")[1] in (*nodeprog.LAZY_MODULES, "importlib.util", "json")]
+
+
+def test_the_programs_json_gives_what_json_gives_results_and_errors():
+    """The shipped program's json (its C parts, without importing json): the same text, values
+    and exceptions as json for what the protocol carries and for what it must refuse."""
+    source = nodeprog.program().decode()
+    namespace: dict = {}
+    exec(compile(source[:source.index("_JSON = _Json()")] + "_JSON = _Json()\n", "first-use", "exec"), namespace)
+    fast = namespace["_JSON"]
+    assert fast._c is not None  # the C parts are there: the fast path is what is tested
+
+    def outcome(fn, arg):
+        try:
+            return "ok", repr(fn(arg))
+        except Exception as exc:  # noqa: BLE001 - the exception is the outcome compared
+            return type(exc).__name__, str(exc)
+
+    values = [{"id": 1, "op": "hash", "workdir": "/w d/\u00e9", "paths": ["a\nb", "\ud800"], "cache": True},
+              {"n": [0, -1, 2.5, -0.0, 10**30, float("inf"), None, True, False, {}, []]}, "x", 3, {1: 2},
+              {"s": {1, 2}}, {(1,): 2}, [float("nan")]]
+    for value in values:
+        assert outcome(fast.dumps, value) == outcome(json.dumps, value), value
+    texts = [json.dumps(v) for v in values[:5]] + ['  {"a": 1} \n', '[1, 2', '{"a": NaN}', "1 2", "", '{"a":1,}',
+                                                   "nul", b'{"a": 1}', '"\\ud800"']
+    for text in texts:
+        assert outcome(fast.loads, text) == outcome(json.loads, text), text
+    assert fast.JSONDecodeError is json.JSONDecodeError
 
 
 def test_facts_finds_torch_in_site_packages_without_running_site_and_elsewhere_with_it(tmp_path):
