@@ -14,7 +14,7 @@ node exited 0, else the first failing node's exit code (255 for a node ddpfab co
 The command runs after the node's ``ddpfab_setup`` lines (a failing one: exit 96, the line named
 on stderr), with the node's python (:mod:`ddpfab.hosts.nodeenv`) in ``$DDPFAB_PYTHON`` and its
 directory first on PATH, so ``python`` there is the python a run would use.
-The remote command gets no terminal and reads /dev/null; it runs in a process group of its own that
+The remote command gets no terminal and reads /dev/null; its process group (the SSH session's)
 ends (TERM, then KILL after 2 s) when the connection closes, so a Ctrl-C here (exit 130) leaves
 nothing running on any node, unlike plain ``ssh host cmd``.
 """
@@ -36,28 +36,31 @@ TERM_GROUP = 'kill -s TERM -- "-$p" || { sleep 0.2; kill -s TERM -- "-$p"; }'
 
 
 def guarded(command: str) -> str:
-    """*command* run so that it ends with the connection: in a process group of its own (stdin from
-    /dev/null), while a watcher reads this SSH session's stdin, which ddpfab keeps open; when it
-    closes (ddpfab exits, is interrupted or killed, or the connection drops) the watcher ends
-    the command's whole process group, TERM then KILL. Without it a quiet remote command would
-    outlive a Ctrl-C (no terminal, so no SIGHUP).
+    """*command* run so that it ends with the connection: stdin from /dev/null, while a watcher
+    reads this SSH session's stdin, which ddpfab keeps open; when it closes (ddpfab exits, is
+    interrupted or killed, or the connection drops) the watcher ends the command's whole process
+    group, TERM then KILL. Without it a quiet remote command would outlive a Ctrl-C (no terminal,
+    so no SIGHUP).
 
     OpenSSH starts a session's shell as the leader of a new session (``setsid`` in sshd), so the
-    shell's own group is the command's: the command runs in a subshell (a fork, no new program)
-    and the watcher is a shell loop, which ends the group it shares with both. Two program starts
-    per node fewer than a ``setsid`` shell and a ``cat``, which is a third of the CPU a short
-    command costs a node. Where the shell is not a group leader (another SSH server: read from
+    shell's own group can be the command's: the command runs in a subshell (a fork, no new
+    program) and the watcher is a shell loop. Two program starts per node fewer than a ``setsid``
+    shell and a ``cat``: a third of the CPU a short command costs a node. The guard shell catches
+    TERM and the watcher ignores it, so a command that signals its own group (``kill 0``, a
+    ``trap 'kill 0' EXIT``) ends itself only: its exit code is reported and the watcher still
+    guards what survives. Where the shell does not lead its group (another SSH server: read from
     ``/proc``), the command gets a session of its own from ``setsid`` and a ``cat`` watches."""
     quoted = shlex.quote(command)
     return ("exec 3<&0; "
             'if read -r _ _ _ _ g _ 2>/dev/null </proc/$$/stat && [ "$g" = "$$" ]; then '
-            f"( eval {quoted} ) </dev/null 3<&- & p=$!; "
-            "( while read -r _; do :; done <&3; trap '' TERM; kill -s TERM 0; sleep 2; kill -s KILL 0 ) "
-            ">/dev/null 2>&1 & w=$!; "
-            "else "
+            "trap '' TERM; "
+            "( while read -r _; do :; done <&3; kill -s TERM 0; sleep 2; kill -s KILL 0 ) >/dev/null 2>&1 & w=$!; "
+            f"trap : TERM; ( eval {quoted} ) </dev/null 3<&- & p=$!; exec 3<&-; "
+            # a TERM to the group interrupts the wait: wait again until the command has ended
+            'while wait "$p"; c=$?; kill -0 "$p" 2>/dev/null; do :; done; kill -s KILL "$w"; exit "$c"; '
+            "fi; "
             f'setsid "${{SHELL:-sh}}" -c {quoted} </dev/null 3<&- & p=$!; '
             f'( cat <&3 >/dev/null; {TERM_GROUP}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
-            "fi; "
             'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
 
 

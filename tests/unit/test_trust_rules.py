@@ -156,6 +156,32 @@ def test_a_guarded_command_keeps_its_output_and_exit_code(leader):
     proc.stdin.close()
 
 
+@pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
+def test_a_command_that_signals_its_own_group_ends_itself_only_and_stays_guarded(tmp_path, leader):
+    """`kill 0` in the command (a `trap 'kill 0' EXIT` script): its exit code is reported, and
+    one that ignores the TERM and goes on still ends when the connection closes."""
+    proc = subprocess.Popen(["sh", "-c", guarded("kill 0; echo never")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=leader)
+    assert (proc.stdout.read(), proc.wait(timeout=10)) == (b"", 143)
+    proc.stdin.close()
+    pidfile = tmp_path / "pid"
+    proc = subprocess.Popen(["sh", "-c", guarded(f"trap '' TERM; kill 0; sleep 60 & echo $! > {pidfile}; wait")],
+                            stdin=subprocess.PIPE, start_new_session=leader)
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the guard ended with the command's kill 0"
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    time.sleep(0.3)
+    assert proc.poll() is None  # the guard waits on
+    proc.stdin.close()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 6
+    while os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "a command that ignores TERM outlived its connection"
+        time.sleep(0.05)
+
+
 def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
     # the watcher's TERM, as guarded() writes it, run by a real sh on a process group that does not
     # exist: it must wait 0.2 s and try once more (a brace group, not a command named `{{`)
