@@ -90,8 +90,9 @@ LAZY_MODULES = ("base64", "fnmatch", "hashlib", "queue", "re", "selectors", "shu
                 "subprocess", "tempfile", "threading")
 _FIRST_USE = b'''
 from _frozen_importlib_external import PathFinder as _PathFinder
-if _PathFinder.find_spec("json") is None:  # a legacy virtualenv (< 20) links part of the standard library,
-    import site  # its site.py the rest
+_LEGACY_SITE = _PathFinder.find_spec("json") is None  # a legacy virtualenv (< 20) links part of the
+if _LEGACY_SITE:  # standard library, its site.py the rest
+    import site
     site.main()
 
 
@@ -108,8 +109,9 @@ class _FirstUse(object):
 class _Json(object):
     """json's ``loads`` and ``dumps`` of the program's requests, replies and records, done by
     json's own C parts (``_json``, what json itself uses for them) without importing json, which
-    imports re and enum: a third of a start. Whatever else is asked (other arguments, other
-    names), and any input the C parts refuse, goes to json itself: its results and its errors."""
+    imports re and enum: a third of a start (``load``/``dump``: through a file's text). Whatever
+    else is asked (other arguments, other names), and any input the C parts refuse, goes to json
+    itself: its results and its errors."""
 
     strict, object_hook, object_pairs_hook = True, None, None  # what _json's scanner reads
     parse_float, parse_int = float, int
@@ -134,6 +136,12 @@ class _Json(object):
             except Exception:  # noqa: BLE001 - json says what is wrong with it
                 pass
         return __import__("json").loads(s, **kw)
+
+    def load(self, fh, **kw):
+        return self.loads(fh.read(), **kw)  # as json.load
+
+    def dump(self, obj, fh, **kw):
+        fh.write(self.dumps(obj, **kw))  # json.dump's text (it writes it in pieces)
 
     def dumps(self, obj, **kw):
         if self._c is not None and not kw:
@@ -189,7 +197,8 @@ def argv(python: str, *words: str) -> list[str]:
     """``python -S -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
     (:func:`stdin_for`). Without site (``-S``): the program is the standard library's alone, and
     site is a good part of a start (a third on a venv with editable installs); the one operation
-    that looks at installed packages (facts: torch) loads it then (``ops._with_site``). So a
+    that looks at installed packages (facts: torch) finds torch in the site-packages directories
+    and loads site only where it is not there (``ops._torch_spec``). So a
     sitecustomize or ``.pth`` hook does not run in the node program or its supervisor; the job's
     own pythons (torchrun, the ranks) start as usual, with site."""
     magic, code, source = _shipped()

@@ -184,7 +184,9 @@ def _find_port(req, session):
     return None
 
 
-_SITE_RUN = []  # [True] once site has run in this program (see _with_site)
+#: [True] once site has run in this program (see _with_site); the loader's prelude runs it for a
+#: legacy virtualenv (ddpfab.node._FIRST_USE sets _LEGACY_SITE; absent where this is a module)
+_SITE_RUN = [True] if globals().get("_LEGACY_SITE") else []
 
 
 def _with_site():
@@ -196,19 +198,34 @@ def _with_site():
         site.main()
 
 
+def _site_packages():
+    """The site-packages directories a plain start of this python puts on its path, for the
+    python itself or its venv; None where the user's own come first (they exist, no venv) or this
+    site cannot say (a legacy virtualenv's own site.py): then only site can tell."""
+    import site
+    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+    if any(os.path.isfile(os.path.join(d, "pyvenv.cfg")) for d in (exe_dir, os.path.dirname(exe_dir))):
+        # a venv, as site sets it up (without site, sys.prefix is the base python's); built here:
+        # Debian's getsitepackages() leaves a venv's own out while sys.prefix is the base's
+        version = "python%d.%d" % sys.version_info[:2]
+        return [os.path.join(os.path.dirname(exe_dir), lib, version, "site-packages")
+                for lib in sorted({"lib", getattr(sys, "platlibdir", "lib")})]
+    user = getattr(site, "getusersitepackages", None)
+    if user is None or not hasattr(site, "getsitepackages") or os.path.isdir(user()):
+        return None
+    return site.getsitepackages()
+
+
 def _torch_spec():
     """Where torch would be imported from, or None. First looked for in the site-packages
-    directories alone (the venv's, else the python's own), which a plain start always has on its path:
-    that costs a fraction of running site, whose ``.pth`` hooks are most of this program's start on
-    a venv with editable installs. Where torch is not there (the user's site, a ``.pth`` that adds
-    it, a venv that sees the system's packages), site runs and the search is a plain start's."""
+    directories alone (:func:`_site_packages`), which costs a fraction of running site, whose
+    ``.pth`` hooks are most of this program's start on a venv with editable installs. Where torch
+    is not there (a ``.pth`` that adds it, a venv that sees the system's packages, the user's own
+    site), site runs and the search is a plain start's."""
     if sys.flags.no_site and not _SITE_RUN:
-        import site
         from importlib.machinery import PathFinder
-        # a venv's prefix, as site sets it (without site, sys.prefix is the base python's)
-        exe_dir = os.path.dirname(os.path.abspath(sys.executable))
-        venv = any(os.path.isfile(os.path.join(d, "pyvenv.cfg")) for d in (exe_dir, os.path.dirname(exe_dir)))
-        spec = PathFinder.find_spec("torch", sys.path + site.getsitepackages([os.path.dirname(exe_dir)] if venv else None))
+        dirs = _site_packages()
+        spec = PathFinder.find_spec("torch", sys.path + dirs) if dirs is not None else None
         if spec is not None:
             return spec
         _with_site()

@@ -1145,8 +1145,9 @@ def _unchanged_requests(nodes, sel: Selection) -> dict[str, list[dict]]:
 
 def _ask_unchanged(conn, node: Node, reqs: list[dict]) -> list[nodeprog.Reply] | None:
     """*reqs* in a node program session of its own on *conn*; None when it did not answer. The
-    session is closed without waiting for the program to end (it ends on the EOF; it holds no
-    port or lock by then): at 128 nodes that wait was a barrier of its own."""
+    session is closed without waiting for the program to end: it ends on the EOF, and its lock
+    (a ``flock``) with it; one that did not answer in time may hold it a moment longer, and the
+    full sync then waits for it as for any other holder."""
     try:
         session = nodeprog.Session(conn, node)
     except Exception:  # noqa: BLE001 - no answer: the full sync reports why

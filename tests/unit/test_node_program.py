@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import io
 import json
 import marshal
 import os
@@ -238,13 +239,25 @@ def test_the_programs_json_gives_what_json_gives_results_and_errors():
     for text in texts:
         assert outcome(fast.loads, text) == outcome(json.loads, text), text
     assert fast.JSONDecodeError is json.JSONDecodeError
+    for value in values[:5]:  # load and dump: through a file's text, as json's
+        mine, theirs = io.StringIO(), io.StringIO()
+        fast.dump(value, mine)
+        json.dump(value, theirs)
+        assert mine.getvalue() == theirs.getvalue() and fast.load(io.StringIO(mine.getvalue())) == json.loads(
+            theirs.getvalue())
 
 
-def test_facts_finds_torch_in_site_packages_without_running_site_and_elsewhere_with_it(tmp_path):
+#: this python, and Debian's own where there is one (its site finds a venv's packages its own way)
+VENV_PYTHONS = [sys.executable] + [p for p in ("/usr/bin/python3",) if os.path.exists(p) and os.path.realpath(p)
+                                   != os.path.realpath(sys.executable)]
+
+
+@pytest.mark.parametrize("base", VENV_PYTHONS)
+def test_facts_finds_torch_in_site_packages_without_running_site_and_elsewhere_with_it(tmp_path, base):
     """A venv whose site-packages has torch: facts finds it (version, launcher) without running
     site (its .pth hook would say so). torch only on a path a .pth adds: site runs and finds it."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
     packages = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
                                    capture_output=True, text=True, check=True).stdout.strip())
