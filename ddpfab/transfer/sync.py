@@ -1000,32 +1000,18 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
     if problems:
         raise SyncError(problems)
     opened: GroupResult = GroupResult()
-    fast = fast and not (dry_run or verify_only or checksum)
-    asked: GroupResult | None = None
-    asked_at = None
     if conns is None:
         try:  # before anything is started: a route that cannot be honoured starts nothing
             resolve_all(cluster.nodes, policy, ssh_config)
         except TargetError as exc:
             raise SyncError(exc.problems) from None
-        if fast:  # each node connected and asked at once, not after every other node has connected
-            reqs = _unchanged_requests(cluster.nodes, sel)
-
-            def open_and_ask(n: Node) -> tuple[NodeRunner, list[nodeprog.Reply] | None]:
-                runner = NodeRunner.open(n, policy, ssh_config)
-                return runner, _ask_unchanged(runner.conn, n, reqs[n.name])
-
-            asked_at = time.monotonic()
-            both = ssh_parallel(cluster.nodes, open_and_ask)
-            opened, asked = both.map(lambda r: r[0]), both.map(lambda r: r[1])
-        else:
-            opened = open_group(cluster.nodes, policy, ssh_config)
+        opened = open_group(cluster.nodes, policy, ssh_config)
         conns = {name: r.conn for name, r in opened.succeeded.items()}
     down = {n.name: opened.get(n.name, SyncError(Problem(n.name, "ssh", text=f"host {n.name}: no connection"))) for n in cluster.nodes
             if n.name not in conns}
     try:
-        if fast and not down:
-            same = _unchanged(cluster, conns, sel, shared=False, asked=asked, asked_at=asked_at)
+        if fast and not (down or dry_run or verify_only or checksum):
+            same = _unchanged(cluster, conns, sel, shared=False)
             if same is not None:
                 for rec in same.nodes.values():
                     progress(f"{rec.name}: {rec.workdir} ok (unchanged; verified in {rec.verify_s:.2f} s)")
@@ -1123,49 +1109,11 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
     return _unchanged(cluster, conns, sel, sessions)
 
 
-def ssh_parallel(nodes, fn: Callable) -> GroupResult:
-    """:func:`ddpfab.remote.ssh.parallel`, imported once something connects (paramiko, ~0.2 s:
-    not for importers that only select or hash)."""
-    from ddpfab.remote import ssh
-
-    return ssh.parallel(nodes, fn)
-
-
-def _unchanged_requests(nodes, sel: Selection) -> dict[str, list[dict]]:
-    """Per node: its workdir's lock (tried without waiting), the hash of what is there, unlock."""
-    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
-              "src": sel.root, "check": "unchanged"}
-    out = {}
-    for n in nodes:
-        wd = n.workdir if n.workdir is not None else sel.root
-        out[n.name] = [{"op": "lock", "workdir": wd, "holder": holder, "wait_s": 0},
-                       {"op": "hash", "workdir": wd, "cache": True}, {"op": "unlock"}]
-    return out
-
-
-def _ask_unchanged(conn, node: Node, reqs: list[dict]) -> list[nodeprog.Reply] | None:
-    """*reqs* in a node program session of its own on *conn*; None when it did not answer. The
-    session is closed without waiting for the program to end: it ends on the EOF, and its lock
-    (a ``flock``) with it; one that did not answer in time may hold it a moment longer, and the
-    full sync then waits for it as for any other holder."""
-    try:
-        session = nodeprog.Session(conn, node)
-    except Exception:  # noqa: BLE001 - no answer: the full sync reports why
-        return None
-    try:
-        got = nodeprog.exchange({node.name: session}, {node.name: reqs}, timeout=120)[node.name]
-    finally:
-        nodeprog.close_all({node.name: session}, wait=0)
-    return None if isinstance(got, Exception) else got
-
-
 def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | None = None,
-               shared: bool = True, asked: GroupResult | None = None, asked_at: float | None = None
-               ) -> SyncResult | None:
+               shared: bool = True) -> SyncResult | None:
     """:func:`unchanged` of the selection *sel*; without *shared*, a workdir without a record (a
     shared filesystem, or a directory ddpfab cannot prove is not this one) is not taken as
-    unchanged: ``ddpfab sync`` reports and refuses those as its full probe does. *asked*: each
-    node's answers to :func:`_unchanged_requests` already (asked as it connected, from *asked_at*)."""
+    unchanged: ``ddpfab sync`` reports and refuses those as its full probe does."""
     started = time.monotonic()
     if not sel.files:
         return None
@@ -1173,26 +1121,33 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
     nodes = [n for n in cluster.nodes if not workdir.lexical_problem(n.workdir if n.workdir is not None else sel.root)]
     if len(nodes) < len(cluster.nodes):
         return None
-    reqs = _unchanged_requests(nodes, sel)
-    t0 = time.monotonic() if asked_at is None else asked_at
-    if asked is None and sessions is None:
-        asked = ssh_parallel(nodes, lambda n: _ask_unchanged(conns[n.name], n, reqs[n.name]))
-    if asked is not None:
-        answers = GroupResult({name: nodeprog.NodeProgramError(name, "no answer") if got is None else got
-                               for name, got in asked.items()})
-    else:
-        answers = nodeprog.exchange(sessions, reqs, timeout=120)
-    if answers.failed or len(answers) < len(nodes) or any(
-            not (ans[0].ok and ans[0].result.get("locked") is True) for ans in answers.succeeded.values()):
-        return None  # a node's workdir is being changed (or did not answer): the full sync sees to it
-    hashed = {name: ans[1] for name, ans in answers.succeeded.items()}
-    again = {name: [{**reqs[name][1], "paths": sel.files}] for name, ans in hashed.items()
-             if shared and not ans.ok and ans.code == treehash.NO_RECORD}
-    if again:
-        retried = (nodeprog.exchange(sessions, again, timeout=120) if sessions is not None else
-                   ssh_parallel([n for n in nodes if n.name in again],
-                                lambda n: _ask_unchanged(conns[n.name], n, again[n.name])))
-        hashed.update((name, ans[0]) for name, ans in retried.items() if ans and not isinstance(ans, Exception))
+    own = sessions is None
+    if own:
+        sessions, errors = nodeprog.open_sessions(nodes, conns)
+        if errors:
+            nodeprog.close_all(sessions)
+            return None
+    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+              "src": sel.root, "check": "unchanged"}
+    try:
+        t0 = time.monotonic()
+        reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
+                for n in nodes}
+        answers = nodeprog.exchange(sessions, {k: [{"op": "lock", "workdir": v["workdir"], "holder": holder,
+                                                    "wait_s": 0}, v, {"op": "unlock"}]
+                                               for k, v in reqs.items()}, timeout=120)
+        if answers.failed or any(not (ans[0].ok and ans[0].result.get("locked") is True)
+                                 for ans in answers.succeeded.values()):
+            return None  # a node's workdir is being changed (or did not answer): the full sync sees to it
+        hashed = {name: ans[1] for name, ans in answers.succeeded.items()}
+        again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in hashed.items()
+                 if shared and not ans.ok and ans.code == treehash.NO_RECORD}
+        if again:
+            hashed.update((name, ans[0]) for name, ans in nodeprog.exchange(sessions, again, timeout=120).items()
+                          if not isinstance(ans, Exception))
+    finally:
+        if own:
+            nodeprog.close_all(sessions)
     seconds = round(time.monotonic() - t0, 3)
     if len(hashed) < len(nodes) or any(not ans.ok or ans.result.get("tree_hash") != local["tree_hash"]
                                        for ans in hashed.values()):
