@@ -22,11 +22,13 @@ the option, the host and the fix (:class:`TargetError`), never silently dropped.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import glob
 import os
 import re
 import shlex
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -195,7 +197,7 @@ def _keyword(line: str) -> tuple[str, str]:
     return (m[1].lower(), m[2]) if m else ("", "")
 
 
-def _config_text(path: str, depth: int = 0, block: str | None = None) -> str:
+def _config_text(path: str, depth: int = 0, block: str | None = None, read: list[tuple] | None = None) -> str:
     """An ssh_config file's text with its ``Include`` lines replaced by the files they name
     (paramiko does not follow them); relative names are under ~/.ssh, or /etc/ssh for the
     system file, as OpenSSH reads them. *block*: the Host/Match line the Include is under.
@@ -203,11 +205,16 @@ def _config_text(path: str, depth: int = 0, block: str | None = None) -> str:
     OpenSSH reads an included file's Host/Match blocks only within the including block and
     goes back to that block after it; flat text cannot say "this block within that one", so such
     an Include inside a block is an error, and after a top-level one the top level (``Host *``)
-    is restored for the lines that follow."""
+    is restored for the lines that follow. *read* collects what was read: each file with its
+    bytes, each Include pattern with the files it named (:func:`_config` reuses a parse while all
+    of it reads the same)."""
     if depth > 8:
         raise TargetError("", f"ssh_config {path}: Include nested more than 8 deep (an Include loop?); "
                               "fix its Include lines")
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    data = Path(path).read_bytes()
+    if read is not None:
+        read.append((path, data))
+    text = data.decode("utf-8", errors="replace")
     base = "/etc/ssh" if os.path.abspath(path).startswith("/etc/ssh/") else os.path.expanduser("~/.ssh")
     out = []
     for line in text.splitlines():
@@ -222,8 +229,12 @@ def _config_text(path: str, depth: int = 0, block: str | None = None) -> str:
             continue
         for pattern in shlex.split(value):
             pattern = os.path.expanduser(pattern)
-            for name in sorted(glob.glob(pattern if os.path.isabs(pattern) else os.path.join(base, pattern))):
-                included = _config_text(name, depth + 1, block)
+            pattern = pattern if os.path.isabs(pattern) else os.path.join(base, pattern)
+            names = sorted(glob.glob(pattern))
+            if read is not None:
+                read.append((pattern, names))
+            for name in names:
+                included = _config_text(name, depth + 1, block, read)
                 if not any(_keyword(ln)[0] in ("host", "match") for ln in included.splitlines()):
                     out.append(included)
                 elif block is not None:
@@ -236,6 +247,25 @@ def _config_text(path: str, depth: int = 0, block: str | None = None) -> str:
     return "\n".join(out)
 
 
+#: Parsed ssh_configs, by the files asked for: (what was read for the parse, the parse). Every
+#: node's resolve parsed the whole file again: with a Host block per node, 128 nodes took 1.2 s
+#: of a sync's CPU, and each connect resolves again. A parse is reused while what it read reads
+#: the same (every file's bytes, the files each Include pattern names: no time stamps, whose
+#: granularity can hide a change). One thread parses at a time: connections resolve on many
+#: threads at once.
+_PARSED: dict[tuple[str, ...], tuple[list[tuple], paramiko.SSHConfig]] = {}
+_PARSING = threading.Lock()
+
+
+def _unchanged(read: list[tuple]) -> bool:
+    """Whether everything in *read* (:func:`_config_text`'s) reads the same now."""
+    try:
+        return all(Path(what).read_bytes() == got if isinstance(got, bytes) else sorted(glob.glob(what)) == got
+                   for what, got in read)
+    except OSError:
+        return False
+
+
 def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
     """The ssh_config to read and how messages name it: *path*, else OpenSSH's own two files."""
     # here, not at the top: emit and provision import this module while the command line builds its
@@ -244,15 +274,32 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
 
     paths = [os.path.expanduser(path)] if path else [
         p for p in (os.path.expanduser("~/.ssh/config"), "/etc/ssh/ssh_config") if os.path.isfile(p)]
-    try:
-        text = "\n".join(_config_text(p) for p in paths)
-    except OSError as exc:
-        raise TargetError("", f"ssh_config {path} cannot be read: {exc}; fix --ssh-config or -F") from None
     where = path or "~/.ssh/config or /etc/ssh/ssh_config"
-    try:
-        return paramiko.SSHConfig.from_text(text), where
-    except paramiko.SSHException as exc:  # ConfigParseError: a line that is not `Keyword value`
-        raise TargetError("", f"ssh_config {where} cannot be parsed: {exc}; fix it, or --ssh-config / -F") from None
+    key = tuple(paths)
+    with _PARSING:
+        known = _PARSED.get(key)
+        if known is not None and _unchanged(known[0]):
+            return known[1], where
+        read: list[tuple] = []
+        try:
+            text = "\n".join(_config_text(p, read=read) for p in paths)
+        except OSError as exc:
+            raise TargetError("", f"ssh_config {path} cannot be read: {exc}; fix --ssh-config or -F") from None
+        try:
+            config = paramiko.SSHConfig.from_text(text)
+        except paramiko.SSHException as exc:  # ConfigParseError: a line that is not `Keyword value`
+            raise TargetError("", f"ssh_config {where} cannot be parsed: {exc}; fix it, or --ssh-config / -F") from None
+        if not any(k == "match" and _MATCH_EXEC.search(v) for k, v in map(_keyword, text.splitlines())):
+            # a host's options are the same while the files are: a run or a sync resolves every node
+            # before it connects, and each connect resolves its node again (paramiko's lookup reads
+            # every block: 2.4 ms a node with 128 blocks). Not with a Match exec, whose command may
+            # answer otherwise each time.
+            config.lookup = functools.lru_cache(maxsize=None)(config.lookup)
+        _PARSED[key] = (read, config)
+        return config, where
+
+
+_MATCH_EXEC = re.compile(r"(?:^|\s)!?exec\b", re.IGNORECASE)
 
 
 def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> dict[str, str]:
@@ -262,7 +309,8 @@ def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> di
         found = config.lookup(host)
     except (paramiko.SSHException, ValueError) as exc:  # e.g. a Match exec paramiko refuses
         raise TargetError(label, f"{label}: ssh_config {where} cannot be applied to {host}: {exc}") from None
-    out = {k: " ".join(v) if isinstance(v, list) and k != "identityfile" else v for k, v in found.items()}
+    # (lists copied: a lookup's result is kept for the next lookup of the host, see _config)
+    out = {k: (list(v) if k == "identityfile" else " ".join(v)) if isinstance(v, list) else v for k, v in found.items()}
     if out.get("proxycommand"):
         for char, mark in _RAW.items():
             out["proxycommand"] = out["proxycommand"].replace(mark, char)

@@ -153,6 +153,40 @@ def test_include_is_followed(tmp_path):
     assert resolve(node(), HostKeyPolicy(), str(cfg)).host == "10.4.4.4"
 
 
+def test_a_config_is_parsed_once_while_what_was_read_is_unchanged(tmp_path, monkeypatch):
+    """Every node's resolve read the same file: it is parsed once, and again as soon as it, a file
+    it includes, or the directory an Include searched changes (each lookup is kept only with its
+    parse, and not at all under a Match exec, whose command may answer otherwise)."""
+    import paramiko
+
+    parsed = []
+    real = paramiko.SSHConfig.from_text
+    monkeypatch.setattr(paramiko.SSHConfig, "from_text", lambda text: parsed.append(text) or real(text))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.conf").write_text("Host n1\n  User one\n")
+    cfg = tmp_path / "cfg"
+    cfg.write_text(f"Include {tmp_path}/d/*.conf\nHost n1\n  HostName 10.4.4.4\n")
+
+    def user() -> str | None:
+        return resolve(node(), HostKeyPolicy(), str(cfg)).user
+    assert [user() for _ in range(5)] == ["one"] * 5 and len(parsed) == 1
+    (tmp_path / "d" / "a.conf").write_text("Host n1\n  User two\n")  # an included file changes
+    assert user() == "two" and len(parsed) == 2
+    (tmp_path / "d" / "0.conf").write_text("Host n1\n  User three\n")  # a file joins the Include
+    assert user() == "three" and len(parsed) == 3
+    cfg.write_text("Host n1\n  HostName 10.4.4.4\n  Port 2201\n")  # the file itself
+    assert resolve(node(), HostKeyPolicy(), str(cfg)).port == 2201 and len(parsed) == 4
+    assert resolve(node(), HostKeyPolicy(), str(cfg)).port == 2201 and len(parsed) == 4
+    calls = []
+    monkeypatch.setattr(paramiko.SSHConfig, "lookup", lambda self, host: calls.append(host) or {"hostname": host})
+    cfg.write_text("Match exec true\n  Port 2202\nHost n1\n  HostName 10.4.4.4\n")
+    resolve(node(), HostKeyPolicy(), str(cfg)), resolve(node(), HostKeyPolicy(), str(cfg))
+    assert len(calls) == 2 and len(parsed) == 5
+    cfg.write_text("Host n1\n  HostName 10.4.4.4\n")
+    resolve(node(), HostKeyPolicy(), str(cfg)), resolve(node(), HostKeyPolicy(), str(cfg))
+    assert len(calls) == 3 and len(parsed) == 6
+
+
 def test_an_openssh_failure_names_the_hop_that_failed():
     jump = Target("bastion", "10.1.1.1", known_hosts=("/kh",), jump_of="n1")
     t = Target("n1", "10.0.0.5", known_hosts=("/kh",), jump=jump)
