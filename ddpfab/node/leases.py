@@ -18,7 +18,6 @@ are busy too: they are never granted, and shown with their processes.
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import pwd
@@ -27,6 +26,11 @@ import socket
 import stat
 import subprocess
 import time
+
+try:  # as a module of ddpfab; on a node, treehash.py's source comes first in the same program
+    from .treehash import digest
+except ImportError:
+    pass
 
 #: Where every user's lease records, port reservations and queue tickets meet. ``DDPFAB_LEASE_DIR``
 #: overrides it (tests of one host's leases in a private dir: the GPUs' lock names follow it).
@@ -118,7 +122,7 @@ def _name(what):
     """The abstract socket name of *what* (``gpu-0``, ``port-29500``), without its leading NUL:
     the same for every user of the lease dir, however its path is spelled."""
     where = os.path.abspath(os.path.normpath(LEASE_DIR))
-    return "ddpfab-lease-%s-%s" % (hashlib.sha1(where.encode("utf-8", "surrogateescape")).hexdigest()[:16], what)
+    return "ddpfab-lease-%s-%s" % (digest("sha1", where.encode("utf-8", "surrogateescape")).hexdigest()[:16], what)
 
 
 def _bind_name(what):

@@ -43,8 +43,8 @@ try:  # as a module of ddpfab; on a node their source comes first in the same pr
     from .leases import LEASE_DIR, LeaseError, lease_state, read_fields, reserve_port, tickets, uses_leases
     from .resources import res_facts
     from .stacks import op_stacks
-    from .treehash import (RecordError, node_commit, node_hash, node_locate, node_probe, node_stage, node_workdir,
-                           rel_ok)
+    from .treehash import (RecordError, digest, node_commit, node_hash, node_locate, node_probe, node_stage,
+                           node_workdir, rel_ok)
     from .workdir import WorkdirError
 except ImportError:
     supervise_job = main  # noqa: F821 - agent.py's main, defined earlier in the shipped text
@@ -840,7 +840,7 @@ HOLDER_FIELDS = (("user", str), ("host", str), ("pid", int), ("since", float), (
 
 def lock_path(real):
     """The lock file of workdir *real* (its resolved path) on this node."""
-    name = "sync-%s.lock" % hashlib.sha256(os.fsencode(real)).hexdigest()[:32]
+    name = "sync-%s.lock" % digest("sha256", os.fsencode(real)).hexdigest()[:32]
     return os.path.join(os.path.expanduser(LOCK_DIR), name)
 
 
