@@ -4,6 +4,7 @@ its code and the requests on stdin, one validated reply per request)."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import io
 import json
@@ -22,6 +23,7 @@ import pytest
 from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import ops as program
+from ddpfab.node import treehash
 
 
 def run_program(*requests: dict, timeout: float = 60) -> tuple[list[nodeprog.Reply], subprocess.CompletedProcess]:
@@ -235,6 +237,52 @@ def test_a_start_imports_only_what_its_requests_need():
     source = nodeprog.program().decode()
     assert not [line for line in source.splitlines() if line.split(" ")[:1] == ["import"]
                 and line.split(" ")[1] in (*nodeprog.LAZY_MODULES, "importlib.util", "json")]
+
+
+def test_a_no_change_check_and_facts_load_no_openssl(tmp_path, monkeypatch):
+    """The digests of names and of the tree over the files' records are the interpreter's own
+    (treehash.digest): lock, hash (every file's digest from the cache) and unlock, and facts with
+    the GPU leases, import neither hashlib nor OpenSSL's _hashlib."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    wd = tmp_path / "wd"
+    program.handle({"id": 1, "op": "probe", "workdir": str(wd), "nonce": "n", "files": ["a.py", "b/c.py"]}, {})
+    (wd / "b").mkdir()
+    (wd / "a.py").write_text("a")
+    (wd / "b" / "c.py").write_text("c")
+    assert json.loads(program.handle({"id": 2, "op": "commit", "workdir": str(wd), "delete": [],
+                                      "files": ["a.py", "b/c.py"]}, {}))["ok"]
+    time.sleep(treehash.RACY_S + 0.1)  # younger files are never cached (a write in the same tick)
+    holder = {"user": "u", "host": "h", "pid": 1, "since": 0.0, "src": "/s", "check": "unchanged"}
+    check = [{"op": "lock", "workdir": str(wd), "holder": holder, "wait_s": 0},
+             {"op": "hash", "workdir": str(wd), "cache": True}, {"op": "unlock"}]
+
+    def imported(*requests):
+        proc = subprocess.run([sys.executable, "-X", "importtime", *nodeprog.argv(sys.executable, "ddpfab-node")[1:]],
+                              input=nodeprog.stdin_for(*nodeprog.numbered(*requests)), capture_output=True, timeout=60,
+                              env={**os.environ, "DDPFAB_LEASE_DIR": str(tmp_path / "leases")})
+        names = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.decode().splitlines() if "|" in line}
+        return names, [json.loads(line) for line in proc.stdout.splitlines()]
+    names, replies = imported(*check)  # the first fills the cache: the files are read, through hashlib
+    assert [r["ok"] for r in replies] == [True] * 3 and "hashlib" in names, replies
+    names, again = imported(*check)
+    assert again[1]["result"]["tree_hash"] == replies[1]["result"]["tree_hash"], again
+    assert [r["ok"] for r in again] == [True] * 3 and not names & {"hashlib", "_hashlib"}, sorted(names)
+    names, replies = imported({"op": "facts", "workdir": str(wd), "leases": True})
+    assert replies[0]["ok"] and "leases" in replies[0]["result"], replies
+    assert not names & {"hashlib", "_hashlib"}, sorted(names)
+
+
+@pytest.mark.parametrize("name", ["sha256", "sha1"])
+def test_the_own_digests_are_hashlibs_and_hashlib_stands_in_where_there_are_none(name, monkeypatch):
+    def both(make):
+        h = make(name, b"first")
+        h.update(b"\0" * 100_000)
+        return h.hexdigest(), make(name).hexdigest()
+    assert both(treehash.digest) == both(hashlib.new)
+    monkeypatch.setattr(treehash, "_OWN_DIGESTS", {name: ("_no_such_module",)})
+    monkeypatch.setattr(treehash, "_DIGESTS", {})
+    assert both(treehash.digest) == both(hashlib.new)
+    assert treehash._DIGESTS[name] is getattr(hashlib, name)
 
 
 def test_the_programs_json_gives_what_json_gives_results_and_errors():
