@@ -1121,21 +1121,22 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
     nodes = [n for n in cluster.nodes if not workdir.lexical_problem(n.workdir if n.workdir is not None else sel.root)]
     if len(nodes) < len(cluster.nodes):
         return None
+    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+              "src": sel.root, "check": "unchanged"}
+    reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
+            for n in nodes}
+    asked = {k: [{"op": "lock", "workdir": v["workdir"], "holder": holder, "wait_s": 0}, v, {"op": "unlock"}]
+             for k, v in reqs.items()}
+    t0 = time.monotonic()
     own = sessions is None
-    if own:
-        sessions, errors = nodeprog.open_sessions(nodes, conns)
+    if own:  # the questions travel with the program (and, where nothing more can follow, its end)
+        sessions, errors = nodeprog.open_sessions(nodes, conns, first=asked, last=not shared)
         if errors:
             nodeprog.close_all(sessions)
             return None
-    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
-              "src": sel.root, "check": "unchanged"}
     try:
-        t0 = time.monotonic()
-        reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
-                for n in nodes}
-        answers = nodeprog.exchange(sessions, {k: [{"op": "lock", "workdir": v["workdir"], "holder": holder,
-                                                    "wait_s": 0}, v, {"op": "unlock"}]
-                                               for k, v in reqs.items()}, timeout=120)
+        answers = (nodeprog.exchange(sessions, {}, timeout=120, sent={k: s.first for k, s in sessions.items()})
+                   if own else nodeprog.exchange(sessions, asked, timeout=120))
         if answers.failed or any(not (ans[0].ok and ans[0].result.get("locked") is True)
                                  for ans in answers.succeeded.values()):
             return None  # a node's workdir is being changed (or did not answer): the full sync sees to it

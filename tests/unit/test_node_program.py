@@ -423,6 +423,38 @@ def session(chunks, **kw) -> nodeprog.Session:
     return nodeprog.Session(FakeConn(FakeChannel(chunks, **kw)), Node(name="n1", host="10.0.0.1"))
 
 
+class ProgramChannel(FakeChannel):
+    """A channel to the real program on this machine: what the session writes is its stdin, and
+    at EOF (``shutdown_write``) it runs; its output and exit status are the channel's."""
+
+    def __init__(self):
+        super().__init__([], exit_code=None)
+        self.writes = 0
+
+    def sendall(self, data):
+        self.writes += 1
+        super().sendall(data)
+
+    def shutdown_write(self):
+        proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), input=self.sent, capture_output=True,
+                              timeout=60)
+        self.chunks, self.exit_code = iter(proc.stdout.splitlines(keepends=True)), proc.returncode
+        self.next = next(self.chunks, None)
+
+
+def test_requests_shipped_with_the_program_are_answered_and_their_eof_ends_it(tmp_path):
+    """Session(first=..., last=True): the requests go in the program's own write, EOF after them;
+    the program answers them and ends (exit 0) with no round trip of the controller's."""
+    chan = ProgramChannel()
+    s = nodeprog.Session(FakeConn(chan), Node(name="n1", host="10.0.0.1"), last=True,
+                         first=[{"op": "ps", "runs_dir": str(tmp_path)}, {"op": "hash", "workdir": "/no/such/dir"}])
+    assert chan.writes == 1 and chan.sent.startswith(nodeprog.shipped()) and chan.exit_code == 0
+    assert [r["id"] for r in s.first] == [1, 2]
+    replies = nodeprog.exchange({"n1": s}, {}, timeout=10, sent={"n1": s.first})["n1"]
+    assert [(r.op, r.ok) for r in replies] == [("ps", True), ("hash", False)], replies
+    assert "does not exist" in replies[1].error and s.ended
+
+
 def line(rid, op, **result) -> bytes:
     return json.dumps({"id": rid, "op": op, "ok": True, "result": result}).encode() + b"\n"
 
