@@ -156,6 +156,17 @@ def test_a_guarded_command_keeps_its_output_and_exit_code(leader):
     proc.stdin.close()
 
 
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+@pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
+def test_a_guarded_command_sees_none_of_the_guards_variables(leader, shell):
+    """What the command finds in its shell is a plain ``sh -c``'s: ${g}, ${w}, ${p}, ${c} unset."""
+    proc = subprocess.Popen([shell, "-c", guarded('echo "[${g-}${w-}${p-}${c-}]"; set | grep -c "^[gwpc]=" || :')],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=leader)
+    out = proc.stdout.read()
+    assert (proc.wait(timeout=10), out) == (0, b"[]\n0\n")
+    proc.stdin.close()
+
+
 @pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
 def test_a_command_that_signals_its_own_group_ends_itself_only_and_stays_guarded(tmp_path, leader):
     """`kill 0` in the command (a `trap 'kill 0' EXIT` script): its exit code is reported, and
