@@ -76,9 +76,9 @@ LOADER = ("import os,sys,zlib,marshal\n"
           "  c=os.read(0,n-len(b))\n"
           "  if not c:sys.exit('ddpfab-node: no code on stdin')\n"
           "  b+=c\n"
-          " return zlib.decompress(b)\n"
-          "c,s=r(int(sys.argv[2])),r(int(sys.argv[3]))\n"
-          "c=marshal.loads(c) if m.hex()==sys.argv[1] else compile(s,'ddpfab-node','exec')\n"
+          " return b\n"
+          "c,s=r(int(sys.argv[2])),r(int(sys.argv[3]))\n"  # the source inflated only where it is compiled
+          "c=marshal.loads(zlib.decompress(c)) if m.hex()==sys.argv[1] else compile(zlib.decompress(s),'ddpfab-node','exec')\n"
           "exec(c,{'__name__':'ddpfab-node'})")
 
 
