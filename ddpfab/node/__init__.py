@@ -59,6 +59,9 @@ MAX_REPLY_LINE = 8 * 2**20
 #: The most a :meth:`Session.poll` reads at once: a node that never stops writing must not keep
 #: :func:`exchange` from the other nodes' channels and from its deadline.
 POLL_BYTES = 2**20
+#: How long a program's output may still come after its exit status without its EOF (see
+#: :meth:`Session.take`): only a program that left something holding its stdout waits this long.
+OUTPUT_GRACE_S = 2.0
 
 #: What a node's python runs (``python -S -c LOADER MAGIC CODE SOURCE WORDS...``): read the program
 #: from stdin, first compiled by the controller's python (CODE bytes: marshal, zlib), then as
@@ -403,6 +406,7 @@ class Session:
         self._err = b""
         self._broken: NodeProgramError | None = None
         self._fallback = fallback
+        self._ended_at: float | None = None  # when the exit status came without the output's end
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback))
         #: the *first* requests as sent, with their ids (for :func:`exchange`'s ``sent``)
@@ -477,11 +481,22 @@ class Session:
     def ended(self) -> bool:
         return self.chan.exit_status_ready() or self.chan.closed
 
+    def _all_output(self) -> bool:
+        """The ended program's output is all here: sshd sends its exit status as soon as it ends,
+        which can be before the last of its output (still in the pipe); EOF comes after that. So
+        its EOF, a closed channel, or (something of its own keeps its stdout open) a grace of
+        :data:`OUTPUT_GRACE_S` after the exit status."""
+        if self.chan.eof_received or self.chan.closed:
+            return True
+        if self._ended_at is None:
+            self._ended_at = time.monotonic()
+        return time.monotonic() - self._ended_at > OUTPUT_GRACE_S
+
     def take(self, reqs: list[dict]) -> list[Reply] | None:
         """The replies to *reqs* when all have come, else None (an ended program: error replies)."""
         if all(r["id"] in self._replies for r in reqs):
             return self._pop(reqs, [self._replies[r["id"]] for r in reqs])
-        if self.ended and not self.chan.recv_ready():
+        if self.ended and not self.chan.recv_ready() and self._all_output():
             code = self.chan.recv_exit_status()
             missing = start_failure(self.node, code, self._err.decode(errors="replace"), self._fallback)
             if missing:
