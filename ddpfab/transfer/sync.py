@@ -1129,16 +1129,16 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
              for k, v in reqs.items()}
     t0 = time.monotonic()
     own = sessions is None
+    errors = {}
     if own:  # the questions travel with the program (and, where nothing more can follow, its end)
         sessions, errors = nodeprog.open_sessions(nodes, conns, first=asked, last=not shared)
-        if errors:
-            nodeprog.close_all(sessions)
-            return None
     try:
+        # (where a node's session did not open, the others' answers are still waited for: each
+        # holds its workdir's lock until it has answered, and the full sync that follows takes it)
         answers = (nodeprog.exchange(sessions, {}, timeout=120, sent={k: s.first for k, s in sessions.items()})
                    if own else nodeprog.exchange(sessions, asked, timeout=120))
-        if answers.failed or any(not (ans[0].ok and ans[0].result.get("locked") is True)
-                                 for ans in answers.succeeded.values()):
+        if errors or answers.failed or any(not (ans[0].ok and ans[0].result.get("locked") is True)
+                                           for ans in answers.succeeded.values()):
             return None  # a node's workdir is being changed (or did not answer): the full sync sees to it
         hashed = {name: ans[1] for name, ans in answers.succeeded.items()}
         again = {name: [{**reqs[name], "paths": sel.files}] for name, ans in hashed.items()
