@@ -253,7 +253,7 @@ def _config_text(path: str, depth: int = 0, block: str | None = None, read: list
 #: the same (every file's bytes, the files each Include pattern names: no time stamps, whose
 #: granularity can hide a change). One thread parses at a time: connections resolve on many
 #: threads at once.
-_PARSED: dict[tuple[str, ...], tuple[list[tuple], paramiko.SSHConfig]] = {}
+_PARSED: dict[tuple[str, ...], tuple[list[tuple], paramiko.SSHConfig]] = {}  # (files, home, user) -> ...
 _PARSING = threading.Lock()
 
 
@@ -275,7 +275,9 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
     paths = [os.path.expanduser(path)] if path else [
         p for p in (os.path.expanduser("~/.ssh/config"), "/etc/ssh/ssh_config") if os.path.isfile(p)]
     where = path or "~/.ssh/config or /etc/ssh/ssh_config"
-    key = tuple(paths)
+    paths = [os.path.abspath(p) for p in paths]
+    # what else a parse and its lookups depend on: the home (~, Include's base), the local user
+    key = (*paths, os.path.expanduser("~"), getpass.getuser())
     with _PARSING:
         known = _PARSED.get(key)
         if known is not None and _unchanged(known[0]):
@@ -289,11 +291,12 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
             config = paramiko.SSHConfig.from_text(text)
         except paramiko.SSHException as exc:  # ConfigParseError: a line that is not `Keyword value`
             raise TargetError("", f"ssh_config {where} cannot be parsed: {exc}; fix it, or --ssh-config / -F") from None
-        if not any(k == "match" and _MATCH_EXEC.search(v) for k, v in map(_keyword, text.splitlines())):
+        if not any((k == "match" and _MATCH_EXEC.search(v)) or k == "canonicalizehostname"
+                   for k, v in map(_keyword, text.splitlines())):
             # a host's options are the same while the files are: a run or a sync resolves every node
             # before it connects, and each connect resolves its node again (paramiko's lookup reads
             # every block: 2.4 ms a node with 128 blocks). Not with a Match exec, whose command may
-            # answer otherwise each time.
+            # answer otherwise each time, nor where a lookup asks DNS (CanonicalizeHostname).
             config.lookup = functools.lru_cache(maxsize=None)(config.lookup)
         _PARSED[key] = (read, config)
         return config, where

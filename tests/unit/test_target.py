@@ -187,6 +187,20 @@ def test_a_config_is_parsed_once_while_what_was_read_is_unchanged(tmp_path, monk
     assert len(calls) == 3 and len(parsed) == 6
 
 
+def test_the_same_config_under_another_home_is_read_as_that_home_reads_it(tmp_path, monkeypatch):
+    """A relative Include is under ~/.ssh: the same bytes mean another file for another home."""
+    for home, user in (("a", "alice"), ("b", "bob")):
+        (tmp_path / home / ".ssh").mkdir(parents=True)
+        (tmp_path / home / ".ssh" / "part.conf").write_text(f"Host n1\n  User {user}\n")
+    cfg = tmp_path / "cfg"
+    cfg.write_text("Include part.conf\n")
+    got = []
+    for home in ("a", "b", "a"):
+        monkeypatch.setenv("HOME", str(tmp_path / home))
+        got.append(resolve(node(), HostKeyPolicy(), str(cfg)).user)
+    assert got == ["alice", "bob", "alice"]
+
+
 def test_an_openssh_failure_names_the_hop_that_failed():
     jump = Target("bastion", "10.1.1.1", known_hosts=("/kh",), jump_of="n1")
     t = Target("n1", "10.0.0.5", known_hosts=("/kh",), jump=jump)
