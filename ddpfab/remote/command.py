@@ -48,7 +48,7 @@ def guarded(command: str) -> str:
     shell and a ``cat``: a third of the CPU a short command costs a node. The guard shell catches
     TERM and the watcher ignores it, so a command that signals its own group (``kill 0``, a
     ``trap 'kill 0' EXIT``) ends itself only: its exit code is reported and the watcher still
-    guards what survives. The command sees none of the guard's variables (``g``, ``w``), as in a
+    guards what survives. The command sees none of the guard's variables (``g``, ``w``, ``_``), as in a
     plain ``ssh host cmd``. Where the shell does not lead its group (another SSH server: read from
     ``/proc``), the command gets a session of its own from ``setsid`` and a ``cat`` watches."""
     quoted = shlex.quote(command)
@@ -56,7 +56,7 @@ def guarded(command: str) -> str:
             'if read -r _ _ _ _ g _ 2>/dev/null </proc/$$/stat && [ "$g" = "$$" ]; then '
             "trap '' TERM; "
             "( while read -r _; do :; done <&3; kill -s TERM 0; sleep 2; kill -s KILL 0 ) >/dev/null 2>&1 & w=$!; "
-            f"trap : TERM; ( unset -v g w; eval {quoted} ) </dev/null 3<&- & p=$!; exec 3<&-; "
+            f"trap : TERM; ( unset -v g w _; eval {quoted} ) </dev/null 3<&- & p=$!; exec 3<&-; "
             # a TERM to the group interrupts the wait: wait again until the command has ended
             'while wait "$p"; c=$?; kill -0 "$p" 2>/dev/null; do :; done; kill -s KILL "$w"; exit "$c"; '
             "fi; "
