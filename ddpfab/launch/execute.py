@@ -254,7 +254,10 @@ class Printer:
         tag = _RANK_TAG.match(text)
         if tag:
             rank = int(tag.group(1)) + (0 if self.local_only else self.offset[node])
-            text = text[tag.end():]
+            # torchrun relays a rank's log file by lines as it finds them, so a line the rank has
+            # written in pieces (ranks run unbuffered: print("READY", 2) is four writes) can be
+            # relayed as pieces, each tagged: "[default0]:READY[default0]: 2". One line again.
+            text = text[tag.end():].replace(tag.group(0), "")
         self._write(f"{self.prefix(node, rank)} {text}\n")
 
     def note(self, text: str) -> None:

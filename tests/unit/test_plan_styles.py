@@ -361,6 +361,16 @@ def test_printer_shows_global_ranks_for_static_and_local_ranks_for_c10d():
     assert out.getvalue().splitlines() == ["b l1| hello", "b --| torchrun says"]
 
 
+def test_a_rank_line_torchrun_relayed_in_pieces_is_shown_whole():
+    """A rank runs unbuffered: print("READY", 2) is four writes, and torchrun's --tee relays what it
+    finds of the rank's log, each piece with its tag (seen in a benchmark's run under load)."""
+    out = io.StringIO()
+    pr = Printer(plan_of(), stream=out, color=False)
+    pr.line("b", "[default1]:READY[default1]: 2")
+    pr.line("b", "[default0]:  10%[default0]:\r  20%")
+    assert out.getvalue().split("\n") == ["b r2| READY 2", "b r1|   10%\r  20%", ""]
+
+
 def test_exec_quoting_rule():
     assert remote_command(["ls | wc -l"]) == "ls | wc -l"
     assert remote_command(["ls", "my dir", "$HOME"]) == "ls 'my dir' '$HOME'"
