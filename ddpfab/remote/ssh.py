@@ -20,7 +20,8 @@ import shlex
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -299,7 +300,7 @@ def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T],
         futures = {n.name: pool.submit(fn, n) for n in nodes}
         for name, fut in futures.items():
             try:
-                results[name] = fut.result()
+                results[name] = _result(fut)
             except Exception as exc:  # noqa: BLE001 - a failure on one host is data
                 results[name] = exc
     finally:
@@ -307,6 +308,21 @@ def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T],
         # node's result: the caller closes the connections, which ends what still runs here
         pool.shutdown(wait=False, cancel_futures=True)
     return results
+
+
+#: How long the main thread waits for a node's thread at a time (see :func:`_result`).
+SIGNAL_CHECK_S = 0.2
+
+
+def _result(fut: Future[T]) -> T:
+    """*fut*'s result, waited for in slices of :data:`SIGNAL_CHECK_S`: a SIGINT taken on another
+    thread, or just before a wait began, runs its handler only when the main thread next runs,
+    and a wait on a lock is not woken by it; a Ctrl-C of ``exec -- sleep 60`` went unanswered
+    until the command ended. Between slices the main thread runs, and the signal's
+    :class:`~ddpfab.launch.interrupt.Interrupted` is raised."""
+    while not fut.done():
+        wait_for([fut], timeout=SIGNAL_CHECK_S)
+    return fut.result()
 
 
 @dataclass

@@ -246,3 +246,27 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
     finally:
         os.close(write)
     assert res.returncode == EXIT_CLOSED_STDOUT and res.stderr == "", res.stderr
+
+
+def test_a_signal_while_the_nodes_are_waited_for_interrupts_at_once():
+    """SIGINT while the main thread waits for the nodes' threads (ssh.parallel): a signal taken on
+    another thread, or just before the wait began, ran its handler but did not wake the wait, and
+    the command went on until every node was done (a `ddpfab exec -- sleep 60` ignored Ctrl-C for
+    a minute, seen in the lab's SIGINT test). Here the signal lands on a node's thread."""
+    import signal
+    import time
+
+    from ddpfab.hosts.inventory import Node
+    from ddpfab.launch.interrupt import Interrupted, signals_raise
+    from ddpfab.remote import ssh
+
+    def node(n: Node) -> None:
+        if n.name == "a":
+            time.sleep(0.3)
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        time.sleep(4)
+
+    started = time.monotonic()
+    with signals_raise(), pytest.raises(Interrupted):
+        ssh.parallel([Node("a", "10.0.0.1"), Node("b", "10.0.0.2")], node)
+    assert time.monotonic() - started < 2
