@@ -257,7 +257,7 @@ _PARSED: dict[tuple[str, ...], tuple[list[tuple], paramiko.SSHConfig]] = {}  # (
 _PARSING = threading.Lock()
 
 
-def _unchanged(read: list[tuple]) -> bool:
+def _reads_the_same(read: list[tuple]) -> bool:
     """Whether everything in *read* (:func:`_config_text`'s) reads the same now."""
     try:
         return all(Path(what).read_bytes() == got if isinstance(got, bytes) else sorted(glob.glob(what)) == got
@@ -280,7 +280,7 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
     key = (*paths, os.path.expanduser("~"), getpass.getuser())
     with _PARSING:
         known = _PARSED.get(key)
-        if known is not None and _unchanged(known[0]):
+        if known is not None and _reads_the_same(known[0]):
             return known[1], where
         read: list[tuple] = []
         try:
