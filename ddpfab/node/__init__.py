@@ -2,10 +2,11 @@
 
 Every node-side operation is an operation of one stdlib-only program: facts (the probe), the
 data-plane probe (mesh), the tree hash and the rest of sync's node side, job control (ps, stop,
-per-rank logs, follow) and the job supervisor. Its source is :mod:`ddpfab.node.workdir`,
-:mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.leases`, :mod:`ddpfab.node.resources`, :mod:`ddpfab.node.agent` and :mod:`ddpfab.node.ops`, concatenated
-(:func:`program`); its protocol is :func:`ddpfab.node.ops.serve`'s: framed JSON requests on
-stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``).
+per-rank logs, follow) and the job supervisor. Its source is the :data:`SOURCES` concatenated
+(:func:`program`); its protocol is :func:`ddpfab.node.loop.serve`'s: framed JSON requests on
+stdin, one JSON reply line per request on stdout, a failure as data (``ok: false``). Its first
+part (:data:`WORKDIR_PART`: the loop and the workdir's operations) is a program by itself, which
+a session that needs nothing else ships alone (sync's check of an unchanged tree).
 :mod:`ddpfab.node.exitguard` is not part of it: it is the ranks' ``sitecustomize``, whose source
 travels in the supervisor's job spec and which the supervisor writes into the run's dir.
 
@@ -44,13 +45,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpfab.hosts import nodeenv
-from ddpfab.node import agent, leases, resources, stacks, treehash, workdir
-from ddpfab.node import ops as _ops
+from ddpfab.node import agent, leases, loop, ops, resources, stacks, treehash, workdir
 from ddpfab.problems import NodeError
 from ddpfab.results import GroupResult
 
 #: The modules that make the node program, in order (each may use the names of those before it).
-SOURCES = (workdir, treehash, leases, resources, agent, stacks, _ops)
+SOURCES = (workdir, treehash, loop, leases, resources, agent, stacks, ops)
+#: The parts a session can ship: the whole program, or its first part alone (the workdir's
+#: operations: probe, commit, hash, locate, stage, lock, unlock), a third of the text and of the
+#: node python's work to load it (sync's check of an unchanged tree starts python on every node).
+WHOLE, WORKDIR_PART = "whole", "workdir"
+PARTS = {WHOLE: SOURCES, WORKDIR_PART: SOURCES[:3]}
+#: What the program runs once its modules are defined: the loop (under the name the loader gives it).
+_MAIN = b'''
+if __name__ == "ddpfab-node":  # the name the loader runs the shipped program under
+    sys.exit(serve())
+'''
 
 #: The longest reply line a :class:`Session` takes (the largest real ones, a ``mesh_connect`` over
 #: 128 nodes or full facts, are well under 1 MiB): past it the node is not answering as the
@@ -172,14 +182,14 @@ _LAZY_IMPORT = re.compile(rb"^import (%s)$" % b"|".join(m.encode() for m in LAZY
 _LAZY_IMPORTLIB = re.compile(rb"^import importlib\.util$", re.MULTILINE)
 
 
-@functools.lru_cache(maxsize=1)
-def program() -> bytes:
-    """The node program's source: the :data:`SOURCES`, concatenated, each top-level import of
-    one of the :data:`LAZY_MODULES` made an import at first use."""
-    source = b"\n".join(Path(m.__file__).read_bytes() for m in SOURCES)
+@functools.lru_cache(maxsize=None)
+def program(part: str = WHOLE) -> bytes:
+    """The node program's source: the modules of *part* (:data:`PARTS`), concatenated, each
+    top-level import of one of the :data:`LAZY_MODULES` made an import at first use, then the loop."""
+    source = b"\n".join(Path(m.__file__).read_bytes() for m in PARTS[part])
     source = _LAZY_IMPORTLIB.sub(b"importlib = _FirstUse('importlib.util')", source)
     source = _LAZY_JSON.sub(b"json = _JSON", source)
-    return _FIRST_USE + _LAZY_IMPORT.sub(rb"\1 = _FirstUse('\1')", source)
+    return _FIRST_USE + _LAZY_IMPORT.sub(rb"\1 = _FirstUse('\1')", source) + _MAIN
 
 
 #: Held while the program is built: sessions open on many threads at once (``ssh.parallel``), and
@@ -189,28 +199,28 @@ def program() -> bytes:
 _BUILDING = threading.Lock()
 
 
-def _shipped() -> tuple[str, bytes, bytes]:
+def _shipped(part: str = WHOLE) -> tuple[str, bytes, bytes]:
     """(this python's bytecode magic, the compiled program, its source) as :data:`LOADER` reads
     them (compiled as the node compiles it: no ``__future__`` flags of this module, asserts kept
-    whatever -O this python runs with); built once per process, by one thread."""
+    whatever -O this python runs with); built once per process and part, by one thread."""
     with _BUILDING:
-        return _build()
+        return _build(part)
 
 
-@functools.lru_cache(maxsize=1)
-def _build() -> tuple[str, bytes, bytes]:
-    code = compile(program(), "ddpfab-node", "exec", dont_inherit=True, optimize=0)
+@functools.lru_cache(maxsize=None)
+def _build(part: str) -> tuple[str, bytes, bytes]:
+    code = compile(program(part), "ddpfab-node", "exec", dont_inherit=True, optimize=0)
     return (importlib.util.MAGIC_NUMBER.hex(), zlib.compress(marshal.dumps(code), 6),
-            zlib.compress(program(), 6))
+            zlib.compress(program(part), 6))
 
 
-def shipped() -> bytes:
+def shipped(part: str = WHOLE) -> bytes:
     """What comes first on the program's stdin: its compiled code, then its source."""
-    _, code, source = _shipped()
+    _, code, source = _shipped(part)
     return code + source
 
 
-def argv(python: str, *words: str) -> list[str]:
+def argv(python: str, *words: str, part: str = WHOLE) -> list[str]:
     """``python -S -c LOADER MAGIC CODE SOURCE WORDS...``: the program comes first on stdin
     (:func:`stdin_for`). Without site (``-S``): the program is the standard library's alone, and
     site is a good part of a start (a third on a venv with editable installs); the one operation
@@ -218,23 +228,24 @@ def argv(python: str, *words: str) -> list[str]:
     and loads site only where it is not there (``ops._torch_spec``). So a
     sitecustomize or ``.pth`` hook does not run in the node program or its supervisor; the job's
     own pythons (torchrun, the ranks) start as usual, with site."""
-    magic, code, source = _shipped()
+    magic, code, source = _shipped(part)
     return [python, "-S", "-c", LOADER, magic, str(len(code)), str(len(source)), *words]
 
 
-def command(node, *words: str, fallback: str | None = None) -> str:
+def command(node, *words: str, fallback: str | None = None, part: str = WHOLE) -> str:
     """:func:`argv` as a shell line for *node* (a Node or a NodePlan), after its environment's
     prefix (:func:`ddpfab.hosts.nodeenv.prefix`: setup lines, and the choice of its python while that is
     the node's to make); with *fallback* (e.g. ``python3``) that python runs it where an explicit
-    python does not exist there (sync may come before the node's venv does)."""
+    python does not exist there (sync may come before the node's venv does); *part*: which of
+    the program's :data:`PARTS` it reads from stdin."""
     pre = nodeenv.prefix(node, record_env=True)
     if nodeenv.undecided(node):
-        return f"{pre}exec {nodeenv.python_word(node)} {shlex.join(argv('', *words)[1:])}"
+        return f"{pre}exec {nodeenv.python_word(node)} {shlex.join(argv('', *words, part=part)[1:])}"
     python = node.python
     if not fallback or fallback == python:
-        return pre + ("exec " if pre else "") + shlex.join(argv(python, *words))
-    return (f"{pre}if command -v {shlex.quote(python)} >/dev/null; then exec {shlex.join(argv(python, *words))}; "
-            f"else exec {shlex.join(argv(fallback, *words))}; fi")
+        return pre + ("exec " if pre else "") + shlex.join(argv(python, *words, part=part))
+    return (f"{pre}if command -v {shlex.quote(python)} >/dev/null; then exec {shlex.join(argv(python, *words, part=part))}; "
+            f"else exec {shlex.join(argv(fallback, *words, part=part))}; fi")
 
 
 def frame(request: dict) -> bytes:
@@ -302,7 +313,7 @@ def parse_reply(line: bytes | str) -> Reply | None:
         data = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(data, dict) or not all(k in data for k in _ops.REPLY_KEYS):
+    if not isinstance(data, dict) or not all(k in data for k in loop.REPLY_KEYS):
         return None
     rid, op, ok = data["id"], data["op"], data["ok"]
     if not (rid is None or (isinstance(rid, int) and not isinstance(rid, bool))) or not (op is None or isinstance(op, str)) \
@@ -393,11 +404,13 @@ class Session:
     several exchanges; nothing is left on the node when it closes (stdin EOF ends the program)."""
 
     def __init__(self, conn, node, words: tuple[str, ...] = ("ddpfab-node",), timeout: float = 30,
-                 fallback: str | None = None, first: list[dict] | tuple[dict, ...] = (), last: bool = False):
-        """Open the session and ship the program, with *first* (requests, numbered here: see
-        :attr:`first`) in the same write: the node answers them as soon as its program runs. With
-        *last*, EOF follows them: nothing more is asked, and the program ends once it has answered
-        (no round trip to end it, and its exit status comes with its replies)."""
+                 fallback: str | None = None, first: list[dict] | tuple[dict, ...] = (), last: bool = False,
+                 part: str = WHOLE):
+        """Open the session and ship the program (its *part*: :data:`PARTS`), with *first*
+        (requests, numbered here: see :attr:`first`) in the same write: the node answers them as
+        soon as its program runs. With *last*, EOF follows them: nothing more is asked, and the
+        program ends once it has answered (no round trip to end it, and its exit status comes with
+        its replies)."""
         self.node = node
         self._ids = itertools.count(1)
         self._buf = bytearray()  # the line begun and not yet ended
@@ -408,10 +421,10 @@ class Session:
         self._fallback = fallback
         self._ended_at: float | None = None  # when the exit status came without the output's end
         self.chan = conn.transport.open_session(timeout=timeout)
-        self.chan.exec_command(command(node, *words, fallback=fallback))
+        self.chan.exec_command(command(node, *words, fallback=fallback, part=part))
         #: the *first* requests as sent, with their ids (for :func:`exchange`'s ``sent``)
         self.first = self._number(first)
-        self._write(shipped() + b"".join(frame(r) for r in self.first))
+        self._write(shipped(part) + b"".join(frame(r) for r in self.first))
         if last and not self.ended:
             self.chan.shutdown_write()
 
@@ -517,18 +530,19 @@ class Session:
 
 
 def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",),
-                  first: dict[str, list[dict]] | None = None, last: bool = False
+                  first: dict[str, list[dict]] | None = None, last: bool = False, part: str = WHOLE
                   ) -> tuple[dict[str, Session], dict[str, NodeProgramError]]:
     """A :class:`Session` on every node in *conns*, opened concurrently (each open is two round
     trips to the node's sshd and the program's transfer: one after the other, 64 nodes took
     seconds); (sessions, node -> why its session did not open). *first*: node -> the requests
-    to ship with its program (each session's :attr:`Session.first`), *last*: and EOF after them."""
+    to ship with its program (each session's :attr:`Session.first`), *last*: and EOF after them;
+    *part*: which part of the program (:data:`PARTS`)."""
     # here, not at the top: see call()
     from ddpfab.remote import ssh
 
     first = first or {}
     opened = ssh.parallel([n for n in nodes if n.name in conns],
-                          lambda n: Session(conns[n.name], n, words, first=first.get(n.name, ()), last=last))
+                          lambda n: Session(conns[n.name], n, words, first=first.get(n.name, ()), last=last, part=part))
     errors = {name: NodeProgramError(name, f"could not start the node program: {exc}")
               for name, exc in opened.failed.items()}
     return dict(opened.succeeded), errors

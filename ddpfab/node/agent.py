@@ -69,39 +69,6 @@ LEASES_HELD = 75
 CANCELLED_WAITING = 143
 
 
-def read_exactly(fd, n):
-    """*n* bytes from *fd* (a pipe may deliver fewer per read), or fewer if it ends first."""
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
-
-
-def read_frame(fd=0):
-    """One ``LENGTH\\n`` + LENGTH bytes frame from *fd*, read byte-exactly: what follows on stdin
-    (heartbeats, the stop byte) must stay in the pipe. EOFError at a clean end (no byte of a
-    frame read), ValueError for a broken or truncated frame."""
-    header = b""
-    while not header.endswith(b"\n"):
-        byte = os.read(fd, 1)
-        if not byte and not header:
-            raise EOFError("end of requests")
-        if not byte or len(header) > 20:
-            raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24])
-        header += byte
-    try:
-        n = int(header)
-    except ValueError:
-        raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24])
-    data = read_exactly(fd, n)
-    if len(data) != n:
-        raise ValueError("a frame is truncated (%d of %d bytes)" % (len(data), n))
-    return data
-
-
 def marked_processes(run_id, uid=None):
     """Pids of the processes whose environment holds ``DDPFAB_JOB=<run_id>`` (only those of
     *uid*, default ours: another user's environ cannot be read anyway)."""

@@ -27,7 +27,8 @@ import stat
 import subprocess
 import time
 
-try:  # as a module of ddpfab; on a node, treehash.py's source comes first in the same program
+try:  # as a module of ddpfab; on a node, their source comes first in the same program
+    from .loop import read_fields
     from .treehash import digest
 except ImportError:
     pass
@@ -210,31 +211,6 @@ def _open_lease(path):
             raise
         os.fchmod(fd, 0o666)
         return fd
-
-
-def read_fields(fd, fields, longest=200):
-    """The JSON object in open file *fd*, only its *fields* ((name, type) pairs) of the right type:
-    a printable string of at most *longest* characters, a positive number, a list of short
-    printable strings; {} when none is valid. (Lock and lease files: whoever wrote them, what
-    they hold is data, checked, never trusted.)"""
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        data = json.loads(os.read(fd, 4096).decode("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key, kind in fields if isinstance(data, dict) else ():
-        v = data.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else kind):
-            continue
-        if isinstance(v, str) and (len(v) > longest or not v.isprintable()):
-            continue
-        if isinstance(v, (int, float)) and v <= 0:
-            continue
-        if kind is list:
-            v = [g for g in v[:64] if isinstance(g, str) and len(g) < 80 and g.isprintable()]
-        out[key] = v
-    return out
 
 
 def read_lease_holder(fd):

@@ -1,25 +1,15 @@
-"""The node program's operations and its one request/response loop (the node side of :mod:`ddpfab.node`).
+"""The node program's operations beyond the workdir's (the node side of :mod:`ddpfab.node`).
 
-What a node runs is one program: :mod:`ddpfab.node.workdir`, :mod:`ddpfab.node.treehash`, :mod:`ddpfab.node.agent`
-and this file, in that order, as one source text (:func:`ddpfab.node.program`); on the controller
-each is an ordinary module, so every operation is unit-tested as a function. Standard library only,
-Python 3.6+, no ddpfab imports beyond those three (which come first in the shipped text).
-
-The protocol (:func:`serve`): after the program's code, stdin carries requests, each one frame
-(``LENGTH\\n`` then LENGTH bytes of JSON: ``{"id": N, "op": NAME, ...arguments}``), read byte-exactly
-so whatever follows stays in the pipe. Each request gets one JSON line on stdout,
-``{"id": N, "op": NAME, "ok": true, "result": {...}}`` or ``{"id": N, "op": NAME, "ok": false,
-"error": TEXT}``: a failing operation is data, the next request still runs. The program ends at
-stdin EOF (listeners of a mesh probe close then). Some operations take the session over and are
-last in it: ``supervise`` (the job supervisor: stdin carries heartbeats, stdout the job's output),
-``follow`` (a run's output, raw), ``stage`` with ``hold`` (its one reply, then EOF ends it), and
-``--replicate``'s ``replica_send`` (its reply, then the file's bytes) and ``replica_receive`` (the
-file's bytes follow its frame on stdin).
+What a node runs is one program: :mod:`ddpfab.node.workdir`, :mod:`ddpfab.node.treehash`,
+:mod:`ddpfab.node.loop` (the request loop, the workdir's operations), :mod:`ddpfab.node.leases`,
+:mod:`ddpfab.node.resources`, :mod:`ddpfab.node.agent`, :mod:`ddpfab.node.stacks` and this file, in
+that order, as one source text (:func:`ddpfab.node.program`); on the controller each is an ordinary
+module, so every operation is unit-tested as a function. This file adds its operations to the
+loop's (the end of the file). Standard library only, Python 3.6+, no ddpfab imports beyond those
+modules (which come first in the shipped text).
 """
 
 import base64
-import errno
-import fcntl
 import fnmatch
 import hashlib
 import importlib.util
@@ -29,7 +19,6 @@ import os
 import queue
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,20 +27,17 @@ import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
-    from .agent import _detach_stdin, read_exactly, read_frame, stop_job
+    from .agent import _detach_stdin, stop_job
     from .agent import main as supervise_job
-    from .leases import LEASE_DIR, LeaseError, lease_state, read_fields, reserve_port, tickets, uses_leases
+    from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
+    from .loop import OPS, RAW, TAKEOVER, NodeOpError, _raw_writer, handle, read_exactly, reply
     from .resources import res_facts
     from .stacks import op_stacks
-    from .treehash import (RecordError, digest, node_commit, node_hash, node_locate, node_probe, node_stage,
-                           node_workdir, rel_ok)
+    from .treehash import node_workdir, rel_ok
     from .workdir import WorkdirError
 except ImportError:
     supervise_job = main  # noqa: F821 - agent.py's main, defined earlier in the shipped text
 
-#: How a node program's replies start: a line that does not is not a reply (e.g. a warning a
-#: sitecustomize printed) and is skipped by the controller.
-REPLY_KEYS = ("id", "op", "ok")
 #: The environment from before the node's setup lines (ddpfab.hosts.nodeenv.prefix hands it over as hex
 #: of ``env -0``), taken out of the environment at once: nothing this program starts inherits it.
 _ENV0 = os.environ.pop("DDPFAB_ENV0", None)
@@ -829,220 +815,23 @@ def replica_receive(req, fd):
                 os.unlink(tmp)
             except OSError:
                 pass
-# -- one writer per workdir (ddpfab.transfer.sync) ---------------------------------------------------------
-#: Where a sync's lock files live (one per workdir, named by its real path's hash): in the SSH
-#: user's home, not in the workdir, because the lock is taken before ddpfab may write there (a
-#: workdir that does not exist yet, or that is refused as not ddpfab's, must stay untouched).
-LOCK_DIR = "~/.ddpfab/locks"
-#: The holder's fields a waiting sync reads back (as data: each checked for its type).
-HOLDER_FIELDS = (("user", str), ("host", str), ("pid", int), ("since", float), ("src", str), ("node_pid", int))
 
 
-def lock_path(real):
-    """The lock file of workdir *real* (its resolved path) on this node."""
-    name = "sync-%s.lock" % digest("sha256", os.fsencode(real)).hexdigest()[:32]
-    return os.path.join(os.path.expanduser(LOCK_DIR), name)
+# -- what this part adds to the loop's operations (ddpfab.node.loop) -----------------------------
+def _serve_replica_send(req, session, fd, write):
+    return replica_send(req, _raw_writer())
 
 
-def read_holder(fd):
-    """Who holds the lock of open lock file *fd*, as the holder wrote it: only fields of the right
-    type (a short printable string, a positive number); {} when nothing valid is there."""
-    return read_fields(fd, HOLDER_FIELDS, longest=512)
+def _serve_replica_receive(req, session, fd, write):
+    text = handle(req, session, lambda r, _s: replica_receive(r, fd))
+    write(text)
+    return 0 if json.loads(text)["ok"] else 1
 
 
-def op_lock(req, session):
-    """Take the write lock of the workdir this session's probe checked (``flock``: the kernel
-    releases it when this program ends, however it ends) and write ``holder`` into it; wait up to
-    ``wait_s`` seconds (the workdir: the probed one, else the request's). ``{"locked": true}``, or ``{"locked": false, "holder": ...}`` (who has it)."""
-    real, checking = session.get("probed"), False
-    if not real and req.get("workdir"):  # a check that only reads (sync's hash-only fast path)
-        _, real = node_workdir(req)
-        checking = True
-    if not real:
-        raise NodeOpError("lock: no workdir probed in this session")
-    if session.get("lock", (None,))[0] == real:
-        return {"locked": True}
-    path = lock_path(real)
-    if checking and not os.path.exists(path):
-        # no sync ever locked this workdir (so none is changing it): a check creates nothing on the node
-        return {"locked": True, "held": False}
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
-    deadline = time.monotonic() + max(0.0, float(req.get("wait_s", 0)))
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise
-        if time.monotonic() >= deadline:
-            holder = read_holder(fd)
-            os.close(fd)
-            return {"locked": False, "holder": holder}
-        time.sleep(0.05)
-    holder = dict(req.get("holder") or {}, node_pid=os.getpid())
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps(holder).encode("utf-8"))
-    session["lock"] = (real, fd)
-    return {"locked": True}
-
-
-def op_unlock(req, session):
-    """Release this session's workdir lock (a sync that must wait for another node's lock holds
-    none meanwhile: two syncs never wait for each other)."""
-    held = session.pop("lock", None)
-    if held:
-        os.close(held[1])  # closing the only descriptor releases the flock
-    return {"locked": False}
-
-
-def _locked(fn):
-    """An operation that changes a workdir: with ``locked`` in the request it runs only while this
-    session holds that workdir's lock."""
-    def op(req, session):
-        if req.get("locked"):
-            _, real = node_workdir(req)
-            if session.get("lock", (None,))[0] != real:
-                raise NodeOpError("%s is not locked by this session; refusing to change it" % real)
-        out = fn(req, session)
-        if req.get("op") == "probe" and isinstance(out, dict) and "real" in out:
-            session["probed"] = out["real"]
-        return out
-    return op
-
-
-# -- the loop -------------------------------------------------------------------------------------
-class NodeOpError(Exception):
-    """An operation's own failure, reported as its error reply (with its *code*, when it has one:
-    a short stable key the controller acts on, so it never matches the error's text)."""
-
-    def __init__(self, message, code=None):
-        Exception.__init__(self, message)
-        self.code = code
-
-
-def _treehash(fn):
-    """treehash's operations report some failures in their result (``{"error": ...}``)."""
-    def op(req, session):
-        out = fn(req)
-        if isinstance(out, dict) and "error" in out:
-            raise NodeOpError(out["error"], out.get("code"))
-        return out
-    return op
-
-
-#: Operations with one reply each.
-OPS = {
+OPS.update({
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
     "ps": op_ps, "stop": op_stop, "leases": op_leases, "rank_logs": op_rank_logs, "stacks": op_stacks,
     "perf_place": op_perf_place, "perf_clean": op_perf_clean, "replica_stat": op_replica_stat,
-    "probe": _locked(_treehash(node_probe)), "commit": _locked(_treehash(node_commit)), "hash": _treehash(node_hash),
-    "lock": op_lock, "unlock": op_unlock,
-    "locate": _treehash(node_locate), "stage": _treehash(node_stage),
-}
-#: Operations that take the session over (last in it); their exit status is the program's.
-TAKEOVER = {"supervise": supervise, "follow": follow}
-#: Operations that read raw bytes after their frame (replica_receive) or write them after their
-#: reply (replica_send): last in a session, like :data:`TAKEOVER`.
-RAW = ("replica_send", "replica_receive")
-
-
-def reply(rid, op, result=None, error=None, code=None):
-    """One reply as its JSON line."""
-    out = {"id": rid, "op": op, "ok": error is None}
-    if error is None:
-        out["result"] = result
-    else:
-        out["error"] = error
-        if code:
-            out["code"] = code
-    return json.dumps(out) + "\n"
-
-
-def handle(req, session, fn=None):
-    """Run one request (by its op, or with *fn*); its reply line (never an exception: the next
-    request still runs)."""
-    if not isinstance(req, dict):
-        return reply(None, None, error="a request is a JSON object, got %s" % type(req).__name__)
-    rid, op = req.get("id"), req.get("op")
-    fn = fn or (OPS.get(op) if isinstance(op, str) else None)
-    if fn is None:
-        return reply(rid, op, error="unknown operation %r (known: %s)" % (op, ", ".join(sorted(list(OPS) + list(TAKEOVER) + list(RAW)))))
-    try:
-        return reply(rid, op, fn(req, session))
-    except NodeOpError as exc:
-        return reply(rid, op, error=str(exc), code=exc.code)
-    except (WorkdirError, RecordError) as exc:
-        return reply(rid, op, error=str(exc), code=exc.code)
-    except OSError as exc:
-        return reply(rid, op, error="%s: %s" % (getattr(exc, "filename", "") or "", exc.strerror or exc))
-    except (KeyError, TypeError, ValueError) as exc:
-        return reply(rid, op, error="bad request: %s: %r" % (type(exc).__name__, exc))
-    except Exception as exc:  # noqa: BLE001 - one operation's bug must not lose the others' replies
-        return reply(rid, op, error="failed: %s: %r" % (type(exc).__name__, exc))
-
-
-def serve(fd=0, write=None):
-    """Answer framed requests from *fd* until EOF; a takeover operation ends the loop with its
-    exit status. Returns the program's exit status."""
-    write = write or (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    session = {}
-    while True:
-        try:
-            raw = read_frame(fd)
-        except EOFError:  # between frames: the controller is done
-            return 0
-        except ValueError as exc:  # the stream is broken: nothing after it can be trusted
-            write(reply(None, None, error="bad frame: %s" % exc))
-            return 2
-        try:
-            req = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:
-            write(reply(None, None, error="a request is JSON: %s" % exc))
-            continue
-        if isinstance(req, dict) and req.get("op") in TAKEOVER:
-            return TAKEOVER[req["op"]](req)
-        if isinstance(req, dict) and req.get("op") == "replica_send":
-            return replica_send(req, _raw_writer())
-        if isinstance(req, dict) and req.get("op") == "replica_receive":
-            text = handle(req, session, lambda r, _s: replica_receive(r, fd))
-            write(text)
-            return 0 if json.loads(text)["ok"] else 1
-        if isinstance(req, dict) and req.get("op") == "stage" and req.get("hold"):
-            return _hold_stage(req, session, write, fd)
-        write(handle(req, session))
-
-
-def _raw_writer():
-    """Write bytes to stdout as they are (a reply line, then a file's content)."""
-    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else sys.stdout
-
-    def write(data):
-        out.write(data)
-        out.flush()
-    return write
-
-
-def _hold_stage(req, session, write, fd):
-    """``stage`` with ``hold``: reply with the dir, keep it while stdin stays open, then remove it."""
-    try:
-        out = _treehash(node_stage)(req, session)
-    except (NodeOpError, WorkdirError, RecordError, OSError) as exc:
-        write(reply(req.get("id"), "stage", error=str(exc)))
-        return 1
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        write(reply(req.get("id"), "stage", out))
-        while os.read(fd, 4096):
-            pass
-    finally:
-        shutil.rmtree(out["dir"], ignore_errors=True)
-    return 0
-
-
-if __name__ == "ddpfab-node":  # the name the loader runs the shipped program under
-    sys.exit(serve())
+})
+TAKEOVER.update({"supervise": supervise, "follow": follow})
+RAW.update({"replica_send": _serve_replica_send, "replica_receive": _serve_replica_receive})

@@ -1130,8 +1130,10 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
     t0 = time.monotonic()
     own = sessions is None
     errors = {}
-    if own:  # the questions travel with the program (and, where nothing more can follow, its end)
-        sessions, errors = nodeprog.open_sessions(nodes, conns, first=asked, last=not shared)
+    if own:  # the questions travel with the program (and, where nothing more can follow, its end);
+        # they are the workdir's alone: its part of the program is enough
+        sessions, errors = nodeprog.open_sessions(nodes, conns, first=asked, last=not shared,
+                                                  part=nodeprog.WORKDIR_PART)
     try:
         # (where a node's session did not open, the others' answers are still waited for: each
         # holds its workdir's lock until it has answered, and the full sync that follows takes it)

@@ -433,17 +433,19 @@ class ProgramChannel(FakeChannel):
     """A channel to the real program on this machine: what the session writes is its stdin, and
     at EOF (``shutdown_write``) it runs; its output and exit status are the channel's."""
 
-    def __init__(self):
+    def __init__(self, part: str = nodeprog.WHOLE):
         super().__init__([], exit_code=None)
-        self.writes = 0
+        self.writes, self.part, self.command = 0, part, ""
+
+    def exec_command(self, command): self.command = command
 
     def sendall(self, data):
         self.writes += 1
         super().sendall(data)
 
     def shutdown_write(self):
-        proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), input=self.sent, capture_output=True,
-                              timeout=60)
+        proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node", part=self.part), input=self.sent,
+                              capture_output=True, timeout=60)
         self.chunks, self.exit_code = iter(proc.stdout.splitlines(keepends=True)), proc.returncode
         self.next = next(self.chunks, None)
 
@@ -497,6 +499,31 @@ def test_requests_shipped_with_the_program_are_answered_and_their_eof_ends_it(tm
     replies = nodeprog.exchange({"n1": s}, {}, timeout=10, sent={"n1": s.first})["n1"]
     assert [(r.op, r.ok) for r in replies] == [("ps", True), ("hash", False)], replies
     assert "does not exist" in replies[1].error and s.ended
+
+
+def test_the_workdir_part_alone_is_a_program_that_answers_the_workdir_and_names_what_it_lacks(tmp_path, monkeypatch):
+    """WORKDIR_PART, what sync's check of an unchanged tree ships: well under half the program,
+    and a program by itself: lock, hash and unlock answered as the whole program answers them; an
+    operation of the rest is refused by name, and the program still ends cleanly."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    wd = tmp_path / "wd"
+    (wd / "pkg").mkdir(parents=True)
+    (wd / "pkg" / "a.py").write_text("A = 1\n")
+    (wd / "train.py").write_text("print(1)\n")
+    paths = ["pkg/a.py", "train.py"]
+    part = nodeprog.WORKDIR_PART
+    assert len(nodeprog.shipped(part)) < len(nodeprog.shipped()) / 2
+    assert b"def op_facts" not in nodeprog.program(part) and b"def op_lock" in nodeprog.program(part)
+    chan, node = ProgramChannel(part), Node(name="n1", host="10.0.0.1")
+    s = nodeprog.Session(FakeConn(chan), node, last=True, part=part, first=[
+        {"op": "lock", "workdir": str(wd), "holder": {"user": "u"}, "wait_s": 0},
+        {"op": "hash", "workdir": str(wd), "paths": paths}, {"op": "unlock"}, {"op": "facts", "workdir": str(wd)}])
+    assert chan.command == nodeprog.command(node, "ddpfab-node", part=part)
+    assert chan.writes == 1 and chan.sent.startswith(nodeprog.shipped(part)) and chan.exit_code == 0
+    replies = nodeprog.exchange({"n1": s}, {}, timeout=10, sent={"n1": s.first})["n1"]
+    assert [(r.op, r.ok) for r in replies] == [("lock", True), ("hash", True), ("unlock", True), ("facts", False)]
+    assert replies[1].result["tree_hash"] == treehash.tree_digest(str(wd), paths)["tree_hash"]
+    assert "unknown operation 'facts'" in replies[3].error
 
 
 def line(rid, op, **result) -> bytes:

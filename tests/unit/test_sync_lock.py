@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ddpfab import node as nodeprog
-from ddpfab.node import ops as program
+from ddpfab.node import loop as program
 from ddpfab.transfer import sync
 
 HOLDER = {"user": "alice", "host": "laptop", "pid": 4242, "since": 1764590000.5, "src": "/home/alice/proj"}
