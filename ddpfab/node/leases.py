@@ -21,7 +21,6 @@ import fcntl
 import json
 import os
 import pwd
-import shutil
 import socket
 import stat
 import subprocess
@@ -30,6 +29,7 @@ import time
 try:  # as a module of ddpfab; on a node, their source comes first in the same program
     from .loop import read_fields
     from .treehash import digest
+    from .workdir import which
 except ImportError:
     pass
 
@@ -74,7 +74,7 @@ def lease_dir():
 
 def gpu_table():
     """This node's GPUs as nvidia-smi lists them: [(index, uuid)], or [] without nvidia-smi."""
-    if not shutil.which("nvidia-smi"):
+    if not which("nvidia-smi"):
         return []
     out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20).stdout
@@ -102,7 +102,7 @@ def _ancestors(pid):
 
 def compute_apps(table):
     """GPU index -> [{"pid", "name"}] of the processes nvidia-smi says use it."""
-    if not table or not shutil.which("nvidia-smi"):
+    if not table or not which("nvidia-smi"):
         return {}
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,process_name", "--format=csv,noheader"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20).stdout
@@ -379,7 +379,7 @@ def describe_leases(states, only=None):
 def uses_leases():
     """Whether this node takes part in leasing: it has GPUs to lease (nvidia-smi) or a lease dir.
     (A CPU node without one is left as it was: no lease dir is made there.)"""
-    return bool(shutil.which("nvidia-smi")) or os.path.isdir(LEASE_DIR)
+    return bool(which("nvidia-smi")) or os.path.isdir(LEASE_DIR)
 
 
 def reserve_port(port, run_id, hold=False):

@@ -31,7 +31,9 @@ def res_mounts():
                 if "-" not in parts:
                     continue
                 sep = parts.index("-")
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])
+                point = parts[4]
+                if "\\" in point:  # the kernel's octal escapes (a space is \040); re only where there is one
+                    point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
                 out[point] = parts[sep + 1] if len(parts) > sep + 1 else "?"
     except OSError:
         pass

@@ -31,14 +31,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 import sys
 import tempfile
 import time
 
 try:  # as a module of ddpfab; on a node, workdir.py's source comes first in the same program
-    from .workdir import WorkdirError, lexical_problem, node_problem, resolve
+    from .workdir import WorkdirError, lexical_problem, node_problem, resolve, which
 except ImportError:
     pass
 
@@ -550,7 +549,7 @@ def node_probe(req):
     except WorkdirError as exc:
         return {"error": "refusing to sync: %s" % exc}
     out = {"workdir": workdir, "real": real, "home": home, "python": sys.version.split()[0],
-           "rsync": shutil.which("rsync"), "shared": False}
+           "rsync": which("rsync"), "shared": False}
     nonce = req.get("nonce")
     if nonce and os.path.exists(os.path.join(real, nonce)):
         out["shared"] = True

@@ -20,6 +20,7 @@ Rules, and why:
 
 This file is also part of the program the nodes run (:func:`ddpfab.node.program` sends its
 source ahead of :mod:`ddpfab.node.treehash`): standard library only, Python 3.6+, no ddpfab imports.
+As the program's first module it also holds the program's one PATH lookup (:func:`which`).
 """
 
 import os
@@ -87,6 +88,17 @@ def _homes():
         return [p.pw_dir for p in pwd.getpwall() if p.pw_dir]
     except OSError:
         return []
+
+
+def which(cmd):
+    """*cmd*'s path on this process's PATH, None where it is not there: shutil.which's answer for a
+    plain name, without importing shutil (with bz2 and lzma, 1.5 ms of a node program's start, and
+    every ``facts`` asks for nvidia-smi)."""
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(d or os.curdir, cmd)
+        if os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    return None
 
 
 def node_problem(path, home=None):

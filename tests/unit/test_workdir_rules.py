@@ -111,3 +111,20 @@ def test_torchrun_logs_stay_out_of_the_workdir_in_offline_plans_and_emitted_scri
     online = make_plan(c, RunOptions("train.py", run_id="r1"), Facts(addresses={"n1": "10.0.0.1"}, master_port=29500,
                                                                       cwd="/here", homes={"n1": "/home/u"}))
     assert "--log-dir=/home/u/.ddpfab/runs/r1/torchrun" in render.shell_line(online, online.nodes[0])
+
+
+def test_which_finds_what_shutil_which_finds_on_the_path(tmp_path, monkeypatch):
+    """The node program's PATH lookup (without shutil): the first executable file on PATH, not a
+    directory or a file without the execute bit; None where there is none."""
+    import shutil
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "tool").write_text("#!/bin/sh\n")  # not executable: skipped
+    (tmp_path / "a" / "dir-tool").mkdir()  # a directory: skipped
+    (tmp_path / "b" / "tool").write_text("#!/bin/sh\n")
+    (tmp_path / "b" / "tool").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'a'}:{tmp_path / 'b'}:/usr/bin:/bin")
+    for name in ("tool", "dir-tool", "sh", "no-such-tool-here"):
+        assert workdir.which(name) == shutil.which(name), name
+    assert workdir.which("tool") == str(tmp_path / "b" / "tool") and workdir.which("dir-tool") is None
