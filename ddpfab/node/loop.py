@@ -275,11 +275,12 @@ def serve(fd=0, write=None):
         except ValueError as exc:
             write(reply(None, None, error="a request is JSON: %s" % exc))
             continue
-        if isinstance(req, dict) and req.get("op") in TAKEOVER:
-            return TAKEOVER[req["op"]](req)
-        if isinstance(req, dict) and req.get("op") in RAW:
-            return RAW[req["op"]](req, session, fd, write)
-        if isinstance(req, dict) and req.get("op") == "stage" and req.get("hold"):
+        op = req.get("op") if isinstance(req, dict) else None
+        if isinstance(op, str) and op in TAKEOVER:  # (an op that is no string is handle()'s to refuse)
+            return TAKEOVER[op](req)
+        if isinstance(op, str) and op in RAW:
+            return RAW[op](req, session, fd, write)
+        if op == "stage" and req.get("hold"):
             return _hold_stage(req, session, write, fd)
         write(handle(req, session))
 
@@ -296,11 +297,11 @@ def _raw_writer():
 
 def _hold_stage(req, session, write, fd):
     """``stage`` with ``hold``: reply with the dir, keep it while stdin stays open, then remove it."""
-    try:
-        out = _treehash(node_stage)(req, session)
-    except (NodeOpError, WorkdirError, RecordError, OSError) as exc:
-        write(reply(req.get("id"), "stage", error=str(exc)))
+    text = handle(req, session, _treehash(node_stage))
+    if not json.loads(text)["ok"]:
+        write(text)  # the refusal, as handle() words every operation's
         return 1
+    out = json.loads(text)["result"]
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

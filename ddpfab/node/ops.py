@@ -67,8 +67,9 @@ def _torch_version(spec):
             for line in fh:
                 name, eq, value = line.partition("=")
                 value = value.strip()
-                if eq and name.strip() == "__version__" and value[:1] in ("'", '"') and value.count(value[0]) >= 2:
-                    return value[1:value.index(value[0], 1)]
+                end = value.find(value[:1], 1) if value[:1] in ("'", '"') else -1
+                if eq and name.strip() == "__version__" and end > 1:
+                    return value[1:end]
         raise OSError("no __version__ line")
     except OSError:
         try:

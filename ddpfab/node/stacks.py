@@ -14,14 +14,14 @@ default attach waits for a stop that never comes).
 import base64
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
 import time
 
-try:  # as a module of ddpfab; on a node agent.py's source comes first in the same program
+try:  # as a module of ddpfab; on a node their source comes first in the same program
     from .agent import ranks_done, torchrun_workers
+    from .workdir import which
 except ImportError:
     pass
 
@@ -69,7 +69,7 @@ def find_py_spy(python=None):
     here = os.path.join(os.path.dirname(python or sys.executable), "py-spy")
     if os.access(here, os.X_OK):
         return here
-    return shutil.which("py-spy")
+    return which("py-spy")
 
 
 def ptrace_scope():

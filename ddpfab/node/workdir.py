@@ -93,9 +93,11 @@ def _homes():
 def which(cmd):
     """*cmd*'s path on this process's PATH, None where it is not there: shutil.which's answer for a
     plain name, without importing shutil (with bz2 and lzma, 1.5 ms of a node program's start, and
-    every ``facts`` asks for nvidia-smi)."""
-    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
-        path = os.path.join(d or os.curdir, cmd)
+    every ``facts`` asks for nvidia-smi). An empty PATH finds nothing; an empty entry of it is the
+    current directory (the name as it is joined, as shutil has it)."""
+    dirs = os.environ.get("PATH", os.defpath)
+    for d in dirs.split(os.pathsep) if dirs else ():
+        path = os.path.join(d, cmd)
         if os.access(path, os.X_OK) and not os.path.isdir(path):
             return path
     return None

@@ -703,3 +703,22 @@ def test_an_error_reply_keeps_its_code_and_a_code_that_is_not_text_is_dropped():
     assert nodeprog.parse_reply(line) == nodeprog.Reply(1, "probe", False, error="refusing", code="not-ours")
     assert nodeprog.parse_reply(line.replace('"not-ours"', '["x"]')).code == ""
     assert nodeprog.parse_reply('{"id": 1, "op": "ps", "ok": true, "result": {}, "code": "x"}').code == ""
+
+
+def test_requests_the_loop_cannot_use_are_refused_each_and_the_program_goes_on(tmp_path):
+    """An op that is no string, a ``stage`` that holds without its arguments, a name that cannot be
+    resolved: each is one refusal (or one fact), never the end of the program or of its facts."""
+    reqs = nodeprog.numbered({"op": ["facts"]},
+                             {"op": "facts", "workdir": str(tmp_path), "resolve": ["a..b", "localhost"]})
+    proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), input=nodeprog.stdin_for(*reqs),
+                          capture_output=True, timeout=60)
+    replies = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and [r["ok"] for r in replies] == [False, True], (replies, proc.stderr[-500:])
+    assert "unknown operation" in replies[0]["error"]
+    resolved = replies[1]["result"]["resolved"]
+    assert resolved["a..b"].startswith("error:") and resolved["localhost"].startswith("127."), resolved
+    proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), capture_output=True, timeout=60,
+                          input=nodeprog.stdin_for(*nodeprog.numbered({"op": "stage", "hold": True})))
+    replies = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 1 and len(replies) == 1 and not replies[0]["ok"], (replies, proc.stderr[-500:])
+    assert "bad request" in replies[0]["error"] and b"Traceback" not in proc.stderr

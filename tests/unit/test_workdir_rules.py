@@ -128,3 +128,6 @@ def test_which_finds_what_shutil_which_finds_on_the_path(tmp_path, monkeypatch):
     for name in ("tool", "dir-tool", "sh", "no-such-tool-here"):
         assert workdir.which(name) == shutil.which(name), name
     assert workdir.which("tool") == str(tmp_path / "b" / "tool") and workdir.which("dir-tool") is None
+    monkeypatch.setenv("PATH", "")  # an empty PATH names no directory, not this one
+    monkeypatch.chdir(tmp_path / "b")
+    assert workdir.which("tool") is None and shutil.which("tool") is None
