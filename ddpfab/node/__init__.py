@@ -59,7 +59,7 @@ PARTS = {WHOLE: SOURCES, WORKDIR_PART: SOURCES[:3]}
 #: What the program runs once its modules are defined: the loop (under the name the loader gives it).
 _MAIN = b'''
 if __name__ == "ddpfab-node":  # the name the loader runs the shipped program under
-    sys.exit(serve())
+    sys.exit(serve(exit_at_eof=True))
 '''
 
 #: The longest reply line a :class:`Session` takes (the largest real ones, a ``mesh_connect`` over
