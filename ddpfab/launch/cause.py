@@ -27,6 +27,11 @@ _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ROOT_TRACEBACK = re.compile(r"^\s*traceback\s*:\s?(.*)$")
 _RULE = re.compile(r"^={20,}$")
+#: Lines at column 0 that are no exception line, skipped inside a rank's traceback: the rank's
+#: stdout and stderr reach torchrun's tee as two streams, so what it printed just before raising
+#: can come after its traceback's header (seen on the lab under load: the print before the raise
+#: between ``Traceback (most recent call last):`` and its frames).
+INTERLEAVED = 3
 
 
 @dataclass
@@ -76,7 +81,7 @@ class CauseReader:
     def __init__(self) -> None:
         self.first: dict[int, str] = {}  # local rank -> its first exception line
         self.order: list[int] = []  # local ranks in the order their first exception came
-        self._in_traceback: set[int] = set()
+        self._in_traceback: dict[int, int] = {}  # local rank in a traceback -> interleaved lines skipped
         self._in_root = False
         self._root_traceback = False
         self.root = Cause()
@@ -90,11 +95,14 @@ class CauseReader:
 
     def _rank_line(self, local: int, text: str) -> None:
         if text.strip() == _TRACEBACK:
-            self._in_traceback.add(local)
+            self._in_traceback[local] = 0
             return
         if local not in self._in_traceback or text[:1].isspace() or not text.strip():
             return
-        self._in_traceback.discard(local)  # the first line back at column 0 ends the traceback
+        if not _EXCEPTION.match(text.strip()) and self._in_traceback[local] < INTERLEAVED:
+            self._in_traceback[local] += 1  # the rank's stdout, in between (see INTERLEAVED)
+            return
+        del self._in_traceback[local]  # the exception line (or what is there instead) ends the traceback
         if local not in self.first and _EXCEPTION.match(text.strip()):
             self.first[local] = _clean(text)
             self.order.append(local)

@@ -107,3 +107,19 @@ def test_the_closing_line_names_node_rank_exit_code_and_exception():
         out.causes.feed(line)
     out.cause = out.causes.cause()
     assert out.to_dict()["cause"] == {"rank": 3, "local_rank": 1, "exit_code": 1, "exception": "RuntimeError: boom"}
+
+
+def test_a_line_the_rank_printed_before_raising_may_come_inside_its_traceback():
+    """The rank's stdout and stderr are two streams: the print just before the raise can reach
+    torchrun's tee after the traceback's header (seen on the lab under load); it is not the end of
+    the traceback, and the exception line after the frames is still the cause. A traceback that
+    never gets its exception line does not take later output for one."""
+    lines = ["[default1]:Traceback (most recent call last):", "[default1]:rank 3 failing on purpose",
+             '[default1]:  File "report.py", line 34, in <module>',
+             '[default1]:    raise RuntimeError(f"rank {rank} failing on purpose")',
+             "[default1]:RuntimeError: rank 3 failing on purpose"]
+    assert read("\n".join(lines)).cause() == Cause(None, 1, None, "RuntimeError: rank 3 failing on purpose")
+    cut = ["[default0]:Traceback (most recent call last):", '[default0]:  File "t.py", line 1',
+           "[default0]:step 1 of 9", "[default0]:step 2 of 9", "[default0]:step 3 of 9", "[default0]:step 4 of 9",
+           "[default0]:loss: 0.5"]
+    assert read("\n".join(cut)).cause() is None
