@@ -20,17 +20,19 @@ MAX_LINE = 300
 _TAG = re.compile(r"^\[default(\d+)\]:")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 _TRACEBACK = "Traceback (most recent call last):"
-#: ``RuntimeError: boom``, ``torch.OutOfMemoryError: ...``, ``KeyboardInterrupt``.
-_EXCEPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*(:.*)?$")
+#: ``RuntimeError: boom``, ``torch.OutOfMemoryError: ...``, ``KeyboardInterrupt``, a class of a
+#: function's own (``main.<locals>.ConfigError: ...``).
+_EXCEPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_.<>]*(:.*)?$")
 _ROOT = "Root Cause (first observed failure):"
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ROOT_TRACEBACK = re.compile(r"^\s*traceback\s*:\s?(.*)$")
 _RULE = re.compile(r"^={20,}$")
-#: Lines at column 0 that are no exception line, skipped inside a rank's traceback: the rank's
+#: Lines at column 0 skipped between a rank's traceback header and its first frame: the rank's
 #: stdout and stderr reach torchrun's tee as two streams, so what it printed just before raising
-#: can come after its traceback's header (seen on the lab under load: the print before the raise
-#: between ``Traceback (most recent call last):`` and its frames).
+#: can come there (seen on the lab under load: the print before the raise between ``Traceback
+#: (most recent call last):`` and its frames). A traceback always has a frame before its
+#: exception line; after the first, the first line back at column 0 ends it, as it always did.
 INTERLEAVED = 3
 
 
@@ -81,7 +83,8 @@ class CauseReader:
     def __init__(self) -> None:
         self.first: dict[int, str] = {}  # local rank -> its first exception line
         self.order: list[int] = []  # local ranks in the order their first exception came
-        self._in_traceback: dict[int, int] = {}  # local rank in a traceback -> interleaved lines skipped
+        # local rank in a traceback -> lines skipped before its first frame (None once one came)
+        self._in_traceback: dict[int, int | None] = {}
         self._in_root = False
         self._root_traceback = False
         self.root = Cause()
@@ -97,12 +100,16 @@ class CauseReader:
         if text.strip() == _TRACEBACK:
             self._in_traceback[local] = 0
             return
-        if local not in self._in_traceback or text[:1].isspace() or not text.strip():
+        if local not in self._in_traceback or not text.strip():
             return
-        if not _EXCEPTION.match(text.strip()) and self._in_traceback[local] < INTERLEAVED:
-            self._in_traceback[local] += 1  # the rank's stdout, in between (see INTERLEAVED)
+        if text[:1].isspace():  # a frame (or its code line)
+            self._in_traceback[local] = None
             return
-        del self._in_traceback[local]  # the exception line (or what is there instead) ends the traceback
+        skipped = self._in_traceback[local]
+        if skipped is not None and skipped < INTERLEAVED:
+            self._in_traceback[local] = skipped + 1  # before any frame: the rank's stdout (INTERLEAVED)
+            return
+        del self._in_traceback[local]  # the first line back at column 0 ends the traceback
         if local not in self.first and _EXCEPTION.match(text.strip()):
             self.first[local] = _clean(text)
             self.order.append(local)

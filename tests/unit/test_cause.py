@@ -87,11 +87,13 @@ def test_without_a_root_cause_the_first_rank_that_raised():
 
 def test_what_a_rank_prints_is_bounded_and_printable():
     long = "x" * 5000
-    cause = read(f"[default0]:Traceback (most recent call last):\n[default0]:RuntimeError: {long}\x1b[31m").cause()
+    cause = read(f"[default0]:Traceback (most recent call last):\n[default0]:  File \"t.py\", line 1\n"
+                 f"[default0]:RuntimeError: {long}\x1b[31m").cause()
     assert len(cause.exception) == MAX_LINE and cause.exception.startswith("RuntimeError: xxx")
     assert "\x1b" not in cause.exception
     # not an exception's shape: nothing is quoted
-    assert read("[default0]:Traceback (most recent call last):\n[default0]:$(rm -rf /) oops").cause() is None
+    assert read("[default0]:Traceback (most recent call last):\n[default0]:  File \"t.py\", line 1\n"
+                "[default0]:$(rm -rf /) oops").cause() is None
 
 
 def test_the_closing_line_names_node_rank_exit_code_and_exception():
@@ -111,15 +113,19 @@ def test_the_closing_line_names_node_rank_exit_code_and_exception():
 
 def test_a_line_the_rank_printed_before_raising_may_come_inside_its_traceback():
     """The rank's stdout and stderr are two streams: the print just before the raise can reach
-    torchrun's tee after the traceback's header (seen on the lab under load); it is not the end of
-    the traceback, and the exception line after the frames is still the cause. A traceback that
-    never gets its exception line does not take later output for one."""
+    torchrun's tee after the traceback's header (seen on the lab under load), even one shaped like
+    an exception line; before the first frame it is not the end of the traceback, and the
+    exception line after the frames is still the cause. After a frame, the first line at column 0
+    ends the traceback as it always did; a class of a function's own is an exception too."""
     lines = ["[default1]:Traceback (most recent call last):", "[default1]:rank 3 failing on purpose",
              '[default1]:  File "report.py", line 34, in <module>',
              '[default1]:    raise RuntimeError(f"rank {rank} failing on purpose")',
              "[default1]:RuntimeError: rank 3 failing on purpose"]
     assert read("\n".join(lines)).cause() == Cause(None, 1, None, "RuntimeError: rank 3 failing on purpose")
+    shaped = [lines[0], "[default1]:loss: 0.5", *lines[2:]]
+    assert read("\n".join(shaped)).cause() == Cause(None, 1, None, "RuntimeError: rank 3 failing on purpose")
     cut = ["[default0]:Traceback (most recent call last):", '[default0]:  File "t.py", line 1',
-           "[default0]:step 1 of 9", "[default0]:step 2 of 9", "[default0]:step 3 of 9", "[default0]:step 4 of 9",
-           "[default0]:loss: 0.5"]
+           "[default0]:step 1 of 9", "[default0]:loss: 0.5"]
     assert read("\n".join(cut)).cause() is None
+    local = [lines[0], '[default1]:  File "t.py", line 1', "[default1]:main.<locals>.ConfigError: bad lr", "[default1]:x"]
+    assert read("\n".join(local)).cause() == Cause(None, 1, None, "main.<locals>.ConfigError: bad lr")
