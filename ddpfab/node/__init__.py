@@ -101,8 +101,8 @@ LOADER = ("import os,sys,zlib,marshal\n"
 #: ``python -S``; at 64 nodes sharing a lab's two cores that is seconds of every check and sync).
 #: The modules stay plain modules with their imports at the top; only the shipped text differs.
 #: json, which every request needs, is the program's own :data:`_FIRST_USE` ``_Json``.
-LAZY_MODULES = ("_socket", "base64", "fnmatch", "hashlib", "queue", "re", "select", "selectors", "shutil", "signal",
-                "socket", "subprocess", "tempfile", "threading")
+LAZY_MODULES = ("_socket", "base64", "fnmatch", "hashlib", "re", "select", "shutil", "signal", "socket", "subprocess",
+                "tempfile", "threading")
 _FIRST_USE = b'''
 from _frozen_importlib_external import PathFinder as _PathFinder
 _LEGACY_SITE = _PathFinder.find_spec("json") is None  # a legacy virtualenv (< 20) links part of the
