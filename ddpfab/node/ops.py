@@ -121,13 +121,13 @@ def route_dev(addr, mine):
             return "lo"
         if src in mine:
             return mine[src]
-    except OSError:
+    except (OSError, TypeError, ValueError):  # (ValueError, TypeError: no address at all, e.g. a NUL byte)
         pass
     try:
         words = subprocess.run(["ip", "-o", "route", "get", addr], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, universal_newlines=True, timeout=5).stdout.split()
         return words[words.index("dev") + 1] if "dev" in words else None
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
 
@@ -226,12 +226,17 @@ def _torch_spec():
 
 def _address_of(name):
     """*name*'s IPv4 address as this node resolves it (``gethostbyname``). An ASCII name goes as
-    bytes, which skips the IDNA codec (with re, 2.2 ms of a facts); any other as text, encoded so."""
+    bytes, which skips the IDNA codec (with re, 2.2 ms of a facts); any other as text, encoded so.
+    What is no host name at all (a NUL byte, a label IDNA refuses) is an OSError like a name that
+    does not resolve: one fact about that name, not the end of the facts."""
     try:
         name = name.encode("ascii")
     except UnicodeError:
         pass
-    return _socket.gethostbyname(name)
+    try:
+        return _socket.gethostbyname(name)
+    except (TypeError, ValueError) as exc:
+        raise OSError("not a host name (%s)" % exc)
 
 
 def op_facts(req, session):

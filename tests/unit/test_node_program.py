@@ -710,7 +710,8 @@ def test_requests_the_loop_cannot_use_are_refused_each_and_the_program_goes_on(t
     """An op that is no string, a ``stage`` that holds without its arguments, a name that cannot be
     resolved: each is one refusal (or one fact), never the end of the program or of its facts."""
     reqs = nodeprog.numbered({"op": ["facts"]},
-                             {"op": "facts", "workdir": str(tmp_path), "resolve": ["a..b", "localhost"]})
+                             {"op": "facts", "workdir": str(tmp_path), "resolve": ["a..b", "localhost", "a\0b", "ü" * 70],
+                              "peers": {"p": "127.0.0.1", "q": "1.2.3.4\0"}})
     proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), input=nodeprog.stdin_for(*reqs),
                           capture_output=True, timeout=60)
     replies = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -718,6 +719,8 @@ def test_requests_the_loop_cannot_use_are_refused_each_and_the_program_goes_on(t
     assert "unknown operation" in replies[0]["error"]
     resolved = replies[1]["result"]["resolved"]
     assert resolved["a..b"].startswith("error:") and resolved["localhost"].startswith("127."), resolved
+    assert resolved["a\0b"].startswith("error: not a host name") and resolved["ü" * 70].startswith("error:")
+    assert replies[1]["result"]["routes"] == {"p": "lo", "q": None}
     proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), capture_output=True, timeout=60,
                           input=nodeprog.stdin_for(*nodeprog.numbered({"op": "stage", "hold": True})))
     replies = [json.loads(line) for line in proc.stdout.splitlines()]
