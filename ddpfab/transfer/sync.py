@@ -1117,7 +1117,6 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
     started = time.monotonic()
     if not sel.files:
         return None
-    local = local_tree(sel)
     nodes = [n for n in cluster.nodes if not workdir.lexical_problem(n.workdir if n.workdir is not None else sel.root)]
     if len(nodes) < len(cluster.nodes):
         return None
@@ -1135,10 +1134,18 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
         sessions, errors = nodeprog.open_sessions(nodes, conns, first=asked, last=not shared,
                                                   part=nodeprog.WORKDIR_PART)
     try:
+        # asked first, the local tree hashed while the nodes hash theirs (a cold hash of a few
+        # hundred files is tens of ms: off the path of every run that syncs)
+        sent = {k: s.first for k, s in sessions.items()} if own else {}
+        for name, reqs in () if own else asked.items():
+            try:
+                sent[name] = sessions[name].send(*reqs)
+            except Exception as exc:  # noqa: BLE001 - a broken session is a reason for the full sync
+                errors[name] = exc
+        local = local_tree(sel)
         # (where a node's session did not open, the others' answers are still waited for: each
         # holds its workdir's lock until it has answered, and the full sync that follows takes it)
-        answers = (nodeprog.exchange(sessions, {}, timeout=120, sent={k: s.first for k, s in sessions.items()})
-                   if own else nodeprog.exchange(sessions, asked, timeout=120))
+        answers = nodeprog.exchange(sessions, {}, timeout=120, sent=sent)
         if errors or answers.failed or any(not (ans[0].ok and ans[0].result.get("locked") is True)
                                            for ans in answers.succeeded.values()):
             return None  # a node's workdir is being changed (or did not answer): the full sync sees to it
