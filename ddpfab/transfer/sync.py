@@ -1137,9 +1137,9 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
         # asked first, the local tree hashed while the nodes hash theirs (a cold hash of a few
         # hundred files is tens of ms: off the path of every run that syncs)
         sent = {k: s.first for k, s in sessions.items()} if own else {}
-        for name, reqs in () if own else asked.items():
+        for name, batch in () if own else asked.items():
             try:
-                sent[name] = sessions[name].send(*reqs)
+                sent[name] = sessions[name].send(*batch)
             except Exception as exc:  # noqa: BLE001 - a broken session is a reason for the full sync
                 errors[name] = exc
         local = local_tree(sel)

@@ -387,3 +387,22 @@ def test_run_checks_the_code_by_hash_and_copies_only_when_it_changed(lab, tmp_pa
     assert fourth["tree_hash"] != first["tree_hash"]
     assert_exact(lab, project, workdir, nodes=("node1", "node3"))
     assert on_node(lab, "node2", f"cat {workdir}/pkg/output.txt").stdout == "the node made this\n"
+
+
+def test_run_from_a_directory_the_nodes_share_verifies_it_and_writes_nothing_into_it(lab, tmp_path, project):
+    """No ddpfab_workdir: the nodes' workdir is this very directory (a shared filesystem; the lab's
+    /tmp), which has no record of ddpfab's: `run` proves it by hashing exactly this tree's paths
+    over its own sessions, copies nothing and starts the job. (Its second question, the paths'
+    hash, once raised a TypeError there.)"""
+    from .helpers import ddpfab
+
+    inv = write_inventory(lab, tmp_path / "inv.yml", None)
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inv), "--runs-dir", str(runs), "train.py", cwd=project)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("training") == len(NODES), res.stdout
+    (manifest,) = runs.glob("*/manifest.json")
+    code = json.loads(manifest.read_text())["code"]
+    assert {n["source"] for n in code["nodes"].values()} == {"unchanged"} and all(
+        n["ok"] for n in code["nodes"].values()), code
+    assert not (project / ".ddpfab").exists()
