@@ -7,7 +7,7 @@ import argparse
 from ddpfab.api import Cluster
 from ddpfab.cli.errors import warn
 from ddpfab.hosts import inventory
-from ddpfab.planning.plan import PlanError, parse_nproc
+from ddpfab.planning.plan import PlanError, check_run_id, parse_nproc
 
 INVENTORY_HELP = ("the nodes: an Ansible inventory (YAML or INI), a host list ending in a comma "
                   "(node1,node2, or node1,; [user@]host[:port] entries, [v6]:port), Ansible or pdsh ranges "
@@ -59,6 +59,16 @@ def nproc_type(text: str) -> int | str:
         return parse_nproc(text)
     except PlanError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--nproc-per-node ")) from None
+
+
+def run_id_type(text: str) -> str:
+    """argparse's type for a RUN_ID argument (stop, attach, logs, doctor, replay): a run id as
+    ``--run-id`` takes it, or exit 2: it names a directory here and on the nodes (``../..`` would
+    read and write outside the runs directories)."""
+    try:
+        return check_run_id(text, "run id")
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def load_cluster(args: argparse.Namespace):

@@ -10,10 +10,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ddpfab import node as nodeprog
+from ddpfab.cli.common import run_id_type
 from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
-from ddpfab.planning.plan import Plan
+from ddpfab.planning.plan import Plan, is_run_id
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.results import GroupResult
 
@@ -63,7 +64,7 @@ def _record(runs_dir: str, run_id: str) -> dict | None:
         return None
     plan = manifest.get("plan") if isinstance(manifest, dict) else None
     nodes = plan.get("nodes") if isinstance(plan, dict) else None
-    ok = (isinstance(manifest.get("run_id") if isinstance(manifest, dict) else None, str)
+    ok = (is_run_id(manifest.get("run_id") if isinstance(manifest, dict) else None)
           and isinstance(nodes, list)
           and all(isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("remote_dir"), str)
                   for n in nodes)
@@ -146,7 +147,7 @@ def register(sub) -> None:
                              ("attach", "stream a (detached) job's output from every node until it ends", cmd_attach),
                              ("logs", "fetch a job's output from every node into runs/<id>/", cmd_logs)):
         p = sub.add_parser(name, help=text)
-        p.add_argument("run_id")
+        p.add_argument("run_id", type=run_id_type)
         _common(p, inventory_required=False)
         if name == "logs":
             p.add_argument("--ranks", action="store_true",
@@ -155,7 +156,7 @@ def register(sub) -> None:
         p.set_defaults(func=func)
     d = sub.add_parser("doctor", help="where a running job's ranks are: each rank's state and Python stack "
                                       "(py-spy), grouped; a stopped, gone or odd rank named")
-    d.add_argument("run_id")
+    d.add_argument("run_id", type=run_id_type)
     _common(d, inventory_required=False)
     d.add_argument("--json", action="store_true", help="print the doctor's record (also saved in runs/<id>/)")
     d.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ddpfab.cli.common import run_id_type
 from ddpfab.cli.config import given
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.run import _print_dry_run
@@ -18,7 +19,7 @@ def register(sub) -> None:
                        description="Re-run runs/RUN_ID from its manifest under a new run id. Refuses if the "
                                    "inventory or the code changed (unless --force) or a masked secret is "
                                    "not given again with --env.")
-    p.add_argument("run_id")
+    p.add_argument("run_id", type=run_id_type)
     # the defaults of every inventory command (cli/config.py) fill --ssh-config and --known-hosts; the
     # nodes are the recorded ones unless -i/--group are given on the command line
     p.set_defaults(_cluster_args=True)

@@ -644,10 +644,11 @@ def is_port(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
 
 
-def check_run_id(run_id: str) -> str:
-    """*run_id*, or a PlanError: it becomes a directory name here and on every node."""
+def check_run_id(run_id: str, what: str = "--run-id") -> str:
+    """*run_id*, or a PlanError naming it as *what*: it becomes a directory name here and on every
+    node (``runs/<id>``, ``~/.ddpfab/runs/<id>``), so every command that takes one checks it so."""
     if not is_run_id(run_id):
-        raise PlanError(f"--run-id {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
+        raise PlanError(f"{what} {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
                         "letter or digit, no '..'): it names a directory here and on every node")
     return run_id
 

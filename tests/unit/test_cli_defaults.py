@@ -193,3 +193,15 @@ def test_the_fetch_a_run_suggests_fetches_from_its_rank_0_whatever_limit_picked_
     words = shlex.split(hint.split("copy results here with: ddpfab ", 1)[1].rstrip(")\n"))
     args = cli.build_parser().parse_args([w if w != "PATH" else "ckpt.pt" for w in words])
     assert pick_node(inventory.load(args.inventory, "all", limit=args.limit), args.node, args.rank).name == "b"
+
+
+@pytest.mark.parametrize("command", ["stop", "attach", "logs", "doctor", "replay"])
+@pytest.mark.parametrize("bad", ["../..", "..", "a/b", ".", "", "x\ny", "-x"])
+def test_every_run_id_argument_is_a_run_id_or_exit_2(command, bad, capsys):
+    """A RUN_ID names runs/<id> here and ~/.ddpfab/runs/<id> on the nodes: `logs ../..` read each
+    node's ~/output.log and wrote it outside ./runs. Each command checks it as --run-id does."""
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args([command, "--", bad] if bad.startswith("-") else [command, bad])
+    assert exc.value.code == 2
+    assert "run id" in capsys.readouterr().err
+    assert cli.build_parser().parse_args([command, "20261202-213851-8c6937"]).run_id == "20261202-213851-8c6937"
