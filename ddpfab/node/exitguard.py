@@ -50,7 +50,7 @@ OWNER_VAR = "DDPFAB_EXIT_GUARD_PID"
 MODES = ("on", "record")
 
 #: The status of the script's last ``sys.exit`` call (None: it never called it).
-_seen = {"exit_called": False, "status": None}
+_seen = {"exit_called": False, "status": None, "script": None}
 
 
 def _exit_status(code):
@@ -73,18 +73,22 @@ def final_code():
       ``__main__.__file__`` right after, before finalising; it keeps it when a SystemExit ended
       the script (it exits from inside its error report). Then the status is that of the last
       ``sys.exit`` call, and None when the script raised SystemExit by name (not seen here);
-    - ``python -m MODULE``, ``python -c``: no such trace: None.
+    - ``python -m MODULE``, ``python -c``: no such trace: None. Nor where python never ran the
+      code: a module it did not find (``sys.argv[0]`` stays ``-m``) or a script it could not open
+      (exit 2; like a script that returned, it leaves no ``__file__``, but its file is not there).
     """
     last = getattr(sys, "last_value", None)
     if last is not None:
         return None if isinstance(last, KeyboardInterrupt) else 1
     main = sys.modules.get("__main__")
-    script = bool(sys.argv) and sys.argv[0] not in ("", "-", "-c")
+    script = bool(sys.argv) and sys.argv[0] not in ("", "-", "-c", "-m")
     if main is None or getattr(main, "__spec__", None) is not None or not script:
         return None
     if "__file__" in vars(main):
         return _exit_status(_seen["status"]) if _seen["exit_called"] else None
-    return 0
+    # (its path as it was at the start, before the script could chdir; one that deleted itself is
+    # not certain either: recorded as null)
+    return 0 if os.path.isfile(_seen["script"] or sys.argv[0]) else None
 
 
 def _write_record(directory, code):
@@ -149,6 +153,8 @@ def install(environ=None):
     if mode not in MODES or not directory or not env.get("LOCAL_RANK", "").isdigit() or env.get(OWNER_VAR):
         return False
     env[OWNER_VAR] = str(os.getpid())
+    if sys.argv and sys.argv[0]:  # set already when site runs; the script not yet opened
+        _seen["script"] = os.path.abspath(sys.argv[0])
     real_exit = sys.exit
 
     def exit(status=None):  # noqa: A001 - sys.exit, its status noted

@@ -23,7 +23,8 @@ ABORT_AT_EXIT = ("import ctypes\nlibc = ctypes.CDLL('libc.so.6')\n"
                  "libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None)\n")
 
 
-def guarded(tmp_path: Path, body: str, mode: str = "on", env: dict | None = None) -> tuple[int, dict | None]:
+def guarded(tmp_path: Path, body: str, mode: str = "on", env: dict | None = None,
+            relative: bool = False) -> tuple[int, dict | None]:
     """Run *body* as a script under the guard (a rank: LOCAL_RANK set); (exit status, done record)."""
     guard, ranks = tmp_path / "guard", tmp_path / "ranks"
     guard.mkdir(exist_ok=True)
@@ -36,7 +37,8 @@ def guarded(tmp_path: Path, body: str, mode: str = "on", env: dict | None = None
     full = {k: v for k, v in os.environ.items() if not k.startswith("DDPFAB_EXIT_GUARD")}
     full.update({"PYTHONPATH": str(guard), exitguard.MODE_VAR: mode, exitguard.DIR_VAR: str(ranks),
                  "LOCAL_RANK": "1", "RANK": "3", **(env or {})})
-    res = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, script.name if relative else str(script)], env=full, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
     records = list(ranks.glob("rank-*.json"))
     return res.returncode, (json.loads(records[0].read_text()) if records else None)
 
@@ -202,3 +204,31 @@ def test_the_flush_at_exit_never_reads_a_live_objects_class_attribute(tmp_path):
     status, record = guarded(tmp_path, body)
     assert status == 0 and record["code"] == 0
     assert not touched.exists()
+
+
+@pytest.mark.parametrize("argv, python_says", [
+    (["-m", "nosuchpkg.train"], 1),  # the module is not found: sys.argv[0] stays '-m'
+    (["{tmp}/no-such-script.py"], 2),  # the script cannot be opened: no __file__, as after a return
+])
+def test_code_python_never_ran_keeps_python_s_failure(tmp_path, argv, python_says):
+    """A rank whose code never ran is no finished rank: `ddpfab run -m nosuchpkg.train` exited 0 on
+    every node, the guard taking "no __file__ and no exception" for a script that returned."""
+    guard, ranks = tmp_path / "guard", tmp_path / "ranks"
+    guard.mkdir()
+    ranks.mkdir()
+    (guard / "sitecustomize.py").write_text(launch.exitguard_source())
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DDPFAB_EXIT_GUARD")},
+           "PYTHONPATH": str(guard), exitguard.MODE_VAR: "on", exitguard.DIR_VAR: str(ranks), "LOCAL_RANK": "0",
+           "RANK": "0"}
+    res = subprocess.run([sys.executable, *(a.format(tmp=tmp_path) for a in argv)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == python_says, res.stderr
+    (record,) = ranks.glob("rank-*.json")
+    assert json.loads(record.read_text())["code"] is None
+
+
+def test_a_script_that_changed_directory_still_finished(tmp_path):
+    """The script's path is taken at the start: a script that chdir'd elsewhere and returned is
+    still a finished rank (its relative path no longer names it from where it ended)."""
+    status, record = guarded(tmp_path, "import os\nos.chdir('/')\n", relative=True)
+    assert status == 0 and record["code"] == 0
