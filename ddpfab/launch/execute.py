@@ -30,7 +30,7 @@ from ddpfab.hosts import nodeenv
 from ddpfab.launch import leases
 from ddpfab.launch.cause import Cause, CauseReader
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
-from ddpfab.launch.interrupt import Interrupted, signals_raise
+from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
 from ddpfab.node import exitguard
 from ddpfab.node.agent import CANNOT_START
 from ddpfab.planning.plan import NodePlan, Plan
@@ -268,7 +268,7 @@ class _NodeJob:
     gate: leases.Gate | None = None  # --wait's go (set per job; none for a job made without __init__)
 
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
-                 events: queue.Queue, reconnect: Callable[[str], Connection] | None = None,
+                 events: queue.SimpleQueue, reconnect: Callable[[str], Connection] | None = None,
                  gate: leases.Gate | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
         self.log, self.events, self.reconnect = log, events, reconnect
@@ -476,7 +476,7 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
             reconnect: Callable[[str], Connection] | None = None) -> RunResult:
     """Run *plan* on the open connections; block until every node is done; never leave one running.
     *reconnect(name)* opens a fresh connection to a node (to clean up after a lost supervisor)."""
-    events: queue.Queue = queue.Queue()
+    events: queue.SimpleQueue = queue.SimpleQueue()  # (put by a signal handler too: see _monitor)
     logs = {}
     try:  # every node's local log before any node starts: a node that cannot have one starts nothing
         for n in plan.nodes:
@@ -512,7 +512,7 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang)
 
 
-def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, stop_all, stop_deadline,
+def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Printer, stop_all, stop_deadline,
              hang: HangWatch | None = None) -> RunResult:
     """Wait for every node; stop them all on the first failure, on SIGINT/SIGTERM, or on a hang
     verdict with ``--on-hang stop``."""
@@ -527,59 +527,68 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.Queue, printer: Printer, s
         for job in jobs.values():
             job.start()
         pending = set(jobs)
-        while pending:
-            try:
-                if printer.closed and interrupted is None:  # `| head` had enough: as an interrupt
-                    interrupted = CLOSED_STDOUT
-                    sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
-                    stop_all()
+        with signals_queued(events):  # a signal is taken in the loop, never inside a lock
+            while pending:
                 try:
-                    name = events.get(timeout=0.1)
-                except queue.Empty:
-                    for n in pending:
-                        job = jobs[n]
-                        if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
-                            job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
-                                                 "(host down or network cut)")
-                            job.outcome.lost = True
-                            job.close()  # unblocks its reader; its supervisor stops on silence
-                    now = time.monotonic()
-                    last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
-                    if last != quiet_since:  # a rank printed: the next report is a full interval away
-                        quiet_since, wait_every, next_report = last, wait_base, last + wait_base
-                    if wait_base > 0 and stop_deadline() is None and now >= next_report:
-                        printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
-                        wait_every *= 2  # a growing interval: a long wait is not a wall of notes
-                        next_report = now + wait_every
-                    # armed once a rank has printed: init_process_group is behind every rank then
-                    # (before it, ranks still importing are not hung; the waiting lines cover that)
-                    if hang is not None and stop_deadline() is None and any(jobs[n].outcome.rank_lines for n in jobs):
-                        hang.tick(last, now)
-                        if hang.stop_now.is_set() and hang.verdict is not None and hung is None:
-                            hung = hang.verdict.lines
-                            printer.note("--on-hang stop: stopping the job on every node")
-                            stop_all(fast=True)
-                    deadline = extra_wait or stop_deadline()
-                    if deadline is not None and time.monotonic() > deadline:
-                        for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
-                            jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
-                            jobs[n].close()
-                        extra_wait = time.monotonic() + 5
-                    continue
-                pending.discard(name)
-                out = jobs[name].outcome
-                if out.failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
-                    first_failure = name
-                    why = out.error or f"exit code {out.exit_code}"
-                    cause = failure_cause(jobs[name].plan, jobs[name].node, out.cause)
-                    printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}{f'; {cause}' if cause else ''}); "
-                                 "stopping the other nodes")
-                    stop_all(fast=True)
-            except Interrupted as exc:
-                if interrupted is None:
-                    interrupted = exc.name
-                    printer.note(f"{interrupted}: stopping the job on every node")
-                    stop_all()
+                    if printer.closed and interrupted is None:  # `| head` had enough: as an interrupt
+                        interrupted = CLOSED_STDOUT
+                        sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
+                        stop_all()
+                    try:
+                        name = events.get(timeout=0.1)
+                        if isinstance(name, Interrupted):
+                            raise name
+                    except queue.Empty:
+                        for n in pending:
+                            job = jobs[n]
+                            if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
+                                job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
+                                                     "(host down or network cut)")
+                                job.outcome.lost = True
+                                job.close()  # unblocks its reader; its supervisor stops on silence
+                        now = time.monotonic()
+                        last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
+                        if last != quiet_since:  # a rank printed: the next report is a full interval away
+                            quiet_since, wait_every, next_report = last, wait_base, last + wait_base
+                        if wait_base > 0 and stop_deadline() is None and now >= next_report:
+                            printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
+                            wait_every *= 2  # a growing interval: a long wait is not a wall of notes
+                            next_report = now + wait_every
+                        # armed once a rank has printed: init_process_group is behind every rank then
+                        # (before it, ranks still importing are not hung; the waiting lines cover that)
+                        if (hang is not None and stop_deadline() is None
+                                and any(jobs[n].outcome.rank_lines for n in jobs)):
+                            hang.tick(last, now)
+                            if hang.stop_now.is_set() and hang.verdict is not None and hung is None:
+                                hung = hang.verdict.lines
+                                printer.note("--on-hang stop: stopping the job on every node")
+                                stop_all(fast=True)
+                        deadline = extra_wait or stop_deadline()
+                        if deadline is not None and time.monotonic() > deadline:
+                            for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
+                                jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
+                                jobs[n].close()
+                            extra_wait = time.monotonic() + 5
+                        continue
+                    pending.discard(name)
+                    out = jobs[name].outcome
+                    if out.failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
+                        first_failure = name
+                        why = out.error or f"exit code {out.exit_code}"
+                        cause = failure_cause(jobs[name].plan, jobs[name].node, out.cause)
+                        cause = f"; {cause}" if cause else ""
+                        printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}{cause}); "
+                                     "stopping the other nodes")
+                        stop_all(fast=True)
+                except Interrupted as exc:
+                    if interrupted is None:
+                        interrupted = exc.name
+                        printer.note(f"{interrupted}: stopping the job on every node")
+                        stop_all()
+        while not events.empty():  # a signal that came as the last node ended: as anywhere else
+            late = events.get()
+            if isinstance(late, Interrupted) and interrupted is None:
+                raise late
         for job in jobs.values():  # their supervisors' result records, fetched after the stop
             job.reported.wait(timeout=STOP_WAIT_S + 10)
     finally:

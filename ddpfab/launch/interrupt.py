@@ -52,6 +52,26 @@ def signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def signals_queued(events) -> Iterator[None]:
+    """Within: SIGINT and SIGTERM put an :class:`Interrupted` on *events* (a ``queue.SimpleQueue``,
+    whose ``put`` is safe in a signal handler) instead of raising it; a loop that waits on
+    *events* raises it where it takes it. For code that holds locks (a queue's, the printer's,
+    paramiko's): an exception raised by the handler in the middle of one left it held, and the
+    next wait on it never returned (``ddpfab run`` hung for good after a Ctrl-C, 1 time in 15).
+    In the main thread; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: events.put(Interrupted(signum)))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_interruptible(call: Callable[[], int]) -> int:
     """``call()`` with SIGINT/SIGTERM raising :class:`Interrupted`; if one comes, this process's
     children are ended, one line is printed and the process exits 130/143 at once (threads still

@@ -270,3 +270,45 @@ def test_a_signal_while_the_nodes_are_waited_for_interrupts_at_once():
     with signals_raise(), pytest.raises(Interrupted):
         ssh.parallel([Node("a", "10.0.0.1"), Node("b", "10.0.0.2")], node)
     assert time.monotonic() - started < 2
+
+
+def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
+    """`ddpfab run`'s monitor waits on a queue the nodes' threads put to. A handler that raised
+    could raise inside the queue's lock and leave it held: the next wait never returned (a run
+    hung for good after Ctrl-C, 1 time in 15). Under ``signals_queued`` a signal is an item of the
+    queue: here 300 SIGINTs land in the middle of waits and puts, and every put and every signal
+    comes out of the queue, with no exception from anywhere else."""
+    import queue
+    import signal
+    import time
+
+    from ddpfab.launch.interrupt import Interrupted, signals_queued
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    main = threading.main_thread().ident
+    sent = 300
+
+    def nodes() -> None:
+        for i in range(sent):
+            events.put(i)
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.0005)
+
+    got, signals = [], 0
+    before = signal.getsignal(signal.SIGINT)
+    with signals_queued(events):
+        t = threading.Thread(target=nodes)
+        t.start()
+        deadline = time.monotonic() + 30
+        while (len(got) < sent or signals < sent) and time.monotonic() < deadline:
+            try:
+                item = events.get(timeout=0.001)
+            except queue.Empty:
+                continue
+            if isinstance(item, Interrupted):
+                signals += 1
+            else:
+                got.append(item)
+        t.join()
+    assert got == list(range(sent)) and signals == sent
+    assert signal.getsignal(signal.SIGINT) is before
