@@ -99,10 +99,30 @@ def note(line: str) -> None:
     sys.stderr.write(f"ddpfab: {line}\n")
 
 
+def _open_standard_streams() -> None:
+    """A stdin or stderr the shell closed (``<&-``, ``2>&-``) reads or writes /dev/null: its fd was
+    free, and the first file or socket opened would have taken it (a child's errors into an SSH
+    socket), and Python leaves ``sys.stderr`` None, which every message would trip on."""
+    for fd, mode in ((0, os.O_RDONLY), (2, os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, mode)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    sys.stdin = sys.stdin or open(0, closefd=False)  # noqa: SIM115 - the process's own streams
+    sys.stderr = sys.stderr or open(2, "w", closefd=False)  # noqa: SIM115
+
+
 def closed_stdout_ends_quietly(call: Callable[[], int]) -> int:
     """``call()``, its output flushed here; when the reader of stdout has gone (``ddpfab ... | head``)
     the command ends at once with :data:`EXIT_CLOSED_STDOUT` and no traceback. stdout then points at
-    /dev/null, so the interpreter's own flush at exit cannot fail a second time."""
+    /dev/null, so the interpreter's own flush at exit cannot fail a second time. A stdout closed
+    from the start (``>&-``) is such a reader: the same code, before anything starts."""
+    _open_standard_streams()
+    if sys.stdout is None:
+        return EXIT_CLOSED_STDOUT
     try:
         code = call()
         sys.stdout.flush()  # here, not at exit, where a closed pipe prints "Exception ignored"

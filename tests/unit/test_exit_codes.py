@@ -312,3 +312,25 @@ def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
         t.join()
     assert got == list(range(sent)) and signals == sent
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("closed, code, says", [
+    (1, EXIT_CLOSED_STDOUT, ""),  # `>&-`: a reader gone before the first line; nothing starts
+    (2, 0, None),  # `2>&-`: the command runs; its messages go nowhere
+    (0, 0, ""),  # `<&-`
+])
+def test_a_stream_the_shell_closed_is_no_traceback(tmp_path, closed, code, says):
+    """`ddpfab ... >&-` printed an AttributeError traceback ('NoneType' object has no attribute
+    'isatty'/'flush'/'write') in every command."""
+    (tmp_path / "t.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DDPFAB_CONFIG": ""}
+    for entry in ([sys.executable, "-m", "ddpfab"], [sys.executable, "-c", "import sys; from ddpfab.cli import main; "
+                                                                           "sys.exit(main())"]):
+        res = subprocess.run([*entry, "plan", "-i", IPS, "--offline", "t.py"], cwd=tmp_path, env=env, text=True,
+                             capture_output=closed != 1, stderr=subprocess.PIPE if closed == 1 else None,
+                             preexec_fn=lambda: os.close(closed), timeout=120)
+        assert res.returncode == code, res.stderr
+        if says is not None:
+            assert res.stderr == says
+        if closed != 1:
+            assert "torchrun" in res.stdout  # the plan was printed
