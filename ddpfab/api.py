@@ -36,6 +36,7 @@ from ddpfab.hosts import inventory
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.launch import replicate
 from ddpfab.launch.progress import Ticker
+from ddpfab.launch.runs import runs_dir_problem
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
 from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
@@ -345,6 +346,10 @@ class Cluster:
         paths = replicate.wanted(nodes, opts.replicate)
         opts = replace(opts, replicate=paths)
         record = os.path.join(opts.runs_dir, run_options.run_id)
+        why = runs_dir_problem(opts.runs_dir)
+        if why:
+            raise PlanError(f"--runs-dir {opts.runs_dir}: {why}: each run's record goes there (another with "
+                            "--runs-dir or DDPFAB_RUNS_DIR)")
         if not opts.dry_run and os.path.lexists(record):
             raise PlanError(f"--run-id {run_options.run_id}: {record} exists already: a run id names one run; pick "
                             "another (or leave --run-id out)")

@@ -269,7 +269,11 @@ def _replay_fields(prepared: Prepared) -> dict:
 
 def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict | None) -> tuple[RunDir, dict]:
     """The run's dir (with the preflight's full report, check.json) and its manifest's head."""
-    run_dir = RunDir(runs_root, prepared.plan.run_id)
+    try:
+        run_dir = RunDir(runs_root, prepared.plan.run_id)
+    except OSError as exc:  # (checked before the preparation: this is a change since, a full disk)
+        raise RunError([f"cannot create the run's record {Path(runs_root) / prepared.plan.run_id}: "
+                        f"{exc.strerror or exc}; nothing was started"]) from None
     manifest = _manifest_head(prepared)
     if prepared.preflight is not None:
         manifest["check"] = run_dir.write_json("check.json", prepared.preflight).name

@@ -86,6 +86,19 @@ def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list
     return out
 
 
+def runs_dir_problem(root: str | os.PathLike) -> str | None:
+    """Why no run dir can be made under *root* (a file there, or in its path; not writable), None
+    when one can. Nothing is created: the dry run asks it too, before anything starts."""
+    path = Path(os.path.abspath(root))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this user"
+    return None
+
+
 class RunDir:
     """A private local directory for one run."""
 

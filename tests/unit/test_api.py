@@ -77,6 +77,10 @@ def test_refusals_before_any_host_is_contacted_are_the_commands(tmp_path, monkey
         cluster.run("train.py", (), Options(), nproc_per_node=1)
     with pytest.raises(PlanError, match="list of words"):
         cluster.run("train.py", "--lr 1")
+    (tmp_path / "afile").write_text("")  # a file where the run records go (was a NotADirectoryError traceback)
+    for runs_dir, dry in (("afile", False), ("afile/sub", False), ("afile", True)):
+        with pytest.raises(PlanError, match="afile is not a directory"):
+            cluster.run("train.py", runs_dir=str(tmp_path / runs_dir), dry_run=dry, offline=dry)
     # offline, the dry run plans without a host
     outcome = cluster.run("train.py", ["--lr", "{{node_rank}}"], dry_run=True, offline=True, master_port=29999)
     assert outcome.exit_code == 0 and outcome.manifest is None
