@@ -292,14 +292,15 @@ def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
         for i in range(sent):
             events.put(i)
             signal.pthread_kill(main, signal.SIGINT)
-            time.sleep(0.0005)
+            while signals <= i and time.monotonic() < deadline:  # one at a time: a pending SIGINT
+                time.sleep(0.0002)  # sent again is delivered once (signals do not queue)
 
     got, signals = [], 0
+    deadline = time.monotonic() + 30
     before = signal.getsignal(signal.SIGINT)
     with signals_queued(events):
         t = threading.Thread(target=nodes)
         t.start()
-        deadline = time.monotonic() + 30
         while (len(got) < sent or signals < sent) and time.monotonic() < deadline:
             try:
                 item = events.get(timeout=0.001)
