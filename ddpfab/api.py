@@ -549,6 +549,10 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
     if isinstance(args, str):  # its characters would become the arguments
         raise PlanError(f"the script's arguments are a list of words, not one string: {args!r}")
     script, script_args, module = script_and_mode(script, tuple(args), opts.module)
+    if module and not all(part.isidentifier() for part in script.split(".")):
+        raise PlanError(f"-m {script!r}: not a module name (dotted Python identifiers, e.g. pkg.train)")
+    if not module and not script:
+        raise PlanError("the script is an empty name: give the file to run (or -m MODULE)")
     local_rank_arg, to_script = local_rank_spelling(opts.local_rank_style, script, module)
     return planmod.RunOptions(
         script=script, args=script_args, nproc_per_node=opts.nproc_per_node,

@@ -97,6 +97,10 @@ def check_here(script: str, module: bool, root: str, names: list[str] | None = N
             raise ScriptError(f"module {script} not found in {root}: neither {a} nor {b}, and its package "
                               f"{script.split('.', 1)[0]} is here")
         return
-    if os.path.isabs(script) or os.path.exists(os.path.join(root, script)):
+    path = os.path.join(root, script)  # (an absolute script stays itself)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "__main__.py")):
+        raise ScriptError(f"script {script} is a directory without a __main__.py: python cannot run it; "
+                          "give its script (or -m MODULE)")
+    if os.path.isabs(script) or os.path.exists(path):
         return
     raise ScriptError(f"script {script} not found in {root}")

@@ -77,6 +77,13 @@ def test_refusals_before_any_host_is_contacted_are_the_commands(tmp_path, monkey
         cluster.run("train.py", (), Options(), nproc_per_node=1)
     with pytest.raises(PlanError, match="list of words"):
         cluster.run("train.py", "--lr 1")
+    (tmp_path / "adir").mkdir()  # was "not found in the nodes' workdir; sync the code first" from every node
+    for script, module, says in (("adir", False, "a directory without a __main__.py"), ("", False, "empty name"),
+                                 ("", True, "not a module name"), ("a..b", True, "not a module name")):
+        with pytest.raises(PlanError, match=says):
+            cluster.run(script, module=module, dry_run=True, offline=True)
+    (tmp_path / "adir" / "__main__.py").write_text("")  # python runs a directory by its __main__.py
+    assert cluster.run("adir", dry_run=True, offline=True).exit_code == 0
     (tmp_path / "afile").write_text("")  # a file where the run records go (was a NotADirectoryError traceback)
     for runs_dir, dry in (("afile", False), ("afile/sub", False), ("afile", True)):
         with pytest.raises(PlanError, match="afile is not a directory"):
