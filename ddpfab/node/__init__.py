@@ -341,18 +341,23 @@ def _keep(got: dict[int | None, Reply], sent: dict[int, str], line: bytes | str)
         got.setdefault(r.id, r)
 
 
-def _answers(requests: list[dict], got: dict[int | None, Reply], exit_code: int | None, stderr: str) -> list[Reply]:
+def _answers(requests: list[dict], got: dict[int | None, Reply], exit_code: int | None, stderr: str,
+             python: str | None = None) -> list[Reply]:
     """The reply in *got* to each of *requests*; a request without one gets an error reply saying
-    why (the program's refusal of the stream, else its exit status and stderr)."""
+    why (the program's refusal of the stream, else its exit status and stderr; nothing at all from
+    a program that exited: its *python* did not run it)."""
     why = "no reply" + (f" (exit {exit_code})" if exit_code is not None else "") + \
         (f": {printable(stderr.strip()[-300:])}" if stderr.strip() else "")
+    if not got and not stderr.strip() and exit_code and python:
+        why += (f": the node's python {printable(python)} ended without a word: it is no python 3 that runs "
+                "ddpfab's node program; set ddpfab_python")
     if None in got:  # the program refused the stream itself (a bad frame)
         why = got[None].error
     return [got.get(r["id"]) or Reply(r["id"], r["op"], False, error=why) for r in requests]
 
 
 def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str], exit_code: int | None,
-                  stderr: str = "") -> list[Reply]:
+                  stderr: str = "", python: str | None = None) -> list[Reply]:
     """The reply to each of *requests* (by id and op; the first, if a node repeats one) among
     *lines*; a request without one gets an error reply saying why (the program's exit status and
     stderr)."""
@@ -360,7 +365,7 @@ def match_replies(node: str, requests: list[dict], lines: list[bytes] | list[str
     sent = {r["id"]: r["op"] for r in requests}
     for line in lines:
         _keep(got, sent, line)
-    return _answers(requests, got, exit_code, stderr)
+    return _answers(requests, got, exit_code, stderr, python)
 
 
 def start_failure(node, exit_code: int | None, stderr: str = "",
@@ -396,7 +401,8 @@ def call(conn, node, *requests: dict, timeout: float = 60, words: tuple[str, ...
     missing = start_failure(node, res.exit_code, res.stderr)
     if missing:
         raise missing
-    return match_replies(node.name, reqs, res.stdout.splitlines(), res.exit_code, res.stderr)
+    return match_replies(node.name, reqs, res.stdout.splitlines(), res.exit_code, res.stderr,
+                         getattr(node, "python", None))
 
 
 class Session:
@@ -514,7 +520,8 @@ class Session:
             missing = start_failure(self.node, code, self._err.decode(errors="replace"), self._fallback)
             if missing:
                 raise missing
-            return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace")))
+            return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace"),
+                                            getattr(self.node, "python", None)))
         return None
 
     def _pop(self, reqs: list[dict], replies: list[Reply]) -> list[Reply]:

@@ -301,3 +301,13 @@ def test_a_conda_env_is_activated_through_condas_own_hook_and_its_python_chosen(
     res = sh(nodeenv.prefix(missing) + "echo ran", env={"CONDA_EXE": str(conda)})
     assert res.returncode == nodeenv.SETUP_FAILED and b"ran" not in res.stdout
     assert "setup line 1 `" in nodeenv.setup_failure(missing.setup, res.returncode, res.stderr.decode())
+
+
+def test_a_python_that_ends_without_a_word_is_named_as_the_cause():
+    """`-e ddpfab_python=/bin/false` said only "probe: no reply (exit 1)" (and "skip syncing with
+    --no-sync"): a program that sent nothing and said nothing did not run; its python is why."""
+    reqs = nodeprog.numbered({"op": "facts"})
+    (reply,) = nodeprog.match_replies("n1", reqs, [], 1, "", "/bin/false")
+    assert not reply.ok and "/bin/false" in reply.error and "ddpfab_python" in reply.error
+    (said,) = nodeprog.match_replies("n1", reqs, [], 1, "Traceback ...\nSyntaxError: x", "/usr/bin/python2")
+    assert "SyntaxError" in said.error and "ddpfab_python" not in said.error  # its own words say why
