@@ -622,8 +622,12 @@ def follow(req):
     d = os.path.expanduser(req["dir"])
     log, done = os.path.join(d, "output.log"), os.path.join(d, "exit_code")
     while not os.path.exists(log):
-        if os.path.exists(done) or not os.path.isdir(d):
+        if os.path.exists(done):
             break
+        if not os.path.isdir(d):  # never started here, or its record was removed (pruned): nothing to wait for
+            sys.stderr.write("ddpfab: no record of this run here (%s): it never started on this node, or its "
+                             "record was removed\n" % d)
+            return 255
         time.sleep(0.1)
     pos, out = 0, sys.stdout.buffer
     while True:

@@ -162,6 +162,18 @@ def test_follow_streams_a_finished_runs_output_and_its_exit_code(tmp_path):
     assert proc.wait(timeout=30) == 4 and out == b"line 1\nline 2\n"
 
 
+def test_follow_of_a_run_with_no_record_here_ends_at_once_and_says_so(tmp_path):
+    """`ddpfab attach` of a run whose record on the node is gone (pruned after 20 later runs)
+    waited for ever, then said "the job goes on"."""
+    proc = subprocess.Popen(nodeprog.argv(sys.executable, "ddpfab-node"), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": str(tmp_path / "gone")}))
+    proc.stdin.flush()  # (stdin stays open: attach keeps it open while it follows)
+    assert proc.wait(timeout=30) == 255
+    assert b"no record of this run here" in proc.stderr.read()
+    proc.stdin.close()
+
+
 def test_perf_files_placed_and_removed_only_with_the_marker(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     made = program.op_perf_place({"dir": "runs/p1", "files": {"perfnode.py": "x = 1\n"}}, {})["made"]
