@@ -20,7 +20,7 @@ COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 
 def remote_command(words: list[str]) -> str:
     """One word: a shell snippet, as is. Several: a command line, each word quoted."""
-    if not words:
+    if not any(w.strip() for w in words):  # (`exec -- ''` ran nothing and said every node exited 0)
         raise ValueError("no command given (put it after --)")
     return words[0] if len(words) == 1 else shlex.join(words)
 

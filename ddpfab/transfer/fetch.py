@@ -105,6 +105,9 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         default_workdir: the workdir when the inventory sets none (the controller's cwd, as run).
         progress: rsync's progress line on stderr (default: for transfers over PROGRESS_BYTES).
     """
+    if not remote_path.strip() or remote_path.strip() in (".", "./"):
+        raise FetchError(f"fetch {remote_path!r}: name what to copy (a file or directory in the workdir); "
+                         "the whole workdir is not fetched by an empty name", 2)
     if not shutil.which("rsync"):
         raise FetchError("rsync not found on this machine: apt-get install rsync")
     try:

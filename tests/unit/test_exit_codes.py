@@ -335,3 +335,12 @@ def test_a_stream_the_shell_closed_is_no_traceback(tmp_path, closed, code, says)
             assert res.stderr == says
         if closed != 1:
             assert "torchrun" in res.stdout  # the plan was printed
+
+
+@pytest.mark.parametrize("argv", [["exec", "-i", IPS, "--", ""], ["exec", "-i", IPS, "--", " "],
+                                  ["fetch", "-i", IPS, "--rank", "0", ""], ["fetch", "-i", IPS, "--rank", "0", "."]])
+def test_an_empty_command_or_path_is_refused_before_any_host(argv, clean, capsys):
+    """`exec -- ''` ran nothing and said every node exited 0; `fetch ''` copied the whole workdir."""
+    assert cli.main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "no command given" in err or "name what to copy" in err
