@@ -20,6 +20,9 @@ MAX_LINE = 300
 _TAG = re.compile(r"^\[default(\d+)\]:")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 _TRACEBACK = "Traceback (most recent call last):"
+#: How python reports a script it could not compile (SyntaxError, IndentationError): no header,
+#: this line, the code and a caret, then the exception line.
+_SYNTAX_REPORT = re.compile(r'^  File ".*", line \d+$')
 #: ``RuntimeError: boom``, ``torch.OutOfMemoryError: ...``, ``KeyboardInterrupt``, a class of a
 #: function's own (``main.<locals>.ConfigError: ...``).
 _EXCEPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_.<>]*(:.*)?$")
@@ -99,6 +102,9 @@ class CauseReader:
     def _rank_line(self, local: int, text: str) -> None:
         if text.strip() == _TRACEBACK:
             self._in_traceback[local] = 0
+            return
+        if local not in self._in_traceback and _SYNTAX_REPORT.match(text.rstrip()):
+            self._in_traceback[local] = None  # as after a frame: the next line at column 0 is the exception
             return
         if local not in self._in_traceback or not text.strip():
             return

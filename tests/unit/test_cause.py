@@ -129,3 +129,15 @@ def test_a_line_the_rank_printed_before_raising_may_come_inside_its_traceback():
     assert read("\n".join(cut)).cause() is None
     local = [lines[0], '[default1]:  File "t.py", line 1', "[default1]:main.<locals>.ConfigError: bad lr", "[default1]:x"]
     assert read("\n".join(local)).cause() == Cause(None, 1, None, "main.<locals>.ConfigError: bad lr")
+
+
+def test_a_script_python_could_not_compile_names_its_syntax_error():
+    """A SyntaxError in the script is reported without a traceback header (python compiles it
+    before anything runs); the closing line said only "exit code 1"."""
+    lines = ["[default0]:  File \"/w/train.py\", line 3", "[default0]:    x = = 1", "[default0]:        ^",
+             "[default0]:SyntaxError: invalid syntax"]
+    assert read("\n".join(lines)).cause() == Cause(None, 0, None, "SyntaxError: invalid syntax")
+    indented = ['[default1]:  File "/w/train.py", line 2', "[default1]:    print(1)", "[default1]:IndentationError: "
+                "unexpected indent"]
+    assert read("\n".join(indented)).cause().exception == "IndentationError: unexpected indent"
+    assert read("[default0]:loss 0.5").cause() is None
