@@ -838,11 +838,21 @@ def _strict_parsing():
             setattr(C, k, v)
 
 
+#: Where Ansible's parser stopped, as its messages say it: ``Origin: /path/inv.yml:4:1``.
+_ORIGIN = re.compile(r"^Origin: (/.*?):(\d+)(?::(\d+))?$")
+
+
 def _inner_reason(chatter: str) -> str:
+    """The first parse failure in Ansible's messages, and the file, line and column it names (a
+    directory inventory holds many files), for the user to read: nothing is decided by it."""
     lines = [ln.strip() for ln in chatter.splitlines() if ln.strip()]
+    at = next((m for ln in lines if (m := _ORIGIN.match(ln))), None)
+    where = ""
+    if at:
+        where = f" (at {at.group(1)} line {at.group(2)}" + (f", column {at.group(3)}" if at.group(3) else "") + ")"
     for ln in lines:
         if "Failed to parse" in ln or "not in the expected format" in ln or "Invalid" in ln:
-            return ln.removeprefix("[WARNING]:").strip()
+            return ln.removeprefix("[WARNING]:").strip() + where
     return ""
 
 

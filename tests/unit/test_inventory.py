@@ -167,3 +167,12 @@ all:
     assert cli.main(["plan", "-i", str(inv), "--master-port", "29500", "--offline", "t.py"]) in (0, 2)
     err = capsys.readouterr().err
     assert "ddpfab: warning: inventory" in err and "did you mean ddpfab_python?" in err
+
+
+def test_a_parse_error_names_the_file_and_line_even_inside_a_directory(tmp_path):
+    """An inventory directory with one broken file: the error named the directory alone."""
+    (tmp_path / "inv").mkdir()
+    write(tmp_path, "inv/good.yml", "all:\n  hosts:\n    n1: {}\n")
+    write(tmp_path, "inv/bad.yml", "all:\n  hosts:\n    n2: {ansible_host: [\n")
+    with pytest.raises(InventoryError, match=r"cannot be parsed.*at .*inv/bad\.yml line \d+"):
+        load(tmp_path / "inv")
