@@ -41,7 +41,10 @@ def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
     path = Path(runs_dir) / run_id / "manifest.json"
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    if data is None:  # a file that holds `null` is a broken record, not a missing one
+        raise ValueError(f"{path}: null")
+    return data
 
 
 def _remote_dir(node_name: str, manifest: dict | None, run_id: str) -> str:

@@ -63,7 +63,8 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
              (["stop", "-i", IPS, "odd"], EXIT_USAGE, "is not a ddpfab run record")],
     "attach": [(["attach", "r1"], EXIT_USAGE, "no local record of run r1"),
                (["attach", "bad"], EXIT_USAGE, "cannot be read as a run record"),
-               (["attach", "odd"], EXIT_USAGE, "is not a ddpfab run record")],
+               (["attach", "odd"], EXIT_USAGE, "is not a ddpfab run record"),
+               (["attach", "nullrec"], EXIT_USAGE, "cannot be read as a run record")],  # was "no local record"
     "doctor": [(["doctor", "r1"], EXIT_USAGE, "no local record of run r1"),
                (["doctor", "bad"], EXIT_USAGE, "cannot be read as a run record"),
                (["doctor", "odd"], EXIT_USAGE, "is not a ddpfab run record"),
@@ -107,6 +108,8 @@ def test_every_commands_error_paths_end_with_the_tables_code_and_no_traceback(cl
     (clean / "runs" / "bad" / "manifest.json").write_text("{not json")
     (clean / "runs" / "odd").mkdir()
     (clean / "runs" / "odd" / "manifest.json").write_text('{"run_id": "odd", "plan": 3}')
+    (clean / "runs" / "nullrec").mkdir()
+    (clean / "runs" / "nullrec" / "manifest.json").write_text("null")
     fill = {"SPARES": str(clean / "spares.yml"), "LAB": str(clean / "nolab"), "FILE": str(clean / "existing")}
     for command, cases in CASES.items():
         for argv, code, says in cases:
