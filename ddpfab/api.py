@@ -346,7 +346,7 @@ class Cluster:
         paths = replicate.wanted(nodes, opts.replicate)
         opts = replace(opts, replicate=paths)
         record = os.path.join(opts.runs_dir, run_options.run_id)
-        why = runs_dir_problem(opts.runs_dir)
+        why = runs_dir_problem(opts.runs_dir, writable=not opts.dry_run)
         if why:
             raise PlanError(f"--runs-dir {opts.runs_dir}: {why}: each run's record goes there (another with "
                             "--runs-dir or DDPFAB_RUNS_DIR)")
@@ -549,8 +549,8 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
     if isinstance(args, str):  # its characters would become the arguments
         raise PlanError(f"the script's arguments are a list of words, not one string: {args!r}")
     script, script_args, module = script_and_mode(script, tuple(args), opts.module)
-    if module and not all(part.isidentifier() for part in script.split(".")):
-        raise PlanError(f"-m {script!r}: not a module name (dotted Python identifiers, e.g. pkg.train)")
+    if module:  # the planner's rule, before the script is looked for here
+        planmod.check_module_name(script)
     if not module and not script:
         raise PlanError("the script is an empty name: give the file to run (or -m MODULE)")
     local_rank_arg, to_script = local_rank_spelling(opts.local_rank_style, script, module)

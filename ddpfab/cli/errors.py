@@ -111,8 +111,10 @@ def _open_standard_streams() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
-    sys.stdin = sys.stdin or open(0, closefd=False)  # noqa: SIM115 - the process's own streams
-    sys.stderr = sys.stderr or open(2, "w", closefd=False)  # noqa: SIM115
+    # (not fd 0 or 2 themselves: where python found one closed and it is open now, something else
+    # took it, and messages must not go there)
+    sys.stdin = sys.stdin or open(os.devnull)  # noqa: SIM115 - the process's own streams, for its life
+    sys.stderr = sys.stderr or open(os.devnull, "w", buffering=1)  # noqa: SIM115
 
 
 def closed_stdout_ends_quietly(call: Callable[[], int]) -> int:

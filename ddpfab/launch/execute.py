@@ -532,8 +532,8 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
                 try:
                     if printer.closed and interrupted is None:  # `| head` had enough: as an interrupt
                         interrupted = CLOSED_STDOUT
-                        sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
                         stop_all()
+                        sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
                     try:
                         name = events.get(timeout=0.1)
                         if isinstance(name, Interrupted):
@@ -581,14 +581,15 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
                                      "stopping the other nodes")
                         stop_all(fast=True)
                 except Interrupted as exc:
-                    if interrupted is None:
-                        interrupted = exc.name
-                        printer.note(f"{interrupted}: stopping the job on every node")
-                        stop_all()
-        while not events.empty():  # a signal that came as the last node ended: as anywhere else
+                    if interrupted is not None:  # a second signal: leave now (the finally closes every link)
+                        raise
+                    interrupted = exc.name
+                    stop_all()  # first: the note can block on a stdout nobody reads
+                    printer.note(f"{interrupted}: stopping the job on every node")
+        while not events.empty():  # a signal that came as the last node ended: the run was interrupted
             late = events.get()
             if isinstance(late, Interrupted) and interrupted is None:
-                raise late
+                interrupted = late.name
         for job in jobs.values():  # their supervisors' result records, fetched after the stop
             job.reported.wait(timeout=STOP_WAIT_S + 10)
     finally:

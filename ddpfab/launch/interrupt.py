@@ -59,12 +59,20 @@ def signals_queued(events) -> Iterator[None]:
     *events* raises it where it takes it. For code that holds locks (a queue's, the printer's,
     paramiko's): an exception raised by the handler in the middle of one left it held, and the
     next wait on it never returned (``ddpfab run`` hung for good after a Ctrl-C, 1 time in 15).
-    In the main thread; elsewhere a no-op."""
+    A second signal raises, as before: the way out of a main thread blocked where the queue is
+    not read (a note to a stdout nobody reads). In the main thread; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, lambda signum, frame: events.put(Interrupted(signum)))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    taken = []
+
+    def queue_first(signum, frame):
+        taken.append(signum)
+        if len(taken) > 1:
+            raise Interrupted(signum)
+        events.put(Interrupted(signum))
+
+    previous = {sig: signal.signal(sig, queue_first) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:

@@ -35,7 +35,7 @@ from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch.execute import Interrupted, Printer, RunResult
 from ddpfab.launch.runner import RunError
 from ddpfab.launch.runs import RunDir
-from ddpfab.planning.plan import Plan, PlanError, RunOptions
+from ddpfab.planning.plan import Plan, PlanError, RunOptions, is_run_id
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.ssh import HostKeyPolicy
@@ -585,30 +585,36 @@ def stop_supervisor(runs_dir: str, run_id: str, timeout: float = 30.0) -> str | 
     return "supervisor stopped" if not alive() else "supervisor still running"
 
 
+def _attempt(runs_dir: str, run_id: object) -> dict | None:
+    """Attempt *run_id*'s manifest, when *run_id* (read from a record: data) is a run id and its
+    record is that run's; else None (an id like ``../x`` would name a path outside the runs)."""
+    if not is_run_id(run_id):
+        return None
+    try:
+        manifest = json.loads((Path(runs_dir) / str(run_id) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("run_id") == run_id else None
+
+
 def current_manifest(runs_dir: str, manifest: dict | None) -> dict | None:
     """For a run with restarts, the manifest of its latest attempt (what is running now, or ran
     last); else *manifest* itself."""
     final = ((manifest or {}).get("recovery") or {}).get("final_run_id")
     if not final or final == manifest.get("run_id"):
         return manifest
-    path = Path(runs_dir) / final / "manifest.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return manifest
+    return _attempt(runs_dir, final) or manifest
 
 
 def attempt_manifests(runs_dir: str, manifest: dict) -> list[dict]:
     """Every attempt's manifest of a run with restarts, in order ([*manifest*] for a plain run)."""
     out = []
     for a in ((manifest.get("recovery") or {}).get("attempts") or []):
-        if a.get("run_id") == manifest.get("run_id"):
+        run_id = a.get("run_id") if isinstance(a, dict) else None
+        if run_id == manifest.get("run_id"):
             out.append(manifest)
-            continue
-        try:
-            out.append(json.loads((Path(runs_dir) / a["run_id"] / "manifest.json").read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        elif (attempt := _attempt(runs_dir, run_id)) is not None:
+            out.append(attempt)
     return out or [manifest]
 
 
@@ -621,15 +627,14 @@ def next_attempt(runs_dir: str, root: dict, followed: str, wait_s: float = 300.0
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            rec = json.loads(path.read_text()).get("recovery") or {}
+            data = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        rec = data.get("recovery") if isinstance(data, dict) else None
+        rec = rec if isinstance(rec, dict) else {}
         final = rec.get("final_run_id")
         if final and final != followed:
-            try:
-                manifest = json.loads((Path(runs_dir) / final / "manifest.json").read_text())
-            except (OSError, ValueError):
-                manifest = None
+            manifest = _attempt(runs_dir, final)
             if manifest is not None:
                 return manifest
         elif rec.get("state") != "running":

@@ -267,17 +267,22 @@ def _replay_fields(prepared: Prepared) -> dict:
     return manifest_fields(prepared.cluster, prepared.plan)
 
 
-def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict | None) -> tuple[RunDir, dict]:
-    """The run's dir (with the preflight's full report, check.json) and its manifest's head."""
+def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict | None,
+                 state: str | None = None) -> tuple[RunDir, dict]:
+    """The run's dir (with the preflight's full report, check.json) and its manifest, written
+    (*state* over the head's); a RunError, nothing started, when they cannot be written."""
     try:
         run_dir = RunDir(runs_root, prepared.plan.run_id)
-    except OSError as exc:  # (checked before the preparation: this is a change since, a full disk)
-        raise RunError([f"cannot create the run's record {Path(runs_root) / prepared.plan.run_id}: "
+        manifest = _manifest_head(prepared)
+        if prepared.preflight is not None:
+            manifest["check"] = run_dir.write_json("check.json", prepared.preflight).name
+        manifest.update(extra or {})
+        if state:
+            manifest["state"] = state
+        run_dir.write_manifest(manifest)
+    except OSError as exc:  # (the dir was checked before the preparation: a change since, a full disk)
+        raise RunError([f"cannot write the run's record {Path(runs_root) / prepared.plan.run_id}: "
                         f"{exc.strerror or exc}; nothing was started"]) from None
-    manifest = _manifest_head(prepared)
-    if prepared.preflight is not None:
-        manifest["check"] = run_dir.write_json("check.json", prepared.preflight).name
-    manifest.update(extra or {})
     return run_dir, manifest
 
 
@@ -287,7 +292,6 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     plan = prepared.plan
     printer = printer or Printer(plan)
     run_dir, manifest = _open_record(prepared, runs_root, extra)
-    run_dir.write_manifest(manifest)
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
     result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect)
@@ -318,9 +322,7 @@ def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Pr
     whole or not at all.
     """
     plan = prepared.plan
-    run_dir, manifest = _open_record(prepared, runs_root, extra)
-    manifest["state"] = "detached"
-    run_dir.write_manifest(manifest)
+    run_dir, manifest = _open_record(prepared, runs_root, extra, state="detached")
     results = ssh.parallel(prepared.cluster.nodes, lambda n: ssh.run(
         prepared.conns[n.name], n.name, remote_command(plan, plan.node(n.name), detach=True), timeout=30,
         stdin=agent_input(plan, plan.node(n.name), detach=True)))

@@ -86,15 +86,16 @@ def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list
     return out
 
 
-def runs_dir_problem(root: str | os.PathLike) -> str | None:
-    """Why no run dir can be made under *root* (a file there, or in its path; not writable), None
-    when one can. Nothing is created: the dry run asks it too, before anything starts."""
+def runs_dir_problem(root: str | os.PathLike, writable: bool = True) -> str | None:
+    """Why no run dir can be made under *root* (a file there, or in its path; with *writable*, not
+    writable), None when one can. Nothing is created: the dry run asks it too (without
+    *writable*: it writes nothing, and may run from a read-only checkout)."""
     path = Path(os.path.abspath(root))
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     if not path.is_dir():
         return f"{path} is not a directory"
-    if not os.access(path, os.W_OK | os.X_OK):
+    if writable and not os.access(path, os.W_OK | os.X_OK):
         return f"{path} is not writable by this user"
     return None
 

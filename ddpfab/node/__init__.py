@@ -348,7 +348,7 @@ def _answers(requests: list[dict], got: dict[int | None, Reply], exit_code: int 
     a program that exited: its *python* did not run it)."""
     why = "no reply" + (f" (exit {exit_code})" if exit_code is not None else "") + \
         (f": {printable(stderr.strip()[-300:])}" if stderr.strip() else "")
-    if not got and not stderr.strip() and exit_code and python:
+    if not got and not stderr.strip() and exit_code is not None and 0 < exit_code < 128 and python:
         why += (f": the node's python {printable(python)} ended without a word: it is no python 3 that runs "
                 "ddpfab's node program; set ddpfab_python")
     if None in got:  # the program refused the stream itself (a bad frame)
@@ -426,6 +426,7 @@ class Session:
         self._broken: NodeProgramError | None = None
         self._fallback = fallback
         self._ended_at: float | None = None  # when the exit status came without the output's end
+        self._replied = False  # the program answered something once (so its python did run it)
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback, part=part))
         #: the *first* requests as sent, with their ids (for :func:`exchange`'s ``sent``)
@@ -488,6 +489,7 @@ class Session:
             self._buf = bytearray(lines.pop())
             for line in lines:
                 _keep(self._replies, self._sent, line)
+            self._replied = self._replied or bool(self._replies)
         if len(self._buf) > MAX_REPLY_LINE:
             self._buf = bytearray()
             self._broken = NodeProgramError(
@@ -521,7 +523,7 @@ class Session:
             if missing:
                 raise missing
             return self._pop(reqs, _answers(reqs, self._replies, code, self._err.decode(errors="replace"),
-                                            getattr(self.node, "python", None)))
+                                            None if self._replied else getattr(self.node, "python", None)))
         return None
 
     def _pop(self, reqs: list[dict], replies: list[Reply]) -> list[Reply]:

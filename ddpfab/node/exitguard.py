@@ -88,7 +88,8 @@ def final_code():
         return _exit_status(_seen["status"]) if _seen["exit_called"] else None
     # (its path as it was at the start, before the script could chdir; one that deleted itself is
     # not certain either: recorded as null)
-    return 0 if os.path.isfile(_seen["script"] or sys.argv[0]) else None
+    path = _seen["script"] or sys.argv[0]
+    return 0 if os.path.isfile(path) and os.access(path, os.R_OK) else None
 
 
 def _write_record(directory, code):
@@ -153,8 +154,9 @@ def install(environ=None):
     if mode not in MODES or not directory or not env.get("LOCAL_RANK", "").isdigit() or env.get(OWNER_VAR):
         return False
     env[OWNER_VAR] = str(os.getpid())
-    if sys.argv and sys.argv[0]:  # set already when site runs; the script not yet opened
-        _seen["script"] = os.path.abspath(sys.argv[0])
+    argv = getattr(sys, "argv", None)  # set already when site runs (not on python 3.6: then at exit)
+    if argv and argv[0]:  # the script not yet opened
+        _seen["script"] = os.path.abspath(argv[0])
     real_exit = sys.exit
 
     def exit(status=None):  # noqa: A001 - sys.exit, its status noted

@@ -610,6 +610,10 @@ def op_rank_logs(req, session):
     return {"tar_gz": base64.b64encode(buf.getvalue()).decode()}
 
 
+#: How long ``follow`` waits for a run dir that is not there yet (a supervisor still starting).
+FOLLOW_WAIT_S = 30
+
+
 def follow(req):
     """Stream run ``dir``'s output.log from the start to stdout, raw, until the job has ended;
     exit with its exit code (255: unknown). Ends when stdin does (ddpfab attach went away)."""
@@ -621,10 +625,14 @@ def follow(req):
     threading.Thread(target=link, daemon=True).start()
     d = os.path.expanduser(req["dir"])
     log, done = os.path.join(d, "output.log"), os.path.join(d, "exit_code")
+    # a supervisor just started makes its run dir after its python starts (an attempt of a run with
+    # restarts is followed as soon as its manifest exists): a dir still missing after that is no run
+    wait = req.get("wait_s", FOLLOW_WAIT_S)
+    give_up = time.monotonic() + (wait if isinstance(wait, (int, float)) and not isinstance(wait, bool) else 0)
     while not os.path.exists(log):
         if os.path.exists(done):
             break
-        if not os.path.isdir(d):  # never started here, or its record was removed (pruned): nothing to wait for
+        if not os.path.isdir(d) and time.monotonic() > give_up:  # never started here, or pruned
             sys.stderr.write("ddpfab: no record of this run here (%s): it never started on this node, or its "
                              "record was removed\n" % d)
             return 255

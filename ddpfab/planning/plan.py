@@ -639,6 +639,13 @@ def is_run_id(value: object) -> bool:
     return isinstance(value, str) and bool(_RUN_ID.fullmatch(value)) and ".." not in value
 
 
+def check_module_name(name: str) -> str:
+    """*name*, or a PlanError: ``-m``'s module, dotted Python identifiers (``pkg.train``)."""
+    if not _MODULE.fullmatch(name):
+        raise PlanError(f"-m {name!r}: expected a module name (dotted Python identifiers, e.g. pkg.train)")
+    return name
+
+
 def is_port(value: object) -> bool:
     """Whether *value* is a TCP port: an int (not a bool) in 1-65535."""
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
@@ -719,8 +726,8 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     if options.on_hang not in ON_HANG:
         raise PlanError(f"--on-hang must be one of {', '.join(ON_HANG)}, got {options.on_hang!r}")
     nproc_per_node(options.nproc_per_node)
-    if options.module and not _MODULE.fullmatch(options.script):
-        raise PlanError(f"-m {options.script!r}: expected a module name (dotted Python identifiers, e.g. pkg.train)")
+    if options.module:
+        check_module_name(options.script)
     bad_keys = [k for k in options.secret_env if not _ENV_KEY.fullmatch(k)]
     if bad_keys:
         raise PlanError(f"--secret-env {bad_keys[0]!r}: expected an environment variable name (letters, digits, '_')")

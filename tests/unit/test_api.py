@@ -79,7 +79,8 @@ def test_refusals_before_any_host_is_contacted_are_the_commands(tmp_path, monkey
         cluster.run("train.py", "--lr 1")
     (tmp_path / "adir").mkdir()  # was "not found in the nodes' workdir; sync the code first" from every node
     for script, module, says in (("adir", False, "a directory without a __main__.py"), ("", False, "empty name"),
-                                 ("", True, "not a module name"), ("a..b", True, "not a module name")):
+                                 ("", True, "expected a module name"), ("a..b", True, "expected a module name"),
+                                 ("pkg/train", True, "expected a module name")):
         with pytest.raises(PlanError, match=says):
             cluster.run(script, module=module, dry_run=True, offline=True)
     (tmp_path / "adir" / "__main__.py").write_text("")  # python runs a directory by its __main__.py

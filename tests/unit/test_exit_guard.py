@@ -232,3 +232,20 @@ def test_a_script_that_changed_directory_still_finished(tmp_path):
     still a finished rank (its relative path no longer names it from where it ended)."""
     status, record = guarded(tmp_path, "import os\nos.chdir('/')\n", relative=True)
     assert status == 0 and record["code"] == 0
+
+
+def test_a_script_python_cannot_read_is_not_finished(tmp_path, monkeypatch):
+    """A script that is there but cannot be opened (its mode) exits 2 without a __file__, as one
+    that returned does: not certain. (In process: root opens any file, so the mode is stood in for
+    by os.access.)"""
+    import types
+
+    script = tmp_path / "script.py"
+    script.write_text("x = 1\n")
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # no __file__, no __spec__
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    monkeypatch.setitem(exitguard._seen, "script", str(script))
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    assert exitguard.final_code() == 0  # there and readable: a script that returned
+    monkeypatch.setattr(exitguard.os, "access", lambda path, mode: False)
+    assert exitguard.final_code() is None

@@ -167,11 +167,25 @@ def test_follow_of_a_run_with_no_record_here_ends_at_once_and_says_so(tmp_path):
     waited for ever, then said "the job goes on"."""
     proc = subprocess.Popen(nodeprog.argv(sys.executable, "ddpfab-node"), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdin.write(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": str(tmp_path / "gone")}))
+    proc.stdin.write(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": str(tmp_path / "gone"), "wait_s": 1}))
     proc.stdin.flush()  # (stdin stays open: attach keeps it open while it follows)
     assert proc.wait(timeout=30) == 255
     assert b"no record of this run here" in proc.stderr.read()
     proc.stdin.close()
+
+
+def test_follow_waits_for_a_run_dir_its_supervisor_is_still_making(tmp_path):
+    """An attempt of a run with restarts is followed as soon as its manifest exists, before its
+    supervisors have made their run dirs: a dir that comes within the wait is followed."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(nodeprog.argv(sys.executable, "ddpfab-node"), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc.stdin.write(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": str(run), "wait_s": 20}))
+    proc.stdin.flush()
+    time.sleep(1)
+    run.mkdir()
+    (run / "output.log").write_bytes(b"late\n")
+    (run / "exit_code").write_text("0\n")
+    assert proc.stdout.read() == b"late\n" and proc.wait(timeout=30) == 0
 
 
 def test_perf_files_placed_and_removed_only_with_the_marker(tmp_path, monkeypatch):

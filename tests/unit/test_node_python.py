@@ -309,5 +309,7 @@ def test_a_python_that_ends_without_a_word_is_named_as_the_cause():
     reqs = nodeprog.numbered({"op": "facts"})
     (reply,) = nodeprog.match_replies("n1", reqs, [], 1, "", "/bin/false")
     assert not reply.ok and "/bin/false" in reply.error and "ddpfab_python" in reply.error
+    (killed,) = nodeprog.match_replies("n1", reqs, [], -1, "", "/usr/bin/python3")  # a signal (OOM killer)
+    assert "ddpfab_python" not in killed.error
     (said,) = nodeprog.match_replies("n1", reqs, [], 1, "Traceback ...\nSyntaxError: x", "/usr/bin/python2")
     assert "SyntaxError" in said.error and "ddpfab_python" not in said.error  # its own words say why
