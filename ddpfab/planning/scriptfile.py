@@ -97,10 +97,12 @@ def check_here(script: str, module: bool, root: str, names: list[str] | None = N
             raise ScriptError(f"module {script} not found in {root}: neither {a} nor {b}, and its package "
                               f"{script.split('.', 1)[0]} is here")
         return
-    path = os.path.join(root, script)  # (an absolute script stays itself)
+    if os.path.isabs(script):  # a file on the nodes: nothing here says what it is
+        return
+    path = os.path.join(root, script)
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "__main__.py")):
         raise ScriptError(f"script {script} is a directory without a __main__.py: python cannot run it; "
                           "give its script (or -m MODULE)")
-    if os.path.isabs(script) or os.path.exists(path):
+    if os.path.exists(path):
         return
     raise ScriptError(f"script {script} not found in {root}")
