@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import sys
 from pathlib import Path
 
@@ -113,9 +114,13 @@ def test_a_rank_that_aborts_after_finishing_is_reported_as_such_not_as_a_failure
     assert record["nodes"]["node2"]["exit_race"] == {"ranks": [2, 3], "aborted": [
         {"rank": 3, "local_rank": 1, "signal": 6}]}
     assert record["nodes"]["node1"]["exit_code"] == 0 and record["nodes"]["node1"]["exit_race"] is None
-    # off: nothing in the ranks' interpreter, and the abort fails the run as it always did
+    # off: nothing in the ranks' interpreter, and the abort fails the run as it always did. Rank 3's
+    # abort is certain; unguarded, any other rank may hit the real race first (seen on node1 in CI)
     res, out = run(inventory2, tmp_path, *env, "--exit-guard", "off", DRILL)
-    assert res.returncode != 0 and "failed: node2 (node_rank 1)" in out, out[-3000:]
+    assert res.returncode != 0, out[-3000:]
+    assert re.search(r"failed: node[12] \(node_rank [01]\) exit code \d+; rank \d \(local rank \d\), exit code -6",
+                     out), out[-3000:]
+    assert "all ranks finished" not in out
 
 
 @pytest.mark.parametrize("guard", ["on", "record"])
