@@ -103,23 +103,30 @@ def test_a_rank_that_aborts_after_finishing_is_reported_as_such_not_as_a_failure
     res, out = run(inventory2, tmp_path, *env, DRILL)
     assert res.returncode == 0 and "all 2 nodes exited 0" in out, out[-3000:]
     assert "Signal 6" not in out and out.count("finished its work") == 4
-    # record only: rank 3 aborts after its done record; the run names it and exits 0, with a warning
+    # record only: rank 3 aborts after its done record; the run names it and exits 0, with a warning.
+    # Unguarded, another rank may hit the real race too: it is then named the same way, beside rank 3
     res, out = run(inventory2, tmp_path, *env, "--exit-guard", "record", DRILL)
     assert res.returncode == 0, out[-3000:]
-    assert ("all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) (known upstream race)"
-            in out), out[-3000:]
+    closing = re.search(r"all ranks finished their work; (.*) \(known upstream race\)", out)
+    assert closing and "rank 3 (node2) aborted at exit (signal 6)" in closing[1].split(", "), out[-3000:]
     assert "ddpfab: warning: a rank aborted" in out
     record = manifest(tmp_path)
     assert record["exit_code"] == 0 and record["first_failure"] is None
-    assert record["nodes"]["node2"]["exit_race"] == {"ranks": [2, 3], "aborted": [
-        {"rank": 3, "local_rank": 1, "signal": 6}]}
-    assert record["nodes"]["node1"]["exit_code"] == 0 and record["nodes"]["node1"]["exit_race"] is None
+    race2 = record["nodes"]["node2"]["exit_race"]
+    assert race2["ranks"] == [2, 3] and {"rank": 3, "local_rank": 1, "signal": 6} in race2["aborted"]
+    others = [a for name, n in record["nodes"].items() for a in (n["exit_race"] or {}).get("aborted", ())
+              if (name, a["rank"]) != ("node2", 3)]
+    assert all(a["signal"] == 6 for a in others), record["nodes"]
+    assert len(closing[1].split(", ")) == 1 + len(others)
+    if not others:
+        assert record["nodes"]["node1"]["exit_code"] == 0 and record["nodes"]["node1"]["exit_race"] is None
     # off: nothing in the ranks' interpreter, and the abort fails the run as it always did. Rank 3's
     # abort is certain; unguarded, any other rank may hit the real race first (seen on node1 in CI)
     res, out = run(inventory2, tmp_path, *env, "--exit-guard", "off", DRILL)
     assert res.returncode != 0, out[-3000:]
-    assert re.search(r"failed: node[12] \(node_rank [01]\) exit code \d+; rank \d \(local rank \d\), exit code -6",
-                     out), out[-3000:]
+    assert re.search(r"failed: node[12] \(node_rank [01]\) exit code [1-9]", out), out[-3000:]
+    # SIGABRT's mark: rank 3's exit code, or the real race's message when that rank's torchrun was stopped
+    assert "exit code -6" in out or "a rank aborted at exit" in out, out[-3000:]
     assert "all ranks finished" not in out
 
 
