@@ -674,6 +674,9 @@ def node_locate(req):
     real = os.path.realpath(target)
     if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in (real_wd, runs)):
         return {"error": "%s is outside the workdir %s and the run dirs %s: fetch reads only those" % (target, workdir, runs)}
+    if real in (real_wd, runs):  # however spelt ('./.', its absolute path): one rule, here
+        return {"error": "%s is the %s itself: name a file or directory in it" % (
+            target, "workdir" if real == real_wd else "run dirs' directory")}
     if not os.path.exists(real):
         return {"error": "%s does not exist" % target}
     if os.path.isdir(real):

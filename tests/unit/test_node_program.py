@@ -780,3 +780,17 @@ def test_the_program_ends_at_eof_without_teardown_and_loses_no_reply(tmp_path, m
     out: list[str] = []
     assert loop.serve(r, out.append) == 0 and json.loads(out[0])["ok"]
     os.close(r)
+
+
+def test_locate_refuses_the_workdir_itself_however_spelt(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    wd = tmp_path / "w"
+    (wd / "ckpt").mkdir(parents=True)
+    (tmp_path / ".ddpfab" / "runs" / "r1").mkdir(parents=True)
+    req = {"op": "locate", "workdir": str(wd), "runs_dir": "~/.ddpfab/runs"}
+    (wd / "here").symlink_to(".")
+    for path in (".", "./.", "here", str(wd), str(wd) + "/", "~/w", "~/.ddpfab/runs", str(tmp_path / ".ddpfab/runs")):
+        found = treehash.node_locate({**req, "path": path})
+        assert "itself: name a file or directory in it" in found.get("error", ""), (path, found)
+    assert treehash.node_locate({**req, "path": "ckpt"})["kind"] == "dir"
+    assert treehash.node_locate({**req, "path": "~/.ddpfab/runs/r1"})["path"] == str(tmp_path / ".ddpfab/runs/r1")
