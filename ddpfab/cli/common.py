@@ -41,6 +41,13 @@ def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = T
                                         "else ~/.ssh/config)")
 
 
+def add_script_args(p: argparse.ArgumentParser, script_help: str, args_help: str) -> None:
+    """SCRIPT and its arguments, the rest of the line unchanged. (argparse marks a REMAINDER
+    positional required, so a missing script read "required: script, args"; the args are not.)"""
+    p.add_argument("script", help=script_help)
+    p.add_argument("args", nargs=argparse.REMAINDER, help=args_help).required = False
+
+
 def add_env_args(p: argparse.ArgumentParser) -> None:
     """The ranks' environment: --env, --env-file, and the forwarding of this shell's variables."""
     p.add_argument("--env", action="append", default=[], metavar="K=V",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddpfab.cli.common import add_cluster_args, add_env_args, nproc_type
+from ddpfab.cli.common import add_cluster_args, add_env_args, add_script_args, nproc_type
 from ddpfab.cli.errors import die
 from ddpfab.cli.run import options as run_options
 from ddpfab.hosts import inventory
@@ -67,8 +67,7 @@ def register(subparsers) -> None:
     trjob.add_argument("--runtime-kind", default="ClusterTrainingRuntime",
                        choices=("ClusterTrainingRuntime", "TrainingRuntime"))
     for p in (slurm, pyjob, trjob):
-        p.add_argument("script", help="training script, relative to the nodes' workdir")
-        p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+        add_script_args(p, "training script, relative to the nodes' workdir", "arguments for the script")
         p.set_defaults(func=cmd_export)
 
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
-from ddpfab.cli.common import add_cluster_args, add_env_args, add_floors_arg, api_cluster, nproc_type
+from ddpfab.cli.common import add_cluster_args, add_env_args, add_floors_arg, add_script_args, api_cluster, nproc_type
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
@@ -81,11 +81,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="no progress lines (copies, rendezvous waits); they are off anyway when stderr is not a terminal")
     p.add_argument("-m", "--module", action="store_true",
                    help="SCRIPT is a module, run as `python -m SCRIPT` (torchrun's -m; `-- -m pkg.train` too)")
-    p.add_argument("script", help="training script, relative to the nodes' workdir (with -m: a module)")
-    p.add_argument("args", nargs=argparse.REMAINDER,
-                   help="arguments for the script, passed unchanged except the per-node placeholders "
-                        "{{node_rank}} {{nnodes}} {{nproc}} {{world_size}} {{master_addr}} {{master_port}} "
-                        "{{run_id}} {{node_name}} (quote them for the shell)")
+    add_script_args(p, "training script, relative to the nodes' workdir (with -m: a module)",
+                    "arguments for the script, passed unchanged except the per-node placeholders "
+                    "{{node_rank}} {{nnodes}} {{nproc}} {{world_size}} {{master_addr}} {{master_port}} "
+                    "{{run_id}} {{node_name}} (quote them for the shell)")
 
 
 def register(sub) -> None:

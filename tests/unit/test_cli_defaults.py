@@ -205,3 +205,15 @@ def test_every_run_id_argument_is_a_run_id_or_exit_2(command, bad, capsys):
     assert exc.value.code == 2
     assert "run id" in capsys.readouterr().err
     assert cli.build_parser().parse_args([command, "20261202-213851-8c6937"]).run_id == "20261202-213851-8c6937"
+
+
+@pytest.mark.parametrize("command", [["run"], ["plan"], ["export", "slurm"], ["export", "pytorchjob", "--image", "i"]])
+def test_a_missing_script_names_the_script_alone(command, capsys):
+    """A script's arguments are optional: argparse used to name them as required beside it."""
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args([*command, "-i", "inv.yml"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith("the following arguments are required: script")
+    args = cli.build_parser().parse_args([*command, "-i", "inv.yml", "train.py", "--epochs", "3"])
+    assert (args.script, args.args) == ("train.py", ["--epochs", "3"])
+    assert cli.build_parser().parse_args([*command, "-i", "inv.yml", "train.py"]).args == []
