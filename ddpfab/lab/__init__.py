@@ -98,6 +98,8 @@ class Lab:
     shares: list[str] = field(default_factory=list)
     #: stand-in GPUs per host (``lab up --gpus N``: :data:`STAND_IN_SMI` as each host's nvidia-smi)
     gpus: int = 0
+    #: ``up`` made DIR (it was not there): ``down`` removes it when nothing else is left in it
+    made_dir: bool = False
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -338,6 +340,7 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
     lab.hosts = [LabHost(name=f"node{i}", address=str(net[HOST_OFFSET + i - 1]),
                          netns=f"ddpfab-{lid}-node{i}", veth=f"dfb{lid}n{i}")
                  for i in range(1, hosts + 1)]
+    lab.made_dir = not lab_dir.exists()
     lab_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(lab_dir, 0o755)
     lab.save()  # first, so that `down` can clean up after a failure half-way
@@ -582,6 +585,11 @@ def down(lab_dir: str | os.PathLike) -> bool:
     for name in ("lab.json", "inventory.yml", "ssh_config", "known_hosts", "hosts", "authorized_keys",
                  "id_ed25519", "id_ed25519.pub"):
         (lab_dir / name).unlink(missing_ok=True)
+    if lab.made_dir:
+        try:
+            lab_dir.rmdir()  # only if empty: what the user put there stays, and the dir with it
+        except OSError:
+            pass
     return True
 
 

@@ -54,6 +54,13 @@ def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
         assert _traces(other) == []
         assert _traces(lab.dir) == first_lab
         assert not Path(second.store).exists()
+        assert not other.exists(), "up made the dir: down removes it"
+        # a dir that was there before up stays, with what the user keeps in it
+        other.mkdir()
+        (other / "notes.txt").write_text("mine")
+        assert ddpfab("lab", "up", "--hosts", "1", "--dir", str(other), "--subnet", SECOND).returncode == 0
+        assert ddpfab("lab", "down", "--dir", str(other)).returncode == 0
+        assert sorted(p.name for p in other.iterdir()) == ["notes.txt"] and _traces(other) == []
     finally:  # whatever failed above, the second lab goes: a failed test must leave no lab behind
         labmod.down(other)
     assert all(lab.alive().values()), "taking down one lab must not touch the other"
