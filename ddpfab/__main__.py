@@ -5,7 +5,8 @@ import sys
 def _before_start(signum, frame):
     # a Ctrl-C while ddpfab itself is still being imported (seconds on a loaded machine): nothing has
     # started yet, so one line and the exit code of the signal, not a KeyboardInterrupt traceback
-    sys.stderr.write(f"ddpfab: interrupted by {signal.Signals(signum).name} before it started; nothing was started\n")
+    if sys.stderr is not None:  # None where the shell closed it (2>&-): the exit code still says it
+        sys.stderr.write(f"ddpfab: interrupted by {signal.Signals(signum).name} before it started; nothing was started\n")
     raise SystemExit(128 + signum)
 
 
