@@ -846,12 +846,13 @@ def _inner_reason(chatter: str) -> str:
     """The first parse failure in Ansible's messages, and the file, line and column it names (a
     directory inventory holds many files), for the user to read: nothing is decided by it."""
     lines = [ln.strip() for ln in chatter.splitlines() if ln.strip()]
-    at = next((m for ln in lines if (m := _ORIGIN.match(ln))), None)
-    where = ""
-    if at:
-        where = f" (at {at.group(1)} line {at.group(2)}" + (f", column {at.group(3)}" if at.group(3) else "") + ")"
-    for ln in lines:
+    for i, ln in enumerate(lines):
         if "Failed to parse" in ln or "not in the expected format" in ln or "Invalid" in ln:
+            # its own Origin comes after it (each plugin's failure has one); else the first one with a line
+            at = next((m for later in (lines[i:], lines) for o in later if (m := _ORIGIN.match(o))), None)
+            where = ""
+            if at:
+                where = f" (at {at.group(1)} line {at.group(2)}" + (f", column {at.group(3)}" if at.group(3) else "") + ")"
             return ln.removeprefix("[WARNING]:").strip() + where
     return ""
 

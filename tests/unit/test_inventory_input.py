@@ -277,3 +277,22 @@ def test_a_hostfile_takes_the_ip_literals_a_host_list_takes(tmp_path):
     hf = tmp_path / "hostfile"
     hf.write_text("10.0.0.1 slots=1\nfe80::1 slots=2\n")
     assert names(str(hf)) == ["10.0.0.1", "fe80::1"] == names("10.0.0.1,fe80::1,")
+
+
+def test_a_parse_error_takes_the_line_of_its_own_origin():
+    from ddpfab.hosts.inventory import _inner_reason
+
+    chatter = """[WARNING]: a deprecation in another file
+Origin: /i/x.yml:1:1
+
+[WARNING]: Failed to parse /i/b.yml with yaml plugin: mapping values are not allowed here
+Origin: /i/b.yml:7:3
+
+[WARNING]: Failed to parse /i/a.ini with ini plugin: bad section
+Origin: /i/a.ini:2
+"""
+    assert _inner_reason(chatter).endswith("mapping values are not allowed here (at /i/b.yml line 7, column 3)")
+    later = "[WARNING]: Failed to parse inventory\nOrigin: <plugin>\nstuff\nOrigin: /i/c.yml:4:1\n"
+    assert _inner_reason(later).endswith("(at /i/c.yml line 4, column 1)")
+    before = "Origin: /i/d.yml:9:2\n[WARNING]: Failed to parse inventory with 'auto' plugin\n"
+    assert _inner_reason(before).endswith("(at /i/d.yml line 9, column 2)")
