@@ -408,7 +408,8 @@ def test_fetch_a_checkpoint_from_rank_0_matches_its_sha256_there(lab, tmp_path, 
     assert res.returncode == 0 and (local / "checkpoints" / "model.pt").exists(), res.stderr
     again = ddpfab("fetch", "-i", str(inv), "--node", "node2", "checkpoints", str(local))
     assert again.returncode == 1 and "--overwrite" in again.stderr
-    for bad, why in (("../../../etc/shadow", "'..'"), ("/etc/shadow", "outside the workdir")):
+    for bad, why in (("../../../etc/shadow", "'..'"), ("/etc/shadow", "outside the workdir"),
+                     ("./.", "is the workdir itself"), (str(workdir), "is the workdir itself")):
         res = ddpfab("fetch", "-i", str(inv), bad, str(tmp_path / "nope"))
         assert res.returncode == 1 and why in res.stderr, res.stderr
         assert not (tmp_path / "nope").exists()
