@@ -103,9 +103,10 @@ def which(cmd):
     return None
 
 
-def node_problem(path, home=None):
+def node_problem(path, home=None, mounts=True):
     """Why a sync must not write into *path* on this machine (resolved here: symlinks followed,
-    this machine's users and mounts), or None. *path* is absolute (see :func:`resolve`)."""
+    this machine's users and mounts), or None. *path* is absolute (see :func:`resolve`). Without
+    *mounts*, a mount point is fine (a tree read, not written: the controller's source)."""
     real = os.path.realpath(path)
     shown = path if real == path else "%s (%s)" % (path, real)
     if real in SYSTEM_DIRS or path in SYSTEM_DIRS:
@@ -116,6 +117,6 @@ def node_problem(path, home=None):
     for h in _homes() + ([home] if home else []):
         if h not in ("/", "") and real == os.path.realpath(h):
             return "%s is a user's home directory" % shown
-    if os.path.isdir(real) and os.path.ismount(real):
+    if mounts and os.path.isdir(real) and os.path.ismount(real):
         return "%s is a mount point (a whole filesystem)" % shown
     return None

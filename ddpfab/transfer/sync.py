@@ -250,13 +250,22 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
     root = os.path.abspath(os.fspath(src))
     if not os.path.isdir(root):
         raise SyncError([f"{root}: not a directory"])
+    # the workdir's own rule, for the tree sent to it: from / a sync would read every file here
+    why = workdir.node_problem(root, mounts=False)
+    if why:
+        raise SyncError([f"refusing to sync from {root}: {why}; ddpfab copies the current directory to the nodes: "
+                         "cd into the project (or run with --no-sync)"])
     patterns = keep_patterns(root, keep)
     skipper = treehash.Skipper(root, patterns, with_git)
     ddp_ignore = treehash.IgnoreFiles(root, [treehash.IGNORE_FILE])
     listed = _git_listing(root)
     files: list[str] = []
     if listed is None:
-        found, _ = treehash.walk(root, skipper, treehash.IgnoreFiles(root, [".gitignore", treehash.IGNORE_FILE]))
+        try:
+            found, _ = treehash.walk(root, skipper, treehash.IgnoreFiles(root, [".gitignore", treehash.IGNORE_FILE]))
+        except OSError as exc:  # an unreadable directory in the tree
+            raise SyncError([f"cannot read {exc.filename}: {exc.strerror}; make it readable, or leave it out with "
+                             f"a line in {treehash.IGNORE_FILE}"]) from None
         files, source, commit, dirty = found, "walk", None, None
     else:
         source = "git"

@@ -23,7 +23,7 @@ from ddpfab import cli
 from ddpfab import node as nodeprog
 from ddpfab.cli import sync as sync_cli
 from ddpfab.hosts.inventory import Node
-from ddpfab.node import treehash
+from ddpfab.node import treehash, workdir
 from ddpfab.remote.ssh import HostKeyPolicy
 from ddpfab.transfer import sync
 
@@ -533,3 +533,35 @@ def test_mismatch_advice_names_checksum_only_where_the_quick_check_could_have_sk
     assert "`ddpfab sync --checksum`" in sync.mismatch_advice(ours, theirs, verify_only=True, checksum=False)
     # contents were compared already: --checksum is no advice
     assert "--checksum" not in sync.mismatch_advice(ours, theirs, verify_only=False, checksum=True)
+
+
+def test_a_sync_never_copies_from_a_system_dir_or_a_home(tmp_path, monkeypatch):
+    """From / the selection walked the whole machine (a PermissionError traceback in /proc); from a
+    home it would send its keys and dotfiles to every node."""
+    for root, why in (("/", "/ is a system directory"), ("/etc", "is a system directory"),
+                      ("/usr/lib", "inside the system directory /usr"), (os.path.expanduser("~"), "")):
+        with pytest.raises(sync.SyncError, match="refusing to sync from ") as exc:
+            sync.select(root)
+        assert why in str(exc.value) and "cd into the project" in str(exc.value)
+    home = tmp_path / "someone"
+    home.mkdir()
+    monkeypatch.setattr(workdir, "_homes", lambda: [str(home)])
+    with pytest.raises(sync.SyncError, match="is a user's home directory"):
+        sync.select(home)
+    (home / "proj").mkdir()
+    assert sync.select(home / "proj").files == []
+
+
+def test_an_unreadable_directory_in_the_tree_is_named_not_a_traceback(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("x")
+    real = os.scandir
+
+    def scandir(path):
+        if str(path).endswith("secret"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    (tmp_path / "secret").mkdir()
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(sync.SyncError, match=r"cannot read .*secret: Permission denied; make it readable"):
+        sync.select(tmp_path)
