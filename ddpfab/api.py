@@ -171,10 +171,14 @@ class Options:
         if self.forward_env:
             merged.update(planmod.forwarded_env(dict(os.environ)))
         for path in self.env_file:
-            try:
-                text = open(path, encoding="utf-8").read()
+            try:  # utf-8-sig: a byte-order mark an editor wrote is not part of the first name
+                with open(path, encoding="utf-8-sig") as fh:
+                    text = fh.read()
             except OSError as exc:
                 raise PlanError(f"env file {path}: {exc.strerror}") from None
+            except UnicodeDecodeError as exc:
+                raise PlanError(f"env file {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                                f"{exc.start}); write it as KEY=VALUE lines of text") from None
             merged.update(planmod.parse_env(planmod.read_env_file(text, path)))
         given = [f"{k}={v}" for k, v in self.env.items()] if isinstance(self.env, Mapping) else list(self.env)
         merged.update(planmod.parse_env(given, dict(os.environ)))

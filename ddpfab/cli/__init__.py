@@ -17,6 +17,7 @@ paramiko only where it reads an ssh_config.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ddpfab.version import __version__
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def unguarded_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for i, word in enumerate(argv, 1):
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the locale could not decode (surrogates): no file, node or record takes them
+            return die(f"argument {i} ({repr(os.fsencode(word))[2:-1]}) is not UTF-8 text: ddpfab passes arguments, "
+                       "environment values and commands to the nodes as UTF-8; nothing was started")
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -75,7 +75,7 @@ def read(path: Path) -> dict[str, Any]:
 
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"config {path}: cannot be read: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of settings, found {type(data).__name__}")

@@ -101,3 +101,23 @@ def test_import_ddpfab_loads_no_api_and_ddpfab_cluster_no_ssh_stack():
             "print(c.__module__, sorted(m for m in ('paramiko', 'fabric', 'ansible') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["ddpfab.api", "[]"]
+
+
+def test_bytes_that_are_not_utf8_are_refused_by_name_not_by_a_traceback(tmp_path, monkeypatch, capsys):
+    """A shell hands python undecodable bytes as surrogates: the manifest's write, the env's
+    encoding and exec's channel each failed with a traceback (or 'unreachable')."""
+    bad = (tmp_path / "bad").as_posix()
+    (tmp_path / "bad").write_bytes(b"X=\xff\n")
+    with pytest.raises(PlanError, match=r"env file .*bad: not UTF-8 text \(byte 0xff at offset 2\)"):
+        Options.of(env_file=[bad]).env_pairs()
+    (tmp_path / "bom").write_bytes(b"\xef\xbb\xbfFOO=1\n")
+    assert dict(Options.of(env_file=[str(tmp_path / "bom")], forward_env=False).env_pairs()) == {"FOO": "1"}
+    word = b"\xff".decode("utf-8", "surrogateescape")
+    for argv in (["run", "-i", "n1,", "t.py", word], ["run", "-i", "n1,", "--env", "X=" + word, "t.py"],
+                 ["exec", "-i", "n1,", "--", "echo " + word]):
+        assert cli.unguarded_main(argv) == 2
+        assert "is not UTF-8 text" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ddpfab.yml").write_bytes(b"inventory: \xff\n")
+    assert cli.unguarded_main(["plan", "--offline", "t.py"]) == 2
+    assert "ddpfab.yml: cannot be read" in capsys.readouterr().err
