@@ -83,14 +83,16 @@ def ptrace_scope():
 
 def frames_of(threads):
     """py-spy's JSON (a list of threads) as data the controller checks: per thread its name and
-    frames (innermost first: function, file, line), the shim entries dropped."""
+    frames (innermost first: function, file, line). Every frame is kept: py-spy's ``is_shim_entry``
+    marks a real frame (a thread's outermost, entered from C: a script's ``<module>`` among them),
+    and dropping those lost a script that works at module level."""
     out = []
     for th in threads if isinstance(threads, list) else []:
         if not isinstance(th, dict) or not isinstance(th.get("frames"), list):
             continue
         frames = [{"name": str(f.get("name")), "file": str(f.get("filename")), "line": f.get("line")
                    if type(f.get("line")) is int else None}
-                  for f in th["frames"] if isinstance(f, dict) and not f.get("is_shim_entry")]
+                  for f in th["frames"] if isinstance(f, dict)]
         out.append({"thread": th.get("thread_name") if isinstance(th.get("thread_name"), str) else None,
                     "tid": th.get("os_thread_id") if type(th.get("os_thread_id")) is int else None,
                     "active": bool(th.get("active")), "frames": frames})

@@ -292,3 +292,23 @@ def test_a_run_dir_without_a_job_record_is_an_answer_not_a_crash(tmp_path):
     os.symlink("/etc/passwd", tmp_path / "nccl_trace_rank_4")  # a link is not a dump: not followed
     assert [(d["name"], base64.b64decode(d["b64"])) for d in stacks.trace_dumps(str(tmp_path))] == [
         ("nccl_trace_rank_3", b"\x00\x01")]
+
+
+def test_a_script_that_works_at_module_level_keeps_its_frames():
+    """py-spy marks each thread's outermost frame ``is_shim_entry`` (entered from C): for a script
+    without a main() that frame is the script's own ``<module>``, and dropping it left the
+    doctor with 'unknown place (no stack)' and 'no rank stands out'."""
+    def spy(*frames):  # py-spy's JSON, innermost first, the outermost marked as py-spy marks it
+        out = [{"name": n, "filename": f, "line": ln, "is_entry": False, "is_shim_entry": False}
+               for n, f, ln in frames]
+        out[-1]["is_shim_entry"] = True
+        return [{"thread_name": None, "os_thread_id": 7, "active": False, "frames": out}]
+
+    waiting = {"threads": stacks.frames_of(spy(("all_reduce", TORCH, 3252), ("<module>", "/work/hang.py", 9)))}
+    sleeping = {"threads": stacks.frames_of(spy(("<module>", "/work/hang.py", 7)))}
+    assert sleeping["threads"][0]["frames"] == [{"name": "<module>", "file": "/work/hang.py", "line": 7}]
+    replies = {"node1": node_reply([{**rank(0, 0), "stack": waiting}, {**rank(1, 1), "stack": sleeping},
+                                    {**rank(2, 2), "stack": waiting}])}
+    v = doctor.analyse(replies, {"node1": 3})
+    assert "node1 rank 1 (pid 1001) is in <module> (hang.py:7)" in v.lines[0], v.lines
+    assert v.odd and "unknown place" not in "\n".join(doctor.render(v))
