@@ -7,6 +7,7 @@ anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
 from ddpfab.launch import leases, replicate
 from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
+from ddpfab.launch.interrupt import Interrupted
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
 from ddpfab.planning import probe, scriptfile
@@ -294,7 +296,18 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     run_dir, manifest = _open_record(prepared, runs_root, extra)
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
-    result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect)
+    try:
+        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect)
+    except KeyboardInterrupt as exc:  # a second signal leaves at once: the record still says how it ended
+        code = exc.exit_code if isinstance(exc, Interrupted) else 130
+        name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+        manifest.update({"state": "interrupted", "ended": time.time(), "exit_code": code, "interrupted": name,
+                         "summary": f"{name} twice: ddpfab left at once; the nodes were told to stop (`ddpfab ps` "
+                                    "shows what is left)"})
+        manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
+        with contextlib.suppress(OSError):
+            run_dir.write_manifest(manifest)
+        raise
     manifest.update({
         "state": "succeeded" if result.exit_code == 0 else ("interrupted" if result.interrupted else "failed"),
         "ended": time.time(),

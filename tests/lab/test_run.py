@@ -119,6 +119,26 @@ def test_sigint_stops_every_process_on_every_host(lab, inventory2, tmp_path):
     assert manifest["state"] == "interrupted"
 
 
+def test_two_quick_sigints_leave_at_once_and_still_end_the_record(lab, inventory2, tmp_path):
+    """The second signal is the way out of a run that does not stop in time; it left the record at
+    "running" for good (3 times in 3)."""
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"),
+                        "--env", "REPORT_HANG=300", REPORT)
+    try:
+        _wait_for_lines(proc, "READY", 2, timeout=90)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    wait_no_processes(lab, timeout=10)
+    manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
+    assert (manifest["state"], manifest["exit_code"], manifest["interrupted"]) == ("interrupted", 130, "SIGINT")
+    assert manifest["ended"] >= manifest["started"]
+
+
 def test_a_closed_stdout_stops_the_job_says_so_and_records_it(lab, inventory2, tmp_path):
     """`ddpfab run ... | head`: the reader going away ends the run as an interrupt would (the job
     stopped on every node, one line on stderr, the manifest finished), exit 141. It used to fail
