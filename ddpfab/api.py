@@ -294,6 +294,8 @@ class Cluster:
         chosen = list(self.parsed.nodes)
         if nodes is not None:
             wanted = list(nodes)
+            if not wanted:  # `--nodes ,,`: running on nobody is not a success
+                raise inventory.InventoryError(f"--nodes names no node (nodes: {', '.join(self.names)})")
             unknown = [w for w in wanted if w not in self.names]
             if unknown:
                 raise inventory.InventoryError(

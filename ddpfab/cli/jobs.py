@@ -368,7 +368,8 @@ def cmd_attach(args) -> int:
         printer.note(f"run {args.run_id} ended: {exit_race_summary(races)}")
         printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
         return 0
-    printer.note(f"run {args.run_id} ended: " + (f"failed on {failed}" if failed else "all nodes exited 0"))
+    printer.note(f"run {args.run_id} ended: " + (
+        "failed on " + ", ".join(f"{n} (exit code {c})" for n, c in failed.items()) if failed else "all nodes exited 0"))
     return next(iter(failed.values()), 0) if failed else 0
 
 
