@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ddpfab.api import Cluster
 from ddpfab.cli.errors import warn
@@ -66,6 +67,21 @@ def nproc_type(text: str) -> int | str:
         return parse_nproc(text)
     except PlanError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--nproc-per-node ")) from None
+
+
+def runs_dir_type(text: str) -> str:
+    """argparse's type for ``--runs-dir`` (and ``$DDPFAB_RUNS_DIR``): ``~`` is this user's home in
+    every command (a quoted ``'~/x'`` made a ``./~`` dir and printed ``~/x``); empty is refused
+    (run dirs went straight into the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a directory for the run records (default ./runs)")
+    return os.path.expanduser(text)
+
+
+def add_runs_dir_arg(p: argparse.ArgumentParser, what: str = "where run records go") -> None:
+    """``--runs-dir``, one meaning in run, plan, replay, check --perf and the job commands."""
+    p.add_argument("--runs-dir", type=runs_dir_type, default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
+                   help=f"{what} (default: ./runs, or $DDPFAB_RUNS_DIR)")
 
 
 def run_id_type(text: str) -> str:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ddpfab import node as nodeprog
-from ddpfab.cli.common import run_id_type
+from ddpfab.cli.common import add_runs_dir_arg, run_id_type
 from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
@@ -130,7 +130,7 @@ def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
                         "./ddpfab.yml)")
     p.add_argument("--group", help="inventory group (default: the recorded one, else $DDPFAB_GROUP, the config's, "
                                    "or all)")
-    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"))
+    add_runs_dir_arg(p, "where run records are")
     p.add_argument("--known-hosts")
     p.add_argument("--ssh-config")
 

@@ -6,11 +6,10 @@ Kept apart from :mod:`ddpfab.health.perfrun` so building the parser imports noth
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-from ddpfab.cli.common import load_cluster
+from ddpfab.cli.common import add_runs_dir_arg, load_cluster
 from ddpfab.cli.errors import EXIT_USAGE, refuse
 from ddpfab.health import perf
 from ddpfab.hosts import inventory
@@ -23,8 +22,7 @@ def add_check_arguments(p) -> None:
                    help="benchmark every node and link through torchrun (compute, memory, point-to-point, "
                         "all_reduce) and name the stragglers; exit 1 if there are any")
     p.add_argument("--history", action="store_true", help="with --perf: each node's figures in past checks")
-    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
-                   help="where perf check records go (default: ./runs, or $DDPFAB_RUNS_DIR)")
+    add_runs_dir_arg(p, "where perf check records go")
     p.add_argument("--verbose", action="store_true", help="with --perf: show the benchmark job's output")
 
 

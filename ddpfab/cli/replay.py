@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ddpfab.cli.common import run_id_type
+from ddpfab.cli.common import add_runs_dir_arg, run_id_type
 from ddpfab.cli.config import given
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.run import _print_dry_run
@@ -26,8 +25,7 @@ def register(sub) -> None:
     p.add_argument("-i", "--inventory", action="append",
                    help="inventory, repeatable: merged in order (default: the one the run recorded)")
     p.add_argument("--group", help="inventory group (default: the recorded one)")
-    p.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
-                   help="where run records are (default: ./runs, or $DDPFAB_RUNS_DIR)")
+    add_runs_dir_arg(p, "where run records are")
     p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="give a masked (secret) value again, or replace one; every node")
     p.add_argument("--same-port", action="store_true",

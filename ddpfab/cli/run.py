@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import fields
 
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
-from ddpfab.cli.common import add_cluster_args, add_env_args, add_floors_arg, add_script_args, api_cluster, nproc_type
+from ddpfab.cli.common import (add_cluster_args, add_env_args, add_floors_arg, add_runs_dir_arg, add_script_args,
+                               api_cluster, nproc_type)
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
@@ -102,8 +102,7 @@ def register(sub) -> None:
                           "adds to the inventory's ddpfab_replicate. Nothing to copy (a first run): said, and on")
     run.add_argument("--detach", action="store_true",
                      help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
-    run.add_argument("--runs-dir", default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
-                     help="where run records go (default: ./runs, or $DDPFAB_RUNS_DIR)")
+    add_runs_dir_arg(run)
     run.add_argument("--dry-run", action="store_true",
                      help="print the plan and each node's exact command; start nothing")
     run.add_argument("--no-color", action="store_true", help="no colours in the output")

@@ -217,3 +217,15 @@ def test_a_missing_script_names_the_script_alone(command, capsys):
     args = cli.build_parser().parse_args([*command, "-i", "inv.yml", "train.py", "--epochs", "3"])
     assert (args.script, args.args) == ("train.py", ["--epochs", "3"])
     assert cli.build_parser().parse_args([*command, "-i", "inv.yml", "train.py"]).args == []
+
+
+@pytest.mark.parametrize("command", [["run", "-i", "x,", "t.py"], ["ps"], ["logs", "20261202-213851-8c6937"],
+                                     ["replay", "20261202-213851-8c6937"], ["check", "-i", "x,", "--perf"]])
+def test_the_runs_dir_has_one_meaning_in_every_command(command, capsys, monkeypatch):
+    """'~' is the home in every command (quoted, it made a ./~ dir and printed ~/x); empty is refused
+    (the run dirs went straight into the current directory)."""
+    args = cli.build_parser().parse_args([command[0], "--runs-dir", "~/recs", *command[1:]])
+    assert args.runs_dir == os.path.expanduser("~/recs")
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args([command[0], "--runs-dir", "", *command[1:]])
+    assert exc.value.code == 2 and "--runs-dir: is empty" in capsys.readouterr().err
