@@ -256,6 +256,8 @@ def op_facts(req, session):
         session["free_port"] = out["free_port"]
     wd = os.path.expanduser(req["workdir"])
     out["workdir_exists"] = os.path.isdir(wd)
+    if req.get("run_dir") and os.path.lexists(os.path.expanduser(req["run_dir"])):
+        out["run_dir_used"] = os.path.expanduser(req["run_dir"])
     if req.get("script"):
         out["script_exists"] = os.path.isfile(os.path.join(wd, os.path.expanduser(req["script"])))
     out["time"] = time.time()

@@ -21,7 +21,7 @@ from ddpfab import node as nodeprog
 from ddpfab.health import resources
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
-from ddpfab.planning.plan import DEFAULT_PORT_RANGE, is_port, master_port
+from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, is_port, master_port
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
@@ -40,6 +40,8 @@ class NodeFacts:
     port_free: bool | None = None
     workdir_exists: bool = True
     script_exists: bool | None = None
+    #: the node's own dir for the run id asked about, when it exists there already (the id was used)
+    run_dir_used: str | None = None
     raw: dict = field(default_factory=dict)
     #: the node's python as decided (:func:`ddpfab.hosts.nodeenv.decided`) and where it came from
     executable: str = ""
@@ -136,12 +138,16 @@ def cpu_count(raw: dict) -> int | None:
 
 def facts_request(node: Node, *, workdir: str, script: str | None, port: int | None = None,
                   find_port: bool = False, peers: dict[str, str] | None = None,
-                  resolve_names: list[str] | None = None, full: bool = False, reserve_for: str | None = None) -> dict:
+                  resolve_names: list[str] | None = None, full: bool = False, reserve_for: str | None = None,
+                  run_id: str | None = None) -> dict:
     """The node program's ``facts`` request (see :func:`ddpfab.node.ops.op_facts`); with
-    *reserve_for* (a run id) the port found is reserved for that run where the node leases."""
+    *reserve_for* (a run id) the port found is reserved for that run where the node leases; with
+    *run_id*, whether the node has that run's dir already (a run id names one run on every node)."""
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
                  "resolve": resolve_names or [], "full": full, "leases": True,
                  "resources": True}  # the node's resources a job needs (ddpfab.health.resources)
+    if run_id:
+        req["run_dir"] = f"~/{REMOTE_RUNS_DIR}/{run_id}"
     if port:
         req["port"] = port
     if find_port:
@@ -172,6 +178,8 @@ def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
                          python=nodeprog.printable(data["python"]), home=str(data["home"]), torch=bool(data["torch"]),
                          free_port=free_port, port_free=port_free, workdir_exists=bool(data["workdir_exists"]),
                          script_exists=data.get("script_exists"),
+                         run_dir_used=(nodeprog.printable(data["run_dir_used"])
+                                       if isinstance(data.get("run_dir_used"), str) else None),
                          raw={**data, "controller_sent": sent, "controller_received": received})
     except KeyError as exc:
         raise nodeprog.NodeProgramError(node.name, f"its facts lack {exc}") from None
@@ -200,7 +208,7 @@ def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cw
         port=master_port if node.name == master.name else None,
         find_port=node.name == master.name and master_port is None,
         peers={k: v for k, v in addresses.items() if k != node.name}, resolve_names=names, full=full,
-        reserve_for=run_id)
+        reserve_for=run_id, run_id=run_id)
         for node in cluster.nodes if node.name in conns}
 
 
@@ -253,6 +261,11 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
             continue
         res = facts[node.name] = got[node.name]
         workdir = node.workdir or cwd
+        if res.run_dir_used:
+            problems.append(Problem(node.name, "run_id", expected=f"no {res.run_dir_used} there", found="exists",
+                                    fix="pick another --run-id (or leave it out)",
+                                    text=f"host {node.name}: {res.run_dir_used} exists there: this run id was used "
+                                         "on this node already; pick another --run-id (or leave it out)"))
         if not res.workdir_exists:
             problems.append(Problem(node.name, "workdir", expected=f"{workdir} exists", found="missing",
                                     fix="create it, sync the code, or set ddpfab_workdir",

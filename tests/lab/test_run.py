@@ -53,6 +53,15 @@ def test_two_nodes_two_procs_agree_on_everything(lab, inventory2, tmp_path):
     for node in ("node1", "node2"):
         assert "REPORT" in (run_dir / f"{node}.log").read_text()
     wait_no_processes(lab, timeout=5)
+    # its id names this run on the nodes too: from another runs dir, the id is refused before anything
+    # starts, on each node (it failed both nodes with exit code 125 and wrote a failed record)
+    for dry in ((), ("--dry-run",)):
+        again = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(tmp_path / "other"), "--run-id",
+                       manifest["run_id"], *dry, REPORT)
+        assert again.returncode == 2, again.stdout + again.stderr
+        for node in ("node1", "node2"):
+            assert f"host {node}: " in again.stderr and "this run id was used on this node already" in again.stderr
+        assert not (tmp_path / "other" / manifest["run_id"]).exists()
 
 
 def test_script_args_arrive_byte_for_byte(lab, inventory2, tmp_path):
