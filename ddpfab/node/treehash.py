@@ -598,10 +598,14 @@ def node_probe(req):
 
 def _prepare(real, record, files):
     """Before the copy: record *files* as placed (a sync killed mid-copy still owns them) and move
-    aside what is in the way of a file new to the record but was not placed by ddpfab."""
+    aside what is in the way of a file new to the record but was not placed by ddpfab. A directory
+    in the way (the project turned ``d/f`` into a file ``d``) loses first the placed files the
+    project no longer has (the commit would delete them anyway), then, holding files a node made,
+    is moved aside whole."""
     owned = set(record["files"])
     stamp = time.strftime("%Y%m%d-%H%M%S") + "-%d" % os.getpid()
     new = [rel for rel in files if rel_ok(rel) and rel not in owned]
+    gone = owned - set(files)
     kept = []
     for rel in new:
         try:
@@ -615,8 +619,12 @@ def _prepare(real, record, files):
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(st.st_mode):
-                raise RecordError("%s/%s is a directory that ddpfab did not place, and the project has a file "
-                                  "there; move it away on the node" % (real, rel))
+                for old in sorted(o for o in gone if o.startswith(rel + "/")):
+                    remove_placed(real, old)  # prunes the dirs it empties, this one too
+                try:
+                    os.stat(name, dir_fd=fds[-1], follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
             dest = os.path.join(real, STATE_DIR, "kept", stamp, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             os.rename(name, dest, src_dir_fd=fds[-1])

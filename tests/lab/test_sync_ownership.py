@@ -135,6 +135,36 @@ def test_training_outputs_and_node_data_survive_three_runs_and_the_second_resume
         assert not [p for p in there if "torchrun" in p or p.startswith("attempt_")], there
 
 
+def test_a_file_that_became_a_directory_and_back_syncs_every_time(lab, tmp_path):
+    """``item`` a file, then a directory ``item/f``, then a file again: the third sync was refused on
+    every node ("a directory that ddpfab did not place"), and every later one too."""
+    workdir = "/opt/ddpfab/flip"
+    for node in NODES:
+        overlay(lab, node, workdir)
+    inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
+    proj = tmp_path / "flip"
+    proj.mkdir()
+    (proj / "train.py").write_text("print('hi')\n")
+    for shape in ("file", "dir", "file", "dir"):
+        item = proj / "item"
+        if item.is_dir():
+            (item / "f").unlink()
+            item.rmdir()
+        elif item.exists():
+            item.unlink()
+        if shape == "dir":
+            item.mkdir()
+            (item / "f").write_text("in a dir\n")
+        else:
+            item.write_text("a file\n")
+        res = run_sync("-i", str(inv), str(proj))
+        assert res.returncode == 0, (shape, res.stdout + res.stderr)
+        for node in NODES:
+            there = listing_there(lab, node, workdir)
+            assert ("item/f" in there) == (shape == "dir") and ("item" in there), (shape, node, there)
+    assert run_sync("-i", str(inv), str(proj)).returncode == 0
+
+
 def test_a_keep_pattern_is_never_overwritten_deleted_or_hashed(lab, tmp_path, trainproj):
     workdir = "/opt/ddpfab/keep"
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)

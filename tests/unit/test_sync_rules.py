@@ -565,3 +565,22 @@ def test_an_unreadable_directory_in_the_tree_is_named_not_a_traceback(tmp_path, 
     monkeypatch.setattr(os, "scandir", scandir)
     with pytest.raises(sync.SyncError, match=r"cannot read .*secret: Permission denied; make it readable"):
         sync.select(tmp_path)
+
+
+def test_a_directory_the_project_turns_back_into_a_file_is_no_obstacle(tmp_path):
+    """``item`` a file, then ``item/f``, then a file again: every node refused the third sync ("a
+    directory that ddpfab did not place") though its record listed item/f. The placed files the
+    project no longer has go first; a node's own files in that directory are moved aside whole."""
+    wd = tmp_path / "wd"
+    node({"op": "probe", "workdir": str(wd), "nonce": "n", "files": ["item/f", "other/g"]})
+    for rel in ("item/f", "other/g"):
+        (wd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (wd / rel).write_text(rel)
+    node({"op": "commit", "workdir": str(wd), "delete": [], "files": ["item/f", "other/g"]})
+    (wd / "other" / "ckpt.pt").write_text("the node's own")  # made by a job on the node
+    out = node({"op": "probe", "workdir": str(wd), "nonce": "n", "files": ["item", "other"]})
+    assert "error" not in out, out
+    assert not (wd / "item").exists()  # only ddpfab's file was there: gone with its dir
+    assert out["kept"] == ["other"] and (Path(out["kept_dir"]) / "other" / "ckpt.pt").read_text() == "the node's own"
+    assert not (wd / "other").exists()
+    assert treehash.read_record(str(wd))["files"] == sorted(["item", "item/f", "other", "other/g"])
