@@ -39,6 +39,7 @@ from ddpfab.launch.progress import Ticker
 from ddpfab.launch.runs import runs_dir_problem
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
+from ddpfab.planning.masking import MASK, secret_key
 from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
 from ddpfab.problems import Problem
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
@@ -222,8 +223,11 @@ class Cluster:
 
     def __init__(self, parsed: inventory.Cluster, *, inventory: str | list[str] | None = None,
                  ssh_config: str | None = None, known_hosts: str | None = None,
-                 accept_new_host_keys: bool = False, say: Say = stderr_say):
+                 accept_new_host_keys: bool = False, say: Say = stderr_say, limit: str | None = None,
+                 extra_vars: Iterable[str | Mapping] = ()):
         self.parsed = parsed
+        #: how the nodes were chosen beyond the inventory and group: a run records them for replay
+        self.limit, self.extra_vars = limit, tuple(extra_vars)
         self.inventory = inventory
         self.ssh_config, self.known_hosts, self.accept_new_host_keys = ssh_config, known_hosts, accept_new_host_keys
         self.say = say
@@ -240,7 +244,7 @@ class Cluster:
         for line in parsed.warnings:  # a mistyped variable: it has no effect
             say(f"warning: {line}")
         return cls(parsed, inventory=source, ssh_config=ssh_config, known_hosts=known_hosts,
-                   accept_new_host_keys=accept_new_host_keys, say=say)
+                   accept_new_host_keys=accept_new_host_keys, say=say, limit=limit, extra_vars=extra_vars)
 
     @property
     def names(self) -> list[str]:
@@ -423,6 +427,7 @@ class Cluster:
                                   probing=probing, synced=copied, replicate_paths=tuple(opts.replicate),
                                   will_sync=opts.dry_run and opts.sync)
         extra = {"code": code} if code else {}
+        extra.update(self._selection())
         for w in planmod.socket_ifname_warnings(prepared.cluster, run_options, runner.plan_facts(
                 prepared.facts, prepared.plan.master_port, os.getcwd())):
             self.say(f"warning: {w}")
@@ -436,6 +441,15 @@ class Cluster:
         return prepared, extra
 
     # -- the steps of a run -----------------------------------------------------------------
+    def _selection(self) -> dict:
+        """``--limit`` and ``-e`` as the manifest records them, for replay to choose the same nodes
+        with the same variables (a secret's value masked by its key: replay asks for it again)."""
+        out: dict[str, Any] = {"limit": self.limit} if self.limit else {}
+        if self.extra_vars:
+            out["extra_vars"] = {k: MASK if secret_key(k) else v
+                                 for k, v in inventory.parse_extra_vars(self.extra_vars).items()}
+        return out
+
     def _offline_plan(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options) -> Plan:
         # slow to import: see LAZY above
         from ddpfab.planning.probe import offline_addresses

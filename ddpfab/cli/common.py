@@ -107,7 +107,8 @@ def load_cluster(args: argparse.Namespace):
 def api_cluster(args: argparse.Namespace) -> Cluster:
     """The API's cluster for the parsed cluster options (inventory, group, limit, -e, ssh)."""
     return Cluster(load_cluster(args), inventory=args.inventory, ssh_config=args.ssh_config,
-                   known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys)
+                   known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
+                   limit=getattr(args, "limit", None), extra_vars=getattr(args, "extra_vars", None) or ())
 
 
 #: Help for options some subcommands define without any, by destination: one wording everywhere.

@@ -24,7 +24,7 @@ def _cluster(args, manifest: dict | None):
     (:func:`ddpfab.cli.config.apply` filled those in)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import attempt_cluster
-    from ddpfab.launch.replay import recorded_inventory
+    from ddpfab.launch.replay import ManifestError, recorded_inventory, recorded_selection
 
     recorded = (manifest or {}).get("plan", {})
     if given(args, "inventory"):
@@ -34,9 +34,14 @@ def _cluster(args, manifest: dict | None):
     if not source:
         raise ConfigError(MISSING_INVENTORY)
     group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
+    try:  # the run's -e (how its nodes are reached: ansible_host, ansible_port...) and --limit
+        limit, variables, _ = recorded_selection(manifest) if manifest else (None, {}, [])
+    except ManifestError as exc:
+        raise RecordError(str(exc)) from None
+    chosen = (variables,) if variables else ()
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
-        return attempt_cluster(manifest, source, group)
-    cluster = inventory.load(source, group)
+        return attempt_cluster(manifest, source, group, extra_vars=chosen)
+    cluster = inventory.load(source, group, limit=limit, extra_vars=chosen)
     for line in cluster.warnings:
         warn(line)
     return cluster

@@ -28,6 +28,9 @@ def register(sub) -> None:
     add_runs_dir_arg(p, "where run records are")
     p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="give a masked (secret) value again, or replace one; every node")
+    p.add_argument("-e", "--extra-vars", dest="replay_extra_vars", action="append", default=[], metavar="VARS",
+                   help="give a masked extra var of the run again, or replace one (the run's -e and --limit "
+                        "are replayed)")
     p.add_argument("--same-port", action="store_true",
                    help="use the recorded master port or refuse (default: it if free, else a free one)")
     p.add_argument("--force", action="store_true", help="replay even if the inventory or the code changed")
@@ -51,7 +54,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         replaying = rerun.prepare(
             args.run_id, args.runs_dir, inventory_source=args.inventory if given(args, "inventory") else None,
-            group=args.group if given(args, "group") else None, env=args.env, same_port=args.same_port,
+            group=args.group if given(args, "group") else None, env=args.env,
+            extra_vars=args.replay_extra_vars, same_port=args.same_port,
             force=args.force, new_id=args.new_run_id, ssh_config=args.ssh_config,
             policy=ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys),
             say=lambda line: sys.stderr.write(f"ddpfab: {line}\n"))

@@ -643,15 +643,17 @@ def next_attempt(runs_dir: str, root: dict, followed: str, wait_s: float = 300.0
     return None
 
 
-def attempt_cluster(manifest: dict, source: str | None = None, group: str | None = None) -> Cluster:
-    """The cluster an attempt ran on, in its order: its nodes, from the run's group and its spares."""
+def attempt_cluster(manifest: dict, source: str | None = None, group: str | None = None,
+                    extra_vars: tuple = ()) -> Cluster:
+    """The cluster an attempt ran on, in its order: its nodes, from the run's group and its spares
+    (*extra_vars*: the run's ``-e``, over every host's variables)."""
     plan = manifest["plan"]
     source = source or plan["inventory"]
-    cluster = inventory.load(source, group or plan["group"])
+    cluster = inventory.load(source, group or plan["group"], extra_vars=extra_vars)
     spares_group = manifest.get("spares_group")
     pool = {n.name: n for n in cluster.nodes}
     if spares_group:
-        pool.update({n.name: n for n in inventory.load(source, spares_group).nodes})
+        pool.update({n.name: n for n in inventory.load(source, spares_group, extra_vars=extra_vars).nodes})
     order = manifest.get("attempt_nodes") or [n["name"] for n in plan["nodes"]]
     missing = [n for n in order if n not in pool]
     if missing:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -35,7 +36,7 @@ from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster
 from ddpfab.launch.runs import mask_env
 from ddpfab.planning import probe, render
-from ddpfab.planning.masking import was_masked
+from ddpfab.planning.masking import MASK, secret_key, was_masked
 from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
@@ -91,6 +92,22 @@ def recorded_inventory(manifest: dict) -> str | list[str] | None:
         raise inventory.InventoryError(f"run {manifest.get('run_id')}: the manifest's inventory_sources must be a "
                                        f"list of inventories, found {json.dumps(sources)[:80]}; pass -i again")
     return sources
+
+
+def recorded_selection(manifest: dict, given: Iterable[str] = ()) -> tuple[str | None, dict[str, Any], list[str]]:
+    """How the run chose its nodes beyond inventory and group, read back as data: its ``limit``,
+    its ``extra_vars`` with the ``-e`` *given* again over them (less those still masked), and the
+    keys still masked (a secret's value: replay needs it given again)."""
+    limit, recorded = manifest.get("limit"), manifest.get("extra_vars", {})
+    if limit is not None and not (isinstance(limit, str) and limit):
+        raise ManifestError(f"run {manifest.get('run_id')}: the manifest's limit must be a pattern, found "
+                            f"{json.dumps(limit)[:80]}")
+    if not isinstance(recorded, dict) or not all(isinstance(k, str) and k for k in recorded):
+        raise ManifestError(f"run {manifest.get('run_id')}: the manifest's extra_vars must be a mapping of "
+                            f"variables, found {json.dumps(recorded)[:80]}")
+    again = inventory.parse_extra_vars(given)
+    masked = [k for k, v in recorded.items() if v == MASK and secret_key(k) and k not in again]
+    return limit, {k: v for k, v in {**recorded, **again}.items() if k not in masked}, masked
 
 
 def _current_tree_hash(code: dict) -> str:

@@ -17,7 +17,8 @@ from ddpfab.hosts import inventory
 from ddpfab.launch import runner
 from ddpfab.launch.execute import Printer, RunResult
 from ddpfab.launch.recover import attempt_cluster, current_manifest
-from ddpfab.launch.replay import ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory, validate
+from ddpfab.launch.replay import (ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory,
+                                  recorded_selection, validate)
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning import probe, scriptfile
 from ddpfab.planning.plan import Plan, make_plan, parse_env
@@ -76,7 +77,8 @@ class Replaying:
 
 
 def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str | list[str] | None = None,
-            group: str | None = None, env: Iterable[str] = (), same_port: bool = False, force: bool = False,
+            group: str | None = None, env: Iterable[str] = (), extra_vars: Iterable[str] = (),
+            same_port: bool = False, force: bool = False,
             new_id: str | None = None, policy: HostKeyPolicy | None = None, ssh_config: str | None = None,
             say: Callable[[str], None] = lambda line: None) -> Replaying:
     """Everything before the start of a replay of *run_id* (from *runs_dir*): ManifestError,
@@ -99,10 +101,16 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
         manifest = latest
     recorded, cwd = validate(manifest, str(path))
     source = inventory_source if inventory_source is not None else recorded_inventory(manifest)
+    limit, variables, masked_vars = recorded_selection(manifest, extra_vars)
+    if masked_vars:
+        raise ReplayRefused([f"replay of {run_id} refused: the manifest stores the extra vars "
+                             f"{', '.join(masked_vars)} masked (***); give the value again with "
+                             + " ".join(f"-e {k}=..." for k in masked_vars), "nothing was started"])
+    chosen = (variables,) if variables else ()
     if "attempt_nodes" in manifest:
-        cluster = attempt_cluster(manifest, source, group)
+        cluster = attempt_cluster(manifest, source, group, extra_vars=chosen)
     else:
-        cluster = inventory.load(source, group or manifest["plan"]["group"])
+        cluster = inventory.load(source, group or manifest["plan"]["group"], limit=limit, extra_vars=chosen)
     overrides = dict(parse_env(list(env), dict(os.environ)))
     problems = check(manifest, cluster)
     if problems and not force:

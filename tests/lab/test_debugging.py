@@ -154,6 +154,29 @@ def test_replay_reproduces_the_run_and_refuses_what_would_differ(lab, recorded, 
     assert res.returncode == 0 and "the code changed" in res.stderr and "--node-rank=1" in res.stdout
 
 
+def test_replay_chooses_the_nodes_and_variables_the_run_had(lab, recorded, tmp_path):
+    """A run's -e and --limit are recorded (a secret's value masked by its key) and replayed: without
+    them, replay said "the inventory changed" and --force planned other nodes and variables."""
+    (recorded.workdir / "hello.py").write_text("print('HELLO')\n")
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(recorded.inv), "--limit", "node2", "-e", "ddpfab_nproc_per_node=2",
+                 "-e", "api_token=abc", "--runs-dir", str(runs), "hello.py", cwd=recorded.workdir, timeout=180)
+    assert res.returncode == 0 and res.stdout.count("HELLO") == 2, res.stdout + res.stderr
+    manifest = json.loads(next(runs.glob("*/manifest.json")).read_text())
+    assert (manifest["limit"], manifest["extra_vars"]) == ("node2", {"ddpfab_nproc_per_node": "2", "api_token": "***"})
+    rid = manifest["run_id"]
+    res = ddpfab("replay", rid, "--runs-dir", str(runs), "--dry-run", cwd=recorded.workdir)
+    assert res.returncode == 2 and "-e api_token=..." in res.stderr, res.stderr
+    res = ddpfab("replay", rid, "--runs-dir", str(runs), "-e", "api_token=abc", "--dry-run", cwd=recorded.workdir)
+    assert res.returncode == 0, res.stderr
+    assert "inventory changed" not in res.stderr and "differs" not in res.stderr
+    assert "--nproc-per-node=2" in res.stdout and "node1" not in res.stdout
+    # the job commands reach the run's nodes as the run did
+    res = ddpfab("logs", rid, "--runs-dir", str(runs), cwd=recorded.workdir)
+    assert res.returncode == 0 and res.stdout.startswith("node2: "), res.stdout + res.stderr
+    assert "HELLO" in Path(res.stdout.split(": ", 1)[1].strip()).read_text()
+
+
 def test_exec_runs_on_every_node_at_once_and_reports_failures(lab, tmp_path):
     inv = tmp_path / "inv.yml"
     inv.write_text(labmod.render_inventory(lab, sys.executable))  # all three hosts

@@ -296,3 +296,30 @@ Origin: /i/a.ini:2
     assert _inner_reason(later).endswith("(at /i/c.yml line 4, column 1)")
     before = "Origin: /i/d.yml:9:2\n[WARNING]: Failed to parse inventory with 'auto' plugin\n"
     assert _inner_reason(before).endswith("(at /i/d.yml line 9, column 2)")
+
+
+def test_a_runs_limit_and_extra_vars_are_recorded_for_replay_a_secret_masked_by_its_key(tmp_path):
+    """replay (and stop, logs, attach) loaded the inventory without the run's -e and --limit: a run
+    with -e ddpfab_workdir=... was refused as 'the inventory changed', and --force planned another
+    workdir."""
+    from ddpfab.api import Cluster as ApiCluster
+
+    inv = tmp_path / "inv.yml"
+    inv.write_text("all:\n  hosts:\n    a: {ansible_host: 10.0.0.1}\n    b: {ansible_host: 10.0.0.2}\n")
+    api = ApiCluster.load(str(inv), limit="b", extra_vars=["ddpfab_workdir=/srv/x ansible_password=hunter2"],
+                          say=lambda line: None)
+    record = api._selection()
+    assert record == {"limit": "b", "extra_vars": {"ddpfab_workdir": "/srv/x", "ansible_password": "***"}}
+    limit, variables, masked = replay.recorded_selection(record)
+    assert (limit, variables, masked) == ("b", {"ddpfab_workdir": "/srv/x"}, ["ansible_password"])
+    limit, variables, masked = replay.recorded_selection(record, ["ansible_password=again"])
+    assert masked == [] and variables == {"ddpfab_workdir": "/srv/x", "ansible_password": "again"}
+    again = inventory.load(str(inv), limit=limit, extra_vars=(variables,))
+    assert [(n.name, n.workdir) for n in again.nodes] == [("b", "/srv/x")]
+    assert replay.inventory_fingerprint(again) == replay.inventory_fingerprint(api.parsed)
+    assert ApiCluster.load(str(inv), say=lambda line: None)._selection() == {}
+    for bad in ({"limit": ""}, {"limit": 3}, {"extra_vars": ["x"]}, {"extra_vars": {"": 1}}):
+        with pytest.raises(replay.ManifestError):
+            replay.recorded_selection(bad)
+    args = cli.build_parser().parse_args(["replay", "20261202-213851-8c6937", "-e", "ansible_password=x"])
+    assert args.replay_extra_vars == ["ansible_password=x"]
