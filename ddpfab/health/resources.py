@@ -167,10 +167,17 @@ def holder(proc: dict) -> str:
     return f"pid {proc.get('pid')} ({', '.join(what)})"
 
 
-def holder_fix(procs: list[dict]) -> str:
-    """``ddpfab stop RUN`` for a ddpfab job's process (its supervisor ends it all), else kill."""
+#: What a training job's left-over runs as: a port held by anything else (sshd, a database) is not
+#: one to suggest killing.
+JOB_WORDS = ("python", "torchrun")
+
+
+def holder_fix(procs: list[dict], jobs_only: bool = False) -> str:
+    """``ddpfab stop RUN`` for a ddpfab job's process (its supervisor ends it all), else kill
+    (never pid 1; with *jobs_only*, only a python or torchrun); empty when neither applies."""
     runs = sorted({p["run_id"] for p in procs if p.get("run_id")})
-    pids = [str(p.get("pid")) for p in procs if not p.get("run_id")]
+    pids = [str(p.get("pid")) for p in procs if not p.get("run_id") and p.get("pid") != 1
+            and (not jobs_only or any(w in (p.get("cmd") or "") for w in JOB_WORDS))]
     fixes = [f"ddpfab stop {r}" for r in runs] + ([f"kill {' '.join(pids)} (if it is a left-over)"] if pids else [])
     return ", or ".join(fixes)
 
@@ -270,7 +277,8 @@ def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | N
     if holders:
         out.append(Finding(node, "leftovers", "fail", f"port {master_port} held by " + "; ".join(map(holder, holders)),
                            expected=f"port {master_port} free for the job's master",
-                           fix=holder_fix(holders) + ", or pick another --master-port (or leave it out)"))
+                           fix=", or ".join(filter(None, (holder_fix(holders, jobs_only=True),
+                                                          "pick another --master-port (or leave it out)")))))
     states = leases.parse(raw.get("leases")) or []
     busy = [s for s in states if s.state == "busy"]
     if busy:
@@ -282,7 +290,7 @@ def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | N
         out.append(Finding(node, "leftovers", status,
                            f"GPU {gpus} in use without a ddpfab lease by " + "; ".join(map(holder, procs)),
                            expected=f"{nproc} free GPUs for {nproc} processes ({free} free)" if status == "fail" else "",
-                           fix=holder_fix(procs)))
+                           fix=holder_fix(procs) or "find out whose it is before starting a job there"))
     if not out:
         out.append(Finding(node, "leftovers", "pass", "nothing holds the job's port or GPUs"))
     return out
@@ -295,4 +303,5 @@ def port_holders(raw: dict) -> tuple[str, str]:
     procs = [p for p in map(_proc, _list((res or {}).get("port_holders") if isinstance(res, dict) else None)) if p]
     if not procs:
         return "", ""
-    return " by " + "; ".join(map(holder, procs)), holder_fix(procs) + ", or "
+    fix = holder_fix(procs, jobs_only=True)
+    return " by " + "; ".join(map(holder, procs)), fix + ", or " if fix else ""

@@ -216,3 +216,19 @@ def test_records_are_data_malformed_resources_are_not_judged_and_node_text_is_es
                                                                  master_port=29500)}
     assert set(found) == {("disk", "pass"), ("leftovers", "fail")}
     assert found[("leftovers", "fail")].found == "port 29500 held by pid 9 (user u, `evil\\x1b[2J`, age unknown)"
+
+
+def test_a_daemon_on_the_master_port_is_never_a_kill_to_suggest():
+    """--master-port 22 on the lab suggested `kill 1` (the host's sshd is its pid 1)."""
+    for who in ({"pid": 1, "user": "root", "cmd": "sshd: /usr/sbin/sshd -D", "age_s": 60, "run_id": None},
+                {"pid": 812, "user": "postgres", "cmd": "postgres -D /var/lib/pg", "age_s": 60, "run_id": None}):
+        facts = {n: fact() for n in "abc"}
+        facts["a"] = fact(resources=res(port_holders=[who]))
+        (p,) = grouped_problems(checked(facts, master_port=22))
+        assert "kill" not in p.fix and p.fix == "pick another --master-port (or leave it out)"
+        assert resources.port_holders(facts["a"])[1] == ""
+    left = {"pid": 900, "user": "bob", "cmd": "python train.py", "age_s": 60, "run_id": None}
+    facts = {n: fact() for n in "abc"}
+    facts["a"] = fact(resources=res(port_holders=[left]))
+    (p,) = grouped_problems(checked(facts, master_port=29500))
+    assert p.fix == "kill 900 (if it is a left-over), or pick another --master-port (or leave it out)"
