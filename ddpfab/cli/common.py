@@ -69,6 +69,13 @@ def nproc_type(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--nproc-per-node ")) from None
 
 
+def nonempty_path(text: str) -> str:
+    """argparse's type for a path option that must name something (``--emit ''`` was ignored)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a directory")
+    return text
+
+
 def runs_dir_type(text: str) -> str:
     """argparse's type for ``--runs-dir`` (and ``$DDPFAB_RUNS_DIR``): ``~`` is this user's home in
     every command (a quoted ``'~/x'`` made a ``./~`` dir and printed ``~/x``); empty is refused

@@ -10,7 +10,7 @@ from dataclasses import fields
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
 from ddpfab.cli.common import (add_cluster_args, add_env_args, add_floors_arg, add_runs_dir_arg, add_script_args,
-                               api_cluster, nproc_type)
+                               api_cluster, nonempty_path, nproc_type)
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
@@ -115,7 +115,7 @@ def register(sub) -> None:
                                       "port, unless --offline) and print it; --emit DIR writes one shell script "
                                       "per node that reproduces the run by hand over plain SSH.")
     _add_run_args(plan)
-    plan.add_argument("--emit", metavar="DIR",
+    plan.add_argument("--emit", metavar="DIR", type=nonempty_path,
                       help="write DIR/node<rank>_<host>.sh per node (the exact env and launcher command) and "
                            "DIR/README.txt (which to run where, with the ssh command line); private files, "
                            "and a non-empty DIR that ddpfab did not write is refused")

@@ -120,7 +120,9 @@ def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] |
     if not out.exists():
         out.mkdir(parents=True, mode=0o700)
         os.chmod(out, 0o700)  # (mkdir's mode is filtered by the umask)
-    elif not out.is_dir() or out.is_symlink():
+    elif out.is_symlink():  # private files are not written through a link someone may point elsewhere
+        raise EmitError(f"--emit {out}: is a symbolic link; give the directory itself ({os.path.realpath(out)})")
+    elif not out.is_dir():
         raise EmitError(f"--emit {out}: exists and is not a directory; pick a new directory")
     ours = _own_files(out)
     if ours is None and any(out.iterdir()) and not force:

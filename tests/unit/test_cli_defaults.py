@@ -229,3 +229,16 @@ def test_the_runs_dir_has_one_meaning_in_every_command(command, capsys, monkeypa
     with pytest.raises(SystemExit) as exc:
         cli.build_parser().parse_args([command[0], "--runs-dir", "", *command[1:]])
     assert exc.value.code == 2 and "--runs-dir: is empty" in capsys.readouterr().err
+
+
+def test_emit_names_an_empty_dir_and_a_link_for_what_they_are(tmp_path, capsys):
+    from ddpfab.planning import emit
+
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["plan", "-i", "x,", "--emit", "", "t.py"])
+    assert exc.value.code == 2 and "--emit: is empty" in capsys.readouterr().err
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(emit.EmitError, match="is a symbolic link; give the directory itself"):
+        emit.write(None, str(tmp_path / "link"), {})
+    assert list((tmp_path / "real").iterdir()) == []
