@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import sys
 
 from ddpfab.cli.errors import EXIT_FAILED, die
 
@@ -60,6 +61,13 @@ def cmd_lab(args: argparse.Namespace) -> int:
             the_lab, already = lab.up(args.dir, hosts=args.hosts, subnet=args.subnet, python=python,
                                          share=args.share, gpus=args.gpus)
             state = "already up" if already else "up"
+            if already:  # idempotent: a running lab is left as it is, but not silently when asked otherwise
+                differs = [f"{what} {have}, not {asked}" for what, have, asked in (
+                    ("hosts", len(the_lab.hosts), args.hosts), ("subnet", the_lab.subnet, args.subnet),
+                    ("stand-in GPUs", the_lab.gpus, args.gpus)) if str(have) != str(asked)]
+                if differs:
+                    sys.stderr.write(f"ddpfab: warning: the lab in {the_lab.dir} has {'; '.join(differs)}: it is left "
+                                     f"as it is (`ddpfab lab down --dir {args.dir}` first to change it)\n")
             first, last = the_lab.hosts[0], the_lab.hosts[-1]
             # every host of a small lab; a large one as a range (one short line at 128 hosts)
             names = (", ".join(f"{h.name}={h.address}" for h in the_lab.hosts) if len(the_lab.hosts) <= 8 else

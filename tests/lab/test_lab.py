@@ -36,7 +36,9 @@ def test_second_lab_coexists_and_down_removes_only_its_own(lab, tmp_path):
         assert res.returncode == 0, res.stderr
         assert f"node1={SECOND.rsplit('.', 1)[0]}.11" in res.stdout
         again = ddpfab("lab", "up", "--hosts", "2", "--dir", str(other), "--subnet", SECOND)
-        assert again.returncode == 0 and "already up" in again.stdout
+        assert again.returncode == 0 and "already up" in again.stdout and "warning" not in again.stderr
+        other_size = ddpfab("lab", "up", "--hosts", "3", "--dir", str(other), "--subnet", SECOND)
+        assert other_size.returncode == 0 and "has hosts 2, not 3: it is left as it is" in other_size.stderr
         second = labmod.Lab.load(other)
         assert second.bridge != lab.bridge
         # both labs answer; each host has its own hostname, PID namespace and address
