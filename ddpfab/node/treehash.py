@@ -687,6 +687,8 @@ def node_locate(req):
             target, "workdir" if real == real_wd else "run dirs' directory")}
     if not os.path.exists(real):
         return {"error": "%s does not exist" % target}
+    if not (os.path.isdir(real) or os.path.isfile(real)):  # a FIFO, socket or device: rsync copies nothing
+        return {"error": "%s is not a file or a directory: fetch copies those" % target}
     if os.path.isdir(real):
         n = size = 0
         for dp, _, fns in os.walk(real):

@@ -793,4 +793,6 @@ def test_locate_refuses_the_workdir_itself_however_spelt(tmp_path, monkeypatch):
         found = treehash.node_locate({**req, "path": path})
         assert "itself: name a file or directory in it" in found.get("error", ""), (path, found)
     assert treehash.node_locate({**req, "path": "ckpt"})["kind"] == "dir"
+    os.mkfifo(wd / "pipe")
+    assert "is not a file or a directory" in treehash.node_locate({**req, "path": "pipe"})["error"]
     assert treehash.node_locate({**req, "path": "~/.ddpfab/runs/r1"})["path"] == str(tmp_path / ".ddpfab/runs/r1")
