@@ -284,7 +284,7 @@ def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict |
         run_dir.write_manifest(manifest)
     except OSError as exc:  # (the dir was checked before the preparation: a change since, a full disk)
         raise RunError([f"cannot write the run's record {Path(runs_root) / prepared.plan.run_id}: "
-                        f"{exc.strerror or exc}; nothing was started"]) from None
+                        f"{exc.strerror or exc}"]) from None  # (a RunError: nothing was started, as the CLI says)
     return run_dir, manifest
 
 
