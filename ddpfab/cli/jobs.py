@@ -450,9 +450,13 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
 
     def fetch(conn, node) -> str:
         remote = _remote_dir(node.name, manifest, run_id)
-        res = ssh.run(conn, node.name, f"cat {shlex.quote(remote)}/output.log", timeout=60)
+        log = shlex.quote(f"{remote}/output.log")
+        res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit 3; fi", timeout=60)
+        if res.exit_code == 3:  # (the exit code the line above gives it, not a message read back)
+            raise RuntimeError(f"no output of run {run_id} there ({remote}/output.log is missing): it did not run on "
+                               "this node, or its run dir was removed")
         if res.exit_code != 0:
-            raise RuntimeError(res.stderr.strip() or f"no output.log in {remote}")
+            raise RuntimeError(res.stderr.strip() or f"cannot read {remote}/output.log (exit {res.exit_code})")
         dest.mkdir(parents=True, exist_ok=True, mode=0o700)  # only once there is output: no empty record dir
         path = dest / f"{node.name}.remote.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
