@@ -124,6 +124,7 @@ def closed_stdout_ends_quietly(call: Callable[[], int]) -> int:
     from the start (``>&-``) is such a reader: the same code, before anything starts."""
     _open_standard_streams()
     if sys.stdout is None:
+        sys.stderr.write("ddpfab: stdout is closed (>&-): nothing was started\n")
         return EXIT_CLOSED_STDOUT
     try:
         code = call()

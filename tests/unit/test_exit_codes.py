@@ -323,7 +323,7 @@ def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
 
 
 @pytest.mark.parametrize("closed, code, says", [
-    (1, EXIT_CLOSED_STDOUT, ""),  # `>&-`: a reader gone before the first line; nothing starts
+    (1, EXIT_CLOSED_STDOUT, "ddpfab: stdout is closed (>&-): nothing was started\n"),  # `>&-`: nothing starts
     (2, 0, None),  # `2>&-`: the command runs; its messages go nowhere
     (0, 0, ""),  # `<&-`
 ])
