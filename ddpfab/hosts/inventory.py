@@ -898,9 +898,9 @@ def _make_node(name: str, var) -> Node:
             raise InventoryError(f"host {name}: {hkc_var}={hkc!r} cannot be honoured: ddpfab always checks host keys "
                                  "(every path, provision too). Remove it; to trust hosts on first use pass "
                                  "--accept-new-host-keys")
+    _check_address(name, "ansible_host", host)  # first: a data address defaults to it, and is then its fault
     data_addr = str(var(VAR_DATA_ADDR, None) or host)
     _check_address(name, VAR_DATA_ADDR, data_addr)
-    _check_address(name, "ansible_host", host)
     workdir = var(VAR_WORKDIR, None)
     if workdir is not None and not str(workdir).startswith(("/", "~")):
         raise InventoryError(f"host {name}: {VAR_WORKDIR} must be an absolute path, got {workdir!r}")

@@ -323,3 +323,10 @@ def test_a_runs_limit_and_extra_vars_are_recorded_for_replay_a_secret_masked_by_
             replay.recorded_selection(bad)
     args = cli.build_parser().parse_args(["replay", "20261202-213851-8c6937", "-e", "ansible_password=x"])
     assert args.replay_extra_vars == ["ansible_password=x"]
+
+
+def test_a_bad_ansible_host_is_blamed_on_ansible_host_not_on_the_data_address_it_defaults(tmp_path):
+    inv = tmp_path / "inv.yml"
+    inv.write_text('all:\n  hosts:\n    a: {ansible_host: "10.0.0.1 x"}\n')
+    with pytest.raises(InventoryError, match=r"host a: ansible_host '10.0.0.1 x' is neither"):
+        inventory.load(str(inv))
