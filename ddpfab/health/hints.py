@@ -81,6 +81,12 @@ SIGNATURES: tuple[Signature, ...] = (
               "a DataLoader worker ran out of shared memory (/dev/shm is too small on that node: containers "
               "default to 64 MB). Fix: a larger /dev/shm (docker --shm-size, or remount the tmpfs), fewer "
               "num_workers, or smaller batches per worker"),
+    # python -m's own words for a module it cannot find (no traceback, so no exception to name)
+    Signature("module_not_found", "python -m found no such module",
+              _re(r"python[\d.]*: No module named \S+", r"python[\d.]*: Error while finding module specification"),
+              "the module given with -m is not importable on that node: check its name (a dotted module path, "
+              "not a file name), that it is in the workdir (the code is synced there) or installed in the node's "
+              "python, and that its package has an __init__.py (or __main__.py to run a package)"),
 )
 
 

@@ -144,7 +144,10 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
     except OSError as exc:
         raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
     show = progress if progress is not None else size >= PROGRESS_BYTES
-    flags = ["-rlpt", "--partial-dir=.ddpfab-partial", *(["--info=progress2"] if show else [])]
+    # --overwrite replaces: a directory there ends as the node's, not merged with what was here before
+    replace_dir = overwrite and found.get("kind") == "dir" and os.path.isdir(dest) and not os.path.islink(dest)
+    flags = ["-rlpt", "--partial-dir=.ddpfab-partial", *(["--delete"] if replace_dir else []),
+             *(["--info=progress2"] if show else [])]
     argv = rsync_argv(flags, None, runner.rsh(), runner.remote(path), local_dir + "/", trailing=False)
     # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
     copy = runner.rsync(argv, stdout=sys.stderr if show else subprocess.DEVNULL)

@@ -438,6 +438,11 @@ def test_fetch_a_checkpoint_from_rank_0_matches_its_sha256_there(lab, tmp_path, 
     assert res.returncode == 0 and (local / "checkpoints" / "model.pt").exists(), res.stderr
     again = ddpfab("fetch", "-i", str(inv), "--node", "node2", "checkpoints", str(local))
     assert again.returncode == 1 and "--overwrite" in again.stderr
+    # --overwrite replaces the directory: what only this side had is gone, not merged in
+    (local / "checkpoints" / "stale.pt").write_text("from an older fetch")
+    again = ddpfab("fetch", "-i", str(inv), "--node", "node2", "--overwrite", "checkpoints", str(local))
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in (local / "checkpoints").iterdir()) == ["model.pt"]
     for bad, why in (("../../../etc/shadow", "'..'"), ("/etc/shadow", "outside the workdir"),
                      ("./.", "is the workdir itself"), (str(workdir), "is the workdir itself")):
         res = ddpfab("fetch", "-i", str(inv), bad, str(tmp_path / "nope"))

@@ -62,6 +62,9 @@ UPSTREAM = {
         "[default0]:[rank0]: RuntimeError: DataLoader worker (pid 4711) is killed by signal: Bus error. It is "
         "possible that dataloader's workers are out of shared memory. Please try to raise your shared memory limit."],
     "exit_abort": ["[default1]:terminate called without an active exception"],
+    "module_not_found": ["[default0]:/opt/ddpfab/venv/bin/python3: No module named nosuchpkg",
+                         "[default0]:/usr/bin/python3.11: Error while finding module specification for 'a.b' "
+                         "(ModuleNotFoundError: No module named 'a')"],
 }
 
 
