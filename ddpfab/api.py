@@ -37,9 +37,10 @@ from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.launch import replicate
 from ddpfab.launch.progress import Ticker
 from ddpfab.launch.runs import runs_dir_problem
+from ddpfab.node.workdir import source_problem
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
-from ddpfab.planning.masking import MASK, secret_key
+from ddpfab.planning.masking import recordable
 from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
 from ddpfab.problems import Problem
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
@@ -54,7 +55,8 @@ def stderr_say(line: str) -> None:
 
 
 def _runs_dir_default() -> str:
-    return os.environ.get("DDPFAB_RUNS_DIR", "runs")
+    """``$DDPFAB_RUNS_DIR`` (set and not empty; ``~`` is the home), else ``runs``: as the command line has it."""
+    return os.path.expanduser(os.environ.get("DDPFAB_RUNS_DIR") or "runs")
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,8 @@ class Cluster:
         merged in order), *limit* (an Ansible pattern) and *extra_vars* (``-e``) applied."""
         source = ([os.fspath(s) for s in inventory_source]
                   if not isinstance(inventory_source, (str, os.PathLike)) else [os.fspath(inventory_source)])
-        parsed = inventory.load(source, group or "all", limit=limit, extra_vars=tuple(extra_vars))
+        extra_vars = tuple(extra_vars)  # (an iterator is read once: the run records them too)
+        parsed = inventory.load(source, group or "all", limit=limit, extra_vars=extra_vars)
         for line in parsed.warnings:  # a mistyped variable: it has no effect
             say(f"warning: {line}")
         return cls(parsed, inventory=source, ssh_config=ssh_config, known_hosts=known_hosts,
@@ -364,6 +367,9 @@ class Cluster:
             raise PlanError(f"--run-id {run_options.run_id}: {record} exists already: a run id names one run; pick "
                             "another (or leave --run-id out)")
         if opts.sync:  # the dry run too: the real run refuses it before starting
+            why = source_problem(os.getcwd())
+            if why:
+                raise PlanError(why)
             check_script_here(run_options.script, run_options.module)
         if opts.dry_run and opts.offline:
             plan = self._offline_plan(nodes, run_options, opts)
@@ -446,8 +452,7 @@ class Cluster:
         with the same variables (a secret's value masked by its key: replay asks for it again)."""
         out: dict[str, Any] = {"limit": self.limit} if self.limit else {}
         if self.extra_vars:
-            out["extra_vars"] = {k: MASK if secret_key(k) else v
-                                 for k, v in inventory.parse_extra_vars(self.extra_vars).items()}
+            out["extra_vars"] = recordable(inventory.parse_extra_vars(self.extra_vars))
         return out
 
     def _offline_plan(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options) -> Plan:
@@ -482,9 +487,6 @@ class Cluster:
         from ddpfab.launch import runner
         from ddpfab.transfer import sync as syncmod
 
-        same = syncmod.unchanged(nodes, conns, os.getcwd(), sessions=sessions)
-        if same is not None:
-            return same.to_dict()
         done: list[str] = []
         progress = self._progress(opts)
 
@@ -497,6 +499,9 @@ class Cluster:
             return f"sync: copying to {len(nodes.nodes)} nodes, {elapsed:.0f} s ({len(done)} reported)"
 
         try:
+            same = syncmod.unchanged(nodes, conns, os.getcwd(), sessions=sessions)
+            if same is not None:
+                return same.to_dict()
             with Ticker(copying, enabled=progress):
                 result = syncmod.sync_cluster(nodes, os.getcwd(), self.policy, fanout=opts.fanout,
                                               compress=opts.compress, ssh_config=self.ssh_config, progress=say,

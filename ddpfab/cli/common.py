@@ -87,7 +87,7 @@ def runs_dir_type(text: str) -> str:
 
 def add_runs_dir_arg(p: argparse.ArgumentParser, what: str = "where run records go") -> None:
     """``--runs-dir``, one meaning in run, plan, replay, check --perf and the job commands."""
-    p.add_argument("--runs-dir", type=runs_dir_type, default=os.environ.get("DDPFAB_RUNS_DIR", "runs"),
+    p.add_argument("--runs-dir", type=runs_dir_type, default=os.environ.get("DDPFAB_RUNS_DIR") or "runs",
                    help=f"{what} (default: ./runs, or $DDPFAB_RUNS_DIR)")
 
 

@@ -35,9 +35,12 @@ def _cluster(args, manifest: dict | None):
         raise ConfigError(MISSING_INVENTORY)
     group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
     try:  # the run's -e (how its nodes are reached: ansible_host, ansible_port...) and --limit
-        limit, variables, _ = recorded_selection(manifest) if manifest else (None, {}, [])
+        limit, variables, masked = recorded_selection(manifest) if manifest else (None, {}, [])
     except ManifestError as exc:
         raise RecordError(str(exc)) from None
+    if masked:
+        warn(f"the run's extra vars {', '.join(masked)} are recorded masked (secrets): the nodes are reached "
+             "without them")
     chosen = (variables,) if variables else ()
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
         return attempt_cluster(manifest, source, group, extra_vars=chosen)

@@ -84,9 +84,11 @@ SIGNATURES: tuple[Signature, ...] = (
     # python -m's own words for a module it cannot find (no traceback, so no exception to name)
     Signature("module_not_found", "python -m found no such module",
               _re(r"python[\d.]*: No module named \S+", r"python[\d.]*: Error while finding module specification"),
-              "the module given with -m is not importable on that node: check its name (a dotted module path, "
+              "the node's python found no module by that name. With -m: check its name (a dotted module path, "
               "not a file name), that it is in the workdir (the code is synced there) or installed in the node's "
-              "python, and that its package has an __init__.py (or __main__.py to run a package)"),
+              "python, and that its package has an __init__.py (and a __main__.py to run a package). For "
+              "torch.distributed.run itself: that python has no torch (`ddpfab check` names the python it "
+              "runs)"),
 )
 
 

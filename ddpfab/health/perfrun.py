@@ -116,7 +116,8 @@ def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: s
                                   nproc_per_node=options.nproc_per_node, run_id=run_id,
                                   env=forwarded_env(dict(os.environ)) if env is None else env,
                                   socket_ifname=socket_ifname, remote_runs_dir=REMOTE_RUNS)
-            prepared = runner.prepare(pcluster, run_opts, policy, ssh_config, preflight=preflight)
+            prepared = runner.prepare(pcluster, run_opts, policy, ssh_config, preflight=preflight,
+                                      new_run_dir=False)  # _place made it: the job's workdir
             printer = CapturePrinter(prepared.plan, echo=echo)
             try:
                 result, manifest = runner.run(prepared, runs_dir, printer)

@@ -36,7 +36,7 @@ from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster
 from ddpfab.launch.runs import mask_env
 from ddpfab.planning import probe, render
-from ddpfab.planning.masking import MASK, secret_key, was_masked
+from ddpfab.planning.masking import holds_mask, was_masked
 from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
@@ -106,7 +106,7 @@ def recorded_selection(manifest: dict, given: Iterable[str] = ()) -> tuple[str |
         raise ManifestError(f"run {manifest.get('run_id')}: the manifest's extra_vars must be a mapping of "
                             f"variables, found {json.dumps(recorded)[:80]}")
     again = inventory.parse_extra_vars(given)
-    masked = [k for k, v in recorded.items() if v == MASK and secret_key(k) and k not in again]
+    masked = [k for k, v in recorded.items() if holds_mask(v, k) and k not in again]
     return limit, {k: v for k, v in {**recorded, **again}.items() if k not in masked}, masked
 
 

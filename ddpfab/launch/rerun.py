@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ddpfab.hosts import inventory
@@ -21,6 +21,7 @@ from ddpfab.launch.replay import (ManifestError, _pick_port, check, differences,
                                   recorded_selection, validate)
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning import probe, scriptfile
+from ddpfab.planning.masking import recordable
 from ddpfab.planning.plan import Plan, make_plan, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.ssh import HostKeyPolicy
@@ -58,6 +59,8 @@ class Replaying:
     changed: list[str]
     port: int
     old_port: int
+    #: the run's --limit and -e as recorded (its ``limit``/``extra_vars``): the replay records them too
+    selection: dict = field(default_factory=dict)
 
     @property
     def plan(self) -> Plan:
@@ -68,7 +71,7 @@ class Replaying:
         try:
             printer.note(f"replaying {self.of} as {self.plan.run_id} (master port {self.port}"
                          f"{', the recorded one' if self.port == self.old_port else f', the recorded {self.old_port} is taken'})")
-            return runner.run(self.prepared, runs_dir, printer, extra={"replay_of": self.of})
+            return runner.run(self.prepared, runs_dir, printer, extra={"replay_of": self.of, **self.selection})
         finally:
             self.close()
 
@@ -144,4 +147,7 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
             c.close()
         raise
     prepared = runner.Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd)
-    return Replaying(run_id, prepared, changed, port, old_port)
+    selection: dict = {"limit": limit} if limit else {}
+    if variables:  # the recorded ones and those given again, recorded as a run records them
+        selection["extra_vars"] = recordable(variables)
+    return Replaying(run_id, prepared, changed, port, old_port, selection)

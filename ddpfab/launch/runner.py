@@ -99,7 +99,7 @@ class Probing:
 
 
 def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], options: RunOptions, cwd: str,
-                preflight: bool = True) -> Probing:
+                preflight: bool = True, new_run_dir: bool = True) -> Probing:
     """Start the node program on every node and send what the preparation asks, without waiting:
     the facts, and with *preflight* the mesh listeners (on the master also on the master port,
     the one its facts find free unless the user gave one). Whatever is asked on the same sessions
@@ -108,7 +108,7 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
     sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
     script = scriptfile.file_to_check(options.script, options.module, cwd)  # the file the nodes must have
     reqs = probe.requests(cluster, conns, master, cwd=cwd, script=script, master_port=options.master_port,
-                          run_id=options.run_id)
+                          run_id=options.run_id, new_run_dir=new_run_dir)
     sent, sent_at = {}, time.time()
     for name, session in sessions.items():
         batch = [reqs[name]]
@@ -124,7 +124,8 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
 def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
             ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
             conns: dict[str, Connection] | None = None, probing: Probing | None = None,
-            synced: bool = False, replicate_paths: tuple[str, ...] = (), will_sync: bool = False) -> Prepared:
+            synced: bool = False, replicate_paths: tuple[str, ...] = (), will_sync: bool = False,
+            new_run_dir: bool = True) -> Prepared:
     """Connect (unless *conns* are open already; then they are the Prepared's, to close), probe
     and (with *preflight*) run the fast checks, then plan. Raises RunError with one line per
     problem; nothing has been started on any node then.
@@ -136,11 +137,12 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
     and the script was checked here). The sessions end here either way.
 
     *replicate_paths* (and, with *preflight*, the workdir's resume files) are looked at on every
-    node over the same sessions, after the sync: the Prepared's ``replicas``."""
+    node over the same sessions, after the sync: the Prepared's ``replicas``. *new_run_dir*: the
+    run's dir must not be on a node yet (False: the caller placed it, as ``check --perf`` does)."""
     cwd = cwd or os.getcwd()
     conns = conns if conns is not None else connect_all(cluster, policy, ssh_config)
     try:
-        probing = probing or start_probe(cluster, conns, options, cwd, preflight)
+        probing = probing or start_probe(cluster, conns, options, cwd, preflight, new_run_dir)
         try:
             master = probing.master
             answers = nodeprog.exchange(probing.sessions, {}, timeout=60, sent=probing.sent)
@@ -302,8 +304,8 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
         name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
         manifest.update({"state": "interrupted", "ended": time.time(), "exit_code": code, "interrupted": name,
-                         "summary": f"{name} twice: ddpfab left at once; the nodes were told to stop (`ddpfab ps` "
-                                    "shows what is left)"})
+                         "summary": f"interrupted ({name}): ddpfab left before the nodes reported; their jobs end "
+                                    "as their connections close (`ddpfab ps` shows what is left)"})
         manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
         with contextlib.suppress(OSError):
             run_dir.write_manifest(manifest)

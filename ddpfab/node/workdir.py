@@ -103,10 +103,25 @@ def which(cmd):
     return None
 
 
-def node_problem(path, home=None, mounts=True):
+def source_problem(path):
+    """Why a sync must not copy from *path*, the controller's current directory, or None: a
+    system directory itself (from ``/`` it would read the whole machine) or a home (it would send
+    its keys and dotfiles to every node). Directories under them (``/usr/src/app``, ``~/proj``)
+    are projects like any other."""
+    real = os.path.realpath(path)
+    if real in SYSTEM_DIRS:
+        why = "a system directory"
+    elif real == os.path.realpath(os.path.expanduser("~")) or os.path.dirname(real) == "/home":
+        why = "a home directory"
+    else:
+        return None
+    return ("refusing to sync from %s: it is %s; ddpfab copies the current directory to the nodes: cd into the "
+            "project (or run with --no-sync)" % (path, why))
+
+
+def node_problem(path, home=None):
     """Why a sync must not write into *path* on this machine (resolved here: symlinks followed,
-    this machine's users and mounts), or None. *path* is absolute (see :func:`resolve`). Without
-    *mounts*, a mount point is fine (a tree read, not written: the controller's source)."""
+    this machine's users and mounts), or None. *path* is absolute (see :func:`resolve`)."""
     real = os.path.realpath(path)
     shown = path if real == path else "%s (%s)" % (path, real)
     if real in SYSTEM_DIRS or path in SYSTEM_DIRS:
@@ -117,6 +132,6 @@ def node_problem(path, home=None, mounts=True):
     for h in _homes() + ([home] if home else []):
         if h not in ("/", "") and real == os.path.realpath(h):
             return "%s is a user's home directory" % shown
-    if mounts and os.path.isdir(real) and os.path.ismount(real):
+    if os.path.isdir(real) and os.path.ismount(real):
         return "%s is a mount point (a whole filesystem)" % shown
     return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 MASK = "***"
 #: Anywhere in a key (case-insensitive): the key is secret.
@@ -70,3 +71,28 @@ def was_masked(key: str, value: str, marked: Iterable[str] = ()) -> bool:
         return value == MASK
     return any(m.group("userinfo") == MASK or m.group("userinfo").endswith(":" + MASK)
                for m in _URL_USERINFO.finditer(value))
+
+
+def recordable(value: Any, key: str = "") -> Any:
+    """*value* (an extra var: any YAML data) as a record keeps it: a secret key's value masked at
+    any depth (``{"db": {"password": ...}}`` too), and what JSON cannot hold (a YAML date) as text."""
+    if key and secret_key(key):
+        return MASK
+    if isinstance(value, Mapping):
+        return {str(k): recordable(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [recordable(v) for v in value]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return str(value)
+
+
+def holds_mask(value: Any, key: str = "") -> bool:
+    """Whether a recorded *value* (see :func:`recordable`) has a masked secret in it, at any depth."""
+    if key and secret_key(key):
+        return value == MASK
+    if isinstance(value, Mapping):
+        return any(holds_mask(v, str(k)) for k, v in value.items())
+    if isinstance(value, list):
+        return any(holds_mask(v) for v in value)
+    return False

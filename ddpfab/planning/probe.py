@@ -193,9 +193,12 @@ def probe_node(conn: Connection, node: Node, **request) -> NodeFacts:
 
 
 def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
-             master_port: int | None, full: bool = False, run_id: str | None = None) -> dict[str, dict]:
+             master_port: int | None, full: bool = False, run_id: str | None = None,
+             new_run_dir: bool = True) -> dict[str, dict]:
     """Every node's ``facts`` request: the master's asks for the port (reserved for *run_id*,
-    when given, where the master leases), each names its peers."""
+    when given, where the master leases), each names its peers; with *new_run_dir* each also asks
+    whether *run_id*'s dir is there already (a run id names one run; ``check --perf`` places its
+    job in its own run dir first)."""
     addresses = {}
     for n in cluster.nodes:
         try:
@@ -208,7 +211,7 @@ def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cw
         port=master_port if node.name == master.name else None,
         find_port=node.name == master.name and master_port is None,
         peers={k: v for k, v in addresses.items() if k != node.name}, resolve_names=names, full=full,
-        reserve_for=run_id, run_id=run_id)
+        reserve_for=run_id, run_id=run_id if new_run_dir else None)
         for node in cluster.nodes if node.name in conns}
 
 

@@ -250,11 +250,9 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
     root = os.path.abspath(os.fspath(src))
     if not os.path.isdir(root):
         raise SyncError([f"{root}: not a directory"])
-    # the workdir's own rule, for the tree sent to it: from / a sync would read every file here
-    why = workdir.node_problem(root, mounts=False)
+    why = workdir.source_problem(root)
     if why:
-        raise SyncError([f"refusing to sync from {root}: {why}; ddpfab copies the current directory to the nodes: "
-                         "cd into the project (or run with --no-sync)"])
+        raise SyncError([why])
     patterns = keep_patterns(root, keep)
     skipper = treehash.Skipper(root, patterns, with_git)
     ddp_ignore = treehash.IgnoreFiles(root, [treehash.IGNORE_FILE])

@@ -121,3 +121,17 @@ def test_bytes_that_are_not_utf8_are_refused_by_name_not_by_a_traceback(tmp_path
     (tmp_path / "ddpfab.yml").write_bytes(b"inventory: \xff\n")
     assert cli.unguarded_main(["plan", "--offline", "t.py"]) == 2
     assert "ddpfab.yml: cannot be read" in capsys.readouterr().err
+
+
+def test_a_run_that_syncs_from_a_home_is_refused_in_the_dry_run_too(tmp_path, monkeypatch):
+    """The real run refused it with a SyncError traceback; the dry run let it pass."""
+    home = tmp_path / "h"
+    home.mkdir()
+    (home / "t.py").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home)
+    cluster = Cluster.load("n1,", say=lambda line: None)
+    for dry in (dict(dry_run=True, offline=True), dict(dry_run=True), {}):
+        with pytest.raises(PlanError, match="refusing to sync from .*it is a home directory"):
+            cluster.run("t.py", runs_dir=str(tmp_path / "runs"), **dry)
+    assert cluster.run("t.py", runs_dir=str(tmp_path / "runs"), dry_run=True, offline=True, sync=False).exit_code == 0

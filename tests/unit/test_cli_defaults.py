@@ -242,3 +242,12 @@ def test_emit_names_an_empty_dir_and_a_link_for_what_they_are(tmp_path, capsys):
     with pytest.raises(emit.EmitError, match="is a symbolic link; give the directory itself"):
         emit.write(None, str(tmp_path / "link"), {})
     assert list((tmp_path / "real").iterdir()) == []
+
+
+def test_ddpfab_runs_dir_means_the_same_in_the_cli_and_the_api(monkeypatch):
+    from ddpfab.api import Options
+
+    monkeypatch.setenv("DDPFAB_RUNS_DIR", "~/rr")
+    assert cli.build_parser().parse_args(["ps"]).runs_dir == Options().runs_dir == os.path.expanduser("~/rr")
+    monkeypatch.setenv("DDPFAB_RUNS_DIR", "")  # set but empty: as unset, not a refusal of a flag never given
+    assert cli.build_parser().parse_args(["ps"]).runs_dir == Options().runs_dir == "runs"

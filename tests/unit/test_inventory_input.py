@@ -330,3 +330,23 @@ def test_a_bad_ansible_host_is_blamed_on_ansible_host_not_on_the_data_address_it
     inv.write_text('all:\n  hosts:\n    a: {ansible_host: "10.0.0.1 x"}\n')
     with pytest.raises(InventoryError, match=r"host a: ansible_host '10.0.0.1 x' is neither"):
         inventory.load(str(inv))
+
+
+def test_recorded_extra_vars_mask_a_secret_at_any_depth_and_keep_only_json(tmp_path):
+    import datetime
+
+    from ddpfab.planning.masking import holds_mask, recordable
+
+    given = {"db": {"password": "hunter2", "host": "h"}, "d": datetime.date(2024, 1, 1), "n": [1, {"token": "t"}]}
+    kept = recordable(given)
+    assert kept == {"db": {"password": "***", "host": "h"}, "d": "2024-01-01", "n": [1, {"token": "***"}]}
+    json.dumps(kept)  # a record holds it
+    assert holds_mask(kept["db"], "db") and holds_mask(kept["n"], "n") and not holds_mask(kept["d"], "d")
+    limit, variables, masked = replay.recorded_selection({"extra_vars": kept})
+    assert masked == ["db", "n"] and variables == {"d": "2024-01-01"}
+    vars_file = tmp_path / "vars.yml"
+    vars_file.write_text("d: 2024-01-01\n")
+    from ddpfab.api import Cluster as ApiCluster
+
+    api = ApiCluster.load("h1,", extra_vars=iter([f"@{vars_file}"]), say=lambda line: None)
+    assert api._selection() == {"extra_vars": {"d": "2024-01-01"}}  # an iterator read once, a date as text

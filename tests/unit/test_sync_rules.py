@@ -537,18 +537,20 @@ def test_mismatch_advice_names_checksum_only_where_the_quick_check_could_have_sk
 
 def test_a_sync_never_copies_from_a_system_dir_or_a_home(tmp_path, monkeypatch):
     """From / the selection walked the whole machine (a PermissionError traceback in /proc); from a
-    home it would send its keys and dotfiles to every node."""
-    for root, why in (("/", "/ is a system directory"), ("/etc", "is a system directory"),
-                      ("/usr/lib", "inside the system directory /usr"), (os.path.expanduser("~"), "")):
-        with pytest.raises(sync.SyncError, match="refusing to sync from ") as exc:
-            sync.select(root)
-        assert why in str(exc.value) and "cd into the project" in str(exc.value)
+    home it would send its keys and dotfiles to every node. What lies under them is a project."""
     home = tmp_path / "someone"
-    home.mkdir()
-    monkeypatch.setattr(workdir, "_homes", lambda: [str(home)])
-    with pytest.raises(sync.SyncError, match="is a user's home directory"):
+    (home / "proj").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    for root, why in (("/", "it is a system directory"), ("/etc", "it is a system directory"),
+                      (str(home), "it is a home directory"), ("/home/alice", "it is a home directory")):
+        assert why in workdir.source_problem(root) and "cd into the project" in workdir.source_problem(root)
+    with pytest.raises(sync.SyncError, match="refusing to sync from /: it is a system directory"):
+        sync.select("/")
+    with pytest.raises(sync.SyncError, match="it is a home directory"):
         sync.select(home)
-    (home / "proj").mkdir()
+    for project in ("/usr/src/app", "/usr/local/src/proj", "/var/www", "/srv/x", "/opt/x", "/home/alice/proj",
+                    str(home / "proj"), "/work"):
+        assert workdir.source_problem(project) is None, project
     assert sync.select(home / "proj").files == []
 
 
