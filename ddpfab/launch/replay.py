@@ -300,12 +300,13 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
     return out
 
 
-def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool):
-    """One probe pass (torch, workdir, script, the old port on the master), then the port
-    (:func:`ddpfab.planning.probe.pick_port`: a second look on the master for a free port only if
-    the old one is taken and that is allowed)."""
+def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool, run_id: str | None = None):
+    """One probe pass (torch, workdir, script, the old port on the master; with *run_id*, that the
+    new run's dir is on no node yet), then the port (:func:`ddpfab.planning.probe.pick_port`: a
+    second look on the master for a free port only if the old one is taken and that is allowed)."""
     master = choose_master(cluster)
-    facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port)
+    facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port,
+                                   run_id=run_id)
     if same_port and master.name in facts and facts[master.name].port_free is False:
         problems = [p for p in problems if not p.about(master.name, "master_port")] + [Problem(
             master.name, "master_port", expected=f"the recorded port {old_port} free (--same-port)", found="in use",

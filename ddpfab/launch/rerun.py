@@ -128,18 +128,19 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
                              "nothing was started"])
     old_rid, old_port = manifest["plan"]["run_id"], manifest["plan"]["master_port"]
     policy = policy or HostKeyPolicy()
+    new_rid = new_id or new_run_id()
     conns = runner.connect_all(cluster, policy, ssh_config)
     try:
         port, facts, problems = _pick_port(cluster, conns, old_port,
                                            scriptfile.file_to_check(recorded.script, recorded.module, cwd), cwd,
-                                           same_port)
+                                           same_port, run_id=new_rid)
         if problems:
             raise runner.RunError(problems)
         cluster = probe.decide(cluster, facts)  # the python the probe ran, as a run decides it
         # the recorded options planned again under the old id and port must give the recorded plan
         again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
         changed = differences(manifest["plan"], again, manifest["schema_version"])
-        options = replace(recorded, run_id=new_id or new_run_id(), env=tuple({**dict(recorded.env), **overrides}.items()),
+        options = replace(recorded, run_id=new_rid, env=tuple({**dict(recorded.env), **overrides}.items()),
                           master_port=port)
         plan = make_plan(cluster, options, runner.plan_facts(facts, port, cwd))
     except BaseException:

@@ -217,11 +217,13 @@ def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cw
 
 def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
            master_port: int | None, full: bool = False,
-           sessions: dict[str, nodeprog.Session] | None = None) -> tuple[dict[str, NodeFacts], list[Problem]]:
+           sessions: dict[str, nodeprog.Session] | None = None,
+           run_id: str | None = None) -> tuple[dict[str, NodeFacts], list[Problem]]:
     """Probe every node at once; return the facts and a list of problems (empty = ready). In the
     nodes' open program *sessions* when given (left open for what comes next), else in a session
-    of its own per node. (``ddpfab run`` sends its facts requests with the rest of its preparation
-    instead: :func:`requests`, :func:`collect`.)"""
+    of its own per node; with *run_id*, a node that has that run's dir is a problem. (``ddpfab
+    run`` sends its facts requests with the rest of its preparation instead: :func:`requests`,
+    :func:`collect`.)"""
     own = sessions is None
     errors: dict[str, nodeprog.NodeProgramError] = {}
     if own:
@@ -229,7 +231,8 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
     try:
         sent_at = time.time()
         todo = {n: [r] for n, r in requests(cluster, conns, master, cwd=cwd, script=script,
-                                            master_port=master_port, full=full).items() if n in sessions}
+                                            master_port=master_port, full=full, run_id=run_id).items()
+                if n in sessions}
         answers = nodeprog.exchange(sessions, todo, timeout=120 if full else 60)
     finally:
         if own:

@@ -171,6 +171,10 @@ def test_replay_chooses_the_nodes_and_variables_the_run_had(lab, recorded, tmp_p
     assert res.returncode == 0, res.stderr
     assert "inventory changed" not in res.stderr and "differs" not in res.stderr
     assert "--nproc-per-node=2" in res.stdout and "node1" not in res.stdout
+    # a new run id that names a run on a node already is refused before anything starts, as run refuses it
+    res = ddpfab("replay", rid, "--runs-dir", str(runs), "-e", "api_token=abc", "--new-run-id", rid, "--dry-run",
+                 cwd=recorded.workdir)
+    assert res.returncode == 2 and "host node2: " in res.stderr and "run id was used on this node" in res.stderr
     # the job commands reach the run's nodes as the run did
     res = ddpfab("logs", rid, "--runs-dir", str(runs), cwd=recorded.workdir)
     assert res.returncode == 0 and res.stdout.startswith("node2: "), res.stdout + res.stderr
