@@ -109,9 +109,10 @@ def source_problem(path):
     its keys and dotfiles to every node). Directories under them (``/usr/src/app``, ``~/proj``)
     are projects like any other."""
     real = os.path.realpath(path)
+    homes = [os.path.expanduser("~")] + [h for h in _homes() if h.startswith("/home/")]  # people's, not services'
     if real in SYSTEM_DIRS:
         why = "a system directory"
-    elif real == os.path.realpath(os.path.expanduser("~")) or os.path.dirname(real) == "/home":
+    elif any(real == os.path.realpath(h) for h in homes):
         why = "a home directory"
     else:
         return None

@@ -541,6 +541,7 @@ def test_a_sync_never_copies_from_a_system_dir_or_a_home(tmp_path, monkeypatch):
     home = tmp_path / "someone"
     (home / "proj").mkdir(parents=True)
     monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(workdir, "_homes", lambda: ["/home/alice", "/var/www", "/nonexistent"])
     for root, why in (("/", "it is a system directory"), ("/etc", "it is a system directory"),
                       (str(home), "it is a home directory"), ("/home/alice", "it is a home directory")):
         assert why in workdir.source_problem(root) and "cd into the project" in workdir.source_problem(root)
@@ -549,7 +550,7 @@ def test_a_sync_never_copies_from_a_system_dir_or_a_home(tmp_path, monkeypatch):
     with pytest.raises(sync.SyncError, match="it is a home directory"):
         sync.select(home)
     for project in ("/usr/src/app", "/usr/local/src/proj", "/var/www", "/srv/x", "/opt/x", "/home/alice/proj",
-                    str(home / "proj"), "/work"):
+                    "/home/shared-datasets", str(home / "proj"), "/work"):
         assert workdir.source_problem(project) is None, project
     assert sync.select(home / "proj").files == []
 
