@@ -112,6 +112,10 @@ def _same_check(results: list[CheckResult], check: str, values: dict[str, Any], 
             results.append(CheckResult(n, check, "pass", found=str(v)))
 
 
+#: The facts' key for what a node's login shell printed before the node program's first reply.
+SHELL_OUTPUT = "shell_output"
+
+
 def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str, str],
              mesh: dict | None, options: CheckOptions, nproc: dict[str, int]) -> list[CheckResult]:
     """Turn collected facts into per-node results. Pure: no I/O, unit-tested with made-up facts.
@@ -135,6 +139,12 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
     with_torch = {}
     for n in ok:
         f = fx[n.name]
+        if f.get(SHELL_OUTPUT):
+            results.append(CheckResult(n.name, "shell", "fail", found=f"its shell prints {f[SHELL_OUTPUT].strip()[:120]!r} "
+                                       "before a command's own output", expected="nothing (a command without a terminal)",
+                                       fix="print it only in interactive shells: guard that line in ~/.bashrc (or "
+                                           "/etc/bash.bashrc) with `[ -t 1 ] &&`; rsync, so sync and fetch, fails on "
+                                           "such a node ('protocol version mismatch')"))
         results.append(CheckResult(n.name, "interpreter", "pass", found=nodeenv.describe(nodeenv.decided(n, f))))
         changes = nodeenv.env_changes(f)
         if changes and (changes["set"] or changes["unset"]):
@@ -369,6 +379,9 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         for name, exc in failed.items():
             unreachable.setdefault(name, exc.found)
         raw = {n: f.raw for n, f in facts.items()}
+        for name, session in sessions.items():  # what its login shell printed before the program spoke
+            if session.stray and name in raw:
+                raw[name] = {**raw[name], SHELL_OUTPUT: nodeprog.printable(session.stray.decode(errors="replace"))}
         phases["probe"] = time.monotonic() - started - sum(phases.values())
         for name in conns:
             if name not in facts:

@@ -66,6 +66,8 @@ if __name__ == "ddpfab-node":  # the name the loader runs the shipped program un
 #: 128 nodes or full facts, are well under 1 MiB): past it the node is not answering as the
 #: protocol says, and its buffer must not grow without end.
 MAX_REPLY_LINE = 8 * 2**20
+#: How much of the output before a program's first reply a session keeps (:attr:`Session.stray`).
+STRAY_BYTES = 300
 #: The most a :meth:`Session.poll` reads at once: a node that never stops writing must not keep
 #: :func:`exchange` from the other nodes' channels and from its deadline.
 POLL_BYTES = 2**20
@@ -427,6 +429,8 @@ class Session:
         self._fallback = fallback
         self._ended_at: float | None = None  # when the exit status came without the output's end
         self._replied = False  # the program answered something once (so its python did run it)
+        #: what came on stdout before the program's first reply and is none (a shell's login banner)
+        self.stray = b""
         self.chan = conn.transport.open_session(timeout=timeout)
         self.chan.exec_command(command(node, *words, fallback=fallback, part=part))
         #: the *first* requests as sent, with their ids (for :func:`exchange`'s ``sent``)
@@ -488,6 +492,8 @@ class Session:
             lines = [bytes(self._buf), *data[first + 1:].split(b"\n")]
             self._buf = bytearray(lines.pop())
             for line in lines:
+                if not self._replied and line.strip() and len(self.stray) < STRAY_BYTES and parse_reply(line) is None:
+                    self.stray += line[:STRAY_BYTES] + b"\n"  # a login shell's banner, before the program spoke
                 _keep(self._replies, self._sent, line)
             self._replied = self._replied or bool(self._replies)
         if len(self._buf) > MAX_REPLY_LINE:

@@ -146,6 +146,29 @@ def test_hostname_resolving_to_loopback(lab, inventory3):
     assert fails(report) == {("node3", "hostname")}
 
 
+def test_a_login_banner_is_named_by_check_and_rsync_is_said_to_fail(lab, inventory3):
+    """An `echo` in node2's ~/.bashrc: check said all passed while sync and fetch failed with rsync's
+    "protocol version mismatch". (Each lab host's /root is its own overlay: checked first.)"""
+    ssh = ["ssh", "-F", str(lab.ssh_config)]
+    marker = "# ddpfab-test-banner"
+    subprocess.run([*ssh, "node2", "touch /root/.ddpfab-overlay-probe"], check=True)
+    try:
+        for other in ("node1", "node3"):
+            assert subprocess.run([*ssh, other, "test -e /root/.ddpfab-overlay-probe"]).returncode == 1
+    finally:
+        subprocess.run([*ssh, "node2", "rm -f /root/.ddpfab-overlay-probe"], check=True)
+    subprocess.run([*ssh, "node2", f"echo 'echo Welcome to node2 {marker}' >> /root/.bashrc"], check=True)
+    try:
+        assert "Welcome to node2" in subprocess.run([*ssh, "node2", "true"], capture_output=True, text=True).stdout
+        code, report, _ = check(inventory3, "--fast")
+    finally:
+        subprocess.run([*ssh, "node2", f"sed -i '/{marker}/d' /root/.bashrc"], check=True)
+    assert code == 1 and fails(report) == {("node2", "shell")}, report["results"]
+    r = next(r for r in report["results"] if r["node"] == "node2" and r["check"] == "shell")
+    assert "Welcome to node2" in r["found"] and "rsync" in r["fix"]
+    assert check(inventory3, "--fast")[0] == 0
+
+
 def test_unreachable_node(lab, tmp_path):
     text = labmod.render_inventory(lab, sys.executable)
     ghost = lab.subnet.rsplit(".", 1)[0] + ".98"

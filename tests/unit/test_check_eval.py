@@ -102,3 +102,13 @@ def test_master_port_in_use():
                       "b": {"ephemeral": 2}, "c": {"ephemeral": 3}}, "results": {}}
     res = results({n: fact() for n in "abc"}, mesh=mesh, master_port=29500)
     assert failing(res) == [("a", "master-port")]
+
+
+def test_a_shell_that_prints_before_a_command_fails_with_the_fix():
+    from ddpfab.health.check import SHELL_OUTPUT
+
+    res = results({"a": fact(hostname="a"), "b": fact(hostname="b", **{SHELL_OUTPUT: "Welcome to b!\n"}),
+                   "c": fact(hostname="c")})
+    assert failing(res) == [("b", "shell")]
+    (r,) = [r for r in res if r.check == "shell"]
+    assert "'Welcome to b!'" in r.found and "[ -t 1 ]" in r.fix and "rsync" in r.fix

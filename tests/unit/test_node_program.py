@@ -796,3 +796,18 @@ def test_locate_refuses_the_workdir_itself_however_spelt(tmp_path, monkeypatch):
     os.mkfifo(wd / "pipe")
     assert "is not a file or a directory" in treehash.node_locate({**req, "path": "pipe"})["error"]
     assert treehash.node_locate({**req, "path": "~/.ddpfab/runs/r1"})["path"] == str(tmp_path / ".ddpfab/runs/r1")
+
+
+def test_a_login_banner_before_the_first_reply_is_kept_as_stray_output():
+    """An `echo` in a node's .bashrc: the program still answers, and what came first is kept for
+    `check` to name (rsync fails on such a node)."""
+    s = session([b"Welcome to node2!\n\n", line(1, "facts", hostname="h"), b"later noise\n"], exit_code=None)
+    reqs = s.send({"op": "facts", "workdir": "/"})
+    while s.poll():
+        pass
+    assert s.take(reqs)[0].result == {"hostname": "h"}
+    assert s.stray == b"Welcome to node2!\n"
+    quiet = session([line(1, "facts", hostname="h")], exit_code=None)
+    quiet.send({"op": "facts", "workdir": "/"})
+    quiet.poll()
+    assert quiet.stray == b""
