@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -457,6 +458,24 @@ def failure_cause(plan: Plan, node: NodePlan, cause: Cause | None) -> str:
     return cause.text() if cause else ""
 
 
+def failed_worker_text(record: object) -> str:
+    """The supervisor's ``failed_worker`` record (``{"pid", "signal"|"exit"}``), read as data, for
+    the closing line when torchrun's output named no failing rank (the supervisor ended the job
+    before torchrun's summary): ``a worker (pid 597) was killed by signal 6 (SIGABRT)``; "" else."""
+    if not isinstance(record, dict) or type(record.get("pid")) is not int:
+        return ""
+    pid, sig, code = record["pid"], record.get("signal"), record.get("exit")
+    if type(sig) is int:
+        try:
+            name = f" ({signal.Signals(sig).name})"
+        except ValueError:
+            name = ""
+        return f"a worker (pid {pid}) was killed by signal {sig}{name}"
+    if type(code) is int:
+        return f"a worker (pid {pid}) exited with {code}"
+    return ""
+
+
 def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None:
     """The node whose failure came first, by the time each node reports for its job's failure
     (``failed_at``, the node's clock); a node without one (lost, supervisor gone) counts at the
@@ -614,7 +633,8 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
         out = outcomes[first_failure]
         code = out.exit_code if out.exit_code not in (None, 0) else 1
         why = out.error or f"exit code {out.exit_code}"
-        cause = failure_cause(jobs[first_failure].plan, jobs[first_failure].node, out.cause)
+        cause = (failure_cause(jobs[first_failure].plan, jobs[first_failure].node, out.cause)
+                 or failed_worker_text((out.remote or {}).get("failed_worker")))
         found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
         seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
         summary = (f"failed: {first_failure} (node_rank {out.node_rank}) {why}"

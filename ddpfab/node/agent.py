@@ -633,7 +633,9 @@ def main(spec):
     _write(os.path.join(run_dir, "result.json"), json.dumps({
         "exit_code": code, "ended": time.time(), "stopped": reason[0] if reason else None,
         "failed_at": min(failed_at) if failed and failed_at and not race else None,
-        "restarts": _restarts(spec.get("log_dir")), "exit_race": race}) + "\n")
+        "restarts": _restarts(spec.get("log_dir")), "exit_race": race,
+        # the first worker seen failing, as data: torchrun, ended at once, may not have named it
+        "failed_worker": dict([("pid", failed_worker[0][0]), failed_worker[0][1]]) if failed_worker else None}) + "\n")
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
     log.close()
     return code

@@ -139,6 +139,12 @@ def test_a_failed_worker_ends_the_job_without_waiting_for_torchrun(tmp_path):
     assert proc.returncode == 1  # what torchrun itself would have exited with
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["stopped"].startswith("a worker failed") and "exit 3" in result["stopped"], result
+    assert result["failed_worker"] == {"pid": result["failed_worker"]["pid"], "exit": 3}  # as data too
+    from ddpfab.launch.execute import failed_worker_text
+    assert failed_worker_text(result["failed_worker"]) == f"a worker (pid {result['failed_worker']['pid']}) exited with 3"
+    assert failed_worker_text({"pid": 597, "signal": 6}) == "a worker (pid 597) was killed by signal 6 (SIGABRT)"
+    for bad in (None, [], {"pid": "597", "signal": 6}, {"pid": 597}, {"pid": True, "exit": 1}):
+        assert failed_worker_text(bad) == ""
     assert took < 6.5, f"took {took:.1f} s: the agent waited for the launcher's slow shutdown (2 s + 8 s)"
     workers = [int(p) for p in (tmp_path / "bin" / "torchrun.pids").read_text().split()]
     assert len(workers) == 2 and not any(alive(p) for p in workers)  # the hanging one too
@@ -172,7 +178,7 @@ def test_workers_that_succeed_let_torchrun_finish(tmp_path):
     proc.wait(timeout=30)
     assert proc.returncode == 0
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["stopped"] is None and result["exit_code"] == 0
+    assert result["stopped"] is None and result["exit_code"] == 0 and result["failed_worker"] is None
 
 
 def test_launcher_detection_matches_whole_argv_words(tmp_path):
