@@ -54,7 +54,7 @@ def stderr_say(line: str) -> None:
     sys.stderr.write(f"ddpfab: {line}\n")
 
 
-def _runs_dir_default() -> str:
+def runs_dir_default() -> str:
     """``$DDPFAB_RUNS_DIR`` (set and not empty; ``~`` is the home), else ``runs``: as the command line has it."""
     return os.path.expanduser(os.environ.get("DDPFAB_RUNS_DIR") or "runs")
 
@@ -138,7 +138,7 @@ class Options:
     compress: bool = False
     replicate: tuple[str, ...] = ()
     detach: bool = False
-    runs_dir: str = field(default_factory=_runs_dir_default)
+    runs_dir: str = field(default_factory=runs_dir_default)
     max_job_restarts: int = 0
     spares: str | None = None
     retry_on: tuple[str, ...] = ()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ddpfab.api import Cluster
+from ddpfab.api import Cluster, runs_dir_default
 from ddpfab.cli.errors import warn
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError, check_run_id, parse_nproc
@@ -87,7 +87,7 @@ def runs_dir_type(text: str) -> str:
 
 def add_runs_dir_arg(p: argparse.ArgumentParser, what: str = "where run records go") -> None:
     """``--runs-dir``, one meaning in run, plan, replay, check --perf and the job commands."""
-    p.add_argument("--runs-dir", type=runs_dir_type, default=os.environ.get("DDPFAB_RUNS_DIR") or "runs",
+    p.add_argument("--runs-dir", type=runs_dir_type, default=runs_dir_default(),
                    help=f"{what} (default: ./runs, or $DDPFAB_RUNS_DIR)")
 
 
