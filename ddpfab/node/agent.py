@@ -36,6 +36,7 @@ Killing is by this job's process tree only, never by a name pattern: two jobs ma
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import threading
@@ -474,6 +475,55 @@ def watch_finished(spec, run_dir, root, on_finished, stop, interval=0.5):
             return
 
 
+#: Seconds a stream's unfinished line is held for its end before it is passed on as it is (a
+#: prompt, a progress bar that redraws with ``\r``).
+LINE_HOLD = 0.5
+#: ... and the most of it held (a stream that never ends a line).
+LINE_HOLD_BYTES = 1 << 16
+
+
+def relay_lines(fds, emit, hold=LINE_HOLD):
+    """Pass what the job writes to *fds* (its stdout and stderr) to ``emit`` as one stream of whole
+    lines (ended by ``\n`` or ``\r``), until every fd is at its end.
+
+    One stream's line is never cut by another's: torchrun's ``--tee`` relays each rank's log file
+    by lines as it finds them, so a line the rank wrote in two writes (an unbuffered ``print``: the
+    text, then its newline) reaches torchrun's stdout in two pieces, and torchrun's own stderr (a
+    c10d warning) could come between them: ``STEP {...}[W1203 socket.cpp:207] ...``. A stream's
+    unfinished line waits for its end, for *hold* seconds at most."""
+    pending = dict((fd, b"") for fd in fds)
+    since = {}  # fd -> when its unfinished line began
+    while pending:
+        timeout = max(0.0, min(since.values()) + hold - time.monotonic()) if since else None
+        ready = select.select(list(pending), [], [], timeout)[0]
+        for fd in ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            data = pending[fd] + chunk
+            if not chunk:  # its end: what is left goes as it is
+                if data:
+                    emit(data)
+                del pending[fd]
+                since.pop(fd, None)
+                continue
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+            if cut:
+                emit(data[:cut])
+            pending[fd] = data[cut:]
+            if not pending[fd]:
+                since.pop(fd, None)
+            elif cut or fd not in since:
+                since[fd] = time.monotonic()
+        now = time.monotonic()
+        for fd, began in list(since.items()):
+            if now - began >= hold or len(pending[fd]) >= LINE_HOLD_BYTES:
+                emit(pending[fd])
+                pending[fd] = b""
+                del since[fd]
+
+
 def main(spec):
     run_id = spec.get("run_id")
     run_dir = os.path.expanduser(spec["dir"])
@@ -525,7 +575,7 @@ def main(spec):
     try:
         job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
                                env=exit_guard_env(spec, run_dir, _job_env(spec)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
         log.write(("ddpfab-agent: %s\n" % text).encode())
@@ -558,27 +608,23 @@ def main(spec):
             pass
         request_stop("controller link closed")
 
+    link_ok = [True]
+
+    def emit(chunk):
+        try:
+            log.write(chunk)
+            log.flush()
+        except OSError:
+            pass  # a full disk must not stop the relay (nor the job)
+        if link_ok[0] and not detached:
+            try:
+                os.write(1, chunk)
+            except OSError:
+                link_ok[0] = False
+                request_stop("controller link broken")
+
     def relay():
-        out = job.stdout.fileno()
-        link_ok = True
-        while True:
-            try:
-                chunk = os.read(out, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            try:
-                log.write(chunk)
-                log.flush()
-            except OSError:
-                pass  # a full disk must not stop the relay (nor the job)
-            if link_ok and not detached:
-                try:
-                    os.write(1, chunk)
-                except OSError:
-                    link_ok = False
-                    request_stop("controller link broken")
+        relay_lines((job.stdout.fileno(), job.stderr.fileno()), emit)
 
     failed_worker = []
 

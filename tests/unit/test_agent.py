@@ -101,6 +101,42 @@ def test_sigterm_to_the_agent_ends_the_tree(tmp_path):
     assert (d / "run" / "stopped").read_text().startswith("signal")
 
 
+
+# torchrun's --tee passes on a rank's line in pieces as it finds them in its log file, and its own
+# stderr can come between two pieces (the CI saw 'STEP {...}[W1203 socket.cpp:207] ...'); a prompt
+# without a newline must still show while the job runs
+PIECES = r"""
+import os, time
+os.write(1, b'STEP {"step": 1}')
+time.sleep(0.15)
+os.write(2, b"[W socket.cpp:207] a warning\n")
+time.sleep(0.15)
+os.write(1, b"\nprogress 10%\rprogress 20%\r")
+os.write(1, b"prompt> ")
+time.sleep(3)
+os.write(2, b"bye\n")
+"""
+
+
+def test_lines_of_stdout_and_stderr_reach_ddpfab_whole_and_a_prompt_still_shows(tmp_path):
+    (tmp_path / "pieces.py").write_text(PIECES)
+    proc = spawn({"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1,
+                  "argv": [sys.executable, str(tmp_path / "pieces.py")]})
+    began, seen = time.monotonic(), b""
+    while b"prompt> " not in seen:
+        chunk = proc.stdout.read1(4096)
+        assert chunk, seen
+        seen += chunk
+    prompt_after = time.monotonic() - began
+    seen += proc.stdout.read()
+    assert proc.wait(timeout=10) == 0
+    lines = seen.decode().splitlines()
+    assert 'STEP {"step": 1}' in lines and "[W socket.cpp:207] a warning" in lines, lines
+    assert "progress 10%\rprogress 20%\rprompt> bye\n" in seen.decode()
+    assert prompt_after < 3, f"the unfinished line waited for the job's next line ({prompt_after:.1f} s)"
+    assert (tmp_path / "run" / "output.log").read_bytes() == seen  # the log holds the same lines
+
+
 # a stand-in for torchrun (named so; argv[0] basename is what the agent looks for): two workers,
 # polled every 0.1 s as torchrun does, then a slow shutdown after a failure, as torchrun's is with
 # torch loaded on a busy node
