@@ -73,7 +73,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if replaying.changed or args.dry_run:
         for line in replaying.changed:
             sys.stderr.write(f"ddpfab: differs from the recorded plan: {line}\n")
-        _print_dry_run(plan, args.json, offline=False)
+        _print_dry_run(plan, args.json, offline=False, targets=replaying.prepared.targets())
         if args.dry_run or not args.force:
             replaying.close()
         if args.dry_run:

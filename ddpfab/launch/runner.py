@@ -29,6 +29,7 @@ from ddpfab.planning import probe, scriptfile
 from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for, socket_ifname_for
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
+from ddpfab.remote.target import resolve_all
 from ddpfab.results import GroupResult
 
 
@@ -55,6 +56,10 @@ class Prepared:
     def reconnect(self, name: str) -> Connection:
         """A fresh connection to node *name*, the same way as the first one."""
         return ssh.connect(self.cluster.node(name), self.policy or ssh.HostKeyPolicy(), self.ssh_config)
+
+    def targets(self) -> dict:
+        """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
+        return resolve_all(self.cluster.nodes, self.policy, self.ssh_config)
 
     def close(self) -> None:
         for conn in self.conns.values():
