@@ -281,10 +281,11 @@ class Cluster:
              adopt: bool = False, dry_run: bool = False, wait: bool = True, progress: Say | None = None):
         """``ddpfab sync``: the :class:`ddpfab.transfer.sync.SyncResult`; SyncError when refused."""
         # slow to import: see LAZY above
-        from ddpfab.transfer.sync import LOCK_WAIT_S, sync_cluster
+        from ddpfab.transfer.sync import LOCK_WAIT_S, runs_keep, sync_cluster
 
+        keep = (*keep, *runs_keep(path, runs_dir_default()))  # run records stay here, as run's sync leaves them
         return sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
-                            ssh_config=self.ssh_config, checksum=checksum, keep=tuple(keep), with_git=with_git,
+                            ssh_config=self.ssh_config, checksum=checksum, keep=keep, with_git=with_git,
                             verify_only=verify_only, adopt=adopt, dry_run=dry_run,
                             lock_wait=LOCK_WAIT_S if wait else 0, progress=progress)
 
@@ -498,14 +499,15 @@ class Cluster:
         def copying(elapsed: float) -> str:
             return f"sync: copying to {len(nodes.nodes)} nodes, {elapsed:.0f} s ({len(done)} reported)"
 
+        keep = syncmod.runs_keep(os.getcwd(), opts.runs_dir)  # recorded: replay hashes the tree the same way
         try:
-            same = syncmod.unchanged(nodes, conns, os.getcwd(), sessions=sessions)
+            same = syncmod.unchanged(nodes, conns, os.getcwd(), keep=keep, sessions=sessions)
             if same is not None:
-                return same.to_dict()
+                return {**same.to_dict(), **({"keep": list(keep)} if keep else {})}
             with Ticker(copying, enabled=progress):
                 result = syncmod.sync_cluster(nodes, os.getcwd(), self.policy, fanout=opts.fanout,
                                               compress=opts.compress, ssh_config=self.ssh_config, progress=say,
-                                              conns=conns, fast=False)
+                                              conns=conns, fast=False, keep=keep)
         except syncmod.SyncError as exc:
             # per node as problems (a restart leaves out the node they name) when sync got that far
             problems = exc.result.problems() if exc.result else exc.problems
@@ -513,7 +515,7 @@ class Cluster:
                                    for p in problems]
                                   + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
                                   + ["(skip syncing with --no-sync)"]) from None
-        return result.to_dict()
+        return {**result.to_dict(), **({"keep": list(keep)} if keep else {})}
 
     def _replicate(self, prepared, paths: tuple[str, ...], dry_run: bool) -> dict | None:
         """``replicate``: copy each path from rank 0's node to the others (the dry run says what it

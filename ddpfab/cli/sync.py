@@ -86,12 +86,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def _cmd_sync(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.transfer.sync import BUSY, SyncError, _mb, select
+    from ddpfab.api import runs_dir_default
+    from ddpfab.transfer.sync import BUSY, SyncError, _mb, runs_keep, select
 
     out = sys.stdout
     if args.list:
         try:
-            sel = select(args.path, args.keep, args.with_git)
+            sel = select(args.path, (*args.keep, *runs_keep(args.path, runs_dir_default())), args.with_git)
         except SyncError as exc:
             die(exc.problems[0])
             return 2

@@ -114,7 +114,10 @@ def _current_tree_hash(code: dict) -> str:
     src = code.get("src")
     if not src:
         raise ValueError("the manifest's code record names no source dir")
-    sel = sync.select(src, with_git=bool(code.get("with_git")))
+    keep = code.get("keep") or []  # the run's runs dir inside the project (sync.runs_keep), as data
+    if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
+        raise ValueError(f"the manifest's code.keep must be a list of patterns, found {json.dumps(keep)[:80]}")
+    sel = sync.select(src, tuple(keep), with_git=bool(code.get("with_git")))
     return sync.local_tree(sel)["tree_hash"]
 
 

@@ -218,6 +218,18 @@ def keep_patterns(root: str, extra: tuple[str, ...] | list[str] = ()) -> tuple[s
     return tuple(ln for ln in lines if treehash.compile_line(ln)) + tuple(extra)
 
 
+def runs_keep(src: str | os.PathLike, runs_dir: str | os.PathLike) -> tuple[str, ...]:
+    """The keep pattern that leaves the controller's runs dir out of the project *src* when it is
+    inside it (``--runs-dir exp/runs``): ``("/exp/runs/",)``, else ``()``. Sent, the records would
+    reach every node, and each run, making its record, would change the tree (replay: "the code
+    changed"). ``runs/`` at the top, the default, is skipped anyway (:mod:`ddpfab.node.treehash`)."""
+    root = os.path.realpath(os.fspath(src))
+    rel = os.path.relpath(os.path.realpath(os.path.expanduser(os.fspath(runs_dir))), root)
+    if rel == "." or rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return ()
+    return ("/" + re.sub(r"([\\*?\[ !#])", r"\\\1", rel.replace(os.sep, "/")) + "/",)
+
+
 def _git(root: str, *args: str) -> bytes | None:
     try:
         proc = subprocess.run(["git", "-C", root, *args], capture_output=True, timeout=120)

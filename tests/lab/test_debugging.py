@@ -154,23 +154,32 @@ def test_replay_reproduces_the_run_and_refuses_what_would_differ(lab, recorded, 
     assert res.returncode == 0 and "the code changed" in res.stderr and "--node-rank=1" in res.stdout
 
 
-def test_replay_chooses_the_nodes_and_variables_the_run_had(lab, recorded, tmp_path):
+def test_replay_chooses_the_nodes_and_variables_the_run_had(lab, recorded, request):
     """A run's -e and --limit are recorded (a secret's value masked by its key) and replayed: without
     them, replay said "the inventory changed" and --force planned other nodes and variables."""
     (recorded.workdir / "hello.py").write_text("print('HELLO')\n")
-    runs = tmp_path / "runs"
+    # a runs dir inside the project: its records are not synced (each run's record would change the
+    # tree, and replay would say "the code changed")
+    runs = recorded.workdir / "exp" / "runs"
+    request.addfinalizer(lambda: shutil.rmtree(recorded.workdir / "exp"))
     res = ddpfab("run", "-i", str(recorded.inv), "--limit", "node2", "-e", "ddpfab_nproc_per_node=2",
                  "-e", "api_token=abc", "--runs-dir", str(runs), "hello.py", cwd=recorded.workdir, timeout=180)
     assert res.returncode == 0 and res.stdout.count("HELLO") == 2, res.stdout + res.stderr
     manifest = json.loads(next(runs.glob("*/manifest.json")).read_text())
     assert (manifest["limit"], manifest["extra_vars"]) == ("node2", {"ddpfab_nproc_per_node": "2", "api_token": "***"})
     rid = manifest["run_id"]
+    assert manifest["code"]["keep"] == ["/exp/runs/"], manifest["code"]
     res = ddpfab("replay", rid, "--runs-dir", str(runs), "--dry-run", cwd=recorded.workdir)
     assert res.returncode == 2 and "-e api_token=..." in res.stderr, res.stderr
     res = ddpfab("replay", rid, "--runs-dir", str(runs), "-e", "api_token=abc", "--dry-run", cwd=recorded.workdir)
     assert res.returncode == 0, res.stderr
     assert "inventory changed" not in res.stderr and "differs" not in res.stderr
     assert "--nproc-per-node=2" in res.stdout and "node1" not in res.stdout
+    # its ssh line is the one run's dry run prints: the inventory's key and known_hosts with it
+    ssh = [ln for ln in res.stdout.splitlines() if ln.startswith("# node2 (node_rank 0")]
+    ran = ddpfab("run", "-i", str(recorded.inv), "--limit", "node2", "-e", "ddpfab_nproc_per_node=2",
+                 "--dry-run", "hello.py", cwd=recorded.workdir)
+    assert ssh and ssh[0] in ran.stdout and f" -i {lab.key} " in ssh[0], (ssh, ran.stdout)
     # a new run id that names a run on a node already is refused before anything starts, as run refuses it
     res = ddpfab("replay", rid, "--runs-dir", str(runs), "-e", "api_token=abc", "--new-run-id", rid, "--dry-run",
                  cwd=recorded.workdir)

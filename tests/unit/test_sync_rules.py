@@ -193,6 +193,21 @@ def test_keep_patterns_from_file_and_argument(tmp_path):
     assert sync.select(root, keep=["ckpt/"]).files == [".ddpfabkeep", "a.py"]
 
 
+
+@pytest.mark.parametrize("runs", ["exp/runs", "exp runs*/[x]", "#r", "!r", "runs"])
+def test_a_runs_dir_inside_the_project_is_never_sent_and_nothing_else_is_left_out(tmp_path, runs):
+    root = make_tree(tmp_path / "p", {"a.py": "a", f"{runs}/rid/manifest.json": "{}", f"{runs}x/b.py": "b",
+                                      "exp/c.py": "c"})
+    keep = sync.runs_keep(root, root / runs)
+    assert sync.select(root, keep=keep).files == sorted(["a.py", f"{runs}x/b.py", "exp/c.py"])
+    assert sync.runs_keep(root, f"{root}/./{runs}/.") == keep  # however it is spelt
+
+
+def test_a_runs_dir_outside_the_project_or_the_project_itself_changes_no_selection(tmp_path):
+    root = make_tree(tmp_path / "p", {"a.py": "a"})
+    assert [sync.runs_keep(root, d) for d in (tmp_path / "runs", root, tmp_path, tmp_path / "p2")] == [()] * 4
+
+
 # -- the copy, run by a real rsync -----------------------------------------------------------------
 def rsync_local(sel: sync.Selection, dest: Path, dry_run: bool = False) -> str:
     files = dest.parent / "files"
