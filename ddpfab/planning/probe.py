@@ -10,6 +10,7 @@ has started anything.
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import random
 import socket
 import time
@@ -242,6 +243,15 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
                    cwd=cwd, script=script, master_port=master_port, sent_at=sent_at)
 
 
+def missing_script_fix(script: str, workdir: str, node: str) -> str:
+    """What to do about *script* missing in *workdir* on *node*: sync the code, unless the script
+    is outside the workdir (``../train.py``), which is outside what a sync copies too."""
+    if posixpath.relpath(posixpath.join(workdir, script), workdir).split("/")[0] != "..":
+        return "sync the code first"
+    return (f"it is outside {workdir}, the project a sync copies: move it into the project, or put it at that "
+            f"path on {node}")
+
+
 def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
             answers: GroupResult[nodeprog.Reply], *, cwd: str, script: str | None,
             master_port: int | None, sent_at: float) -> tuple[dict[str, NodeFacts], list[Problem]]:
@@ -278,10 +288,9 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
                                     text=f"host {node.name}: workdir {workdir} does not exist there; create it, "
                                          "sync the code, or set ddpfab_workdir"))
         elif script and res.script_exists is False:
+            fix = missing_script_fix(script, workdir, node.name)
             problems.append(Problem(node.name, "script", expected=f"{script} in {workdir}", found="missing",
-                                    fix="sync the code first",
-                                    text=f"host {node.name}: script {script} not found in {workdir}; sync the "
-                                         "code first"))
+                                    fix=fix, text=f"host {node.name}: script {script} not found in {workdir}; {fix}"))
         if not res.torch:
             chosen = nodeenv.decided(node, res.raw)
             fix = nodeenv.torch_fix(chosen)

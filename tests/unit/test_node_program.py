@@ -24,6 +24,7 @@ from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import loop
 from ddpfab.node import ops as program
+from ddpfab.planning import probe
 from ddpfab.node import treehash
 
 
@@ -40,6 +41,15 @@ def test_one_request_one_reply_as_a_module(tmp_path):
     assert out["id"] == 7 and out["op"] == "facts" and out["ok"] is True
     assert out["result"]["workdir_exists"] is True and out["result"]["script_exists"] is False
     assert out["result"]["python"] == sys.version.split()[0]
+
+
+
+@pytest.mark.parametrize("script, syncable", [("train.py", True), ("src/../train.py", True), ("/w/p/t.py", True),
+                                              ("../train.py", False), ("/opt/t.py", False), ("a/../../t.py", False)])
+def test_a_missing_script_outside_the_workdir_is_not_told_to_sync(script, syncable):
+    fix = probe.missing_script_fix(script, "/w/p", "node3")
+    assert (fix == "sync the code first") is syncable, fix
+    assert syncable or ("outside /w/p" in fix and "node3" in fix)
 
 
 @pytest.mark.parametrize("req, error", [
