@@ -16,6 +16,7 @@ master, then the other nodes in inventory order (:func:`ddpfab.planning.plan.nod
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,13 @@ def check_local_dir(local_dir: str | os.PathLike) -> None:
     if not os.path.isdir(parent):
         raise FetchError(f"LOCAL_DIR {path}: {parent} is not a directory, so {path} cannot be made; "
                          "give another LOCAL_DIR")
+    here = path if os.path.isdir(path) else parent
+    if not os.access(here, os.W_OK | os.X_OK):  # this machine's fault, not the node's or rsync's: said so
+        try:
+            who = pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:  # a uid without a passwd entry (a container's)
+            who = f"uid {os.geteuid()}"
+        raise FetchError(f"LOCAL_DIR {path}: {here} is not writable here (by {who}); give another LOCAL_DIR")
 
 
 def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:

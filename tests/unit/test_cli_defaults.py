@@ -10,6 +10,8 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import tempfile
 
 import pytest
 
@@ -19,7 +21,7 @@ from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
-from ddpfab.transfer.fetch import pick_node
+from ddpfab.transfer.fetch import FetchError, check_local_dir, pick_node
 
 #: The rest of a command line that reaches the inventory (positional arguments, a mode).
 ARGS = {
@@ -251,3 +253,45 @@ def test_ddpfab_runs_dir_means_the_same_in_the_cli_and_the_api(monkeypatch):
     assert cli.build_parser().parse_args(["ps"]).runs_dir == Options().runs_dir == os.path.expanduser("~/rr")
     monkeypatch.setenv("DDPFAB_RUNS_DIR", "")  # set but empty: as unset, not a refusal of a flag never given
     assert cli.build_parser().parse_args(["ps"]).runs_dir == Options().runs_dir == "runs"
+
+
+def _as_nobody(fn) -> str:
+    """*fn*'s result (a string) when run in a child process as the user nobody."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: modules are imported already, so no file of the checkout is read as nobody
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, fn().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        out = fh.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_fetch_into_a_dir_this_user_cannot_write_is_refused_before_any_host_is_asked():
+    """rsync's failure to write here was reported as 'host node1: rsync failed'."""
+    def verdict(path: str) -> str:
+        try:
+            check_local_dir(path)
+        except FetchError as exc:
+            return str(exc)
+        return "ok"
+
+    dirs = [tempfile.mkdtemp(dir="/tmp") for _ in range(2)]
+    try:
+        os.chmod(dirs[0], 0o755)  # root's: nobody cannot write in it, nor make a dir below it
+        os.chmod(dirs[1], 0o777)
+        assert _as_nobody(lambda: verdict(f"{dirs[0]}/out")) == f"LOCAL_DIR {dirs[0]}/out: {dirs[0]} is not writable " \
+                                                                "here (by nobody); give another LOCAL_DIR"
+        assert _as_nobody(lambda: verdict(dirs[0])).startswith(f"LOCAL_DIR {dirs[0]}: {dirs[0]} is not writable")
+        assert _as_nobody(lambda: verdict(f"{dirs[1]}/out")) == "ok"
+    finally:
+        for d in dirs:
+            shutil.rmtree(d)
