@@ -342,8 +342,8 @@ def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tup
                             env={**os.environ, "NO_COLOR": "1", "TMPDIR": str(tmpdir),
                                  "XDG_CACHE_HOME": str(before["cache"])})
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the copy runs on the nodes
-        if any("rsync --server" in cmd for n in NODES for _, cmd in lab.processes(n)):
+    while time.monotonic() < deadline:  # until this sync's copy runs on the nodes (not another's, ending)
+        if any("rsync --server" in cmd and workdir in cmd for n in NODES for _, cmd in lab.processes(n)):
             break
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
