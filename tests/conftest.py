@@ -6,6 +6,7 @@ import ipaddress
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,18 @@ def _own_caches(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = previous
+
+
+#: With DDPFAB_TEST_TIMELINE=FILE, each worker appends a line per test phase to FILE: the time,
+#: the worker, the phase's outcome, duration and node id (JSON). Set beside a CPU sampler, it shows
+#: which tests wait instead of computing (the suite's time is the sum of its tests' over 2 workers).
+TIMELINE = os.environ.get("DDPFAB_TEST_TIMELINE")
+
+
+def pytest_runtest_logreport(report):
+    if TIMELINE:  # under xdist the controller writes each report again, as worker "main"
+        with open(TIMELINE, "a") as fh:
+            fh.write(json.dumps({"t": round(time.time(), 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                                 "when": report.when, "outcome": report.outcome, "s": round(report.duration, 2),
+                                 "test": report.nodeid}) + "\n")
+
