@@ -278,12 +278,15 @@ class Cluster:
 
     def sync(self, path: str | os.PathLike = ".", *, fanout: str = "star", compress: bool = False,
              checksum: bool = False, keep: Iterable[str] = (), with_git: bool = False, verify_only: bool = False,
-             adopt: bool = False, dry_run: bool = False, wait: bool = True, progress: Say | None = None):
-        """``ddpfab sync``: the :class:`ddpfab.transfer.sync.SyncResult`; SyncError when refused."""
+             adopt: bool = False, dry_run: bool = False, wait: bool = True, runs_dir: str | os.PathLike | None = None,
+             progress: Say | None = None):
+        """``ddpfab sync``: the :class:`ddpfab.transfer.sync.SyncResult`; SyncError when refused. The
+        run records (*runs_dir*, default :func:`runs_dir_default`) are never sent, as a run's sync
+        leaves them out."""
         # slow to import: see LAZY above
         from ddpfab.transfer.sync import LOCK_WAIT_S, runs_keep, sync_cluster
 
-        keep = (*keep, *runs_keep(path, runs_dir_default()))  # run records stay here, as run's sync leaves them
+        keep = (*keep, *runs_keep(path, runs_dir_default() if runs_dir is None else runs_dir))
         return sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
                             ssh_config=self.ssh_config, checksum=checksum, keep=keep, with_git=with_git,
                             verify_only=verify_only, adopt=adopt, dry_run=dry_run,

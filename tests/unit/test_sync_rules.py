@@ -489,6 +489,17 @@ def test_list_needs_no_inventory(tmp_path, capsys):
     assert cli.main(["sync", str(root)]) == 2
 
 
+def test_sync_leaves_out_the_runs_dir_run_uses(tmp_path, capsys, monkeypatch):
+    """`run --runs-dir exp/runs` leaves its records out of its sync; `sync` must too, or the two
+    place and release them in turn (and the next sync moves them to .ddpfab/kept/ on every node)."""
+    root = make_tree(tmp_path / "p", {"a.py": "a", "exp/runs/r1/manifest.json": "{}", "runs2/r/x": "x"})
+    monkeypatch.delenv("DDPFAB_RUNS_DIR", raising=False)
+    assert cli.main(["sync", "--list", "--runs-dir", str(root / "exp/runs"), str(root)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["a.py", "runs2/r/x"]
+    monkeypatch.setenv("DDPFAB_RUNS_DIR", str(root / "runs2"))  # the default, as run's
+    assert cli.main(["sync", "--list", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["a.py", "exp/runs/r1/manifest.json"]
+
 def test_an_empty_selection_stops_before_any_host_is_contacted(tmp_path):
     from ddpfab.hosts.inventory import Cluster
 
