@@ -490,7 +490,8 @@ def relay_lines(fds, emit, hold=LINE_HOLD):
     by lines as it finds them, so a line the rank wrote in two writes (an unbuffered ``print``: the
     text, then its newline) reaches torchrun's stdout in two pieces, and torchrun's own stderr (a
     c10d warning) could come between them: ``STEP {...}[W1203 socket.cpp:207] ...``. A stream's
-    unfinished line waits for its end, for *hold* seconds at most."""
+    unfinished line waits for its end, for *hold* seconds at most. Lines are passed on in the order
+    they are read; when both streams have lines waiting at once, stdout's go first."""
     pending = dict((fd, b"") for fd in fds)
     since = {}  # fd -> when its unfinished line began
     while pending:
@@ -508,7 +509,8 @@ def relay_lines(fds, emit, hold=LINE_HOLD):
                 del pending[fd]
                 since.pop(fd, None)
                 continue
-            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+            # a "\r" as the last byte may be the first half of a "\r\n": it waits for what follows
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1)) + 1
             if cut:
                 emit(data[:cut])
             pending[fd] = data[cut:]

@@ -115,6 +115,10 @@ os.write(1, b"\nprogress 10%\rprogress 20%\r")
 os.write(1, b"prompt> ")
 time.sleep(3)
 os.write(2, b"bye\n")
+os.write(1, b"crlf\r")  # a "\r\n" in two writes, another stream's line between them
+time.sleep(0.1)
+os.write(2, b"err\n")
+os.write(1, b"\n")
 """
 
 
@@ -133,6 +137,7 @@ def test_lines_of_stdout_and_stderr_reach_ddpfab_whole_and_a_prompt_still_shows(
     lines = seen.decode().splitlines()
     assert 'STEP {"step": 1}' in lines and "[W socket.cpp:207] a warning" in lines, lines
     assert "progress 10%\rprogress 20%\rprompt> bye\n" in seen.decode()
+    assert "crlf\r\n" in seen.decode() and "err" in lines, seen
     assert prompt_after < 3, f"the unfinished line waited for the job's next line ({prompt_after:.1f} s)"
     assert (tmp_path / "run" / "output.log").read_bytes() == seen  # the log holds the same lines
 
