@@ -246,7 +246,12 @@ def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd:
 def missing_script_fix(script: str, workdir: str, node: str) -> str:
     """What to do about *script* missing in *workdir* on *node*: sync the code, unless the script
     is outside the workdir (``../train.py``), which is outside what a sync copies too."""
-    if posixpath.relpath(posixpath.join(workdir, script), workdir).split("/")[0] != "..":
+    tilde = script.startswith("~")
+    if tilde != workdir.startswith("~") and (tilde or posixpath.isabs(script)):
+        return "sync the code first"  # one is under a home the node expands: not comparable here
+    base = posixpath.normpath(workdir)
+    path = posixpath.normpath(script if tilde else posixpath.join(workdir, script))
+    if path == base or path.startswith(base.rstrip("/") + "/"):
         return "sync the code first"
     return (f"it is outside {workdir}, the project a sync copies: move it into the project, or put it at that "
             f"path on {node}")

@@ -44,12 +44,16 @@ def test_one_request_one_reply_as_a_module(tmp_path):
 
 
 
-@pytest.mark.parametrize("script, syncable", [("train.py", True), ("src/../train.py", True), ("/w/p/t.py", True),
-                                              ("../train.py", False), ("/opt/t.py", False), ("a/../../t.py", False)])
-def test_a_missing_script_outside_the_workdir_is_not_told_to_sync(script, syncable):
-    fix = probe.missing_script_fix(script, "/w/p", "node3")
+@pytest.mark.parametrize("script, workdir, syncable", [
+    ("train.py", "/w/p", True), ("src/../train.py", "/w/p", True), ("/w/p/t.py", "/w/p", True),
+    ("../train.py", "/w/p", False), ("/opt/t.py", "/w/p", False), ("a/../../t.py", "/w/p", False),
+    ("/w/pp/t.py", "/w/p", False), ("~/p/t.py", "~/p", True), ("~/t.py", "~/p", False),
+    ("../t.py", "~/p", False), ("/home/u/p/t.py", "~/p", True), ("~/t.py", "/w/p", True)])
+def test_a_missing_script_outside_the_workdir_is_not_told_to_sync(script, workdir, syncable):
+    """The last two cannot be told apart here (the node expands ~): the usual advice."""
+    fix = probe.missing_script_fix(script, workdir, "node3")
     assert (fix == "sync the code first") is syncable, fix
-    assert syncable or ("outside /w/p" in fix and "node3" in fix)
+    assert syncable or (f"outside {workdir}" in fix and "node3" in fix)
 
 
 @pytest.mark.parametrize("req, error", [
