@@ -504,13 +504,12 @@ class Cluster:
 
         keep = syncmod.runs_keep(os.getcwd(), opts.runs_dir)  # recorded: replay hashes the tree the same way
         try:
-            same = syncmod.unchanged(nodes, conns, os.getcwd(), keep=keep, sessions=sessions)
-            if same is not None:
-                return {**same.to_dict(), **({"keep": list(keep)} if keep else {})}
-            with Ticker(copying, enabled=progress):
-                result = syncmod.sync_cluster(nodes, os.getcwd(), self.policy, fanout=opts.fanout,
-                                              compress=opts.compress, ssh_config=self.ssh_config, progress=say,
-                                              conns=conns, fast=False, keep=keep)
+            result = syncmod.unchanged(nodes, conns, os.getcwd(), keep=keep, sessions=sessions)
+            if result is None:
+                with Ticker(copying, enabled=progress):
+                    result = syncmod.sync_cluster(nodes, os.getcwd(), self.policy, fanout=opts.fanout,
+                                                  compress=opts.compress, ssh_config=self.ssh_config, progress=say,
+                                                  conns=conns, fast=False, keep=keep)
         except syncmod.SyncError as exc:
             # per node as problems (a restart leaves out the node they name) when sync got that far
             problems = exc.result.problems() if exc.result else exc.problems
