@@ -13,7 +13,9 @@ Both are context managers that remove what they added, also when the body raises
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,7 +74,22 @@ def cpu_quota(lab: Lab, name: str, percent: int, group: str | None = None) -> It
                 (path / "cgroup.procs").write_text(str(pid))
         yield path
     finally:
+        _empty_and_remove(path)
+
+
+def _empty_and_remove(path: Path, patience_s: float = 10.0) -> None:
+    """Move the cgroup's processes back to the root cgroup and remove it. A process the host forks
+    while they move (sshd accepting a connection) starts inside the group, and the kernel refuses
+    to remove a group with a task in it (EBUSY): so move again until it is empty."""
+    deadline = time.monotonic() + patience_s
+    while True:
         for pid in (path / "cgroup.procs").read_text().split():
             with contextlib.suppress(ProcessLookupError):
                 (CGROUP_CPU / "cgroup.procs").write_text(pid)
-        path.rmdir()
+        try:
+            path.rmdir()
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)

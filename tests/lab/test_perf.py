@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import lab as labmod
+from ddpfab.health import perf
 from ddpfab.lab.drills import cpu_quota, throttled_link
 
 from .helpers import REPO, ddpfab
@@ -33,9 +34,10 @@ CHECK_TIMEOUT = 600
 #: other hosts get, and on this shared machine that can be little: at a load average of 40-50 a
 #: healthy host's matmul got ~0.7 GFLOP/s, what a host at a 3 % quota got too (a check at 3 %
 #: from the start named nothing, and took 200 s: its `import torch` crawled). So the quota is
-#: 1 %, put on once the host's worker has joined the process group: the benchmark runs under it,
-#: the start does not (at 1 % from the moment torch's library was loaded, the rest of the import
-#: and gloo's init outlasted the 120 s process group timeout).
+#: 1 %, put on once the host's worker has joined the process group and lifted once its compute
+#: phase is measured: the compute benchmark runs under it, the start and the link rounds do not (at
+#: 1 % from the moment torch's library was loaded, the rest of the import and gloo's init outlasted
+#: the 120 s process group timeout; held to the end, the links and all_reduce took up to 400 s).
 CPU_PERCENT = 1
 
 
@@ -122,6 +124,26 @@ def _benchmarking_worker(lab, name: str, peers: int) -> int | None:
     return None
 
 
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+
+
+def _wait_until_compute_is_measured(proc: subprocess.Popen, worker: int, deadline: float) -> None:
+    """Until *worker* has left the compute phase: the next phase (memory) fills two buffers of
+    ``mem_bytes`` (64 MiB each), the compute phase three 1 MiB matrices, so a growth of half a
+    buffer in its resident memory marks the memory phase as begun."""
+    start = _rss_bytes(worker)
+    grown = perf.PerfOptions().mem_bytes // 2
+    while (now := _rss_bytes(worker)) is not None and start is not None and now - start < grown:
+        assert proc.poll() is None, f"the check ended before node2's memory phase: {proc.communicate()}"
+        assert time.monotonic() < deadline, "node2's worker never reached the memory phase"
+        time.sleep(0.05)
+
+
 def test_a_cpu_quota_names_its_node_as_slow_compute(lab, inventory3, runs):
     proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "check", "--perf", "-i", str(inventory3), "--runs-dir",
                              str(runs), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -135,7 +157,9 @@ def test_a_cpu_quota_names_its_node_as_slow_compute(lab, inventory3, runs):
         with cpu_quota(lab, "node2", CPU_PERCENT) as group:
             # that worker (asked again, its sockets may be between two phases: the CI saw none then)
             assert worker in map(int, (group / "cgroup.procs").read_text().split())
-            out, err = proc.communicate(timeout=CHECK_TIMEOUT)
+            _wait_until_compute_is_measured(proc, worker, deadline)
+        # the rest of the check runs at full speed: at 1 % its links and all_reduce took minutes
+        out, err = proc.communicate(timeout=CHECK_TIMEOUT)
     finally:
         if proc.poll() is None:
             proc.kill()
