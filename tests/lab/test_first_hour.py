@@ -1,10 +1,12 @@
 """The first hour on real machines, as README's "Using it on your machines" describes it.
 
-- The wheel installed in a fresh venv outside the checkout; an inventory of host names only (the
-  lab's ssh_config maps each `Host` alias to its address; no IP and no ddpfab_python anywhere);
-  `provision`, then `check`, `run` (dry run first), `fetch`. The run uses the venv provision made:
-  the manifest says so, and so does each rank about itself and its torchrun (the process that
-  started it, read from the node's /proc).
+- The wheel installed in a fresh venv outside the checkout (a controller without torch): from a
+  directory that is not the checkout, its `ddpfab lab up` (which points the nodes at the venv
+  `ddpfab provision` makes), an inventory of host names only (the lab's ssh_config maps each
+  `Host` alias to its address; no IP and no ddpfab_python anywhere); `provision` with the wheel's
+  collection, then `check`, `run` (dry run first), `fetch`, and its `lab down`. The run uses the
+  venv provision made: the manifest says so, and so does each rank about itself and its torchrun
+  (the process that started it, read from the node's /proc).
 - A setup line that activates another environment (a second venv made here, with a marker
   package) changes what `check` reports and what the job imports; a failing setup line is named
   with its node by `check`, `run` and `exec`.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import venv
 from pathlib import Path
 
@@ -24,9 +27,11 @@ import pytest
 import torch
 import yaml
 
-from ddpfab.hosts import nodeenv
+from ddpfab import __version__
+from ddpfab import lab as labmod
+from ddpfab.hosts import nodeenv, provision
 
-from .conftest import extra_subnet, own_lab
+from .conftest import extra_subnet
 from .helpers import ddpfab, reports
 from .test_install import sh
 
@@ -57,10 +62,29 @@ dist.destroy_process_group()
 '''
 
 
+def wheel_env(dist) -> dict[str, str]:
+    """The environment of a user whose PATH starts with the wheel's venv (and no PYTHONPATH)."""
+    return {"PATH": f"{dist['venv'] / 'bin'}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
+
+
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    with own_lab(tmp_path_factory, "firsthour", hosts=2, subnet=extra_subnet(147)) as the_lab:
-        yield the_lab
+def hosts(dist, tmp_path_factory):
+    """2 lab hosts brought up, and taken down whatever happens, by the wheel's own `ddpfab lab`
+    from a directory that is not the checkout. Its hosts see the tests' temp dirs."""
+    ddpfab_bin = dist["venv"] / "bin" / "ddpfab"
+    where = tmp_path_factory.mktemp("firsthour")
+    lab_dir = where / "lab"
+    res = sh([ddpfab_bin, "lab", "up", "--hosts", "2", "--dir", lab_dir, "--subnet", extra_subnet(147),
+              "--share", tmp_path_factory.getbasetemp()], cwd=where, env=wheel_env(dist))
+    try:
+        assert res.returncode == 0
+        # this python has no torch: the lab's own inventory points the nodes at provision's venv
+        assert f"python:    {labmod.PROVISIONED_PYTHON} (this python has no torch" in res.stdout
+        yield labmod.Lab.load(lab_dir)
+    finally:
+        assert sh([ddpfab_bin, "lab", "down", "--dir", lab_dir], cwd=where, env=wheel_env(dist)).returncode == 0
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert labmod.lab_id(lab_dir.resolve()) not in netns
 
 
 def names_inventory(the_lab, path: Path, **group_vars) -> Path:
@@ -83,16 +107,26 @@ def project(tmp_path: Path) -> Path:
 
 def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisioned_venv(dist, hosts, tmp_path):
     vbin = dist["venv"] / "bin"  # the wheel installed in a fresh venv (the session's `dist` fixture)
-    env = {"PATH": f"{vbin}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": ""}
-    proj = project(tmp_path)
+    env = wheel_env(dist)
+    proj = project(tmp_path)  # the user's project: not the checkout
+    assert sh([vbin / "python", "-c", "import torch"], cwd=proj).returncode != 0  # a controller without torch
+    # what `ddpfab provision` runs is beside it in the venv (what a pipx install, whose PATH has only
+    # `ddpfab`, relies on), and the command answers from outside the checkout
+    assert (vbin / "ansible-playbook").is_file()
+    res = sh([vbin / "ddpfab", "--version"], cwd=proj)
+    assert res.returncode == 0 and __version__ in res.stdout + res.stderr
     inv = names_inventory(hosts, proj / "inv.yml", ddpfab_workdir="/opt/ddpfab-first-hour")
     text = inv.read_text()
     assert "ddpfab_python" not in text and not any(h.address in text for h in hosts.hosts)
     ddpfab_bin = vbin / "ddpfab"
 
+    # provision from the wheel: its collection, over no ansible.cfg of the user's
     res = sh([ddpfab_bin, "provision", "-i", inv, "-e", "ddpfab_python_pip_compile=false",
               "-e", '{"ddpfab_python_pip_environment": {"PIP_RETRIES": "0"}}'], cwd=proj, env=env)
     assert res.returncode == 0
+    assert "ddpfab.cluster.ddpfab_python : " in res.stdout  # the roles of the wheel's collection ran
+    recap = {h.host: h.counts for h in provision.parse_recap(res.stdout)}
+    assert sorted(recap) == ["node1", "node2"] and all(c["failed"] == 0 for c in recap.values())
 
     venv_python = "/opt/ddpfab/venv/bin/python"
     res = sh([ddpfab_bin, "check", "-i", inv, "--json"], cwd=proj, env=env)
@@ -115,7 +149,7 @@ def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisione
     for r in got.values():  # the rank itself, and the torchrun that started it, on the node
         assert r["executable"] == venv_python and r["prefix"] == "/opt/ddpfab/venv"
         assert r["parent"][:3] == [venv_python, "-m", "torch.distributed.run"], r["parent"]
-    manifest = json.loads(next((proj / "runs").glob("*/manifest.json")).read_text())
+    manifest = json.loads(next((proj / "runs").glob("*/manifest.json")).read_text())  # in the user's project
     for node in manifest["plan"]["nodes"]:
         assert (node["python"], node["python_from"]) == (venv_python, "provisioned venv")
     for facts in manifest["nodes_facts"].values():
