@@ -15,38 +15,38 @@ import pytest
 FIRST_TEST_NET = 213
 
 #: The test files that take longest, longest first (seconds: the sum of each file's tests in
-#: `--durations`, lab bring-up not counted; "CI" = a CI run with 2 workers on 2 cores, "alone" = the
-#: file run by itself on the engineers' shared 2-core machine, with its load average). The suite
+#: `--durations`, lab bring-up not counted; "CI" = a CI run with 2 workers on 2 cores, here of
+#: 3babd80). The first five keep their order (two heavy files never run side by side); the suite
 #: runs them first: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long
 #: file started last would be the tail both workers wait on. (xdist's own order, the most tests
 #: first, put these few-test files last: the unit files have the most tests.) Files not listed
 #: follow: the other lab files, then tests/infra, then tests/unit, each in collection order. A name
 #: here that no collected file has is never matched (files still on other branches may be listed).
 LONGEST_FIRST = [
-    "tests/lab/test_exit_race.py",  # alone 2030 s at load 20-110 (soak 838 s: 20 runs x 42 s); 28 torch runs
-    "tests/lab/test_gpu_leases.py",  # four launches at once, the queue (not measured yet)
-    "tests/lab/test_provision.py",  # CI 342 s: torch provisioned on 3 hosts, twice; testinfra twice
-    "tests/lab/test_first_hour.py",  # CI 205 s: provisions 2 hosts from the wheel
-    "tests/lab/test_gpu_users.py",  # 30 jobs of three users: 670 s alone at load 39-61; not beside the exit-race soak, whose load (~100) stretched its waits past the 8 s bound in CI
-    "tests/lab/test_perf.py",  # CI 307 s: check --perf six times, one node at a 1 % CPU quota
-    "tests/lab/test_recover.py",  # CI 220 s
-    "tests/lab/test_preflight_dataplane.py",  # (new: not measured yet)
-    "tests/lab/test_preflight_resources.py",  # (new: not measured yet)
-    "tests/lab/test_preflight_load.py",  # (new: not measured yet)
-    "tests/lab/test_doctor.py",  # 174 s alone at load ~5
-    "tests/lab/test_exit_abort.py",  # CI 100 s
-    "tests/lab/test_debugging.py",  # CI 89 s
-    "tests/lab/test_sync.py",  # CI 75 s
-    "tests/infra/test_lint.py",  # CI 68 s
-    "tests/lab/test_bastion.py",  # CI 62 s
-    "tests/lab/test_trust.py",  # CI 58 s
-    "tests/lab/test_sync_lock.py",  # CI 57 s
-    "tests/lab/test_faults.py",  # CI 57 s
-    "tests/lab/test_peer_inventories.py",  # CI 56 s
-    "tests/lab/test_install.py",  # CI 153 s + the wheel and its venv
-    "tests/lab/test_launch_styles.py",  # CI 47 s
-    "tests/lab/test_replicate.py",  # CI 46 s
-    "tests/lab/test_sync_ownership.py",  # CI 44 s
+    "tests/lab/test_exit_race.py",  # CI 366 s (soak 238 s: 20 runs); 28 torch runs
+    "tests/lab/test_gpu_leases.py",  # CI 105 s: four launches at once, the queue
+    "tests/lab/test_provision.py",  # CI 266 s: torch provisioned on 3 hosts, twice; testinfra twice
+    "tests/lab/test_first_hour.py",  # CI 184 s (+ test_install's provision, merged in): provisions 2 hosts from the wheel
+    "tests/lab/test_gpu_users.py",  # CI 211 s: 30 jobs of three users; not beside the exit-race soak, whose load (~100) stretched its waits past the 8 s bound in CI
+    "tests/lab/test_recover.py",  # CI 147 s
+    "tests/lab/test_doctor.py",  # CI 126 s
+    "tests/lab/test_preflight_load.py",  # CI 120 s: 8 nodes under a CPU hog, three runs
+    "tests/lab/test_trust.py",  # CI 109 s
+    "tests/lab/test_perf.py",  # CI 94 s: check --perf six times, one node briefly at a 1 % CPU quota
+    "tests/lab/test_exit_abort.py",  # CI 91 s
+    "tests/lab/test_sync_ownership.py",  # CI 91 s
+    "tests/lab/test_faults.py",  # CI 89 s
+    "tests/lab/test_preflight_resources.py",  # CI 75 s
+    "tests/lab/test_sync.py",  # CI 64 s
+    "tests/lab/test_preflight_dataplane.py",  # CI 54 s
+    "tests/lab/test_peer_inventories.py",  # CI 54 s
+    "tests/lab/test_sync_lock.py",  # CI 40 s
+    "tests/lab/test_launch_styles.py",  # CI 40 s
+    "tests/lab/test_debugging.py",  # CI 35 s
+    "tests/lab/test_replicate.py",  # CI 35 s
+    "tests/lab/test_bastion.py",  # CI 29 s
+    "tests/infra/test_lint.py",  # CI 28 s
+    "tests/lab/test_install.py",  # the wheel and its venv (shared with test_first_hour), a 1-host playbook twice
 ]
 #: After LONGEST_FIRST: the rest of each directory, in this order.
 DIR_ORDER = ["tests/lab/", "tests/infra/", "tests/unit/"]
