@@ -15,13 +15,16 @@ master, then the other nodes in inventory order (:func:`ddpfab.planning.plan.nod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from ddpfab import node as nodeprog
+from ddpfab.health import resources
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
 from ddpfab.problems import DdpfabError, NodeError, Problem
@@ -31,6 +34,8 @@ from ddpfab.transfer.sync import SyncError, _ask, check_workdir
 
 #: Above this size rsync shows its one-line progress (on stderr).
 PROGRESS_BYTES = 16 * 2**20
+#: Where rsync keeps an unfinished file (``--partial-dir``, beside it), so a fetch again resumes it.
+PARTIAL_DIR = ".ddpfab-partial"
 
 
 class FetchError(DdpfabError):
@@ -67,6 +72,98 @@ def check_local_dir(local_dir: str | os.PathLike) -> None:
         raise FetchError(f"LOCAL_DIR {path}: {here} is not writable here (by {who}); give another LOCAL_DIR")
 
 
+#: rsync's exit codes when a write failed on the receiving side, this machine ("error in file
+#: I/O", "partial transfer due to error"); a lost link or an interrupt ends it with others.
+LOCAL_WRITE_EXITS = (11, 23)
+ROOM_FIX = "free space here, or give a LOCAL_DIR on another disk"
+
+
+@dataclass(frozen=True)
+class Room:
+    """Free space of a filesystem of this machine, as this user may take it (root: the blocks and
+    inodes reserved for root too)."""
+
+    bytes: int
+    inodes: int | None  # None: the filesystem keeps no inode count
+    block: int
+
+    def lacks(self, needed: int, files: int) -> str | None:
+        """What is short for *needed* bytes in *files* files, or None."""
+        if self.bytes < needed:
+            return f"{resources.size(self.bytes)} free, {resources.size(needed)} needed"
+        if self.inodes is not None and self.inodes < files:
+            return f"{self.inodes} inodes free, {files} needed"
+        return None
+
+
+def room(local_dir: str) -> Room | None:
+    """The free space where *local_dir* is, or None when the filesystem does not tell (statvfs
+    fails, or reports no blocks at all, as some FUSE and network filesystems do)."""
+    try:
+        st = os.statvfs(local_dir)
+    except OSError:
+        return None
+    if not st.f_blocks:
+        return None
+    root = os.geteuid() == 0
+    return Room((st.f_bfree if root else st.f_bavail) * st.f_frsize,
+                ((st.f_ffree if root else st.f_favail) if st.f_files else None), st.f_frsize or 4096)
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes in the files under *path* (a file: its size), links not followed; 0 if it is gone."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        try:
+            return os.lstat(path).st_size
+        except OSError:
+            return 0
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def made_by_fetch(local_dir: str, dest: str, kind: str, created: bool) -> list[str]:
+    """What this fetch's rsync left after failing, all of it ddpfab's: the destination when this
+    fetch created it (nothing was there before), else the unfinished files rsync keeps in
+    PARTIAL_DIRs (beside a file: ``LOCAL_DIR/PARTIAL_DIR/NAME``; in a directory, any depth). A
+    PARTIAL_DIR that is a symlink is not followed (it is not rsync's)."""
+    made = []
+    top = os.path.join(local_dir, PARTIAL_DIR)
+    if kind == "file" and os.path.isdir(top) and not os.path.islink(top):
+        partial = os.path.join(top, os.path.basename(dest))
+        if os.path.lexists(partial):
+            made.append(partial)
+    if created and os.path.lexists(dest):
+        made.append(dest)
+    elif kind == "dir" and os.path.isdir(dest) and not os.path.islink(dest):
+        for dirpath, dirnames, _ in os.walk(dest):
+            if PARTIAL_DIR in dirnames:
+                dirnames.remove(PARTIAL_DIR)
+                if not os.path.islink(os.path.join(dirpath, PARTIAL_DIR)):
+                    made.append(os.path.join(dirpath, PARTIAL_DIR))
+    return made
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _mkdir(path: str) -> bool:
+    try:
+        os.mkdir(path)
+    except OSError:
+        return False
+    return True
+
+
 def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
     """The node named *node*, or the one with node rank *rank* (default: rank 0, the master)."""
     if node is not None:
@@ -88,7 +185,7 @@ def located(name: str, found: dict) -> tuple[str, int]:
     absolute path without control characters, and the size an integer."""
     path, size = found.get("path"), found.get("bytes")
     name_ok = isinstance(path, str) and path.startswith("/") and \
-        os.path.basename(path.rstrip("/")) not in ("", ".", "..") and \
+        os.path.basename(path.rstrip("/")) not in ("", ".", "..", PARTIAL_DIR) and \
         not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in path)
     if not name_ok or not isinstance(size, int) or isinstance(size, bool):
         raise FetchError(Problem(name, "locate", text=(
@@ -151,16 +248,51 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
         os.makedirs(local_dir, exist_ok=True)
     except OSError as exc:
         raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
+    # the node's file count only sizes a check here: anything but a count is taken as one file
+    files = found.get("files") if isinstance(found.get("files"), int) and not isinstance(found.get("files"), bool) else 1
+    files, kind = max(files, 1), ("dir" if found.get("kind") == "dir" else "file")
+    existed = os.path.lexists(dest)
+    before = room(local_dir)
+    need = size + files * before.block if before else size  # each file's last block is whole
+    # (a directory replaced may need less: only its changed files are copied; a file needs its whole
+    # size, as rsync writes the new copy beside the old one)
+    short = before.lacks(need, files) if before and not (existed and kind == "dir") else None
+    if short:
+        raise FetchError(Problem(None, "local-disk", text=(
+            f"LOCAL_DIR {local_dir}: this machine's disk there has {short} for {path} from {node.name} "
+            f"({'a file' if kind == 'file' else f'{files} files'}): {ROOM_FIX}; nothing was copied")), 1)
     show = progress if progress is not None else size >= PROGRESS_BYTES
     # --overwrite replaces: a directory there ends as the node's, not merged with what was here before
-    replace_dir = overwrite and found.get("kind") == "dir" and os.path.isdir(dest) and not os.path.islink(dest)
-    flags = ["-rlpt", "--partial-dir=.ddpfab-partial", *(["--delete"] if replace_dir else []),
+    replace_dir = overwrite and kind == "dir" and os.path.isdir(dest) and not os.path.islink(dest)
+    flags = ["-rlpt", f"--partial-dir={PARTIAL_DIR}", *(["--delete"] if replace_dir else []),
              *(["--info=progress2"] if show else [])]
     argv = rsync_argv(flags, None, runner.rsh(), runner.remote(path), local_dir + "/", trailing=False)
-    # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
-    copy = runner.rsync(argv, stdout=sys.stderr if show else subprocess.DEVNULL)
-    if copy.code != 0:
-        text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
-        raise FetchError(Problem(node.name, "rsync", text=f"host {node.name}: rsync failed (exit {copy.code}): "
-                                                          f"{text or 'no message'}"), 1)
+    # a file's partial dir made first: rsync keeps an unfinished file in it, and where making it would
+    # take a block a full disk has not got (ext4, xfs), rsync deletes the file instead, and with it
+    # the trace of what filled the disk
+    top = os.path.join(local_dir, PARTIAL_DIR)
+    made_top = kind == "file" and not os.path.lexists(top) and _mkdir(top)
+    try:
+        # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
+        copy = runner.rsync(argv, stdout=sys.stderr if show else subprocess.DEVNULL)
+        if copy.code != 0:
+            text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
+            made = made_by_fetch(local_dir, dest, kind, created=not existed)
+            after = room(local_dir)
+            # this machine's disk, when the copy could not fit even with what it made given back
+            if after and copy.code in LOCAL_WRITE_EXITS and \
+                    Room(after.bytes + sum(map(_tree_bytes, made)), after.inodes, after.block).lacks(need, files):
+                _remove(made)  # a full disk hurts every program here: give the space back
+                now = room(local_dir)
+                raise FetchError(Problem(None, "local-disk", text=(
+                    f"LOCAL_DIR {local_dir}: this machine's disk there filled up during the copy of {path} from "
+                    f"{node.name} (rsync exit {copy.code}: {text or 'no message'})"
+                    + (f"; what it had copied ({', '.join(made)}) was removed" if made else "")
+                    + (f"; it has {now.lacks(need, files) or 'room now'}" if now else "") + f": {ROOM_FIX}")), 1)
+            raise FetchError(Problem(node.name, "rsync", text=f"host {node.name}: rsync failed (exit {copy.code}): "
+                                                              f"{text or 'no message'}"), 1)
+    finally:
+        if made_top:
+            with contextlib.suppress(OSError):
+                os.rmdir(top)  # only while empty: a kept unfinished file stays for the next fetch
     return {**found, "node": node.name, "local": dest}

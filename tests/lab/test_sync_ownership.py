@@ -448,3 +448,39 @@ def test_fetch_a_checkpoint_from_rank_0_matches_its_sha256_there(lab, tmp_path, 
         res = ddpfab("fetch", "-i", str(inv), bad, str(tmp_path / "nope"))
         assert res.returncode == 1 and why in res.stderr, res.stderr
         assert not (tmp_path / "nope").exists()
+
+
+def test_fetch_into_a_disk_too_small_says_so_and_a_disk_that_fills_gives_its_space_back(lab, tmp_path, trainproj):
+    """This machine's disk, not the node, is named: refused before copying when LOCAL_DIR has less room
+    than the node's file; when the disk fills during the copy (--overwrite of a directory skips the
+    first check: only its changed files are copied), the unfinished copy goes and the space comes back."""
+    workdir = "/opt/ddpfab/fetch-full"
+    inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
+    assert run_sync("-i", str(inv), str(trainproj)).returncode == 0
+    on_node(lab, "node1", f"mkdir -p {workdir}/ckpt && head -c 12000000 /dev/urandom > {workdir}/ckpt/model.pt")
+    small = tmp_path / "small"  # this machine's: a tmpfs of 4 MiB
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        res = ddpfab("fetch", "-i", str(inv), "--node", "node1", "ckpt/model.pt", str(small))
+        assert res.returncode == 1, res.stderr
+        assert f"LOCAL_DIR {small}: this machine's disk there has 4 MiB free, 11 MiB needed for " \
+               f"{workdir}/ckpt/model.pt from node1 (a file): free space here, or give a LOCAL_DIR on another " \
+               "disk; nothing was copied" in res.stderr, res.stderr
+        assert "host node1" not in res.stderr and not list(small.iterdir())
+        print(res.stderr)
+        (small / "ckpt").mkdir()
+        (small / "ckpt" / "model.pt").write_text("an older copy")
+        res = ddpfab("fetch", "-i", str(inv), "--node", "node1", "--overwrite", "ckpt", str(small))
+        assert res.returncode == 1, res.stderr
+        assert f"LOCAL_DIR {small}: this machine's disk there filled up during the copy of {workdir}/ckpt " \
+               "from node1 (rsync exit " in res.stderr, res.stderr
+        assert f"what it had copied ({small}/ckpt/.ddpfab-partial) was removed; it has " in res.stderr, res.stderr
+        assert "host node1" not in res.stderr
+        print(res.stderr)
+        left = sorted(str(p.relative_to(small)) for p in small.rglob("*"))
+        assert ".ddpfab-partial" not in " ".join(left), left  # nothing unfinished of rsync's stays
+        free = os.statvfs(small)
+        assert free.f_bfree * free.f_frsize > 3 << 20  # the space is back
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
