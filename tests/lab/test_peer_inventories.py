@@ -8,7 +8,6 @@ build ignores the variable)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

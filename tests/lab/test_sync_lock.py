@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from ddpfab.transfer import sync
 
 from .helpers import wait_no_processes
