@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
@@ -74,8 +75,10 @@ def hosts(dist, tmp_path_factory):
     ddpfab_bin = dist["venv"] / "bin" / "ddpfab"
     where = tmp_path_factory.mktemp("firsthour")
     lab_dir = where / "lab"
+    # shared besides the tests' temp dirs: this test's venv (its torch is what the second test's env
+    # imports; the wheel's `lab up` shares its own venv only), where a checkout in /tmp has it
     res = sh([ddpfab_bin, "lab", "up", "--hosts", "2", "--dir", lab_dir, "--subnet", extra_subnet(147),
-              "--share", tmp_path_factory.getbasetemp()], cwd=where, env=wheel_env(dist))
+              "--share", tmp_path_factory.getbasetemp(), "--share", sys.prefix], cwd=where, env=wheel_env(dist))
     try:
         assert res.returncode == 0
         # this python has no torch: the lab's own inventory points the nodes at provision's venv

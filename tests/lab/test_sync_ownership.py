@@ -8,6 +8,7 @@ directory). Tests that could destroy something first check that the path is insi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -450,24 +451,45 @@ def test_fetch_a_checkpoint_from_rank_0_matches_its_sha256_there(lab, tmp_path, 
         assert not (tmp_path / "nope").exists()
 
 
-def test_fetch_into_a_disk_too_small_says_so_and_a_disk_that_fills_gives_its_space_back(lab, tmp_path, trainproj):
+@contextlib.contextmanager
+def small_disk(kind: str, where: Path):
+    """A filesystem of about 4 MiB on this machine (the controller), mounted at *where*: a tmpfs, or
+    ext4 on a loop device (where a directory costs a block, and root has reserved blocks)."""
+    where.mkdir()
+    if kind == "tmpfs":
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], check=True)
+    else:
+        image = where.with_suffix(".img")
+        subprocess.run(["truncate", "-s", "5M", str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)  # (a loop device goes with it)
+
+
+def _files_on(disk: Path) -> list[str]:
+    return sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if "lost+found" not in p.parts)
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "ext4"])
+def test_fetch_into_a_disk_too_small_says_so_and_a_disk_that_fills_gives_its_space_back(lab, tmp_path, trainproj,
+                                                                                       kind):
     """This machine's disk, not the node, is named: refused before copying when LOCAL_DIR has less room
     than the node's file; when the disk fills during the copy (--overwrite of a directory skips the
     first check: only its changed files are copied), the unfinished copy goes and the space comes back."""
-    workdir = "/opt/ddpfab/fetch-full"
+    workdir = f"/opt/ddpfab/fetch-full-{kind}"
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
     assert run_sync("-i", str(inv), str(trainproj)).returncode == 0
     on_node(lab, "node1", f"mkdir -p {workdir}/ckpt && head -c 12000000 /dev/urandom > {workdir}/ckpt/model.pt")
-    small = tmp_path / "small"  # this machine's: a tmpfs of 4 MiB
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
-    try:
+    with small_disk(kind, tmp_path / "small") as small:
         res = ddpfab("fetch", "-i", str(inv), "--node", "node1", "ckpt/model.pt", str(small))
         assert res.returncode == 1, res.stderr
-        assert f"LOCAL_DIR {small}: this machine's disk there has 4 MiB free, 11 MiB needed for " \
-               f"{workdir}/ckpt/model.pt from node1 (a file): free space here, or give a LOCAL_DIR on another " \
-               "disk; nothing was copied" in res.stderr, res.stderr
-        assert "host node1" not in res.stderr and not list(small.iterdir())
+        assert re.search(rf"LOCAL_DIR {re.escape(str(small))}: this machine's disk there has [0-9.]+ [KM]iB free, "
+                         rf"11 MiB needed for {workdir}/ckpt/model.pt from node1 \(a file\): free space here, or give "
+                         r"a LOCAL_DIR on another disk; nothing was copied", res.stderr), res.stderr
+        assert "host node1" not in res.stderr and _files_on(small) == []
         print(res.stderr)
         (small / "ckpt").mkdir()
         (small / "ckpt" / "model.pt").write_text("an older copy")
@@ -478,9 +500,7 @@ def test_fetch_into_a_disk_too_small_says_so_and_a_disk_that_fills_gives_its_spa
         assert f"what it had copied ({small}/ckpt/.ddpfab-partial) was removed; it has " in res.stderr, res.stderr
         assert "host node1" not in res.stderr
         print(res.stderr)
-        left = sorted(str(p.relative_to(small)) for p in small.rglob("*"))
+        left = _files_on(small)
         assert ".ddpfab-partial" not in " ".join(left), left  # nothing unfinished of rsync's stays
         free = os.statvfs(small)
         assert free.f_bfree * free.f_frsize > 3 << 20  # the space is back
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
