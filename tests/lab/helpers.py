@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -41,6 +42,29 @@ def host_sh(lab, name: str, script: str, user: str | None = None, **kwargs) -> s
     if user:
         argv = ["nsenter", "-t", str(init), "-a", "runuser", "-u", user, "--", "sh", "-c", script]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def link_up(lab, name: str, timeout: float = 30) -> None:
+    """Bring *name*'s link (cut with ``ip link set VETH down``) back up, and wait until the host
+    reaches every other one on sshd's port: the lab is shared by the tests that follow, and the
+    first connects after the cut can still fail (the host's neighbour entries of its peers are
+    FAILED from the cut; CI once saw a check right after a cut fail node2->node1 with "No route
+    to host")."""
+    subprocess.run(["ip", "link", "set", lab.host(name).veth, "up"], check=True)
+    peers = [h.address for h in lab.hosts if h.name != name]
+    probe = ("import socket, sys, time\n"
+             f"deadline = time.monotonic() + {timeout}\n"
+             f"for addr in {peers!r}:\n"
+             "    while True:\n"
+             "        try:\n"
+             "            socket.create_connection((addr, 22), timeout=2).close()\n"
+             "            break\n"
+             "        except OSError as exc:\n"
+             "            if time.monotonic() > deadline:\n"
+             "                sys.exit(f'{addr}: {exc}')\n"
+             "            time.sleep(0.2)\n")
+    res = host_sh(lab, name, f"exec python3 -c {shlex.quote(probe)}")
+    assert res.returncode == 0, f"{name} does not reach its peers after its link came back up: {res.stderr}"
 
 
 def reports(stdout: str) -> list[dict]:

@@ -19,7 +19,7 @@ import pytest
 from ddpfab.planning import render
 from ddpfab.planning.plan import Plan
 
-from .helpers import ddpfab, reports, start_ddpfab, wait_no_processes
+from .helpers import ddpfab, link_up, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -165,8 +165,8 @@ def test_network_cut_names_the_lost_node_and_stops_everything(lab, inventory2, t
         _wait_job_gone(lab, run_id, timeout=SILENCE_S + STOP_GRACE_S + 5 - (time.monotonic() - cut))
         print(f"cut -> ddpfab exit {detected:.1f} s; cut -> all gone {time.monotonic() - cut:.1f} s")
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
         proc.kill()
+        link_up(lab, "node2")
     manifest = json.loads((runs / run_id / "manifest.json").read_text())
     assert manifest["first_failure"] == "node2"
     assert "lost" in manifest["nodes"]["node2"]["error"]

@@ -25,7 +25,7 @@ import yaml
 
 from ddpfab import lab as labmod
 
-from .helpers import REPO, ddpfab, start_ddpfab, wait_no_processes
+from .helpers import REPO, ddpfab, link_up, start_ddpfab, wait_no_processes
 
 SCRIPT = "tests/lab/scripts/ckpt_steps.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -120,8 +120,8 @@ def cut_and_recover(lab, inv: Path, runs: Path, victim: str, env: dict[str, str]
         out = reader.finish(timeout=300)
         wait_no_processes(lab, timeout=30, names=["node1", "node2", "node3"])  # the victim's: silence -> stop
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
         proc.kill()
+        link_up(lab, victim)
     return out, proc.returncode
 
 
@@ -291,7 +291,7 @@ def test_detached_run_recovers_and_ps_logs_stop_follow_its_attempts(lab, tmp_pat
             time.sleep(0.5)
         wait_no_processes(lab, timeout=30, names=["node2"])
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        link_up(lab, "node2")
     log = (runs / f"{run_id}.supervisor.log").read_text()
     rec = json.loads((runs / run_id / "manifest.json").read_text())["recovery"]
     assert rec["state"] == "succeeded", log
