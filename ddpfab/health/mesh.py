@@ -12,8 +12,10 @@ Why it is shaped like this (measured on lab hosts, see docs/benchmarks.md):
 - **A timeout is not yet a failure.** With every host on a loaded machine, a connect can take
   seconds to complete although nothing drops it. A timed-out connect is retried with a longer
   timeout (:data:`ATTEMPT_TIMEOUTS_S`) until the node's deadline; only a connect that times out on
-  every attempt counts as dropped. A *refused* or *unreachable* connect is an answer from the
-  network and fails at once.
+  every attempt counts as dropped. A *refused* connect is an answer from the peer and fails at
+  once; a *host unreachable* one is retried like a timeout, because on one L2 segment it only
+  means that nobody answered the kernel's ARP requests for 3 s (a link that just came back, a
+  loaded peer), and a rule's ICMP answer comes back at once on every attempt anyway.
 - **Bounded work per node.** At most :data:`DEFAULT_CONCURRENCY` connects are in flight per node
   and the node accepts on one thread (a selector), whatever the cluster size; the deadline grows
   with the number of targets, so a large cluster gets the time its work needs.

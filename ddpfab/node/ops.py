@@ -13,6 +13,7 @@ modules (which come first in the shipped text).
 # lab node); select.poll for the same reason
 import _socket
 import base64
+import errno
 import fnmatch
 import hashlib
 import importlib.util
@@ -465,10 +466,16 @@ def _bulk(s, size, timeout):
         return (exc.strerror or str(exc)), sent
 
 
+#: Connect errors that are not an answer from the target's side, so the next attempt may succeed:
+#: EHOSTUNREACH is what the kernel says when nobody answered its ARP requests for 3 s (on the same
+#: L2 segment, right after a link came back or under load), as well as a router's ICMP.
+_RETRIED_ERRNOS = (errno.EHOSTUNREACH,)
+
+
 def _connect_one(target, attempts, deadline):
-    """Connect to one target; a timed-out connect is retried with the next timeout, a refused or
-    unreachable one is an answer and ends the attempts. A target with ``bytes`` then gets that
-    many bytes sent within ``timeout`` seconds (:func:`_bulk`)."""
+    """Connect to one target; a timed-out or host-unreachable connect is retried with the next
+    timeout, a refused one (or any other error) is an answer and ends the attempts. A target
+    with ``bytes`` then gets that many bytes sent within ``timeout`` seconds (:func:`_bulk`)."""
     tries, t0, result = [], time.monotonic(), "not probed (deadline)"
     for timeout in attempts:
         left = deadline - time.monotonic()
@@ -476,7 +483,7 @@ def _connect_one(target, attempts, deadline):
             break
         s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
         s.settimeout(min(timeout, left))
-        a0 = time.monotonic()
+        a0, retry = time.monotonic(), False
         try:
             s.connect((target["addr"], target["port"]))
             result = "ok"
@@ -486,15 +493,15 @@ def _connect_one(target, attempts, deadline):
                 return dict(target, result=result, sent=sent, attempts=len(tries),
                             ms=round((time.monotonic() - t0) * 1000, 1))
         except _socket.timeout:
-            result = "timed out"
+            result, retry = "timed out", True
         except ConnectionRefusedError:
             result = "refused"
         except OSError as exc:
-            result = exc.strerror or str(exc)
+            result, retry = exc.strerror or str(exc), exc.errno in _RETRIED_ERRNOS
         finally:
             s.close()
         tries.append(round((time.monotonic() - a0) * 1000, 1))
-        if result != "timed out":
+        if not retry:
             break
     return dict(target, result=result, attempts=len(tries), ms=round((time.monotonic() - t0) * 1000, 1))
 

@@ -4,6 +4,7 @@ its code and the requests on stdin, one validated reply per request)."""
 from __future__ import annotations
 
 import ast
+import errno
 import hashlib
 import importlib.util
 import io
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import zlib
 from pathlib import Path
 
@@ -131,6 +133,38 @@ def test_mesh_listen_then_connect_in_one_session():
         {"target": "gone", "kind": "ephemeral", "addr": "127.0.0.1", "port": dead}],
         "attempts": [1.0], "concurrency": 2, "deadline": 10}, session)["probes"]
     assert [p["result"] for p in got] == ["ok", "ok", "refused"]
+
+
+@pytest.mark.parametrize("errors, result, attempts", [
+    ([errno.EHOSTUNREACH], "ok", 2),  # ARP unanswered once (a link just back): the next attempt connects
+    ([errno.EHOSTUNREACH] * 3, os.strerror(errno.EHOSTUNREACH), 3),  # unreachable every time: named so
+    ([errno.ENETUNREACH, errno.EHOSTUNREACH], os.strerror(errno.ENETUNREACH), 1),  # no route: an answer
+])
+def test_a_host_unreachable_connect_is_retried_like_a_timeout(monkeypatch, errors, result, attempts):
+    """EHOSTUNREACH on one segment is the kernel's ARP giving up (nobody answered for 3 s), not
+    the peer's answer: CI saw a healthy node fail the check so right after its link came back."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    left = list(errors)
+
+    class FlakySocket(socket.socket):
+        def connect(self, address):
+            if left:
+                code = left.pop(0)
+                raise OSError(code, os.strerror(code))
+            return super().connect(address)
+
+    flaky = types.ModuleType("_socket")  # the node program's own view of _socket, with this socket
+    flaky.__dict__.update(vars(program._socket), socket=FlakySocket)
+    monkeypatch.setattr(program, "_socket", flaky)
+    try:
+        got = program.op_mesh_connect({"targets": [{"target": "peer", "kind": "ephemeral", "addr": "127.0.0.1",
+                                                    "port": listener.getsockname()[1]}],
+                                       "attempts": [1.0, 1.0, 1.0], "concurrency": 1, "deadline": 10}, {})["probes"]
+    finally:
+        listener.close()
+    assert (got[0]["result"], got[0]["attempts"]) == (result, attempts)
 
 
 def test_ps_and_stop_over_run_records(tmp_path):
