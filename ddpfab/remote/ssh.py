@@ -33,7 +33,7 @@ from ddpfab.hosts.inventory import Node
 from ddpfab.problems import NodeError
 
 # HostKeyPolicy is ddpfab.remote.ssh.HostKeyPolicy to callers too
-from ddpfab.remote.target import HostKeyPolicy, Target, TargetError, proxy_argv, resolve
+from ddpfab.remote.target import HostKeyPolicy, Target, TargetError, proxy_argv, resolve, unresolved
 from ddpfab.results import GroupResult
 
 T = TypeVar("T")
@@ -209,6 +209,11 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
             f"unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
             f"({exc or 'timed out'}); "
             "check ansible_host and that the host is up"), "unreachable") from None
+    except socket.gaierror as exc:
+        if exc.errno not in _NO_SUCH_NAME:
+            raise _hop_error(node, t, f"unreachable: its name {t.host} cannot be resolved now ({exc.strerror}); "
+                             "check this machine's DNS", "unreachable") from None
+        raise _hop_error(node, t, unresolved(t, exc.strerror), "unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
         if _no_banner(conn):
             raise _hop_error(node, t, (
@@ -231,6 +236,8 @@ def _no_banner(conn: Connection) -> bool:
 #: server dropped); a refused or unroutable connect, a bad key or failed auth end at once.
 CONNECT_ATTEMPTS = 3
 _FINAL_ERRNOS = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+#: The resolver's answers that a name has no address (not a failure to ask: EAI_AGAIN is retried).
+_NO_SUCH_NAME = tuple(getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n))
 
 
 def _open(conn: Connection, timeout: float) -> None:
@@ -252,7 +259,8 @@ def _open(conn: Connection, timeout: float) -> None:
             auth_timeout = conn.connect_kwargs.get("auth_timeout") or timeout
             busy_auth = (isinstance(exc, paramiko.AuthenticationException)
                          and time.monotonic() - began >= auth_timeout)
-            final = (isinstance(exc, OSError) and exc.errno in _FINAL_ERRNOS
+            final = (isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME
+                     or isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno in _FINAL_ERRNOS
                      or isinstance(exc, paramiko.AuthenticationException) and not busy_auth)
             if attempt == CONNECT_ATTEMPTS - 1 or final:
                 raise

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpfab.hosts.inventory import SSH_ARG_VARS, Node, is_address
+from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.problems import DdpfabError, Problem
 
 if TYPE_CHECKING:
@@ -136,6 +137,8 @@ class Target:
         proxy_command: a ProxyCommand (exclusive with *jump*), its %-tokens expanded.
         tuning: OpenSSH-only options (name, value) that change neither route nor trust.
         jump_of: for a jump host: the inventory name of the node it serves (for messages).
+        ssh_config: the ssh_config file it was resolved with (None: OpenSSH's own two); a host
+            name that does not resolve is matched against its ``Host`` names.
     """
 
     name: str
@@ -152,6 +155,7 @@ class Target:
     proxy_command: str | None = None
     tuning: tuple[tuple[str, str], ...] = field(default=())
     jump_of: str | None = None
+    ssh_config: str | None = None
 
     def __post_init__(self):
         # a Target built from records (emit's fallback) gets the same guard as a resolved one:
@@ -400,7 +404,7 @@ def resolve(node: Node, policy: HostKeyPolicy | None = None, ssh_config: str | N
     keys = list(dict.fromkeys([*([node.key_file] if node.key_file else []),
                                *([inv_keys] if isinstance(inv_keys, str) else inv_keys),
                                *(from_cfg.get("identityfile") or [])]))
-    target = _target(node.name, node.host, merged, keys, policy, None, label, origin)
+    target = replace(_target(node.name, node.host, merged, keys, policy, None, label, origin), ssh_config=cfg_path)
     spec = merged.get("proxyjump")
     if spec and spec.lower() != "none":
         target = replace(target, jump=_jumps(spec, config, where, target, node.name, policy, (node.host,)))
@@ -497,7 +501,33 @@ def _target(name: str, host: str, opts: dict, keys: list[str], policy: HostKeyPo
         proxy_command=proxy,
         tuning=tuning,
         jump_of=inherit.name if inherit else None,
+        ssh_config=inherit.ssh_config if inherit else None,
     )
+
+
+def host_names(ssh_config: str | None) -> list[str]:
+    """The names this machine knows hosts by: the literal ``Host`` names of *ssh_config* (None:
+    OpenSSH's own two files; patterns left out) and the names in /etc/hosts. What a host name that
+    does not resolve is compared with (:func:`unresolved`)."""
+    try:
+        names = {h for h in _config(ssh_config)[0].get_hostnames() if not any(c in h for c in "*?!")}
+    except TargetError:
+        names = set()
+    try:
+        lines = Path("/etc/hosts").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        names.update(line.split("#", 1)[0].split()[1:])
+    return sorted(names)
+
+
+def unresolved(t: Target, why: str) -> str:
+    """What to say when *t*'s host name resolves to no address (*why*: the resolver's words):
+    the closest names this machine knows hosts by, and where a name gets its address."""
+    where = t.ssh_config or "~/.ssh/config"
+    return (f"the name {t.host} does not resolve ({why}){did_you_mean(t.host, host_names(t.ssh_config))}; fix "
+            f"the host's name or its ansible_host in the inventory, or give it a Host entry with a HostName in {where}")
 
 
 def _jumps(spec: str, config: paramiko.SSHConfig, where: str, node: Target, node_name: str,
@@ -656,6 +686,8 @@ def ansible_vars(t: Target, control_path: str) -> dict[str, str]:
 
 
 # -- OpenSSH's failures, in ddpfab's words ------------------------------------------------------
+#: OpenSSH's words for a name no resolver knows (a temporary failure is worded as unreachable).
+_UNRESOLVED = re.compile(r"Could not resolve hostname \S+: (Name or service not known|No address associated with hostname)")
 _KEY_CHANGED = re.compile(r"Host key for (\S+) has changed|REMOTE HOST IDENTIFICATION HAS CHANGED")
 _KEY_UNKNOWN = re.compile(r"No (?:ED25519|RSA|ECDSA|DSA)?\s*host key is known for (\S+)|Host key verification failed")
 
@@ -689,6 +721,9 @@ def ssh_problem(t: Target, rc: int, stderr: str) -> str:
     if "Permission denied" in text or "Too many authentication failures" in text:
         return (f"{head}: authentication failed ({text[-160:]}); check ansible_user and "
                 "ansible_ssh_private_key_file (a jump host: its User/IdentityFile in the ssh_config)")
+    resolve_fail = _UNRESOLVED.search(text)
+    if resolve_fail:
+        return f"{head}: {unresolved(hop, resolve_fail[1])}"
     for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",
                    "Network is unreachable", "Connection closed", "Connection reset"):
         if marker in text:

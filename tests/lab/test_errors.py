@@ -80,6 +80,24 @@ def test_unreachable_host_is_named(lab, tmp_path):
     _nothing_started(lab, runs)
 
 
+def test_a_mistyped_host_name_is_matched_against_the_ssh_config(lab, tmp_path):
+    """An inventory of host names as the lab's ssh_config spells them (README, on your machines),
+    one of them mistyped (nod2): the dry run and the run both end before starting, naming the
+    host, that its name does not resolve, the ssh_config's name it missed and where to fix it."""
+    inv = tmp_path / "inv.yml"
+    inv.write_text(f"all:\n  hosts:\n    node1:\n    nod2:\n  vars:\n    ddpfab_python: {sys.executable}\n")
+    config = str(lab.dir / "ssh_config")
+    runs = tmp_path / "runs"
+    for dry in (["--dry-run"], []):
+        res = ddpfab("run", "-i", str(inv), "--ssh-config", config, "--runs-dir", str(runs), *dry, REPORT)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert any(ln.startswith("ddpfab: error: host nod2 (nod2:22): the name nod2 does not resolve (")
+                   and "(did you mean 'node2'" in ln and ln.endswith(f"a Host entry with a HostName in {config}")
+                   for ln in _error_lines(res)), res.stderr
+        assert "Traceback" not in res.stderr
+    _nothing_started(lab, runs)
+
+
 def test_explicit_master_port_in_use_on_master(lab, inventory2, tmp_path):
     port = 29555
     listener = subprocess.Popen(

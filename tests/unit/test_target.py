@@ -15,12 +15,14 @@ from ddpfab.remote.target import (
     Target,
     TargetError,
     ansible_vars,
+    host_names,
     host_path,
     openssh_options,
     resolve,
     scp_argv,
     ssh_argv,
     ssh_problem,
+    unresolved,
 )
 
 CONFIG = """\
@@ -199,6 +201,23 @@ def test_the_same_config_under_another_home_is_read_as_that_home_reads_it(tmp_pa
         monkeypatch.setenv("HOME", str(tmp_path / home))
         got.append(resolve(node(), HostKeyPolicy(), str(cfg)).user)
     assert got == ["alice", "bob", "alice"]
+
+
+def test_a_host_name_that_does_not_resolve_is_matched_against_the_known_names(config):
+    """A typo in the inventory (``bastoin``) resolves to nothing: both transports' words name the
+    ssh_config's closest Host name and where the fix goes; patterns are never suggested; a jump
+    host keeps the node's ssh_config."""
+    assert {"bastion", "inner", "n1", "localhost"} <= set(host_names(config)) and "*" not in host_names(config)
+    t = resolve(node("bastoin"), HostKeyPolicy(), config)
+    assert t.ssh_config == config and resolve(node("n1"), HostKeyPolicy(), config).jump.ssh_config == config
+    said = unresolved(t, "Name or service not known")
+    assert said == ("the name bastoin does not resolve (Name or service not known) (did you mean 'bastion'?); fix "
+                    f"the host's name or its ansible_host in the inventory, or give it a Host entry with a HostName in {config}")
+    openssh = "ssh: Could not resolve hostname bastoin: Name or service not known\r\n"
+    assert ssh_problem(t, 255, openssh) == f"host bastoin (bastoin:22): {said}"
+    # a resolver that could not answer is not a typo
+    assert "did you mean" not in ssh_problem(t, 255, "ssh: Could not resolve hostname bastoin: "
+                                                       "Temporary failure in name resolution")
 
 
 def test_an_openssh_failure_names_the_hop_that_failed():
