@@ -43,8 +43,9 @@ import threading
 import time
 
 try:  # as a module of ddpfab; on a node leases.py's source comes first in the same program
-    from .leases import (TOUCH_S, describe_leases, drop_ticket, grantable, lease_state, make_ticket,
-                         lease_user, reserve_port, take_leases, ticket_key, tickets, touch_leases, uses_leases)
+    from .leases import (TOUCH_S, compute_apps, describe_leases, drop_ticket, grantable, gpu_table, lease_state,
+                         lease_user, make_ticket, reserve_port, take_leases, ticket_key, tickets, touch_leases,
+                         uses_leases)
 except ImportError:
     pass
 
@@ -755,6 +756,10 @@ def _recorded_code(run_dir):
 
 #: How often a waiting supervisor looks at the queue and the leases (a release is seen this soon).
 WAIT_POLL_S = 0.2
+#: How often it asks nvidia-smi which processes use the GPUs (use without a lease keeps a GPU from
+#: being granted): each ask is a run of nvidia-smi, tens of milliseconds to seconds of CPU on a GPU
+#: node, and every waiting job on the node would make five a second. A grant asks again itself.
+WAIT_APPS_S = 2.0
 
 
 def wait_for_leases(spec, count, pin, run_id):
@@ -823,6 +828,7 @@ def wait_for_leases(spec, count, pin, run_id):
     reader.start()
     fd, path = make_ticket(key, record)
     held, gpus, said = None, None, None
+    table, apps, apps_at = gpu_table(), None, 0.0  # the node's GPUs do not change while a job waits
     try:
         while True:
             if silence and time.monotonic() - events["beat"] > silence:
@@ -837,11 +843,15 @@ def wait_for_leases(spec, count, pin, run_id):
                 fd, path = make_ticket(key, record)
             queue = tickets(path if fd is not None else None)
             ahead = [t for t in queue if t.get("key", "") < key and not t.get("own")]
-            states = lease_state()
+            if apps is None or time.monotonic() - apps_at >= WAIT_APPS_S:
+                apps, apps_at = compute_apps(table), time.monotonic()
+            states = lease_state(table, apps)
             if held is None:
                 among = grantable(states, ahead, count, pin)
-                if among is not None:
-                    held, gpus, _ = take_leases(count, pin, run_id, among=among)
+                if among is not None:  # (take_leases asks nvidia-smi again: a use since is seen)
+                    held, gpus, fresh = take_leases(count, pin, run_id, table=table, among=among)
+                    if fresh is not None:
+                        apps = None
                 if held is not None:
                     with lock:
                         events["granted"] = True

@@ -243,14 +243,16 @@ def _try_flock(fd):
         raise
 
 
-def lease_state(table=None):
+def lease_state(table=None, apps=None):
     """Every GPU's state: [{"gpu", "uuid", "state": free|leased|busy, "holder", "procs"}]. A leased
-    GPU names its holder; a busy one (used without a lease) its processes."""
+    GPU names its holder; a busy one (used without a lease) its processes. *table* and *apps*:
+    :func:`gpu_table`'s and :func:`compute_apps`' answers when the caller has them (each is a run
+    of nvidia-smi)."""
     table = gpu_table() if table is None else table
     if not table:
         return []  # no GPU: nothing to lease, and no lease dir made
     lease_dir()
-    apps = compute_apps(table)
+    apps = compute_apps(table) if apps is None else apps
     out = []
     names = _held_names()
     for gpu, uuid in table:

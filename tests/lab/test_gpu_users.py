@@ -294,6 +294,18 @@ class Watched:
                 spans[-1] = (spans[-1][0], t, spans[-1][2])
         return {n: sp for n, sp in out.items() if sp}
 
+    def go_round_trip(self) -> float | None:
+        """Seconds from the grant line that completed the job's set (the last ``granted GPU``
+        before its go) to its last ``leased GPU`` line: the go's two round trips between ddpfab and
+        the nodes' supervisors (``p``, ``ready``, ``g``, ``leased``), as fast as this machine
+        relays lines right now; None for a job that never went."""
+        leased = [t for t, ln in list(self.lines) if (m := AGENT_LINE.match(ln)) and m.group(2).startswith("leased GPU ")]
+        if not leased:
+            return None
+        grants = [t for t, ln in list(self.lines) if t <= min(leased) and (m := AGENT_LINE.match(ln))
+                  and m.group(2).startswith("granted GPU ")]
+        return max(leased) - max(grants) if grants else None
+
     def text(self) -> str:
         return "\n".join(ln for _, ln in self.lines)
 
@@ -494,6 +506,8 @@ def test_three_users_thirty_jobs_share_the_gpus_without_overlap_or_idle_waits(us
             worst[run_id] = max(worst.get(run_id, 0.0), idle)
             t += 0.1
     print("longest idle wait per job (s):", {k: round(v, 1) for k, v in sorted(worst.items()) if v})
+    trips = sorted(rt for j in jobs if j.watched and (rt := j.watched.go_round_trip()) is not None)
+    print("go round trips (s):", [round(t, 2) for t in trips])
     for run_id, idle in worst.items():
         if idle > IDLE_MAX_S:  # what that job, and each job on its nodes, said and when
             j = waits[run_id][0]
@@ -503,7 +517,8 @@ def test_three_users_thirty_jobs_share_the_gpus_without_overlap_or_idle_waits(us
                     for t, ln in o.watched.lines:
                         print(f"  {t - start:7.2f} {o.run_id} {ln[:160]}")
             print("  supervisor ends:", {k: round(v - start, 2) for k, v in ends.items() if k[0] in j.nodes})
-    assert max(worst.values(), default=0.0) <= IDLE_MAX_S, worst
+    over = {k: round(v, 1) for k, v in worst.items() if v > IDLE_MAX_S}
+    assert not over, f"idle waits over {IDLE_MAX_S} s: {over} (seed {seed}; go round trips {trips})"
     print(f"schedule done in {time.time() - start:.0f} s; load {os.getloadavg()}")
 
 

@@ -316,6 +316,35 @@ def test_a_node_that_said_ready_keeps_its_leases_until_the_go_and_a_go_without_r
         waiter.proc.wait()
 
 
+def test_a_waiting_job_asks_nvidia_smi_every_few_seconds_not_at_every_poll(node_gpus, tmp_path):
+    """Each ask is a run of nvidia-smi (tens of milliseconds to seconds of CPU on a GPU node, and
+    every waiting job on the node asks): a job waiting 3 s behind a holder asks which processes use
+    the GPUs about every WAIT_APPS_S and the GPU list not at all (it asked both at each 0.2 s
+    poll: 15 + 15 runs), and still takes the GPUs as soon as the holder lets them go."""
+    from ddpfab.node.agent import WAIT_APPS_S
+
+    asked = tmp_path / "asked"
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.unlink()
+    smi.write_text(f'#!/bin/sh\necho "$1" >> {asked}\nexec {STAND_IN} "$@"\n')
+    smi.chmod(0o755)
+    fds, _, _ = leases.take_leases(4, [], "holder")
+    waiter = Waiter(node_gpus, tmp_path / "runs" / "behind", "behind", 2, arrival=100.0)
+    try:
+        waiter.said("ddpfab-agent: waiting: place 1", 60)
+        asked.write_text("")
+        time.sleep(3.0)
+        during = asked.read_text().split()
+        for fd in fds:
+            os.close(fd)
+        waiter.said(ctl.GRANTED + "0,1", 20)
+    finally:
+        waiter.proc.kill()
+        waiter.proc.wait()
+    assert during.count("--query-gpu=index,uuid") == 0, during
+    assert 1 <= during.count("--query-compute-apps=gpu_uuid,pid,process_name") <= 3.0 / WAIT_APPS_S + 1, during
+
+
 def test_a_waiter_cancelled_by_a_signal_leaves_a_record_ps_shows(node_gpus, tmp_path):
     """ddpfab stop TERMs a waiting supervisor: it leaves its queue and records "cancelled while
     waiting" (exit 143) instead of dying without a result; the node's ps says cancelled."""

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
