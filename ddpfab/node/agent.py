@@ -757,8 +757,8 @@ def _recorded_code(run_dir):
 #: How often a waiting supervisor looks at the queue and the leases (a release is seen this soon).
 WAIT_POLL_S = 0.2
 #: How often it asks nvidia-smi which processes use the GPUs (use without a lease keeps a GPU from
-#: being granted): each ask is a run of nvidia-smi, tens of milliseconds to seconds of CPU on a GPU
-#: node, and every waiting job on the node would make five a second. A grant asks again itself.
+#: being granted): each ask is a run of nvidia-smi (a program start and a driver query), and every
+#: waiting job on the node would make five a second. A grant asks again itself.
 WAIT_APPS_S = 2.0
 
 

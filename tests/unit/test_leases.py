@@ -317,8 +317,8 @@ def test_a_node_that_said_ready_keeps_its_leases_until_the_go_and_a_go_without_r
 
 
 def test_a_waiting_job_asks_nvidia_smi_every_few_seconds_not_at_every_poll(node_gpus, tmp_path):
-    """Each ask is a run of nvidia-smi (tens of milliseconds to seconds of CPU on a GPU node, and
-    every waiting job on the node asks): a job waiting 3 s behind a holder asks which processes use
+    """Each ask is a run of nvidia-smi (a program start and a driver query, and every waiting job
+    on the node asks): a job waiting 3 s behind a holder asks which processes use
     the GPUs about every WAIT_APPS_S and the GPU list not at all (it asked both at each 0.2 s
     poll: 15 + 15 runs), and still takes the GPUs as soon as the holder lets them go."""
     from ddpfab.node.agent import WAIT_APPS_S
