@@ -179,10 +179,21 @@ def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
     return order[r]
 
 
-def located(name: str, found: dict) -> tuple[str, int]:
-    """A ``locate`` reply's path and size, validated (records are data): the path's last name
-    becomes the local destination's, so it must be a name (not ``..``, ``.`` or empty) of an
-    absolute path without control characters, and the size an integer."""
+@dataclass(frozen=True)
+class Located:
+    """What the node said it has at the path asked for (its ``locate`` answer, validated)."""
+
+    path: str
+    bytes: int
+    files: int  # at least 1: it only sizes the disk check here
+    kind: str  # "file" or "dir"
+
+
+def located(name: str, found: dict) -> Located:
+    """A ``locate`` reply, validated (records are data): the path's last name becomes the local
+    destination's, so it must be a name (not ``..``, ``.`` or empty) of an absolute path without
+    control characters, and the size an integer. The file count only sizes a check: anything but
+    a count is taken as one file; anything but ``dir`` is a file."""
     path, size = found.get("path"), found.get("bytes")
     name_ok = isinstance(path, str) and path.startswith("/") and \
         os.path.basename(path.rstrip("/")) not in ("", ".", "..", PARTIAL_DIR) and \
@@ -192,7 +203,9 @@ def located(name: str, found: dict) -> tuple[str, int]:
             f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
             f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
             "byte count; ddpfab's node program never answers so: check what runs as ddpfab_python there")), 1)
-    return path, size
+    files = found.get("files")
+    files = files if isinstance(files, int) and not isinstance(files, bool) else 1
+    return Located(path, size, max(files, 1), "dir" if found.get("kind") == "dir" else "file")
 
 
 def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: HostKeyPolicy, *,
@@ -238,7 +251,8 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
         found = _ask(runner, None, req, timeout=120)[0]
     except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
         raise FetchError(exc.problems[0], 1) from None
-    path, size = located(node.name, found)
+    what = located(node.name, found)
+    path, size, files, kind = what.path, what.bytes, what.files, what.kind
     check_local_dir(local_dir)
     local_dir = os.path.abspath(os.fspath(local_dir))
     dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
@@ -248,9 +262,6 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
         os.makedirs(local_dir, exist_ok=True)
     except OSError as exc:
         raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
-    # the node's file count only sizes a check here: anything but a count is taken as one file
-    files = found.get("files") if isinstance(found.get("files"), int) and not isinstance(found.get("files"), bool) else 1
-    files, kind = max(files, 1), ("dir" if found.get("kind") == "dir" else "file")
     existed = os.path.lexists(dest)
     before = room(local_dir)
     need = size + files * before.block if before else size  # each file's last block is whole

@@ -762,10 +762,15 @@ def test_ps_records_name_run_ids_not_paths():
 
 
 def test_a_locate_answer_must_name_a_file_or_dir():
-    from ddpfab.transfer.fetch import FetchError, located
+    from ddpfab.transfer.fetch import FetchError, Located, located
 
-    assert located("n1", {"path": "/opt/w/ckpt", "bytes": 5}) == ("/opt/w/ckpt", 5)
-    assert located("n1", {"path": "/opt/w/ckpt/", "bytes": 0}) == ("/opt/w/ckpt/", 0)
+    assert located("n1", {"path": "/opt/w/ckpt", "bytes": 5}) == Located("/opt/w/ckpt", 5, 1, "file")
+    assert located("n1", {"path": "/opt/w/ckpt/", "bytes": 0, "kind": "dir", "files": 7}) == \
+        Located("/opt/w/ckpt/", 0, 7, "dir")
+    # the file count only sizes the disk check: what is not a count is one file, never fewer
+    for files in ("7", True, 2.5, None, -3, 0):
+        assert located("n1", {"path": "/opt/w/ckpt", "bytes": 5, "files": files}).files == 1
+    assert located("n1", {"path": "/opt/w/ckpt", "bytes": 5, "kind": "socket"}).kind == "file"
     for bad in ({"path": ["x"]}, {"path": ".."}, {"path": "/opt/w/.."}, {"path": "/opt/w/."}, {"path": "/"},
                 {"path": "rel/x"}, {"path": "/opt/w/a\nb"}, {"path": "/opt/w/\x1b[2J"}, {"bytes": "9"},
                 {"bytes": True}):
