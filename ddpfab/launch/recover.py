@@ -370,7 +370,9 @@ class Recovery:
                 return prepared, extra, nodes
             except RunError as exc:
                 blamed = problem_hosts(exc.problems, {n.name for n in nodes})
-                if restart == 0 or not blamed:
+                # a restart's run id already on a node (an earlier run of the same --run-id whose
+                # first attempt was pruned) is this run's naming, not the node's fault: no spare fixes it
+                if restart == 0 or not blamed or any(p.check == "run_id" for p in exc.problems):
                     raise
                 for name in blamed:
                     why = "; ".join(str(p) for p in exc.problems if p.about(name))  # node1 is not node10

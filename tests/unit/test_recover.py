@@ -176,3 +176,23 @@ def test_attempt_records_are_plain_data():
     a = recover.Attempt("R-r1", 1, ["a", "s"], 1.0, replaced={"b": "s"}, recovery_s=2.5)
     d = a.to_dict()
     assert d["replaced"] == {"b": "s"} and d["recovery_s"] == 2.5 and d["ranks"] == {}
+
+
+def test_a_restart_whose_run_id_is_on_a_node_already_blames_no_node(tmp_path: Path):
+    """Restart 1 runs as R-r1; a node that has R-r1's dir already (an earlier run of the same
+    --run-id whose first attempt's records were pruned) fails the probe with a ``run_id`` problem:
+    that is the run's naming, not a fault of the node, so it is neither left out nor replaced by a
+    spare (it was: the spare then met the same refusal); the restart fails naming the dir."""
+    def prepare(cluster, options):
+        assert options.run_id == "R-r1"
+        raise RunError([Problem("a", "run_id", expected="no ~/.ddpfab/runs/R-r1 there", found="exists",
+                                text="host a: ~/.ddpfab/runs/R-r1 exists there: this run id was used on this "
+                                     "node already; pick another --run-id (or leave it out)")])
+
+    rec = recover.Recovery(recover.Cluster("inv.yml", "all", nodes("a", "b")), nodes("s1"), RunOptions(script="t.py", run_id="R"),
+                           recover.RecoveryOptions(max_job_restarts=2, spares_group="standby"), None, None,
+                           str(tmp_path), prepare, None)
+    attempt = recover.Attempt("R-r1", 1, [], 0.0)
+    with pytest.raises(RunError, match="R-r1 exists there"):
+        rec._prepare(attempt, nodes("a", "b"), 1, ("R", "R-r1"))
+    assert attempt.skipped == {} and rec.excluded == set()
