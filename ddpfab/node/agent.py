@@ -828,7 +828,7 @@ def wait_for_leases(spec, count, pin, run_id):
     reader.start()
     fd, path = make_ticket(key, record)
     held, gpus, said = None, None, None
-    table, apps, apps_at = gpu_table(), None, 0.0  # the node's GPUs do not change while a job waits
+    table, apps, asked, leased = None, None, 0.0, set()
     try:
         while True:
             if silence and time.monotonic() - events["beat"] > silence:
@@ -843,9 +843,16 @@ def wait_for_leases(spec, count, pin, run_id):
                 fd, path = make_ticket(key, record)
             queue = tickets(path if fd is not None else None)
             ahead = [t for t in queue if t.get("key", "") < key and not t.get("own")]
-            if apps is None or time.monotonic() - apps_at >= WAIT_APPS_S:
-                apps, apps_at = compute_apps(table), time.monotonic()
+            if apps is None or time.monotonic() - asked >= WAIT_APPS_S:
+                if table is None or len(table) < max(count, len(pin)):  # (a node's GPUs stay; a failed ask not)
+                    table = gpu_table()
+                apps, asked = compute_apps(table), time.monotonic()
             states = lease_state(table, apps)
+            if leased - set(s["gpu"] for s in states if s["state"] == "leased"):
+                # a release: the processes *apps* lists for it were its holder's, gone with it now
+                apps, asked = compute_apps(table), time.monotonic()
+                states = lease_state(table, apps)
+            leased = set(s["gpu"] for s in states if s["state"] == "leased")
             if held is None:
                 among = grantable(states, ahead, count, pin)
                 if among is not None:  # (take_leases asks nvidia-smi again: a use since is seen)

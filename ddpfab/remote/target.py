@@ -526,7 +526,8 @@ def unresolved(t: Target, why: str) -> str:
     """What to say when *t*'s host name resolves to no address (*why*: the resolver's words):
     the closest names this machine knows hosts by, and where a name gets its address."""
     where = t.ssh_config or "~/.ssh/config"
-    return (f"the name {t.host} does not resolve ({why}){did_you_mean(t.host, host_names(t.ssh_config))}; fix "
+    others = [n for n in host_names(t.ssh_config) if n != t.host]  # (a Host entry without a HostName: itself)
+    return (f"the name {t.host} does not resolve ({why}){did_you_mean(t.host, others)}; fix "
             f"the host's name or its ansible_host in the inventory, or give it a Host entry with a HostName in {where}")
 
 
@@ -687,7 +688,8 @@ def ansible_vars(t: Target, control_path: str) -> dict[str, str]:
 
 # -- OpenSSH's failures, in ddpfab's words ------------------------------------------------------
 #: OpenSSH's words for a name no resolver knows (a temporary failure is worded as unreachable).
-_UNRESOLVED = re.compile(r"Could not resolve hostname \S+: (Name or service not known|No address associated with hostname)")
+_UNRESOLVED = re.compile(r"Could not resolve hostname (\S+): (Name or service not known|No address associated with "
+                         r"hostname|nodename nor servname provided, or not known)")
 _KEY_CHANGED = re.compile(r"Host key for (\S+) has changed|REMOTE HOST IDENTIFICATION HAS CHANGED")
 _KEY_UNKNOWN = re.compile(r"No (?:ED25519|RSA|ECDSA|DSA)?\s*host key is known for (\S+)|Host key verification failed")
 
@@ -722,8 +724,9 @@ def ssh_problem(t: Target, rc: int, stderr: str) -> str:
         return (f"{head}: authentication failed ({text[-160:]}); check ansible_user and "
                 "ansible_ssh_private_key_file (a jump host: its User/IdentityFile in the ssh_config)")
     resolve_fail = _UNRESOLVED.search(text)
-    if resolve_fail:
-        return f"{head}: {unresolved(hop, resolve_fail[1])}"
+    named = resolve_fail and next((h for h in t.chain() if h.host.lower() == resolve_fail[1].lower()), None)
+    if named:  # (the hop whose name it is: through two jump hosts the message comes from the inner one)
+        return f"{named.label} ({named.where}): {unresolved(named, resolve_fail[2])}"
     for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",
                    "Network is unreachable", "Connection closed", "Connection reset"):
         if marker in text:

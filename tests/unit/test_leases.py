@@ -257,11 +257,13 @@ class Waiter:
     """A node's waiting supervisor in its own interpreter (``agent.hold_leases`` with ``--wait``'s
     spec), stdin and stdout as ddpfab's channel, the lines read on a thread."""
 
-    def __init__(self, lease_dir: Path, run_dir: Path, run_id: str, count: int, arrival: float):
-        code = ("import json, sys; sys.path.insert(0, %r); from ddpfab.node import agent; "
+    def __init__(self, lease_dir: Path, run_dir: Path, run_id: str, count: int, arrival: float,
+                 apps_every: float | None = None):
+        code = ("import json, sys; sys.path.insert(0, %r); from ddpfab.node import agent; %s"
                 "spec = json.loads(sys.argv[1]); held, gpus = agent.hold_leases(spec, spec['dir'], "
                 "open(spec['dir'] + '/output.log', 'ab')); sys.exit(0 if held else agent._recorded_code(spec['dir']))"
-                % str(Path(__file__).resolve().parents[2]))
+                % (str(Path(__file__).resolve().parents[2]),
+                   f"agent.WAIT_APPS_S = {apps_every!r}; " if apps_every is not None else ""))
         spec = {"run_id": run_id, "dir": str(run_dir), "gpus": {"count": count}, "wait": {"arrival": arrival}}
         run_dir.mkdir(parents=True)
         self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], stdin=subprocess.PIPE,
@@ -343,6 +345,39 @@ def test_a_waiting_job_asks_nvidia_smi_every_few_seconds_not_at_every_poll(node_
         waiter.proc.wait()
     assert during.count("--query-gpu=index,uuid") == 0, during
     assert 1 <= during.count("--query-compute-apps=gpu_uuid,pid,process_name") <= 3.0 / WAIT_APPS_S + 1, during
+
+
+def test_a_release_is_seen_at_once_though_nvidia_smi_listed_the_holders_processes(node_gpus, tmp_path):
+    """nvidia-smi lists a holder's job processes on its GPUs (its own: no foreign use while it
+    holds them). A waiter that asked nvidia-smi before the holder ended must not take those
+    processes, gone with the release, for use without a lease: it asks again at the release and
+    takes GPUs 0 and 1 (with the earlier answer kept, it said "GPU 0 busy without a lease" and
+    took 2 and 3)."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.unlink()
+    smi.write_text(STAND_IN.read_text().replace("conf=/etc/ddpfab-stand-in", f"conf={conf}"))
+    smi.chmod(0o755)
+    fds, _, _ = leases.take_leases(4, [], "holder")  # this process holds them; its job is `sleep`
+    job = subprocess.Popen(["sleep", "60"])
+    (conf / "compute-apps").write_text("".join(f"{g} {job.pid} python\n" for g in range(4)))
+    waiter = Waiter(node_gpus, tmp_path / "runs" / "next", "next", 2, arrival=100.0, apps_every=60.0)
+    try:
+        waiter.said("ddpfab-agent: waiting: place 1", 60)
+        time.sleep(0.5)  # a few polls with nvidia-smi's answer kept
+        job.kill()
+        job.wait()
+        (conf / "compute-apps").write_text("")  # the driver lists no process of a job that ended
+        for fd in fds:
+            os.close(fd)
+        lines = waiter.said(ctl.GRANTED, 20)
+    finally:
+        job.kill()
+        waiter.proc.kill()
+        waiter.proc.wait()
+    assert lines[-1].startswith(ctl.GRANTED + "0,1;"), lines
+    assert not any("without a lease" in ln for ln in lines), lines
 
 
 def test_a_waiter_cancelled_by_a_signal_leaves_a_record_ps_shows(node_gpus, tmp_path):

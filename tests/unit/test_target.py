@@ -203,6 +203,13 @@ def test_the_same_config_under_another_home_is_read_as_that_home_reads_it(tmp_pa
     assert got == ["alice", "bob", "alice"]
 
 
+def _config_file(beside: str, text: str) -> str:
+    path = os.path.join(os.path.dirname(beside), "other_config")
+    with open(path, "w") as fh:
+        fh.write(text)
+    return path
+
+
 def test_a_host_name_that_does_not_resolve_is_matched_against_the_known_names(config):
     """A typo in the inventory (``bastoin``) resolves to nothing: both transports' words name the
     ssh_config's closest Host name and where the fix goes; patterns are never suggested; a jump
@@ -215,6 +222,14 @@ def test_a_host_name_that_does_not_resolve_is_matched_against_the_known_names(co
                     f"the host's name or its ansible_host in the inventory, or give it a Host entry with a HostName in {config}")
     openssh = "ssh: Could not resolve hostname bastoin: Name or service not known\r\n"
     assert ssh_problem(t, 255, openssh) == f"host bastoin (bastoin:22): {said}"
+    # the hop whose name it is, through two jump hosts too (the message comes through the inner one)
+    outer = Target("bastoin", "bastoin", jump_of="n1")
+    chain = Target("n1", "10.0.0.5", jump=Target("inner", "10.2.2.2", jump=outer, jump_of="n1"))
+    assert ssh_problem(chain, 255, openssh + "kex_exchange_identification: Connection closed by remote host").startswith(
+        "host n1: jump host bastoin (bastoin:22): the name bastoin does not resolve")
+    # a Host entry without a HostName is a name too, never its own suggestion
+    lone = resolve(node("gpu-node-7"), HostKeyPolicy(), _config_file(config, "Host gpu-node-7\n  User x\n"))
+    assert "did you mean" not in unresolved(lone, "Name or service not known")
     # a resolver that could not answer is not a typo
     assert "did you mean" not in ssh_problem(t, 255, "ssh: Could not resolve hostname bastoin: "
                                                        "Temporary failure in name resolution")
