@@ -848,11 +848,14 @@ def wait_for_leases(spec, count, pin, run_id):
                     table = gpu_table()
                 apps, asked = compute_apps(table), time.monotonic()
             states = lease_state(table, apps)
-            if leased - set(s["gpu"] for s in states if s["state"] == "leased"):
-                # a release: the processes *apps* lists for it were its holder's, gone with it now
+            now_leased = set(s["gpu"] for s in states if s["state"] == "leased")
+            if any(apps.get(g) for g in leased - now_leased):
+                # a release of a GPU *apps* lists processes on: its holder's, gone with it now (our
+                # own yield, or a GPU that read as leased for one poll, lists none: no ask)
                 apps, asked = compute_apps(table), time.monotonic()
                 states = lease_state(table, apps)
-            leased = set(s["gpu"] for s in states if s["state"] == "leased")
+                now_leased = set(s["gpu"] for s in states if s["state"] == "leased")
+            leased = now_leased
             if held is None:
                 among = grantable(states, ahead, count, pin)
                 if among is not None:  # (take_leases asks nvidia-smi again: a use since is seen)

@@ -526,7 +526,7 @@ def unresolved(t: Target, why: str) -> str:
     """What to say when *t*'s host name resolves to no address (*why*: the resolver's words):
     the closest names this machine knows hosts by, and where a name gets its address."""
     where = t.ssh_config or "~/.ssh/config"
-    others = [n for n in host_names(t.ssh_config) if n != t.host]  # (a Host entry without a HostName: itself)
+    others = [n for n in host_names(t.ssh_config) if n.lower() != t.host.lower()]  # (a Host entry without a HostName)
     return (f"the name {t.host} does not resolve ({why}){did_you_mean(t.host, others)}; fix "
             f"the host's name or its ansible_host in the inventory, or give it a Host entry with a HostName in {where}")
 
@@ -724,7 +724,8 @@ def ssh_problem(t: Target, rc: int, stderr: str) -> str:
         return (f"{head}: authentication failed ({text[-160:]}); check ansible_user and "
                 "ansible_ssh_private_key_file (a jump host: its User/IdentityFile in the ssh_config)")
     resolve_fail = _UNRESOLVED.search(text)
-    named = resolve_fail and next((h for h in t.chain() if h.host.lower() == resolve_fail[1].lower()), None)
+    # (OpenSSH prints at most 100 characters of the name, and as given: compared so)
+    named = resolve_fail and next((h for h in t.chain() if h.host.lower()[:100] == resolve_fail[1].lower()), None)
     if named:  # (the hop whose name it is: through two jump hosts the message comes from the inner one)
         return f"{named.label} ({named.where}): {unresolved(named, resolve_fail[2])}"
     for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",

@@ -227,8 +227,12 @@ def test_a_host_name_that_does_not_resolve_is_matched_against_the_known_names(co
     chain = Target("n1", "10.0.0.5", jump=Target("inner", "10.2.2.2", jump=outer, jump_of="n1"))
     assert ssh_problem(chain, 255, openssh + "kex_exchange_identification: Connection closed by remote host").startswith(
         "host n1: jump host bastoin (bastoin:22): the name bastoin does not resolve")
-    # a Host entry without a HostName is a name too, never its own suggestion
-    lone = resolve(node("gpu-node-7"), HostKeyPolicy(), _config_file(config, "Host gpu-node-7\n  User x\n"))
+    # OpenSSH prints at most 100 characters of the name
+    long = Target("n1", "a" * 120 + ".example")
+    assert ssh_problem(long, 255, f"ssh: Could not resolve hostname {'a' * 100}: Name or service not known").startswith(
+        f"host n1 ({long.host}:22): the name {long.host} does not resolve")
+    # a Host entry without a HostName is a name too, never its own suggestion, in any case
+    lone = resolve(node("gpu-node-7"), HostKeyPolicy(), _config_file(config, "Host GPU-node-7\n  User x\n"))
     assert "did you mean" not in unresolved(lone, "Name or service not known")
     # a resolver that could not answer is not a typo
     assert "did you mean" not in ssh_problem(t, 255, "ssh: Could not resolve hostname bastoin: "
