@@ -656,7 +656,8 @@ def exit_race_summary(races: dict[str, dict]) -> str:
     after that (its supervisor's ``exit_race`` records, by node): ``all ranks finished their work;
     rank 3 (node2) aborted at exit (known upstream race)``."""
     aborted = [f"rank {a['rank']} ({name}) aborted at exit" + (f" (signal {a['signal']})" if "signal" in a else
-                                                              f" (exit code {a.get('exit')})")
+                                                              f" (exit code {a['exit']})" if "exit" in a else
+                                                              " (its exit status was reaped before it was seen)")
                for name, race in races.items() for a in race.get("aborted") or ()]
     if not aborted:  # the supervisor did not see which worker: the node's job failed after all its ranks finished
         aborted = [f"a rank of {name} aborted at exit" for name in races]

@@ -242,12 +242,15 @@ def watch_workers(root, on_failure, stop, interval=0.2):
     pidfds (Linux >= 5.3, Python >= 3.9) wake us the moment a worker exits, while it is still a
     zombie whose exit status /proc shows; torchrun reaps it within its 0.1 s monitor interval. When
     we lose that race, or have no pidfds, nothing happens: torchrun's own exit still ends the job.
+    One exception: a worker killed by SIGTERM after one whose status we lost is torchrun ending the
+    others because that one failed (it stops them only then), so the failure is the earlier one's,
+    how unseen: ``("status", "unseen")`` (under load, CI saw the SIGTERM named as the abort).
     """
     import select
 
     if not hasattr(os, "pidfd_open"):
         return
-    poller, fds, seen = select.poll(), {}, set()
+    poller, fds, seen, unseen = select.poll(), {}, set(), []
 
     def look():
         for pid in torchrun_workers(root):
@@ -276,7 +279,12 @@ def watch_workers(root, on_failure, stop, interval=0.2):
                 poller.unregister(fd)
                 os.close(fd)
                 how = exit_status(pid)
-                if how is not None and how != ("exit", 0):
+                if how is None:
+                    unseen.append(pid)  # reaped before we read it: it ended, how is not known
+                elif how == ("signal", signal.SIGTERM) and unseen:
+                    on_failure(unseen[0], ("status", "unseen"))
+                    return
+                elif how != ("exit", 0):
                     on_failure(pid, how)
                     return
     finally:
@@ -641,7 +649,7 @@ def main(spec):
         if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
             return
         grace_now[0] = min(grace, FAST_GRACE)
-        request_stop("a worker failed (pid %d, %s %d); ended without waiting for torchrun" % (pid, how[0], how[1]),
+        request_stop("a worker failed (pid %d, %s %s); ended without waiting for torchrun" % (pid, how[0], how[1]),
                      worker=True)
 
     if not detached:

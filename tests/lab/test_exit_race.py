@@ -108,15 +108,20 @@ def test_a_rank_that_aborts_after_finishing_is_reported_as_such_not_as_a_failure
     res, out = run(inventory2, tmp_path, *env, "--exit-guard", "record", DRILL)
     assert res.returncode == 0, out[-3000:]
     closing = re.search(r"all ranks finished their work; (.*) \(known upstream race\)", out)
-    assert closing and "rank 3 (node2) aborted at exit (signal 6)" in closing[1].split(", "), out[-3000:]
+    # rank 3's SIGABRT, or, when torchrun reaped it before the supervisor read its zombie (under
+    # load: CI), rank 3 with its status unseen; never its sibling's SIGTERM from torchrun
+    named = {"rank 3 (node2) aborted at exit (signal 6)",
+             "rank 3 (node2) aborted at exit (its exit status was reaped before it was seen)"}
+    assert closing and named & set(closing[1].split(", ")), out[-3000:]
     assert "ddpfab: warning: a rank aborted" in out
     record = manifest(tmp_path)
     assert record["exit_code"] == 0 and record["first_failure"] is None
     race2 = record["nodes"]["node2"]["exit_race"]
-    assert race2["ranks"] == [2, 3] and {"rank": 3, "local_rank": 1, "signal": 6} in race2["aborted"]
+    assert race2["ranks"] == [2, 3] and ({"rank": 3, "local_rank": 1, "signal": 6} in race2["aborted"]
+                                         or {"rank": 3, "local_rank": 1, "status": "unseen"} in race2["aborted"])
     others = [a for name, n in record["nodes"].items() for a in (n["exit_race"] or {}).get("aborted", ())
               if (name, a["rank"]) != ("node2", 3)]
-    assert all(a["signal"] == 6 for a in others), record["nodes"]
+    assert all(a.get("signal") == 6 or a.get("status") == "unseen" for a in others), record["nodes"]
     assert len(closing[1].split(", ")) == 1 + len(others)
     if not others:
         assert record["nodes"]["node1"]["exit_code"] == 0 and record["nodes"]["node1"]["exit_race"] is None

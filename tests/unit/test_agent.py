@@ -191,6 +191,46 @@ def test_a_failed_worker_ends_the_job_without_waiting_for_torchrun(tmp_path):
     assert len(workers) == 2 and not any(alive(p) for p in workers)  # the hanging one too
 
 
+TORCHRUN_STOPPING_THE_OTHERS = r"""
+import signal, subprocess, sys, time
+first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[0] + ".pids", "w").write("%d %d" % (first.pid, other.pid))
+first.wait()  # (a worker that failed: torchrun ends the others with SIGTERM)
+time.sleep(0.5)
+other.send_signal(signal.SIGTERM)
+time.sleep(1)  # (torchrun's monitor looks every 0.1 s: the watcher reads this one's zombie first)
+other.wait()
+"""
+
+
+def test_a_sigterm_after_a_worker_whose_status_was_lost_blames_that_worker(tmp_path, monkeypatch):
+    """Under load torchrun can reap a worker before the watcher reads its zombie's status (CI: a
+    rank aborted at exit, its status lost, and torchrun's SIGTERM of its sibling was then named as
+    the abort). torchrun ends the others only after a failure, so the worker that ended first
+    unseen is the one that failed; the SIGTERM'd sibling is not."""
+    launcher = tmp_path / "bin" / "torchrun"
+    launcher.parent.mkdir()
+    launcher.write_text(TORCHRUN_STOPPING_THE_OTHERS)
+    proc = subprocess.Popen([sys.executable, str(launcher)])
+    pids = tmp_path / "bin" / "torchrun.pids"
+    deadline = time.monotonic() + 20
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    first, other = map(int, pids.read_text().split())
+    real = agent.exit_status
+    monkeypatch.setattr(agent, "exit_status", lambda pid: None if pid == first else real(pid))  # the lost read
+    seen: list = []
+    stop = agent.threading.Event()
+    try:
+        agent.watch_workers(proc.pid, lambda pid, how: seen.append((pid, how)), stop, interval=0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert seen == [(first, ("status", "unseen"))]
+
+
 LAUNCHER_THAT_FAILS_ITSELF = r"""
 import subprocess, sys, time
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])

@@ -171,6 +171,10 @@ def test_a_node_that_aborted_after_finishing_is_not_a_failure_and_is_named():
     assert not out.failed and out.to_dict()["exit_race"]["ranks"] == [2, 3]
     assert launch.exit_race_summary({"node2": out.exit_race}) == (
         "all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) (known upstream race)")
+    assert launch.exit_race_summary({"node2": {"ranks": [2, 3], "aborted": [
+        {"rank": 3, "local_rank": 1, "status": "unseen"}]}}) == (
+        "all ranks finished their work; rank 3 (node2) aborted at exit (its exit status was reaped before it was "
+        "seen) (known upstream race)")
     assert launch.exit_race_summary({"node2": {"ranks": [2, 3], "aborted": []}}) == (
         "all ranks finished their work; a rank of node2 aborted at exit (known upstream race)")
     lost = launch.NodeOutcome("node2", 1, exit_code=None, error="lost", remote=out.remote)
