@@ -109,6 +109,8 @@ class Options:
         offline: plan without contacting the hosts (port: ``master_port`` or 29500).
         quiet: no progress lines (they are off anyway when stderr is not a terminal).
         color: colours in the job's output (None: on a terminal without NO_COLOR).
+        verbose: every line of the job's output, as it comes: torchrun's failure reports and the
+            tracebacks of ranks that lost their peer are folded otherwise (the node logs keep them).
     """
 
     nproc_per_node: int | str | None = None
@@ -149,6 +151,7 @@ class Options:
     offline: bool = False
     quiet: bool = False
     color: bool | None = None
+    verbose: bool = False
 
     @classmethod
     def of(cls, **given: Any) -> Options:
@@ -391,7 +394,7 @@ class Cluster:
         if opts.recovering and not opts.dry_run:
             code = recover.Recovery(nodes, spares, run_options, ropts, self.policy, self.ssh_config, opts.runs_dir,
                                     lambda cl, o: self.prepare(cl, o, opts), runner.run, color=opts.color,
-                                    out=out).run()
+                                    out=out, verbose=opts.verbose).run()
             return RunOutcome(run_options.run_id, code, None, manifest=self._manifest(opts, run_options.run_id))
         prepared, extra = self.prepare(nodes, run_options, opts)
         if spares:  # the nodes are the group without its spares: replay, stop and logs must know
@@ -401,7 +404,7 @@ class Cluster:
         if opts.dry_run:
             prepared.close()
             return RunOutcome(prepared.plan.run_id, 0, prepared.plan)
-        printer = Printer(prepared.plan, stream=out, color=opts.color)
+        printer = Printer(prepared.plan, stream=out, color=opts.color, verbose=opts.verbose)
         try:
             if opts.detach:
                 code = runner.start_detached(prepared, opts.runs_dir, printer, extra=extra)

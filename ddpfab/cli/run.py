@@ -14,6 +14,7 @@ from ddpfab.cli.common import (add_cluster_args, add_env_args, add_floors_arg, a
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
+from ddpfab.launch.cause import CauseKind
 from ddpfab.planning import plan as planmod
 from ddpfab.planning.plan import EXIT_GUARD_MODES, HANG_TIMEOUT_S, ON_HANG
 
@@ -79,6 +80,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (run: only with --dry-run)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (copies, rendezvous waits); they are off anyway when stderr is not a terminal")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="every line of the job's output: torchrun's failure reports and the tracebacks of ranks "
+                        "that lost their peer are folded otherwise (the node logs keep them: ddpfab logs RUN_ID)")
     p.add_argument("-m", "--module", action="store_true",
                    help="SCRIPT is a module, run as `python -m SCRIPT` (torchrun's -m; `-- -m pkg.train` too)")
     add_script_args(p, "training script, relative to the nodes' workdir (with -m: a module)",
@@ -87,9 +91,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                     "{{run_id}} {{node_name}} (quote them for the shell)")
 
 
-def register(sub) -> None:
-    run = sub.add_parser("run", help="launch torchrun on every node of the inventory",
-                         description="Launch SCRIPT with torchrun on every node; ARGS pass through unchanged.")
+def _add_run_command_args(run: argparse.ArgumentParser) -> None:
+    """Every option of ``ddpfab run``."""
     _add_run_args(run)
     run.add_argument("--no-sync", action="store_true",
                      help="do not sync the current directory to the nodes' workdirs first")
@@ -108,6 +111,12 @@ def register(sub) -> None:
     run.add_argument("--no-color", action="store_true", help="no colours in the output")
     recovery.add_arguments(run)
     add_perf_arguments(run)  # --perf-check
+
+
+def register(sub) -> None:
+    run = sub.add_parser("run", help="launch torchrun on every node of the inventory",
+                         description="Launch SCRIPT with torchrun on every node; ARGS pass through unchanged.")
+    _add_run_command_args(run)
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="print (or --emit as shell scripts) exactly what `run` would start",
@@ -158,7 +167,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _print_dry_run(result.plan, args.json, offline=args.offline, targets=cluster.targets())
     # the summary was printed once already, with the manifest's path
+    hint = own_options_hint(result.outcomes)
+    if hint:
+        sys.stderr.write(f"ddpfab: hint: {hint}\n")
     return result.exit_code
+
+
+class _OptionRecorder(argparse.ArgumentParser):
+    """A parser that records the option strings added to it."""
+
+    def __init__(self) -> None:
+        super().__init__(add_help=False)
+        self.option_strings: set[str] = set()
+
+    def add_argument(self, *args, **kwargs):  # type: ignore[override]
+        action = super().add_argument(*args, **kwargs)
+        self.option_strings.update(action.option_strings)
+        return action
+
+
+def run_option_strings() -> set[str]:
+    """Every option string of ``ddpfab run`` (``--nproc-per-node``, ``-q``, ...)."""
+    recorder = _OptionRecorder()
+    _add_run_command_args(recorder)
+    return recorder.option_strings
+
+
+def own_options_hint(outcomes: dict) -> str:
+    """When the script's argument parser refused options that are ddpfab's own (given after the
+    script, so the script got them): which, and where they belong; else ""."""
+    refused: set[str] = set()
+    for out in outcomes.values():
+        cause = getattr(out, "cause", None)
+        if cause is None or cause.kind is not CauseKind.USAGE or "unrecognized arguments:" not in (cause.exception or ""):
+            continue
+        refused.update(w.split("=", 1)[0] for w in cause.exception.split("unrecognized arguments:", 1)[1].split())
+    ours = sorted(refused & run_option_strings())
+    if not ours:
+        return ""
+    them = "it" if len(ours) == 1 else "them"
+    return (f"{', '.join(ours)} {'is an option' if len(ours) == 1 else 'are options'} of ddpfab run, given after "
+            f"the script, so the script got {them}: put {them} before the script "
+            "(ddpfab run [OPTIONS] SCRIPT [SCRIPT ARGS])")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

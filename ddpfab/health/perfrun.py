@@ -24,7 +24,8 @@ from ddpfab import node as nodeprog
 from ddpfab.health import perf, perfreport
 from ddpfab.hosts import inventory
 from ddpfab.launch import runner
-from ddpfab.launch.execute import _RANK_TAG, Printer
+from ddpfab.launch.cause import RANK_TAG, Fold
+from ddpfab.launch.execute import Printer
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning.plan import RunOptions, forwarded_env
 from ddpfab.problems import DdpfabError, Problem
@@ -53,13 +54,13 @@ class CapturePrinter(Printer):
         self.records: dict[str, str] = {}
         self.echo = echo
 
-    def line(self, node: str, text: str) -> None:
-        tag = _RANK_TAG.match(text)
+    def line(self, node: str, text: str, fold: Fold = Fold.SHOW, local: int | None = None) -> None:
+        tag = RANK_TAG.match(text)
         body = text[tag.end():] if tag else text
         if body.startswith(perf.MARKER):
             self.records[node] = body[len(perf.MARKER):]
         elif self.echo:
-            super().line(node, text)
+            super().line(node, text, fold, local)
 
     def note(self, text: str) -> None:
         if self.echo:

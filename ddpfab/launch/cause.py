@@ -1,23 +1,45 @@
-"""The cause of a failed rank, read from a node's output as it streams: the first exception line
-(``RuntimeError: boom``) of each local rank's traceback, and torchrun's "Root Cause" block (which
-rank failed first, its exit code, and, for a script decorated with ``@record``, the traceback
-from the rank's error file).
+"""Why a run failed, read from its nodes' output as it streams: the one classifier of failures.
+
+Each rank's first exception line (``RuntimeError: boom``), its argument parser's usage error, and
+torchrun's "Root Cause" block (which rank failed first, its exit code, and, for a script decorated
+with ``@record``, the traceback from the rank's error file) are read per node by
+:class:`CauseReader`; the node supervisor's record of the first worker it saw fail (its signal, an
+OOM kill) completes them. Each cause is classified (:class:`CauseKind`) as the rank's **own** (an
+exception in its code, a usage error, a signal neither torchrun nor ddpfab sent, the OOM killer, a
+non-zero exit) or **secondary** (a peer went away: gloo's "Connection closed by peer", NCCL's
+"remote process exited", a timed-out collective, a store that lost its server; or a stop by torchrun
+or ddpfab). :func:`blame` then names the rank whose cause is its own, first in time, and counts the
+victims; a victim is never named as the cause, however early its error came (the peers of a rank
+that crashed raise "connection closed" within milliseconds, often before the crash is reported).
 
 The output is data: lines are matched against a few fixed shapes, bounded in length and number,
 and nothing in them is ever executed or evaluated. What a rank printed reaches here through
 torchrun's ``--tee`` as ``[default<local rank>]:<line>``; torch.distributed's excepthook may
 prefix a rank's traceback lines with ``[rank<N>]: `` as well. torchrun's own lines carry no tag
 (its own traceback, ending in ``ChildFailedError``, is never taken for the rank's).
+
+The reader also tells the printer what each line is (:class:`Fold`), so the failure's story is
+short: a victim's traceback, torchrun's failure report and its teardown log are folded (they stay
+in the node logs), known harmless noise is shown once.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
-from dataclasses import dataclass
+import signal
+from dataclasses import dataclass, field
+from enum import Enum
 
 #: An exception line is cut to this many characters.
 MAX_LINE = 300
-_TAG = re.compile(r"^\[default(\d+)\]:")
+#: Lines of the failing rank's traceback kept for the closing block.
+TAIL_LINES = 15
+#: A traceback held back from the printer is let through past this many lines (bounded memory).
+MAX_HELD = 400
+#: torchrun's tag on a rank's line (its local rank): the one parser of it (the printer, the
+#: monitor and recovery use this).
+RANK_TAG = re.compile(r"^\[default(\d+)\]:")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 _TRACEBACK = "Traceback (most recent call last):"
 #: How python reports a script it could not compile (SyntaxError, IndentationError): no header,
@@ -26,49 +48,132 @@ _SYNTAX_REPORT = re.compile(r'^  File ".*", line \d+$')
 #: ``RuntimeError: boom``, ``torch.OutOfMemoryError: ...``, ``KeyboardInterrupt``, a class of a
 #: function's own (``main.<locals>.ConfigError: ...``).
 _EXCEPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_.<>]*(:.*)?$")
+#: argparse's report of arguments it refused: ``usage: train.py ...`` then ``train.py: error: ...``.
+_USAGE = re.compile(r"^usage: ")
+_USAGE_ERROR = re.compile(r"^\S+: error: .+")
 _ROOT = "Root Cause (first observed failure):"
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ROOT_TRACEBACK = re.compile(r"^\s*traceback\s*:\s?(.*)$")
 _RULE = re.compile(r"^={20,}$")
+#: torchrun's own exceptions: its report of a failed child, and the stop signal it was sent.
+_LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
+#: torchrun's log lines about ending its workers (glog format), after a failure.
+_ELASTIC_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/(multiprocessing/|agent/server/api\.py"
+                          r".*(death signal|shutting down))")
+#: Known harmless noise: shown once per run (each).
+NOISE = (re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
+         re.compile(r"Setting OMP_NUM_THREADS environment variable for each process to be 1 in default"))
+#: The frame of torchrun's OMP_NUM_THREADS notice (a blank line, rules of stars): folded.
+_NOTICE_FRAME = re.compile(r"^(\*{20,})?\s*$")
 #: Lines at column 0 skipped between a rank's traceback header and its first frame: the rank's
 #: stdout and stderr reach torchrun's tee as two streams, so what it printed just before raising
-#: can come there (seen on the lab under load: the print before the raise between ``Traceback
-#: (most recent call last):`` and its frames). A traceback always has a frame before its
-#: exception line; after the first, the first line back at column 0 ends it, as it always did.
+#: can come there (the print before the raise between ``Traceback (most recent call last):`` and
+#: its frames). A traceback always has a frame before its exception line; after the first, the
+#: first line back at column 0 ends it.
 INTERLEAVED = 3
+
+#: What a rank raises when a peer went away: gloo's, NCCL's and the c10d store's words for it (as
+#: torch 2.x prints them), and a collective that timed out waiting for a rank that did not come.
+PEER_LOST = tuple(re.compile(p) for p in (
+    r"Connection closed by peer", r"Connection reset by peer", r"gloo/transport/\S+\] (Read|Write) error",
+    r"remote process exited or there was a network error", r"\bncclRemoteError\b",
+    r"NCCL communicator was aborted", r"Watchdog caught collective operation timeout",
+    r"Process group watchdog thread terminated", r"Timed out waiting \d+ms for (recv|send) operation",
+    r"failed to recv, got 0 bytes", r"\bSocket Timeout\b", r"recvValue failed", r"sendBytes failed",
+    r"\bDistNetworkError\b",
+))
+#: The peer's address in gloo's words: ``... Connection closed by peer [10.0.0.12]:50096``.
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+def noise_of(line: str) -> int | None:
+    """Which known harmless noise *line* is (its index in :data:`NOISE`), None if none."""
+    return next((i for i, p in enumerate(NOISE) if p.search(line)), None)
+
+
+class CauseKind(str, Enum):
+    """What ended a rank. The first five are the rank's own failure; the last two are secondary."""
+
+    EXCEPTION = "exception"  # an exception raised in the rank
+    USAGE = "usage"  # its argument parser refused the arguments (exit 2)
+    SIGNAL = "signal"  # killed by a signal neither torchrun nor ddpfab sent (SIGKILL, SIGSEGV, SIGABRT)
+    OOM = "oom"  # killed by the kernel's OOM killer
+    EXIT = "exit"  # a non-zero exit without a traceback
+    PEER_LOST = "peer_lost"  # a peer went away under it (connection closed, collective timed out)
+    STOPPED = "stopped"  # ended by torchrun or ddpfab (SIGTERM) after another failure
+
+    @property
+    def own(self) -> bool:
+        return self not in (CauseKind.PEER_LOST, CauseKind.STOPPED)
+
+
+def kind_of_exception(line: str) -> CauseKind:
+    """A rank's exception line: secondary when it is a peer's loss (:data:`PEER_LOST`), else its own."""
+    return CauseKind.PEER_LOST if any(p.search(line) for p in PEER_LOST) else CauseKind.EXCEPTION
+
+
+def kind_of_signal(number: int) -> CauseKind:
+    """SIGTERM is what torchrun and ddpfab end ranks with; any other signal is the rank's own."""
+    return CauseKind.STOPPED if number == signal.SIGTERM else CauseKind.SIGNAL
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 @dataclass
 class Cause:
-    """Why a node failed, as far as its output says.
+    """Why a rank failed, as far as its node's output and supervisor say.
 
     Args:
-        rank: the failing rank's global rank (torchrun's Root Cause), None if not reported.
+        rank: the failing rank's global rank, None if not known.
         local_rank: its local rank on the node, None if not known.
         exit_code: the rank's exit code (torchrun's Root Cause), None if not reported.
-        exception: the first exception line of its traceback, None if it printed none.
+        exception: its first exception line (or its usage error), None if it printed none.
+        kind: what ended it (:class:`CauseKind`), None when nothing says.
+        signal: the signal that killed it, None if none.
+        peer: for a lost peer, the address the rank's error names, None if it names none.
+        traceback: the last lines of its traceback (at most :data:`TAIL_LINES`).
     """
 
     rank: int | None = None
     local_rank: int | None = None
     exit_code: int | None = None
     exception: str | None = None
+    kind: CauseKind | None = None
+    signal: int | None = None
+    peer: str | None = None
+    traceback: tuple[str, ...] = ()
+
+    @property
+    def own(self) -> bool:
+        return self.kind is not None and self.kind.own
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "local_rank": self.local_rank, "exit_code": self.exit_code,
-                "exception": self.exception}
+                "exception": self.exception, "kind": self.kind.value if self.kind else None,
+                "signal": self.signal, "peer": self.peer}
+
+    def who(self) -> str:
+        """``rank 3 (local rank 1)``, ``local rank 1``, or "" (the parts known)."""
+        if self.rank is not None:
+            return f"rank {self.rank}" + (f" (local rank {self.local_rank})" if self.local_rank is not None else "")
+        return f"local rank {self.local_rank}" if self.local_rank is not None else ""
 
     def text(self) -> str:
-        """``rank 3 (local rank 1), exit code 1: RuntimeError: boom`` (the parts known)."""
-        who = []
-        if self.rank is not None:
-            who.append(f"rank {self.rank}" + (f" (local rank {self.local_rank})" if self.local_rank is not None else ""))
-        elif self.local_rank is not None:
-            who.append(f"local rank {self.local_rank}")
-        if self.exit_code is not None:
-            who.append(f"exit code {self.exit_code}")
-        head = ", ".join(who)
+        """``rank 3 (local rank 1), exit code 1: RuntimeError: boom``; for a signal ``rank 3 (local
+        rank 1) was killed by signal 9 (SIGKILL)`` or ``... by the OOM killer (SIGKILL)``."""
+        who = self.who()
+        if self.kind is CauseKind.OOM:
+            return f"{who or 'a rank'} was killed by the OOM killer (SIGKILL)"
+        if self.kind in (CauseKind.SIGNAL, CauseKind.STOPPED) and self.signal is not None and not self.exception:
+            return f"{who or 'a rank'} was killed by signal {self.signal} ({signal_name(self.signal)})"
+        head = ", ".join(part for part in (who, f"exit code {self.exit_code}" if self.exit_code is not None else "")
+                         if part)
         if self.exception:
             return f"{head}: {self.exception}" if head else self.exception
         return head
@@ -80,45 +185,129 @@ def _clean(text: str) -> str:
     return text if len(text) <= MAX_LINE else text[:MAX_LINE - 3] + "..."
 
 
+class Fold(Enum):
+    """What the printer does with a line (:meth:`CauseReader.feed`)."""
+
+    SHOW = "show"  # print it now
+    HOLD = "hold"  # part of an open traceback: keep it until the traceback ends
+    RELEASE = "release"  # the end of a held traceback that is shown: print what was held, then this
+    DROP = "drop"  # the end of a held traceback that is folded (a victim's, torchrun's own): drop all
+    FOLD = "fold"  # torchrun's failure report or teardown log: folded
+    NOISE = "noise"  # known harmless noise: shown once per run
+
+
+@dataclass
+class _RankState:
+    """One local rank's traceback as it streams (None: not in one) and what it said."""
+
+    skipped: int | None = None  # lines at column 0 before the first frame (None once a frame came)
+    in_traceback: bool = False
+    lines: list[str] = field(default_factory=list)
+    exception: str | None = None
+    kind: CauseKind | None = None
+    peer: str | None = None
+    traceback: tuple[str, ...] = ()
+    usage_seen: bool = False
+    usage: str | None = None
+
+
 class CauseReader:
-    """Reads one node's output line by line (:meth:`feed`) and keeps only what names the cause."""
+    """Reads one node's output line by line (:meth:`feed`) and keeps what names the cause."""
 
     def __init__(self) -> None:
-        self.first: dict[int, str] = {}  # local rank -> its first exception line
-        self.order: list[int] = []  # local ranks in the order their first exception came
-        # local rank in a traceback -> lines skipped before its first frame (None once one came)
-        self._in_traceback: dict[int, int | None] = {}
+        self.ranks: dict[int, _RankState] = {}
+        self.order: list[int] = []  # local ranks in the order their first exception (or usage error) came
         self._in_root = False
         self._root_traceback = False
+        self._launcher_traceback = False  # torchrun's own traceback is open
+        self._banner = False  # torchrun's failure report (after ChildFailedError) is open
+        self._banner_root = False  # ... and its Root Cause part came
         self.root = Cause()
 
-    def feed(self, line: str) -> None:
-        tag = _TAG.match(line)
+    def feed(self, line: str) -> tuple[Fold, int | None]:
+        """Read *line*; returns what the printer does with it, and whose line it is (the local
+        rank, None for torchrun's)."""
+        tag = RANK_TAG.match(line)
+        if noise_of(line) is not None:
+            return Fold.NOISE, int(tag.group(1)) if tag else None
         if tag:
-            self._rank_line(int(tag.group(1)), _RANK_PREFIX.sub("", line[tag.end():], count=1))
-        else:
-            self._torchrun_line(line)
+            local = int(tag.group(1))
+            return self._rank_line(local, _RANK_PREFIX.sub("", line[tag.end():], count=1)), local
+        self._torchrun_line(line)
+        return self._launcher_fold(line.rstrip()), None
 
-    def _rank_line(self, local: int, text: str) -> None:
+    # -- a rank's lines ------------------------------------------------------------------------
+
+    def _rank_line(self, local: int, text: str) -> Fold:
+        state = self.ranks.setdefault(local, _RankState())
         if text.strip() == _TRACEBACK:
-            self._in_traceback[local] = 0
-            return
-        if local not in self._in_traceback and _SYNTAX_REPORT.match(text.rstrip()):
-            self._in_traceback[local] = None  # as after a frame: the next line at column 0 is the exception
-            return
-        if local not in self._in_traceback or not text.strip():
-            return
-        if text[:1].isspace():  # a frame (or its code line)
-            self._in_traceback[local] = None
-            return
-        skipped = self._in_traceback[local]
-        if skipped is not None and skipped < INTERLEAVED:
-            self._in_traceback[local] = skipped + 1  # before any frame: the rank's stdout (INTERLEAVED)
-            return
-        del self._in_traceback[local]  # the first line back at column 0 ends the traceback
-        if local not in self.first and _EXCEPTION.match(text.strip()):
-            self.first[local] = _clean(text)
+            state.in_traceback, state.skipped, state.lines = True, 0, [text]
+            return Fold.HOLD
+        if not state.in_traceback and _SYNTAX_REPORT.match(text.rstrip()):
+            state.in_traceback, state.skipped, state.lines = True, None, [text]
+            return Fold.HOLD  # as after a frame: the next line at column 0 is the exception
+        if not state.in_traceback:
+            return self._usage_line(local, state, text)
+        if not text.strip() or text[:1].isspace():  # a frame (or its code line)
+            if text.strip():
+                state.skipped = None
+            return self._held(state, text)
+        if state.skipped is not None and state.skipped < INTERLEAVED:
+            state.skipped += 1  # before any frame: the rank's stdout (INTERLEAVED)
+            return self._held(state, text)
+        state.in_traceback = False  # the first line back at column 0 ends the traceback
+        if not _EXCEPTION.match(text.strip()):
+            return Fold.RELEASE
+        kind = kind_of_exception(text)
+        if state.exception is None:
+            state.exception, state.kind = _clean(text), kind
+            state.traceback = tuple(_clean(ln) for ln in [*state.lines, text][-TAIL_LINES:])
+            peer = _PEER_ADDRESS.search(text) if kind is CauseKind.PEER_LOST else None
+            state.peer = peer.group(1) if peer else None
             self.order.append(local)
+        return Fold.RELEASE if kind.own else Fold.DROP
+
+    @staticmethod
+    def _held(state: _RankState, text: str) -> Fold:
+        if len(state.lines) >= MAX_HELD:  # not a traceback python would print: let it through
+            state.in_traceback = False
+            return Fold.RELEASE
+        state.lines.append(text)
+        return Fold.HOLD
+
+    def _usage_line(self, local: int, state: _RankState, text: str) -> Fold:
+        if _USAGE.match(text):
+            state.usage_seen = True
+        elif state.usage_seen and state.usage is None and _USAGE_ERROR.match(text.strip()):
+            state.usage = _clean(text)
+            if local not in self.order:
+                self.order.append(local)
+        return Fold.SHOW
+
+    # -- torchrun's lines ----------------------------------------------------------------------
+
+    def _launcher_fold(self, text: str) -> Fold:
+        """torchrun's own traceback is held; ending in its report of a failed child or of its stop
+        signal it is folded, with the report that follows (up to the rule after its Root Cause)."""
+        if self._banner:
+            if text.strip() == _ROOT:
+                self._banner_root = True
+            elif self._banner_root and _RULE.match(text.strip()):
+                self._banner = self._banner_root = False
+            return Fold.FOLD
+        if text.strip() == _TRACEBACK:
+            self._launcher_traceback = True
+            return Fold.HOLD
+        if self._launcher_traceback:
+            if not text.strip() or text[:1].isspace():
+                return Fold.HOLD
+            self._launcher_traceback = False
+            name = text.split(":", 1)[0]
+            if name.endswith(_LAUNCHER_EXCEPTIONS):
+                self._banner = name.endswith("ChildFailedError")
+                return Fold.DROP
+            return Fold.RELEASE
+        return Fold.FOLD if _ELASTIC_LOG.match(text) or _NOTICE_FRAME.match(text) else Fold.SHOW
 
     def _torchrun_line(self, line: str) -> None:
         text = line.rstrip()
@@ -141,13 +330,156 @@ class CauseReader:
             if text.startswith("  ") and not text.startswith("   ") and _EXCEPTION.match(text.strip()):
                 self.root.exception = _clean(text)
 
-    def cause(self) -> Cause | None:
-        """The failing rank and its exception: torchrun's Root Cause rank (its own exception line,
-        else the error file's), else the first rank that printed an exception; None if neither."""
-        if self.root.local_rank is not None:
-            exception = self.first.get(self.root.local_rank) or self.root.exception
-            return Cause(self.root.rank, self.root.local_rank, self.root.exit_code, exception)
-        if self.order:
-            local = self.order[0]
-            return Cause(None, local, None, self.first[local])
+    # -- the verdict ---------------------------------------------------------------------------
+
+    def rank_cause(self, local: int) -> Cause | None:
+        """What local rank *local* said of its failure: its first exception, else its usage error."""
+        state = self.ranks.get(local)
+        if state is None or (state.exception is None and state.usage is None):
+            return None
+        exit_code = self.root.exit_code if self.root.local_rank == local else None
+        if state.exception is not None:
+            return Cause(None, local, exit_code, state.exception, state.kind, peer=state.peer,
+                         traceback=state.traceback)
+        return Cause(None, local, exit_code, state.usage, CauseKind.USAGE)
+
+    def rank_kinds(self) -> dict[int, CauseKind]:
+        """Local rank -> the kind of what it said (ranks that said nothing are left out)."""
+        return {local: cause.kind for local in self.order if (cause := self.rank_cause(local)) and cause.kind}
+
+    def peers(self) -> set[str]:
+        """The addresses this node's victims name as the peer they lost."""
+        return {s.peer for s in self.ranks.values() if s.peer}
+
+    def cause(self, worker: dict | None = None) -> Cause | None:
+        """The node's cause: the first rank whose failure is its own, by what it printed; else the
+        first worker its supervisor saw fail (*worker*: its ``failed_worker`` record), when that
+        rank printed nothing; else torchrun's Root Cause; else a victim's; None if nothing says."""
+        said = [c for local in self.order if (c := self.rank_cause(local))]
+        own = [c for c in said if c.own]
+        root = self._root_cause()
+        if own:
+            first = own[0]
+            if root.local_rank == first.local_rank:
+                first.rank = root.rank
+            return first
+        seen = worker_cause(worker)
+        if seen is not None and (seen.local_rank is None or seen.local_rank not in self.order):
+            return seen
+        if root.local_rank is not None and root.local_rank not in self.order:
+            return root
+        if said:
+            first = said[0]
+            if root.local_rank == first.local_rank:
+                first.rank, first.exit_code = root.rank, root.exit_code
+            return first
+        return root if root.local_rank is not None else None
+
+    def _root_cause(self) -> Cause:
+        """torchrun's Root Cause, classified by its exit code (a negative one is a signal)."""
+        code, kind, sig = self.root.exit_code, None, None
+        if self.root.exception:
+            kind = kind_of_exception(self.root.exception)
+        elif code is not None and code < 0:
+            sig = -code
+            kind = kind_of_signal(sig)
+        elif code:
+            kind = CauseKind.EXIT
+        return Cause(self.root.rank, self.root.local_rank, code, self.root.exception, kind, sig)
+
+
+def worker_cause(record: object) -> Cause | None:
+    """The node supervisor's ``failed_worker`` record (``{"pid", "signal"|"exit", "rank"?,
+    "local_rank"?, "oom"?}``), read as data, as a cause; None when it says nothing usable."""
+    if not isinstance(record, dict) or type(record.get("pid")) is not int:
         return None
+    rank, local = record.get("rank"), record.get("local_rank")
+    rank = rank if type(rank) is int else None
+    local = local if type(local) is int else None
+    sig, code = record.get("signal"), record.get("exit")
+    if type(sig) is int:
+        kind = CauseKind.OOM if record.get("oom") is True else kind_of_signal(sig)
+        return Cause(rank, local, 128 + sig, None, kind, sig)
+    if type(code) is int and code != 0:
+        return Cause(rank, local, code, None, CauseKind.EXIT)
+    return None
+
+
+# --- across nodes ---------------------------------------------------------------------------
+
+
+@dataclass
+class NodeFailure:
+    """What one failed node says, for :func:`blame`.
+
+    Args:
+        name: the node.
+        node_rank: its rank in inventory order (ties in time go to the lower one).
+        failed_at: when its job failed by its supervisor's clock, None if it does not say.
+        cause: its cause (:meth:`CauseReader.cause`), None if nothing says.
+        kinds: local rank -> the kind of what each of its ranks said.
+        peers: the addresses its victims name.
+        failed: it failed on its own (else it was stopped: its victims still count).
+    """
+
+    name: str
+    node_rank: int
+    failed_at: float | None
+    cause: Cause | None
+    kinds: dict[int, CauseKind] = field(default_factory=dict)
+    peers: set[str] = field(default_factory=set)
+    failed: bool = True
+
+
+@dataclass
+class Blame:
+    """Whose failure ended the run.
+
+    Args:
+        node: the node named: the one whose rank failed on its own (first in time), else the one
+            the victims point at, else the first to fail; None when no node failed.
+        cause: that node's cause, None if nothing says.
+        own: the cause is the rank's own (not a lost peer or a stop).
+        lost_peer: ranks elsewhere (not the cause's) that lost their peer.
+        pointed: with no cause of a rank's own, the node whose address the victims' errors name.
+    """
+
+    node: str | None
+    cause: Cause | None = None
+    own: bool = False
+    lost_peer: int = 0
+    pointed: str | None = None
+
+    def victims(self) -> str:
+        """``2 other ranks lost their peer`` (or "")."""
+        if not self.lost_peer:
+            return ""
+        return f"{self.lost_peer} other rank{'s' if self.lost_peer != 1 else ''} lost {'their' if self.lost_peer != 1 else 'its'} peer"
+
+
+def _same_address(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+
+
+def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
+    """The node to name among *nodes* (every node that ended badly; those that did not fail on
+    their own only count their victims); *addresses*: node -> its data-plane address (to map a
+    victim's peer address to a node).
+
+    A rank whose cause is its own outranks any victim, whatever the times; among those, the first
+    by its node's ``failed_at`` (then node rank). With only secondary causes, the node the victims
+    name by address is pointed at (if it is among the nodes), else the first in time is named."""
+    failures = [f for f in nodes if f.failed]
+    if not failures:
+        return Blame(None)
+    own = [f for f in failures if f.cause is not None and f.cause.own]
+    first = min(own or failures, key=lambda f: (f.failed_at is None, f.failed_at or 0.0, f.node_rank))
+    lost = sum(1 for f in nodes for kind in f.kinds.values() if kind is CauseKind.PEER_LOST)
+    if own:
+        return Blame(first.name, first.cause, True, lost)
+    named = {a for f in nodes for a in f.peers}
+    pointed = next((node for node, addr in addresses.items() if any(_same_address(addr, a) for a in named)), None)
+    return Blame(first.name, first.cause, False, lost, pointed)

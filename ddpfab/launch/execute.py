@@ -12,13 +12,12 @@ import functools
 import json
 import os
 import queue
-import re
 import shlex
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Callable, TextIO
 
@@ -28,8 +27,8 @@ from ddpfab import node as nodeprog
 from ddpfab.health import hints
 from ddpfab.health.mesh import compact
 from ddpfab.hosts import nodeenv
-from ddpfab.launch import leases
-from ddpfab.launch.cause import Cause, CauseReader
+from ddpfab.launch import leases, story
+from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
 from ddpfab.node import exitguard
@@ -195,9 +194,6 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
-_RANK_TAG = re.compile(r"^\[default(\d+)\]:")
-
-
 #: RunResult.interrupted when the run ended because stdout's reader went away
 CLOSED_STDOUT = "closed stdout"
 
@@ -212,8 +208,13 @@ class Printer:
     and torchrun's own lines no rank (``node2 --|``).
     """
 
-    def __init__(self, plan: Plan, stream: TextIO | None = None, color: bool | None = None):
+    def __init__(self, plan: Plan, stream: TextIO | None = None, color: bool | None = None, verbose: bool = False):
         self.stream = stream or sys.stdout
+        self.run_id = plan.run_id
+        self.verbose = verbose  # every line as it comes: nothing folded, nothing held
+        self.held: dict[tuple[str, int | None], list[str]] = {}  # (node, local rank) -> an open traceback
+        self.folded = 0  # lines folded (torchrun's failure reports, the tracebacks of ranks that lost a peer)
+        self.noise_shown: set[int | None] = set()  # the known noise shown once already (cause.NOISE)
         if color is None:
             color = self.stream.isatty() and os.environ.get("NO_COLOR") is None
         self.color = color
@@ -250,9 +251,41 @@ class Printer:
             text = f"\x1b[{COLORS[n.node_rank % len(COLORS)]}m{text}\x1b[0m"
         return text
 
-    def line(self, node: str, text: str) -> None:
+    def line(self, node: str, text: str, fold: Fold = Fold.SHOW, local: int | None = None) -> None:
+        """*text* from *node*, as its :class:`~ddpfab.launch.cause.CauseReader` classed it (*fold*,
+        for the line of *local* rank, None: torchrun's): shown, held with its traceback, or folded."""
+        if self.verbose or fold is Fold.SHOW:
+            self._show(node, text)
+            return
+        key = (node, local)
+        if fold is Fold.HOLD:
+            self.held.setdefault(key, []).append(text)
+        elif fold is Fold.RELEASE:
+            for held in self.held.pop(key, []):
+                self._show(node, held)
+            self._show(node, text)
+        elif fold is Fold.NOISE:
+            if noise_of(text) not in self.noise_shown:
+                self.noise_shown.add(noise_of(text))
+                self._show(node, text)
+        else:  # DROP, FOLD
+            self.folded += len(self.held.pop(key, [])) + 1
+
+    def flush(self, node: str) -> None:
+        """What is still held of *node*'s output (its stream ended inside a traceback): shown."""
+        for key in [k for k in self.held if k[0] == node]:
+            for held in self.held.pop(key):
+                self._show(node, held)
+
+    def folded_note(self) -> None:
+        """One line saying what was folded, and where it is, when anything was."""
+        if self.folded:
+            self.note(f"{self.folded} lines folded (torchrun's reports and notices, the tracebacks of ranks that "
+                      f"lost their peer): the node logs keep them (`ddpfab logs {self.run_id}`); --verbose shows them")
+
+    def _show(self, node: str, text: str) -> None:
         rank = None
-        tag = _RANK_TAG.match(text)
+        tag = RANK_TAG.match(text)
         if tag:
             rank = int(tag.group(1)) + (0 if self.local_only else self.offset[node])
             # torchrun relays a rank's log file by lines as it finds them, so a line the rank has
@@ -349,13 +382,13 @@ class _NodeJob:
 
     def _line(self, text: str) -> None:
         self.outcome.lines += 1
-        if _RANK_TAG.match(text):
+        if RANK_TAG.match(text):
             self.outcome.rank_lines += 1
             self.outcome.last_rank_line = self.outcome.last_line
-        self.printer.line(self.node.name, text)
+        fold, local = self.outcome.causes.feed(text)
+        self.printer.line(self.node.name, text, fold, local)
         if self.gate is not None:
             self.gate.saw(self.node.name, text)
-        self.outcome.causes.feed(text)
         sig = hints.signature_of(text)
         if sig and sig not in self.outcome.signatures:
             self.outcome.signatures.append(sig)
@@ -372,10 +405,12 @@ class _NodeJob:
             out.error = out.error or f"{type(exc).__name__}: {exc}"
         finally:
             out.ended = time.time()
-            out.cause = ranked(self.plan, self.node, out.causes.cause())
-            if out.exit_code not in (None, 0, CANNOT_START) and out.error is None and self.plan.exit_guard != "off":
-                # before the monitor decides: did the job fail only after every rank had finished?
+            self.printer.flush(self.node.name)
+            if out.exit_code not in (None, 0, CANNOT_START) and out.error is None:
+                # before the monitor decides: the first worker its supervisor saw fail (a rank killed
+                # by a signal prints nothing), and did the job fail only after every rank had finished?
                 out.remote = self._result_record()
+            out.cause = ranked(self.plan, self.node, out.causes.cause((out.remote or {}).get("failed_worker")))
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:
@@ -447,7 +482,7 @@ def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
     (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
     if cause is not None and cause.rank is None and cause.local_rank is not None and plan.rdzv == "static":
         offset = sum(n.nproc for n in plan.nodes if n.node_rank < node.node_rank)
-        return Cause(offset + cause.local_rank, cause.local_rank, cause.exit_code, cause.exception)
+        return replace(cause, rank=offset + cause.local_rank)
     return cause
 
 
@@ -476,19 +511,53 @@ def failed_worker_text(record: object) -> str:
     return ""
 
 
-def _blame(outcomes: dict[str, NodeOutcome], detected: str | None) -> str | None:
-    """The node whose failure came first, by the time each node reports for its job's failure
-    (``failed_at``, the node's clock); a node without one (lost, supervisor gone) counts at the
-    time ddpfab saw it end. A node whose job failed on its own is never "stopped by ddpfab"."""
-    times = {}
+def _blame(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None) -> Blame:
+    """Whose failure ended the run (:func:`ddpfab.launch.cause.blame`): among the nodes that failed
+    on their own (their supervisor's ``failed_at``, the node's clock; a node without one, lost or
+    its supervisor gone, counts at the time ddpfab saw it end when it was the first seen; a node
+    whose output shows a rank's own failure though its stop came first), the rank whose cause is
+    its own outranks every victim. A node whose job failed on its own is never "stopped by ddpfab"."""
+    nodes = []
     for name, out in outcomes.items():
         failed_at = (out.remote or {}).get("failed_at")
-        if failed_at is not None and out.failed:
-            times[name] = failed_at
+        own = out.cause is not None and out.cause.own and out.exit_code not in (None, 0)
+        if out.failed and (failed_at is not None or own):
             out.stopped_by_ddpfab = False
-    if detected is not None and detected not in times:
-        times[detected] = outcomes[detected].ended
-    return min(times, key=lambda n: (times[n], outcomes[n].node_rank)) if times else None
+        nodes.append(NodeFailure(name, out.node_rank, failed_at if failed_at is not None else out.ended, out.cause,
+                                 out.causes.rank_kinds(), out.causes.peers(),
+                                 failed=out.failed and (failed_at is not None or own or name == detected)))
+    return blame(nodes, addresses)
+
+
+#: Seconds the others get to report a failure of their own when the first node to fail shows only
+#: a victim's (a rank that lost its peer): the rank that crashed ends its node a moment later.
+SETTLE_S = 3.0
+
+
+class _Settle:
+    """When the monitor stops the others after a failure: at once, unless the failed node's rank
+    is known to have only lost its peer or been stopped: then after SETTLE_S (so the node whose rank crashed
+    reports its own failure, and its last lines, before it is stopped)."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None  # the first failed node seen (a victim's, while settling)
+        self.deadline: float | None = None
+
+    def failed(self, name: str, out: NodeOutcome) -> bool:
+        """A node failed: True when the others are to be stopped now (all but a known victim)."""
+        if out.cause is None or out.cause.kind is None or out.cause.own or out.error is not None:
+            self.deadline = None
+            return True
+        if self.first is None:
+            self.first, self.deadline = name, time.monotonic() + SETTLE_S
+        return False
+
+    def expired(self, now: float) -> bool:
+        """The settling time is over with no failure of a rank's own: stop the others now."""
+        if self.deadline is None or now < self.deadline:
+            return False
+        self.deadline = None
+        return True
 
 
 def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer,
@@ -536,6 +605,8 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
     """Wait for every node; stop them all on the first failure, on SIGINT/SIGTERM, or on a hang
     verdict with ``--on-hang stop``."""
     hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
+    addresses = {n.name: n.data_addr for n in next(iter(jobs.values())).plan.nodes} if jobs else {}
+    settle = _Settle()
     interrupted: str | None = None
     first_failure: str | None = None
     extra_wait: float | None = None
@@ -582,6 +653,10 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
                                 hung = hang.verdict.lines
                                 printer.note("--on-hang stop: stopping the job on every node")
                                 stop_all(fast=True)
+                        if settle.expired(now) and stop_deadline() is None:
+                            printer.note(story.live_line(settle.first, jobs[settle.first].outcome, addresses,
+                                                         settled=SETTLE_S))
+                            stop_all(fast=True)
                         deadline = extra_wait or stop_deadline()
                         if deadline is not None and time.monotonic() > deadline:
                             for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
@@ -591,14 +666,11 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
                         continue
                     pending.discard(name)
                     out = jobs[name].outcome
-                    if out.failed and first_failure is None and interrupted is None and not out.stopped_by_ddpfab:
-                        first_failure = name
-                        why = out.error or f"exit code {out.exit_code}"
-                        cause = failure_cause(jobs[name].plan, jobs[name].node, out.cause)
-                        cause = f"; {cause}" if cause else ""
-                        printer.note(f"{name} (node_rank {out.node_rank}) failed ({why}{cause}); "
-                                     "stopping the other nodes")
-                        stop_all(fast=True)
+                    if out.failed and interrupted is None and not out.stopped_by_ddpfab and stop_deadline() is None:
+                        first_failure = first_failure or name
+                        if settle.failed(name, out):
+                            printer.note(story.live_line(name, out, addresses))
+                            stop_all(fast=True)
                 except Interrupted as exc:
                     if interrupted is not None:  # a second signal: leave now (the finally closes every link)
                         raise
@@ -618,8 +690,9 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
     for name, out in outcomes.items():
         if out.cleanup:
             printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
-    if not interrupted and not hung:
-        first_failure = _blame(outcomes, first_failure)
+    printer.folded_note()
+    verdict = _blame(outcomes, addresses, first_failure) if not interrupted and not hung else Blame(first_failure)
+    first_failure = verdict.node
     if interrupted == CLOSED_STDOUT:
         code = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
         summary = "stdout was closed (its reader went away); the job was stopped on every node"
@@ -632,13 +705,12 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
     elif first_failure:
         out = outcomes[first_failure]
         code = out.exit_code if out.exit_code not in (None, 0) else 1
-        why = out.error or f"exit code {out.exit_code}"
-        cause = (failure_cause(jobs[first_failure].plan, jobs[first_failure].node, out.cause)
-                 or failed_worker_text((out.remote or {}).get("failed_worker")))
         found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
         seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
-        summary = (f"failed: {first_failure} (node_rank {out.node_rank}) {why}"
-                   f"{f'; {cause}' if cause else ''}; the others were stopped{f'; seen: {seen}' if seen else ''}")
+        summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
+                                     addresses) + (f"; seen: {seen}" if seen else "")
+        for line in story.other_nodes(outcomes, first_failure, addresses):
+            printer.note(line)
         for line in hints.verdict_lines(found):
             printer.note(f"hint: {line}")
     elif races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:

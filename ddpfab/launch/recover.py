@@ -330,10 +330,10 @@ class Recovery:
 
     def __init__(self, cluster: Cluster, spares: tuple[Node, ...], options: RunOptions, ropts: RecoveryOptions,
                  policy: HostKeyPolicy, ssh_config: str | None, runs_dir: str, prepare: PrepareFn,
-                 run: RunFn, color: bool | None = None, out=None):
+                 run: RunFn, color: bool | None = None, out=None, verbose: bool = False):
         self.cluster, self.spares, self.options, self.ropts = cluster, spares, options, ropts
         self.policy, self.ssh_config, self.runs_dir = policy, ssh_config, runs_dir
-        self.prepare, self.run_attempt, self.color = prepare, run, color
+        self.prepare, self.run_attempt, self.color, self.verbose = prepare, run, color, verbose
         self.out = out or sys.stdout
         self.root = options.run_id
         self.attempts: list[Attempt] = []
@@ -414,7 +414,7 @@ class Recovery:
                 extra = {**extra, "spares_group": self.ropts.spares_group, "attempt_nodes": attempt.nodes}
                 if restart:
                     extra = {**extra, "recovery_of": self.root, "restart": restart, "lineage": list(lineage)}
-                printer = Printer(prepared.plan, stream=self.out, color=self.color)
+                printer = Printer(prepared.plan, stream=self.out, color=self.color, verbose=self.verbose)
                 if restart:
                     swap = ", ".join(f"{a} -> {b}" for a, b in attempt.replaced.items()) or "no replacement"
                     printer.note(f"restart {restart}/{self.ropts.max_job_restarts} as {attempt.run_id}: {swap}"

@@ -236,8 +236,26 @@ def exit_status(pid):
     return ("exit", (status >> 8) & 0xFF)
 
 
-def watch_workers(root, on_failure, stop, interval=0.2):
-    """Call ``on_failure(pid, how)`` when one of torchrun's workers exits with an error.
+def worker_identity(pid):
+    """The ranks torchrun gave worker *pid* (``{"rank": 3, "local_rank": 1}``, from its environment,
+    read while it runs) and its command name; {} when they cannot be read."""
+    found = {}
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            for item in fh.read().split(b"\0"):
+                key, _, value = item.partition(b"=")
+                if key in (b"RANK", b"LOCAL_RANK") and value.isdigit() and len(value) < 8:
+                    found[key.decode().lower()] = int(value)
+        with open("/proc/%d/comm" % pid, "rb") as fh:
+            found["comm"] = fh.read().strip().decode("utf-8", "replace")[:32]
+    except OSError:
+        pass
+    return found
+
+
+def watch_workers(root, on_failure, stop, interval=0.2, who=None):
+    """Call ``on_failure(pid, how)`` when one of torchrun's workers exits with an error; *who*, a
+    dict, gets each worker's :func:`worker_identity` by pid as it is first seen.
 
     pidfds (Linux >= 5.3, Python >= 3.9) wake us the moment a worker exits, while it is still a
     zombie whose exit status /proc shows; torchrun reaps it within its 0.1 s monitor interval. When
@@ -261,6 +279,8 @@ def watch_workers(root, on_failure, stop, interval=0.2):
                 fd = os.pidfd_open(pid)
             except OSError:  # gone already
                 continue
+            if who is not None:
+                who[pid] = worker_identity(pid)
             fds[fd] = pid
             poller.register(fd, select.POLLIN)
 
@@ -290,6 +310,57 @@ def watch_workers(root, on_failure, stop, interval=0.2):
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def failed_worker_record(pid, how, identity):
+    """``{"pid", "signal"|"exit"|"status", "rank"?, "local_rank"?, "oom"?}``: the first worker seen failing."""
+    record = {"pid": pid, how[0]: how[1]}
+    record.update(identity)
+    return record
+
+
+#: Seconds around a worker's death in which the kernel's record of an OOM kill is taken as its.
+OOM_WINDOW = 5.0
+
+
+def oom_killed(pid, comm, died_at, window=OOM_WINDOW):
+    """Did the kernel's OOM killer end process *pid* (command name *comm*) around *died_at*
+    (``time.time()``)? Read from the kernel log (``/dev/kmsg``; False where it cannot be read)."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    since_us = (time.clock_gettime(time.CLOCK_MONOTONIC) - (time.time() - died_at) - window) * 1e6
+    try:
+        return oom_kill_in(_kmsg_records(fd), pid, comm, since_us)
+    finally:
+        os.close(fd)
+
+
+def _kmsg_records(fd):
+    """The kernel log's records, one per read, until its end."""
+    while True:
+        try:
+            yield os.read(fd, 8192).decode("utf-8", "replace")
+        except BlockingIOError:
+            return  # the end of the log
+        except OSError:  # EPIPE: a record was overwritten while we read; read on
+            continue
+
+
+def oom_kill_in(records, pid, comm, since_us):
+    """Is one of *records* (``PRIO,SEQ,USEC,FLAGS;TEXT``) of time *since_us* or later the OOM
+    killer's ``Killed process PID (COMM)`` of *pid*? Inside a PID namespace the log names the
+    host's pid, so there the command name *comm* and the time decide."""
+    for record in records:
+        head, _, text = record.partition(";")
+        fields = head.split(",")
+        if len(fields) < 3 or not fields[2].isdigit() or int(fields[2]) < since_us:
+            continue
+        m = re.search(r"Killed process (\d+) \(([^)]*)\)", text)
+        if m and (int(m.group(1)) == pid or (comm is not None and m.group(2) == comm)):
+            return True
+    return False
 
 
 def _restarts(log_dir):
@@ -451,7 +522,7 @@ def exit_race(spec, run_dir, code, stopped, failed):
         return None
     by_pid = {r["pid"]: r for r in done.values()}
     aborted = [{"rank": by_pid[pid]["rank"], "local_rank": by_pid[pid]["local_rank"], how[0]: how[1]}
-               for pid, how in failed if pid in by_pid]
+               for pid, how, *_ in failed if pid in by_pid]
     return {"ranks": sorted(r["rank"] for r in done.values()), "aborted": aborted}
 
 
@@ -638,14 +709,21 @@ def main(spec):
         relay_lines((job.stdout.fileno(), job.stderr.fileno()), emit)
 
     failed_worker = []
+    workers = {}  # pid -> worker_identity(pid), filled by watch_workers
+    own_failure_since = []  # time.monotonic() when a worker failed before any stop: the node's own failure
 
     def worker_failed(pid, how):
         if stop.is_set() or job.poll() is not None:
             return  # ended already: a worker that dies now was ended by torchrun's exit or by us
-        failed_worker.append((pid, how))
+        identity = dict(workers.get(pid) or {})
+        comm = identity.pop("comm", None)
+        if how == ("signal", signal.SIGKILL) and oom_killed(pid, comm, time.time()):
+            identity["oom"] = True
+        failed_worker.append((pid, how, identity))
         if finished_before(run_dir, pid):
             return  # it finished its work, then died at exit: torchrun ends the job, not a failure yet
         failed_at.append(time.time())
+        own_failure_since.append(time.monotonic())
         if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
             return
         grace_now[0] = min(grace, FAST_GRACE)
@@ -655,7 +733,8 @@ def main(spec):
     if not detached:
         threading.Thread(target=watch_link, daemon=True).start()
     if spec.get("watch_workers"):
-        threading.Thread(target=watch_workers, args=(job.pid, worker_failed, stop), daemon=True).start()
+        threading.Thread(target=watch_workers, args=(job.pid, worker_failed, stop), kwargs={"who": workers},
+                         daemon=True).start()
     at_barrier = []
 
     def ranks_finished():
@@ -673,14 +752,20 @@ def main(spec):
             request_stop("controller silent for %.0f s" % silence)
     if job.poll() is not None and not reason:
         failed_at.append(time.time())  # the job ended by itself (its failure time if it failed)
+    if own_failure_since:  # a stop that came while the failed worker's last lines were relayed waits for them
+        time.sleep(max(0.0, TAIL_SETTLE - (time.monotonic() - own_failure_since[0])))
     end_tree(grace_now[0], job.pid)  # the job's main process ended or we were told to stop: nothing may outlive it
     code = job.wait()
     relayer.join(timeout=2)
     if code < 0:
         code = 128 - code
-    own_failure = bool(failed_worker and by_worker and by_worker[0])
+    # a worker failed before anything stopped the job: the node failed on its own, also when ddpfab's
+    # stop (another node saw the same failure first) came while its last lines were relayed
+    own_failure = bool(own_failure_since)
     if own_failure:
         code = 1  # what torchrun itself exits with when a worker fails
+        pid, how, _ = failed_worker[0]
+        reason[:1] = ["a worker failed (pid %d, %s %s); ended without waiting for torchrun" % (pid, how[0], how[1])]
     if at_barrier and reason and reason[0] == AT_BARRIER:
         code, reason[:] = 0, []  # ended by us after the work was done: the job succeeded on this node
     if reason:
@@ -692,7 +777,7 @@ def main(spec):
         "failed_at": min(failed_at) if failed and failed_at and not race else None,
         "restarts": _restarts(spec.get("log_dir")), "exit_race": race,
         # the first worker seen failing, as data: torchrun, ended at once, may not have named it
-        "failed_worker": dict([("pid", failed_worker[0][0]), failed_worker[0][1]]) if failed_worker else None}) + "\n")
+        "failed_worker": failed_worker_record(*failed_worker[0]) if failed_worker else None}) + "\n")
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
     log.close()
     return code

@@ -292,3 +292,43 @@ def test_exit_status_is_read_from_the_zombie():
     exited.wait()
     killed.wait()
     assert agent.exit_status(exited.pid) is None  # reaped: gone
+
+
+TORCHRUN_WHOSE_WORKER_IS_KILLED = r"""
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(1.5); os.kill(os.getpid(), 9)"],
+                          env=dict(os.environ, RANK="5", LOCAL_RANK="1"))
+other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+open(sys.argv[0] + ".pids", "w").write("%d %d" % (worker.pid, other.pid))
+time.sleep(300)
+"""
+
+
+def test_a_worker_killed_before_a_stop_is_the_nodes_own_failure(tmp_path):
+    """SIGKILL (the OOM killer's signal) kills a rank; its peers elsewhere fail at once, and ddpfab's
+    fast stop (``!``) can reach this node while its supervisor still lets the rank's last lines
+    through. The node failed on its own all the same: not "stopped by ddpfab", the worker's signal
+    and ranks recorded (a manifest said exit 143, "another node failed")."""
+    launcher = tmp_path / "bin" / "torchrun"
+    launcher.parent.mkdir()
+    launcher.write_text(TORCHRUN_WHOSE_WORKER_IS_KILLED)
+    proc = spawn({"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": True,
+                  "argv": [sys.executable, str(launcher)]})
+    pids_file = tmp_path / "bin" / "torchrun.pids"
+    deadline = time.monotonic() + 20
+    while not pids_file.exists() or not pids_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    worker, other = map(int, pids_file.read_text().split())
+    while alive(worker):  # (a zombie reads as dead: it is the moment the kill landed)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)  # the watcher has seen it; its last lines are still being let through
+    proc.stdin.write(b"!")  # another node failed: ddpfab's fast stop
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert proc.returncode == 1 and result["exit_code"] == 1, result
+    assert result["failed_worker"] == {"pid": worker, "signal": 9, "rank": 5, "local_rank": 1}, result
+    assert result["failed_at"] is not None and "another node failed" not in (result["stopped"] or ""), result
+    assert not alive(other)

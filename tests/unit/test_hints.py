@@ -22,7 +22,7 @@ def test_a_node_job_records_each_hint_once():
     job.node = SimpleNamespace(name="node1")
     job.outcome = launch.NodeOutcome("node1", 0)
     lines = []
-    job.printer = SimpleNamespace(line=lambda node, text: lines.append((node, text)))
+    job.printer = SimpleNamespace(line=lambda node, text, *fold: lines.append((node, text)))
     for text in ("rank 0 done", f"[default0]:{hints.EXIT_ABORT_LINE}", f"[default1]:{hints.EXIT_ABORT_LINE}"):
         job._line(text)
     assert job.outcome.lines == 3 and len(lines) == 3
@@ -93,7 +93,7 @@ def test_a_failed_run_names_each_signature_with_its_nodes():
         job = launch._NodeJob.__new__(launch._NodeJob)
         job.node = SimpleNamespace(name=name, node_rank=i)
         job.outcome = launch.NodeOutcome(name, i)
-        job.printer = SimpleNamespace(line=lambda node, text: None)
+        job.printer = SimpleNamespace(line=lambda node, text, *fold: None)
         for line in lines:
             job._line(line)
         outcomes[name] = job.outcome

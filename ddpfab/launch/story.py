@@ -1,0 +1,114 @@
+"""The failure's story as the user reads it: the live line when a node fails, the line per other
+node, and the closing line. Pure: outcomes and the blame (:func:`ddpfab.launch.cause.blame`) in,
+text out; the monitor (:mod:`ddpfab.launch.execute`) prints it.
+
+The rule: name the rank that failed on its own, with its node, global and local rank and its error
+line; count the victims (ranks that lost their peer, ranks that were stopped), never name one as
+the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+from ddpfab.health.mesh import compact
+from ddpfab.launch.cause import Blame, Cause, CauseKind
+
+#: Up to this many other nodes each has its line; beyond, nodes with the same story share one.
+FOLD_ABOVE = 16
+
+
+class Outcome(Protocol):
+    """What the story reads of a node's outcome (:class:`ddpfab.launch.execute.NodeOutcome`)."""
+
+    node_rank: int
+    exit_code: int | None
+    error: str | None
+    stopped_by_ddpfab: bool
+    cause: Cause | None
+
+
+def why(out: Outcome) -> str:
+    """``exit code 1``, or the node's error (lost, no exit status)."""
+    return out.error or f"exit code {out.exit_code}"
+
+
+def peer_text(cause: Cause, addresses: dict[str, str]) -> str:
+    """`` (its peer: node2)``, the node whose address the victim's error names, or ""."""
+    if not cause.peer:
+        return ""
+    node = next((name for name, addr in addresses.items() if addr == cause.peer), None)
+    return f" (its peer: {node})" if node else f" (its peer: {cause.peer})"
+
+
+def cause_text(cause: Cause, out: Outcome) -> str:
+    """*cause*'s text, without its exit code where the node's own says it already."""
+    return (replace(cause, exit_code=None) if cause.exit_code == out.exit_code else cause).text()
+
+
+def live_line(name: str, out: Outcome, addresses: dict[str, str], settled: float | None = None) -> str:
+    """The line when the monitor stops the others: the node, why, and its rank's cause; for a
+    victim (*settled*: the seconds given to the others to report a failure of their own), that no
+    rank failed on its own meanwhile."""
+    cause = out.cause
+    text = f"{name} (node_rank {out.node_rank}) failed ({why(out)}"
+    if cause is not None and cause.own:
+        return f"{text}; {cause_text(cause, out)}); stopping the other nodes"
+    if cause is not None and cause.kind is CauseKind.PEER_LOST:
+        text += f"; {cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}"
+    elif cause is not None:
+        text += f"; {cause.text()}"
+    waited = f"; no rank failed on its own within {settled:g} s" if settled is not None else ""
+    return f"{text}{waited}); stopping the other nodes"
+
+
+def node_story(out: Outcome, addresses: dict[str, str], with_ranks: bool = True) -> str:
+    """One other node's part: ``rank 0 (local rank 0) lost its peer (its peer: node2)``, ``stopped
+    by ddpfab``, ``exited 0``, its error; *with_ranks* False leaves the ranks out (for grouping)."""
+    cause = out.cause
+    if out.error and out.exit_code is None:
+        return out.error
+    if cause is not None and cause.kind is CauseKind.PEER_LOST:
+        who = cause.who() if with_ranks else ""
+        return f"{who or 'a rank'} lost its peer{peer_text(cause, addresses)}"
+    if cause is not None and cause.own:
+        return cause.text() if with_ranks else f"failed too ({cause.kind.value})"
+    if out.exit_code == 0:
+        return "exited 0"
+    if out.stopped_by_ddpfab:
+        return "stopped by ddpfab"
+    return why(out)
+
+
+def other_nodes(outcomes: dict[str, Outcome], named: str | None, addresses: dict[str, str]) -> list[str]:
+    """A line per node other than *named* (in inventory order); beyond FOLD_ABOVE, one per story."""
+    others = {n: o for n, o in outcomes.items() if n != named}
+    if len(others) <= FOLD_ABOVE:
+        return [f"  {n} (node_rank {o.node_rank}): {node_story(o, addresses)}" for n, o in others.items()]
+    by_story: dict[str, list[str]] = {}
+    for n, o in others.items():
+        by_story.setdefault(node_story(o, addresses, with_ranks=False), []).append(n)
+    return [f"  {compact(names)}: {story}" for story, names in by_story.items()]
+
+
+def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[str, str]) -> str:
+    """``failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0), exit code 1: ValueError:
+    ...; 2 other ranks lost their peer; the others were stopped``. *out*: the named node's outcome;
+    *fallback*: what to say of its rank when its output named none (the supervisor's record)."""
+    parts = [f"failed: {verdict.node} (node_rank {out.node_rank}) {why(out)}"]
+    cause = verdict.cause
+    if cause is not None and (cause.own or cause.kind is None):
+        parts.append(cause_text(cause, out))
+    elif cause is not None:
+        lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
+            if cause.kind is CauseKind.PEER_LOST else cause.text()
+        pointed = (f"; their errors name {verdict.pointed} ({addresses[verdict.pointed]}): look there first"
+                   if verdict.pointed and verdict.pointed in addresses else "")
+        parts.append(f"only secondary failures were seen: {lost}{pointed}")
+    elif fallback:
+        parts.append(fallback)
+    if verdict.victims():
+        parts.append(verdict.victims())
+    parts.append("the others were stopped")
+    return "; ".join(parts)

@@ -1,0 +1,215 @@
+"""The failure's story (ddpfab.launch.cause, ddpfab.launch.story): the rank that failed on its own is
+named, however late its node reports; victims (ranks that lost their peer, ranks that were
+stopped) are counted, never named; torchrun's reports and the victims' tracebacks are folded.
+
+The node outputs below are what torch 2.13's torchrun relays (--tee=3) on a 3-node gloo job whose
+rank 1 raised after an all_reduce (captured on the lab), shortened where it repeats."""
+
+from __future__ import annotations
+
+import io
+
+from ddpfab.cli.run import own_options_hint
+from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.launch import execute, story
+from ddpfab.launch.cause import (Blame, Cause, CauseKind, CauseReader, Fold, NodeFailure, blame, kind_of_exception,
+                                 worker_cause)
+from ddpfab.node.agent import oom_kill_in
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
+
+GLOO_CLOSED = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+               "closed by peer [10.0.0.12]:50096. This is typically caused by a remote worker crashing. Check the "
+               "logs of the remote worker before reporting an error. GLHF!")
+
+VICTIM = f"""\
+[default0]:rank 0 step 0 ok
+[default0]:[rank0]: Traceback (most recent call last):
+[default0]:[rank0]:   File "/w/crash.py", line 16, in <module>
+[default0]:[rank0]:     dist.all_reduce(t)
+[default0]:[rank0]:   File "/v/torch/distributed/distributed_c10d.py", line 3252, in all_reduce
+[default0]:[rank0]:     work.wait()
+[default0]:[rank0]: {GLOO_CLOSED}
+W1204 17:17:19.074000 4653 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 4658 closing signal SIGTERM
+E1204 17:17:19.274000 4653 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 4659) of binary: /v/bin/python
+Traceback (most recent call last):
+  File "/v/torch/distributed/run.py", line 1032, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+crash.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_17:17:19
+  host      : node1
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4659)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================"""
+
+CULPRIT = """\
+[W1204 17:24:54.267612704 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved. err=-3
+[default0]:rank 1 step 0 ok
+[default0]:[rank1]: Traceback (most recent call last):
+[default0]:[rank1]:   File "/w/crash.py", line 12, in <module>
+[default0]:[rank1]:     raise ValueError("bad batch shape (3, 4)")
+[default0]:[rank1]: ValueError: bad batch shape (3, 4)"""
+
+USAGE = """\
+[default0]:usage: train.py [-h] [--steps STEPS]
+[default0]:train.py: error: unrecognized arguments: --nproc-per-node 2"""
+
+
+def reader(text: str) -> CauseReader:
+    r = CauseReader()
+    for line in text.splitlines():
+        r.feed(line)
+    return r
+
+
+def plan3():
+    nodes = tuple(Node(f"node{i}", f"10.0.0.1{i}", nproc=1) for i in (1, 2, 3))
+    return make_plan(Cluster("inv.yml", "all", nodes), RunOptions("crash.py"),
+                     Facts({n.name: n.host for n in nodes}, 29500, "/w"))
+
+
+def test_peer_loss_words_are_secondary_and_anything_else_is_the_ranks_own():
+    for line in (GLOO_CLOSED, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5: "
+                 "Connection reset by peer",
+                 "torch.distributed.DistBackendError: NCCL error in: ../ProcessGroupNCCL.cpp:1970, remote process "
+                 "exited or there was a network error, NCCL version 2.21.5",
+                 "RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+                 "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.",
+                 "torch.distributed.DistStoreError: failed to recv, got 0 bytes",
+                 "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+                 "operation to complete"):
+        assert kind_of_exception(line) is CauseKind.PEER_LOST, line
+    for line in ("ValueError: bad batch shape (3, 4)", "torch.OutOfMemoryError: CUDA out of memory.",
+                 "RuntimeError: Expected all tensors to be on the same device", "KeyError: 'lr'"):
+        assert kind_of_exception(line) is CauseKind.EXCEPTION, line
+
+
+def test_the_crashed_rank_is_named_though_its_victims_reported_first():
+    victim, culprit = reader(VICTIM), reader(CULPRIT)
+    assert victim.cause().kind is CauseKind.PEER_LOST and victim.cause().peer == "10.0.0.12"
+    assert culprit.cause().kind is CauseKind.EXCEPTION
+    # the victims' supervisors saw their ranks fail first (they often do): the crash is still named
+    nodes = [NodeFailure("node1", 0, 100.0, victim.cause(), victim.rank_kinds(), victim.peers()),
+             NodeFailure("node2", 1, 100.4, culprit.cause(), culprit.rank_kinds(), culprit.peers()),
+             NodeFailure("node3", 2, 100.1, victim.cause(), victim.rank_kinds(), victim.peers())]
+    verdict = blame(nodes, {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"})
+    assert (verdict.node, verdict.own, verdict.lost_peer) == ("node2", True, 2)
+    assert verdict.cause.exception == "ValueError: bad batch shape (3, 4)"
+    assert verdict.victims() == "2 other ranks lost their peer"
+    # the last lines of its traceback, for the record
+    assert verdict.cause.traceback[-1].endswith("ValueError: bad batch shape (3, 4)")
+
+
+def test_with_only_victims_the_node_their_errors_name_is_pointed_at():
+    victim = reader(VICTIM)
+    nodes = [NodeFailure("node1", 0, 100.0, victim.cause(), victim.rank_kinds(), victim.peers()),
+             NodeFailure("node2", 1, None, None, failed=False)]
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12"}
+    verdict = blame(nodes, addresses)
+    assert (verdict.node, verdict.own, verdict.pointed) == ("node1", False, "node2")
+    out = execute.NodeOutcome("node1", 0, exit_code=1, cause=victim.cause())
+    line = story.closing_line(verdict, out, "", addresses)
+    assert "only secondary failures were seen" in line and "their errors name node2 (10.0.0.12)" in line
+    assert "ValueError" not in line and GLOO_CLOSED not in line
+
+
+def test_a_rank_killed_by_a_signal_is_its_own_failure_a_sigterm_is_a_stop():
+    killed = worker_cause({"pid": 57, "signal": 9, "rank": 1, "local_rank": 0})
+    assert (killed.kind, killed.rank, killed.signal) == (CauseKind.SIGNAL, 1, 9)
+    assert killed.text() == "rank 1 (local rank 0) was killed by signal 9 (SIGKILL)"
+    oom = worker_cause({"pid": 57, "signal": 9, "rank": 1, "local_rank": 0, "oom": True})
+    assert oom.kind is CauseKind.OOM and oom.text() == "rank 1 (local rank 0) was killed by the OOM killer (SIGKILL)"
+    assert worker_cause({"pid": 57, "signal": 15}).kind is CauseKind.STOPPED
+    for bad in (None, [], {"pid": "57", "signal": 9}, {"pid": 57}, {"pid": 57, "exit": 0}):
+        assert worker_cause(bad) is None
+    # the killed rank printed nothing; its peers on the same node lost it: the signal is the node's cause
+    node = reader(VICTIM.replace("[default0]", "[default1]").replace("(local_rank: 0)", "(local_rank: 1)"))
+    assert node.cause({"pid": 57, "signal": 9, "rank": 0, "local_rank": 0}).kind is CauseKind.SIGNAL
+    # ... but a worker record of a rank that said it lost its peer does not make it its own
+    assert node.cause({"pid": 58, "exit": 1, "rank": 1, "local_rank": 1}).kind is CauseKind.PEER_LOST
+
+
+def test_the_kernels_oom_record_is_matched_by_pid_or_by_name_and_time():
+    records = ["6,10,5000000,-;Memory cgroup out of memory: Killed process 4242 (pt_main_thread) total-vm:1kB",
+               "6,11,9000000,-;Out of memory: Killed process 77 (python3) total-vm:1kB"]
+    assert oom_kill_in(records, 4242, None, 1_000_000)
+    assert oom_kill_in(records, 12, "pt_main_thread", 1_000_000)  # in a PID namespace: the host's pid
+    assert not oom_kill_in(records, 12, "pt_main_thread", 6_000_000)  # too old
+    assert not oom_kill_in(records, 12, "other", 0) and not oom_kill_in(["garbage", "1,2;x"], 12, None, 0)
+
+
+def test_a_usage_error_is_quoted_and_ddpfabs_own_options_are_pointed_out():
+    cause = reader(USAGE).cause()
+    assert cause.kind is CauseKind.USAGE
+    assert cause.exception == "train.py: error: unrecognized arguments: --nproc-per-node 2"
+    hint = own_options_hint({"node1": execute.NodeOutcome("node1", 0, exit_code=1, cause=cause)})
+    assert "--nproc-per-node" in hint and "before the script" in hint
+    other = reader(USAGE.replace("--nproc-per-node 2", "--bogus")).cause()
+    assert own_options_hint({"node1": execute.NodeOutcome("node1", 0, cause=other)}) == ""
+
+
+def test_the_printer_folds_victims_and_torchruns_reports_and_shows_noise_once():
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False)
+    for node, text in (("node1", VICTIM), ("node2", CULPRIT), ("node3", VICTIM), ("node3", CULPRIT.splitlines()[0])):
+        r = CauseReader()
+        for line in text.splitlines():
+            printer.line(node, line, *r.feed(line))
+        printer.flush(node)
+    printer.folded_note()
+    shown = out.getvalue().splitlines()
+    assert sum("ValueError: bad batch shape" in ln for ln in shown) == 1
+    assert not any("Connection closed" in ln or "ChildFailedError" in ln or "Root Cause" in ln for ln in shown)
+    assert sum("[c10d] The hostname" in ln for ln in shown) == 1
+    assert any("step 0 ok" in ln for ln in shown)
+    assert "lines folded" in shown[-1] and "--verbose" in shown[-1]
+    assert len(shown) <= 10, shown
+    # --verbose: every line, in order
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False, verbose=True)
+    r = CauseReader()
+    for line in VICTIM.splitlines():
+        printer.line("node1", line, *r.feed(line))
+    assert len(out.getvalue().splitlines()) == len(VICTIM.splitlines())
+
+
+def test_a_traceback_cut_off_by_the_end_of_the_stream_is_shown():
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False)
+    r = CauseReader()
+    for line in CULPRIT.splitlines()[:4]:  # no exception line: the rank was killed while printing
+        fold, local = r.feed(line)
+        printer.line("node2", line, fold, local)
+        if line.endswith("Traceback (most recent call last):"):
+            assert fold is Fold.HOLD
+    printer.flush("node2")
+    assert "line 12, in <module>" in out.getvalue()
+
+
+def test_the_story_lines():
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12"}
+    victim = execute.NodeOutcome("node1", 0, exit_code=1, cause=reader(VICTIM).cause())
+    assert story.live_line("node1", victim, addresses, settled=3.0) == (
+        "node1 (node_rank 0) failed (exit code 1; rank 0 (local rank 0) lost its peer (its peer: node2); "
+        "no rank failed on its own within 3 s); stopping the other nodes")
+    culprit = execute.NodeOutcome("node2", 1, exit_code=1, cause=Cause(1, 0, 1, "ValueError: x", CauseKind.EXCEPTION))
+    assert story.live_line("node2", culprit, addresses) == (
+        "node2 (node_rank 1) failed (exit code 1; rank 1 (local rank 0): ValueError: x); stopping the other nodes")
+    stopped = execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True)
+    assert story.other_nodes({"node1": stopped, "node2": culprit}, "node2", addresses) == \
+        ["  node1 (node_rank 0): stopped by ddpfab"]
+    verdict = Blame("node2", culprit.cause, True, 1)
+    assert story.closing_line(verdict, culprit, "", addresses) == (
+        "failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0): ValueError: x; 1 other rank lost its peer; "
+        "the others were stopped")
+    many = {f"node{i}": execute.NodeOutcome(f"node{i}", i, exit_code=143, stopped_by_ddpfab=True) for i in range(40)}
+    assert story.other_nodes(many, "node0", addresses) == ["  node[1-39] (39 nodes): stopped by ddpfab"]
