@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -46,8 +45,6 @@ RESTART_VAR, ROOT_VAR, LINEAGE_VAR = "DDPFAB_RESTART_COUNT", "DDPFAB_ROOT_RUN_ID
 EVIDENCE_LINES = 8
 #: Seconds a health check waits for a node's sshd after a failure.
 HEALTH_TIMEOUT_S = 5.0
-_RANK_TAG = re.compile(r"^\[default\d+\]:(?:\[rank\d+\]:)?")  # torchrun's --tee tag, torch's own rank tag
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s.*)?$")
 
 
 class NoRecovery(DdpfabError):
@@ -201,24 +198,6 @@ def problem_hosts(problems: list[Problem], names: set[str]) -> set[str]:
     return {p.node for p in problems if p.node in names}
 
 
-def exception_line(log_text: str) -> str | None:
-    """The last Python exception line a rank printed (``ValueError: ...``): from the ranks' own
-    output (torchrun tags it ``[default<N>]:``) first, else torchrun's, its wrappers for a child's
-    failure or for the stop signal aside."""
-    ranks, launcher = None, None
-    for raw in log_text.splitlines():
-        raw = raw.strip()
-        tagged = _RANK_TAG.match(raw)
-        line = raw[tagged.end():].strip() if tagged else re.sub(r"^\[rank\d+\]:", "", raw).strip()
-        m = _EXC_LINE.match(line)
-        if m and not m.group(1).endswith(("ChildFailedError", "SignalException")):
-            if tagged:
-                ranks = line
-            else:
-                launcher = line
-    return ranks or launcher
-
-
 def tail(path: Path, lines: int = EVIDENCE_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -272,16 +251,9 @@ def classify(result: RunResult, nodes: tuple[Node, ...], log_dir: Path, policy: 
             if last:
                 evidence[name] += "\nlast lines:\n" + last
         return Failure("node", tuple(n.name for n in nodes if n.name in evidence), evidence)
-    first = result.first_failure or next(iter(result.outcomes))
-    error = None
-    for name in [first] + [n for n in result.outcomes if n != first]:  # the first to fail, else any
-        try:
-            error = exception_line((log_dir / f"{name}.log").read_text(errors="replace"))
-        except OSError:
-            continue
-        if error:
-            break
-    error = error or f"exit code {result.outcomes[first].exit_code}"
+    first = result.first_failure or next(iter(result.outcomes))  # the rank that failed on its own (cause.blame)
+    cause = result.outcomes[first].cause
+    error = cause.text() if cause else f"exit code {result.outcomes[first].exit_code}"
     return Failure("script", (first,), {first: tail(log_dir / f"{first}.log")}, error)
 
 

@@ -109,17 +109,22 @@ def test_a_problem_is_about_its_own_node_never_a_name_it_contains():
     assert not problems[0].about("node1") and problems[0].about("node10", "script")
 
 
-def test_the_script_error_is_the_ranks_exception_not_torchruns():
-    log = "\n".join([
-        "[default1]:Traceback (most recent call last):",
-        "[default1]:  File \"t.py\", line 3, in <module>",
-        "[default1]:[rank1]: RuntimeError: boom on purpose at step 2",
-        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 94 got signal: 15",
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
-    ])
-    assert recover.exception_line(log) == "RuntimeError: boom on purpose at step 2"
-    assert recover.exception_line("KeyError: 'x'\nsomething else") == "KeyError: 'x'"
-    assert recover.exception_line("no error here") is None
+def test_the_script_error_is_the_blamed_ranks_own_cause(tmp_path):
+    """Recovery reads the one classifier's verdict (the run's blamed node and its cause), not the
+    logs again: a victim's "connection closed" is never the script's error."""
+    from ddpfab.launch.cause import Cause, CauseKind
+    from ddpfab.launch.execute import NodeOutcome, RunResult
+
+    outcomes = {"node1": NodeOutcome("node1", 0, exit_code=1, cause=Cause(0, 0, 1, "RuntimeError: Connection closed "
+                                                                           "by peer", CauseKind.PEER_LOST)),
+                "node2": NodeOutcome("node2", 1, exit_code=1, cause=Cause(1, 0, 1, "ValueError: boom",
+                                                                          CauseKind.EXCEPTION))}
+    result = RunResult(1, outcomes, first_failure="node2")
+    failure = recover.classify(result, (), tmp_path, None, None)
+    assert (failure.kind, failure.nodes) == ("script", ("node2",))
+    assert failure.error == "rank 1 (local rank 0), exit code 1: ValueError: boom"
+    outcomes["node2"].cause = None
+    assert recover.classify(result, (), tmp_path, None, None).error == "exit code 1"
 
 
 def _args(**kw) -> argparse.Namespace:
