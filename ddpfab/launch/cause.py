@@ -358,12 +358,14 @@ class CauseReader:
         said = [c for local in self.order if (c := self.rank_cause(local))]
         own = [c for c in said if c.own]
         root = self._root_cause()
+        seen = worker_cause(worker)
         if own:
             first = own[0]
-            if root.local_rank == first.local_rank:
-                first.rank = root.rank
+            for known in (root, seen):  # what torchrun or the supervisor knew of the same rank
+                if known is not None and known.local_rank == first.local_rank:
+                    first.rank = first.rank if first.rank is not None else known.rank
+                    first.exit_code = first.exit_code if first.exit_code is not None else known.exit_code
             return first
-        seen = worker_cause(worker)
         if seen is not None and (seen.local_rank is None or seen.local_rank not in self.order):
             return seen
         if root.local_rank is not None and root.local_rank not in self.order:

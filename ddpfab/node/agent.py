@@ -294,6 +294,10 @@ def watch_workers(root, on_failure, stop, interval=0.2, who=None):
             if rescans:
                 rescans -= 1
                 look()
+            if who is not None:  # a worker first seen between torchrun's fork and its exec has no ranks yet
+                for pid in fds.values():
+                    if "local_rank" not in who.get(pid, {}):
+                        who[pid] = worker_identity(pid)
             for fd, _ in poller.poll(interval * 1000):
                 pid = fds.pop(fd)
                 poller.unregister(fd)

@@ -151,6 +151,9 @@ def test_a_usage_error_is_quoted_and_ddpfabs_own_options_are_pointed_out():
     cause = reader(USAGE).cause()
     assert cause.kind is CauseKind.USAGE
     assert cause.exception == "train.py: error: unrecognized arguments: --nproc-per-node 2"
+    # torchrun was stopped before its report: the supervisor's record of the same rank gives its exit code
+    recorded = reader(USAGE).cause({"pid": 5, "exit": 2, "rank": 3, "local_rank": 0})
+    assert (recorded.kind, recorded.rank, recorded.exit_code) == (CauseKind.USAGE, 3, 2)
     hint = own_options_hint({"node1": execute.NodeOutcome("node1", 0, exit_code=1, cause=cause)})
     assert "--nproc-per-node" in hint and "before the script" in hint
     other = reader(USAGE.replace("--nproc-per-node 2", "--bogus")).cause()
