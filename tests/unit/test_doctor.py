@@ -419,3 +419,56 @@ def test_a_rank_outside_that_uses_cpu_is_named_but_busy_not_hung():
     v = doctor.analyse(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
     assert v.odd[0]["rank"] == 1 and not v.hung
     assert v.lines[-1] == "not a hang: node2 rank 1 (pid 52) is using CPU (busy: still importing, or computing)"
+
+
+# -- the hang watch: what each look prints ----------------------------------------------------------
+def watch(tmp_path: Path, monkeypatch, verdicts: list, on_hang: str = "stop"):
+    """A HangWatch (--hang-timeout 10) whose doctor returns *verdicts* in turn; its notes."""
+    from types import SimpleNamespace
+
+    from ddpfab.launch.hangwatch import HangWatch
+
+    looks = iter(verdicts)
+    monkeypatch.setattr(doctor, "diagnose", lambda plan, call, run_dir: (next(looks), tmp_path / "doctor-x.json"))
+    notes: list[str] = []
+    hw = HangWatch(SimpleNamespace(hang_timeout=10.0, on_hang=on_hang, run_id="r1"), {}, tmp_path, notes.append)
+
+    def tick(quiet_since: float, now: float) -> None:
+        hw.tick(quiet_since, now)
+        if hw._thread is not None:
+            hw._thread.join(timeout=10)
+    return hw, tick, notes
+
+
+def stack_lines(notes: list[str]) -> list[str]:
+    return [n for n in notes if n.startswith("-- ")]
+
+
+def test_the_hang_watch_prints_the_stacks_once_busy_looks_then_a_hang(tmp_path, monkeypatch):
+    """Two looks at a busy job, the third finds the sleeper: the stacks come once, with the hang
+    verdict (every look printed them: three times), and no look starts after the stop."""
+    busy = doctor.analyse(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
+    hung = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    assert not busy.hung and hung.hung
+    hw, tick, notes = watch(tmp_path, monkeypatch, [busy, busy, hung])
+    for now in (10, 20, 30):
+        tick(0, now)
+    assert hw.stop_now.is_set() and hw.verdict is hung
+    assert stack_lines(notes) == ["-- 1 rank in all_reduce (hang_train.py:32): node1 rank 0",
+                                  "-- 1 rank in stall (hang_train.py:42): node2 rank 1"], notes
+    assert notes.index("hang: " + hung.lines[0]) < notes.index(stack_lines(notes)[0])
+    assert sum(n.startswith("hang watch: no rank has printed") for n in notes) == 3
+    tick(0, 40)
+    tick(0, 50)  # the monitor is stopping the job: no further look
+    assert sum(n.startswith("hang watch: no rank has printed") for n in notes) == 3
+
+
+def test_with_on_hang_report_the_same_stacks_are_not_printed_again_in_one_spell(tmp_path, monkeypatch):
+    hung = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    hw, tick, notes = watch(tmp_path, monkeypatch, [hung, hung, hung], on_hang="report")
+    tick(0, 10)
+    tick(0, 20)
+    assert len(stack_lines(notes)) == 2 and not hw.stop_now.is_set()
+    assert any(n.startswith("the ranks are where they were at the last look") for n in notes)
+    tick(25, 35)  # a rank printed at 25: a new quiet spell shows its stacks again
+    assert len(stack_lines(notes)) == 4
