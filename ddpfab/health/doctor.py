@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,11 @@ COLLECTIVES = frozenset((
     "all_gather_into_tensor", "all_gather_object", "all_gather_coalesced", "reduce_scatter",
     "reduce_scatter_tensor", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
     "broadcast_object_list", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "send_object_list", "recv_object_list", "init_process_group", "new_group"))
+    "batch_isend_irecv", "send_object_list", "recv_object_list", "init_process_group", "new_group",
+    "_all_gather_base", "_reduce_scatter_base"))
+#: Waits on a collective started before (``async_op=True``, functional collectives): a collective
+#: only in torch.distributed's or torch.futures' code (a ``wait`` of the user's, or threading's, is none).
+TORCH_WAITS = frozenset(("wait", "wait_all", "wait_tensor"))
 #: How a state letter reads in a verdict; the states that make a rank an odd one out by themselves.
 ODD_STATES = {"T": "is stopped (SIGSTOP, state T)", "t": "is stopped by a debugger (state t)",
               "D": "is in uninterruptible sleep (state D: stuck in the kernel, e.g. I/O or a driver)",
@@ -76,6 +81,26 @@ class Rank:
         return f"{self.node} {who} (pid {self.pid})"
 
 
+class Place(Enum):
+    """Where a rank is, as its stack says."""
+
+    COLLECTIVE = "collective"  # waiting in a torch.distributed collective or point-to-point call
+    OUTSIDE = "outside"  # in no collective: its own code (a sleep, a loop, I/O) or torch's outside one
+    UNKNOWN = "unknown"  # no stack to tell
+
+
+class Odd(str, Enum):
+    """What makes a rank or a node an odd one out (the ``what`` of the verdict's odd ones: a str,
+    as the record has it)."""
+
+    NODE = "node"  # the node did not answer
+    GONE = "gone"  # a rank of the plan is not running and did not finish
+    ENDED = "ended"  # the node's job has ended as a whole
+    RECORD = "record"  # the node's record of the job is missing or wrong
+    STATE = "state"  # a rank stopped (T, t), stuck in the kernel (D) or gone (Z, X)
+    SITE = "site"  # a rank elsewhere than the others (see its ``place``)
+
+
 @dataclass(frozen=True)
 class Site:
     """Where a rank waits: the collective (None: not in one) and the innermost frame of the user's
@@ -94,6 +119,12 @@ class Site:
         if self.where:
             return f"{self.function} ({self.where})" if self.function else self.where
         return "an unknown place (no stack)"
+
+
+def place_of(site: Site) -> Place:
+    if site.collective:
+        return Place.COLLECTIVE
+    return Place.OUTSIDE if site.where else Place.UNKNOWN
 
 
 #: The share of one CPU a rank must use over the sample to count as busy (computing, importing).
@@ -128,6 +159,11 @@ def _is_torch(path: str) -> bool:
         or "/torch/" in path
 
 
+def _is_dist_wait(path: str) -> bool:
+    parts = Path(path).parts
+    return "torch" in parts and ("distributed" in parts or "futures" in parts)
+
+
 def site_of(frames: Iterable[Frame]) -> Site:
     """The collective a rank waits in and the user's call site: walking out from the innermost
     frame, the outermost collective name inside torch's code before the first frame that is not
@@ -135,7 +171,7 @@ def site_of(frames: Iterable[Frame]) -> Site:
     collective, entry = None, None
     for fr in frames:
         if _is_torch(fr.file):
-            if fr.name in COLLECTIVES:
+            if fr.name in COLLECTIVES or fr.name in TORCH_WAITS and _is_dist_wait(fr.file):
                 collective = fr.name
             entry = fr.name  # the outermost torch frame so far: what the user's code called
             continue
@@ -181,15 +217,45 @@ def _ranks_text(ranks: list[Rank]) -> str:
     return ", ".join(r.label for r in ranks)
 
 
-def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict:
-    """The verdict from every node's reply (a dict) or its failure (a str: why it did not answer);
-    *expected*: node -> its number of processes (the plan's)."""
+def _odd(what: Odd, node: str, text: str, **more: Any) -> dict:
+    return {"node": node, "what": what, **more, "text": text}
+
+
+def _node_odds(node: str, reply: dict, got: list[Rank], nproc: int) -> list[dict]:
+    """What a node that answered says is wrong: its missing ranks (gone, unless they finished),
+    its job ended as a whole, or its record's error."""
+    odd = []
+    done = {d.get("local_rank"): d for d in reply.get("ended") or () if isinstance(d, dict)} \
+        if isinstance(reply.get("ended"), list) else {}
+    seen = {r.local_rank for r in got}
+    for local in range(nproc):
+        if local in seen:
+            continue
+        rec = done.get(local)
+        if rec and _int(rec.get("code")) == 0:
+            continue  # it finished its work
+        if not got and reply.get("exit_code") is not None and not rec:
+            continue  # the node's job ended as a whole: said once below
+        code = f" (its exit code {rec.get('code')})" if rec and _int(rec.get("code")) is not None else ""
+        rank = f"rank {rec['rank']}" if rec and _int(rec.get("rank")) is not None else f"local rank {local}"
+        odd.append(_odd(Odd.GONE, node, f"{node} {rank} is gone{code}", local_rank=local))
+    if not got and _int(reply.get("exit_code")) is not None:
+        odd.append(_odd(Odd.ENDED, node, f"{node}'s job has ended (exit code {reply['exit_code']})"))
+    elif reply.get("error"):
+        odd.append(_odd(Odd.RECORD, node, f"{node}: {str(reply['error'])[:200]}"))
+    return odd
+
+
+def _read_replies(replies: dict[str, dict | str], expected: dict[str, int]
+                  ) -> tuple[list[Rank], list[dict], list[str]]:
+    """Every node's ranks, what the nodes say is wrong (a silent node, missing ranks), and the
+    nodes whose torchrun has not started its ranks yet."""
     odd: list[dict] = []
     ranks: list[Rank] = []
-    starting: list[str] = []  # nodes whose torchrun has not started its ranks yet
+    starting: list[str] = []
     for node, reply in replies.items():
         if isinstance(reply, str):
-            odd.append({"node": node, "what": "node", "text": f"{node} did not answer: {reply}"})
+            odd.append(_odd(Odd.NODE, node, f"{node} did not answer: {reply}"))
             continue
         got = ranks_of(node, reply)
         ranks.extend(got)
@@ -198,85 +264,159 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
                 and not reply.get("ended"):
             starting.append(node)  # in rendezvous or still importing: no rank is missing yet
             continue
-        done = {d.get("local_rank"): d for d in reply.get("ended") or () if isinstance(d, dict)} \
-            if isinstance(reply.get("ended"), list) else {}
-        seen = {r.local_rank for r in got}
-        for local in range(expected.get(node, len(got))):
-            if local in seen:
-                continue
-            rec = done.get(local)
-            if rec and _int(rec.get("code")) == 0:
-                continue  # it finished its work
-            if not got and reply.get("exit_code") is not None and not rec:
-                continue  # the node's job ended as a whole: said once below
-            code = f" (its exit code {rec.get('code')})" if rec and _int(rec.get("code")) is not None else ""
-            rank = f"rank {rec['rank']}" if rec and _int(rec.get("rank")) is not None else f"local rank {local}"
-            odd.append({"node": node, "what": "gone", "local_rank": local,
-                        "text": f"{node} {rank} is gone{code}"})
-        if not got and _int(reply.get("exit_code")) is not None:
-            odd.append({"node": node, "what": "ended", "text": f"{node}'s job has ended (exit code {reply['exit_code']})"})
-        elif reply.get("error"):
-            odd.append({"node": node, "what": "record", "text": f"{node}: {str(reply['error'])[:200]}"})
-    for r in ranks:
-        if r.state in ODD_STATES:
-            odd.append({"node": r.node, "what": "state", "rank": r.rank, "pid": r.pid, "state": r.state,
-                        "text": f"{r.label} {ODD_STATES[r.state]}"})
-    waiting = [r for r in ranks if r.state not in ODD_STATES]
+        odd.extend(_node_odds(node, reply, got, expected.get(node, len(got))))
+    return ranks, odd, starting
+
+
+def _state_odds(ranks: list[Rank]) -> list[dict]:
+    return [_odd(Odd.STATE, r.node, f"{r.label} {ODD_STATES[r.state]}", rank=r.rank, pid=r.pid, state=r.state)
+            for r in ranks if r.state in ODD_STATES]
+
+
+def _by_site(ranks: list[Rank]) -> dict[Site, list[Rank]]:
     by_site: dict[Site, list[Rank]] = {}
-    for r in waiting:
-        by_site.setdefault(site_of(r.frames) if r.frames else Site(None, None, None), []).append(r)
-    # the odd states' stacks are shown too (where a stopped rank stopped), each in a group of its own
-    shown = {**by_site}
     for r in ranks:
-        if r.state in ODD_STATES:
-            shown.setdefault(Site(None, None, None, r.state), []).append(r)
-    known = {s: rs for s, rs in by_site.items() if s.where or s.collective}
-    # a stopped, stuck or gone rank (or a silent node) is the cause: the others wait wherever its
-    # stop caught them (a ring all_reduce lets some ranks through to the next call site of the same
-    # collective), so their places are not odd ones out; they are named as waiting, every place
-    caused = any(o["what"] != "site" for o in odd)
-    if caused and len(known) > 1 and len({s.collective for s in known}) == 1 and None not in {s.collective for s in known}:
-        merged = Site(next(iter(known)).collective, ", ".join(sorted({s.where for s in known if s.where}, key=_where_key)),
-                      None)
-        known = {merged: [r for rs in known.values() for r in rs]}
-    main = max(known, key=lambda s: (len(known[s]), -min(r.rank or 0 for r in known[s]))) if known else None
-    if caused and main is not None and len(known) > 1:
-        main = None  # every place is listed, none is called odd
-    elif main is not None and len(known) > 1 and len(known[main]) > max(len(v) for s, v in known.items() if s != main):
-        for site, rs in known.items():
-            if site != main:
-                odd.append({"node": rs[0].node, "what": "site", "ranks": [r.rank for r in rs],
-                            "text": f"{', '.join(r.label for r in rs)} {'is' if len(rs) == 1 else 'are'} in "
-                                    f"{site.text()}, not in {main.collective or 'the place'} like the others"})
-    elif main is not None and len(known) > 1:  # no majority: every place is named
-        main = None
-    groups = [{"site": s.text(), "collective": s.collective, "where": s.where,
-               "ranks": [{"node": r.node, "rank": r.rank, "pid": r.pid, "state": r.state} for r in rs],
-               "frames": [f.__dict__ for f in rs[0].frames]}
-              for s, rs in sorted(shown.items(), key=lambda kv: -len(kv[1]))]
-    no_stack = [r for r in ranks if r.stack_error]
-    # progress: a rank that runs (R) or used CPU in the sample is busy (importing, computing), not
-    # hung, even where it is elsewhere than the others; a stopped, stuck or gone rank is a hang. A rank
-    # blocked in a collective still uses a tick or two a second (gloo's and the interpreter's threads:
-    # 0-2 of 100 seen on the lab), so "used CPU" means at least BUSY_SHARE of one CPU over the sample
-    busy = [r for r in waiting
-            if r.state == "R" or (r.cpu_ticks or 0) >= BUSY_SHARE * _ticks_per_sample(replies.get(r.node))]
-    hard = [o for o in odd if o["what"] != "site"]
+        by_site.setdefault(site_of(r.frames) if r.frames else Site(None, None, None), []).append(r)
+    return by_site
+
+
+def _merged(sites: dict[Site, list[Rank]]) -> dict[Site, list[Rank]]:
+    """Several call sites of one collective as one place (their ranks wait for the same cause: a
+    ring all_reduce lets some ranks through to the next call site of it); else *sites* as they are."""
+    names = {s.collective for s in sites}
+    if len(sites) < 2 or len(names) != 1 or None in names:
+        return sites
+    merged = Site(next(iter(names)), ", ".join(sorted({s.where for s in sites if s.where}, key=_where_key)), None)
+    return {merged: [r for rs in sites.values() for r in rs]}
+
+
+def _is_library(path: str) -> bool:
+    """A frame of installed code (site-packages, the standard library, a frozen module): not the user's."""
+    parts = Path(path).parts
+    return (_is_torch(path) or "site-packages" in parts or "dist-packages" in parts or path.startswith("<")
+            or any(p.startswith("python") and p[6:7].isdigit() for p in parts[:-1]) and "lib" in parts)
+
+
+def user_frame(frames: tuple[Frame, ...]) -> tuple[Frame | None, Frame | None]:
+    """(the innermost frame of the user's own code, the call it is in: the frame just inside it,
+    in a library), else the innermost frame that is not torch's, as :func:`site_of` takes it."""
+    for i, fr in enumerate(frames):
+        if not _is_library(fr.file):
+            return fr, frames[i - 1] if i else None
+    return next(((fr, None) for fr in frames if not _is_torch(fr.file)), (None, None))
+
+
+def _outside_odds(outside: dict[Site, list[Rank]]) -> list[dict]:
+    """The ranks in no collective while others wait in one: the ones those wait for, each named
+    with its node, global and local rank and where it is (its innermost frame of the user's code
+    and the library call it is in): ``node2 rank 1 (local rank 0, pid 52) is outside any
+    collective, in next_batch (train.py:12) calling get (queue.py:171)``."""
+    odd = []
+    for site, rs in outside.items():
+        user, call = user_frame(rs[0].frames)
+        where = f"{user.name} ({user.where()})" if user else site.text()
+        if call is not None:
+            where += f" calling {call.name} ({call.where()})"
+        frame = {"file": user.file, "line": user.line, "function": user.name} if user else None
+        for r in rs:
+            who = f"{r.node} rank {r.rank}" if r.rank is not None else r.node
+            odd.append(_odd(Odd.SITE, r.node, f"{who} (local rank {r.local_rank}, pid {r.pid}) is outside any "
+                            f"collective, in {where}", ranks=[r.rank], rank=r.rank, local_rank=r.local_rank,
+                            pid=r.pid, place=Place.OUTSIDE.value, frame=frame))
+    return odd
+
+
+def _majority(known: dict[Site, list[Rank]]) -> tuple[Site | None, list[dict]]:
+    """The place most ranks are (ties: the lowest rank's), the ranks elsewhere named as odd ones
+    out; no place when no place has more ranks than every other."""
+    if not known:
+        return None, []
+    main = max(known, key=lambda s: (len(known[s]), -min(r.rank or 0 for r in known[s])))
+    if len(known) == 1:
+        return main, []
+    if len(known[main]) <= max(len(v) for s, v in known.items() if s != main):
+        return None, []  # no majority: every place is named
+    odd = [_odd(Odd.SITE, rs[0].node, f"{', '.join(r.label for r in rs)} {'is' if len(rs) == 1 else 'are'} in "
+                f"{site.text()}, not in {main.collective or 'the place'} like the others",
+                ranks=[r.rank for r in rs], place=place_of(site).value)
+           for site, rs in known.items() if site != main]
+    return main, odd
+
+
+def _places(known: dict[Site, list[Rank]], caused: bool) -> tuple[Site | None, dict[Site, list[Rank]], list[dict]]:
+    """(the place the ranks that are no odd ones out wait, the places to list when there is no such
+    place, the ranks named as odd ones out for where they are).
+
+    Ranks outside any collective while others wait in one are the ones those wait for, however
+    many ranks (two: one waits, one is elsewhere). Behind a stopped, stuck or gone rank (or a
+    silent node: *caused*) the others wait wherever its stop caught them, and no place is odd.
+    Else the ranks not where the majority is are the odd ones (another collective, another
+    call site)."""
+    if caused:
+        known = _merged(known)
+        main = next(iter(known)) if len(known) == 1 else None
+        return main, known, []
+    inside = {s: rs for s, rs in known.items() if place_of(s) is Place.COLLECTIVE}
+    outside = {s: rs for s, rs in known.items() if place_of(s) is Place.OUTSIDE}
+    if inside and outside:
+        inside = _merged(inside)
+        main, odd = _majority(inside)
+        return main, inside, _outside_odds(outside) + odd
+    main, odd = _majority(known)
+    return main, known, odd
+
+
+def _where_lines(main: Site | None, places: dict[Site, list[Rank]], odd: list[dict], busy: list[Rank]) -> list[str]:
+    """The verdict's lines on where the ranks are: the odd ones first, then where the others wait."""
     lines = []
     if odd:
         named = "; ".join(o["text"] for o in odd[:NAMED_AT_MOST])
         more = f"; and {len(odd) - NAMED_AT_MOST} more" if len(odd) > NAMED_AT_MOST else ""
         lines.append(named + more)
-    others = known.get(main, []) if main is not None else []
     if main is not None:
-        plural = "s" if len(others) != 1 else ""
+        others = places[main]
         if odd:
-            lines.append(f"the other {len(others)} rank{plural} wait{'' if plural else 's'} in {main.text()}")
+            waited = [o for o in odd if o.get("place") == Place.OUTSIDE.value]
+            whom = "" if not waited else " for it" if len(waited) == 1 else " for them"
+            group = "the other rank waits" if len(others) == 1 else f"the other {len(others)} ranks wait"
+            lines.append(f"{group}{whom} in {main.text()}")
         else:
+            plural = "s" if len(others) != 1 else ""
             using = " and use CPU (busy, not hung?)" if busy else ""
             lines.append(f"no rank stands out: all {len(others)} rank{plural} are in {main.text()}{using}")
-    elif known:
-        lines.append("the ranks are in " + "; ".join(f"{s.text()}: {_ranks_text(rs)}" for s, rs in known.items()))
+    elif places:
+        lines.append("the ranks are in " + "; ".join(f"{s.text()}: {_ranks_text(rs)}" for s, rs in places.items()))
+    return lines
+
+
+def _groups(ranks: list[Rank], by_site: dict[Site, list[Rank]]) -> list[dict]:
+    """The stacks to show, a group per place; the odd states' too (where a stopped rank stopped),
+    each in a group of its own."""
+    shown = {**by_site}
+    for r in ranks:
+        if r.state in ODD_STATES:
+            shown.setdefault(Site(None, None, None, r.state), []).append(r)
+    return [{"site": s.text(), "collective": s.collective, "where": s.where,
+             "ranks": [{"node": r.node, "rank": r.rank, "pid": r.pid, "state": r.state} for r in rs],
+             "frames": [f.__dict__ for f in rs[0].frames]}
+            for s, rs in sorted(shown.items(), key=lambda kv: -len(kv[1]))]
+
+
+def _busy(waiting: list[Rank], replies: dict[str, dict | str]) -> list[Rank]:
+    """The ranks making progress: one that runs (R) or used CPU in the sample is busy (importing,
+    computing), not hung, even where it is elsewhere than the others. A rank blocked in a
+    collective still uses a tick or two a second (gloo's and the interpreter's threads: 0-2 of 100
+    seen on the lab), so "used CPU" means at least BUSY_SHARE of one CPU over the sample."""
+    return [r for r in waiting
+            if r.state == "R" or (r.cpu_ticks or 0) >= BUSY_SHARE * _ticks_per_sample(replies.get(r.node))]
+
+
+def _closing_lines(ranks: list[Rank], starting: list[str], busy: list[Rank], odd: list[dict], hard: list[dict]
+                   ) -> list[str]:
+    """The verdict's lines after where the ranks are: ranks without a stack, nodes not started yet,
+    and "not a hang" when the odd ones out use CPU."""
+    lines = []
+    no_stack = [r for r in ranks if r.stack_error]
     if no_stack:
         first = no_stack[0]
         nodes = compact(sorted({r.node for r in no_stack}))
@@ -284,13 +424,29 @@ def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict
     if starting:
         lines.append(f"not started yet on {compact(starting)} (torchrun has not started the ranks there: "
                      "rendezvous, or still importing)")
-    if not lines:
-        lines.append("no rank of the job was found on any node" if not ranks else "no verdict")
     if busy and not hard and odd:
         lines.append(f"not a hang: {', '.join(r.label for r in busy[:NAMED_AT_MOST])} "
                      f"{'is' if len(busy) == 1 else 'are'} using CPU (busy: still importing, or computing)")
+    return lines
+
+
+def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict:
+    """The verdict from every node's reply (a dict) or its failure (a str: why it did not answer);
+    *expected*: node -> its number of processes (the plan's)."""
+    ranks, odd, starting = _read_replies(replies, expected)
+    odd += _state_odds(ranks)
+    waiting = [r for r in ranks if r.state not in ODD_STATES]
+    by_site = _by_site(waiting)
+    known = {s: rs for s, rs in by_site.items() if s.where or s.collective}
+    hard = list(odd)  # a stopped, stuck or gone rank, a silent node: the cause, wherever the others are
+    main, places, site_odd = _places(known, caused=bool(hard))
+    odd += site_odd
+    busy = _busy(waiting, replies)
+    lines = _where_lines(main, places, odd, busy) + _closing_lines(ranks, starting, busy, odd, hard)
+    if not lines:
+        lines.append("no rank of the job was found on any node" if not ranks else "no verdict")
     hung = bool(hard) or (bool(waiting) and not busy)
-    return Verdict(lines, hung, odd, groups)
+    return Verdict(lines, hung, odd, _groups(ranks, by_site))
 
 
 def render(verdict: Verdict, frames_shown: int = 8) -> list[str]:

@@ -6,6 +6,13 @@ connections (:func:`ddpfab.health.doctor.over`), prints its verdict and the grou
 saves its record in the run's dir. With ``--on-hang stop`` a hang verdict (a rank stopped, gone or
 elsewhere, or every rank waiting without using CPU) asks the monitor to end the job at once; ranks
 that use CPU are busy, not hung, and the run goes on.
+
+In one quiet spell the doctor looks again every timeout (a busy rank may hang later), so the grouped
+stacks are printed with a hang verdict only, and once per spell while the ranks stay where they
+were: a look that finds no hang prints its verdict and its record's path (the stacks are in the
+record), a later look that finds the same places says so. Before, every look printed every stack
+(a job busy for two looks and hung at the third showed its stacks three times; ``--on-hang
+report`` reprinted the same stacks every timeout).
 """
 
 from __future__ import annotations
@@ -34,20 +41,21 @@ class HangWatch:
         self._spell: float | None = None  # the quiet spell (its start) last looked at
         self._next = 0.0  # when the same spell is looked at again (monotonic)
         self._thread: threading.Thread | None = None
+        self._shown: tuple | None = None  # (spell, places) of the stacks printed last
 
     def tick(self, quiet_since: float, now: float) -> None:
         """The ranks have been quiet since *quiet_since* (monotonic): past the timeout, start the
         doctor; in the same quiet spell again every timeout (a busy rank may hang later)."""
-        if self.timeout <= 0 or now - quiet_since < self.timeout:
+        if self.timeout <= 0 or now - quiet_since < self.timeout or self.stop_now.is_set():
             return
         if (self._spell == quiet_since and now < self._next) or (self._thread is not None and self._thread.is_alive()):
             return
         self._spell, self._next = quiet_since, now + self.timeout
-        self._thread = threading.Thread(target=self._diagnose, args=(now - quiet_since,), name="ddpfab-hang",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._diagnose, args=(now - quiet_since, quiet_since),
+                                        name="ddpfab-hang", daemon=True)
         self._thread.start()
 
-    def _diagnose(self, quiet_s: float) -> None:
+    def _diagnose(self, quiet_s: float, spell: float | None = None) -> None:
         self.note(f"hang watch: no rank has printed for {quiet_s:.0f} s (--hang-timeout {self.timeout:g}); "
                   "asking every node where its ranks are")
         try:
@@ -55,10 +63,7 @@ class HangWatch:
         except Exception as exc:  # noqa: BLE001 - the watch must never break the run it watches
             self.note(f"hang watch: the doctor could not finish ({type(exc).__name__}: {exc}); still waiting")
             return
-        shown = doctor.render(verdict)
-        for i, line in enumerate(shown):
-            self.note(("hang: " if verdict.hung else "doctor: ") + line if i < len(verdict.lines) else line)
-        self.note(f"doctor's record: {path}")
+        self._report(verdict, path, spell)
         if not verdict.hung:
             self.note("no hang found (no rank stands out, and the ranks use CPU or none runs yet); still waiting")
         elif self.stop_on_hang:
@@ -66,3 +71,21 @@ class HangWatch:
             self.stop_now.set()
         else:
             self.note(f"still waiting (--on-hang stop would end it now; `ddpfab stop {self.plan.run_id}` ends it)")
+
+    def _report(self, verdict: doctor.Verdict, path: Path | None, spell: float | None) -> None:
+        """The verdict's lines; with a hang verdict the grouped stacks too, unless this quiet spell
+        has printed them already for the same places (then a line says so)."""
+        for line in verdict.lines:
+            self.note(("hang: " if verdict.hung else "doctor: ") + line)
+        if not verdict.hung:
+            self.note(f"doctor's record (every rank's stack): {path}")
+            return
+        places = tuple((g["site"], tuple((r["node"], r["rank"], r["pid"]) for r in g["ranks"]))
+                       for g in verdict.groups)
+        if self._shown == (spell, places):
+            self.note(f"the ranks are where they were at the last look (their stacks above); doctor's record: {path}")
+            return
+        self._shown = (spell, places)
+        for line in doctor.render(verdict)[len(verdict.lines):]:
+            self.note(line)
+        self.note(f"doctor's record: {path}")

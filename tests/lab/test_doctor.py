@@ -6,6 +6,10 @@
 - The same on a detached job, by ``ddpfab doctor RUN_ID``; its record saved in the run's dir.
 - One rank calling broadcast while the others all_reduce: named as the odd one out.
 - ``ddpfab attach`` reports a node whose ranks finished and then aborted at exit as run does.
+- On the session's lab, 2 ranks (2 hosts x 1 process): rank 1 sleeps in its own code while rank 0
+  waits for it in all_reduce. ``ddpfab doctor`` exits 1 naming rank 1 (node, global and local rank,
+  its frame); ``run --hang-timeout 10 --on-hang stop`` ends 124, its closing line naming rank 1, the
+  stacks printed once.
 """
 
 from __future__ import annotations
@@ -195,3 +199,74 @@ def test_attach_reports_a_rank_that_aborted_after_finishing_as_run_does(lab4, in
     assert ("run doc-race ended: all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) "
             "(known upstream race)") in out, out[-3000:]
     assert "ddpfab: warning: a rank aborted" in out and "run doc-race ended: failed on" not in out
+
+
+# -- two ranks: one sleeps in its own code, the other waits for it in all_reduce ------------------
+#: hang_train.py's stall(): the line the sleeping rank sleeps at, as the doctor names it.
+STALL = r"stall \(hang_train\.py:\d+\)"
+
+
+def test_the_doctor_names_the_rank_outside_any_collective_of_two(lab, inventory2, tmp_path):
+    """2 ranks (node1 and node2, one process each): rank 1 sleeps in its own code (no collective)
+    while rank 0 waits for it in all_reduce. No majority to go by: the doctor names rank 1, the one
+    outside any collective, with where it is, and exits 1 (it printed both stacks and exited 0)."""
+    runs = str(tmp_path / "runs")
+    res = ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "1", "--no-sync", "--no-check", "--runs-dir", runs,
+                 "--detach", "--run-id", "doc-two", SCRIPT, "--every", "5", "--sleep-rank", "1", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    try:
+        log = "/root/.ddpfab/runs/doc-two/output.log"
+        pid = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            text = host_sh(lab, "node2", f"cat {log} 2>/dev/null").stdout
+            m = re.search(r"rank 1 pid (\d+) ready", text)
+            if m and "rank 1 stalls" in text:
+                pid = int(m.group(1))
+                break
+            time.sleep(0.5)
+        assert pid, "rank 1 did not reach its stall on node2"
+        time.sleep(2)  # rank 0 reaches the all_reduce rank 1 never joins
+        res = ddpfab("doctor", "doc-two", "--runs-dir", runs, timeout=60)
+        out = res.stdout + res.stderr
+        assert res.returncode == 1, out
+        lines = res.stdout.splitlines()
+        assert re.fullmatch(rf"node2 rank 1 \(local rank 0, pid {pid}\) is outside any collective, in {STALL}",
+                            lines[0]), out
+        assert re.fullmatch(rf"the other rank waits for it in all_reduce {SITES}", lines[1]), out
+        assert "node1" not in lines[0]
+        record = json.loads(next((tmp_path / "runs" / "doc-two").glob("doctor-*.json")).read_text())
+        assert [(o["node"], o["ranks"], o["place"]) for o in record["odd"]] == [("node2", [1], "outside")], record
+    finally:
+        assert ddpfab("stop", "doc-two", "--runs-dir", runs, timeout=60).returncode == 0
+    assert_no_leftovers(lab)
+
+
+def test_the_hang_watch_stops_two_ranks_naming_the_sleeping_one_and_shows_the_stacks_once(lab, inventory2, tmp_path):
+    """The same 2-rank hang under ``run --hang-timeout 10 --on-hang stop``: exit 124, the closing
+    line names rank 1 (never rank 0, which waits for it), and the stacks are printed once (they
+    were printed three times, and node1 was blamed)."""
+    run = Lines(start_ddpfab("run", "-i", str(inventory2), "--nproc-per-node", "1", "--no-sync", "--no-check",
+                             "--runs-dir", str(tmp_path / "runs"), "--hang-timeout", "10", "--on-hang", "stop",
+                             SCRIPT, "--every", "5", "--sleep-rank", "1"))
+    try:
+        code = run.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        run.proc.terminate()  # ddpfab stops the job on every node
+        run.proc.wait(timeout=60)
+        code = None
+    run.thread.join(timeout=10)
+    out = run.text()
+    assert code == EXIT_HUNG, out[-4000:]
+    # the closing line (only the workdir's note may follow it) names rank 1, never rank 0 or node1
+    closing = [line for line in out.splitlines() if line.startswith("ddpfab: hung: ")]
+    assert len(closing) == 1, out[-4000:]
+    assert re.match(rf"ddpfab: hung: node2 rank 1 \(local rank 0, pid \d+\) is outside any collective, in {STALL}; "
+                    r"the other rank waits for it in all_reduce", closing[0]), out[-4000:]
+    assert "node1" not in closing[0].split(" (manifest: ")[0], closing[0]
+    assert out.splitlines().index(closing[0]) >= len(out.splitlines()) - 2, out[-4000:]
+    assert len(re.findall(r"^ddpfab: hang watch: no rank has printed", out, re.M)) == 1, out[-4000:]
+    assert len(re.findall(rf"^ddpfab: -- 1 rank in {STALL}: node2 rank 1$", out, re.M)) == 1, out[-4000:]
+    assert len(re.findall(r"^ddpfab: -- 1 rank in all_reduce \(hang_train\.py:\d+\): node1 rank 0$", out, re.M)) == 1, \
+        out[-4000:]
+    assert_no_leftovers(lab)

@@ -310,5 +310,165 @@ def test_a_script_that_works_at_module_level_keeps_its_frames():
     replies = {"node1": node_reply([{**rank(0, 0), "stack": waiting}, {**rank(1, 1), "stack": sleeping},
                                     {**rank(2, 2), "stack": waiting}])}
     v = doctor.analyse(replies, {"node1": 3})
-    assert "node1 rank 1 (pid 1001) is in <module> (hang.py:7)" in v.lines[0], v.lines
+    assert "node1 rank 1 (local rank 1, pid 1001) is outside any collective, in <module> (hang.py:7)" in v.lines[0], \
+        v.lines
     assert v.odd and "unknown place" not in "\n".join(doctor.render(v))
+
+
+# -- a rank outside any collective: the one the others wait for, however many ranks --------------
+TORCH_FUTURES = "/venv/lib/python3.11/site-packages/torch/futures/__init__.py"
+
+
+def spy_stack(*frames: tuple[str, str, int], pid: int = 7) -> dict:
+    """A rank's stack as the node sends it: py-spy's JSON (innermost first, the outermost marked
+    ``is_shim_entry`` as py-spy marks it) through the node's own reader (stacks.frames_of)."""
+    out = [{"name": n, "filename": f, "line": ln, "is_entry": False, "is_shim_entry": False} for n, f, ln in frames]
+    out[-1]["is_shim_entry"] = True
+    return {"threads": stacks.frames_of([{"thread_name": None, "os_thread_id": pid, "active": False,
+                                          "frames": out}])}
+
+
+#: hang_train.py's ranks as py-spy showed them on the lab: rank 0 waits in all_reduce (sync_loss),
+#: rank 1 sleeps in its own code (stall: time.sleep in a loop, a C call py-spy does not show).
+WAITS = spy_stack(("all_reduce", TORCH, 3252), ("_exception_logger.<locals>.wrapper", LOGGER, 83),
+                  ("sync_loss", "/work/hang_train.py", 32), ("main", "/work/hang_train.py", 78),
+                  ("<module>", "/work/hang_train.py", 86))
+SLEEPS = spy_stack(("stall", "/work/hang_train.py", 42), ("main", "/work/hang_train.py", 74),
+                   ("<module>", "/work/hang_train.py", 86))
+
+
+def two_nodes(stack0: dict, stack1: dict, **rank1) -> dict:
+    """2 nodes x 1 process (global ranks 0 and 1, each local rank 0)."""
+    return {"node1": node_reply([{**rank(0, 0, pid=53), "stack": stack0}]),
+            "node2": node_reply([{**rank(1, 0, pid=52), "stack": stack1, **rank1}])}
+
+
+def test_of_two_ranks_the_one_outside_any_collective_is_the_one_the_other_waits_for():
+    """2 ranks: no majority to go by. Rank 1 sleeps in its own code while rank 0 waits in all_reduce:
+    rank 1 is named (node, global and local rank, pid, its top frame), rank 0 is not (the doctor
+    printed both stacks, named no one and exited 0)."""
+    v = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    assert v.lines[:2] == ["node2 rank 1 (local rank 0, pid 52) is outside any collective, in stall (hang_train.py:42)",
+                           "the other rank waits for it in all_reduce (hang_train.py:32)"], v.lines
+    assert v.hung and len(v.odd) == 1
+    odd = v.odd[0]
+    assert (odd["what"], odd["place"], odd["node"], odd["rank"], odd["local_rank"], odd["pid"]) == (
+        "site", "outside", "node2", 1, 0, 52)
+    assert odd["frame"] == {"file": "/work/hang_train.py", "line": 42, "function": "stall"}
+    assert json.loads(json.dumps(v.odd))[0]["what"] == "site"  # the record keeps the word
+    shown = "\n".join(doctor.render(v))
+    assert "-- 1 rank in all_reduce (hang_train.py:32): node1 rank 0" in shown
+    assert "-- 1 rank in stall (hang_train.py:42): node2 rank 1" in shown
+    # the same with the ranks the other way round, and on one node (1 waiting vs 1 outside)
+    v = doctor.analyse(two_nodes(SLEEPS, WAITS), {"node1": 1, "node2": 1})
+    assert v.lines[0].startswith("node1 rank 0 (local rank 0, pid 53) is outside any collective") and v.hung
+    one = {"node1": node_reply([{**rank(0, 0), "stack": SLEEPS}, {**rank(1, 1), "stack": WAITS}])}
+    assert doctor.analyse(one, {"node1": 2}).odd[0]["rank"] == 0
+
+
+def test_ranks_outside_any_collective_are_named_whatever_the_majority():
+    """7 ranks in all_reduce and 1 asleep: the sleeper, as the one they wait for. 1 rank in
+    all_reduce and 2 asleep: the 2 sleepers, never the one that waits (it was the odd one out)."""
+    sleeping = {"stack": SLEEPS}
+    v = doctor.analyse(cluster_replies(r5=sleeping), EXPECTED)
+    assert v.lines == ["node3 rank 5 (local rank 1, pid 1005) is outside any collective, in stall (hang_train.py:42)",
+                       "the other 7 ranks wait for it in all_reduce (train.py:42)"]
+    v = doctor.analyse(cluster_replies(1, 3, r1=sleeping, r2=sleeping), {"node1": 3})
+    assert [o["rank"] for o in v.odd] == [1, 2] and all(o["place"] == "outside" for o in v.odd)
+    assert v.lines[1] == "the other rank waits for them in all_reduce (train.py:42)" and v.hung
+
+
+def test_with_a_rank_outside_the_waiters_at_two_call_sites_or_in_another_collective():
+    """The waiters at two call sites of all_reduce wait for the same rank (merged, as behind a
+    stopped one); a waiter in another collective than the majority is still named as one."""
+    v = doctor.analyse(cluster_replies(r0={"stack": stack("all_reduce", 24, "average_gradients")},
+                                       r7={"stack": SLEEPS}), EXPECTED)
+    assert [o["rank"] for o in v.odd] == [7]
+    assert v.lines[1] == "the other 7 ranks wait for it in all_reduce (train.py:24, train.py:42)"
+    v = doctor.analyse(cluster_replies(r3={"stack": stack("broadcast", 50, "odd_call")}, r7={"stack": SLEEPS}),
+                       EXPECTED)
+    assert [(o["ranks"], o["place"]) for o in v.odd] == [([7], "outside"), ([3], "collective")], v.odd
+    assert v.lines[0].endswith("; node2 rank 3 (pid 1003) is in broadcast (train.py:50), not in all_reduce like "
+                               "the others")
+    assert v.lines[1] == "the other 6 ranks wait for it in all_reduce (train.py:42)"
+
+
+def test_two_ranks_in_two_collectives_name_no_one_and_two_elsewhere_name_no_one():
+    """Which of 2 ranks in different collectives is wrong, or of 2 ranks both outside any, the stacks
+    cannot say: every place is listed, no one named (as before)."""
+    v = doctor.analyse(two_nodes(WAITS, stack("broadcast", 50, "odd_call")), {"node1": 1, "node2": 1})
+    assert not v.odd and v.lines == ["the ranks are in all_reduce (hang_train.py:32): rank 0; "
+                                     "broadcast (train.py:50): rank 1"]
+    v = doctor.analyse(two_nodes(SLEEPS, spy_stack(("load", "/work/data.py", 9))), {"node1": 1, "node2": 1})
+    assert not v.odd
+
+
+def test_a_wait_on_an_async_collective_is_in_one_and_threadings_wait_is_not():
+    asynchronous = spy_stack(("wait", TORCH_FUTURES, 61), ("sync_loss", "/work/train.py", 40))
+    condition = spy_stack(("wait", "/usr/lib/python3.11/threading.py", 327),
+                          ("get", "/usr/lib/python3.11/queue.py", 171), ("next_batch", "/work/train.py", 12))
+    assert doctor.site_of(doctor.ranks_of("n", node_reply([{**rank(0, 0), "stack": asynchronous}]))[0].frames) \
+        == doctor.Site("wait", "train.py:40", "wait")
+    v = doctor.analyse(two_nodes(asynchronous, condition), {"node1": 1, "node2": 1})
+    assert v.lines == ["node2 rank 1 (local rank 0, pid 52) is outside any collective, in next_batch (train.py:12) "
+                       "calling get (queue.py:171)", "the other rank waits for it in wait (train.py:40)"]
+    assert v.odd[0]["frame"] == {"file": "/work/train.py", "line": 12, "function": "next_batch"}
+
+
+def test_a_rank_outside_that_uses_cpu_is_named_but_busy_not_hung():
+    v = doctor.analyse(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
+    assert v.odd[0]["rank"] == 1 and not v.hung
+    assert v.lines[-1] == "not a hang: node2 rank 1 (pid 52) is using CPU (busy: still importing, or computing)"
+
+
+# -- the hang watch: what each look prints ----------------------------------------------------------
+def watch(tmp_path: Path, monkeypatch, verdicts: list, on_hang: str = "stop"):
+    """A HangWatch (--hang-timeout 10) whose doctor returns *verdicts* in turn; its notes."""
+    from types import SimpleNamespace
+
+    from ddpfab.launch.hangwatch import HangWatch
+
+    looks = iter(verdicts)
+    monkeypatch.setattr(doctor, "diagnose", lambda plan, call, run_dir: (next(looks), tmp_path / "doctor-x.json"))
+    notes: list[str] = []
+    hw = HangWatch(SimpleNamespace(hang_timeout=10.0, on_hang=on_hang, run_id="r1"), {}, tmp_path, notes.append)
+
+    def tick(quiet_since: float, now: float) -> None:
+        hw.tick(quiet_since, now)
+        if hw._thread is not None:
+            hw._thread.join(timeout=10)
+    return hw, tick, notes
+
+
+def stack_lines(notes: list[str]) -> list[str]:
+    return [n for n in notes if n.startswith("-- ")]
+
+
+def test_the_hang_watch_prints_the_stacks_once_busy_looks_then_a_hang(tmp_path, monkeypatch):
+    """Two looks at a busy job, the third finds the sleeper: the stacks come once, with the hang
+    verdict (every look printed them: three times), and no look starts after the stop."""
+    busy = doctor.analyse(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
+    hung = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    assert not busy.hung and hung.hung
+    hw, tick, notes = watch(tmp_path, monkeypatch, [busy, busy, hung])
+    for now in (10, 20, 30):
+        tick(0, now)
+    assert hw.stop_now.is_set() and hw.verdict is hung
+    assert stack_lines(notes) == ["-- 1 rank in all_reduce (hang_train.py:32): node1 rank 0",
+                                  "-- 1 rank in stall (hang_train.py:42): node2 rank 1"], notes
+    assert notes.index("hang: " + hung.lines[0]) < notes.index(stack_lines(notes)[0])
+    assert sum(n.startswith("hang watch: no rank has printed") for n in notes) == 3
+    tick(0, 40)
+    tick(0, 50)  # the monitor is stopping the job: no further look
+    assert sum(n.startswith("hang watch: no rank has printed") for n in notes) == 3
+
+
+def test_with_on_hang_report_the_same_stacks_are_not_printed_again_in_one_spell(tmp_path, monkeypatch):
+    hung = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    hw, tick, notes = watch(tmp_path, monkeypatch, [hung, hung, hung], on_hang="report")
+    tick(0, 10)
+    tick(0, 20)
+    assert len(stack_lines(notes)) == 2 and not hw.stop_now.is_set()
+    assert any(n.startswith("the ranks are where they were at the last look") for n in notes)
+    tick(25, 35)  # a rank printed at 25: a new quiet spell shows its stacks again
+    assert len(stack_lines(notes)) == 4

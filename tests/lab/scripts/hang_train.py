@@ -7,7 +7,10 @@ time), the loss all-reduced for the log, a line every ``--every`` steps. ``--ste
 ``--odd-rank R`` rank R calls ``broadcast`` instead of ``all_reduce`` at step ``--odd-at``: one rank
 in a different collective than the others (the doctor names it). Its broadcast is on a group of
 its own with the next rank (made by every rank at the start, as new_group must be), so the two
-collectives never exchange a message: a hang for certain, whatever gloo's algorithms.
+collectives never exchange a message: a hang for certain, whatever gloo's algorithms. With
+``--sleep-rank R`` rank R sleeps for good at step ``--sleep-at`` (``time.sleep`` in a loop, in no
+collective) while the others wait for it in ``all_reduce``: the rank they wait for is outside any
+collective.
 """
 
 import argparse
@@ -33,6 +36,12 @@ def odd_call(loss: torch.Tensor, side, partner: int) -> None:
     dist.broadcast(loss, src=partner, group=side)
 
 
+def stall(rank: int) -> None:
+    print(f"rank {rank} stalls", flush=True)
+    while True:
+        time.sleep(0.5)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=0)
@@ -40,6 +49,8 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.02)
     p.add_argument("--odd-rank", type=int, default=-1)
     p.add_argument("--odd-at", type=int, default=30)
+    p.add_argument("--sleep-rank", type=int, default=-1)
+    p.add_argument("--sleep-at", type=int, default=20)
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -59,6 +70,8 @@ def main() -> None:
         opt.step()
         time.sleep(a.sleep)
         value = loss.detach().clone()
+        if rank == a.sleep_rank and step == a.sleep_at:
+            stall(rank)
         if rank == a.odd_rank and step == a.odd_at:
             odd_call(value, side, partner)
         else:
