@@ -10,9 +10,7 @@ that use CPU are busy, not hung, and the run goes on.
 In one quiet spell the doctor looks again every timeout (a busy rank may hang later), so the grouped
 stacks are printed with a hang verdict only, and once per spell while the ranks stay where they
 were: a look that finds no hang prints its verdict and its record's path (the stacks are in the
-record), a later look that finds the same places says so. Before, every look printed every stack
-(a job busy for two looks and hung at the third showed its stacks three times; ``--on-hang
-report`` reprinted the same stacks every timeout).
+record), a later look that finds the same places says so.
 """
 
 from __future__ import annotations
