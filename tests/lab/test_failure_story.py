@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from ddpfab import lab as labmod
 
 from .conftest import extra_subnet, own_lab
-from .helpers import ddpfab, wait_no_processes
+from .helpers import ddpfab, host_sh, wait_no_processes
 
 CRASH = "tests/lab/scripts/crash_after_collective.py"
 RUNS = 10
@@ -114,6 +116,29 @@ def test_four_nodes_two_procs_the_failing_rank_is_named_every_time(lab4, invento
         assert res.returncode == 1, res.stdout + res.stderr
         check_named(res, manifest, "node3", 2, 5, 1, kind, what)
         wait_no_processes(lab4, timeout=10, names=("node1", "node2", "node3", "node4"))
+
+
+def test_a_rank_the_oom_killer_ends_is_said_to_be(lab, inventory3, tmp_path):
+    """A real OOM kill: the rank moves itself into a memory cgroup with a small limit (cgroup v1 is
+    the machine's; a lab host mounts the same hierarchy) and allocates; the kernel's OOM killer
+    ends it, its supervisor reads the kernel log."""
+    group = f"ddpfab-test-oom-{uuid.uuid4().hex[:8]}"
+    try:
+        res, manifest = crash(inventory3, tmp_path / "runs", 1, 1, "oom", "--env", f"CRASH_MEMCG={group}")
+        assert res.returncode == 1, res.stdout + res.stderr
+        check_named(res, manifest, "node2", 1, 1, 0, "oom", "was killed by the OOM killer (SIGKILL)")
+        assert manifest["nodes"]["node2"]["cause"]["signal"] == 9
+        wait_no_processes(lab, timeout=10)
+    finally:
+        host_sh(lab, "node2", "umount /tmp/ddpfab-memcg; rmdir /tmp/ddpfab-memcg")
+        cgroup = Path("/sys/fs/cgroup/memory") / group
+        deadline = time.monotonic() + 10
+        while cgroup.exists():  # (empty once its process is reaped)
+            try:
+                cgroup.rmdir()
+            except OSError:
+                assert time.monotonic() < deadline, f"{cgroup} left behind"
+                time.sleep(0.1)
 
 
 def test_a_usage_error_is_quoted_with_where_ddpfabs_option_belongs(lab, inventory3, tmp_path):
