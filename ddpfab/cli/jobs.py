@@ -202,7 +202,7 @@ def _guard(fn):
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import leases
-    from ddpfab.launch.jobs import _ps_record, grouped
+    from ddpfab.launch.jobs import _ps_record, grouped, node_state_text, run_state
 
     gpus: dict[str, list] = {}
 
@@ -222,7 +222,8 @@ def cmd_ps(args) -> int:
         for rec in records:
             run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
                                                   "now": now})
-            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
+            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"],
+                                  **({"stopped": rec["stopped"]} if "stopped" in rec else {})}
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
         try:
@@ -235,9 +236,7 @@ def cmd_ps(args) -> int:
         elif local.get("recovery"):
             r["attempts"] = len(local["recovery"].get("attempts") or [])
             r["recovery_state"] = local["recovery"].get("state")
-        states = {s["state"] for s in r["nodes"].values()}
-        r["state"] = "running" if "running" in states else ("dead" if "dead" in states else
-                                                            "cancelled" if states == {"cancelled"} else "exited")
+        r["state"] = run_state(r["nodes"])
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
     code = EXIT_FAILED if problems else 0
     if args.json:
@@ -247,8 +246,7 @@ def cmd_ps(args) -> int:
         return code
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
     for r in rows:
-        states = {n: s["state"] + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
-                  for n, s in r["nodes"].items()}
+        states = {n: node_state_text(s) for n, s in r["nodes"].items()}
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")

@@ -22,15 +22,43 @@ from ddpfab.planning.plan import is_run_id
 from ddpfab.remote import ssh, streams
 
 
+#: A job's states on a node, as the node's ``ps`` names them (:func:`ddpfab.node.ops.op_ps`).
+NODE_STATES = ("running", "exited", "stopped", "dead", "cancelled")
+
+
 def _ps_record(rec) -> dict:
     """One run record from a node's ``ps`` reply, validated (records are data): its run id names a
     local directory (the run's manifest), so it must be a run id, not a path."""
-    if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in (
-            "running", "exited", "dead", "cancelled") or not _is_int_or_none(rec.get("exit_code")):
+    if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in NODE_STATES \
+            or not _is_int_or_none(rec.get("exit_code")):
         raise ValueError(f"malformed run record {nodeprog.printable(repr(rec))[:200]}")
-    started = rec.get("started")
-    return {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
-            "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
+    started, why = rec.get("started"), rec.get("stopped")
+    out = {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
+           "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
+    if isinstance(why, str) and why:  # what stopped it, in its supervisor's words
+        out["stopped"] = nodeprog.printable(why)[:200]
+    return out
+
+
+def run_state(nodes: dict[str, dict]) -> str:
+    """A run's state from its nodes' (``{"state", "exit_code"}`` each): running while any node's
+    job runs, dead where a supervisor vanished; stopped when something stopped it (``ddpfab
+    stop``) and no node's job failed on its own (a node that ended by itself before the stop
+    still counts as stopped); cancelled when every node's ``--wait`` was; else exited."""
+    states = {s["state"] for s in nodes.values()}
+    if "running" in states or "dead" in states:
+        return "running" if "running" in states else "dead"
+    if states == {"cancelled"}:
+        return "cancelled"
+    failed = any(s["state"] == "exited" and s["exit_code"] != 0 for s in nodes.values())
+    return "stopped" if "stopped" in states and not failed else "exited"
+
+
+def node_state_text(state: dict) -> str:
+    """How ``ps`` shows one node's job: its state, with its exit code when it ended by itself
+    (``exited(1)``); a stopped job's code is the stop's, not the job's, so none."""
+    code = state["exit_code"]
+    return state["state"] + (f"({code})" if code is not None and state["state"] != "stopped" else "")
 
 
 def _is_int_or_none(value) -> bool:

@@ -253,8 +253,11 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
     assert stop.returncode == 0 and stop.stdout.count("stopped") == 2, stop.stdout + stop.stderr
     wait_no_processes(lab, timeout=3)
+    # ps says stopped, as the nodes' records do (it said exited, each node exited(143))
     ps = _ps(inventory2)[run_id]
-    assert ps["state"] == "exited"
+    assert ps["state"] == "stopped" and {s["state"] for s in ps["nodes"].values()} == {"stopped"}, ps
+    row = next(line for line in ddpfab("ps", "-i", str(inventory2)).stdout.splitlines() if line.startswith(run_id))
+    assert row.split()[1] == "stopped" and row.endswith("node1:stopped node2:stopped"), row
 
 
 def test_max_restarts_are_recorded(lab, inventory2, tmp_path):
