@@ -164,7 +164,8 @@ def register(sub) -> None:
                                 "every restart) into runs/<id>/ranks/<node>/")
         p.set_defaults(func=func)
     d = sub.add_parser("doctor", help="where a running job's ranks are: each rank's state and Python stack "
-                                      "(py-spy), grouped; a stopped, gone or odd rank named")
+                                      "(py-spy), grouped; a stopped, gone or odd rank named; a job that has "
+                                      "ended: how")
     d.add_argument("run_id", type=run_id_type)
     _common(d, inventory_required=False)
     d.add_argument("--json", action="store_true", help="print the doctor's record (also saved in runs/<id>/)")
@@ -390,8 +391,7 @@ def cmd_doctor(args) -> int:
         return die(f"--timeout {args.timeout:g}: expected a number of seconds > 0")
     manifest = _latest(args, _record(args.runs_dir, args.run_id))
     if manifest is None:
-        return die(f"no local record of run {args.run_id} in {args.runs_dir}; run the doctor from the machine "
-                   "(and --runs-dir) that started it")
+        return _doctor_without_record(args)
     plan = _plan_of(args, manifest)
     cluster = _cluster(args, manifest)
     hosts = {n.name: n for n in cluster.nodes}
@@ -416,6 +416,54 @@ def cmd_doctor(args) -> int:
             print(line)
         print(f"record: {path}")
     return EXIT_FAILED if verdict.odd else 0
+
+
+def _doctor_without_record(args) -> int:
+    """``doctor RUN_ID`` with no local record of the run: the inventory's nodes (given, or the
+    configured one) are asked for theirs. A job that has ended there is said so, how each node's
+    ended (0: nothing to diagnose); one still there needs the record that started it (2); a run
+    no node knows is no run (2); nodes that could not be asked leave it open (1)."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.health import doctor
+    from ddpfab.health.mesh import compact
+    from ddpfab.launch.jobs import _ps_record
+
+    none_here = f"no local record of run {args.run_id} in {args.runs_dir}"
+    try:
+        cluster = _cluster(args, None)
+    except ConfigError:
+        return die(f"{none_here}; run the doctor from the machine (and --runs-dir) that started it, or name the "
+                   "nodes it ran on with -i INVENTORY")
+
+    def ask(conn, n) -> list[dict]:
+        res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "run_id": args.run_id},
+                            timeout=20)[0].value(n.name)
+        return [_ps_record(r) for r in res["runs"]]
+
+    results = _on_each_node(args, cluster, ask, each=True)
+    for name, exc in results.failed.items():
+        warn(_problem(name, exc))
+    found = {name: recs[0] for name, recs in results.succeeded.items() if recs}
+    if not found and results.failed:
+        return die(f"{none_here}, and no node that answered has one; the others could not be asked (above)",
+                   EXIT_FAILED)
+    if not found:
+        return die(f"no run {args.run_id}: {none_here}, and no node of the inventory has one "
+                   f"(~/.ddpfab/runs/{args.run_id}); check the run id (`ddpfab ps` lists the nodes' runs)")
+    live = [n for n, r in found.items() if r["state"] in ("running", "dead")]
+    if live:
+        return die(f"{none_here}; its job is still on {compact(live)}: run the doctor from the machine (and "
+                   "--runs-dir) that started it, which has its plan")
+    ends = {n: (r["state"], r["exit_code"], r.get("stopped")) for n, r in found.items()}
+    line = doctor.ended_line(ends)
+    if args.json:
+        print(json.dumps({"kind": "ddpfab-doctor", "run_id": args.run_id, "verdict": [line], "hung": False,
+                          "ended": True, "odd": [], "groups": [], "nodes": {n: dict(found[n]) for n in ends}},
+                         indent=1, ensure_ascii=False))
+    else:
+        print(line)
+        print(f"(from the nodes' records: {none_here})")
+    return 0
 
 
 @_guard

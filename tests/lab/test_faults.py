@@ -258,6 +258,17 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     assert ps["state"] == "stopped" and {s["state"] for s in ps["nodes"].values()} == {"stopped"}, ps
     row = next(line for line in ddpfab("ps", "-i", str(inventory2)).stdout.splitlines() if line.startswith(run_id))
     assert row.split()[1] == "stopped" and row.endswith("node1:stopped node2:stopped"), row
+    # the doctor says the job has ended and how (exit 0; it named each node's end as odd, exit 1), also
+    # without the local record (the nodes' records say it); a run no node knows is no run (2)
+    ended = "the job has ended on every node: node1, node2 stopped (signal 15)"
+    doc = ddpfab("doctor", "--runs-dir", str(runs), run_id)
+    assert doc.returncode == 0 and doc.stdout.splitlines()[0] == ended, doc.stdout + doc.stderr
+    elsewhere = str(tmp_path / "other-runs")
+    doc = ddpfab("doctor", "-i", str(inventory2), "--runs-dir", elsewhere, run_id)
+    assert doc.returncode == 0 and doc.stdout.splitlines()[0] == ended, doc.stdout + doc.stderr
+    doc = ddpfab("doctor", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
+    assert doc.returncode == 2 and "no run 20200101-000000-abcdef" in doc.stderr, doc.stdout + doc.stderr
+    assert "Traceback" not in doc.stderr
 
 
 def test_max_restarts_are_recorded(lab, inventory2, tmp_path):
