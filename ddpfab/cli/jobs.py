@@ -491,13 +491,13 @@ def cmd_logs(args) -> int:
 def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.jobs import FOLD_ABOVE, _remote_dir, fetch_rank_logs, grouped
+    from ddpfab.launch.jobs import _remote_dir, fetch_rank_logs, grouped, line_count, logs_report
     from ddpfab.remote import ssh
 
     cluster = _cluster(args, manifest)
     dest = Path(args.runs_dir) / run_id
 
-    def fetch(conn, node) -> str:
+    def fetch(conn, node) -> tuple[Path, int, str]:
         remote = _remote_dir(node.name, manifest, run_id)
         log = shlex.quote(f"{remote}/output.log")
         res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit 3; fi", timeout=60)
@@ -511,19 +511,15 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(res.stdout)
+        more = ""
         if getattr(args, "ranks", False):
             count = fetch_rank_logs(conn, node, remote, dest / "ranks" / node.name)
-            return f"{path}, {count} per-rank log files in {dest / 'ranks' / node.name}"
-        return str(path)
+            more = f"{count} per-rank log files in {dest / 'ranks' / node.name}"
+        return path, line_count(res.stdout), more
 
     results = _on_each_node(args, cluster, fetch, each=True)  # an unreachable node's output is the one missing
     failed = {n: _found(e) for n, e in results.failed.items()}
     die([f"host {line}" for line in grouped(failed)])
-    fetched = results.succeeded
-    if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
-        print(f"{len(fetched)} nodes' output in {dest}/<node>.remote.log"
-              + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if getattr(args, "ranks", False) else ""))
-    else:
-        for name, res in fetched.items():
-            print(f"{name}: {res}")
+    for line in logs_report(run_id, dest, results.succeeded, len(results)):
+        print(line)
     return 1 if failed else 0

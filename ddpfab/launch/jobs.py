@@ -99,6 +99,33 @@ def grouped(outcomes: dict[str, str]) -> list[str]:
     return [f"{compact(names)}: {text}" for text, names in by_text.items()]
 
 
+def line_count(text: str) -> int:
+    """Lines in *text*, a last one without its newline included."""
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+def logs_report(run_id: str, dest: Path, fetched: dict[str, tuple[Path, int, str]], nodes: int) -> list[str]:
+    """What ``ddpfab logs`` prints once the copies are done: each node's file and its number of
+    lines (``node1: runs/ID/node1.remote.log (42 lines)``; *fetched*: node -> (path, lines, what
+    else came, e.g. its per-rank logs)), beyond FOLD_ABOVE nodes one line for them all; then a
+    closing line with how many of the run's *nodes* sent theirs, so a quiet job's empty files are
+    never mistaken for a fetch that did nothing (none fetched: the errors alone say so)."""
+    if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
+        total = sum(lines for _, lines, _ in fetched.values())
+        ranks = any(more for _, _, more in fetched.values())
+        out = [f"{len(fetched)} nodes' output in {dest}/<node>.remote.log ({total} lines in all)"
+               + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if ranks else "")]
+    else:
+        out = [f"{name}: {path} ({lines} line{'' if lines == 1 else 's'}){f', {more}' if more else ''}"
+               for name, (path, lines, more) in fetched.items()]
+    if not fetched:  # the errors say it all: no closing line naming a dir that was never made
+        return out
+    missing = f"; {nodes - len(fetched)} could not be fetched (above)" if len(fetched) < nodes else ""
+    whose = "node's" if nodes == 1 else "nodes'"
+    out.append(f"logs of run {run_id}: {len(fetched)} of {nodes} {whose} output in {dest}{missing}")
+    return out
+
+
 def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
     def follow(node) -> int:
         n = plan.node(node.name)

@@ -22,6 +22,7 @@ from ddpfab.planning.plan import Plan
 from .helpers import ddpfab, link_up, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
+NL = "\n"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
@@ -238,8 +239,13 @@ def test_detached_job_survives_the_controller_and_attach_logs_ps_stop_work(lab, 
     assert ps["state"] == "exited" and {s["exit_code"] for s in ps["nodes"].values()} == {0}
     logs = ddpfab("logs", "--runs-dir", str(runs), run_id)
     assert logs.returncode == 0, logs.stderr
-    for node in ("node1", "node2"):
-        assert "REPORT" in (runs / run_id / f"{node}.remote.log").read_text()
+    said = logs.stdout.splitlines()  # where each node's output went, with its lines; then a closing line
+    for i, node in enumerate(("node1", "node2")):
+        path = runs / run_id / f"{node}.remote.log"
+        text = path.read_text()
+        assert "REPORT" in text
+        assert said[i] == f"{node}: {path} ({text.count(NL)} lines)", logs.stdout
+    assert said[2:] == [f"logs of run {run_id}: 2 of 2 nodes' output in {runs / run_id}"], logs.stdout
     wait_no_processes(lab, timeout=5)
 
 

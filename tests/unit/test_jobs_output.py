@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpfab.launch.jobs import FOLD_ABOVE, grouped, node_state_text, run_state
+from ddpfab.launch.jobs import FOLD_ABOVE, grouped, line_count, logs_report, node_state_text, run_state
 
 
 def test_up_to_the_limit_every_node_keeps_its_line_in_order():
@@ -35,3 +35,16 @@ def test_ps_shows_a_stopped_job_as_stopped_and_a_failure_as_exited():
     assert run_state(failed) == "exited" and node_state_text(failed["node3"]) == "exited(3)"
     assert run_state({**stopped, "node3": {"state": "running", "exit_code": None}}) == "running"
     assert run_state({"n": {"state": "cancelled", "exit_code": 143}}) == "cancelled"
+
+
+def test_logs_says_where_each_node_s_output_went_and_how_many_lines(tmp_path):
+    dest = tmp_path / "runs" / "r1"
+    fetched = {"node1": (dest / "node1.remote.log", 42, ""), "node2": (dest / "node2.remote.log", 1, "")}
+    assert logs_report("r1", dest, fetched, 3) == [
+        f"node1: {dest}/node1.remote.log (42 lines)", f"node2: {dest}/node2.remote.log (1 line)",
+        f"logs of run r1: 2 of 3 nodes' output in {dest}; 1 could not be fetched (above)"]
+    assert logs_report("r1", dest, {}, 1) == []  # the errors alone say it
+    many = {f"n{i}": (dest / f"n{i}.remote.log", 10, "") for i in range(FOLD_ABOVE + 1)}
+    assert logs_report("r1", dest, many, len(many))[0] == (f"{len(many)} nodes' output in {dest}/<node>.remote.log "
+                                                           f"({10 * len(many)} lines in all)")
+    assert [line_count(t) for t in ("", "a\n", "a\nb", "a\nb\n")] == [0, 1, 2, 2]
