@@ -335,10 +335,13 @@ def cmd_stop(args) -> int:
 
 @_guard
 def cmd_attach(args) -> int:
+    """Follow a job's output on every node until it ends, and end as run would have: the same
+    closing line and exit code (ddpfab/cli/errors.py). A detached job's hang watch runs here
+    (nobody else watches it): its plan's ``--hang-timeout`` and ``--on-hang``, as run's."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.execute import Printer, exit_race_summary
     from ddpfab.health import hints
-    from ddpfab.launch.jobs import _follow_all, exit_races
+    from ddpfab.launch.execute import Printer
+    from ddpfab.launch.jobs import _follow_all, attach_end, exit_races
 
     manifest = _record(args.runs_dir, args.run_id)
     if manifest is None:
@@ -347,15 +350,16 @@ def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import next_attempt
 
-    root, followed, races = manifest, None, {}
+    root, followed, races, hung = manifest, None, {}, None
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster)
         printer = Printer(plan)
+        hang = _hang_watch(args, manifest, plan, conns, printer)
         codes: dict[str, int] = {}
         try:
-            codes = _follow_all(plan, cluster, conns, printer)
+            codes = _follow_all(plan, cluster, conns, printer, hang)
             races = exit_races(plan, conns, codes)  # as run reports them: finished, then aborted at exit
         except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
@@ -366,18 +370,30 @@ def cmd_attach(args) -> int:
         if printer.closed:
             note(f"stdout was closed: detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
             return EXIT_CLOSED_STDOUT
+        if hang is not None and hang.stop_now.is_set() and hang.verdict is not None:
+            hung = hang.verdict.lines
+            break
         followed = plan.run_id
         manifest = next_attempt(args.runs_dir, root, followed)
         if manifest is not None:
             printer.note(f"attempt {followed} ended; following {manifest['run_id']}")
-    failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
-    if races and not failed:  # the exit-code policy (ddpfab/cli/errors.py): the work is done
-        printer.note(f"run {args.run_id} ended: {exit_race_summary(races)}")
+    code, summary, warned = attach_end(codes, races, hung)
+    printer.note(f"run {args.run_id} ended: {summary}")
+    if warned:
         printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
-        return 0
-    printer.note(f"run {args.run_id} ended: " + (
-        "failed on " + ", ".join(f"{n} (exit code {c})" for n, c in failed.items()) if failed else "all nodes exited 0"))
-    return next(iter(failed.values()), 0) if failed else 0
+    return code
+
+
+def _hang_watch(args, manifest: dict, plan: Plan, conns: dict, printer):
+    """The hang watch of a job started detached (``run --detach``: its record's state), which no
+    controller watches; None for a job its own controller watches (a run attached elsewhere, an
+    attempt of a run with restarts) or without ``--hang-timeout``."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch.hangwatch import HangWatch
+
+    if manifest.get("state") != "detached" or plan.hang_timeout <= 0:
+        return None
+    return HangWatch(plan, conns, Path(args.runs_dir) / plan.run_id, printer.note)
 
 
 @_guard

@@ -1,4 +1,5 @@
-"""Jobs on the cluster, by run id: ``ps``, ``stop``, ``attach``, ``logs``.
+"""Jobs on the cluster, by run id: ``ps``, ``stop``, ``attach``, ``logs``; how each ends (a run's
+state, attach's exit code by run's policy, logs' report).
 
 Everything here reads the records the node supervisor keeps under each node's run dir
 (``agent.json``: pids; ``exit_code``/``result.json``: the end), and signals only the supervisor
@@ -13,13 +14,18 @@ import base64
 import io
 import json
 import tarfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ddpfab import node as nodeprog
 from ddpfab.health.mesh import compact
-from ddpfab.launch.execute import exit_race_of, result_record
+from ddpfab.launch.execute import _RANK_TAG, STOP_GRACE_S, exit_race_of, exit_race_summary, result_record
+from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.planning.plan import is_run_id
 from ddpfab.remote import ssh, streams
+from ddpfab.results import GroupResult
 
 
 #: A job's states on a node, as the node's ``ps`` names them (:func:`ddpfab.node.ops.op_ps`).
@@ -126,7 +132,12 @@ def logs_report(run_id: str, dest: Path, fetched: dict[str, tuple[Path, int, str
     return out
 
 
-def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
+def _follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None) -> dict[str, int]:
+    """Every node's output of *plan*'s job until it ends there; node -> its exit code (255: the
+    follow broke). With *hang* (a detached job's hang watch: nobody else watches it) the ranks'
+    quiet spells go to the watch, and its ``--on-hang stop`` ends the job on every node."""
+    last_rank_line = [0.0]  # monotonic; 0: no rank has printed yet (the watch is armed after one)
+
     def follow(node) -> int:
         n = plan.node(node.name)
         chan = conns[node.name].transport.open_session(timeout=30)
@@ -134,6 +145,8 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
         chan.exec_command(nodeprog.command(node, "ddpfab-node"))
         chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         for line in streams.lines(chan.recv):
+            if _RANK_TAG.match(line):
+                last_rank_line[0] = time.monotonic()
             printer.line(node.name, line)
             if printer.closed:  # `| head` had enough: stop following; the job goes on
                 chan.close()
@@ -143,8 +156,57 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
     nodes = [n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}]
     # a follow lasts as long as the job: every node at once (on connections already open: no
     # handshakes), else the nodes beyond the fan-out window would wait for the job's end unseen
-    results = ssh.parallel(nodes, follow, window=len(nodes))
+    if hang is None:
+        results = ssh.parallel(nodes, follow, window=len(nodes))
+    else:
+        results = _watched(lambda: ssh.parallel(nodes, follow, window=len(nodes)), hang, last_rank_line,
+                           lambda: stop_everywhere(plan, nodes, conns), printer)
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
+
+
+def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_line: list[float],
+             stop: Callable[[], None], printer) -> GroupResult:
+    """``follow_all()`` in a thread of its own while this one ticks *hang* with the ranks' quiet
+    spell, as run's monitor does; on a hang verdict with ``--on-hang stop``, *stop* once."""
+    done: list[GroupResult] = []
+    thread = threading.Thread(target=lambda: done.append(follow_all()), name="ddpfab-follow", daemon=True)
+    thread.start()
+    stopped = False
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        if last_rank_line[0] and not stopped:
+            hang.tick(last_rank_line[0], time.monotonic())
+            if hang.stop_now.is_set() and hang.verdict is not None:
+                stopped = True
+                printer.note("--on-hang stop: stopping the job on every node")
+                stop()
+    return done[0] if done else GroupResult()
+
+
+def stop_everywhere(plan, nodes, conns) -> None:
+    """End *plan*'s job on every node of *nodes* over the open *conns* (as ``ddpfab stop`` does);
+    each node's follow then ends with the job."""
+    ssh.parallel(nodes, lambda n: nodeprog.stop(conns[n.name], n, plan.node(n.name).remote_dir, STOP_GRACE_S,
+                                                timeout=30), window=len(nodes))
+
+
+def attach_end(codes: dict[str, int], races: dict[str, dict],
+                hung: list[str] | None = None) -> tuple[int, str, bool]:
+    """How ``attach`` ends, by run's exit-code policy (ddpfab/cli/errors.py): (its exit code, the
+    closing line after ``run RUN_ID ended: ``, whether the exit-race warning goes with it).
+    *hung*: the doctor's verdict when the hang watch stopped the job (``--on-hang stop``): 124
+    (:data:`ddpfab.launch.hangwatch.EXIT_HUNG`), whatever the nodes' jobs exited with once ended;
+    else the first failing node's code, 0 when the only failures are ranks that aborted at exit
+    after finishing their work (*races*)."""
+    if hung:
+        return EXIT_HUNG, f"hung: {'; '.join(hung)}; the job was stopped on every node (--on-hang stop)", False
+    failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
+    if races and not failed:  # the work is done
+        return 0, exit_race_summary(races), True
+    if failed:
+        named = ", ".join(f"{n} (exit code {c})" for n, c in failed.items())
+        return next(iter(failed.values())), f"failed on {named}", False
+    return 0, "all nodes exited 0", False
 
 
 def exit_races(plan, conns, codes: dict[str, int]) -> dict[str, dict]:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from ddpfab.launch.hangwatch import EXIT_HUNG
 from ddpfab.planning import render
 from ddpfab.planning.plan import Plan
 
@@ -275,6 +276,24 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     doc = ddpfab("doctor", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
     assert doc.returncode == 2 and "no run 20200101-000000-abcdef" in doc.stderr, doc.stdout + doc.stderr
     assert "Traceback" not in doc.stderr
+
+
+def test_attach_of_a_detached_job_ends_it_on_a_hang_as_run_does(lab, inventory2, tmp_path):
+    """A detached job's hang watch runs in attach (nobody else watches it): --on-hang stop ends the
+    job on every node, and attach exits 124 as run would have (it never stopped it; a stop exited 137)."""
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--hang-timeout", "2",
+                 "--on-hang", "stop", "--env", "REPORT_HANG=600", REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = _run_ids(runs)[0]
+    att = ddpfab("attach", "--runs-dir", str(runs), run_id, timeout=120)
+    out = att.stdout + att.stderr
+    assert att.returncode == EXIT_HUNG, out[-3000:]
+    assert "--on-hang stop: stopping the job on every node" in out, out[-3000:]
+    assert f"run {run_id} ended: hung: " in out and "the job was stopped on every node (--on-hang stop)" in out
+    assert list((runs / run_id).glob("doctor-*.json")), "the doctor's record is kept in the run's dir"
+    wait_no_processes(lab, timeout=5)
+    assert _ps(inventory2)[run_id]["state"] == "stopped"
 
 
 def test_max_restarts_are_recorded(lab, inventory2, tmp_path):

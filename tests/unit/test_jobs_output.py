@@ -1,8 +1,10 @@
-"""`stop`, `logs` and `ps` answer many nodes in a line per distinct answer (jobs.grouped)."""
+"""`stop`, `logs` and `ps` answer many nodes in a line per distinct answer (jobs.grouped); how
+`ps`, `attach` and `logs` end (the run's state, attach's exit code, logs' report)."""
 
 from __future__ import annotations
 
-from ddpfab.launch.jobs import FOLD_ABOVE, grouped, line_count, logs_report, node_state_text, run_state
+from ddpfab.launch.hangwatch import EXIT_HUNG
+from ddpfab.launch.jobs import FOLD_ABOVE, attach_end, grouped, line_count, logs_report, node_state_text, run_state
 
 
 def test_up_to_the_limit_every_node_keeps_its_line_in_order():
@@ -35,6 +37,18 @@ def test_ps_shows_a_stopped_job_as_stopped_and_a_failure_as_exited():
     assert run_state(failed) == "exited" and node_state_text(failed["node3"]) == "exited(3)"
     assert run_state({**stopped, "node3": {"state": "running", "exit_code": None}}) == "running"
     assert run_state({"n": {"state": "cancelled", "exit_code": 143}}) == "cancelled"
+
+
+def test_attach_ends_as_run_would_have():
+    """attach's exit code and closing line (run's policy, ddpfab/cli/errors.py): a hang stop is
+    124 whatever the stopped nodes exited with (it was 137: the node's code after the stop)."""
+    assert attach_end({"node1": 137, "node2": 143}, {}, ["node2 rank 3 (pid 9) is stopped (SIGSTOP, state T)"]) == (
+        EXIT_HUNG, "hung: node2 rank 3 (pid 9) is stopped (SIGSTOP, state T); the job was stopped on every node "
+                   "(--on-hang stop)", False)
+    assert attach_end({"node1": 0, "node2": 3}, {}) == (3, "failed on node2 (exit code 3)", False)
+    assert attach_end({"node1": 0, "node2": 0}, {}) == (0, "all nodes exited 0", False)
+    code, line, warned = attach_end({"node1": 0, "node2": 134}, {"node2": {"aborted": [{"rank": 3, "signal": 6}]}})
+    assert (code, warned) == (0, True) and "rank 3 (node2) aborted at exit (signal 6)" in line
 
 
 def test_logs_says_where_each_node_s_output_went_and_how_many_lines(tmp_path):
