@@ -168,8 +168,15 @@ def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_l
              stop: Callable[[], None], printer) -> GroupResult:
     """``follow_all()`` in a thread of its own while this one ticks *hang* with the ranks' quiet
     spell, as run's monitor does; on a hang verdict with ``--on-hang stop``, *stop* once."""
-    done: list[GroupResult] = []
-    thread = threading.Thread(target=lambda: done.append(follow_all()), name="ddpfab-follow", daemon=True)
+    done: list[GroupResult | BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(follow_all())
+        except BaseException as exc:  # noqa: BLE001 - raised again below, in the caller's thread
+            done.append(exc)
+
+    thread = threading.Thread(target=run, name="ddpfab-follow", daemon=True)
     thread.start()
     stopped = False
     while thread.is_alive():
@@ -180,7 +187,9 @@ def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_l
                 stopped = True
                 printer.note("--on-hang stop: stopping the job on every node")
                 stop()
-    return done[0] if done else GroupResult()
+    if isinstance(done[0], BaseException):  # never an empty result read as "every node exited 0"
+        raise done[0]
+    return done[0]
 
 
 def stop_everywhere(plan, nodes, conns) -> None:

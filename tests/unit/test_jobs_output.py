@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ddpfab.launch.hangwatch import EXIT_HUNG
 from ddpfab.launch.jobs import FOLD_ABOVE, attach_end, grouped, line_count, logs_report, node_state_text, run_state
 
@@ -62,3 +64,16 @@ def test_logs_says_where_each_node_s_output_went_and_how_many_lines(tmp_path):
     assert logs_report("r1", dest, many, len(many))[0] == (f"{len(many)} nodes' output in {dest}/<node>.remote.log "
                                                            f"({10 * len(many)} lines in all)")
     assert [line_count(t) for t in ("", "a\n", "a\nb", "a\nb\n")] == [0, 1, 2, 2]
+
+
+def test_a_follow_that_breaks_under_the_hang_watch_is_raised_not_read_as_success():
+    from ddpfab.launch.jobs import _watched
+
+    class Watch:
+        stop_now, verdict = None, None
+
+    def broken():
+        raise OSError("channel closed")
+
+    with pytest.raises(OSError, match="channel closed"):
+        _watched(broken, Watch(), [0.0], lambda: None, None)
