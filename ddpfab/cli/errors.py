@@ -13,8 +13,9 @@ every subcommand's error paths against it):
          not be reached or a job not be stopped
     2    refused before anything started or changed: bad input, no inventory, a failed preflight
     N    run, attach, replay, exec: the failing node's own exit code (exec: 255 unreachable)
-    124  run, replay with ``--on-hang stop``: the doctor found the job hung and ddpfab ended it
-         (:data:`ddpfab.launch.hangwatch.EXIT_HUNG`); doctor: 1 when a rank or node stands out
+    124  run, replay, attach with ``--on-hang stop``: the doctor found the job hung and ddpfab
+         ended it (:data:`ddpfab.launch.hangwatch.EXIT_HUNG`); doctor: 1 when a rank or node stands
+         out, 0 when the job has ended (said so, and how)
     130  SIGINT, 143 SIGTERM (:mod:`ddpfab.launch.interrupt`)
     141  stdout was closed before the output ended (``| head``); the rest was dropped
 """

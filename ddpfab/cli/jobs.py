@@ -164,7 +164,8 @@ def register(sub) -> None:
                                 "every restart) into runs/<id>/ranks/<node>/")
         p.set_defaults(func=func)
     d = sub.add_parser("doctor", help="where a running job's ranks are: each rank's state and Python stack "
-                                      "(py-spy), grouped; a stopped, gone or odd rank named")
+                                      "(py-spy), grouped; a stopped, gone or odd rank named; a job that has "
+                                      "ended: how")
     d.add_argument("run_id", type=run_id_type)
     _common(d, inventory_required=False)
     d.add_argument("--json", action="store_true", help="print the doctor's record (also saved in runs/<id>/)")
@@ -202,7 +203,7 @@ def _guard(fn):
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import leases
-    from ddpfab.launch.jobs import _ps_record, grouped
+    from ddpfab.launch.jobs import _ps_record, grouped, node_state_text, run_state
 
     gpus: dict[str, list] = {}
 
@@ -222,7 +223,8 @@ def cmd_ps(args) -> int:
         for rec in records:
             run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
                                                   "now": now})
-            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"]}
+            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"],
+                                  **({"stopped": rec["stopped"]} if "stopped" in rec else {})}
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
         try:
@@ -235,9 +237,7 @@ def cmd_ps(args) -> int:
         elif local.get("recovery"):
             r["attempts"] = len(local["recovery"].get("attempts") or [])
             r["recovery_state"] = local["recovery"].get("state")
-        states = {s["state"] for s in r["nodes"].values()}
-        r["state"] = "running" if "running" in states else ("dead" if "dead" in states else
-                                                            "cancelled" if states == {"cancelled"} else "exited")
+        r["state"] = run_state(r["nodes"])
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
     code = EXIT_FAILED if problems else 0
     if args.json:
@@ -247,8 +247,7 @@ def cmd_ps(args) -> int:
         return code
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
     for r in rows:
-        states = {n: s["state"] + (f"({s['exit_code']})" if s["exit_code"] is not None else "")
-                  for n, s in r["nodes"].items()}
+        states = {n: node_state_text(s) for n, s in r["nodes"].items()}
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
@@ -336,10 +335,13 @@ def cmd_stop(args) -> int:
 
 @_guard
 def cmd_attach(args) -> int:
+    """Follow a job's output on every node until it ends, and end as run would have: the same
+    closing line and exit code (ddpfab/cli/errors.py). A detached job's hang watch runs here
+    (nobody else watches it): its plan's ``--hang-timeout`` and ``--on-hang``, as run's."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.execute import Printer, exit_race_summary
     from ddpfab.health import hints
-    from ddpfab.launch.jobs import _follow_all, exit_races
+    from ddpfab.launch.execute import Printer
+    from ddpfab.launch.jobs import _follow_all, attach_end, exit_races
 
     manifest = _record(args.runs_dir, args.run_id)
     if manifest is None:
@@ -348,15 +350,16 @@ def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import next_attempt
 
-    root, followed, races = manifest, None, {}
+    root, followed, races, hung = manifest, None, {}, None
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster)
         printer = Printer(plan)
+        hang = _hang_watch(args, manifest, plan, conns, printer)
         codes: dict[str, int] = {}
         try:
-            codes = _follow_all(plan, cluster, conns, printer)
+            codes = _follow_all(plan, cluster, conns, printer, hang)
             races = exit_races(plan, conns, codes)  # as run reports them: finished, then aborted at exit
         except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
@@ -367,18 +370,30 @@ def cmd_attach(args) -> int:
         if printer.closed:
             note(f"stdout was closed: detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
             return EXIT_CLOSED_STDOUT
+        if hang is not None and hang.stop_now.is_set() and hang.verdict is not None:
+            hung = hang.verdict.lines
+            break
         followed = plan.run_id
         manifest = next_attempt(args.runs_dir, root, followed)
         if manifest is not None:
             printer.note(f"attempt {followed} ended; following {manifest['run_id']}")
-    failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
-    if races and not failed:  # the exit-code policy (ddpfab/cli/errors.py): the work is done
-        printer.note(f"run {args.run_id} ended: {exit_race_summary(races)}")
+    code, summary, warned = attach_end(codes, races, hung)
+    printer.note(f"run {args.run_id} ended: {summary}")
+    if warned:
         printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
-        return 0
-    printer.note(f"run {args.run_id} ended: " + (
-        "failed on " + ", ".join(f"{n} (exit code {c})" for n, c in failed.items()) if failed else "all nodes exited 0"))
-    return next(iter(failed.values()), 0) if failed else 0
+    return code
+
+
+def _hang_watch(args, manifest: dict, plan: Plan, conns: dict, printer):
+    """The hang watch of a job started detached (``run --detach``: its record's state), which no
+    controller watches; None for a job its own controller watches (a run attached elsewhere, an
+    attempt of a run with restarts) or without ``--hang-timeout``."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch.hangwatch import HangWatch
+
+    if manifest.get("state") != "detached" or plan.hang_timeout <= 0:
+        return None
+    return HangWatch(plan, conns, Path(args.runs_dir) / plan.run_id, printer.note)
 
 
 @_guard
@@ -392,8 +407,7 @@ def cmd_doctor(args) -> int:
         return die(f"--timeout {args.timeout:g}: expected a number of seconds > 0")
     manifest = _latest(args, _record(args.runs_dir, args.run_id))
     if manifest is None:
-        return die(f"no local record of run {args.run_id} in {args.runs_dir}; run the doctor from the machine "
-                   "(and --runs-dir) that started it")
+        return _doctor_without_record(args)
     plan = _plan_of(args, manifest)
     cluster = _cluster(args, manifest)
     hosts = {n.name: n for n in cluster.nodes}
@@ -418,6 +432,54 @@ def cmd_doctor(args) -> int:
             print(line)
         print(f"record: {path}")
     return EXIT_FAILED if verdict.odd else 0
+
+
+def _doctor_without_record(args) -> int:
+    """``doctor RUN_ID`` with no local record of the run: the inventory's nodes (given, or the
+    configured one) are asked for theirs. A job that has ended there is said so, how each node's
+    ended (0: nothing to diagnose); one still there needs the record that started it (2); a run
+    no node knows is no run (2); nodes that could not be asked leave it open (1)."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.health import doctor
+    from ddpfab.health.mesh import compact
+    from ddpfab.launch.jobs import _ps_record
+
+    none_here = f"no local record of run {args.run_id} in {args.runs_dir}"
+    try:
+        cluster = _cluster(args, None)
+    except ConfigError:
+        return die(f"{none_here}; run the doctor from the machine (and --runs-dir) that started it, or name the "
+                   "nodes it ran on with -i INVENTORY")
+
+    def ask(conn, n) -> list[dict]:
+        res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "run_id": args.run_id},
+                            timeout=20)[0].value(n.name)
+        return [_ps_record(r) for r in res["runs"]]
+
+    results = _on_each_node(args, cluster, ask, each=True)
+    for name, exc in results.failed.items():
+        warn(_problem(name, exc))
+    found = {name: recs[0] for name, recs in results.succeeded.items() if recs}
+    if not found and results.failed:
+        return die(f"{none_here}, and no node that answered has one; the others could not be asked (above)",
+                   EXIT_FAILED)
+    if not found:
+        return die(f"no run {args.run_id}: {none_here}, and no node of the inventory has one "
+                   f"(~/.ddpfab/runs/{args.run_id}); check the run id (`ddpfab ps` lists the nodes' runs)")
+    live = [n for n, r in found.items() if r["state"] in ("running", "dead")]
+    if live:
+        return die(f"{none_here}; its job is still on {compact(live)}: run the doctor from the machine (and "
+                   "--runs-dir) that started it, which has its plan")
+    ends = {n: (r["state"], r["exit_code"], r.get("stopped")) for n, r in found.items()}
+    line = doctor.ended_line(ends)
+    if args.json:
+        print(json.dumps({"kind": "ddpfab-doctor", "run_id": args.run_id, "verdict": [line], "hung": False,
+                          "ended": True, "odd": [], "groups": [], "nodes": {n: dict(found[n]) for n in ends}},
+                         indent=1, ensure_ascii=False))
+    else:
+        print(line)
+        print(f"(from the nodes' records: {none_here})")
+    return 0
 
 
 @_guard
@@ -445,13 +507,13 @@ def cmd_logs(args) -> int:
 def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.jobs import FOLD_ABOVE, _remote_dir, fetch_rank_logs, grouped
+    from ddpfab.launch.jobs import _remote_dir, fetch_rank_logs, grouped, line_count, logs_report
     from ddpfab.remote import ssh
 
     cluster = _cluster(args, manifest)
     dest = Path(args.runs_dir) / run_id
 
-    def fetch(conn, node) -> str:
+    def fetch(conn, node) -> tuple[Path, int, str]:
         remote = _remote_dir(node.name, manifest, run_id)
         log = shlex.quote(f"{remote}/output.log")
         res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit 3; fi", timeout=60)
@@ -465,19 +527,15 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(res.stdout)
+        more = ""
         if getattr(args, "ranks", False):
             count = fetch_rank_logs(conn, node, remote, dest / "ranks" / node.name)
-            return f"{path}, {count} per-rank log files in {dest / 'ranks' / node.name}"
-        return str(path)
+            more = f"{count} per-rank log files in {dest / 'ranks' / node.name}"
+        return path, line_count(res.stdout), more
 
     results = _on_each_node(args, cluster, fetch, each=True)  # an unreachable node's output is the one missing
     failed = {n: _found(e) for n, e in results.failed.items()}
     die([f"host {line}" for line in grouped(failed)])
-    fetched = results.succeeded
-    if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
-        print(f"{len(fetched)} nodes' output in {dest}/<node>.remote.log"
-              + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if getattr(args, "ranks", False) else ""))
-    else:
-        for name, res in fetched.items():
-            print(f"{name}: {res}")
+    for line in logs_report(run_id, dest, results.succeeded, len(results)):
+        print(line)
     return 1 if failed else 0

@@ -151,6 +151,43 @@ class Verdict:
     hung: bool
     odd: list[dict] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)
+    ended: bool = False  # the job has ended on every node: nothing to diagnose, and nothing wrong with that
+
+
+#: One node's end as its records say it: (how: exited, stopped or cancelled; its exit code; what
+#: stopped it, in its supervisor's words, or None).
+End = tuple[str, int, str | None]
+
+
+def end_text(end: End) -> str:
+    """``exit code 3``, ``stopped (signal 15)``: one node's end, in words."""
+    how, code, why = end
+    if how in ("stopped", "cancelled"):
+        return f"{how} ({why})" if why else how
+    return f"exit code {code}"
+
+
+def ended_line(ends: dict[str, End]) -> str:
+    """The doctor's verdict on a job that has ended on every node: how, nodes with the same end
+    named together (``the job has ended on every node: node1, node2 stopped (signal 15)``)."""
+    by_text: dict[str, list[str]] = {}
+    for node, end in ends.items():
+        by_text.setdefault(end_text(end), []).append(node)
+    return "the job has ended on every node: " + "; ".join(f"{compact(nodes)} {text}"
+                                                           for text, nodes in by_text.items())
+
+
+def ends_of(replies: dict[str, dict | str]) -> dict[str, End] | None:
+    """Every node's end when the job has ended on each (its exit code recorded, no rank left); else
+    None (a node that did not answer, or one whose job runs, leaves it to the analysis)."""
+    ends: dict[str, End] = {}
+    for node, reply in replies.items():
+        if not isinstance(reply, dict) or _int(reply.get("exit_code")) is None or ranks_of(node, reply):
+            return None
+        how = reply.get("how") if reply.get("how") in ("exited", "stopped", "cancelled") else "exited"
+        why = reply.get("stopped")
+        ends[node] = (how, reply["exit_code"], str(why)[:200] if isinstance(why, str) and why else None)
+    return ends or None
 
 
 def _is_torch(path: str) -> bool:
@@ -432,7 +469,11 @@ def _closing_lines(ranks: list[Rank], starting: list[str], busy: list[Rank], odd
 
 def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict:
     """The verdict from every node's reply (a dict) or its failure (a str: why it did not answer);
-    *expected*: node -> its number of processes (the plan's)."""
+    *expected*: node -> its number of processes (the plan's). A job that has ended on every node
+    is said so, how each ended, and nothing else: it is not a hang, nor a rank gone."""
+    ends = ends_of(replies)
+    if ends is not None:
+        return Verdict([ended_line(ends)], False, ended=True)
     ranks, odd, starting = _read_replies(replies, expected)
     odd += _state_odds(ranks)
     waiting = [r for r in ranks if r.state not in ODD_STATES]
@@ -512,7 +553,8 @@ def diagnose(plan: Plan, call: Callable[[Any, dict, float], dict], run_dir: Path
     path = None
     if run_dir is not None:
         record = {"kind": "ddpfab-doctor", "run_id": plan.run_id, "time": t0, "took_s": round(time.time() - t0, 3),
-                  "verdict": verdict.lines, "hung": verdict.hung, "odd": verdict.odd, "groups": verdict.groups,
+                  "verdict": verdict.lines, "hung": verdict.hung, "ended": verdict.ended, "odd": verdict.odd,
+                  "groups": verdict.groups,
                   "nodes": {n: ({k: v for k, v in r.items() if k != "dumps"} if isinstance(r, dict) else {"error": r})
                             for n, r in replies.items()},
                   "nccl_trace": []}

@@ -1,4 +1,5 @@
-"""Jobs on the cluster, by run id: ``ps``, ``stop``, ``attach``, ``logs``.
+"""Jobs on the cluster, by run id: ``ps``, ``stop``, ``attach``, ``logs``; how each ends (a run's
+state, attach's exit code by run's policy, logs' report).
 
 Everything here reads the records the node supervisor keeps under each node's run dir
 (``agent.json``: pids; ``exit_code``/``result.json``: the end), and signals only the supervisor
@@ -13,24 +14,58 @@ import base64
 import io
 import json
 import tarfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ddpfab import node as nodeprog
 from ddpfab.health.mesh import compact
-from ddpfab.launch.execute import exit_race_of, result_record
+from ddpfab.launch.cause import RANK_TAG
+from ddpfab.launch.execute import STOP_GRACE_S, exit_race_of, exit_race_summary, result_record
+from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.planning.plan import is_run_id
 from ddpfab.remote import ssh, streams
+from ddpfab.results import GroupResult
+
+
+#: A job's states on a node, as the node's ``ps`` names them (:func:`ddpfab.node.ops.op_ps`).
+NODE_STATES = ("running", "exited", "stopped", "dead", "cancelled")
 
 
 def _ps_record(rec) -> dict:
     """One run record from a node's ``ps`` reply, validated (records are data): its run id names a
     local directory (the run's manifest), so it must be a run id, not a path."""
-    if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in (
-            "running", "exited", "dead", "cancelled") or not _is_int_or_none(rec.get("exit_code")):
+    if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in NODE_STATES \
+            or not _is_int_or_none(rec.get("exit_code")):
         raise ValueError(f"malformed run record {nodeprog.printable(repr(rec))[:200]}")
-    started = rec.get("started")
-    return {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
-            "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
+    started, why = rec.get("started"), rec.get("stopped")
+    out = {"run_id": rec["run_id"], "state": rec["state"], "exit_code": rec["exit_code"],
+           "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
+    if isinstance(why, str) and why:  # what stopped it, in its supervisor's words
+        out["stopped"] = nodeprog.printable(why)[:200]
+    return out
+
+
+def run_state(nodes: dict[str, dict]) -> str:
+    """A run's state from its nodes' (``{"state", "exit_code"}`` each): running while any node's
+    job runs, dead where a supervisor vanished; stopped when something stopped it (``ddpfab
+    stop``) and no node's job failed on its own (a node that ended by itself before the stop
+    still counts as stopped); cancelled when every node's ``--wait`` was; else exited."""
+    states = {s["state"] for s in nodes.values()}
+    if "running" in states or "dead" in states:
+        return "running" if "running" in states else "dead"
+    if states == {"cancelled"}:
+        return "cancelled"
+    failed = any(s["state"] == "exited" and s["exit_code"] != 0 for s in nodes.values())
+    return "stopped" if "stopped" in states and not failed else "exited"
+
+
+def node_state_text(state: dict) -> str:
+    """How ``ps`` shows one node's job: its state, with its exit code when it ended by itself
+    (``exited(1)``); a stopped job's code is the stop's, not the job's, so none."""
+    code = state["exit_code"]
+    return state["state"] + (f"({code})" if code is not None and state["state"] != "stopped" else "")
 
 
 def _is_int_or_none(value) -> bool:
@@ -71,7 +106,39 @@ def grouped(outcomes: dict[str, str]) -> list[str]:
     return [f"{compact(names)}: {text}" for text, names in by_text.items()]
 
 
-def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
+def line_count(text: str) -> int:
+    """Lines in *text*, a last one without its newline included."""
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+def logs_report(run_id: str, dest: Path, fetched: dict[str, tuple[Path, int, str]], nodes: int) -> list[str]:
+    """What ``ddpfab logs`` prints once the copies are done: each node's file and its number of
+    lines (``node1: runs/ID/node1.remote.log (42 lines)``; *fetched*: node -> (path, lines, what
+    else came, e.g. its per-rank logs)), beyond FOLD_ABOVE nodes one line for them all; then a
+    closing line with how many of the run's *nodes* sent theirs, so a quiet job's empty files are
+    never mistaken for a fetch that did nothing (none fetched: the errors alone say so)."""
+    if len(fetched) > FOLD_ABOVE:  # the files' names say which node each is
+        total = sum(lines for _, lines, _ in fetched.values())
+        ranks = any(more for _, _, more in fetched.values())
+        out = [f"{len(fetched)} nodes' output in {dest}/<node>.remote.log ({total} lines in all)"
+               + (f", their per-rank logs in {dest / 'ranks'}/<node>/" if ranks else "")]
+    else:
+        out = [f"{name}: {path} ({lines} line{'' if lines == 1 else 's'}){f', {more}' if more else ''}"
+               for name, (path, lines, more) in fetched.items()]
+    if not fetched:  # the errors say it all: no closing line naming a dir that was never made
+        return out
+    missing = f"; {nodes - len(fetched)} could not be fetched (above)" if len(fetched) < nodes else ""
+    whose = "node's" if nodes == 1 else "nodes'"
+    out.append(f"logs of run {run_id}: {len(fetched)} of {nodes} {whose} output in {dest}{missing}")
+    return out
+
+
+def _follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None) -> dict[str, int]:
+    """Every node's output of *plan*'s job until it ends there; node -> its exit code (255: the
+    follow broke). With *hang* (a detached job's hang watch: nobody else watches it) the ranks'
+    quiet spells go to the watch, and its ``--on-hang stop`` ends the job on every node."""
+    last_rank_line = [0.0]  # monotonic; 0: no rank has printed yet (the watch is armed after one)
+
     def follow(node) -> int:
         n = plan.node(node.name)
         chan = conns[node.name].transport.open_session(timeout=30)
@@ -79,6 +146,8 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
         chan.exec_command(nodeprog.command(node, "ddpfab-node"))
         chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         for line in streams.lines(chan.recv):
+            if RANK_TAG.match(line):
+                last_rank_line[0] = time.monotonic()
             printer.line(node.name, line)
             if printer.closed:  # `| head` had enough: stop following; the job goes on
                 chan.close()
@@ -88,8 +157,66 @@ def _follow_all(plan, cluster, conns, printer) -> dict[str, int]:
     nodes = [n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}]
     # a follow lasts as long as the job: every node at once (on connections already open: no
     # handshakes), else the nodes beyond the fan-out window would wait for the job's end unseen
-    results = ssh.parallel(nodes, follow, window=len(nodes))
+    if hang is None:
+        results = ssh.parallel(nodes, follow, window=len(nodes))
+    else:
+        results = _watched(lambda: ssh.parallel(nodes, follow, window=len(nodes)), hang, last_rank_line,
+                           lambda: stop_everywhere(plan, nodes, conns), printer)
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
+
+
+def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_line: list[float],
+             stop: Callable[[], None], printer) -> GroupResult:
+    """``follow_all()`` in a thread of its own while this one ticks *hang* with the ranks' quiet
+    spell, as run's monitor does; on a hang verdict with ``--on-hang stop``, *stop* once."""
+    done: list[GroupResult | BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(follow_all())
+        except BaseException as exc:  # noqa: BLE001 - raised again below, in the caller's thread
+            done.append(exc)
+
+    thread = threading.Thread(target=run, name="ddpfab-follow", daemon=True)
+    thread.start()
+    stopped = False
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        if last_rank_line[0] and not stopped:
+            hang.tick(last_rank_line[0], time.monotonic())
+            if hang.stop_now.is_set() and hang.verdict is not None:
+                stopped = True
+                printer.note("--on-hang stop: stopping the job on every node")
+                stop()
+    if isinstance(done[0], BaseException):  # never an empty result read as "every node exited 0"
+        raise done[0]
+    return done[0]
+
+
+def stop_everywhere(plan, nodes, conns) -> None:
+    """End *plan*'s job on every node of *nodes* over the open *conns* (as ``ddpfab stop`` does);
+    each node's follow then ends with the job."""
+    ssh.parallel(nodes, lambda n: nodeprog.stop(conns[n.name], n, plan.node(n.name).remote_dir, STOP_GRACE_S,
+                                                timeout=30), window=len(nodes))
+
+
+def attach_end(codes: dict[str, int], races: dict[str, dict],
+                hung: list[str] | None = None) -> tuple[int, str, bool]:
+    """How ``attach`` ends, by run's exit-code policy (ddpfab/cli/errors.py): (its exit code, the
+    closing line after ``run RUN_ID ended: ``, whether the exit-race warning goes with it).
+    *hung*: the doctor's verdict when the hang watch stopped the job (``--on-hang stop``): 124
+    (:data:`ddpfab.launch.hangwatch.EXIT_HUNG`), whatever the nodes' jobs exited with once ended;
+    else the first failing node's code, 0 when the only failures are ranks that aborted at exit
+    after finishing their work (*races*)."""
+    if hung:
+        return EXIT_HUNG, f"hung: {'; '.join(hung)}; the job was stopped on every node (--on-hang stop)", False
+    failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
+    if races and not failed:  # the work is done
+        return 0, exit_race_summary(races), True
+    if failed:
+        named = ", ".join(f"{n} (exit code {c})" for n, c in failed.items())
+        return next(iter(failed.values())), f"failed on {named}", False
+    return 0, "all nodes exited 0", False
 
 
 def exit_races(plan, conns, codes: dict[str, int]) -> dict[str, dict]:

@@ -1003,6 +1003,28 @@ def _keep_leases_fresh(fds):
         touch_leases(fds)
 
 
+def read_result(run_dir):
+    """The supervisor's ``result.json`` (how the job ended), ``{}`` when there is none or it is not one."""
+    try:
+        with open(os.path.join(run_dir, "result.json")) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def ended_state(result):
+    """How a job ended, by its supervisor's *result*: ``cancelled`` (a ``--wait`` ended before it
+    started), ``stopped`` (something stopped it: ``ddpfab stop``, the controller, another node's
+    failure; it did not fail on its own, so no ``failed_at``) or ``exited``."""
+    if result.get("cancelled") is True:
+        return "cancelled"
+    why = result.get("stopped")
+    if isinstance(why, str) and why and not result.get("failed_at"):
+        return "stopped"
+    return "exited"
+
+
 def stop_job(run_dir, grace):
     """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
     then end whatever of the job is left by its marker: a job whose supervisor was killed (its

@@ -29,7 +29,7 @@ import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
-    from .agent import _detach_stdin, stop_job
+    from .agent import _detach_stdin, ended_state, read_result, stop_job
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
     from .loop import OPS, RAW, TAKEOVER, NodeOpError, _raw_writer, handle, read_exactly, reply
@@ -543,19 +543,10 @@ def _cmdline_has(pid, word):
         return False
 
 
-def _was_cancelled(run_dir):
-    """A ``--wait`` cancelled before it started (its supervisor's result.json says so)."""
-    try:
-        with open(os.path.join(run_dir, "result.json")) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        return False
-    return isinstance(rec, dict) and rec.get("cancelled") is True
-
-
 def op_ps(req, session):
     """The run records under the runs dir (``root``), each with its state: running (its
-    supervisor lives), exited (with its exit code) or dead; only ``run_id`` when given."""
+    supervisor lives), exited, stopped or cancelled (with its exit code, and for the last two
+    what stopped it: :func:`ended_state`) or dead; only ``run_id`` when given."""
     root, only, runs = _runs_root(req), req.get("run_id"), []
     for rid in (sorted(os.listdir(root)) if os.path.isdir(root) else []):
         if only and rid != only:
@@ -567,18 +558,22 @@ def op_ps(req, session):
             pid = int(rec["agent_pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        state, code = "dead", None
+        state, code, why = "dead", None, None
         try:
             with open(os.path.join(d, "exit_code")) as fh:
                 text = fh.read().strip()
-            code, state = (int(text) if text.lstrip("-").isdigit() else -1), "exited"
-            if _was_cancelled(d):
-                state = "cancelled"
+            code = int(text) if text.lstrip("-").isdigit() else -1
+            result = read_result(d)
+            state = ended_state(result)
+            if state != "exited":  # what stopped it, in the supervisor's words
+                why = str(result.get("stopped"))[:200]
         except OSError:
             if _cmdline_has(pid, rid):
                 state = "running"
         runs.append({"run_id": rid, "state": state, "exit_code": code, "started": rec.get("started"),
                      "agent_pid": pid, "dir": d})
+        if why:
+            runs[-1]["stopped"] = why
     out = {"runs": runs, "now": time.time()}
     if req.get("leases"):
         out["leases"] = _leases_or_error()

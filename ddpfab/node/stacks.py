@@ -20,7 +20,7 @@ import threading
 import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program
-    from .agent import ranks_done, torchrun_workers
+    from .agent import ended_state, ranks_done, read_result, torchrun_workers
     from .workdir import which
 except ImportError:
     pass
@@ -183,6 +183,10 @@ def node_stacks(run_dir, sample_s=1.0, python=None):
         out["error"] = "no job record in %s (the run never started here, or its record is gone)" % run_dir
         return out
     out["job"] = {"pid": job, "alive": proc_stat(job) is not None}
+    if code is not None:  # ended: how, in its supervisor's words (stopped by ddpfab stop, the controller...)
+        result = read_result(run_dir)
+        out["how"] = ended_state(result)
+        out["stopped"] = str(result["stopped"])[:200] if out["how"] != "exited" else None
     py_spy = find_py_spy(python)
     out["py_spy"] = py_spy
     pids = torchrun_workers(job)

@@ -16,12 +16,14 @@ import time
 
 import pytest
 
+from ddpfab.launch.hangwatch import EXIT_HUNG
 from ddpfab.planning import render
 from ddpfab.planning.plan import Plan
 
 from .helpers import ddpfab, link_up, reports, start_ddpfab, wait_no_processes
 
 REPORT = "tests/lab/scripts/report.py"
+NL = "\n"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
@@ -238,8 +240,13 @@ def test_detached_job_survives_the_controller_and_attach_logs_ps_stop_work(lab, 
     assert ps["state"] == "exited" and {s["exit_code"] for s in ps["nodes"].values()} == {0}
     logs = ddpfab("logs", "--runs-dir", str(runs), run_id)
     assert logs.returncode == 0, logs.stderr
-    for node in ("node1", "node2"):
-        assert "REPORT" in (runs / run_id / f"{node}.remote.log").read_text()
+    said = logs.stdout.splitlines()  # where each node's output went, with its lines; then a closing line
+    for i, node in enumerate(("node1", "node2")):
+        path = runs / run_id / f"{node}.remote.log"
+        text = path.read_text()
+        assert "REPORT" in text
+        assert said[i] == f"{node}: {path} ({text.count(NL)} lines)", logs.stdout
+    assert said[2:] == [f"logs of run {run_id}: 2 of 2 nodes' output in {runs / run_id}"], logs.stdout
     wait_no_processes(lab, timeout=5)
 
 
@@ -253,8 +260,40 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
     assert stop.returncode == 0 and stop.stdout.count("stopped") == 2, stop.stdout + stop.stderr
     wait_no_processes(lab, timeout=3)
+    # ps says stopped, as the nodes' records do (it said exited, each node exited(143))
     ps = _ps(inventory2)[run_id]
-    assert ps["state"] == "exited"
+    assert ps["state"] == "stopped" and {s["state"] for s in ps["nodes"].values()} == {"stopped"}, ps
+    row = next(line for line in ddpfab("ps", "-i", str(inventory2)).stdout.splitlines() if line.startswith(run_id))
+    assert row.split()[1] == "stopped" and row.endswith("node1:stopped node2:stopped"), row
+    # the doctor says the job has ended and how (exit 0; it named each node's end as odd, exit 1), also
+    # without the local record (the nodes' records say it); a run no node knows is no run (2)
+    ended = "the job has ended on every node: node1, node2 stopped (signal 15)"
+    doc = ddpfab("doctor", "--runs-dir", str(runs), run_id)
+    assert doc.returncode == 0 and doc.stdout.splitlines()[0] == ended, doc.stdout + doc.stderr
+    elsewhere = str(tmp_path / "other-runs")
+    doc = ddpfab("doctor", "-i", str(inventory2), "--runs-dir", elsewhere, run_id)
+    assert doc.returncode == 0 and doc.stdout.splitlines()[0] == ended, doc.stdout + doc.stderr
+    doc = ddpfab("doctor", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
+    assert doc.returncode == 2 and "no run 20200101-000000-abcdef" in doc.stderr, doc.stdout + doc.stderr
+    assert "Traceback" not in doc.stderr
+
+
+def test_attach_of_a_detached_job_ends_it_on_a_hang_as_run_does(lab, inventory2, tmp_path):
+    """A detached job's hang watch runs in attach (nobody else watches it): --on-hang stop ends the
+    job on every node, and attach exits 124 as run would have (it never stopped it; a stop exited 137)."""
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--hang-timeout", "2",
+                 "--on-hang", "stop", "--env", "REPORT_HANG=600", REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_id = _run_ids(runs)[0]
+    att = ddpfab("attach", "--runs-dir", str(runs), run_id, timeout=120)
+    out = att.stdout + att.stderr
+    assert att.returncode == EXIT_HUNG, out[-3000:]
+    assert "--on-hang stop: stopping the job on every node" in out, out[-3000:]
+    assert f"run {run_id} ended: hung: " in out and "the job was stopped on every node (--on-hang stop)" in out
+    assert list((runs / run_id).glob("doctor-*.json")), "the doctor's record is kept in the run's dir"
+    wait_no_processes(lab, timeout=5)
+    assert _ps(inventory2)[run_id]["state"] == "stopped"
 
 
 def test_max_restarts_are_recorded(lab, inventory2, tmp_path):

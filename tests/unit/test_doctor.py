@@ -472,3 +472,27 @@ def test_with_on_hang_report_the_same_stacks_are_not_printed_again_in_one_spell(
     assert any(n.startswith("the ranks are where they were at the last look") for n in notes)
     tick(25, 35)  # a rank printed at 25: a new quiet spell shows its stacks again
     assert len(stack_lines(notes)) == 4
+
+
+def test_a_job_that_ended_on_every_node_is_said_to_have_ended_not_diagnosed():
+    """``ddpfab doctor`` on a finished or stopped job: how each node's ended, nothing odd (the old
+    verdict named each node's end as an odd one out, exit 1)."""
+    replies = {"node1": {**node_reply([], exit_code=143), "how": "stopped", "stopped": "signal 15"},
+               "node2": {**node_reply([], exit_code=137), "how": "stopped", "stopped": "signal 15"},
+               "node3": node_reply([], exit_code=0)}
+    v = doctor.analyse(replies, {"node1": 2, "node2": 2, "node3": 2})
+    assert v.ended and not v.hung and v.odd == []
+    assert v.lines == ["the job has ended on every node: node1, node2 stopped (signal 15); node3 exit code 0"]
+    # one node still running (or silent) is no end: the analysis names what is there
+    replies["node3"] = node_reply([rank(4, 0), rank(5, 1)])
+    assert not doctor.analyse(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
+    replies["node3"] = "timed out after 30 s"
+    assert not doctor.analyse(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
+
+
+def test_an_ended_job_s_node_reply_says_how_it_ended(tmp_path):
+    (tmp_path / "agent.json").write_text(json.dumps({"agent_pid": 1, "pid": 2 ** 22 + 7, "started": 1.0}))
+    (tmp_path / "result.json").write_text(json.dumps({"exit_code": 143, "stopped": "signal 15", "failed_at": None}))
+    (tmp_path / "exit_code").write_text("143\n")
+    out = stacks.node_stacks(str(tmp_path), sample_s=0)
+    assert (out["exit_code"], out["how"], out["stopped"]) == (143, "stopped", "signal 15")

@@ -1,8 +1,12 @@
-"""`stop`, `logs` and `ps` answer many nodes in a line per distinct answer (jobs.grouped)."""
+"""`stop`, `logs` and `ps` answer many nodes in a line per distinct answer (jobs.grouped); how
+`ps`, `attach` and `logs` end (the run's state, attach's exit code, logs' report)."""
 
 from __future__ import annotations
 
-from ddpfab.launch.jobs import FOLD_ABOVE, grouped
+import pytest
+
+from ddpfab.launch.hangwatch import EXIT_HUNG
+from ddpfab.launch.jobs import FOLD_ABOVE, attach_end, grouped, line_count, logs_report, node_state_text, run_state
 
 
 def test_up_to_the_limit_every_node_keeps_its_line_in_order():
@@ -20,3 +24,56 @@ def test_a_distinct_answer_is_never_merged_into_another():
     lines = grouped(answers)
     assert len(lines) == 3
     assert sorted(line.rsplit(": ", 1)[1] for line in lines) == ["exit 0", "exit 1", "exit 2"]
+
+
+def test_ps_shows_a_stopped_job_as_stopped_and_a_failure_as_exited():
+    """The run's state from its nodes' (``ddpfab ps``): after ``ddpfab stop`` it said exited, each
+    node ``exited(143)``."""
+    stopped = {"node1": {"state": "stopped", "exit_code": 143}, "node2": {"state": "stopped", "exit_code": 137}}
+    assert run_state(stopped) == "stopped"
+    assert [node_state_text(s) for s in stopped.values()] == ["stopped", "stopped"]
+    # a node whose job ended by itself (0) before the stop: still a stopped run
+    assert run_state({**stopped, "node3": {"state": "exited", "exit_code": 0}}) == "stopped"
+    # a node that failed on its own, the others stopped by ddpfab for it: a failure
+    failed = {**stopped, "node3": {"state": "exited", "exit_code": 3}}
+    assert run_state(failed) == "exited" and node_state_text(failed["node3"]) == "exited(3)"
+    assert run_state({**stopped, "node3": {"state": "running", "exit_code": None}}) == "running"
+    assert run_state({"n": {"state": "cancelled", "exit_code": 143}}) == "cancelled"
+
+
+def test_attach_ends_as_run_would_have():
+    """attach's exit code and closing line (run's policy, ddpfab/cli/errors.py): a hang stop is
+    124 whatever the stopped nodes exited with (it was 137: the node's code after the stop)."""
+    assert attach_end({"node1": 137, "node2": 143}, {}, ["node2 rank 3 (pid 9) is stopped (SIGSTOP, state T)"]) == (
+        EXIT_HUNG, "hung: node2 rank 3 (pid 9) is stopped (SIGSTOP, state T); the job was stopped on every node "
+                   "(--on-hang stop)", False)
+    assert attach_end({"node1": 0, "node2": 3}, {}) == (3, "failed on node2 (exit code 3)", False)
+    assert attach_end({"node1": 0, "node2": 0}, {}) == (0, "all nodes exited 0", False)
+    code, line, warned = attach_end({"node1": 0, "node2": 134}, {"node2": {"aborted": [{"rank": 3, "signal": 6}]}})
+    assert (code, warned) == (0, True) and "rank 3 (node2) aborted at exit (signal 6)" in line
+
+
+def test_logs_says_where_each_node_s_output_went_and_how_many_lines(tmp_path):
+    dest = tmp_path / "runs" / "r1"
+    fetched = {"node1": (dest / "node1.remote.log", 42, ""), "node2": (dest / "node2.remote.log", 1, "")}
+    assert logs_report("r1", dest, fetched, 3) == [
+        f"node1: {dest}/node1.remote.log (42 lines)", f"node2: {dest}/node2.remote.log (1 line)",
+        f"logs of run r1: 2 of 3 nodes' output in {dest}; 1 could not be fetched (above)"]
+    assert logs_report("r1", dest, {}, 1) == []  # the errors alone say it
+    many = {f"n{i}": (dest / f"n{i}.remote.log", 10, "") for i in range(FOLD_ABOVE + 1)}
+    assert logs_report("r1", dest, many, len(many))[0] == (f"{len(many)} nodes' output in {dest}/<node>.remote.log "
+                                                           f"({10 * len(many)} lines in all)")
+    assert [line_count(t) for t in ("", "a\n", "a\nb", "a\nb\n")] == [0, 1, 2, 2]
+
+
+def test_a_follow_that_breaks_under_the_hang_watch_is_raised_not_read_as_success():
+    from ddpfab.launch.jobs import _watched
+
+    class Watch:
+        stop_now, verdict = None, None
+
+    def broken():
+        raise OSError("channel closed")
+
+    with pytest.raises(OSError, match="channel closed"):
+        _watched(broken, Watch(), [0.0], lambda: None, None)

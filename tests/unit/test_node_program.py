@@ -864,3 +864,21 @@ def test_a_login_banner_before_the_first_reply_is_kept_as_stray_output():
     quiet.send({"op": "facts", "workdir": "/"})
     quiet.poll()
     assert quiet.stray == b""
+
+
+def test_ps_names_a_stopped_job_stopped_and_a_failed_one_exited(tmp_path):
+    """``ddpfab stop`` TERMs the supervisor, which records what stopped it (result.json
+    ``stopped``): ps said ``exited(143)`` for it. A job that failed on its own (``failed_at``)
+    stays exited, even when a stop came after (the worker-failed stop is its own failure)."""
+    root = tmp_path / "runs"
+    for name, result, code in (("20260101-000000-aaaaaa", {"stopped": "signal 15", "failed_at": None}, 143),
+                               ("20260101-000000-bbbbbb", {"stopped": "a worker failed", "failed_at": 5.0}, 1),
+                               ("20260101-000000-cccccc", {"stopped": None, "failed_at": None}, 0)):
+        run = root / name
+        run.mkdir(parents=True)
+        (run / "agent.json").write_text(json.dumps({"run_id": name, "agent_pid": os.getpid(), "started": 1.0}))
+        (run / "result.json").write_text(json.dumps({"exit_code": code, **result}))
+        (run / "exit_code").write_text(f"{code}\n")
+    got = {r["run_id"][-1]: (r["state"], r["exit_code"], r.get("stopped"))
+           for r in program.op_ps({"root": str(root)}, {})["runs"]}
+    assert got == {"a": ("stopped", 143, "signal 15"), "b": ("exited", 1, None), "c": ("exited", 0, None)}
