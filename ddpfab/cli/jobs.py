@@ -158,6 +158,10 @@ def register(sub) -> None:
         p = sub.add_parser(name, help=text)
         p.add_argument("run_id", type=run_id_type)
         _common(p, inventory_required=False)
+        if name == "attach":
+            p.add_argument("-v", "--verbose", action="store_true",
+                           help="every line of the job's output: torchrun's failure reports and the tracebacks of "
+                                "ranks that lost their peer are folded otherwise (ddpfab logs RUN_ID has them)")
         if name == "logs":
             p.add_argument("--ranks", action="store_true",
                            help="also fetch torchrun's full per-rank logs (stdout/stderr of every local rank, "
@@ -341,7 +345,7 @@ def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.health import hints
     from ddpfab.launch.execute import Printer
-    from ddpfab.launch.jobs import _follow_all, attach_end, exit_races
+    from ddpfab.launch.jobs import attach_end, attach_story, ended_outcomes, exit_races_of, follow_all
 
     manifest = _record(args.runs_dir, args.run_id)
     if manifest is None:
@@ -350,17 +354,20 @@ def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import next_attempt
 
-    root, followed, races, hung = manifest, None, {}, None
+    root, followed, races, hung, failed = manifest, None, {}, None, None
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster)
-        printer = Printer(plan)
+        printer = Printer(plan, verbose=args.verbose)
         hang = _hang_watch(args, manifest, plan, conns, printer)
         codes: dict[str, int] = {}
+        readers: dict = {}
         try:
-            codes = _follow_all(plan, cluster, conns, printer, hang)
-            races = exit_races(plan, conns, codes)  # as run reports them: finished, then aborted at exit
+            codes = follow_all(plan, cluster, conns, printer, hang, readers)
+            outcomes = ended_outcomes(plan, conns, codes, readers)
+            races = exit_races_of(outcomes, plan.exit_guard)  # as run reports them: finished, then aborted at exit
+            failed = attach_story(plan, outcomes)  # as run tells it: the rank that failed on its own
         except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
             return getattr(exc, "exit_code", 130)
@@ -377,7 +384,11 @@ def cmd_attach(args) -> int:
         manifest = next_attempt(args.runs_dir, root, followed)
         if manifest is not None:
             printer.note(f"attempt {followed} ended; following {manifest['run_id']}")
-    code, summary, warned = attach_end(codes, races, hung)
+    printer.folded_note()
+    if failed and not hung and not races:
+        for line in failed[1]:
+            printer.note(line)
+    code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None)
     printer.note(f"run {args.run_id} ended: {summary}")
     if warned:
         printer.note(f"warning: {hints.EXIT_ABORT_HINT}")

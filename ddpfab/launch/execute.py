@@ -511,7 +511,7 @@ def failed_worker_text(record: object) -> str:
     return ""
 
 
-def _blame(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None) -> Blame:
+def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None) -> Blame:
     """Whose failure ended the run (:func:`ddpfab.launch.cause.blame`): among the nodes that failed
     on their own (their supervisor's ``failed_at``, the node's clock; a node without one, lost or
     its supervisor gone, counts at the time ddpfab saw it end when it was the first seen; a node
@@ -691,7 +691,7 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
         if out.cleanup:
             printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
     printer.folded_note()
-    verdict = _blame(outcomes, addresses, first_failure) if not interrupted and not hung else Blame(first_failure)
+    verdict = blame_outcomes(outcomes, addresses, first_failure) if not interrupted and not hung else Blame(first_failure)
     first_failure = verdict.node
     if interrupted == CLOSED_STDOUT:
         code = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away

@@ -21,8 +21,10 @@ from pathlib import Path
 
 from ddpfab import node as nodeprog
 from ddpfab.health.mesh import compact
-from ddpfab.launch.cause import RANK_TAG
-from ddpfab.launch.execute import STOP_GRACE_S, exit_race_of, exit_race_summary, result_record
+from ddpfab.launch import story
+from ddpfab.launch.cause import RANK_TAG, CauseReader
+from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
+                                   failed_worker_text, ranked, result_record)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.planning.plan import is_run_id
 from ddpfab.remote import ssh, streams
@@ -133,11 +135,15 @@ def logs_report(run_id: str, dest: Path, fetched: dict[str, tuple[Path, int, str
     return out
 
 
-def _follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None) -> dict[str, int]:
+def follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None,
+               readers: dict[str, CauseReader] | None = None) -> dict[str, int]:
     """Every node's output of *plan*'s job until it ends there; node -> its exit code (255: the
-    follow broke). With *hang* (a detached job's hang watch: nobody else watches it) the ranks'
-    quiet spells go to the watch, and its ``--on-hang stop`` ends the job on every node."""
+    follow broke). Each line goes through the node's :class:`~ddpfab.launch.cause.CauseReader`
+    (in *readers*, by node: what the job's end is told from), and is folded as run folds it. With
+    *hang* (a detached job's hang watch: nobody else watches it) the ranks' quiet spells go to the
+    watch, and its ``--on-hang stop`` ends the job on every node."""
     last_rank_line = [0.0]  # monotonic; 0: no rank has printed yet (the watch is armed after one)
+    readers = {} if readers is None else readers
 
     def follow(node) -> int:
         n = plan.node(node.name)
@@ -145,13 +151,15 @@ def _follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None) ->
         chan.set_combine_stderr(True)
         chan.exec_command(nodeprog.command(node, "ddpfab-node"))
         chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
+        reader = readers.setdefault(node.name, CauseReader())
         for line in streams.lines(chan.recv):
             if RANK_TAG.match(line):
                 last_rank_line[0] = time.monotonic()
-            printer.line(node.name, line)
+            printer.line(node.name, line, *reader.feed(line))
             if printer.closed:  # `| head` had enough: stop following; the job goes on
                 chan.close()
                 return 0
+        printer.flush(node.name)
         return chan.recv_exit_status()
 
     nodes = [n for n in cluster.nodes if n.name in {p.name for p in plan.nodes}]
@@ -200,8 +208,45 @@ def stop_everywhere(plan, nodes, conns) -> None:
                                                 timeout=30), window=len(nodes))
 
 
+def ended_outcomes(plan, conns, codes: dict[str, int], readers: dict[str, CauseReader]) -> dict[str, NodeOutcome]:
+    """Each followed node's end as run records it: its exit code, its supervisor's result record
+    (read for a node whose job failed: the failed worker, when it failed, an exit race) and its
+    cause, from the one classifier (:mod:`ddpfab.launch.cause`)."""
+    outcomes = {}
+    for name, code in codes.items():
+        node = plan.node(name)
+        record = result_record(conns[name], node) if code != 0 and name in conns else None
+        reader = readers.get(name) or CauseReader()
+        out = NodeOutcome(name, node.node_rank, exit_code=code, remote=record, causes=reader,
+                          stopped_by_ddpfab=bool((record or {}).get("stopped")) and not (record or {}).get("failed_at"))
+        out.cause = ranked(plan, node, reader.cause((record or {}).get("failed_worker")))
+        outcomes[name] = out
+    return outcomes
+
+
+def exit_races_of(outcomes: dict[str, NodeOutcome], guard: str) -> dict[str, dict]:
+    """The nodes whose job failed only after every rank of theirs had finished its work, from the
+    records read (:func:`ended_outcomes`), as run reads them (none with the exit guard off)."""
+    if guard == "off":
+        return {}
+    return {n: race for n, o in outcomes.items() if (race := exit_race_of(o.exit_code, o.remote))}
+
+
+def attach_story(plan, outcomes: dict[str, NodeOutcome]) -> tuple[str, list[str]] | None:
+    """For a job that failed: run's closing line (the rank that failed on its own, the victims
+    counted) and the line per other node; None when no node failed on its own account."""
+    addresses = {n.name: n.data_addr for n in plan.nodes}
+    verdict = blame_outcomes(outcomes, addresses, None)
+    if verdict.node is None:
+        return None
+    out = outcomes[verdict.node]
+    fallback = failed_worker_text((out.remote or {}).get("failed_worker"))
+    return (story.closing_line(verdict, out, fallback, addresses),
+            story.other_nodes(outcomes, verdict.node, addresses))
+
+
 def attach_end(codes: dict[str, int], races: dict[str, dict],
-                hung: list[str] | None = None) -> tuple[int, str, bool]:
+               hung: list[str] | None = None, failed_story: str | None = None) -> tuple[int, str, bool]:
     """How ``attach`` ends, by run's exit-code policy (ddpfab/cli/errors.py): (its exit code, the
     closing line after ``run RUN_ID ended: ``, whether the exit-race warning goes with it).
     *hung*: the doctor's verdict when the hang watch stopped the job (``--on-hang stop``): 124
@@ -215,22 +260,8 @@ def attach_end(codes: dict[str, int], races: dict[str, dict],
         return 0, exit_race_summary(races), True
     if failed:
         named = ", ".join(f"{n} (exit code {c})" for n, c in failed.items())
-        return next(iter(failed.values())), f"failed on {named}", False
+        return next(iter(failed.values())), failed_story or f"failed on {named}", False
     return 0, "all nodes exited 0", False
-
-
-def exit_races(plan, conns, codes: dict[str, int]) -> dict[str, dict]:
-    """The nodes whose job failed only after every rank of theirs had finished its work (their
-    supervisors' records, read as run reads them: :func:`ddpfab.launch.execute.exit_race_of`)."""
-    if plan.exit_guard == "off":
-        return {}
-    out = {}
-    for name, code in codes.items():
-        if code != 0 and name in conns:
-            race = exit_race_of(code, result_record(conns[name], plan.node(name)))
-            if race:
-                out[name] = race
-    return out
 
 
 def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:

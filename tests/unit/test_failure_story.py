@@ -216,3 +216,19 @@ def test_the_story_lines():
         "the others were stopped")
     many = {f"node{i}": execute.NodeOutcome(f"node{i}", i, exit_code=143, stopped_by_ddpfab=True) for i in range(40)}
     assert story.other_nodes(many, "node0", addresses) == ["  node[1-39] (39 nodes): stopped by ddpfab"]
+
+
+def test_attach_tells_the_same_story_as_run():
+    """attach follows a detached job's output: the same classifier, the same closing line."""
+    from ddpfab.launch import jobs
+
+    readers = {"node1": reader(VICTIM), "node2": reader(CULPRIT),
+               "node3": reader(VICTIM.replace("rank      : 0 (local_rank", "rank      : 2 (local_rank"))}
+    plan = plan3()
+    outcomes = jobs.ended_outcomes(plan, {}, {"node1": 1, "node2": 1, "node3": 1}, readers)
+    closing, others = jobs.attach_story(plan, outcomes)
+    assert closing.startswith("failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0): ValueError: bad batch")
+    assert closing.endswith("2 other ranks lost their peer; the others were stopped")
+    assert others == ["  node1 (node_rank 0): rank 0 (local rank 0) lost its peer (its peer: node2)",
+                      "  node3 (node_rank 2): rank 2 (local rank 0) lost its peer (its peer: node2)"]
+    assert jobs.attach_end({"node1": 1, "node2": 1, "node3": 1}, {}, None, closing) == (1, closing, False)
