@@ -40,7 +40,7 @@ from ddpfab.launch.runs import runs_dir_problem
 from ddpfab.node.workdir import source_problem
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
-from ddpfab.planning.masking import recordable
+from ddpfab.masking import recordable
 from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
 from ddpfab.problems import Problem
 from ddpfab.remote.target import HostKeyPolicy, resolve_all

@@ -100,7 +100,7 @@ class Node:
         replicate: files of the workdir that ``ddpfab run`` copies from rank 0's node to the other
             nodes before the launch (``ddpfab_replicate``, a list; ``--replicate`` adds to it).
         secret_env: env keys whose values are masked wherever shown or recorded, on top of
-            :mod:`ddpfab.planning.masking`'s rule (``ddpfab_secret_env``, a list of keys).
+            :mod:`ddpfab.masking`'s rule (``ddpfab_secret_env``, a list of keys).
         unknown_vars: the host's ``ddpfab_*`` variables that neither ddpfab nor its playbooks and
             roles read: likely typos (:func:`unknown_var_warnings`), which have no effect.
     """

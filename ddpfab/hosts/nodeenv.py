@@ -31,6 +31,8 @@ import shlex
 from dataclasses import replace
 from typing import Any
 
+from ddpfab.masking import mask_setup_line
+
 #: Exit status of a command whose setup line failed (nothing else ddpfab starts on a node exits
 #: so: the node program exits 0-2, a missing python 127). stderr carries :data:`SETUP_MARK`.
 SETUP_FAILED = 96
@@ -142,6 +144,25 @@ def prefix(node: Any, *, record_env: bool = False, export_python: bool = False) 
     return out
 
 
+#: The shell that goes first in a command for a node with a :func:`prefix`: it reads that prefix
+#: from the session's stdin (``N`` then N lines: :func:`setup_stdin`) and runs it in this shell, so
+#: the setup lines (where sites export tokens) are in no process's argv; what follows on stdin is
+#: left unread for the program the command then execs (a shell's ``read`` takes a byte at a time).
+BOOTSTRAP = ('IFS= read -r __n || exit 96; __s=; while [ "$__n" -gt 0 ]; do IFS= read -r __l || exit 96; '
+             '__s="$__s$__l\n"; __n=$((__n - 1)); done; eval "$__s"; unset __s __l __n\n')
+
+
+def setup_stdin(node: Any, *, record_env: bool = False, export_python: bool = False) -> tuple[str, bytes]:
+    """(the shell that goes first in *node*'s command, the bytes that go first on its stdin): the
+    node's :func:`prefix` (same arguments) travels on stdin, read by :data:`BOOTSTRAP`; ("", b"")
+    for a node with no prefix. Every command ddpfab starts on a node starts this way."""
+    script = prefix(node, record_env=record_env, export_python=export_python)
+    if not script:
+        return "", b""
+    lines = script.rstrip("\n").split("\n")
+    return BOOTSTRAP, (f"{len(lines)}\n" + "".join(f"{line}\n" for line in lines)).encode()
+
+
 def undecided(node: Any) -> bool:
     """*node*'s python is the node's to choose (no ``ddpfab_python``, no probe yet)."""
     return not getattr(node, "python_from", "") or node.python == ON_NODE
@@ -165,9 +186,10 @@ def decided(node: Any, facts: dict) -> Any:
     return replace(node, python=executable, python_from=source)
 
 
-def setup_failure(lines: tuple[str, ...], exit_code: int | None, stderr: str) -> str | None:
+def setup_failure(lines: tuple[str, ...], exit_code: int | None, stderr: str, marked: tuple[str, ...] = ()) -> str | None:
     """What failed, when *exit_code* says a setup line did: ``setup line N `LINE` failed (exit X)``
-    (the line's text from the inventory, not from the node); None otherwise."""
+    (the line's text from the inventory, not from the node, its secrets masked: *marked*, the
+    node's ``ddpfab_secret_env``); None otherwise."""
     if exit_code != SETUP_FAILED or not lines:
         return None
     m = None
@@ -176,7 +198,8 @@ def setup_failure(lines: tuple[str, ...], exit_code: int | None, stderr: str) ->
     if m is None or not 1 <= int(m.group(1)) <= len(lines):
         return f"a setup line failed (exit {exit_code})"
     n = int(m.group(1))
-    return f"setup line {n} `{lines[n - 1]}` failed there (exit {m.group(2)}); fix it in ddpfab_setup/ddpfab_conda_env"
+    return (f"setup line {n} `{mask_setup_line(lines[n - 1], marked)}` failed there (exit {m.group(2)}); "
+            "fix it in ddpfab_setup/ddpfab_conda_env")
 
 
 def env_changes(facts: dict) -> dict | None:

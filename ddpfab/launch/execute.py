@@ -26,7 +26,6 @@ from fabric import Connection
 from ddpfab import node as nodeprog
 from ddpfab.health import hints
 from ddpfab.health.mesh import compact
-from ddpfab.hosts import nodeenv
 from ddpfab.launch import leases, story
 from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
@@ -92,7 +91,7 @@ def agent_input(plan: Plan, node: NodePlan, detach: bool = False, arrival: float
     """What goes to the supervisor's stdin first: the node program, then its ``supervise``
     request with the spec (env values included: they travel inside the SSH session, never in a
     command line)."""
-    return nodeprog.supervisor_input(agent_spec(plan, node, detach, arrival))
+    return nodeprog.setup_head(node) + nodeprog.supervisor_input(agent_spec(plan, node, detach, arrival))
 
 
 def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
@@ -103,7 +102,7 @@ def remote_command(plan: Plan, node: NodePlan, detach: bool = False) -> str:
     start = nodeprog.command(node, *nodeprog.supervisor_words(plan.run_id))
     if not detach:
         return start
-    if nodeenv.prefix(node):  # setup lines: a script, which setsid runs through a shell
+    if nodeprog.setup_head(node):  # the setup's bootstrap: a script, which setsid runs through a shell
         start = f"sh -c {shlex.quote(start)}"
     # detached: a new session, no link to this SSH session; report once the supervisor is up.
     # A background command's stdin is /dev/null unless redirected: fd 3 hands it this session's.

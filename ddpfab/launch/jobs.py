@@ -150,7 +150,7 @@ def follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None,
         chan = conns[node.name].transport.open_session(timeout=30)
         chan.set_combine_stderr(True)
         chan.exec_command(nodeprog.command(node, "ddpfab-node"))
-        chan.sendall(nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
+        chan.sendall(nodeprog.setup_head(node) + nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         reader = readers.setdefault(node.name, CauseReader())
         for line in streams.lines(chan.recv):
             if RANK_TAG.match(line):

@@ -36,7 +36,7 @@ from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster
 from ddpfab.launch.runs import mask_env
 from ddpfab.planning import probe, render
-from ddpfab.planning.masking import holds_mask, was_masked
+from ddpfab.masking import holds_mask, was_masked
 from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
@@ -186,7 +186,7 @@ class ManifestError(DdpfabError):
 
 def recorded_options(options: RunOptions, cwd: str | None, marked: tuple[str, ...] = ()) -> dict[str, Any]:
     """RunOptions as the manifest records them: plain JSON, secret env values masked
-    (:mod:`ddpfab.planning.masking`; *marked*: the plan's marked keys, the inventory's included)."""
+    (:mod:`ddpfab.masking`; *marked*: the plan's marked keys, the inventory's included)."""
     data = asdict(options)
     data["args"] = list(options.args)
     data["secret_env"] = list(options.secret_env)

@@ -21,7 +21,7 @@ from ddpfab.launch.replay import (ManifestError, _pick_port, check, differences,
                                   recorded_selection, validate)
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning import probe, scriptfile
-from ddpfab.planning.masking import recordable
+from ddpfab.masking import recordable
 from ddpfab.planning.plan import Plan, make_plan, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.ssh import HostKeyPolicy

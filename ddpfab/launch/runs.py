@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ddpfab.version import __version__
-from ddpfab.planning import masking
+from ddpfab import masking
 
-#: The masking rule lives in :mod:`ddpfab.planning.masking` (re-exported here for the run record's users).
+#: The masking rule lives in :mod:`ddpfab.masking` (re-exported here for the run record's users).
 SECRET_KEY, MASK = masking.SECRET_KEY, masking.MASK
 
 
@@ -28,7 +28,7 @@ def new_run_id() -> str:
 
 
 def mask_env(env: dict[str, str], marked: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
-    """*env* as shown and recorded (:func:`ddpfab.planning.masking.mask_env`); *marked*: keys marked secret."""
+    """*env* as shown and recorded (:func:`ddpfab.masking.mask_env`); *marked*: keys marked secret."""
     return masking.mask_env(env, marked)
 
 
@@ -40,6 +40,8 @@ def mask_plan(plan_dict: dict[str, Any]) -> dict[str, Any]:
     marked = out.get("secret_env") or ()
     for node in out["nodes"]:
         node["env"] = mask_env(node["env"], marked)
+        if isinstance(node.get("setup"), list):
+            node["setup"] = list(masking.mask_setup(node["setup"], marked))
     return out
 
 
@@ -65,7 +67,7 @@ def _marked_in(argv: list[str]) -> set[str]:
 
 def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list[str]:
     """A command line with the values of secret ``--env KEY=VALUE`` options masked (for the
-    manifest's record of how ddpfab was called): by :mod:`ddpfab.planning.masking`'s rule, with the keys
+    manifest's record of how ddpfab was called): by :mod:`ddpfab.masking`'s rule, with the keys
     the command line itself marks (``--secret-env``) and *marked* (e.g. the inventory's)."""
     marked = set(marked) | _marked_in(argv)
     out, after_env = [], False

@@ -235,12 +235,13 @@ def argv(python: str, *words: str, part: str = WHOLE) -> list[str]:
 
 
 def command(node, *words: str, fallback: str | None = None, part: str = WHOLE) -> str:
-    """:func:`argv` as a shell line for *node* (a Node or a NodePlan), after its environment's
-    prefix (:func:`ddpfab.hosts.nodeenv.prefix`: setup lines, and the choice of its python while that is
+    """:func:`argv` as a shell line for *node* (a Node or a NodePlan), after the bootstrap that reads
+    its environment's prefix from stdin (:func:`setup_head` goes first there; the prefix is
+    :func:`ddpfab.hosts.nodeenv.prefix`: setup lines, and the choice of its python while that is
     the node's to make); with *fallback* (e.g. ``python3``) that python runs it where an explicit
     python does not exist there (sync may come before the node's venv does); *part*: which of
     the program's :data:`PARTS` it reads from stdin."""
-    pre = nodeenv.prefix(node, record_env=True)
+    pre, _ = nodeenv.setup_stdin(node, record_env=True)
     if nodeenv.undecided(node):
         return f"{pre}exec {nodeenv.python_word(node)} {shlex.join(argv('', *words, part=part)[1:])}"
     python = node.python
@@ -248,6 +249,12 @@ def command(node, *words: str, fallback: str | None = None, part: str = WHOLE) -
         return pre + ("exec " if pre else "") + shlex.join(argv(python, *words, part=part))
     return (f"{pre}if command -v {shlex.quote(python)} >/dev/null; then exec {shlex.join(argv(python, *words, part=part))}; "
             f"else exec {shlex.join(argv(fallback, *words, part=part))}; fi")
+
+
+def setup_head(node) -> bytes:
+    """What goes first on the stdin of :func:`command`'s session on *node*: its setup (the node's
+    prefix, read by the command's bootstrap: :func:`ddpfab.hosts.nodeenv.setup_stdin`), or b""."""
+    return nodeenv.setup_stdin(node, record_env=True)[1]
 
 
 def frame(request: dict) -> bytes:
@@ -375,7 +382,8 @@ def start_failure(node, exit_code: int | None, stderr: str = "",
     """Why the program did not start on *node*, when its exit status says so: a setup line of
     its own failed (:data:`ddpfab.hosts.nodeenv.SETUP_FAILED`, the line named), or its python is not
     there (127; with *fallback*, as in :func:`command`, neither python was)."""
-    failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr)
+    failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr,
+                                   tuple(getattr(node, "secret_env", ()) or ()))
     if failed:
         return NodeProgramError(node.name, failed, kind="setup")
     if exit_code != 127:
@@ -399,7 +407,8 @@ def call(conn, node, *requests: dict, timeout: float = 60, words: tuple[str, ...
     from ddpfab.remote import ssh
 
     reqs = numbered(*requests)
-    res = ssh.run(conn, node.name, command(node, *words), timeout=timeout, stdin=stdin_for(*reqs))
+    res = ssh.run(conn, node.name, command(node, *words), timeout=timeout,
+                  stdin=setup_head(node) + stdin_for(*reqs))
     missing = start_failure(node, res.exit_code, res.stderr)
     if missing:
         raise missing
@@ -435,7 +444,7 @@ class Session:
         self.chan.exec_command(command(node, *words, fallback=fallback, part=part))
         #: the *first* requests as sent, with their ids (for :func:`exchange`'s ``sent``)
         self.first = self._number(first)
-        self._write(shipped(part) + b"".join(frame(r) for r in self.first))
+        self._write(setup_head(node) + shipped(part) + b"".join(frame(r) for r in self.first))
         if last and not self.ended:
             self.chan.shutdown_write()
 

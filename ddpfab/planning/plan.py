@@ -127,7 +127,7 @@ class RunOptions:
             ``--local_rank=N`` through torch's ``${local_rank}`` substitution).
         module: *script* is a module to run as ``-m MODULE`` (torchrun's module mode).
         secret_env: env keys to mask wherever shown or recorded (``--secret-env``), on top of
-            :mod:`ddpfab.planning.masking`'s rule and the inventory's ``ddpfab_secret_env``.
+            :mod:`ddpfab.masking`'s rule and the inventory's ``ddpfab_secret_env``.
         script_local_rank: with ``launcher="torchrun"``, also give each rank its local rank as
             ``local_rank_arg=N`` (the script declares that argument and may never read
             LOCAL_RANK): torchrun substitutes ``${local_rank}`` in the workers' arguments.
@@ -275,7 +275,7 @@ class Plan:
             the launch style (see RunOptions).
         secret_env: env keys whose values are masked wherever the plan is shown or recorded
             (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
-            :mod:`ddpfab.planning.masking`'s rule.
+            :mod:`ddpfab.masking`'s rule.
         wait: ``--wait``: the nodes' supervisors queue for their GPU leases (each node's ``gpus``)
             and start the job together once every node holds them.
     """

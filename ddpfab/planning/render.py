@@ -24,7 +24,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from ddpfab.hosts import nodeenv
-from ddpfab.launch.runs import mask_env
+from ddpfab.masking import mask_env, mask_setup
 from ddpfab.planning.plan import LAUNCHERS, NodePlan, Plan, expand_placeholders, host_port
 
 
@@ -194,6 +194,7 @@ def script_lines(plan: Plan, node: NodePlan, prefix: bool = True) -> list[str]:
 
 
 def masked(plan: Plan) -> Plan:
-    """*plan* with every secret env value masked, by key (:func:`ddpfab.launch.runs.mask_env`): render
+    """*plan* with every secret value masked, in its env and its setup lines, by key (:mod:`ddpfab.masking`): render
     this one wherever the plan is shown."""
-    return replace(plan, nodes=tuple(replace(n, env=mask_env(n.env, plan.secret_env)) for n in plan.nodes))
+    return replace(plan, nodes=tuple(replace(n, env=mask_env(n.env, plan.secret_env),
+                                             setup=mask_setup(n.setup, plan.secret_env)) for n in plan.nodes))

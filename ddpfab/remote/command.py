@@ -119,7 +119,10 @@ def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None
             chan.settimeout(timeout)
         # after the node's setup, with its python first on PATH; our end of stdin stays open:
         # closing it ends the command
-        chan.exec_command(guarded(nodeenv.prefix(node, export_python=True) + command))
+        bootstrap, head = nodeenv.setup_stdin(node, export_python=True)  # the setup, read before the guard
+        chan.exec_command(bootstrap + guarded(command))
+        if head:
+            chan.sendall(head)
         err_thread = threading.Thread(target=_pump_stderr, args=(chan, node.name, printer), daemon=True)
         err_thread.start()
         _pump(chan, chan.recv, node.name, printer, False)

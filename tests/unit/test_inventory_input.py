@@ -335,7 +335,7 @@ def test_a_bad_ansible_host_is_blamed_on_ansible_host_not_on_the_data_address_it
 def test_recorded_extra_vars_mask_a_secret_at_any_depth_and_keep_only_json(tmp_path):
     import datetime
 
-    from ddpfab.planning.masking import holds_mask, recordable
+    from ddpfab.masking import holds_mask, recordable
 
     given = {"db": {"password": "hunter2", "host": "h"}, "d": datetime.date(2024, 1, 1), "n": [1, {"token": "t"}]}
     kept = recordable(given)

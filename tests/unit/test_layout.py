@@ -142,7 +142,7 @@ def test_a_problem_travels_as_data_and_prints_as_its_sentence():
 
 #: The top level holds only the entry points and the data every layer shares; everything else lives
 #: in the subpackage that owns its capability.
-TOP_LEVEL = {"ddpfab", "ddpfab.__main__", "ddpfab.api", "ddpfab.dist", "ddpfab.problems", "ddpfab.results",
+TOP_LEVEL = {"ddpfab", "ddpfab.__main__", "ddpfab.api", "ddpfab.dist", "ddpfab.masking", "ddpfab.problems", "ddpfab.results",
              "ddpfab.version"}
 
 

@@ -1,4 +1,4 @@
-"""The masking rule (ddpfab.planning.masking): which keys are secret, URL credentials, marked keys, and that
+"""The masking rule (ddpfab.masking): which keys are secret, URL credentials, marked keys, and that
 no printed or recorded form of a run shows a secret value of a key the rule covers."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch import replay
 from ddpfab.launch.runs import MASK, mask_argv, mask_plan
-from ddpfab.planning import masking, render
+from ddpfab import masking
+from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
 #: The keys issue 24 found printed in clear, and a few of the same families.
@@ -133,3 +134,63 @@ def test_the_dry_run_prints_no_secret_of_the_issue(tmp_path):
         assert res.returncode == 0, res.stderr
         assert "Zq9" not in res.stdout + res.stderr
         assert res.stdout.count("postgres://user:***@db/x") == 2
+
+
+# -- setup lines (ddpfab_setup): the same rule, by the assignment's key ----------------------------
+
+@pytest.mark.parametrize("line, shown", [
+    ("export HF_TOKEN=hf_abc123", "export HF_TOKEN=***"),
+    ('export HF_TOKEN="hf abc" LR=3', "export HF_TOKEN=*** LR=3"),
+    ("WANDB_API_KEY='x y' python a.py", "WANDB_API_KEY=*** python a.py"),
+    ("export MARKED=plain", "export MARKED=***"),
+    ("A=1;DB_PASS=2 && run", "A=1;DB_PASS=*** && run"),
+    ("export DB_PASS=a\\ b", "export DB_PASS=***"),
+    ("pip install --index-url https://user:pw@pypi.example/simple x", "pip install --index-url https://user:***@pypi.example/simple x"),
+    ("source /opt/env.sh && export PATH=/a:$PATH", "source /opt/env.sh && export PATH=/a:$PATH"),
+])
+def test_a_setup_lines_secret_assignments_are_masked_by_key(line, shown):
+    assert masking.mask_setup_line(line, ["MARKED"]) == shown
+    assert masking.setup_was_masked(shown) == (shown != line and "://" not in line)
+
+
+def test_a_setup_line_in_extra_vars_is_recorded_masked_and_replay_must_have_it_again():
+    recorded = masking.recordable("export HF_TOKEN=hf_x\nsource /opt/a.sh", "ddpfab_setup")
+    assert recorded == "export HF_TOKEN=***\nsource /opt/a.sh"
+    assert masking.holds_mask(recorded, "ddpfab_setup") and not masking.holds_mask("source /opt/a.sh", "ddpfab_setup")
+    assert masking.recordable(["export A=1", "export API_KEY=k"], "ddpfab_setup") == ["export A=1", "export API_KEY=***"]
+
+
+def test_the_dry_run_and_the_manifest_show_setup_lines_masked():
+    nodes = (Node("a", "10.0.0.1", setup=("export HF_TOKEN=hf_leak1", "export INV_MARKED=leak2 X=1")),
+             Node("b", "10.0.0.2", secret_env=("INV_MARKED",)))
+    plan = make_plan(Cluster("inv.yml", "all", nodes), RunOptions("t.py"), F)
+    shown = json.dumps(render.masked(plan).to_dict()) + json.dumps(mask_plan(plan.to_dict()))
+    shown += "".join(render.shell_line(render.masked(plan), n) for n in render.masked(plan).nodes)
+    assert "leak1" not in shown and "leak2" not in shown and "HF_TOKEN=***" in shown and "INV_MARKED=***" in shown
+    # the real lines still reach the node (through the session's stdin, never a command line)
+    assert plan.node("a").setup == ("export HF_TOKEN=hf_leak1", "export INV_MARKED=leak2 X=1")
+
+
+def test_setup_lines_travel_on_stdin_never_in_the_command(tmp_path):
+    """The command ddpfab sends holds the bootstrap only; the lines come on stdin, and the program
+    after them still gets the rest of stdin whole."""
+    from ddpfab import node as nodeprog
+
+    node = Node("a", "10.0.0.1", python=sys.executable, python_from="inventory",
+                setup=("export HF_TOKEN=hf_stdin_only", "export B='a b'"))
+    command = nodeprog.command(node, "ddpfab-node")
+    assert "hf_stdin_only" not in command and "HF_TOKEN" not in command
+    probe = nodeprog.numbered({"op": "facts", "workdir": str(tmp_path), "script": None, "peers": {}, "resolve": []})
+    res = subprocess.run(["sh", "-c", command], input=nodeprog.setup_head(node) + nodeprog.stdin_for(*probe),
+                         capture_output=True, timeout=60)
+    reply = nodeprog.match_replies("a", probe, res.stdout.decode().splitlines(), res.returncode, res.stderr.decode())[0]
+    assert reply.ok and "HF_TOKEN" in reply.result["env_changes"]["set"], res.stderr
+
+
+def test_a_failed_setup_line_is_named_with_its_secret_masked():
+    from ddpfab.hosts import nodeenv
+
+    lines = ("source /opt/a.sh", "export WANDB_API_KEY=wb_leak && export MINE=leak3 && false")
+    said = nodeenv.setup_failure(lines, nodeenv.SETUP_FAILED, f"{nodeenv.SETUP_MARK}: line 2 exit 1", ("MINE",))
+    assert said.startswith("setup line 2 `export WANDB_API_KEY=*** && export MINE=*** && false` failed")
+    assert "leak" not in said

@@ -134,7 +134,7 @@ def test_setup_lines_and_conda_env_from_the_inventory_are_validated(tmp_path):
 def test_a_failing_setup_line_stops_the_command_and_is_named_with_its_node():
     node = Node("gpu07", "10.0.0.7", python="python3", python_from="inventory",
                 setup=("export A=1", "false", "echo never"))
-    res = sh(nodeprog.command(node, "ddpfab-node"), stdin=nodeprog.stdin_for())
+    res = sh(nodeprog.command(node, "ddpfab-node"), stdin=nodeprog.setup_head(node) + nodeprog.stdin_for())
     assert res.returncode == nodeenv.SETUP_FAILED and b"never" not in res.stdout
     err = nodeprog.start_failure(node, res.returncode, res.stderr.decode())
     assert err is not None and err.kind == "setup" and err.node == "gpu07"
@@ -148,7 +148,7 @@ def test_a_missing_python_and_its_fallback_are_named_in_one_sentence_for_every_c
     """The real shell line with a fallback (sync's: the node's python, else python3), neither of
     them there: the runner's one problem names both, the node and the fix (sync adds no words)."""
     node = Node("gpu07", "10.0.0.7", python="/nowhere/bin/python", python_from="inventory")
-    res = sh(nodeprog.command(node, "ddpfab-node", fallback="no-such-python3"), stdin=nodeprog.stdin_for())
+    res = sh(nodeprog.command(node, "ddpfab-node", fallback="no-such-python3"), stdin=nodeprog.setup_head(node) + nodeprog.stdin_for())
     err = nodeprog.start_failure(node, res.returncode, res.stderr.decode(), fallback="no-such-python3")
     assert res.returncode == 127 and err is not None and err.kind == "python" and err.node == "gpu07"
     assert str(err) == ("host gpu07: neither /nowhere/bin/python nor no-such-python3 found there; the node "
@@ -168,7 +168,7 @@ def test_the_probe_runs_in_the_setup_environment_and_reports_what_it_changed(tmp
     node = Node("a", "10.0.0.1", python_from="",
                 setup=(f". '{env_dir}/bin/activate'", "export HF_TOKEN=s3cret", "unset GONE"))
     req = nodeprog.numbered({"op": "facts", "workdir": str(tmp_path), "script": None, "peers": {}, "resolve": []})
-    res = sh(nodeprog.command(node, "ddpfab-node"), env={"GONE": "1"}, stdin=nodeprog.stdin_for(*req))
+    res = sh(nodeprog.command(node, "ddpfab-node"), env={"GONE": "1"}, stdin=nodeprog.setup_head(node) + nodeprog.stdin_for(*req))
     reply = nodeprog.match_replies("a", req, res.stdout.decode().splitlines(), res.returncode, res.stderr.decode())[0]
     facts = reply.value("a")
     assert facts["python_from"] == "ddpfab_setup"

@@ -1,6 +1,7 @@
 """Which environment values are secret, and how they are masked: the one rule every printed and
 recorded form follows (the dry run's lines and ``--json``, the manifest's plan, options and
-argv, emitted scripts' READMEs, replay).
+argv, emitted scripts' READMEs, replay), for env values and for the assignments in setup lines
+(``ddpfab_setup``: :func:`mask_setup_line`).
 
 A value is masked **whole** when its key is secret:
 
@@ -73,11 +74,46 @@ def was_masked(key: str, value: str, marked: Iterable[str] = ()) -> bool:
                for m in _URL_USERINFO.finditer(value))
 
 
+#: A shell assignment in a setup line: ``KEY=VALUE`` (after ``export``/``declare -x``/``readonly``
+#: or before a command), the value unquoted, "double" or 'single' quoted.
+_ASSIGNMENT = re.compile(r"""(?<![^\s;&|(])(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>"(?:[^"\\]|\\.)*"?|'[^']*'?|(?:[^\s;&|()'"\\]|\\.)*)""")
+#: Inventory variables that hold shell lines: masked by :func:`mask_setup_line`.
+SHELL_VARS = ("ddpfab_setup",)
+
+
+def mask_setup_line(line: str, marked: Iterable[str] = ()) -> str:
+    """A setup line (shell) as shown and recorded: each assignment whose key is secret
+    (``export HF_TOKEN=hf_x``, ``WANDB_API_KEY=x cmd``, ``export X="..."`` with X marked) shows
+    ``KEY=***``; a URL's credentials anywhere in it are masked as in a value (:func:`mask_value`)."""
+    marked = frozenset(marked)
+
+    def one(m: re.Match) -> str:
+        key = m.group("key")
+        return f"{key}={MASK}" if secret_key(key, marked) else m.group(0)
+
+    return _URL_USERINFO.sub(_mask_userinfo, _ASSIGNMENT.sub(one, line))
+
+
+def mask_setup(lines: Iterable[str], marked: Iterable[str] = ()) -> tuple[str, ...]:
+    """Every line of *lines* masked (:func:`mask_setup_line`)."""
+    marked = frozenset(marked)
+    return tuple(mask_setup_line(line, marked) for line in lines)
+
+
+def setup_was_masked(line: str) -> bool:
+    """Whether a recorded setup *line* has a masked value in it (the real line must be given again)."""
+    return any(m.group("value") == MASK for m in _ASSIGNMENT.finditer(line))
+
+
 def recordable(value: Any, key: str = "") -> Any:
     """*value* (an extra var: any YAML data) as a record keeps it: a secret key's value masked at
     any depth (``{"db": {"password": ...}}`` too), and what JSON cannot hold (a YAML date) as text."""
     if key and secret_key(key):
         return MASK
+    if key in SHELL_VARS and isinstance(value, (str, list)):
+        lines = value.splitlines() if isinstance(value, str) else value
+        masked = [mask_setup_line(line) if isinstance(line, str) else recordable(line) for line in lines]
+        return "\n".join(masked) if isinstance(value, str) else masked
     if isinstance(value, Mapping):
         return {str(k): recordable(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -91,6 +127,9 @@ def holds_mask(value: Any, key: str = "") -> bool:
     """Whether a recorded *value* (see :func:`recordable`) has a masked secret in it, at any depth."""
     if key and secret_key(key):
         return value == MASK
+    if key in SHELL_VARS and isinstance(value, (str, list)):
+        lines = value.splitlines() if isinstance(value, str) else value
+        return any(isinstance(line, str) and setup_was_masked(line) for line in lines)
     if isinstance(value, Mapping):
         return any(holds_mask(v, str(k)) for k, v in value.items())
     if isinstance(value, list):
