@@ -17,6 +17,7 @@ from typing import Any
 
 from ddpfab.version import __version__
 from ddpfab import masking
+from ddpfab.hosts import inventory
 
 #: The masking rule lives in :mod:`ddpfab.masking` (re-exported here for the run record's users).
 SECRET_KEY, MASK = masking.SECRET_KEY, masking.MASK
@@ -70,22 +71,42 @@ def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list
     manifest's record of how ddpfab was called): by :mod:`ddpfab.masking`'s rule, with the keys
     the command line itself marks (``--secret-env``) and *marked* (e.g. the inventory's)."""
     marked = set(marked) | _marked_in(argv)
-    out, after_env = [], False
+    out, after_env, after_vars = [], False, False
     for word in argv:
         if word == "--":
             out.append(word)
-            after_env = False
+            after_env = after_vars = False
             continue
         opt, eq, rest = word.partition("=")
-        if after_env or (eq and opt in ENV_OPTIONS):
+        if after_vars or (eq and opt in EXTRA_VARS_OPTIONS):
+            word = masked_extra_vars(word) if after_vars else f"{opt}={masked_extra_vars(rest)}"
+        elif after_env or (eq and opt in ENV_OPTIONS):
             pair = word if after_env else rest
             key, sep, value = pair.partition("=")
             if sep:
                 pair = f"{key}={masking.mask_value(key, value, marked)}"
             word = pair if after_env else f"{opt}={pair}"
         out.append(word)
-        after_env = word in ENV_OPTIONS
+        after_env, after_vars = word in ENV_OPTIONS, word in EXTRA_VARS_OPTIONS
     return out
+
+
+#: Options whose value is extra vars (Ansible's ``-e``).
+EXTRA_VARS_OPTIONS = ("-e", "--extra-vars")
+
+
+def masked_extra_vars(value: str) -> str:
+    """An ``-e`` value as recorded: as given when nothing in it is secret, else its variables as
+    JSON with the secrets masked (:func:`ddpfab.masking.recordable`: by key, and the assignments in
+    setup lines); a file (``@vars.yml``) is recorded by name."""
+    if value.startswith("@"):
+        return value
+    try:
+        parsed = inventory.parse_extra_vars([value])
+    except inventory.InventoryError:  # not variables (the run refuses it): its assignments masked anyway
+        return masking.mask_setup_line(value)
+    shown = masking.recordable(parsed)
+    return value if shown == parsed else json.dumps(shown)
 
 
 def runs_dir_problem(root: str | os.PathLike, writable: bool = True) -> str | None:

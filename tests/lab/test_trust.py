@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -186,6 +187,96 @@ def test_a_second_user_never_sees_a_secret_and_no_record_holds_one(lab, inventor
         assert "--nproc-per-node=1" in line  # a 1-char secret garbles nothing else
     options_env = dict(map(tuple, data["options"]["env"]))
     assert options_env["HF_TOKEN"] == "***" and options_env["DB_PASSWORD"] == "***"
+
+
+#: Reads every process's argv on a host for the patterns on its stdin, every 20 ms for argv[1]
+#: seconds; prints each hit (the patterns are in no argv: not even this scanner's).
+ARGV_SCAN = r"""
+import os, sys, time
+needles = [n.encode() for n in sys.stdin.read().split()]
+end, hits = time.monotonic() + float(sys.argv[1]), set()
+while time.monotonic() < end:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open("/proc/%s/cmdline" % pid, "rb").read()
+        except OSError:
+            continue
+        hits.update(pid for n in needles if n in argv)
+    time.sleep(0.02)
+print(" ".join(sorted(hits)) or "none")
+"""
+
+
+def test_a_token_in_setup_lines_or_ddpfab_env_reaches_the_job_and_nothing_else(lab, inventory2, mallory, tmp_path):
+    """Sites export tokens in ``ddpfab_setup`` (Hugging Face, W&B) or set them in ``ddpfab_env``.
+    The job sees them; no process's argv on a node (read as mallory, in a loop, all the run long),
+    no printed plan, record, log or node file holds them; a failing setup line is named masked;
+    replay asks for a setup line given with -e again."""
+    import threading
+
+    import yaml
+
+    setup_token, env_token = f"hf_{os.urandom(8).hex()}", f"wb_{os.urandom(8).hex()}"
+    inv = yaml.safe_load(inventory2.read_text())
+    inv["all"]["vars"].update({"ddpfab_setup": f"export HF_TOKEN={setup_token}",
+                               "ddpfab_env": {"WANDB_API_KEY": env_token}})
+    inventory = tmp_path / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(inv))
+    needles = f"{setup_token}\n{env_token}\n"
+    runs = tmp_path / "runs"
+    common = ("-i", str(inventory), "--runs-dir", str(runs), "--no-sync")
+    scans: dict[str, str] = {}
+
+    def scan(name: str) -> None:
+        res = host_sh(lab, name, f"python3 -c {shlex.quote(ARGV_SCAN)} 25", user=mallory, input=needles)
+        scans[name] = res.stdout.strip() or res.stderr
+    threads = [threading.Thread(target=scan, args=(n,)) for n in ("node1", "node2")]
+    for t in threads:
+        t.start()
+    time.sleep(1)  # the scanners are reading
+    dry = ddpfab("run", *common, "--dry-run", "tests/lab/scripts/secret_job.py")
+    dry_json = ddpfab("run", *common, "--dry-run", "--json", "tests/lab/scripts/secret_job.py")
+    proc = start_ddpfab("run", *common, "--run-id", "secret-setup", "tests/lab/scripts/secret_job.py")
+    lines = wait_for_line(proc, "WANDB_API_KEY sha256", 2, timeout=120)
+    ps = ddpfab("ps", *common[:4], "--json")
+    doctor = ddpfab("doctor", *common[:4], "secret-setup")
+    out, _ = proc.communicate(timeout=60)
+    out = "".join(lines) + out
+    logs = ddpfab("logs", *common[:4], "secret-setup")
+    for t in threads:
+        t.join()
+    assert proc.returncode == 0, out
+    assert scans == {"node1": "none", "node2": "none"}, scans
+    for key, token in (("HF_TOKEN", setup_token), ("WANDB_API_KEY", env_token)):
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        assert out.count(f"{key} sha256 {digest}") == 2, out  # every rank got the value
+    assert dry.returncode == 0 and "HF_TOKEN=***" in dry.stdout and "WANDB_API_KEY=***" in dry.stdout, dry.stdout
+    shown = dry.stdout + dry.stderr + dry_json.stdout + ps.stdout + doctor.stdout + doctor.stderr + logs.stdout + out
+    records = "".join(p.read_text(errors="replace") for p in (runs / "secret-setup").rglob("*") if p.is_file())
+    assert setup_token not in shown + records and env_token not in shown + records
+    for name in ("node1", "node2"):  # everything the node wrote (its overlays' upper layers), its run dirs
+        hits = subprocess.run(["grep", "-rlsF", "-f", "/dev/stdin", str(Path(lab.store) / name)], input=needles,
+                              capture_output=True, text=True).stdout
+        hits += host_sh(lab, name, "grep -rlsF -f /dev/stdin ~/.ddpfab /run /dev/shm; true", input=needles).stdout
+        assert hits == "", hits
+    # a failing setup line: named with its node and line, the value masked
+    inv["all"]["vars"]["ddpfab_setup"] = f"export HF_TOKEN={setup_token} && false"
+    inventory.write_text(yaml.safe_dump(inv))
+    failed = ddpfab("run", *common, "tests/lab/scripts/secret_job.py")
+    assert failed.returncode == 2 and "host node1: setup line 1 `export HF_TOKEN=*** && false` failed" in failed.stderr
+    assert setup_token not in failed.stdout + failed.stderr
+    # the same line given with -e: recorded masked, and replay asks for it again
+    inv["all"]["vars"].pop("ddpfab_setup")
+    inventory.write_text(yaml.safe_dump(inv))
+    given = ddpfab("run", *common, "--run-id", "secret-extra", "-e",
+                   json.dumps({"ddpfab_setup": f"export HF_TOKEN={setup_token}"}),
+                   "--env", "SECRET_JOB_SLEEP=0", "tests/lab/scripts/secret_job.py")
+    assert given.returncode == 0, given.stdout + given.stderr
+    manifest = (runs / "secret-extra" / "manifest.json").read_text()
+    assert setup_token not in manifest and "HF_TOKEN=***" in manifest
+    replay = ddpfab("replay", "--runs-dir", str(runs), "--dry-run", "secret-extra")
+    assert replay.returncode != 0 and "ddpfab_setup" in replay.stdout + replay.stderr, replay.stdout + replay.stderr
+    wait_no_processes(lab, timeout=10, names=("node1", "node2"))
 
 
 def test_printed_plans_and_exports_mask_by_key_and_private_files_are_private(lab, inventory2, tmp_path):

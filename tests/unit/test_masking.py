@@ -194,3 +194,13 @@ def test_a_failed_setup_line_is_named_with_its_secret_masked():
     said = nodeenv.setup_failure(lines, nodeenv.SETUP_FAILED, f"{nodeenv.SETUP_MARK}: line 2 exit 1", ("MINE",))
     assert said.startswith("setup line 2 `export WANDB_API_KEY=*** && export MINE=*** && false` failed")
     assert "leak" not in said
+
+
+def test_the_recorded_command_line_masks_extra_vars_by_the_same_rule():
+    argv = ["ddpfab", "run", "-e", '{"ddpfab_setup": "export HF_TOKEN=hf_leak4"}', "--extra-vars=hf_token=leak5 lr=3",
+            "-e", "lr=3", "-e", "@vars.yml"]
+    shown = mask_argv(argv)
+    assert shown[:3] == ["ddpfab", "run", "-e"] and shown[-4:] == ["-e", "lr=3", "-e", "@vars.yml"]
+    assert "leak4" not in " ".join(shown) and "leak5" not in " ".join(shown)
+    assert json.loads(shown[3]) == {"ddpfab_setup": "export HF_TOKEN=***"}
+    assert json.loads(shown[4].partition("=")[2]) == {"hf_token": "***", "lr": "3"}
