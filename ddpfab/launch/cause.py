@@ -466,22 +466,31 @@ def _same_address(a: str, b: str) -> bool:
         return a == b
 
 
+def _standing(cause: Cause | None) -> int:
+    """How a node's cause ranks for blame: 0 a rank's own, 1 unknown (nothing says), 2 secondary."""
+    if cause is not None and cause.own:
+        return 0
+    return 1 if cause is None or cause.kind is None else 2
+
+
 def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
     """The node to name among *nodes* (every node that ended badly; those that did not fail on
     their own only count their victims); *addresses*: node -> its data-plane address (to map a
     victim's peer address to a node).
 
     A rank whose cause is its own outranks any victim, whatever the times; among those, the first
-    by its node's ``failed_at`` (then node rank). With only secondary causes, the node the victims
-    name by address is pointed at (if it is among the nodes), else the first in time is named."""
+    by its node's ``failed_at`` (then node rank). A node that says nothing of its cause still
+    outranks a known victim. With only secondary causes, the node the victims name by address is
+    pointed at (if it is among the nodes), else the first in time is named."""
     failures = [f for f in nodes if f.failed]
     if not failures:
         return Blame(None)
-    own = [f for f in failures if f.cause is not None and f.cause.own]
-    first = min(own or failures, key=lambda f: (f.failed_at is None, f.failed_at or 0.0, f.node_rank))
+    best = min(_standing(f.cause) for f in failures)
+    first = min((f for f in failures if _standing(f.cause) == best),
+                key=lambda f: (f.failed_at is None, f.failed_at or 0.0, f.node_rank))
     lost = sum(1 for f in nodes for kind in f.kinds.values() if kind is CauseKind.PEER_LOST)
-    if own:
-        return Blame(first.name, first.cause, True, lost)
+    if best < 2:  # a rank's own cause, or a node that says nothing of its cause: not a known victim
+        return Blame(first.name, first.cause, best == 0, lost)
     named = {a for f in nodes for a in f.peers}
     pointed = next((node for node, addr in addresses.items() if any(_same_address(addr, a) for a in named)), None)
     return Blame(first.name, first.cause, False, lost, pointed)

@@ -232,3 +232,11 @@ def test_attach_tells_the_same_story_as_run():
     assert others == ["  node1 (node_rank 0): rank 0 (local rank 0) lost its peer (its peer: node2)",
                       "  node3 (node_rank 2): rank 2 (local rank 0) lost its peer (its peer: node2)"]
     assert jobs.attach_end({"node1": 1, "node2": 1, "node3": 1}, {}, None, closing) == (1, closing, False)
+
+
+def test_a_node_that_says_nothing_of_its_cause_outranks_a_known_victim():
+    victim = reader(VICTIM)
+    nodes = [NodeFailure("node1", 0, 100.0, victim.cause(), victim.rank_kinds(), victim.peers()),
+             NodeFailure("node2", 1, 100.5, None)]
+    verdict = blame(nodes, {"node1": "10.0.0.11", "node2": "10.0.0.12"})
+    assert (verdict.node, verdict.own, verdict.lost_peer) == ("node2", False, 1)
