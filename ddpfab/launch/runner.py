@@ -208,12 +208,14 @@ def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[node
 
 
 def plan_facts(facts: dict[str, probe.NodeFacts], port: int, cwd: str) -> Facts:
-    """What the planner needs from the probe: addresses, homes, interfaces, GPU and CPU counts
-    (``--nproc-per-node gpu|cpu|auto``); and the port."""
+    """What the planner needs from the probe: addresses, homes, interfaces (the one towards the
+    peers, and every one a node has), GPU and CPU counts (``--nproc-per-node gpu|cpu|auto``); and
+    the port."""
     return Facts(addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
                  homes={n: f.home for n, f in facts.items()}, ifnames={n: _ifname(f) for n, f in facts.items()},
                  gpus={n: probe.gpu_count(f.raw) for n, f in facts.items()},
-                 cpus={n: c for n, f in facts.items() if (c := probe.cpu_count(f.raw)) is not None})
+                 cpus={n: c for n, f in facts.items() if (c := probe.cpu_count(f.raw)) is not None},
+                 interfaces={n: f.interfaces for n, f in facts.items() if f.interfaces is not None})
 
 
 def _ifname(facts: probe.NodeFacts) -> str | None:

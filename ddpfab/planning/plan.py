@@ -173,6 +173,37 @@ class RunOptions:
     on_hang: str = "report"
 
 
+#: Interface operstates in which an interface that is up carries nothing (no carrier, its lower
+#: device down, gone); "unknown" (loopback, many virtual devices) and "dormant" are not among them.
+DOWN_STATES = ("down", "lowerlayerdown", "notpresent")
+
+
+@dataclass(frozen=True)
+class Interface:
+    """One network interface of a node, as its probe saw it.
+
+    Args:
+        up: IFF_UP is set (``ip link set DEV up``); None where its flags could not be read.
+        state: its operstate (``/sys/class/net/DEV/operstate``), None where unread.
+        addrs: its IP addresses (the primary IPv4 one, every IPv6 one).
+    """
+
+    up: bool | None = None
+    state: str | None = None
+    addrs: tuple[str, ...] = ()
+
+    @property
+    def down(self) -> bool:
+        """Known to carry nothing: not up, or up without a carrier (:data:`DOWN_STATES`)."""
+        return self.up is False or self.state in DOWN_STATES
+
+    def describe(self, name: str, addrs: bool = True) -> str:
+        """*name* as a list of a node's interfaces shows it: ``eth0 (10.0.0.1)``, ``side0 (down)``;
+        without *addrs*, only whether it is down."""
+        notes = (list(self.addrs) if addrs else []) + (["down"] if self.down else [])
+        return f"{name} ({', '.join(notes)})" if notes else name
+
+
 @dataclass(frozen=True)
 class Facts:
     """What the probe learnt from the hosts, the only non-user input of the plan.
@@ -189,6 +220,8 @@ class Facts:
             The real run never has any: it resolves every address (or refuses) before planning.
         gpus, cpus: node name -> its GPU and CPU counts as probed (for ``--nproc-per-node
             gpu|cpu|auto``); a node missing here was not probed (an offline plan).
+        interfaces: node name -> its network interfaces by name (for ``--socket-ifname IFACE``:
+            :func:`socket_ifname_problems`); a node missing here was not probed (an offline plan).
     """
 
     addresses: dict[str, str]
@@ -199,6 +232,7 @@ class Facts:
     unresolved: tuple[str, ...] = ()
     gpus: dict[str, int] = field(default_factory=dict)
     cpus: dict[str, int] = field(default_factory=dict)
+    interfaces: dict[str, dict[str, Interface]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
