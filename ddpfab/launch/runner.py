@@ -165,6 +165,9 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 raise RunError(problems)
             cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
             port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=cwd)
+            # planned before the preflight: a plan refused (an interface a node lacks) is refused at once,
+            # and the preflight probes the interfaces the plan names
+            plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
             report = None
             if preflight:
                 listening = answers.map(lambda replies: replies[1])
@@ -176,7 +179,6 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
             raise
         probing.close()
-        plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
         held = [] if options.wait else leases.refusals(plan, {n: f.raw.get("leases") for n, f in facts.items()})
         if held:
             raise RunError(held)
