@@ -82,7 +82,8 @@ class Options:
         forward_env: forward this process's NCCL_*, TORCH_*, GLOO_*, PYTORCH_* variables.
         secret_env: keys whose values are masked wherever the run is shown or recorded.
         check: run the preflight checks (firewall/data plane, hostnames, versions).
-        socket_ifname: GLOO/NCCL_SOCKET_IFNAME: an interface, ``auto``, or ``none``/``off``; None (the
+        socket_ifname: GLOO/NCCL_SOCKET_IFNAME: interface names (``eth0``, ``eth0,eth1``; a node that
+            lacks one or has it down is refused before anything starts), ``auto``, or ``none``/``off``; None (the
             default): auto where neither variable is set, nothing on a node without one interface
             towards all its peers (a warning).
         max_restarts: torchrun's in-node restarts.

@@ -42,7 +42,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket-ifname", metavar="IFACE|auto|none",
                    help="set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME; auto = the interface each node "
                         "reaches its peers through (default where neither variable is set; a node "
-                        "without one such interface then gets none, with a warning); none/off = never")
+                        "without one such interface then gets none, with a warning); none/off = never; "
+                        "IFACE = exact interface names, comma-separated (eth0,eth1), as gloo reads them: "
+                        "each must be up, with an address, on every node, or the run is refused before it "
+                        "starts (not checked with --offline); NCCL-only forms (^lo, =eth0, a prefix like "
+                        "eth) are refused: use --env NCCL_SOCKET_IFNAME=...")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="torchrun's in-node restarts (default 0)")
     p.add_argument("--exit-guard", choices=EXIT_GUARD_MODES, default="on",
@@ -159,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = cluster.run(args.script, args.args, options(args), supervise=lambda run_id: recover.start_detached(
             args.argv[1:], run_id, args.runs_dir))
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
-        return refuse(args, str(exc), "run")
+        return refuse(args, exc, "run")  # (its problems, as data with --json)
     except runner.RunError as exc:
         if args.json:
             print_problems(exc.problems, "run")
@@ -223,7 +227,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         targets = cluster.targets()
         plan = cluster.plan(args.script, args.args, options(args))
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
-        return refuse(args, str(exc), "plan")
+        return refuse(args, exc, "plan")
     except runner.RunError as exc:
         if args.json:
             print_problems(exc.problems, "plan")

@@ -165,6 +165,9 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
                 raise RunError(problems)
             cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
             port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=cwd)
+            # planned before the preflight: a plan refused (an interface a node lacks) is refused at once,
+            # and the preflight probes the interfaces the plan names
+            plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
             report = None
             if preflight:
                 listening = answers.map(lambda replies: replies[1])
@@ -176,7 +179,6 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
             raise
         probing.close()
-        plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
         held = [] if options.wait else leases.refusals(plan, {n: f.raw.get("leases") for n, f in facts.items()})
         if held:
             raise RunError(held)
@@ -208,12 +210,14 @@ def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[node
 
 
 def plan_facts(facts: dict[str, probe.NodeFacts], port: int, cwd: str) -> Facts:
-    """What the planner needs from the probe: addresses, homes, interfaces, GPU and CPU counts
-    (``--nproc-per-node gpu|cpu|auto``); and the port."""
+    """What the planner needs from the probe: addresses, homes, interfaces (the one towards the
+    peers, and every one a node has), GPU and CPU counts (``--nproc-per-node gpu|cpu|auto``); and
+    the port."""
     return Facts(addresses={n: f.address for n, f in facts.items()}, master_port=port, cwd=cwd,
                  homes={n: f.home for n, f in facts.items()}, ifnames={n: _ifname(f) for n, f in facts.items()},
                  gpus={n: probe.gpu_count(f.raw) for n, f in facts.items()},
-                 cpus={n: c for n, f in facts.items() if (c := probe.cpu_count(f.raw)) is not None})
+                 cpus={n: c for n, f in facts.items() if (c := probe.cpu_count(f.raw)) is not None},
+                 interfaces={n: f.interfaces for n, f in facts.items() if f.interfaces is not None})
 
 
 def _ifname(facts: probe.NodeFacts) -> str | None:

@@ -107,6 +107,36 @@ def local_addrs():
     return found
 
 
+def _net_attr(dev, attr):
+    """/sys/class/net/DEV/ATTR, stripped; None where it cannot be read."""
+    try:
+        with open("/sys/class/net/%s/%s" % (dev, attr)) as fh:
+            return fh.read().strip()
+    except (OSError, ValueError):
+        return None
+
+
+def interfaces(mine=None):
+    """Each network interface -> ``{"up": IFF_UP set, "state": its operstate, "addrs": [...]}``
+    (what gloo and NCCL look at when a SOCKET_IFNAME names it: both skip an interface that is not
+    up or has no address); "up" is None where the flags cannot be read. *mine*: ``local_addrs()``
+    when the caller has it. None where the interfaces cannot be listed."""
+    try:
+        names = [name for _, name in _socket.if_nameindex()]
+    except OSError:
+        return None
+    mine = local_addrs() if mine is None else mine
+    out = {}
+    for name in names:
+        try:
+            flags = int(_net_attr(name, "flags") or "", 16)
+        except ValueError:
+            flags = None
+        out[name] = {"up": None if flags is None else bool(flags & 0x1), "state": _net_attr(name, "operstate"),
+                     "addrs": [a for a, dev in mine.items() if dev == name]}
+    return out
+
+
 def route_dev(addr, mine):
     """The interface towards *addr*: the kernel's choice of source address (a UDP connect sends
     nothing) mapped to the interface that holds it; ``ip route get`` only for what that cannot map."""
@@ -276,8 +306,10 @@ def op_facts(req, session):
         except OSError as exc:
             out["resolved"][name] = "error: %s" % exc
     out["routes"] = {}
+    mine = local_addrs() if req.get("peers") or req.get("interfaces") else {}
+    if req.get("interfaces"):
+        out["interfaces"] = interfaces(mine)
     if req.get("peers"):
-        mine = local_addrs()
         for peer, addr in req["peers"].items():
             out["routes"][peer] = route_dev(addr, mine)
         # what a path-MTU or an advertised-address problem is reported with

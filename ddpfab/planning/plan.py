@@ -24,7 +24,8 @@ from ddpfab.hosts.inventory import Cluster, Node, is_address
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.node.workdir import WorkdirError
 from ddpfab.node.workdir import resolve as resolve_workdir
-from ddpfab.problems import DdpfabError
+from ddpfab.health.mesh import compact
+from ddpfab.problems import DdpfabError, Problem
 
 #: Where each node keeps its run records, relative to the SSH user's home.
 REMOTE_RUNS_DIR = ".ddpfab/runs"
@@ -105,8 +106,8 @@ class RunOptions:
         run_id: the run's id (names the remote and local run dirs).
         remote_runs_dir: where each node keeps a run's record (supervisor pid, exit code, output,
             per-rank logs); relative paths are under the node user's home.
-        socket_ifname: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME on every node: an interface
-            name, "auto" for the interface each node uses to reach its peers (an explicit --env of
+        socket_ifname: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME on every node: interface
+            names (checked against each probed node's: :func:`socket_ifname_problems`), "auto" for the interface each node uses to reach its peers (an explicit --env of
             either variable still wins), "none"/"off" to set neither; None (the default) is auto
             where the user set neither variable, and nothing on a node without one such interface
             (see :func:`socket_ifname_for`).
@@ -173,6 +174,37 @@ class RunOptions:
     on_hang: str = "report"
 
 
+#: Interface operstates in which an interface that is up carries nothing (no carrier, its lower
+#: device down, gone); "unknown" (loopback, many virtual devices) and "dormant" are not among them.
+DOWN_STATES = ("down", "lowerlayerdown", "notpresent")
+
+
+@dataclass(frozen=True)
+class Interface:
+    """One network interface of a node, as its probe saw it.
+
+    Args:
+        up: IFF_UP is set (``ip link set DEV up``); None where its flags could not be read.
+        state: its operstate (``/sys/class/net/DEV/operstate``), None where unread.
+        addrs: its IP addresses (the primary IPv4 one, every IPv6 one).
+    """
+
+    up: bool | None = None
+    state: str | None = None
+    addrs: tuple[str, ...] = ()
+
+    @property
+    def down(self) -> bool:
+        """Known to carry nothing: not up, or up without a carrier (:data:`DOWN_STATES`)."""
+        return self.up is False or self.state in DOWN_STATES
+
+    def describe(self, name: str, addrs: bool = True) -> str:
+        """*name* as a list of a node's interfaces shows it: ``eth0 (10.0.0.1)``, ``side0 (down)``;
+        without *addrs*, only whether it is down."""
+        notes = (list(self.addrs) if addrs else []) + (["down"] if self.down else [])
+        return f"{name} ({', '.join(notes)})" if notes else name
+
+
 @dataclass(frozen=True)
 class Facts:
     """What the probe learnt from the hosts, the only non-user input of the plan.
@@ -189,6 +221,8 @@ class Facts:
             The real run never has any: it resolves every address (or refuses) before planning.
         gpus, cpus: node name -> its GPU and CPU counts as probed (for ``--nproc-per-node
             gpu|cpu|auto``); a node missing here was not probed (an offline plan).
+        interfaces: node name -> its network interfaces by name (for ``--socket-ifname IFACE``:
+            :func:`socket_ifname_problems`); a node missing here was not probed (an offline plan).
     """
 
     addresses: dict[str, str]
@@ -199,6 +233,7 @@ class Facts:
     unresolved: tuple[str, ...] = ()
     gpus: dict[str, int] = field(default_factory=dict)
     cpus: dict[str, int] = field(default_factory=dict)
+    interfaces: dict[str, dict[str, Interface]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -707,6 +742,112 @@ def socket_ifname_warnings(cluster: Cluster, options: RunOptions, facts: Facts) 
     return [w for n in cluster.nodes if (w := socket_ifname_for(n, options, facts)[1])]
 
 
+#: The characters Linux refuses in an interface name (besides "." and ".." as the whole name).
+_NOT_IN_IFNAME = re.compile(r"[/:\s]")
+#: Nodes that share a ``--socket-ifname`` problem from this many on are named in one line.
+IFNAME_GROUP_AT = 4
+
+
+def socket_ifname_names(value: str) -> tuple[str, ...]:
+    """The interfaces ``--socket-ifname`` *value* names: one name or a comma-separated list
+    (``eth0``, ``eth0,eth1``), each an exact interface name, as GLOO_SOCKET_IFNAME reads them; the
+    run sets both variables to it, and NCCL, which matches a name as a prefix, finds at least those.
+    NCCL's own forms (``^docker0,lo`` to exclude, ``=eth0`` for exact names) are refused: gloo
+    would look for an interface called ``^docker0`` (they go in ``--env NCCL_SOCKET_IFNAME=...``).
+    Raises PlanError saying so."""
+    fix = ("pass NCCL's own forms as --env NCCL_SOCKET_IFNAME=VALUE (it wins over --socket-ifname for that "
+           "variable), or name the interfaces, e.g. --socket-ifname eth0,eth1")
+    if value[:1] in ("^", "="):
+        raise PlanError(Problem(None, "socket_ifname", expected="interface names, e.g. eth0 or eth0,eth1",
+                                found=value, fix=fix,
+                                text=f"--socket-ifname {value}: {value[0]!r} is NCCL_SOCKET_IFNAME's own syntax, "
+                                     "which GLOO_SOCKET_IFNAME (set to the same value) does not read; " + fix))
+    names = tuple(value.split(","))
+    for name in names:
+        if not name or len(name) > 15 or name in (".", "..") or _NOT_IN_IFNAME.search(name):
+            raise PlanError(Problem(None, "socket_ifname", expected="interface names, e.g. eth0 or eth0,eth1",
+                                    found=value, fix="name interfaces, separated by commas",
+                                    text=f"--socket-ifname {value!r}: {name!r} is no interface name (1-15 "
+                                         "characters, no '/', ':' or space); name interfaces, separated by commas"))
+    return names
+
+
+def _ifname_candidates(have: dict[str, Interface]) -> list[str]:
+    """The interfaces a node could name instead: up, with an address, not only loopback ones."""
+    return [n for n, i in have.items() if not i.down and i.addrs
+            and not all(ipaddress.ip_address(a).is_loopback for a in i.addrs)]
+
+
+def _ifname_found(value: str, names: tuple[str, ...], have: dict[str, Interface],
+                  addrs: bool, who: str = "it") -> str:
+    """What is wrong with *names* on a node with interfaces *have* ("" when nothing), naming the
+    interfaces it has (with their addresses when *addrs*)."""
+    parts = []
+    for name in names:
+        if name not in have:
+            part = f"no interface {name}"
+            prefixed = [n for n in have if n.startswith(name)]
+            if prefixed:
+                part += (f" (NCCL would match it as a prefix of {', '.join(prefixed)}, but GLOO_SOCKET_IFNAME "
+                         "takes exact names)")
+            parts.append(part)
+        elif have[name].up is False:
+            parts.append(f"{name} is down")
+        elif have[name].down:
+            parts.append(f"{name} is up but has no link (operstate {have[name].state})")
+        elif not have[name].addrs:
+            parts.append(f"{name} has no IP address")
+    if not parts:
+        return ""
+    listed = ", ".join(i.describe(n, addrs) for n, i in have.items())
+    return "; ".join(parts) + f"; {who} has {listed or 'no interfaces'}"
+
+
+def _ifname_fix(have: dict[str, Interface], towards: str | None, whose: str = "its") -> str:
+    """The fix: ``auto`` (and what it chooses there), or one of the node's usable interfaces."""
+    auto = "--socket-ifname auto" + (f" (which chooses {towards})" if towards else "")
+    others = _ifname_candidates(have)
+    return f"use {auto}, or name one of {whose} interfaces: {', '.join(others)}" if others else f"use {auto}"
+
+
+def socket_ifname_problems(cluster: Cluster, options: RunOptions, facts: Facts) -> list[Problem]:
+    """``--socket-ifname IFACE[,IFACE...]`` checked on every probed node as the backends will
+    match it (:func:`socket_ifname_names`): each name an interface there, up, with an address;
+    else one problem per node that names what it has and the fix, or, from
+    :data:`IFNAME_GROUP_AT` nodes with the same interfaces and the same problem on, one line
+    for all of them. Nothing about a node where the run sets neither variable (the user set both)
+    or that was not probed (an offline plan). A value the backends cannot read: PlanError."""
+    value = options.socket_ifname
+    if value is None or value in SOCKET_IFNAME_OFF or value == "auto":
+        return []
+    names = socket_ifname_names(value)
+    asked = dict(options.env)
+    expected = f"interface{'s' if len(names) > 1 else ''} {value} there, up, with an IP address"
+    groups: dict[tuple[str, str], list[tuple[Node, dict[str, Interface]]]] = {}
+    for node in cluster.nodes:
+        have = facts.interfaces.get(node.name)
+        if have is None or all(k in asked or k in node.env for k in IFNAME_VARS):
+            continue
+        shape = _ifname_found(value, names, have, addrs=False, who="each")
+        if shape:
+            groups.setdefault((shape, _ifname_fix(have, facts.ifnames.get(node.name))), []).append((node, have))
+    problems = []
+    for key, members in groups.items():  # in inventory order: each group where its first node is
+        if len(members) >= IFNAME_GROUP_AT:
+            node, have = members[0]
+            fix = _ifname_fix(have, facts.ifnames.get(node.name), whose="their")
+            problems.append((node, Problem(None, "socket_ifname", expected=expected, found=key[0], fix=fix,
+                                           text=f"--socket-ifname {value}: {len(members)} nodes: {key[0]}: "
+                                                f"{compact([n.name for n, _ in members])}; {fix}")))
+            continue
+        for node, have in members:
+            found = _ifname_found(value, names, have, addrs=True)
+            problems.append((node, Problem(node.name, "socket_ifname", expected=expected, found=found, fix=key[1],
+                                           text=f"host {node.name}: --socket-ifname {value}: {found}; {key[1]}")))
+    order = {n.name: i for i, n in enumerate(cluster.nodes)}
+    return [p for _, p in sorted(problems, key=lambda np: order[np[0].name])]
+
+
 def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     check_run_id(options.run_id)
     if not cluster.nodes:
@@ -740,6 +881,9 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         if missing:
             raise PlanError(f"--init-method file needs ddpfab_shared_dir (a directory every node shares, e.g. "
                             f"on NFS) in the inventory; not set for {', '.join(missing)}")
+    ifname_problems = socket_ifname_problems(cluster, options, facts)
+    if ifname_problems:
+        raise PlanError(ifname_problems)
     ordered = node_order(cluster)
     master = ordered[0]
     master_addr = facts.addresses.get(master.name)

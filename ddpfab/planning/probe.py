@@ -22,7 +22,7 @@ from ddpfab import node as nodeprog
 from ddpfab.health import resources
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
-from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, is_port, master_port
+from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, Interface, is_port, master_port
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
@@ -49,6 +49,8 @@ class NodeFacts:
     python_from: str = ""
     #: what the node's setup lines changed in its environment (``{"set": ..., "unset": ...}``)
     env_changes: dict | None = None
+    #: its network interfaces by name (:func:`interfaces_of`); None where the node could not list them
+    interfaces: dict[str, Interface] | None = None
 
 
 def decide(cluster: Cluster, facts: dict[str, NodeFacts]) -> Cluster:
@@ -137,6 +139,41 @@ def cpu_count(raw: dict) -> int | None:
     return cpus if isinstance(cpus, int) and not isinstance(cpus, bool) and cpus >= 1 else None
 
 
+#: The longest interface name Linux allows (IFNAMSIZ - 1).
+IFNAME_MAX = 15
+
+
+def interfaces_of(value: object) -> dict[str, Interface] | None:
+    """A ``facts`` reply's ``interfaces`` (:func:`ddpfab.node.ops.interfaces`) as data; None when
+    the node could not list them. Raises ValueError, saying what is wrong, on anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"interfaces {nodeprog.printable(repr(value))[:60]} (expected an object, or null)")
+    out: dict[str, Interface] = {}
+    for name, item in value.items():
+        shown = nodeprog.printable(repr(name))[:40]
+        if not isinstance(name, str) or not 0 < len(name) <= IFNAME_MAX or not name.isprintable():
+            raise ValueError(f"interface name {shown} (expected 1-{IFNAME_MAX} printable characters)")
+        if not isinstance(item, dict):
+            raise ValueError(f"interface {shown}: {nodeprog.printable(repr(item))[:60]} (expected an object)")
+        up, state, addrs = item.get("up"), item.get("state"), item.get("addrs")
+        if up is not None and not isinstance(up, bool):
+            raise ValueError(f"interface {shown}: up {nodeprog.printable(repr(up))[:40]} (expected true, false or null)")
+        if state is not None and not (isinstance(state, str) and len(state) <= 40 and state.isprintable()):
+            raise ValueError(f"interface {shown}: state {nodeprog.printable(repr(state))[:40]} (expected a word, or null)")
+        if not isinstance(addrs, list):
+            raise ValueError(f"interface {shown}: addrs {nodeprog.printable(repr(addrs))[:40]} (expected a list)")
+        for a in addrs:
+            try:
+                ipaddress.ip_address(a)
+            except (TypeError, ValueError):
+                raise ValueError(f"interface {shown}: address {nodeprog.printable(repr(a))[:60]} "
+                                 "(expected an IP address)") from None
+        out[name] = Interface(up=up, state=state, addrs=tuple(addrs))
+    return out
+
+
 def facts_request(node: Node, *, workdir: str, script: str | None, port: int | None = None,
                   find_port: bool = False, peers: dict[str, str] | None = None,
                   resolve_names: list[str] | None = None, full: bool = False, reserve_for: str | None = None,
@@ -146,7 +183,8 @@ def facts_request(node: Node, *, workdir: str, script: str | None, port: int | N
     *run_id*, whether the node has that run's dir already (a run id names one run on every node)."""
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
                  "resolve": resolve_names or [], "full": full, "leases": True,
-                 "resources": True}  # the node's resources a job needs (ddpfab.health.resources)
+                 "resources": True,  # the node's resources a job needs (ddpfab.health.resources)
+                 "interfaces": True}  # what --socket-ifname IFACE is checked against
     if run_id:
         req["run_dir"] = f"~/{REMOTE_RUNS_DIR}/{run_id}"
     if port:
@@ -167,6 +205,10 @@ def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
     bad = [f"{key} {nodeprog.printable(repr(value))[:60]} (expected {want})" for key, value, ok, want in (
         ("free_port", free_port, free_port is None or is_port(free_port), "an integer 1-65535, or null"),
         ("port_free", port_free, port_free is None or isinstance(port_free, bool), "true, false or null")) if not ok]
+    try:
+        ifaces = interfaces_of(data.get("interfaces"))
+    except ValueError as exc:
+        bad.append(str(exc))
     if bad:
         raise nodeprog.NodeProgramError(node.name, f"its facts give {'; '.join(bad)}; ddpfab's node program never "
                                                    "answers so: check what runs as ddpfab_python there")
@@ -178,7 +220,7 @@ def to_facts(node: Node, data: dict, sent: float, received: float) -> NodeFacts:
                          env_changes=nodeenv.env_changes(data),
                          python=nodeprog.printable(data["python"]), home=str(data["home"]), torch=bool(data["torch"]),
                          free_port=free_port, port_free=port_free, workdir_exists=bool(data["workdir_exists"]),
-                         script_exists=data.get("script_exists"),
+                         script_exists=data.get("script_exists"), interfaces=ifaces,
                          run_dir_used=(nodeprog.printable(data["run_dir_used"])
                                        if isinstance(data.get("run_dir_used"), str) else None),
                          raw={**data, "controller_sent": sent, "controller_received": received})
