@@ -97,6 +97,8 @@ class Options:
         sync: sync the current directory to the nodes' workdirs first.
         fanout: sync's ``star`` or ``tree``.
         compress: sync with rsync --compress.
+        include_keys: sync private keys and ``.ssh/`` files too (left out by default, and named:
+            :mod:`ddpfab.transfer.keys`).
         replicate: files (relative to the workdir) copied from rank 0's node to the others first.
         detach: start the job and return.
         runs_dir: where run records go.
@@ -139,6 +141,7 @@ class Options:
     sync: bool = True
     fanout: str = "star"
     compress: bool = False
+    include_keys: bool = False
     replicate: tuple[str, ...] = ()
     detach: bool = False
     runs_dir: str = field(default_factory=runs_dir_default)
@@ -283,18 +286,44 @@ class Cluster:
     def sync(self, path: str | os.PathLike = ".", *, fanout: str = "star", compress: bool = False,
              checksum: bool = False, keep: Iterable[str] = (), with_git: bool = False, verify_only: bool = False,
              adopt: bool = False, dry_run: bool = False, wait: bool = True, runs_dir: str | os.PathLike | None = None,
-             progress: Say | None = None):
+             progress: Say | None = None, include_keys: bool = False):
         """``ddpfab sync``: the :class:`ddpfab.transfer.sync.SyncResult`; SyncError when refused. The
         run records (*runs_dir*, default :func:`runs_dir_default`) are never sent, as a run's sync
-        leaves them out."""
+        leaves them out. Private keys are left out, said in one line, unless *include_keys*."""
         # slow to import: see LAZY above
-        from ddpfab.transfer.sync import LOCK_WAIT_S, runs_keep, sync_cluster
+        from ddpfab.transfer.sync import LOCK_WAIT_S, SyncError, runs_keep, sync_cluster
 
         keep = (*keep, *runs_keep(path, runs_dir_default() if runs_dir is None else runs_dir))
-        return sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
-                            ssh_config=self.ssh_config, checksum=checksum, keep=keep, with_git=with_git,
-                            verify_only=verify_only, adopt=adopt, dry_run=dry_run,
-                            lock_wait=LOCK_WAIT_S if wait else 0, progress=progress)
+        try:
+            result = sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
+                                  ssh_config=self.ssh_config, checksum=checksum, keep=keep, with_git=with_git,
+                                  verify_only=verify_only, adopt=adopt, dry_run=dry_run,
+                                  lock_wait=LOCK_WAIT_S if wait else 0, progress=progress, include_keys=include_keys)
+        except SyncError as exc:
+            self._say_left_out(exc.result.left_out if exc.result else [])
+            raise
+        self._say_left_out(result.left_out)
+        return result
+
+    def _left_out_here(self, opts: Options) -> list[str]:
+        """The private keys a run's sync from here would leave out (its selection, made here)."""
+        # slow to import: see LAZY above
+        from ddpfab.transfer import sync as syncmod
+
+        try:
+            return syncmod.select(os.getcwd(), syncmod.runs_keep(os.getcwd(), opts.runs_dir),
+                                  include_keys=opts.include_keys).left_out
+        except syncmod.SyncError as exc:
+            raise PlanError(str(exc.problems[0])) from None
+
+    def _say_left_out(self, paths: list[str]) -> None:
+        """The one line about the private keys a sync left out (:mod:`ddpfab.transfer.keys`), if any:
+        said whether or not progress lines are, since the user may expect them on the nodes."""
+        if paths:
+            # slow to import: see LAZY above
+            from ddpfab.transfer.keys import left_out_line
+
+            self.say(left_out_line(paths))
 
     def exec(self, cmd: str | Iterable[str], *, nodes: Iterable[str] | None = None, timeout: float | None = None,
              printer=None, color: bool | None = None) -> GroupResult:
@@ -379,6 +408,8 @@ class Cluster:
             if why:
                 raise PlanError(why)
             check_script_here(run_options.script, run_options.module)
+            if opts.dry_run:  # what the real run's sync would leave out, said as it would
+                self._say_left_out(self._left_out_here(opts))
         if opts.dry_run and opts.offline:
             plan = self._offline_plan(nodes, run_options, opts)
             for path in paths:
@@ -508,19 +539,22 @@ class Cluster:
 
         keep = syncmod.runs_keep(os.getcwd(), opts.runs_dir)  # recorded: replay hashes the tree the same way
         try:
-            result = syncmod.unchanged(nodes, conns, os.getcwd(), keep=keep, sessions=sessions)
+            result = syncmod.unchanged(nodes, conns, os.getcwd(), keep=keep, sessions=sessions,
+                                       include_keys=opts.include_keys)
             if result is None:
                 with Ticker(copying, enabled=progress):
                     result = syncmod.sync_cluster(nodes, os.getcwd(), self.policy, fanout=opts.fanout,
                                                   compress=opts.compress, ssh_config=self.ssh_config, progress=say,
-                                                  conns=conns, fast=False, keep=keep)
+                                                  conns=conns, fast=False, keep=keep, include_keys=opts.include_keys)
         except syncmod.SyncError as exc:
+            self._say_left_out(exc.result.left_out if exc.result else [])
             # per node as problems (a restart leaves out the node they name) when sync got that far
             problems = exc.result.problems() if exc.result else exc.problems
             raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
                                    for p in problems]
                                   + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
                                   + ["(skip syncing with --no-sync)"]) from None
+        self._say_left_out(result.left_out)
         return {**result.to_dict(), **({"keep": list(keep)} if keep else {})}
 
     def _replicate(self, prepared, paths: tuple[str, ...], dry_run: bool) -> dict | None:

@@ -91,6 +91,13 @@ def add_runs_dir_arg(p: argparse.ArgumentParser, what: str = "where run records 
                    help=f"{what} (default: ./runs, or $DDPFAB_RUNS_DIR)")
 
 
+def add_include_keys_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--include-keys``, one meaning in sync and run (whose sync comes first)."""
+    p.add_argument("--include-keys", action="store_true",
+                   help=f"{prefix}send private keys (id_*, *.pem/*.key and files with a private key header) and "
+                        ".ssh/ dirs too; left out by default, and named (a `!PATH` line in .ddpfabignore sends one)")
+
+
 def run_id_type(text: str) -> str:
     """argparse's type for a RUN_ID argument (stop, attach, logs, doctor, replay): a run id as
     ``--run-id`` takes it, or exit 2: it names a directory here and on the nodes (``../..`` would

@@ -9,8 +9,8 @@ from dataclasses import fields
 
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
-from ddpfab.cli.common import (add_cluster_args, add_env_args, add_floors_arg, add_runs_dir_arg, add_script_args,
-                               api_cluster, nonempty_path, nproc_type)
+from ddpfab.cli.common import (add_cluster_args, add_env_args, add_floors_arg, add_include_keys_arg, add_runs_dir_arg,
+                               add_script_args, api_cluster, nonempty_path, nproc_type)
 from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
@@ -103,6 +103,7 @@ def _add_run_command_args(run: argparse.ArgumentParser) -> None:
     run.add_argument("--fanout", choices=("star", "tree"), default="star",
                      help="sync: star = controller to every node; tree = nodes forward to each other")
     run.add_argument("--compress", action="store_true", help="sync: rsync --compress (slow uplinks)")
+    add_include_keys_arg(run, "sync: ")
     run.add_argument("--replicate", action="append", default=[], metavar="PATH",
                      help="copy PATH (a file, relative to the workdir: a checkpoint saved by rank 0 only) from rank "
                           "0's node to every other node before the launch, verified by hash on each; repeatable; "

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from ddpfab.cli.common import add_cluster_args, add_runs_dir_arg, api_cluster
+from ddpfab.cli.common import add_cluster_args, add_include_keys_arg, add_runs_dir_arg, api_cluster
 from ddpfab.cli.config import MISSING_INVENTORY
 from ddpfab.cli.errors import die, refuse
 from ddpfab.hosts import inventory
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a path (gitignore syntax, e.g. 'checkpoints/') that sync never sends, overwrites, deletes "
                         "or hashes, even where ddpfab placed it earlier; adds to .ddpfabkeep")
     p.add_argument("--with-git", action="store_true", help="send .git too")
+    add_include_keys_arg(p)
     add_runs_dir_arg(p, "the run records, never sent when inside PATH (give run's --runs-dir)")
     p.add_argument("--adopt", action="store_true",
                    help="take over a workdir that exists, is not empty and was not made by ddpfab (nothing there "
@@ -87,15 +88,19 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def _cmd_sync(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.transfer.keys import left_out_line
     from ddpfab.transfer.sync import BUSY, SyncError, _mb, runs_keep, select
 
     out = sys.stdout
     if args.list:
         try:
-            sel = select(args.path, (*args.keep, *runs_keep(args.path, args.runs_dir)), args.with_git)
+            sel = select(args.path, (*args.keep, *runs_keep(args.path, args.runs_dir)), args.with_git,
+                         args.include_keys)
         except SyncError as exc:
             die(exc.problems[0])
             return 2
+        if sel.left_out:
+            sys.stderr.write(f"ddpfab: {left_out_line(sel.left_out)}\n")
         for rel in sel.files:
             out.write(rel + "\n")
         return 0
@@ -109,7 +114,8 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     try:
         result = cluster.sync(args.path, fanout=args.fanout, compress=args.compress, checksum=args.checksum,
                               keep=args.keep, with_git=args.with_git, verify_only=args.verify_only, adopt=args.adopt,
-                              dry_run=args.dry_run, wait=not args.no_wait, runs_dir=args.runs_dir, progress=say)
+                              dry_run=args.dry_run, wait=not args.no_wait, runs_dir=args.runs_dir, progress=say,
+                              include_keys=args.include_keys)
     except SyncError as exc:
         if args.json and exc.result is not None:
             _write_json(exc.result, out)

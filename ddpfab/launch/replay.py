@@ -117,7 +117,8 @@ def _current_tree_hash(code: dict) -> str:
     keep = code.get("keep") or []  # the run's runs dir inside the project (sync.runs_keep), as data
     if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
         raise ValueError(f"the manifest's code.keep must be a list of patterns, found {json.dumps(keep)[:80]}")
-    sel = sync.select(src, tuple(keep), with_git=bool(code.get("with_git")))
+    sel = sync.select(src, tuple(keep), with_git=bool(code.get("with_git")),
+                      include_keys=code.get("include_keys") is True)
     return sync.local_tree(sel)["tree_hash"]
 
 

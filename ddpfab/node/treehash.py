@@ -195,12 +195,22 @@ class IgnoreFiles:
             self._dir_rules[d] = p.rules
         return self._dir_rules[d]
 
-    def _decide(self, rel, is_dir):
+    def _verdict(self, rel, is_dir):
+        """True (ignored), False (a negation was the last rule to match) or None (no rule did)."""
         parts = rel.split("/")
         verdict = self.top.decide(rel, is_dir)
         for k in range(len(parts)):
             verdict = _decide(self._rules_of("/".join(parts[:k])), rel, is_dir, verdict)
-        return bool(verdict)
+        return verdict
+
+    def _decide(self, rel, is_dir):
+        return bool(self._verdict(rel, is_dir))
+
+    def negated(self, rel):
+        """Whether file *rel*, or a directory above it, is named by a negation (``!PATTERN``) that
+        is the last rule to match it: asked for on purpose."""
+        parts = rel.split("/")
+        return any(self._verdict("/".join(parts[:k]), k < len(parts)) is False for k in range(1, len(parts) + 1))
 
     def dir_ignored(self, rel):
         if rel not in self._dir_ignored:

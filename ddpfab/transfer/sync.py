@@ -11,7 +11,9 @@ What is sent (the *selection*): in a git work tree, exactly ``git ls-files -co -
 git); elsewhere, a walk that applies ``.gitignore`` files like git does. Then, in both cases,
 ``.ddpfabignore`` files (gitignore syntax) remove more, and the skipped paths of
 :mod:`ddpfab.node.treehash` (``runs/``, ``__pycache__``, ``.git`` unless ``--with-git``, ``.ddpfab/``,
-virtualenvs, *keep* patterns) are never sent. rsync receives that list as ``--files-from``.
+virtualenvs, *keep* patterns) are never sent. Private keys and ``.ssh/`` directories
+(:mod:`ddpfab.transfer.keys`) are left out too, and named in one line, unless ``--include-keys``
+(or a ``.ddpfabignore`` negation names one). rsync receives that list as ``--files-from``.
 
 Ownership, not a mirror: each node's workdir records what ddpfab placed (``.ddpfab/sync.json``).
 A sync deletes on a node only recorded files that are gone here (deleted or renamed); a file that
@@ -65,6 +67,7 @@ from ddpfab.remote.runner import Agent, Finished, NodeRunner, close_group, hop_r
 from ddpfab.remote.runner import rsync_argv as runner_argv
 from ddpfab.remote.target import HostKeyPolicy, TargetError, bracket, resolve_all
 from ddpfab.results import GroupResult
+from ddpfab.transfer import keys
 
 #: rsync flags: links as links, permissions, times (the quick check needs them); no owners/groups
 #: (files belong to the SSH user); no deletions (ddpfab deletes only what it placed, on the node);
@@ -158,6 +161,8 @@ class SyncResult:
         notes: things the user should know (fallbacks, shared dirs).
         duration_s: wall time of the whole sync.
         dry_run: nothing was written; ``items`` per node say what would be.
+        left_out: the private keys (and ``.ssh/`` files) the selection left out
+            (:mod:`ddpfab.transfer.keys`); include_keys: they were sent on purpose (``--include-keys``).
     """
 
     src: str
@@ -172,6 +177,8 @@ class SyncResult:
     notes: list[str] = field(default_factory=list)
     duration_s: float = 0.0
     dry_run: bool = False
+    left_out: list[str] = field(default_factory=list)
+    include_keys: bool = False
 
     @property
     def ok(self) -> bool:
@@ -201,7 +208,9 @@ class SyncResult:
 # -- what is sent ------------------------------------------------------------------------------
 @dataclass
 class Selection:
-    """The files (and symlinks) to send, relative to ``root``, and where that list came from."""
+    """The files (and symlinks) to send, relative to ``root``, and where that list came from;
+    ``left_out``: the private keys it holds back (:mod:`ddpfab.transfer.keys`), none with
+    ``include_keys``."""
 
     root: str
     files: list[str]
@@ -210,6 +219,14 @@ class Selection:
     with_git: bool = False
     git_commit: str | None = None
     git_dirty: bool | None = None
+    left_out: list[str] = field(default_factory=list)
+    include_keys: bool = False
+
+    def result(self, **fields) -> SyncResult:
+        """A SyncResult of this selection (its counts, origin and what it left out), *fields* added."""
+        return SyncResult(src=self.root, files=len(self.files), selection=self.source, git_commit=self.git_commit,
+                          git_dirty=self.git_dirty, left_out=list(self.left_out), include_keys=self.include_keys,
+                          **fields)
 
 
 def keep_patterns(root: str, extra: tuple[str, ...] | list[str] = ()) -> tuple[str, ...]:
@@ -257,8 +274,10 @@ def _git_listing(root: str) -> list[str] | None:
     return rels
 
 
-def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_git: bool = False) -> Selection:
-    """The selection of *src*: what a sync sends (see the module doc)."""
+def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_git: bool = False,
+           include_keys: bool = False) -> Selection:
+    """The selection of *src*: what a sync sends (see the module doc). Private keys are left out
+    (``left_out``) unless *include_keys*, or a ``.ddpfabignore`` negation names one."""
     root = os.path.abspath(os.fspath(src))
     if not os.path.isdir(root):
         raise SyncError([f"{root}: not a directory"])
@@ -309,8 +328,13 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
             for dirpath, dirnames, filenames in os.walk(os.path.join(root, ".git")):
                 for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
                     files.append(os.path.relpath(os.path.join(dirpath, name), root))
+    left_out: list[str] = []
+    if not include_keys:  # one rule for both listings, after every other one
+        files, left_out = keys.split(root, files, ddp_ignore.negated)
     files.sort(key=os.fsencode)
+    left_out.sort(key=os.fsencode)
     return Selection(root=root, files=files, source=source, keep=patterns, with_git=with_git,
+                     left_out=left_out, include_keys=include_keys,
                      git_commit=commit, git_dirty=dirty)
 
 
@@ -971,7 +995,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
                  adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
                  progress: Callable[[str], None] | None = None, conns: dict | None = None,
-                 fast: bool = True) -> SyncResult:
+                 fast: bool = True, include_keys: bool = False) -> SyncResult:
     """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
     and is gone here, and prove the result by hash.
 
@@ -998,6 +1022,8 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             opened; else one is opened per node for this sync and closed after it.
         fast: first the hash-only check (:func:`unchanged`): when every node already has this
             tree, nothing more is started (not for a dry run, ``verify_only`` or ``checksum``).
+        include_keys: send private keys and ``.ssh/`` files too (:mod:`ddpfab.transfer.keys`); by
+            default they are left out (the result's ``left_out`` names them).
 
     Returns the SyncResult; raises SyncError (with the result) when any node failed.
     """
@@ -1007,7 +1033,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
     progress = progress or (lambda _line: None)
     if not verify_only and shutil.which("rsync") is None:
         raise SyncError(["rsync not found on this machine: apt-get install rsync"])
-    sel = select(src, keep, with_git)
+    sel = select(src, keep, with_git, include_keys)
     if not sel.files and not verify_only:
         raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty)"])
     problems = []
@@ -1047,8 +1073,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
     """:func:`sync_cluster` once every node's connection is open (or known to be down)."""
     job = _Sync(cluster, sel, conns, down, compress, checksum, progress, adopt, lock_wait)
     job.dry_run, job.verify_only = dry_run, verify_only
-    result = SyncResult(src=sel.root, tree_hash="", files=len(sel.files), bytes=0, selection=sel.source,
-                        git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout=fanout, dry_run=dry_run)
+    result = sel.result(tree_hash="", bytes=0, fanout=fanout, dry_run=dry_run)
     try:
         if fanout == "tree" and not (verify_only or dry_run):
             # the agent first: the masters to the nodes must know it to forward it later
@@ -1107,7 +1132,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
 
 
 def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tuple[str, ...] | list[str] = (),
-              with_git: bool = False, sessions: dict | None = None) -> SyncResult | None:
+              with_git: bool = False, sessions: dict | None = None, include_keys: bool = False) -> SyncResult | None:
     """The no-copy fast path of a sync (``ddpfab sync``, and before ``run``): when every node's
     workdir already hashes to this tree (the usual case while iterating: nothing changed since
     the last sync), the result that proves it, else None (then :func:`sync_cluster` does the
@@ -1122,9 +1147,10 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
     busy workdir is not "unchanged" but a reason for the full sync, which waits for that sync and
     says whose it is. A workdir without a record (a shared filesystem) is asked once more for the
     hash of exactly this tree's paths. Any problem (no python, no workdir, a mismatch) is not an
-    error here, only a reason to do the full sync, which reports it properly.
+    error here, only a reason to do the full sync, which reports it properly. *include_keys*: the
+    selection keeps private keys (:mod:`ddpfab.transfer.keys`), as the sync's own.
     """
-    sel = select(src, keep, with_git)
+    sel = select(src, keep, with_git, include_keys)
     return _unchanged(cluster, conns, sel, sessions)
 
 
@@ -1181,8 +1207,7 @@ def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | N
     if len(hashed) < len(nodes) or any(not ans.ok or ans.result.get("tree_hash") != local["tree_hash"]
                                        for ans in hashed.values()):
         return None
-    result = SyncResult(src=sel.root, tree_hash=local["tree_hash"], files=len(sel.files), bytes=local["bytes"],
-                        selection=sel.source, git_commit=sel.git_commit, git_dirty=sel.git_dirty, fanout="none")
+    result = sel.result(tree_hash=local["tree_hash"], bytes=local["bytes"], fanout="none")
     for n in cluster.nodes:
         result.nodes[n.name] = NodeSync(n.name, workdir=workdir.resolve(n.workdir, None) if n.workdir else sel.root,
                                         source="unchanged", verify_s=seconds, tree_hash=local["tree_hash"], ok=True,
