@@ -266,8 +266,8 @@ def relay(copy: Copy, conns: dict, nodes: dict, workdirs: dict[str, str]) -> lis
     try:
         src_chan.settimeout(TIMEOUT_S)
         src_chan.exec_command(nodeprog.command(src.python, "ddpfab-node"))
-        src_chan.sendall(nodeprog.stdin_for({"id": 1, "op": "replica_send", "workdir": workdirs[src.name],
-                                             "path": copy.path}))
+        send = {"id": 1, "op": "replica_send", "workdir": workdirs[src.name], "path": copy.path}
+        src_chan.sendall(nodeprog.setup_head(src.python) + nodeprog.stdin_for(send))
         src_chan.shutdown_write()
         head = nodeprog.parse_reply(_read_line(src_chan))
         if head is None or head.id != 1 or head.op != "replica_send":
@@ -285,8 +285,9 @@ def relay(copy: Copy, conns: dict, nodes: dict, workdirs: dict[str, str]) -> lis
                 chan = conns[name].transport.open_session(timeout=30)
                 chan.settimeout(TIMEOUT_S)
                 chan.exec_command(nodeprog.command(nodes[name].python, "ddpfab-node"))
-                chan.sendall(nodeprog.stdin_for({"id": 1, "op": "replica_receive", "workdir": workdirs[name],
-                                                 "path": copy.path, "bytes": copy.bytes, "sha256": copy.sha256}))
+                receive = {"id": 1, "op": "replica_receive", "workdir": workdirs[name], "path": copy.path,
+                           "bytes": copy.bytes, "sha256": copy.sha256}
+                chan.sendall(nodeprog.setup_head(nodes[name].python) + nodeprog.stdin_for(receive))
                 chans[name] = chan
             except Exception as exc:  # noqa: BLE001 - one node's failure is data
                 fail(name, f"could not start the copy there: {exc}")

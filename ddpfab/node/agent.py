@@ -352,17 +352,32 @@ def _kmsg_records(fd):
             continue
 
 
-def oom_kill_in(records, pid, comm, since_us):
+#: The initial PID namespace's inode number (the kernel's PROC_PID_INIT_INO): outside it, the
+#: kernel log's pids are not ours.
+INIT_PID_NS = 0xEFFFFFFC
+
+
+def in_init_pid_namespace():
+    """Whether this process sees the kernel's own pids (the kernel log names processes by them)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino == INIT_PID_NS
+    except OSError:
+        return False
+
+
+def oom_kill_in(records, pid, comm, since_us, by_name=None):
     """Is one of *records* (``PRIO,SEQ,USEC,FLAGS;TEXT``) of time *since_us* or later the OOM
-    killer's ``Killed process PID (COMM)`` of *pid*? Inside a PID namespace the log names the
-    host's pid, so there the command name *comm* and the time decide."""
+    killer's ``Killed process PID (COMM)`` of *pid*? Inside a PID namespace (*by_name*, default:
+    :func:`in_init_pid_namespace` says no) the log names the host's pid, so there the command
+    name *comm* and the time decide."""
+    by_name = (not in_init_pid_namespace()) if by_name is None else by_name
     for record in records:
         head, _, text = record.partition(";")
         fields = head.split(",")
         if len(fields) < 3 or not fields[2].isdigit() or int(fields[2]) < since_us:
             continue
         m = re.search(r"Killed process (\d+) \(([^)]*)\)", text)
-        if m and (int(m.group(1)) == pid or (comm is not None and m.group(2) == comm)):
+        if m and (int(m.group(1)) == pid or (by_name and comm is not None and m.group(2) == comm)):
             return True
     return False
 

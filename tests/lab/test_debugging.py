@@ -9,6 +9,7 @@ checkout lies), so a test can change "the code" there without touching the repos
 
 from __future__ import annotations
 
+import re
 import json
 import os
 import shutil
@@ -187,7 +188,8 @@ def test_replay_chooses_the_nodes_and_variables_the_run_had(lab, recorded, reque
     # the job commands reach the run's nodes as the run did
     res = ddpfab("logs", rid, "--runs-dir", str(runs), cwd=recorded.workdir)
     assert res.returncode == 0 and res.stdout.startswith("node2: "), res.stdout + res.stderr
-    assert "HELLO" in Path(res.stdout.split(": ", 1)[1].strip()).read_text()
+    path = re.match(r"node2: (.+) \(\d+ lines?\)$", res.stdout.splitlines()[0])  # node: PATH (N lines)
+    assert path and "HELLO" in Path(path.group(1)).read_text(), res.stdout
 
 
 def test_exec_runs_on_every_node_at_once_and_reports_failures(lab, tmp_path):

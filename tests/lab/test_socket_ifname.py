@@ -33,14 +33,19 @@ def real_ifname(lab, name: str) -> str:
     return dev
 
 
-def assert_nothing_started(lab, tmp_path: Path) -> None:
+def node_records(lab) -> dict[str, set[str]]:
+    """The run records on each node (the session lab is shared: other tests' records are there)."""
+    return {name: set(host_sh(lab, name, "ls -A ~/.ddpfab/runs 2>/dev/null").stdout.split()) for name in NODES}
+
+
+def assert_nothing_started(lab, tmp_path: Path, before: dict[str, set[str]]) -> None:
     assert job_processes(lab) == {n: [] for n in NODES}
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    for name in NODES:  # no run record on any node either
-        assert host_sh(lab, name, "ls -A ~/.ddpfab/runs 2>/dev/null").stdout.strip() == ""
+    assert node_records(lab) == before  # no run record on any node either
 
 
 def test_an_interface_the_nodes_lack_is_refused_before_anything_starts(lab, inventory3, tmp_path):
+    before = node_records(lab)
     ifname = real_ifname(lab, "node1")
     runs = ("--runs-dir", str(tmp_path / "runs"))
     res = ddpfab("run", "-i", str(inventory3), *runs, "--socket-ifname", "nosuchif0", REPORT_ENV, timeout=60)
@@ -51,7 +56,7 @@ def test_an_interface_the_nodes_lack_is_refused_before_anything_starts(lab, inve
                 in res.stderr), res.stderr
         assert f"{ifname} ({addr}" in res.stderr.split(f"host {name}: ", 1)[1].splitlines()[0]
     assert f"use --socket-ifname auto (which chooses {ifname}), or name one of its interfaces: {ifname}" in res.stderr
-    assert_nothing_started(lab, tmp_path)
+    assert_nothing_started(lab, tmp_path, before)
 
     dry = ddpfab("run", "-i", str(inventory3), *runs, "--dry-run", "--json", "--socket-ifname", "nosuchif0",
                  REPORT_ENV, timeout=60)
@@ -59,10 +64,11 @@ def test_an_interface_the_nodes_lack_is_refused_before_anything_starts(lab, inve
     problems = json.loads(dry.stdout)["problems"]
     assert [(p["node"], p["check"]) for p in problems] == [(n, "socket_ifname") for n in NODES]
     assert all(p["found"].startswith("no interface nosuchif0; it has lo (127.0.0.1") for p in problems)
-    assert_nothing_started(lab, tmp_path)
+    assert_nothing_started(lab, tmp_path, before)
 
 
 def test_an_interface_that_is_down_on_a_node_is_refused_there(lab, inventory3, tmp_path):
+    before = node_records(lab)
     add = host_sh(lab, "node2", "ip link add side0 type veth peer name side1")  # a new link is down
     assert add.returncode == 0, add.stderr
     try:
@@ -75,7 +81,7 @@ def test_an_interface_that_is_down_on_a_node_is_refused_there(lab, inventory3, t
     found = {p["node"]: p["found"] for p in problems}
     assert found["node2"].startswith("side0 is down;") and "side0 (down)" in found["node2"]
     assert found["node1"].startswith("no interface side0;")
-    assert_nothing_started(lab, tmp_path)
+    assert_nothing_started(lab, tmp_path, before)
 
 
 def test_the_hosts_real_interface_still_runs(lab, inventory2, tmp_path):

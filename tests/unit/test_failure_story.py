@@ -141,10 +141,11 @@ def test_a_rank_killed_by_a_signal_is_its_own_failure_a_sigterm_is_a_stop():
 def test_the_kernels_oom_record_is_matched_by_pid_or_by_name_and_time():
     records = ["6,10,5000000,-;Memory cgroup out of memory: Killed process 4242 (pt_main_thread) total-vm:1kB",
                "6,11,9000000,-;Out of memory: Killed process 77 (python3) total-vm:1kB"]
-    assert oom_kill_in(records, 4242, None, 1_000_000)
-    assert oom_kill_in(records, 12, "pt_main_thread", 1_000_000)  # in a PID namespace: the host's pid
-    assert not oom_kill_in(records, 12, "pt_main_thread", 6_000_000)  # too old
-    assert not oom_kill_in(records, 12, "other", 0) and not oom_kill_in(["garbage", "1,2;x"], 12, None, 0)
+    assert oom_kill_in(records, 4242, None, 1_000_000, by_name=False)
+    assert oom_kill_in(records, 12, "pt_main_thread", 1_000_000, by_name=True)  # in a PID namespace: the host's pid
+    assert not oom_kill_in(records, 12, "pt_main_thread", 1_000_000, by_name=False)  # the kernel's pids are ours
+    assert not oom_kill_in(records, 12, "pt_main_thread", 6_000_000, by_name=True)  # too old
+    assert not oom_kill_in(records, 12, "other", 0, by_name=True) and not oom_kill_in(["garbage", "1,2;x"], 12, None, 0)
 
 
 def test_a_usage_error_is_quoted_and_ddpfabs_own_options_are_pointed_out():
