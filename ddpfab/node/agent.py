@@ -581,7 +581,82 @@ LINE_HOLD = 0.5
 LINE_HOLD_BYTES = 1 << 16
 
 
-def relay_lines(fds, emit, hold=LINE_HOLD):
+def _tapped(emit, seen):
+    """``emit`` for :func:`relay_lines`: ``(fd, chunk)`` to *seen* (if any), the chunk on."""
+    def tapped(fd, chunk):
+        if seen is not None:
+            seen(fd, chunk)
+        emit(chunk)
+    return tapped
+
+
+class RankLines(object):
+    """Counts the lines torchrun's ``--tee`` relayed for each local rank, by stream; *streams*:
+    fd -> "stdout"/"stderr". Called with ``(fd, chunk)`` for each chunk the relay passes on."""
+
+    def __init__(self, streams):
+        self.streams = streams
+        self.tag = re.compile(br"^\[default(\d+)\]:")
+        self.count = {}  # (stream, local rank) -> lines relayed
+        self._line = {}  # fd -> the local rank whose line is open (None: not a rank's); absent: at a line's start
+
+    def __call__(self, fd, chunk):
+        pieces = chunk.split(b"\n")
+        for i, piece in enumerate(pieces):
+            ended = i < len(pieces) - 1
+            if fd not in self._line and (piece or ended):
+                tag = self.tag.match(piece)
+                self._line[fd] = int(tag.group(1)) if tag else None
+            if ended:
+                local = self._line.pop(fd, None)
+                if local is not None:
+                    key = (self.streams.get(fd), local)
+                    self.count[key] = self.count.get(key, 0) + 1
+
+
+#: The most lines of a failed rank's log that are relayed after its job ended (its traceback's end).
+CATCH_UP_LINES = 200
+
+
+def unrelayed_lines(log_dir, local_rank, relayed, limit=CATCH_UP_LINES):
+    """The lines local rank *local_rank* wrote to its log files under torchrun's *log_dir* (the
+    newest attempt) past the *relayed* counts (:attr:`RankLines.count`), tagged as ``--tee`` tags
+    them, stdout's first; the last *limit* of each. torchrun's tee polls the files every 0.1 s, and
+    a job ended right after a rank failed (under load, or stopped by ddpfab) can take the end of
+    its traceback with it: this is that end."""
+    newest = None
+    try:
+        for sub in os.listdir(log_dir):
+            path = os.path.join(log_dir, sub)
+            if not os.path.isdir(path):
+                continue
+            for attempt in os.listdir(path):
+                number = attempt.split("_", 1)[1] if attempt.startswith("attempt_") else ""
+                if number.isdigit() and (newest is None or int(number) > newest[0]):
+                    newest = (int(number), os.path.join(path, attempt, str(int(local_rank))))
+    except OSError:
+        return []
+    if newest is None:
+        return []
+    out = []
+    for stream in ("stdout", "stderr"):
+        skip, tail = relayed.get((stream, local_rank), 0), []
+        try:  # read as torchrun's tee reads them (text, universal newlines): one of its lines is one here
+            with open(os.path.join(newest[1], "%s.log" % stream), errors="replace") as fh:
+                for number, line in enumerate(fh):
+                    if number >= skip:
+                        tail.append(line)
+                        if len(tail) >= 2 * limit:
+                            del tail[:-limit]
+        except (OSError, ValueError):
+            continue
+        for line in tail[-limit:]:
+            text = "[default%d]:%s" % (local_rank, line if line.endswith("\n") else line + "\n")
+            out.append(text.encode("utf-8", "replace"))
+    return out
+
+
+def relay_lines(fds, emit, hold=LINE_HOLD, seen=None):
     """Pass what the job writes to *fds* (its stdout and stderr) to ``emit`` as one stream of whole
     lines (ended by ``\n`` or ``\r``), until every fd is at its end.
 
@@ -590,7 +665,9 @@ def relay_lines(fds, emit, hold=LINE_HOLD):
     text, then its newline) reaches torchrun's stdout in two pieces, and torchrun's own stderr (a
     c10d warning) could come between them: ``STEP {...}[W1203 socket.cpp:207] ...``. A stream's
     unfinished line waits for its end, for *hold* seconds at most. Lines are passed on in the order
-    they are read; when both streams have lines waiting at once, stdout's go first."""
+    they are read; when both streams have lines waiting at once, stdout's go first. *seen*, when
+    given, is called with ``(fd, chunk)`` for each chunk before it is passed on."""
+    emit = _tapped(emit, seen)
     pending = dict((fd, b"") for fd in fds)
     since = {}  # fd -> when its unfinished line began
     while pending:
@@ -604,14 +681,14 @@ def relay_lines(fds, emit, hold=LINE_HOLD):
             data = pending[fd] + chunk
             if not chunk:  # its end: what is left goes as it is
                 if data:
-                    emit(data)
+                    emit(fd, data)
                 del pending[fd]
                 since.pop(fd, None)
                 continue
             # a "\r" as the last byte may be the first half of a "\r\n": it waits for what follows
             cut = max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1)) + 1
             if cut:
-                emit(data[:cut])
+                emit(fd, data[:cut])
             pending[fd] = data[cut:]
             if not pending[fd]:
                 since.pop(fd, None)
@@ -620,7 +697,7 @@ def relay_lines(fds, emit, hold=LINE_HOLD):
         now = time.monotonic()
         for fd, began in list(since.items()):
             if now - began >= hold or len(pending[fd]) >= LINE_HOLD_BYTES:
-                emit(pending[fd])
+                emit(fd, pending[fd])
                 pending[fd] = b""
                 del since[fd]
 
@@ -724,8 +801,10 @@ def main(spec):
                 link_ok[0] = False
                 request_stop("controller link broken")
 
+    relayed = RankLines({job.stdout.fileno(): "stdout", job.stderr.fileno(): "stderr"})
+
     def relay():
-        relay_lines((job.stdout.fileno(), job.stderr.fileno()), emit)
+        relay_lines((job.stdout.fileno(), job.stderr.fileno()), emit, seen=relayed)
 
     failed_worker = []
     workers = {}  # pid -> worker_identity(pid), filled by watch_workers
@@ -781,6 +860,10 @@ def main(spec):
     # a worker failed before anything stopped the job: the node failed on its own, also when ddpfab's
     # stop (another node saw the same failure first) came while its last lines were relayed
     own_failure = bool(own_failure_since)
+    local = failed_worker[0][2].get("local_rank") if own_failure else None
+    if type(local) is int and not relayer.is_alive():  # what torchrun had not relayed of it yet: its traceback
+        for line in unrelayed_lines(spec.get("log_dir") or "", local, relayed.count):
+            emit(line)
     if own_failure:
         code = 1  # what torchrun itself exits with when a worker fails
         pid, how, _ = failed_worker[0]

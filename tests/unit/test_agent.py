@@ -332,3 +332,59 @@ def test_a_worker_killed_before_a_stop_is_the_nodes_own_failure(tmp_path):
     assert result["failed_worker"] == {"pid": worker, "signal": 9, "rank": 5, "local_rank": 1}, result
     assert result["failed_at"] is not None and "another node failed" not in (result["stopped"] or ""), result
     assert not alive(other)
+
+
+# a torchrun whose tee lags: its worker (local rank 1) writes a traceback to its log file and
+# fails; the tee has relayed the first line only when the agent ends the job
+LAGGING_TEE = r"""
+import os, subprocess, sys, time
+logs = os.path.join(sys.argv[1], "r_x1y2", "attempt_0", "1")
+os.makedirs(logs)
+worker = subprocess.Popen([sys.executable, "-c",
+    "import sys, time; time.sleep(0.6); open(sys.argv[1] + '/stdout.log', 'w').write('step 0 ok\\n');"
+    "open(sys.argv[1] + '/stderr.log', 'w').write('Traceback (most recent call last):\\n'"
+    "'  File \"train.py\", line 3, in <module>\\n' 'ValueError: bad batch\\n'); sys.exit(1)", logs],
+    env=dict(os.environ, RANK="5", LOCAL_RANK="1"))
+sys.stdout.write("[default1]:step 0 ok\n")
+sys.stdout.flush()
+while not os.path.getsize(os.path.join(logs, "stderr.log")) if os.path.exists(os.path.join(logs, "stderr.log")) else True:
+    time.sleep(0.01)
+sys.stderr.write("[default1]:Traceback (most recent call last):\n")
+sys.stderr.flush()
+time.sleep(300)
+"""
+
+
+def test_what_the_tee_had_not_relayed_of_a_failed_rank_is_relayed_after_the_job(tmp_path):
+    launcher = tmp_path / "bin" / "torchrun"
+    launcher.parent.mkdir()
+    launcher.write_text(LAGGING_TEE)
+    spec = {"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": True,
+            "log_dir": str(tmp_path / "logs"), "argv": [sys.executable, str(launcher), str(tmp_path / "logs")]}
+    proc = spawn(spec)  # (its stdin, the link to ddpfab, stays open)
+    proc.wait(timeout=30)
+    out = proc.stdout.read()
+    assert proc.returncode == 1, out
+    lines = out.decode().splitlines()
+    told = [ln for ln in lines if ln.startswith("[default1]:")]
+    assert told == ["[default1]:step 0 ok", "[default1]:Traceback (most recent call last):",
+                    '[default1]:  File "train.py", line 3, in <module>', "[default1]:ValueError: bad batch"], lines
+    assert (tmp_path / "run" / "output.log").read_bytes().decode().count("ValueError: bad batch") == 1
+
+
+def test_rank_lines_counts_whole_tagged_lines_however_the_chunks_fall():
+    tally = agent.RankLines({1: "stdout", 2: "stderr"})
+    for fd, chunk in [(1, b"[default0]:a\n[default1]:b"), (2, b"[default1]:x\n"), (1, b" still b\n"),
+                      (1, b"torchrun's own\n"), (1, b""), (1, b"[default0]:c\n\n[default12]:d\n")]:
+        tally(fd, chunk)
+    assert tally.count == {("stdout", 0): 2, ("stdout", 1): 1, ("stderr", 1): 1, ("stdout", 12): 1}
+
+
+def test_unrelayed_lines_are_the_newest_attempts_past_what_was_relayed(tmp_path):
+    for attempt, text in (("attempt_0", "old\n"), ("attempt_1", "one\ntwo\r\nthree")):
+        (tmp_path / "r_1" / attempt / "0").mkdir(parents=True)
+        (tmp_path / "r_1" / attempt / "0" / "stderr.log").write_bytes(text.encode())
+    assert agent.unrelayed_lines(str(tmp_path), 0, {("stderr", 0): 1}) == [b"[default0]:two\n", b"[default0]:three\n"]
+    assert agent.unrelayed_lines(str(tmp_path), 0, {}, limit=1) == [b"[default0]:three\n"]
+    assert agent.unrelayed_lines(str(tmp_path), 3, {}) == []
+    assert agent.unrelayed_lines(str(tmp_path / "none"), 0, {}) == []
