@@ -8,7 +8,7 @@ import time
 from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, die, note
 from ddpfab.hosts import inventory
-from ddpfab.remote.output import LinePrinter, summary
+from ddpfab.remote.output import FoldPrinter, LinePrinter, summary
 
 
 def register(sub) -> None:
@@ -19,6 +19,10 @@ def register(sub) -> None:
     p.add_argument("--nodes", help="only these nodes (comma-separated inventory names)")
     p.add_argument("--timeout", type=float, help="give up on a node whose command is silent this long (s)")
     p.add_argument("--no-color", action="store_true")
+    p.add_argument("--fold", action="store_true",
+                   help="print each node's output once the command ended everywhere, nodes whose output and "
+                        "exit code were the same once under their folded names (node[1-31,33] (32)), the odd "
+                        "ones apart (as dshbak -c, clush -b)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=cmd_exec)
 
@@ -31,11 +35,14 @@ def cmd_exec(args: argparse.Namespace) -> int:
         cluster = api_cluster(args)
         wanted = None if not args.nodes else [w.strip() for w in args.nodes.split(",") if w.strip()]
         names = [n for n in cluster.names if wanted is None or n in wanted]
-        printer = LinePrinter(names, color=False if args.no_color else None)
+        printer: LinePrinter | FoldPrinter = (FoldPrinter(names) if args.fold else
+                                              LinePrinter(names, color=False if args.no_color else None))
         start = time.monotonic()
         results = cluster.exec(words, nodes=wanted, timeout=args.timeout, printer=printer)
     except (ValueError, inventory.InventoryError) as exc:
         return die(str(exc))
+    if isinstance(printer, FoldPrinter):
+        printer.report(results)
     if printer.closed:  # a reader that went away is not a node's failure
         note("stdout was closed: the command was ended on every node")
         return EXIT_CLOSED_STDOUT

@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
+from ddpfab.remote.hostlist import fold_by, fold_names
+
 #: A node's exit code when ddpfab could not reach or run on it (as ssh's own).
 UNREACHABLE = 255
 #: The terminal colours of the hosts' prefixes, in turn (ANSI SGR codes); a run's ranks use them too.
@@ -69,11 +71,54 @@ class LinePrinter:
                 self.closed = True
 
 
+def outcome(result: HostResult) -> str:
+    """A node's end in a word: its exit code, or ``unreachable``."""
+    return "unreachable" if result.error else str(result.exit_code)
+
+
+class FoldPrinter:
+    """``exec --fold``: keeps each node's lines (stdout and stderr, in the order they came) and
+    prints them once the command ended everywhere, nodes that said the same (and ended the same
+    way) once under their folded names, the odd ones apart (:func:`fold_report`)."""
+
+    def __init__(self, names: list[str], out: TextIO | None = None):
+        self.out = out or sys.stdout
+        self.lines: dict[str, list[str]] = {n: [] for n in names}
+        self.lock = threading.Lock()
+        self.closed = False  # as LinePrinter's: nothing is written before the end
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None:
+        with self.lock:
+            self.lines.setdefault(name, []).append(text)
+
+    def report(self, results: dict[str, HostResult]) -> None:
+        try:
+            self.out.write(fold_report(self.lines, results))
+            self.out.flush()
+        except BrokenPipeError:
+            self.closed = True
+
+
+def fold_report(lines: dict[str, list[str]], results: dict[str, HostResult]) -> str:
+    """Each group of nodes whose output and end were the same, as clush -b prints them: a rule,
+    the folded names (with how many, and how they ended when not with 0), a rule, the lines."""
+    said = {name: (tuple(lines.get(name, ())), outcome(r)) for name, r in results.items()}
+    out = []
+    for names, (text, end) in fold_by(said):
+        notes = [str(len(names))] if len(names) > 1 else []
+        if end != "0":
+            notes.append(end if end == "unreachable" else f"exit {end}")
+        label = fold_names(names) + (f" ({', '.join(notes)})" if notes else "")
+        rule = "-" * min(max(len(label), 15), 79)
+        out += [rule, label, rule, *text]
+    return "".join(f"{line}\n" for line in out)
+
+
 def summary(results: dict[str, HostResult], elapsed: float) -> tuple[int, str]:
+    """The exit code of ``exec`` (the first failed node's, in inventory order) and its closing
+    line, the nodes folded by how they ended: ``node[1-127]=0 node128=1``."""
     failed = [r for r in results.values() if r.code != 0]
-    parts = []
-    for r in results.values():
-        parts.append(f"{r.name}={'unreachable' if r.error else r.exit_code}")
+    parts = [f"{fold_names(names)}={end}" for names, end in fold_by({r.name: outcome(r) for r in results.values()})]
     held = " (over the connections `ddpfab hold` keeps open)" if results and all(
         r.held for r in results.values()) else ""
     text = (f"{len(results) - len(failed)}/{len(results)} nodes exited 0 in {elapsed:.2f} s{held}: "

@@ -206,9 +206,13 @@ def test_exec_runs_on_every_node_at_once_and_reports_failures(lab, tmp_path):
 
     res = ddpfab("exec", "-i", str(inv), "--", 'echo out; echo err >&2; [ "$(hostname)" != node2 ] || exit 7')
     assert res.returncode == 7
-    assert "node2=7" in res.stderr and "node1=0" in res.stderr and "2/3 nodes exited 0" in res.stderr
+    assert "2/3 nodes exited 0 in " in res.stderr and res.stderr.rstrip().endswith(" s: node[1,3]=0 node2=7")
     assert sorted(res.stdout.splitlines()) == ["node1 | out", "node2 | out", "node3 | out"]
     assert "node3 | err" in res.stderr
+    # --fold: the nodes that said the same once, the odd one apart
+    res = ddpfab("exec", "-i", str(inv), "--fold", "--", 'echo out; [ "$(hostname)" != node2 ] || echo odd')
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["-" * 15, "node[1,3] (2)", "-" * 15, "out", "-" * 15, "node2", "-" * 15, "out", "odd"]
 
     # several words: each one quoted for the remote shell; --nodes picks nodes
     res = ddpfab("exec", "-i", str(inv), "--nodes", "node1,node3", "--", "printf", "%s\\n", "a b", "$HOME")
