@@ -34,6 +34,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, NoReturn
 
 INIT_METHOD_VAR = "DDPFAB_INIT_METHOD"
@@ -462,7 +463,7 @@ def resume(directory: str | os.PathLike, *, map_location: Any = "cpu", weights_o
     owner = torch.tensor([me if step == newest else world], dtype=torch.int64, device=device)
     dist.all_reduce(owner, op=dist.ReduceOp.MIN)
     src = int(owner[0])
-    blob = open(mine[1], "rb").read() if me == src else b""
+    blob = Path(mine[1]).read_bytes() if me == src else b""
     size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src)
     buf = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if me == src

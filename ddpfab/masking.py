@@ -76,7 +76,8 @@ def was_masked(key: str, value: str, marked: Iterable[str] = ()) -> bool:
 
 #: A shell assignment in a setup line: ``KEY=VALUE`` (after ``export``/``declare -x``/``readonly``
 #: or before a command), the value unquoted, "double" or 'single' quoted.
-_ASSIGNMENT = re.compile(r"""(?<![^\s;&|(])(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>"(?:[^"\\]|\\.)*"?|'[^']*'?|(?:[^\s;&|()'"\\]|\\.)*)""")
+_ASSIGNMENT = re.compile(r"""(?<![^\s;&|(])(?P<key>[A-Za-z_][A-Za-z0-9_]*)="""
+                         r"""(?P<value>"(?:[^"\\]|\\.)*"?|'[^']*'?|(?:[^\s;&|()'"\\]|\\.)*)""")
 #: Inventory variables that hold shell lines: masked by :func:`mask_setup_line`.
 SHELL_VARS = ("ddpfab_setup",)
 

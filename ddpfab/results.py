@@ -8,7 +8,8 @@ Its own module (not :mod:`ddpfab.remote.ssh`): the node program's controller sid
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")

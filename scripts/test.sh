@@ -15,6 +15,7 @@ bash scripts/setup.sh --test
 # where PYTHONDONTWRITEBYTECODE is set (sandboxes, CI) no process would, so each of the suite's
 # `python -m ddpfab` processes compiled every module again (0.15 s of CPU each, measured)
 .venv/bin/python -m compileall -q ddpfab  # -q: errors only
+.venv/bin/ruff check --quiet ddpfab  # the rules: [tool.ruff] in pyproject.toml
 workers=${DDPFAB_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -4,9 +4,9 @@ bash: ``eval "$(ddpfab completion bash)"`` (in ~/.bashrc), or the script saved a
 bash-completion's completions dir. zsh, either way: the script saved as ``_ddpfab`` in a directory
 on ``$fpath`` before ``compinit`` runs (its first line, ``#compdef ddpfab``, is what compinit
 looks for; the function then defines itself and completes), or ``eval "$(ddpfab completion zsh)"``
-in ~/.zshrc (it calls ``compdef``, running ``compinit`` first if nothing has). The zsh one is a native completion function, not the
-bash one through bashcompinit, which an autoloaded file cannot register. Subcommands and options
-complete; anything else completes as a file name (scripts, inventories, hostfiles).
+in ~/.zshrc (it calls ``compdef``, running ``compinit`` first if nothing has). The zsh one is a
+native completion function, not the bash one through bashcompinit, which an autoloaded file
+cannot register. Subcommands and options complete; anything else completes as a file name (scripts, inventories, hostfiles).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     trjob = sub.add_parser("trainjob", help="a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1)")
     for p in (slurm, pyjob, trjob):
         add_cluster_args(p, ssh=False)
-        p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_type, metavar="N|gpu|cpu|auto", help="processes per node (default: inventory, GPUs, or 1)")
+        p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_type, metavar="N|gpu|cpu|auto",
+                       help="processes per node (default: inventory, GPUs, or 1)")
         p.add_argument("--master-port", "--master_port", type=int, help="MASTER_PORT (default 29500)")
         add_env_args(p)
         p.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="torchrun's in-node restarts (default 0)")

@@ -481,8 +481,8 @@ def render(report: Report) -> str:
     labels = [meshmod.compact(names, limit=1) if len(names) > 1 else names[0] for names, _ in rows]
     width = max(len(label) for label in labels + ["node"])
     lines = [f"{'node':<{width}}  " + "  ".join(f"{c:<{max(len(c), 4)}}" for c in checks)]
-    for label, (_, row) in zip(labels, rows):
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{s:<{max(len(c), 4)}}" for s, c in zip(row, checks)))
+    for label, (_, row) in zip(labels, rows, strict=True):
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{s:<{max(len(c), 4)}}" for s, c in zip(row, checks, strict=True)))
     # what runs there, in words (the table only says ok): nodes with the same python grouped
     for check, label in (("interpreter", "python"), ("environment", "setup")):
         same: dict[str, list[str]] = {}

@@ -11,8 +11,8 @@ decided from the ranks' done records, :mod:`ddpfab.node.exitguard`, never from t
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)

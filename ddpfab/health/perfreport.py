@@ -8,6 +8,7 @@ Standard library only (no matplotlib on the controller): SVG is text. Input is t
 from __future__ import annotations
 
 import html
+import itertools
 import math
 import time
 from pathlib import Path
@@ -80,10 +81,10 @@ def _heat(frac: float) -> str:
     """0 (slowest) red .. 1 (fastest) blue-green, through yellow."""
     frac = max(0.0, min(1.0, frac))
     stops = [(0.0, (215, 48, 39)), (0.5, (254, 224, 144)), (1.0, (69, 117, 180))]
-    for (f0, c0), (f1, c1) in zip(stops, stops[1:]):
+    for (f0, c0), (f1, c1) in itertools.pairwise(stops):
         if frac <= f1:
             t = (frac - f0) / (f1 - f0)
-            return "#%02x%02x%02x" % tuple(round(a + (b - a) * t) for a, b in zip(c0, c1))
+            return "#" + "".join(f"{round(a + (b - a) * t):02x}" for a, b in zip(c0, c1, strict=True))
     return "#4575b4"
 
 

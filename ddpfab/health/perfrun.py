@@ -91,18 +91,20 @@ def _clean(cluster, conns, rel_dir: str, made: dict[str, list[str]]) -> list[str
 
 
 def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: str | os.PathLike,
-              options: perf.PerfOptions = perf.PerfOptions(), ssh_config: str | None = None,
+              options: perf.PerfOptions | None = None, ssh_config: str | None = None,
               preflight: bool = True, echo: bool = False, env: tuple[tuple[str, str], ...] | None = None,
               socket_ifname: str | None = None) -> tuple[dict, Path]:
     """Run the benchmark on every node, analyse it and write the record and the report.
 
-    *env* and *socket_ifname* are the job's (``run --perf-check``), so the check talks over the
+    *options*: the benchmark's (default: :class:`perf.PerfOptions`' defaults). *env* and
+    *socket_ifname* are the job's (``run --perf-check``), so the check talks over the
     interfaces the job will use; by default the forwarded NCCL_/GLOO_/TORCH_ variables.
 
     Returns the record (``perf.json``: run id, time, inventory, seconds, the analysis) and the run
     dir. Raises :class:`PerfError` (or ``runner.RunError``) when it cannot run; nothing is left on
     the nodes either way.
     """
+    options = options or perf.PerfOptions()
     started = time.monotonic()
     run_id = "perf-" + new_run_id()
     rel_dir = f"{REMOTE_RUNS}/{run_id}"

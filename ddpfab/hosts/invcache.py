@@ -28,9 +28,7 @@ from pathlib import Path
 from ddpfab.version import __version__
 
 #: Bump when the cached node format changes.
-FORMAT = 6  # 6: a node's unknown ddpfab_* vars; 5: python_from, setup, conda_env; 4: a node's replicate list; 3: host lists with user@host:port
-#   and Ansible's ranges, several sources; 2: ssh_options from ansible_ssh_args too, first value wins,
-#   identityfile a list
+FORMAT = 6
 #: Files bigger than this are not read for the templating check (and so never cached).
 MAX_SCAN_BYTES = 4 << 20
 _DYNAMIC = (b"{{", b"{%", b"plugin:")

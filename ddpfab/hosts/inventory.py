@@ -762,13 +762,13 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
             raw = {**raw, **extra}
         templar = Templar(loader=loader, variables=raw)
 
-        def var(name: str, default: Any = None, _raw: dict = raw, _t: Templar = templar) -> Any:
+        def var(name: str, default: Any = None, _raw: dict = raw, _t: Templar = templar, _host: str = h.name) -> Any:
             if name not in _raw:
                 return default
             try:
                 value = _t.template(_raw[name])
             except AnsibleError as exc:
-                raise InventoryError(f"host {h.name}: variable {name} cannot be templated: {exc}") from None
+                raise InventoryError(f"host {_host}: variable {name} cannot be templated: {exc}") from None
             return _plain(value)
 
         nodes.append(dataclasses.replace(_make_node(h.name, var), unknown_vars=unknown_vars(raw)))

@@ -192,9 +192,8 @@ def setup_failure(lines: tuple[str, ...], exit_code: int | None, stderr: str, ma
     node's ``ddpfab_secret_env``); None otherwise."""
     if exit_code != SETUP_FAILED or not lines:
         return None
-    m = None
-    for m in re.finditer(rf"{SETUP_MARK}: line (\d+) exit (\d+)", stderr):
-        pass  # the last one: a line's own output may come first
+    # the last one: a line's own output may come first
+    m = next(reversed(list(re.finditer(rf"{SETUP_MARK}: line (\d+) exit (\d+)", stderr))), None)
     if m is None or not 1 <= int(m.group(1)) <= len(lines):
         return f"a setup line failed (exit {exit_code})"
     n = int(m.group(1))

@@ -386,7 +386,7 @@ def why_unreachable(targets: list[Target]) -> dict[str, str]:
         return ssh_problem(t, proc.returncode, proc.stderr) if proc.returncode == 255 else None
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as pool:
-        found = dict(zip([t.name for t in targets], pool.map(one, targets)))
+        found = dict(zip([t.name for t in targets], pool.map(one, targets), strict=True))
     return {name: why for name, why in found.items() if why}
 
 

@@ -384,10 +384,8 @@ def _share_mounts(lab: Lab, store: Path) -> str:
     for i, share in enumerate(lab.shares):
         rel = Path(share).relative_to(PRIVATE_TMP)
         q = shlex.quote
-        lines.append(f"mkdir -p {q(share)}\n"
-                     f"mount -t overlay ddpfab-lab-share -o "
-                     f"{q(f'lowerdir={store}/controller_tmp/{rel},upperdir={store}/upper_share{i},workdir={store}/work_share{i}')} "
-                     f"{q(share)}\n")
+        dirs = f"lowerdir={store}/controller_tmp/{rel},upperdir={store}/upper_share{i},workdir={store}/work_share{i}"
+        lines.append(f"mkdir -p {q(share)}\nmount -t overlay ddpfab-lab-share -o {q(dirs)} {q(share)}\n")
     return "".join(lines)
 
 
@@ -521,12 +519,11 @@ def _make_network(lab: Lab) -> None:
 
 def _start_host(lab: Lab, h: LabHost) -> int:
     root = lab.dir / "nodes" / h.name
-    log = open(root / "sshd.log", "ab")
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc", "--mount",
-         "--uts", "--propagation", "private", "--kill-child=SIGKILL", "--", "/bin/sh", str(root / "init.sh")],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
-    log.close()
+    with open(root / "sshd.log", "ab") as log:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc", "--mount",
+             "--uts", "--propagation", "private", "--kill-child=SIGKILL", "--", "/bin/sh", str(root / "init.sh")],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
     return proc.pid  # `ip netns exec` execs unshare, so this is unshare's pid
 
 

@@ -325,10 +325,10 @@ class CauseReader:
             self.root.exit_code = int(m.group(1))
         elif m := _ROOT_TRACEBACK.match(text):
             self._root_traceback = True
-        elif self._root_traceback and self.root.exception is None:
+        elif (self._root_traceback and self.root.exception is None and text.startswith("  ")
+              and not text.startswith("   ") and _EXCEPTION.match(text.strip())):
             # the error file's traceback, indented by two: frames deeper, the exception line at two
-            if text.startswith("  ") and not text.startswith("   ") and _EXCEPTION.match(text.strip()):
-                self.root.exception = _clean(text)
+            self.root.exception = _clean(text)
 
     # -- the verdict ---------------------------------------------------------------------------
 
@@ -456,7 +456,8 @@ class Blame:
         """``2 other ranks lost their peer`` (or "")."""
         if not self.lost_peer:
             return ""
-        return f"{self.lost_peer} other rank{'s' if self.lost_peer != 1 else ''} lost {'their' if self.lost_peer != 1 else 'its'} peer"
+        many = self.lost_peer != 1
+        return f"{self.lost_peer} other rank{'s' if many else ''} lost {'their' if many else 'its'} peer"
 
 
 def _same_address(a: str, b: str) -> bool:

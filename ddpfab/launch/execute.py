@@ -17,9 +17,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, Callable, TextIO
+from typing import BinaryIO, TextIO
 
 from fabric import Connection
 

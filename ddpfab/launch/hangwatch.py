@@ -16,8 +16,8 @@ record), a later look that finds the same places says so.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ddpfab.health import doctor
 from ddpfab.planning.plan import Plan

@@ -164,7 +164,7 @@ def next_nodes(current: tuple[Node, ...], failed: set[str] | frozenset[str], spa
     in_use = {n.name for n in current}
     free = [s for s in spares if s.name not in excluded and s.name not in in_use and s.name not in failed]
     taken = free[:len(lost)]
-    replaced = {old: new.name for old, new in zip(lost, taken)}
+    replaced = {old: new.name for old, new in zip(lost, taken, strict=False)}  # fewer free than lost: the rest is dropped
     dropped = tuple(lost[len(taken):])
     nodes = survivors + tuple(taken)
     if dropped and (min_nodes is None or len(nodes) < min_nodes):

@@ -268,7 +268,7 @@ def as_recorded(now: Plan, version: int = SCHEMA_VERSION) -> dict[str, Any]:
     shown = render.masked(now)
     data = shown.to_dict()
     if version == 2:
-        for node, plan_node in zip(data["nodes"], shown.nodes):
+        for node, plan_node in zip(data["nodes"], shown.nodes, strict=True):
             node["argv"] = list(render.argv(shown, plan_node))
             node["command"] = render.shell_line(shown, plan_node)
     return json.loads(json.dumps(data))

@@ -715,7 +715,7 @@ def main(spec):
     try:  # our own record first: a supervisor nobody can find must not start anything
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         os.chmod(run_dir, 0o700)
-        log = open(os.path.join(run_dir, "output.log"), "ab")
+        log = open(os.path.join(run_dir, "output.log"), "ab")  # noqa: SIM115 - open for the job's life
         _write(record_path, json.dumps({"run_id": run_id, "agent_pid": os.getpid(), "pid": None, "pgid": None,
                                         "started": time.time(), "marker": JOB_MARKER}) + "\n")
     except OSError as exc:
@@ -752,8 +752,8 @@ def main(spec):
 
     try:
         job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
-                               env=exit_guard_env(spec, run_dir, _job_env(spec)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, start_new_session=True)
+                               env=exit_guard_env(spec, run_dir, _job_env(spec)), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
         log.write(("ddpfab-agent: %s\n" % text).encode())

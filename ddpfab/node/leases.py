@@ -62,7 +62,7 @@ def lease_dir():
         os.chmod(d, 0o1777)  # mkdir's mode passes through the umask
     except OSError as exc:
         if exc.errno != errno.EEXIST:
-            raise LeaseError("cannot make the GPU lease dir %s: %s" % (d, exc.strerror))
+            raise LeaseError("cannot make the GPU lease dir %s: %s" % (d, exc.strerror)) from None
     st = os.lstat(d)
     if not stat.S_ISDIR(st.st_mode):
         raise LeaseError("%s is not a directory (a link or a file): GPU leases need it as a directory" % d)
@@ -136,7 +136,7 @@ def _bind_name(what):
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             return None
-        raise LeaseError("cannot bind the lease name of %s: %s" % (what, exc.strerror))
+        raise LeaseError("cannot bind the lease name of %s: %s" % (what, exc.strerror)) from None
     return sock.detach()
 
 

@@ -64,12 +64,12 @@ def read_frame(fd=0):
         if not byte and not header:
             raise EOFError("end of requests")
         if not byte or len(header) > 20:
-            raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24])
+            raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24]) from None
         header += byte
     try:
         n = int(header)
     except ValueError:
-        raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24])
+        raise ValueError("a frame header is LENGTH and a newline, got %r" % header[:24]) from None
     data = read_exactly(fd, n)
     if len(data) != n:
         raise ValueError("a frame is truncated (%d of %d bytes)" % (len(data), n))
@@ -125,7 +125,8 @@ def read_holder(fd):
 def op_lock(req, session):
     """Take the write lock of the workdir this session's probe checked (``flock``: the kernel
     releases it when this program ends, however it ends) and write ``holder`` into it; wait up to
-    ``wait_s`` seconds (the workdir: the probed one, else the request's). ``{"locked": true}``, or ``{"locked": false, "holder": ...}`` (who has it)."""
+    ``wait_s`` seconds (the workdir: the probed one, else the request's). ``{"locked": true}``, or
+    ``{"locked": false, "holder": ...}`` (who has it)."""
     real, checking = session.get("probed"), False
     if not real and req.get("workdir"):  # a check that only reads (sync's hash-only fast path)
         _, real = node_workdir(req)
@@ -242,7 +243,8 @@ def handle(req, session, fn=None):
     rid, op = req.get("id"), req.get("op")
     fn = fn or (OPS.get(op) if isinstance(op, str) else None)
     if fn is None:
-        return reply(rid, op, error="unknown operation %r (known: %s)" % (op, ", ".join(sorted(list(OPS) + list(TAKEOVER) + list(RAW)))))
+        known = ", ".join(sorted(list(OPS) + list(TAKEOVER) + list(RAW)))
+        return reply(rid, op, error="unknown operation %r (known: %s)" % (op, known))
     try:
         return reply(rid, op, fn(req, session))
     except NodeOpError as exc:

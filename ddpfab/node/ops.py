@@ -267,7 +267,7 @@ def _address_of(name):
     try:
         return _socket.gethostbyname(name)
     except (TypeError, ValueError) as exc:
-        raise OSError("not a host name (%s)" % exc)
+        raise OSError("not a host name (%s)" % exc) from None
 
 
 def op_facts(req, session):

@@ -144,7 +144,7 @@ def trace_dumps(run_dir, limit=MAX_DUMP_BYTES):
         except OSError:
             continue
         try:
-            if not (os.fstat(fd).st_mode & 0o170000 == 0o100000):
+            if os.fstat(fd).st_mode & 0o170000 != 0o100000:  # not a regular file
                 continue
             data = os.read(fd, limit + 1)
         finally:
@@ -208,7 +208,7 @@ def node_stacks(run_dir, sample_s=1.0, python=None):
         out["ranks"].append({
             "pid": pid, "rank": rank, "local_rank": local, "state": now[0] if now else "X",
             "cpu_ticks": (now[1] - then[1]) if now and then else None, "stack": stacks.get(pid)})
-    for local, done in sorted(ranks_done(run_dir).items()):
+    for _local, done in sorted(ranks_done(run_dir).items()):
         out["ended"].append(done)
     return out
 

@@ -471,7 +471,7 @@ def read_record(root):
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise RecordError("%s cannot be read (%s)" % (path, exc))
+        raise RecordError("%s cannot be read (%s)" % (path, exc)) from None
     files = data.get("files") if isinstance(data, dict) else None
     if data.get("v") != RECORD_VERSION or not isinstance(files, list) or not all(rel_ok(f) for f in files):
         raise RecordError("%s is not a ddpfab %d record" % (path, RECORD_VERSION))
@@ -483,7 +483,7 @@ def write_record(root, files, origin, **extra):
     state = os.path.join(root, STATE_DIR)
     os.makedirs(state, exist_ok=True)
     data = dict(extra, v=RECORD_VERSION, origin=origin, time=time.time(), files=sorted(set(files), key=os.fsencode))
-    tmp = tempfile.NamedTemporaryFile("w", dir=state, prefix="sync.json.", delete=False)
+    tmp = tempfile.NamedTemporaryFile("w", dir=state, prefix="sync.json.", delete=False)  # noqa: SIM115 - closed below
     try:
         with tmp:
             json.dump(data, tmp)

@@ -2,8 +2,10 @@
 
 Each script is the node's launch rendered by :func:`ddpfab.planning.render.script_lines` as ``set -eu;
 cd WORKDIR; export K=V ...; exec ARGV`` (no secret value in any process's argv): the same
-renderer parts that give the argv ``ddpfab run`` hands the node supervisor, so what runs by hand over plain SSH is what ddpfab runs. What ddpfab adds around it and a script does not: the node supervisor (output relay,
-``~/.ddpfab/runs/<id>/output.log``, ending the job tree when the link goes), and the run record.
+renderer parts that give the argv ``ddpfab run`` hands the node supervisor, so what runs by hand
+over plain SSH is what ddpfab runs. What ddpfab adds around it and a script does not: the node
+supervisor (output relay, ``~/.ddpfab/runs/<id>/output.log``, ending the job tree when the link
+goes), and the run record.
 
 Pure text functions plus :func:`write`; no SSH here.
 """

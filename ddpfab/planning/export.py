@@ -116,7 +116,7 @@ def launch_of(plan) -> Launch:
                     f"a scheduler starts one command on every node, but {node.name} has another {what} than "
                     f"{first.name} ({theirs!r} vs {mine!r}): set {fix} to one value for the whole group")
         if render.command(plan, node).script != first_cmd.script:
-            names = ", ".join("{{%s}}" % n for n in placeholders_in(plan.args) if n in PER_NODE_PLACEHOLDERS)
+            names = ", ".join(f"{{{{{n}}}}}" for n in placeholders_in(plan.args) if n in PER_NODE_PLACEHOLDERS)
             raise ExportError(f"the script's arguments differ per node ({names}): a scheduler starts one command "
                               "on every node; read the node's rank from the environment in the script instead")
     bad = [k for k in first.env if not _ENV_NAME.match(k)]

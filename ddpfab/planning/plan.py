@@ -107,8 +107,9 @@ class RunOptions:
         remote_runs_dir: where each node keeps a run's record (supervisor pid, exit code, output,
             per-rank logs); relative paths are under the node user's home.
         socket_ifname: set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME on every node: interface
-            names (checked against each probed node's: :func:`socket_ifname_problems`), "auto" for the interface each node uses to reach its peers (an explicit --env of
-            either variable still wins), "none"/"off" to set neither; None (the default) is auto
+            names (checked against each probed node's: :func:`socket_ifname_problems`), "auto"
+            for the interface each node uses to reach its peers (an explicit --env of either
+            variable still wins), "none"/"off" to set neither; None (the default) is auto
             where the user set neither variable, and nothing on a node without one such interface
             (see :func:`socket_ifname_for`).
         rdzv: "static" (node_rank fixed by ddpfab in inventory order, ``--node-rank``) or "c10d"

@@ -4,7 +4,7 @@ said: the many that agree printed once, the odd ones apart (``dshbak -c``, ``clu
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
 from typing import TypeVar
 
 #: A name's last run of digits, with what comes before and after it.

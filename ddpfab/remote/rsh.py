@@ -78,7 +78,7 @@ def main(argv: list) -> int:
         sock.connect(path)
         sock.sendall(json.dumps({"command": command}).encode() + b"\n")
     except OSError as exc:
-        sys.stderr.write("ddpfab rsh: cannot reach ddpfab's connection (%s): %s\n" % (path, exc))
+        sys.stderr.write(f"ddpfab rsh: cannot reach ddpfab's connection ({path}): {exc}\n")
         return FAILED
     threading.Thread(target=_pump_stdin, args=(sock,), daemon=True).start()
     while True:

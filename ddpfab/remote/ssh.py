@@ -24,7 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 import paramiko
 from fabric import Config, Connection
@@ -204,7 +205,7 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
         raise _hop_error(node, t, (
             f"authentication as {conn.user} failed ({exc}); check ansible_user and "
             f"ansible_ssh_private_key_file{keys}"), "auth") from None
-    except (socket.timeout, TimeoutError) as exc:
+    except TimeoutError as exc:
         raise _hop_error(node, t, (
             f"unreachable, no answer within {timeout:g} s in {CONNECT_ATTEMPTS} tries "
             f"({exc or 'timed out'}); "
@@ -370,7 +371,7 @@ def run(conn: Connection, node: str, command: str, timeout: float | None = 60,
                 break
             err += data
         code = chan.recv_exit_status()
-    except socket.timeout:
+    except TimeoutError:
         found = f"`{command[:60]}` did not finish within {timeout:g} s"
         raise SSHError(node, f"host {node}: {found}", found=found) from None
     finally:

@@ -6,8 +6,9 @@ REMOTE_PATH is relative to the node's workdir (the same one sync and run use), o
 the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
 path (symlinks followed), before anything is copied. The copy is rsync over the one SSH
 connection that asked the node (:class:`ddpfab.remote.runner.NodeRunner`: the host-key policy and
-route of every command), with rsync's progress line for anything over :data:`PROGRESS_BYTES`. The result lands in LOCAL_DIR (default: .) under the
-remote path's last name; an existing file or dir there is never overwritten unless ``--overwrite``.
+route of every command), with rsync's progress line for anything over :data:`PROGRESS_BYTES`.
+The result lands in LOCAL_DIR (default: .) under the remote path's last name; an existing file
+or dir there is never overwritten unless ``--overwrite``.
 
 ``--rank R`` is the node rank of a static rendezvous (``ddpfab run``'s default): rank 0 is the
 master, then the other nodes in inventory order (:func:`ddpfab.planning.plan.node_order`).

@@ -848,8 +848,8 @@ class _Sync:
         labels, constraints, hops = [], [], {}
         for t in order:
             if t.runner.target.jump is not None or t.runner.target.proxy_command:
-                return {}, (f"host {t.node.name} is reached through {t.runner.target.jump.name if t.runner.target.jump else 'a ProxyCommand'}"
-                            "; node-to-node copies would go around it")
+                via = t.runner.target.jump.name if t.runner.target.jump else "a ProxyCommand"
+                return {}, f"host {t.node.name} is reached through {via}; node-to-node copies would go around it"
         for i, t in enumerate(order):
             reach = t.runner.target
             found = [k for k in reach.identity_files if os.path.isfile(k)]
@@ -1052,8 +1052,8 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
             raise SyncError(exc.problems) from None
         opened = open_group(cluster.nodes, policy, ssh_config)
         conns = {name: r.conn for name, r in opened.succeeded.items()}
-    down = {n.name: opened.get(n.name, SyncError(Problem(n.name, "ssh", text=f"host {n.name}: no connection"))) for n in cluster.nodes
-            if n.name not in conns}
+    down = {n.name: opened.get(n.name, SyncError(Problem(n.name, "ssh", text=f"host {n.name}: no connection")))
+            for n in cluster.nodes if n.name not in conns}
     try:
         if fast and not (down or dry_run or verify_only or checksum):
             same = _unchanged(cluster, conns, sel, shared=False)
