@@ -452,7 +452,7 @@ def _doctor_without_record(args) -> int:
     no node knows is no run (2); nodes that could not be asked leave it open (1)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.health import doctor
-    from ddpfab.health.mesh import compact
+    from ddpfab.hostlist import compact
     from ddpfab.launch.jobs import _ps_record
 
     none_here = f"no local record of run {args.run_id} in {args.runs_dir}"

@@ -26,6 +26,7 @@ from ddpfab import node as nodeprog
 from ddpfab.health import mesh as meshmod
 from ddpfab.health import resources
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
+from ddpfab.hostlist import compact
 from ddpfab.hosts import nodeenv
 from ddpfab.launch import leases
 from ddpfab.planning import probe
@@ -444,7 +445,7 @@ def grouped_problems(results: list[CheckResult], status: str = "fail") -> list[P
         if len(members) == 1:
             out.append(members[0].problem())
             continue
-        names = meshmod.compact([r.node for r in members])
+        names = compact([r.node for r in members])
         if expected:
             text = f"{check}: {len(members)} nodes: expected {expected}, found {found}: {names}"
         else:
@@ -478,7 +479,7 @@ def render(report: Report) -> str:
             rows[-1][0].append(n)
         else:
             rows.append(([n], row))
-    labels = [meshmod.compact(names, limit=1) if len(names) > 1 else names[0] for names, _ in rows]
+    labels = [compact(names, limit=1) if len(names) > 1 else names[0] for names, _ in rows]
     width = max(len(label) for label in labels + ["node"])
     lines = [f"{'node':<{width}}  " + "  ".join(f"{c:<{max(len(c), 4)}}" for c in checks)]
     for label, (_, row) in zip(labels, rows, strict=True):
@@ -489,7 +490,7 @@ def render(report: Report) -> str:
         for r in report.results:
             if r.check == check:
                 same.setdefault(r.found, []).append(r.node)
-        lines += [f"{label} {meshmod.compact(names, limit=4)}: {found}" for found, names in same.items()]
+        lines += [f"{label} {compact(names, limit=4)}: {found}" for found, names in same.items()]
     fails = report.failures
     fail_lines = grouped_lines(report.results, "fail")
     warn_lines = grouped_lines(report.results, "warn")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpfab import node as nodeprog
-from ddpfab.health.mesh import compact
+from ddpfab.hostlist import compact
 from ddpfab.planning.plan import Plan
 from ddpfab.remote import ssh
 

@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import time
 from dataclasses import dataclass, field
 
 from ddpfab import node as nodeprog
+from ddpfab.hostlist import compact
 from ddpfab.results import GroupResult
 
 #: Per-attempt connect timeouts (seconds). The kernel answers a SYN itself, so CPU load alone
@@ -371,38 +371,6 @@ def master_port_problem(master: str, port: int | None, order: list[str],
 
 
 # -- presentation helper --------------------------------------------------------------------
-def compact(names: list[str], limit: int = 8) -> str:
-    """Names as a short list: all of them up to *limit*, else runs of numbered names folded
-    (``node[1-40,42]``) in the given order."""
-    if len(names) <= limit:
-        return ", ".join(names)
-
-    groups: list[tuple[str, list[int]]] = []
-    loose: list[str] = []
-    for name in names:
-        m = re.fullmatch(r"(.*?)(\d+)", name)
-        if not m or m.group(2).startswith("0") and m.group(2) != "0":
-            loose.append(name)
-            continue
-        prefix, num = m.group(1), int(m.group(2))
-        if groups and groups[-1][0] == prefix:
-            groups[-1][1].append(num)
-        else:
-            groups.append((prefix, [num]))
-    parts = []
-    for prefix, nums in groups:
-        spans, start, prev = [], nums[0], nums[0]
-        for x in nums[1:] + [None]:
-            if x is not None and x == prev + 1:
-                prev = x
-                continue
-            spans.append(str(start) if start == prev else f"{start}-{prev}")
-            if x is not None:
-                start = prev = x
-        parts.append(f"{prefix}[{','.join(spans)}]" if len(nums) > 1 else f"{prefix}{nums[0]}")
-    return ", ".join(parts + loose) + f" ({len(names)} nodes)"
-
-
 # -- collection (effectful) -------------------------------------------------------------------
 def listen_request(name: str, master: str, master_port: int | str | None) -> dict:
     """A node's ``mesh_listen`` request; ``"found"`` as *master_port*: the port the same session's

@@ -26,7 +26,7 @@ from fabric import Connection
 
 from ddpfab import node as nodeprog
 from ddpfab.health import hints
-from ddpfab.health.mesh import compact
+from ddpfab.hostlist import compact
 from ddpfab.launch import leases, story
 from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddpfab import node as nodeprog
-from ddpfab.health.mesh import compact
+from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
-from ddpfab.health.mesh import compact
+from ddpfab.hostlist import compact
 from ddpfab.launch.cause import Blame, Cause, CauseKind
 
 #: Up to this many other nodes each has its line; beyond, nodes with the same story share one.

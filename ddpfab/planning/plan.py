@@ -24,7 +24,7 @@ from ddpfab.hosts.inventory import Cluster, Node, is_address
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.node.workdir import WorkdirError
 from ddpfab.node.workdir import resolve as resolve_workdir
-from ddpfab.health.mesh import compact
+from ddpfab.hostlist import compact
 from ddpfab.problems import DdpfabError, Problem
 
 #: Where each node keeps its run records, relative to the SSH user's home.

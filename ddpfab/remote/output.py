@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-from ddpfab.remote.hostlist import fold_by, fold_names
+from ddpfab.hostlist import fold_by, fold_names
 
 #: A node's exit code when ddpfab could not reach or run on it (as ssh's own).
 UNREACHABLE = 255

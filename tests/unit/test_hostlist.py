@@ -6,7 +6,7 @@ import re
 
 from hypothesis import given, strategies as st
 
-from ddpfab.remote.hostlist import fold_by, fold_names
+from ddpfab.hostlist import fold_by, fold_names
 from ddpfab.remote.output import FoldPrinter, HostResult, fold_report, summary
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddpfab import hostlist
 from ddpfab.health import mesh
 from ddpfab.health.check import CheckOptions, CheckResult, evaluate, grouped_lines
 from ddpfab.hosts.inventory import Cluster, Node
@@ -102,8 +103,8 @@ def test_master_port_from_every_node():
 
 
 def test_compact_names():
-    assert mesh.compact(["node7", "node9", "node12"]) == "node7, node9, node12"
-    assert mesh.compact(names(40) + ["node42", "gpu-a"]) == "node[1-40,42], gpu-a (42 nodes)"
+    assert hostlist.compact(["node7", "node9", "node12"]) == "node7, node9, node12"
+    assert hostlist.compact(names(40) + ["node42", "gpu-a"]) == "node[1-40,42], gpu-a (42 nodes)"
 
 
 def test_grouped_output_for_64_failing_nodes_is_a_few_lines():

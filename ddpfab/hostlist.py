@@ -1,10 +1,11 @@
 """Host names folded into pdsh/clush ranges (``node[01-31,33]``), and nodes folded by what they
-said: the many that agree printed once, the odd ones apart (``dshbak -c``, ``clush -b``)."""
+said: the many that agree printed once, the odd ones apart (``dshbak -c``, ``clush -b``). Every
+list of nodes ddpfab prints is folded here."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
 
 #: A name's last run of digits, with what comes before and after it.
@@ -39,10 +40,7 @@ def _ranges(numbers: list[str]) -> str:
     return ",".join(parts)
 
 
-def fold_names(names: Iterable[str]) -> str:
-    """*names* as one folded list: ``node[1-3,5],gpu-a`` (pdsh's and clush's syntax). Names that
-    differ only in their last number share a bracket; the groups keep the order of their first
-    name; a name alone in its group stays as it is (``node7``)."""
+def _folded_parts(names: Iterable[str]) -> list[str]:
     groups: dict[tuple[str, str] | str, list[str]] = {}
     for name in names:
         m = _NUMBERED.match(name)
@@ -58,7 +56,22 @@ def fold_names(names: Iterable[str]) -> str:
             out.append(f"{key[0]}{numbers[0]}{key[1]}")
         else:
             out.append(f"{key[0]}[{_ranges(numbers)}]{key[1]}")
-    return ",".join(out)
+    return out
+
+
+def fold_names(names: Iterable[str]) -> str:
+    """*names* as one folded list: ``node[1-3,5],gpu-a`` (pdsh's and clush's syntax). Names that
+    differ only in their last number share a bracket; the groups keep the order of their first
+    name; a name alone in its group stays as it is (``node7``)."""
+    return ",".join(_folded_parts(names))
+
+
+def compact(names: Sequence[str], limit: int = 8) -> str:
+    """Names for a sentence: all of them up to *limit* (``node7, node9``), else folded, with how
+    many (``node[1-40,42], gpu-a (42 nodes)``)."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(_folded_parts(names)) + f" ({len(names)} nodes)"
 
 
 def fold_by(values: dict[str, Key]) -> list[tuple[list[str], Key]]:
