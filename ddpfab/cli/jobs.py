@@ -206,7 +206,7 @@ def _guard(fn):
 @_guard
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch import leases
+    from ddpfab.planning import gpu_leases
     from ddpfab.launch.jobs import _ps_record, grouped, node_state_text, run_state
 
     gpus: dict[str, list] = {}
@@ -214,7 +214,7 @@ def cmd_ps(args) -> int:
     def ps(conn, n) -> tuple[float, list[dict]]:
         res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
                             timeout=20)[0].value(n.name)
-        gpus[n.name] = leases.parse(res.get("leases")) or []
+        gpus[n.name] = gpu_leases.parse(res.get("leases")) or []
         return float(res["now"]), [_ps_record(r) for r in res["runs"]]
 
     cluster = _cluster(args, None)
@@ -267,7 +267,7 @@ def cmd_queue(args) -> int:
     """Running and waiting jobs across users, with their GPUs, owners and ages, from every node's
     lease dir; and the GPUs used without a lease."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch import leases
+    from ddpfab.planning import gpu_leases
 
     def ask(conn, n) -> dict:
         return nodeprog.call(conn, n, {"op": "leases"}, timeout=30)[0].value(n.name)
@@ -278,8 +278,8 @@ def cmd_queue(args) -> int:
     for p in problems:
         warn(p)
     answers = {n.name: results.succeeded[n.name] for n in cluster.nodes if n.name in results.succeeded}
-    rows = leases.queue_rows(answers)
-    busy = {name: [g for g in leases.parse(raw) or () if g.state == "busy"] for name, raw in answers.items()}
+    rows = gpu_leases.queue_rows(answers)
+    busy = {name: [g for g in gpu_leases.parse(raw) or () if g.state == "busy"] for name, raw in answers.items()}
     code = EXIT_FAILED if problems else 0
     if args.json:
         print(json.dumps({"ok": not problems, "jobs": rows, "problems": [p.to_dict() for p in problems],

@@ -28,8 +28,7 @@ from ddpfab.health import resources
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hostlist import compact
 from ddpfab.hosts import nodeenv
-from ddpfab.launch import leases
-from ddpfab.planning import probe
+from ddpfab.planning import gpu_leases, probe
 from ddpfab.planning.plan import PlanError, RunOptions, choose_master, nproc_for
 from ddpfab.problems import NodeError, Problem
 from ddpfab.remote import ssh
@@ -194,7 +193,7 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             results.append(CheckResult(n.name, "gpus", "pass", found=f"no GPU: {want} CPU processes (gloo)"))
         else:
             results.append(CheckResult(n.name, "gpus", "pass", found=f"{gpus} GPUs, {want} processes"))
-        states = leases.parse(f.get("leases"))
+        states = gpu_leases.parse(f.get("leases"))
         if states:  # every user's leases there, and GPUs used without one (shown, never judged here)
             taken = [s.describe() for s in states if s.state != "free"]
             free = sum(s.state == "free" for s in states)

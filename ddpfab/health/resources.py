@@ -28,8 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ddpfab.launch import leases
 from ddpfab.node import printable
+from ddpfab.planning import gpu_leases
 from ddpfab.planning.plan import PlanError
 
 MIB = 2**20
@@ -279,7 +279,7 @@ def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | N
                            expected=f"port {master_port} free for the job's master",
                            fix=", or ".join(filter(None, (holder_fix(holders, jobs_only=True),
                                                           "pick another --master-port (or leave it out)")))))
-    states = leases.parse(raw.get("leases")) or []
+    states = gpu_leases.parse(raw.get("leases")) or []
     busy = [s for s in states if s.state == "busy"]
     if busy:
         about = {p["pid"]: p for p in map(_proc, _list(res.get("gpu_holders"))) if p}

@@ -27,7 +27,8 @@ from fabric import Connection
 from ddpfab import node as nodeprog
 from ddpfab.health import hints
 from ddpfab.hostlist import compact
-from ddpfab.launch import leases, story
+from ddpfab.launch import story
+from ddpfab.launch.gate import Gate
 from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
@@ -67,7 +68,7 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False, arrival: float 
         spec["gpus"] = {"count": node.gpus, "pin": list(node.gpu_pin)}
     if node.name == plan.master:  # held there from the probe's reservation until the job ends
         spec["master_port"] = plan.master_port
-    if plan.wait and node.gpus and not detach:  # queue, then start when ddpfab says go (leases.Gate)
+    if plan.wait and node.gpus and not detach:  # queue, then start when ddpfab says go (Gate)
         spec["wait"] = {"arrival": arrival if arrival is not None else time.time()}
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
@@ -299,11 +300,11 @@ class Printer:
 
 
 class _NodeJob:
-    gate: leases.Gate | None = None  # --wait's go (set per job; none for a job made without __init__)
+    gate: Gate | None = None  # --wait's go (set per job; none for a job made without __init__)
 
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
                  events: queue.SimpleQueue, reconnect: Callable[[str], Connection] | None = None,
-                 gate: leases.Gate | None = None):
+                 gate: Gate | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
         self.log, self.events, self.reconnect = log, events, reconnect
         self.gate = gate
@@ -582,7 +583,7 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         for job in jobs.values():
             job.send(data)
 
-    gate = leases.Gate([n.name for n in plan.nodes if n.gpus], to_all) if plan.wait else None
+    gate = Gate([n.name for n in plan.nodes if n.gpus], to_all) if plan.wait else None
     jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate)
                  for n in plan.nodes})
     stop_deadline: float | None = None

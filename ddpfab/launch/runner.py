@@ -20,12 +20,12 @@ from ddpfab import node as nodeprog
 from ddpfab.health import check, resources
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
-from ddpfab.launch import leases, replicate
+from ddpfab.launch import replicate
 from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
 from ddpfab.launch.interrupt import Interrupted
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
-from ddpfab.planning import probe, scriptfile
+from ddpfab.planning import gpu_leases, probe, scriptfile
 from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for, socket_ifname_for
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
@@ -179,7 +179,7 @@ def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKey
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
             raise
         probing.close()
-        held = [] if options.wait else leases.refusals(plan, {n: f.raw.get("leases") for n, f in facts.items()})
+        held = [] if options.wait else gpu_leases.refusals(plan, {n: f.raw.get("leases") for n, f in facts.items()})
         if held:
             raise RunError(held)
     except BaseException:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from ddpfab.hosts.inventory import Cluster, Node
-from ddpfab.launch import leases as ctl
+from ddpfab.launch import gate as golib
+from ddpfab.planning import gpu_leases
 from ddpfab.node import leases, ops
 from ddpfab.planning.plan import PlanError, RunOptions, gpu_lease
 
@@ -62,7 +63,7 @@ def test_removing_every_file_of_the_lease_dir_neither_frees_nor_regrants_a_lease
     again, _, states = leases.take_leases(3, [], "second")
     assert again is None and [s["state"] for s in states] == ["leased", "leased", "free", "free"]
     assert states[0]["holder"] == {}
-    assert leases.describe_leases(states)[0] == ctl.parse({"gpus": states})[0].describe() == (
+    assert leases.describe_leases(states)[0] == gpu_leases.parse({"gpus": states})[0].describe() == (
         "GPU 0 leased by a process that left no record of itself (as root, `ss -xap | grep ddpfab-lease-` names it)")
     (node_gpus / "gpu-0.holder").write_text(json.dumps({"run_id": "liar", "user": "x", "pid": 999999999}))
     assert leases.lease_state()[0]["holder"] == {}  # a record naming a process that is not there
@@ -217,12 +218,12 @@ def test_what_a_node_reports_is_read_as_data_and_a_held_gpu_is_refused_by_name()
                                                                 "since": "\x1b[2Jnot a number"}},
                      {"gpu": "1", "state": "busy", "procs": [{"pid": 9, "name": "tool\x1b]0;x"}, {"pid": "no"}]},
                      {"gpu": "2", "state": "exploded"}, "junk"]}
-    assert ctl.refusals(plan, {"n1": free, "n2": free}) == []
-    (problem,) = ctl.refusals(plan, {"n1": free, "n2": held})
+    assert gpu_leases.refusals(plan, {"n1": free, "n2": free}) == []
+    (problem,) = gpu_leases.refusals(plan, {"n1": free, "n2": held})
     assert problem.node == "n2" and problem.check == "gpus_held"
     assert str(problem).startswith("host n2: 2 GPUs wanted, 0 free: GPU 0 leased by run other (user bob, pid 7); "
                                    "GPU 1 busy without a lease: pid 9 (tool\\x1b]0;x)")
-    (missing,) = ctl.refusals(plan, {"n1": free, "n2": {"error": "lease dir is a link"}})
+    (missing,) = gpu_leases.refusals(plan, {"n1": free, "n2": {"error": "lease dir is a link"}})
     assert str(missing) == "host n2: cannot lease GPUs: lease dir is a link"
 
 
@@ -231,25 +232,25 @@ def test_the_gate_goes_in_two_phases_and_never_on_a_stale_or_partial_answer():
     node said ready for that round. A node yielding during the round ends it (``u``), an answer
     to an old round does not count, and nothing is sent after the go."""
     sent: list[bytes] = []
-    gate = ctl.Gate(["n1", "n2"], sent.append)
-    gate.saw("n1", ctl.GRANTED + "0,1; waiting for the other nodes")
+    gate = golib.Gate(["n1", "n2"], sent.append)
+    gate.saw("n1", golib.GRANTED + "0,1; waiting for the other nodes")
     gate.saw("n2", "ddpfab-agent: waiting: place 1 in this node's queue")
     assert sent == []
-    gate.saw("n2", ctl.GRANTED + "2")
+    gate.saw("n2", golib.GRANTED + "2")
     assert sent == [b"p1;"]
-    gate.saw("n1", ctl.READY + "1")
-    gate.saw("n2", ctl.YIELDED + "2 to run x, which came first")  # the race: n2 yields as the go would come
+    gate.saw("n1", golib.READY + "1")
+    gate.saw("n2", golib.YIELDED + "2 to run x, which came first")  # the race: n2 yields as the go would come
     assert sent == [b"p1;", b"u"]
-    gate.saw("n2", ctl.GRANTED + "2")
+    gate.saw("n2", golib.GRANTED + "2")
     assert sent == [b"p1;", b"u", b"p2;"]
-    gate.saw("n2", ctl.READY + "1")  # late: round 1 is over
-    gate.saw("n1", ctl.READY + "1")
+    gate.saw("n2", golib.READY + "1")  # late: round 1 is over
+    gate.saw("n1", golib.READY + "1")
     assert sent[-1] == b"p2;"
-    gate.saw("n1", ctl.READY + "2")
-    gate.saw("n2", ctl.READY + "2")
+    gate.saw("n1", golib.READY + "2")
+    gate.saw("n2", golib.READY + "2")
     assert sent == [b"p1;", b"u", b"p2;", b"g"]
-    gate.saw("n1", ctl.YIELDED + "0,1")
-    gate.saw("n1", ctl.GRANTED + "0,1")
+    gate.saw("n1", golib.YIELDED + "0,1")
+    gate.saw("n1", golib.GRANTED + "0,1")
     assert sent[-1] == b"g"  # gone: nothing more
 
 
@@ -296,20 +297,20 @@ def test_a_node_that_said_ready_keeps_its_leases_until_the_go_and_a_go_without_r
     (``u``), then yields; a ``g`` arriving after that starts nothing; the next round starts it."""
     waiter = Waiter(node_gpus, tmp_path / "runs" / "late", "late", 4, arrival=200.0)
     try:
-        waiter.said(ctl.GRANTED, 60)
+        waiter.said(golib.GRANTED, 60)
         waiter.send(b"p1;")
-        waiter.said(ctl.READY + "1", 20)
+        waiter.said(golib.READY + "1", 20)
         early, path = leases.make_ticket(leases.ticket_key(100.0, "early"), {"run_id": "early", "count": 4})
         time.sleep(1.5)  # 7 polls: a waiter that had not promised yields at the first
         assert {s["state"] for s in leases.lease_state()} == {"leased"}
         assert waiter.lines.empty(), waiter.lines.get()
         waiter.send(b"u")
-        waiter.said(ctl.YIELDED, 20)
+        waiter.said(golib.YIELDED, 20)
         waiter.send(b"g")  # the go of the round that failed: must not start the job
         time.sleep(1)
         assert waiter.proc.poll() is None and {s["state"] for s in leases.lease_state()} == {"free"}
         leases.drop_ticket(early, path)
-        waiter.said(ctl.GRANTED, 20)
+        waiter.said(golib.GRANTED, 20)
         waiter.send(b"p2;g")
         waiter.said("ddpfab-agent: leased GPU 0,1,2,3", 20)
         assert waiter.proc.wait(timeout=20) == 0
@@ -339,7 +340,7 @@ def test_a_waiting_job_asks_nvidia_smi_every_few_seconds_not_at_every_poll(node_
         during = asked.read_text().split()
         for fd in fds:
             os.close(fd)
-        waiter.said(ctl.GRANTED + "0,1", 20)
+        waiter.said(golib.GRANTED + "0,1", 20)
     finally:
         waiter.proc.kill()
         waiter.proc.wait()
@@ -371,12 +372,12 @@ def test_a_release_is_seen_at_once_though_nvidia_smi_listed_the_holders_processe
         (conf / "compute-apps").write_text("")  # the driver lists no process of a job that ended
         for fd in fds:
             os.close(fd)
-        lines = waiter.said(ctl.GRANTED, 20)
+        lines = waiter.said(golib.GRANTED, 20)
     finally:
         job.kill()
         waiter.proc.kill()
         waiter.proc.wait()
-    assert lines[-1].startswith(ctl.GRANTED + "0,1;"), lines
+    assert lines[-1].startswith(golib.GRANTED + "0,1;"), lines
     assert not any("without a lease" in ln for ln in lines), lines
 
 
