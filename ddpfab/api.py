@@ -505,11 +505,11 @@ class Cluster:
 
     def _perf_check(self, nodes: inventory.Cluster, opts: Options, env) -> dict | None:
         """``perf_check``: the slow-node check first (its own job and record); the manifest's
-        ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.health.perfrun.before_run`)."""
+        ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.launch.perfcheck.before_run`)."""
         if not (opts.perf_check or opts.perf_check_warn) or opts.dry_run:
             return None
         # slow to import: see LAZY above
-        from ddpfab.health.perfrun import before_run
+        from ddpfab.launch.perfcheck import before_run
 
         return before_run(nodes, self.policy, opts, env, self.ssh_config)
 

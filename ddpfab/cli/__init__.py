@@ -5,7 +5,7 @@ the library modules under ``ddpfab/`` never import this package.
 
 LAZY: every module imports at its top, except here, in the command line, where a handler imports
 the library modules that reach Fabric/paramiko (ssh, runner, launch, probe, check, execute, jobs,
-recover, replay, sync, fetch, perfrun), ``ddpfab.launch.runs`` (importlib.metadata) and ``ddpfab.lab``
+recover, replay, sync, fetch, perfcheck), ``ddpfab.launch.runs`` (importlib.metadata) and ``ddpfab.lab``
 inside itself: building the parser for ``ddpfab --help``, ``--version`` or ``completion`` must not
 pay for them. Measured on the 2-core test machine under load (best of 5-7): ``python -c pass``
 0.21 s, ``python -c "import fabric"`` 1.38 s; importlib.metadata 0.27 s and ddpfab.lab 0.34 s

@@ -25,7 +25,7 @@ def register(sub) -> None:
                         f"then {meshmod.DEFAULT_DEGREE} sampled peers per node)")
     add_floors_arg(p)
     p.add_argument("--json", action="store_true")
-    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/health/perfrun.py)
+    add_check_arguments(p)  # --perf, --history: the slow-node benchmark (ddpfab/launch/perfcheck.py)
     p.set_defaults(func=cmd_check)
 
 

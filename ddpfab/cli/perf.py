@@ -1,6 +1,6 @@
 """Command line of the slow-node check: ``check --perf [--history]`` and ``run --perf-check``.
 
-Kept apart from :mod:`ddpfab.health.perfrun` so building the parser imports nothing heavy (no Fabric).
+Kept apart from :mod:`ddpfab.launch.perfcheck` so building the parser imports nothing heavy (no Fabric).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def add_check_arguments(p) -> None:
 def cmd_check_perf(args) -> int:
     """``ddpfab check --perf [--history]``: 0 healthy, 1 stragglers, 2 could not run."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.health.perfrun import PerfError, load_records, result_of, run_check
+    from ddpfab.launch.perfcheck import PerfError, load_records, result_of, run_check
     from ddpfab.launch import runner
     from ddpfab.remote import ssh
 

@@ -1,6 +1,6 @@
 """``ddpfab check --perf``, the analysis: which node or link is slower than the rest. Pure.
 
-The node side (:mod:`ddpfab.health.perfnode`) measures; the collection (:mod:`ddpfab.health.perfrun`) runs it
+The node side (:mod:`ddpfab.health.perfnode`) measures; the collection (:mod:`ddpfab.launch.perfcheck`) runs it
 with torchrun; this module only turns numbers into a verdict, so every rule is unit-tested
 without hosts: the pair schedule, the validation of what nodes sent back, the comparison with the
 cluster's median, and the history of past checks.

@@ -23,7 +23,7 @@ Phases, all nodes at once, separated by barriers so one phase never disturbs ano
    size the previous one predicts to take longer than ``allreduce_cap_s`` is skipped.
 
 Every node's local rank 0 prints one line ``DDPFAB_PERF {json}`` with its figures; the controller
-(:mod:`ddpfab.health.perfrun`) reads those lines from the job's output. A budget (``budget_s``) bounds the
+(:mod:`ddpfab.launch.perfcheck`) reads those lines from the job's output. A budget (``budget_s``) bounds the
 link rounds: past it the remaining rounds are skipped (and reported as skipped).
 """
 

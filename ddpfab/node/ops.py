@@ -705,7 +705,7 @@ def supervise(req):
     return supervise_job(spec)
 
 
-# -- the perf check's files (ddpfab.health.perfrun) ------------------------------------------------------
+# -- the perf check's files (ddpfab.launch.perfcheck) ------------------------------------------------------
 def op_perf_place(req, session):
     """Make the fresh run dir ``dir`` (relative to home; refused if it exists) and write ``files``
     (name -> text) into it; the dirs it made, for :func:`op_perf_clean`."""

@@ -240,7 +240,7 @@ def test_the_perf_options_parse_without_eating_the_script():
 
 
 def test_history_of_an_empty_or_foreign_runs_dir(tmp_path):
-    from ddpfab.health.perfrun import load_records
+    from ddpfab.launch.perfcheck import load_records
 
     (tmp_path / "perf-x").mkdir()
     (tmp_path / "perf-x" / "perf.json").write_text('{"schema": 1, "time": "yesterday"}')

@@ -32,7 +32,7 @@ from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 
 #: The node-side files (name in the node's run dir -> source here): read, never imported here (torch).
-SHIPPED = {"perfnode.py": Path(__file__).with_name("perfnode.py"), "dist.py": Path(__file__).parents[1] / "dist.py"}
+SHIPPED = {"perfnode.py": Path(perf.__file__).with_name("perfnode.py"), "dist.py": Path(__file__).parents[1] / "dist.py"}
 REMOTE_RUNS = ".ddpfab/runs"
 
 class PerfError(DdpfabError):
