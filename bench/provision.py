@@ -35,7 +35,7 @@ TIMEOUT = 1200
 
 
 def run_variant(variant: str, inv: Path, empty_cfg: Path) -> tuple[float, dict, str]:
-    from ddpfab.hosts import provision
+    from ddpfab.remote import provision
 
     if variant == "ddpfab provision":
         argv, env = [PYTHON, "-m", "ddpfab", "provision", "-i", str(inv)], common.env_with()

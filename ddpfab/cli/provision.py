@@ -8,7 +8,7 @@ import json
 from ddpfab.cli.common import INVENTORY_HELP
 from ddpfab.cli.config import ConfigError, default_inventory
 from ddpfab.cli.errors import die
-from ddpfab.hosts.provision import PLAYBOOKS, AnsibleOptions, ProvisionError, run_playbook
+from ddpfab.remote.provision import PLAYBOOKS, AnsibleOptions, ProvisionError, run_playbook
 from ddpfab.remote.target import HostKeyPolicy
 
 

@@ -1,4 +1,4 @@
-"""ddpfab/hosts/provision.py without hosts: finding ansible-playbook and the playbooks, the command line,
+"""ddpfab/remote/provision.py without hosts: finding ansible-playbook and the playbooks, the command line,
 and naming failed hosts from Ansible's PLAY RECAP. (Fast; the real runs are in tests/lab.)"""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.hosts import provision
+from ddpfab.remote import provision
 from ddpfab.remote.target import HostKeyPolicy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 
 from ddpfab import lab as labmod
-from ddpfab.hosts import provision
+from ddpfab.remote import provision
 
 from .conftest import session_subnet
 

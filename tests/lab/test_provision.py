@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from ddpfab import lab as labmod
-from ddpfab.hosts import provision
+from ddpfab.remote import provision
 
 from .conftest import session_subnet
 

@@ -257,7 +257,7 @@ def test_collection_metadata_matches_the_package():
     import yaml
 
     from ddpfab import __version__
-    from ddpfab.hosts import provision
+    from ddpfab.remote import provision
 
     galaxy = yaml.safe_load((provision.collection_dir() / "galaxy.yml").read_text())
     assert (galaxy["namespace"], galaxy["name"], galaxy["version"]) == ("ddpfab", "cluster", __version__)

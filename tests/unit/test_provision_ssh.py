@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab.hosts.inventory import InventoryError, load
-from ddpfab.hosts.provision import run_playbook
+from ddpfab.remote.provision import run_playbook
 from ddpfab.remote.target import HostKeyPolicy
 
 

@@ -276,7 +276,7 @@ def layered_settings(environ: dict[str, str] | None = None, cwd: str | None = No
         env = SETTING_ENV.get(key)
         if env is None:
             raise ProvisionError(f"{ansible_dir() / 'ansible.cfg'}: setting {key} has no ANSIBLE_* variable in "
-                                 "ddpfab.hosts.provision.SETTING_ENV; add it there")
+                                 "ddpfab.remote.provision.SETTING_ENV; add it there")
         if env in environ or key in theirs:
             continue
         # relative paths in ddpfab's config mean its own dir, as they would in the file
