@@ -320,7 +320,7 @@ class Bench:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
             out["ssh.run true (Nagle on: paramiko's default)"] = remote("true")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            from ddpfab.planning import probe
+            from ddpfab.health import probe
 
             peers = {h.name: h.address for h in self.lab.hosts[1:n]}
             best = float("inf")

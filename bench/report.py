@@ -562,7 +562,7 @@ def profile_section(launch, fanout) -> list[str]:
               f"{s(m('ddpfab.inventory.load(inventory) (Ansible'))} parsed by Ansible, "
               f"{s(m('ddpfab.inventory.load(inventory) (cached'))} from the cache; every command that reads an "
               "inventory gains the difference.",
-              f"4. **The probe starts no processes** (`ddpfab/planning/probe.py`, the `routes` part and the torch version): "
+              f"4. **The probe starts no processes** (`ddpfab/health/probe.py`, the `routes` part and the torch version): "
               f"the interface towards each peer comes from the kernel's source-address choice (a UDP `connect()`, "
               f"nothing sent) mapped to the interface holding that address, instead of one `ip route get` per "
               f"peer (N-1 processes per node: {s(m('ssh.run 31 x ip -o route get'))} for 31 peers, one round trip "

@@ -496,7 +496,7 @@ class Cluster:
 
     def _offline_plan(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options) -> Plan:
         # slow to import: see LAZY above
-        from ddpfab.planning.probe import offline_addresses
+        from ddpfab.remote.address import offline_addresses
 
         addresses, unresolved = offline_addresses(nodes, self.targets(nodes))
         facts = Facts(addresses=addresses, master_port=planmod.master_port(opts.master_port, offline=True),

@@ -28,7 +28,8 @@ from ddpfab.health import resources
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hostlist import compact
 from ddpfab.hosts import nodeenv
-from ddpfab.planning import gpu_leases, probe
+from ddpfab.health import probe
+from ddpfab.planning import gpu_leases
 from ddpfab.planning.plan import PlanError, RunOptions, choose_master, nproc_for
 from ddpfab.problems import NodeError, Problem
 from ddpfab.remote import ssh

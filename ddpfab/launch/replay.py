@@ -35,7 +35,8 @@ from typing import Any
 from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Cluster
 from ddpfab.launch.runs import mask_env
-from ddpfab.planning import probe, render
+from ddpfab.health import probe
+from ddpfab.planning import render
 from ddpfab.masking import holds_mask, was_masked
 from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
 from ddpfab.problems import DdpfabError, Problem
@@ -306,7 +307,7 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
 
 def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool, run_id: str | None = None):
     """One probe pass (torch, workdir, script, the old port on the master; with *run_id*, that the
-    new run's dir is on no node yet), then the port (:func:`ddpfab.planning.probe.pick_port`: a
+    new run's dir is on no node yet), then the port (:func:`ddpfab.health.probe.pick_port`: a
     second look on the master for a free port only if the old one is taken and that is allowed)."""
     master = choose_master(cluster)
     facts, problems = probe.gather(cluster, conns, master, cwd=cwd, script=script, master_port=old_port,

@@ -20,7 +20,8 @@ from ddpfab.launch.recover import attempt_cluster, current_manifest
 from ddpfab.launch.replay import (ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory,
                                   recorded_selection, validate)
 from ddpfab.launch.runs import new_run_id
-from ddpfab.planning import probe, scriptfile
+from ddpfab.health import probe
+from ddpfab.planning import scriptfile
 from ddpfab.masking import recordable
 from ddpfab.planning.plan import Plan, make_plan, parse_env
 from ddpfab.problems import DdpfabError, Problem

@@ -17,7 +17,7 @@ from pathlib import Path
 from fabric import Connection
 
 from ddpfab import node as nodeprog
-from ddpfab.health import check, resources
+from ddpfab.health import check, probe, resources
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
 from ddpfab.launch import replicate
@@ -25,7 +25,7 @@ from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input,
 from ddpfab.launch.interrupt import Interrupted
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
-from ddpfab.planning import gpu_leases, probe, scriptfile
+from ddpfab.planning import gpu_leases, scriptfile
 from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for, socket_ifname_for
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh

@@ -400,10 +400,10 @@ def dump_manifest(doc: dict[str, Any], fmt: str = "yaml") -> str:
 # -- planning offline -----------------------------------------------------------------------------
 def offline_facts(cluster, master_port: int | None, cwd: str, ssh_config: str | None = None):
     """Facts for an export, made as the dry run's offline plan makes them: each address by
-    :func:`ddpfab.planning.probe.offline_addresses` (no host contacted; a name this controller
+    :func:`ddpfab.remote.address.offline_addresses` (no host contacted; a name this controller
     cannot resolve is kept and marked), the port the user's or torchrun's default 29500."""
     # slow to import (paramiko, through the probe): see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.planning.probe import offline_addresses
+    from ddpfab.remote.address import offline_addresses
     from ddpfab.remote.target import resolve_all
 
     addresses, unresolved = offline_addresses(cluster, resolve_all(cluster.nodes, ssh_config=ssh_config))

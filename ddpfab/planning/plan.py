@@ -8,7 +8,7 @@ style). No SSH, no clock, no randomness in here: the same inputs give the same p
 The plan holds no rendered command: :mod:`ddpfab.planning.render` turns it into a node's argv, a shell line,
 an emitted script or a scheduler's job, and nothing reads a rendered command back.
 The facts it needs from the hosts (resolved addresses, a free port on the master) are gathered
-beforehand by :mod:`ddpfab.planning.probe`; :func:`master_port` decides the port from them.
+beforehand by :mod:`ddpfab.health.probe`; :func:`master_port` decides the port from them.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ class Facts:
         ifnames: node name -> the network interface it reaches its peers through (for
             ``socket_ifname="auto"``).
         unresolved: nodes whose address is their name as given, not an IP: an offline plan's
-            names the controller could not resolve (:func:`ddpfab.planning.probe.offline_addresses`).
+            names the controller could not resolve (:func:`ddpfab.remote.address.offline_addresses`).
             The real run never has any: it resolves every address (or refuses) before planning.
         gpus, cpus: node name -> its GPU and CPU counts as probed (for ``--nproc-per-node
             gpu|cpu|auto``); a node missing here was not probed (an offline plan).

@@ -535,7 +535,7 @@ def test_a_per_node_placeholder_or_c10d_cannot_be_exported_and_the_error_says_wh
 
 
 def test_an_export_addresses_the_nodes_as_the_dry_runs_offline_plan_does(tmp_path):
-    """One rule for offline addresses (:func:`ddpfab.planning.probe.offline_addresses`): a name the
+    """One rule for offline addresses (:func:`ddpfab.remote.address.offline_addresses`): a name the
     controller resolves becomes its IP, one it cannot is kept and marked unresolved (no 0.0.0.0
     stand-in), an IP literal is itself; the export's facts and the dry run's plan agree."""
     import ddpfab

@@ -26,7 +26,7 @@ from ddpfab import node as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import loop
 from ddpfab.node import ops as program
-from ddpfab.planning import probe
+from ddpfab.health import probe
 from ddpfab.node import treehash
 
 
@@ -737,7 +737,7 @@ def test_what_a_node_says_is_printed_without_its_control_characters():
 
 def test_facts_with_a_port_that_is_none_are_a_problem_of_that_node():
     from ddpfab.hosts.inventory import Node
-    from ddpfab.planning.probe import to_facts
+    from ddpfab.health.probe import to_facts
 
     base = {"hostname": "h", "python": "3.12", "home": "/root", "torch": True, "workdir_exists": True}
     node = Node(name="n1", host="10.0.0.1")

@@ -21,7 +21,7 @@ from ddpfab.node import ops
 from ddpfab.planning import render
 from ddpfab.planning.export import ExportError, to_sbatch
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
-from ddpfab.planning.probe import decide, to_facts
+from ddpfab.health.probe import decide, to_facts
 
 from .test_export import cluster as export_cluster
 from .test_export import fake_slurm, run_sbatch  # noqa: F401 - the fake Slurm fixture

@@ -11,7 +11,7 @@ import pytest
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import NodeProgramError
 from ddpfab.node import ops as program
-from ddpfab.planning import probe
+from ddpfab.health import probe
 from ddpfab.planning.plan import Facts, Interface, PlanError, RunOptions, make_plan, socket_ifname_problems
 
 UP = Interface(up=True, state="up", addrs=("10.0.0.9",))

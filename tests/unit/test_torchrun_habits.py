@@ -18,7 +18,8 @@ from ddpfab.cli import run as run_cli
 from ddpfab.health import check
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch import replay, runner
-from ddpfab.planning import emit, probe, render, scriptfile
+from ddpfab.health import probe
+from ddpfab.planning import emit, render, scriptfile
 from ddpfab.planning.plan import Facts, PlanError, RunOptions, make_plan, nproc_for, parse_nproc
 
 GPU_NODE, CPU_NODE = Node("g", "10.0.0.1"), Node("c", "10.0.0.2")
