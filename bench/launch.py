@@ -330,7 +330,7 @@ class Bench:
                 best = min(best, time.perf_counter() - t0)
             out[f"probe.probe_node on one node ({len(peers)} peers)"] = best
             try:  # the one node program: what shipping it costs a node's python, beyond its start
-                from ddpfab import node as nodeprog
+                from ddpfab.remote import nodeprogram as nodeprog
 
                 out[f"node program: start, read {len(nodeprog.program()) // 1024} kB, compile, one ps (node's python)"] = \
                     _best(reps, lambda: nodeprog.call(conn, node, {"op": "ps"}, timeout=60)[0].value(node.name))

@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument("--mb", type=int, default=50, help="file size in MB (default 50)")
     args = p.parse_args()
     reps, meta, started = common.begin(args)
-    from ddpfab import node as nodeprog
+    from ddpfab.remote import nodeprogram as nodeprog
     from ddpfab.hosts import inventory
     from ddpfab.launch import replicate, runner
     from ddpfab.remote import ssh

@@ -211,7 +211,7 @@ class Bench:
 
 def kind(cmd: str) -> str:
     """What a job process is, for the record of which ones went last."""
-    if "ddpfab-agent" in cmd:  # the loader's words after the program (ddpfab.node.supervisor_words)
+    if "ddpfab-agent" in cmd:  # the loader's words after the program (ddpfab.remote.nodeprogram.supervisor_words)
         return "ddpfab-supervisor"
     if "torch.distributed.run" in cmd:
         return "torchrun"

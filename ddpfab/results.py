@@ -3,7 +3,7 @@ its work raised. A failure on one host is data next to the others' results; call
 :attr:`GroupResult.succeeded` and :attr:`GroupResult.failed` instead of testing each value's type.
 
 Its own module (not :mod:`ddpfab.remote.ssh`): the node program's controller side
-(:func:`ddpfab.node.exchange`) returns one too, and must not load paramiko.
+(:func:`ddpfab.remote.nodeprogram.exchange`) returns one too, and must not load paramiko.
 """
 
 from __future__ import annotations

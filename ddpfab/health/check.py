@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import mesh as meshmod
 from ddpfab.health import resources
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh

@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hostlist import compact
 from ddpfab.planning.plan import Plan
 from ddpfab.remote import ssh

@@ -52,7 +52,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hostlist import compact
 from ddpfab.results import GroupResult
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from fabric import Connection
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resources
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ddpfab.node import printable
+from ddpfab.remote.nodeprogram import printable
 from ddpfab.planning import gpu_leases
 from ddpfab.planning.plan import PlanError
 

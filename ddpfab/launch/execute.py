@@ -24,7 +24,7 @@ from typing import BinaryIO, TextIO
 
 from fabric import Connection
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import hints
 from ddpfab.hostlist import compact
 from ddpfab.launch import story

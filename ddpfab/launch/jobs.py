@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader

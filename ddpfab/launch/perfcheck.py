@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import perf, perfreport
 from ddpfab.hosts import inventory
 from ddpfab.launch import runner

@@ -30,7 +30,7 @@ import shlex
 import time
 from dataclasses import asdict, dataclass, field
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.node import treehash
 from ddpfab.planning.plan import PlanError
 from ddpfab.problems import Problem

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fabric import Connection
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import check, probe, resources
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory

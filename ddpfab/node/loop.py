@@ -12,7 +12,7 @@ last in it: ``supervise`` (the job supervisor: stdin carries heartbeats, stdout 
 file's bytes follow its frame on stdin).
 
 :mod:`ddpfab.node.workdir`, :mod:`ddpfab.node.treehash` and this module, in that order, are a whole
-program by themselves (:data:`ddpfab.node.WORKDIR_PART`): they answer the workdir's operations
+program by themselves (:data:`ddpfab.remote.nodeprogram.WORKDIR_PART`): they answer the workdir's operations
 (probe, commit, hash, locate, stage, lock, unlock). A session that needs nothing else, sync's check
 of an unchanged tree, ships that part alone: a third of the text, and a third less of the node
 python's start. The modules after it add their operations to :data:`OPS`, :data:`TAKEOVER` and

@@ -3,7 +3,7 @@
 What a node runs is one program: :mod:`ddpfab.node.workdir`, :mod:`ddpfab.node.treehash`,
 :mod:`ddpfab.node.loop` (the request loop, the workdir's operations), :mod:`ddpfab.node.leases`,
 :mod:`ddpfab.node.resources`, :mod:`ddpfab.node.agent`, :mod:`ddpfab.node.stacks` and this file, in
-that order, as one source text (:func:`ddpfab.node.program`); on the controller each is an ordinary
+that order, as one source text (:func:`ddpfab.remote.nodeprogram.program`); on the controller each is an ordinary
 module, so every operation is unit-tested as a function. This file adds its operations to the
 loop's (the end of the file). Standard library only, Python 3.6+, no ddpfab imports beyond those
 modules (which come first in the shipped text).
@@ -214,7 +214,7 @@ _SITE_RUN = [True] if globals().get("_LEGACY_SITE") else []
 
 def _with_site():
     """The node python's installed packages on sys.path, as a plain start has them: the program
-    runs without site (``python -S``, :func:`ddpfab.node.argv`) until an operation needs them."""
+    runs without site (``python -S``, :func:`ddpfab.remote.nodeprogram.argv`) until an operation needs them."""
     if sys.flags.no_site and not _SITE_RUN:
         _SITE_RUN.append(True)
         import site

@@ -1,6 +1,6 @@
 """The node's resources a job needs, as facts (the node side of :mod:`ddpfab.health.resources`).
 
-Part of the shipped node program (:data:`ddpfab.node.SOURCES`): standard library only, Python
+Part of the shipped node program (:data:`ddpfab.remote.nodeprogram.SOURCES`): standard library only, Python
 3.6+, no ddpfab imports; top-level names start with ``res_``/``RES_`` because the modules share
 one namespace there. ``facts`` adds :func:`res_facts`'s answer: /dev/shm, the filesystems where
 the job writes, the limits the node program got over ssh (a supervisor started the same way gives

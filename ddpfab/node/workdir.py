@@ -18,7 +18,7 @@ Rules, and why:
   directory itself, not a mount point: sync writes there, and a record of what it placed is only a
   promise about the files it placed, not about a whole filesystem.
 
-This file is also part of the program the nodes run (:func:`ddpfab.node.program` sends its
+This file is also part of the program the nodes run (:func:`ddpfab.remote.nodeprogram.program` sends its
 source ahead of :mod:`ddpfab.node.treehash`): standard library only, Python 3.6+, no ddpfab imports.
 As the program's first module it also holds the program's one PATH lookup (:func:`which`).
 """
@@ -38,7 +38,7 @@ SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/l
 class WorkdirError(ValueError):
     """A workdir that no command may use; the message says why and what to write instead. (The
     node program sends it as an error reply with this ``code``; the controller's problem names the
-    node: :meth:`ddpfab.node.Reply.value`, or a PlanError for the planner's own check.)"""
+    node: :meth:`ddpfab.remote.nodeprogram.Reply.value`, or a PlanError for the planner's own check.)"""
 
     code = "workdir"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ddpfab.node import printable
+from ddpfab.remote.nodeprogram import printable
 from ddpfab.planning.plan import Plan
 from ddpfab.problems import Problem
 

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.remote import rsh as _rsh
 from ddpfab.remote.reaper import Reaper

@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import treehash, workdir
 from ddpfab.problems import DdpfabError, NodeError, Problem

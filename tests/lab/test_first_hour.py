@@ -30,7 +30,8 @@ import yaml
 
 from ddpfab import __version__
 from ddpfab import lab as labmod
-from ddpfab.hosts import nodeenv, provision
+from ddpfab.hosts import nodeenv
+from ddpfab.remote import provision
 
 from .conftest import extra_subnet
 from .helpers import ddpfab, reports

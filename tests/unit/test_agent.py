@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.node import agent
 
 # a job tree like torchrun's: a parent, a child in a session of its own (as torchrun's workers

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from ddpfab import cli
 from ddpfab.cli import config
-from ddpfab.hosts import invcache, inventory, provision
+from ddpfab.hosts import invcache, inventory
+from ddpfab.remote import provision
 from ddpfab.hosts.inventory import InventoryError
 from ddpfab.launch import replay
 from ddpfab.planning.plan import Facts, RunOptions, make_plan

@@ -174,7 +174,7 @@ def test_the_dry_run_and_the_manifest_show_setup_lines_masked():
 def test_setup_lines_travel_on_stdin_never_in_the_command(tmp_path):
     """The command ddpfab sends holds the bootstrap only; the lines come on stdin, and the program
     after them still gets the rest of stdin whole."""
-    from ddpfab import node as nodeprog
+    from ddpfab.remote import nodeprogram as nodeprog
 
     node = Node("a", "10.0.0.1", python=sys.executable, python_from="inventory",
                 setup=("export HF_TOKEN=hf_stdin_only", "export B='a b'"))

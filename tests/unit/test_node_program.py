@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import loop
 from ddpfab.node import ops as program
@@ -296,7 +296,7 @@ def test_the_program_is_built_once_however_many_sessions_open_at_once(monkeypatc
 
 def test_a_start_imports_only_what_its_requests_need():
     """The program starts without site and with its heavy standard modules imported at first use
-    (ddpfab.node.LAZY_MODULES): a request that needs none imports none; facts still finds the
+    (ddpfab.remote.nodeprogram.LAZY_MODULES): a request that needs none imports none; facts still finds the
     packages installed in the node's python (torch here), and each lazy module works on first use."""
     def imported(*requests):
         proc = subprocess.run([sys.executable, "-X", "importtime", *nodeprog.argv(sys.executable, "ddpfab-node")[1:]],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.cli import main as cli_main
 from ddpfab.health import check
 from ddpfab.hosts import nodeenv

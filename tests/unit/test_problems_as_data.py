@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import ddpfab
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.transfer.sync import SyncError
 
@@ -278,7 +278,7 @@ def test_a_node_programs_refusal_keeps_its_code_as_the_problems_kind():
     import subprocess
     import sys
 
-    from ddpfab import node as nodeprog
+    from ddpfab.remote import nodeprogram as nodeprog
 
     reqs = nodeprog.numbered({"op": "hash", "workdir": "~x"})  # another user's home: refused on the node
     proc = subprocess.run(nodeprog.argv(sys.executable, "ddpfab-node"), input=nodeprog.stdin_for(*reqs),

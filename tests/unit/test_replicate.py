@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.launch import replicate
 from ddpfab.planning.plan import PlanError

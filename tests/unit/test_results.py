@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.cli.errors import print_problems
 from ddpfab.health import check
 from ddpfab.hosts.inventory import Cluster, Node

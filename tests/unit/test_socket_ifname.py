@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ddpfab.hosts.inventory import Cluster, Node
-from ddpfab.node import NodeProgramError
+from ddpfab.remote.nodeprogram import NodeProgramError
 from ddpfab.node import ops as program
 from ddpfab.health import probe
 from ddpfab.planning.plan import Facts, Interface, PlanError, RunOptions, make_plan, socket_ifname_problems

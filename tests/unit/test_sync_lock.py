@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.node import loop as program
 from ddpfab.transfer import sync
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import cli
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.cli import sync as sync_cli
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import treehash, workdir

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab import node as nodeprog
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Cluster, InventoryError, Node, _check_duplicates
 from ddpfab.launch.runs import MASK, mask_argv, mask_plan
 from ddpfab.node import agent
