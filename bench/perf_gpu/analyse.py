@@ -1,4 +1,4 @@
-"""Device check of ddpfab check --perf's GPU path: validate and analyse the node's record."""
+"""Device check of ddpfab check --perf's GPU path: validate and analyze the node's record."""
 import json, sys
 import perf
 text = open(sys.argv[1]).read()

@@ -37,7 +37,7 @@ def _cluster(args, manifest: dict | None):
     try:  # the run's -e (how its nodes are reached: ansible_host, ansible_port...) and --limit
         limit, variables, masked = recorded_selection(manifest) if manifest else (None, {}, [])
     except ManifestError as exc:
-        raise RecordError(str(exc)) from None
+        raise RunRecordError(str(exc)) from None
     if masked:
         warn(f"the run's extra vars {', '.join(masked)} are recorded masked (secrets): the nodes are reached "
              "without them")
@@ -50,7 +50,7 @@ def _cluster(args, manifest: dict | None):
     return cluster
 
 
-class RecordError(DdpfabError):
+class RunRecordError(DdpfabError):
     """A local run record that cannot be read as one; the message names the file and the fix."""
 
     check = "record"
@@ -66,7 +66,7 @@ def _record(runs_dir: str, run_id: str) -> dict | None:
     try:
         manifest = _load_manifest(runs_dir, run_id)
     except (OSError, ValueError) as exc:
-        raise RecordError(f"{where} cannot be read as a run record ({type(exc).__name__}); move it out of "
+        raise RunRecordError(f"{where} cannot be read as a run record ({type(exc).__name__}); move it out of "
                           f"{runs_dir} (then -i INVENTORY names the nodes)") from None
     if manifest is None:
         return None
@@ -79,7 +79,7 @@ def _record(runs_dir: str, run_id: str) -> dict | None:
                   for n in nodes)
           and all(isinstance(plan.get(k), (str, type(None))) for k in ("inventory", "group")))
     if not ok:
-        raise RecordError(f"{where} is not a ddpfab run record (expected an object with run_id and a plan whose "
+        raise RunRecordError(f"{where} is not a ddpfab run record (expected an object with run_id and a plan whose "
                           "nodes have a name and remote_dir); move it out of "
                           f"{runs_dir} (then -i INVENTORY names the nodes)")
     return manifest
@@ -183,7 +183,7 @@ def _plan_of(args, manifest: dict) -> Plan:
     try:
         return Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
     except (KeyError, TypeError, ValueError):
-        raise RecordError(f"{Path(args.runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
+        raise RunRecordError(f"{Path(args.runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
                           f"back; {args.command} needs the record of a run this ddpfab started") from None
 
 
@@ -196,7 +196,7 @@ def _guard(fn):
             return fn(args)
         except (inventory.InventoryError, ConfigError) as exc:
             return refuse(args, str(exc), "inventory")  # (ps --json: as JSON too)
-        except RecordError as exc:
+        except RunRecordError as exc:
             return refuse(args, exc, "record")
         except runner.RunError as exc:
             return refuse(args, exc.problems, "ssh")
@@ -233,7 +233,7 @@ def cmd_ps(args) -> int:
     for r in rows:
         try:
             local = _record(args.runs_dir, r["run_id"]) or {}
-        except RecordError as exc:  # the nodes' listing stands without it
+        except RunRecordError as exc:  # the nodes' listing stands without it
             warn(str(exc))
             local = {}
         if local.get("recovery_of"):  # an attempt of a run with restarts

@@ -467,7 +467,7 @@ def _closing_lines(ranks: list[Rank], starting: list[str], busy: list[Rank], odd
     return lines
 
 
-def analyse(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict:
+def analyze(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict:
     """The verdict from every node's reply (a dict) or its failure (a str: why it did not answer);
     *expected*: node -> its number of processes (the plan's). A job that has ended on every node
     is said so, how each ended, and nothing else: it is not a hang, nor a rank gone."""
@@ -545,11 +545,11 @@ def dumps_of(replies: dict[str, dict | str]) -> list[dict]:
 
 def diagnose(plan: Plan, call: Callable[[Any, dict, float], dict], run_dir: Path | None,
              timeout: float = NODE_TIMEOUT_S) -> tuple[Verdict, Path | None]:
-    """Collect, analyse, save (``doctor-<time>.json`` and the flight-recorder dumps under
+    """Collect, analyze, save (``doctor-<time>.json`` and the flight-recorder dumps under
     ``nccl-trace/<node>/`` in *run_dir*); the verdict and the record's path."""
     t0 = time.time()
     replies = collect(plan, call, timeout)
-    verdict = analyse(replies, {n.name: n.nproc for n in plan.nodes})
+    verdict = analyze(replies, {n.name: n.nproc for n in plan.nodes})
     path = None
     if run_dir is not None:
         record = {"kind": "ddpfab-doctor", "run_id": plan.run_id, "time": t0, "took_s": round(time.time() - t0, 3),

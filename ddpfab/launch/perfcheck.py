@@ -94,7 +94,7 @@ def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: s
               options: perf.PerfOptions | None = None, ssh_config: str | None = None,
               preflight: bool = True, echo: bool = False, env: tuple[tuple[str, str], ...] | None = None,
               socket_ifname: str | None = None) -> tuple[dict, Path]:
-    """Run the benchmark on every node, analyse it and write the record and the report.
+    """Run the benchmark on every node, analyze it and write the record and the report.
 
     *options*: the benchmark's (default: :class:`perf.PerfOptions`' defaults). *env* and
     *socket_ifname* are the job's (``run --perf-check``), so the check talks over the

@@ -521,7 +521,7 @@ def _host_entry(host: str, port: str | int | None) -> str:
 
 # -- the sync ----------------------------------------------------------------------------------
 @dataclass
-class _Target:
+class _SyncTarget:
     node: Node
     runner: NodeRunner | None
     rec: NodeSync
@@ -547,7 +547,7 @@ class _Sync:
         self.reaper = Reaper(self.ctl_dir)
         self.list_file = os.path.join(self.ctl_dir, "files")
         write_list(sel.files, self.list_file)
-        self.targets = {n.name: _Target(n, NodeRunner(n, conns[n.name], sock_dir=self.ctl_dir, reaper=self.reaper)
+        self.targets = {n.name: _SyncTarget(n, NodeRunner(n, conns[n.name], sock_dir=self.ctl_dir, reaper=self.reaper)
                                         if n.name in conns else None, NodeSync(n.name))
                         for n in cluster.nodes}
         self.notes: list[str] = []
@@ -566,10 +566,10 @@ class _Sync:
             self.notes.append(text)
         self.progress(text)
 
-    def fail(self, t: _Target, problem: Problem | str) -> None:
+    def fail(self, t: _SyncTarget, problem: Problem | str) -> None:
         t.rec.ok, t.rec.error = False, str(problem)  # reported once, at the end (SyncError, by node)
 
-    def request(self, t: _Target, op: str, **fields) -> dict:
+    def request(self, t: _SyncTarget, op: str, **fields) -> dict:
         return {"op": op, "workdir": t.rec.workdir, **fields}
 
     # -- phase 1: connect and probe --------------------------------------------------------
@@ -583,7 +583,7 @@ class _Sync:
         except OSError as exc:
             nonce, nonce_error = None, f"could not write a probe file into {self.sel.root}: {exc.strerror}"
 
-        def probe(t: _Target) -> None:
+        def probe(t: _SyncTarget) -> None:
             """First look, changing nothing: the workdir checked as the node resolves it, whose it
             is, whether it is this very directory; for a real sync in the session that then holds
             the lock, with a first try (no wait) at the lock."""
@@ -615,7 +615,7 @@ class _Sync:
                 self.try_lock(t, 0)
             return None
 
-        def prepare(t: _Target) -> None:
+        def prepare(t: _SyncTarget) -> None:
             """Under the lock: read the record and record the files about to be placed (the union
             of old and new until the commit), moving aside what is in the way."""
             try:
@@ -654,7 +654,7 @@ class _Sync:
                       "copy, verifying only")
 
     # -- one writer per workdir ----------------------------------------------------------------
-    def try_lock(self, t: _Target, wait_s: float) -> None:
+    def try_lock(self, t: _SyncTarget, wait_s: float) -> None:
         """Ask *t*'s session for its workdir's lock, waiting up to *wait_s* s on the node."""
         holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
                   "since": time.time(), "src": self.sel.root}
@@ -701,7 +701,7 @@ class _Sync:
                 with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
                     list(pool.map(lambda u: self.try_lock(u, 0), [u for u in wanted if not u.locked and u is not t]))
 
-    def unlock(self, t: _Target) -> None:
+    def unlock(self, t: _SyncTarget) -> None:
         try:
             _ask(t.runner, t.session, {"op": "unlock"}, timeout=60)
         except SyncError as exc:
@@ -710,17 +710,17 @@ class _Sync:
         t.locked = False
 
     # -- copies ---------------------------------------------------------------------------
-    def copy_from_controller(self, t: _Target, dry_run: bool = False) -> bool:
+    def copy_from_controller(self, t: _SyncTarget, dry_run: bool = False) -> bool:
         argv = rsync_argv(self.list_file, t.runner.rsh(), self.sel.root, t.runner.remote(t.real),
                           compress=self.compress, checksum=self.checksum, dry_run=dry_run)
         return self._run_copy(t, lambda: t.runner.rsync(argv), "controller")
 
-    def copy_from_node(self, src: _Target, t: _Target, hop: dict) -> bool:
+    def copy_from_node(self, src: _SyncTarget, t: _SyncTarget, hop: dict) -> bool:
         inner = rsync_argv(f"{hop['stage']}/files", hop_rsh(hop["stage"], hop["port"], hop["user"]), src.real,
                            f"{bracket(hop['addr'])}:{t.real}", compress=self.compress, checksum=self.checksum)
         return self._run_copy(t, lambda: src.runner.run_forwarding(shlex.join(inner), self.agent.sock), src.node.name)
 
-    def _run_copy(self, t: _Target, copy: Callable[[], Finished], source: str) -> bool:
+    def _run_copy(self, t: _SyncTarget, copy: Callable[[], Finished], source: str) -> bool:
         """*copy* (rsync here, or on a forwarding node) to its end; its counts into *t*'s record."""
         if self.cancelled:
             t.rec.error = f"host {t.node.name}: sync interrupted"
@@ -756,14 +756,14 @@ class _Sync:
                 t.runner.cancel()
 
     # -- verification ------------------------------------------------------------------------
-    def summary(self, t: _Target) -> str:
+    def summary(self, t: _SyncTarget) -> str:
         counts = f"{t.rec.copied or 0} copied, {t.rec.updated or 0} updated, {t.rec.deleted or 0} deleted"
         src = f"from {t.rec.source}"
         sent = f", sent {_mb(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
         took = f" in {t.rec.transfer_s:.2f} s" if t.rec.transfer_s is not None else ""
         return (f"{t.node.name}: {t.rec.workdir}: {counts} ({src}{took}{sent}; verified in {t.rec.verify_s:.2f} s)")
 
-    def commit(self, t: _Target) -> None:
+    def commit(self, t: _SyncTarget) -> None:
         """After a copy: delete what ddpfab placed and is gone here, record what is placed now,
         and check the node's hash of it (one node call)."""
         if self.cancelled:
@@ -779,7 +779,7 @@ class _Sync:
         self.check_hash(t, out, start)
         return None
 
-    def verify(self, t: _Target) -> None:
+    def verify(self, t: _SyncTarget) -> None:
         req = self.request(t, "hash", cache=not self.checksum)
         if t.shared:
             req["paths"] = self.sel.files
@@ -791,7 +791,7 @@ class _Sync:
         self.check_hash(t, out, start)
         return None
 
-    def check_hash(self, t: _Target, out: dict, start: float) -> None:
+    def check_hash(self, t: _SyncTarget, out: dict, start: float) -> None:
         t.rec.verify_s = round(time.monotonic() - start, 3)
         t.rec.tree_hash = out["tree_hash"]
         if out["tree_hash"] == self.local["tree_hash"]:
@@ -817,8 +817,8 @@ class _Sync:
             + ". " + mismatch_advice(ours, theirs, verify_only=self.verify_only, checksum=self.checksum)))
 
     # -- phase 2: star ------------------------------------------------------------------------
-    def star(self, targets: list[_Target]) -> None:
-        def one(t: _Target) -> None:
+    def star(self, targets: list[_SyncTarget]) -> None:
+        def one(t: _SyncTarget) -> None:
             if not self.copy_from_controller(t, dry_run=self.dry_run):
                 return self.fail(t, t.rec.error)
             if self.dry_run:
@@ -839,7 +839,7 @@ class _Sync:
                 pool.shutdown(wait=True)
 
     # -- phase 2: tree ------------------------------------------------------------------------
-    def tree_setup(self, order: list[_Target]) -> tuple[dict, str | None]:
+    def tree_setup(self, order: list[_SyncTarget]) -> tuple[dict, str | None]:
         """The hops of the binomial tree over *order*, or why the tree cannot be used."""
         if len(order) < 2:
             return {}, "tree fan-out needs at least 2 nodes to copy to"
@@ -902,7 +902,7 @@ class _Sync:
             return {}, problems[0]
         return {"children": children, "hops": hops}, None
 
-    def tree(self, order: list[_Target]) -> None:
+    def tree(self, order: list[_SyncTarget]) -> None:
         if not order:
             return
         got = [threading.Event() for _ in order]

@@ -65,7 +65,7 @@ EXPECTED = {f"node{n + 1}": 2 for n in range(4)}
 
 def test_a_stopped_rank_is_named_first_and_the_others_wait_in_the_collective():
     replies = cluster_replies(r5={"state": "T", "pid": 777, "stack": stack("", 55, "main")})
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert v.lines[0] == "node3 rank 5 (pid 777) is stopped (SIGSTOP, state T)"
     assert v.lines[1] == "the other 7 ranks wait in all_reduce (train.py:42)"
     assert v.hung and [o["what"] for o in v.odd] == ["state"]
@@ -82,19 +82,19 @@ def test_behind_a_stopped_rank_the_waiters_at_two_call_sites_of_one_collective_a
                               r0={"stack": stack("all_reduce", 24, "average_gradients")},
                               r6={"stack": stack("all_reduce", 24, "average_gradients")},
                               r7={"stack": stack("all_reduce", 24, "average_gradients")})
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert v.lines[0] == "node3 rank 5 (pid 777) is stopped (SIGSTOP, state T)"
     assert v.lines[1] == "the other 7 ranks wait in all_reduce (train.py:24, train.py:42)"
     assert v.hung and [o["what"] for o in v.odd] == ["state"]
     shown = "\n".join(doctor.render(v))  # the stacks stay grouped by their own place
     assert "-- 4 ranks in all_reduce (train.py:42)" in shown and "-- 3 ranks in all_reduce (train.py:24)" in shown
     # without a stopped rank, the same split is a difference worth naming (no cause seen)
-    v = doctor.analyse(cluster_replies(r0={"stack": stack("broadcast", 24, "odd_call")}), EXPECTED)
+    v = doctor.analyze(cluster_replies(r0={"stack": stack("broadcast", 24, "odd_call")}), EXPECTED)
     assert v.odd[0]["what"] == "site"
 
 def test_a_rank_in_another_collective_is_the_odd_one_out():
     replies = cluster_replies(r3={"stack": stack("broadcast", 50, "odd_call")})
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert v.lines[0] == ("node2 rank 3 (pid 1003) is in broadcast (train.py:50), not in all_reduce like the "
                           "others")
     assert v.lines[1] == "the other 7 ranks wait in all_reduce (train.py:42)"
@@ -104,7 +104,7 @@ def test_a_rank_in_another_collective_is_the_odd_one_out():
 def test_a_rank_elsewhere_but_using_cpu_is_busy_not_hung():
     # a rank still importing (lazily, on a loaded machine) while the others wait for it
     replies = cluster_replies(r4={"state": "R", "cpu_ticks": 3, "stack": stack("_path_split", 134, "_get_cached")})
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert v.odd[0]["what"] == "site" and not v.hung
     assert v.lines[-1] == "not a hang: node3 rank 4 (pid 1004) is using CPU (busy: still importing, or computing)"
 
@@ -115,20 +115,20 @@ def test_a_tick_or_two_in_the_sample_is_a_blocked_rank_not_a_busy_one():
     odd rank in broadcast is a hang, not "busy" (the hang watch then kept waiting for ever)."""
     ticks = {f"r{r}": {"cpu_ticks": r % 3} for r in range(8)}
     ticks["r6"] = {"cpu_ticks": 1, "stack": stack("broadcast", 33, "odd_call")}
-    v = doctor.analyse(cluster_replies(**ticks), EXPECTED)
+    v = doctor.analyze(cluster_replies(**ticks), EXPECTED)
     assert v.hung and v.odd[0]["what"] == "site" and not v.lines[-1].startswith("not a hang")
     ticks["r2"] = {"cpu_ticks": 30}  # 30 % of a CPU: computing
-    assert not doctor.analyse(cluster_replies(**ticks), EXPECTED).hung
+    assert not doctor.analyze(cluster_replies(**ticks), EXPECTED).hung
 
 def test_the_same_collective_at_another_call_site_is_odd_too():
-    v = doctor.analyse(cluster_replies(r6={"stack": stack("all_reduce", 99)}), EXPECTED)
+    v = doctor.analyze(cluster_replies(r6={"stack": stack("all_reduce", 99)}), EXPECTED)
     assert v.lines[0].startswith("node4 rank 6 (pid 1006) is in all_reduce (train.py:99)")
 
 
 def test_d_state_missing_ranks_and_a_silent_node_are_each_named():
     replies = cluster_replies(r1={"state": "D"}, r4={"state": "gone"})
     replies["node4"] = "timed out after 30 s"
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     texts = [o["text"] for o in v.odd]
     assert "node4 did not answer: timed out after 30 s" in texts
     assert any(t.startswith("node1 rank 1 (pid 1001) is in uninterruptible sleep (state D") for t in texts)
@@ -140,16 +140,16 @@ def test_a_rank_that_finished_is_not_gone_and_one_that_failed_says_its_code():
     replies = cluster_replies(r2={"state": "gone"}, r3={"state": "gone"})
     replies["node2"]["ended"] = [{"rank": 2, "local_rank": 0, "pid": 5, "code": 0, "restart": 0},
                                  {"rank": 3, "local_rank": 1, "pid": 6, "code": 1, "restart": 0}]
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert [o["text"] for o in v.odd] == ["node2 rank 3 is gone (its exit code 1)"]
 
 
 def test_all_ranks_in_one_place_using_cpu_is_not_a_hang():
     replies = cluster_replies(**{f"r{r}": {"cpu_ticks": 40} for r in range(8)})
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert not v.odd and not v.hung
     assert v.lines == ["no rank stands out: all 8 ranks are in all_reduce (train.py:42) and use CPU (busy, not hung?)"]
-    idle = doctor.analyse(cluster_replies(), EXPECTED)
+    idle = doctor.analyze(cluster_replies(), EXPECTED)
     assert idle.hung and not idle.odd  # all waiting, none using CPU: a hang nobody stands out in
 
 
@@ -157,10 +157,10 @@ def test_nodes_whose_ranks_have_not_started_are_not_missing_ranks():
     replies = cluster_replies()
     replies["node3"]["ranks"] = []  # torchrun alive (job.alive), its ranks not started: rendezvous
     replies["node4"] = node_reply([])
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert not v.odd and v.lines[-1] == ("not started yet on node3, node4 (torchrun has not started the ranks there: "
                                          "rendezvous, or still importing)")
-    everywhere = doctor.analyse({n: node_reply([]) for n in EXPECTED}, EXPECTED)
+    everywhere = doctor.analyze({n: node_reply([]) for n in EXPECTED}, EXPECTED)
     assert not everywhere.hung and not everywhere.odd  # a slow start is not a hang to stop
 
 
@@ -168,7 +168,7 @@ def test_without_py_spy_the_fix_is_named():
     replies = cluster_replies()
     for r in replies["node2"]["ranks"]:
         r["stack"] = {"error": "py-spy is not installed", "fix": "pip install py-spy"}
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     assert "no stack from node2: py-spy is not installed; fix: pip install py-spy" in v.lines
 
 
@@ -177,7 +177,7 @@ def test_a_hostile_reply_is_data_checked_never_trusted():
     replies["node1"]["ranks"] = [{"pid": "1; rm -rf /", "state": "T"}, "junk", {"pid": 5, "state": 3},
                                  {"pid": 6, "rank": True, "local_rank": 0, "state": "S", "stack": {"threads": "x"}}]
     replies["node2"] = {"ranks": "nope", "ended": 7}
-    v = doctor.analyse(replies, EXPECTED)
+    v = doctor.analyze(replies, EXPECTED)
     ranks = doctor.ranks_of("node1", replies["node1"])
     assert [(r.pid, r.rank, r.frames) for r in ranks] == [(6, None, ())]
     assert any(o["text"] == "node2 local rank 0 is gone" for o in v.odd)
@@ -193,7 +193,7 @@ def test_exactly_the_odd_rank_is_named_whatever_the_shape(nodes, nproc, data):
     kind = data.draw(st.sampled_from(["T", "D", "site"]))
     change = {"state": kind} if kind != "site" else {"stack": stack("barrier", 7, "elsewhere")}
     replies = cluster_replies(nodes, nproc, **{f"r{odd}": change})
-    v = doctor.analyse(replies, {f"node{n + 1}": nproc for n in range(nodes)})
+    v = doctor.analyze(replies, {f"node{n + 1}": nproc for n in range(nodes)})
     assert len(v.odd) == 1 and f"rank {odd} (pid {1000 + odd})" in v.odd[0]["text"]
     assert v.odd[0]["node"] == f"node{odd // nproc + 1}"
     assert v.lines[1] == f"the other {world - 1} rank{'s' if world > 2 else ''} wait" \
@@ -309,7 +309,7 @@ def test_a_script_that_works_at_module_level_keeps_its_frames():
     assert sleeping["threads"][0]["frames"] == [{"name": "<module>", "file": "/work/hang.py", "line": 7}]
     replies = {"node1": node_reply([{**rank(0, 0), "stack": waiting}, {**rank(1, 1), "stack": sleeping},
                                     {**rank(2, 2), "stack": waiting}])}
-    v = doctor.analyse(replies, {"node1": 3})
+    v = doctor.analyze(replies, {"node1": 3})
     assert "node1 rank 1 (local rank 1, pid 1001) is outside any collective, in <module> (hang.py:7)" in v.lines[0], \
         v.lines
     assert v.odd and "unknown place" not in "\n".join(doctor.render(v))
@@ -347,7 +347,7 @@ def test_of_two_ranks_the_one_outside_any_collective_is_the_one_the_other_waits_
     """2 ranks: no majority to go by. Rank 1 sleeps in its own code while rank 0 waits in all_reduce:
     rank 1 is named (node, global and local rank, pid, its top frame), rank 0 is not (the doctor
     printed both stacks, named no one and exited 0)."""
-    v = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    v = doctor.analyze(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
     assert v.lines[:2] == ["node2 rank 1 (local rank 0, pid 52) is outside any collective, in stall (hang_train.py:42)",
                            "the other rank waits for it in all_reduce (hang_train.py:32)"], v.lines
     assert v.hung and len(v.odd) == 1
@@ -360,20 +360,20 @@ def test_of_two_ranks_the_one_outside_any_collective_is_the_one_the_other_waits_
     assert "-- 1 rank in all_reduce (hang_train.py:32): node1 rank 0" in shown
     assert "-- 1 rank in stall (hang_train.py:42): node2 rank 1" in shown
     # the same with the ranks the other way round, and on one node (1 waiting vs 1 outside)
-    v = doctor.analyse(two_nodes(SLEEPS, WAITS), {"node1": 1, "node2": 1})
+    v = doctor.analyze(two_nodes(SLEEPS, WAITS), {"node1": 1, "node2": 1})
     assert v.lines[0].startswith("node1 rank 0 (local rank 0, pid 53) is outside any collective") and v.hung
     one = {"node1": node_reply([{**rank(0, 0), "stack": SLEEPS}, {**rank(1, 1), "stack": WAITS}])}
-    assert doctor.analyse(one, {"node1": 2}).odd[0]["rank"] == 0
+    assert doctor.analyze(one, {"node1": 2}).odd[0]["rank"] == 0
 
 
 def test_ranks_outside_any_collective_are_named_whatever_the_majority():
     """7 ranks in all_reduce and 1 asleep: the sleeper, as the one they wait for. 1 rank in
     all_reduce and 2 asleep: the 2 sleepers, never the one that waits (it was the odd one out)."""
     sleeping = {"stack": SLEEPS}
-    v = doctor.analyse(cluster_replies(r5=sleeping), EXPECTED)
+    v = doctor.analyze(cluster_replies(r5=sleeping), EXPECTED)
     assert v.lines == ["node3 rank 5 (local rank 1, pid 1005) is outside any collective, in stall (hang_train.py:42)",
                        "the other 7 ranks wait for it in all_reduce (train.py:42)"]
-    v = doctor.analyse(cluster_replies(1, 3, r1=sleeping, r2=sleeping), {"node1": 3})
+    v = doctor.analyze(cluster_replies(1, 3, r1=sleeping, r2=sleeping), {"node1": 3})
     assert [o["rank"] for o in v.odd] == [1, 2] and all(o["place"] == "outside" for o in v.odd)
     assert v.lines[1] == "the other rank waits for them in all_reduce (train.py:42)" and v.hung
 
@@ -381,11 +381,11 @@ def test_ranks_outside_any_collective_are_named_whatever_the_majority():
 def test_with_a_rank_outside_the_waiters_at_two_call_sites_or_in_another_collective():
     """The waiters at two call sites of all_reduce wait for the same rank (merged, as behind a
     stopped one); a waiter in another collective than the majority is still named as one."""
-    v = doctor.analyse(cluster_replies(r0={"stack": stack("all_reduce", 24, "average_gradients")},
+    v = doctor.analyze(cluster_replies(r0={"stack": stack("all_reduce", 24, "average_gradients")},
                                        r7={"stack": SLEEPS}), EXPECTED)
     assert [o["rank"] for o in v.odd] == [7]
     assert v.lines[1] == "the other 7 ranks wait for it in all_reduce (train.py:24, train.py:42)"
-    v = doctor.analyse(cluster_replies(r3={"stack": stack("broadcast", 50, "odd_call")}, r7={"stack": SLEEPS}),
+    v = doctor.analyze(cluster_replies(r3={"stack": stack("broadcast", 50, "odd_call")}, r7={"stack": SLEEPS}),
                        EXPECTED)
     assert [(o["ranks"], o["place"]) for o in v.odd] == [([7], "outside"), ([3], "collective")], v.odd
     assert v.lines[0].endswith("; node2 rank 3 (pid 1003) is in broadcast (train.py:50), not in all_reduce like "
@@ -396,10 +396,10 @@ def test_with_a_rank_outside_the_waiters_at_two_call_sites_or_in_another_collect
 def test_two_ranks_in_two_collectives_name_no_one_and_two_elsewhere_name_no_one():
     """Which of 2 ranks in different collectives is wrong, or of 2 ranks both outside any, the stacks
     cannot say: every place is listed, no one named (as before)."""
-    v = doctor.analyse(two_nodes(WAITS, stack("broadcast", 50, "odd_call")), {"node1": 1, "node2": 1})
+    v = doctor.analyze(two_nodes(WAITS, stack("broadcast", 50, "odd_call")), {"node1": 1, "node2": 1})
     assert not v.odd and v.lines == ["the ranks are in all_reduce (hang_train.py:32): rank 0; "
                                      "broadcast (train.py:50): rank 1"]
-    v = doctor.analyse(two_nodes(SLEEPS, spy_stack(("load", "/work/data.py", 9))), {"node1": 1, "node2": 1})
+    v = doctor.analyze(two_nodes(SLEEPS, spy_stack(("load", "/work/data.py", 9))), {"node1": 1, "node2": 1})
     assert not v.odd
 
 
@@ -409,14 +409,14 @@ def test_a_wait_on_an_async_collective_is_in_one_and_threadings_wait_is_not():
                           ("get", "/usr/lib/python3.11/queue.py", 171), ("next_batch", "/work/train.py", 12))
     assert doctor.site_of(doctor.ranks_of("n", node_reply([{**rank(0, 0), "stack": asynchronous}]))[0].frames) \
         == doctor.Site("wait", "train.py:40", "wait")
-    v = doctor.analyse(two_nodes(asynchronous, condition), {"node1": 1, "node2": 1})
+    v = doctor.analyze(two_nodes(asynchronous, condition), {"node1": 1, "node2": 1})
     assert v.lines == ["node2 rank 1 (local rank 0, pid 52) is outside any collective, in next_batch (train.py:12) "
                        "calling get (queue.py:171)", "the other rank waits for it in wait (train.py:40)"]
     assert v.odd[0]["frame"] == {"file": "/work/train.py", "line": 12, "function": "next_batch"}
 
 
 def test_a_rank_outside_that_uses_cpu_is_named_but_busy_not_hung():
-    v = doctor.analyse(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
+    v = doctor.analyze(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
     assert v.odd[0]["rank"] == 1 and not v.hung
     assert v.lines[-1] == "not a hang: node2 rank 1 (pid 52) is using CPU (busy: still importing, or computing)"
 
@@ -447,8 +447,8 @@ def stack_lines(notes: list[str]) -> list[str]:
 def test_the_hang_watch_prints_the_stacks_once_busy_looks_then_a_hang(tmp_path, monkeypatch):
     """Two looks at a busy job, the third finds the sleeper: the stacks come once, with the hang
     verdict (every look printed them: three times), and no look starts after the stop."""
-    busy = doctor.analyse(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
-    hung = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    busy = doctor.analyze(two_nodes(WAITS, SLEEPS, state="R", cpu_ticks=60), {"node1": 1, "node2": 1})
+    hung = doctor.analyze(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
     assert not busy.hung and hung.hung
     hw, tick, notes = watch(tmp_path, monkeypatch, [busy, busy, hung])
     for now in (10, 20, 30):
@@ -464,7 +464,7 @@ def test_the_hang_watch_prints_the_stacks_once_busy_looks_then_a_hang(tmp_path, 
 
 
 def test_with_on_hang_report_the_same_stacks_are_not_printed_again_in_one_spell(tmp_path, monkeypatch):
-    hung = doctor.analyse(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
+    hung = doctor.analyze(two_nodes(WAITS, SLEEPS), {"node1": 1, "node2": 1})
     hw, tick, notes = watch(tmp_path, monkeypatch, [hung, hung, hung], on_hang="report")
     tick(0, 10)
     tick(0, 20)
@@ -480,14 +480,14 @@ def test_a_job_that_ended_on_every_node_is_said_to_have_ended_not_diagnosed():
     replies = {"node1": {**node_reply([], exit_code=143), "how": "stopped", "stopped": "signal 15"},
                "node2": {**node_reply([], exit_code=137), "how": "stopped", "stopped": "signal 15"},
                "node3": node_reply([], exit_code=0)}
-    v = doctor.analyse(replies, {"node1": 2, "node2": 2, "node3": 2})
+    v = doctor.analyze(replies, {"node1": 2, "node2": 2, "node3": 2})
     assert v.ended and not v.hung and v.odd == []
     assert v.lines == ["the job has ended on every node: node1, node2 stopped (signal 15); node3 exit code 0"]
     # one node still running (or silent) is no end: the analysis names what is there
     replies["node3"] = node_reply([rank(4, 0), rank(5, 1)])
-    assert not doctor.analyse(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
+    assert not doctor.analyze(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
     replies["node3"] = "timed out after 30 s"
-    assert not doctor.analyse(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
+    assert not doctor.analyze(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
 
 
 def test_an_ended_job_s_node_reply_says_how_it_ended(tmp_path):
