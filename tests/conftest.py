@@ -23,11 +23,12 @@ FIRST_TEST_NET = 213
 #: follow: the other lab files, then tests/infra, then tests/unit, each in collection order. A name
 #: here that no collected file has is never matched (files still on other branches may be listed).
 LONGEST_FIRST = [
-    "tests/lab/test_exit_race.py",  # CI 366 s (soak 238 s: 20 runs); 28 torch runs
+    "tests/lab/test_exit_race.py",  # CI 366 s with a soak of 20 runs (312 s); 9 runs now
     "tests/lab/test_gpu_leases.py",  # CI 105 s: four launches at once, the queue
     "tests/lab/test_provision.py",  # CI 266 s: torch provisioned on 3 hosts, twice; testinfra twice
     "tests/lab/test_first_hour.py",  # CI 184 s (+ test_install's provision, merged in): provisions 2 hosts from the wheel
     "tests/lab/test_gpu_users.py",  # CI 211 s: 30 jobs of three users; not beside the exit-race soak, whose load (~100) stretched its waits past the 8 s bound in CI
+    "tests/lab/test_failure_story.py",  # CI ~450 s: 40 crashes (10 runs x 4), an OOM, a usage error
     "tests/lab/test_recover.py",  # CI 147 s
     "tests/lab/test_doctor.py",  # CI 126 s
     "tests/lab/test_preflight_load.py",  # CI 120 s: 8 nodes under a CPU hog, three runs
