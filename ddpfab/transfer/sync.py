@@ -451,6 +451,15 @@ def itemized(text: str) -> list[list[str]]:
     return out
 
 
+def same_size_differences(ours: dict, theirs: dict) -> list[str]:
+    """The files whose contents differ here and there at the same size (each side's
+    ``tree_digest(detail=True)``): those rsync's quick check (size and mtime) may have skipped."""
+    mine, there = ours.get("entries", {}), theirs.get("entries", {})
+    return sorted((rel for rel in set(mine) & set(there)
+                   if mine[rel] != there[rel] and ours["sizes"].get(rel) == theirs["sizes"].get(rel)),
+                  key=os.fsencode)
+
+
 def mismatch_advice(ours: dict | None, theirs: dict | None, *, verify_only: bool, checksum: bool) -> str:
     """What to do about a node whose tree hash is not this tree's, from what differs (each side's
     ``tree_digest(detail=True)``; None when that could not be read). ``--checksum`` only where it
@@ -459,10 +468,7 @@ def mismatch_advice(ours: dict | None, theirs: dict | None, *, verify_only: bool
     if ours is None or theirs is None:
         return ("A file there differs from here (`ddpfab sync --checksum` compares contents, not size and mtime), "
                 "or the tree changed during the sync: sync again")
-    mine, there = ours.get("entries", {}), theirs.get("entries", {})
-    same_size = sorted((rel for rel in set(mine) & set(there)
-                        if mine[rel] != there[rel] and ours["sizes"].get(rel) == theirs["sizes"].get(rel)),
-                       key=os.fsencode)
+    same_size = same_size_differences(ours, theirs)
     shown = ", ".join(same_size[:3]) + (", ..." if len(same_size) > 3 else "")
     if verify_only:
         if same_size:
@@ -528,6 +534,7 @@ class _SyncTarget:
     real: str = ""
     placed: list[str] | None = None
     shared: bool = False
+    resent: tuple[str, ...] = ()  # files sent again by content after the quick check skipped them
     ready: bool = False
     session: nodeprog.Session | None = None
     locked: bool = False
@@ -810,11 +817,35 @@ class _Sync:
         except (SyncError, OSError, KeyError):
             ours = theirs = None
             diffs = []
+        skipped = same_size_differences(ours, theirs) if ours is not None and theirs is not None else []
+        if (skipped and t.rec.copied is not None and not t.resent
+                and not (t.shared or self.checksum or self.verify_only or self.dry_run)):
+            return self.resend(t, skipped)
         return self.fail(t, (
             f"host {t.node.name}: tree hash mismatch in {t.rec.workdir}: the node has {out['tree_hash'][:12]} "
             f"({out['files']} files), this tree is {self.local['tree_hash'][:12]} ({self.local['files']} files)"
             + (f"; differs: {', '.join(diffs)}" if diffs else "")
-            + ". " + mismatch_advice(ours, theirs, verify_only=self.verify_only, checksum=self.checksum)))
+            + ". " + mismatch_advice(ours, theirs, verify_only=self.verify_only,
+                                     checksum=self.checksum or bool(t.resent))))
+
+    def resend(self, t: _SyncTarget, files: list[str]) -> None:
+        """rsync's quick check skipped *files* (the same size and mtime there, other contents: a
+        file changed in place there, or two checkouts made in the same second): send exactly those
+        again, compared by content, then commit and check the node's tree once more."""
+        t.resent = tuple(files)
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        self.progress(f"{t.node.name}: {shown}: the same size and mtime there but other contents; "
+                      "sending again, compared by content")
+        fd, path = tempfile.mkstemp(prefix="resend-", dir=self.ctl_dir)
+        os.close(fd)
+        write_list(files, path)
+        argv = rsync_argv(path, t.runner.rsh(), self.sel.root, t.runner.remote(t.real), compress=self.compress,
+                          checksum=True)
+        before = (t.rec.copied or 0, t.rec.updated or 0)
+        if not self._run_copy(t, lambda: t.runner.rsync(argv), "controller"):
+            return self.fail(t, t.rec.error)
+        t.rec.copied, t.rec.updated = before[0] + (t.rec.copied or 0), before[1] + (t.rec.updated or 0)
+        return self.commit(t)
 
     # -- phase 2: star ------------------------------------------------------------------------
     def star(self, targets: list[_SyncTarget]) -> None:

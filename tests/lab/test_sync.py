@@ -224,17 +224,20 @@ def test_tampering_on_one_node_is_caught_by_the_hash(lab, tmp_path, project):
     assert run_sync("-i", str(inv), str(project)).returncode == 0
     # same size, same mtime: rsync's quick check cannot see it, the hash must
     on_node(lab, "node2", f"/usr/bin/python3 - {workdir}/train.py", stdin=TAMPER)
-    res = run_sync("-i", str(inv), str(project))
-    assert res.returncode == 1
-    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("ddpfab: error:")]
-    assert len(errors) == 1 and "node2" in errors[0] and "train.py (differs)" in errors[0], res.stderr
-    assert "--checksum" in errors[0]
     verify = run_sync("-i", str(inv), "--verify-only", str(project))
     errors = [ln for ln in verify.stderr.splitlines() if ln.startswith("ddpfab: error:")]
-    assert verify.returncode == 1 and len(errors) == 1 and "host node2" in errors[0]
+    assert verify.returncode == 1 and len(errors) == 1 and "host node2" in errors[0] and "train.py (differs)" in errors[0]
     assert "train.py has the same size here and there: run `ddpfab sync --checksum`" in errors[0], errors
-    repaired = run_sync("-i", str(inv), "--checksum", str(project))
-    assert repaired.returncode == 0, repaired.stderr
+    # a sync sees the file its copy skipped and sends exactly it again, by content, on that node only
+    res = run_sync("-i", str(inv), str(project))
+    assert res.returncode == 0, res.stderr
+    resent = [ln for ln in res.stderr.splitlines() if "sending again, compared by content" in ln]
+    assert resent == ["node2: train.py: the same size and mtime there but other contents; sending again, "
+                      "compared by content"], res.stderr
+    assert_exact(lab, project, workdir)
+    on_node(lab, "node2", f"/usr/bin/python3 - {workdir}/train.py", stdin=TAMPER)
+    repaired = run_sync("-i", str(inv), "--checksum", str(project))  # --checksum compares every file's contents
+    assert repaired.returncode == 0 and "sending again" not in repaired.stderr, repaired.stderr
     assert_exact(lab, project, workdir)
     # a size change: a plain sync copies it (rsync's quick check sees sizes), and the advice says so
     on_node(lab, "node2", f"echo '# more' >> {workdir}/train.py")
