@@ -46,7 +46,7 @@ from ddpfab.problems import Problem
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
 from ddpfab.results import GroupResult
 
-Say = Callable[[str], None]
+Say = Callable[[str], object]  # (what it returns is ignored: print, sys.stderr.write)
 
 
 def stderr_say(line: str) -> None:

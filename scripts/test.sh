@@ -16,6 +16,7 @@ bash scripts/setup.sh --test
 # `python -m ddpfab` processes compiled every module again (0.15 s of CPU each, measured)
 .venv/bin/python -m compileall -q ddpfab  # -q: errors only
 .venv/bin/ruff check --quiet ddpfab  # the rules: [tool.ruff] in pyproject.toml
+.venv/bin/mypy  # [tool.mypy] in pyproject.toml: what it checks, and the modules still listed as typing debt
 workers=${DDPFAB_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"

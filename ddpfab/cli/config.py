@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ class ConfigError(DdpfabError):
     check = "config"
 
 
-def find(cwd: str | os.PathLike | None = None, environ: dict[str, str] | None = None) -> Path | None:
+def find(cwd: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
     """The project config file: ``$DDPFAB_CONFIG`` if set (empty: none), else ddpfab.yml or .ddpfab.yml
     in *cwd* or its nearest parent."""
     environ = os.environ if environ is None else environ
@@ -104,7 +105,7 @@ def read(path: Path) -> dict[str, Any]:
     return out
 
 
-def apply(args: argparse.Namespace, environ: dict[str, str] | None = None, cwd: str | None = None) -> None:
+def apply(args: argparse.Namespace, environ: Mapping[str, str] | None = None, cwd: str | None = None) -> None:
     """Fill the cluster options *args* left unset from the environment, then the project config.
 
     Only for parsers built with :func:`ddpfab.cli.common.add_cluster_args` (they mark the namespace).
@@ -156,7 +157,7 @@ def _as_given(key: str, value: Any) -> Any:
     return value
 
 
-def default_inventory(flag: str | list[str] | None, environ: dict[str, str] | None = None,
+def default_inventory(flag: str | list[str] | None, environ: Mapping[str, str] | None = None,
                       cwd: str | None = None) -> list[str]:
     """The inventory to use: *flag*, else ``$DDPFAB_INVENTORY``, else the project config's, else an error."""
     ns = argparse.Namespace(_cluster_args=True, inventory=flag)

@@ -185,7 +185,7 @@ class _OptionRecorder(argparse.ArgumentParser):
         super().__init__(add_help=False)
         self.option_strings: set[str] = set()
 
-    def add_argument(self, *args, **kwargs):  # type: ignore[override]
+    def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
         self.option_strings.update(action.option_strings)
         return action

@@ -212,7 +212,7 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
             out.append(Finding(node, "shm", "pass", found))
     # free space where the job writes
     short = []
-    paths = res.get("paths") if isinstance(res.get("paths"), dict) else {}
+    paths: dict = res["paths"] if isinstance(res.get("paths"), dict) else {}
     for key, where_fails in PLACES.items():
         where, fails = where_fails
         fs = _fs(paths.get(key))

@@ -76,8 +76,10 @@ def ansible_version() -> str:
     """ansible-core's version, read from its release.py: importlib.metadata takes 0.2 s to find it."""
     try:
         spec = importlib.util.find_spec("ansible")
-        text = Path(spec.origin).with_name("release.py").read_text()
-        return re.search(r"__version__\s*=\s*['\"]([^'\"]+)", text).group(1)
+        if spec is None or spec.origin is None:
+            return "?"
+        found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", Path(spec.origin).with_name("release.py").read_text())
+        return found.group(1) if found else "?"
     except Exception:  # noqa: BLE001 - unknown version: the key still differs from a known one
         return "?"
 
@@ -100,7 +102,7 @@ def key(paths: Path | list[Path], group: str) -> str | None:
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT, __version__, ansible_version(), [str(p.resolve()) for p in paths],
                          group]).encode())
-    configs = []
+    configs: list[list[str | None] | None] = []
     for c in (os.environ.get("ANSIBLE_CONFIG"), "ansible.cfg", "~/.ansible.cfg", "/etc/ansible/ansible.cfg"):
         try:
             configs.append([c, Path(os.path.expanduser(c)).resolve().read_bytes().hex()] if c else None)

@@ -802,7 +802,8 @@ def _check_ini_repeats(path: Path) -> None:
     first = next((ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith(("#", ";"))), "")
     if not first.startswith("["):
         return  # not INI
-    section, seen = None, set()
+    section: str | None = None
+    seen: set[str] = set()
     for number, line in enumerate(lines, 1):
         text = line.strip()
         if not text or text.startswith(("#", ";")):

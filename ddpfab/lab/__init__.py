@@ -406,7 +406,7 @@ def _fit_neighbour_table(hosts: int) -> None:
                                "between lab hosts would fail once the neighbour table is full") from None
 
 
-def _interfaces_in(net: ipaddress.IPv4Network) -> list[str]:
+def _interfaces_in(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> list[str]:
     out = _run(["ip", "-j", "-4", "addr", "show"]).stdout
     found = []
     for iface in json.loads(out or "[]"):

@@ -575,7 +575,7 @@ def current_manifest(runs_dir: str, manifest: dict | None) -> dict | None:
     """For a run with restarts, the manifest of its latest attempt (what is running now, or ran
     last); else *manifest* itself."""
     final = ((manifest or {}).get("recovery") or {}).get("final_run_id")
-    if not final or final == manifest.get("run_id"):
+    if not final or manifest is None or final == manifest.get("run_id"):
         return manifest
     return _attempt(runs_dir, final) or manifest
 

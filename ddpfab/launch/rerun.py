@@ -84,7 +84,7 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
             group: str | None = None, env: Iterable[str] = (), extra_vars: Iterable[str] = (),
             same_port: bool = False, force: bool = False,
             new_id: str | None = None, policy: HostKeyPolicy | None = None, ssh_config: str | None = None,
-            say: Callable[[str], None] = lambda line: None) -> Replaying:
+            say: Callable[[str], object] = lambda line: None) -> Replaying:
     """Everything before the start of a replay of *run_id* (from *runs_dir*): ManifestError,
     InventoryError or PlanError for a record or input that cannot be replayed, ReplayRefused for a
     run that would not be the same (*force* lets a changed inventory or code pass, with a line to

@@ -70,7 +70,7 @@ def mask_argv(argv: list[str], marked: tuple[str, ...] | list[str] = ()) -> list
     """A command line with the values of secret ``--env KEY=VALUE`` options masked (for the
     manifest's record of how ddpfab was called): by :mod:`ddpfab.masking`'s rule, with the keys
     the command line itself marks (``--secret-env``) and *marked* (e.g. the inventory's)."""
-    marked = set(marked) | _marked_in(argv)
+    marked = tuple(set(marked) | _marked_in(argv))
     out, after_env, after_vars = [], False, False
     for word in argv:
         if word == "--":

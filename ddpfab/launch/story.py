@@ -10,6 +10,7 @@ the cause.
 from __future__ import annotations
 
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Protocol
 
 from ddpfab.hostlist import compact
@@ -73,7 +74,7 @@ def node_story(out: Outcome, addresses: dict[str, str], with_ranks: bool = True)
         who = cause.who() if with_ranks else ""
         return f"{who or 'a rank'} lost its peer{peer_text(cause, addresses)}"
     if cause is not None and cause.own:
-        return cause.text() if with_ranks else f"failed too ({cause.kind.value})"
+        return cause.text() if with_ranks else f"failed too ({cause.kind.value if cause.kind else 'its own'})"
     if out.exit_code == 0:
         return "exited 0"
     if out.stopped_by_ddpfab:
@@ -81,7 +82,7 @@ def node_story(out: Outcome, addresses: dict[str, str], with_ranks: bool = True)
     return why(out)
 
 
-def other_nodes(outcomes: dict[str, Outcome], named: str | None, addresses: dict[str, str]) -> list[str]:
+def other_nodes(outcomes: Mapping[str, Outcome], named: str | None, addresses: dict[str, str]) -> list[str]:
     """A line per node other than *named* (in inventory order); beyond FOLD_ABOVE, one per story."""
     others = {n: o for n, o in outcomes.items() if n != named}
     if len(others) <= FOLD_ABOVE:

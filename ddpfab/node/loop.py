@@ -216,11 +216,11 @@ OPS = {
 }
 #: Operations that take the session over (last in it); their exit status is the program's. Each
 #: gets the request only (:mod:`ddpfab.node.ops` adds ``supervise`` and ``follow``).
-TAKEOVER = {}
+TAKEOVER = {}  # type: dict
 #: Operations that read raw bytes after their frame or write them after their reply, last in a
 #: session like :data:`TAKEOVER`: each gets ``(request, session, fd, write)`` and returns the exit
 #: status (:mod:`ddpfab.node.ops` adds ``replica_send`` and ``replica_receive``).
-RAW = {}
+RAW = {}  # type: dict
 
 
 def reply(rid, op, result=None, error=None, code=None):

@@ -38,7 +38,7 @@ try:  # as a module of ddpfab; on a node their source comes first in the same pr
     from .treehash import node_workdir, rel_ok
     from .workdir import WorkdirError, which
 except ImportError:
-    supervise_job = main  # noqa: F821 - agent.py's main, defined earlier in the shipped text
+    supervise_job = main  # type: ignore[name-defined]  # noqa: F821 - agent.py's main, defined earlier in the shipped text
 
 #: The environment from before the node's setup lines (ddpfab.hosts.nodeenv.prefix hands it over as hex
 #: of ``env -0``), taken out of the environment at once: nothing this program starts inherits it.

@@ -340,7 +340,7 @@ def digest(name, data=b""):
     return make(data)
 
 
-_DIGESTS = {}  # name -> the constructor digest() found for it
+_DIGESTS = {}  # type: dict  # name -> the constructor digest() found for it
 
 
 def cache_path(root):

@@ -69,7 +69,7 @@ def parse(raw: object) -> list[GpuState] | None:
     for g in raw["gpus"]:
         if not isinstance(g, dict) or not isinstance(g.get("gpu"), str) or g.get("state") not in STATES:
             continue
-        h = g.get("holder") if isinstance(g.get("holder"), dict) else {}
+        h: dict = g["holder"] if isinstance(g.get("holder"), dict) else {}
         pid, since = h.get("pid"), h.get("since")
         procs = tuple((p["pid"], _text(p.get("name"), 80)) for p in g.get("procs") or ()
                       if isinstance(p, dict) and isinstance(p.get("pid"), int) and not isinstance(p.get("pid"), bool))
@@ -137,7 +137,7 @@ def queue_rows(answers: dict[str, dict], now: float | None = None) -> list[dict]
             row = rows.setdefault(g.run_id or "?", {"run_id": g.run_id or "?", "user": g.user, "state": "running",
                                                     "since": g.since, "nodes": {}})
             row["nodes"].setdefault(node, []).append(g.gpu)
-        tickets = raw.get("queue") if isinstance(raw, dict) and isinstance(raw.get("queue"), list) else []
+        tickets: list = raw["queue"] if isinstance(raw, dict) and isinstance(raw.get("queue"), list) else []
         for place, t in enumerate(t for t in tickets if isinstance(t, dict)):
             run_id = _text(t.get("run_id"), 80) or "?"
             since = t.get("since") if isinstance(t.get("since"), float) else 0.0

@@ -562,7 +562,7 @@ def parse_env(pairs: list[str] | tuple[str, ...],
     return tuple(out)
 
 
-def host_port(addr: str, port: int) -> str:
+def host_port(addr: str, port: int | str) -> str:
     """``addr:port``, with an IPv6 literal in brackets."""
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
@@ -641,6 +641,8 @@ def init_method_url(kind: str, *, master_addr: str, master_port: int, shared_dir
     if kind == "tcp":
         return f"tcp://{host_port(master_addr, master_port)}"
     if kind == "file":
+        if not shared_dir:
+            raise PlanError("a file:// init method needs the node's ddpfab_shared_dir")
         return f"file://{shared_dir.rstrip('/')}/ddpfab-{run_id}.init"
     return None
 

@@ -45,7 +45,7 @@ def resolve(node: Node, conn: Connection | None = None, target: Target | None = 
         found = (f"data address {shown} does not resolve ({getattr(exc, 'strerror', None) or exc}); "
                  "set ddpfab_data_addr to an IP address")
         raise ssh.SSHError(node.name, f"host {node.name}: {found}", found=found) from None
-    return infos[0][4][0]
+    return str(infos[0][4][0])
 
 
 def offline_addresses(cluster: Cluster, targets: dict[str, Target]) -> tuple[dict[str, str], tuple[str, ...]]:

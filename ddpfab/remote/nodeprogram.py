@@ -189,7 +189,7 @@ _LAZY_IMPORTLIB = re.compile(rb"^import importlib\.util$", re.MULTILINE)
 def program(part: str = WHOLE) -> bytes:
     """The node program's source: the modules of *part* (:data:`PARTS`), concatenated, each
     top-level import of one of the :data:`LAZY_MODULES` made an import at first use, then the loop."""
-    source = b"\n".join(Path(m.__file__).read_bytes() for m in PARTS[part])
+    source = b"\n".join(Path(str(m.__file__)).read_bytes() for m in PARTS[part])
     source = _LAZY_IMPORTLIB.sub(b"importlib = _FirstUse('importlib.util')", source)
     source = _LAZY_JSON.sub(b"json = _JSON", source)
     return _FIRST_USE + _LAZY_IMPORT.sub(rb"\1 = _FirstUse('\1')", source) + _MAIN
@@ -330,7 +330,8 @@ def parse_reply(line: bytes | str) -> Reply | None:
             or not isinstance(ok, bool):
         return None
     if ok:
-        return Reply(rid, op, True, result=data.get("result")) if isinstance(data.get("result"), dict) else None
+        result = data.get("result")
+        return Reply(rid, op, True, result=result) if isinstance(result, dict) else None
     code = data.get("code")
     return Reply(rid, op, False, error=printable(data.get("error") or "failed (no reason given)"),
                  code=code if isinstance(code, str) else "")

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -234,7 +235,7 @@ def build_command(inventory: str | os.PathLike | list, playbook: str = "provisio
     return argv + opts.argv() + list(extra_args or [])
 
 
-def user_config(environ: dict[str, str] | None = None, cwd: str | None = None) -> Path | None:
+def user_config(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> Path | None:
     """The ansible.cfg Ansible itself would read, in its order (``$ANSIBLE_CONFIG``, ``./ansible.cfg``
     unless the dir is world-writable, ``~/.ansible.cfg``, ``/etc/ansible/ansible.cfg``), or None."""
     environ = os.environ if environ is None else environ
@@ -262,7 +263,7 @@ def _cfg_settings(path: Path) -> dict[str, str]:
     return {k.lower(): v for s in parser.sections() for k, v in parser.items(s, raw=True)}
 
 
-def layered_settings(environ: dict[str, str] | None = None, cwd: str | None = None) -> dict[str, str]:
+def layered_settings(environ: Mapping[str, str] | None = None, cwd: str | None = None) -> dict[str, str]:
     """The ``ANSIBLE_*`` variables ddpfab adds: its ansible.cfg's settings that neither *environ* nor
     the user's config (:func:`user_config`) sets."""
     environ = os.environ if environ is None else environ
@@ -310,7 +311,7 @@ def parse_recap(output: str) -> list[HostRecap]:
             start = i + 1
     if start is None:
         return []
-    recap = []
+    recap: list[HostRecap] = []
     for line in lines[start:]:
         m = _RECAP_LINE.match(line.strip())
         if not m:

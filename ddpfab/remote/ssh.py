@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from collections.abc import Callable
 
 import paramiko
@@ -116,7 +116,7 @@ def _connection(node: str, t: Target) -> Connection:
         gateway = _connection(node, t.jump)
     elif t.proxy_command:  # paramiko splits this back into proxy_argv's words
         gateway = shlex.join(proxy_argv(t))
-    connect_kwargs = {"look_for_keys": not t.identity_files, "banner_timeout": t.connect_timeout,
+    connect_kwargs: dict[str, Any] = {"look_for_keys": not t.identity_files, "banner_timeout": t.connect_timeout,
                       "auth_timeout": t.connect_timeout}
     if t.identity_files:
         connect_kwargs["key_filename"] = list(t.identity_files)
@@ -214,7 +214,7 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
         if exc.errno not in _NO_SUCH_NAME:
             raise _hop_error(node, t, f"unreachable: its name {t.host} cannot be resolved now ({exc.strerror}); "
                              "check this machine's DNS", "unreachable") from None
-        raise _hop_error(node, t, unresolved(t, exc.strerror), "unreachable") from None
+        raise _hop_error(node, t, unresolved(t, exc.strerror or str(exc)), "unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
         if _no_banner(conn):
             raise _hop_error(node, t, (

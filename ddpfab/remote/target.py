@@ -31,7 +31,7 @@ import shlex
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddpfab.hosts.inventory import SSH_ARG_VARS, Node, is_address
 from ddpfab.hosts.suggest import did_you_mean
@@ -180,7 +180,8 @@ class Target:
 
     def chain(self) -> list[Target]:
         """This host and its jump hosts, the host first."""
-        hops, t = [], self
+        hops: list[Target] = []
+        t: Target | None = self
         while t is not None:
             hops.append(t)
             t = t.jump
@@ -309,7 +310,7 @@ def _config(path: str | None) -> tuple[paramiko.SSHConfig, str]:
 _MATCH_EXEC = re.compile(r"(?:^|\s)!?exec\b", re.IGNORECASE)
 
 
-def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> dict[str, str]:
+def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> dict[str, Any]:
     import paramiko  # loaded by _config already
 
     try:
@@ -318,9 +319,11 @@ def _lookup(config: paramiko.SSHConfig, where: str, host: str, label: str) -> di
         raise TargetError(label, f"{label}: ssh_config {where} cannot be applied to {host}: {exc}") from None
     # (lists copied: a lookup's result is kept for the next lookup of the host, see _config)
     out = {k: (list(v) if k == "identityfile" else " ".join(v)) if isinstance(v, list) else v for k, v in found.items()}
-    if out.get("proxycommand"):
+    proxy = out.get("proxycommand")
+    if isinstance(proxy, str) and proxy:
         for char, mark in _RAW.items():
-            out["proxycommand"] = out["proxycommand"].replace(mark, char)
+            proxy = proxy.replace(mark, char)
+        out["proxycommand"] = proxy
     return out
 
 
@@ -725,8 +728,9 @@ def ssh_problem(t: Target, rc: int, stderr: str) -> str:
                 "ansible_ssh_private_key_file (a jump host: its User/IdentityFile in the ssh_config)")
     resolve_fail = _UNRESOLVED.search(text)
     # (OpenSSH prints at most 100 characters of the name, and as given: compared so)
-    named = resolve_fail and next((h for h in t.chain() if h.host.lower()[:100] == resolve_fail[1].lower()), None)
-    if named:  # (the hop whose name it is: through two jump hosts the message comes from the inner one)
+    wanted = resolve_fail[1].lower() if resolve_fail else None
+    named = next((h for h in t.chain() if h.host.lower()[:100] == wanted), None) if wanted else None
+    if named and resolve_fail:  # (the hop whose name it is: through two jump hosts the message comes from the inner one)
         return f"{named.label} ({named.where}): {unresolved(named, resolve_fail[2])}"
     for marker in ("timed out", "No route to host", "Connection refused", "Could not resolve",
                    "Network is unreachable", "Connection closed", "Connection reset"):

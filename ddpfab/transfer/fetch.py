@@ -22,6 +22,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpfab.remote import nodeprogram as nodeprog
@@ -46,7 +47,7 @@ class FetchError(DdpfabError):
 
     check = "fetch"
 
-    def __init__(self, problems: Problem | str | list[Problem | str], code: int = 2):
+    def __init__(self, problems: Problem | str | Sequence[Problem | str], code: int = 2):
         super().__init__(problems)
         self.code = code
 

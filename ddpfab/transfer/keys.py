@@ -114,7 +114,8 @@ def left_out_line(paths: list[str], shown: int = 3) -> str:
 def split(root: str, files: list[str], asked: Callable[[str], bool]) -> tuple[list[str], list[str]]:
     """*files* (relative to *root*) as ``(sent, left_out)``: left out, each path :func:`withheld`
     that *asked* (a ``.ddpfabignore`` negation naming it) does not send on purpose."""
-    sent, left_out = [], []
+    sent: list[str] = []
+    left_out: list[str] = []
     for rel in files:
         (left_out if withheld(root, rel) and not asked(rel) else sent).append(rel)
     return sent, left_out

@@ -53,7 +53,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,7 +88,7 @@ class SyncError(DdpfabError):
 
     check = "sync"
 
-    def __init__(self, problems: Problem | str | list[Problem | str], result: SyncResult | None = None,
+    def __init__(self, problems: Problem | str | Sequence[Problem | str], result: SyncResult | None = None,
                  code: str = ""):
         super().__init__(problems)
         self.result = result
@@ -543,7 +543,7 @@ class _SyncTarget:
 
 class _Sync:
     def __init__(self, cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Exception],
-                 compress: bool, checksum: bool, progress: Callable[[str], None], adopt: bool = False,
+                 compress: bool, checksum: bool, progress: Callable[[str], object], adopt: bool = False,
                  lock_wait: float = LOCK_WAIT_S):
         """*conns*: each node's open connection (the run's, or sync_cluster's own); *down*: why
         the others have none."""
@@ -1025,7 +1025,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
                  compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
                  adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
-                 progress: Callable[[str], None] | None = None, conns: dict | None = None,
+                 progress: Callable[[str], object] | None = None, conns: dict | None = None,
                  fast: bool = True, include_keys: bool = False) -> SyncResult:
     """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
     and is gone here, and prove the result by hash.
@@ -1100,7 +1100,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
 
 def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Exception], started: float, *,
           fanout: str, compress: bool, checksum: bool, verify_only: bool, adopt: bool, dry_run: bool,
-          lock_wait: float, progress: Callable[[str], None]) -> SyncResult:
+          lock_wait: float, progress: Callable[[str], object]) -> SyncResult:
     """:func:`sync_cluster` once every node's connection is open (or known to be down)."""
     job = _Sync(cluster, sel, conns, down, compress, checksum, progress, adopt, lock_wait)
     job.dry_run, job.verify_only = dry_run, verify_only
