@@ -205,7 +205,7 @@ class RunOutcome:
         plan: the plan started (with restarts: the last attempt's; None if none was made).
         outcomes: node -> its :class:`ddpfab.launch.execute.NodeOutcome` (empty: detached, dry run,
             or a run with restarts, whose attempts are in the manifest's ``recovery``).
-        manifest: the run record (None for a dry run).
+        manifest: the path of the run record, `RUNS_DIR/RUN_ID/manifest.json` (None for a dry run).
         summary: the one-line summary printed at the end.
     """
 

@@ -3,21 +3,8 @@ exit code that goes with them. Problems (:class:`ddpfab.problems.Problem`) print
 :class:`ddpfab.problems.DdpfabError` prints as its problems, one line each (its exit code comes from
 its type or its ``code``, never from its text).
 
-The exit codes of every command, one table (README.md, "Exit codes", prints it; a unit test walks
-every subcommand's error paths against it):
-
-    0    success; for run and replay also a job whose ranks all finished their work and
-         one of which aborted at exit afterwards (the known gloo/torch race, README "A rank that
-         aborts at exit"): its work is done, so 0, with a warning line that names the rank
-    1    the command ran and met a failure: a check found problems, a copy failed, a node could
-         not be reached or a job not be stopped
-    2    refused before anything started or changed: bad input, no inventory, a failed preflight
-    N    run, attach, replay, exec: the failing node's own exit code (exec: 255 unreachable)
-    124  run, replay, attach with ``--on-hang stop``: the doctor found the job hung and ddpfab
-         ended it (:data:`ddpfab.launch.hangwatch.EXIT_HUNG`); doctor: 1 when a rank or node stands
-         out, 0 when the job has ended (said so, and how)
-    130  SIGINT, 143 SIGTERM (:mod:`ddpfab.launch.interrupt`)
-    141  stdout was closed before the output ended (``| head``); the rest was dropped
+The exit codes of every command are one table, :data:`EXIT_CODES` (the docs' reference page is
+rendered from it; a unit test walks every subcommand's error paths against it).
 """
 
 from __future__ import annotations
@@ -37,6 +24,23 @@ EXIT_UNREACHABLE = 255  # exec: a node that could not be reached (ssh's own code
 EXIT_SIGINT = 130  # 128 + SIGINT: see ddpfab.launch.interrupt
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 EXIT_CLOSED_STDOUT = 141  # 128 + SIGPIPE, what a shell reports for a reader that went away
+
+#: Every exit code a command can end with, and what it means: (code, meaning). The docs render it.
+EXIT_CODES: tuple[tuple[str, str], ...] = (
+    (str(EXIT_OK), "success (`run`, `replay`: also a job whose ranks all finished their work, one of them "
+                   "aborting at exit afterwards, the known gloo/torch race: a warning names it)"),
+    (str(EXIT_FAILED), "the command went ahead and met a failure: a check found problems, a copy failed, a node "
+                       "could not be reached or a job not be stopped"),
+    (str(EXIT_USAGE), "refused before anything started or changed: bad input (an option's value, no inventory, an "
+                      "unreadable inventory, record or config), a failed preflight; argparse's usage errors too"),
+    ("N", "`run`, `replay`, `attach`, `exec`: the failing node's own exit code (`exec`: "
+          f"{EXIT_UNREACHABLE} for a node it could not reach)"),
+    ("124", "`run`, `replay`, `attach` with `--on-hang stop`: the doctor found the job hung and ddpfab ended it "
+            "(its verdict is the closing line)"),
+    (f"{EXIT_SIGINT}, {EXIT_SIGTERM}", "interrupted by SIGINT, SIGTERM (one line, nothing left running)"),
+    (str(EXIT_CLOSED_STDOUT), "stdout closed before the output ended (`ddpfab ... | head`): the rest is dropped, "
+                              "quietly"),
+)
 
 
 #: What :func:`die` and :func:`refuse` print: lines, problems, or an error's problems.

@@ -21,8 +21,11 @@ def register(subparsers) -> None:
     which.add_argument("--node", help="the inventory host to fetch from")
     which.add_argument("--rank", type=int, help="the node rank to fetch from (default: 0, the master)")
     p.add_argument("--overwrite", action="store_true", help="replace what is already at the destination")
-    p.add_argument("remote_path", metavar="REMOTE_PATH")
-    p.add_argument("local_dir", metavar="LOCAL_DIR", nargs="?", default=".")
+    p.add_argument("remote_path", metavar="REMOTE_PATH",
+                   help="what to copy: a path relative to the node's workdir, or absolute inside the workdir or "
+                        "~/.ddpfab/runs")
+    p.add_argument("local_dir", metavar="LOCAL_DIR", nargs="?", default=".",
+                   help="where to put it here (default: the current dir)")
     p.set_defaults(func=cmd_fetch)
 
 

@@ -1,4 +1,4 @@
-"""One exit-code table (ddpfab/cli/errors.py, README "Exit codes"), followed by every command: the
+"""One exit-code table (ddpfab/cli/errors.py, EXIT_CODES; the docs render it), followed by every command: the
 parser is walked and each subcommand's error paths (no inventory, bad option values, a missing
 lab or run record, ...) must end with the table's code, one clear line and no traceback. The cases
 a host causes (an sshd that never greets, a reader that closes stdout) run ddpfab as a process,
