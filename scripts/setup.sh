@@ -3,7 +3,7 @@
 # a second run checks and returns in seconds.
 #   - Debian packages: sshd/ssh, rsync, iptables, nftables, iproute2 (the lab), python3-venv
 #   - .venv with torch==2.13.0 installed FIRST (the CPU wheel; a plain `torch` would pull a
-#     multi-GB CUDA build), then ddpfab itself with its node and test extras.
+#     multi-GB CUDA build), then ddpfab itself with its node, test and docs extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,10 +59,10 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
   echo "setup: installing torch==2.13.0 (CPU)"
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 fi
-if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy, xdist' 2>/dev/null \
+if ! .venv/bin/python -c 'import ddpfab, fabric, ansible, pytest, testinfra, hypothesis, numpy, xdist, mkdocs, material' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.ddpfab-installed ]; then
-  echo "setup: installing ddpfab with its node and test extras"
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[node,test]'
+  echo "setup: installing ddpfab with its node, test and docs extras"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[node,test,docs]'
   touch .venv/.ddpfab-installed
 fi
 if [ -n "$apt_pid" ]; then

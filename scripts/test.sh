@@ -17,6 +17,10 @@ bash scripts/setup.sh --test
 .venv/bin/python -m compileall -q ddpfab  # -q: errors only
 .venv/bin/ruff check --quiet ddpfab  # the rules: [tool.ruff] in pyproject.toml
 .venv/bin/mypy  # [tool.mypy] in pyproject.toml: what it checks, and the modules still listed as typing debt
+# the docs site: a broken link or anchor, a page missing from the nav fails (mkdocs.yml's validation)
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 workers=${DDPFAB_TEST_WORKERS:-2}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -35,7 +35,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     add_env_args(p)
     p.add_argument("--secret-env", action="append", default=[], metavar="KEY",
                    help="mask KEY's value wherever the run is shown or recorded (repeatable; also the inventory's "
-                        "ddpfab_secret_env list), besides the keys the built-in rule masks (see README, Secrets)")
+                        "ddpfab_secret_env list), besides the keys the built-in rule masks (docs: the masking rule)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the preflight checks (firewall/data plane, hostnames, versions)")
     add_floors_arg(p)
@@ -50,7 +50,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="torchrun's in-node restarts (default 0)")
     p.add_argument("--exit-guard", choices=EXIT_GUARD_MODES, default="on",
-                   help="the ranks' exit guard (README: 'A rank that aborts at exit'): on (default) = each rank "
+                   help="the ranks' exit guard (docs/exit-race.md): on (default) = each rank "
                         "records that it finished and leaves without the interpreter teardown where gloo can abort "
                         "it; record = only record (a finished rank that aborts is reported as such, not as a "
                         "failure); off = nothing in the ranks' interpreter")
@@ -264,7 +264,7 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
         print("# offline: the master port was not checked on the host")
     if plan.unresolved:
         print(f"# {plan.unresolved_note()}")
-    if any(n.gpus for n in plan.nodes):  # what each node's supervisor leases before it starts (README: leases)
+    if any(n.gpus for n in plan.nodes):  # what each node's supervisor leases before it starts (docs/shared-gpus.md)
         leased = ", ".join(f"{n.name} {n.gpus}" + (f" (pinned {','.join(n.gpu_pin)})" if n.gpu_pin else "")
                            for n in plan.nodes if n.gpus)
         print(f"# GPU leases: {leased}; {'waits for them (--wait)' if plan.wait else 'refused if taken'}")

@@ -3,7 +3,7 @@
 Why namespaces and not containers or VMs: they need nothing but the kernel and iproute2, start in
 well under a second, and still give each host what the product cares about: its own address,
 sshd and host key, firewall tables, process table, hostname and writable system dirs. So the code
-under test meets real SSH, real iptables, real port clashes and real torchrun (README.md, "The local lab").
+under test meets real SSH, real iptables, real port clashes and real torchrun (docs/lab.md).
 
 State lives in ``DIR/lab.json``; everything the lab creates is named from a short hash of DIR, so
 two labs with different dirs and subnets coexist and ``down`` removes only what its own ``up`` made.

@@ -1,4 +1,4 @@
-"""The first hour on real machines, as README's "Using it on your machines" describes it.
+"""The first hour on real machines, as docs/on-your-machines.md describes it.
 
 - The wheel installed in a fresh venv outside the checkout (a controller without torch): from a
   directory that is not the checkout, its `ddpfab lab up` (which points the nodes at the venv

@@ -28,10 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
 
-def _load_report() -> ModuleType:
-    # bench/ is scripts, not a package: load report.py by path; it puts bench/ on sys.path for its
-    # own imports (common, markers)
-    spec = importlib.util.spec_from_file_location("ddpfab_bench_report", BENCH / "report.py")
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -39,7 +37,14 @@ def _load_report() -> ModuleType:
     return module
 
 
+def _load_report() -> ModuleType:
+    # bench/ is scripts, not a package: load report.py by path; it puts bench/ on sys.path for its
+    # own imports (common, markers)
+    return _load("ddpfab_bench_report", BENCH / "report.py")
+
+
 report = _load_report()
+docs_reference = _load("ddpfab_docs_reference", REPO / "scripts" / "docs_reference.py")
 markers = report.markers
 Figure = markers.Figure
 
@@ -140,7 +145,7 @@ PROSE_PATH = re.compile(r"(?<![\w./~-])((?:bench|ddpfab|docs|examples|inventory|
 def doc_files() -> list[Path]:
     roles = REPO / "ddpfab" / "ansible" / "collections" / "ansible_collections" / "ddpfab" / "cluster"
     return [REPO / "README.md", REPO / "bench" / "README.md", REPO / "bench" / "perf_gpu" / "README.md",
-            *sorted((REPO / "docs").glob("*.md")), roles / "README.md", *sorted(roles.glob("roles/*/README.md")),
+            *sorted((REPO / "docs").rglob("*.md")), roles / "README.md", *sorted(roles.glob("roles/*/README.md")),
             REPO / "tests" / "fixtures" / "kubeflow" / "README.md", REPO / "inventory" / "example.yml",
             roles / "galaxy.yml", roles / "changelogs" / "changelog.yaml"]
 
@@ -201,6 +206,19 @@ def named(text: str, doc: Path) -> list[tuple[int, str]]:
     return refs
 
 
+@cache
+def generated_pages() -> dict[str, str]:
+    return docs_reference.pages()
+
+
+def generated_page(path: Path) -> str | None:
+    """The text of the docs page the site generates at *path* (the reference, the changelog), else None."""
+    docs = (REPO / "docs").resolve()
+    if not path.is_relative_to(docs):
+        return None
+    return generated_pages().get(str(path.relative_to(docs)))
+
+
 def broken(doc: Path) -> list[str]:
     out = []
     for n, ref in named(doc.read_text(), doc):
@@ -210,11 +228,12 @@ def broken(doc: Path) -> list[str]:
         if (re.match(r"[a-z]+:", target) or DOTTED.match(target) or target in ELSEWHERE
                 or target.startswith(ELSEWHERE_PREFIXES)):
             continue  # a URL (http:, mailto:), an API group or sysctl, or something made at run time
-        if target and not in_repo(target, doc, link):
+        page = (doc.parent / target).resolve() if target else doc
+        made = generated_page(page)
+        if target and made is None and not in_repo(target, doc, link):
             out.append(f"{_rel(doc)}:{n}: {ref!r} is not a file of this repository")
         elif anchor and target.endswith(".md") or (not target and anchor):
-            page = (doc.parent / target).resolve() if target else doc
-            if anchor not in anchors(page.read_text()):
+            if anchor not in anchors(made if made is not None else page.read_text()):
                 out.append(f"{_rel(doc)}:{n}: {ref!r}: {_rel(page)} has no heading #{anchor}")
     return out
 
