@@ -464,28 +464,40 @@ def _say(text):
 
 
 #: Under the run's remote dir: the ranks' exit guard (as sitecustomize.py) and their done records.
-GUARD_DIR, RANKS_DIR = "exitguard", "ranks"
+GUARD_DIR, RANKS_DIR, PDB_DIR = "exitguard", "ranks", "pdb"
 
 
 def exit_guard_env(spec, run_dir, env):
-    """*env* with the ranks' exit guard installed (:mod:`ddpfab.node.exitguard`, its source and mode
-    in the spec's ``exit_guard``): the guard as ``sitecustomize.py`` in a dir of this run's, first
-    on PYTHONPATH, and where the ranks write their done records. Without a guard in the spec, or
-    when its files cannot be written (said on the stream), *env* as it was: the job runs unguarded."""
-    guard = spec.get("exit_guard")
-    if not isinstance(guard, dict) or guard.get("mode") not in ("on", "record"):
+    """*env* with the ranks' ``sitecustomize`` installed: the exit guard (:mod:`ddpfab.node.exitguard`,
+    its source and mode in the spec's ``exit_guard``) and, with ``--pdb``, the debugger hooks (the
+    spec's ``pdb``: :mod:`ddpfab.node.rankpdb`'s source, the ranks, the node's name), in a dir of
+    this run's first on PYTHONPATH, with where the ranks write their done records and their
+    debugger sockets. With neither in the spec, or when the files cannot be written (said on the
+    stream), *env* as it was: the job runs without them."""
+    guard, debug = spec.get("exit_guard"), spec.get("pdb")
+    if not isinstance(guard, dict) or not isinstance(guard.get("source"), str):
         return env
-    guard_dir, ranks_dir = os.path.join(run_dir, GUARD_DIR), os.path.join(run_dir, RANKS_DIR)
+    guarded = guard.get("mode") in ("on", "record")  # "off": the file only, for the debugger
+    debugged = isinstance(debug, dict) and isinstance(debug.get("ranks"), str) and isinstance(debug.get("source"), str)
+    if not guarded and not debugged:
+        return env
+    guard_dir, ranks_dir, pdb_dir = (os.path.join(run_dir, d) for d in (GUARD_DIR, RANKS_DIR, PDB_DIR))
     try:
-        os.makedirs(guard_dir, mode=0o700, exist_ok=True)
-        os.makedirs(ranks_dir, mode=0o700, exist_ok=True)
-        _write(os.path.join(guard_dir, "sitecustomize.py"), str(guard.get("source", "")))
+        for d in (guard_dir, ranks_dir) + ((pdb_dir,) if debugged else ()):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        _write(os.path.join(guard_dir, "sitecustomize.py"), guard["source"])
+        if debugged:
+            _write(os.path.join(guard_dir, "ddpfab_rankpdb.py"), debug["source"])
     except OSError as exc:
-        _say("cannot install the exit guard in %s (%s); the ranks run without it" % (run_dir, exc))
+        _say("cannot install the exit guard or the debugger in %s (%s); the ranks run without them" % (run_dir, exc))
         return env
     env = dict(env)
     env["PYTHONPATH"] = guard_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["DDPFAB_EXIT_GUARD"], env["DDPFAB_EXIT_GUARD_DIR"] = guard["mode"], ranks_dir
+    if guarded:
+        env["DDPFAB_EXIT_GUARD"], env["DDPFAB_EXIT_GUARD_DIR"] = guard["mode"], ranks_dir
+    if debugged:
+        env["DDPFAB_PDB"], env["DDPFAB_PDB_DIR"] = debug["ranks"], pdb_dir
+        env["DDPFAB_PDB_NODE"] = str(debug.get("node", ""))
     return env
 
 

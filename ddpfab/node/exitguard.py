@@ -178,6 +178,19 @@ def _chain(here):
     spec.loader.exec_module(module)
 
 
+def _debugger():
+    """``ddpfab run --pdb``: the debugger hooks (:mod:`ddpfab.node.rankpdb`, written beside this
+    file as ``ddpfab_rankpdb``), in the ranks it names."""
+    try:
+        import ddpfab_rankpdb
+
+        ddpfab_rankpdb.install()
+    except Exception as exc:  # noqa: BLE001 - the rank runs on, without a debugger, and says so
+        sys.stderr.write("ddpfab: no debugger in this rank (%s: %s)\n" % (type(exc).__name__, exc))
+
+
 if __name__ == "sitecustomize":
     install()
+    if os.environ.get("DDPFAB_PDB"):
+        _debugger()
     _chain(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,159 @@
+"""A debugger in a rank of ``ddpfab run --pdb``: ``breakpoint()``, and an uncaught exception
+(post-mortem), wait in pdb for the user instead of failing on a stdin that is /dev/null.
+Standard library only: the node supervisor writes this file beside the ranks' ``sitecustomize``
+(:mod:`ddpfab.node.exitguard`), which installs it in the ranks that :data:`RANKS_VAR` names.
+
+How a stop reaches the user: the rank listens on a Unix socket in the run's private dir
+(``<run dir>/pdb/rank-<RANK>.sock``, in a 0700 dir: only the job's user can connect, and a
+debugger is that user's code execution), prints :data:`WAITS` on its stderr, and waits. ddpfab
+sees that line in the rank's output, opens a channel on the node's SSH connection that relays
+the socket, and the user's terminal drives pdb. ``continue`` without breakpoints closes the
+session (the terminal is free again); ``quit`` does too, and the rank ends as pdb makes it end
+(``BdbQuit``); after a post-mortem the rank exits with its exception, as without a debugger. An
+exception raised inside a collective (:data:`COLLECTIVES`) gets no post-mortem: when one rank
+fails, its peers' collectives fail after it, and the rank to debug is the one that failed first.
+"""
+
+import bdb
+import os
+import pdb
+import socket
+import sys
+
+#: Which ranks stop: ``all``, or global ranks separated by commas.
+RANKS_VAR = "DDPFAB_PDB"
+#: The private dir of the ranks' sockets.
+DIR_VAR = "DDPFAB_PDB_DIR"
+#: The node's inventory name, for the prompt.
+NODE_VAR = "DDPFAB_PDB_NODE"
+#: The pid of the rank the hooks are installed in: processes it starts inherit it and stay without.
+OWNER_VAR = "DDPFAB_PDB_PID"
+#: An exception raised inside these modules is a collective's failure: most often a peer that went
+#: away, whose own error is where a debugger helps. No post-mortem there (by where, not by text).
+COLLECTIVES = ("torch.distributed.",)
+#: The line a waiting rank prints; ddpfab matches it (launch/debugger.py, its WAITS).
+WAITS = "ddpfab-pdb: rank %d (local rank %d) waits in pdb at %s (%s, pid %d)"
+
+
+def wanted(spec, rank):
+    """Whether *spec* (:data:`RANKS_VAR`'s value) names global rank *rank*."""
+    if spec == "all":
+        return True
+    return str(rank) in spec.split(",")
+
+
+def socket_path(directory, rank):
+    return os.path.join(directory, "rank-%d.sock" % rank)
+
+
+class Session:
+    """One wait in the debugger: a socket that takes one connection, the user's."""
+
+    def __init__(self, directory, rank, local_rank):
+        self.rank, self.local_rank = rank, local_rank
+        self.path = socket_path(directory, rank)
+        self.conn = self.file = None
+        try:
+            os.unlink(self.path)  # a previous stop's, closed
+        except OSError:
+            pass
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket 0600 from the start
+        try:
+            self.listener.bind(self.path)
+        finally:
+            os.umask(old)
+        self.listener.listen(1)
+
+    def wait(self, where, kind):
+        """Say where the rank waits, then block until the user's relay connects; its stream. The
+        line goes to the process's own stderr: torch's excepthook (init_process_group installs it)
+        holds ``sys.stderr`` in a buffer while ours runs, and prints it only after."""
+        stream = sys.__stderr__ or sys.stderr
+        stream.write(WAITS % (self.rank, self.local_rank, where, kind, os.getpid()) + "\n")
+        stream.flush()
+        self.conn, _ = self.listener.accept()
+        self.file = self.conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace", newline="\n")
+        return self.file
+
+    def close(self):
+        for thing in (self.file, self.conn, self.listener):
+            try:
+                if thing is not None:
+                    thing.close()
+            except OSError:
+                pass
+        self.file = self.conn = None
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class RankPdb(pdb.Pdb):
+    """pdb over a session's stream, whose prompt names the node and the rank."""
+
+    def __init__(self, session, stream, node):
+        pdb.Pdb.__init__(self, stdin=stream, stdout=stream, nosigint=True)
+        self.use_rawinput = False
+        self.session = session
+        self.prompt = "%s rank %d (Pdb) " % (node, session.rank)
+
+    def set_continue(self):
+        pdb.Pdb.set_continue(self)
+        if not self.breaks:  # nothing can stop this rank again but a new breakpoint(): end the session
+            self.session.close()
+
+    def set_quit(self):
+        pdb.Pdb.set_quit(self)
+        self.session.close()
+
+
+def _where(frame):
+    return "%s:%d" % (frame.f_code.co_filename, frame.f_lineno)
+
+
+def install(environ=None):
+    """Install the hooks in this process if it is a rank that :data:`RANKS_VAR` names; True if it did."""
+    env = os.environ if environ is None else environ
+    spec, directory = env.get(RANKS_VAR), env.get(DIR_VAR)
+    rank, local = env.get("RANK", ""), env.get("LOCAL_RANK", "")
+    if not spec or not directory or not rank.isdigit() or not local.isdigit() or not wanted(spec, int(rank)):
+        return False
+    if env.get("PYTHONBREAKPOINT") == "0" or env.get(OWNER_VAR):  # breakpoint() turned off; not the rank
+        return False
+    env[OWNER_VAR] = str(os.getpid())
+    rank, local = int(rank), int(local)
+    node = env.get(NODE_VAR) or socket.gethostname()
+    original_excepthook = sys.excepthook
+
+    def breakpointhook(*args, **kwargs):
+        frame = sys._getframe(1)
+        session = Session(directory, rank, local)
+        stream = session.wait(_where(frame), "breakpoint")
+        RankPdb(session, stream, node).set_trace(frame)
+
+    def excepthook(etype, value, tb):
+        # the traceback, in the log, as without a debugger (under torch's excepthook: after the session)
+        original_excepthook(etype, value, tb)
+        if tb is None or issubclass(etype, (bdb.BdbQuit, KeyboardInterrupt, SystemExit)):
+            return
+        last = tb
+        while last.tb_next is not None:
+            last = last.tb_next
+        if str(last.tb_frame.f_globals.get("__name__", "")).startswith(COLLECTIVES):
+            return  # raised inside a collective: a peer went away (a victim), or ddpfab stops the job
+        session = Session(directory, rank, local)
+        try:
+            stream = session.wait(_where(last.tb_frame), "post-mortem: %s" % etype.__name__)
+            debugger = RankPdb(session, stream, node)
+            debugger.reset()
+            debugger.interaction(None, tb)
+        except Exception:  # noqa: BLE001 - the user's relay went away: the rank ends as it would have
+            pass
+        finally:
+            session.close()
+
+    sys.breakpointhook = breakpointhook
+    sys.excepthook = excepthook
+    return True
