@@ -35,6 +35,7 @@ from ddpfab.health import resources
 from ddpfab.hosts import inventory
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.launch import replicate
+from ddpfab.launch.debugger import stdin_usable
 from ddpfab.launch.progress import Ticker
 from ddpfab.launch.runs import runs_dir_problem
 from ddpfab.node.workdir import source_problem
@@ -76,6 +77,8 @@ class Options:
         hang_timeout: seconds without a line from any rank before the run runs the doctor by
             itself (its verdict printed and saved in the run's dir); 0: never.
         on_hang: ``report`` (the doctor's verdict, then keep waiting) or ``stop`` (end the job: exit 124).
+        pdb: ranks whose ``breakpoint()`` and uncaught exceptions wait in pdb, driven from this
+            process's stdin and stdout (``"all"``, or ranks and ranges: ``"5"``, ``"0,3-4"``); "": none.
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -124,6 +127,7 @@ class Options:
     resource_floors: str | None = None
     hang_timeout: float = planmod.HANG_TIMEOUT_S
     on_hang: str = "report"
+    pdb: str = ""
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -393,6 +397,11 @@ class Cluster:
         if opts.wait and opts.detach:
             raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
                             "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
+        if opts.pdb and opts.detach:
+            raise PlanError("--pdb with --detach: the debugger is driven from the run's terminal; run it attached")
+        if opts.pdb and not opts.dry_run and not stdin_usable():
+            raise PlanError("--pdb needs an input to drive the debugger from (stdin is /dev/null or closed); "
+                            "run it from a terminal")
         paths = replicate.wanted(nodes, opts.replicate)
         opts = replace(opts, replicate=paths)
         record = os.path.join(opts.runs_dir, run_options.run_id)
@@ -629,7 +638,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
         script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait,
         exit_guard=opts.exit_guard, resource_floors=opts.resource_floors, hang_timeout=opts.hang_timeout,
-        on_hang=opts.on_hang)
+        on_hang=opts.on_hang, pdb=opts.pdb)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:

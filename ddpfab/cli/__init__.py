@@ -64,7 +64,7 @@ def unguarded_main(argv: list[str] | None = None) -> int:
         except UnicodeEncodeError:  # bytes the locale could not decode (surrogates): no file, node or record takes them
             return die(f"argument {i} ({repr(os.fsencode(word))[2:-1]}) is not UTF-8 text: ddpfab passes arguments, "
                        "environment values and commands to the nodes as UTF-8; nothing was started")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(run.spell_pdb(argv))
     args.argv = argv
     try:
         config.apply(args)  # flags > environment > project config

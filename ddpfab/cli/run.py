@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import sys
 from dataclasses import fields
@@ -60,6 +61,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-hang", choices=ON_HANG, default="report",
                    help="when the doctor finds a hang: report (default: keep waiting) or stop (end the job at once, "
                         "exit code 124)")
+    p.add_argument("--pdb", nargs="?", const="all", default="", metavar="RANKS",
+                   help="a rank that reaches breakpoint() or raises an uncaught exception waits in pdb, driven from "
+                        "this terminal over the run's SSH connection: RANKS = all (the default without a value) or "
+                        "global ranks and ranges (5, 0,3-4); the others run as without it")
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
@@ -179,16 +184,44 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 class _OptionRecorder(argparse.ArgumentParser):
-    """A parser that records the option strings added to it."""
+    """A parser that records the option strings added to it, and those that take a value."""
 
     def __init__(self) -> None:
         super().__init__(add_help=False)
         self.option_strings: set[str] = set()
+        self.taking_value: set[str] = set()
 
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
         self.option_strings.update(action.option_strings)
+        if action.nargs not in (0, "?"):
+            self.taking_value.update(action.option_strings)
         return action
+
+
+#: ``--pdb``'s value: "all", or ranks and ranges (the plan checks them: ddpfab.planning.plan.pdb_ranks).
+PDB_RANKS = re.compile(r"all|\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def spell_pdb(argv: list[str]) -> list[str]:
+    """``run``/``plan`` arguments with a ``--pdb`` that has no RANKS written ``--pdb=all``, so that
+    the script after it is not taken for its value. Only ddpfab's own options are looked at: the
+    words from the script on are the script's, a ``--pdb`` among them included."""
+    if not argv or argv[0] not in ("run", "plan"):
+        return argv
+    recorder = _OptionRecorder()
+    _add_run_command_args(recorder)
+    out, i = list(argv), 1
+    while i < len(out):
+        word = out[i]
+        if word == "--" or not word.startswith("-") or word == "-":
+            break  # the script (or the -- before it)
+        if word == "--pdb" and (i + 1 == len(out) or not PDB_RANKS.fullmatch(out[i + 1])):
+            out[i] = "--pdb=all"
+        elif word in recorder.taking_value or word == "--pdb":
+            i += 1  # its value
+        i += 1
+    return out
 
 
 def run_option_strings() -> set[str]:
@@ -269,6 +302,10 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
                            for n in plan.nodes if n.gpus)
         print(f"# GPU leases: {leased}; {'waits for them (--wait)' if plan.wait else 'refused if taken'}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
+    if plan.pdb:  # the supervisor installs it: a pasted command runs without it
+        print(f"# pdb: rank{'s' if plan.pdb == 'all' or ',' in plan.pdb else ''} {plan.pdb} wait in pdb at "
+              "breakpoint() and uncaught exceptions (ddpfab's node supervisor installs it; a command pasted by "
+              "hand runs without it)")
     if plan.exit_guard != "off":  # the supervisor installs it: a pasted command runs without it
         print(f"# exit guard: {plan.exit_guard} (ddpfab's node supervisor puts it on the ranks' PYTHONPATH; "
               "a command pasted by hand runs without it)")

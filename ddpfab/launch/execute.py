@@ -30,9 +30,10 @@ from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.gate import Gate
 from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
+from ddpfab.launch.debugger import Debugger
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
-from ddpfab.node import exitguard
+from ddpfab.node import exitguard, rankpdb
 from ddpfab.node.agent import CANNOT_START
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
@@ -72,9 +73,11 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False, arrival: float 
         spec["wait"] = {"arrival": arrival if arrival is not None else time.time()}
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
-    if plan.exit_guard != "off":  # the ranks' exit guard, its code as data (the node writes it out)
+    if plan.exit_guard != "off" or plan.pdb:  # the ranks' sitecustomize, its code as data (the node writes it)
         spec["nproc"] = node.nproc
         spec["exit_guard"] = {"mode": plan.exit_guard, "source": exitguard_source()}
+    if plan.pdb:  # the debugger's hooks in the ranks it names (ddpfab.launch.debugger)
+        spec["pdb"] = {"ranks": plan.pdb, "node": node.name, "source": rankpdb_source()}
     if detach:
         spec["detached"] = True
     else:
@@ -87,6 +90,13 @@ def exitguard_source() -> str:
     """The exit guard's source (:mod:`ddpfab.node.exitguard`), which the node supervisor installs
     as the ranks' ``sitecustomize.py``."""
     return Path(exitguard.__file__).read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def rankpdb_source() -> str:
+    """The ranks' debugger hooks (:mod:`ddpfab.node.rankpdb`), which the node supervisor writes
+    beside the ranks' ``sitecustomize.py``."""
+    return Path(rankpdb.__file__).read_text()
 
 
 def agent_input(plan: Plan, node: NodePlan, detach: bool = False, arrival: float | None = None) -> bytes:
@@ -301,13 +311,14 @@ class Printer:
 
 class _NodeJob:
     gate: Gate | None = None  # --wait's go (set per job; none for a job made without __init__)
+    debugger: Debugger | None = None  # --pdb's (likewise)
 
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
                  events: queue.SimpleQueue, reconnect: Callable[[str], Connection] | None = None,
-                 gate: Gate | None = None):
+                 gate: Gate | None = None, debugger: Debugger | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
         self.log, self.events, self.reconnect = log, events, reconnect
-        self.gate = gate
+        self.gate, self.debugger = gate, debugger
         self.outcome = NodeOutcome(node.name, node.node_rank)
         self.chan = None
         self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
@@ -383,9 +394,12 @@ class _NodeJob:
 
     def _line(self, text: str) -> None:
         self.outcome.lines += 1
-        if RANK_TAG.match(text):
+        tag = RANK_TAG.match(text)
+        if tag:
             self.outcome.rank_lines += 1
             self.outcome.last_rank_line = self.outcome.last_line
+            if self.debugger is not None:  # a rank that stops in pdb says so in a line of its own
+                self.debugger.saw(self.node.name, text[tag.end():])
         fold, local = self.outcome.causes.feed(text)
         self.printer.line(self.node.name, text, fold, local)
         if self.gate is not None:
@@ -584,7 +598,9 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
             job.send(data)
 
     gate = Gate([n.name for n in plan.nodes if n.gpus], to_all) if plan.wait else None
-    jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate)
+    debugger = Debugger(plan, {n.name: (lambda c=conns[n.name]: c.transport) for n in plan.nodes},
+                        printer.note) if plan.pdb else None
+    jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate, debugger)
                  for n in plan.nodes})
     stop_deadline: float | None = None
 
@@ -598,11 +614,15 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
 
     hang = HangWatch(plan, conns, log_dir, printer.note) if plan.hang_timeout > 0 else None
     with signals_raise():
-        return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang)
+        try:
+            return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang, debugger)
+        finally:
+            if debugger is not None:
+                debugger.close()
 
 
 def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Printer, stop_all, stop_deadline,
-             hang: HangWatch | None = None) -> RunResult:
+             hang: HangWatch | None = None, debugger: Debugger | None = None) -> RunResult:
     """Wait for every node; stop them all on the first failure, on SIGINT/SIGTERM, or on a hang
     verdict with ``--on-hang stop``."""
     hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
@@ -613,6 +633,7 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
     extra_wait: float | None = None
     wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
     wait_every, quiet_since, next_report = wait_base, None, 0.0
+    in_pdb_at = 0.0  # when a rank was last seen in the debugger (monotonic)
     try:
         started = time.monotonic()
         for job in jobs.values():
@@ -638,7 +659,11 @@ def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Prin
                                 job.outcome.lost = True
                                 job.close()  # unblocks its reader; its supervisor stops on silence
                         now = time.monotonic()
-                        last = max([started] + [jobs[n].outcome.last_rank_line for n in jobs])
+                        if debugger is not None and debugger.stopped():
+                            # the others wait for a rank in pdb in their next collective: not quiet,
+                            # not hung; a quiet spell starts when the debugger is left
+                            in_pdb_at = now
+                        last = max([started, in_pdb_at] + [jobs[n].outcome.last_rank_line for n in jobs])
                         if last != quiet_since:  # a rank printed: the next report is a full interval away
                             quiet_since, wait_every, next_report = last, wait_base, last + wait_base
                         if wait_base > 0 and stop_deadline() is None and now >= next_report:

@@ -148,6 +148,8 @@ class RunOptions:
         hang_timeout: seconds without a line from any rank before the run runs the doctor by
             itself (:mod:`ddpfab.health.doctor`) and prints its verdict; 0: never.
         on_hang: what a hang verdict does: "report" (keep waiting) or "stop" (end the job at once).
+        pdb: ``--pdb``: the global ranks whose ``breakpoint()`` and uncaught exceptions wait in pdb
+            for the user (:func:`pdb_ranks`): "all", ranks and ranges (``"1,4-5"``); "": none.
     """
 
     script: str
@@ -173,6 +175,7 @@ class RunOptions:
     resource_floors: str | None = None
     hang_timeout: float = HANG_TIMEOUT_S
     on_hang: str = "report"
+    pdb: str = ""
 
 
 #: Interface operstates in which an interface that is up carries nothing (no carrier, its lower
@@ -307,7 +310,7 @@ class Plan:
             is a host name the controller could not resolve: only in an offline plan, which shows
             them as such; each node then resolves the name itself.
         rdzv, launcher, init_method, debug, local_rank_arg, module, script_local_rank, exit_guard,
-        hang_timeout, on_hang:
+        hang_timeout, on_hang, pdb:
             the launch style (see RunOptions).
         secret_env: env keys whose values are masked wherever the plan is shown or recorded
             (``--secret-env`` and every node's ``ddpfab_secret_env``), besides
@@ -342,6 +345,7 @@ class Plan:
     exit_guard: str = "off"  # a plan recorded before the guard ran without one (RunOptions: "on")
     hang_timeout: float = 0.0  # a plan recorded before the hang watch ran without one
     on_hang: str = "report"
+    pdb: str = ""  # the ranks in the debugger: "all" or "1,5" (pdb_ranks); "": none
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -965,7 +969,31 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         module=options.module, secret_env=secret_env(cluster, options),
         script_local_rank=options.script_local_rank and options.launcher == "torchrun",
         wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard,
-        hang_timeout=float(options.hang_timeout), on_hang=options.on_hang)
+        hang_timeout=float(options.hang_timeout), on_hang=options.on_hang,
+        pdb=pdb_ranks(options.pdb, sum(n.nproc for n in nodes)))
+
+
+def pdb_ranks(spec: str, world_size: int) -> str:
+    """``--pdb``'s ranks as the plan keeps them: "all", or the global ranks in order, separated by
+    commas ("" when *spec* is empty: no debugger).
+
+    Args:
+        spec: "all", or ranks and ranges separated by commas (``"5"``, ``"0,3-4"``).
+        world_size: the job's number of ranks; a rank at or beyond it is refused.
+    """
+    spec = spec.strip()
+    if spec in ("", "all"):
+        return spec
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise PlanError(f"--pdb takes 'all' or ranks and ranges separated by commas (5, 0,3-4), got {spec!r}")
+        ranks.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    beyond = sorted(r for r in ranks if r >= world_size)
+    if beyond:
+        raise PlanError(f"--pdb {spec}: rank {beyond[0]} is not in this job (its ranks are 0-{world_size - 1})")
+    return ",".join(str(r) for r in sorted(ranks))
 
 
 def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:

@@ -71,6 +71,65 @@ def reports(stdout: str) -> list[dict]:
     return [json.loads(line.split("REPORT ", 1)[1]) for line in stdout.splitlines() if "REPORT {" in line]
 
 
+class Terminal:
+    """The real CLI on a pseudo-terminal, as a user at a terminal runs it: wait for what it prints
+    (:meth:`expect`), type lines (:meth:`send`)."""
+
+    def __init__(self, *args: str, cwd: Path = REPO, env: dict | None = None):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddpfab", *args], cwd=cwd, stdin=slave, stdout=slave,
+                                     stderr=slave, start_new_session=True,
+                                     env={**os.environ, "NO_COLOR": "1", **(env or {})})
+        os.close(slave)
+        self.out = b""
+
+    @property
+    def text(self) -> str:
+        return self.out.decode(errors="replace").replace("\r\n", "\n")
+
+    def _read(self, timeout: float) -> bool | None:
+        """Read what is there within *timeout*: True (read some), False (the end), None (nothing yet)."""
+        import select
+
+        ready, _, _ = select.select([self.master], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # the other side closed (EIO): the command ended
+            data = b""
+        self.out += data
+        return bool(data)
+
+    def expect(self, pattern: str, timeout: float = 60) -> re.Match:
+        """Wait until the output so far matches *pattern* (a regex); fail with the output if not."""
+        end = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.text)
+            if m:
+                return m
+            if time.monotonic() > end:
+                pytest.fail(f"no {pattern!r} on the terminal after {timeout} s:\n{self.text[-4000:]}")
+            if self._read(min(0.5, max(0.0, end - time.monotonic()))) is False and self.proc.poll() is not None:
+                pytest.fail(f"ended ({self.proc.returncode}) without {pattern!r}:\n{self.text[-4000:]}")
+
+    def send(self, line: str) -> None:
+        os.write(self.master, line.encode() + b"\n")
+
+    def wait(self, timeout: float = 120) -> int:
+        """The command's exit code, its output read to the end."""
+        end = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < end:
+            self._read(0.5)
+        while self._read(0.1) is True:
+            pass
+        code = self.proc.wait(timeout=5)
+        os.close(self.master)
+        return code
+
+
 def job_processes(lab, names=("node1", "node2", "node3")) -> dict[str, list[tuple[int, str]]]:
     """Every non-sshd process on each host: after a job ends this must be empty."""
     return {n: lab.processes(n) for n in names}

@@ -1,0 +1,190 @@
+"""``ddpfab run --pdb``: the user's terminal drives pdb in a rank on a remote node.
+
+A rank that stops (``breakpoint()``, or an uncaught exception: post-mortem) listens on a Unix
+socket in the run's private dir on its node and prints :data:`WAITS`
+(:mod:`ddpfab.node.rankpdb`). Seeing that line in the rank's output, the run opens a channel on
+that node's SSH connection (no new connection, no port on the node) running a small relay to the
+socket, and pumps the terminal's input to it and its output to the terminal. One rank at a
+time: the first to stop is attached, the others wait where they are (listed), each attached in
+turn when the one before leaves pdb (``continue`` without breakpoints, ``quit``, the rank's end).
+
+While a rank is in the debugger the hang watch does not look for a hang (the other ranks wait in
+their next collective for it): :meth:`Debugger.stopped` says which ranks are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shlex
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ddpfab.hosts import nodeenv
+from ddpfab.planning.plan import NodePlan, Plan
+
+#: What a waiting rank prints (its rank tag stripped): ddpfab.node.rankpdb.WAITS, as a pattern.
+WAITS = re.compile(r"^ddpfab-pdb: rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) waits in pdb at "
+                   r"(?P<where>.+) \((?P<kind>[^(),]+), pid (?P<pid>\d+)\)$")
+
+#: The relay on the node: stdin to the socket, the socket to stdout (stdlib, ~20 ms to start).
+RELAY = r"""
+import os, socket, sys, threading
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(os.path.expanduser(sys.argv[1]))
+def up():
+    while True:
+        data = os.read(0, 4096)
+        if not data:
+            break
+        s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+threading.Thread(target=up, daemon=True).start()
+while True:
+    data = s.recv(4096)
+    if not data:
+        break
+    os.write(1, data)
+"""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A rank waiting in pdb."""
+
+    node: str
+    rank: int
+    local_rank: int
+    where: str
+    kind: str
+    pid: int
+
+    def describe(self) -> str:
+        return f"rank {self.rank} on {self.node} (local rank {self.local_rank}, {self.kind} at {self.where})"
+
+
+def socket_path(node: NodePlan, rank: int) -> str:
+    """Where rank *rank* on *node* listens (ddpfab.node.rankpdb.socket_path, in the run's remote dir)."""
+    return f"{node.remote_dir}/pdb/rank-{rank}.sock"
+
+
+def relay_command(node: NodePlan, rank: int) -> str:
+    """The command the relay channel runs on *node*: the node's python (``python3`` where the node
+    decides it at run time) with the relay, isolated from the job's site and environment."""
+    python = "python3" if nodeenv.undecided(node) else node.python
+    return shlex.join([python, "-I", "-S", "-c", RELAY, socket_path(node, rank)])
+
+
+class Debugger:
+    """The run's debugger: told of every rank line (:meth:`saw`), attaches one stopped rank at a time."""
+
+    def __init__(self, plan: Plan, transports: dict[str, Callable[[], object]], note: Callable[[str], None],
+                 stdin_fd: int = 0, stdout_fd: int = 1):
+        self.nodes = {n.name: n for n in plan.nodes}
+        self.transports = transports  # node -> its connection's paramiko Transport
+        self.note = note
+        self.stdin_fd, self.stdout_fd = stdin_fd, stdout_fd
+        self.lock = threading.Lock()
+        self.waiting: list[Stop] = []
+        self.attached: Stop | None = None
+        self.session: threading.Thread | None = None
+        self.closed = False
+
+    def saw(self, node: str, text: str) -> None:
+        """A rank's line (tag stripped) from *node*: a rank that stops is queued, attached if first."""
+        m = WAITS.match(text)
+        if not m or node not in self.nodes:
+            return
+        stop = Stop(node, int(m["rank"]), int(m["local"]), m["where"], m["kind"], int(m["pid"]))
+        with self.lock:
+            if self.closed:
+                return
+            self.waiting.append(stop)
+            if self.attached is not None:
+                self.note(f"pdb: {stop.describe()} waits too; it gets the terminal when "
+                          f"rank {self.attached.rank} leaves the debugger")
+                return
+            self._next_locked()
+
+    def stopped(self) -> list[Stop]:
+        """The ranks in the debugger now (attached first, then those waiting for the terminal)."""
+        with self.lock:
+            return ([self.attached] if self.attached else []) + list(self.waiting)
+
+    def close(self, wait: float = 5.0) -> None:
+        """No more stops; the session of the rank attached last ends first (its relay sees the
+        rank's end), at most *wait* seconds, so that what it printed comes before the run's end."""
+        with self.lock:
+            self.closed = True
+            self.waiting.clear()
+            session = self.session
+        if session is not None:
+            session.join(wait)
+
+    def _next_locked(self) -> None:
+        if not self.waiting or self.closed:
+            self.attached = None
+            return
+        self.attached = self.waiting.pop(0)
+        self.session = threading.Thread(target=self._session, args=(self.attached,), name="ddpfab-pdb", daemon=True)
+        self.session.start()
+
+    def _session(self, stop: Stop) -> None:
+        self.note(f"pdb: attached to {stop.describe()}; `c` continues, `q` quits (the rank then fails); "
+                  "the hang watch waits meanwhile")
+        try:
+            self._relay(stop)
+        except Exception as exc:  # noqa: BLE001 - the rank stays where it is; say why the terminal left it
+            self.note(f"pdb: the relay to rank {stop.rank} on {stop.node} ended: {type(exc).__name__}: {exc}")
+        else:
+            self.note(f"pdb: rank {stop.rank} on {stop.node} left the debugger")
+        with self.lock:
+            self._next_locked()
+
+    def _relay(self, stop: Stop) -> None:
+        transport = self.transports[stop.node]()
+        chan = transport.open_session(timeout=30)  # type: ignore[attr-defined]
+        try:
+            chan.exec_command(relay_command(self.nodes[stop.node], stop.rank))
+            done = threading.Event()
+            pump = threading.Thread(target=self._pump_input, args=(chan, done), name="ddpfab-pdb-in", daemon=True)
+            pump.start()
+            while True:
+                data = chan.recv(4096)
+                if not data:
+                    break
+                _write_all(self.stdout_fd, data)
+            done.set()
+            err = chan.recv_stderr(4096) if chan.recv_stderr_ready() else b""
+            if chan.recv_exit_status() != 0 and err:
+                raise ConnectionError(err.decode(errors="replace").strip().splitlines()[-1])
+        finally:
+            chan.close()
+
+    def _pump_input(self, chan, done: threading.Event) -> None:
+        """The terminal's input to the attached rank, a line as it comes, until its session ends."""
+        while not done.is_set():
+            ready, _, _ = select.select([self.stdin_fd], [], [], 0.2)
+            if not ready or done.is_set():
+                continue
+            data = os.read(self.stdin_fd, 4096)
+            if not data:  # Ctrl-D: pdb reads EOF (and quits, as pdb does at a terminal)
+                chan.shutdown_write()
+                return
+            chan.sendall(data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def stdin_usable() -> bool:
+    """Whether this process has an input to drive pdb with (not /dev/null, not closed)."""
+    try:
+        return not os.path.samefile(f"/proc/self/fd/{sys.stdin.fileno()}", os.devnull)
+    except (OSError, ValueError, AttributeError):
+        return False

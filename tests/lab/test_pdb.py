@@ -1,0 +1,114 @@
+"""`ddpfab run --pdb` on real lab hosts, driven from a real terminal (a pty), as a user drives it.
+
+- A 6-rank job (3 nodes x 2) with `--pdb 5`, rank 5 calls `breakpoint()`: the terminal gets a
+  `(Pdb)` prompt naming node and rank; `p int(os.environ["RANK"])` answers 5; meanwhile the hang
+  watch (`--hang-timeout 4`) calls nothing hung, though no rank prints for longer; `c` lets the
+  job finish with exit 0.
+- Post-mortem: rank 1 raises, `--pdb`: the prompt is at the raising line; `q` ends the job: the
+  closing line names rank 1's exception and nothing is left running on any node.
+- A rank outside RANKS keeps today's behaviour: its `breakpoint()` reads /dev/null and fails.
+- `--pdb` with no value, before the script, is every rank (the script is not taken for RANKS).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddpfab import lab as labmod
+
+from .helpers import Terminal, ddpfab, wait_no_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+#: A rank (STOP_RANK) stops after init: in breakpoint() (MODE=stop) or by raising (MODE=raise).
+JOB = r'''
+import os
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+rank = int(os.environ["RANK"])
+print("rank %d up" % rank, flush=True)
+t = torch.tensor([float(rank)])
+if rank == int(os.environ["STOP_RANK"]):
+    marker = "inside rank %d" % rank
+    if os.environ["MODE"] == "raise":
+        raise ValueError("bad batch shape on rank %d" % rank)
+    breakpoint()
+dist.all_reduce(t)
+print("rank %d sum %s" % (rank, t.item()), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture
+def job(lab, tmp_path):
+    (tmp_path / "job.py").write_text(JOB)
+    inv = tmp_path / "inventory.yml"
+    inv.write_text(labmod.render_inventory(lab, sys.executable, names=["node1", "node2", "node3"]))
+    return tmp_path, inv
+
+
+def test_a_breakpoint_in_rank_5_waits_for_the_terminal_and_continue_finishes_the_job(lab, job):
+    cwd, inv = job
+    term = Terminal("run", "-i", str(inv), "--nproc-per-node", "2", "--pdb", "5", "--hang-timeout", "4",
+                    "--env", "STOP_RANK=5", "--env", "MODE=stop", "job.py", cwd=cwd)
+    term.expect(r"attached to rank 5 on node3 \(local rank 1, breakpoint at \S+job\.py:\d+\)", 120)
+    term.expect(r"node3 rank 5 \(Pdb\) ")
+    term.send('p int(os.environ["RANK"]), marker')
+    term.expect(r"\(5, 'inside rank 5'\)")
+    time.sleep(6)  # longer than --hang-timeout with no rank printing: the others wait for rank 5
+    term.send("c")
+    assert term.wait(120) == 0, term.text
+    text = term.text
+    for rank in range(6):
+        assert f"rank {rank} sum 15.0" in text, text
+    assert "hang" not in text.lower(), text  # no hang watch verdict while rank 5 was in the debugger
+    assert "rank 5 on node3 left the debugger" in text
+    wait_no_processes(lab, timeout=10)
+
+
+def test_post_mortem_stops_at_the_raising_line_and_quit_ends_the_job_everywhere(lab, job):
+    cwd, inv = job
+    term = Terminal("run", "-i", str(inv), "--nproc-per-node", "2", "--pdb", "--env", "STOP_RANK=1",
+                    "--env", "MODE=raise", "job.py", cwd=cwd)
+    term.expect(r"attached to rank 1 on node1 \(local rank 1, post-mortem: ValueError at \S+job\.py:\d+\)", 120)
+    term.expect(r"-> raise ValueError\(.*\n.*node1 rank 1 \(Pdb\) ")
+    term.send("p marker")
+    term.expect(r"'inside rank 1'")
+    term.send("q")
+    code = term.wait(120)
+    assert code == 1, term.text
+    closing = [line for line in term.text.splitlines() if line.startswith("ddpfab: failed")]
+    assert closing and "node1" in closing[-1] and "rank 1" in closing[-1] and "ValueError" in closing[-1], term.text
+    wait_no_processes(lab, timeout=15)
+
+
+def test_a_rank_outside_the_pdb_ranks_fails_at_its_breakpoint_as_before(lab, job):
+    cwd, inv = job
+    term = Terminal("run", "-i", str(inv), "--nproc-per-node", "2", "--pdb", "5", "--env", "STOP_RANK=2",
+                    "--env", "MODE=stop", "job.py", cwd=cwd)
+    assert term.wait(180) != 0, term.text
+    assert "BdbQuit" in term.text and "waits in pdb" not in term.text, term.text
+    wait_no_processes(lab, timeout=15)
+
+
+def test_pdb_without_a_terminal_is_refused_before_anything_starts(lab, job):
+    cwd, inv = job
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inv), "--pdb", "job.py"], cwd=cwd,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--pdb needs an input" in res.stderr, res.stderr
+    assert not (cwd / "runs").exists()
+
+
+def test_pdb_without_ranks_before_the_script_means_every_rank(job):
+    cwd, inv = job
+    res = ddpfab("run", "-i", str(inv), "--offline", "--dry-run", "--pdb", "job.py", "--pdb", cwd=cwd)
+    assert res.returncode == 0, res.stderr
+    assert "# pdb: ranks all wait in pdb" in res.stdout, res.stdout
+    assert "job.py --pdb" in res.stdout  # the script's own --pdb stays the script's
+    bad = ddpfab("run", "-i", str(inv), "--offline", "--dry-run", "--pdb", "9", "job.py", cwd=cwd)
+    assert bad.returncode == 2 and "rank 9 is not in this job" in bad.stderr, bad.stderr
