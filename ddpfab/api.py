@@ -397,9 +397,7 @@ class Cluster:
         if opts.wait and opts.detach:
             raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
                             "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
-        if opts.pdb and opts.detach:
-            raise PlanError("--pdb with --detach: the debugger is driven from the run's terminal; run it attached")
-        if opts.pdb and not opts.dry_run and not stdin_usable():
+        if opts.pdb and not opts.dry_run and not opts.detach and not stdin_usable():
             raise PlanError("--pdb needs an input to drive the debugger from (stdin is /dev/null or closed); "
                             "run it from a terminal")
         paths = replicate.wanted(nodes, opts.replicate)

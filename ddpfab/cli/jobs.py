@@ -176,6 +176,14 @@ def register(sub) -> None:
     d.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long each node has to answer before it is named as not answering (default 30)")
     d.set_defaults(func=cmd_doctor)
+    g = sub.add_parser("debug", help="drive the pdb of a rank that waits in it (a run --pdb job, detached too)",
+                       description="Attach this terminal to rank RANK's pdb: a rank of a `ddpfab run --pdb` job "
+                                   "that stopped at breakpoint() or an uncaught exception, and that no other "
+                                   "terminal drives.")
+    g.add_argument("run_id", type=run_id_type)
+    g.add_argument("--rank", type=int, required=True, help="the global rank to attach to")
+    _common(g, inventory_required=False)
+    g.set_defaults(func=cmd_debug)
 
 
 def _plan_of(args, manifest: dict) -> Plan:
@@ -550,3 +558,50 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     for line in logs_report(run_id, dest, results.succeeded, len(results)):
         print(line)
     return 1 if failed else 0
+
+
+@_guard
+def cmd_debug(args) -> int:
+    """This terminal to one waiting rank's pdb, over a channel of a connection to its node."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch.debugger import relay, stdin_usable
+    from ddpfab.remote import ssh
+
+    manifest = _latest(args, _record(args.runs_dir, args.run_id))
+    if manifest is None:
+        return die(f"no local record of run {args.run_id} in {args.runs_dir}; debug from the machine (and "
+                   "--runs-dir) that started it")
+    plan = _plan_of(args, manifest)
+    if not plan.pdb:
+        return die(f"run {plan.run_id} was started without --pdb: its ranks have no debugger to attach to")
+    if not 0 <= args.rank < plan.world_size:
+        return die(f"--rank {args.rank}: run {plan.run_id} has ranks 0-{plan.world_size - 1}")
+    if not stdin_usable():
+        return die("debug needs an input to drive pdb from (stdin is /dev/null or closed); run it from a terminal")
+    node = _node_of_rank(plan, args.rank)
+    hosts = {n.name: n for n in _cluster(args, manifest).nodes}
+    if node.name not in hosts:
+        return die(f"host {node.name} (rank {args.rank}'s node) is not in the inventory given")
+    conn = ssh.connect(hosts[node.name], ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False),
+                       args.ssh_config)
+    try:
+        relay(conn.transport, node, args.rank, on_attach=lambda: note(
+            f"pdb: attached to rank {args.rank} on {node.name}; `c` continues, `q` quits (the rank then fails)"))
+    except ConnectionError as exc:
+        return die(str(exc), EXIT_FAILED)
+    finally:
+        conn.close()
+    note(f"pdb: rank {args.rank} on {node.name} left the debugger")
+    return 0
+
+
+def _node_of_rank(plan: Plan, rank: int):
+    """The node that runs global rank *rank*: node ranks in order, each with its nproc ranks (with
+    c10d rendezvous torchrun orders the nodes itself: then the plan's order is a guess, and a
+    rank not waiting there is said so by the relay)."""
+    first = 0
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        if rank < first + node.nproc:
+            return node
+        first += node.nproc
+    raise ValueError(rank)

@@ -30,11 +30,16 @@ from ddpfab.planning.plan import NodePlan, Plan
 WAITS = re.compile(r"^ddpfab-pdb: rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) waits in pdb at "
                    r"(?P<where>.+) \((?P<kind>[^(),]+), pid (?P<pid>\d+)\)$")
 
+#: The relay's exit status when no rank listens there (not stopped, or attached elsewhere).
+NOT_WAITING = 3
 #: The relay on the node: stdin to the socket, the socket to stdout (stdlib, ~20 ms to start).
 RELAY = r"""
 import os, socket, sys, threading
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(os.path.expanduser(sys.argv[1]))
+try:
+    s.connect(os.path.expanduser(sys.argv[1]))
+except OSError:
+    sys.exit(3)
 def up():
     while True:
         data = os.read(0, 4096)
@@ -133,10 +138,15 @@ class Debugger:
         self.session.start()
 
     def _session(self, stop: Stop) -> None:
-        self.note(f"pdb: attached to {stop.describe()}; `c` continues, `q` quits (the rank then fails); "
-                  "the hang watch waits meanwhile")
+        def attached() -> None:
+            self.note(f"pdb: attached to {stop.describe()}; `c` continues, `q` quits (the rank then fails); "
+                      "the hang watch waits meanwhile")
+
         try:
-            self._relay(stop)
+            relay(self.transports[stop.node](), self.nodes[stop.node], stop.rank, self.stdin_fd, self.stdout_fd,
+                  on_attach=attached)
+        except ConnectionError as exc:
+            self.note(f"pdb: {exc}")
         except Exception as exc:  # noqa: BLE001 - the rank stays where it is; say why the terminal left it
             self.note(f"pdb: the relay to rank {stop.rank} on {stop.node} ended: {type(exc).__name__}: {exc}")
         else:
@@ -144,37 +154,49 @@ class Debugger:
         with self.lock:
             self._next_locked()
 
-    def _relay(self, stop: Stop) -> None:
-        transport = self.transports[stop.node]()
-        chan = transport.open_session(timeout=30)  # type: ignore[attr-defined]
-        try:
-            chan.exec_command(relay_command(self.nodes[stop.node], stop.rank))
-            done = threading.Event()
-            pump = threading.Thread(target=self._pump_input, args=(chan, done), name="ddpfab-pdb-in", daemon=True)
-            pump.start()
-            while True:
-                data = chan.recv(4096)
-                if not data:
-                    break
-                _write_all(self.stdout_fd, data)
-            done.set()
-            err = chan.recv_stderr(4096) if chan.recv_stderr_ready() else b""
-            if chan.recv_exit_status() != 0 and err:
-                raise ConnectionError(err.decode(errors="replace").strip().splitlines()[-1])
-        finally:
-            chan.close()
 
-    def _pump_input(self, chan, done: threading.Event) -> None:
-        """The terminal's input to the attached rank, a line as it comes, until its session ends."""
-        while not done.is_set():
-            ready, _, _ = select.select([self.stdin_fd], [], [], 0.2)
-            if not ready or done.is_set():
-                continue
-            data = os.read(self.stdin_fd, 4096)
-            if not data:  # Ctrl-D: pdb reads EOF (and quits, as pdb does at a terminal)
-                chan.shutdown_write()
-                return
-            chan.sendall(data)
+def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: int = 1,
+          on_attach: Callable[[], None] | None = None) -> None:
+    """Drive rank *rank*'s pdb on *node* from *stdin_fd*/*stdout_fd*, over a new channel of
+    *transport* (the node's paramiko Transport), until its session ends; *on_attach()* first, when
+    pdb first speaks. ConnectionError when the rank is not waiting there (no socket: not stopped,
+    or attached elsewhere)."""
+    chan = transport.open_session(timeout=30)
+    try:
+        chan.exec_command(relay_command(node, rank))
+        done = threading.Event()
+        pump = threading.Thread(target=_pump_input, args=(chan, done, stdin_fd), name="ddpfab-pdb-in", daemon=True)
+        pump.start()
+        while True:
+            data = chan.recv(4096)
+            if not data:
+                break
+            if on_attach is not None:
+                on_attach()
+                on_attach = None
+            _write_all(stdout_fd, data)
+        done.set()
+        code = chan.recv_exit_status()
+        if code == NOT_WAITING:
+            raise ConnectionError(f"rank {rank} is not waiting in pdb on {node.name} (not stopped, or attached "
+                                  "from another terminal)")
+        if code != 0:
+            raise ConnectionError(f"the relay on {node.name} exited with {code}")
+    finally:
+        chan.close()
+
+
+def _pump_input(chan, done: threading.Event, stdin_fd: int) -> None:
+    """The terminal's input to the attached rank, a line as it comes, until its session ends."""
+    while not done.is_set():
+        ready, _, _ = select.select([stdin_fd], [], [], 0.2)
+        if not ready or done.is_set():
+            continue
+        data = os.read(stdin_fd, 4096)
+        if not data:  # Ctrl-D: pdb reads EOF (and quits, as pdb does at a terminal)
+            chan.shutdown_write()
+            return
+        chan.sendall(data)
 
 
 def _write_all(fd: int, data: bytes) -> None:

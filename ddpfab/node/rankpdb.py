@@ -73,6 +73,11 @@ class Session:
         stream.write(WAITS % (self.rank, self.local_rank, where, kind, os.getpid()) + "\n")
         stream.flush()
         self.conn, _ = self.listener.accept()
+        self.listener.close()  # one user per stop: a second terminal finds no socket and says so
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
         self.file = self.conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace", newline="\n")
         return self.file
 
