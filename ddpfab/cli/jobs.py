@@ -184,6 +184,19 @@ def register(sub) -> None:
     g.add_argument("--rank", type=int, required=True, help="the global rank to attach to")
     _common(g, inventory_required=False)
     g.set_defaults(func=cmd_debug)
+    s = sub.add_parser("shell", help="an interactive shell on a node as ddpfab starts things there, or as a rank",
+                       description="A shell on NODE in its workdir, after its setup lines, with its python first on "
+                                   "PATH; with --run-id and --rank, on that rank's node with the rank's whole "
+                                   "environment (the run's env, MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, "
+                                   "WORLD_SIZE, ...), so `python train.py` there is that rank.")
+    s.add_argument("node", nargs="?", metavar="NODE", help="the inventory host (with --rank: its node by default)")
+    s.add_argument("--run-id", type=run_id_type, help="a run of runs/: the rank's environment comes from its record")
+    s.add_argument("--rank", type=int, help="with --run-id: the global rank whose environment the shell has")
+    s.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="set K in the shell (repeatable; a bare KEY takes this shell's value): a value the "
+                        "run's record masks, or any other")
+    _common(s, inventory_required=False)
+    s.set_defaults(func=cmd_shell)
 
 
 def _plan_of(args, manifest: dict) -> Plan:
@@ -565,6 +578,7 @@ def cmd_debug(args) -> int:
     """This terminal to one waiting rank's pdb, over a channel of a connection to its node."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.debugger import relay, stdin_usable
+    from ddpfab.launch.shell import node_of_rank
     from ddpfab.remote import ssh
 
     manifest = _latest(args, _record(args.runs_dir, args.run_id))
@@ -574,11 +588,12 @@ def cmd_debug(args) -> int:
     plan = _plan_of(args, manifest)
     if not plan.pdb:
         return die(f"run {plan.run_id} was started without --pdb: its ranks have no debugger to attach to")
-    if not 0 <= args.rank < plan.world_size:
-        return die(f"--rank {args.rank}: run {plan.run_id} has ranks 0-{plan.world_size - 1}")
+    try:
+        node, _ = node_of_rank(plan, args.rank)
+    except ValueError as exc:
+        return die(str(exc))
     if not stdin_usable():
         return die("debug needs an input to drive pdb from (stdin is /dev/null or closed); run it from a terminal")
-    node = _node_of_rank(plan, args.rank)
     hosts = {n.name: n for n in _cluster(args, manifest).nodes}
     if node.name not in hosts:
         return die(f"host {node.name} (rank {args.rank}'s node) is not in the inventory given")
@@ -595,13 +610,56 @@ def cmd_debug(args) -> int:
     return 0
 
 
-def _node_of_rank(plan: Plan, rank: int):
-    """The node that runs global rank *rank*: node ranks in order, each with its nproc ranks (with
-    c10d rendezvous torchrun orders the nodes itself: then the plan's order is a guess, and a
-    rank not waiting there is said so by the relay)."""
-    first = 0
-    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        if rank < first + node.nproc:
-            return node
-        first += node.nproc
-    raise ValueError(rank)
+@_guard
+def cmd_shell(args) -> int:
+    """An interactive shell on a node (ddpfab.launch.shell), as a rank of a recorded run with --rank."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch import shell
+    from ddpfab.planning.plan import PlanError, parse_env
+    from ddpfab.remote import ssh
+
+    if (args.rank is None) != (args.run_id is None):
+        return die("--rank and --run-id go together: the rank's environment is that of a recorded run")
+    try:
+        given = dict(parse_env(args.env, dict(os.environ)))
+    except PlanError as exc:
+        return die(str(exc))
+    plan = manifest = None
+    if args.run_id is not None:
+        manifest = _latest(args, _record(args.runs_dir, args.run_id))
+        if manifest is None:
+            return die(f"no local record of run {args.run_id} in {args.runs_dir}")
+        plan = _plan_of(args, manifest)
+        try:
+            node_plan, local = shell.node_of_rank(plan, args.rank)
+        except ValueError as exc:
+            return die(str(exc))
+        if args.node and args.node != node_plan.name:
+            return die(f"rank {args.rank} of run {plan.run_id} ran on {node_plan.name}, not {args.node}")
+        name = node_plan.name
+    elif not args.node:
+        return die("which node? give NODE (or --run-id and --rank)")
+    elif not args.inventory:
+        return refuse(args, MISSING_INVENTORY, "inventory")
+    else:
+        name = args.node
+    hosts = {n.name: n for n in _cluster(args, manifest).nodes}
+    if name not in hosts:
+        return die(f"host {name} is not in the inventory")
+    if plan is not None:
+        env, masked = shell.rank_env(plan, args.rank, given)
+        where, workdir = node_plan, node_plan.workdir
+        prompt = f"[ddpfab {name} rank {args.rank}] \\w $ "
+        why = shell.masked_note(masked)
+        if why:
+            warn(why)
+    else:
+        env, where, workdir = given, hosts[name], hosts[name].workdir or os.getcwd()
+        prompt = f"[ddpfab {name}] \\w $ "
+    conn = ssh.connect(hosts[name], ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False), args.ssh_config)
+    try:
+        return shell.run_shell(conn, where, workdir, env, prompt)
+    except ConnectionError as exc:
+        return die(str(exc), EXIT_FAILED)
+    finally:
+        conn.close()

@@ -76,9 +76,14 @@ class Terminal:
     (:meth:`expect`), type lines (:meth:`send`)."""
 
     def __init__(self, *args: str, cwd: Path = REPO, env: dict | None = None):
+        import fcntl
         import pty
+        import struct
+        import termios
 
         self.master, slave = pty.openpty()
+        # a wide terminal: a prompt with a long path must not wrap (a shell redraws a wrapped line)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 250, 0, 0))
         self.proc = subprocess.Popen([sys.executable, "-m", "ddpfab", *args], cwd=cwd, stdin=slave, stdout=slave,
                                      stderr=slave, start_new_session=True,
                                      env={**os.environ, "NO_COLOR": "1", **(env or {})})
@@ -111,7 +116,8 @@ class Terminal:
             if m:
                 return m
             if time.monotonic() > end:
-                pytest.fail(f"no {pattern!r} on the terminal after {timeout} s:\n{self.text[-4000:]}")
+                pytest.fail(f"no {pattern!r} on the terminal after {timeout} s:\n{self.text[-4000:]}\n"
+                            f"(its end: {self.text[-200:]!r})")
             if self._read(min(0.5, max(0.0, end - time.monotonic()))) is False and self.proc.poll() is not None:
                 pytest.fail(f"ended ({self.proc.returncode}) without {pattern!r}:\n{self.text[-4000:]}")
 

@@ -44,7 +44,7 @@ ARGS = {
 #: Modes of a command that load the inventory on a path of their own.
 MODES = {"check --perf": ["check", "--perf"], "check --perf --history": ["check", "--perf", "--history"]}
 #: Commands that take -i but plan from a run's record, which wins over the defaults (tested below).
-FROM_RECORD = {"attach", "replay", "doctor"}
+FROM_RECORD = {"attach", "replay", "doctor", "debug", "shell"}
 
 
 def leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

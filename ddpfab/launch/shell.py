@@ -1,0 +1,192 @@
+"""``ddpfab shell``: an interactive shell on a node that is what ddpfab starts there, or a rank.
+
+The shell starts in the node's workdir, after the node's setup lines (``ddpfab_setup``,
+``ddpfab_conda_env``), with the node's python first on PATH; for a rank of a recorded run
+(``--run-id RUN --rank R``) with that rank's whole environment too: the run's env and what
+torchrun gives each worker (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK,
+...), so ``python train.py`` there is that rank. Its prompt names the node (and the rank).
+
+Nothing of it is in a command line: the shell's start file (setup lines, exports, prompt) goes
+over a first channel's stdin into a 0600 file in the user's ``~/.ddpfab/shell`` (0700), which the
+shell reads and removes as it starts; the terminal's channel (a pty) runs only ``bash --rcfile
+FILE -i`` (``sh`` with ``ENV=FILE`` where there is no bash).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import shlex
+import signal
+import sys
+import termios
+import tty
+from collections.abc import Iterable, Mapping
+
+from ddpfab.hosts import nodeenv
+from ddpfab.masking import was_masked
+from ddpfab.planning.plan import NodePlan, Plan
+
+#: The node's dir of start files (0700), under the user's home.
+SHELL_DIR = "~/.ddpfab/shell"
+
+
+def node_of_rank(plan: Plan, rank: int) -> tuple[NodePlan, int]:
+    """(the node that runs global rank *rank*, its local rank there): node ranks in order, each with
+    its nproc ranks (ValueError for a rank not in the job)."""
+    first = 0
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        if rank < first + node.nproc:
+            return node, rank - first
+        first += node.nproc
+    raise ValueError(f"rank {rank} is not in run {plan.run_id} (its ranks are 0-{plan.world_size - 1})")
+
+
+def rank_env(plan: Plan, rank: int, given: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """(rank *rank*'s environment as its process had it, the keys left out because the record masks
+    their values): the run's env on its node, then torchrun's per-worker variables, then *given*
+    (values for the masked keys, or any other), which wins."""
+    node, local = node_of_rank(plan, rank)
+    env: dict[str, str] = {}
+    masked = []
+    for key, value in dict(node.env).items():
+        if was_masked(key, value, plan.secret_env):
+            masked.append(key)
+        else:
+            env[key] = value
+    env.update({
+        "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port), "RANK": str(rank),
+        "LOCAL_RANK": str(local), "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(node.nproc),
+        "GROUP_RANK": str(node.node_rank), "GROUP_WORLD_SIZE": str(plan.nnodes), "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(plan.world_size), "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": plan.run_id,
+        "DDPFAB_RUN_ID": plan.run_id})
+    env.update(given or {})
+    return env, [k for k in masked if k not in (given or {})]
+
+
+def start_file(node, workdir: str, env: Mapping[str, str], prompt: str, path: str) -> str:
+    """The shell's start file: it removes itself, then the node's setup and python (as every
+    command ddpfab starts there: :func:`ddpfab.hosts.nodeenv.prefix`), the workdir, the exports,
+    the prompt. *node*: a Node or a NodePlan."""
+    lines = [f"rm -f {home_word(path)}", '[ -f "$HOME/.bashrc" ] && [ -n "$BASH_VERSION" ] && . "$HOME/.bashrc"']
+    lines.append(nodeenv.prefix(node, export_python=True).rstrip("\n"))
+    lines.append(f"cd {_path_word(workdir)} || echo 'ddpfab: the workdir {workdir} is not there' >&2")
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    lines.append(f"PS1={shlex.quote(prompt)}")
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def _path_word(path: str) -> str:
+    """*path* as a shell word, ``~/`` left to the shell."""
+    return "~/" + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
+
+
+def home_word(path: str) -> str:
+    """A ``~/`` path of :func:`new_start_path` as a double-quoted shell word (no spaces in it)."""
+    return '"$HOME/' + path.removeprefix("~/") + '"'
+
+
+def new_start_path() -> str:
+    return f"{SHELL_DIR}/rc-{secrets.token_hex(8)}"
+
+
+def write_command(path: str) -> str:
+    """The command of the first channel: its stdin into *path*, private."""
+    folder = home_word(SHELL_DIR)
+    return f"umask 077 && mkdir -p {folder} && chmod 700 {folder} && cat > {home_word(path)}"
+
+
+def shell_command(path: str) -> str:
+    """The terminal channel's command: an interactive shell that starts with the file at *path*."""
+    home = home_word(path)
+    return f"if command -v bash >/dev/null 2>&1; then exec bash --rcfile {home} -i; else ENV={home} exec sh -i; fi"
+
+
+def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
+    """This terminal in raw mode to *chan* (a pty channel) until it closes; its exit status. The
+    terminal's size follows this one's (SIGWINCH)."""
+    is_tty = os.isatty(stdin_fd)
+    saved = termios.tcgetattr(stdin_fd) if is_tty else None
+    old_winch = None
+    if is_tty:
+        def resize(*_) -> None:
+            cols, rows = os.get_terminal_size(stdin_fd)
+            chan.resize_pty(width=cols, height=rows)
+
+        old_winch = signal.signal(signal.SIGWINCH, resize)
+        tty.setraw(stdin_fd)
+    try:
+        reading = True
+        while True:
+            fds = [chan] + ([stdin_fd] if reading else [])
+            ready, _, _ = select.select(fds, [], [], 0.5)
+            if chan in ready:
+                data = chan.recv(65536)
+                if not data:
+                    break
+                _write_all(stdout_fd, data)
+            if stdin_fd in ready:
+                data = os.read(stdin_fd, 4096)
+                if data:
+                    chan.sendall(data)
+                else:  # end of input (not a terminal): the shell gets EOF and exits
+                    chan.shutdown_write()
+                    reading = False
+            if chan.exit_status_ready() and not chan.recv_ready():
+                break
+        return chan.recv_exit_status()
+    finally:
+        if saved is not None:
+            termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
+        if old_winch is not None:
+            signal.signal(signal.SIGWINCH, old_winch)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def terminal_size(fd: int = 0) -> tuple[int, int]:
+    try:
+        size = os.get_terminal_size(fd)
+    except OSError:
+        return 80, 24
+    return size.columns or 80, size.lines or 24  # a pty nobody sized says 0 x 0
+
+
+def masked_note(keys: Iterable[str]) -> str | None:
+    keys = list(keys)
+    if not keys:
+        return None
+    return (f"not set (masked in the run's record): {', '.join(keys)}; give "
+            f"{'them' if len(keys) > 1 else 'it'} with --env KEY=VALUE (or --env KEY for this shell's value)")
+
+
+def term_name() -> str:
+    return os.environ.get("TERM") or "xterm"
+
+
+def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str) -> int:
+    """An interactive shell on *conn*'s node (see the module), this terminal driving it; its exit status."""
+    path = new_start_path()
+    first = conn.transport.open_session(timeout=30)
+    try:
+        first.exec_command(write_command(path))
+        first.sendall(start_file(node, workdir, env, prompt, path).encode())
+        first.shutdown_write()
+        code = first.recv_exit_status()
+    finally:
+        first.close()
+    if code != 0:
+        raise ConnectionError(f"could not write the shell's start file on {node.name} (exit {code})")
+    chan = conn.transport.open_session(timeout=30)
+    try:
+        cols, rows = terminal_size()
+        chan.get_pty(term=term_name(), width=cols, height=rows)
+        chan.exec_command(shell_command(path))
+        return interact(chan)
+    finally:
+        chan.close()
+        sys.stdout.flush()

@@ -1,0 +1,69 @@
+"""`ddpfab shell` on real lab hosts, driven from a real terminal (a pty).
+
+- `shell --run-id RUN --rank 3` after a 2 nodes x 2 run: on rank 3's node, in the workdir, after
+  the inventory's setup line, with the rank's environment (`echo $RANK $MASTER_ADDR ...` prints
+  the values the run gave rank 3) and the node's python first on PATH; a secret the record masks
+  is named, not set, and given again with `--env`; the start file is gone once the shell runs.
+- `shell NODE`: the node as ddpfab starts things there, no rank's variables.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from ddpfab import lab as labmod
+
+from .helpers import Terminal, ddpfab, host_sh, wait_no_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+JOB = 'import os\nprint("rank", os.environ["RANK"], "ok", flush=True)\n'
+
+
+@pytest.fixture
+def setup_inventory(lab, tmp_path):
+    inv = yaml.safe_load(labmod.render_inventory(lab, sys.executable, names=["node1", "node2"]))
+    inv["all"]["vars"]["ddpfab_setup"] = ["export SITE_FLAG=from-setup"]
+    path = tmp_path / "inventory.yml"
+    path.write_text(yaml.safe_dump(inv))
+    (tmp_path / "job.py").write_text(JOB)
+    return path
+
+
+def test_a_shell_that_is_rank_3_of_a_recorded_run(lab, setup_inventory, tmp_path):
+    run = ddpfab("run", "-i", str(setup_inventory), "--nproc-per-node", "2", "--run-id", "shell-run",
+                 "--no-check", "--env", "HF_TOKEN=hunter2", "job.py", cwd=tmp_path, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    plan = json.loads((tmp_path / "runs" / "shell-run" / "manifest.json").read_text())["plan"]
+    term = Terminal("shell", "--run-id", "shell-run", "--rank", "3", cwd=tmp_path)
+    term.expect(r"masked in the run's record\): HF_TOKEN", 60)
+    term.expect(r"\[ddpfab node2 rank 3\] \S+ \$ ", 60)
+    term.send('echo "R=$RANK L=$LOCAL_RANK W=$WORLD_SIZE G=$GROUP_RANK M=$MASTER_ADDR:$MASTER_PORT '
+              'F=$SITE_FLAG T=${HF_TOKEN-unset} P=$(pwd)"')
+    term.expect(rf"R=3 L=1 W=4 G=1 M={plan['master_addr']}:{plan['master_port']} F=from-setup T=unset "
+                rf"P={tmp_path}\r?\n")
+    term.send('python -c "import sys; print(\'py=\' + sys.executable)"; ls ~/.ddpfab/shell | wc -l')
+    term.expect(rf"py={sys.executable}\r?\n0\r?\n")  # the node's python first on PATH; no start file left
+    term.send("exit 0")
+    assert term.wait(30) == 0, term.text
+    # a masked value given again
+    term = Terminal("shell", "--run-id", "shell-run", "--rank", "0", "--env", "HF_TOKEN=hunter2", cwd=tmp_path)
+    term.expect(r"\[ddpfab node1 rank 0\] \S+ \$ ", 60)
+    term.send('echo "R=$RANK T=$HF_TOKEN"; exit 3')
+    term.expect(r"R=0 T=hunter2\r?\n")
+    assert term.wait(30) == 3
+    assert "masked" not in term.text
+    assert host_sh(lab, "node2", "ls -A ~/.ddpfab/shell").stdout == ""
+    wait_no_processes(lab, timeout=10)
+
+
+def test_a_shell_on_a_node_is_the_node_as_ddpfab_starts_things_there(lab, setup_inventory, tmp_path):
+    term = Terminal("shell", "-i", str(setup_inventory), "node1", cwd=tmp_path)
+    term.expect(r"\[ddpfab node1\] \S+ \$ ", 60)
+    term.send('echo "F=$SITE_FLAG R=${RANK-none} P=$(pwd)"; exit')
+    term.expect(rf"F=from-setup R=none P={tmp_path}\r?\n")
+    assert term.wait(30) == 0, term.text

@@ -1,0 +1,60 @@
+"""`ddpfab shell` without hosts: which node runs a rank, the rank's environment from a recorded
+plan (a masked value left out and named), and the start file the shell runs (run here by a real
+sh, with a stand-in HOME)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from ddpfab.hosts import inventory
+from ddpfab.launch import shell
+from ddpfab.masking import MASK
+from ddpfab.planning.plan import Facts, RunOptions, make_plan
+
+
+@pytest.fixture
+def plan():
+    cluster = inventory.load("a,b,c,")
+    options = RunOptions("t.py", nproc_per_node=2, env=(("HF_TOKEN", MASK), ("OMP_NUM_THREADS", "1")))
+    return make_plan(cluster, options, Facts({"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"}, 29500, "/w"))
+
+
+def test_each_rank_is_on_its_node_in_node_rank_order(plan):
+    assert [(n.name, local) for n, local in (shell.node_of_rank(plan, r) for r in range(6))] == [
+        ("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)]
+    with pytest.raises(ValueError, match=r"rank 6 is not in run run \(its ranks are 0-5\)"):
+        shell.node_of_rank(plan, 6)
+
+
+def test_a_ranks_environment_is_what_torchrun_gave_it_with_the_masked_values_named(plan):
+    env, masked = shell.rank_env(plan, 3)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"}
+    assert "HF_TOKEN" not in env and masked == ["HF_TOKEN"]
+    env, masked = shell.rank_env(plan, 3, {"HF_TOKEN": "hunter2"})
+    assert env["HF_TOKEN"] == "hunter2" and masked == []
+    assert "unset" not in (shell.masked_note(["A", "B"]) or "") and shell.masked_note([]) is None
+
+
+def test_the_start_file_removes_itself_then_sets_up_the_node_and_the_rank(plan, tmp_path):
+    node = inventory.Node("a", "10.0.0.1", setup=("export SITE=on",), python="/usr/bin/python3",
+                          python_from="inventory")
+    home = tmp_path / "home"
+    (home / ".ddpfab" / "shell").mkdir(parents=True)
+    path = "~/.ddpfab/shell/rc-1"
+    env = {"RANK": "3", "QUOTED": "a b'c $HOME"}
+    text = shell.start_file(node, str(tmp_path), env, "[ddpfab a rank 3] ", path)
+    (home / ".ddpfab" / "shell" / "rc-1").write_text(text)
+    out = subprocess.run(["sh", "-c", f'. "$HOME/.ddpfab/shell/rc-1"; echo "$SITE|$RANK|$QUOTED|$(pwd)|$PS1"; '
+                                      'echo "${PATH%%:*}"; ls -A "$HOME/.ddpfab/shell"'],
+                         env={"HOME": str(home), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"on|3|a b'c $HOME|{tmp_path}|[ddpfab a rank 3] ", "/usr/bin"]
+    assert text.splitlines()[0] == 'rm -f "$HOME/.ddpfab/shell/rc-1"'
+    assert "hunter2" not in shell.write_command(path) + shell.shell_command(path)  # only paths in command lines
+    assert shell.shell_command(path).count('"$HOME/.ddpfab/shell/rc-1"') == 2
