@@ -225,6 +225,7 @@ class Printer:
         self.verbose = verbose  # every line as it comes: nothing folded, nothing held
         self.held: dict[tuple[str, int | None], list[str]] = {}  # (node, local rank) -> an open traceback
         self.folded = 0  # lines folded (torchrun's failure reports, the tracebacks of ranks that lost a peer)
+        self.folded_kinds: set[Fold] = set()  # which of those
         self.noise_shown: set[int | None] = set()  # the known noise shown once already (cause.NOISE)
         if color is None:
             color = self.stream.isatty() and os.environ.get("NO_COLOR") is None
@@ -281,6 +282,7 @@ class Printer:
                 self._show(node, text)
         else:  # DROP, FOLD
             self.folded += len(self.held.pop(key, [])) + 1
+            self.folded_kinds.add(fold)
 
     def flush(self, node: str) -> None:
         """What is still held of *node*'s output (its stream ended inside a traceback): shown."""
@@ -291,8 +293,11 @@ class Printer:
     def folded_note(self) -> None:
         """One line saying what was folded, and where it is, when anything was."""
         if self.folded:
-            self.note(f"{self.folded} lines folded (torchrun's reports and notices, the tracebacks of ranks that "
-                      f"lost their peer): the node logs keep them (`ddpfab logs {self.run_id}`); --verbose shows them")
+            kinds = [what for fold, what in ((Fold.FOLD, "torchrun's reports and notices"),
+                                             (Fold.DROP, "the tracebacks of ranks that lost their peer"))
+                     if fold in self.folded_kinds]
+            self.note(f"{self.folded} lines folded ({', '.join(kinds)}): the node logs keep them "
+                      f"(`ddpfab logs {self.run_id}`); --verbose shows them")
 
     def _show(self, node: str, text: str) -> None:
         rank = None

@@ -161,6 +161,19 @@ def test_a_usage_error_is_quoted_and_ddpfabs_own_options_are_pointed_out():
     assert own_options_hint({"node1": execute.NodeOutcome("node1", 0, cause=other)}) == ""
 
 
+def test_the_folded_note_names_only_what_was_folded():
+    # a run that succeeded folds torchrun's notices, and no rank lost a peer: the note says so
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False)
+    r = CauseReader()
+    for line in ("", "*" * 41, "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default",
+                 "*" * 41, "[default0]:rank 0 up"):
+        printer.line("node1", line, *r.feed(line))
+    printer.folded_note()
+    note = out.getvalue().splitlines()[-1]
+    assert "lines folded (torchrun's reports and notices)" in note, note
+
+
 def test_the_printer_folds_victims_and_torchruns_reports_and_shows_noise_once():
     out = io.StringIO()
     printer = execute.Printer(plan3(), stream=out, color=False)
@@ -176,6 +189,7 @@ def test_the_printer_folds_victims_and_torchruns_reports_and_shows_noise_once():
     assert sum("[c10d] The hostname" in ln for ln in shown) == 1
     assert any("step 0 ok" in ln for ln in shown)
     assert "lines folded" in shown[-1] and "--verbose" in shown[-1]
+    assert "torchrun's reports" in shown[-1] and "lost their peer" in shown[-1]
     assert len(shown) <= 10, shown
     # --verbose: every line, in order
     out = io.StringIO()
