@@ -73,7 +73,7 @@ def _record(runs_dir: str, run_id: str) -> dict | None:
     plan = manifest.get("plan") if isinstance(manifest, dict) else None
     nodes = plan.get("nodes") if isinstance(plan, dict) else None
     ok = (is_run_id(manifest.get("run_id") if isinstance(manifest, dict) else None)
-          and isinstance(nodes, list)  # (so the plan is a dict)
+          and isinstance(plan, dict) and isinstance(nodes, list)
           and plan.get("run_id", manifest["run_id"]) == manifest["run_id"]  # (doctor writes under the plan's)
           and all(isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("remote_dir"), str)
                   for n in nodes)

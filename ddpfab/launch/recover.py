@@ -360,7 +360,8 @@ class Recovery:
                 nodes = nxt.nodes
 
     def run(self) -> int:
-        restart, lineage = 0, (self.root,)
+        restart = 0
+        lineage: tuple[str, ...] = (self.root,)
         nodes = self.cluster.nodes
         pending: NextSet | None = None
         failed_at: float | None = None

@@ -145,12 +145,12 @@ def check(manifest: dict, cluster: Cluster) -> list[str]:
                                 f"{code['tree_hash'][:12]} then, {now[:12]} now")
     elif manifest.get("script_sha256"):
         path = manifest.get("script_file")
-        now = file_sha256(path) if path else None
-        if now is None:
+        digest = file_sha256(path) if path else None
+        if digest is None:
             problems.append(f"the script {path} is gone")
-        elif now != manifest["script_sha256"]:
+        elif digest != manifest["script_sha256"]:
             problems.append(f"the code changed since the run: {path} sha256 was "
-                            f"{manifest['script_sha256'][:12]}, is {now[:12]}")
+                            f"{manifest['script_sha256'][:12]}, is {digest[:12]}")
     else:
         problems.append("the manifest records no code hash (neither code.tree_hash nor script_sha256): "
                         "cannot tell whether the code changed")
@@ -164,7 +164,7 @@ MANIFEST_KIND = "ddpfab-run-manifest"
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 #: RunOptions field -> (type, may be null), as recorded in ``manifest["options"]``.
-OPTION_FIELDS: dict[str, tuple[type, bool]] = {
+OPTION_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "script": (str, False), "args": (list, False), "nproc_per_node": ((int, str), True), "master_port": (int, True),
     "env": (list, False), "max_restarts": (int, False), "run_id": (str, False), "remote_runs_dir": (str, False),
     "socket_ifname": (str, True), "rdzv": (str, False), "launcher": (str, False), "init_method": (str, False),

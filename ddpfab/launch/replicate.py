@@ -29,6 +29,7 @@ from __future__ import annotations
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.node import treehash
@@ -256,7 +257,7 @@ def relay(copy: Copy, conns: dict, nodes: dict, workdirs: dict[str, str]) -> lis
     one per node that did not get it (none: every node has it, verified)."""
     started = time.monotonic()
     src = nodes[copy.source]
-    chans: dict[str, object] = {}
+    chans: dict[str, Any] = {}  # paramiko channels
     problems: list[Problem] = []
 
     def fail(name: str, why: str) -> None:

@@ -200,7 +200,7 @@ def located(name: str, found: dict) -> Located:
     name_ok = isinstance(path, str) and path.startswith("/") and \
         os.path.basename(path.rstrip("/")) not in ("", ".", "..", PARTIAL_DIR) and \
         not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in path)
-    if not name_ok or not isinstance(size, int) or isinstance(size, bool):
+    if not name_ok or not isinstance(path, str) or not isinstance(size, int) or isinstance(size, bool):
         raise FetchError(Problem(name, "locate", text=(
             f"host {name}: locate: the node answered path {nodeprog.printable(repr(path))[:200]}, bytes "
             f"{nodeprog.printable(repr(size))[:40]}; expected an absolute path ending in a name, and a "
