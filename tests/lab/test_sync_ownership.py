@@ -332,7 +332,8 @@ def _product_tmp_dirs() -> set[str]:
 def _start_slow_sync(lab, tmp_path, trainproj, workdir: str, *extra: str) -> tuple[subprocess.Popen, str, dict]:
     """A sync of a large file over shaped links, once its copy runs on the nodes; its control dir;
     what the controller's and the nodes' temp dirs held before it started."""
-    (trainproj / "weights.bin").write_bytes(os.urandom(12 * 2**20))  # ~12 s at 8 Mbit/s
+    # ~48 s at 8 Mbit/s: the copy is still running when the test signals, even on a loaded machine
+    (trainproj / "weights.bin").write_bytes(os.urandom(48 * 2**20))
     inv = write_inventory(lab, tmp_path / "inv.yml", workdir)
     tmpdir = tmp_path / "tmpdir"  # where ddpfab and its children put temp files by default: here, its own
     tmpdir.mkdir(exist_ok=True)
