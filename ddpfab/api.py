@@ -560,7 +560,7 @@ class Cluster:
             raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
                                    for p in problems]
                                   + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
-                                  + ["(skip syncing with --no-sync)"]) from None
+                                  + ["(skip syncing with --no-sync)"] * (not exc.stale)) from None
         self._say_left_out(result.left_out)
         return {**result.to_dict(), **({"keep": list(keep)} if keep else {})}
 

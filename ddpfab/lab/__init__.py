@@ -100,6 +100,8 @@ class Lab:
     gpus: int = 0
     #: ``up`` made DIR (it was not there): ``down`` removes it when nothing else is left in it
     made_dir: bool = False
+    #: the dir ``up`` ran in, which every host sees live (a bind mount, see :func:`live_dir`)
+    live: str | None = None
 
     # -- files ----------------------------------------------------------------------------
     @property
@@ -236,7 +238,7 @@ INIT_SCRIPT = """#!/bin/sh
 # PID 1 of lab host {name}: private hostname, system dirs, /run and /tmp, then sshd.
 set -e
 hostname {name}
-for d in {overlays}; do
+{live_stage}for d in {overlays}; do
   id=$(echo "$d" | tr / _)
   mount -t overlay "ddpfab-lab$id" -o "lowerdir=$d,upperdir={store}/upper$id,workdir={store}/work$id" "$d"
 done
@@ -257,7 +259,7 @@ mkdir -p /root/.cache
 mount -t tmpfs -o mode=700 ddpfab-lab-cache /root/.cache
 mount --bind {labdir}/hosts /etc/hosts
 mount --bind {root}/resolv.conf /etc/resolv.conf
-exec /usr/sbin/sshd -D -e -f {root}/sshd_config
+{live_mount}exec /usr/sbin/sshd -D -e -f {root}/sshd_config
 """
 
 SSHD_CONFIG = """ListenAddress {address}:22
@@ -336,7 +338,8 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
     if gpus < 0:
         raise LabError(f"--gpus must be 0 or more, got {gpus}")
     lab = Lab(dir=lab_dir, subnet=str(net), bridge=bridge, gateway=str(net[1]), store=str(STORE_ROOT / lid),
-              shares=tmp_shares([lab_dir, Path(python).parent.parent, Path.cwd(), *share]), gpus=gpus)
+              shares=tmp_shares([lab_dir, Path(python).parent.parent, Path.cwd(), *share]), gpus=gpus,
+              live=live_dir(Path.cwd()))
     lab.hosts = [LabHost(name=f"node{i}", address=str(net[HOST_OFFSET + i - 1]),
                          netns=f"ddpfab-{lid}-node{i}", veth=f"dfb{lid}n{i}")
                  for i in range(1, hosts + 1)]
@@ -376,6 +379,41 @@ def tmp_shares(paths: list[str | os.PathLike]) -> list[str]:
         found.append(p)
     outer = [p for p in found if not any(q != p and p.is_relative_to(q) for q in found)]
     return sorted({str(p) for p in outer})
+
+
+def live_dir(cwd: Path) -> str | None:
+    """The dir *cwd* if hosts must see it live, else None.
+
+    Hosts see the controller's system dirs and shares through overlays, and an overlay does not
+    notice a file replaced by rename in its lower dir (``sed -i``, most editors' save): the host
+    keeps the old file, and a run from there fails its tree check or runs old code. So the dir the
+    lab is brought up from, the user's project, is bind-mounted into every host as it is, the way
+    a shared home on NFS is: edits show at once, and what a job writes there lands here. Not a dir
+    the hosts' own setup writes in or mounts over (``/``, an overlaid dir itself, ``/root``, ``/tmp``,
+    anything in ``/etc`` or ``/usr``), and not a dir outside every overlay (``/work``: hosts see it
+    as it is)."""
+    p = Path(os.path.abspath(cwd))
+    covered = [Path(d) for d in (*OVERLAY_DIRS, PRIVATE_TMP)]
+    if not any(p.is_relative_to(d) for d in covered) or p.parts[1] in ("etc", "usr"):
+        return None  # not overlaid, or a system dir the lab writes in (its stand-in GPUs)
+    kept = [*covered, Path("/root/.cache"), Path("/root/.bashrc"), Path("/root/.profile"), STORE_ROOT,
+            *(Path(d) for d in TMPFS_DIRS)]
+    if len(p.parts) < 3 or any(k.is_relative_to(p) for k in kept):
+        return None
+    if any(c in str(p) for c in "\n\r"):
+        return None
+    return str(p)
+
+
+def _live_mounts(lab: Lab, store: Path) -> dict[str, str]:
+    """The init's lines for :attr:`Lab.live`: the real dir is staged before the overlays hide it,
+    and mounted back over the host's view at the end, after every other mount under it."""
+    if not lab.live:
+        return {"live_stage": "", "live_mount": ""}
+    q = shlex.quote
+    stage = f"{store}/live"
+    return {"live_stage": f"mkdir -p {q(stage)}\nmount --bind {q(lab.live)} {q(stage)}\n",
+            "live_mount": f"mkdir -p {q(lab.live)}\nmount --bind {q(stage)} {q(lab.live)}\numount -l {q(stage)}\n"}
 
 
 def _share_mounts(lab: Lab, store: Path) -> str:
@@ -448,7 +486,7 @@ def _write_client_files(lab: Lab, python: str) -> None:
         (root / "sshd_config").write_text(SSHD_CONFIG.format(address=h.address, root=root, labdir=d))
         (root / "init.sh").write_text(INIT_SCRIPT.format(
             name=h.name, root=root, labdir=d, store=store, overlays=" ".join(OVERLAY_DIRS), tmpfs=" ".join(TMPFS_DIRS),
-            share_mounts=_share_mounts(lab, store)))
+            share_mounts=_share_mounts(lab, store), **_live_mounts(lab, store)))
         ktype, kdata = Path(f"{hostkey}.pub").read_text().split()[:2]
         known.append(f"{h.address},{h.name} {ktype} {kdata}")
         ssh_cfg.append(
@@ -575,7 +613,7 @@ def down(lab_dir: str | os.PathLike) -> bool:
         except OSError:
             pass
     shutil.rmtree(lab_dir / "nodes", ignore_errors=True)
-    if lab.store:
+    if lab.store and not (Path(lab.store) / "live").is_mount():  # the user's live dir: never followed into
         shutil.rmtree(lab.store, ignore_errors=True)
         if STORE_ROOT.is_dir() and not any(STORE_ROOT.iterdir()):
             STORE_ROOT.rmdir()

@@ -100,6 +100,13 @@ class SyncError(DdpfabError):
         nodes = self.result.nodes.values() if self.result else ()
         return [r.name for r in nodes if r.state == treehash.NOT_OURS]
 
+    @property
+    def stale(self) -> list[str]:
+        """The nodes that see this very directory (shared) with other contents: skipping the sync
+        would run the old code there."""
+        nodes = self.result.nodes.values() if self.result else ()
+        return [r.name for r in nodes if r.source == "shared" and not r.ok]
+
 
 # -- results -----------------------------------------------------------------------------------
 @dataclass
@@ -817,6 +824,14 @@ class _Sync:
         except (SyncError, OSError, KeyError):
             ours = theirs = None
             diffs = []
+        if t.shared:
+            return self.fail(t, (
+                f"host {t.node.name}: {t.rec.workdir} is this very directory (a shared filesystem), but the node "
+                "reads other contents" + (f" ({', '.join(diffs)})" if diffs else "") + ": its view lags this "
+                "machine's. Nothing is copied to a shared directory, and --no-sync would run the old code there: "
+                "run again in a moment (NFS revalidates its cache within seconds). On a `ddpfab lab` host, a dir "
+                "given to `lab up --share` keeps a file replaced by rename (`sed -i`, an editor's save) stale: "
+                "bring the lab up from the project's directory, which its hosts see live"))
         skipped = same_size_differences(ours, theirs) if ours is not None and theirs is not None else []
         if (skipped and t.rec.copied is not None and not t.resent
                 and not (t.shared or self.checksum or self.verify_only or self.dry_run)):
