@@ -5,7 +5,8 @@
     result = cluster.run("train.py", ["--epochs", "1"], nproc_per_node=2)
     print(result.exit_code, result.manifest)
 
-``check``, ``sync``, ``exec``, ``plan`` and ``run`` are what ``ddpfab check|sync|exec|plan|run`` do,
+``check``, ``sync``, ``exec``, ``fetch``, ``doctor``, ``plan`` and ``run`` are what ``ddpfab
+check|sync|exec|fetch|doctor|plan|run`` do,
 with the command line's options under their Python names (:class:`Options`; the CLI builds the
 same object from its arguments and calls these). Fabric's ``Group`` and torchrunx's ``launch`` are
 the models: a small surface over the library, every decision made where the library makes it.
@@ -211,6 +212,7 @@ class RunOutcome:
             or a run with restarts, whose attempts are in the manifest's ``recovery``).
         manifest: the path of the run record, `RUNS_DIR/RUN_ID/manifest.json` (None for a dry run).
         summary: the one-line summary printed at the end.
+        failed_node: the node whose failure ended the run (the first to fail on its own), if known.
     """
 
     run_id: str
@@ -219,6 +221,74 @@ class RunOutcome:
     outcomes: dict[str, Any] = field(default_factory=dict)
     manifest: Path | None = None
     summary: str = ""
+    failed_node: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every rank succeeded (a dry run, a detached start: it started)."""
+        return self.exit_code == 0
+
+    @property
+    def problems(self) -> list[Problem]:
+        """The run's failure, about the node that failed on its own (the closing line's words)."""
+        if self.ok:
+            return []
+        return [Problem(self.failed_node, "run", text=self.summary or f"run {self.run_id}: exit code {self.exit_code}")]
+
+
+@dataclass
+class Fetched:
+    """What :meth:`Cluster.fetch` copied.
+
+    Args:
+        node: the node it came from.
+        path: its path there (absolute).
+        local: where it is here.
+        kind: ``file`` or ``dir``.
+        files: how many files.
+        size: how many bytes.
+    """
+
+    node: str
+    path: str
+    local: str
+    kind: str
+    files: int
+    size: int
+    #: a fetch that returns has copied everything (a failure raises :class:`FetchError`)
+    ok: bool = True
+    problems: list[Problem] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    """What :meth:`Cluster.doctor` found.
+
+    Args:
+        run_id: the run diagnosed (with restarts: its latest attempt).
+        lines: the verdict, then each group of ranks with its stack, as ``ddpfab doctor`` prints it.
+        hung: the ranks are alive and none has moved: a hang.
+        ended: the job has ended on every node (nothing to diagnose).
+        odd: the odd ones out (``node``, ``what``, ``text``, and what more each kind says).
+        record: the doctor's record, ``RUNS_DIR/RUN_ID/doctor-TIME.json``.
+    """
+
+    run_id: str
+    lines: list[str]
+    hung: bool
+    ended: bool
+    odd: list[dict]
+    record: Path | None
+
+    @property
+    def ok(self) -> bool:
+        """No rank or node is an odd one out."""
+        return not self.odd
+
+    @property
+    def problems(self) -> list[Problem]:
+        """Each odd one out, about its node."""
+        return [Problem(o.get("node"), f"doctor.{o.get('what')}", text=str(o.get("text"))) for o in self.odd]
 
 
 class Cluster:
@@ -360,6 +430,66 @@ class Cluster:
 
         return GroupResult(exec_all(chosen, command, self.policy, self.ssh_config, printer, timeout))
 
+    def fetch(self, remote_path: str, local_dir: str | os.PathLike = ".", *, node: str | None = None,
+              rank: int | None = None, overwrite: bool = False) -> Fetched:
+        """``ddpfab fetch``: copy *remote_path* (relative to the node's workdir, or absolute inside
+        it or its run dirs) from *node* (or node rank *rank*; default: rank 0) into *local_dir*.
+
+        Raises:
+            FetchError: a bad choice or path (nothing contacted), or the copy failed (``.code``: the
+                exit code the command line gives).
+        """
+        # the SSH stack: see LAZY above
+        from ddpfab.transfer.fetch import check_local_dir, fetch, pick_node
+
+        chosen = pick_node(self.parsed, node, rank)
+        check_local_dir(local_dir)
+        got = fetch(chosen, remote_path, local_dir, self.policy, ssh_config=self.ssh_config, overwrite=overwrite)
+        return Fetched(got["node"], got["path"], got["local"], got["kind"], got["files"], got["bytes"])
+
+    def doctor(self, run_id: str, *, runs_dir: str | os.PathLike | None = None,
+               timeout: float | None = None) -> Diagnosis:
+        """``ddpfab doctor RUN_ID``: every rank's state and stack on this cluster's nodes, the odd
+        ones out named; the record written under ``RUNS_DIR/RUN_ID``.
+
+        Args:
+            run_id: a run started from here (its record in *runs_dir*; with restarts, its latest
+                attempt is diagnosed).
+            runs_dir: where the run records are (default: as the command line's ``--runs-dir``).
+            timeout: seconds each node gets to answer.
+
+        Raises:
+            RunRecordError: no record of *run_id* in *runs_dir*, or one that is not a run record.
+        """
+        # the SSH stack: see LAZY above
+        from ddpfab.health import doctor as doctormod
+        from ddpfab.launch.recover import current_manifest
+        from ddpfab.launch.runs import RunRecordError, read_record, record_plan
+        from ddpfab.problems import NodeError
+        from ddpfab.remote import nodeprogram, ssh
+
+        root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
+        manifest = current_manifest(root, read_record(root, run_id))
+        if manifest is None:
+            raise RunRecordError(f"no local record of run {run_id} in {root}")
+        plan = record_plan(manifest, root, "doctor")
+        hosts = {n.name: n for n in self.parsed.nodes}
+
+        def call(node, request: dict, wait: float) -> dict:
+            # one connection per node, its own: a node that cannot be reached is one answer among the others
+            if node.name not in hosts:
+                raise NodeError(node.name, f"host {node.name}: not in the inventory given", "doctor",
+                                found="not in the inventory given")
+            conn = ssh.connect(hosts[node.name], self.policy, self.ssh_config)
+            try:
+                return nodeprogram.call(conn, node, request, timeout=wait)[0].value(node.name)
+            finally:
+                conn.close()
+
+        verdict, path = doctormod.diagnose(plan, call, Path(root) / plan.run_id,
+                                           timeout=timeout or doctormod.NODE_TIMEOUT_S)
+        return Diagnosis(plan.run_id, doctormod.render(verdict), verdict.hung, verdict.ended, verdict.odd, path)
+
     # -- plan and run -----------------------------------------------------------------------
     def plan(self, script: str, args: Iterable[str] = (), options: Options | None = None, **given: Any) -> Plan:
         """``ddpfab plan``: the plan ``run`` would make (probing the nodes for a free port and the
@@ -454,7 +584,7 @@ class Cluster:
             prepared.close()
             self._say_where_rank0_is(prepared.plan)
         return RunOutcome(prepared.plan.run_id, result.exit_code, prepared.plan, dict(result.outcomes), path,
-                          result.summary)
+                          result.summary, result.first_failure)
 
     def prepare(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options):
         """One attempt's start: connect, sync the code (unless ``sync=False`` or a dry run), probe,
@@ -556,7 +686,7 @@ class Cluster:
         except syncmod.SyncError as exc:
             self._say_left_out(exc.result.left_out if exc.result else [])
             # per node as problems (a restart leaves out the node they name) when sync got that far
-            problems = exc.result.problems() if exc.result else exc.problems
+            problems = exc.result.problems if exc.result else exc.problems
             raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
                                    for p in problems]
                                   + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)

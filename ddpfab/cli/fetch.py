@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpfab.cli.common import add_cluster_args, load_cluster
+from ddpfab.cli.common import add_cluster_args, api_cluster
 from ddpfab.cli.errors import EXIT_SIGINT, die
 from ddpfab.hosts import inventory
-from ddpfab.transfer.fetch import FetchError, check_local_dir, pick_node
+from ddpfab.transfer.fetch import FetchError
 
 
 def register(subparsers) -> None:
@@ -30,26 +30,17 @@ def register(subparsers) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote import ssh
-    from ddpfab.transfer.fetch import fetch
-
-    try:
-        cluster = load_cluster(args)  # --limit and -e as every command: --rank counts the nodes they leave
-        node = pick_node(cluster, args.node, args.rank)
-        check_local_dir(args.local_dir)
-    except (inventory.InventoryError, FetchError) as exc:
+    try:  # --limit and -e as every command: --rank counts the nodes they leave
+        got = api_cluster(args).fetch(args.remote_path, args.local_dir, node=args.node, rank=args.rank,
+                                      overwrite=args.overwrite)
+    except inventory.InventoryError as exc:
         return die(exc)  # nothing was contacted
-    try:
-        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys)
-        got = fetch(node, args.remote_path, args.local_dir, policy, ssh_config=args.ssh_config,
-                    overwrite=args.overwrite)
     except FetchError as exc:
         return die(exc, exc.code)
     except KeyboardInterrupt:
         sys.stderr.write("ddpfab: fetch interrupted\n")
         return EXIT_SIGINT
-    size = f"{got['bytes'] / 1e6:.1f} MB" if got["bytes"] >= 1e5 else f"{got['bytes']} bytes"
-    what = f"{got['files']} files, {size}" if got["kind"] == "dir" else size
-    print(f"fetched {got['node']}:{got['path']} -> {got['local']} ({what})")
+    size = f"{got.size / 1e6:.1f} MB" if got.size >= 1e5 else f"{got.size} bytes"
+    what = f"{got.files} files, {size}" if got.kind == "dir" else size
+    print(f"fetched {got.node}:{got.path} -> {got.local} ({what})")
     return 0

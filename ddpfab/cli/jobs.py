@@ -14,8 +14,9 @@ from ddpfab.cli.common import add_runs_dir_arg, run_id_type
 from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
-from ddpfab.planning.plan import Plan, is_run_id
-from ddpfab.problems import DdpfabError, NodeError, Problem
+from ddpfab.launch.runs import RunRecordError, read_record, record_plan
+from ddpfab.planning.plan import Plan
+from ddpfab.problems import NodeError, Problem
 from ddpfab.results import GroupResult
 
 
@@ -48,41 +49,6 @@ def _cluster(args, manifest: dict | None):
     for line in cluster.warnings:
         warn(line)
     return cluster
-
-
-class RunRecordError(DdpfabError):
-    """A local run record that cannot be read as one; the message names the file and the fix."""
-
-    check = "record"
-
-
-def _record(runs_dir: str, run_id: str) -> dict | None:
-    """runs/<run_id>/manifest.json (None when there is none), checked as data before anything
-    reads it: an object with the run's id and a plan whose nodes have names and remote dirs."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.jobs import _load_manifest
-
-    where = Path(runs_dir) / run_id / "manifest.json"
-    try:
-        manifest = _load_manifest(runs_dir, run_id)
-    except (OSError, ValueError) as exc:
-        raise RunRecordError(f"{where} cannot be read as a run record ({type(exc).__name__}); move it out of "
-                          f"{runs_dir} (then -i INVENTORY names the nodes)") from None
-    if manifest is None:
-        return None
-    plan = manifest.get("plan") if isinstance(manifest, dict) else None
-    nodes = plan.get("nodes") if isinstance(plan, dict) else None
-    ok = (is_run_id(manifest.get("run_id") if isinstance(manifest, dict) else None)
-          and isinstance(plan, dict) and isinstance(nodes, list)
-          and plan.get("run_id", manifest["run_id"]) == manifest["run_id"]  # (doctor writes under the plan's)
-          and all(isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("remote_dir"), str)
-                  for n in nodes)
-          and all(isinstance(plan.get(k), (str, type(None))) for k in ("inventory", "group")))
-    if not ok:
-        raise RunRecordError(f"{where} is not a ddpfab run record (expected an object with run_id and a plan whose "
-                          "nodes have a name and remote_dir); move it out of "
-                          f"{runs_dir} (then -i INVENTORY names the nodes)")
-    return manifest
 
 
 def _latest(args, manifest: dict | None) -> dict | None:
@@ -200,12 +166,7 @@ def register(sub) -> None:
 
 
 def _plan_of(args, manifest: dict) -> Plan:
-    """A run record's plan, read back as data (checked, never trusted)."""
-    try:
-        return Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
-    except (KeyError, TypeError, ValueError):
-        raise RunRecordError(f"{Path(args.runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
-                          f"back; {args.command} needs the record of a run this ddpfab started") from None
+    return record_plan(manifest, args.runs_dir, args.command)
 
 
 def _guard(fn):
@@ -253,7 +214,7 @@ def cmd_ps(args) -> int:
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
         try:
-            local = _record(args.runs_dir, r["run_id"]) or {}
+            local = read_record(args.runs_dir, r["run_id"]) or {}
         except RunRecordError as exc:  # the nodes' listing stands without it
             warn(str(exc))
             local = {}
@@ -342,7 +303,7 @@ def cmd_stop(args) -> int:
     supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
     if supervisor:
         print(f"controller: {supervisor}")
-    root = _record(args.runs_dir, args.run_id)
+    root = read_record(args.runs_dir, args.run_id)
     manifest = _latest(args, root)
     run_id = (manifest or {}).get("run_id", args.run_id)
     cluster = _cluster(args, manifest)
@@ -368,7 +329,7 @@ def cmd_attach(args) -> int:
     from ddpfab.launch.execute import Printer
     from ddpfab.launch.jobs import attach_end, attach_story, ended_outcomes, exit_races_of, follow_all
 
-    manifest = _record(args.runs_dir, args.run_id)
+    manifest = read_record(args.runs_dir, args.run_id)
     if manifest is None:
         return die(f"no local record of run {args.run_id} in {args.runs_dir}; "
                    "attach from the machine (and --runs-dir) that started it")
@@ -431,39 +392,22 @@ def _hang_watch(args, manifest: dict, plan: Plan, conns: dict, printer):
 @_guard
 def cmd_doctor(args) -> int:
     """Every rank's state and stack, grouped; the verdict on top; the record in runs/<id>/."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.health import doctor
-    from ddpfab.remote import ssh
+    from ddpfab.api import Cluster
 
     if not args.timeout > 0:
         return die(f"--timeout {args.timeout:g}: expected a number of seconds > 0")
-    manifest = _latest(args, _record(args.runs_dir, args.run_id))
+    manifest = _latest(args, read_record(args.runs_dir, args.run_id))
     if manifest is None:
         return _doctor_without_record(args)
-    plan = _plan_of(args, manifest)
-    cluster = _cluster(args, manifest)
-    hosts = {n.name: n for n in cluster.nodes}
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
-
-    def call(node, request: dict, timeout: float) -> dict:
-        # one connection per node, its own: a node that cannot be reached is one answer among the others
-        if node.name not in hosts:
-            raise NodeError(node.name, f"host {node.name}: not in the inventory given", "doctor",
-                            found="not in the inventory given")
-        conn = ssh.connect(hosts[node.name], policy, args.ssh_config)
-        try:
-            return nodeprog.call(conn, node, request, timeout=timeout)[0].value(node.name)
-        finally:
-            conn.close()
-
-    verdict, path = doctor.diagnose(plan, call, Path(args.runs_dir) / plan.run_id, timeout=args.timeout)
+    cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    found = cluster.doctor(args.run_id, runs_dir=args.runs_dir, timeout=args.timeout)
     if args.json:
-        print(path.read_text() if path else json.dumps({"verdict": verdict.lines}))
+        print(found.record.read_text() if found.record else json.dumps({"verdict": found.lines}))
     else:
-        for line in doctor.render(verdict):
+        for line in found.lines:
             print(line)
-        print(f"record: {path}")
-    return EXIT_FAILED if verdict.odd else 0
+        print(f"record: {found.record}")
+    return 0 if found.ok else EXIT_FAILED
 
 
 def _doctor_without_record(args) -> int:
@@ -520,7 +464,7 @@ def cmd_logs(args) -> int:
     from ddpfab.launch.recover import attempt_manifests
     from ddpfab.launch.runner import RunError
 
-    root = _record(args.runs_dir, args.run_id)
+    root = read_record(args.runs_dir, args.run_id)
     bad = 0
     for manifest in attempt_manifests(args.runs_dir, root) if root else [None]:
         run_id = manifest["run_id"] if manifest else args.run_id
@@ -581,7 +525,7 @@ def cmd_debug(args) -> int:
     from ddpfab.launch.shell import node_of_rank
     from ddpfab.remote import ssh
 
-    manifest = _latest(args, _record(args.runs_dir, args.run_id))
+    manifest = _latest(args, read_record(args.runs_dir, args.run_id))
     if manifest is None:
         return die(f"no local record of run {args.run_id} in {args.runs_dir}; debug from the machine (and "
                    "--runs-dir) that started it")
@@ -626,7 +570,7 @@ def cmd_shell(args) -> int:
         return die(str(exc))
     plan = manifest = None
     if args.run_id is not None:
-        manifest = _latest(args, _record(args.runs_dir, args.run_id))
+        manifest = _latest(args, read_record(args.runs_dir, args.run_id))
         if manifest is None:
             return die(f"no local record of run {args.run_id} in {args.runs_dir}")
         plan = _plan_of(args, manifest)

@@ -73,7 +73,7 @@ def print_dry_run(result: SyncResult, out) -> None:
 
 def _write_json(result, out) -> None:
     """The result as JSON, with ``problems``: each node that did not sync, as a problem record."""
-    data = {**result.to_dict(), "problems": [p.to_dict() for p in result.problems()]}
+    data = {**result.to_dict(), "problems": [p.to_dict() for p in result.problems]}
     out.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 

@@ -86,11 +86,21 @@ class Report:
     def failures(self) -> list[CheckResult]:
         return [r for r in self.results if r.status == "fail"]
 
+    @property
+    def ok(self) -> bool:
+        """No check failed (warnings allowed): the nodes are ready."""
+        return not self.failures
+
+    @property
+    def problems(self) -> list[Problem]:
+        """Each failure as a problem (node, expected, found, fix)."""
+        return [r.problem() for r in self.failures]
+
     def to_dict(self) -> dict:
         """The report as JSON data; ``problems``: every failure as a problem record."""
-        return {"ok": not self.failures, "seconds": round(self.seconds, 3), "nodes": self.nodes,
+        return {"ok": self.ok, "seconds": round(self.seconds, 3), "nodes": self.nodes,
                 "results": [asdict(r) for r in self.results],
-                "problems": [r.problem().to_dict() for r in self.failures], **self.extra}
+                "problems": [p.to_dict() for p in self.problems], **self.extra}
 
 
 # -- evaluation (pure) -------------------------------------------------------------------

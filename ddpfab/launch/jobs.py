@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import tarfile
 import threading
 import time
@@ -72,16 +71,6 @@ def node_state_text(state: dict) -> str:
 
 def _is_int_or_none(value) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool))
-
-
-def _load_manifest(runs_dir: str, run_id: str) -> dict | None:
-    path = Path(runs_dir) / run_id / "manifest.json"
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    if data is None:  # a file that holds `null` is a broken record, not a missing one
-        raise ValueError(f"{path}: null")
-    return data
 
 
 def _remote_dir(node_name: str, manifest: dict | None, run_id: str) -> str:

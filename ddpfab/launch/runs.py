@@ -18,9 +18,67 @@ from typing import Any
 from ddpfab.version import __version__
 from ddpfab import masking
 from ddpfab.hosts import inventory
+from ddpfab.planning.plan import Plan, is_run_id
+from ddpfab.problems import DdpfabError
 
 #: The masking rule lives in :mod:`ddpfab.masking` (re-exported here for the run record's users).
 SECRET_KEY, MASK = masking.SECRET_KEY, masking.MASK
+
+
+class RunRecordError(DdpfabError):
+    """A local run record that cannot be read as one; the message names the file and the fix."""
+
+    check = "record"
+
+
+def load_manifest(runs_dir: str | os.PathLike, run_id: str) -> dict | None:
+    """``RUNS_DIR/RUN_ID/manifest.json`` as JSON, unchecked (None when there is none)."""
+    path = Path(runs_dir) / run_id / "manifest.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data is None:  # a file that holds `null` is a broken record, not a missing one
+        raise ValueError(f"{path}: null")
+    return data
+
+
+def read_record(runs_dir: str | os.PathLike, run_id: str) -> dict | None:
+    """``RUNS_DIR/RUN_ID/manifest.json`` (None when there is none), checked as data before anything
+    reads it: an object with the run's id and a plan whose nodes have names and remote dirs.
+
+    Raises:
+        RunRecordError: the file is there but is no run record (the message names it and the fix).
+    """
+    where = Path(runs_dir) / run_id / "manifest.json"
+    try:
+        manifest = load_manifest(runs_dir, run_id)
+    except (OSError, ValueError) as exc:
+        raise RunRecordError(f"{where} cannot be read as a run record ({type(exc).__name__}); move it out of "
+                             f"{runs_dir} (then -i INVENTORY names the nodes)") from None
+    if manifest is None:
+        return None
+    plan = manifest.get("plan") if isinstance(manifest, dict) else None
+    nodes = plan.get("nodes") if isinstance(plan, dict) else None
+    ok = (is_run_id(manifest.get("run_id") if isinstance(manifest, dict) else None)
+          and isinstance(plan, dict) and isinstance(nodes, list)
+          and plan.get("run_id", manifest["run_id"]) == manifest["run_id"]  # (doctor writes under the plan's)
+          and all(isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("remote_dir"), str)
+                  for n in nodes)
+          and all(isinstance(plan.get(k), (str, type(None))) for k in ("inventory", "group")))
+    if not ok:
+        raise RunRecordError(f"{where} is not a ddpfab run record (expected an object with run_id and a plan whose "
+                             "nodes have a name and remote_dir); move it out of "
+                             f"{runs_dir} (then -i INVENTORY names the nodes)")
+    return manifest
+
+
+def record_plan(manifest: dict, runs_dir: str | os.PathLike, command: str) -> Plan:
+    """A run record's plan, read back as data (checked, never trusted); *command* names what needs it."""
+    try:
+        return Plan.from_dict(manifest["plan"], legacy=manifest.get("schema_version") == 2)
+    except (KeyError, TypeError, ValueError):
+        raise RunRecordError(f"{Path(runs_dir) / manifest['run_id']}/manifest.json: its plan cannot be read "
+                             f"back; {command} needs the record of a run this ddpfab started") from None
 
 
 def new_run_id() -> str:

@@ -41,6 +41,18 @@ class HostResult:
             return UNREACHABLE
         return self.exit_code
 
+    @property
+    def ok(self) -> bool:
+        """The command ran there and exited 0."""
+        return self.code == 0
+
+    @property
+    def problem(self) -> str:
+        """Why it is not :attr:`ok`, in a sentence naming the host ("" when it is)."""
+        if self.error is not None:
+            return f"host {self.name}: {self.error}"
+        return "" if self.ok else f"host {self.name}: exit code {self.code}"
+
 
 class LinePrinter:
     """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""

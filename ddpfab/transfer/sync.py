@@ -196,6 +196,7 @@ class SyncResult:
         out["nodes"] = {k: asdict(v) for k, v in self.nodes.items()}
         return out
 
+    @property
     def problems(self) -> list[Problem]:
         """Every node that did not sync, as a problem (a workdir refused as not ddpfab's names
         ``--adopt`` as its fix)."""
@@ -1142,7 +1143,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
         result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
         if job.refused:
             result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
-            raise SyncError(result.problems(), result, code=BUSY)
+            raise SyncError(result.problems, result, code=BUSY)
         ready = [t for t in job.targets.values() if t.ready]
         only_verify = [] if dry_run else ready if verify_only else [t for t in ready if t.shared]
         to_copy = [] if verify_only else [t for t in ready if not t.shared]
@@ -1171,7 +1172,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
     result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
     result.notes = job.notes
     result.duration_s = round(time.monotonic() - started, 3)
-    problems = result.problems()
+    problems = result.problems
     if problems:
         raise SyncError(problems, result)
     return result

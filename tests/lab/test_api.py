@@ -40,11 +40,21 @@ def test_the_readme_api_example_runs_a_two_node_job_and_returns_its_result(lab, 
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "NO_COLOR": "1"})
     assert res.returncode == 0, res.stdout + res.stderr
-    # the example's last line: exit code, the nodes with an outcome, the manifest's path
-    exit_code, rest = res.stdout.splitlines()[-1].split(" ", 1)
+    # the example's last three lines: the run (ok, the nodes with an outcome, the manifest's path),
+    # what fetch copied (rank 1's node's run dir), the doctor's verdict on the ended job
+    ran, fetched, verdict = res.stdout.splitlines()[-3:]
+    ok, rest = ran.split(" ", 1)
     nodes_text, manifest = rest.rsplit("] ", 1)
-    assert int(exit_code) == 0
+    assert ok == "True"
     assert ast.literal_eval(nodes_text + "]") == ["node1", "node2"]
+    run_id = json.loads((tmp_path / manifest).read_text())["run_id"]
+    local, files = fetched.rsplit(" ", 1)
+    assert local == str(tmp_path / "node-logs" / run_id) and int(files) >= 3, fetched
+    # the node's own record of its part: node2 (node rank 1) ran global ranks 2 and 3
+    assert json.loads((tmp_path / "node-logs" / run_id / "result.json").read_text())["exit_code"] == 0
+    assert "rank 3 done" in (tmp_path / "node-logs" / run_id / "output.log").read_text()
+    assert verdict.startswith("the job has ended on every node") and "node1, node2 exit code 0" in verdict, verdict
+    assert list((tmp_path / "runs" / run_id).glob("doctor-*.json")), "the doctor's record is kept with the run"
     record = json.loads((tmp_path / manifest).read_text())
     assert record["state"] == "succeeded" and record["exit_code"] == 0
     assert {n: v["exit_code"] for n, v in record["nodes"].items()} == {"node1": 0, "node2": 0}

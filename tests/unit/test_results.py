@@ -117,3 +117,30 @@ def test_json_problems_are_records_and_a_line_of_text_is_about_no_one_node(capsy
         Problem("node10", "script", "train.py in /w", "missing", "sync the code first",
                 text="host node10: script: expected train.py in /w, found missing; sync the code first"),
         Problem(None, "run", text="sync: host node1: rsync failed")]
+
+
+def test_every_result_says_ok_and_its_problems_about_the_nodes():
+    """One success test for every result the API returns: ``.ok``, and ``.problems`` naming nodes."""
+    from ddpfab.api import Diagnosis, RunOutcome
+    from ddpfab.problems import DdpfabError
+    from ddpfab.remote.output import HostResult
+
+    # exec: a host that exited non-zero and one that could not be reached are problems, by host
+    ran = GroupResult({"a": HostResult("a", 0), "b": HostResult("b", 3),
+                       "c": DdpfabError(Problem("c", "ssh", text="host c: connection refused"))})
+    assert not ran.ok and [(p.node, p.check) for p in ran.problems] == [("b", "exit"), ("c", "ssh")]
+    assert str(ran.problems[0]) == "host b: exit code 3"
+    assert GroupResult({"a": HostResult("a", 0)}).ok and GroupResult({"a": 7}).ok  # values without `ok`
+    assert GroupResult({"a": RuntimeError("x")}).problems == [Problem("a", "error", text="host a: x")]
+    # check: its failures, warnings allowed
+    report = check.Report(["n1", "n2"], [check.CheckResult("n1", "ssh", "pass"),
+                                         check.CheckResult("n2", "torch", "fail", expected="2.13", found="none")])
+    assert not report.ok and [p.node for p in report.problems] == ["n2"]
+    assert report.to_dict()["ok"] is False and report.to_dict()["problems"][0]["node"] == "n2"
+    # run: the failure is about the node that failed on its own, in the closing line's words
+    failed = RunOutcome("r", 1, None, summary="failed: node2 (node_rank 1) exit code 1", failed_node="node2")
+    assert not failed.ok and failed.problems == [Problem("node2", "run", text=failed.summary)]
+    assert RunOutcome("r", 0, None).ok and RunOutcome("r", 0, None).problems == []
+    # doctor: the odd ones out
+    found = Diagnosis("r", ["a hang"], True, False, [{"node": "n3", "what": "gone", "text": "n3 rank 5 is gone"}], None)
+    assert not found.ok and found.problems == [Problem("n3", "doctor.gone", text="n3 rank 5 is gone")]

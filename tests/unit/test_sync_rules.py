@@ -363,7 +363,7 @@ def test_the_nodes_refused_as_not_ours_are_data_on_the_sync_error():
     assert sync.SyncError(["host node10: ..."], result).not_ours == ["node10"]
     assert sync.SyncError(["host node1: refusing to sync: ..."]).not_ours == []
     result.nodes["node1"].ok, result.nodes["node10"].error = True, "host node10: probe: refusing to sync ..."
-    [problem] = result.problems()  # what sync --json reports
+    [problem] = result.problems  # what sync --json reports
     assert (problem.node, problem.check, problem.fix, str(problem)) == (
         "node10", "workdir", "ddpfab sync --adopt", "host node10: probe: refusing to sync ...")
 
