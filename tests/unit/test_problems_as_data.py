@@ -147,6 +147,14 @@ class _TextDecisions(ast.NodeVisitor):
         self._iterates_messages(node.target, node.iter)
         self.generic_visit(node)
 
+    def _scoped(self, node: ast.AST) -> None:
+        # a comprehension's names are its own: `[p.to_dict() for p in problems]` taints no later `p`
+        self.tainted.append(set(self.tainted[-1]))
+        self.generic_visit(node)
+        self.tainted.pop()
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _scoped
+
     def visit_comprehension(self, node: ast.comprehension) -> None:
         self._iterates_messages(node.target, node.iter)
         for cond in node.ifs:
@@ -201,6 +209,7 @@ def test_the_scan_finds_a_decision_by_text(source):
     "try:\n    f()\nexcept MyError as exc:\n    hosts = {p.node for p in exc.problems if p.node is not None}\n",
     "try:\n    f()\nexcept MyError as exc:\n    if exc.kind == 'busy':\n        pass\n",
     "if problem is None:\n    pass\n",
+    "out = [p.to_dict() for p in self.problems]\nfor p in probes:\n    if p['result'] == 'ok':\n        pass\n",
 ])
 def test_the_scan_lets_printing_and_data_fields_pass(source):
     assert not text_decisions(source), source
