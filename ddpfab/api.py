@@ -80,6 +80,8 @@ class Options:
         on_hang: ``report`` (the doctor's verdict, then keep waiting) or ``stop`` (end the job: exit 124).
         pdb: ranks whose ``breakpoint()`` and uncaught exceptions wait in pdb, driven from this
             process's stdin and stdout (``"all"``, or ranks and ranges: ``"5"``, ``"0,3-4"``); "": none.
+        debugpy: ranks that wait for a DAP client (VS Code) before the script runs, each forwarded
+            to a port on this machine's loopback (spelled as *pdb*); "": none.
         env: environment for every rank: a mapping, or ``K=V`` strings (a bare ``KEY`` takes this
             process's value), over the env files and the forwarded variables.
         env_file: files of ``KEY=VALUE`` lines for every rank (``env`` wins over them).
@@ -129,6 +131,7 @@ class Options:
     hang_timeout: float = planmod.HANG_TIMEOUT_S
     on_hang: str = "report"
     pdb: str = ""
+    debugpy: str = ""
     env: Mapping[str, str] | tuple[str, ...] = ()
     env_file: tuple[str, ...] = ()
     forward_env: bool = True
@@ -527,6 +530,11 @@ class Cluster:
         if opts.wait and opts.detach:
             raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
                             "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
+        if opts.pdb and opts.debugpy:
+            raise PlanError("--pdb with --debugpy: a rank is debugged one way; pick one (--debugpy: from VS Code)")
+        if opts.debugpy and opts.detach:
+            raise PlanError("--debugpy with --detach: the ports reach the nodes over this run's connections; "
+                            "run it attached")
         if opts.pdb and not opts.dry_run and not opts.detach and not stdin_usable():
             raise PlanError("--pdb needs an input to drive the debugger from (stdin is /dev/null or closed); "
                             "run it from a terminal")
@@ -766,7 +774,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
         local_rank_arg=local_rank_arg, module=module, secret_env=tuple(opts.secret_env),
         script_local_rank=to_script, gpus_per_node=opts.gpus_per_node, wait=opts.wait,
         exit_guard=opts.exit_guard, resource_floors=opts.resource_floors, hang_timeout=opts.hang_timeout,
-        on_hang=opts.on_hang, pdb=opts.pdb)
+        on_hang=opts.on_hang, pdb=opts.pdb, debugpy=opts.debugpy)
 
 
 def _options(options: Options | None, given: dict[str, Any]) -> Options:

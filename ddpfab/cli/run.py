@@ -65,6 +65,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="a rank that reaches breakpoint() or raises an uncaught exception waits in pdb, driven from "
                         "this terminal over the run's SSH connection: RANKS = all (the default without a value) or "
                         "global ranks and ranges (5, 0,3-4); the others run as without it")
+    p.add_argument("--debugpy", nargs="?", const="all", default="", metavar="RANKS",
+                   help="debugpy in these ranks (RANKS as --pdb): each waits for a DAP client (VS Code) before the "
+                        "script runs, its port forwarded to this machine's loopback over the run's SSH connection; "
+                        "breakpoint() stops there; the launch.json entries are printed and kept in the run's dir")
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
@@ -216,9 +220,9 @@ def spell_pdb(argv: list[str]) -> list[str]:
         word = out[i]
         if word == "--" or not word.startswith("-") or word == "-":
             break  # the script (or the -- before it)
-        if word == "--pdb" and (i + 1 == len(out) or not PDB_RANKS.fullmatch(out[i + 1])):
-            out[i] = "--pdb=all"
-        elif word in recorder.taking_value or word == "--pdb":
+        if word in ("--pdb", "--debugpy") and (i + 1 == len(out) or not PDB_RANKS.fullmatch(out[i + 1])):
+            out[i] = f"{word}=all"
+        elif word in recorder.taking_value or word in ("--pdb", "--debugpy"):
             i += 1  # its value
         i += 1
     return out
@@ -306,6 +310,9 @@ def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = No
         print(f"# pdb: rank{'s' if plan.pdb == 'all' or ',' in plan.pdb else ''} {plan.pdb} wait in pdb at "
               "breakpoint() and uncaught exceptions (ddpfab's node supervisor installs it; a command pasted by "
               "hand runs without it)")
+    if plan.debugpy:  # likewise
+        print(f"# debugpy: rank{'s' if plan.debugpy == 'all' or ',' in plan.debugpy else ''} {plan.debugpy} wait "
+              "for a DAP client (ddpfab's node supervisor installs it; a command pasted by hand runs without it)")
     if plan.exit_guard != "off":  # the supervisor installs it: a pasted command runs without it
         print(f"# exit guard: {plan.exit_guard} (ddpfab's node supervisor puts it on the ranks' PYTHONPATH; "
               "a command pasted by hand runs without it)")

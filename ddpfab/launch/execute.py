@@ -30,10 +30,11 @@ from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.gate import Gate
 from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
+from ddpfab.launch.dapforward import DapForwarder
 from ddpfab.launch.debugger import Debugger
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
-from ddpfab.node import exitguard, rankpdb
+from ddpfab.node import exitguard, rankdebugpy, rankpdb
 from ddpfab.node.agent import CANNOT_START
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
@@ -73,11 +74,13 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False, arrival: float 
         spec["wait"] = {"arrival": arrival if arrival is not None else time.time()}
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
-    if plan.exit_guard != "off" or plan.pdb:  # the ranks' sitecustomize, its code as data (the node writes it)
+    if plan.exit_guard != "off" or plan.pdb or plan.debugpy:  # the ranks' sitecustomize, as data (the node writes it)
         spec["nproc"] = node.nproc
         spec["exit_guard"] = {"mode": plan.exit_guard, "source": exitguard_source()}
     if plan.pdb:  # the debugger's hooks in the ranks it names (ddpfab.launch.debugger)
         spec["pdb"] = {"ranks": plan.pdb, "node": node.name, "source": rankpdb_source()}
+    if plan.debugpy:  # debugpy in the ranks it names (ddpfab.launch.debugpy forwards their ports)
+        spec["debugpy"] = {"ranks": plan.debugpy, "source": rankdebugpy_source()}
     if detach:
         spec["detached"] = True
     else:
@@ -90,6 +93,12 @@ def exitguard_source() -> str:
     """The exit guard's source (:mod:`ddpfab.node.exitguard`), which the node supervisor installs
     as the ranks' ``sitecustomize.py``."""
     return Path(exitguard.__file__).read_text()
+
+
+@functools.lru_cache(maxsize=1)
+def rankdebugpy_source() -> str:
+    """debugpy's hooks in the ranks (:mod:`ddpfab.node.rankdebugpy`), written beside ``sitecustomize.py``."""
+    return Path(rankdebugpy.__file__).read_text()
 
 
 @functools.lru_cache(maxsize=1)
@@ -316,11 +325,11 @@ class Printer:
 
 class _NodeJob:
     gate: Gate | None = None  # --wait's go (set per job; none for a job made without __init__)
-    debugger: Debugger | None = None  # --pdb's (likewise)
+    debugger: Debugger | DapForwarder | None = None  # --pdb's or --debugpy's (likewise)
 
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
                  events: queue.SimpleQueue, reconnect: Callable[[str], Connection] | None = None,
-                 gate: Gate | None = None, debugger: Debugger | None = None):
+                 gate: Gate | None = None, debugger: Debugger | DapForwarder | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
         self.log, self.events, self.reconnect = log, events, reconnect
         self.gate, self.debugger = gate, debugger
@@ -603,8 +612,12 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
             job.send(data)
 
     gate = Gate([n.name for n in plan.nodes if n.gpus], to_all) if plan.wait else None
-    debugger = Debugger(plan, {n.name: (lambda c=conns[n.name]: c.transport) for n in plan.nodes},
-                        printer.note) if plan.pdb else None
+    transports = {n.name: (lambda c=conns[n.name]: c.transport) for n in plan.nodes}
+    debugger: Debugger | DapForwarder | None = None
+    if plan.pdb:
+        debugger = Debugger(plan, transports, printer.note)
+    elif plan.debugpy:
+        debugger = DapForwarder(plan, transports, printer.note, str(log_dir))
     jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate, debugger)
                  for n in plan.nodes})
     stop_deadline: float | None = None
@@ -627,7 +640,7 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
 
 
 def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Printer, stop_all, stop_deadline,
-             hang: HangWatch | None = None, debugger: Debugger | None = None) -> RunResult:
+             hang: HangWatch | None = None, debugger: Debugger | DapForwarder | None = None) -> RunResult:
     """Wait for every node; stop them all on the first failure, on SIGINT/SIGTERM, or on a hang
     verdict with ``--on-hang stop``."""
     hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job

@@ -171,13 +171,13 @@ OPTION_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "debug": (bool, False), "local_rank_arg": (str, False), "module": (bool, False), "secret_env": (list, False),
     "script_local_rank": (bool, False), "gpus_per_node": (int, True), "wait": (bool, False),
     "exit_guard": (str, False), "resource_floors": (str, True), "hang_timeout": ((int, float), False),
-    "on_hang": (str, False), "pdb": (str, False)}
+    "on_hang": (str, False), "pdb": (str, False), "debugpy": (str, False)}
 #: Plan fields recorded only by newer versions, with the value a plan without them meant.
 LATER_PLAN_FIELDS: dict[str, Any] = {"module": False, "secret_env": [], "script_local_rank": False, "wait": False,
-                                     "exit_guard": "off", "hang_timeout": 0.0, "on_hang": "report", "pdb": ""}
+                                     "exit_guard": "off", "hang_timeout": 0.0, "on_hang": "report", "pdb": "", "debugpy": ""}
 #: Options recorded only by newer versions: a manifest without them gets RunOptions' defaults.
 LATER_OPTION_FIELDS = ("module", "secret_env", "script_local_rank", "gpus_per_node", "wait", "exit_guard",
-                       "resource_floors", "hang_timeout", "on_hang", "pdb")
+                       "resource_floors", "hang_timeout", "on_hang", "pdb", "debugpy")
 
 
 class ManifestError(DdpfabError):

@@ -474,12 +474,13 @@ def exit_guard_env(spec, run_dir, env):
     this run's first on PYTHONPATH, with where the ranks write their done records and their
     debugger sockets. With neither in the spec, or when the files cannot be written (said on the
     stream), *env* as it was: the job runs without them."""
-    guard, debug = spec.get("exit_guard"), spec.get("pdb")
+    guard, debug, dap = spec.get("exit_guard"), spec.get("pdb"), spec.get("debugpy")
     if not isinstance(guard, dict) or not isinstance(guard.get("source"), str):
         return env
     guarded = guard.get("mode") in ("on", "record")  # "off": the file only, for the debugger
     debugged = isinstance(debug, dict) and isinstance(debug.get("ranks"), str) and isinstance(debug.get("source"), str)
-    if not guarded and not debugged:
+    dapped = isinstance(dap, dict) and isinstance(dap.get("ranks"), str) and isinstance(dap.get("source"), str)
+    if not guarded and not debugged and not dapped:
         return env
     guard_dir, ranks_dir, pdb_dir = (os.path.join(run_dir, d) for d in (GUARD_DIR, RANKS_DIR, PDB_DIR))
     try:
@@ -488,6 +489,8 @@ def exit_guard_env(spec, run_dir, env):
         _write(os.path.join(guard_dir, "sitecustomize.py"), guard["source"])
         if debugged:
             _write(os.path.join(guard_dir, "ddpfab_rankpdb.py"), debug["source"])
+        if dapped:
+            _write(os.path.join(guard_dir, "ddpfab_rankdebugpy.py"), dap["source"])
     except OSError as exc:
         _say("cannot install the exit guard or the debugger in %s (%s); the ranks run without them" % (run_dir, exc))
         return env
@@ -498,6 +501,8 @@ def exit_guard_env(spec, run_dir, env):
     if debugged:
         env["DDPFAB_PDB"], env["DDPFAB_PDB_DIR"] = debug["ranks"], pdb_dir
         env["DDPFAB_PDB_NODE"] = str(debug.get("node", ""))
+    if dapped:
+        env["DDPFAB_DEBUGPY"] = dap["ranks"]
     return env
 
 

@@ -189,8 +189,21 @@ def _debugger():
         sys.stderr.write("ddpfab: no debugger in this rank (%s: %s)\n" % (type(exc).__name__, exc))
 
 
+def _debugpy():
+    """``ddpfab run --debugpy``: debugpy (:mod:`ddpfab.node.rankdebugpy`, written beside this file
+    as ``ddpfab_rankdebugpy``) in the ranks it names: they wait here for a client."""
+    try:
+        import ddpfab_rankdebugpy
+
+        ddpfab_rankdebugpy.install()
+    except Exception as exc:  # noqa: BLE001 - the rank runs on, without a debugger, and says so
+        sys.stderr.write("ddpfab: no debugpy in this rank (%s: %s)\n" % (type(exc).__name__, exc))
+
+
 if __name__ == "sitecustomize":
     install()
     if os.environ.get("DDPFAB_PDB"):
         _debugger()
+    if os.environ.get("DDPFAB_DEBUGPY"):
+        _debugpy()
     _chain(os.path.dirname(os.path.abspath(__file__)))

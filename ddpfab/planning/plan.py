@@ -150,6 +150,8 @@ class RunOptions:
         on_hang: what a hang verdict does: "report" (keep waiting) or "stop" (end the job at once).
         pdb: ``--pdb``: the global ranks whose ``breakpoint()`` and uncaught exceptions wait in pdb
             for the user (:func:`pdb_ranks`): "all", ranks and ranges (``"1,4-5"``); "": none.
+        debugpy: ``--debugpy``: the global ranks that wait for a DAP client (VS Code) before the
+            script runs, debugpy listening on the node's loopback (same spelling as *pdb*).
     """
 
     script: str
@@ -176,6 +178,7 @@ class RunOptions:
     hang_timeout: float = HANG_TIMEOUT_S
     on_hang: str = "report"
     pdb: str = ""
+    debugpy: str = ""
 
 
 #: Interface operstates in which an interface that is up carries nothing (no carrier, its lower
@@ -346,6 +349,7 @@ class Plan:
     hang_timeout: float = 0.0  # a plan recorded before the hang watch ran without one
     on_hang: str = "report"
     pdb: str = ""  # the ranks in the debugger: "all" or "1,5" (pdb_ranks); "": none
+    debugpy: str = ""  # the ranks that wait for a DAP client, spelled as pdb
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -970,16 +974,18 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         script_local_rank=options.script_local_rank and options.launcher == "torchrun",
         wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard,
         hang_timeout=float(options.hang_timeout), on_hang=options.on_hang,
-        pdb=pdb_ranks(options.pdb, sum(n.nproc for n in nodes)))
+        pdb=pdb_ranks(options.pdb, sum(n.nproc for n in nodes)),
+        debugpy=pdb_ranks(options.debugpy, sum(n.nproc for n in nodes), "--debugpy"))
 
 
-def pdb_ranks(spec: str, world_size: int) -> str:
-    """``--pdb``'s ranks as the plan keeps them: "all", or the global ranks in order, separated by
-    commas ("" when *spec* is empty: no debugger).
+def pdb_ranks(spec: str, world_size: int, flag: str = "--pdb") -> str:
+    """``--pdb``'s (or ``--debugpy``'s) ranks as the plan keeps them: "all", or the global ranks in
+    order, separated by commas ("" when *spec* is empty: no debugger).
 
     Args:
         spec: "all", or ranks and ranges separated by commas (``"5"``, ``"0,3-4"``).
         world_size: the job's number of ranks; a rank at or beyond it is refused.
+        flag: the option it came from, as errors name it.
     """
     spec = spec.strip()
     if spec in ("", "all"):
@@ -988,11 +994,11 @@ def pdb_ranks(spec: str, world_size: int) -> str:
     for part in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise PlanError(f"--pdb takes 'all' or ranks and ranges separated by commas (5, 0,3-4), got {spec!r}")
+            raise PlanError(f"{flag} takes 'all' or ranks and ranges separated by commas (5, 0,3-4), got {spec!r}")
         ranks.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
     beyond = sorted(r for r in ranks if r >= world_size)
     if beyond:
-        raise PlanError(f"--pdb {spec}: rank {beyond[0]} is not in this job (its ranks are 0-{world_size - 1})")
+        raise PlanError(f"{flag} {spec}: rank {beyond[0]} is not in this job (its ranks are 0-{world_size - 1})")
     return ",".join(str(r) for r in sorted(ranks))
 
 

@@ -157,3 +157,47 @@ def test_an_exception_raised_inside_a_collective_gets_no_post_mortem(tmp_path):
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "RuntimeError: Connection closed by peer" in stderr
     assert "waits in pdb" not in stderr and not list((tmp_path / "pdb").iterdir())
+
+
+# -- --debugpy: the same ranks' spelling, its own line, the supervisor's setup ----------------------
+def test_debugpy_ranks_are_read_as_pdb_ranks_and_refusals_name_debugpy():
+    assert pdb_ranks("1,3-4", 6, "--debugpy") == "1,3,4"
+    with pytest.raises(PlanError, match="--debugpy 9: rank 9 is not in this job"):
+        pdb_ranks("9", 4, "--debugpy")
+    args = build_parser().parse_args(spell_pdb(["run", "-i", "a,b,", "--debugpy", "train.py", "--debugpy"]))
+    assert (args.debugpy, args.script, args.args) == ("all", "train.py", ["--debugpy"])
+    args = build_parser().parse_args(spell_pdb(["run", "-i", "a,b,", "--debugpy", "2", "train.py"]))
+    assert (args.debugpy, args.pdb, args.script) == ("2", "", "train.py")
+
+
+def test_the_listening_line_is_read_back_as_the_rank_prints_it():
+    from ddpfab.launch import dapforward
+    from ddpfab.node import rankdebugpy
+
+    m = dapforward.LISTENS.match(rankdebugpy.LISTENS % (5, 1, 40123, 4242))
+    assert m and (m["rank"], m["local"], m["port"], m["pid"]) == ("5", "1", "40123", "4242")
+    assert rankdebugpy.wanted("all", 3) and rankdebugpy.wanted("1,3", 3) and not rankdebugpy.wanted("13", 3)
+    # not a named rank, or a process the rank started (its DataLoader workers): nothing listens
+    assert not rankdebugpy.install({"DDPFAB_DEBUGPY": "1", "RANK": "2", "LOCAL_RANK": "0"})
+    assert not rankdebugpy.install({"DDPFAB_DEBUGPY": "2", "RANK": "2", "LOCAL_RANK": "0",
+                                    rankdebugpy.OWNER_VAR: "77"})
+
+
+def test_the_supervisor_installs_debugpy_in_the_ranks_it_names(tmp_path):
+    spec = {"exit_guard": {"mode": "off", "source": "# guard\n"}, "debugpy": {"ranks": "3", "source": "# dap\n"}}
+    env = agent.exit_guard_env(spec, str(tmp_path), {})
+    guard = tmp_path / agent.GUARD_DIR
+    assert env["PYTHONPATH"] == str(guard) and env["DDPFAB_DEBUGPY"] == "3" and "DDPFAB_PDB" not in env
+    assert (guard / "ddpfab_rankdebugpy.py").read_text() == "# dap\n"
+
+
+def test_pdb_and_debugpy_together_and_debugpy_detached_are_refused(tmp_path, monkeypatch):
+    from ddpfab.api import Cluster
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print(1)\n")
+    cluster = Cluster.load("a,b,")
+    with pytest.raises(PlanError, match="a rank is debugged one way"):
+        cluster.run("t.py", pdb="all", debugpy="1")
+    with pytest.raises(PlanError, match="--debugpy with --detach"):
+        cluster.run("t.py", debugpy="1", detach=True)

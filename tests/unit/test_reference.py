@@ -132,8 +132,8 @@ def test_the_readme_is_a_short_tour_whose_blocks_are_the_docs_own():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     headings = re.findall(r"^## (.+)$", readme, re.M)
-    assert headings[:5] == ["Quick start", "Install", "Try it on the local lab", "Using it on your machines",
-                            "When a job fails or hangs"], headings
+    assert headings[:6] == ["Quick start", "Install", "Try it on the local lab", "Using it on your machines",
+                            "When a job fails or hangs", "Debugging a rank"], headings
     assert (_block(readme, "## Try it on the local lab", "sh")
             == _block("\n" + (REPO / "docs" / "lab.md").read_text().split("\n## ", 1)[0].split("\n", 1)[1] + "\n## ",
                       "", "sh"))
