@@ -860,14 +860,48 @@ def socket_ifname_problems(cluster: Cluster, options: RunOptions, facts: Facts) 
 
 
 def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
+    """The plan: one part per node in rank order, from what the user asked and what the probe found.
+
+    Args:
+        cluster: the inventory's nodes (their order is the node ranks').
+        options: the run's options, as the command line or the API gave them.
+        facts: what the probe found on the nodes (addresses, homes, GPUs, CPUs, a free master port).
+
+    Raises:
+        PlanError: an option that is wrong on its own or for this cluster, naming it and the fix.
+    """
+    check_options(cluster, options, facts)
+    ordered = node_order(cluster)
+    master = ordered[0]
+    master_addr = master_address(master, len(ordered), facts)
+    check_script_args(options)
+    port = facts.master_port
+    nodes = [node_plan(node, rank, options, facts, master_addr)
+             for rank, node in enumerate(ordered)]
+    world = sum(n.nproc for n in nodes)
+    return Plan(
+        run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
+        master_addr=master_addr, master_port=port, nnodes=len(ordered),
+        world_size=world, script=options.script, args=tuple(options.args),
+        max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
+        init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg,
+        unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
+        module=options.module, secret_env=secret_env(cluster, options),
+        script_local_rank=options.script_local_rank and options.launcher == "torchrun",
+        wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard,
+        hang_timeout=float(options.hang_timeout), on_hang=options.on_hang,
+        pdb=pdb_ranks(options.pdb, world), debugpy=pdb_ranks(options.debugpy, world, "--debugpy"))
+
+
+def check_options(cluster: Cluster, options: RunOptions, facts: Facts) -> None:
+    """The run's options, each checked on its own and against the cluster (PlanError)."""
     check_run_id(options.run_id)
     if not cluster.nodes:
         raise PlanError(f"inventory {cluster.source}: no nodes in group {cluster.group!r}")
     if not options.script:
         raise PlanError("no training script given")
-    port = facts.master_port
-    if not is_port(port):
-        raise PlanError(f"master port {port!r} is not a TCP port (1-65535)")
+    if not is_port(facts.master_port):
+        raise PlanError(f"master port {facts.master_port!r} is not a TCP port (1-65535)")
     if options.exit_guard not in EXIT_GUARD_MODES:
         raise PlanError(f"--exit-guard must be one of {', '.join(EXIT_GUARD_MODES)}, got {options.exit_guard!r}")
     if options.max_restarts < 0:
@@ -895,8 +929,11 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
     ifname_problems = socket_ifname_problems(cluster, options, facts)
     if ifname_problems:
         raise PlanError(ifname_problems)
-    ordered = node_order(cluster)
-    master = ordered[0]
+
+
+def master_address(master: Node, nnodes: int, facts: Facts) -> str:
+    """The master's address as every peer dials it: an IP literal, not a loopback one when there
+    are peers (an offline plan may keep a name the controller could not resolve, marked as such)."""
     master_addr = facts.addresses.get(master.name)
     if master_addr is None:
         raise PlanError(f"host {master.name}: no resolved address for the master")
@@ -904,15 +941,18 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         ip = ipaddress.ip_address(master_addr)
         master_addr = str(ip)
     except ValueError:
-        # an offline plan may keep a name the controller could not resolve (marked as such); a
-        # real run's master address is always an IP literal every peer reaches
         if master.name not in facts.unresolved or not is_address(master_addr):
             raise PlanError(f"host {master.name}: master address {master_addr!r} is not an IP literal") from None
         ip = None
-    if ip is not None and ip.is_loopback and len(ordered) > 1:
+    if ip is not None and ip.is_loopback and nnodes > 1:
         raise PlanError(f"host {master.name}: its data address {master.data_addr} resolves to {master_addr}, "
                         "a loopback address the other nodes cannot reach; set ddpfab_data_addr "
                         "(or ansible_host) to an address on the network the nodes share")
+    return master_addr
+
+
+def check_script_args(options: RunOptions) -> None:
+    """How the script takes its local rank, and the placeholders in its arguments (PlanError)."""
     if options.local_rank_arg not in LOCAL_RANK_ARGS:
         raise PlanError(f"local rank argument {options.local_rank_arg!r}: expected one of {', '.join(LOCAL_RANK_ARGS)}")
     used = placeholders_in(options.args)
@@ -920,62 +960,55 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         raise PlanError("{{node_rank}} in a script argument needs --rdzv static: with c10d, torchrun assigns node "
                         "ranks at rendezvous and ddpfab cannot know them beforehand (read GROUP_RANK in the script)")
     expand_placeholders(tuple(options.args), dict.fromkeys(PLACEHOLDERS, ""))  # an unknown name: PlanError
+
+
+def node_plan(node: Node, rank: int, options: RunOptions, facts: Facts, master_addr: str) -> NodePlan:
+    """Node *node*'s part, at node rank *rank*: its procs, dirs and environment."""
+    nproc = nproc_for(node, options, facts.gpus.get(node.name), facts.cpus.get(node.name))
+    home = facts.homes.get(node.name)
+    try:
+        workdir = remote_workdir(node.workdir, home) if node.workdir is not None else facts.cwd
+    except PlanError as exc:
+        raise PlanError(f"host {node.name}: {exc}") from None
+    remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
+    return NodePlan(
+        name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
+        node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
+        workdir=workdir, remote_dir=remote_dir, env=node_env(node, options, facts, master_addr, remote_dir),
+        shared_dir=node.shared_dir, **node_python(node), setup=node.setup, conda_env=node.conda_env,
+        gpus=gpu_lease(node, options, nproc, facts.gpus.get(node.name)), gpu_pin=tuple(node.gpu_ids or ()))
+
+
+def node_env(node: Node, options: RunOptions, facts: Facts, master_addr: str, remote_dir: str) -> dict[str, str]:
+    """The env of *node*'s ranks: ddpfab's base (and debug) env, the inventory's per-node env
+    (ddpfab_env, the GPU list), what the command line asked, then what ddpfab sets for the run
+    (its id, the init method's URL, NCCL's flight recorder, the socket interface) unless asked."""
+    asked = dict(options.env)
     env = dict(BASE_ENV)
     if options.debug:
         env.update(DEBUG_ENV)
-    asked = dict(options.env)
-    nprocs = [nproc_for(node, options, facts.gpus.get(node.name), facts.cpus.get(node.name)) for node in ordered]
-    nodes = []
-    for rank, node in enumerate(ordered):
-        nproc = nprocs[rank]
-        home = facts.homes.get(node.name)
-        try:
-            workdir = remote_workdir(node.workdir, home) if node.workdir is not None else facts.cwd
-        except PlanError as exc:
-            raise PlanError(f"host {node.name}: {exc}") from None
-        remote_dir = remote_path(f"{options.remote_runs_dir.rstrip('/')}/{options.run_id}", home)
-        # the inventory's per-node env (ddpfab_env, the GPU list), then what the command line asked
-        node_env = dict(env)
-        if node.gpu_ids:
-            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpu_ids)
-        node_env.update(node.env)
-        node_env.update(asked)
-        node_env["DDPFAB_RUN_ID"] = options.run_id
-        init_url = init_method_url(options.init_method, master_addr=master_addr, master_port=port,
-                                   shared_dir=node.shared_dir, run_id=options.run_id)
-        if init_url:
-            node_env[INIT_METHOD_VAR] = init_url
-        if node.gpus:  # NCCL: its flight recorder, dumped into the run's record dir
-            recorder = {**FLIGHT_RECORDER_ENV, **dict.fromkeys(FLIGHT_RECORDER_FILE_VARS,
-                                                               f"{remote_dir}/{FLIGHT_RECORDER_PREFIX}")}
-            node_env.update({k: v for k, v in recorder.items() if k not in asked and k not in node.env})
-        if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in asked \
-                and "TORCH_DISTRIBUTED_DEBUG" not in node.env:
-            node_env.update(DEBUG_ENV_GLOO)
-        ifname, _ = socket_ifname_for(node, options, facts)
-        if ifname:
-            for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                if key not in asked and key not in node.env:
-                    node_env[key] = ifname
-        nodes.append(NodePlan(
-            name=node.name, ssh_host=node.host, ssh_port=node.port, ssh_user=node.user,
-            node_rank=rank, nproc=nproc, data_addr=facts.addresses.get(node.name, node.data_addr),
-            workdir=workdir, remote_dir=remote_dir, env=node_env, shared_dir=node.shared_dir,
-            **node_python(node), setup=node.setup, conda_env=node.conda_env,
-            gpus=gpu_lease(node, options, nproc, facts.gpus.get(node.name)), gpu_pin=tuple(node.gpu_ids or ())))
-    return Plan(
-        run_id=options.run_id, inventory=cluster.source, group=cluster.group, master=master.name,
-        master_addr=master_addr, master_port=port, nnodes=len(ordered),
-        world_size=sum(n.nproc for n in nodes), script=options.script, args=tuple(options.args),
-        max_restarts=options.max_restarts, nodes=tuple(nodes), rdzv=options.rdzv, launcher=options.launcher,
-        init_method=options.init_method, debug=options.debug, local_rank_arg=options.local_rank_arg,
-        unresolved=tuple(n.name for n in ordered if n.name in facts.unresolved),
-        module=options.module, secret_env=secret_env(cluster, options),
-        script_local_rank=options.script_local_rank and options.launcher == "torchrun",
-        wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard,
-        hang_timeout=float(options.hang_timeout), on_hang=options.on_hang,
-        pdb=pdb_ranks(options.pdb, sum(n.nproc for n in nodes)),
-        debugpy=pdb_ranks(options.debugpy, sum(n.nproc for n in nodes), "--debugpy"))
+    if node.gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpu_ids)
+    env.update(node.env)
+    env.update(asked)
+    env["DDPFAB_RUN_ID"] = options.run_id
+    init_url = init_method_url(options.init_method, master_addr=master_addr, master_port=facts.master_port,
+                               shared_dir=node.shared_dir, run_id=options.run_id)
+    if init_url:
+        env[INIT_METHOD_VAR] = init_url
+    if node.gpus:  # NCCL: its flight recorder, dumped into the run's record dir
+        recorder = {**FLIGHT_RECORDER_ENV, **dict.fromkeys(FLIGHT_RECORDER_FILE_VARS,
+                                                           f"{remote_dir}/{FLIGHT_RECORDER_PREFIX}")}
+        env.update({k: v for k, v in recorder.items() if k not in asked and k not in node.env})
+    if options.debug and not node.gpus and "TORCH_DISTRIBUTED_DEBUG" not in asked \
+            and "TORCH_DISTRIBUTED_DEBUG" not in node.env:
+        env.update(DEBUG_ENV_GLOO)
+    ifname, _ = socket_ifname_for(node, options, facts)
+    if ifname:
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if key not in asked and key not in node.env:
+                env[key] = ifname
+    return env
 
 
 def pdb_ranks(spec: str, world_size: int, flag: str = "--pdb") -> str:
