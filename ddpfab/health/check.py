@@ -145,8 +145,24 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             results.append(CheckResult(node.name, "ssh", "pass", found="connected, host key verified"))
     ok = [n for n in cluster.nodes if n.name in facts]
     fx = {n.name: facts[n.name] for n in ok}
+    results += _software(ok, fx, options)
+    results += _gpus(ok, fx, options, nproc)
+    for n in ok:  # the node's resources and left-overs of earlier jobs (ddpfab.health.resources)
+        results += [CheckResult(f.node, f.check, f.status, f.found, f.expected, f.fix) for f in resources.evaluate(
+            n.name, fx[n.name], nproc.get(n.name, 1), options.floors,
+            master_port=options.master_port if n.name == master else None, busy_gpus_fail=options.busy_gpus_fail)]
+    results += _names(ok, fx, len(cluster.nodes))
+    results += _ifaces(ok, fx)
+    results += _clocks(ok, fx, options)
+    if mesh is not None:
+        results += _evaluate_mesh(cluster, master, mesh, options, fx)
+    return results
 
-    # software: present, then identical everywhere
+
+def _software(ok: list, fx: dict[str, dict], options: CheckOptions) -> list[CheckResult]:
+    """The shell, the interpreter and the setup's env, torch and its launcher: present, then the
+    same everywhere (torch, python, CUDA, NCCL, the NVIDIA driver)."""
+    results: list[CheckResult] = []
     with_torch = {}
     for n in ok:
         f = fx[n.name]
@@ -187,8 +203,12 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
         _same_check(results, "nccl", gpu_nodes, "NCCL", "install the same torch build everywhere")
     drivers = {n.name: fx[n.name]["driver"] for n in ok if fx[n.name].get("driver")}
     _same_check(results, "driver", drivers, "NVIDIA driver", "install one driver version (ddpfab provision, gpu role)")
+    return results
 
-    # GPUs vs processes
+
+def _gpus(ok: list, fx: dict[str, dict], options: CheckOptions, nproc: dict[str, int]) -> list[CheckResult]:
+    """Each node's GPUs against its processes and ddpfab_gpus; its GPU leases, shown."""
+    results: list[CheckResult] = []
     for n in ok:
         f = fx[n.name]
         gpus = probe.gpu_count(f)
@@ -210,21 +230,19 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             free = sum(s.state == "free" for s in states)
             results.append(CheckResult(n.name, "gpu_leases", "pass",
                                        found=f"{free} of {len(states)} GPUs free" + (f"; {'; '.join(taken)}" if taken else "")))
+    return results
 
-    # the node's resources and left-overs of earlier jobs (ddpfab.health.resources)
-    for n in ok:
-        results += [CheckResult(f.node, f.check, f.status, f.found, f.expected, f.fix) for f in resources.evaluate(
-            n.name, fx[n.name], nproc.get(n.name, 1), options.floors,
-            master_port=options.master_port if n.name == master else None, busy_gpus_fail=options.busy_gpus_fail)]
 
-    # names and addresses
+def _names(ok: list, fx: dict[str, dict], nnodes: int) -> list[CheckResult]:
+    """Each node's hostname (what gloo advertises) and the names it must resolve."""
+    results: list[CheckResult] = []
     for n in ok:
         f = fx[n.name]
         addr = f.get("hostname_addr")
         if addr is None:
             results.append(CheckResult(n.name, "hostname", "warn", found=f"hostname {f['hostname']!r} does not resolve",
                                        fix="add it to /etc/hosts, or set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME"))
-        elif addr.startswith(LOOPBACK_PREFIXES) and len(cluster.nodes) > 1:
+        elif addr.startswith(LOOPBACK_PREFIXES) and nnodes > 1:
             results.append(CheckResult(
                 n.name, "hostname", "fail", found=f"hostname {f['hostname']!r} resolves to {addr}",
                 expected="an address the other nodes can reach (gloo advertises what the hostname resolves to)",
@@ -236,8 +254,12 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             if str(ip).startswith("error"):
                 results.append(CheckResult(n.name, "names", "fail", found=f"{name} does not resolve here ({ip})",
                                            fix="use IP addresses in ddpfab_data_addr or fix DNS//etc/hosts"))
+    return results
 
-    # interfaces: which one each node uses towards its peers (suggested *_SOCKET_IFNAME)
+
+def _ifaces(ok: list, fx: dict[str, dict]) -> list[CheckResult]:
+    """Which interface each node uses towards its peers (the suggested *_SOCKET_IFNAME)."""
+    results: list[CheckResult] = []
     for n in ok:
         devs = {d for d in fx[n.name].get("routes", {}).values() if d}
         if len(devs) == 1:
@@ -247,8 +269,12 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
         elif len(devs) > 1:
             results.append(CheckResult(n.name, "iface", "warn", found=f"peers reached via {', '.join(sorted(devs))}",
                                        fix="pin one with --env NCCL_SOCKET_IFNAME=... GLOO_SOCKET_IFNAME=..."))
+    return results
 
-    # clock skew against the controller (midpoint of the probe's round trip)
+
+def _clocks(ok: list, fx: dict[str, dict], options: CheckOptions) -> list[CheckResult]:
+    """Each node's clock skew against the controller (the midpoint of the probe's round trip)."""
+    results: list[CheckResult] = []
     for n in ok:
         f = fx[n.name]
         if "time" in f and "controller_sent" in f:
@@ -260,9 +286,6 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             results.append(CheckResult(n.name, "clock", status, found=f"{skew:+.2f} s vs the controller",
                                        expected=f"within ±{options.max_skew_s:g} s" if status == "fail" else "",
                                        fix="run time sync (ddpfab provision --tags timesync)" if status == "fail" else ""))
-
-    if mesh is not None:
-        results += _evaluate_mesh(cluster, master, mesh, options, fx)
     return results
 
 
