@@ -295,12 +295,146 @@ def analyze(reports: dict[str, dict], order: list[str], *, compute_min: float = 
             cluster's median is named.
         latency_max: a link whose latency is above this multiple of the median is named.
     """
-    res = PerfResult(nodes=list(order), thresholds={"compute_min": compute_min, "memory_min": memory_min,
-                                                    "link_min": link_min, "latency_max": latency_max})
-    devices = [g for n in order for g in reports[n]["compute"]]
-    med_dev = statistics.median(devices)
-    med_mem = statistics.median(reports[n]["memory"] for n in order)
-    # links: each end measured the same transfers; the slower end's figure counts
+    a = _Analysis(reports, order, compute_min, memory_min, link_min, latency_max)
+    if len(order) < 2:
+        a.res.notes.append("a single node: nothing to compare it with")
+        return a.res
+    a.node_findings()
+    a.link_findings()
+    a.starved_links()
+    a.pair_findings()
+    return a.res
+
+
+class _Analysis:
+    """:func:`analyze`'s steps over the medians and link figures it computes first."""
+
+    def __init__(self, reports: dict[str, dict], order: list[str], compute_min: float, memory_min: float,
+                 link_min: float, latency_max: float):
+        self.order, self.compute_min, self.memory_min = order, compute_min, memory_min
+        self.res = res = PerfResult(nodes=list(order), thresholds={
+            "compute_min": compute_min, "memory_min": memory_min, "link_min": link_min, "latency_max": latency_max})
+        self.med_dev = statistics.median(g for n in order for g in reports[n]["compute"])
+        self.med_mem = statistics.median(reports[n]["memory"] for n in order)
+        self.link_vals = _link_values(reports, order)
+        self.per_node_links: dict[str, list[tuple[str, dict]]] = {n: [] for n in order}
+        for (a, b), v in self.link_vals.items():
+            self.per_node_links[a].append((b, v))
+            self.per_node_links[b].append((a, v))
+        # the reference link: the median over nodes of each node's median link. A plain median over
+        # links fails when one node holds most of them (3 nodes: 2 of the 3 links touch a bad node)
+        self.med_link = _median_of_medians(self.per_node_links, "gbs")
+        self.med_lat = _median_of_medians(self.per_node_links, "lat_us")
+        res.medians = {"compute_gflops": self.med_dev, "memory_gbs": self.med_mem, "link_gbs": self.med_link,
+                       "latency_us": self.med_lat}
+        self.slow_links: dict[tuple[str, str], list[str]] = {}
+        for (a, b), v in self.link_vals.items():
+            v["ratio"] = round(_ratio(v["gbs"], self.med_link), 4)
+            v["lat_ratio"] = round(_ratio(v["lat_us"], self.med_lat), 4)
+            why = ["bandwidth"] * (v["ratio"] < link_min) + ["latency"] * (v["lat_ratio"] > latency_max)
+            if why:
+                self.slow_links[(a, b)] = why
+            res.links[link_key(a, b)] = v
+        for n in order:
+            res.node_figures[n] = self.figures(reports[n], self.per_node_links[n])
+        self.slow_cpu: set[str] = set()
+        self.bad_nodes: set[str] = set()
+        self.starved: set[str] = set()
+
+    def figures(self, r: dict, mine: list[tuple[str, dict]]) -> dict:
+        """One node's figures and their ratios to the medians."""
+        fig = {"compute_gflops": min(r["compute"]), "per_device": r["compute"], "memory_gbs": r["memory"],
+               "device": r["device"], "backend": r["backend"],
+               "link_gbs": statistics.median(v["gbs"] for _, v in mine) if mine else None,
+               "latency_us": statistics.median(v["lat_us"] for _, v in mine) if mine else None,
+               "peers": len(mine)}
+        fig["compute_ratio"] = round(_ratio(fig["compute_gflops"], self.med_dev), 4)
+        fig["memory_ratio"] = round(_ratio(fig["memory_gbs"], self.med_mem), 4)
+        fig["link_ratio"] = round(_ratio(fig["link_gbs"], self.med_link), 4) if mine else None
+        return fig
+
+    def node_findings(self) -> None:
+        """Nodes first: slow compute (a device), slow host memory."""
+        med_dev, med_mem = self.med_dev, self.med_mem
+        for n in self.order:
+            fig = self.res.node_figures[n]
+            slow_devs = [i for i, g in enumerate(fig["per_device"]) if _ratio(g, med_dev) < self.compute_min]
+            if slow_devs:
+                self.slow_cpu.add(n)
+                gpu = fig["device"] != "cpu"
+                which = ("" if not gpu else f" (GPU {', '.join(map(str, slow_devs))} of {len(fig['per_device'])})")
+                worst = min(fig["per_device"][i] for i in slow_devs)
+                fix = ("check its GPU clocks, power and thermal throttling (nvidia-smi -q -d CLOCK,PERFORMANCE) "
+                       "and other processes on it" if gpu else
+                       "its CPU is throttled or busy: check CPU quotas/cgroups, frequency scaling, thermal state "
+                       "and other processes on it")
+                self.res.findings.append(Finding(
+                    n, "compute", round(_ratio(worst, med_dev), 4), worst, med_dev, "GFLOP/s",
+                    f"{n}: slow compute{which}: matmul {_x(_ratio(worst, med_dev))} of median "
+                    f"({_fmt(worst)} vs {_fmt(med_dev)} GFLOP/s); {fix}"))
+            if fig["memory_ratio"] < self.memory_min:
+                fix = ("its CPU is slow too: a throttled or busy CPU copies memory slowly as well" if n in self.slow_cpu
+                       else "check its memory configuration (DIMMs, NUMA) and what else is running there")
+                self.res.findings.append(Finding(
+                    n, "memory", fig["memory_ratio"], fig["memory_gbs"], med_mem, "GB/s",
+                    f"{n}: slow host memory: copy bandwidth {_x(fig['memory_ratio'])} of median "
+                    f"({_fmt(fig['memory_gbs'])} vs {_fmt(med_mem)} GB/s); {fix}"))
+
+    def pair(self, x: str, y: str) -> tuple[str, str]:
+        return (x, y) if self.order.index(x) < self.order.index(y) else (y, x)
+
+    def link_findings(self) -> None:
+        """A node whose links are slow with most of its peers is the culprit (the rest are pairs)."""
+        for n in self.order:
+            mine = self.per_node_links[n]
+            slow = [p for p, _ in mine if self.pair(n, p) in self.slow_links]
+            if len(mine) < 2 or len(slow) * 2 <= len(mine):
+                continue
+            self.bad_nodes.add(n)
+            kinds = {w for p in slow for w in self.slow_links[self.pair(n, p)]}
+            kind, key, med, unit = (("link", "gbs", self.med_link, "GB/s") if "bandwidth" in kinds else
+                                    ("latency", "lat_us", self.med_lat, "us"))
+            value = statistics.median(v[key] for p, v in mine if p in slow)
+            ratio = _ratio(value, med)
+            every = "every peer" if len(slow) == len(mine) else f"{len(slow)} of its {len(mine)} peers"
+            starved = (" (its CPU is slow too, and gloo moves data on the CPU: the starved CPU may be the cause)"
+                       if n in self.slow_cpu else "; check its NIC (link speed, errors), cable and MTU")
+            what = (f"link bandwidth {_x(ratio)} of median" if kind == "link" else f"link latency {ratio:.1f}x the median")
+            self.res.findings.append(Finding(
+                n, kind, round(ratio, 4), value, med, unit,
+                f"{n}: {what} ({_fmt(value)} vs {_fmt(med)} {unit}); its link to {every} is slow ({_names(slow)}){starved}"))
+
+    def starved_links(self) -> None:
+        """A CPU node whose compute is slow slows its links too (gloo moves data on the CPU): a slow
+        link at it is told with its compute finding, not as a fault of the path."""
+        self.starved = {n for n in self.slow_cpu if self.res.node_figures[n]["device"] == "cpu"}
+        for f in [f for f in self.res.findings if f.kind == "compute" and f.subject in self.starved - self.bad_nodes]:
+            peers = [b if a == f.subject else a for (a, b) in self.slow_links if f.subject in (a, b)]
+            if peers:
+                f.text += (f"; its link{'s' if len(peers) > 1 else ''} to {_names(peers)} "
+                           f"{'are' if len(peers) > 1 else 'is'} slow too (gloo moves data on the CPU)")
+
+    def pair_findings(self) -> None:
+        """The slow links no bad node or starved CPU explains: the path between two nodes."""
+        for (a, b), slow_in in self.slow_links.items():
+            if a in self.bad_nodes or b in self.bad_nodes or a in self.starved or b in self.starved:
+                continue
+            v = self.link_vals[(a, b)]
+            bandwidth = "bandwidth" in slow_in
+            what = (f"bandwidth {_x(v['ratio'])} of median ({_fmt(v['gbs'])} vs {_fmt(self.med_link)} GB/s)"
+                    if bandwidth else
+                    f"latency {v['lat_ratio']:.1f}x the median ({_fmt(v['lat_us'])} vs {_fmt(self.med_lat)} us)")
+            enough = len(self.per_node_links[a]) >= 2 and len(self.per_node_links[b]) >= 2
+            where = ("both nodes are fine with their other peers: check the path between them (cables, switch "
+                     "ports, routes)" if enough else "too few pairs measured to tell which end is at fault")
+            self.res.findings.append(Finding(
+                link_key(a, b), "pair", v["ratio"] if bandwidth else v["lat_ratio"],
+                v["gbs"] if bandwidth else v["lat_us"], self.med_link if bandwidth else self.med_lat,
+                "GB/s" if bandwidth else "us", f"link {a}--{b}: {what}; {where}"))
+
+
+def _link_values(reports: dict[str, dict], order: list[str]) -> dict[tuple[str, str], dict]:
+    """Each link's figures: each end measured the same transfers; the slower end's figure counts."""
     ends: dict[tuple[str, str], list[dict]] = {}
     for n in order:
         for ln in reports[n]["links"]:
@@ -309,113 +443,7 @@ def analyze(reports: dict[str, dict], order: list[str], *, compute_min: float = 
                 continue
             a, b = sorted((n, peer), key=order.index)
             ends.setdefault((a, b), []).append(ln)
-    link_vals = {k: {"gbs": min(x["gbs"] for x in v), "lat_us": max(x["lat_us"] for x in v)} for k, v in ends.items()}
-    per_node_links: dict[str, list[tuple[str, dict]]] = {n: [] for n in order}
-    for (a, b), v in link_vals.items():
-        per_node_links[a].append((b, v))
-        per_node_links[b].append((a, v))
-    # the reference link: the median over nodes of each node's median link. A plain median over
-    # links fails when one node holds most of them (3 nodes: 2 of the 3 links touch a bad node)
-    med_link = _median_of_medians(per_node_links, "gbs")
-    med_lat = _median_of_medians(per_node_links, "lat_us")
-    res.medians = {"compute_gflops": med_dev, "memory_gbs": med_mem, "link_gbs": med_link, "latency_us": med_lat}
-    if len(order) < 2:
-        res.notes.append("a single node: nothing to compare it with")
-    slow_links: dict[tuple[str, str], list[str]] = {}
-    for (a, b), v in link_vals.items():
-        v["ratio"] = round(_ratio(v["gbs"], med_link), 4)
-        v["lat_ratio"] = round(_ratio(v["lat_us"], med_lat), 4)
-        why = []
-        if v["ratio"] < link_min:
-            why.append("bandwidth")
-        if v["lat_ratio"] > latency_max:
-            why.append("latency")
-        if why:
-            slow_links[(a, b)] = why
-        res.links[link_key(a, b)] = v
-    for n in order:
-        r = reports[n]
-        mine = per_node_links[n]
-        fig = {"compute_gflops": min(r["compute"]), "per_device": r["compute"], "memory_gbs": r["memory"],
-               "device": r["device"], "backend": r["backend"],
-               "link_gbs": statistics.median(v["gbs"] for _, v in mine) if mine else None,
-               "latency_us": statistics.median(v["lat_us"] for _, v in mine) if mine else None,
-               "peers": len(mine)}
-        fig["compute_ratio"] = round(_ratio(fig["compute_gflops"], med_dev), 4)
-        fig["memory_ratio"] = round(_ratio(fig["memory_gbs"], med_mem), 4)
-        fig["link_ratio"] = round(_ratio(fig["link_gbs"], med_link), 4) if mine else None
-        res.node_figures[n] = fig
-    if len(order) < 2:
-        return res
-    # nodes first: compute, memory
-    slow_cpu = set()
-    for n in order:
-        fig = res.node_figures[n]
-        slow_devs = [i for i, g in enumerate(fig["per_device"]) if _ratio(g, med_dev) < compute_min]
-        if slow_devs:
-            slow_cpu.add(n)
-            gpu = fig["device"] != "cpu"
-            which = ("" if not gpu else f" (GPU {', '.join(map(str, slow_devs))} of {len(fig['per_device'])})")
-            worst = min(fig["per_device"][i] for i in slow_devs)
-            fix = ("check its GPU clocks, power and thermal throttling (nvidia-smi -q -d CLOCK,PERFORMANCE) "
-                   "and other processes on it" if gpu else
-                   "its CPU is throttled or busy: check CPU quotas/cgroups, frequency scaling, thermal state "
-                   "and other processes on it")
-            res.findings.append(Finding(n, "compute", round(_ratio(worst, med_dev), 4), worst, med_dev, "GFLOP/s",
-                                        f"{n}: slow compute{which}: matmul {_x(_ratio(worst, med_dev))} of median "
-                                        f"({_fmt(worst)} vs {_fmt(med_dev)} GFLOP/s); {fix}"))
-        if fig["memory_ratio"] < memory_min:
-            fix = ("its CPU is slow too: a throttled or busy CPU copies memory slowly as well" if n in slow_cpu else
-                   "check its memory configuration (DIMMs, NUMA) and what else is running there")
-            res.findings.append(Finding(n, "memory", fig["memory_ratio"], fig["memory_gbs"], med_mem, "GB/s",
-                                        f"{n}: slow host memory: copy bandwidth {_x(fig['memory_ratio'])} of median "
-                                        f"({_fmt(fig['memory_gbs'])} vs {_fmt(med_mem)} GB/s); {fix}"))
-    # links: a node whose links are slow with most of its peers is the culprit; the rest are pairs
-    def pair(x: str, y: str) -> tuple[str, str]:
-        return (x, y) if order.index(x) < order.index(y) else (y, x)
-
-    bad_nodes = set()
-    for n in order:
-        mine = per_node_links[n]
-        slow = [p for p, _ in mine if pair(n, p) in slow_links]
-        if len(mine) >= 2 and len(slow) * 2 > len(mine):
-            bad_nodes.add(n)
-            kinds = {w for p in slow for w in slow_links[pair(n, p)]}
-            kind, key, med, unit = (("link", "gbs", med_link, "GB/s") if "bandwidth" in kinds else
-                                    ("latency", "lat_us", med_lat, "us"))
-            value = statistics.median(v[key] for p, v in mine if p in slow)
-            ratio = _ratio(value, med)
-            every = "every peer" if len(slow) == len(mine) else f"{len(slow)} of its {len(mine)} peers"
-            starved = (" (its CPU is slow too, and gloo moves data on the CPU: the starved CPU may be the cause)"
-                       if n in slow_cpu else "; check its NIC (link speed, errors), cable and MTU")
-            what = (f"link bandwidth {_x(ratio)} of median" if kind == "link" else f"link latency {ratio:.1f}x the median")
-            res.findings.append(Finding(
-                n, kind, round(ratio, 4), value, med, unit,
-                f"{n}: {what} ({_fmt(value)} vs {_fmt(med)} {unit}); its link to {every} is slow ({_names(slow)}){starved}"))
-    # a CPU node whose compute is slow slows its links too (gloo moves data on the CPU): a slow
-    # link at it is told with its compute finding, not as a fault of the path
-    starved = {n for n in slow_cpu if res.node_figures[n]["device"] == "cpu"}
-    for f in [f for f in res.findings if f.kind == "compute" and f.subject in starved - bad_nodes]:
-        peers = [b if a == f.subject else a for (a, b) in slow_links if f.subject in (a, b)]
-        if peers:
-            f.text += (f"; its link{'s' if len(peers) > 1 else ''} to {_names(peers)} {'are' if len(peers) > 1 else 'is'} "
-                       "slow too (gloo moves data on the CPU)")
-    for (a, b), slow_in in slow_links.items():
-        if a in bad_nodes or b in bad_nodes or a in starved or b in starved:
-            continue  # explained by a bad node, or by a starved CPU at one end
-        v = link_vals[(a, b)]
-        what = (f"bandwidth {_x(v['ratio'])} of median ({_fmt(v['gbs'])} vs {_fmt(med_link)} GB/s)"
-                if "bandwidth" in slow_in else
-                f"latency {v['lat_ratio']:.1f}x the median ({_fmt(v['lat_us'])} vs {_fmt(med_lat)} us)")
-        enough = len(per_node_links[a]) >= 2 and len(per_node_links[b]) >= 2
-        where = ("both nodes are fine with their other peers: check the path between them (cables, switch "
-                 "ports, routes)" if enough else "too few pairs measured to tell which end is at fault")
-        res.findings.append(Finding(link_key(a, b), "pair", v["ratio"] if "bandwidth" in slow_in else v["lat_ratio"],
-                                    v["gbs"] if "bandwidth" in slow_in else v["lat_us"],
-                                    med_link if "bandwidth" in slow_in else med_lat,
-                                    "GB/s" if "bandwidth" in slow_in else "us",
-                                    f"link {a}--{b}: {what}; {where}"))
-    return res
+    return {k: {"gbs": min(x["gbs"] for x in v), "lat_us": max(x["lat_us"] for x in v)} for k, v in ends.items()}
 
 
 def add_all_reduce(res: PerfResult, reports: dict[str, dict], order: list[str]) -> None:
