@@ -159,41 +159,11 @@ def to_sbatch(plan, *, job_name: str | None = None, gpus_per_node: int = 0, cpus
         sbatch_args: more ``#SBATCH`` options, each one ``--name=value`` word.
     """
     launch = launch_of(plan)
-    directives = [
-        _directive("job-name", job_name or slurm_job_name(plan.run_id)),
-        _directive("nodes", launch.nnodes),
-        _directive("ntasks-per-node", 1),
-    ]
-    if gpus_per_node:
-        directives.append(_directive("gpus-per-node", int(gpus_per_node)))
-    if cpus_per_task:
-        directives.append(_directive("cpus-per-task", int(cpus_per_task)))
-    for name, value in (("partition", partition), ("time", time_limit), ("account", account),
-                        ("output", output)):
-        if value:
-            directives.append(_directive(name, value))
-    for word in sbatch_args:
-        name, sep, value = word.partition("=")
-        if not name.startswith("--") or not sep:
-            raise ExportError(f"--sbatch {word!r}: give one sbatch option as --name=value")
-        directives.append(_directive(name[2:], value))
+    directives = _sbatch_directives(launch.nnodes, job_name or slurm_job_name(plan.run_id), gpus_per_node,
+                                    cpus_per_task, partition, time_limit, account, output, sbatch_args)
 
-    # The launch without its rendezvous flags, as the words of the srun line; the fixed inner
-    # command puts the scheduler's in (read from each task's environment at run time) where the
-    # rendezvous flags stand in the node's argv.
-    cmd = launch.command
-    words = render.shell_words(cmd, rendezvous=False)
-    n_prefix = len(cmd.program) + len(cmd.size)
-    slurm = render.static_rendezvous(render.Rendezvous('"$SLURM_NODEID"', '"$MASTER_ADDR"', '"$MASTER_PORT"'))
-    inner = f'exec "${{@:1:{n_prefix}}}" {" ".join(slurm)} "${{@:{n_prefix + 1}}}"'
-    if cmd.program[0] == nodeenv.ON_NODE:  # the python each task's shell chooses (launch.prefix)
-        words[0] = shlex.quote(nodeenv.ON_NODE)
-        inner = 'set -- "$DDPFAB_PYTHON" "${@:2}"; ' + inner
-    inner = launch.prefix + inner
-    srun = ["srun", f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", "/bin/bash", "-c", shlex.quote(inner), "ddpfab-node"]
-    n_script = len(cmd.legacy) + len(cmd.script)
-
+    srun, words = _srun_words(launch)
+    n_script = len(launch.command.legacy) + len(launch.command.script)
     lines = [
         "#!/bin/bash",
         f"# ddpfab export slurm: run {_comment(plan.run_id)} of {_comment(plan.inventory)} (group "
@@ -219,6 +189,49 @@ def to_sbatch(plan, *, job_name: str | None = None, gpus_per_node: int = 0, cpus
         "",
     ]
     return "\n".join(lines)
+
+
+def _srun_words(launch) -> tuple[list[str], list[str]]:
+    """The srun line's words (srun and its inner command) and the launch's words, without its
+    rendezvous flags: the fixed inner command puts the scheduler's in (read from each task's
+    environment at run time) where the rendezvous flags stand in the node's argv."""
+    cmd = launch.command
+    words = render.shell_words(cmd, rendezvous=False)
+    n_prefix = len(cmd.program) + len(cmd.size)
+    slurm = render.static_rendezvous(render.Rendezvous('"$SLURM_NODEID"', '"$MASTER_ADDR"', '"$MASTER_PORT"'))
+    inner = f'exec "${{@:1:{n_prefix}}}" {" ".join(slurm)} "${{@:{n_prefix + 1}}}"'
+    if cmd.program[0] == nodeenv.ON_NODE:  # the python each task's shell chooses (launch.prefix)
+        words[0] = shlex.quote(nodeenv.ON_NODE)
+        inner = 'set -- "$DDPFAB_PYTHON" "${@:2}"; ' + inner
+    inner = launch.prefix + inner
+    srun = ["srun", f"--nodes={launch.nnodes}", f"--ntasks={launch.nnodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", "/bin/bash", "-c", shlex.quote(inner), "ddpfab-node"]
+    return srun, words
+
+
+def _sbatch_directives(nnodes: int, job_name: str, gpus_per_node: int, cpus_per_task: int | None,
+                       partition: str | None, time_limit: str | None, account: str | None, output: str | None,
+                       sbatch_args: tuple[str, ...]) -> list[str]:
+    """The ``#SBATCH`` lines of :func:`to_sbatch`, in its order; a malformed ``--sbatch`` word is an ExportError."""
+    directives = [
+        _directive("job-name", job_name),
+        _directive("nodes", nnodes),
+        _directive("ntasks-per-node", 1),
+    ]
+    if gpus_per_node:
+        directives.append(_directive("gpus-per-node", int(gpus_per_node)))
+    if cpus_per_task:
+        directives.append(_directive("cpus-per-task", int(cpus_per_task)))
+    for name, value in (("partition", partition), ("time", time_limit), ("account", account),
+                        ("output", output)):
+        if value:
+            directives.append(_directive(name, value))
+    for word in sbatch_args:
+        name, sep, value = word.partition("=")
+        if not name.startswith("--") or not sep:
+            raise ExportError(f"--sbatch {word!r}: give one sbatch option as --name=value")
+        directives.append(_directive(name[2:], value))
+    return directives
 
 
 def _comment(text: str) -> str:
