@@ -633,138 +633,180 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
     hang = HangWatch(plan, conns, log_dir, printer.note) if plan.hang_timeout > 0 else None
     with signals_raise():
         try:
-            return _monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang, debugger)
+            return _Monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang, debugger).run()
         finally:
             if debugger is not None:
                 debugger.close()
 
 
-def _monitor(jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Printer, stop_all, stop_deadline,
-             hang: HangWatch | None = None, debugger: Debugger | DapForwarder | None = None) -> RunResult:
-    """Wait for every node; stop them all on the first failure, on SIGINT/SIGTERM, or on a hang
-    verdict with ``--on-hang stop``."""
-    hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
-    addresses = {n.name: n.data_addr for n in next(iter(jobs.values())).plan.nodes} if jobs else {}
-    settle = _Settle()
-    interrupted: str | None = None
-    first_failure: str | None = None
-    extra_wait: float | None = None
-    wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
-    wait_every, quiet_since, next_report = wait_base, None, 0.0
-    in_pdb_at = 0.0  # when a rank was last seen in the debugger (monotonic)
-    try:
-        started = time.monotonic()
-        for job in jobs.values():
-            job.start()
-        pending = set(jobs)
-        with signals_queued(events):  # a signal is taken in the loop, never inside a lock
-            while pending:
-                try:
-                    if printer.closed and interrupted is None:  # `| head` had enough: as an interrupt
-                        interrupted = CLOSED_STDOUT
-                        stop_all()
-                        sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
+class _Monitor:
+    """The run's monitor: wait for every node; stop them all on the first failure, on SIGINT/SIGTERM,
+    or on a hang verdict with ``--on-hang stop``. One loop (:meth:`run`) of small steps: an event
+    (a node ended: :meth:`ended`; a signal: :meth:`interrupt`), or a tick every 0.1 s without one
+    (:meth:`tick`: lost links, the waiting report, the hang watch, the settling time, the stop
+    deadline); then the closing line (:meth:`result`)."""
+
+    def __init__(self, jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Printer, stop_all,
+                 stop_deadline, hang: HangWatch | None = None, debugger: Debugger | DapForwarder | None = None):
+        self.jobs, self.events, self.printer = jobs, events, printer
+        self.stop_all, self.stop_deadline, self.hang, self.debugger = stop_all, stop_deadline, hang, debugger
+        self.pending = set(jobs)
+        self.addresses = {n.name: n.data_addr for n in next(iter(jobs.values())).plan.nodes} if jobs else {}
+        self.settle = _Settle()
+        self.hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
+        self.interrupted: str | None = None
+        self.first_failure: str | None = None
+        self.extra_wait: float | None = None  # after the stop deadline: the dropped links' last chance
+        self.wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
+        self.wait_every, self.quiet_since, self.next_report = self.wait_base, None, 0.0
+        self.in_pdb_at = 0.0  # when a rank was last seen in the debugger (monotonic)
+        self.started = 0.0
+
+    def run(self) -> RunResult:
+        try:
+            self.started = time.monotonic()
+            for job in self.jobs.values():
+                job.start()
+            with signals_queued(self.events):  # a signal is taken in the loop, never inside a lock
+                while self.pending:
                     try:
-                        name = events.get(timeout=0.1)
-                        if isinstance(name, Interrupted):
-                            raise name
-                    except queue.Empty:
-                        for n in pending:
-                            job = jobs[n]
-                            if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
-                                job.outcome.error = (f"lost: no answer from its sshd for {LOST_AFTER_S:g} s "
-                                                     "(host down or network cut)")
-                                job.outcome.lost = True
-                                job.close()  # unblocks its reader; its supervisor stops on silence
-                        now = time.monotonic()
-                        if debugger is not None and debugger.stopped():
-                            # the others wait for a rank in pdb in their next collective: not quiet,
-                            # not hung; a quiet spell starts when the debugger is left
-                            in_pdb_at = now
-                        last = max([started, in_pdb_at] + [jobs[n].outcome.last_rank_line for n in jobs])
-                        if last != quiet_since:  # a rank printed: the next report is a full interval away
-                            quiet_since, wait_every, next_report = last, wait_base, last + wait_base
-                        if wait_base > 0 and stop_deadline() is None and now >= next_report:
-                            printer.note(waiting_report({n: jobs[n].outcome for n in jobs}, now, now - last))
-                            wait_every *= 2  # a growing interval: a long wait is not a wall of notes
-                            next_report = now + wait_every
-                        # armed once a rank has printed: init_process_group is behind every rank then
-                        # (before it, ranks still importing are not hung; the waiting lines cover that)
-                        if (hang is not None and stop_deadline() is None
-                                and any(jobs[n].outcome.rank_lines for n in jobs)):
-                            hang.tick(last, now)
-                            if hang.stop_now.is_set() and hang.verdict is not None and hung is None:
-                                hung = hang.verdict.lines
-                                printer.note("--on-hang stop: stopping the job on every node")
-                                stop_all(fast=True)
-                        if settle.expired(now) and stop_deadline() is None:
-                            printer.note(story.live_line(settle.first, jobs[settle.first].outcome, addresses,
-                                                         settled=SETTLE_S))
-                            stop_all(fast=True)
-                        deadline = extra_wait or stop_deadline()
-                        if deadline is not None and time.monotonic() > deadline:
-                            for n in pending:  # unresponsive: drop the link; the supervisor sees EOF
-                                jobs[n].outcome.error = jobs[n].outcome.error or "did not stop in time"
-                                jobs[n].close()
-                            extra_wait = time.monotonic() + 5
-                        continue
-                    pending.discard(name)
-                    out = jobs[name].outcome
-                    if out.failed and interrupted is None and not out.stopped_by_ddpfab and stop_deadline() is None:
-                        first_failure = first_failure or name
-                        if settle.failed(name, out):
-                            printer.note(story.live_line(name, out, addresses))
-                            stop_all(fast=True)
-                except Interrupted as exc:
-                    if interrupted is not None:  # a second signal: leave now (the finally closes every link)
-                        raise
-                    interrupted = exc.name
-                    stop_all()  # first: the note can block on a stdout nobody reads
-                    printer.note(f"{interrupted}: stopping the job on every node")
-        while not events.empty():  # a signal that came as the last node ended: the run was interrupted
-            late = events.get()
-            if isinstance(late, Interrupted) and interrupted is None:
-                interrupted = late.name
-        for job in jobs.values():  # their supervisors' result records, fetched after the stop
-            job.reported.wait(timeout=STOP_WAIT_S + 10)
-    finally:
-        for job in jobs.values():
-            job.close()
-    outcomes = {n: j.outcome for n, j in jobs.items()}
-    for name, out in outcomes.items():
-        if out.cleanup:
-            printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
-    printer.folded_note()
-    verdict = blame_outcomes(outcomes, addresses, first_failure) if not interrupted and not hung else Blame(first_failure)
-    first_failure = verdict.node
-    if interrupted == CLOSED_STDOUT:
-        code = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
-        summary = "stdout was closed (its reader went away); the job was stopped on every node"
-    elif interrupted:
-        code = 130 if interrupted == "SIGINT" else 143
-        summary = f"interrupted by {interrupted}; the job was stopped on every node"
-    elif hung:
-        code = EXIT_HUNG
-        summary = f"hung: {'; '.join(hung)}; the job was stopped on every node (--on-hang stop)"
-    elif first_failure:
-        out = outcomes[first_failure]
-        code = out.exit_code if out.exit_code not in (None, 0) else 1
-        found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
-        seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
-        summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
-                                     addresses) + (f"; seen: {seen}" if seen else "")
-        for line in story.other_nodes(outcomes, first_failure, addresses):
-            printer.note(line)
-        for line in hints.verdict_lines(found):
-            printer.note(f"hint: {line}")
-    elif races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:
-        code = 0  # the exit-code policy (ddpfab/cli/errors.py): the work is done, a warning says the rest
-        summary = exit_race_summary(races)
-        printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
-    else:
-        code = 0
-        summary = f"all {len(outcomes)} nodes exited 0"
-    return RunResult(code, outcomes, first_failure, interrupted, summary)
+                        self.step()
+                    except Interrupted as exc:
+                        self.interrupt(exc)
+            while not self.events.empty():  # a signal that came as the last node ended: the run was interrupted
+                late = self.events.get()
+                if isinstance(late, Interrupted) and self.interrupted is None:
+                    self.interrupted = late.name
+            for job in self.jobs.values():  # their supervisors' result records, fetched after the stop
+                job.reported.wait(timeout=STOP_WAIT_S + 10)
+        finally:
+            for job in self.jobs.values():
+                job.close()
+        return self.result()
+
+    def step(self) -> None:
+        if self.printer.closed and self.interrupted is None:  # `| head` had enough: as an interrupt
+            self.interrupted = CLOSED_STDOUT
+            self.stop_all()
+            sys.stderr.write("ddpfab: stdout was closed: stopping the job on every node\n")
+        try:
+            name = self.events.get(timeout=0.1)
+        except queue.Empty:
+            return self.tick()
+        if isinstance(name, Interrupted):
+            raise name
+        return self.ended(name)
+
+    def ended(self, name: str) -> None:
+        """Node *name*'s job ended: a failure of its own stops the others (after settling, for a victim)."""
+        self.pending.discard(name)
+        out = self.jobs[name].outcome
+        if out.failed and self.interrupted is None and not out.stopped_by_ddpfab and self.stop_deadline() is None:
+            self.first_failure = self.first_failure or name
+            if self.settle.failed(name, out):
+                self.printer.note(story.live_line(name, out, self.addresses))
+                self.stop_all(fast=True)
+
+    def interrupt(self, exc: Interrupted) -> None:
+        if self.interrupted is not None:  # a second signal: leave now (run's finally closes every link)
+            raise exc
+        self.interrupted = exc.name
+        self.stop_all()  # first: the note can block on a stdout nobody reads
+        self.printer.note(f"{self.interrupted}: stopping the job on every node")
+
+    def tick(self) -> None:
+        self.mark_lost()
+        now = time.monotonic()
+        last = self.last_activity(now)
+        self.report_waiting(now, last)
+        self.watch_hang(now, last)
+        if self.settle.expired(now) and self.stop_deadline() is None:
+            first = self.settle.first
+            self.printer.note(story.live_line(first, self.jobs[first].outcome, self.addresses, settled=SETTLE_S))
+            self.stop_all(fast=True)
+        self.enforce_deadline()
+
+    def mark_lost(self) -> None:
+        for n in self.pending:
+            job = self.jobs[n]
+            if job.outcome.error is None and job.lost_for() > LOST_AFTER_S:
+                job.outcome.error = f"lost: no answer from its sshd for {LOST_AFTER_S:g} s (host down or network cut)"
+                job.outcome.lost = True
+                job.close()  # unblocks its reader; its supervisor stops on silence
+
+    def last_activity(self, now: float) -> float:
+        """When a rank last printed (or the run started, or a rank was last in a debugger)."""
+        if self.debugger is not None and self.debugger.stopped():
+            # the others wait for a rank in a debugger in their next collective: not quiet, not
+            # hung; a quiet spell starts when the debugger is left
+            self.in_pdb_at = now
+        return max([self.started, self.in_pdb_at] + [j.outcome.last_rank_line for j in self.jobs.values()])
+
+    def report_waiting(self, now: float, last: float) -> None:
+        if last != self.quiet_since:  # a rank printed: the next report is a full interval away
+            self.quiet_since, self.wait_every, self.next_report = last, self.wait_base, last + self.wait_base
+        if self.wait_base > 0 and self.stop_deadline() is None and now >= self.next_report:
+            self.printer.note(waiting_report({n: j.outcome for n, j in self.jobs.items()}, now, now - last))
+            self.wait_every *= 2  # a growing interval: a long wait is not a wall of notes
+            self.next_report = now + self.wait_every
+
+    def watch_hang(self, now: float, last: float) -> None:
+        # armed once a rank has printed: init_process_group is behind every rank then (before it,
+        # ranks still importing are not hung; the waiting lines cover that)
+        if self.hang is None or self.stop_deadline() is not None:
+            return
+        if not any(j.outcome.rank_lines for j in self.jobs.values()):
+            return
+        self.hang.tick(last, now)
+        if self.hang.stop_now.is_set() and self.hang.verdict is not None and self.hung is None:
+            self.hung = self.hang.verdict.lines
+            self.printer.note("--on-hang stop: stopping the job on every node")
+            self.stop_all(fast=True)
+
+    def enforce_deadline(self) -> None:
+        deadline = self.extra_wait or self.stop_deadline()
+        if deadline is not None and time.monotonic() > deadline:
+            for n in self.pending:  # unresponsive: drop the link; the supervisor sees EOF
+                self.jobs[n].outcome.error = self.jobs[n].outcome.error or "did not stop in time"
+                self.jobs[n].close()
+            self.extra_wait = time.monotonic() + 5
+
+    def result(self) -> RunResult:
+        outcomes = {n: j.outcome for n, j in self.jobs.items()}
+        for name, out in outcomes.items():
+            if out.cleanup:
+                self.printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
+        self.printer.folded_note()
+        verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure)
+                   if not self.interrupted and not self.hung else Blame(self.first_failure))
+        code, summary = self.closing(outcomes, verdict)
+        return RunResult(code, outcomes, verdict.node, self.interrupted, summary)
+
+    def closing(self, outcomes: dict[str, NodeOutcome], verdict: Blame) -> tuple[int, str]:
+        """The run's exit code and closing line (with the notes that go before it)."""
+        if self.interrupted == CLOSED_STDOUT:  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
+            return 141, "stdout was closed (its reader went away); the job was stopped on every node"
+        if self.interrupted:
+            return (130 if self.interrupted == "SIGINT" else 143,
+                    f"interrupted by {self.interrupted}; the job was stopped on every node")
+        if self.hung:
+            return EXIT_HUNG, f"hung: {'; '.join(self.hung)}; the job was stopped on every node (--on-hang stop)"
+        if verdict.node:
+            out = outcomes[verdict.node]
+            found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
+            seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
+            summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
+                                         self.addresses) + (f"; seen: {seen}" if seen else "")
+            for line in story.other_nodes(outcomes, verdict.node, self.addresses):
+                self.printer.note(line)
+            for line in hints.verdict_lines(found):
+                self.printer.note(f"hint: {line}")
+            return (out.exit_code if out.exit_code not in (None, 0) else 1), summary
+        if races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:
+            # the exit-code policy (ddpfab/cli/errors.py): the work is done, a warning says the rest
+            self.printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
+            return 0, exit_race_summary(races)
+        return 0, f"all {len(outcomes)} nodes exited 0"
 
 
 def exit_race_summary(races: dict[str, dict]) -> str:
