@@ -139,7 +139,7 @@ def register(sub) -> None:
                                       "per node that reproduces the run by hand over plain SSH.")
     _add_run_args(plan)
     plan.add_argument("--emit", metavar="DIR", type=nonempty_path,
-                      help="write DIR/node<rank>_<host>.sh per node (the exact env and launcher command) and "
+                      help="write DIR/rank<node rank>-<host>.sh per node (the exact env and launcher command) and "
                            "DIR/README.txt (which to run where, with the ssh command line); private files, "
                            "and a non-empty DIR that ddpfab did not write is refused")
     plan.add_argument("--force", action="store_true",
@@ -204,7 +204,7 @@ class _OptionRecorder(argparse.ArgumentParser):
 
 
 #: ``--pdb``'s value: "all", or ranks and ranges (the plan checks them: ddpfab.planning.plan.pdb_ranks).
-PDB_RANKS = re.compile(r"all|\d+(-\d+)?(,\d+(-\d+)?)*")
+PDB_RANKS = re.compile(r"\s*(all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*")
 
 
 def spell_pdb(argv: list[str]) -> list[str]:

@@ -26,7 +26,8 @@ README = "README.txt"
 
 
 def script_name(node: NodePlan) -> str:
-    return f"node{node.node_rank}_{node.name}.sh"
+    """``rank1-node2.sh``: node rank 1's script, to run on node2."""
+    return f"rank{node.node_rank}-{node.name}.sh"
 
 
 def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Target:

@@ -94,8 +94,8 @@ def test_emitted_scripts_run_by_hand_over_plain_ssh_reproduce_the_run(lab, recor
                  "--emit", str(out), "train_dist.py", *ARGS, cwd=recorded.workdir)
     assert res.returncode == 0, res.stderr
     scripts = sorted(out.glob("node*_*.sh"))
-    assert [s.name for s in scripts] == ["node0_node1.sh", "node1_node2.sh"]
-    assert "ssh" in res.stdout and "node1_node2.sh" in res.stdout  # the README: which to run where
+    assert [s.name for s in scripts] == ["rank0-node1.sh", "rank1-node2.sh"]
+    assert "ssh" in res.stdout and "rank1-node2.sh" in res.stdout  # the README: which to run where
     assert all(lab.processes(n) == [] for n in ("node1", "node2")), "plan must start nothing"
     # output to files, not pipes: a pipe not drained while we wait on the other node would stall
     # that node mid-run (--debug output is large) and with it the whole job

@@ -304,10 +304,10 @@ def test_printed_plans_and_exports_mask_by_key_and_private_files_are_private(lab
     foreign = tmp_path / "mine"
     foreign.mkdir()
     os.chmod(foreign, 0o755)
-    (foreign / "node0_node1.sh").write_text("my own script")
+    (foreign / "rank0-node1.sh").write_text("my own script")
     res = ddpfab("plan", *argv[:2], "--emit", str(foreign), *argv[2:], env=env)
     assert res.returncode == 2 and "did not write it" in res.stderr and "Traceback" not in res.stderr
-    assert (foreign / "node0_node1.sh").read_text() == "my own script" and oct(foreign.stat().st_mode & 0o777) == "0o755"
+    assert (foreign / "rank0-node1.sh").read_text() == "my own script" and oct(foreign.stat().st_mode & 0o777) == "0o755"
     emitted = tmp_path / "emitted"
     res = ddpfab("plan", *argv[:2], "--emit", str(emitted), *argv[2:], env=env)
     assert res.returncode == 0, res.stderr

@@ -250,7 +250,7 @@ def test_emitted_script_runs_exactly_the_node_command(tmp_path):
     p = make_plan(c, RunOptions("t.py", args=("it's", "$HOME", "", "日本"), run_id="rid", rdzv="c10d",
                                 env=(("K", "a 'b' \"c\" $d"),), debug=True), facts(c))
     written = emit.write(p, tmp_path / "out", resolve_all(c.nodes, HostKeyPolicy(), "/dev/null"))
-    assert [w.name for w in written] == ["node0_a.sh", "node1_b.sh", "README.txt"]
+    assert [w.name for w in written] == ["rank0-a.sh", "rank1-b.sh", "README.txt"]
     clean = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
     for node, path in zip(p.nodes, written):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
@@ -283,13 +283,13 @@ def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     policy = ("-F /dev/null -o BatchMode=yes -o UserKnownHostsFile={kh} -o GlobalKnownHostsFile=/dev/null "
               "-o StrictHostKeyChecking=yes -o ConnectTimeout=10")
     a = f"ssh {policy.format(kh='/k/kh')} -p 22 -l root -i /k/id -- 10.0.0.1"
-    assert f"{a} 'sh -s' < node0_a.sh" in text
+    assert f"{a} 'sh -s' < rank0-a.sh" in text
     kh = os.path.expanduser("~/.ssh/known_hosts")
     jump = f"ssh {policy.format(kh=kh)} -p 22 -l j 10.0.0.9 -W [%h]:%p"
     b = f"ssh {policy.format(kh=kh)} -p 2222 -l root -o 'ProxyCommand={jump}' -- 10.0.0.2"
-    assert f"{b} 'sh -s' < node1_b.sh" in text
-    scp = f"scp {policy.format(kh=kh)} -P 2222 -o User=root -o 'ProxyCommand={jump}' -- node1_b.sh 10.0.0.2:"
-    assert f"{scp} && ssh -t {b[len('ssh '):]} sh node1_b.sh" in text
+    assert f"{b} 'sh -s' < rank1-b.sh" in text
+    scp = f"scp {policy.format(kh=kh)} -P 2222 -o User=root -o 'ProxyCommand={jump}' -- rank1-b.sh 10.0.0.2:"
+    assert f"{scp} && ssh -t {b[len('ssh '):]} sh rank1-b.sh" in text
 
 
 def test_emit_replaces_a_previous_emit_and_only_its_files(tmp_path):
@@ -298,10 +298,10 @@ def test_emit_replaces_a_previous_emit_and_only_its_files(tmp_path):
     emit.write(three, out)
     assert oct(out.stat().st_mode & 0o777) == "0o700"
     (out / "notes.txt").write_text("mine")  # the user's, added later
-    os.rename(out / "node1_b.sh", out / "node5_old.sh")  # a file ddpfab did not write
+    os.rename(out / "rank1-b.sh", out / "rank5-old.sh")  # a file ddpfab did not write
     emit.write(three, out)
-    assert sorted(p.name for p in out.iterdir()) == [".ddpfab-emit", "README.txt", "node0_a.sh", "node1_b.sh",
-                                                      "node5_old.sh", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [".ddpfab-emit", "README.txt", "notes.txt", "rank0-a.sh",
+                                                      "rank1-b.sh", "rank5-old.sh"]
     assert (out / "notes.txt").read_text() == "mine"
 
 
@@ -309,12 +309,12 @@ def test_emit_refuses_a_foreign_non_empty_dir_and_force_touches_only_its_files(t
     out = tmp_path / "out"
     out.mkdir(mode=0o755)
     os.chmod(out, 0o755)
-    (out / "node5_old.sh").write_text("the user's")
+    (out / "rank5-old.sh").write_text("the user's")
     with pytest.raises(emit.EmitError, match="not empty and ddpfab did not write it"):
         emit.write(plan_of(), out)
-    assert sorted(p.name for p in out.iterdir()) == ["node5_old.sh"]
+    assert sorted(p.name for p in out.iterdir()) == ["rank5-old.sh"]
     written = emit.write(plan_of(), out, force=True)
-    assert (out / "node5_old.sh").read_text() == "the user's"
+    assert (out / "rank5-old.sh").read_text() == "the user's"
     assert oct(out.stat().st_mode & 0o777) == "0o755"  # not its dir: its mode is left alone
     assert {oct(p.stat().st_mode & 0o777) for p in written} == {"0o700", "0o600"}
     assert oct((out / "README.txt").stat().st_mode & 0o777) == "0o600"
@@ -405,8 +405,8 @@ def test_plan_offline_emit_from_the_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     # the route as decided (ddpfab.remote.target): its own -F /dev/null, the host-key policy, port, address
     assert re.search(r"\n  ssh -F /dev/null -o BatchMode=yes .*-o StrictHostKeyChecking=yes .*-p 22 -- 10\.1\.0\.2 "
-                     r"'sh -s' < node1_n2.sh\n", res.stdout), res.stdout
-    n1 = (out / "node0_n1.sh").read_text()
+                     r"'sh -s' < rank1-n2.sh\n", res.stdout), res.stdout
+    n1 = (out / "rank0-n1.sh").read_text()
     assert re.search(r"\ncd /srv/code\n(export \S+\n)*exec ", n1)
     assert "--rdzv-endpoint=10.1.0.1:29500" in n1 and n1.rstrip().endswith("train.py --steps 2")
     assert Path(out / "README.txt").exists()
