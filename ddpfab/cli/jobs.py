@@ -400,7 +400,7 @@ def cmd_doctor(args) -> int:
     if manifest is None:
         return _doctor_without_record(args)
     cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
-    found = cluster.doctor(args.run_id, runs_dir=args.runs_dir, timeout=args.timeout)
+    found = cluster.doctor(args.run_id, runs_dir=args.runs_dir, timeout=args.timeout, record=manifest)
     if args.json:
         print(found.record.read_text() if found.record else json.dumps({"verdict": found.lines}))
     else:

@@ -4,7 +4,9 @@ A rank of the job listens with debugpy on its node's loopback and prints :data:`
 (:mod:`ddpfab.node.rankdebugpy`). Seeing that line in the rank's output, the run listens on a port
 of this machine's loopback and forwards each connection to the rank's port over the node's SSH
 connection (a ``direct-tcpip`` channel: no new connection, no port opened beyond the node's
-loopback). It says where to attach, and keeps the ``launch.json`` entries of every waiting rank
+loopback). The local port takes connections from this user only: debugpy runs any code its client
+sends, so another user of this machine is refused (the peer's uid, from ``/proc/net/tcp``). It
+says where to attach, and keeps the ``launch.json`` entries of every waiting rank
 in the run's dir (``runs/RUN_ID/launch.json``), their path mappings from the node's workdir to the
 directory the run was started from.
 
@@ -40,11 +42,38 @@ class Forward:
     local_port: int
     clients: int = 0  # connections open now
     attached: bool = False  # a client has connected (the rank runs on from its wait)
+    listener: socket.socket | None = None  # this machine's end
 
     @property
     def in_debugger(self) -> bool:
         """Waiting for its first client, or with one attached (perhaps paused at a breakpoint)."""
         return not self.attached or self.clients > 0
+
+
+def _shut(listener: socket.socket) -> None:
+    """Close *listener*, waking a thread blocked in its accept() (close() alone does not)."""
+    for step in (lambda: listener.shutdown(socket.SHUT_RDWR), listener.close):
+        try:
+            step()
+        except OSError:
+            pass
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid of the process at the other end of *conn*, a TCP connection over loopback: the
+    owner of the socket whose local address is *conn*'s peer, in ``/proc/net/tcp`` (None: not found)."""
+    host, port = conn.getpeername()[:2]
+    want = f"{socket.htonl(int.from_bytes(socket.inet_aton(host), 'big')):08X}:{port:04X}"
+    try:
+        with open("/proc/net/tcp", encoding="ascii") as fh:
+            next(fh)
+            for line in fh:
+                fields = line.split()
+                if fields[1] == want:
+                    return int(fields[7])
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return None
 
 
 def launch_entry(run_id: str, fwd: Forward, remote_root: str, local_root: str) -> dict:
@@ -84,6 +113,13 @@ class DapForwarder:
             if self.closed:
                 listener.close()
                 return
+            # a rank torchrun restarted listens anew: its old forward leads nowhere
+            for old in [f for f in self.forwards if (f.node, f.rank) == (node, fwd.rank)]:
+                self.forwards.remove(old)
+                if old.listener is not None and old.listener in self.listeners:
+                    self.listeners.remove(old.listener)
+                    _shut(old.listener)
+            fwd.listener = listener
             self.forwards.append(fwd)
             self.listeners.append(listener)
             self._write_record_locked()
@@ -99,13 +135,15 @@ class DapForwarder:
             return [f for f in self.forwards if f.in_debugger]
 
     def close(self, wait: float = 0.0) -> None:
-        """No more forwards: the listeners and every open channel are closed."""
+        """No more forwards: the listeners (woken from accept) and every open channel are closed."""
         with self.lock:
             self.closed = True
-            things = list(self.listeners) + list(self.channels)
-        for thing in things:
+            listeners, channels = list(self.listeners), list(self.channels)
+        for listener in listeners:
+            _shut(listener)
+        for chan in channels:
             try:
-                thing.close()  # type: ignore[attr-defined]
+                chan.close()  # type: ignore[attr-defined]
             except OSError:
                 pass
 
@@ -126,6 +164,15 @@ class DapForwarder:
                 client, peer = listener.accept()
             except OSError:  # closed: the run ended
                 return
+            if self.closed:
+                client.close()
+                return
+            uid = peer_uid(client)
+            if uid != os.getuid():
+                who = f"another user (uid {uid})" if uid is not None else "a process whose user is unknown"
+                self.note(f"debugpy: refused a connection to rank {fwd.rank}'s port from {who}")
+                client.close()
+                continue
             try:
                 chan = self.transports[fwd.node]().open_channel(  # type: ignore[attr-defined]
                     "direct-tcpip", ("127.0.0.1", fwd.remote_port), peer, timeout=30)

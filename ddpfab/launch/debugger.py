@@ -15,6 +15,7 @@ their next collective for it): :meth:`Debugger.stopped` says which ranks are.
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import select
 import shlex
@@ -24,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpfab.hosts import nodeenv
-from ddpfab.planning.plan import NodePlan, Plan
+from ddpfab.node import rankpdb
+from ddpfab.node.agent import PDB_DIR
+from ddpfab.planning.plan import NodePlan, Plan, PlanError
 
 #: What a waiting rank prints (its rank tag stripped): ddpfab.node.rankpdb.WAITS, as a pattern.
 WAITS = re.compile(r"^ddpfab-pdb: rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) waits in pdb at "
@@ -72,8 +75,9 @@ class Stop:
 
 
 def socket_path(node: NodePlan, rank: int) -> str:
-    """Where rank *rank* on *node* listens (ddpfab.node.rankpdb.socket_path, in the run's remote dir)."""
-    return f"{node.remote_dir}/pdb/rank-{rank}.sock"
+    """Where rank *rank* on *node* listens: the node's own rule (:func:`ddpfab.node.rankpdb.socket_path`)
+    in the dir its supervisor gives the ranks (:data:`ddpfab.node.agent.PDB_DIR` of the run's remote dir)."""
+    return rankpdb.socket_path(posixpath.join(node.remote_dir, PDB_DIR), rank)
 
 
 def relay_command(node: NodePlan, rank: int) -> str:
@@ -176,6 +180,7 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
                 on_attach = None
             _write_all(stdout_fd, data)
         done.set()
+        pump.join(1.0)  # its last read goes nowhere else: the next session's input is its own
         code = chan.recv_exit_status()
         if code == NOT_WAITING:
             raise ConnectionError(f"rank {rank} is not waiting in pdb on {node.name} (not stopped, or attached "
@@ -193,15 +198,26 @@ def _pump_input(chan, done: threading.Event, stdin_fd: int) -> None:
         if not ready or done.is_set():
             continue
         data = os.read(stdin_fd, 4096)
-        if not data:  # Ctrl-D: pdb reads EOF (and quits, as pdb does at a terminal)
-            chan.shutdown_write()
+        try:
+            if not data:  # Ctrl-D: pdb reads EOF (and quits, as pdb does at a terminal)
+                chan.shutdown_write()
+                return
+            chan.sendall(data)
+        except (OSError, EOFError):  # the session ended meanwhile: what was typed then has no rank to go to
             return
-        chan.sendall(data)
 
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data):]
+
+
+def refuse_without_input(pdb: str) -> None:
+    """PlanError when a ``--pdb`` job (*pdb*: its ranks) would start attached with no input to drive
+    pdb from: its ranks would read EOF and fail. The run, its replay, the API: one rule."""
+    if pdb and not stdin_usable():
+        raise PlanError("--pdb needs an input to drive the debugger from (stdin is /dev/null or closed); "
+                        "run it from a terminal")
 
 
 def stdin_usable() -> bool:

@@ -22,6 +22,7 @@ from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
+from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
                                    failed_worker_text, ranked, result_record)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
@@ -133,6 +134,7 @@ def follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None,
     watch, and its ``--on-hang stop`` ends the job on every node."""
     last_rank_line = [0.0]  # monotonic; 0: no rank has printed yet (the watch is armed after one)
     readers = {} if readers is None else readers
+    debugged = threading.Event()  # a rank of a --pdb job waits in pdb: its peers wait for it, not hung
 
     def follow(node) -> int:
         n = plan.node(node.name)
@@ -142,8 +144,13 @@ def follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None,
         chan.sendall(nodeprog.setup_head(node) + nodeprog.stdin_for({"id": 1, "op": "follow", "dir": n.remote_dir}))
         reader = readers.setdefault(node.name, CauseReader())
         for line in streams.lines(chan.recv):
-            if RANK_TAG.match(line):
+            tag = RANK_TAG.match(line)
+            if tag:
                 last_rank_line[0] = time.monotonic()
+                if hang is not None and not debugged.is_set() and WAITS.match(line[tag.end():]):
+                    debugged.set()
+                    printer.note("a rank waits in pdb (`ddpfab debug` drives it): the hang watch is off while "
+                                 "this terminal follows the job")
             printer.line(node.name, line, *reader.feed(line))
             if printer.closed:  # `| head` had enough: stop following; the job goes on
                 chan.close()
@@ -158,14 +165,15 @@ def follow_all(plan, cluster, conns, printer, hang: HangWatch | None = None,
         results = ssh.parallel(nodes, follow, window=len(nodes))
     else:
         results = _watched(lambda: ssh.parallel(nodes, follow, window=len(nodes)), hang, last_rank_line,
-                           lambda: stop_everywhere(plan, nodes, conns), printer)
+                           lambda: stop_everywhere(plan, nodes, conns), printer, debugged)
     return {k: (v if isinstance(v, int) else 255) for k, v in results.items()}
 
 
 def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_line: list[float],
-             stop: Callable[[], None], printer) -> GroupResult:
+             stop: Callable[[], None], printer, debugged: threading.Event | None = None) -> GroupResult:
     """``follow_all()`` in a thread of its own while this one ticks *hang* with the ranks' quiet
-    spell, as run's monitor does; on a hang verdict with ``--on-hang stop``, *stop* once."""
+    spell, as run's monitor does; on a hang verdict with ``--on-hang stop``, *stop* once. Once
+    *debugged* is set (a rank waits in pdb, driven from another terminal) no hang is looked for."""
     done: list[GroupResult | BaseException] = []
 
     def run() -> None:
@@ -179,7 +187,7 @@ def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_l
     stopped = False
     while thread.is_alive():
         thread.join(timeout=0.2)
-        if last_rank_line[0] and not stopped:
+        if last_rank_line[0] and not stopped and not (debugged is not None and debugged.is_set()):
             hang.tick(last_rank_line[0], time.monotonic())
             if hang.stop_now.is_set() and hang.verdict is not None:
                 stopped = True

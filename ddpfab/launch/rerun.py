@@ -19,6 +19,7 @@ from ddpfab.launch.execute import Printer, RunResult
 from ddpfab.launch.recover import attempt_cluster, current_manifest
 from ddpfab.launch.replay import (ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory,
                                   recorded_selection, validate)
+from ddpfab.launch.debugger import refuse_without_input
 from ddpfab.launch.runs import new_run_id
 from ddpfab.health import probe
 from ddpfab.planning import scriptfile
@@ -104,6 +105,7 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
             f"{latest['run_id']} (its nodes)")
         manifest = latest
     recorded, cwd = validate(manifest, str(path))
+    refuse_without_input(str(manifest["plan"].get("pdb") or ""))  # a --pdb run replays attached
     source = inventory_source if inventory_source is not None else recorded_inventory(manifest)
     limit, variables, masked_vars = recorded_selection(manifest, extra_vars)
     if masked_vars:

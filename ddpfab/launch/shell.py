@@ -71,7 +71,7 @@ def start_file(node, workdir: str, env: Mapping[str, str], prompt: str, path: st
     the prompt. *node*: a Node or a NodePlan."""
     lines = [f"rm -f {home_word(path)}", '[ -f "$HOME/.bashrc" ] && [ -n "$BASH_VERSION" ] && . "$HOME/.bashrc"']
     lines.append(nodeenv.prefix(node, export_python=True).rstrip("\n"))
-    lines.append(f"cd {_path_word(workdir)} || echo 'ddpfab: the workdir {workdir} is not there' >&2")
+    lines.append(f"cd {_path_word(workdir)} || printf 'ddpfab: the workdir %s is not there\\n' {shlex.quote(workdir)} >&2")
     lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
     lines.append(f"PS1={shlex.quote(prompt)}")
     return "\n".join(line for line in lines if line) + "\n"

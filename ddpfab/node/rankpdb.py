@@ -19,6 +19,7 @@ import os
 import pdb
 import socket
 import sys
+import threading
 
 #: Which ranks stop: ``all``, or global ranks separated by commas.
 RANKS_VAR = "DDPFAB_PDB"
@@ -58,12 +59,15 @@ class Session:
         except OSError:
             pass
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket 0600 from the start
         try:
+            # no umask change (it is the whole process's, its other threads' files included): the
+            # socket's dir is 0700 already, and the socket itself is made 0600 before it listens
             self.listener.bind(self.path)
-        finally:
-            os.umask(old)
-        self.listener.listen(1)
+            os.chmod(self.path, 0o600)
+            self.listener.listen(1)
+        except OSError:
+            self.listener.close()
+            raise
 
     def wait(self, where, kind):
         """Say where the rank waits, then block until the user's relay connects; its stream. The
@@ -80,6 +84,11 @@ class Session:
             pass
         self.file = self.conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace", newline="\n")
         return self.file
+
+    @property
+    def open(self):
+        """A user is attached and the session has not ended."""
+        return self.file is not None
 
     def close(self):
         for thing in (self.file, self.conn, self.listener):
@@ -127,37 +136,62 @@ def install(environ=None):
         return False
     if env.get("PYTHONBREAKPOINT") == "0" or env.get(OWNER_VAR):  # breakpoint() turned off; not the rank
         return False
-    env[OWNER_VAR] = str(os.getpid())
+    owner = os.getpid()
+    env[OWNER_VAR] = str(owner)
     rank, local = int(rank), int(local)
     node = env.get(NODE_VAR) or socket.gethostname()
     original_excepthook = sys.excepthook
+    original_breakpointhook = sys.breakpointhook
+    current = [None]  # the session a user is attached to: a stop while it lasts is driven there too
+    lock = threading.Lock()  # one stop at a time: each would take the rank's one socket path
+
+    def session_for(where, kind):
+        """The attached session, else a new one waited on (None: no socket could be made, said)."""
+        if current[0] is not None and current[0].open:
+            return current[0], current[0].file
+        try:
+            session = Session(directory, rank, local)
+        except OSError as exc:  # a socket path too long for AF_UNIX, a full disk: no debugger, said once
+            (sys.__stderr__ or sys.stderr).write("ddpfab: rank %d cannot wait in pdb (%s)\n" % (rank, exc))
+            return None, None
+        current[0] = session
+        return session, session.wait(where, kind)
 
     def breakpointhook(*args, **kwargs):
+        if os.getpid() != owner:  # a process the rank forked (a DataLoader worker): as without --pdb
+            return original_breakpointhook(*args, **kwargs)
         frame = sys._getframe(1)
-        session = Session(directory, rank, local)
-        stream = session.wait(_where(frame), "breakpoint")
-        RankPdb(session, stream, node).set_trace(frame)
+        with lock:
+            session, stream = session_for(_where(frame), "breakpoint")
+        if session is not None:
+            RankPdb(session, stream, node).set_trace(frame)
 
     def excepthook(etype, value, tb):
         # the traceback, in the log, as without a debugger (under torch's excepthook: after the session)
         original_excepthook(etype, value, tb)
-        if tb is None or issubclass(etype, (bdb.BdbQuit, KeyboardInterrupt, SystemExit)):
+        if tb is None or issubclass(etype, (bdb.BdbQuit, KeyboardInterrupt, SystemExit)) or os.getpid() != owner:
             return
         last = tb
         while last.tb_next is not None:
             last = last.tb_next
-        if str(last.tb_frame.f_globals.get("__name__", "")).startswith(COLLECTIVES):
-            return  # raised inside a collective: a peer went away (a victim), or ddpfab stops the job
-        session = Session(directory, rank, local)
+        if (str(last.tb_frame.f_globals.get("__name__", "")).startswith(COLLECTIVES)
+                or (str(getattr(etype, "__module__", "")) + ".").startswith(COLLECTIVES)):
+            # raised inside a collective, or a collective's error surfacing elsewhere (DDP's
+            # all-reduce in backward()): a peer went away (a victim), or ddpfab stops the job
+            return
+        session = None
         try:
-            stream = session.wait(_where(last.tb_frame), "post-mortem: %s" % etype.__name__)
-            debugger = RankPdb(session, stream, node)
-            debugger.reset()
-            debugger.interaction(None, tb)
+            with lock:
+                session, stream = session_for(_where(last.tb_frame), "post-mortem: %s" % etype.__name__)
+            if session is not None:
+                debugger = RankPdb(session, stream, node)
+                debugger.reset()
+                debugger.interaction(None, tb)
         except Exception:  # noqa: BLE001 - the user's relay went away: the rank ends as it would have
             pass
         finally:
-            session.close()
+            if session is not None:
+                session.close()
 
     sys.breakpointhook = breakpointhook
     sys.excepthook = excepthook

@@ -926,6 +926,8 @@ def check_options(cluster: Cluster, options: RunOptions, facts: Facts) -> None:
         if missing:
             raise PlanError(f"--init-method file needs ddpfab_shared_dir (a directory every node shares, e.g. "
                             f"on NFS) in the inventory; not set for {', '.join(missing)}")
+    if options.pdb and options.debugpy:
+        raise PlanError("--pdb with --debugpy: a rank is debugged one way; pick one (--debugpy: from VS Code)")
     ifname_problems = socket_ifname_problems(cluster, options, facts)
     if ifname_problems:
         raise PlanError(ifname_problems)

@@ -4,6 +4,7 @@ breakpoint() and uncaught exception wait in pdb on the socket (the relay's end p
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -40,6 +41,7 @@ def test_pdb_ranks_refuse_what_is_not_a_rank_of_the_job(spec, world, words):
     (["run", "-i", "inv", "--pdb", "train.py", "--pdb"], ["run", "-i", "inv", "--pdb=all", "train.py", "--pdb"]),
     (["run", "--pdb", "5", "train.py"], ["run", "--pdb", "5", "train.py"]),
     (["run", "--pdb", "0,2-3", "train.py"], ["run", "--pdb", "0,2-3", "train.py"]),
+    (["run", "--pdb", "0, 3", "train.py"], ["run", "--pdb", "0, 3", "train.py"]),  # as pdb_ranks reads it
     (["run", "--env", "--pdb", "--pdb", "t.py"], ["run", "--env", "--pdb", "--pdb=all", "t.py"]),  # an option's value
     (["plan", "--pdb", "--nproc-per-node", "2", "t.py"], ["plan", "--pdb=all", "--nproc-per-node", "2", "t.py"]),
     (["run", "t.py", "--pdb", "x"], ["run", "t.py", "--pdb", "x"]),  # the script's own
@@ -83,11 +85,28 @@ def test_the_supervisor_installs_the_hooks_with_the_exit_guard_off(tmp_path):
 
 
 SCRIPT = '''
+import json
 import os
 x = 6
 if os.environ["MODE"] == "stop":
     breakpoint()
     print("after the breakpoint", x, flush=True)
+elif os.environ["MODE"] == "loop":  # breakpoint() again while the user is attached (a break set)
+    for i in range(2):
+        breakpoint()
+        print("step", i, flush=True)
+elif os.environ["MODE"] == "fork":  # a process the rank forked (a DataLoader worker) stays without
+    pid = os.fork()
+    if pid == 0:
+        breakpoint()  # reads /dev/null, as without --pdb: BdbQuit... or returns at once
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("the child did not wait", flush=True)
+elif os.environ["MODE"] == "disterror":  # a collective's error type, raised outside its frames
+    class DistBackendError(RuntimeError):
+        pass
+    DistBackendError.__module__ = "torch.distributed"
+    raise DistBackendError("NCCL error: remote process exited")
 elif os.environ["MODE"] == "raise":
     raise ValueError("bad batch")
 else:  # raised inside a collective: the module's name says so
@@ -152,6 +171,31 @@ def test_an_uncaught_exception_waits_post_mortem_then_the_rank_fails_with_it(tmp
     assert "post-mortem: ValueError" in stderr and "ValueError: bad batch" in stderr
 
 
+def test_a_breakpoint_while_attached_is_driven_on_the_same_session(tmp_path):
+    """`c` with a break set keeps the session; the next breakpoint() prompts there again instead of
+    waiting on a new socket nobody can reach (the run's terminal is still on the old one)."""
+    proc = _rank(tmp_path, "loop")
+    never = SCRIPT.splitlines().index('    raise ValueError("bad batch")') + 1  # a line the loop never reaches
+    out = _talk(tmp_path / "pdb" / "rank-3.sock", [f"b {never}", "c", "p i * 10", "cl 1", "c"], b"step 1")
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert out.count(b"node9 rank 3 (Pdb)") == 5 and b"10\n" in out
+    assert "step 0\nstep 1" in stdout
+    assert len([ln for ln in stderr.splitlines() if debugger.WAITS.match(ln)]) == 1  # one wait, one socket
+
+
+def test_a_process_the_rank_forked_does_not_wait_in_pdb(tmp_path):
+    proc = _rank(tmp_path, "fork")
+    stdout, stderr = proc.communicate(timeout=30)
+    assert "the child did not wait" in stdout and "waits in pdb" not in stderr
+
+
+def test_a_collectives_error_type_gets_no_post_mortem_wherever_it_surfaces(tmp_path):
+    proc = _rank(tmp_path, "disterror")
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "remote process exited" in stderr and "waits in pdb" not in stderr
+
+
 def test_an_exception_raised_inside_a_collective_gets_no_post_mortem(tmp_path):
     proc = _rank(tmp_path, "collective")
     stdout, stderr = proc.communicate(timeout=30)
@@ -193,11 +237,86 @@ def test_the_supervisor_installs_debugpy_in_the_ranks_it_names(tmp_path):
 
 def test_pdb_and_debugpy_together_and_debugpy_detached_are_refused(tmp_path, monkeypatch):
     from ddpfab.api import Cluster
+    from ddpfab.hosts.inventory import load
+    from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
+    # the planner decides it: run, plan, replay and the API all plan
+    cluster = load("a,b,")
+    facts = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29501, cwd="/w", homes={})
+    assert make_plan(cluster, RunOptions("t.py", debugpy="1"), facts).debugpy == "1"
+    with pytest.raises(PlanError, match="a rank is debugged one way"):
+        make_plan(cluster, RunOptions("t.py", pdb="all", debugpy="1"), facts)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("print(1)\n")
-    cluster = Cluster.load("a,b,")
-    with pytest.raises(PlanError, match="a rank is debugged one way"):
-        cluster.run("t.py", pdb="all", debugpy="1")
-    with pytest.raises(PlanError, match="--debugpy with --detach"):
-        cluster.run("t.py", debugpy="1", detach=True)
+    with pytest.raises(PlanError, match="--debugpy with --detach"):  # before any node is contacted
+        Cluster.load("a,b,").run("t.py", debugpy="1", detach=True)
+
+
+class _Chan:
+    """A paramiko channel's surface over one end of a socketpair (the node's debugpy at the other)."""
+
+    def __init__(self, sock):
+        self.sock = sock
+
+    def recv(self, n):
+        return self.sock.recv(n)
+
+    def sendall(self, data):
+        self.sock.sendall(data)
+
+    def shutdown_write(self):
+        self.sock.shutdown(socket.SHUT_WR)
+
+    def close(self):
+        self.sock.close()
+
+
+class _Transport:
+    def __init__(self):
+        self.opened = []  # (dest, the node's end)
+
+    def open_channel(self, kind, dest, src, timeout=None):
+        assert kind == "direct-tcpip"
+        mine, node = socket.socketpair()
+        self.opened.append((dest, node))
+        return _Chan(mine)
+
+
+def test_the_forwarder_serves_this_user_only_and_a_restarted_rank_replaces_its_port(tmp_path):
+    from types import SimpleNamespace
+
+    from ddpfab.launch import dapforward
+    from ddpfab.node import rankdebugpy
+
+    plan = SimpleNamespace(run_id="r1", nodes=[SimpleNamespace(name="node2", workdir="/w")])
+    transport, notes = _Transport(), []
+    fwd = dapforward.DapForwarder(plan, {"node2": lambda: transport}, notes.append, str(tmp_path), "/here")
+    fwd.saw("node2", rankdebugpy.LISTENS % (3, 1, 41000, 77))
+    port = json.loads((tmp_path / "launch.json").read_text())["configurations"][0]["connect"]["port"]
+    assert [f.rank for f in fwd.stopped()] == [3]  # waiting for its client: no hang is looked for
+    # this user: forwarded to the rank's port on the node's loopback, both ways
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+        deadline = time.monotonic() + 10
+        while not transport.opened and time.monotonic() < deadline:
+            time.sleep(0.02)
+        dest, node_end = transport.opened[0]
+        assert dest == ("127.0.0.1", 41000)
+        client.sendall(b"ping")
+        assert node_end.recv(4) == b"ping"
+        node_end.sendall(b"pong")
+        assert client.recv(4) == b"pong"
+    # another user of this machine: refused, nothing forwarded
+    other = subprocess.run(["runuser", "-u", "nobody", "--", "bash", "-c",
+                            f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected && cat <&3 && echo closed"],
+                           capture_output=True, text=True, timeout=30)
+    assert other.stdout.split() == ["connected", "closed"], other.stdout + other.stderr
+    assert len(transport.opened) == 1 and any("refused a connection" in n and "another user" in n for n in notes)
+    # torchrun restarted the rank: a new port; the old one is closed
+    fwd.saw("node2", rankdebugpy.LISTENS % (3, 1, 42000, 78))
+    entries = json.loads((tmp_path / "launch.json").read_text())["configurations"]
+    assert len(entries) == 1 and entries[0]["connect"]["port"] != port
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    fwd.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", entries[0]["connect"]["port"]), timeout=5)

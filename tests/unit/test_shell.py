@@ -58,3 +58,16 @@ def test_the_start_file_removes_itself_then_sets_up_the_node_and_the_rank(plan, 
     assert text.splitlines()[0] == 'rm -f "$HOME/.ddpfab/shell/rc-1"'
     assert "hunter2" not in shell.write_command(path) + shell.shell_command(path)  # only paths in command lines
     assert shell.shell_command(path).count('"$HOME/.ddpfab/shell/rc-1"') == 2
+
+
+def test_a_missing_workdir_with_a_quote_in_its_name_is_said_and_runs_nothing(tmp_path):
+    node = inventory.Node("a", "10.0.0.1", python="/usr/bin/python3", python_from="inventory")
+    home = tmp_path / "home"
+    (home / ".ddpfab" / "shell").mkdir(parents=True)
+    workdir = f"{tmp_path}/it's'; touch {tmp_path}/pwned; echo '"
+    text = shell.start_file(node, workdir, {"RANK": "1"}, "> ", "~/.ddpfab/shell/rc-2")
+    (home / ".ddpfab" / "shell" / "rc-2").write_text(text)
+    out = subprocess.run(["sh", "-c", '. "$HOME/.ddpfab/shell/rc-2"; echo "rank $RANK"'],
+                         env={"HOME": str(home), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert out.stdout.strip() == "rank 1", out.stdout + out.stderr  # the exports after it still ran
+    assert f"ddpfab: the workdir {workdir} is not there" in out.stderr and not (tmp_path / "pwned").exists()
