@@ -720,186 +720,234 @@ def relay_lines(fds, emit, hold=LINE_HOLD, seen=None):
 
 
 def main(spec):
-    run_id = spec.get("run_id")
-    run_dir = os.path.expanduser(spec["dir"])
-    grace = float(spec.get("grace", 3))
-    silence = float(spec.get("silence", 0))
-    detached = bool(spec.get("detached"))
-    record_path = os.path.join(run_dir, "agent.json")
-    if os.path.exists(record_path):
-        _say("run id %s was used on this node already (%s); the job was not started" % (run_id, run_dir))
-        return CANNOT_START
-    try:  # our own record first: a supervisor nobody can find must not start anything
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
-        os.chmod(run_dir, 0o700)
-        log = open(os.path.join(run_dir, "output.log"), "ab")  # noqa: SIM115 - open for the job's life
-        _write(record_path, json.dumps({"run_id": run_id, "agent_pid": os.getpid(), "pid": None, "pgid": None,
-                                        "started": time.time(), "marker": JOB_MARKER}) + "\n")
-    except OSError as exc:
-        _say("cannot write the run record in %s (%s); the job was not started" % (run_dir, exc))
-        return CANNOT_START
-    try:  # housekeeping must never fail the job
-        prune_records(os.path.dirname(run_dir.rstrip("/")), os.path.basename(run_dir.rstrip("/")),
-                      int(spec.get("keep_records", KEEP_RECORDS)))
-    except (OSError, ValueError):
-        pass
-    leases, gpus = hold_leases(spec, run_dir, log)
+    """Supervise the job *spec* describes on this node (see the module's docstring); its exit code."""
+    sup = Supervisor(spec)
+    code = sup.open_record()
+    if code is not None:
+        return code
+    leases, gpus = hold_leases(spec, sup.run_dir, sup.log)
     if leases is None:
-        return _recorded_code(run_dir)
+        return _recorded_code(sup.run_dir)
     if gpus is not None:  # the job sees exactly its leased GPUs
-        spec = dict(spec, env=dict(spec.get("env") or {}, CUDA_VISIBLE_DEVICES=",".join(gpus)))
-    last_beat = [time.monotonic()]
-    grace_now = [grace]
+        sup.spec = dict(spec, env=dict(spec.get("env") or {}, CUDA_VISIBLE_DEVICES=",".join(gpus)))
+    sup.last_beat = time.monotonic()  # the controller's silence counts from here, not from a wait in the queue
     _set_subreaper()
-    stop = threading.Event()
-    reason = []
-    by_worker = []
-    failed_at = []
-
-    def request_stop(why, worker=False):
-        if not stop.is_set():
-            reason.append(why)
-            by_worker.append(worker)  # what stopped it, as data: the reason is only for people
-            stop.set()
-
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, lambda s, f: request_stop("signal %d" % s))
+        signal.signal(sig, lambda s, f: sup.request_stop("signal %d" % s))
+    code = sup.start_job()
+    if code is not None:
+        return code
+    sup.watch()
+    return sup.finish()
 
-    import subprocess
 
-    try:
-        job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
-                               env=exit_guard_env(spec, run_dir, _job_env(spec)), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
-        log.write(("ddpfab-agent: %s\n" % text).encode())
-        log.close()
-        _say(text)
-        _write(os.path.join(run_dir, "result.json"), json.dumps({
-            "exit_code": 127, "ended": time.time(), "failed_at": time.time(), "stopped": None,
-            "restarts": 0}) + "\n")
-        _write(os.path.join(run_dir, "exit_code"), "127\n")
-        return 127
-    try:
-        _write(record_path, json.dumps({
-            "run_id": run_id, "agent_pid": os.getpid(), "pid": job.pid, "pgid": job.pid,
-            "started": time.time(), "marker": JOB_MARKER}) + "\n")
-    except OSError as exc:  # the first record names us; the job is found by its marker anyway
-        _say("cannot update the run record (%s)" % exc)
+class Supervisor(object):
+    """One job on this node, from its record to its result: :func:`main`'s steps, and the state the
+    threads that watch the job share (the link, the workers, the exit barrier)."""
 
-    def watch_link():
-        # ddpfab writes only heartbeats to stdin; EOF means it closed the link or went away
+    def __init__(self, spec):
+        self.spec = spec
+        self.run_id = spec.get("run_id")
+        self.run_dir = os.path.expanduser(spec["dir"])
+        self.grace = float(spec.get("grace", 3))
+        self.grace_now = self.grace  # lowered to FAST_GRACE for a fast stop
+        self.silence = float(spec.get("silence", 0))
+        self.detached = bool(spec.get("detached"))
+        self.record_path = os.path.join(self.run_dir, "agent.json")
+        self.log = None
+        self.job = None
+        self.stop = threading.Event()
+        self.reason = None  # why it was stopped, for people (None: it ended by itself)
+        self.by_worker = False  # what stopped it, as data
+        self.failed_at = []  # when it failed (this node's clock), as each way of seeing it saw it
+        self.last_beat = time.monotonic()
+        self.link_ok = True
+        self.failed_workers = []  # (pid, how, identity) of each worker seen failing, in order
+        self.workers = {}  # pid -> worker_identity(pid), filled by watch_workers
+        self.own_failure_since = None  # time.monotonic() when a worker failed before any stop
+        self.at_barrier = False
+        self.relayed = None
+        self.relayer = None
+
+    # -- before the job -----------------------------------------------------------------------
+    def open_record(self):
+        """Our own record first: a supervisor nobody can find must not start anything. None, or
+        the exit code when nothing may start."""
+        if os.path.exists(self.record_path):
+            _say("run id %s was used on this node already (%s); the job was not started" % (self.run_id, self.run_dir))
+            return CANNOT_START
+        try:
+            os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+            os.chmod(self.run_dir, 0o700)
+            self.log = open(os.path.join(self.run_dir, "output.log"), "ab")  # noqa: SIM115 - open for the job's life
+            self._record(None)
+        except OSError as exc:
+            _say("cannot write the run record in %s (%s); the job was not started" % (self.run_dir, exc))
+            return CANNOT_START
+        try:  # housekeeping must never fail the job
+            prune_records(os.path.dirname(self.run_dir.rstrip("/")), os.path.basename(self.run_dir.rstrip("/")),
+                          int(self.spec.get("keep_records", KEEP_RECORDS)))
+        except (OSError, ValueError):
+            pass
+        return None
+
+    def _record(self, pid):
+        _write(self.record_path, json.dumps({"run_id": self.run_id, "agent_pid": os.getpid(), "pid": pid, "pgid": pid,
+                                             "started": time.time(), "marker": JOB_MARKER}) + "\n")
+
+    def start_job(self):
+        """Start the job in a session of its own, and name it in the record. None, or the exit
+        code when it could not start (127, recorded as the job's)."""
+        import subprocess
+
+        spec = self.spec
+        try:
+            self.job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
+                                        env=exit_guard_env(spec, self.run_dir, _job_env(spec)),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+        except OSError as exc:
+            text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
+            self.log.write(("ddpfab-agent: %s\n" % text).encode())
+            self.log.close()
+            _say(text)
+            _write(os.path.join(self.run_dir, "result.json"), json.dumps({
+                "exit_code": 127, "ended": time.time(), "failed_at": time.time(), "stopped": None,
+                "restarts": 0}) + "\n")
+            _write(os.path.join(self.run_dir, "exit_code"), "127\n")
+            return 127
+        try:
+            self._record(self.job.pid)
+        except OSError as exc:  # the first record names us; the job is found by its marker anyway
+            _say("cannot update the run record (%s)" % exc)
+        return None
+
+    # -- while it runs ------------------------------------------------------------------------
+    def request_stop(self, why, worker=False):
+        if not self.stop.is_set():
+            self.reason, self.by_worker = why, worker
+            self.stop.set()
+
+    def watch_link(self):
+        """ddpfab writes only heartbeats to stdin; EOF means it closed the link or went away."""
         try:
             while True:
                 data = os.read(0, 4096)
                 if not data:
                     break
-                last_beat[0] = time.monotonic()
+                self.last_beat = time.monotonic()
                 if b"!" in data:  # another node failed: the job is lost anyway, end it fast
-                    grace_now[0] = min(grace, FAST_GRACE)
-                    request_stop("stopped by ddpfab: another node failed")
+                    self.grace_now = min(self.grace, FAST_GRACE)
+                    self.request_stop("stopped by ddpfab: another node failed")
         except OSError:
             pass
-        request_stop("controller link closed")
+        self.request_stop("controller link closed")
 
-    link_ok = [True]
-
-    def emit(chunk):
+    def emit(self, chunk):
         try:
-            log.write(chunk)
-            log.flush()
+            self.log.write(chunk)
+            self.log.flush()
         except OSError:
             pass  # a full disk must not stop the relay (nor the job)
-        if link_ok[0] and not detached:
+        if self.link_ok and not self.detached:
             try:
                 os.write(1, chunk)
             except OSError:
-                link_ok[0] = False
-                request_stop("controller link broken")
+                self.link_ok = False
+                self.request_stop("controller link broken")
 
-    relayed = RankLines({job.stdout.fileno(): "stdout", job.stderr.fileno(): "stderr"})
+    def relay(self):
+        relay_lines((self.job.stdout.fileno(), self.job.stderr.fileno()), self.emit, seen=self.relayed)
 
-    def relay():
-        relay_lines((job.stdout.fileno(), job.stderr.fileno()), emit, seen=relayed)
-
-    failed_worker = []
-    workers = {}  # pid -> worker_identity(pid), filled by watch_workers
-    own_failure_since = []  # time.monotonic() when a worker failed before any stop: the node's own failure
-
-    def worker_failed(pid, how):
-        if stop.is_set() or job.poll() is not None:
+    def worker_failed(self, pid, how):
+        if self.stop.is_set() or self.job.poll() is not None:
             return  # ended already: a worker that dies now was ended by torchrun's exit or by us
-        identity = dict(workers.get(pid) or {})
+        identity = dict(self.workers.get(pid) or {})
         comm = identity.pop("comm", None)
         if how == ("signal", signal.SIGKILL) and oom_killed(pid, comm, time.time()):
             identity["oom"] = True
-        failed_worker.append((pid, how, identity))
-        if finished_before(run_dir, pid):
+        self.failed_workers.append((pid, how, identity))
+        if finished_before(self.run_dir, pid):
             return  # it finished its work, then died at exit: torchrun ends the job, not a failure yet
-        failed_at.append(time.time())
-        own_failure_since.append(time.monotonic())
-        if stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
+        self.failed_at.append(time.time())
+        if self.own_failure_since is None:
+            self.own_failure_since = time.monotonic()
+        if self.stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
             return
-        grace_now[0] = min(grace, FAST_GRACE)
-        request_stop("a worker failed (pid %d, %s %s); ended without waiting for torchrun" % (pid, how[0], how[1]),
-                     worker=True)
+        self.grace_now = min(self.grace, FAST_GRACE)
+        self.request_stop(_worker_text(pid, how), worker=True)
 
-    if not detached:
-        threading.Thread(target=watch_link, daemon=True).start()
-    if spec.get("watch_workers"):
-        threading.Thread(target=watch_workers, args=(job.pid, worker_failed, stop), kwargs={"who": workers},
-                         daemon=True).start()
-    at_barrier = []
-
-    def ranks_finished():
+    def ranks_finished(self):
         # not after a worker failed: torchrun is then handling that failure, not waiting at a barrier
-        if not stop.is_set() and job.poll() is None and not failed_worker:
-            at_barrier.append(True)
-            request_stop(AT_BARRIER)
+        if not self.stop.is_set() and self.job.poll() is None and not self.failed_workers:
+            self.at_barrier = True
+            self.request_stop(AT_BARRIER)
 
-    threading.Thread(target=watch_finished, args=(spec, run_dir, job.pid, ranks_finished, stop), daemon=True).start()
-    relayer = threading.Thread(target=relay, daemon=True)
-    relayer.start()
-    while job.poll() is None and not stop.is_set():
-        stop.wait(0.05)
-        if silence and not detached and time.monotonic() - last_beat[0] > silence:
-            request_stop("controller silent for %.0f s" % silence)
-    if job.poll() is not None and not reason:
-        failed_at.append(time.time())  # the job ended by itself (its failure time if it failed)
-    if own_failure_since:  # a stop that came while the failed worker's last lines were relayed waits for them
-        time.sleep(max(0.0, TAIL_SETTLE - (time.monotonic() - own_failure_since[0])))
-    end_tree(grace_now[0], job.pid)  # the job's main process ended or we were told to stop: nothing may outlive it
-    code = job.wait()
-    relayer.join(timeout=2)
-    if code < 0:
-        code = 128 - code
-    # a worker failed before anything stopped the job: the node failed on its own, also when ddpfab's
-    # stop (another node saw the same failure first) came while its last lines were relayed
-    own_failure = bool(own_failure_since)
-    local = failed_worker[0][2].get("local_rank") if own_failure else None
-    if type(local) is int and not relayer.is_alive():  # what torchrun had not relayed of it yet: its traceback
-        for line in unrelayed_lines(spec.get("log_dir") or "", local, relayed.count):
-            emit(line)
-    if own_failure:
-        code = 1  # what torchrun itself exits with when a worker fails
-        pid, how, _ = failed_worker[0]
-        reason[:1] = ["a worker failed (pid %d, %s %s); ended without waiting for torchrun" % (pid, how[0], how[1])]
-    if at_barrier and reason and reason[0] == AT_BARRIER:
-        code, reason[:] = 0, []  # ended by us after the work was done: the job succeeded on this node
-    if reason:
-        _write(os.path.join(run_dir, "stopped"), reason[0] + "\n")
-    failed = code != 0 and (own_failure or not reason)
-    race = exit_race(spec, run_dir, code, reason, failed_worker)
-    _write(os.path.join(run_dir, "result.json"), json.dumps({
-        "exit_code": code, "ended": time.time(), "stopped": reason[0] if reason else None,
-        "failed_at": min(failed_at) if failed and failed_at and not race else None,
-        "restarts": _restarts(spec.get("log_dir")), "exit_race": race,
-        # the first worker seen failing, as data: torchrun, ended at once, may not have named it
-        "failed_worker": failed_worker_record(*failed_worker[0]) if failed_worker else None}) + "\n")
-    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
-    log.close()
-    return code
+    def watch(self):
+        """The watchers' threads, then wait until the job ends or something stops it."""
+        job, spec = self.job, self.spec
+        self.relayed = RankLines({job.stdout.fileno(): "stdout", job.stderr.fileno(): "stderr"})
+        if not self.detached:
+            threading.Thread(target=self.watch_link, daemon=True).start()
+        if spec.get("watch_workers"):
+            threading.Thread(target=watch_workers, args=(job.pid, self.worker_failed, self.stop),
+                             kwargs={"who": self.workers}, daemon=True).start()
+        threading.Thread(target=watch_finished, args=(spec, self.run_dir, job.pid, self.ranks_finished, self.stop),
+                         daemon=True).start()
+        self.relayer = threading.Thread(target=self.relay, daemon=True)
+        self.relayer.start()
+        while job.poll() is None and not self.stop.is_set():
+            self.stop.wait(0.05)
+            if self.silence and not self.detached and time.monotonic() - self.last_beat > self.silence:
+                self.request_stop("controller silent for %.0f s" % self.silence)
+        if job.poll() is not None and self.reason is None:
+            self.failed_at.append(time.time())  # the job ended by itself (its failure time if it failed)
+
+    # -- after it -----------------------------------------------------------------------------
+    def finish(self):
+        """End whatever is left of the job tree, then record how it ended; its exit code."""
+        if self.own_failure_since is not None:  # a stop while the failed worker's last lines were relayed waits
+            time.sleep(max(0.0, TAIL_SETTLE - (time.monotonic() - self.own_failure_since)))
+        end_tree(self.grace_now, self.job.pid)  # the main process ended or we were told to stop: nothing outlives it
+        code = self.job.wait()
+        self.relayer.join(timeout=2)
+        if code < 0:
+            code = 128 - code
+        # a worker failed before anything stopped the job: the node failed on its own, also when
+        # ddpfab's stop (another node saw the same failure first) came while its last lines were relayed
+        own_failure = self.own_failure_since is not None
+        first = self.failed_workers[0] if self.failed_workers else None
+        local = first[2].get("local_rank") if own_failure and first else None
+        if type(local) is int and not self.relayer.is_alive():  # what torchrun had not relayed of it: its traceback
+            for line in unrelayed_lines(self.spec.get("log_dir") or "", local, self.relayed.count):
+                self.emit(line)
+        if own_failure:
+            code = 1  # what torchrun itself exits with when a worker fails
+            self.reason = _worker_text(first[0], first[1])
+        if self.at_barrier and self.reason == AT_BARRIER:
+            code, self.reason = 0, None  # ended by us after the work was done: the job succeeded on this node
+        self._result(code, own_failure)
+        self.log.close()
+        return code
+
+    def _result(self, code, own_failure):
+        reason, run_dir = self.reason, self.run_dir
+        if reason:
+            _write(os.path.join(run_dir, "stopped"), reason + "\n")
+        failed = code != 0 and (own_failure or not reason)
+        stopped = [reason] if reason else []
+        race = exit_race(self.spec, run_dir, code, stopped, self.failed_workers)
+        _write(os.path.join(run_dir, "result.json"), json.dumps({
+            "exit_code": code, "ended": time.time(), "stopped": reason,
+            "failed_at": min(self.failed_at) if failed and self.failed_at and not race else None,
+            "restarts": _restarts(self.spec.get("log_dir")), "exit_race": race,
+            # the first worker seen failing, as data: torchrun, ended at once, may not have named it
+            "failed_worker": failed_worker_record(*self.failed_workers[0]) if self.failed_workers else None}) + "\n")
+        _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
+
+
+def _worker_text(pid, how):
+    return "a worker failed (pid %d, %s %s); ended without waiting for torchrun" % (pid, how[0], how[1])
 
 
 def hold_leases(spec, run_dir, log):
