@@ -36,7 +36,7 @@ from ddpfab.health import resources
 from ddpfab.hosts import inventory
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.launch import replicate
-from ddpfab.launch.debugger import stdin_usable
+from ddpfab.launch.debugger import refuse_without_input
 from ddpfab.launch.progress import Ticker
 from ddpfab.launch.runs import runs_dir_problem
 from ddpfab.node.workdir import source_problem
@@ -451,7 +451,7 @@ class Cluster:
         return Fetched(got["node"], got["path"], got["local"], got["kind"], got["files"], got["bytes"])
 
     def doctor(self, run_id: str, *, runs_dir: str | os.PathLike | None = None,
-               timeout: float | None = None) -> Diagnosis:
+               timeout: float | None = None, record: dict | None = None) -> Diagnosis:
         """``ddpfab doctor RUN_ID``: every rank's state and stack on this cluster's nodes, the odd
         ones out named; the record written under ``RUNS_DIR/RUN_ID``.
 
@@ -460,6 +460,8 @@ class Cluster:
                 attempt is diagnosed).
             runs_dir: where the run records are (default: as the command line's ``--runs-dir``).
             timeout: seconds each node gets to answer.
+            record: the run's record, already read with :func:`ddpfab.launch.runs.read_record`
+                (its latest attempt's), so that it is not read again.
 
         Raises:
             RunRecordError: no record of *run_id* in *runs_dir*, or one that is not a run record.
@@ -472,7 +474,7 @@ class Cluster:
         from ddpfab.remote import nodeprogram, ssh
 
         root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
-        manifest = current_manifest(root, read_record(root, run_id))
+        manifest = record if record is not None else current_manifest(root, read_record(root, run_id))
         if manifest is None:
             raise RunRecordError(f"no local record of run {run_id} in {root}")
         plan = record_plan(manifest, root, "doctor")
@@ -527,34 +529,9 @@ class Cluster:
         nodes, spares = recover.split_spares(self.parsed, ropts.spares_group)  # spares never start in the set
         recover.check_sizes(ropts, len(nodes.nodes), len(spares))
         run_options = planner_options(script, args, opts)
-        if opts.wait and opts.detach:
-            raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
-                            "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
-        if opts.pdb and opts.debugpy:
-            raise PlanError("--pdb with --debugpy: a rank is debugged one way; pick one (--debugpy: from VS Code)")
-        if opts.debugpy and opts.detach:
-            raise PlanError("--debugpy with --detach: the ports reach the nodes over this run's connections; "
-                            "run it attached")
-        if opts.pdb and not opts.dry_run and not opts.detach and not stdin_usable():
-            raise PlanError("--pdb needs an input to drive the debugger from (stdin is /dev/null or closed); "
-                            "run it from a terminal")
+        self._refuse_before_contact(opts, run_options)
         paths = replicate.wanted(nodes, opts.replicate)
         opts = replace(opts, replicate=paths)
-        record = os.path.join(opts.runs_dir, run_options.run_id)
-        why = runs_dir_problem(opts.runs_dir, writable=not opts.dry_run)
-        if why:
-            raise PlanError(f"--runs-dir {opts.runs_dir}: {why}: each run's record goes there (another with "
-                            "--runs-dir or DDPFAB_RUNS_DIR)")
-        if not opts.dry_run and os.path.lexists(record):
-            raise PlanError(f"--run-id {run_options.run_id}: {record} exists already: a run id names one run; pick "
-                            "another (or leave --run-id out)")
-        if opts.sync:  # the dry run too: the real run refuses it before starting
-            why = source_problem(os.getcwd())
-            if why:
-                raise PlanError(why)
-            check_script_here(run_options.script, run_options.module)
-            if opts.dry_run:  # what the real run's sync would leave out, said as it would
-                self._say_left_out(self._left_out_here(opts))
         if opts.dry_run and opts.offline:
             plan = self._offline_plan(nodes, run_options, opts)
             for path in paths:
@@ -593,6 +570,34 @@ class Cluster:
             self._say_where_rank0_is(prepared.plan)
         return RunOutcome(prepared.plan.run_id, result.exit_code, prepared.plan, dict(result.outcomes), path,
                           result.summary, result.first_failure)
+
+    def _refuse_before_contact(self, opts: Options, run_options: planmod.RunOptions) -> None:
+        """What a run refuses before any node is contacted (PlanError): options that do not go
+        together, a runs dir or run id it cannot record in, a source dir or script it will not
+        sync. The dry run refuses the same: it is the real run minus starting."""
+        if opts.wait and opts.detach:
+            raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
+                            "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
+        if opts.debugpy and opts.detach:
+            raise PlanError("--debugpy with --detach: the ports reach the nodes over this run's connections; "
+                            "run it attached")
+        if not opts.dry_run and not opts.detach:
+            refuse_without_input(opts.pdb)
+        record = os.path.join(opts.runs_dir, run_options.run_id)
+        why = runs_dir_problem(opts.runs_dir, writable=not opts.dry_run)
+        if why:
+            raise PlanError(f"--runs-dir {opts.runs_dir}: {why}: each run's record goes there (another with "
+                            "--runs-dir or DDPFAB_RUNS_DIR)")
+        if not opts.dry_run and os.path.lexists(record):
+            raise PlanError(f"--run-id {run_options.run_id}: {record} exists already: a run id names one run; pick "
+                            "another (or leave --run-id out)")
+        if opts.sync:  # the dry run too: the real run refuses it before starting
+            why = source_problem(os.getcwd())
+            if why:
+                raise PlanError(why)
+            check_script_here(run_options.script, run_options.module)
+            if opts.dry_run:  # what the real run's sync would leave out, said as it would
+                self._say_left_out(self._left_out_here(opts))
 
     def prepare(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options):
         """One attempt's start: connect, sync the code (unless ``sync=False`` or a dry run), probe,

@@ -322,21 +322,8 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
         dead = ", ".join(n for n, ok in alive.items() if not ok)
         raise LabError(f"lab in {lab_dir} is partly down ({dead} not answering): "
                        f"run `ddpfab lab down --dir {lab_dir}` first")
-    if hosts < 1:
-        raise LabError(f"--hosts must be at least 1, got {hosts}")
-    net = ipaddress.ip_network(subnet, strict=False)
-    if net.num_addresses < HOST_OFFSET + hosts + 1:
-        raise LabError(f"subnet {subnet} is too small for {hosts} hosts")
-    lid = lab_id(lab_dir)
-    bridge = f"dfb{lid}"
-    if Path(f"/sys/class/net/{bridge}").exists():
-        raise LabError(f"bridge {bridge} exists without lab state in {lab_dir}: "
-                       f"run `ddpfab lab down --dir {lab_dir}` to clean it up")
-    for other in _interfaces_in(net):
-        raise LabError(f"subnet {subnet} is already used by interface {other}: pick another --subnet")
+    net, lid, bridge = _check_new_lab(lab_dir, hosts, subnet, gpus)
     python = python or sys.executable
-    if gpus < 0:
-        raise LabError(f"--gpus must be 0 or more, got {gpus}")
     lab = Lab(dir=lab_dir, subnet=str(net), bridge=bridge, gateway=str(net[1]), store=str(STORE_ROOT / lid),
               shares=tmp_shares([lab_dir, Path(python).parent.parent, Path.cwd(), *share]), gpus=gpus,
               live=live_dir(Path.cwd()))
@@ -360,6 +347,26 @@ def up(lab_dir: str | os.PathLike, hosts: int = 3, subnet: str = DEFAULT_SUBNET,
         down(lab_dir)
         raise
     return lab, False
+
+
+def _check_new_lab(lab_dir: Path, hosts: int, subnet: str,
+                   gpus: int) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str, str]:
+    """A new lab's subnet, id and bridge, once its arguments and this machine allow it (LabError else)."""
+    if hosts < 1:
+        raise LabError(f"--hosts must be at least 1, got {hosts}")
+    if gpus < 0:
+        raise LabError(f"--gpus must be 0 or more, got {gpus}")
+    net = ipaddress.ip_network(subnet, strict=False)
+    if net.num_addresses < HOST_OFFSET + hosts + 1:
+        raise LabError(f"subnet {subnet} is too small for {hosts} hosts")
+    lid = lab_id(lab_dir)
+    bridge = f"dfb{lid}"
+    if Path(f"/sys/class/net/{bridge}").exists():
+        raise LabError(f"bridge {bridge} exists without lab state in {lab_dir}: "
+                       f"run `ddpfab lab down --dir {lab_dir}` to clean it up")
+    for other in _interfaces_in(net):
+        raise LabError(f"subnet {subnet} is already used by interface {other}: pick another --subnet")
+    return net, lid, bridge
 
 
 def tmp_shares(paths: list[str | os.PathLike]) -> list[str]:
