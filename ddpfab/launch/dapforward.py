@@ -50,6 +50,24 @@ class Forward:
         return not self.attached or self.clients > 0
 
 
+def _copy(recv: Callable[[int], bytes], send: Callable[[bytes], object], done: Callable[[], object]) -> None:
+    """Bytes from *recv* to *send* until *recv* gives none or either side fails; then *done()*
+    (the half-close that tells the other side)."""
+    try:
+        while True:
+            data = recv(65536)
+            if not data:
+                break
+            send(data)
+    except (OSError, EOFError):
+        pass
+    finally:
+        try:
+            done()
+        except (OSError, EOFError):
+            pass
+
+
 def _shut(listener: socket.socket) -> None:
     """Close *listener*, waking a thread blocked in its accept() (close() alone does not)."""
     for step in (lambda: listener.shutdown(socket.SHUT_RDWR), listener.close):
@@ -188,36 +206,12 @@ class DapForwarder:
 
     def _pump(self, client: socket.socket, chan, fwd: Forward) -> None:
         """Bytes both ways until either side closes; then both are closed."""
-        def down() -> None:
-            try:
-                while True:
-                    data = chan.recv(65536)
-                    if not data:
-                        break
-                    client.sendall(data)
-            except OSError:
-                pass
-            finally:
-                try:
-                    client.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-
-        reader = threading.Thread(target=down, name="ddpfab-debugpy-down", daemon=True)
+        reader = threading.Thread(target=_copy, args=(chan.recv, client.sendall, lambda: client.shutdown(socket.SHUT_WR)),
+                                  name="ddpfab-debugpy-down", daemon=True)
         reader.start()
         try:
-            while True:
-                data = client.recv(65536)
-                if not data:
-                    break
-                chan.sendall(data)
-        except OSError:
-            pass
+            _copy(client.recv, chan.sendall, chan.shutdown_write)
         finally:
-            try:
-                chan.shutdown_write()
-            except (OSError, EOFError):
-                pass
             reader.join(10)
             client.close()
             chan.close()

@@ -93,14 +93,14 @@ def test_emitted_scripts_run_by_hand_over_plain_ssh_reproduce_the_run(lab, recor
     res = ddpfab("plan", "-i", str(recorded.inv), "--debug", "--nproc-per-node", "2", "--env", "HF_TOKEN=s3cret",
                  "--emit", str(out), "train_dist.py", *ARGS, cwd=recorded.workdir)
     assert res.returncode == 0, res.stderr
-    scripts = sorted(out.glob("node*_*.sh"))
+    scripts = sorted(out.glob("rank*-*.sh"))
     assert [s.name for s in scripts] == ["rank0-node1.sh", "rank1-node2.sh"]
     assert "ssh" in res.stdout and "rank1-node2.sh" in res.stdout  # the README: which to run where
     assert all(lab.processes(n) == [] for n in ("node1", "node2")), "plan must start nothing"
     # output to files, not pipes: a pipe not drained while we wait on the other node would stall
     # that node mid-run (--debug output is large) and with it the whole job
     logs = [tmp_path / f"{s.stem}.out" for s in scripts]
-    procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), s.name.split("_", 1)[1][:-3], "bash -s"],
+    procs = [subprocess.Popen(["ssh", "-F", str(lab.ssh_config), s.name.split("-", 1)[1][:-3], "bash -s"],
                               stdin=s.open(), stdout=log.open("w"), stderr=subprocess.STDOUT)
              for s, log in zip(scripts, logs)]
     try:

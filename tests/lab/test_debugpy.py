@@ -85,6 +85,20 @@ class Dap:
         raise TimeoutError(f"no {kind} {name} in {timeout} s; seen: {self.seen[-5:]}")
 
 
+def waiting_ports(proc, lines: list[str], count: int) -> dict[int, int]:
+    """rank -> the local port ddpfab printed for it, read from the run's output (kept in *lines*)
+    until *count* ranks wait for a debugger."""
+    ports: dict[int, int] = {}
+    while len(ports) < count:
+        line = proc.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+        m = re.search(r"debugpy: rank (\d+) on node\d waits for a debugger: attach to 127\.0\.0\.1:(\d+)", line)
+        if m:
+            ports[int(m.group(1))] = int(m.group(2))
+    return ports
+
+
 def test_a_dap_client_attaches_to_rank_3_through_the_printed_port_and_the_job_ends_0(lab, tmp_path):
     (tmp_path / "job.py").write_text(JOB)
     inv = tmp_path / "inventory.yml"
@@ -93,16 +107,11 @@ def test_a_dap_client_attaches_to_rank_3_through_the_printed_port_and_the_job_en
                         "job.py", cwd=tmp_path)
     lines: list[str] = []
     try:
-        port = None
-        while port is None:
-            line = proc.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-            m = re.search(r"debugpy: rank 3 on node2 waits for a debugger: attach to 127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        port = waiting_ports(proc, lines, 1)[3]
         # the launch.json entry, printed and kept in the run's dir, maps the node's workdir to here
         entry = json.loads(lines[-1].split("its launch.json entry: ", 1)[1])
         assert entry["connect"] == {"host": "127.0.0.1", "port": port} and entry["request"] == "attach"
+        assert entry["name"].endswith("rank 3 (node2)"), entry  # node2 runs ranks 2 and 3
         assert entry["pathMappings"][0]["localRoot"] == str(tmp_path)
         [record] = tmp_path.glob("runs/*/launch.json")
         assert json.loads(record.read_text())["configurations"] == [entry]
@@ -148,15 +157,8 @@ def test_ctrl_c_while_ranks_wait_for_a_client_ends_everything_with_the_forwards(
     inv.write_text(labmod.render_inventory(lab, sys.executable, names=["node1", "node2"]))
     proc = start_ddpfab("run", "-i", str(inv), "--nproc-per-node", "2", "--debugpy", "job.py", cwd=tmp_path)
     lines: list[str] = []
-    ports: dict[int, int] = {}
     try:
-        while len(ports) < 4:
-            line = proc.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-            m = re.search(r"debugpy: rank (\d) on node\d waits for a debugger: attach to 127\.0\.0\.1:(\d+)", line)
-            if m:
-                ports[int(m.group(1))] = int(m.group(2))
+        ports = waiting_ports(proc, lines, 4)
         dap = Dap(ports[0])
         dap.wait("response", "initialize", dap.request("initialize", clientID="ddpfab-test", adapterID="debugpy"))
         proc.send_signal(signal.SIGINT)
