@@ -81,6 +81,18 @@ class Replaying:
         self.prepared.close()
 
 
+def _load(path: Path) -> dict:
+    """The manifest at *path*, validated (ManifestError: none there, not JSON, not a manifest)."""
+    try:
+        manifest = json.loads(path.read_text())
+    except OSError:
+        raise ManifestError(f"no run record {path} (pass --runs-dir where the run was recorded)") from None
+    except ValueError as exc:
+        raise ManifestError(f"{path} is not a ddpfab run manifest (not JSON: {exc})") from None
+    validate(manifest, str(path))
+    return manifest
+
+
 def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str | list[str] | None = None,
             group: str | None = None, env: Iterable[str] = (), extra_vars: Iterable[str] = (),
             same_port: bool = False, force: bool = False,
@@ -92,13 +104,7 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
     *say*), RunError for the nodes' problems; nothing has started then. *inventory_source* and
     *group*: instead of the recorded ones; *env*: ``K=V`` given again (masked secrets) or replaced."""
     path = Path(runs_dir) / run_id / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except OSError:
-        raise ManifestError(f"no run record {path} (pass --runs-dir where the run was recorded)") from None
-    except ValueError as exc:
-        raise ManifestError(f"{path} is not a ddpfab run manifest (not JSON: {exc})") from None
-    validate(manifest, str(path))
+    manifest = _load(path)
     latest = current_manifest(runs_dir, manifest)  # a run with restarts: its last attempt
     if latest is not manifest:
         say(f"{run_id} ran {len(manifest['recovery']['attempts'])} attempts; replaying the last, "

@@ -136,55 +136,73 @@ def install(environ=None):
         return False
     if env.get("PYTHONBREAKPOINT") == "0" or env.get(OWNER_VAR):  # breakpoint() turned off; not the rank
         return False
-    owner = os.getpid()
-    env[OWNER_VAR] = str(owner)
-    rank, local = int(rank), int(local)
-    node = env.get(NODE_VAR) or socket.gethostname()
-    original_excepthook = sys.excepthook
-    original_breakpointhook = sys.breakpointhook
-    current = [None]  # the session a user is attached to: a stop while it lasts is driven there too
-    lock = threading.Lock()  # one stop at a time: each would take the rank's one socket path
+    env[OWNER_VAR] = str(os.getpid())
+    hooks = Hooks(directory, int(rank), int(local), env.get(NODE_VAR) or socket.gethostname())
+    sys.breakpointhook = hooks.breakpointhook
+    sys.excepthook = hooks.excepthook
+    return True
 
-    def session_for(where, kind):
+
+def _victim(etype, tb):
+    """Whether an exception is a collective's failure: raised inside one, or of a collective's
+    error type surfacing elsewhere (DDP's all-reduce in backward()): a peer went away (a victim),
+    or ddpfab stops the job. By where and by type, never by text."""
+    last = tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    return (str(last.tb_frame.f_globals.get("__name__", "")).startswith(COLLECTIVES)
+            or (str(getattr(etype, "__module__", "")) + ".").startswith(COLLECTIVES))
+
+
+class Hooks(object):
+    """The rank's ``sys.breakpointhook`` and ``sys.excepthook``: a stop waits for the user on a
+    session, the one already attached when there is one."""
+
+    def __init__(self, directory, rank, local_rank, node):
+        self.directory, self.rank, self.local_rank, self.node = directory, rank, local_rank, node
+        self.owner = os.getpid()  # a process the rank forks (a DataLoader worker) keeps the defaults
+        self.original_excepthook = sys.excepthook
+        self.original_breakpointhook = sys.breakpointhook
+        self.current = None  # the session a user is attached to: a stop while it lasts is driven there too
+        self.lock = threading.Lock()  # one stop at a time: each would take the rank's one socket path
+
+    def session_for(self, where, kind):
         """The attached session, else a new one waited on (None: no socket could be made, said)."""
-        if current[0] is not None and current[0].open:
-            return current[0], current[0].file
+        if self.current is not None and self.current.open:
+            return self.current, self.current.file
         try:
-            session = Session(directory, rank, local)
-        except OSError as exc:  # a socket path too long for AF_UNIX, a full disk: no debugger, said once
-            (sys.__stderr__ or sys.stderr).write("ddpfab: rank %d cannot wait in pdb (%s)\n" % (rank, exc))
+            session = Session(self.directory, self.rank, self.local_rank)
+        except OSError as exc:  # a socket path too long for AF_UNIX, a full disk: no debugger, said
+            (sys.__stderr__ or sys.stderr).write("ddpfab: rank %d cannot wait in pdb (%s)\n" % (self.rank, exc))
             return None, None
-        current[0] = session
+        self.current = session
         return session, session.wait(where, kind)
 
-    def breakpointhook(*args, **kwargs):
-        if os.getpid() != owner:  # a process the rank forked (a DataLoader worker): as without --pdb
-            return original_breakpointhook(*args, **kwargs)
+    def breakpointhook(self, *args, **kwargs):
+        if os.getpid() != self.owner:
+            return self.original_breakpointhook(*args, **kwargs)
         frame = sys._getframe(1)
-        with lock:
-            session, stream = session_for(_where(frame), "breakpoint")
+        with self.lock:
+            session, stream = self.session_for(_where(frame), "breakpoint")
         if session is not None:
-            RankPdb(session, stream, node).set_trace(frame)
+            RankPdb(session, stream, self.node).set_trace(frame)
+        return None
 
-    def excepthook(etype, value, tb):
+    def excepthook(self, etype, value, tb):
         # the traceback, in the log, as without a debugger (under torch's excepthook: after the session)
-        original_excepthook(etype, value, tb)
-        if tb is None or issubclass(etype, (bdb.BdbQuit, KeyboardInterrupt, SystemExit)) or os.getpid() != owner:
+        self.original_excepthook(etype, value, tb)
+        if (tb is None or issubclass(etype, (bdb.BdbQuit, KeyboardInterrupt, SystemExit))
+                or os.getpid() != self.owner or _victim(etype, tb)):
             return
         last = tb
         while last.tb_next is not None:
             last = last.tb_next
-        if (str(last.tb_frame.f_globals.get("__name__", "")).startswith(COLLECTIVES)
-                or (str(getattr(etype, "__module__", "")) + ".").startswith(COLLECTIVES)):
-            # raised inside a collective, or a collective's error surfacing elsewhere (DDP's
-            # all-reduce in backward()): a peer went away (a victim), or ddpfab stops the job
-            return
         session = None
         try:
-            with lock:
-                session, stream = session_for(_where(last.tb_frame), "post-mortem: %s" % etype.__name__)
+            with self.lock:
+                session, stream = self.session_for(_where(last.tb_frame), "post-mortem: %s" % etype.__name__)
             if session is not None:
-                debugger = RankPdb(session, stream, node)
+                debugger = RankPdb(session, stream, self.node)
                 debugger.reset()
                 debugger.interaction(None, tb)
         except Exception:  # noqa: BLE001 - the user's relay went away: the rank ends as it would have
@@ -192,7 +210,3 @@ def install(environ=None):
         finally:
             if session is not None:
                 session.close()
-
-    sys.breakpointhook = breakpointhook
-    sys.excepthook = excepthook
-    return True

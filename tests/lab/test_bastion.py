@@ -114,7 +114,7 @@ def test_the_nodes_refuse_ssh_from_anywhere_but_the_jump_host(bastion):
 
 def _emitted_ssh(out_dir: Path, node: str) -> list[str]:
     """The ssh command line an emitted node script says to run it with (its '#   ssh ...' line)."""
-    script = next(out_dir.glob(f"node*_{node}.sh")).read_text()
+    script = next(out_dir.glob(f"rank*-{node}.sh")).read_text()
     line = next(ln for ln in script.splitlines() if ln.startswith("#   ssh "))
     return shlex.split(line[1:].split(" 'sh -s' <")[0])
 

@@ -22,7 +22,7 @@ DEBT = {
     "launch/perfcheck.py:run_check": 69,
     "launch/recover.py:Recovery.run": 82,
     "launch/replicate.py:relay": 65,
-    "launch/rerun.py:prepare": 73,
+    "launch/rerun.py:prepare": 68,
     "launch/runner.py:prepare": 61,
     "node/agent.py:wait_for_leases": 136,
     "node/agent.py:watch_workers": 61,

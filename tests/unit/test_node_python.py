@@ -212,7 +212,7 @@ def test_emitted_scripts_and_the_dry_run_apply_the_same_setup(tmp_path, capsys, 
                               "    a: {ansible_host: 10.0.0.1}\n    b: {ansible_host: 10.0.0.2, ddpfab_python: /p/bin/python}\n")
     out = tmp_path / "emit"
     assert cli_main(["plan", "-i", str(inv), "--offline", "--emit", str(out), "train.py"]) == 0
-    script_a, script_b = sorted(out.glob("node*.sh"))
+    script_a, script_b = sorted(out.glob("rank*.sh"))
     text = script_a.read_text()
     assert text.index("export SITE=1") < text.index("set -eu") < text.index('exec "$DDPFAB_PYTHON" -m')
     assert "/p/bin/python -m torch.distributed.run" in script_b.read_text() and \

@@ -81,7 +81,7 @@ def test_plan_offline_emit_of_names_writes_scripts_that_say_so(tmp_path, capsys,
     assert cli.main(["plan", "-i", source, "--offline", "--emit", str(out_dir), "t.py"]) == 0
     readme = (out_dir / "README.txt").read_text()
     assert "unresolved:" in readme and "kept as names" in readme
-    scripts = sorted(out_dir.glob("node*.sh"))
+    scripts = sorted(out_dir.glob("rank*.sh"))
     assert len(scripts) == {"host list": 2, "hostfile": 2, "INI range": 3}[kind]
     first = scripts[0].read_text()
     master = first.split("--master-addr=")[1].split()[0]
