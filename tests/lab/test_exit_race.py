@@ -3,10 +3,10 @@ its work (the gloo/torch teardown race, pytorch issue 190489) no longer fails a 
 
 - Unmodified upstream DDP scripts (pytorch/examples' ddp-tutorial-series, the dist_tuto all-reduce;
   faithful CPU/gloo copies in tests/lab/scripts/) that call ``destroy_process_group``: RUNS runs on
-  2 nodes x 2 processes (``DDPFAB_EXIT_RACE_RUNS``, default 9: each script three times; the race
-  itself did not show here in 14 unguarded runs, so a longer soak adds time, not proof: the drill
-  below makes it certain) and RUNS_4 on 4 nodes, each ending as a success with every rank's work
-  done: no completed job reported as failed.
+  2 nodes x 2 processes (``DDPFAB_EXIT_RACE_RUNS``, default 3: each script once; the race itself
+  did not show here in 14 unguarded runs, so a longer soak adds time, not proof: the drill below
+  makes it certain) and RUNS_4 on 4 nodes, each ending as a success with every rank's work done: no
+  completed job reported as failed.
 - The abort itself, made certain (``scripts/exit_abort_drill.py``: a libc exit handler that aborts
   after the interpreter finalised, where the race strikes): the guard (default) leaves before it;
   with ``--exit-guard record`` it happens and the run says "all ranks finished their work; rank 3
@@ -33,7 +33,7 @@ from .conftest import extra_subnet, own_lab
 from .helpers import assert_no_leftovers, ddpfab
 
 SCRIPTS = "tests/lab/scripts"
-RUNS = int(os.environ.get("DDPFAB_EXIT_RACE_RUNS", "9"))
+RUNS = int(os.environ.get("DDPFAB_EXIT_RACE_RUNS", "3"))
 RUNS_4 = int(os.environ.get("DDPFAB_EXIT_RACE_RUNS_4", "3"))
 DRILL = f"{SCRIPTS}/exit_abort_drill.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")

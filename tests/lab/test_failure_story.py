@@ -4,7 +4,10 @@ SIGKILL is its own failure, not "stopped by ddpfab"; a usage error is quoted; th
 is short.
 
 The peers of a rank that crashed raise gloo's "Connection closed by peer" within milliseconds, and
-their nodes often end first: before, the closing line blamed such a victim in 15 of 16 runs."""
+their nodes often end first: before, the closing line blamed such a victim in 15 of 16 runs. On 3
+nodes each case runs once as it comes and FORCED times with that order made certain (the failing
+rank closes its connections, then fails CRASH_DELAY_S later; each such run checks that a victim's
+node did end first): a soak of ten runs as they came proved the same less surely."""
 
 from __future__ import annotations
 
@@ -22,7 +25,14 @@ from .conftest import extra_subnet, own_lab
 from .helpers import ddpfab, host_sh, wait_no_processes
 
 CRASH = "tests/lab/scripts/crash_after_collective.py"
-RUNS = 10
+#: Runs per case with the victims' nodes made to end first (after one run as it comes)
+FORCED = 2
+#: How much later than its peers' failure the failing rank fails, in the forced runs: under the
+#: settling time (execute.SETTLE_S) the run gives the others once a victim's node ended
+CRASH_DELAY_S = 1.0
+#: Runs of the 4 x 2 cases, as they come (their order cannot be forced: the failing rank's own
+#: node has a victim, whose failure makes torchrun stop it before it fails)
+RUNS_4 = 3
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 
@@ -63,6 +73,17 @@ def closing_line(res) -> str:
     return lines[0]
 
 
+def forced_order(i: int) -> tuple[str, ...]:
+    """Run *i*'s extra options: the first as it comes, the others with the victims first."""
+    return () if i == 0 else ("--env", f"CRASH_DELAY={CRASH_DELAY_S}")
+
+
+def check_victims_ended_first(manifest: dict, node: str) -> None:
+    """In a forced run: a victim's node ended before *node* (the order under test did happen)."""
+    ended = {name: rec["ended"] for name, rec in manifest["nodes"].items()}
+    assert min(t for name, t in ended.items() if name != node) < ended[node], ended
+
+
 def check_named(res, manifest, node: str, node_rank: int, rank: int, local: int, kind: str, what: str) -> None:
     """The closing line and the manifest name *rank* on *node* and *what* ended it, as its own."""
     line = closing_line(res)
@@ -83,10 +104,12 @@ def check_named(res, manifest, node: str, node_rank: int, rank: int, local: int,
     ("kill", "signal", "was killed by signal 9 (SIGKILL)"),
 ])
 def test_three_nodes_the_failing_rank_is_named_every_time(lab, inventory3, tmp_path, how, kind, what):
-    for i in range(RUNS):
-        res, manifest = crash(inventory3, tmp_path / "runs", 1, 1, how)
+    for i in range(1 + FORCED):
+        res, manifest = crash(inventory3, tmp_path / "runs", 1, 1, how, *forced_order(i))
         assert res.returncode == 1, res.stdout + res.stderr
         check_named(res, manifest, "node2", 1, 1, 0, kind, what)
+        if i:
+            check_victims_ended_first(manifest, "node2")
         assert "2 other ranks lost their peer" in closing_line(res), (i, closing_line(res))
         wait_no_processes(lab, timeout=10)
         if how == "raise" and i == 0:
@@ -111,7 +134,7 @@ def test_three_nodes_the_failing_rank_is_named_every_time(lab, inventory3, tmp_p
     ("kill", "signal", "was killed by signal 9 (SIGKILL)"),
 ])
 def test_four_nodes_two_procs_the_failing_rank_is_named_every_time(lab4, inventory4, tmp_path, how, kind, what):
-    for _ in range(RUNS):
+    for _ in range(RUNS_4):
         res, manifest = crash(inventory4, tmp_path / "runs", 2, 5, how)
         assert res.returncode == 1, res.stdout + res.stderr
         check_named(res, manifest, "node3", 2, 5, 1, kind, what)

@@ -3,7 +3,11 @@
 CRASH_RANK: the rank that fails; CRASH_HOW: raise (a ValueError), kill (SIGKILL to itself, as the
 OOM killer would), oom (the kernel's OOM killer ends it: it moves itself into a memory cgroup named
 CRASH_MEMCG, limited to what it uses plus 64 MiB, and allocates until killed); a usage error comes
-from an argument the test passes. The others wait in a second all_reduce, which the crash breaks."""
+from an argument the test passes. The others wait in a second all_reduce, which the crash breaks.
+
+CRASH_DELAY (seconds, optional): the failing rank first closes its connections (its peers fail with
+"Connection closed by peer" at once) and fails that much later, so its peers' nodes always end
+before its own: the order in which a victim is most easily blamed, made certain."""
 
 import argparse
 import os
@@ -45,6 +49,9 @@ def out_of_memory(name: str) -> None:
 
 if rank == int(os.environ.get("CRASH_RANK", "1")):
     how = os.environ.get("CRASH_HOW", "raise")
+    if os.environ.get("CRASH_DELAY"):
+        dist.destroy_process_group()
+        time.sleep(float(os.environ["CRASH_DELAY"]))
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "oom":
