@@ -20,9 +20,11 @@ from ddpfab.hosts import nodeenv
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import script_lines
 from ddpfab.problems import DdpfabError
-from ddpfab.remote.target import Target, scp_argv, ssh_argv, ssh_line
+from ddpfab.remote.target import Target, config_alias, scp_argv, ssh_argv, ssh_config_text
 
 README = "README.txt"
+#: The ssh_config beside the scripts: a block per node, so that a line says ``ssh -F ssh_config NODE``
+SSH_CONFIG = "ssh_config"
 
 
 def script_name(node: NodePlan) -> str:
@@ -36,6 +38,21 @@ def ssh_target(node: NodePlan, targets: dict[str, Target] | None = None) -> Targ
     if targets and node.name in targets:
         return targets[node.name]
     return Target(node.name, node.ssh_host, node.ssh_port or 22, node.ssh_user)
+
+
+def ssh_words(node: NodePlan, targets: dict[str, Target] | None, tty: bool = False) -> list[str]:
+    """How a line beside the scripts reaches *node*: ``ssh -F ssh_config NODE`` (the emitted
+    ssh_config holds every option), or every option on the line where the node has no block."""
+    if targets and node.name in targets and config_alias(node.name):
+        return ["ssh", *(["-t"] if tty else []), "-F", SSH_CONFIG, node.name]
+    return ssh_argv(ssh_target(node, targets), tty=tty)
+
+
+def scp_words(node: NodePlan, targets: dict[str, Target] | None) -> list[str]:
+    """``scp`` of *node*'s script to its home there, the same way as :func:`ssh_words`."""
+    if targets and node.name in targets and config_alias(node.name):
+        return ["scp", "-F", SSH_CONFIG, "--", script_name(node), f"{node.name}:"]
+    return scp_argv(ssh_target(node, targets), script_name(node))
 
 
 def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
@@ -72,17 +89,15 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        ssh = ssh_line(ssh_target(node, targets))
         lines.append(f"  # {node.name}: node_rank {node.node_rank}, {node.nproc} procs")
-        lines.append(f"  {ssh} 'sh -s' < {script_name(node)}")
+        lines.append(f"  {shlex.join(ssh_words(node, targets))} 'sh -s' < {script_name(node)}")
     lines += [
         "",
         "Interactively (a terminal, so Ctrl-C / a dropped connection ends torchrun and its workers):",
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        target = ssh_target(node, targets)
-        lines.append(f"  {shlex.join(scp_argv(target, script_name(node)))} && {shlex.join(ssh_argv(target, tty=True))} "
+        lines.append(f"  {shlex.join(scp_words(node, targets))} && {shlex.join(ssh_words(node, targets, tty=True))} "
                      f"sh {script_name(node)}")
     lines += [
         "",
@@ -138,8 +153,11 @@ def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] |
     written = []
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
         path = out / script_name(node)
-        write_private(path, node_script(plan, node, ssh_line(ssh_target(node, targets))), 0o700)
+        write_private(path, node_script(plan, node, shlex.join(ssh_words(node, targets))), 0o700)
         written.append(path)
+    if targets:
+        write_private(out / SSH_CONFIG, ssh_config_text({n.name: ssh_target(n, targets) for n in plan.nodes}), 0o600)
+        written.append(out / SSH_CONFIG)
     path = out / README
     write_private(path, readme(plan, targets), 0o600)
     written.append(path)

@@ -663,6 +663,37 @@ def scp_argv(t: Target, *files: str) -> list[str]:
     return ["scp", *out, "--", *files, host_path(t, "")]
 
 
+#: Host aliases an ssh_config written by :func:`ssh_config_text` may use as they are
+_ALIAS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def ssh_config_text(targets: dict[str, Target]) -> str:
+    """An ssh_config (``ssh -F FILE NAME``) with a ``Host NAME`` block per node that makes OpenSSH
+    connect exactly as :func:`openssh_options` does, every option on a line of its own (an
+    ``-o K=V`` and a config line ``K=V`` are read by the same parser), so that a command line needs
+    only ``-F FILE NAME``. Nodes whose name is not a plain word are left out (:func:`config_alias`)."""
+    blocks = []
+    for name, t in targets.items():
+        if config_alias(name) is None:
+            continue
+        lines, opts = [f"Host {name}", f"  HostName {t.host}"], openssh_options(t)
+        for flag, value in zip(opts[::2], opts[1::2], strict=True):
+            if flag == "-o":
+                lines.append(f"  {value}")
+            elif flag in ("-p", "-l", "-i"):
+                key = {"-p": "Port", "-l": "User", "-i": "IdentityFile"}[flag]
+                lines.append(f"  {key} {_files_value((value,))}")
+            # "-F /dev/null": this file is the only config read (ssh -F FILE)
+        blocks.append("\n".join(lines))
+    return "".join(f"{b}\n\n" for b in blocks)
+
+
+def config_alias(name: str) -> str | None:
+    """*name* as a ``Host`` alias of :func:`ssh_config_text`'s file, or None when it is not a plain
+    word (a pattern character or a space would make the block match other names)."""
+    return name if _ALIAS.fullmatch(name) else None
+
+
 def ssh_line(t: Target) -> str:
     """:func:`ssh_argv` as one shell-quoted line (emitted scripts, dry-run output)."""
     return shlex.join(ssh_argv(t))

@@ -185,8 +185,8 @@ def test_every_command_goes_through_the_jump_host(bastion, route, tmp_path):
     assert dry.returncode == 0, dry.stdout + dry.stderr
     _no_direct(lab, before, dry.args[3])
     for node in NODES:
-        for argv in (_emitted_ssh(emitted, node), _dry_run_ssh(dry.stdout, node)):
-            got = subprocess.run([*argv, "hostname"], capture_output=True, text=True, timeout=60)
+        for argv in (_emitted_ssh(emitted, node), _dry_run_ssh(dry.stdout, node)):  # (emitted: from its dir)
+            got = subprocess.run([*argv, "hostname"], capture_output=True, text=True, timeout=60, cwd=emitted)
             assert got.returncode == 0 and got.stdout.strip() == node, (argv, got.stderr)
     after = {n: _ssh_rules(lab, n) for n in NODES}
     for n in NODES:  # every connection came from the jump host; none was tried directly
@@ -245,7 +245,7 @@ def test_a_changed_jump_host_key_is_refused_by_every_command(bastion, route, cha
     assert ddpfab("plan", *how, "--offline", "--emit", str(emitted), REPORT).returncode == 0
     dry = ddpfab("run", *how, "--dry-run", "--offline", REPORT)
     for argv in (_emitted_ssh(emitted, "node1"), _dry_run_ssh(dry.stdout, "node1")):
-        got = subprocess.run([*argv, "hostname"], capture_output=True, text=True, timeout=60)
+        got = subprocess.run([*argv, "hostname"], capture_output=True, text=True, timeout=60, cwd=emitted)
         assert got.returncode == 255 and f"Host key for {jump} has changed" in got.stderr, got.stderr
     after = {n: _ssh_rules(lab, n) for n in NODES}
     assert after == before, "a node was reached although the jump host's key was wrong"

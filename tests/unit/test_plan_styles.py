@@ -250,7 +250,7 @@ def test_emitted_script_runs_exactly_the_node_command(tmp_path):
     p = make_plan(c, RunOptions("t.py", args=("it's", "$HOME", "", "日本"), run_id="rid", rdzv="c10d",
                                 env=(("K", "a 'b' \"c\" $d"),), debug=True), facts(c))
     written = emit.write(p, tmp_path / "out", resolve_all(c.nodes, HostKeyPolicy(), "/dev/null"))
-    assert [w.name for w in written] == ["rank0-a.sh", "rank1-b.sh", "README.txt"]
+    assert [w.name for w in written] == ["rank0-a.sh", "rank1-b.sh", "ssh_config", "README.txt"]
     clean = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
     for node, path in zip(p.nodes, written):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
@@ -279,17 +279,27 @@ def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     c = cluster(Node("a", "10.0.0.1", user="root", key_file="/k/id", ssh_options={"userknownhostsfile": "/k/kh"}),
                 Node("b", "10.0.0.2", port=2222, user="root", ssh_options={"proxyjump": "j@10.0.0.9"}))
     p = make_plan(c, RunOptions("t.py", run_id="rid"), facts(c))
-    text = emit.readme(p, resolve_all(c.nodes, HostKeyPolicy(), "/dev/null"))
+    targets = resolve_all(c.nodes, HostKeyPolicy(), "/dev/null")
+    out = tmp_path / "out"
+    emit.write(p, out, targets)
+    text = (out / "README.txt").read_text()
+    assert "ssh -F ssh_config a 'sh -s' < rank0-a.sh" in text
+    assert "ssh -F ssh_config b 'sh -s' < rank1-b.sh" in text
+    assert "scp -F ssh_config -- rank1-b.sh b: && ssh -t -F ssh_config b sh rank1-b.sh" in text
+    assert "#   ssh -F ssh_config b 'sh -s' < rank1-b.sh" in (out / "rank1-b.sh").read_text()
+    assert max(len(ln) for ln in text.splitlines()) < 100
+    # the file's block is the whole route: OpenSSH reads the same settings as from the long options
     policy = ("-F /dev/null -o BatchMode=yes -o UserKnownHostsFile={kh} -o GlobalKnownHostsFile=/dev/null "
               "-o StrictHostKeyChecking=yes -o ConnectTimeout=10")
-    a = f"ssh {policy.format(kh='/k/kh')} -p 22 -l root -i /k/id -- 10.0.0.1"
-    assert f"{a} 'sh -s' < rank0-a.sh" in text
     kh = os.path.expanduser("~/.ssh/known_hosts")
     jump = f"ssh {policy.format(kh=kh)} -p 22 -l j 10.0.0.9 -W [%h]:%p"
-    b = f"ssh {policy.format(kh=kh)} -p 2222 -l root -o 'ProxyCommand={jump}' -- 10.0.0.2"
-    assert f"{b} 'sh -s' < rank1-b.sh" in text
-    scp = f"scp {policy.format(kh=kh)} -P 2222 -o User=root -o 'ProxyCommand={jump}' -- rank1-b.sh 10.0.0.2:"
-    assert f"{scp} && ssh -t {b[len('ssh '):]} sh rank1-b.sh" in text
+    long_b = shlex.split(f"{policy.format(kh=kh)} -p 2222 -l root -o 'ProxyCommand={jump}' 10.0.0.2")
+
+    def g(argv):
+        lines = subprocess.run(["ssh", "-G", *argv], capture_output=True, text=True, check=True).stdout.splitlines()
+        return sorted(ln for ln in lines if not ln.startswith("host "))
+    assert g(["-F", str(out / "ssh_config"), "b"]) == g(long_b)
+    assert oct((out / "ssh_config").stat().st_mode & 0o777) == "0o600"
 
 
 def test_emit_replaces_a_previous_emit_and_only_its_files(tmp_path):
@@ -403,9 +413,10 @@ def test_plan_offline_emit_from_the_cli(tmp_path):
                           "--rdzv", "c10d", "--emit", str(out), "train.py", "--steps", "2"],
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert res.returncode == 0, res.stderr
-    # the route as decided (ddpfab.remote.target): its own -F /dev/null, the host-key policy, port, address
-    assert re.search(r"\n  ssh -F /dev/null -o BatchMode=yes .*-o StrictHostKeyChecking=yes .*-p 22 -- 10\.1\.0\.2 "
-                     r"'sh -s' < rank1-n2.sh\n", res.stdout), res.stdout
+    # the route as decided (ddpfab.remote.target), in the ssh_config beside the scripts
+    assert "\n  ssh -F ssh_config n2 'sh -s' < rank1-n2.sh\n" in res.stdout, res.stdout
+    assert re.search(r"Host n2\n  HostName 10\.1\.0\.2\n  BatchMode=yes\n.*StrictHostKeyChecking=yes\n.*  Port 22\n",
+                     (out / "ssh_config").read_text(), re.S)
     n1 = (out / "rank0-n1.sh").read_text()
     assert re.search(r"\ncd /srv/code\n(export \S+\n)*exec ", n1)
     assert "--rdzv-endpoint=10.1.0.1:29500" in n1 and n1.rstrip().endswith("train.py --steps 2")

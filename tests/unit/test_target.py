@@ -15,12 +15,14 @@ from ddpfab.remote.target import (
     Target,
     TargetError,
     ansible_vars,
+    config_alias,
     host_names,
     host_path,
     openssh_options,
     resolve,
     scp_argv,
     ssh_argv,
+    ssh_config_text,
     ssh_problem,
     unresolved,
 )
@@ -474,3 +476,25 @@ def test_an_openssh_failure_names_an_ipv6_hop():
     assert ssh_problem(t, 255, changed).startswith("host n1: jump host bastion ([fd00::9]:2222): host key CHANGED")
     unknown = "No ED25519 host key is known for fd00::5 and you have requested strict checking."
     assert ssh_problem(t, 255, unknown).startswith("host n1 ([fd00::5]:22): host key not in")
+
+
+def test_the_ssh_config_file_connects_exactly_as_the_options(tmp_path):
+    key = tmp_path / "my key"  # (ssh -i skips a file that does not exist)
+    key.write_text("")
+    jump = Target("bastion", "10.1.1.1", port=2222, user="hop", known_hosts=("/kh",), jump_of="n1")
+    nodes = {
+        "node1": Target("node1", "10.0.0.5", port=2201, user="alice", identity_files=(str(key),),
+                        identities_only=True, known_hosts=("/a/my kh", "/a/kh2"), accept_new=True,
+                        tuning=(("ServerAliveInterval", "7"),)),
+        "node2": Target("node2", "10.0.0.6", known_hosts=("/kh",), jump=jump),
+        "odd name": Target("odd name", "10.0.0.7"),  # not a plain word: no block, its long line is used
+    }
+    config = tmp_path / "ssh_config"
+    config.write_text(ssh_config_text(nodes))
+    for name in ("node1", "node2"):
+        t = nodes[name]
+        by_file, by_options = _ssh_g(["-F", str(config), name]), _ssh_g([*openssh_options(t), t.host])
+        assert by_file.pop("host") == [name] and by_options.pop("host") == [t.host]
+        assert by_file == by_options, name  # every setting OpenSSH would use
+    assert "odd name" not in config.read_text() and config_alias("odd name") is None
+    assert config_alias("node-1.lab") == "node-1.lab" and config_alias("n*") is None
