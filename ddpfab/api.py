@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ddpfab.health import resources
 from ddpfab.hosts import inventory
@@ -47,6 +47,9 @@ from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
 from ddpfab.problems import Problem
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
 from ddpfab.results import GroupResult
+
+if TYPE_CHECKING:  # (slow to import: see LAZY above)
+    from ddpfab.launch.runner import Prepared
 
 Say = Callable[[str], object]  # (what it returns is ignored: print, sys.stderr.write)
 
@@ -107,6 +110,8 @@ class Options:
             :mod:`ddpfab.transfer.keys`).
         replicate: files (relative to the workdir) copied from rank 0's node to the others first.
         detach: start the job and return.
+        tmux: each node's launch in a window of a tmux session named after the run, with a terminal
+            there (Ctrl-C and the keyboard reach that node's torchrun), without the node supervisor.
         runs_dir: where run records go.
         max_job_restarts: start the whole job again up to N times after a node is lost.
         spares: inventory group of standby hosts.
@@ -152,6 +157,7 @@ class Options:
     include_keys: bool = False
     replicate: tuple[str, ...] = ()
     detach: bool = False
+    tmux: bool = False
     runs_dir: str = field(default_factory=runs_dir_default)
     max_job_restarts: int = 0
     spares: str | None = None
@@ -523,7 +529,6 @@ class Cluster:
         opts = _options(options, given)
         # slow to import: see LAZY above
         from ddpfab.launch import recover, runner
-        from ddpfab.launch.execute import Printer
 
         ropts = recover.recovery_options(opts, self.parsed)
         nodes, spares = recover.split_spares(self.parsed, ropts.spares_group)  # spares never start in the set
@@ -558,13 +563,21 @@ class Cluster:
         if opts.dry_run:
             prepared.close()
             return RunOutcome(prepared.plan.run_id, 0, prepared.plan)
+        return self._start(prepared, opts, extra, out)
+
+    def _start(self, prepared: Prepared, opts: Options, extra: dict, out: TextIO | None) -> RunOutcome:
+        """Start the prepared run (detached, in tmux, or attached) and close its connections."""
+        from ddpfab.launch import runner  # slow to import: see LAZY above
+        from ddpfab.launch.execute import Printer
+
         printer = Printer(prepared.plan, stream=out, color=opts.color, verbose=opts.verbose)
         try:
             if opts.detach:
                 code = runner.start_detached(prepared, opts.runs_dir, printer, extra=extra)
                 return RunOutcome(prepared.plan.run_id, code, prepared.plan,
                                   manifest=self._manifest(opts, prepared.plan.run_id))
-            result, path = runner.run(prepared, opts.runs_dir, printer, extra=extra)
+            start = runner.run_tmux if opts.tmux else runner.run
+            result, path = start(prepared, opts.runs_dir, printer, extra=extra)
         finally:
             prepared.close()
             self._say_where_rank0_is(prepared.plan)
@@ -583,6 +596,11 @@ class Cluster:
                             "run it attached")
         if not opts.dry_run and not opts.detach:
             refuse_without_input(opts.pdb)
+        from ddpfab.launch import tmuxrun  # slow to import: see LAZY above
+
+        tmuxrun.refuse(opts.tmux, **{"--detach": opts.detach, "--pdb": opts.pdb, "--debugpy": opts.debugpy,
+                                     "--wait": opts.wait, "--gpus-per-node": opts.gpus_per_node,
+                                     "--max-job-restarts": opts.recovering})
         record = os.path.join(opts.runs_dir, run_options.run_id)
         why = runs_dir_problem(opts.runs_dir, writable=not opts.dry_run)
         if why:

@@ -117,6 +117,9 @@ def _add_run_command_args(run: argparse.ArgumentParser) -> None:
                      help="copy PATH (a file, relative to the workdir: a checkpoint saved by rank 0 only) from rank "
                           "0's node to every other node before the launch, verified by hash on each; repeatable; "
                           "adds to the inventory's ddpfab_replicate. Nothing to copy (a first run): said, and on")
+    run.add_argument("--tmux", action="store_true",
+                     help="each node's launch in a window of a tmux session (ddpfab-RUN_ID), with a terminal there: "
+                          "Ctrl-C and the keyboard reach that node's torchrun; the first node to fail stops the others")
     run.add_argument("--detach", action="store_true",
                      help="start the job and return; it runs on without ddpfab (see attach, logs, ps, stop)")
     add_runs_dir_arg(run)

@@ -20,8 +20,8 @@ from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import check, probe, resources
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
-from ddpfab.launch import replicate
-from ddpfab.launch.execute import STOP_GRACE_S, Printer, RunResult, agent_input, execute, remote_command
+from ddpfab.launch import replicate, tmuxrun
+from ddpfab.launch.execute import STOP_GRACE_S, NodeOutcome, Printer, RunResult, agent_input, execute, remote_command
 from ddpfab.launch.interrupt import Interrupted
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
@@ -335,6 +335,31 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
         printer.note(line)
     else:  # printed once, where errors go: stdout is the job's own output
         sys.stderr.write(f"ddpfab: {line}\n")
+    return result, path
+
+
+def run_tmux(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
+             extra: dict | None = None) -> tuple[RunResult, Path]:
+    """``run --tmux``: the plan's launches in a tmux window per node (:mod:`ddpfab.launch.tmuxrun`),
+    recorded as any run."""
+    plan = prepared.plan
+    run_dir, manifest = _open_record(prepared, runs_root, {**(extra or {}), "tmux": tmuxrun.session_name(plan.run_id)})
+    started = time.time()
+    ended = tmuxrun.run(plan, prepared.conns, prepared.targets(), run_dir.path, printer)
+    code, first, summary = ended.exit_code, ended.first_failure, ended.summary
+    outcomes = {n.name: NodeOutcome(n.name, n.node_rank, exit_code=ended.exit_codes.get(n.name), started=started,
+                                    ended=time.time() if n.name in ended.exit_codes else 0.0,
+                                    stopped_by_ddpfab=n.name != first and ended.exit_codes.get(n.name) not in (0, None))
+                for n in plan.nodes}
+    result = RunResult(code, outcomes, first, ended.interrupted, summary)
+    state = "succeeded" if code == 0 else ("interrupted" if ended.interrupted else "failed")
+    manifest.update({"state": state, "ended": time.time(), "exit_code": code, "first_failure": first,
+                     "interrupted": ended.interrupted, "summary": summary,
+                     "nodes": {n: o.to_dict() for n, o in outcomes.items()}})
+    manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
+    path = run_dir.write_manifest(manifest)
+    (printer.note if code == 0 else lambda line: sys.stderr.write(f"ddpfab: {line}\n"))(
+        f"{summary} (manifest: {path})")
     return result, path
 
 

@@ -20,7 +20,7 @@ from ddpfab.hosts import nodeenv
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import script_lines
 from ddpfab.problems import DdpfabError
-from ddpfab.remote.target import Target, config_alias, scp_argv, ssh_argv, ssh_config_text
+from ddpfab.remote.target import Target, config_alias, config_scp_argv, config_ssh_argv, scp_argv, ssh_argv, ssh_config_text
 
 README = "README.txt"
 #: The ssh_config beside the scripts: a block per node, so that a line says ``ssh -F ssh_config NODE``
@@ -44,14 +44,14 @@ def ssh_words(node: NodePlan, targets: dict[str, Target] | None, tty: bool = Fal
     """How a line beside the scripts reaches *node*: ``ssh -F ssh_config NODE`` (the emitted
     ssh_config holds every option), or every option on the line where the node has no block."""
     if targets and node.name in targets and config_alias(node.name):
-        return ["ssh", *(["-t"] if tty else []), "-F", SSH_CONFIG, node.name]
+        return config_ssh_argv(SSH_CONFIG, node.name, tty=tty)
     return ssh_argv(ssh_target(node, targets), tty=tty)
 
 
 def scp_words(node: NodePlan, targets: dict[str, Target] | None) -> list[str]:
     """``scp`` of *node*'s script to its home there, the same way as :func:`ssh_words`."""
     if targets and node.name in targets and config_alias(node.name):
-        return ["scp", "-F", SSH_CONFIG, "--", script_name(node), f"{node.name}:"]
+        return config_scp_argv(SSH_CONFIG, node.name, script_name(node))
     return scp_argv(ssh_target(node, targets), script_name(node))
 
 

@@ -688,6 +688,16 @@ def ssh_config_text(targets: dict[str, Target]) -> str:
     return "".join(f"{b}\n\n" for b in blocks)
 
 
+def config_ssh_argv(config: str, name: str, *command: str, tty: bool = False) -> list[str]:
+    """``ssh [-t] -F CONFIG NAME [COMMAND...]``: through the block :func:`ssh_config_text` wrote for *name*."""
+    return ["ssh", *(["-t"] if tty else []), "-F", config, name, *command]
+
+
+def config_scp_argv(config: str, name: str, *files: str) -> list[str]:
+    """``scp -F CONFIG FILES... NAME:`` (to the home dir there), as :func:`config_ssh_argv`."""
+    return ["scp", "-F", config, "--", *files, f"{name}:"]
+
+
 def config_alias(name: str) -> str | None:
     """*name* as a ``Host`` alias of :func:`ssh_config_text`'s file, or None when it is not a plain
     word (a pattern character or a space would make the block match other names)."""

@@ -421,3 +421,16 @@ def test_plan_offline_emit_from_the_cli(tmp_path):
     assert re.search(r"\ncd /srv/code\n(export \S+\n)*exec ", n1)
     assert "--rdzv-endpoint=10.1.0.1:29500" in n1 and n1.rstrip().endswith("train.py --steps 2")
     assert Path(out / "README.txt").exists()
+
+
+@pytest.mark.parametrize("other", [["--detach"], ["--pdb"], ["--debugpy"], ["--wait"], ["--gpus-per-node", "1"],
+                                   ["--max-job-restarts", "1"]])
+def test_tmux_refuses_what_needs_the_node_supervisor_dry_run_too(tmp_path, other):
+    inv = tmp_path / "inv.yml"
+    inv.write_text("all:\n  hosts:\n    n1: {ansible_host: 10.1.0.1}\n    n2: {ansible_host: 10.1.0.2}\n")
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inv), "--tmux", *other, "--dry-run",
+                          "--offline", "--no-sync", "train.py"], check=False, capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"--tmux with {other[0]}: each window runs the node's launch without ddpfab's node supervisor" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,269 @@
+"""``ddpfab run --tmux``: the plan's launches in a tmux session, one window per node.
+
+Each window runs its node's launch (the command ``plan --emit`` writes, placed on the node over
+the run's connection, so no secret is in any command line) through ``ssh -t``: a terminal there,
+so Ctrl-C and the keyboard reach that node's torchrun and its ranks (a ``breakpoint()`` is
+driven in its window). ddpfab watches the windows: the first launch that ends with a failure stops
+the others (Ctrl-C in their windows, then their processes are ended over the connection); closing
+the session, or Ctrl-C to ddpfab, ends every node's. The run is recorded as any run.
+
+What it runs without: the node supervisor (its output relay and log, exit guard, GPU leases, hang
+watch); the ranks' output is in the windows and in torchrun's per-rank logs on the nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import queue
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddpfab.hosts import nodeenv
+from ddpfab.launch.execute import STOP_GRACE_S, Printer
+from ddpfab.launch.interrupt import Interrupted, signals_queued
+from ddpfab.planning.plan import NodePlan, Plan, PlanError
+from ddpfab.planning.render import script_lines
+from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
+
+if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refuse())
+    from fabric import Connection
+
+#: The launch and the pid of its session, in the node's record of the run (removed at the end)
+LAUNCH = "tmux-launch.sh"
+PID = "tmux.pid"
+#: How often the windows' ends are looked for
+POLL_S = 0.2
+INSTALL_HINT = "install it (Debian/Ubuntu: apt-get install tmux; macOS: brew install tmux)"
+
+
+def refuse(tmux: bool, **others: object) -> None:
+    """PlanError when ``--tmux`` cannot run here or with the *others* given (option -> value)."""
+    if not tmux:
+        return
+    if shutil.which("tmux") is None:
+        raise PlanError(f"--tmux: tmux is not installed on this machine; {INSTALL_HINT}")
+    given = [name for name, value in others.items() if value]
+    if given:
+        raise PlanError(f"--tmux with {', '.join(given)}: each window runs the node's launch without ddpfab's "
+                        "node supervisor, which those need; run without --tmux")
+
+
+def session_name(run_id: str) -> str:
+    """The tmux session of run *run_id* (tmux reads ``.`` and ``:`` in a target as separators)."""
+    return "ddpfab-" + run_id.replace(".", "-").replace(":", "-")
+
+
+def launch_text(plan: Plan, node: NodePlan) -> str:
+    """What a window runs on *node*: the node's setup, then the launch (``plan --emit``'s script)."""
+    return (f"# ddpfab run {plan.run_id} --tmux: node {node.name} (node_rank {node.node_rank})\n"
+            f"{nodeenv.prefix(node)}set -eu\n" + "\n".join(script_lines(plan, node, prefix=False)) + "\n")
+
+
+def window_command(node: NodePlan, config: Path, exit_file: Path, target: Target) -> str:
+    """The window's shell command: ssh with a terminal there, recording the session's pid (the
+    node's process tree is that session) and starting the launch; then the exit status, here."""
+    remote = f"echo $$ > {shlex.quote(f'{node.remote_dir}/{PID}')} && exec sh {shlex.quote(f'{node.remote_dir}/{LAUNCH}')}"
+    if config_alias(node.name):
+        ssh = config_ssh_argv(str(config), node.name, remote, tty=True)
+    else:
+        ssh = ssh_argv(target, remote, tty=True)
+    return f"{shlex.join(ssh)}; echo $? > {shlex.quote(str(exit_file))}"
+
+
+def tmux(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=check)
+
+
+@dataclass
+class Windows:
+    """The session's windows and how each node's launch ended (its exit status, from the window)."""
+
+    plan: Plan
+    session: str
+    exits_dir: Path
+    ended: dict[str, int] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # the nodes, in the order their launch ended
+
+    def exit_file(self, name: str) -> Path:
+        return self.exits_dir / f"{name}.exit"
+
+    def poll(self) -> list[str]:
+        """The nodes whose launch ended since the last poll."""
+        new = []
+        for node in self.plan.nodes:
+            path = self.exit_file(node.name)
+            if node.name in self.ended or not path.exists():
+                continue
+            text = path.read_text().strip()
+            if not text:  # (being written)
+                continue
+            self.ended[node.name] = int(text) if text.isdigit() else 255
+            self.order.append(node.name)
+            new.append(node.name)
+        return new
+
+    def alive(self) -> bool:
+        return tmux("has-session", "-t", self.session, check=False).returncode == 0
+
+    def interrupt(self, names: list[str]) -> None:
+        """Ctrl-C in each of *names*' windows: to its torchrun, as a user's would be."""
+        for name in names:
+            tmux("send-keys", "-t", f"{self.session}:{name}", "C-c", check=False)
+
+    def running(self) -> list[str]:
+        return [n.name for n in self.plan.nodes if n.name not in self.ended]
+
+
+def place_launches(plan: Plan, conns: dict[str, Connection]) -> None:
+    """Each node's launch into its record dir, private (it may hold secret values), over stdin."""
+    for node in plan.nodes:
+        d = shlex.quote(node.remote_dir)
+        conns[node.name].run(f"umask 077 && mkdir -p {d} && cat > {d}/{LAUNCH}", in_stream=io.StringIO(
+            launch_text(plan, node)), hide=True, warn=False, pty=False)
+
+
+def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> None:
+    """Signal what is left of *node*'s launch: the processes of the session its window's ssh
+    started whose environment names this run (a pid reused since is not ours)."""
+    pid, mine = shlex.quote(f"{node.remote_dir}/{PID}"), shlex.quote(f"DDPFAB_RUN_ID={run_id}")
+    conn.run(f"sid=$(cat {pid} 2>/dev/null) || exit 0; for p in $(pgrep -s \"$sid\"); do "
+             f"tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx {mine} && kill -{signal_name} $p; "
+             "done; exit 0", hide=True, warn=True, pty=False)
+
+
+def cleanup_node(conn: Connection, node: NodePlan) -> None:
+    """Remove what this mode placed on the node (the launch holds the env's secret values)."""
+    d = shlex.quote(node.remote_dir)
+    conn.run(f"rm -f {d}/{LAUNCH} {d}/{PID}", hide=True, warn=True, pty=False)
+
+
+def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
+             printer: Printer) -> None:
+    """Ctrl-C in *names*' windows; what is left after the grace is ended over the connection
+    (SIGTERM, then SIGKILL); a window whose launch still has not ended is closed."""
+    windows.interrupt(names)
+    nodes = {n.name: n for n in plan.nodes}
+    for sig in (None, "TERM", "KILL"):
+        if sig:
+            for name in names:  # (an ended launch may have left a rank behind: its session is looked at too)
+                with contextlib.suppress(Exception):  # a node that cannot be reached now: its window is closed below
+                    end_node(conns[name], nodes[name], plan.run_id, sig)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while any(n in windows.running() for n in names) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for name in windows.poll():
+                printer.note(f"{name}: its launch ended, exit code {windows.ended[name]} (stopped)")
+    for name in [n for n in names if n in windows.running()]:
+        tmux("kill-window", "-t", f"{windows.session}:{name}", check=False)
+        windows.ended[name] = 255
+        windows.order.append(name)
+        printer.note(f"{name}: its launch did not end when stopped; its window was closed")
+
+
+def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:
+    """The session, one window per node, in node_rank order; its name is the run's."""
+    config = run_dir / "ssh_config"
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(ssh_config_text(targets))
+    windows = Windows(plan, session_name(plan.run_id), run_dir / "tmux")
+    windows.exits_dir.mkdir(mode=0o700, exist_ok=True)
+    first = True
+    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+        command = window_command(node, config, windows.exit_file(node.name), targets[node.name])
+        if first:
+            tmux("new-session", "-d", "-s", windows.session, "-n", node.name, "-x", "200", "-y", "50", command)
+            tmux("set-option", "-t", windows.session, "remain-on-exit", "on")
+            first = False
+        else:
+            tmux("new-window", "-d", "-t", f"{windows.session}:", "-n", node.name, command)
+    return windows
+
+
+def attach(session: str) -> subprocess.Popen | None:
+    """The user's terminal onto the session, when there is one (inside tmux: switch to it)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return None
+    if os.environ.get("TMUX"):
+        tmux("switch-client", "-t", session, check=False)
+        return None
+    return subprocess.Popen(["tmux", "attach-session", "-t", session])
+
+
+@dataclass
+class Ended:
+    """How a ``--tmux`` run ended."""
+
+    exit_code: int
+    first_failure: str | None  # the node whose launch failed first
+    summary: str
+    interrupted: str | None = None  # what ended it from outside (a signal to ddpfab, the session closed)
+    exit_codes: dict[str, int] = field(default_factory=dict)  # node -> its launch's exit status
+
+
+def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: Printer) -> Ended:
+    """Until every node's launch ended (or the run was interrupted)."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    first: str | None = None
+    with signals_queued(events):
+        while windows.running():
+            with contextlib.suppress(queue.Empty):
+                exc = events.get(timeout=POLL_S)
+                printer.note(f"interrupted ({exc}): ending every node's launch")
+                _end_all(plan, conns, windows, windows.running(), printer)
+                return Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
+                             interrupted=str(exc))
+            for name in windows.poll():
+                code = windows.ended[name]
+                printer.note(f"{name}: its launch ended, exit code {code}")
+                if code != 0 and first is None:
+                    first = name
+                    others = windows.running()
+                    if others:
+                        printer.note(f"{name} failed: stopping the other nodes ({', '.join(others)})")
+                        _end_all(plan, conns, windows, others, printer)
+            if windows.running() and not windows.alive():
+                printer.note(f"the tmux session {windows.session} was closed: ending every node's launch")
+                _end_all(plan, conns, windows, windows.running(), printer)
+                return Ended(130, None, f"interrupted: the tmux session {windows.session} was closed",
+                             interrupted="tmux session closed")
+    if first is None:
+        return Ended(0, None, f"succeeded: every node's launch ended with exit code 0 ({plan.nnodes} nodes)")
+    node = next(n for n in plan.nodes if n.name == first)
+    stopped = [n for n in windows.order if n != first and windows.ended[n] != 0]
+    return Ended(windows.ended[first], first,
+                 f"failed: {first} (node_rank {node.node_rank}) exit code {windows.ended[first]}"
+                 + (f"; the others were stopped ({', '.join(stopped)})" if stopped else ""))
+
+
+def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], run_dir: Path,
+        printer: Printer) -> Ended:
+    """Place the launches, open the session, watch it; every node's launch has ended on return and
+    what was placed on the nodes is removed."""
+    try:
+        place_launches(plan, conns)
+        windows = start_session(plan, targets, run_dir)
+        printer.note(f"run {plan.run_id} in tmux session {windows.session}: one window per node "
+                     f"(tmux attach -t {windows.session}; Ctrl-b w lists them; Ctrl-b : setw synchronize-panes)")
+        client = attach(windows.session)
+        try:
+            ended = watch(plan, conns, windows, printer)
+        finally:
+            if client is None:  # nobody looks at the windows: the session goes with the run
+                tmux("kill-session", "-t", windows.session, check=False)
+            else:
+                client.wait()
+    finally:
+        for node in plan.nodes:
+            with contextlib.suppress(Exception):
+                cleanup_node(conns[node.name], node)
+    ended.exit_codes = dict(windows.ended)
+    return ended

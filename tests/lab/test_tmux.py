@@ -1,0 +1,146 @@
+"""``ddpfab run --tmux`` on lab hosts: one tmux window per node, each a terminal on that node's
+torchrun (real tmux, sshd, torchrun). Ctrl-C in one window ends that node's launch and ddpfab stops
+the other; closing the session or Ctrl-C to ddpfab ends both; a ``breakpoint()`` is driven in its
+node's window; nothing is left running or placed on the nodes, and the run is recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO, host_sh
+
+SCRIPT = "tests/lab/scripts/tmux_ranks.py"
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+class TmuxRun:
+    """``ddpfab run --tmux`` in a subprocess, with a tmux server of the test's own."""
+
+    def __init__(self, inventory: Path, tmp_path: Path, run_id: str, *args: str):
+        self.env = {**os.environ, "NO_COLOR": "1", "TMUX_TMPDIR": str(tmp_path)}
+        self.env.pop("TMUX", None)
+        self.runs, self.run_id, self.session = tmp_path / "runs", run_id, f"ddpfab-{run_id}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddpfab", "run", "-i", str(inventory), "--tmux", "--no-sync", "--runs-dir",
+             str(self.runs), "--run-id", run_id, *args, SCRIPT],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=self.env)
+
+    def tmux(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", *args], capture_output=True, text=True, env=self.env)
+
+    def pane(self, window: str) -> str:
+        res = self.tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", f"{self.session}:{window}")
+        return res.stdout if res.returncode == 0 else ""
+
+    def wait_for(self, what, timeout: float, why: str):
+        """*what()* once true; else the test fails with ddpfab's output and the windows'."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            got = what()
+            if got:
+                return got
+            time.sleep(0.2)
+        shown = "".join(f"\n--- window {w}:\n{self.pane(w)}" for w in ("node1", "node2"))
+        self.close()
+        raise AssertionError(f"not within {timeout} s: {why}; ddpfab said:\n{self.proc.communicate()[0]}{shown}")
+
+    def shows(self, node: str, ranks: tuple[int, ...]) -> str:
+        """*node*'s window once it shows each of *ranks* ready there."""
+        text = self.pane(node)
+        return text if all(f"rank {k} on {node} ready" in text for k in ranks) else ""
+
+    def ended(self, timeout: float = 60) -> str:
+        try:
+            return self.proc.communicate(timeout=timeout)[0]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """What a failed test leaves: the session (its windows' ssh, so the nodes' launches) and ddpfab."""
+        self.tmux("kill-server")
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def manifest(self) -> dict:
+        return json.loads((self.runs / self.run_id / "manifest.json").read_text())
+
+
+def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inventory2, tmp_path):
+    run = TmuxRun(inventory2, tmp_path, "tmux-1", "--nproc-per-node", "2")
+    try:
+        # each window shows its own node's ranks, and only those
+        for node, ranks, others in (("node1", (0, 1), (2, 3)), ("node2", (2, 3), (0, 1))):
+            text = run.wait_for(lambda n=node, r=ranks: run.shows(n, r), 90, f"{node}'s window shows ranks {ranks}")
+            assert not any(f"rank {k} " in text for k in others), text
+        assert run.tmux("list-windows", "-t", run.session, "-F", "#{window_name}").stdout.split() == ["node1", "node2"]
+        # the launch sits in the node's record of the run, private: no secret in any command line
+        placed = host_sh(lab, "node1", "stat -c %a ~/.ddpfab/runs/tmux-1/tmux-launch.sh").stdout.strip()
+        assert placed == "600", placed
+        # Ctrl-C in node1's window: its torchrun ends, ddpfab stops node2
+        assert run.tmux("send-keys", "-t", f"{run.session}:node1", "C-c").returncode == 0
+        out = run.ended()
+    finally:
+        run.close()
+    assert run.proc.returncode not in (0, None), out
+    assert "node1: its launch ended, exit code" in out, out
+    assert "node1 failed: stopping the other nodes (node2)" in out, out
+    manifest = run.manifest()
+    assert manifest["state"] == "failed" and manifest["first_failure"] == "node1", manifest
+    assert manifest["tmux"] == run.session and manifest["nodes"]["node2"]["stopped_by_ddpfab"], manifest
+    for node in ("node1", "node2"):  # what the mode placed there is gone
+        left = host_sh(lab, node, "ls ~/.ddpfab/runs/tmux-1/").stdout.split()
+        assert "tmux-launch.sh" not in left and "tmux.pid" not in left, (node, left)
+    assert (run.runs / "tmux-1" / "ssh_config").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("how", ["close the session", "ctrl-c to ddpfab"])
+def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, inventory2, tmp_path, how):
+    run = TmuxRun(inventory2, tmp_path, "tmux-close" if how == "close the session" else "tmux-sigint")
+    try:
+        for node, rank in (("node1", 0), ("node2", 1)):
+            run.wait_for(lambda n=node, r=rank: run.shows(n, (r,)), 90, f"{node} ready")
+        if how == "close the session":
+            assert run.tmux("kill-session", "-t", run.session).returncode == 0
+        else:
+            run.proc.send_signal(signal.SIGINT)
+        out = run.ended()
+    finally:
+        run.close()
+    assert run.proc.returncode == 130, out
+    said = (f"the tmux session {run.session} was closed: ending every node's launch" if how == "close the session"
+            else "interrupted (SIGINT): ending every node's launch")
+    assert said in out, out
+    manifest = run.manifest()
+    assert manifest["state"] == "interrupted" and manifest["exit_code"] == 130, manifest
+
+
+def test_a_breakpoint_is_driven_in_its_nodes_window(lab, inventory2, tmp_path):
+    run = TmuxRun(inventory2, tmp_path, "tmux-pdb", "--env", "BREAK_RANK=1")
+    try:
+        run.wait_for(lambda: "(Pdb)" in run.pane("node2"), 90, "rank 1 at its breakpoint in node2's window")
+        run.tmux("send-keys", "-t", f"{run.session}:node2", "p int(os.environ['RANK']) * 7", "Enter")
+        run.wait_for(lambda: "7\n" in run.pane("node2").split("* 7", 1)[-1], 30, "pdb's answer in the window")
+        run.tmux("send-keys", "-t", f"{run.session}:node2", "c", "Enter")
+        out = run.ended()
+    finally:
+        run.close()
+    assert run.proc.returncode == 0, out
+    assert "succeeded: every node's launch ended with exit code 0 (2 nodes)" in out, out
+
+
+def test_without_tmux_the_error_says_how_to_install_it(inventory2, tmp_path):
+    env = {**os.environ, "NO_COLOR": "1", "PATH": "/nonexistent"}
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory2), "--tmux", "--no-sync",
+                          "--runs-dir", str(tmp_path / "runs"), SCRIPT], capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "tmux is not installed" in res.stderr and "apt-get install tmux" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
