@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import re
 import json
+import re
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
@@ -147,6 +148,9 @@ def register(sub) -> None:
                            "and a non-empty DIR that ddpfab did not write is refused")
     plan.add_argument("--force", action="store_true",
                       help="--emit into a non-empty directory anyway (only ddpfab's own files are written)")
+    plan.add_argument("--tmux", action="store_true",
+                      help="with --emit: a tmux session (ddpfab-RUN_ID), a window per node in DIR with that node's "
+                           "line typed at the prompt, not run: Enter in a window starts that node")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -259,10 +263,17 @@ def own_options_hint(outcomes: dict) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     """`ddpfab plan`: the plan `run` would make, printed, or emitted as one shell script per node."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch import runner
+    from ddpfab.launch import runner, tmuxrun
     from ddpfab.planning import emit
     from ddpfab.remote.target import TargetError
 
+    if args.tmux:
+        if not args.emit:
+            return die("plan --tmux: the windows run the emitted scripts; give --emit DIR")
+        try:
+            tmuxrun.refuse(True)
+        except planmod.PlanError as exc:
+            return die(str(exc))
     try:
         cluster = api_cluster(args)
         targets = cluster.targets()
@@ -282,6 +293,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for path in written:
         sys.stderr.write(f"ddpfab: wrote {path}\n")
     print((written[-1]).read_text(), end="")
+    if args.tmux:
+        session = tmuxrun.open_plan_session(plan, Path(args.emit).resolve(), targets)
+        sys.stderr.write(f"ddpfab: tmux session {session}: a window per node, its line typed, not run "
+                         f"(tmux attach -t {session}; Enter in a window starts that node)\n")
+        client = tmuxrun.attach(session)
+        if client is not None:
+            client.wait()
     return 0
 
 

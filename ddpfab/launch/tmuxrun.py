@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ddpfab.hosts import nodeenv
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
+from ddpfab.planning.emit import interactive_line
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
 from ddpfab.planning.render import script_lines
 from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
@@ -186,6 +187,20 @@ def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Wind
         else:
             tmux("new-window", "-d", "-t", f"{windows.session}:", "-n", node.name, command)
     return windows
+
+
+def open_plan_session(plan: Plan, emit_dir: Path, targets: dict[str, Target]) -> str:
+    """``plan --tmux``: a session with a window per node in *emit_dir*, each with the node's line
+    from the emitted README typed at its prompt, not run: Enter in a window starts that node
+    (with synchronize-panes, every node at once). Returns the session's name."""
+    session = session_name(plan.run_id)
+    for i, node in enumerate(sorted(plan.nodes, key=lambda n: n.node_rank)):
+        if i == 0:
+            tmux("new-session", "-d", "-s", session, "-n", node.name, "-c", str(emit_dir), "-x", "200", "-y", "50")
+        else:
+            tmux("new-window", "-d", "-t", f"{session}:", "-n", node.name, "-c", str(emit_dir))
+        tmux("send-keys", "-t", f"{session}:{node.name}", "-l", interactive_line(node, targets))
+    return session
 
 
 def attach(session: str) -> subprocess.Popen | None:

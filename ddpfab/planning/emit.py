@@ -55,6 +55,13 @@ def scp_words(node: NodePlan, targets: dict[str, Target] | None) -> list[str]:
     return scp_argv(ssh_target(node, targets), script_name(node))
 
 
+def interactive_line(node: NodePlan, targets: dict[str, Target] | None) -> str:
+    """From the emit dir: *node*'s script copied to its home there, then run with a terminal (so
+    Ctrl-C and a dropped connection end torchrun and its workers)."""
+    return (f"{shlex.join(scp_words(node, targets))} && {shlex.join(ssh_words(node, targets, tty=True))} "
+            f"sh {script_name(node)}")
+
+
 def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
     lines = "\n".join(script_lines(plan, node, prefix=False))
     how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
@@ -97,8 +104,7 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        lines.append(f"  {shlex.join(scp_words(node, targets))} && {shlex.join(ssh_words(node, targets, tty=True))} "
-                     f"sh {script_name(node)}")
+        lines.append(f"  {interactive_line(node, targets)}")
     lines += [
         "",
         f"The master port {plan.master_port} was free on {plan.master} when this was planned; if it is",

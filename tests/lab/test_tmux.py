@@ -136,6 +136,39 @@ def test_a_breakpoint_is_driven_in_its_nodes_window(lab, inventory2, tmp_path):
     assert "succeeded: every node's launch ended with exit code 0 (2 nodes)" in out, out
 
 
+def test_plan_tmux_types_each_nodes_line_and_enter_starts_it(lab, inventory2, tmp_path):
+    env = {**os.environ, "NO_COLOR": "1", "TMUX_TMPDIR": str(tmp_path)}
+    env.pop("TMUX", None)
+    out = tmp_path / "emit"
+
+    def tmux(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", *args], capture_output=True, text=True, env=env)
+
+    def pane(window: str) -> str:
+        return tmux("capture-pane", "-p", "-J", "-t", f"ddpfab-tmux-plan:{window}").stdout
+
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inventory2), "--run-id", "tmux-plan",
+                          "--emit", str(out), "--tmux", SCRIPT], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=120)
+    try:
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "tmux session ddpfab-tmux-plan: a window per node, its line typed, not run" in res.stderr
+        for node, rank in (("node1", 0), ("node2", 1)):
+            line = f"scp -F ssh_config -- rank{rank}-{node}.sh {node}: && ssh -t -F ssh_config {node} sh rank{rank}-{node}.sh"
+            assert line in pane(node), pane(node)
+            assert f"rank {rank} on" not in pane(node)  # typed, not run
+        for node in ("node1", "node2"):
+            tmux("send-keys", "-t", f"ddpfab-tmux-plan:{node}", "Enter")
+        deadline = time.monotonic() + 90
+        while not all(f"rank {r} on {n} ready" in pane(n) for n, r in (("node1", 0), ("node2", 1))):
+            assert time.monotonic() < deadline, pane("node1") + pane("node2")
+            time.sleep(0.2)
+    finally:
+        tmux("kill-server")  # the windows' ssh go: the nodes' torchrun and ranks end with them
+    for node, rank in (("node1", 0), ("node2", 1)):  # the copied scripts (the README's route) are the user's
+        host_sh(lab, node, f"rm -f ~/rank{rank}-{node}.sh")
+
+
 def test_without_tmux_the_error_says_how_to_install_it(inventory2, tmp_path):
     env = {**os.environ, "NO_COLOR": "1", "PATH": "/nonexistent"}
     res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory2), "--tmux", "--no-sync",

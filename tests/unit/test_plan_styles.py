@@ -434,3 +434,11 @@ def test_tmux_refuses_what_needs_the_node_supervisor_dry_run_too(tmp_path, other
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"--tmux with {other[0]}: each window runs the node's launch without ddpfab's node supervisor" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_plan_tmux_needs_emit(tmp_path):
+    inv = tmp_path / "inv.yml"
+    inv.write_text("all:\n  hosts:\n    n1: {ansible_host: 10.1.0.1}\n")
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inv), "--offline", "--tmux", "train.py"],
+                         check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert res.returncode != 0 and "plan --tmux: the windows run the emitted scripts; give --emit DIR" in res.stderr
