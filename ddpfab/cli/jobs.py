@@ -189,7 +189,7 @@ def _guard(fn):
 def cmd_ps(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.planning import gpu_leases
-    from ddpfab.launch.jobs import _ps_record, grouped, node_state_text, run_state
+    from ddpfab.launch.jobs import ps_record, grouped, node_state_text, run_state
 
     gpus: dict[str, list] = {}
 
@@ -197,7 +197,7 @@ def cmd_ps(args) -> int:
         res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
                             timeout=20)[0].value(n.name)
         gpus[n.name] = gpu_leases.parse(res.get("leases")) or []
-        return float(res["now"]), [_ps_record(r) for r in res["runs"]]
+        return float(res["now"]), [ps_record(r) for r in res["runs"]]
 
     cluster = _cluster(args, None)
     results = _on_each_node(args, cluster, ps, each=True)
@@ -297,7 +297,7 @@ def _found(exc: BaseException) -> str:
 def cmd_stop(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.execute import STOP_GRACE_S
-    from ddpfab.launch.jobs import _remote_dir, grouped
+    from ddpfab.launch.jobs import node_run_dir, grouped
     from ddpfab.launch.recover import stop_supervisor
 
     supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
@@ -309,7 +309,7 @@ def cmd_stop(args) -> int:
     cluster = _cluster(args, manifest)
 
     def stop(conn, n):
-        return nodeprog.stop(conn, n, _remote_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
+        return nodeprog.stop(conn, n, node_run_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
 
     # a node that cannot be reached does not keep the job running on the others
     results = _on_each_node(args, cluster, stop, each=True)
@@ -418,7 +418,7 @@ def _doctor_without_record(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.health import doctor
     from ddpfab.hostlist import compact
-    from ddpfab.launch.jobs import _ps_record
+    from ddpfab.launch.jobs import ps_record
 
     none_here = f"no local record of run {args.run_id} in {args.runs_dir}"
     try:
@@ -430,7 +430,7 @@ def _doctor_without_record(args) -> int:
     def ask(conn, n) -> list[dict]:
         res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "run_id": args.run_id},
                             timeout=20)[0].value(n.name)
-        return [_ps_record(r) for r in res["runs"]]
+        return [ps_record(r) for r in res["runs"]]
 
     results = _on_each_node(args, cluster, ask, each=True)
     for name, exc in results.failed.items():
@@ -483,14 +483,14 @@ def cmd_logs(args) -> int:
 def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.jobs import _remote_dir, fetch_rank_logs, grouped, line_count, logs_report
+    from ddpfab.launch.jobs import node_run_dir, fetch_rank_logs, grouped, line_count, logs_report
     from ddpfab.remote import ssh
 
     cluster = _cluster(args, manifest)
     dest = Path(args.runs_dir) / run_id
 
     def fetch(conn, node) -> tuple[Path, int, str]:
-        remote = _remote_dir(node.name, manifest, run_id)
+        remote = node_run_dir(node.name, manifest, run_id)
         log = shlex.quote(f"{remote}/output.log")
         res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit 3; fi", timeout=60)
         if res.exit_code == 3:  # (the exit code the line above gives it, not a message read back)
@@ -522,7 +522,6 @@ def cmd_debug(args) -> int:
     """This terminal to one waiting rank's pdb, over a channel of a connection to its node."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.debugger import relay, stdin_usable
-    from ddpfab.launch.shell import node_of_rank
     from ddpfab.remote import ssh
 
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))
@@ -533,7 +532,7 @@ def cmd_debug(args) -> int:
     if not plan.pdb:
         return die(f"run {plan.run_id} was started without --pdb: its ranks have no debugger to attach to")
     try:
-        node, _ = node_of_rank(plan, args.rank)
+        node, _ = plan.node_of_rank(args.rank)
     except ValueError as exc:
         return die(str(exc))
     if not stdin_usable():
@@ -575,7 +574,7 @@ def cmd_shell(args) -> int:
             return die(f"no local record of run {args.run_id} in {args.runs_dir}")
         plan = _plan_of(args, manifest)
         try:
-            node_plan, local = shell.node_of_rank(plan, args.rank)
+            node_plan, local = plan.node_of_rank(args.rank)
         except ValueError as exc:
             return die(str(exc))
         if args.node and args.node != node_plan.name:

@@ -8,7 +8,7 @@ import sys
 from ddpfab.cli.common import add_runs_dir_arg, run_id_type
 from ddpfab.cli.config import given
 from ddpfab.cli.errors import die, print_problems, refuse
-from ddpfab.cli.run import _print_dry_run
+from ddpfab.cli.run import print_plan
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError
 
@@ -73,7 +73,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if replaying.changed or args.dry_run:
         for line in replaying.changed:
             sys.stderr.write(f"ddpfab: differs from the recorded plan: {line}\n")
-        _print_dry_run(plan, args.json, offline=False, targets=replaying.prepared.targets())
+        print_plan(plan, args.json, offline=False, targets=replaying.prepared.targets())
         if args.dry_run or not args.force:
             replaying.close()
         if args.dry_run:

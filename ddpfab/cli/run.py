@@ -186,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print_problems(exc.problems, "run")
         return die(exc.problems + ["nothing was started"])
     if args.dry_run:
-        return _print_dry_run(result.plan, args.json, offline=args.offline, targets=cluster.targets())
+        return print_plan(result.plan, args.json, offline=args.offline, targets=cluster.targets())
     # the summary was printed once already, with the manifest's path
     hint = own_options_hint(result.outcomes)
     if hint:
@@ -285,7 +285,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print_problems(exc.problems, "plan")
         return die(exc.problems + ["nothing was planned"])
     if not args.emit:
-        return _print_dry_run(plan, args.json, offline=args.offline, targets=targets)
+        return print_plan(plan, args.json, offline=args.offline, targets=targets)
     try:
         written = emit.write(plan, args.emit, targets, force=args.force)
     except (emit.EmitError, OSError) as exc:
@@ -303,7 +303,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_dry_run(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:
+def print_plan(plan, as_json: bool, offline: bool, targets: dict | None = None) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.hosts import nodeenv
     from ddpfab.launch.runs import mask_plan

@@ -89,7 +89,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
 def _cmd_sync(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.transfer.keys import left_out_line
-    from ddpfab.transfer.sync import BUSY, SyncError, _mb, runs_keep, select
+    from ddpfab.transfer.sync import BUSY, SyncError, megabytes, runs_keep, select
 
     out = sys.stdout
     if args.list:
@@ -134,5 +134,5 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     verb = ("verified" if args.verify_only else "verified (nothing changed)" if result.fanout == "none"
             else f"synced ({result.fanout})")
     out.write(f"{verb} {len(result.nodes)} nodes in {result.duration_s:.1f} s: {result.files} files, "
-              f"{_mb(result.bytes)}, tree {result.tree_hash[:12]}{git}\n")
+              f"{megabytes(result.bytes)}, tree {result.tree_hash[:12]}{git}\n")
     return 0

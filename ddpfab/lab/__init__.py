@@ -188,7 +188,7 @@ class Lab:
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _run(argv: list[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+def run_command(argv: list[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, **kwargs)
     if check and proc.returncode != 0:
         raise LabError(f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -227,7 +227,7 @@ def check_prerequisites() -> None:
         raise LabError(
             f"the lab needs {', '.join(missing)}: apt-get install -y iproute2 util-linux openssh-server"
         )
-    probe = _run(["unshare", "--net", "--pid", "--fork", "--mount", "--uts", "true"], check=False)
+    probe = run_command(["unshare", "--net", "--pid", "--fork", "--mount", "--uts", "true"], check=False)
     if probe.returncode != 0:
         raise LabError(f"namespaces are unavailable here ({probe.stderr.strip()}): the lab needs "
                        "unprivileged-free root with CAP_SYS_ADMIN (not a restricted container)")
@@ -452,7 +452,7 @@ def _fit_neighbour_table(hosts: int) -> None:
 
 
 def _interfaces_in(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> list[str]:
-    out = _run(["ip", "-j", "-4", "addr", "show"]).stdout
+    out = run_command(["ip", "-j", "-4", "addr", "show"]).stdout
     found = []
     for iface in json.loads(out or "[]"):
         for a in iface.get("addr_info", []):
@@ -464,7 +464,7 @@ def _interfaces_in(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> list[s
 def _write_client_files(lab: Lab, python: str) -> None:
     d = lab.dir
     if not lab.key.exists():
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddpfab-lab", "-f", str(lab.key)])
+        run_command(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddpfab-lab", "-f", str(lab.key)])
     shutil.copy(f"{lab.key}.pub", d / "authorized_keys")
     hosts_lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
     hosts_lines += [f"{h.address} {h.name}" for h in lab.hosts]
@@ -475,7 +475,7 @@ def _write_client_files(lab: Lab, python: str) -> None:
         root.mkdir(parents=True, exist_ok=True)
         hostkey = root / "ssh_host_ed25519_key"
         if not hostkey.exists():
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(hostkey)])
+            run_command(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(hostkey)])
         lab.shared_dir.mkdir(parents=True, exist_ok=True)
         store = Path(lab.store) / h.name
         for suffix in [od.replace("/", "_") for od in (*OVERLAY_DIRS, PRIVATE_TMP)] + [
@@ -543,23 +543,23 @@ def render_inventory(lab: Lab, python: str, names: list[str] | None = None) -> s
 
 def _make_network(lab: Lab) -> None:
     prefix = ipaddress.ip_network(lab.subnet).prefixlen
-    _run(["ip", "link", "add", lab.bridge, "type", "bridge"])
-    _run(["ip", "addr", "add", f"{lab.gateway}/{prefix}", "dev", lab.bridge])
-    _run(["ip", "link", "set", lab.bridge, "up"])
+    run_command(["ip", "link", "add", lab.bridge, "type", "bridge"])
+    run_command(["ip", "addr", "add", f"{lab.gateway}/{prefix}", "dev", lab.bridge])
+    run_command(["ip", "link", "set", lab.bridge, "up"])
     if shutil.which("iptables") and Path("/proc/sys/net/bridge/bridge-nf-call-iptables").exists():
         # bridged frames cross FORWARD (br_netfilter); a DROP policy there would cut the hosts off
         for flag in ("-i", "-o"):
-            _run(["iptables", "-I", "FORWARD", flag, lab.bridge, "-j", "ACCEPT",
+            run_command(["iptables", "-I", "FORWARD", flag, lab.bridge, "-j", "ACCEPT",
                   "-m", "comment", "--comment", f"ddpfab-lab {lab.bridge}"])
         lab.forward_rules = True
     for h in lab.hosts:
-        _run(["ip", "netns", "add", h.netns])
-        _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])
-        _run(["ip", "link", "set", h.veth, "master", lab.bridge, "up"])
+        run_command(["ip", "netns", "add", h.netns])
+        run_command(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns])
+        run_command(["ip", "link", "set", h.veth, "master", lab.bridge, "up"])
         nsx = ["ip", "netns", "exec", h.netns]
-        _run([*nsx, "ip", "addr", "add", f"{h.address}/{prefix}", "dev", "eth0"])
-        _run([*nsx, "ip", "link", "set", "eth0", "up"])
-        _run([*nsx, "ip", "link", "set", "lo", "up"])
+        run_command([*nsx, "ip", "addr", "add", f"{h.address}/{prefix}", "dev", "eth0"])
+        run_command([*nsx, "ip", "link", "set", "eth0", "up"])
+        run_command([*nsx, "ip", "link", "set", "lo", "up"])
 
 
 def _start_host(lab: Lab, h: LabHost) -> int:
@@ -604,17 +604,17 @@ def down(lab_dir: str | os.PathLike) -> bool:
         while h.pid and pid_alive(h.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
     for h in lab.hosts:
-        _run(["ip", "netns", "del", h.netns], check=False)
-        _run(["ip", "link", "del", h.veth], check=False)
-    _run(["ip", "link", "del", lab.bridge], check=False)
+        run_command(["ip", "netns", "del", h.netns], check=False)
+        run_command(["ip", "link", "del", h.veth], check=False)
+    run_command(["ip", "link", "del", lab.bridge], check=False)
     if lab.forward_rules or shutil.which("iptables"):
         for flag in ("-i", "-o"):
-            while _run(["iptables", "-D", "FORWARD", flag, lab.bridge, "-j", "ACCEPT", "-m", "comment",
+            while run_command(["iptables", "-D", "FORWARD", flag, lab.bridge, "-j", "ACCEPT", "-m", "comment",
                         "--comment", f"ddpfab-lab {lab.bridge}"], check=False).returncode == 0:
                 pass
     netns_dir = Path("/run/netns")
     if netns_dir.is_dir() and not any(netns_dir.iterdir()):
-        _run(["umount", str(netns_dir)], check=False)
+        run_command(["umount", str(netns_dir)], check=False)
         try:
             netns_dir.rmdir()
         except OSError:

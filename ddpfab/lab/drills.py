@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpfab.lab import Lab, LabError, _run
+from ddpfab.lab import Lab, LabError, run_command
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 
@@ -30,15 +30,15 @@ def throttled_link(lab: Lab, name: str, rate: str = "30mbit", burst: str = "32kb
     """Host *name*'s link shaped to *rate* both ways."""
     tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
     veth = lab.host(name).veth
-    _run(["ip", "netns", "exec", lab.host(name).netns, "tc", "qdisc", "add", "dev", "eth0", *tbf])
+    run_command(["ip", "netns", "exec", lab.host(name).netns, "tc", "qdisc", "add", "dev", "eth0", *tbf])
     try:
-        _run(["tc", "qdisc", "add", "dev", veth, *tbf])
+        run_command(["tc", "qdisc", "add", "dev", veth, *tbf])
         try:
             yield
         finally:
-            _run(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
+            run_command(["tc", "qdisc", "del", "dev", veth, "root"], check=False)
     finally:
-        _run(["ip", "netns", "exec", lab.host(name).netns, "tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+        run_command(["ip", "netns", "exec", lab.host(name).netns, "tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
 
 
 def host_pids(lab: Lab, name: str) -> list[int]:

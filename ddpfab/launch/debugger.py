@@ -28,6 +28,7 @@ from ddpfab.hosts import nodeenv
 from ddpfab.node import rankpdb
 from ddpfab.node.agent import PDB_DIR
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
+from ddpfab.remote.streams import write_all
 
 #: What a waiting rank prints (its rank tag stripped): ddpfab.node.rankpdb.WAITS, as a pattern.
 WAITS = re.compile(r"^ddpfab-pdb: rank (?P<rank>\d+) \(local rank (?P<local>\d+)\) waits in pdb at "
@@ -178,7 +179,7 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
             if on_attach is not None:
                 on_attach()
                 on_attach = None
-            _write_all(stdout_fd, data)
+            write_all(stdout_fd, data)
         done.set()
         pump.join(1.0)  # its last read goes nowhere else: the next session's input is its own
         code = chan.recv_exit_status()
@@ -205,11 +206,6 @@ def _pump_input(chan, done: threading.Event, stdin_fd: int) -> None:
             chan.sendall(data)
         except (OSError, EOFError):  # the session ended meanwhile: what was typed then has no rank to go to
             return
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
 
 
 def refuse_without_input(pdb: str) -> None:

@@ -243,10 +243,7 @@ class Printer:
         self.rank_width = len(str(plan.world_size - 1))
         self.local_only = getattr(plan, "rdzv", "static") == "c10d"
         self.nodes = {n.name: n for n in plan.nodes}
-        self.offset, total = {}, 0
-        for n in sorted(plan.nodes, key=lambda n: n.node_rank):
-            self.offset[n.name] = total
-            total += n.nproc
+        self.offset = {n.name: plan.first_rank(n.name) for n in plan.nodes}
         self.lock = threading.Lock()
         self.closed = False  # the reader of the stream went away (`| head`): the rest is dropped
 
@@ -510,8 +507,7 @@ def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
     """*cause* with its global rank: torchrun's, else the node's offset plus the local rank
     (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
     if cause is not None and cause.rank is None and cause.local_rank is not None and plan.rdzv == "static":
-        offset = sum(n.nproc for n in plan.nodes if n.node_rank < node.node_rank)
-        return replace(cause, rank=offset + cause.local_rank)
+        return replace(cause, rank=plan.first_rank(node.name) + cause.local_rank)
     return cause
 
 

@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from ddpfab.node.agent import _signal_all, descendants
+from ddpfab.node.agent import signal_all, descendants
 
 
 class Interrupted(KeyboardInterrupt):
@@ -99,4 +99,4 @@ def run_interruptible(call: Callable[[], int]) -> int:
 def end_own_children() -> None:
     """TERM this process's child processes (rsync, ssh) so that an interrupted command leaves
     none behind; the node side of each ends when its connection closes."""
-    _signal_all(descendants(os.getpid()), signal.SIGTERM)
+    signal_all(descendants(os.getpid()), signal.SIGTERM)

@@ -35,7 +35,7 @@ from ddpfab.results import GroupResult
 NODE_STATES = ("running", "exited", "stopped", "dead", "cancelled")
 
 
-def _ps_record(rec) -> dict:
+def ps_record(rec) -> dict:
     """One run record from a node's ``ps`` reply, validated (records are data): its run id names a
     local directory (the run's manifest), so it must be a run id, not a path."""
     if not isinstance(rec, dict) or not is_run_id(rec.get("run_id")) or rec.get("state") not in NODE_STATES \
@@ -74,7 +74,7 @@ def _is_int_or_none(value) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool))
 
 
-def _remote_dir(node_name: str, manifest: dict | None, run_id: str) -> str:
+def node_run_dir(node_name: str, manifest: dict | None, run_id: str) -> str:
     if manifest:
         for n in manifest["plan"]["nodes"]:
             if n["name"] == node_name:

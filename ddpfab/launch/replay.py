@@ -305,7 +305,7 @@ def differences(recorded: dict, now: Plan, version: int = SCHEMA_VERSION) -> lis
     return out
 
 
-def _pick_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool, run_id: str | None = None):
+def choose_port(cluster, conns, old_port: int, script: str, cwd: str, same_port: bool, run_id: str | None = None):
     """One probe pass (torch, workdir, script, the old port on the master; with *run_id*, that the
     new run's dir is on no node yet), then the port (:func:`ddpfab.health.probe.pick_port`: a
     second look on the master for a free port only if the old one is taken and that is allowed)."""

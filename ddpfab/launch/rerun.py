@@ -17,7 +17,7 @@ from ddpfab.hosts import inventory
 from ddpfab.launch import runner
 from ddpfab.launch.execute import Printer, RunResult
 from ddpfab.launch.recover import attempt_cluster, current_manifest
-from ddpfab.launch.replay import (ManifestError, _pick_port, check, differences, masked_keys, recorded_inventory,
+from ddpfab.launch.replay import (ManifestError, choose_port, check, differences, masked_keys, recorded_inventory,
                                   recorded_selection, validate)
 from ddpfab.launch.debugger import refuse_without_input
 from ddpfab.launch.runs import new_run_id
@@ -140,7 +140,7 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
     new_rid = new_id or new_run_id()
     conns = runner.connect_all(cluster, policy, ssh_config)
     try:
-        port, facts, problems = _pick_port(cluster, conns, old_port,
+        port, facts, problems = choose_port(cluster, conns, old_port,
                                            scriptfile.file_to_check(recorded.script, recorded.module, cwd), cwd,
                                            same_port, run_id=new_rid)
         if problems:

@@ -26,28 +26,18 @@ from collections.abc import Iterable, Mapping
 
 from ddpfab.hosts import nodeenv
 from ddpfab.masking import was_masked
-from ddpfab.planning.plan import NodePlan, Plan
+from ddpfab.planning.plan import Plan
+from ddpfab.remote.streams import write_all
 
 #: The node's dir of start files (0700), under the user's home.
 SHELL_DIR = "~/.ddpfab/shell"
-
-
-def node_of_rank(plan: Plan, rank: int) -> tuple[NodePlan, int]:
-    """(the node that runs global rank *rank*, its local rank there): node ranks in order, each with
-    its nproc ranks (ValueError for a rank not in the job)."""
-    first = 0
-    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        if rank < first + node.nproc:
-            return node, rank - first
-        first += node.nproc
-    raise ValueError(f"rank {rank} is not in run {plan.run_id} (its ranks are 0-{plan.world_size - 1})")
 
 
 def rank_env(plan: Plan, rank: int, given: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
     """(rank *rank*'s environment as its process had it, the keys left out because the record masks
     their values): the run's env on its node, then torchrun's per-worker variables, then *given*
     (values for the masked keys, or any other), which wins."""
-    node, local = node_of_rank(plan, rank)
+    node, local = plan.node_of_rank(rank)
     env: dict[str, str] = {}
     masked = []
     for key, value in dict(node.env).items():
@@ -125,7 +115,7 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
                 data = chan.recv(65536)
                 if not data:
                     break
-                _write_all(stdout_fd, data)
+                write_all(stdout_fd, data)
             if stdin_fd in ready:
                 data = os.read(stdin_fd, 4096)
                 if data:
@@ -141,11 +131,6 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
         if old_winch is not None:
             signal.signal(signal.SIGWINCH, old_winch)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
 
 
 def terminal_size(fd: int = 0) -> tuple[int, int]:

@@ -97,7 +97,7 @@ def end_marked(run_id, grace):
     pids = marked_processes(run_id)
     if not pids:
         return 0
-    _signal_all(pids, signal.SIGTERM)
+    signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and marked_processes(run_id):
         time.sleep(0.05)
@@ -105,7 +105,7 @@ def end_marked(run_id, grace):
         left = marked_processes(run_id)
         if not left:
             break
-        _signal_all(left, signal.SIGKILL)
+        signal_all(left, signal.SIGKILL)
         time.sleep(0.02)
     return len(pids)
 
@@ -149,7 +149,7 @@ def descendants(pid):
     return out
 
 
-def _signal_all(pids, sig):
+def signal_all(pids, sig):
     for p in pids:
         try:
             os.kill(p, sig)
@@ -175,7 +175,7 @@ def end_tree(grace, keep):
     pids = descendants(me)
     if not pids:
         return
-    _signal_all(pids, signal.SIGTERM)
+    signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         _reap(keep)
@@ -185,7 +185,7 @@ def end_tree(grace, keep):
         time.sleep(0.05)
     deadline = time.monotonic() + 5  # a process stuck in the kernel (D state) cannot be waited for forever
     while pids and time.monotonic() < deadline:
-        _signal_all(pids, signal.SIGKILL)
+        signal_all(pids, signal.SIGKILL)
         time.sleep(0.02)
         _reap(keep)
         pids = descendants(me)
@@ -1224,7 +1224,7 @@ def stop_job(run_dir, grace):
     return said, (1 if marked_processes(run_id) else 0)
 
 
-def _detach_stdin():
+def detach_stdin():
     """A detached supervisor has read its spec: stdin is the finished SSH session's, let it go."""
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)

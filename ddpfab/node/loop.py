@@ -301,7 +301,7 @@ def _exit_now(code):
     os._exit(code)
 
 
-def _raw_writer():
+def raw_writer():
     """Write bytes to stdout as they are (a reply line, then a file's content)."""
     out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else sys.stdout
 

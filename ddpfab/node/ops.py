@@ -29,10 +29,10 @@ import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
-    from .agent import _detach_stdin, ended_state, read_result, stop_job
+    from .agent import detach_stdin, ended_state, read_result, stop_job
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
-    from .loop import OPS, RAW, TAKEOVER, NodeOpError, _raw_writer, handle, read_exactly, reply
+    from .loop import OPS, RAW, TAKEOVER, NodeOpError, raw_writer, handle, read_exactly, reply
     from .resources import res_facts
     from .stacks import op_stacks
     from .treehash import node_workdir, rel_ok
@@ -701,7 +701,7 @@ def supervise(req):
     """Become the job's supervisor (:mod:`ddpfab.node.agent`); ``spec`` is the job as data."""
     spec = req["spec"]
     if spec.get("detached"):
-        _detach_stdin()
+        detach_stdin()
     return supervise_job(spec)
 
 
@@ -894,7 +894,7 @@ def replica_receive(req, fd):
 
 # -- what this part adds to the loop's operations (ddpfab.node.loop) -----------------------------
 def _serve_replica_send(req, session, fd, write):
-    return replica_send(req, _raw_writer())
+    return replica_send(req, raw_writer())
 
 
 def _serve_replica_receive(req, session, fd, write):

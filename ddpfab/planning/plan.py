@@ -400,6 +400,21 @@ class Plan:
                 return n
         raise KeyError(name)
 
+    def first_rank(self, name: str) -> int:
+        """The global rank of node *name*'s local rank 0 with static rendezvous: the procs of every
+        lower node rank (with c10d, torchrun decides it)."""
+        node = self.node(name)
+        return sum(n.nproc for n in self.nodes if n.node_rank < node.node_rank)
+
+    def node_of_rank(self, rank: int) -> tuple[NodePlan, int]:
+        """(the node that runs global rank *rank*, its local rank there), as :meth:`first_rank`
+        counts; ValueError for a rank not in the job."""
+        for node in self.nodes:
+            local = rank - self.first_rank(node.name)
+            if 0 <= local < node.nproc:
+                return node, local
+        raise ValueError(f"rank {rank} is not in run {self.run_id} (its ranks are 0-{self.world_size - 1})")
+
     def unresolved_note(self) -> str:
         """One line on the addresses an offline plan kept as names ("" when there are none): the
         printed dry run, emitted scripts and their README all say it the same way."""

@@ -70,14 +70,14 @@ def address(sources: str | Iterable[str], ssh_config: str | None, policy) -> str
     return f"\0ddpfab-hold-{os.getuid()}-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def socket_peer_uid(sock: socket.socket) -> int:
     # struct ucred: pid_t, uid_t, gid_t (the ids unsigned: a uid over 2**31 reads as itself)
     _pid, uid, _gid = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                            struct.calcsize("iII")))
     return uid
 
 
-def _send(sock: socket.socket, lock: threading.Lock, message: dict) -> None:
+def send_message(sock: socket.socket, lock: threading.Lock, message: dict) -> None:
     data = (json.dumps(message) + "\n").encode()
     with lock:
         sock.sendall(data)
@@ -97,7 +97,7 @@ def _connect(name: str, timeout: float = 2.0) -> socket.socket | None:
     try:
         sock.settimeout(timeout)
         sock.connect(name)
-        if _peer_uid(sock) != os.getuid():
+        if socket_peer_uid(sock) != os.getuid():
             sock.close()
             return None
         sock.settimeout(None)

@@ -19,7 +19,7 @@ import paramiko
 
 from ddpfab.remote import ssh
 from ddpfab.remote.command import host_error, run_in
-from ddpfab.remote.holder import IDLE_S, MAX_REQUEST, _peer_uid, _send, fingerprint
+from ddpfab.remote.holder import IDLE_S, MAX_REQUEST, socket_peer_uid, send_message, fingerprint
 from ddpfab.remote.output import HostResult
 
 
@@ -38,7 +38,7 @@ class _SocketPrinter:
         if self.closed:
             return
         try:
-            _send(self.sock, self.lock, {"node": name, "line": text, "stderr": stderr})
+            send_message(self.sock, self.lock, {"node": name, "line": text, "stderr": stderr})
         except OSError:
             self.gone()
 
@@ -151,7 +151,7 @@ class Holder:
                 except OSError:
                     break
                 try:
-                    ours = _peer_uid(client) == os.getuid()
+                    ours = socket_peer_uid(client) == os.getuid()
                 except OSError:
                     ours = False
                 if not ours:  # another user: not a word, and no activity
@@ -179,7 +179,7 @@ class Holder:
             data = b""
             while b"\n" not in data:
                 if len(data) > MAX_REQUEST:
-                    _send(sock, threading.Lock(), {"held": False, "why": "request too large"})
+                    send_message(sock, threading.Lock(), {"held": False, "why": "request too large"})
                     return
                 chunk = sock.recv(65536)
                 if not chunk:
@@ -206,10 +206,10 @@ class Holder:
         lock = threading.Lock()
         op = req.get("op")
         if op == "status":
-            _send(sock, lock, self.status())
+            send_message(sock, lock, self.status())
         elif op == "stop":
             self.stopping.set()
-            _send(sock, lock, {"stopping": True, "pid": os.getpid()})
+            send_message(sock, lock, {"stopping": True, "pid": os.getpid()})
         elif op == "exec":
             with self.lock:
                 self.busy += 1
@@ -225,14 +225,14 @@ class Holder:
         wanted, command, timeout = req.get("nodes"), req.get("command"), req.get("timeout")
         if (not isinstance(wanted, dict) or not isinstance(command, str)
                 or not (timeout is None or (isinstance(timeout, (int, float)) and timeout > 0))):
-            _send(sock, lock, {"held": False, "why": "malformed request"})
+            send_message(sock, lock, {"held": False, "why": "malformed request"})
             return
         differ = [n for n, fp in wanted.items() if self.prints.get(n) != fp]
         if differ or self.stopping.is_set():
-            _send(sock, lock, {"held": False, "why": f"not held as asked: {', '.join(differ[:4])}" if differ
+            send_message(sock, lock, {"held": False, "why": f"not held as asked: {', '.join(differ[:4])}" if differ
                                else "the holder is ending"})
             return
-        _send(sock, lock, {"held": True})
+        send_message(sock, lock, {"held": True})
         printer = _SocketPrinter(sock, lock)
 
         def watch():  # the client closes its end (Ctrl-C, a closed stdout): end the commands now
@@ -249,7 +249,7 @@ class Holder:
             res = self._run(node.name, command, printer, timeout)
             if not printer.closed:
                 try:
-                    _send(sock, lock, {"node": node.name, "exit_code": res.exit_code, "error": res.error,
+                    send_message(sock, lock, {"node": node.name, "exit_code": res.exit_code, "error": res.error,
                                        "seconds": round(res.seconds, 3)})
                 except OSError:
                     printer.gone()
@@ -257,4 +257,4 @@ class Holder:
 
         ssh.parallel([self.nodes[n] for n in wanted], one)
         if not printer.closed:
-            _send(sock, lock, {"done": True})
+            send_message(sock, lock, {"done": True})

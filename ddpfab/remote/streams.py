@@ -1,7 +1,9 @@
-"""Lines of a byte stream read in chunks (an SSH channel, a pipe): one loop for every reader."""
+"""Lines of a byte stream read in chunks (an SSH channel, a pipe): one loop for every reader; and
+every byte of a chunk written to a file descriptor."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 CHUNK = 65536
@@ -28,3 +30,9 @@ def lines(read: Callable[[int], bytes], on_chunk: Callable[[bytes], None] | None
             yield raw.decode("utf-8", "replace").rstrip("\r")
     if pending:
         yield pending.decode("utf-8", "replace").rstrip("\r")
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of *data* to *fd* (``os.write`` may take part of it: a terminal, a pipe)."""
+    while data:
+        data = data[os.write(fd, data):]

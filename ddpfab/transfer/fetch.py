@@ -32,7 +32,7 @@ from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.runner import NodeRunner, rsync_argv
 from ddpfab.remote.target import HostKeyPolicy
-from ddpfab.transfer.sync import SyncError, _ask, check_workdir
+from ddpfab.transfer.sync import SyncError, ask_node, check_workdir
 
 #: Above this size rsync shows its one-line progress (on stderr).
 PROGRESS_BYTES = 16 * 2**20
@@ -250,7 +250,7 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
     node = runner.node
     req = {"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR}
     try:
-        found = _ask(runner, None, req, timeout=120)[0]
+        found = ask_node(runner, None, req, timeout=120)[0]
     except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
         raise FetchError(exc.problems[0], 1) from None
     what = located(node.name, found)

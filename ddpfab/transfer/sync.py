@@ -395,7 +395,7 @@ def _session(runner: NodeRunner) -> nodeprog.Session:
         raise SyncError(exc.problems) from None
 
 
-def _ask(runner: NodeRunner, session: nodeprog.Session | None, *requests: dict, timeout: float = 600) -> list[dict]:
+def ask_node(runner: NodeRunner, session: nodeprog.Session | None, *requests: dict, timeout: float = 600) -> list[dict]:
     """The results of *requests* in *session* (None: a session of its own, closed after it), run
     with the node's ``ddpfab_python`` when that exists there, else ``python3`` (sync may come
     first); a SyncError naming the node for the first that failed (its ``code`` kept)."""
@@ -610,7 +610,7 @@ class _Sync:
                        "create": False, "adopt": self.adopt, "files": []}
                 if create:
                     t.session = _session(t.runner)
-                out = _ask(t.runner, t.session, req, timeout=120)[0]
+                out = ask_node(t.runner, t.session, req, timeout=120)[0]
             except SyncError as exc:
                 if exc.code == treehash.NOT_OURS:
                     t.rec.state = exc.code
@@ -634,7 +634,7 @@ class _Sync:
             """Under the lock: read the record and record the files about to be placed (the union
             of old and new until the commit), moving aside what is in the way."""
             try:
-                out = _ask(t.runner, t.session, {"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
+                out = ask_node(t.runner, t.session, {"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
                                       "nonce_error": nonce_error, "create": True, "adopt": self.adopt,
                                       "files": self.sel.files, "locked": True}, timeout=120)[0]
             except SyncError as exc:
@@ -674,7 +674,7 @@ class _Sync:
         holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(),
                   "since": time.time(), "src": self.sel.root}
         try:
-            out = _ask(t.runner, t.session, {"op": "lock", "holder": holder, "wait_s": wait_s}, timeout=wait_s + 120)[0]
+            out = ask_node(t.runner, t.session, {"op": "lock", "holder": holder, "wait_s": wait_s}, timeout=wait_s + 120)[0]
         except SyncError as exc:
             t.ready = False
             return self.fail(t, exc.problems[0])
@@ -718,7 +718,7 @@ class _Sync:
 
     def unlock(self, t: _SyncTarget) -> None:
         try:
-            _ask(t.runner, t.session, {"op": "unlock"}, timeout=60)
+            ask_node(t.runner, t.session, {"op": "unlock"}, timeout=60)
         except SyncError as exc:
             t.ready = False
             self.fail(t, exc.problems[0])
@@ -774,7 +774,7 @@ class _Sync:
     def summary(self, t: _SyncTarget) -> str:
         counts = f"{t.rec.copied or 0} copied, {t.rec.updated or 0} updated, {t.rec.deleted or 0} deleted"
         src = f"from {t.rec.source}"
-        sent = f", sent {_mb(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
+        sent = f", sent {megabytes(t.rec.bytes_sent)}" if t.rec.bytes_sent is not None else ""
         took = f" in {t.rec.transfer_s:.2f} s" if t.rec.transfer_s is not None else ""
         return (f"{t.node.name}: {t.rec.workdir}: {counts} ({src}{took}{sent}; verified in {t.rec.verify_s:.2f} s)")
 
@@ -786,7 +786,7 @@ class _Sync:
         gone = deletions(self.sel, t.placed or [])
         start = time.monotonic()
         try:
-            out = _ask(t.runner, t.session, self.request(t, "commit", delete=gone, files=self.sel.files,
+            out = ask_node(t.runner, t.session, self.request(t, "commit", delete=gone, files=self.sel.files,
                                               cache=not self.checksum, locked=True))[0]
         except SyncError as exc:
             return self.fail(t, exc.problems[0])
@@ -800,7 +800,7 @@ class _Sync:
             req["paths"] = self.sel.files
         start = time.monotonic()
         try:
-            out = _ask(t.runner, None, req)[0]
+            out = ask_node(t.runner, None, req)[0]
         except SyncError as exc:
             return self.fail(t, exc.problems[0])
         self.check_hash(t, out, start)
@@ -819,7 +819,7 @@ class _Sync:
             return None
         req = self.request(t, "hash", detail=True, paths=self.sel.files)
         try:
-            theirs = _ask(t.runner, None, req)[0]
+            theirs = ask_node(t.runner, None, req)[0]
             ours = local_tree(self.sel, detail=True, cache=False)
             diffs = treehash.diff_entries(ours["entries"], theirs["entries"])
         except (SyncError, OSError, KeyError):
@@ -935,7 +935,7 @@ class _Sync:
                 hold = _session(order[j].runner)  # the node removes its staged files when it ends
                 with self.lock:
                     self.holds.append(hold)
-                out = _ask(order[j].runner, hold, req, timeout=120)[0]
+                out = ask_node(order[j].runner, hold, req, timeout=120)[0]
             except SyncError as exc:
                 return f"cannot stage the forwarding files: {exc.problems[0]}"
             with self.lock:
@@ -1033,7 +1033,7 @@ class _Sync:
         self.reaper.close()
 
 
-def _mb(n: int | None) -> str:
+def megabytes(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.1f} MB"
 
 

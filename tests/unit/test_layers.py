@@ -102,3 +102,44 @@ def test_the_checker_fails_on_a_lower_package_importing_a_higher_one(tmp_path):
     (root / "extra").mkdir()
     (root / "extra" / "__init__.py").write_text("")
     assert layer_violations(root, layers) == ["ddpfab/extra: not in the layers"]
+
+
+def private_names_used_across_modules(root: Path) -> list[str]:
+    """``from ddpfab.x import _name`` and ``module._name`` (a ddpfab module imported here) in any
+    module of *root*: a leading underscore says "this module's own"; what others use is public."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(root.parent).as_posix()
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ddpfab")):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{where}:{node.lineno}: imports {alias.name}")
+                    modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("ddpfab"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{where}:{node.lineno}: uses {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules():
+    assert private_names_used_across_modules(PACKAGE) == []
+
+
+def test_the_private_name_check_finds_both_spellings(tmp_path):
+    root = _tree(tmp_path, {
+        "remote/ssh.py": "def _connect():\n    pass\n\ndef connect():\n    return _connect()\n",  # its own: fine
+        "cli/main.py": "from ddpfab.remote.ssh import _connect, connect\nfrom ddpfab.remote import ssh\n"
+                       "ssh._connect()\nssh.connect()\n",
+        "node/agent.py": "from ..remote.ssh import _connect as c\n",
+    })
+    assert private_names_used_across_modules(root) == [
+        "ddpfab/cli/main.py:1: imports _connect",
+        "ddpfab/cli/main.py:3: uses ssh._connect",
+        "ddpfab/node/agent.py:1: imports _connect",
+    ]

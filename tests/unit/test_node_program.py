@@ -751,14 +751,14 @@ def test_facts_with_a_port_that_is_none_are_a_problem_of_that_node():
 
 
 def test_ps_records_name_run_ids_not_paths():
-    from ddpfab.launch.jobs import _ps_record
+    from ddpfab.launch.jobs import ps_record
 
     good = {"run_id": "20260101-000000-abcdef", "state": "exited", "exit_code": 3, "started": 1.0}
-    assert _ps_record(good) == good
+    assert ps_record(good) == good
     for bad in ({"run_id": "/tmp/evil"}, {"run_id": "../../x"}, {"run_id": "a/b"}, {"run_id": "a..b"},
                 {"exit_code": True}, {"exit_code": 1.5}, {"state": "gone"}):
         with pytest.raises(ValueError, match="malformed run record"):
-            _ps_record({**good, **bad})
+            ps_record({**good, **bad})
 
 
 def test_a_locate_answer_must_name_a_file_or_dir():

@@ -23,10 +23,10 @@ def plan():
 
 
 def test_each_rank_is_on_its_node_in_node_rank_order(plan):
-    assert [(n.name, local) for n, local in (shell.node_of_rank(plan, r) for r in range(6))] == [
+    assert [(n.name, local) for n, local in (plan.node_of_rank(r) for r in range(6))] == [
         ("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)]
     with pytest.raises(ValueError, match=r"rank 6 is not in run run \(its ranks are 0-5\)"):
-        shell.node_of_rank(plan, 6)
+        plan.node_of_rank(6)
 
 
 def test_a_ranks_environment_is_what_torchrun_gave_it_with_the_masked_values_named(plan):
