@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ddpfab.health import resources
+from ddpfab.health import resourcecheck
 from ddpfab.hosts import inventory
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.launch import replicate
@@ -77,7 +77,7 @@ class Options:
         exit_guard: the ranks' exit guard: ``on`` (each rank records that it finished and leaves
             without the interpreter teardown where gloo can abort it), ``record`` or ``off``.
         resource_floors: what the preflight requires of each node (``shm=2G,disk=5G,mem=4G,nofile=4096``,
-            any subset; see :mod:`ddpfab.health.resources`).
+            any subset; see :mod:`ddpfab.health.resourcecheck`).
         hang_timeout: seconds without a line from any rank before the run runs the doctor by
             itself (its verdict printed and saved in the run's dir); 0: never.
         on_hang: ``report`` (the doctor's verdict, then keep waiting) or ``stop`` (end the job: exit 124).
@@ -364,7 +364,7 @@ class Cluster:
         return check_cluster(self.parsed, self.policy, CheckOptions(
             master_port=master_port, nproc_per_node=nproc_per_node,
             max_skew_s=CheckOptions.max_skew_s if max_skew is None else max_skew,
-            full=not fast, exhaustive=exhaustive, floors=resources.parse_floors(resource_floors)), self.ssh_config)
+            full=not fast, exhaustive=exhaustive, floors=resourcecheck.parse_floors(resource_floors)), self.ssh_config)
 
     def sync(self, path: str | os.PathLike = ".", *, fanout: str = "star", compress: bool = False,
              checksum: bool = False, keep: Iterable[str] = (), with_git: bool = False, verify_only: bool = False,
@@ -780,7 +780,7 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
     from ddpfab.launch.runs import new_run_id
 
     planmod.master_port(opts.master_port, offline=True)  # the port's one rule (raises PlanError)
-    resources.parse_floors(opts.resource_floors)  # the floors' one reading (FloorError is a PlanError)
+    resourcecheck.parse_floors(opts.resource_floors)  # the floors' one reading (FloorError is a PlanError)
     if isinstance(args, str):  # its characters would become the arguments
         raise PlanError(f"the script's arguments are a list of words, not one string: {args!r}")
     script, script_args, module = script_and_mode(script, tuple(args), opts.module)

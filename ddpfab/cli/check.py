@@ -8,7 +8,7 @@ from ddpfab.cli.common import add_cluster_args, add_floors_arg, api_cluster, npr
 from ddpfab.cli.errors import refuse
 from ddpfab.cli.perf import add_check_arguments, cmd_check_perf
 from ddpfab.health import mesh as meshmod
-from ddpfab.health.resources import parse_floors
+from ddpfab.health.resourcecheck import parse_floors
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError, master_port, nproc_per_node
 

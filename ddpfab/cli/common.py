@@ -155,7 +155,7 @@ def fill_missing_help(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def add_floors_arg(p: argparse.ArgumentParser) -> None:
-    """``--resource-floors``, the same option on check and run (read by ddpfab.health.resources)."""
+    """``--resource-floors``, the same option on check and run (read by ddpfab.health.resourcecheck)."""
     p.add_argument("--resource-floors", metavar="shm=SIZE,disk=SIZE,mem=SIZE,nofile=N",
                    help="what each node must have: free /dev/shm (default: 256 MiB per process, at least 512 MiB), "
                         "free space in the workdir and runs dir (1 GiB), available memory (1 GiB), open-files "

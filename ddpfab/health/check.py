@@ -24,7 +24,7 @@ from typing import Any
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import mesh as meshmod
-from ddpfab.health import resources
+from ddpfab.health import resourcecheck
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hostlist import compact
 from ddpfab.hosts import nodeenv
@@ -70,7 +70,7 @@ class CheckOptions:
     max_skew_s: float = DEFAULT_MAX_SKEW_S
     full: bool = True  # import torch on every node (CUDA/NCCL/GPU facts); run's fast checks skip it
     exhaustive: bool = False  # probe every pair of nodes, whatever the cluster size
-    floors: resources.Floors = field(default_factory=resources.Floors)  # --resource-floors
+    floors: resourcecheck.Floors = field(default_factory=resourcecheck.Floors)  # --resource-floors
     # a GPU used without a lease fails here; run's preflight leaves it to the lease refusal (--wait aware)
     busy_gpus_fail: bool = True
 
@@ -147,8 +147,8 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
     fx = {n.name: facts[n.name] for n in ok}
     results += _software(ok, fx, options)
     results += _gpus(ok, fx, options, nproc)
-    for n in ok:  # the node's resources and left-overs of earlier jobs (ddpfab.health.resources)
-        results += [CheckResult(f.node, f.check, f.status, f.found, f.expected, f.fix) for f in resources.evaluate(
+    for n in ok:  # the node's resources and left-overs of earlier jobs (ddpfab.health.resourcecheck)
+        results += [CheckResult(f.node, f.check, f.status, f.found, f.expected, f.fix) for f in resourcecheck.evaluate(
             n.name, fx[n.name], nproc.get(n.name, 1), options.floors,
             master_port=options.master_port if n.name == master else None, busy_gpus_fail=options.busy_gpus_fail)]
     results += _names(ok, fx, len(cluster.nodes))

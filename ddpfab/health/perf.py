@@ -19,7 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddpfab.health.resources import size
+from ddpfab.health.resourcecheck import size
 from ddpfab.problems import DdpfabError, Problem
 
 #: The thresholds below come from healthy lab checks on a loaded shared machine (15 checks, 3 and

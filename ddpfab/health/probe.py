@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from fabric import Connection
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.health import resources
+from ddpfab.health import resourcecheck
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, Interface, is_port, master_port
@@ -116,7 +116,7 @@ def facts_request(node: Node, *, workdir: str, script: str | None, port: int | N
     *run_id*, whether the node has that run's dir already (a run id names one run on every node)."""
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
                  "resolve": resolve_names or [], "full": full, "leases": True,
-                 "resources": True,  # the node's resources a job needs (ddpfab.health.resources)
+                 "resources": True,  # the node's resources a job needs (ddpfab.health.resourcecheck)
                  "interfaces": True}  # what --socket-ifname IFACE is checked against
     if run_id:
         req["run_dir"] = f"~/{REMOTE_RUNS_DIR}/{run_id}"
@@ -280,7 +280,7 @@ def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
                                          f"{res.python}, from {chosen.python_from or 'inventory'}); {fix}"))
         if node.name == master.name:
             if master_port is not None and res.port_free is False:
-                held, stop = resources.port_holders(res.raw)  # who holds it, and how to end it
+                held, stop = resourcecheck.port_holders(res.raw)  # who holds it, and how to end it
                 problems.append(Problem(node.name, "master_port", expected=f"port {master_port} free",
                                         found="in use" + held, fix=stop + "pick another port or leave --master-port out",
                                         text=f"host {node.name}: --master-port {master_port} is already in use "

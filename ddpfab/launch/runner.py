@@ -17,7 +17,7 @@ from pathlib import Path
 from fabric import Connection
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.health import check, probe, resources
+from ddpfab.health import check, probe, resourcecheck
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
 from ddpfab.launch import replicate, tmuxrun
@@ -240,7 +240,7 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
     nproc = {n.name: nproc_for(n, options, counted.gpus.get(n.name), counted.cpus.get(n.name)) for n in cluster.nodes}
     results = check.evaluate(cluster, master, {n: f.raw for n, f in facts.items()}, {}, mesh,
                              check.CheckOptions(master_port=port, nproc_per_node=options.nproc_per_node,
-                                                full=False, floors=resources.parse_floors(options.resource_floors),
+                                                full=False, floors=resourcecheck.parse_floors(options.resource_floors),
                                                 busy_gpus_fail=False), nproc)
     failures: list[Problem | str] = list(check.grouped_problems(results))  # one per distinct problem, however many nodes
     failures += [Problem(n, "mesh", found=str(e), text=f"host {n}: data-plane probe failed: {e}")

@@ -1,4 +1,4 @@
-"""The node's resources a job needs, as facts (the node side of :mod:`ddpfab.health.resources`).
+"""The node's resources a job needs, as facts (the node side of :mod:`ddpfab.health.resourcecheck`).
 
 Part of the shipped node program (:data:`ddpfab.remote.nodeprogram.SOURCES`): standard library only, Python
 3.6+, no ddpfab imports; top-level names start with ``res_``/``RES_`` because the modules share

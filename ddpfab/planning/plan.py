@@ -143,7 +143,7 @@ class RunOptions:
             rank that aborts after finishing is reported as such, not as a failure); "off"
             installs nothing.
         resource_floors: ``--resource-floors`` (``shm=2G,disk=5G,mem=4G,nofile=4096``): what the
-            preflight requires of each node's resources (:func:`ddpfab.health.resources.parse_floors`
+            preflight requires of each node's resources (:func:`ddpfab.health.resourcecheck.parse_floors`
             reads it; None: its defaults).
         hang_timeout: seconds without a line from any rank before the run runs the doctor by
             itself (:mod:`ddpfab.health.doctor`) and prints its verdict; 0: never.

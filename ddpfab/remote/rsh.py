@@ -2,7 +2,7 @@
 
 rsync starts its remote side with ``RSH [-l USER] HOST COMMAND...``; ddpfab gives it ``-e
 "python3 -I -S .../rsh.py SOCKET"``. This program connects to SOCKET, the unix socket a
-:class:`ddpfab.remote.runner.NodeRunner` serves in a private (0700) directory, sends the command
+:class:`ddpfab.remote.noderunner.NodeRunner` serves in a private (0700) directory, sends the command
 (one JSON line), and relays: its stdin to the socket (a half-close is EOF), and the runner's frames
 back to its stdout and stderr, ending with the command's exit status as its own. The runner runs
 the command on a new channel of the node's one paramiko transport: no second TCP connection, no

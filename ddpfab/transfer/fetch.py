@@ -5,7 +5,7 @@
 REMOTE_PATH is relative to the node's workdir (the same one sync and run use), or absolute inside
 the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
 path (symlinks followed), before anything is copied. The copy is rsync over the one SSH
-connection that asked the node (:class:`ddpfab.remote.runner.NodeRunner`: the host-key policy and
+connection that asked the node (:class:`ddpfab.remote.noderunner.NodeRunner`: the host-key policy and
 route of every command), with rsync's progress line for anything over :data:`PROGRESS_BYTES`.
 The result lands in LOCAL_DIR (default: .) under the remote path's last name; an existing file
 or dir there is never overwritten unless ``--overwrite``.
@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.health import resources
+from ddpfab.health import resourcecheck
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
 from ddpfab.problems import DdpfabError, NodeError, Problem
-from ddpfab.remote.runner import NodeRunner, rsync_argv
+from ddpfab.remote.noderunner import NodeRunner, rsync_argv
 from ddpfab.remote.target import HostKeyPolicy
 from ddpfab.transfer.sync import SyncError, ask_node, check_workdir
 
@@ -92,7 +92,7 @@ class Room:
     def lacks(self, needed: int, files: int) -> str | None:
         """What is short for *needed* bytes in *files* files, or None."""
         if self.bytes < needed:
-            return f"{resources.size(self.bytes)} free, {resources.size(needed)} needed"
+            return f"{resourcecheck.size(self.bytes)} free, {resourcecheck.size(needed)} needed"
         if self.inodes is not None and self.inodes < files:
             return f"{self.inodes} inodes free, {files} needed"
         return None

@@ -24,7 +24,7 @@ the node as the node resolves it (:mod:`ddpfab.node.workdir`). ``--dry-run`` lis
 be copied, updated and deleted; a real sync prints one line per node with those counts.
 
 SSH: one connection per node (a run's own, when a run syncs) carries the probe, the lock's
-session, rsync and the hash check: the node's :class:`ddpfab.remote.runner.NodeRunner`, which
+session, rsync and the hash check: the node's :class:`ddpfab.remote.noderunner.NodeRunner`, which
 reaches it as every command does (:mod:`ddpfab.remote.target`) and runs rsync's remote side on
 a channel of it. With nothing changed, only the hash check runs (:func:`unchanged`). The helpers
 (rsync and its relay, the fan-out's agent) and the temp dir are ended by a watcher
@@ -63,8 +63,8 @@ from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import treehash, workdir
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.reaper import Reaper
-from ddpfab.remote.runner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
-from ddpfab.remote.runner import rsync_argv as runner_argv
+from ddpfab.remote.noderunner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
+from ddpfab.remote.noderunner import rsync_argv as runner_argv
 from ddpfab.remote.target import HostKeyPolicy, TargetError, bracket, resolve_all
 from ddpfab.results import GroupResult
 from ddpfab.transfer import keys

@@ -1,6 +1,6 @@
 """One transport: only ddpfab/remote/ builds ssh, scp, rsync or ssh-agent command lines.
 
-Everything else reaches nodes through the node's runner (ddpfab/remote/runner.py) or renders
+Everything else reaches nodes through the node's runner (ddpfab/remote/noderunner.py) or renders
 OpenSSH options through ddpfab/remote/target.py, so an SSH change is made once."""
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def test_only_the_remote_package_builds_ssh_rsync_or_agent_command_lines():
             continue
         for line, program in argv_programs(ast.parse(path.read_text(), str(path))):
             offenders.append(f"ddpfab/{rel}:{line}: {program}")
-    assert offenders == [], "build these in ddpfab/remote/ (runner.py, target.py):\n" + "\n".join(offenders)
+    assert offenders == [], "build these in ddpfab/remote/ (noderunner.py, target.py):\n" + "\n".join(offenders)
 
 
 def test_the_runner_module_is_where_they_are_built():
     # the scan must see the real ones, or its silence above proves nothing
-    found = {p for _, p in argv_programs(ast.parse((ROOT / "remote" / "runner.py").read_text()))}
+    found = {p for _, p in argv_programs(ast.parse((ROOT / "remote" / "noderunner.py").read_text()))}
     assert {"rsync", "ssh", "ssh-agent", "ssh-add"} <= found

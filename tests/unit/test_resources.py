@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddpfab.health import resources
+from ddpfab.health import resourcecheck
 from ddpfab.health.check import CheckOptions, evaluate, grouped_problems
 from ddpfab.hosts.inventory import Cluster, Node
 from ddpfab.node import ops
@@ -71,11 +71,11 @@ def test_a_small_dev_shm_fails_that_node_only_with_the_remount_fix():
 
 
 def test_the_shm_floor_is_the_larger_of_the_minimum_and_per_process_and_an_option_overrides_it():
-    assert resources.Floors().shm_for(1) == 512 * MIB and resources.Floors().shm_for(8) == 2 * GIB
+    assert resourcecheck.Floors().shm_for(1) == 512 * MIB and resourcecheck.Floors().shm_for(8) == 2 * GIB
     facts = {n: fact(resources=res(shm=fs(700 * MIB, "/dev/shm", "/dev/shm", "tmpfs"))) for n in "abc"}
     assert failing(checked(facts, nproc=1)) == []
     assert failing(checked(facts, nproc=4)) == [(n, "shm") for n in "abc"]
-    assert failing(checked(facts, nproc=4, floors=resources.parse_floors("shm=600M"))) == []
+    assert failing(checked(facts, nproc=4, floors=resourcecheck.parse_floors("shm=600M"))) == []
 
 
 def test_full_workdir_fails_naming_path_and_filesystem_a_full_cache_only_warns():
@@ -98,7 +98,7 @@ def test_a_low_open_files_limit_fails_with_where_to_raise_it():
     assert failing(results) == [("a", "nofile")]
     (p,) = grouped_problems(results)
     assert p.found == "open files limit 256 (hard 4096)" and "limits.conf" in p.fix
-    assert failing(checked(facts, floors=resources.parse_floors("nofile=200"))) == []
+    assert failing(checked(facts, floors=resourcecheck.parse_floors("nofile=200"))) == []
 
 
 def test_locked_memory_fails_with_infiniband_warns_on_a_gpu_node_and_is_shown_elsewhere():
@@ -114,7 +114,7 @@ def test_little_available_memory_fails_below_the_floor():
     facts = {n: fact() for n in "abc"}
     facts["b"] = fact(resources=res(mem_available=300 * MIB))
     assert failing(checked(facts)) == [("b", "memory")]
-    assert failing(checked(facts, floors=resources.parse_floors("mem=256M"))) == []
+    assert failing(checked(facts, floors=resourcecheck.parse_floors("mem=256M"))) == []
 
 
 def test_a_process_on_the_master_port_is_named_with_its_run_and_the_stop_fix():
@@ -128,8 +128,8 @@ def test_a_process_on_the_master_port_is_named_with_its_run_and_the_stop_fix():
     assert p.found == ("port 29511 held by pid 4242 (user alice, `python -m torch.distributed.run x.py`, up 2 h, "
                        "ddpfab run r-old)")
     assert p.fix.startswith("ddpfab stop r-old")
-    assert resources.port_holders(facts["a"])[0].startswith(" by pid 4242 (user alice")
-    assert resources.port_holders(fact()) == ("", "")
+    assert resourcecheck.port_holders(facts["a"])[0].startswith(" by pid 4242 (user alice")
+    assert resourcecheck.port_holders(fact()) == ("", "")
 
 
 def gpu_leases(busy_pid):
@@ -155,21 +155,21 @@ def test_a_gpu_used_without_a_lease_fails_when_the_job_needs_it_and_names_the_pr
 
 
 def test_a_node_without_resource_facts_is_not_judged():
-    assert resources.evaluate("a", {"hostname": "h"}, 2, resources.Floors()) == []
+    assert resourcecheck.evaluate("a", {"hostname": "h"}, 2, resourcecheck.Floors()) == []
 
 
 @pytest.mark.parametrize("spec,want", [
-    ("shm=2G,disk=5G", resources.Floors(shm=2 * GIB, disk=5 * GIB)),
-    ("mem=1.5GiB,nofile=4096", resources.Floors(mem=int(1.5 * GIB), nofile=4096)),
-    ("disk=512M", resources.Floors(disk=512 * MIB)), (None, resources.Floors())])
+    ("shm=2G,disk=5G", resourcecheck.Floors(shm=2 * GIB, disk=5 * GIB)),
+    ("mem=1.5GiB,nofile=4096", resourcecheck.Floors(mem=int(1.5 * GIB), nofile=4096)),
+    ("disk=512M", resourcecheck.Floors(disk=512 * MIB)), (None, resourcecheck.Floors())])
 def test_floors_parse(spec, want):
-    assert resources.parse_floors(spec) == want
+    assert resourcecheck.parse_floors(spec) == want
 
 
 @pytest.mark.parametrize("spec", ["shm", "swap=1G", "shm=lots", "nofile=1k", "disk=-1G"])
 def test_bad_floors_are_a_plan_error_naming_the_item(spec):
     with pytest.raises(PlanError, match="resource-floors|not a size"):
-        resources.parse_floors(spec)
+        resourcecheck.parse_floors(spec)
 
 
 # -- the node side, on this machine ---------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_the_holder_of_a_listening_port_is_named_with_its_command_and_run(tmp_pa
 def test_records_are_data_malformed_resources_are_not_judged_and_node_text_is_escaped():
     bad = res(shm={"free": "lots"}, paths={"workdir": {"free": True}}, nofile=["1", 2], memlock="x",
               mem_available=None, port_holders=[{"pid": "1"}, {"pid": 9, "user": "u", "cmd": "evil\x1b[2J", "age_s": "x"}])
-    found = {(f.check, f.status): f for f in resources.evaluate("a", fact(resources=bad), 2, resources.Floors(),
+    found = {(f.check, f.status): f for f in resourcecheck.evaluate("a", fact(resources=bad), 2, resourcecheck.Floors(),
                                                                  master_port=29500)}
     assert set(found) == {("disk", "pass"), ("leftovers", "fail")}
     assert found[("leftovers", "fail")].found == "port 29500 held by pid 9 (user u, `evil\\x1b[2J`, age unknown)"
@@ -226,7 +226,7 @@ def test_a_daemon_on_the_master_port_is_never_a_kill_to_suggest():
         facts["a"] = fact(resources=res(port_holders=[who]))
         (p,) = grouped_problems(checked(facts, master_port=22))
         assert "kill" not in p.fix and p.fix == "pick another --master-port (or leave it out)"
-        assert resources.port_holders(facts["a"])[1] == ""
+        assert resourcecheck.port_holders(facts["a"])[1] == ""
     left = {"pid": 900, "user": "bob", "cmd": "python train.py", "age_s": 60, "run_id": None}
     facts = {n: fact() for n in "abc"}
     facts["a"] = fact(resources=res(port_holders=[left]))

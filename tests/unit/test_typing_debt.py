@@ -28,7 +28,7 @@ DEBT_AT_START = {
     "ddpfab.launch.runner",
     "ddpfab.planning.export",
     "ddpfab.remote.holdserver",
-    "ddpfab.remote.runner",
+    "ddpfab.remote.noderunner",
     "ddpfab.transfer.fetch",
     "ddpfab.transfer.sync",
 }
