@@ -82,7 +82,7 @@ def parallel_ssh(the_lab, nodes: list[str], command: str) -> None:
             raise SystemExit(f"`{command}` failed on a node")
 
 
-def cluster_of(the_lab, names: list[str], workdir: str, tmp: Path) -> inventory.Cluster:
+def cluster_of(the_lab, names: list[str], workdir: str, tmp: Path) -> inventory.Inventory:
     inv = labmod.render_inventory(the_lab, sys.executable, names=names)
     inv = inv.replace("    ddpfab_nproc_per_node: 1\n", f"    ddpfab_nproc_per_node: 1\n    ddpfab_workdir: {workdir}\n")
     path = tmp / f"inv-{len(names)}-{workdir.replace('/', '_')}.yml"

@@ -304,7 +304,7 @@ class Cluster:
     """The nodes of one inventory group and how to reach them; the pipelines as methods.
 
     Args:
-        parsed: the parsed inventory (:class:`ddpfab.hosts.inventory.Cluster`, whose ``nodes`` are
+        parsed: the parsed inventory (:class:`ddpfab.hosts.inventory.Inventory`, whose ``nodes`` are
             the nodes in rank order).
         inventory: what it was loaded from (for the commands ddpfab prints back).
         ssh_config: an ssh_config file to read (None: ~/.ssh/config).
@@ -313,7 +313,7 @@ class Cluster:
         say: where ddpfab's own lines go (default: ``ddpfab: ...`` on stderr).
     """
 
-    def __init__(self, parsed: inventory.Cluster, *, inventory: str | list[str] | None = None,
+    def __init__(self, parsed: inventory.Inventory, *, inventory: str | list[str] | None = None,
                  ssh_config: str | None = None, known_hosts: str | None = None,
                  accept_new_host_keys: bool = False, say: Say = stderr_say, limit: str | None = None,
                  extra_vars: Iterable[str | Mapping] = ()):
@@ -347,7 +347,7 @@ class Cluster:
     def policy(self) -> HostKeyPolicy:
         return HostKeyPolicy(known_hosts=self.known_hosts, accept_new=self.accept_new_host_keys)
 
-    def targets(self, nodes: inventory.Cluster | None = None) -> dict:
+    def targets(self, nodes: inventory.Inventory | None = None) -> dict:
         """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
         return resolve_all((nodes or self.parsed).nodes, self.policy, self.ssh_config)
 
@@ -617,7 +617,7 @@ class Cluster:
             if opts.dry_run:  # what the real run's sync would leave out, said as it would
                 self._say_left_out(self._left_out_here(opts))
 
-    def prepare(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options):
+    def prepare(self, nodes: inventory.Inventory, run_options: planmod.RunOptions, opts: Options):
         """One attempt's start: connect, sync the code (unless ``sync=False`` or a dry run), probe,
         preflight, plan, replicate. Returns (Prepared, manifest extra); raises RunError with
         nothing started. (The step :class:`ddpfab.launch.recover.Recovery` repeats per attempt.)"""
@@ -662,7 +662,7 @@ class Cluster:
             out["extra_vars"] = recordable(inventory.parse_extra_vars(self.extra_vars))
         return out
 
-    def _offline_plan(self, nodes: inventory.Cluster, run_options: planmod.RunOptions, opts: Options) -> Plan:
+    def _offline_plan(self, nodes: inventory.Inventory, run_options: planmod.RunOptions, opts: Options) -> Plan:
         # slow to import: see LAZY above
         from ddpfab.remote.address import offline_addresses
 
@@ -671,7 +671,7 @@ class Cluster:
                       cwd=os.getcwd(), unresolved=unresolved)
         return planmod.make_plan(nodes, run_options, facts)
 
-    def _perf_check(self, nodes: inventory.Cluster, opts: Options, env) -> dict | None:
+    def _perf_check(self, nodes: inventory.Inventory, opts: Options, env) -> dict | None:
         """``perf_check``: the slow-node check first (its own job and record); the manifest's
         ``perf`` entry, or RunError on a straggler (see :func:`ddpfab.launch.perfcheck.before_run`)."""
         if not (opts.perf_check or opts.perf_check_warn) or opts.dry_run:
@@ -685,7 +685,7 @@ class Cluster:
         """Progress lines (copies, rendezvous waits): only on a terminal, never with ``quiet``."""
         return not opts.quiet and sys.stderr.isatty()
 
-    def _sync_code(self, nodes: inventory.Cluster, opts: Options, conns: dict, sessions: dict | None) -> dict:
+    def _sync_code(self, nodes: inventory.Inventory, opts: Options, conns: dict, sessions: dict | None) -> dict:
         """Sync the current directory to every node and verify it by hash (before the probe, which
         checks that the script is there); the result goes into the manifest as ``code``. When every
         node has the tree already (checked in the run's node program *sessions*) nothing is started

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ddpfab.hosts.inventory import Cluster
+from ddpfab.hosts.inventory import Inventory
 
 #: What ``--retry-on`` may name (ddpfab.launch.recover.RETRY_KINDS, which is slow to import).
 RETRY_KINDS = ("node", "script")
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with a smaller world); default: never shrink")
 
 
-def recovery_options(args: argparse.Namespace, cluster: Cluster) -> RecoveryOptions:
+def recovery_options(args: argparse.Namespace, cluster: Inventory) -> RecoveryOptions:
     """From the command line and the inventory: the library's rule
     (:func:`ddpfab.launch.recover.recovery_options`), which reads the same names."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py

@@ -20,7 +20,7 @@ from fabric import Connection
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resourcecheck
 from ddpfab.hosts import nodeenv
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, Interface, is_port, master_port
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
@@ -52,7 +52,7 @@ class NodeFacts:
     interfaces: dict[str, Interface] | None = None
 
 
-def decide(cluster: Cluster, facts: dict[str, NodeFacts]) -> Cluster:
+def decide(cluster: Inventory, facts: dict[str, NodeFacts]) -> Inventory:
     """*cluster* with each probed node's python decided from its facts (the one decision every
     later step uses: the plan, the preflight, the launch)."""
     return replace(cluster, nodes=tuple(nodeenv.decided(n, facts[n.name].raw) if n.name in facts else n
@@ -168,7 +168,7 @@ def probe_node(conn: Connection, node: Node, **request) -> NodeFacts:
     return to_facts(node, reply.value(node.name), sent, time.time())
 
 
-def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
+def requests(cluster: Inventory, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
              master_port: int | None, full: bool = False, run_id: str | None = None,
              new_run_dir: bool = True) -> dict[str, dict]:
     """Every node's ``facts`` request: the master's asks for the port (reserved for *run_id*,
@@ -191,7 +191,7 @@ def requests(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cw
         for node in cluster.nodes if node.name in conns}
 
 
-def gather(cluster: Cluster, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
+def gather(cluster: Inventory, conns: dict[str, Connection], master: Node, *, cwd: str, script: str | None,
            master_port: int | None, full: bool = False,
            sessions: dict[str, nodeprog.Session] | None = None,
            run_id: str | None = None) -> tuple[dict[str, NodeFacts], list[Problem]]:
@@ -232,7 +232,7 @@ def missing_script_fix(script: str, workdir: str, node: str) -> str:
             f"path on {node}")
 
 
-def collect(cluster: Cluster, conns: dict[str, Connection], master: Node,
+def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
             answers: GroupResult[nodeprog.Reply], *, cwd: str, script: str | None,
             master_port: int | None, sent_at: float) -> tuple[dict[str, NodeFacts], list[Problem]]:
     """The nodes' ``facts`` replies (or why a node gave none) as facts and problems."""

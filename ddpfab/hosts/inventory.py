@@ -4,7 +4,7 @@ Why Ansible's API and not a YAML parser: users already keep their hosts in Ansib
 (YAML or INI, groups, ``node[1:4]`` ranges, group_vars/host_vars, templated vars), and the
 provisioning playbooks read the same file. One reader means one meaning.
 
-The result is a :class:`Cluster`: plain data, no Ansible objects, so the plan stays pure.
+The result is a :class:`Inventory`: plain data, no Ansible objects, so the plan stays pure.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Inventory:
     """The ordered nodes of one group: node_rank follows this order.
 
     Args:
@@ -185,7 +185,7 @@ def unknown_vars(names) -> tuple[str, ...]:
     return tuple(sorted(n for n in maybe if n not in known_vars())) if maybe else ()
 
 
-def unknown_var_warnings(cluster: Cluster) -> list[str]:
+def unknown_var_warnings(cluster: Inventory) -> list[str]:
     """One line per unknown ``ddpfab_*`` variable of *cluster*'s nodes: which hosts set it, the
     variable it likely meant, that it has no effect. A warning, not a refusal: a user's own
     variables may share the prefix."""
@@ -653,7 +653,7 @@ def _yaml_mapping(text: str, item: Any) -> dict[str, Any]:
 
 
 def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: str | None = None,
-         extra_vars=()) -> Cluster:
+         extra_vars=()) -> Inventory:
     """Load the hosts of *group* from the inventory *source*, in inventory order.
 
     Args:
@@ -687,7 +687,7 @@ def load(source: str | os.PathLike | list | tuple, group: str = "all", limit: st
     for path in paths:
         _check_ini_repeats(path)  # (on a cached load too: the cache may predate these checks)
     _check_duplicates(shown, list(nodes))
-    return Cluster(source=shown, group=group, nodes=nodes, sources=tuple(sources))
+    return Inventory(source=shown, group=group, nodes=nodes, sources=tuple(sources))
 
 
 def _node_from_cache(data: dict) -> Node:
@@ -702,7 +702,7 @@ def _node_from_cache(data: dict) -> Node:
 
 def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
                        extra: dict[str, Any] | None = None, shown: str | None = None,
-                       limit_key: list | None = None) -> Cluster:
+                       limit_key: list | None = None) -> Inventory:
     """Ansible's InventoryManager on *paths*, merged in order (its settings made strict by
     :func:`load` first); messages name *shown* (what the user gave: host lists, hostfiles).
     *limit_key* (:func:`limit_patterns`) is what Ansible applies: an ``@FILE`` is read once, by
@@ -776,7 +776,7 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
     if len(masters) > 1:
         raise InventoryError(f"inventory {where}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
                              "set it on one")
-    return Cluster(source=where, group=group, nodes=tuple(nodes))
+    return Inventory(source=where, group=group, nodes=tuple(nodes))
 
 
 def _check_duplicates(path: Path | str, nodes: list[Node]) -> None:

@@ -90,7 +90,7 @@ def _clean(cluster, conns, rel_dir: str, made: dict[str, list[str]]) -> list[str
     return [f"host {name}: could not remove ~/{rel_dir}: {e}" for name, e in why.items()]
 
 
-def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: str | os.PathLike,
+def run_check(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, runs_dir: str | os.PathLike,
               options: perf.PerfOptions | None = None, ssh_config: str | None = None,
               preflight: bool = True, echo: bool = False, env: tuple[tuple[str, str], ...] | None = None,
               socket_ifname: str | None = None) -> tuple[dict, Path]:
@@ -161,7 +161,7 @@ def run_check(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, runs_dir: s
     return record, run_dir
 
 
-def before_run(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy, opts, env: tuple[tuple[str, str], ...],
+def before_run(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, opts, env: tuple[tuple[str, str], ...],
                ssh_config: str | None = None, say=None) -> dict:
     """``run --perf-check`` (``perf_check=True``): the check, with the job's *env* and
     ``socket_ifname``, its table given to *say*; returns the manifest's ``perf`` entry. *opts*:

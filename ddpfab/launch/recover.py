@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ddpfab.hosts import inventory
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch.execute import Interrupted, Printer, RunResult
 from ddpfab.launch.runner import RunError
 from ddpfab.launch.runs import RunDir
@@ -76,7 +76,7 @@ class RecoveryOptions:
 RETRY_KINDS = ("node", "script")
 
 
-def recovery_options(opts, cluster: Cluster) -> RecoveryOptions:
+def recovery_options(opts, cluster: Inventory) -> RecoveryOptions:
     """From the run's options (:class:`ddpfab.api.Options`, or anything with ``max_job_restarts``,
     ``spares``, ``retry_on``, ``min_nodes``) and the inventory; an impossible combination is a
     PlanError."""
@@ -260,7 +260,7 @@ def classify(result: RunResult, nodes: tuple[Node, ...], log_dir: Path, policy: 
 # --- the loop -------------------------------------------------------------------------------
 
 #: Prepares one attempt: connect, sync, probe, preflight, plan. Returns (Prepared, manifest extra).
-PrepareFn = Callable[[Cluster, RunOptions], tuple]
+PrepareFn = Callable[[Inventory, RunOptions], tuple]
 RunFn = Callable  # runner.run
 
 
@@ -300,7 +300,7 @@ class Attempt:
 class Recovery:
     """One run with restarts. *prepare* and *run* are the single-attempt steps (api and runner)."""
 
-    def __init__(self, cluster: Cluster, spares: tuple[Node, ...], options: RunOptions, ropts: RecoveryOptions,
+    def __init__(self, cluster: Inventory, spares: tuple[Node, ...], options: RunOptions, ropts: RecoveryOptions,
                  policy: HostKeyPolicy, ssh_config: str | None, runs_dir: str, prepare: PrepareFn,
                  run: RunFn, color: bool | None = None, out=None, verbose: bool = False):
         self.cluster, self.spares, self.options, self.ropts = cluster, spares, options, ropts
@@ -475,7 +475,7 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
-def split_spares(cluster: Cluster, spares_group: str | None) -> tuple[Cluster, tuple[Node, ...]]:
+def split_spares(cluster: Inventory, spares_group: str | None) -> tuple[Inventory, tuple[Node, ...]]:
     """The cluster without the spares group's hosts, and the spares (in inventory order)."""
     if not spares_group:
         return cluster, ()
@@ -619,7 +619,7 @@ def next_attempt(runs_dir: str, root: dict, followed: str, wait_s: float = 300.0
 
 
 def attempt_cluster(manifest: dict, source: str | None = None, group: str | None = None,
-                    extra_vars: tuple = ()) -> Cluster:
+                    extra_vars: tuple = ()) -> Inventory:
     """The cluster an attempt ran on, in its order: its nodes, from the run's group and its spares
     (*extra_vars*: the run's ``-e``, over every host's variables)."""
     plan = manifest["plan"]

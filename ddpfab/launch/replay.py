@@ -33,7 +33,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ddpfab.hosts import inventory
-from ddpfab.hosts.inventory import Cluster
+from ddpfab.hosts.inventory import Inventory
 from ddpfab.launch.runs import mask_env
 from ddpfab.health import probe
 from ddpfab.planning import render
@@ -43,7 +43,7 @@ from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
 
 
-def inventory_fingerprint(cluster: Cluster) -> str:
+def inventory_fingerprint(cluster: Inventory) -> str:
     """sha256 of the resolved node list: what each node is and how it is reached, in order."""
     nodes = [asdict(n) for n in cluster.nodes]
     blob = json.dumps({"group": cluster.group, "nodes": nodes}, sort_keys=True, ensure_ascii=False)
@@ -71,7 +71,7 @@ def script_file(plan: Plan) -> str | None:
     return None
 
 
-def manifest_fields(cluster: Cluster, plan: Plan) -> dict[str, Any]:
+def manifest_fields(cluster: Inventory, plan: Plan) -> dict[str, Any]:
     """What a manifest needs so that ``replay`` can check it is replaying the same thing (and, for
     a repeated ``-i``, load the same inventories again: the plan's ``inventory`` only shows them)."""
     path = script_file(plan)
@@ -123,7 +123,7 @@ def _current_tree_hash(code: dict) -> str:
     return sync.local_tree(sel)["tree_hash"]
 
 
-def check(manifest: dict, cluster: Cluster) -> list[str]:
+def check(manifest: dict, cluster: Inventory) -> list[str]:
     """Why replaying *manifest* on *cluster* would not be the same run (empty: it would)."""
     problems = []
     recorded = manifest.get("inventory_fingerprint")

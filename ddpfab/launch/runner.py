@@ -42,7 +42,7 @@ class RunError(DdpfabError):
 
 @dataclass
 class Prepared:
-    cluster: inventory.Cluster
+    cluster: inventory.Inventory
     plan: Plan
     conns: dict[str, Connection]
     facts: dict[str, probe.NodeFacts]
@@ -66,7 +66,7 @@ class Prepared:
             conn.close()
 
 
-def connect_all(cluster: inventory.Cluster, policy: ssh.HostKeyPolicy,
+def connect_all(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
                 ssh_config: str | None = None) -> dict[str, Connection]:
     """Open verified connections to every node in parallel; on any failure close them all and
     raise one error listing every host that failed."""
@@ -103,7 +103,7 @@ class Probing:
         nodeprog.close_all(self.sessions, wait)
 
 
-def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], options: RunOptions, cwd: str,
+def start_probe(cluster: inventory.Inventory, conns: dict[str, Connection], options: RunOptions, cwd: str,
                 preflight: bool = True, new_run_dir: bool = True) -> Probing:
     """Start the node program on every node and send what the preparation asks, without waiting:
     the facts, and with *preflight* the mesh listeners (on the master also on the master port,
@@ -126,7 +126,7 @@ def start_probe(cluster: inventory.Cluster, conns: dict[str, Connection], option
     return Probing({n: s for n, s in sessions.items() if n in sent}, errors, master, sent, sent_at)
 
 
-def prepare(cluster: inventory.Cluster, options: RunOptions, policy: ssh.HostKeyPolicy,
+def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostKeyPolicy,
             ssh_config: str | None = None, cwd: str | None = None, preflight: bool = True,
             conns: dict[str, Connection] | None = None, probing: Probing | None = None,
             synced: bool = False, replicate_paths: tuple[str, ...] = (), will_sync: bool = False,

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ddpfab.hosts import nodeenv
-from ddpfab.hosts.inventory import Cluster, Node, is_address
+from ddpfab.hosts.inventory import Inventory, Node, is_address
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.node.workdir import WorkdirError
 from ddpfab.node.workdir import resolve as resolve_workdir
@@ -435,7 +435,7 @@ def node_python(node: Node) -> dict[str, str]:
     return {"python": node.python, "python_from": node.python_from}
 
 
-def choose_master(cluster: Cluster) -> Node:
+def choose_master(cluster: Inventory) -> Node:
     """The node flagged ``ddpfab_master``, else the first node in inventory order."""
     flagged = [n for n in cluster.nodes if n.master]
     return flagged[0] if flagged else cluster.nodes[0]
@@ -679,7 +679,7 @@ def remote_path(path: str, home: str | None) -> str:
     return f"{home.rstrip('/')}/{path}"
 
 
-def node_order(cluster: Cluster) -> list[Node]:
+def node_order(cluster: Inventory) -> list[Node]:
     """Nodes by node_rank: the master first (node_rank 0 must be where the store is), then the
     others in inventory order."""
     master = choose_master(cluster)
@@ -763,7 +763,7 @@ def socket_ifname_for(node: Node, options: RunOptions, facts: Facts) -> tuple[st
                   "name one with --socket-ifname IFACE, or --socket-ifname none to silence this")
 
 
-def socket_ifname_warnings(cluster: Cluster, options: RunOptions, facts: Facts) -> list[str]:
+def socket_ifname_warnings(cluster: Inventory, options: RunOptions, facts: Facts) -> list[str]:
     """The warning lines of :func:`socket_ifname_for`, one per node that has one."""
     return [w for n in cluster.nodes if (w := socket_ifname_for(n, options, facts)[1])]
 
@@ -836,7 +836,7 @@ def _ifname_fix(have: dict[str, Interface], towards: str | None, whose: str = "i
     return f"use {auto}, or name one of {whose} interfaces: {', '.join(others)}" if others else f"use {auto}"
 
 
-def socket_ifname_problems(cluster: Cluster, options: RunOptions, facts: Facts) -> list[Problem]:
+def socket_ifname_problems(cluster: Inventory, options: RunOptions, facts: Facts) -> list[Problem]:
     """``--socket-ifname IFACE[,IFACE...]`` checked on every probed node as the backends will
     match it (:func:`socket_ifname_names`): each name an interface there, up, with an address;
     else one problem per node that names what it has and the fix, or, from
@@ -874,7 +874,7 @@ def socket_ifname_problems(cluster: Cluster, options: RunOptions, facts: Facts) 
     return [p for _, p in sorted(problems, key=lambda np: order[np[0].name])]
 
 
-def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
+def make_plan(cluster: Inventory, options: RunOptions, facts: Facts) -> Plan:
     """The plan: one part per node in rank order, from what the user asked and what the probe found.
 
     Args:
@@ -908,7 +908,7 @@ def make_plan(cluster: Cluster, options: RunOptions, facts: Facts) -> Plan:
         pdb=pdb_ranks(options.pdb, world), debugpy=pdb_ranks(options.debugpy, world, "--debugpy"))
 
 
-def check_options(cluster: Cluster, options: RunOptions, facts: Facts) -> None:
+def check_options(cluster: Inventory, options: RunOptions, facts: Facts) -> None:
     """The run's options, each checked on its own and against the cluster (PlanError)."""
     check_run_id(options.run_id)
     if not cluster.nodes:
@@ -1052,7 +1052,7 @@ def pdb_ranks(spec: str, world_size: int, flag: str = "--pdb") -> str:
     return ",".join(str(r) for r in sorted(ranks))
 
 
-def secret_env(cluster: Cluster, options: RunOptions) -> tuple[str, ...]:
+def secret_env(cluster: Inventory, options: RunOptions) -> tuple[str, ...]:
     """The keys marked secret for a run: ``--secret-env``'s, then every node's ``ddpfab_secret_env``
     (one set for the whole plan: masking a key on every node where one node marks it is harmless)."""
     keys = dict.fromkeys(options.secret_env)

@@ -9,7 +9,7 @@ import socket
 
 from fabric import Connection
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
 
@@ -48,7 +48,7 @@ def resolve(node: Node, conn: Connection | None = None, target: Target | None = 
     return str(infos[0][4][0])
 
 
-def offline_addresses(cluster: Cluster, targets: dict[str, Target]) -> tuple[dict[str, str], tuple[str, ...]]:
+def offline_addresses(cluster: Inventory, targets: dict[str, Target]) -> tuple[dict[str, str], tuple[str, ...]]:
     """Each node's address as the real run's :func:`resolve` finds it, with no host contacted, and
     the nodes whose name did not resolve here (kept as given: an offline plan marks them, where
     the real run, which also has the open connection's peer address, resolves or refuses)."""

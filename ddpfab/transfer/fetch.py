@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resourcecheck
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.noderunner import NodeRunner, rsync_argv
@@ -166,7 +166,7 @@ def _mkdir(path: str) -> bool:
     return True
 
 
-def pick_node(cluster: Cluster, node: str | None, rank: int | None) -> Node:
+def pick_node(cluster: Inventory, node: str | None, rank: int | None) -> Node:
     """The node named *node*, or the one with node rank *rank* (default: rank 0, the master)."""
     if node is not None:
         try:

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.node import treehash, workdir
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.reaper import Reaper
@@ -550,7 +550,7 @@ class _SyncTarget:
 
 
 class _Sync:
-    def __init__(self, cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Exception],
+    def __init__(self, cluster: Inventory, sel: Selection, conns: dict, down: dict[str, Exception],
                  compress: bool, checksum: bool, progress: Callable[[str], object], adopt: bool = False,
                  lock_wait: float = LOCK_WAIT_S):
         """*conns*: each node's open connection (the run's, or sync_cluster's own); *down*: why
@@ -1037,7 +1037,7 @@ def megabytes(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.1f} MB"
 
 
-def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
+def sync_cluster(cluster: Inventory, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
                  compress: bool = False, ssh_config: str | None = None, checksum: bool = False,
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
                  adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
@@ -1114,7 +1114,7 @@ def sync_cluster(cluster: Cluster, src: str | os.PathLike, policy: HostKeyPolicy
         close_group(opened)
 
 
-def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Exception], started: float, *,
+def _sync(cluster: Inventory, sel: Selection, conns: dict, down: dict[str, Exception], started: float, *,
           fanout: str, compress: bool, checksum: bool, verify_only: bool, adopt: bool, dry_run: bool,
           lock_wait: float, progress: Callable[[str], object]) -> SyncResult:
     """:func:`sync_cluster` once every node's connection is open (or known to be down)."""
@@ -1178,7 +1178,7 @@ def _sync(cluster: Cluster, sel: Selection, conns: dict, down: dict[str, Excepti
     return result
 
 
-def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tuple[str, ...] | list[str] = (),
+def unchanged(cluster: Inventory, conns: dict, src: str | os.PathLike, *, keep: tuple[str, ...] | list[str] = (),
               with_git: bool = False, sessions: dict | None = None, include_keys: bool = False) -> SyncResult | None:
     """The no-copy fast path of a sync (``ddpfab sync``, and before ``run``): when every node's
     workdir already hashes to this tree (the usual case while iterating: nothing changed since
@@ -1201,7 +1201,7 @@ def unchanged(cluster: Cluster, conns: dict, src: str | os.PathLike, *, keep: tu
     return _unchanged(cluster, conns, sel, sessions)
 
 
-def _unchanged(cluster: Cluster, conns: dict, sel: Selection, sessions: dict | None = None,
+def _unchanged(cluster: Inventory, conns: dict, sel: Selection, sessions: dict | None = None,
                shared: bool = True) -> SyncResult | None:
     """:func:`unchanged` of the selection *sel*; without *shared*, a workdir without a record (a
     shared filesystem, or a directory ddpfab cannot prove is not this one) is not taken as

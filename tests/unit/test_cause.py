@@ -3,7 +3,7 @@ node's output as data, and the closing line that quotes it (ddpfab.launch.execut
 
 from __future__ import annotations
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import execute as launch
 from ddpfab.launch.cause import MAX_LINE, Cause, CauseKind, CauseReader
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
@@ -102,7 +102,7 @@ def test_what_a_rank_prints_is_bounded_and_printable():
 
 
 def test_the_closing_line_names_node_rank_exit_code_and_exception():
-    c = Cluster("inv.yml", "all", (Node("node1", "10.0.0.1", nproc=2), Node("node2", "10.0.0.2", nproc=2)))
+    c = Inventory("inv.yml", "all", (Node("node1", "10.0.0.1", nproc=2), Node("node2", "10.0.0.2", nproc=2)))
     plan = make_plan(c, RunOptions("t.py"), Facts({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 29500, "/w"))
     node2 = plan.node("node2")
     # a rank's own lines only (the supervisor stopped torchrun before its Root Cause): rank = offset + local

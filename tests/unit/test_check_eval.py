@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ddpfab.health.check import CheckOptions, Report, evaluate, render
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 
-C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")))
+C = Inventory("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")))
 
 
 def fact(**over):

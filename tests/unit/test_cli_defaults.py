@@ -16,9 +16,9 @@ import tempfile
 import pytest
 
 from ddpfab import cli
-from ddpfab.api import Cluster as ApiCluster
+from ddpfab.api import Cluster
 from ddpfab.hosts import inventory
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, recorded_options
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
 from ddpfab.transfer.fetch import FetchError, check_local_dir, pick_node
@@ -150,7 +150,7 @@ def test_the_project_config_is_a_default_of_ps_and_stop(recorder, monkeypatch, t
 
 def _record(tmp_path, inventory_path: str) -> None:
     """runs/r1/manifest.json of a run planned on *inventory_path* (what replay validates)."""
-    cluster = Cluster(inventory_path, "all", (Node("n1", "10.0.0.1"), Node("n2", "10.0.0.2")))
+    cluster = Inventory(inventory_path, "all", (Node("n1", "10.0.0.1"), Node("n2", "10.0.0.2")))
     options = RunOptions("t.py", run_id="r1")
     plan = make_plan(cluster, options, Facts(addresses={"n1": "10.0.0.1", "n2": "10.0.0.2"}, master_port=29500,
                                              cwd=str(tmp_path)))
@@ -190,7 +190,7 @@ def test_the_fetch_a_run_suggests_fetches_from_its_rank_0_whatever_limit_picked_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cluster = inventory.load("a,b,c,", limit="b,c")
     plan = make_plan(cluster, RunOptions("t.py"), Facts({"b": "10.0.0.2", "c": "10.0.0.3"}, 29500, "/w"))
-    ApiCluster(cluster, inventory=["a,b,c,"])._say_where_rank0_is(plan)
+    Cluster(cluster, inventory=["a,b,c,"])._say_where_rank0_is(plan)
     hint = capsys.readouterr().err
     words = shlex.split(hint.split("copy results here with: ddpfab ", 1)[1].rstrip(")\n"))
     args = cli.build_parser().parse_args([w if w != "PATH" else "ckpt.pt" for w in words])

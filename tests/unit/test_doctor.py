@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ddpfab.api import Options, planner_options
 from ddpfab.health import doctor
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch.replay import recorded_options, validate
 from ddpfab.node import stacks
 from ddpfab.planning.plan import (FLIGHT_RECORDER_PREFIX, Facts, PlanError, Plan, RunOptions, make_plan)
@@ -227,7 +227,7 @@ def test_a_node_that_raises_or_hangs_is_its_reason_not_the_doctors_failure(tmp_p
 
 # -- the plan: the flight recorder where NCCL runs, the hang watch's options ---------------------
 def _plan(tmp_path: Path, gpus: int, **opts) -> Plan:
-    cluster = Cluster(str(tmp_path / "inv.yml"), "all", (Node("node1", "10.0.0.1", gpus=gpus),))
+    cluster = Inventory(str(tmp_path / "inv.yml"), "all", (Node("node1", "10.0.0.1", gpus=gpus),))
     return make_plan(cluster, RunOptions("t.py", run_id="r1", nproc_per_node=2, **opts),
                      Facts(addresses={"node1": "10.0.0.1"}, master_port=29500, cwd=str(tmp_path),
                            homes={"node1": "/home/u"}))

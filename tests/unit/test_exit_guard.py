@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import execute as launch
 from ddpfab.node import agent
 from ddpfab.node import exitguard
@@ -182,7 +182,7 @@ def test_a_node_that_aborted_after_finishing_is_not_a_failure_and_is_named():
 
 
 def test_the_spec_carries_the_guard_unless_it_is_off():
-    c = Cluster("inv.yml", "all", (Node("node1", "10.0.0.1", nproc=2), Node("node2", "10.0.0.2", nproc=3)))
+    c = Inventory("inv.yml", "all", (Node("node1", "10.0.0.1", nproc=2), Node("node2", "10.0.0.2", nproc=3)))
     facts = Facts({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 29500, "/w")
     plan = make_plan(c, RunOptions("t.py"), facts)
     assert plan.exit_guard == "on"

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpfab.cli import export as export_cli
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning import export, render
 from ddpfab.planning.export import ExportError, k8s_escape, launch_of, to_pytorchjob, to_sbatch, to_trainjob
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
@@ -38,12 +38,12 @@ NASTY_ENV = (("SPACED", "v a l"), ("SHELLY", "$HOME;`id`$(id)"), ("EMPTY", ""), 
              ("KREF", "$(MASTER_ADDR)"), ("NL", "a\nb"))
 
 
-def cluster(n: int = 2, **node_kw) -> Cluster:
+def cluster(n: int = 2, **node_kw) -> Inventory:
     nodes = tuple(Node(f"node{i}", f"10.0.0.{i}", **node_kw) for i in range(1, n + 1))
-    return Cluster(source="inv.yml", group="all", nodes=nodes)
+    return Inventory(source="inv.yml", group="all", nodes=nodes)
 
 
-def plan_of(c: Cluster | None = None, *, args=tuple(NASTY), env=NASTY_ENV, port: int = 29511, nproc: int | None = 2,
+def plan_of(c: Inventory | None = None, *, args=tuple(NASTY), env=NASTY_ENV, port: int = 29511, nproc: int | None = 2,
             cwd: str = "/srv/proj", homes: dict | None = None, **opts):
     c = c or cluster()
     options = RunOptions("train dir/train.py", args=tuple(args), nproc_per_node=nproc, master_port=port, env=env,
@@ -95,13 +95,13 @@ def test_sbatch_extra_options_must_be_name_value():
 
 
 def test_heterogeneous_nodes_cannot_be_exported_and_the_error_names_the_fix():
-    c = Cluster("inv.yml", "all", (Node("a", "10.0.0.1", nproc=2), Node("b", "10.0.0.2", nproc=4)))
+    c = Inventory("inv.yml", "all", (Node("a", "10.0.0.1", nproc=2), Node("b", "10.0.0.2", nproc=4)))
     with pytest.raises(ExportError, match="nproc.*ddpfab_nproc_per_node"):
         launch_of(plan_of(c, nproc=None))
-    c = Cluster("inv.yml", "all", (Node("a", "10.0.0.1", python="/a/python"), Node("b", "10.0.0.2")))
+    c = Inventory("inv.yml", "all", (Node("a", "10.0.0.1", python="/a/python"), Node("b", "10.0.0.2")))
     with pytest.raises(ExportError, match="ddpfab_python"):
         to_sbatch(plan_of(c))
-    c = Cluster("inv.yml", "all", (Node("a", "10.0.0.1", workdir="/x"), Node("b", "10.0.0.2")))
+    c = Inventory("inv.yml", "all", (Node("a", "10.0.0.1", workdir="/x"), Node("b", "10.0.0.2")))
     with pytest.raises(ExportError, match="ddpfab_workdir"):
         to_pytorchjob(plan_of(c), image="img")
 

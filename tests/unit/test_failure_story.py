@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 
 from ddpfab.cli.run import own_options_hint
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import execute, story
 from ddpfab.launch.cause import (Blame, Cause, CauseKind, CauseReader, Fold, NodeFailure, blame, kind_of_exception,
                                  worker_cause)
@@ -73,7 +73,7 @@ def reader(text: str) -> CauseReader:
 
 def plan3():
     nodes = tuple(Node(f"node{i}", f"10.0.0.1{i}", nproc=1) for i in (1, 2, 3))
-    return make_plan(Cluster("inv.yml", "all", nodes), RunOptions("crash.py"),
+    return make_plan(Inventory("inv.yml", "all", nodes), RunOptions("crash.py"),
                      Facts({n.name: n.host for n in nodes}, 29500, "/w"))
 
 

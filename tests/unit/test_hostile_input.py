@@ -1,6 +1,6 @@
 """Hostile input: property-based tests of inventory loading, env handling and output prefixes.
 
-Whatever the input, the outcome is a Cluster/plan or one of ddpfab's own clear errors: never a
+Whatever the input, the outcome is a Inventory/plan or one of ddpfab's own clear errors: never a
 traceback from deep inside, never a value that reaches a shell unquoted.
 """
 
@@ -84,9 +84,9 @@ def test_only_allowlisted_prefixes_are_forwarded():
 
 
 def test_secrets_are_masked_in_manifests_and_dry_runs():
-    from ddpfab.hosts.inventory import Cluster, Node
+    from ddpfab.hosts.inventory import Inventory, Node
 
-    c = Cluster("i", "all", (Node("a", "10.0.0.1"),))
+    c = Inventory("i", "all", (Node("a", "10.0.0.1"),))
     plan = make_plan(c, RunOptions("t.py", env=(("WANDB_API_KEY", "s3cr3t-value"), ("HF_TOKEN", "hf_abc"),
                                                   ("LR", "0.1"))),
                      Facts({"a": "10.0.0.1"}, 29500, "/w"))
@@ -100,9 +100,9 @@ def test_secrets_are_masked_in_manifests_and_dry_runs():
 
 
 def test_printer_maps_local_rank_tags_to_global_ranks():
-    from ddpfab.hosts.inventory import Cluster, Node
+    from ddpfab.hosts.inventory import Inventory, Node
 
-    c = Cluster("i", "all", (Node("a", "10.0.0.1", nproc=2), Node("b", "10.0.0.2", nproc=3)))
+    c = Inventory("i", "all", (Node("a", "10.0.0.1", nproc=2), Node("b", "10.0.0.2", nproc=3)))
     plan = make_plan(c, RunOptions("t.py"), Facts({"a": "10.0.0.1", "b": "10.0.0.2"}, 29500, "/w"))
     out = io.StringIO()
     p = Printer(plan, out, color=False)

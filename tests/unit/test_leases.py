@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import gate as golib
 from ddpfab.planning import gpu_leases
 from ddpfab.node import leases, ops
@@ -208,7 +208,7 @@ def test_the_plan_leases_what_the_processes_need():
 def test_what_a_node_reports_is_read_as_data_and_a_held_gpu_is_refused_by_name():
     from ddpfab.planning.plan import Facts, make_plan
 
-    cluster = Cluster(nodes=(_node("n1"), _node("n2")), source="inv.yml", group="all")
+    cluster = Inventory(nodes=(_node("n1"), _node("n2")), source="inv.yml", group="all")
     plan = make_plan(cluster, RunOptions("t.py", gpus_per_node=2),
                      Facts(addresses={"n1": "10.0.0.1", "n2": "10.0.0.2"}, master_port=29500, cwd="/w",
                            gpus={"n1": 2, "n2": 2}))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpfab.hosts import inventory
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import replay
 from ddpfab.launch.runs import MASK, mask_argv, mask_plan
 from ddpfab import masking
@@ -24,7 +24,7 @@ from ddpfab.planning.plan import Facts, RunOptions, make_plan
 ISSUE_KEYS = ("DB_PASS", "MYSQL_PWD", "GITHUB_PAT", "AWS_ACCESS_KEY_ID", "COMET_KEY", "HF_TOKEN",
               "AWS_SECRET_ACCESS_KEY", "WANDB_API_KEY", "PGPASSWORD", "SENTRY_DSN", "REDIS_PASS2", "my_db_pwd")
 PLAIN_KEYS = ("LR", "PATH", "PYTHONPATH", "NCCL_IB_HCA", "MASTER_ADDR", "KEYBOARD", "PATCH_LEVEL", "COMPASS")
-C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1", secret_env=("INV_MARKED",)), Node("b", "10.0.0.2")))
+C = Inventory("inv.yml", "all", (Node("a", "10.0.0.1", secret_env=("INV_MARKED",)), Node("b", "10.0.0.2")))
 F = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="/w", homes={"a": "/r", "b": "/r"})
 
 
@@ -163,7 +163,7 @@ def test_a_setup_line_in_extra_vars_is_recorded_masked_and_replay_must_have_it_a
 def test_the_dry_run_and_the_manifest_show_setup_lines_masked():
     nodes = (Node("a", "10.0.0.1", setup=("export HF_TOKEN=hf_leak1", "export INV_MARKED=leak2 X=1")),
              Node("b", "10.0.0.2", secret_env=("INV_MARKED",)))
-    plan = make_plan(Cluster("inv.yml", "all", nodes), RunOptions("t.py"), F)
+    plan = make_plan(Inventory("inv.yml", "all", nodes), RunOptions("t.py"), F)
     shown = json.dumps(render.masked(plan).to_dict()) + json.dumps(mask_plan(plan.to_dict()))
     shown += "".join(render.shell_line(render.masked(plan), n) for n in render.masked(plan).nodes)
     assert "leak1" not in shown and "leak2" not in shown and "HF_TOKEN=***" in shown and "INV_MARKED=***" in shown

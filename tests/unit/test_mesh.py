@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ddpfab import hostlist
 from ddpfab.health import mesh
 from ddpfab.health.check import CheckOptions, CheckResult, evaluate, grouped_lines
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 
 
 def names(n: int) -> list[str]:
@@ -108,7 +108,7 @@ def test_compact_names():
 
 
 def test_grouped_output_for_64_failing_nodes_is_a_few_lines():
-    cluster = Cluster("inv.yml", "all", tuple(Node(n, f"10.0.0.{i}") for i, n in enumerate(names(64), 1)))
+    cluster = Inventory("inv.yml", "all", tuple(Node(n, f"10.0.0.{i}") for i, n in enumerate(names(64), 1)))
     plan = mesh.plan_targets(names(64))
     results = simulate(plan, drop_in={"node7", "node9", "node12"})
     for src, probes in results.items():  # the master port is open to every other node

@@ -16,7 +16,7 @@ from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.cli import main as cli_main
 from ddpfab.health import check
 from ddpfab.hosts import nodeenv
-from ddpfab.hosts.inventory import Cluster, InventoryError, Node, load
+from ddpfab.hosts.inventory import Inventory, InventoryError, Node, load
 from ddpfab.node import ops
 from ddpfab.planning import render
 from ddpfab.planning.export import ExportError, to_sbatch
@@ -31,7 +31,7 @@ FACTS = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, c
 
 
 def plan_of(*nodes: Node):
-    return make_plan(Cluster("inv", "all", tuple(nodes)), RunOptions("train.py", run_id="r1"), FACTS)
+    return make_plan(Inventory("inv", "all", tuple(nodes)), RunOptions("train.py", run_id="r1"), FACTS)
 
 
 def inventory(tmp_path: Path, body: str) -> Path:
@@ -95,7 +95,7 @@ def test_the_probe_decides_an_undecided_node_from_validated_facts():
                             "workdir_exists": True, "executable": "/opt/ddpfab/venv/bin/python",
                             "python_from": "provisioned venv"}, 0.0, 0.0)
     assert (facts.executable, facts.python_from) == ("/opt/ddpfab/venv/bin/python", "provisioned venv")
-    cluster = decide(Cluster("inv", "all", (node,)), {"a": facts})
+    cluster = decide(Inventory("inv", "all", (node,)), {"a": facts})
     plan = make_plan(cluster, RunOptions("train.py", run_id="r1"), Facts({"a": "10.0.0.1"}, 29500, "/w"))
     assert render.argv(plan, plan.nodes[0])[:3] == ("/opt/ddpfab/venv/bin/python", "-m", "torch.distributed.run")
     assert plan.nodes[0].python_from == "provisioned venv"
@@ -240,7 +240,7 @@ def test_an_sbatch_export_runs_the_setup_and_the_nodes_own_choice_on_each_task(f
         assert rec["env"]["SITE_FLAG"] == "on-the-task" and rec["env"]["DDPFAB_PYTHON_FROM"] == "ddpfab_setup"
         assert rec["argv"][:2] == ["-m", "torch.distributed.run"]
     # a node with other setup lines cannot be one scheduler command
-    odd = Cluster("inv", "all", (*c.nodes[:1], replace(c.nodes[1], setup=("module load x",))))
+    odd = Inventory("inv", "all", (*c.nodes[:1], replace(c.nodes[1], setup=("module load x",))))
     with pytest.raises(ExportError, match="another setup.*ddpfab_setup"):
         to_sbatch(export_plan_of(odd))
 
@@ -268,7 +268,7 @@ def test_check_says_which_python_each_node_runs_and_what_its_setup_sets():
                   "executable": "/opt/ddpfab/venv/bin/python", "python_from": "provisioned venv",
                   "env_changes": {"set": {"HF_TOKEN": "s3cret", "PATH": "/x"}, "unset": []}}
     facts = {"a": venv_facts, "b": {**venv_facts, "torch": False, "env_changes": None}}
-    results = check.evaluate(Cluster("inv", "all", nodes), "a", facts, {}, None, check.CheckOptions(), {"a": 1, "b": 1})
+    results = check.evaluate(Inventory("inv", "all", nodes), "a", facts, {}, None, check.CheckOptions(), {"a": 1, "b": 1})
     text = check.render(check.Report(nodes=["a", "b"], results=results))
     assert "python a, b: /opt/ddpfab/venv/bin/python (from provisioned venv)" in text
     assert "setup a: setup sets HF_TOKEN, PATH" in text and "s3cret" not in text

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpfab import cli
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, make_plan
 
 
@@ -32,7 +32,7 @@ def nodes(*names: str) -> tuple[Node, ...]:
 
 
 def test_an_offline_plan_keeps_an_unresolved_master_as_a_marked_name_the_real_rule_refuses_it():
-    cluster = Cluster("a.invalid,b.invalid,", "all", nodes("a.invalid", "b.invalid"))
+    cluster = Inventory("a.invalid,b.invalid,", "all", nodes("a.invalid", "b.invalid"))
     addresses = {"a.invalid": "a.invalid", "b.invalid": "10.0.0.2"}
     plan = make_plan(cluster, RunOptions("t.py"), Facts(addresses, 29500, "/w", unresolved=("a.invalid",)))
     assert (plan.master_addr, plan.unresolved) == ("a.invalid", ("a.invalid",))

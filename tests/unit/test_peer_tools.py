@@ -22,7 +22,7 @@ from ddpfab.api import planner_options
 from ddpfab.cli import completion, config
 from ddpfab.cli import run as run_cli
 from ddpfab.hosts import inventory
-from ddpfab.hosts.inventory import Cluster, InventoryError, Node
+from ddpfab.hosts.inventory import Inventory, InventoryError, Node
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, PlanError, RunOptions, make_plan
 
@@ -65,7 +65,7 @@ def test_hostfile_slots_become_each_hosts_nproc(tmp_path):
     hf.write_text("# DeepSpeed hostfile\nworker-1 slots=4\nworker-2 slots=2 max_slots=8\n\nworker-3\n")
     nodes = inventory.load(str(hf)).nodes
     assert [(n.name, n.nproc) for n in nodes] == [("worker-1", 4), ("worker-2", 2), ("worker-3", None)]
-    plan = make_plan(Cluster(str(hf), "all", nodes), RunOptions("t.py"), _facts(nodes))
+    plan = make_plan(Inventory(str(hf), "all", nodes), RunOptions("t.py"), _facts(nodes))
     assert [n.nproc for n in plan.nodes] == [4, 2, 1] and plan.world_size == 7
     # an INI inventory without slots= stays an Ansible inventory
     ini = tmp_path / "hosts.ini"
@@ -109,7 +109,7 @@ def test_per_host_env_and_gpu_lists_reach_the_plan(tmp_path):
         "    b: {ddpfab_gpu_ids: '1'}\n"
         "    c: {ddpfab_gpu_ids: [0, 1, 2], ddpfab_nproc_per_node: 1}\n")
     nodes = inventory.load(str(inv)).nodes
-    plan = make_plan(Cluster(str(inv), "all", nodes), RunOptions("t.py", env=(("SHARED", "cli"),)), _facts(nodes))
+    plan = make_plan(Inventory(str(inv), "all", nodes), RunOptions("t.py", env=(("SHARED", "cli"),)), _facts(nodes))
     a, b, c = plan.nodes
     assert (a.nproc, b.nproc, c.nproc) == (2, 1, 1)  # the list's length, unless nproc is set
     assert a.env["CUDA_VISIBLE_DEVICES"] == "0,2" and b.env["CUDA_VISIBLE_DEVICES"] == "1"
@@ -139,7 +139,7 @@ def test_placeholders_expand_per_node_and_survive_replay():
     nodes = _nodes()
     args = ("--out", "ckpt/{{node_rank}}-of-{{ nnodes }}", "--peer={{master_addr}}:{{master_port}}",
             "{{run_id}}/{{node_name}}/{{nproc}}/{{world_size}}", "{not_a_placeholder}", "$NODE_RANK")
-    plan = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=args, run_id="r1"), _facts(nodes))
+    plan = make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=args, run_id="r1"), _facts(nodes))
     for node in plan.nodes:
         argv = render.argv(plan, node)
         tail = list(argv[argv.index("t.py") + 1:])
@@ -147,21 +147,21 @@ def test_placeholders_expand_per_node_and_survive_replay():
                         f"r1/{node.name}/1/3", "{not_a_placeholder}", "$NODE_RANK"]
     assert plan.args == args  # the template is recorded; each node's argv holds its values
     # replay re-plans from the recorded options (the template), under a new run id and port
-    again = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=plan.args, run_id="r2"),
+    again = make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=plan.args, run_id="r2"),
                       dataclasses.replace(_facts(nodes), master_port=29600))
     assert render.argv(again, again.nodes[2])[-4:] == ("--peer=10.0.0.1:29600", "r2/n3/1/3", "{not_a_placeholder}", "$NODE_RANK")
     with pytest.raises(PlanError, match=r"\{\{node_rnk\}\} is unknown \(did you mean 'node_rank'"):
-        make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("{{node_rnk}}",)), _facts(nodes))
+        make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=("{{node_rnk}}",)), _facts(nodes))
     with pytest.raises(PlanError, match="needs --rdzv static"):
-        make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("{{node_rank}}",), rdzv="c10d"), _facts(nodes))
+        make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=("{{node_rank}}",), rdzv="c10d"), _facts(nodes))
 
 
 def test_legacy_launcher_passes_the_spelling_the_script_declares(tmp_path, monkeypatch):
     nodes = _nodes(2)
-    dash = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("--a",), launcher="legacy"), _facts(nodes))
+    dash = make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=("--a",), launcher="legacy"), _facts(nodes))
     argv = render.argv(dash, dash.nodes[0])
     assert "--use-env" not in argv and argv[-2:] == ("t.py", "--a")
-    under = make_plan(Cluster("x", "all", nodes), RunOptions("t.py", args=("--a",), launcher="legacy",
+    under = make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=("--a",), launcher="legacy",
                                                              local_rank_arg="--local_rank"), _facts(nodes))
     argv = render.argv(under, under.nodes[0])
     assert argv[1:3] == ("-m", "torch.distributed.launch")

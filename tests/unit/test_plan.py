@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, make_plan, master_port, parse_env
 
 
-def cluster(*nodes: Node) -> Cluster:
-    return Cluster(source="inv.yml", group="all", nodes=tuple(nodes))
+def cluster(*nodes: Node) -> Inventory:
+    return Inventory(source="inv.yml", group="all", nodes=tuple(nodes))
 
 
-def facts(c: Cluster, port: int = 29501, **addr) -> Facts:
+def facts(c: Inventory, port: int = 29501, **addr) -> Facts:
     addresses = {n.name: addr.get(n.name, f"10.0.0.{i + 1}") for i, n in enumerate(c.nodes)}
     return Facts(addresses=addresses, master_port=port, cwd="/work/proj", homes={n.name: "/root" for n in c.nodes})
 

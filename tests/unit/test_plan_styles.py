@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import replay
 from ddpfab.launch.execute import Printer
 from ddpfab.launch.runs import mask_plan
@@ -25,11 +25,11 @@ from ddpfab.remote.output import remote_command
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
 
 
-def cluster(*nodes: Node) -> Cluster:
-    return Cluster(source="inv.yml", group="all", nodes=tuple(nodes))
+def cluster(*nodes: Node) -> Inventory:
+    return Inventory(source="inv.yml", group="all", nodes=tuple(nodes))
 
 
-def facts(c: Cluster, port: int = 29501, **addr) -> Facts:
+def facts(c: Inventory, port: int = 29501, **addr) -> Facts:
     return Facts(addresses={n.name: addr.get(n.name, f"10.0.0.{i + 1}") for i, n in enumerate(c.nodes)},
                  master_port=port, cwd="/work/proj", homes={n.name: "/root" for n in c.nodes})
 
@@ -37,7 +37,7 @@ def facts(c: Cluster, port: int = 29501, **addr) -> Facts:
 C2 = cluster(Node("a", "10.0.0.1", shared_dir="/nfs/a"), Node("b", "10.0.0.2", nproc=2, shared_dir="/mnt/nfs"))
 
 
-def plan_of(c: Cluster = C2, **opts) -> Plan:
+def plan_of(c: Inventory = C2, **opts) -> Plan:
     opts.setdefault("run_id", "rid")
     return make_plan(c, RunOptions("t.py", args=("--x", "a b"), **opts), facts(c))
 

@@ -10,7 +10,7 @@ import pytest
 
 from ddpfab.health import mesh
 from ddpfab.health.check import CheckOptions, evaluate, grouped_lines
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.node import ops as program
 from ddpfab.planning.plan import Facts, PlanError, RunOptions, make_plan, socket_ifname_for, socket_ifname_warnings
 
@@ -19,8 +19,8 @@ def names(n: int) -> list[str]:
     return [f"node{i}" for i in range(1, n + 1)]
 
 
-def cluster(n: int, **env) -> Cluster:
-    return Cluster("inv.yml", "all", tuple(Node(name, f"10.0.0.{i}", data_addr=f"10.0.0.{i}", env=dict(env)) for i, name in enumerate(names(n), 1)))
+def cluster(n: int, **env) -> Inventory:
+    return Inventory("inv.yml", "all", tuple(Node(name, f"10.0.0.{i}", data_addr=f"10.0.0.{i}", env=dict(env)) for i, name in enumerate(names(n), 1)))
 
 
 def black_hole(nodes: list[str], master: str, bad: str) -> dict[str, list[dict]]:
@@ -132,7 +132,7 @@ def test_an_advertised_address_every_peer_reaches_passes():
 
 
 # -- the interface choice ------------------------------------------------------------------
-def probed(c: Cluster, ifnames: dict[str, str | None]) -> Facts:
+def probed(c: Inventory, ifnames: dict[str, str | None]) -> Facts:
     return Facts(addresses={n.name: n.host for n in c.nodes}, master_port=29500, cwd="/w",
                  homes={n.name: "/root" for n in c.nodes}, ifnames=ifnames)
 

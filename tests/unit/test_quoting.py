@@ -12,7 +12,7 @@ import sys
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, RunOptions, make_plan, placeholders_in
 
@@ -38,7 +38,7 @@ def echo_python(tmp_path) -> str:
 
 
 def one_node_plan(python: str, workdir: str, args, env: dict[str, str]):
-    c = Cluster("inv.yml", "all", (Node("n1", "10.0.0.1", python=python, workdir=workdir),))
+    c = Inventory("inv.yml", "all", (Node("n1", "10.0.0.1", python=python, workdir=workdir),))
     return make_plan(c, RunOptions("t.py", args=tuple(args), env=tuple(env.items()), run_id="r1"),
                      Facts(addresses={"n1": "10.0.0.1"}, master_port=29500, cwd=workdir, homes={"n1": "/home/u"}))
 

@@ -133,16 +133,16 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_options_from_the_command_line_and_the_inventory():
-    from ddpfab.hosts.inventory import Cluster
+    from ddpfab.hosts.inventory import Inventory
 
-    cl = Cluster("inv.yml", "all", (Node("a", "a", spares_group="standby"), Node("b", "b", spares_group="standby")))
+    cl = Inventory("inv.yml", "all", (Node("a", "a", spares_group="standby"), Node("b", "b", spares_group="standby")))
     o = recover_cli.recovery_options(_args(max_job_restarts=2), cl)
     assert o.spares_group == "standby" and o.retry_on == frozenset({"node"})
     assert recover_cli.recovery_options(_args(spares="other"), cl).spares_group == "other"
     assert recover_cli.recovery_options(_args(retry_on=["script"]), cl).retry_on == frozenset({"script"})
     with pytest.raises(PlanError, match="--max-job-restarts must be >= 0"):
         recover_cli.recovery_options(_args(max_job_restarts=-1), cl)
-    mixed = Cluster("inv.yml", "all", (Node("a", "a", spares_group="x"), Node("b", "b", spares_group="y")))
+    mixed = Inventory("inv.yml", "all", (Node("a", "a", spares_group="x"), Node("b", "b", spares_group="y")))
     with pytest.raises(PlanError, match="disagree on ddpfab_spares_group"):
         recover_cli.recovery_options(_args(), mixed)
 
@@ -194,7 +194,7 @@ def test_a_restart_whose_run_id_is_on_a_node_already_blames_no_node(tmp_path: Pa
                                 text="host a: ~/.ddpfab/runs/R-r1 exists there: this run id was used on this "
                                      "node already; pick another --run-id (or leave it out)")])
 
-    rec = recover.Recovery(recover.Cluster("inv.yml", "all", nodes("a", "b")), nodes("s1"), RunOptions(script="t.py", run_id="R"),
+    rec = recover.Recovery(recover.Inventory("inv.yml", "all", nodes("a", "b")), nodes("s1"), RunOptions(script="t.py", run_id="R"),
                            recover.RecoveryOptions(max_job_restarts=2, spares_group="standby"), None, None,
                            str(tmp_path), prepare, None)
     attempt = recover.Attempt("R-r1", 1, [], 0.0)

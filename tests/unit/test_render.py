@@ -16,7 +16,7 @@ import shlex
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch.runs import MASK, mask_plan
 from ddpfab.planning import emit, export, render
 from ddpfab.planning.plan import PLACEHOLDERS, Facts, Plan, RunOptions, make_plan
@@ -45,7 +45,7 @@ def plans(draw, uniform: bool = False, secret: str | None = None) -> Plan:
                                  "workdir": draw(st.one_of(st.none(), PATH))}
         nodes.append(Node(f"n{i}", f"10.0.0.{i}", python=kw.get("python", python),
                           workdir=kw.get("workdir", workdir), nproc=kw.get("nproc"), shared_dir="/nfs/x"))
-    cluster = Cluster("inv.yml", "all", tuple(nodes))
+    cluster = Inventory("inv.yml", "all", tuple(nodes))
     rdzv = "static" if uniform else draw(st.sampled_from(["static", "c10d"]))
     args = draw(st.lists(UNIFORM_ARG if uniform or rdzv == "c10d" else ARG, max_size=5))
     env = draw(st.lists(st.tuples(KEY, TEXT), max_size=3, unique_by=lambda kv: kv[0]))

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import replicate
 from ddpfab.planning.plan import PlanError
 
@@ -108,16 +108,16 @@ def test_receive_never_writes_through_a_symlink_out_of_the_workdir(tmp_path):
 
 @pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../b", "./a", ".ddpfab/sync.json", "a\nb", "", "a//b"])
 def test_paths_are_checked_like_workdir_paths_before_any_host(path):
-    cluster = Cluster("inv", "all", (Node("n1", "10.0.0.1"),))
+    cluster = Inventory("inv", "all", (Node("n1", "10.0.0.1"),))
     with pytest.raises(PlanError, match="--replicate"):
         replicate.wanted(cluster, [path])
-    bad = Cluster("inv", "all", (Node("n1", "10.0.0.1", replicate=(path,)),))
+    bad = Inventory("inv", "all", (Node("n1", "10.0.0.1", replicate=(path,)),))
     with pytest.raises(PlanError, match="host n1: ddpfab_replicate"):
         replicate.wanted(bad, [])
 
 
 def test_wanted_merges_the_inventory_and_the_command_line_once_each():
-    cluster = Cluster("inv", "all", (Node("n1", "a", replicate=("snapshot.pt",)),
+    cluster = Inventory("inv", "all", (Node("n1", "a", replicate=("snapshot.pt",)),
                                      Node("n2", "b", replicate=("snapshot.pt", "ckpt/x.pt"))))
     assert replicate.wanted(cluster, ["opt.pt", "snapshot.pt"]) == ("snapshot.pt", "ckpt/x.pt", "opt.pt")
 

@@ -13,13 +13,13 @@ import pytest
 
 from ddpfab.health import resourcecheck
 from ddpfab.health.check import CheckOptions, evaluate, grouped_problems
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.node import ops
 from ddpfab.node import resources as noderes
 from ddpfab.planning.plan import PlanError
 
 GIB, MIB = 2**30, 2**20
-C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")))
+C = Inventory("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")))
 
 
 def fs(free, path="/w", mount="/", fstype="ext4", total=100 * GIB):

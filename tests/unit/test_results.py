@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.cli.errors import print_problems
 from ddpfab.health import check
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.results import GroupResult
@@ -98,7 +98,7 @@ def test_an_ssh_option_error_says_what_was_found_without_the_nodes_name(tmp_path
 
 def test_check_reports_an_unreachable_node_once_by_name(tmp_path):
     port = _closed_port()
-    cluster = Cluster("test", "all", (Node("n1", "127.0.0.1", port=port),))
+    cluster = Inventory("test", "all", (Node("n1", "127.0.0.1", port=port),))
     report = check.check_cluster(cluster, ssh.HostKeyPolicy(known_hosts=str(tmp_path / "known_hosts")),
                                  check.CheckOptions(), os.devnull)
     [ssh_result] = [r for r in report.results if r.check == "ssh"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.remote.nodeprogram import NodeProgramError
 from ddpfab.node import ops as program
 from ddpfab.health import probe
@@ -18,8 +18,8 @@ UP = Interface(up=True, state="up", addrs=("10.0.0.9",))
 LO = Interface(up=True, state="unknown", addrs=("127.0.0.1", "::1"))
 
 
-def cluster(n: int, **env) -> Cluster:
-    return Cluster("inv.yml", "all", tuple(Node(f"node{i}", f"10.0.0.{i}", data_addr=f"10.0.0.{i}", env=dict(env))
+def cluster(n: int, **env) -> Inventory:
+    return Inventory("inv.yml", "all", tuple(Node(f"node{i}", f"10.0.0.{i}", data_addr=f"10.0.0.{i}", env=dict(env))
                                            for i in range(1, n + 1)))
 
 
@@ -27,7 +27,7 @@ def eth0(i: int, **more: Interface) -> dict[str, Interface]:
     return {"lo": LO, "eth0": Interface(up=True, state="up", addrs=(f"10.0.0.{i}",)), **more}
 
 
-def facts(c: Cluster, interfaces: dict[str, dict[str, Interface]] | None = None) -> Facts:
+def facts(c: Inventory, interfaces: dict[str, dict[str, Interface]] | None = None) -> Facts:
     if interfaces is None:
         interfaces = {n.name: eth0(i) for i, n in enumerate(c.nodes, 1)}
     return Facts(addresses={n.name: n.host for n in c.nodes}, master_port=29500, cwd="/w",
@@ -35,7 +35,7 @@ def facts(c: Cluster, interfaces: dict[str, dict[str, Interface]] | None = None)
                  interfaces=interfaces)
 
 
-def refusal(c: Cluster, ifname: str, f: Facts, **options) -> PlanError:
+def refusal(c: Inventory, ifname: str, f: Facts, **options) -> PlanError:
     with pytest.raises(PlanError) as err:
         make_plan(c, RunOptions("t.py", socket_ifname=ifname, **options), f)
     assert all(p.check == "socket_ifname" for p in err.value.problems)
@@ -137,7 +137,7 @@ def test_an_offline_plan_is_not_checked():
 
 
 def test_a_node_where_the_user_set_both_variables_is_not_checked():
-    c = Cluster("inv.yml", "all", (Node("node1", "10.0.0.1", data_addr="10.0.0.1"),
+    c = Inventory("inv.yml", "all", (Node("node1", "10.0.0.1", data_addr="10.0.0.1"),
                                    Node("node2", "10.0.0.2", data_addr="10.0.0.2",
                                         env={"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"})))
     assert [p.node for p in socket_ifname_problems(c, RunOptions("t.py", socket_ifname="ib0"), facts(c))] == ["node1"]

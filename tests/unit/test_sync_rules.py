@@ -501,10 +501,10 @@ def test_sync_leaves_out_the_runs_dir_run_uses(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines() == ["a.py", "exp/runs/r1/manifest.json"]
 
 def test_an_empty_selection_stops_before_any_host_is_contacted(tmp_path):
-    from ddpfab.hosts.inventory import Cluster
+    from ddpfab.hosts.inventory import Inventory
 
     root = make_tree(tmp_path / "p", {".gitignore": "*\n"})
-    cluster = Cluster("inv", "all", (Node(name="n1", host="192.0.2.1"),))
+    cluster = Inventory("inv", "all", (Node(name="n1", host="192.0.2.1"),))
     with pytest.raises(sync.SyncError, match="no files to send"):
         sync.sync_cluster(cluster, root, HostKeyPolicy())
     with pytest.raises(ValueError):

@@ -16,14 +16,14 @@ from ddpfab import cli
 from ddpfab.api import planner_options
 from ddpfab.cli import run as run_cli
 from ddpfab.health import check
-from ddpfab.hosts.inventory import Cluster, Node
+from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import replay, runner
 from ddpfab.health import probe
 from ddpfab.planning import emit, render, scriptfile
 from ddpfab.planning.plan import Facts, PlanError, RunOptions, make_plan, nproc_for, parse_nproc
 
 GPU_NODE, CPU_NODE = Node("g", "10.0.0.1"), Node("c", "10.0.0.2")
-TWO = Cluster("inv.yml", "all", (GPU_NODE, CPU_NODE))
+TWO = Inventory("inv.yml", "all", (GPU_NODE, CPU_NODE))
 
 
 def probed(gpus: dict[str, int], cpus: dict[str, int]) -> Facts:
@@ -60,7 +60,7 @@ def test_each_word_is_decided_per_node_from_its_facts():
     assert "--nproc-per-node=64" in render.argv(cpu, cpu.nodes[0])
     with pytest.raises(PlanError, match=r"host c: --nproc-per-node gpu: it has no GPU"):
         make_plan(TWO, RunOptions("t.py", nproc_per_node="gpu"), facts)
-    only_gpus = Cluster("inv.yml", "all", (GPU_NODE,))
+    only_gpus = Inventory("inv.yml", "all", (GPU_NODE,))
     assert make_plan(only_gpus, RunOptions("t.py", nproc_per_node="gpu"), facts).nodes[0].nproc == 8
 
 
@@ -111,13 +111,13 @@ def test_module_mode_as_torchrun_writes_it_or_as_an_option_is_one_plan(tmp_path,
     option = _options("--run-id", "r", "-m", "pkg.train", "--lr", "1")
     assert after == option
     assert (after.script, after.module, after.args) == ("pkg.train", True, ("--lr", "1"))
-    plan = make_plan(Cluster("inv.yml", "all", (GPU_NODE,)), after, probed({"g": 0}, {"g": 2}))
+    plan = make_plan(Inventory("inv.yml", "all", (GPU_NODE,)), after, probed({"g": 0}, {"g": 2}))
     argv = render.argv(plan, plan.nodes[0])
     assert argv[-4:] == ("-m", "pkg.train", "--lr", "1")
     assert argv.index("-m", 3) > argv.index("--max-restarts=0")  # torchrun's -m: after its other flags
     assert shlex.split(render.shell_line(plan, plan.nodes[0]))[-len(argv):] == list(argv)  # the line ends in the argv
     assert "module (-m): pkg.train --lr 1" in emit.readme(plan)
-    legacy = make_plan(Cluster("inv.yml", "all", (GPU_NODE,)), RunOptions("pkg.train", module=True, launcher="legacy"),
+    legacy = make_plan(Inventory("inv.yml", "all", (GPU_NODE,)), RunOptions("pkg.train", module=True, launcher="legacy"),
                        probed({"g": 0}, {"g": 2}))
     assert render.argv(legacy, legacy.nodes[0])[-2:] == ("-m", "pkg.train")
     with pytest.raises(PlanError, match="needs a module name"):
@@ -174,7 +174,7 @@ def test_a_script_that_parses_its_local_rank_gets_each_ranks_under_torchrun(tmp_
     for name, text in SCRIPTS.items():
         (tmp_path / name).write_text(text)
     options = _options("--run-id", "r", "--nproc-per-node", "2", script, "--lr", "1")
-    plan = make_plan(Cluster("inv.yml", "all", (GPU_NODE,)), options, probed({"g": 0}, {"g": 2}))
+    plan = make_plan(Inventory("inv.yml", "all", (GPU_NODE,)), options, probed({"g": 0}, {"g": 2}))
     argv = list(render.argv(plan, plan.nodes[0]))
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     if spelling is None:  # reads LOCAL_RANK: given nothing it does not parse
@@ -221,7 +221,7 @@ def test_a_manifest_with_a_wrongly_typed_new_plan_field_is_refused():
 
 def test_check_names_a_node_where_the_asked_count_cannot_be():
     raw = {"g": {"nvidia_gpus": 2, "cpus": 8}, "c": {"cpus": 4}}  # "x" did not answer: left to the probe's failure
-    cluster = Cluster("inv.yml", "all", (GPU_NODE, CPU_NODE, Node("x", "10.0.0.3")))
+    cluster = Inventory("inv.yml", "all", (GPU_NODE, CPU_NODE, Node("x", "10.0.0.3")))
     nproc, refused = check._nprocs(cluster, RunOptions("check", nproc_per_node="gpu"), raw)
     assert nproc == {"g": 2} and [(r.node, r.check, r.status) for r in refused] == [("c", "gpus", "fail")]
     assert "it has no GPU" in refused[0].found

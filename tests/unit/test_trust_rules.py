@@ -16,14 +16,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.hosts.inventory import Cluster, InventoryError, Node, _check_duplicates
+from ddpfab.hosts.inventory import Inventory, InventoryError, Node, _check_duplicates
 from ddpfab.launch.runs import MASK, mask_argv, mask_plan
 from ddpfab.node import agent
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, check_run_id, make_plan, parse_env
 from ddpfab.remote.command import guarded
 
-C = Cluster("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2")))
+C = Inventory("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2")))
 F = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="/w")
 
 

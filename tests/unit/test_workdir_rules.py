@@ -91,11 +91,11 @@ def test_torchrun_logs_stay_out_of_the_workdir_in_offline_plans_and_emitted_scri
     would put the per-rank logs into the project."""
     import subprocess
 
-    from ddpfab.hosts.inventory import Cluster, Node
+    from ddpfab.hosts.inventory import Inventory, Node
     from ddpfab.planning import emit, render
     from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
-    c = Cluster("inv", "all", (Node(name="n1", host="10.0.0.1", workdir="/opt/proj"),))
+    c = Inventory("inv", "all", (Node(name="n1", host="10.0.0.1", workdir="/opt/proj"),))
     p = make_plan(c, RunOptions("train.py", run_id="r1"), Facts(addresses={"n1": "10.0.0.1"}, master_port=29500,
                                                                  cwd="/here"))
     node = p.nodes[0]
