@@ -24,6 +24,15 @@ from ddpfab.planning.plan import EXIT_GUARD_MODES, HANG_TIMEOUT_S, ON_HANG
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """Everything that shapes the plan: shared by `run` and `plan`."""
     add_cluster_args(p)
+    _add_size_args(p)
+    _add_env_args(p)
+    _add_watch_args(p)
+    _add_style_args(p)
+    _add_output_args(p)
+
+
+def _add_size_args(p: argparse.ArgumentParser) -> None:
+    """The job's size: processes, GPUs, the master port."""
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_type, metavar="N|gpu|cpu|auto",
                    help="processes per node (default: inventory, GPUs, or 1); as torchrun: gpu = the node's GPUs, "
                         "cpu = its CPUs, auto = its GPUs if any, else its CPUs (decided per node from the probe)")
@@ -34,6 +43,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "or the inventory's ddpfab_gpu_ids); the job sees exactly those (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--wait", action="store_true",
                    help="GPUs leased or busy: wait in each node's queue, in arrival order, instead of refusing")
+
+
+def _add_env_args(p: argparse.ArgumentParser) -> None:
+    """The job's environment and the preflight's checks."""
     add_env_args(p)
     p.add_argument("--secret-env", action="append", default=[], metavar="KEY",
                    help="mask KEY's value wherever the run is shown or recorded (repeatable; also the inventory's "
@@ -49,6 +62,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                         "each must be up, with an address, on every node, or the run is refused before it "
                         "starts (not checked with --offline); NCCL-only forms (^lo, =eth0, a prefix like "
                         "eth) are refused: use --env NCCL_SOCKET_IFNAME=...")
+
+
+def _add_watch_args(p: argparse.ArgumentParser) -> None:
+    """How failures, hangs and debuggers are handled."""
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="torchrun's in-node restarts (default 0)")
     p.add_argument("--exit-guard", choices=EXIT_GUARD_MODES, default="on",
@@ -70,6 +87,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="debugpy in these ranks (RANKS as --pdb): each waits for a DAP client (VS Code) before the "
                         "script runs, its port forwarded to this machine's loopback over the run's SSH connection; "
                         "breakpoint() stops there; the launch.json entries are printed and kept in the run's dir")
+
+
+def _add_style_args(p: argparse.ArgumentParser) -> None:
+    """The run's id and its launch style."""
     p.add_argument("--run-id", help="the run id (default: time + random suffix)")
     p.add_argument("--rdzv", choices=("static", "c10d"), default="static",
                    help="static: node_rank fixed in inventory order (default); c10d: torchrun's c10d rendezvous "
@@ -89,6 +110,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=DETAIL "
                         "TORCH_CPP_LOG_LEVEL=INFO (--env wins; TORCH_DISTRIBUTED_DEBUG=INFO on nodes without "
                         "ddpfab_gpus: DETAIL crashes DDP on gloo); per-rank logs: ddpfab logs --ranks RUN_ID")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """How the plan is made and shown, and the script itself."""
     p.add_argument("--offline", action="store_true",
                    help="plan without contacting the hosts; port = --master-port or 29500 (run: with --dry-run)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (run: only with --dry-run)")
