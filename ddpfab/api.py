@@ -44,7 +44,7 @@ from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
 from ddpfab.masking import recordable
 from ddpfab.planning.plan import LOCAL_RANK_ARGS, Facts, Plan, PlanError
-from ddpfab.problems import Problem
+from ddpfab.problems import NodeError, Problem
 from ddpfab.remote.target import HostKeyPolicy, resolve_all
 from ddpfab.results import GroupResult
 
@@ -300,6 +300,55 @@ class Diagnosis:
         return [Problem(o.get("node"), f"doctor.{o.get('what')}", text=str(o.get("text"))) for o in self.odd]
 
 
+@dataclass
+class Jobs:
+    """What :meth:`Cluster.ps` found on the nodes.
+
+    Args:
+        runs: one per run id any node knows, newest last: ``run_id``, ``state`` (running, exited,
+            stopped, dead, cancelled), ``age_s``, ``nodes`` (node -> ``state``, ``exit_code``,
+            ``stopped``), and for runs with restarts ``attempt_of``/``restart`` or ``attempts``.
+        gpus: node -> its GPUs' states (:class:`ddpfab.planning.gpu_leases.GpuState`), every user's
+            leases.
+        problems: the nodes that could not be asked (the others are listed).
+        warnings: local records that could not be read (their runs are listed without them).
+    """
+
+    runs: list[dict]
+    gpus: dict[str, list]
+    problems: list[Problem]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every node answered."""
+        return not self.problems
+
+
+@dataclass
+class Stopped:
+    """What :meth:`Cluster.stop` did.
+
+    Args:
+        run_id: the run stopped (with restarts: its latest attempt).
+        said: node -> what happened there, in one line.
+        left: the nodes where something of the job may still run (not reached, or not ended).
+        supervisor: for a detached run with restarts, what ending its supervisor did ("" if none).
+        problems: the nodes that could not be reached.
+    """
+
+    run_id: str
+    said: dict[str, str]
+    left: list[str]
+    supervisor: str = ""
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Nothing of the job is left on any node."""
+        return not self.left
+
+
 class Cluster:
     """The nodes of one inventory group and how to reach them; the pipelines as methods.
 
@@ -455,6 +504,90 @@ class Cluster:
         check_local_dir(local_dir)
         got = fetch(chosen, remote_path, local_dir, self.policy, ssh_config=self.ssh_config, overwrite=overwrite)
         return Fetched(got["node"], got["path"], got["local"], got["kind"], got["files"], got["bytes"])
+
+    def ps(self, *, runs_dir: str | os.PathLike | None = None) -> Jobs:
+        """``ddpfab ps``: every job the nodes' supervisors know (every user's GPU leases too), each
+        node asked over a connection of its own; a node that cannot be asked is a problem, the
+        others are listed. *runs_dir*: where local records say which runs are attempts."""
+        # the SSH stack: see LAZY above
+        from ddpfab.launch.jobs import list_runs, node_problem, ps_record
+        from ddpfab.launch.runs import RunRecordError, read_record
+        from ddpfab.planning import gpu_leases
+        from ddpfab.remote import nodeprogram, ssh
+
+        root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
+        gpus: dict[str, list] = {}
+
+        def ask(node) -> tuple[float, list[dict]]:
+            conn = ssh.connect(node, self.policy, self.ssh_config)
+            try:
+                res = nodeprogram.call(conn, node, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
+                                       timeout=20)[0].value(node.name)
+            finally:
+                conn.close()
+            gpus[node.name] = gpu_leases.parse(res.get("leases")) or []
+            return float(res["now"]), [ps_record(r) for r in res["runs"]]
+
+        warnings: list[str] = []
+
+        def local(run_id: str) -> dict:
+            try:
+                return read_record(root, run_id) or {}
+            except RunRecordError as exc:  # the nodes' listing stands without it
+                warnings.append(str(exc))
+                return {}
+
+        results = ssh.parallel(self.parsed.nodes, ask)
+        rows = list_runs(results.succeeded, local)
+        return Jobs(rows, {n: gpus[n] for n in self.names if gpus.get(n)},
+                    [node_problem(name, exc) for name, exc in results.failed.items()], warnings)
+
+    def stop(self, run_id: str, *, runs_dir: str | os.PathLike | None = None, record: dict | None = None) -> Stopped:
+        """``ddpfab stop RUN_ID``: end the job on every node of this cluster (its supervisor, then
+        what is left of the job by its marker); a node that cannot be reached does not keep it
+        running on the others. A detached run with restarts gets no more attempts.
+
+        Args:
+            run_id: the run (with restarts: its latest attempt is stopped).
+            runs_dir: where the run records are (default: as the command line's ``--runs-dir``).
+            record: the run's record (its latest attempt's), read after its restarts' supervisor was
+                stopped (:func:`ddpfab.launch.recover.stop_supervisor`); None: both done here (a run
+                with no local record is stopped by its run id: its node dirs by the default rule).
+
+        Raises:
+            RunRecordError: the local record of *run_id* is not a run record.
+        """
+        # the SSH stack: see LAZY above
+        from ddpfab.launch.execute import STOP_GRACE_S
+        from ddpfab.launch.jobs import node_problem, node_run_dir
+        from ddpfab.launch.recover import current_manifest, stop_supervisor
+        from ddpfab.launch.runs import read_record
+        from ddpfab.remote import nodeprogram, ssh
+
+        root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
+        supervisor = ""
+        if record is None:  # no more attempts start, then the latest one is read
+            supervisor = stop_supervisor(root, run_id) or ""
+            record = read_record(root, run_id)
+            record = current_manifest(root, record) if record else None
+        manifest = record
+        latest = (manifest or {}).get("run_id", run_id)
+
+        def stop(node) -> tuple[str, bool]:
+            conn = ssh.connect(node, self.policy, self.ssh_config)
+            try:
+                return nodeprogram.stop(conn, node, node_run_dir(node.name, manifest, latest), STOP_GRACE_S,
+                                        timeout=30)
+            finally:
+                conn.close()
+
+        results = ssh.parallel(self.parsed.nodes, stop)
+        said = {n: f"not stopped: {exc.found if isinstance(exc, NodeError) else exc}"
+                for n, exc in results.failed.items()}
+        said.update({n: str(r[0]) for n, r in results.succeeded.items()})
+        left = [n for n in self.names if n in results.failed or not results.succeeded[n][1]]
+        return Stopped(latest, {n: said[n] for n in self.names if n in said}, left, supervisor,
+                       [node_problem(n, exc) for n, exc in results.failed.items()])
 
     def doctor(self, run_id: str, *, runs_dir: str | os.PathLike | None = None,
                timeout: float | None = None, record: dict | None = None) -> Diagnosis:

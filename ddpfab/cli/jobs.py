@@ -187,59 +187,30 @@ def _guard(fn):
 
 @_guard
 def cmd_ps(args) -> int:
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.planning import gpu_leases
-    from ddpfab.launch.jobs import ps_record, grouped, node_state_text, run_state
+    from ddpfab.api import Cluster
+    from ddpfab.launch.jobs import grouped, node_state_text
 
-    gpus: dict[str, list] = {}
-
-    def ps(conn, n) -> tuple[float, list[dict]]:
-        res = nodeprog.call(conn, n, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
-                            timeout=20)[0].value(n.name)
-        gpus[n.name] = gpu_leases.parse(res.get("leases")) or []
-        return float(res["now"]), [ps_record(r) for r in res["runs"]]
-
-    cluster = _cluster(args, None)
-    results = _on_each_node(args, cluster, ps, each=True)
-    problems = [_problem(name, exc) for name, exc in results.failed.items()]
-    for p in problems:  # one node's failure (unreachable, a malformed reply) is data: the others are listed
-        warn(p)
-    runs: dict[str, dict] = {}
-    for name, (now, records) in results.succeeded.items():
-        for rec in records:
-            run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
-                                                  "now": now})
-            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"],
-                                  **({"stopped": rec["stopped"]} if "stopped" in rec else {})}
-    rows = sorted(runs.values(), key=lambda r: r["run_id"])
-    for r in rows:
-        try:
-            local = read_record(args.runs_dir, r["run_id"]) or {}
-        except RunRecordError as exc:  # the nodes' listing stands without it
-            warn(str(exc))
-            local = {}
-        if local.get("recovery_of"):  # an attempt of a run with restarts
-            r["attempt_of"], r["restart"] = local["recovery_of"], local.get("restart")
-        elif local.get("recovery"):
-            r["attempts"] = len(local["recovery"].get("attempts") or [])
-            r["recovery_state"] = local["recovery"].get("state")
-        r["state"] = run_state(r["nodes"])
-        r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
-    code = EXIT_FAILED if problems else 0
+    cluster = Cluster(_cluster(args, None), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    jobs = cluster.ps(runs_dir=args.runs_dir)
+    for problem in jobs.problems:  # one node's failure is data: the others are listed
+        warn(problem)
+    for line in jobs.warnings:
+        warn(line)
+    code = 0 if jobs.ok else EXIT_FAILED
     if args.json:
-        print(json.dumps({"ok": not problems, "runs": rows, "problems": [p.to_dict() for p in problems],
-                          "gpus": {n: [asdict(g) for g in states] for n, states in gpus.items() if states}},
+        print(json.dumps({"ok": jobs.ok, "runs": jobs.runs, "problems": [p.to_dict() for p in jobs.problems],
+                          "gpus": {n: [asdict(g) for g in states] for n, states in jobs.gpus.items()}},
                          indent=2, ensure_ascii=False))
         return code
     print(f"{'RUN ID':<26} {'STATE':<8} {'AGE':>8}  NODES")
-    for r in rows:
+    for r in jobs.runs:
         states = {n: node_state_text(s) for n, s in r["nodes"].items()}
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
-    for name in (n.name for n in cluster.nodes):  # the node's GPUs, every user's leases (ddpfab.node.leases)
-        for g in gpus.get(name) or ():
+    for name, gpus in jobs.gpus.items():  # the node's GPUs, every user's leases (ddpfab.node.leases)
+        for g in gpus:
             print(f"{name}: {g.describe()}")
     return code
 
@@ -295,28 +266,19 @@ def _found(exc: BaseException) -> str:
 
 @_guard
 def cmd_stop(args) -> int:
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.execute import STOP_GRACE_S
-    from ddpfab.launch.jobs import node_run_dir, grouped
+    from ddpfab.api import Cluster
+    from ddpfab.launch.jobs import grouped
     from ddpfab.launch.recover import stop_supervisor
 
     supervisor = stop_supervisor(args.runs_dir, args.run_id)  # a detached run with restarts: no more attempts
     if supervisor:
         print(f"controller: {supervisor}")
-    root = read_record(args.runs_dir, args.run_id)
-    manifest = _latest(args, root)
-    run_id = (manifest or {}).get("run_id", args.run_id)
-    cluster = _cluster(args, manifest)
-
-    def stop(conn, n):
-        return nodeprog.stop(conn, n, node_run_dir(n.name, manifest, run_id), STOP_GRACE_S, timeout=30)
-
-    # a node that cannot be reached does not keep the job running on the others
-    results = _on_each_node(args, cluster, stop, each=True)
-    said = {n: f"not stopped: {_found(r)}" if isinstance(r, Exception) else str(r[0]) for n, r in results.items()}
-    for line in grouped(said):
+    manifest = _latest(args, read_record(args.runs_dir, args.run_id))  # then its latest attempt's nodes
+    cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    stopped = cluster.stop(args.run_id, runs_dir=args.runs_dir, record=manifest)
+    for line in grouped(stopped.said):
         print(line)
-    return EXIT_FAILED if results.failed or not all(gone for _, gone in results.succeeded.values()) else 0
+    return 0 if stopped.ok else EXIT_FAILED
 
 
 @_guard

@@ -27,6 +27,7 @@ from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, ex
                                    failed_worker_text, ranked, result_record)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.planning.plan import is_run_id
+from ddpfab.problems import NodeError, Problem
 from ddpfab.remote import ssh, streams
 from ddpfab.results import GroupResult
 
@@ -47,6 +48,39 @@ def ps_record(rec) -> dict:
     if isinstance(why, str) and why:  # what stopped it, in its supervisor's words
         out["stopped"] = nodeprog.printable(why)[:200]
     return out
+
+
+def node_problem(name: str, exc: BaseException) -> Problem:
+    """A node's failure to answer ``ps`` or ``stop`` as a problem record: an SSH or node error is
+    one already; anything else (a reply the node program should never give) is named by its text."""
+    if isinstance(exc, NodeError):
+        return Problem(name, exc.kind, found=exc.found, text=str(exc))
+    found = f"cannot list jobs: {exc}"
+    return Problem(name, "ps", found=found, text=f"host {name}: {found}")
+
+
+def list_runs(answers: dict[str, tuple[float, list[dict]]], local: Callable[[str], dict]) -> list[dict]:
+    """``ps``'s rows from the nodes' answers (node -> (its clock now, its run records)): one per run
+    id, with each node's state, the run's state and age, and from *local(run_id)* (the local record,
+    {} when there is none) whether it is an attempt of a run with restarts, or has attempts."""
+    runs: dict[str, dict] = {}
+    for name, (now, records) in answers.items():
+        for rec in records:
+            run = runs.setdefault(rec["run_id"], {"run_id": rec["run_id"], "nodes": {}, "started": rec["started"],
+                                                  "now": now})
+            run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"],
+                                  **({"stopped": rec["stopped"]} if "stopped" in rec else {})}
+    rows = sorted(runs.values(), key=lambda r: r["run_id"])
+    for r in rows:
+        record = local(r["run_id"])
+        if record.get("recovery_of"):  # an attempt of a run with restarts
+            r["attempt_of"], r["restart"] = record["recovery_of"], record.get("restart")
+        elif record.get("recovery"):
+            r["attempts"] = len(record["recovery"].get("attempts") or [])
+            r["recovery_state"] = record["recovery"].get("state")
+        r["state"] = run_state(r["nodes"])
+        r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
+    return rows
 
 
 def run_state(nodes: dict[str, dict]) -> str:

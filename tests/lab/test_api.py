@@ -88,3 +88,30 @@ def test_api_refusals_dry_run_and_exec_are_the_commands(lab, inventory2, tmp_pat
     assert results.failed == {}
     with pytest.raises(InventoryError, match="node7"):
         cluster.exec("true", nodes=["node7"])
+
+
+def test_ps_and_stop_are_calls_of_the_api(lab, inventory2, tmp_path, monkeypatch):
+    """A detached job: ``Cluster.ps`` lists it running on both nodes, ``Cluster.stop`` ends it on
+    both (``.ok``: nothing left), ``ps`` then says stopped; an unreachable node is a problem of
+    ``ps``, the other node still listed."""
+    monkeypatch.chdir(REPO)
+    runs = str(tmp_path / "runs")
+    cluster = ddpfab.Cluster.load(str(inventory2))
+    started = cluster.run("tests/lab/scripts/tmux_ranks.py", detach=True, sync=False, runs_dir=runs,
+                          run_id="api-ps-1")
+    assert started.ok, started
+    jobs = cluster.ps(runs_dir=runs)
+    assert jobs.ok and not jobs.problems
+    row = next(r for r in jobs.runs if r["run_id"] == "api-ps-1")
+    assert row["state"] == "running" and set(row["nodes"]) == {"node1", "node2"}, row
+    stopped = cluster.stop("api-ps-1", runs_dir=runs)
+    assert stopped.ok and stopped.left == [] and set(stopped.said) == {"node1", "node2"}, stopped
+    wait_no_processes(lab, timeout=10)
+    row = next(r for r in cluster.ps(runs_dir=runs).runs if r["run_id"] == "api-ps-1")
+    assert row["state"] == "stopped", row
+    # a node that cannot be reached: a problem about it, the other node's jobs still listed
+    inv = tmp_path / "broken.yml"
+    inv.write_text(inventory2.read_text().replace(lab.host("node2").address, "10.255.255.1"))
+    jobs = ddpfab.Cluster.load(str(inv)).ps(runs_dir=runs)
+    assert not jobs.ok and [p.node for p in jobs.problems] == ["node2"], jobs.problems
+    assert any(r["run_id"] == "api-ps-1" and set(r["nodes"]) == {"node1"} for r in jobs.runs), jobs.runs
