@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -707,22 +708,43 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
     :func:`load` first); messages name *shown* (what the user gave: host lists, hostfiles).
     *limit_key* (:func:`limit_patterns`) is what Ansible applies: an ``@FILE`` is read once, by
     ddpfab, and each of its patterns must match a host (a typo in a file is not dropped silently)."""
-    from ansible.errors import AnsibleError
-    from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
-    from ansible.template import Templar
     from ansible.vars.manager import VariableManager
 
     where = shown or " + ".join(map(str, paths))
     loader = DataLoader()
     chatter = io.StringIO()
+    inv = _parse_sources(loader, paths, where, chatter)
+    hosts = _group_hosts(inv, group, where)
+    if limit:
+        hosts = _limited_hosts(inv, hosts, group, limit, limit_key, where, chatter)
+    vm = VariableManager(loader=loader, inventory=inv)
+    nodes = [_host_node(loader, vm, h, extra) for h in hosts]
+    masters = [n.name for n in nodes if n.master]
+    if len(masters) > 1:
+        raise InventoryError(f"inventory {where}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
+                             "set it on one")
+    return Inventory(source=where, group=group, nodes=tuple(nodes))
+
+
+def _parse_sources(loader: Any, paths: list[Path], where: str, chatter: io.StringIO) -> Any:
+    """Ansible's InventoryManager on *paths*, its messages kept in *chatter*: a parse failure is
+    an InventoryError naming the file, line and column Ansible's own messages point at."""
+    from ansible.errors import AnsibleError
+    from ansible.inventory.manager import InventoryManager
+
     try:
         with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter), _strict_parsing():
-            inv = InventoryManager(loader=loader, sources=[str(p) for p in paths])
+            return InventoryManager(loader=loader, sources=[str(p) for p in paths])
     except AnsibleError as exc:
         detail = " ".join(str(exc).split())
         reason = _inner_reason(chatter.getvalue()) or detail
         raise InventoryError(f"inventory {where}: cannot be parsed: {reason}") from None
+
+
+def _group_hosts(inv: Any, group: str, where: str) -> list:
+    """The hosts of *group* in inventory order; a group that is missing (with the close names)
+    or empty is an InventoryError, since there would be nothing to run on."""
     if group not in inv.groups:
         known = ", ".join(sorted(inv.groups)) or "none"
         raise InventoryError(f"inventory {where}: no group {group!r}{did_you_mean(group, inv.groups)} "
@@ -730,53 +752,62 @@ def _load_with_ansible(paths: list[Path], group: str, limit: str | None = None,
     hosts = inv.groups[group].get_hosts()
     if not hosts:
         raise InventoryError(f"inventory {where}: group {group!r} has no hosts; add hosts or pick another --group")
-    if limit:
-        with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
-            try:  # Ansible's --limit itself: patterns, and @FILE's patterns as read by limit_patterns
-                for part in limit_key or [limit]:
-                    for pattern in part if isinstance(part, list) else ():
-                        if pattern[0] not in "!&" and not inv.get_hosts(pattern=pattern):
-                            raise InventoryError(
-                                f"--limit {limit!r}: the pattern {pattern!r} of that file matches no host in "
-                                f"{where}{did_you_mean(pattern, [*inv.hosts, *inv.groups])}") from None
-                inv.subset([p for part in (limit_key or [limit]) for p in (part if isinstance(part, list) else [part])])
-                matched = {h.name for h in inv.get_hosts(pattern="all")}
-            except AnsibleError as exc:
-                raise InventoryError(f"--limit {limit!r}: {' '.join(str(exc).split())}") from None
-            finally:
-                inv.subset(None)
-        kept = [h for h in hosts if h.name in matched]
-        if not kept:
-            words = [w.lstrip("!&") for w in re.split(r"[:,]", limit) if w.strip("!&")]
-            hints = "".join(did_you_mean(w, [*inv.hosts, *inv.groups]) for w in words
-                            if w not in inv.hosts and w not in inv.groups)
-            raise InventoryError(f"--limit {limit!r} matches no host of group {group!r} in {where}{hints}; "
-                                 f"its hosts: {', '.join(h.name for h in hosts[:8])}"
-                                 f"{' ...' if len(hosts) > 8 else ''}")
-        hosts = kept
-    vm = VariableManager(loader=loader, inventory=inv)
-    nodes = []
-    for h in hosts:
-        raw = vm.get_vars(host=h, include_hostvars=False)
-        if extra:
-            raw = {**raw, **extra}
-        templar = Templar(loader=loader, variables=raw)
+    return hosts
 
-        def var(name: str, default: Any = None, _raw: dict = raw, _t: Templar = templar, _host: str = h.name) -> Any:
-            if name not in _raw:
-                return default
-            try:
-                value = _t.template(_raw[name])
-            except AnsibleError as exc:
-                raise InventoryError(f"host {_host}: variable {name} cannot be templated: {exc}") from None
-            return _plain(value)
 
-        nodes.append(dataclasses.replace(_make_node(h.name, var), unknown_vars=unknown_vars(raw)))
-    masters = [n.name for n in nodes if n.master]
-    if len(masters) > 1:
-        raise InventoryError(f"inventory {where}: {VAR_MASTER} is set on several hosts ({', '.join(masters)}); "
-                             "set it on one")
-    return Inventory(source=where, group=group, nodes=tuple(nodes))
+def _limited_hosts(inv: Any, hosts: list, group: str, limit: str, limit_key: list | None, where: str,
+                   chatter: io.StringIO) -> list:
+    """The *hosts* that ``--limit`` keeps (in order), as Ansible's own subset matches them. An
+    ``@FILE`` pattern that matches no host, or a limit that keeps none of the group, is an
+    InventoryError with close names: a typo would otherwise run on fewer nodes or none."""
+    from ansible.errors import AnsibleError
+
+    with contextlib.redirect_stderr(chatter), contextlib.redirect_stdout(chatter):
+        try:  # Ansible's --limit itself: patterns, and @FILE's patterns as read by limit_patterns
+            for part in limit_key or [limit]:
+                for pattern in part if isinstance(part, list) else ():
+                    if pattern[0] not in "!&" and not inv.get_hosts(pattern=pattern):
+                        raise InventoryError(
+                            f"--limit {limit!r}: the pattern {pattern!r} of that file matches no host in "
+                            f"{where}{did_you_mean(pattern, [*inv.hosts, *inv.groups])}") from None
+            inv.subset([p for part in (limit_key or [limit]) for p in (part if isinstance(part, list) else [part])])
+            matched = {h.name for h in inv.get_hosts(pattern="all")}
+        except AnsibleError as exc:
+            raise InventoryError(f"--limit {limit!r}: {' '.join(str(exc).split())}") from None
+        finally:
+            inv.subset(None)
+    kept = [h for h in hosts if h.name in matched]
+    if not kept:
+        words = [w.lstrip("!&") for w in re.split(r"[:,]", limit) if w.strip("!&")]
+        hints = "".join(did_you_mean(w, [*inv.hosts, *inv.groups]) for w in words
+                        if w not in inv.hosts and w not in inv.groups)
+        raise InventoryError(f"--limit {limit!r} matches no host of group {group!r} in {where}{hints}; "
+                             f"its hosts: {', '.join(h.name for h in hosts[:8])}"
+                             f"{' ...' if len(hosts) > 8 else ''}")
+    return kept
+
+
+def _host_node(loader: Any, vm: Any, host: Any, extra: dict[str, Any] | None) -> Node:
+    """The Node of one Ansible host: its variables (``-e`` over them), each templated only when
+    :func:`_make_node` reads it, so a broken template in a variable ddpfab ignores does no harm."""
+    from ansible.errors import AnsibleError
+    from ansible.template import Templar
+
+    raw = vm.get_vars(host=host, include_hostvars=False)
+    if extra:
+        raw = {**raw, **extra}
+    templar = Templar(loader=loader, variables=raw)
+
+    def var(name: str, default: Any = None) -> Any:
+        if name not in raw:
+            return default
+        try:
+            value = templar.template(raw[name])
+        except AnsibleError as exc:
+            raise InventoryError(f"host {host.name}: variable {name} cannot be templated: {exc}") from None
+        return _plain(value)
+
+    return dataclasses.replace(_make_node(host.name, var), unknown_vars=unknown_vars(raw))
 
 
 def _check_duplicates(path: Path | str, nodes: list[Node]) -> None:
@@ -885,20 +916,8 @@ def _make_node(name: str, var) -> Node:
         raise InventoryError(f"host {name}: ansible_port must be 1-65535, got {port}")
     user = var("ansible_user", var("ansible_ssh_user"))
     key_file = var("ansible_ssh_private_key_file", var("ansible_private_key_file"))
-    ssh_options: dict[str, Any] = {}
-    # in the order Ansible puts them on ssh's command line: OpenSSH takes the first value it sees
-    for ssh_var in SSH_ARG_VARS:
-        value = var(ssh_var, "") or ""
-        if not isinstance(value, str):
-            raise InventoryError(f"host {name}: {ssh_var} must be a string of ssh options, got {value!r}")
-        for key, opt in parse_ssh_args(value, ssh_var).items():
-            _add_option(ssh_options, key, opt)
-    for hkc_var in ("ansible_host_key_checking", "ansible_ssh_host_key_checking"):
-        hkc = var(hkc_var, None)
-        if hkc is not None and hkc != "" and not _bool_var(hkc):
-            raise InventoryError(f"host {name}: {hkc_var}={hkc!r} cannot be honoured: ddpfab always checks host keys "
-                                 "(every path, provision too). Remove it; to trust hosts on first use pass "
-                                 "--accept-new-host-keys")
+    ssh_options = _ssh_options(name, var)
+    _refuse_unchecked_host_keys(name, var)
     _check_address(name, "ansible_host", host)  # first: a data address defaults to it, and is then its fault
     data_addr = str(var(VAR_DATA_ADDR, None) or host)
     _check_address(name, VAR_DATA_ADDR, data_addr)
@@ -937,6 +956,31 @@ def _make_node(name: str, var) -> Node:
         replicate=_replicate_var(name, var(VAR_REPLICATE, None)),
         secret_env=_secret_env_var(name, var(VAR_SECRET_ENV, None)),
     )
+
+
+def _ssh_options(name: str, var: Callable[..., Any]) -> dict[str, Any]:
+    """The host's ssh options from ``ansible_ssh_args``, ``_common_args`` and ``_extra_args``,
+    keys lower-cased, as one mapping: what the connection and the ssh command lines use."""
+    ssh_options: dict[str, Any] = {}
+    # in the order Ansible puts them on ssh's command line: OpenSSH takes the first value it sees
+    for ssh_var in SSH_ARG_VARS:
+        value = var(ssh_var, "") or ""
+        if not isinstance(value, str):
+            raise InventoryError(f"host {name}: {ssh_var} must be a string of ssh options, got {value!r}")
+        for key, opt in parse_ssh_args(value, ssh_var).items():
+            _add_option(ssh_options, key, opt)
+    return ssh_options
+
+
+def _refuse_unchecked_host_keys(name: str, var: Callable[..., Any]) -> None:
+    """An InventoryError when the host turns host key checking off: ddpfab checks host keys on
+    every path, and silently checking anyway would surprise whoever wrote it."""
+    for hkc_var in ("ansible_host_key_checking", "ansible_ssh_host_key_checking"):
+        hkc = var(hkc_var, None)
+        if hkc is not None and hkc != "" and not _bool_var(hkc):
+            raise InventoryError(f"host {name}: {hkc_var}={hkc!r} cannot be honoured: ddpfab always checks host keys "
+                                 "(every path, provision too). Remove it; to trust hosts on first use pass "
+                                 "--accept-new-host-keys")
 
 
 def _replicate_var(host: str, value: Any) -> tuple[str, ...]:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ddpfab.remote import nodeprogram as nodeprog
+from ddpfab.hosts.inventory import Node
 from ddpfab.node import treehash
 from ddpfab.planning.plan import PlanError
 from ddpfab.problems import Problem
@@ -270,41 +272,16 @@ def relay(copy: Copy, conns: dict, nodes: dict, workdirs: dict[str, str]) -> lis
         send = {"id": 1, "op": "replica_send", "workdir": workdirs[src.name], "path": copy.path}
         src_chan.sendall(nodeprog.setup_head(src.python) + nodeprog.stdin_for(send))
         src_chan.shutdown_write()
-        head = nodeprog.parse_reply(_read_line(src_chan))
-        if head is None or head.id != 1 or head.op != "replica_send":
-            fail(src.name, "rank 0's node did not answer as ddpfab's node program does")
-            return problems
-        if not head.ok:
-            fail(src.name, head.error)
-            return problems
-        if head.result.get("bytes") != copy.bytes:
-            fail(src.name, f"it changed since it was hashed ({_size(copy.bytes)} then, "
-                           f"{_size(head.result.get('bytes'))} now); is a job still writing it?")
+        refused = _send_refused(nodeprog.parse_reply(_read_line(src_chan)), copy)
+        if refused is not None:
+            fail(src.name, refused)
             return problems
         for name in copy.to:
             try:
-                chan = conns[name].transport.open_session(timeout=30)
-                chan.settimeout(TIMEOUT_S)
-                chan.exec_command(nodeprog.command(nodes[name].python, "ddpfab-node"))
-                receive = {"id": 1, "op": "replica_receive", "workdir": workdirs[name], "path": copy.path,
-                           "bytes": copy.bytes, "sha256": copy.sha256}
-                chan.sendall(nodeprog.setup_head(nodes[name].python) + nodeprog.stdin_for(receive))
-                chans[name] = chan
+                chans[name] = _start_receive(conns[name], nodes[name], workdirs[name], copy)
             except Exception as exc:  # noqa: BLE001 - one node's failure is data
                 fail(name, f"could not start the copy there: {exc}")
-        left = copy.bytes
-        while left > 0 and chans:
-            data = src_chan.recv(min(CHUNK, left))
-            if not data:
-                break  # the receivers' size check names it
-            left -= len(data)
-            for name, chan in list(chans.items()):
-                try:
-                    chan.sendall(data)
-                except Exception as exc:  # noqa: BLE001
-                    fail(name, f"the copy broke off: {exc}")
-                    chan.close()
-                    del chans[name]
+        _fan_out(src_chan, chans, copy.bytes, fail)
         for name, chan in chans.items():
             problems += _receipt(name, chan, copy)
     except Exception as exc:  # noqa: BLE001 - a broken source link is this copy's failure, not a traceback
@@ -315,6 +292,52 @@ def relay(copy: Copy, conns: dict, nodes: dict, workdirs: dict[str, str]) -> lis
             chan.close()
     copy.seconds = round(time.monotonic() - started, 3)
     return problems
+
+
+def _send_refused(head: nodeprog.Reply | None, copy: Copy) -> str | None:
+    """Why the source's first reply line *head* means no copy (it is not the node program's
+    answer, the node refused, or the file's size is not the one hashed), or None: the file's
+    bytes follow. A file that changed since it was hashed would fail every node's check."""
+    if head is None or head.id != 1 or head.op != "replica_send":
+        return "rank 0's node did not answer as ddpfab's node program does"
+    if not head.ok:
+        return head.error
+    if head.result.get("bytes") != copy.bytes:
+        return (f"it changed since it was hashed ({_size(copy.bytes)} then, "
+                f"{_size(head.result.get('bytes'))} now); is a job still writing it?")
+    return None
+
+
+def _start_receive(conn, node: Node, workdir: str, copy: Copy) -> Any:
+    """A channel to *node*'s node program, told to receive *copy* into *workdir*: it reads the
+    bytes from its stdin and checks their sha256 before the rename (the paramiko channel; an
+    exception when it cannot be started)."""
+    chan = conn.transport.open_session(timeout=30)
+    chan.settimeout(TIMEOUT_S)
+    chan.exec_command(nodeprog.command(node.python, "ddpfab-node"))
+    receive = {"id": 1, "op": "replica_receive", "workdir": workdir, "path": copy.path,
+               "bytes": copy.bytes, "sha256": copy.sha256}
+    chan.sendall(nodeprog.setup_head(node.python) + nodeprog.stdin_for(receive))
+    return chan
+
+
+def _fan_out(src_chan, chans: dict[str, Any], size: int, fail: Callable[[str, str], None]) -> None:
+    """The file's *size* bytes from *src_chan* to every channel of *chans*, each chunk as it
+    comes (the file is read once, never held whole). A node whose channel breaks is failed and
+    left out of *chans*; the others go on."""
+    left = size
+    while left > 0 and chans:
+        data = src_chan.recv(min(CHUNK, left))
+        if not data:
+            break  # the receivers' size check names it
+        left -= len(data)
+        for name, chan in list(chans.items()):
+            try:
+                chan.sendall(data)
+            except Exception as exc:  # noqa: BLE001
+                fail(name, f"the copy broke off: {exc}")
+                chan.close()
+                del chans[name]
 
 
 def _receipt(name: str, chan, copy: Copy) -> list[Problem]:

@@ -305,6 +305,22 @@ def op_facts(req, session):
             out["resolved"][name] = _address_of(name)
         except OSError as exc:
             out["resolved"][name] = "error: %s" % exc
+    _facts_routes(req, out)
+    if which("nvidia-smi"):
+        _facts_driver(out)
+    if req.get("leases"):
+        out["leases"] = _leases_or_error()
+    if req.get("resources"):
+        out["resources"] = res_facts(req, out)
+    if req.get("full") and out["torch"]:
+        _facts_torch(out)
+    return out
+
+
+def _facts_routes(req, out):
+    """Into the facts *out*: the interface towards each of the request's peers, their MTUs, and
+    the host's interfaces when asked: what the network checks compare across nodes (``routes``
+    is there always, empty without peers)."""
     out["routes"] = {}
     mine = local_addrs() if req.get("peers") or req.get("interfaces") else {}
     if req.get("interfaces"):
@@ -318,30 +334,33 @@ def op_facts(req, session):
             out["hostname_iface"] = mine.get(out["hostname_addr"])
             if out["hostname_iface"]:
                 out["mtus"][out["hostname_iface"]] = _mtu(out["hostname_iface"])
-    if which("nvidia-smi"):
-        try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20)
-            lines = [ln.strip() for ln in q.stdout.splitlines() if ln.strip()]
-            out["nvidia_gpus"], out["driver"] = len(lines), (lines[0] if lines else None)
-        except (OSError, subprocess.SubprocessError) as exc:
-            out["nvidia_error"] = str(exc)
-    if req.get("leases"):
-        out["leases"] = _leases_or_error()
-    if req.get("resources"):
-        out["resources"] = res_facts(req, out)
-    if req.get("full") and out["torch"]:
-        _with_site()  # torch's own imports may need what site adds
-        try:
-            import torch
-            out["torch_version"] = torch.__version__
-            out["cuda"] = torch.version.cuda
-            out["cuda_available"] = torch.cuda.is_available()
-            out["gpus"] = torch.cuda.device_count() if out["cuda_available"] else 0
-            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if out["cuda_available"] else None
-        except Exception as exc:  # noqa: BLE001 - a broken torch is a fact to report
-            out["torch_import_error"] = repr(exc)[-300:]
-    return out
+
+
+def _facts_driver(out):
+    """Into the facts *out*: the GPUs and the driver version as nvidia-smi lists them, known
+    without importing torch; a nvidia-smi that fails is a fact too, not the end of the facts."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=20)
+        lines = [ln.strip() for ln in q.stdout.splitlines() if ln.strip()]
+        out["nvidia_gpus"], out["driver"] = len(lines), (lines[0] if lines else None)
+    except (OSError, subprocess.SubprocessError) as exc:
+        out["nvidia_error"] = str(exc)
+
+
+def _facts_torch(out):
+    """Into the facts *out*: torch's own view (version, CUDA, GPUs, NCCL), which only importing
+    it gives, hence only for a ``full`` facts; a torch that fails to import is reported."""
+    _with_site()  # torch's own imports may need what site adds
+    try:
+        import torch
+        out["torch_version"] = torch.__version__
+        out["cuda"] = torch.version.cuda
+        out["cuda_available"] = torch.cuda.is_available()
+        out["gpus"] = torch.cuda.device_count() if out["cuda_available"] else 0
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if out["cuda_available"] else None
+    except Exception as exc:  # noqa: BLE001 - a broken torch is a fact to report
+        out["torch_import_error"] = repr(exc)[-300:]
 
 
 # -- the data-plane probe (ddpfab.health.mesh plans it and reads the results) ----------------------------

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpfab.remote import nodeprogram as nodeprog
@@ -164,12 +165,9 @@ class NodeRunner:
 
         chan = None
         try:
-            header = b""
-            while not header.endswith(b"\n"):
-                chunk = client.recv(1)
-                if not chunk or len(header) > 1 << 20:
-                    return
-                header += chunk
+            header = _read_header(client)
+            if header is None:
+                return
             command = json.loads(header)["command"]
             try:
                 chan = self.conn.transport.open_session(timeout=30)
@@ -180,29 +178,8 @@ class NodeRunner:
                 return
             with self._lock:
                 self._chans.add(chan)
-
-            def upstream() -> None:
-                try:
-                    while True:
-                        data = client.recv(65536)
-                        if not data:
-                            break
-                        chan.sendall(data)
-                    chan.shutdown_write()
-                except (OSError, EOFError):
-                    pass
-
-            def errors() -> None:
-                try:
-                    while True:
-                        data = chan.recv_stderr(65536)
-                        if not data:
-                            return
-                        send(b"e", data)
-                except (OSError, EOFError):
-                    pass
-
-            threads = [threading.Thread(target=f, daemon=True) for f in (upstream, errors)]
+            threads = [threading.Thread(target=_relay_stdin, args=(client, chan), daemon=True),
+                       threading.Thread(target=_relay_stderr, args=(chan, send), daemon=True)]
             for th in threads:
                 th.start()
             while True:
@@ -274,6 +251,46 @@ class NodeRunner:
             chan.close()
         if self.owned:
             self.conn.close()
+
+
+def _read_header(client: socket.socket) -> bytes | None:
+    """The rsh relay's first line (its JSON request, newline included), read byte by byte so
+    that nothing of rsync's stdin after it is consumed; None when the relay ends first or the
+    line runs past 1 MiB (a bound on what one request may hold)."""
+    header = b""
+    while not header.endswith(b"\n"):
+        chunk = client.recv(1)
+        if not chunk or len(header) > 1 << 20:
+            return None
+        header += chunk
+    return header
+
+
+def _relay_stdin(client: socket.socket, chan) -> None:
+    """rsync's stdin, from the relay's socket to the channel, then its end (EOF) passed on:
+    rsync's remote side reads until then. A link that breaks ends this direction only."""
+    try:
+        while True:
+            data = client.recv(65536)
+            if not data:
+                break
+            chan.sendall(data)
+        chan.shutdown_write()
+    except (OSError, EOFError):
+        pass
+
+
+def _relay_stderr(chan, send: Callable[[bytes, bytes], None]) -> None:
+    """The remote side's stderr, sent back as ``e`` frames until it ends, on its own thread:
+    a remote side that fills stderr while stdout waits would otherwise stall."""
+    try:
+        while True:
+            data = chan.recv_stderr(65536)
+            if not data:
+                return
+            send(b"e", data)
+    except (OSError, EOFError):
+        pass
 
 
 def _agent_relay(chan, agent_sock: str) -> None:
