@@ -349,6 +349,24 @@ class Stopped:
         return not self.left
 
 
+@dataclass
+class Emitted:
+    """What :meth:`Cluster.emit` wrote.
+
+    Args:
+        plan: the plan the scripts start.
+        files: the files written (a script per node, ``ssh_config``, ``README.txt``).
+        manifest: the run's record (None for an offline plan: its scripts run the launch itself,
+            without ddpfab's node supervisor, and no record is kept).
+    """
+
+    plan: Plan
+    files: list[Path]
+    manifest: Path | None
+    ok: bool = True
+    problems: list[Problem] = field(default_factory=list)
+
+
 class Cluster:
     """The nodes of one inventory group and how to reach them; the pipelines as methods.
 
@@ -649,6 +667,42 @@ class Cluster:
         prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
         prepared.close()
         return prepared.plan
+
+    def emit(self, script: str, args: Iterable[str] = (), options: Options | None = None, *,
+             directory: str | os.PathLike, force: bool = False, **given: Any) -> Emitted:
+        """``ddpfab plan --emit DIR``: the plan as a script per node in *directory*, to start by hand.
+        Each script starts the node's supervisor with the job, as ``run`` does, and the run is
+        recorded now (in ``runs_dir``), so ``ps``, ``stop``, ``logs``, ``attach`` and ``doctor``
+        see the job once its scripts run; offline, the scripts run the launch itself, unrecorded.
+
+        Raises:
+            PlanError: as :meth:`plan`, or a runs dir the record cannot go to, or a run id in use.
+            EmitError: *directory* cannot take the scripts (:mod:`ddpfab.planning.emit`).
+        """
+        from ddpfab.planning import emit as emitmod
+
+        opts = _options(options, given)
+        run_options = planner_options(script, args, opts)
+        if opts.offline:
+            plan = self._offline_plan(self.parsed, run_options, opts)
+            return Emitted(plan, emitmod.write(plan, directory, self.targets(), force=force), None)
+        # slow to import: see LAZY above
+        from ddpfab.launch import handrun, runner
+
+        root = os.fspath(opts.runs_dir)
+        why = runs_dir_problem(root, writable=True)
+        if why:
+            raise PlanError(f"--runs-dir {root}: {why}: the emitted job's record goes there (another with "
+                            "--runs-dir or DDPFAB_RUNS_DIR)")
+        if os.path.lexists(os.path.join(root, run_options.run_id)):
+            raise PlanError(f"--run-id {run_options.run_id}: {os.path.join(root, run_options.run_id)} exists "
+                            "already: a run id names one run; pick another (or leave --run-id out)")
+        prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
+        prepared.close()
+        plan = prepared.plan
+        files = emitmod.write(plan, directory, self.targets(), force=force,
+                              bodies={n.name: handrun.script_body(plan, n) for n in plan.nodes})
+        return Emitted(plan, files, runner.record_emitted(prepared, root, directory))
 
     def run(self, script: str, args: Iterable[str] = (), options: Options | None = None, *,
             out: TextIO | None = None, supervise: Callable[[str], int] | None = None, **given: Any) -> RunOutcome:

@@ -173,6 +173,7 @@ def register(sub) -> None:
                            "and a non-empty DIR that ddpfab did not write is refused")
     plan.add_argument("--force", action="store_true",
                       help="--emit into a non-empty directory anyway (only ddpfab's own files are written)")
+    add_runs_dir_arg(plan, "where --emit records the run (its scripts start a job ddpfab sees)")
     plan.add_argument("--tmux", action="store_true",
                       help="with --emit: a tmux session (ddpfab-RUN_ID), a window per node in DIR with that node's "
                            "line typed at the prompt, not run: Enter in a window starts that node")
@@ -302,21 +303,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         cluster = api_cluster(args)
         targets = cluster.targets()
-        plan = cluster.plan(args.script, args.args, options(args))
+        if not args.emit:
+            return print_plan(cluster.plan(args.script, args.args, options(args)), args.json, offline=args.offline,
+                              targets=targets)
+        emitted = cluster.emit(args.script, args.args, options(args), directory=args.emit, force=args.force)
     except (inventory.InventoryError, planmod.PlanError, TargetError) as exc:
         return refuse(args, exc, "plan")
     except runner.RunError as exc:
         if args.json:
             print_problems(exc.problems, "plan")
         return die(exc.problems + ["nothing was planned"])
-    if not args.emit:
-        return print_plan(plan, args.json, offline=args.offline, targets=targets)
-    try:
-        written = emit.write(plan, args.emit, targets, force=args.force)
     except (emit.EmitError, OSError) as exc:
         return die(str(exc))
+    plan, written = emitted.plan, emitted.files
     for path in written:
         sys.stderr.write(f"ddpfab: wrote {path}\n")
+    if emitted.manifest:
+        sys.stderr.write(f"ddpfab: run {plan.run_id} recorded ({emitted.manifest}): once its scripts run, ddpfab ps, "
+                         f"stop, logs, attach and doctor {plan.run_id} see it\n")
     print((written[-1]).read_text(), end="")
     if args.tmux:
         session = tmuxrun.open_plan_session(plan, Path(args.emit).resolve(), targets)

@@ -363,6 +363,13 @@ def run_tmux(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
     return result, path
 
 
+def record_emitted(prepared: Prepared, runs_root: str | os.PathLike, directory: str | os.PathLike) -> Path:
+    """The record of a job whose scripts ``plan --emit`` wrote (:mod:`ddpfab.launch.handrun`):
+    detached, as nobody but ``attach`` watches it; RunError when it cannot be written."""
+    run_dir, _ = _open_record(prepared, runs_root, {"emitted": os.fspath(directory)}, state="detached")
+    return run_dir.path / "manifest.json"
+
+
 def start_detached(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
                    extra: dict | None = None) -> int:
     """Start every node's supervisor in a session of its own and return: the job outlives ddpfab.

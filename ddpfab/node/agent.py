@@ -21,7 +21,9 @@ root) can read. It:
   spec's ``silence`` (the network to the controller is cut: no EOF ever arrives then), when it gets
   SIGTERM/SIGHUP/SIGINT, or when the job's main process exits;
 - with ``detached`` in the spec it ignores stdin and writes only to ``output.log``: the job then
-  lives on without ddpfab until it ends or ``ddpfab stop`` signals this agent;
+  lives on without ddpfab until it ends or ``ddpfab stop`` signals this agent; with ``console``
+  too (a job started by hand from ``plan --emit``'s script) its output also goes to stdout, and the
+  job ends when that breaks (the terminal went away);
 - with ``watch_workers`` in the spec (torchrun with ``--max-restarts=0``: any failed worker ends
   the job) it watches torchrun's workers through pidfds and, the moment one exits with an error,
   ends the node's job itself instead of waiting for torchrun to notice, tear down and exit (about a
@@ -753,6 +755,9 @@ class Supervisor(object):
         self.grace_now = self.grace  # lowered to FAST_GRACE for a fast stop
         self.silence = float(spec.get("silence", 0))
         self.detached = bool(spec.get("detached"))
+        # a job started by hand (``plan --emit``'s script): detached from any controller, its
+        # output also on this process's stdout, the terminal of whoever started it
+        self.console = bool(spec.get("console"))
         self.record_path = os.path.join(self.run_dir, "agent.json")
         self.log = None
         self.job = None
@@ -849,12 +854,12 @@ class Supervisor(object):
             self.log.flush()
         except OSError:
             pass  # a full disk must not stop the relay (nor the job)
-        if self.link_ok and not self.detached:
+        if self.link_ok and (self.console or not self.detached):
             try:
                 os.write(1, chunk)
-            except OSError:
+            except OSError:  # the controller, or the terminal of a job started by hand, went away
                 self.link_ok = False
-                self.request_stop("controller link broken")
+                self.request_stop("terminal went away" if self.console else "controller link broken")
 
     def relay(self):
         relay_lines((self.job.stdout.fileno(), self.job.stderr.fileno()), self.emit, seen=self.relayed)

@@ -62,26 +62,33 @@ def interactive_line(node: NodePlan, targets: dict[str, Target] | None) -> str:
             f"sh {script_name(node)}")
 
 
-def node_script(plan: Plan, node: NodePlan, ssh_line: str = "") -> str:
-    lines = "\n".join(script_lines(plan, node, prefix=False))
+def node_script(plan: Plan, node: NodePlan, ssh_line: str = "", body: str | None = None) -> str:
+    """*node*'s script: its header, then *body* (a job ddpfab sees:
+    :func:`ddpfab.launch.handrun.script_body`), else the launch itself, without ddpfab's supervisor."""
     how = f"#   {ssh_line} 'sh -s' < {script_name(node)}\n" if ssh_line else ""
-    return (
+    head = (
         "#!/bin/sh\n"
         f"# ddpfab plan {plan.run_id}: node {node.name} (node_rank {node.node_rank} of {plan.nnodes}, "
         f"{node.nproc} procs; world size {plan.world_size}; master {plan.master_addr}:{plan.master_port}; "
         f"rdzv {plan.rdzv}, launcher {plan.launcher}, init {plan.init_method}).\n"
         + (f"# {plan.unresolved_note()}\n" if plan.unresolved else "")
-        + f"# Run it on {node.name} (start every node's script; any order, they wait for each other):\n"
-        f"{how}"
-        "# Exactly the command `ddpfab run` would start there (ddpfab.planning.render), without ddpfab's\n"
-        "# supervisor. It may hold secret env values: keep it private.\n"
-        # the node's setup before `set -eu`: as ddpfab runs it (activate scripts trip over -u)
-        f"{nodeenv.prefix(node)}"
-        "set -eu\n"
-        f"{lines}\n")
+        + f"# Run it on {node.name} (start every node's script; any order, they wait for each other), from this directory:\n"
+        f"{how}")
+    if body is not None:
+        return (head + "# It starts ddpfab's node supervisor with the job, as `ddpfab run` does: ddpfab ps, stop, logs,\n"
+                f"# attach and doctor {plan.run_id} see it; Ctrl-C ends it. It holds secret env values: keep it private.\n"
+                "set -eu\n" + body)
+    lines = "\n".join(script_lines(plan, node, prefix=False))
+    return (head
+            + "# Exactly the command `ddpfab run` would start there (ddpfab.planning.render), without ddpfab's\n"
+            "# supervisor. It may hold secret env values: keep it private.\n"
+            # the node's setup before `set -eu`: as ddpfab runs it (activate scripts trip over -u)
+            f"{nodeenv.prefix(node)}"
+            "set -eu\n"
+            f"{lines}\n")
 
 
-def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
+def readme(plan: Plan, targets: dict[str, Target] | None = None, supervised: bool = False) -> str:
     lines = [
         (f"ddpfab plan {plan.run_id}: {plan.nnodes} nodes, world size {plan.world_size}, "
          f"master {plan.master} {plan.master_addr}:{plan.master_port}"),
@@ -91,8 +98,12 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None) -> str:
         *([plan.unresolved_note()] if plan.unresolved else []),
         "",
         "Start every node's script on that node, in any order, within the rendezvous timeout; they wait",
-        "for each other. From this directory, non-interactively (output comes back; Ctrl-C does NOT",
-        "stop the remote job):",
+        *(["for each other. Each starts ddpfab's node supervisor with the job, as `ddpfab run` does:",
+           f"`ddpfab ps`, `ddpfab stop {plan.run_id}`, `logs`, `attach` and `doctor` see it. From this",
+           "directory, non-interactively (output comes back; the job ends when its output can no longer",
+           "reach you, or with `ddpfab stop`):"] if supervised else
+          ["for each other. From this directory, non-interactively (output comes back; Ctrl-C does NOT",
+           "stop the remote job):"]),
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
@@ -134,12 +145,13 @@ def _own_files(out: Path) -> list[str] | None:
 
 
 def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] | None = None,
-          force: bool = False) -> list[Path]:
+          force: bool = False, bodies: dict[str, str] | None = None) -> list[Path]:
     """Write every node's script and the README into *directory*: files 0700/0600 (they may hold
     secrets), a new directory 0700. An existing directory is never re-moded, and one that is not
     empty is refused unless ddpfab emitted there before (its ``.ddpfab-emit`` lists what it
     wrote: only those files are replaced) or *force* (then ddpfab writes its own files and
-    touches nothing else)."""
+    touches nothing else). *bodies*: node -> its script's body after the header (a job ddpfab
+    sees); a node without one gets the launch itself."""
     out = Path(directory)
     if not out.exists():
         out.mkdir(parents=True, mode=0o700)
@@ -159,13 +171,14 @@ def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] |
     written = []
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
         path = out / script_name(node)
-        write_private(path, node_script(plan, node, shlex.join(ssh_words(node, targets))), 0o700)
+        write_private(path, node_script(plan, node, shlex.join(ssh_words(node, targets)), (bodies or {}).get(node.name)),
+                      0o700)
         written.append(path)
     if targets:
         write_private(out / SSH_CONFIG, ssh_config_text({n.name: ssh_target(n, targets) for n in plan.nodes}), 0o600)
         written.append(out / SSH_CONFIG)
     path = out / README
-    write_private(path, readme(plan, targets), 0o600)
+    write_private(path, readme(plan, targets, supervised=bool(bodies)), 0o600)
     written.append(path)
     write_private(out / MARKER, "".join(f"{p.name}\n" for p in written), 0o600)
     return written

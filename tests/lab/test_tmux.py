@@ -148,7 +148,7 @@ def test_plan_tmux_types_each_nodes_line_and_enter_starts_it(lab, inventory2, tm
         return tmux("capture-pane", "-p", "-J", "-t", f"ddpfab-tmux-plan:{window}").stdout
 
     res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inventory2), "--run-id", "tmux-plan",
-                          "--emit", str(out), "--tmux", SCRIPT], capture_output=True, text=True, cwd=REPO, env=env,
+                          "--runs-dir", str(tmp_path / "runs"), "--emit", str(out), "--tmux", SCRIPT], capture_output=True, text=True, cwd=REPO, env=env,
                          timeout=120)
     try:
         assert res.returncode == 0, res.stdout + res.stderr

@@ -442,3 +442,30 @@ def test_plan_tmux_needs_emit(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inv), "--offline", "--tmux", "train.py"],
                          check=False, capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert res.returncode != 0 and "plan --tmux: the windows run the emitted scripts; give --emit DIR" in res.stderr
+
+
+def test_a_hand_run_script_starts_the_supervisor_with_the_job_as_data(tmp_path):
+    import base64
+
+    from ddpfab.launch import handrun
+
+    p = plan_of(env={"HF_TOKEN": "s3cret-value", "OMP_NUM_THREADS": "1"})
+    out = tmp_path / "out"
+    emit.write(p, out, bodies={n.name: handrun.script_body(p, n) for n in p.nodes})
+    text = (out / "rank1-b.sh").read_text()
+    assert subprocess.run(["sh", "-n", str(out / "rank1-b.sh")]).returncode == 0  # a valid shell script
+    # the launch for reading, secrets masked; the value itself only in the supervisor's input
+    comments = "\n".join(ln for ln in text.splitlines() if ln.startswith("#"))
+    assert "exec " in comments and "s3cret-value" not in comments and "HF_TOKEN" in comments
+    lines = text.splitlines()
+    end = lines.index(handrun.END)
+    start = end
+    while re.fullmatch(r"[A-Za-z0-9+/=]{1,76}", lines[start - 1]):  # the heredoc: base64 lines up to its end
+        start -= 1
+    encoded = "\n".join(lines[start:end]) + "\n"
+    stdin = base64.decodebytes(encoded.encode())
+    assert stdin == handrun.supervised(p, p.node("b"))[1]
+    spec = json.loads(stdin[stdin.rindex(b'{"id": 1, "op": "supervise"'):])["spec"]
+    assert spec["console"] and spec["detached"] and spec["env"]["HF_TOKEN"] == "s3cret-value"
+    assert "ddpfab-agent" in text and "s3cret-value" not in text.split(f"<<'{handrun.END}'", 1)[0]
+    assert "ddpfab ps`, `ddpfab stop" in (out / "README.txt").read_text()
