@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddpfab.remote import nodeprogram as nodeprog
@@ -188,6 +189,10 @@ def _cause(results: list[str]) -> tuple[str, str]:
 FIREWALL_FIX = "allow TCP from the cluster members (ddpfab provision --tags firewall)"
 
 
+#: (peer, connect result) pairs: the probes into a node, or out of it.
+Entries = list[tuple[str, str]]
+
+
 def classify(order: list[str], results: dict[str, list[dict]]) -> list[MeshProblem]:
     """Explain failed ephemeral-port probes by the fewest causes: nodes nobody reaches (their
     INPUT), nodes that reach nobody (their OUTPUT), nodes cut off both ways (address, subnet,
@@ -198,64 +203,98 @@ def classify(order: list[str], results: dict[str, list[dict]]) -> list[MeshProbl
         order: node names in inventory order.
         results: source -> its probe results (``target``, ``kind``, ``result``).
     """
-    ins: dict[str, list[tuple[str, str]]] = {n: [] for n in order}
-    outs: dict[str, list[tuple[str, str]]] = {n: [] for n in order}
+    ins, outs = _ephemeral_probes(order, results)
+    isolated, no_in, no_out = _node_faults(order, ins, outs)
+    problems = _node_problems(
+        "isolated", isolated, order, ins, outs,
+        lambda n: f"cannot reach or be reached by any of {_peers(ins[n] + outs[n])} peers probed "
+                  f"({_seen(ins[n] + outs[n])})",
+        "likely a wrong address or subnet, or no route between them: check ddpfab_data_addr and "
+        "`ip route` on these nodes")
+    problems += _node_problems(
+        "no-inbound", no_in, order, ins, outs, lambda n: f"unreachable from {_peers(ins[n])} peers ({_seen(ins[n])})",
+        lambda pairs: f"likely their firewall: connects to them are {_cause([r for _, _, r in pairs])[1]}; "
+                      + FIREWALL_FIX)
+    problems += _node_problems(
+        "no-outbound", no_out, order, ins, outs, lambda n: f"cannot reach {_peers(outs[n])} peers ({_seen(outs[n])})",
+        "likely their OUTPUT firewall rules; allow TCP to the cluster members")
+    pairs = _pairs_problem(order, outs, isolated | no_in | no_out)
+    return problems if pairs is None else problems + [pairs]
+
+
+def _ephemeral_probes(order: list[str], results: dict[str, list[dict]]) -> tuple[dict[str, Entries], dict[str, Entries]]:
+    """(node -> the ephemeral-port probes into it, node -> those out of it), for the nodes of
+    *order* only: :func:`classify` judges each node by both directions of its own probes."""
+    ins: dict[str, Entries] = {n: [] for n in order}
+    outs: dict[str, Entries] = {n: [] for n in order}
     for src, probes in results.items():
         for p in probes:
             if p.get("kind", "ephemeral") != "ephemeral" or p["target"] not in ins or src not in outs:
                 continue
             ins[p["target"]].append((src, p["result"]))
             outs[src].append((p["target"], p["result"]))
+    return ins, outs
 
-    def all_fail(entries: list[tuple[str, str]]) -> bool:
-        return bool(entries) and all(r != "ok" for _, r in entries)
 
-    no_in = {n for n in order if all_fail(ins[n])}
-    no_out = {n for n in order if all_fail(outs[n])}
+def _all_fail(entries: Entries) -> bool:
+    """Some probes, and none of them succeeded."""
+    return bool(entries) and all(r != "ok" for _, r in entries)
+
+
+def _node_faults(order: list[str], ins: dict[str, Entries], outs: dict[str, Entries]
+                 ) -> tuple[set[str], set[str], set[str]]:
+    """(isolated, no inbound, no outbound) nodes: the node-wide causes, each failure blamed on one
+    end only, so a node is not reported for what its peer's fault explains."""
+    no_in = {n for n in order if _all_fail(ins[n])}
+    no_out = {n for n in order if _all_fail(outs[n])}
     isolated = no_in & no_out
     # a source whose every failed probe went to a node nobody reaches is not at fault itself
     no_out = {n for n in no_out - isolated if any(t not in no_in for t, r in outs[n] if r != "ok")}
     # a node reached by nobody only because its sources reach nobody is not at fault itself
     no_in = {n for n in no_in - isolated if any(s not in no_out | isolated for s, r in ins[n] if r != "ok")}
-    blamed = isolated | no_in | no_out
-    problems: list[MeshProblem] = []
+    return isolated, no_in, no_out
 
-    def add(kind: str, members: set[str], text, fix) -> None:
-        # one problem per distinct text, so "unreachable from 61 peers" groups and "from 59" does not
-        by_text: dict[str, list[str]] = {}
-        for n in order:
-            if n in members:
-                by_text.setdefault(text(n), []).append(n)
-        for summary, nodes in by_text.items():
-            pairs = [(s, n, r) for n in nodes for s, r in ins[n] if r != "ok"]
-            pairs += [(n, t, r) for n in nodes for t, r in outs[n] if r != "ok"]
-            problems.append(MeshProblem(kind, nodes, summary, fix(pairs) if callable(fix) else fix, pairs))
 
-    def peers(entries):
-        return len({p for p, _ in entries})
+def _peers(entries: Entries) -> int:
+    """How many distinct peers the probes concern."""
+    return len({p for p, _ in entries})
 
-    def seen(entries):
-        return _cause([r for _, r in entries if r != "ok"])[0]
 
-    add("isolated", isolated,
-        lambda n: f"cannot reach or be reached by any of {peers(ins[n] + outs[n])} peers probed "
-                  f"({seen(ins[n] + outs[n])})",
-        "likely a wrong address or subnet, or no route between them: check ddpfab_data_addr and "
-        "`ip route` on these nodes")
-    add("no-inbound", no_in, lambda n: f"unreachable from {peers(ins[n])} peers ({seen(ins[n])})",
-        lambda pairs: f"likely their firewall: connects to them are {_cause([r for _, _, r in pairs])[1]}; "
-                      + FIREWALL_FIX)
-    add("no-outbound", no_out, lambda n: f"cannot reach {peers(outs[n])} peers ({seen(outs[n])})",
-        "likely their OUTPUT firewall rules; allow TCP to the cluster members")
-    rest = [(s, t, r) for s in order for t, r in outs[s] if r != "ok" and s not in blamed and t not in blamed]
-    if rest:
-        targets = [n for n in order if any(t == n for _, t, _ in rest)]
-        shown = ", ".join(f"{s}->{t} ({r})" for s, t, r in rest[:6])
-        more = f" and {len(rest) - 6} more" if len(rest) > 6 else ""
-        problems.append(MeshProblem(
-            "pairs", targets, f"{len(rest)} connections fail between nodes that reach others: {shown}{more}",
-            "likely a firewall rule that drops some members or one direction; " + FIREWALL_FIX, rest))
+def _seen(entries: Entries) -> str:
+    """The failed results among the probes, in words (for a problem's summary)."""
+    return _cause([r for _, r in entries if r != "ok"])[0]
+
+
+def _node_problems(kind: str, members: set[str], order: list[str], ins: dict[str, Entries],
+                   outs: dict[str, Entries], text: Callable[[str], str],
+                   fix: str | Callable[[list[tuple[str, str, str]]], str]) -> list[MeshProblem]:
+    """The problems of one node-wide cause: *members* grouped by their summary (*text* of each),
+    with the failed pairs that concern them and the *fix* (or what it says of those pairs)."""
+    # one problem per distinct text, so "unreachable from 61 peers" groups and "from 59" does not
+    by_text: dict[str, list[str]] = {}
+    for n in order:
+        if n in members:
+            by_text.setdefault(text(n), []).append(n)
+    problems = []
+    for summary, nodes in by_text.items():
+        pairs = [(s, n, r) for n in nodes for s, r in ins[n] if r != "ok"]
+        pairs += [(n, t, r) for n in nodes for t, r in outs[n] if r != "ok"]
+        problems.append(MeshProblem(kind, nodes, summary, fix(pairs) if callable(fix) else fix, pairs))
     return problems
+
+
+def _pairs_problem(order: list[str], outs: dict[str, Entries], blamed: set[str]) -> MeshProblem | None:
+    """The failed connects no node-wide cause explains (between two nodes not *blamed*), as one
+    problem: a rule that drops some members or one direction; None when there are none."""
+    rest = [(s, t, r) for s in order for t, r in outs[s] if r != "ok" and s not in blamed and t not in blamed]
+    if not rest:
+        return None
+    targets = [n for n in order if any(t == n for _, t, _ in rest)]
+    shown = ", ".join(f"{s}->{t} ({r})" for s, t, r in rest[:6])
+    more = f" and {len(rest) - 6} more" if len(rest) > 6 else ""
+    return MeshProblem(
+        "pairs", targets, f"{len(rest)} connections fail between nodes that reach others: {shown}{more}",
+        "likely a firewall rule that drops some members or one direction; " + FIREWALL_FIX, rest)
 
 
 def bulk_pairs(nodes: list[str], master: str) -> list[tuple[str, str]]:
@@ -396,57 +435,18 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
     replies, when that was asked already), else in sessions of its own."""
     started = time.monotonic()
     nodes = [n for n in cluster.nodes if n.name in conns]
-    ports: dict[str, dict] = {}
-    results: dict[str, list] = {}
     errors: dict[str, str] = {}
     own = sessions is None
     if own:
         sessions, failed = nodeprog.open_sessions(nodes, conns)
         errors = {n: str(e) for n, e in failed.items()}
-    deadline = 0.0
     try:
-        if listening is None:
-            listening = nodeprog.exchange(
-                sessions, {n.name: [listen_request(n.name, master, master_port)] for n in nodes if n.name in sessions},
-                timeout=60).map(lambda replies: replies[0])
-        errors.update({n: str(e) for n, e in listening.failed.items()})
-        for name, reply in listening.succeeded.items():
-            try:
-                ports[name] = _ports(name, reply.value(name))
-            except (nodeprog.NodeProgramError, ValueError) as exc:
-                errors[name] = str(exc)
+        ports = _listen(sessions, nodes, master, master_port, listening, errors)
         plan = plan_targets([n.name for n in nodes if n.name in ports], exhaustive=exhaustive, degree=degree)
-        master_ports = ports.get(master, {}).get("master")
-        bulk = bulk_pairs(plan.nodes, master)
-        other = {t: a for t, a in (advertised or {}).items()
-                 if a and t in ports and a != addresses.get(t) and not a.startswith(("127.", "::1"))}
-        work = {}
-        for name in plan.nodes:
-            # bulk first: they start while the connects queue behind them
-            targets = [{"target": t, "kind": "bulk", "addr": addresses[t], "port": ports[t]["ephemeral"],
-                        "bytes": BULK_BYTES, "timeout": BULK_TIMEOUT_S} for s, t in bulk if s == name]
-            targets += [{"target": t, "kind": "ephemeral", "addr": addresses[t], "port": ports[t]["ephemeral"]}
-                        for t in plan.targets_of(name)]
-            targets += [{"target": t, "kind": "advertised", "addr": other[t], "port": ports[t]["ephemeral"]}
-                        for t in plan.targets_of(name) if t in other]
-            if master_ports and name != master:
-                targets.append({"target": master, "kind": "master", "addr": addresses[master],
-                                "port": master_ports})
-            node_deadline = deadline_for(len(targets), concurrency, attempts) + BULK_TIMEOUT_S
-            deadline = max(deadline, node_deadline)
-            work[name] = [{"op": "mesh_connect", "targets": targets, "attempts": list(attempts),
-                           "concurrency": concurrency, "deadline": node_deadline}]
+        work, deadline = _connect_work(plan, addresses, ports, master, advertised, concurrency, attempts)
         # the nodes stop on their own deadline; the margin covers the transfer
         answers = nodeprog.exchange(sessions, work, timeout=deadline + 15)
-        errors.update({n: str(e) for n, e in answers.failed.items()})
-        for name, replies in answers.succeeded.items():
-            try:
-                probes = replies[0].value(name)["probes"]
-                if not isinstance(probes, list) or not all(isinstance(p, dict) and "result" in p for p in probes):
-                    raise ValueError(f"host {name}: mesh_connect: malformed probe results")
-                results[name] = probes
-            except (nodeprog.NodeProgramError, ValueError, KeyError, TypeError) as exc:
-                errors[name] = str(exc)
+        results = _probe_results(answers, errors)
     finally:
         if own:
             nodeprog.close_all(sessions)
@@ -455,6 +455,78 @@ def run_mesh(cluster, conns: dict, addresses: dict[str, str], master: str, maste
             "plan": {**plan.to_dict(), "concurrency": concurrency, "attempt_timeouts_s": list(attempts),
                      "deadline_s": round(deadline, 1), "retried": retried,
                      "seconds": round(time.monotonic() - started, 3)}}
+
+
+def _listen(sessions: dict[str, nodeprog.Session], nodes: list, master: str, master_port: int | None,
+            listening: GroupResult[nodeprog.Reply] | None, errors: dict[str, str]) -> dict[str, dict]:
+    """node -> its listener ports, from *listening* (the ``mesh_listen`` replies) or, when that was
+    not asked yet, from asking it now; adds to *errors* why a node has none (it probes nothing and
+    is probed by nobody)."""
+    if listening is None:
+        listening = nodeprog.exchange(
+            sessions, {n.name: [listen_request(n.name, master, master_port)] for n in nodes if n.name in sessions},
+            timeout=60).map(lambda replies: replies[0])
+    errors.update({n: str(e) for n, e in listening.failed.items()})
+    ports: dict[str, dict] = {}
+    for name, reply in listening.succeeded.items():
+        try:
+            ports[name] = _ports(name, reply.value(name))
+        except (nodeprog.NodeProgramError, ValueError) as exc:
+            errors[name] = str(exc)
+    return ports
+
+
+def _connect_work(plan: MeshPlan, addresses: dict[str, str], ports: dict[str, dict], master: str,
+                  advertised: dict[str, str] | None, concurrency: int, attempts: tuple[float, ...]
+                  ) -> tuple[dict[str, list[dict]], float]:
+    """(node -> its ``mesh_connect`` request, the latest node deadline): what each node of *plan*
+    probes, and how long the exchange must wait for the slowest of them."""
+    master_ports = ports.get(master, {}).get("master")
+    bulk = bulk_pairs(plan.nodes, master)
+    other = {t: a for t, a in (advertised or {}).items()
+             if a and t in ports and a != addresses.get(t) and not a.startswith(("127.", "::1"))}
+    work = {}
+    deadline = 0.0
+    for name in plan.nodes:
+        targets = _node_targets(name, plan, addresses, ports, bulk, other)
+        if master_ports and name != master:
+            targets.append({"target": master, "kind": "master", "addr": addresses[master],
+                            "port": master_ports})
+        node_deadline = deadline_for(len(targets), concurrency, attempts) + BULK_TIMEOUT_S
+        deadline = max(deadline, node_deadline)
+        work[name] = [{"op": "mesh_connect", "targets": targets, "attempts": list(attempts),
+                       "concurrency": concurrency, "deadline": node_deadline}]
+    return work, deadline
+
+
+def _node_targets(name: str, plan: MeshPlan, addresses: dict[str, str], ports: dict[str, dict],
+                  bulk: list[tuple[str, str]], other: dict[str, str]) -> list[dict]:
+    """What node *name* probes on its peers' ephemeral ports: its bulk transfers, its planned
+    connects, and its targets' advertised addresses where those differ (*other*)."""
+    # bulk first: they start while the connects queue behind them
+    targets = [{"target": t, "kind": "bulk", "addr": addresses[t], "port": ports[t]["ephemeral"],
+                "bytes": BULK_BYTES, "timeout": BULK_TIMEOUT_S} for s, t in bulk if s == name]
+    targets += [{"target": t, "kind": "ephemeral", "addr": addresses[t], "port": ports[t]["ephemeral"]}
+                for t in plan.targets_of(name)]
+    targets += [{"target": t, "kind": "advertised", "addr": other[t], "port": ports[t]["ephemeral"]}
+                for t in plan.targets_of(name) if t in other]
+    return targets
+
+
+def _probe_results(answers: GroupResult[list[nodeprog.Reply]], errors: dict[str, str]) -> dict[str, list]:
+    """source -> its probe results, from the nodes' ``mesh_connect`` replies, validated (they are
+    data); adds to *errors* why a node has none."""
+    errors.update({n: str(e) for n, e in answers.failed.items()})
+    results: dict[str, list] = {}
+    for name, replies in answers.succeeded.items():
+        try:
+            probes = replies[0].value(name)["probes"]
+            if not isinstance(probes, list) or not all(isinstance(p, dict) and "result" in p for p in probes):
+                raise ValueError(f"host {name}: mesh_connect: malformed probe results")
+            results[name] = probes
+        except (nodeprog.NodeProgramError, ValueError, KeyError, TypeError) as exc:
+            errors[name] = str(exc)
+    return results
 
 
 def _ports(name: str, got: dict) -> dict:

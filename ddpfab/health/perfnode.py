@@ -206,16 +206,31 @@ class Runner:
 
     # -- everything -----------------------------------------------------------------------------
     def run(self) -> dict:
+        """Every phase in order, barriers between them (so one never disturbs another); returns
+        this node's report (complete on its local rank 0, the one that prints it)."""
         cfg = self.cfg
         is_gpu = self.device.type == "cuda"
         report: dict = {"node_rank": self.node_rank, "hostname": socket.gethostname(), "backend": self.env.backend,
                         "device": torch.cuda.get_device_name(self.device) if is_gpu else "cpu",
                         "world_size": self.world, "nproc": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
         tdist.barrier()
-        # compute: every GPU, or the CPU once per node (local rank 0 with all its threads)
+        self.compute_phase(report, is_gpu)
+        tdist.barrier()
+        if self.local_rank == 0:
+            report["memory"] = memory_bench(cfg["window_s"], cfg["samples"], cfg["mem_bytes"])
+        tdist.barrier()
+        report["links"], report["rounds_skipped"] = self.link_phase()
+        tdist.barrier()
+        self.all_reduce_phase(report, report["links"], is_gpu)
+        report["seconds"] = round(time.perf_counter() - self.started, 3)
+        return report
+
+    def compute_phase(self, report: dict, is_gpu: bool) -> None:
+        """The compute figures into *report* (on local rank 0): every GPU, or the CPU once per node
+        (local rank 0 with all its threads); every rank joins the gather of the per-GPU figures."""
         gflops = 0.0
         if is_gpu or self.local_rank == 0:
-            comp = compute_bench(self.device, cfg["window_s"], cfg["samples"])
+            comp = compute_bench(self.device, self.cfg["window_s"], self.cfg["samples"])
             gflops = comp["gflops"]
             if self.local_rank == 0:
                 report["compute"] = comp
@@ -224,10 +239,11 @@ class Runner:
             report["compute"]["per_device"] = ([round(g, 2) for r, g in enumerate(per_rank)
                                                 if self.node_of[r] == self.node_rank] if is_gpu else
                                                [round(gflops, 2)])
-        tdist.barrier()
-        if self.local_rank == 0:
-            report["memory"] = memory_bench(cfg["window_s"], cfg["samples"], cfg["mem_bytes"])
-        tdist.barrier()
+
+    def link_phase(self) -> tuple[list[dict], int]:
+        """(this node's links, the rounds skipped): every round once per pass until the budget runs
+        out, every rank agreeing when it has."""
+        cfg = self.cfg
         # every round once per pass; a link's figure is its best pass (a load burst on a shared
         # host slows one pass, a bad NIC or cable every pass)
         best: dict[int, dict] = {}
@@ -248,10 +264,12 @@ class Runner:
                 prev["passes"] = prev.get("passes", 1) + 1
                 prev["gbs"] = max(prev["gbs"], got["gbs"])
                 prev["lat_us"] = min(prev["lat_us"], got["lat_us"])
-        links = list(best.values())
-        report["links"] = links
-        report["rounds_skipped"] = skipped
-        tdist.barrier()
+        return list(best.values()), skipped
+
+    def all_reduce_phase(self, report: dict, links: list[dict], is_gpu: bool) -> None:
+        """The all_reduce figures into *report*: each size in turn (every rank), skipping a size the
+        slowest link of the whole set (from *links*, agreed over all ranks) would take too long for."""
+        cfg = self.cfg
         sizes = cfg["allreduce_sizes_gpu" if is_gpu else "allreduce_sizes"]
         # a ring all_reduce sends 2(n-1)/n of the message over its slowest link: a size that would
         # take longer than the cap there is skipped (over a throttled link 16 MiB takes seconds a
@@ -264,8 +282,6 @@ class Runner:
                 report["all_reduce_skipped"].append(size)
             else:
                 report["all_reduce"].append(self.all_reduce(size))
-        report["seconds"] = round(time.perf_counter() - self.started, 3)
-        return report
 
 
 def main(argv: list[str]) -> int:

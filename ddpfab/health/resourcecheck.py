@@ -198,19 +198,29 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
     res = raw.get("resources")
     if not isinstance(res, dict):
         return []  # a node program without them (an older ddpfab on the node): nothing to judge
-    out: list[Finding] = []
-    # shared memory
+    return (_check_shm(node, res, nproc, floors) + _check_disk(node, res, floors) + _check_nofile(node, res, floors)
+            + _check_memlock(node, raw, res) + _check_memory(node, res, floors)
+            + _leftovers(node, raw, res, nproc, master_port, busy_gpus_fail))
+
+
+def _check_shm(node: str, res: dict, nproc: int, floors: Floors) -> list[Finding]:
+    """Free shared memory against the floor for *nproc* processes (DataLoader workers pass every
+    batch through /dev/shm); nothing when the node did not report it."""
     shm, need = _fs(res.get("shm")), floors.shm_for(nproc)
-    if shm:
-        found = f"/dev/shm {size(shm['free'])} free of {size(shm.get('total'))} ({shm.get('fstype')})"
-        if shm["free"] < need:
-            out.append(Finding(node, "shm", "fail", found,
-                               expected=f"at least {size(need)} free for {nproc} processes and their DataLoader workers",
-                               fix=f"mount -o remount,size={-(-need // GIB) * 2}G /dev/shm (as root; in docker: "
-                                   f"--shm-size={-(-need // GIB) * 2}g), or lower the floor with --resource-floors shm=SIZE"))
-        else:
-            out.append(Finding(node, "shm", "pass", found))
-    # free space where the job writes
+    if not shm:
+        return []
+    found = f"/dev/shm {size(shm['free'])} free of {size(shm.get('total'))} ({shm.get('fstype')})"
+    if shm["free"] < need:
+        return [Finding(node, "shm", "fail", found,
+                        expected=f"at least {size(need)} free for {nproc} processes and their DataLoader workers",
+                        fix=f"mount -o remount,size={-(-need // GIB) * 2}G /dev/shm (as root; in docker: "
+                            f"--shm-size={-(-need // GIB) * 2}g), or lower the floor with --resource-floors shm=SIZE")]
+    return [Finding(node, "shm", "pass", found)]
+
+
+def _check_disk(node: str, res: dict, floors: Floors) -> list[Finding]:
+    """Free space in each place where the job writes (:data:`PLACES`): a row per place short of
+    the floor, else one pass row for the workdir."""
     short = []
     paths: dict = res["paths"] if isinstance(res.get("paths"), dict) else {}
     for key, where_fails in PLACES.items():
@@ -225,45 +235,55 @@ def evaluate(node: str, raw: dict, nproc: int, floors: Floors, *, master_port: i
                                  fix=f"free space on {fs.get('mount')}, or lower the floor with "
                                      "--resource-floors disk=SIZE"))
     wd = _fs(paths.get("workdir")) or {}
-    out += short or [Finding(node, "disk", "pass", f"workdir {size(wd.get('free'))} free")]
-    # limits: what the ssh login gets, which is what the supervisor gives the ranks
+    return short or [Finding(node, "disk", "pass", f"workdir {size(wd.get('free'))} free")]
+
+
+def _check_nofile(node: str, res: dict, floors: Floors) -> list[Finding]:
+    """The open-files limit against the floor: the ssh login's, which is what the supervisor
+    gives the ranks; nothing when the node did not report it."""
     nofile = _limit(res.get("nofile"))
-    if nofile:
-        soft, hard = nofile
-        if 0 <= soft < floors.nofile:
-            raise_to = f"ulimit -n {min(floors.nofile * 4, hard) if hard >= 0 else floors.nofile * 4}"
-            out.append(Finding(node, "nofile", "fail", f"open files limit {soft} (hard {limit(hard)})",
-                               expected=f"at least {floors.nofile} (gloo/NCCL keep a socket per peer, DataLoader "
-                                        "workers pass descriptors)",
-                               fix=f"raise nofile for the login user in /etc/security/limits.conf (pam_limits) or "
-                                   f"LimitNOFILE= of sshd's unit ({raise_to} in a login shell shows it took)"))
-        else:
-            out.append(Finding(node, "nofile", "pass", f"open files {limit(soft)} (hard {limit(hard)})"))
+    if not nofile:
+        return []
+    soft, hard = nofile
+    if 0 <= soft < floors.nofile:
+        raise_to = f"ulimit -n {min(floors.nofile * 4, hard) if hard >= 0 else floors.nofile * 4}"
+        return [Finding(node, "nofile", "fail", f"open files limit {soft} (hard {limit(hard)})",
+                        expected=f"at least {floors.nofile} (gloo/NCCL keep a socket per peer, DataLoader "
+                                 "workers pass descriptors)",
+                        fix=f"raise nofile for the login user in /etc/security/limits.conf (pam_limits) or "
+                            f"LimitNOFILE= of sshd's unit ({raise_to} in a login shell shows it took)")]
+    return [Finding(node, "nofile", "pass", f"open files {limit(soft)} (hard {limit(hard)})")]
+
+
+def _check_memlock(node: str, raw: dict, res: dict) -> list[Finding]:
+    """The locked-memory limit: too low fails a node with InfiniBand (NCCL pins its buffers), warns
+    on a GPU node without, passes elsewhere; nothing when the node did not report it."""
     memlock = _limit(res.get("memlock"))
-    if memlock:
-        soft = memlock[0]
-        gpus = bool(raw.get("nvidia_gpus") or raw.get("gpus"))
-        low = 0 <= soft < MEMLOCK_IB
-        found = f"locked memory {'unlimited' if soft < 0 else size(soft)}"
-        fix = "set memlock unlimited for the login user in /etc/security/limits.conf (or LimitMEMLOCK=infinity of sshd)"
-        if low and res.get("infiniband"):
-            out.append(Finding(node, "memlock", "fail", found, expected="unlimited (NCCL pins its InfiniBand buffers)",
-                               fix=fix))
-        elif low and gpus:
-            out.append(Finding(node, "memlock", "warn", found + " (no InfiniBand here: NCCL over sockets copes)",
-                               fix=fix))
-        else:
-            out.append(Finding(node, "memlock", "pass", found))
+    if not memlock:
+        return []
+    soft = memlock[0]
+    gpus = bool(raw.get("nvidia_gpus") or raw.get("gpus"))
+    low = 0 <= soft < MEMLOCK_IB
+    found = f"locked memory {'unlimited' if soft < 0 else size(soft)}"
+    fix = "set memlock unlimited for the login user in /etc/security/limits.conf (or LimitMEMLOCK=infinity of sshd)"
+    if low and res.get("infiniband"):
+        return [Finding(node, "memlock", "fail", found, expected="unlimited (NCCL pins its InfiniBand buffers)",
+                        fix=fix)]
+    if low and gpus:
+        return [Finding(node, "memlock", "warn", found + " (no InfiniBand here: NCCL over sockets copes)", fix=fix)]
+    return [Finding(node, "memlock", "pass", found)]
+
+
+def _check_memory(node: str, res: dict, floors: Floors) -> list[Finding]:
+    """Available memory against the floor; nothing when the node did not report it."""
     avail = _int(res.get("mem_available"))
-    if avail is not None:
-        found = f"{size(avail)} available of {size(_int(res.get('mem_total')))}"
-        if avail < floors.mem:
-            out.append(Finding(node, "memory", "fail", found, expected=f"at least {size(floors.mem)} available",
-                               fix="end what uses the memory there, or lower the floor with --resource-floors mem=SIZE"))
-        else:
-            out.append(Finding(node, "memory", "pass", found))
-    out += _leftovers(node, raw, res, nproc, master_port, busy_gpus_fail)
-    return out
+    if avail is None:
+        return []
+    found = f"{size(avail)} available of {size(_int(res.get('mem_total')))}"
+    if avail < floors.mem:
+        return [Finding(node, "memory", "fail", found, expected=f"at least {size(floors.mem)} available",
+                        fix="end what uses the memory there, or lower the floor with --resource-floors mem=SIZE")]
+    return [Finding(node, "memory", "pass", found)]
 
 
 def _list(value: object) -> list:

@@ -25,7 +25,7 @@ from ddpfab.health import perf, perfreport
 from ddpfab.hosts import inventory
 from ddpfab.launch import runner
 from ddpfab.launch.cause import RANK_TAG, Fold
-from ddpfab.launch.execute import Printer
+from ddpfab.launch.execute import Printer, RunResult
 from ddpfab.launch.runs import new_run_id
 from ddpfab.planning.plan import RunOptions, forwarded_env
 from ddpfab.problems import DdpfabError, Problem
@@ -114,11 +114,7 @@ def run_check(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, runs_dir:
     try:
         made = _place(pcluster, helper, rel_dir)
         try:
-            cfg = options.node_config(len(cluster.nodes))
-            run_opts = RunOptions(script="perfnode.py", args=(json.dumps(cfg, separators=(",", ":")),),
-                                  nproc_per_node=options.nproc_per_node, run_id=run_id,
-                                  env=forwarded_env(dict(os.environ)) if env is None else env,
-                                  socket_ifname=socket_ifname, remote_runs_dir=REMOTE_RUNS)
+            run_opts = _job_options(options, len(cluster.nodes), run_id, env, socket_ifname)
             prepared = runner.prepare(pcluster, run_opts, policy, ssh_config, preflight=preflight,
                                       new_run_dir=False)  # _place made it: the job's workdir
             printer = CapturePrinter(prepared.plan, echo=echo)
@@ -133,7 +129,33 @@ def run_check(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, runs_dir:
             c.close()
     run_dir = manifest.parent
     order = [n.name for n in sorted(prepared.plan.nodes, key=lambda n: n.node_rank)]
-    missing = [n for n in order if n not in printer.records]
+    reports = _node_reports(order, printer.records, result, run_dir, left)
+    res = _analysis(reports, order, options, left)
+    record = {"schema": perf.SCHEMA, "run_id": run_id, "time": time.time(), "inventory": cluster.source,
+              "seconds": round(time.monotonic() - started, 3),
+              "bench_seconds": max(r["seconds"] for r in reports.values()),  # the benchmark alone, on the nodes
+              "result": res.to_dict()}
+    write_record(run_dir, record)
+    return record, run_dir
+
+
+def _job_options(options: perf.PerfOptions, nodes: int, run_id: str, env: tuple[tuple[str, str], ...] | None,
+                 socket_ifname: str | None) -> RunOptions:
+    """The benchmark job's options: the shipped script with the node config as its argument, in
+    the check's own run dir, over the job's *env* (default: the forwarded variables) and interfaces."""
+    cfg = options.node_config(nodes)
+    return RunOptions(script="perfnode.py", args=(json.dumps(cfg, separators=(",", ":")),),
+                      nproc_per_node=options.nproc_per_node, run_id=run_id,
+                      env=forwarded_env(dict(os.environ)) if env is None else env,
+                      socket_ifname=socket_ifname, remote_runs_dir=REMOTE_RUNS)
+
+
+def _node_reports(order: list[str], records: dict[str, str], result: RunResult, run_dir: Path, left: list[str]
+                  ) -> dict[str, dict]:
+    """node -> its benchmark report (*records*: the ``DDPFAB_PERF`` lines), validated (they are
+    data). Raises :class:`PerfError` when the job was interrupted or failed, or a node's record
+    is missing or malformed; *left* (what could not be cleaned up) goes with the first two."""
+    missing = [n for n in order if n not in records]
     if result.interrupted:
         raise PerfError([f"the perf check was {result.summary}"] + left, code=result.exit_code)
     if result.exit_code != 0 or missing:
@@ -142,23 +164,25 @@ def run_check(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, runs_dir:
     reports = {}
     try:
         for n in order:
-            reports[n] = perf.validate_report(n, json.loads(printer.records[n]))
+            reports[n] = perf.validate_report(n, json.loads(records[n]))
     except perf.PerfDataError as exc:
         raise PerfError(exc.problems) from None
     except ValueError as exc:  # not JSON
         raise PerfError(Problem(n, perf.PerfDataError.check, text=str(exc))) from None
+    return reports
+
+
+def _analysis(reports: dict[str, dict], order: list[str], options: perf.PerfOptions, left: list[str]
+              ) -> perf.PerfResult:
+    """The nodes' reports judged (stragglers, links, all_reduce), with notes on the link rounds the
+    budget cut and on what could not be cleaned up (*left*)."""
     res = perf.analyze(reports, order)
     perf.add_all_reduce(res, reports, order)
     skipped = max(r["rounds_skipped"] for r in reports.values())
     if skipped:
         res.notes.append(f"{skipped} link round(s) skipped: the {options.budget_s:g} s budget ran out")
     res.notes += left
-    record = {"schema": perf.SCHEMA, "run_id": run_id, "time": time.time(), "inventory": cluster.source,
-              "seconds": round(time.monotonic() - started, 3),
-              "bench_seconds": max(r["seconds"] for r in reports.values()),  # the benchmark alone, on the nodes
-              "result": res.to_dict()}
-    write_record(run_dir, record)
-    return record, run_dir
+    return res
 
 
 def before_run(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, opts, env: tuple[tuple[str, str], ...],

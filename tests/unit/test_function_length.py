@@ -12,11 +12,6 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ddpfab"
 LIMIT = 60
 #: module:qualified name -> its length now (lines, decorators excluded).
 DEBT = {
-    "health/mesh.py:classify": 68,
-    "health/mesh.py:run_mesh": 77,
-    "health/perfnode.py:Runner.run": 61,
-    "health/resourcecheck.py:evaluate": 82,
-    "launch/perfcheck.py:run_check": 69,
     "launch/recover.py:Recovery.run": 82,
     "launch/rerun.py:prepare": 68,
     "launch/runner.py:prepare": 61,
