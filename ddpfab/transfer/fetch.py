@@ -244,17 +244,19 @@ def fetch(node: Node, remote_path: str, local_dir: str | os.PathLike, policy: Ho
         runner.close()
 
 
-def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.PathLike, overwrite: bool,
-           progress: bool | None) -> dict:
-    """:func:`fetch` over *runner*: ask the node, then rsync over the same connection."""
-    node = runner.node
+def _locate(runner: NodeRunner, raw: str, remote_path: str) -> dict:
+    """The node's ``locate`` answer for *remote_path* (where it is, what and how big); the node
+    refusing it (not there, or not a path it may give) is a FetchError with exit code 1."""
     req = {"op": "locate", "workdir": raw, "path": remote_path, "runs_dir": "~/" + REMOTE_RUNS_DIR}
     try:
-        found = ask_node(runner, None, req, timeout=120)[0]
+        return ask_node(runner, None, req, timeout=120)[0]
     except SyncError as exc:  # the node's answer: the path is not there, or not one it may give
         raise FetchError(exc.problems[0], 1) from None
-    what = located(node.name, found)
-    path, size, files, kind = what.path, what.bytes, what.files, what.kind
+
+
+def _destination(local_dir: str | os.PathLike, path: str, overwrite: bool) -> tuple[str, str]:
+    """LOCAL_DIR made absolute (and made, if missing) and the destination in it, the remote
+    path's last name; one that exists already is refused unless *overwrite*."""
     check_local_dir(local_dir)
     local_dir = os.path.abspath(os.fspath(local_dir))
     dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
@@ -264,6 +266,38 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
         os.makedirs(local_dir, exist_ok=True)
     except OSError as exc:
         raise FetchError(f"LOCAL_DIR {local_dir} cannot be made: {exc.strerror}; give another LOCAL_DIR") from None
+    return local_dir, dest
+
+
+def _copy_error(node: Node, what: Located, code: int, stderr: bytes, local_dir: str, dest: str, existed: bool,
+                need: int) -> FetchError:
+    """Why the copy of *what* failed (rsync exit *code*): this machine's disk, when the copy could
+    not fit even with what it made given back (that is removed then: a full disk hurts every
+    program here), else rsync's own words."""
+    text = " | ".join(stderr.decode(errors="replace").strip().splitlines()[-3:])
+    made = made_by_fetch(local_dir, dest, what.kind, created=not existed)
+    after = room(local_dir)
+    if after and code in LOCAL_WRITE_EXITS and \
+            Room(after.bytes + sum(map(_tree_bytes, made)), after.inodes, after.block).lacks(need, what.files):
+        _remove(made)  # a full disk hurts every program here: give the space back
+        now = room(local_dir)
+        return FetchError(Problem(None, "local-disk", text=(
+            f"LOCAL_DIR {local_dir}: this machine's disk there filled up during the copy of {what.path} from "
+            f"{node.name} (rsync exit {code}: {text or 'no message'})"
+            + (f"; what it had copied ({', '.join(made)}) was removed" if made else "")
+            + (f"; it has {now.lacks(need, what.files) or 'room now'}" if now else "") + f": {ROOM_FIX}")), 1)
+    return FetchError(Problem(node.name, "rsync", text=f"host {node.name}: rsync failed (exit {code}): "
+                                                      f"{text or 'no message'}"), 1)
+
+
+def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.PathLike, overwrite: bool,
+           progress: bool | None) -> dict:
+    """:func:`fetch` over *runner*: ask the node, then rsync over the same connection."""
+    node = runner.node
+    found = _locate(runner, raw, remote_path)
+    what = located(node.name, found)
+    path, size, files, kind = what.path, what.bytes, what.files, what.kind
+    local_dir, dest = _destination(local_dir, path, overwrite)
     existed = os.path.lexists(dest)
     before = room(local_dir)
     need = size + files * before.block if before else size  # each file's last block is whole
@@ -289,21 +323,7 @@ def _fetch(runner: NodeRunner, raw: str, remote_path: str, local_dir: str | os.P
         # rsync's progress goes to its stdout; ours is for results, so it is relayed to stderr
         copy = runner.rsync(argv, stdout=sys.stderr if show else subprocess.DEVNULL)
         if copy.code != 0:
-            text = " | ".join(copy.stderr.decode(errors="replace").strip().splitlines()[-3:])
-            made = made_by_fetch(local_dir, dest, kind, created=not existed)
-            after = room(local_dir)
-            # this machine's disk, when the copy could not fit even with what it made given back
-            if after and copy.code in LOCAL_WRITE_EXITS and \
-                    Room(after.bytes + sum(map(_tree_bytes, made)), after.inodes, after.block).lacks(need, files):
-                _remove(made)  # a full disk hurts every program here: give the space back
-                now = room(local_dir)
-                raise FetchError(Problem(None, "local-disk", text=(
-                    f"LOCAL_DIR {local_dir}: this machine's disk there filled up during the copy of {path} from "
-                    f"{node.name} (rsync exit {copy.code}: {text or 'no message'})"
-                    + (f"; what it had copied ({', '.join(made)}) was removed" if made else "")
-                    + (f"; it has {now.lacks(need, files) or 'room now'}" if now else "") + f": {ROOM_FIX}")), 1)
-            raise FetchError(Problem(node.name, "rsync", text=f"host {node.name}: rsync failed (exit {copy.code}): "
-                                                              f"{text or 'no message'}"), 1)
+            raise _copy_error(node, what, copy.code, copy.stderr, local_dir, dest, existed, need)
     finally:
         if made_top:
             with contextlib.suppress(OSError):

@@ -282,6 +282,61 @@ def _git_listing(root: str) -> list[str] | None:
     return rels
 
 
+def _walked_files(root: str, skipper: treehash.Skipper) -> list[str]:
+    """The files outside git: a walk that applies ``.gitignore`` and ``.ddpfabignore`` files as
+    git does; an unreadable directory is a SyncError that says how to leave it out."""
+    try:
+        found, _ = treehash.walk(root, skipper, treehash.IgnoreFiles(root, [".gitignore", treehash.IGNORE_FILE]))
+    except OSError as exc:  # an unreadable directory in the tree
+        raise SyncError([f"cannot read {exc.filename}: {exc.strerror}; make it readable, or leave it out with "
+                         f"a line in {treehash.IGNORE_FILE}"]) from None
+    return found
+
+
+def _git_state(root: str) -> tuple[str | None, bool | None]:
+    """HEAD of the work tree at *root* (None before the first commit) and whether the tree differs
+    from it (None when git cannot say): the result records which code was sent."""
+    head = _git(root, "rev-parse", "--verify", "-q", "HEAD")
+    commit = head.decode().strip() if head else None
+    status = _git(root, "status", "--porcelain", "-z", "--untracked-files=normal", "--", ".")
+    return commit, (bool(status) if status is not None else None)
+
+
+def _git_files(root: str, listed: list[str], skipper: treehash.Skipper, ddp_ignore: treehash.IgnoreFiles,
+               with_git: bool) -> list[str]:
+    """The files of git's *listed* paths that are sent: a submodule or nested repository expanded
+    by its own listing, then the skipped and ``.ddpfabignore``d ones left out; ``.git`` added
+    with *with_git*."""
+    files: list[str] = []
+    queue = list(listed)
+    while queue:
+        rel = queue.pop()
+        try:
+            st = os.lstat(os.path.join(root, rel))
+        except OSError:  # tracked but deleted here
+            continue
+        if stat.S_ISDIR(st.st_mode):  # a submodule or a nested repository: its own listing
+            if skipper.dir_reason(rel):
+                continue
+            sub = os.path.join(root, rel)
+            inner = _git_listing(sub)
+            if inner is None:
+                inner, _ = treehash.walk(sub, treehash.Skipper(sub, (), with_git),
+                                         treehash.IgnoreFiles(sub, [".gitignore"]))
+            queue.extend(rel + "/" + r for r in inner)
+            continue
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            continue
+        if skipper.file_reason(rel) or ddp_ignore.ignored(rel):
+            continue
+        files.append(rel)
+    if with_git and os.path.isdir(os.path.join(root, ".git")):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, ".git")):
+            for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                files.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return files
+
+
 def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_git: bool = False,
            include_keys: bool = False) -> Selection:
     """The selection of *src*: what a sync sends (see the module doc). Private keys are left out
@@ -296,46 +351,14 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
     skipper = treehash.Skipper(root, patterns, with_git)
     ddp_ignore = treehash.IgnoreFiles(root, [treehash.IGNORE_FILE])
     listed = _git_listing(root)
-    files: list[str] = []
+    commit: str | None = None
+    dirty: bool | None = None
     if listed is None:
-        try:
-            found, _ = treehash.walk(root, skipper, treehash.IgnoreFiles(root, [".gitignore", treehash.IGNORE_FILE]))
-        except OSError as exc:  # an unreadable directory in the tree
-            raise SyncError([f"cannot read {exc.filename}: {exc.strerror}; make it readable, or leave it out with "
-                             f"a line in {treehash.IGNORE_FILE}"]) from None
-        files, source, commit, dirty = found, "walk", None, None
+        files, source = _walked_files(root, skipper), "walk"
     else:
         source = "git"
-        head = _git(root, "rev-parse", "--verify", "-q", "HEAD")
-        commit = head.decode().strip() if head else None
-        status = _git(root, "status", "--porcelain", "-z", "--untracked-files=normal", "--", ".")
-        dirty = bool(status) if status is not None else None
-        queue = list(listed)
-        while queue:
-            rel = queue.pop()
-            try:
-                st = os.lstat(os.path.join(root, rel))
-            except OSError:  # tracked but deleted here
-                continue
-            if stat.S_ISDIR(st.st_mode):  # a submodule or a nested repository: its own listing
-                if skipper.dir_reason(rel):
-                    continue
-                sub = os.path.join(root, rel)
-                inner = _git_listing(sub)
-                if inner is None:
-                    inner, _ = treehash.walk(sub, treehash.Skipper(sub, (), with_git),
-                                             treehash.IgnoreFiles(sub, [".gitignore"]))
-                queue.extend(rel + "/" + r for r in inner)
-                continue
-            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-                continue
-            if skipper.file_reason(rel) or ddp_ignore.ignored(rel):
-                continue
-            files.append(rel)
-        if with_git and os.path.isdir(os.path.join(root, ".git")):
-            for dirpath, dirnames, filenames in os.walk(os.path.join(root, ".git")):
-                for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-                    files.append(os.path.relpath(os.path.join(dirpath, name), root))
+        commit, dirty = _git_state(root)
+        files = _git_files(root, listed, skipper, ddp_ignore, with_git)
     left_out: list[str] = []
     if not include_keys:  # one rule for both listings, after every other one
         files, left_out = keys.split(root, files, ddp_ignore.negated)
@@ -533,6 +556,19 @@ def _host_entry(host: str, port: str | int | None) -> str:
     return host if str(port or 22) == "22" else f"[{host}]:{port}"
 
 
+def _probe_file(root: str) -> tuple[str | None, str | None]:
+    """A new empty file in *root* under a random name, and None; or None and why it could not be
+    made. A node that finds that name in its workdir sees this very directory (a shared filesystem):
+    nothing is copied there."""
+    nonce = f"{treehash.PROBE_PREFIX}{secrets.token_hex(8)}"
+    try:
+        fd = os.open(os.path.join(root, nonce), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+    except OSError as exc:
+        return None, f"could not write a probe file into {root}: {exc.strerror}"
+    return nonce, None
+
+
 # -- the sync ----------------------------------------------------------------------------------
 @dataclass
 class _SyncTarget:
@@ -589,84 +625,78 @@ class _Sync:
 
     # -- phase 1: connect and probe --------------------------------------------------------
     def connect_and_probe(self, create: bool) -> None:
-        nonce: str | None = f"{treehash.PROBE_PREFIX}{secrets.token_hex(8)}"
-        nonce_path = os.path.join(self.sel.root, nonce)
-        nonce_error = None
-        try:
-            fd = os.open(nonce_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            os.close(fd)
-        except OSError as exc:
-            nonce, nonce_error = None, f"could not write a probe file into {self.sel.root}: {exc.strerror}"
-
-        def probe(t: _SyncTarget) -> None:
-            """First look, changing nothing: the workdir checked as the node resolves it, whose it
-            is, whether it is this very directory; for a real sync in the session that then holds
-            the lock, with a first try (no wait) at the lock."""
-            try:
-                raw = check_workdir(t.node, self.sel.root)
-                if t.runner is None:
-                    return self.fail(t, str(self.down[t.node.name]))
-                req = {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
-                       "create": False, "adopt": self.adopt, "files": []}
-                if create:
-                    t.session = _session(t.runner)
-                out = ask_node(t.runner, t.session, req, timeout=120)[0]
-            except SyncError as exc:
-                if exc.code == treehash.NOT_OURS:
-                    t.rec.state = exc.code
-                return self.fail(t, exc.problems[0])
-            t.rec.workdir, t.real = out["workdir"], out["real"]
-            if out.get("shared"):
-                t.shared, t.ready, t.rec.source = True, True, "shared"
-                return None
-            t.rec.state = out.get("state", "")
-            if out["state"] == "missing" and not create and not self.dry_run:
-                return self.fail(t, f"host {t.node.name}: workdir {out['workdir']} does not exist; run ddpfab sync")
-            if create and not out.get("rsync"):
-                return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
-                                    "or ddpfab provision)")
-            t.placed, t.ready = out.get("record", []), True
-            if create:
-                self.try_lock(t, 0)
-            return None
-
-        def prepare(t: _SyncTarget) -> None:
-            """Under the lock: read the record and record the files about to be placed (the union
-            of old and new until the commit), moving aside what is in the way."""
-            try:
-                out = ask_node(t.runner, t.session, {"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
-                                      "nonce_error": nonce_error, "create": True, "adopt": self.adopt,
-                                      "files": self.sel.files, "locked": True}, timeout=120)[0]
-            except SyncError as exc:
-                t.ready = False
-                if exc.code == treehash.NOT_OURS:
-                    t.rec.state = exc.code
-                return self.fail(t, exc.problems[0])
-            t.rec.state, t.placed = out.get("state", ""), out.get("record", [])
-            if out.get("kept"):
-                t.rec.kept = out["kept"]
-                shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
-                self.note(f"{t.node.name}: {len(out['kept'])} files there that ddpfab had not placed are in the way "
-                          f"of project files; moved to {out['kept_dir']}: {shown}")
-            return None
-
+        """Probe every node and, for a real sync (*create*), hold every workdir's lock and prepare
+        it; a probe file here meanwhile lets a node tell whether its workdir is this very one."""
+        nonce, nonce_error = _probe_file(self.sel.root)
         try:
             with ThreadPoolExecutor(max_workers=min(32, len(self.targets))) as pool:
-                list(pool.map(probe, self.targets.values()))
+                list(pool.map(lambda t: self.probe(t, create, nonce, nonce_error), self.targets.values()))
                 if create:
                     self.lock_all()
                     mine = [t for t in self.targets.values() if t.ready and not t.shared]
-                    list(pool.map(prepare, mine))
+                    list(pool.map(lambda t: self.prepare(t, nonce, nonce_error), mine))
         finally:
             if nonce:
                 try:
-                    os.unlink(nonce_path)
+                    os.unlink(os.path.join(self.sel.root, nonce))
                 except OSError:
                     pass
         shared = [t.node.name for t in self.targets.values() if t.shared]
         if shared:
             self.note(f"{', '.join(shared)}: the workdir is this very directory (shared filesystem): nothing to "
                       "copy, verifying only")
+
+    def probe(self, t: _SyncTarget, create: bool, nonce: str | None, nonce_error: str | None) -> None:
+        """First look, changing nothing: the workdir checked as the node resolves it, whose it
+        is, whether it is this very directory; for a real sync in the session that then holds
+        the lock, with a first try (no wait) at the lock."""
+        try:
+            raw = check_workdir(t.node, self.sel.root)
+            if t.runner is None:
+                return self.fail(t, str(self.down[t.node.name]))
+            req = {"op": "probe", "workdir": raw, "nonce": nonce, "nonce_error": nonce_error,
+                   "create": False, "adopt": self.adopt, "files": []}
+            if create:
+                t.session = _session(t.runner)
+            out = ask_node(t.runner, t.session, req, timeout=120)[0]
+        except SyncError as exc:
+            if exc.code == treehash.NOT_OURS:
+                t.rec.state = exc.code
+            return self.fail(t, exc.problems[0])
+        t.rec.workdir, t.real = out["workdir"], out["real"]
+        if out.get("shared"):
+            t.shared, t.ready, t.rec.source = True, True, "shared"
+            return None
+        t.rec.state = out.get("state", "")
+        if out["state"] == "missing" and not create and not self.dry_run:
+            return self.fail(t, f"host {t.node.name}: workdir {out['workdir']} does not exist; run ddpfab sync")
+        if create and not out.get("rsync"):
+            return self.fail(t, f"host {t.node.name}: rsync is not installed there (apt-get install rsync, "
+                                "or ddpfab provision)")
+        t.placed, t.ready = out.get("record", []), True
+        if create:
+            self.try_lock(t, 0)
+        return None
+
+    def prepare(self, t: _SyncTarget, nonce: str | None, nonce_error: str | None) -> None:
+        """Under the lock: read the record and record the files about to be placed (the union
+        of old and new until the commit), moving aside what is in the way."""
+        try:
+            out = ask_node(t.runner, t.session, {"op": "probe", "workdir": t.rec.workdir, "nonce": nonce,
+                                  "nonce_error": nonce_error, "create": True, "adopt": self.adopt,
+                                  "files": self.sel.files, "locked": True}, timeout=120)[0]
+        except SyncError as exc:
+            t.ready = False
+            if exc.code == treehash.NOT_OURS:
+                t.rec.state = exc.code
+            return self.fail(t, exc.problems[0])
+        t.rec.state, t.placed = out.get("state", ""), out.get("record", [])
+        if out.get("kept"):
+            t.rec.kept = out["kept"]
+            shown = ", ".join(out["kept"][:5]) + (", ..." if len(out["kept"]) > 5 else "")
+            self.note(f"{t.node.name}: {len(out['kept'])} files there that ddpfab had not placed are in the way "
+                      f"of project files; moved to {out['kept_dir']}: {shown}")
+        return None
 
     # -- one writer per workdir ----------------------------------------------------------------
     def try_lock(self, t: _SyncTarget, wait_s: float) -> None:
@@ -924,30 +954,33 @@ class _Sync:
         if problem:
             return {}, problem
         list_b64 = base64.b64encode(Path(self.list_file).read_bytes()).decode()
-
-        def stage(j: int) -> str | None:
-            """The file list and the known_hosts lines of its next hops, onto forwarding node j."""
-            lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
-                     for c in children[j] for k in hops[order[c].node.name]["keys"]]
-            req = {**self.request(order[j], "stage"), "hold": True, "files": {
-                "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
-            try:
-                hold = _session(order[j].runner)  # the node removes its staged files when it ends
-                with self.lock:
-                    self.holds.append(hold)
-                out = ask_node(order[j].runner, hold, req, timeout=120)[0]
-            except SyncError as exc:
-                return f"cannot stage the forwarding files: {exc.problems[0]}"
-            with self.lock:
-                self.stages[order[j].node.name] = out["dir"]
-            return None
-
         forwarders = [j for j, kids in children.items() if kids]
         with ThreadPoolExecutor(max_workers=min(32, len(forwarders))) as pool:
-            problems = [p for p in pool.map(stage, forwarders) if p]
+            problems = [p for p in pool.map(lambda j: self.stage_files(order, children, hops, list_b64, j), forwarders)
+                        if p]
         if problems:
             return {}, problems[0]
         return {"children": children, "hops": hops}, None
+
+    def stage_files(self, order: list[_SyncTarget], children: dict[int, list[int]], hops: dict, list_b64: str,
+                    j: int) -> str | None:
+        """The file list and the known_hosts lines of its next hops, onto forwarding node j (in a
+        session held to the end of the sync: the node removes its staged files when it ends); why
+        not, or None."""
+        lines = [f"{_host_entry(hops[order[c].node.name]['addr'], hops[order[c].node.name]['port'])} {k}"
+                 for c in children[j] for k in hops[order[c].node.name]["keys"]]
+        req = {**self.request(order[j], "stage"), "hold": True, "files": {
+            "files": list_b64, "known_hosts": base64.b64encode(("\n".join(lines) + "\n").encode()).decode()}}
+        try:
+            hold = _session(order[j].runner)  # the node removes its staged files when it ends
+            with self.lock:
+                self.holds.append(hold)
+            out = ask_node(order[j].runner, hold, req, timeout=120)[0]
+        except SyncError as exc:
+            return f"cannot stage the forwarding files: {exc.problems[0]}"
+        with self.lock:
+            self.stages[order[j].node.name] = out["dir"]
+        return None
 
     def tree(self, order: list[_SyncTarget]) -> None:
         if not order:
@@ -987,22 +1020,7 @@ class _Sync:
                     verifier = threading.Thread(target=self.commit, args=(order[j],))
                     verifier.start()
                 for c in children[j]:
-                    t = order[c]
-                    ok = False
-                    if have[j]:
-                        hop = dict(hops[t.node.name], stage=self.stages[order[j].node.name])
-                        ok = self.copy_from_node(order[j], t, hop)
-                        if not ok:
-                            self.note(f"{t.node.name}: copy from {order[j].node.name} failed ({t.rec.error}); "
-                                      "copying from this machine instead")
-                    else:
-                        self.note(f"{t.node.name}: {order[j].node.name} has no copy to forward; "
-                                  "copying from this machine")
-                    if not ok:
-                        ok = self.copy_from_controller(t)
-                        if not ok:
-                            self.fail(t, t.rec.error)
-                    have[c] = ok
+                    have[c] = self.forward(order[j], order[c], have[j], hops[order[c].node.name])
                     got[c].set()
             finally:
                 for c in children[j]:
@@ -1016,6 +1034,68 @@ class _Sync:
         for th in threads:
             th.join()
         return
+
+    def forward(self, src: _SyncTarget, t: _SyncTarget, src_has: bool, hop: dict) -> bool:
+        """Copy to *t* from the forwarding node *src* when that has a copy (*src_has*), else, or
+        when that copy fails, from this machine: a failed hop costs the uplink, not the node.
+        Whether *t* has the copy now."""
+        ok = False
+        if src_has:
+            ok = self.copy_from_node(src, t, dict(hop, stage=self.stages[src.node.name]))
+            if not ok:
+                self.note(f"{t.node.name}: copy from {src.node.name} failed ({t.rec.error}); "
+                          "copying from this machine instead")
+        else:
+            self.note(f"{t.node.name}: {src.node.name} has no copy to forward; "
+                      "copying from this machine")
+        if not ok:
+            ok = self.copy_from_controller(t)
+            if not ok:
+                self.fail(t, t.rec.error)
+        return ok
+
+    # -- the steps _sync runs, in order ------------------------------------------------------
+    def start_agent(self) -> None:
+        """The forwarding agent of ``--fanout tree``, or a note and the star when it cannot start."""
+        # the agent first: the masters to the nodes must know it to forward it later
+        self.agent = Agent(self.ctl_dir, self.reaper)
+        why = self.agent.start()
+        if why:
+            self.agent = None
+            self.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+
+    def probe_while_hashing(self, create: bool) -> None:
+        """:meth:`connect_and_probe`, with the local tree hashed meanwhile (into ``local``): the
+        nodes answer while this machine reads its files."""
+        hasher = ThreadPoolExecutor(max_workers=1)
+        local = hasher.submit(local_tree, self.sel, False, not self.checksum)
+        try:
+            self.connect_and_probe(create=create)
+        finally:
+            try:
+                self.local = local.result()
+            except OSError as exc:
+                raise SyncError([f"cannot hash {self.sel.root}: {exc}"]) from None
+            finally:
+                hasher.shutdown()
+
+    def copy_and_verify(self, fanout: str, to_copy: list[_SyncTarget], only_verify: list[_SyncTarget]) -> None:
+        """Copy to *to_copy* (the tree when its agent started, else the star) while the nodes of
+        *only_verify* check their hash."""
+        pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(only_verify))))
+        try:
+            checks = [pool.submit(self.verify, t) for t in only_verify]
+            if fanout == "tree" and self.agent is not None:
+                self.tree(to_copy)
+            else:
+                self.star(to_copy)
+            for c in checks:
+                c.result()
+        except BaseException:  # Ctrl-C (or a bug): end the copies before waiting for their threads
+            self.abort()
+            raise
+        finally:
+            pool.shutdown(wait=True)
 
     def cleanup(self) -> None:
         if self.cancelled:
@@ -1035,6 +1115,46 @@ class _Sync:
 
 def megabytes(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def _checked_selection(cluster: Inventory, src: str | os.PathLike, keep: tuple[str, ...] | list[str],
+                       with_git: bool, include_keys: bool, verify_only: bool) -> Selection:
+    """The selection to send, with all that needs no node checked first (rsync here, files to
+    send, every node's workdir as written): a SyncError before any host is contacted."""
+    if not verify_only and shutil.which("rsync") is None:
+        raise SyncError(["rsync not found on this machine: apt-get install rsync"])
+    sel = select(src, keep, with_git, include_keys)
+    if not sel.files and not verify_only:
+        raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty)"])
+    problems = []
+    for n in cluster.nodes:
+        try:
+            check_workdir(n, sel.root)
+        except SyncError as exc:
+            problems += exc.problems
+    if problems:
+        raise SyncError(problems)
+    return sel
+
+
+def _open_connections(cluster: Inventory, policy: HostKeyPolicy, ssh_config: str | None) -> GroupResult:
+    """One connection per node, for this sync alone (the caller closes them)."""
+    try:  # before anything is started: a route that cannot be honoured starts nothing
+        resolve_all(cluster.nodes, policy, ssh_config)
+    except TargetError as exc:
+        raise SyncError(exc.problems) from None
+    return open_group(cluster.nodes, policy, ssh_config)
+
+
+def _already_there(cluster: Inventory, conns: dict, sel: Selection,
+                   progress: Callable[[str], object]) -> SyncResult | None:
+    """The hash-only check before a full sync: the result, each node's line said, when every node
+    has this tree already; else None (the full sync follows)."""
+    same = _unchanged(cluster, conns, sel, shared=False)
+    if same is not None:
+        for rec in same.nodes.values():
+            progress(f"{rec.name}: {rec.workdir} ok (unchanged; verified in {rec.verify_s:.2f} s)")
+    return same
 
 
 def sync_cluster(cluster: Inventory, src: str | os.PathLike, policy: HostKeyPolicy, *, fanout: str = "star",
@@ -1078,35 +1198,17 @@ def sync_cluster(cluster: Inventory, src: str | os.PathLike, policy: HostKeyPoli
         raise ValueError(f"fanout must be 'star' or 'tree', not {fanout!r}")
     started = time.monotonic()
     progress = progress or (lambda _line: None)
-    if not verify_only and shutil.which("rsync") is None:
-        raise SyncError(["rsync not found on this machine: apt-get install rsync"])
-    sel = select(src, keep, with_git, include_keys)
-    if not sel.files and not verify_only:
-        raise SyncError([f"{sel.root}: no files to send (everything is ignored or the directory is empty)"])
-    problems = []
-    for n in cluster.nodes:
-        try:
-            check_workdir(n, sel.root)
-        except SyncError as exc:
-            problems += exc.problems
-    if problems:
-        raise SyncError(problems)
+    sel = _checked_selection(cluster, src, keep, with_git, include_keys, verify_only)
     opened: GroupResult = GroupResult()
     if conns is None:
-        try:  # before anything is started: a route that cannot be honoured starts nothing
-            resolve_all(cluster.nodes, policy, ssh_config)
-        except TargetError as exc:
-            raise SyncError(exc.problems) from None
-        opened = open_group(cluster.nodes, policy, ssh_config)
+        opened = _open_connections(cluster, policy, ssh_config)
         conns = {name: r.conn for name, r in opened.succeeded.items()}
     down = {n.name: opened.get(n.name, SyncError(Problem(n.name, "ssh", text=f"host {n.name}: no connection")))
             for n in cluster.nodes if n.name not in conns}
     try:
         if fast and not (down or dry_run or verify_only or checksum):
-            same = _unchanged(cluster, conns, sel, shared=False)
+            same = _already_there(cluster, conns, sel, progress)
             if same is not None:
-                for rec in same.nodes.values():
-                    progress(f"{rec.name}: {rec.workdir} ok (unchanged; verified in {rec.verify_s:.2f} s)")
                 return same
         return _sync(cluster, sel, conns, down, started, fanout=fanout, compress=compress, checksum=checksum,
                      verify_only=verify_only, adopt=adopt, dry_run=dry_run, lock_wait=lock_wait, progress=progress)
@@ -1123,23 +1225,8 @@ def _sync(cluster: Inventory, sel: Selection, conns: dict, down: dict[str, Excep
     result = sel.result(tree_hash="", bytes=0, fanout=fanout, dry_run=dry_run)
     try:
         if fanout == "tree" and not (verify_only or dry_run):
-            # the agent first: the masters to the nodes must know it to forward it later
-            job.agent = Agent(job.ctl_dir, job.reaper)
-            why = job.agent.start()
-            if why:
-                job.agent = None
-                job.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
-        hasher = ThreadPoolExecutor(max_workers=1)
-        local = hasher.submit(local_tree, sel, False, not checksum)
-        try:
-            job.connect_and_probe(create=not (verify_only or dry_run))
-        finally:
-            try:
-                job.local = local.result()
-            except OSError as exc:
-                raise SyncError([f"cannot hash {sel.root}: {exc}"]) from None
-            finally:
-                hasher.shutdown()
+            job.start_agent()
+        job.probe_while_hashing(create=not (verify_only or dry_run))
         result.tree_hash, result.bytes = job.local["tree_hash"], job.local["bytes"]
         if job.refused:
             result.nodes = {n.name: job.targets[n.name].rec for n in cluster.nodes}
@@ -1149,20 +1236,7 @@ def _sync(cluster: Inventory, sel: Selection, conns: dict, down: dict[str, Excep
         to_copy = [] if verify_only else [t for t in ready if not t.shared]
         for t in ready if dry_run else []:
             t.rec.ok = t.shared
-        pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(only_verify))))
-        try:
-            checks = [pool.submit(job.verify, t) for t in only_verify]
-            if fanout == "tree" and job.agent is not None:
-                job.tree(to_copy)
-            else:
-                job.star(to_copy)
-            for c in checks:
-                c.result()
-        except BaseException:  # Ctrl-C (or a bug): end the copies before waiting for their threads
-            job.abort()
-            raise
-        finally:
-            pool.shutdown(wait=True)
+        job.copy_and_verify(fanout, to_copy, only_verify)
         result.fanout = job.fanout_used
     except BaseException:
         job.abort()
@@ -1212,12 +1286,7 @@ def _unchanged(cluster: Inventory, conns: dict, sel: Selection, sessions: dict |
     nodes = [n for n in cluster.nodes if not workdir.lexical_problem(n.workdir if n.workdir is not None else sel.root)]
     if len(nodes) < len(cluster.nodes):
         return None
-    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
-              "src": sel.root, "check": "unchanged"}
-    reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
-            for n in nodes}
-    asked = {k: [{"op": "lock", "workdir": v["workdir"], "holder": holder, "wait_s": 0}, v, {"op": "unlock"}]
-             for k, v in reqs.items()}
+    reqs, asked = _locked_hash_requests(nodes, sel)
     t0 = time.monotonic()
     own = sessions is None
     errors = {}
@@ -1254,6 +1323,26 @@ def _unchanged(cluster: Inventory, conns: dict, sel: Selection, sessions: dict |
     if len(hashed) < len(nodes) or any(not ans.ok or ans.result.get("tree_hash") != local["tree_hash"]
                                        for ans in hashed.values()):
         return None
+    return _unchanged_result(cluster, sel, local, seconds, started)
+
+
+def _locked_hash_requests(nodes: list[Node], sel: Selection) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """Per node, its ``hash`` request, and the exchange that asks it holding the workdir's lock
+    (tried without waiting, released after): a hash taken while another sync changes the workdir
+    would prove nothing."""
+    holder = {"user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+              "src": sel.root, "check": "unchanged"}
+    reqs = {n.name: {"op": "hash", "workdir": n.workdir if n.workdir is not None else sel.root, "cache": True}
+            for n in nodes}
+    asked = {k: [{"op": "lock", "workdir": v["workdir"], "holder": holder, "wait_s": 0}, v, {"op": "unlock"}]
+             for k, v in reqs.items()}
+    return reqs, asked
+
+
+def _unchanged_result(cluster: Inventory, sel: Selection, local: dict, seconds: float,
+                      started: float) -> SyncResult:
+    """The result of a sync that found every node's workdir already hashing to *local*'s tree:
+    each node verified in *seconds*, nothing copied."""
     result = sel.result(tree_hash=local["tree_hash"], bytes=local["bytes"], fanout="none")
     for n in cluster.nodes:
         result.nodes[n.name] = NodeSync(n.name, workdir=workdir.resolve(n.workdir, None) if n.workdir else sel.root,

@@ -17,14 +17,6 @@ DEBT = {
     "launch/runner.py:prepare": 61,
     "node/agent.py:wait_for_leases": 136,
     "node/agent.py:watch_workers": 61,
-    "transfer/fetch.py:_fetch": 65,
-    "transfer/sync.py:_Sync.connect_and_probe": 79,
-    "transfer/sync.py:_Sync.tree": 67,
-    "transfer/sync.py:_Sync.tree_setup": 62,
-    "transfer/sync.py:_sync": 62,
-    "transfer/sync.py:_unchanged": 61,
-    "transfer/sync.py:select": 62,
-    "transfer/sync.py:sync_cluster": 75,
 }
 
 
