@@ -32,7 +32,7 @@ from pathlib import Path
 from ddpfab.hosts import inventory
 from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch.execute import Interrupted, Printer, RunResult
-from ddpfab.launch.runner import RunError
+from ddpfab.launch.runner import Prepared, RunError
 from ddpfab.launch.runs import RunDir
 from ddpfab.planning.plan import Plan, PlanError, RunOptions, is_run_id
 from ddpfab.problems import DdpfabError, Problem
@@ -297,6 +297,25 @@ class Attempt:
         }
 
 
+@dataclass
+class Course:
+    """Where a run with restarts stands before its next attempt.
+
+    Args:
+        restart: the next attempt's number (0: the first).
+        lineage: the run ids of the attempts so far and the next one's, in order.
+        nodes: the nodes the next attempt is prepared on, in order.
+        pending: the replacements and drops the last failure decided (None: none).
+        failed_at: when the last attempt failed (None before the first restart).
+    """
+
+    restart: int
+    lineage: tuple[str, ...]
+    nodes: tuple[Node, ...]
+    pending: NextSet | None = None
+    failed_at: float | None = None
+
+
 class Recovery:
     """One run with restarts. *prepare* and *run* are the single-attempt steps (api and runner)."""
 
@@ -360,79 +379,17 @@ class Recovery:
                 nodes = nxt.nodes
 
     def run(self) -> int:
-        restart = 0
-        lineage: tuple[str, ...] = (self.root,)
-        nodes = self.cluster.nodes
-        pending: NextSet | None = None
-        failed_at: float | None = None
+        """Attempts until one ends the run (it succeeds, is interrupted, or no next attempt is
+        allowed or possible); returns the run's exit code. SIGTERM is an interruption meanwhile, so
+        a stop between attempts starts no other one."""
         previous = signal.signal(signal.SIGTERM, _raise_interrupted) \
             if threading_main() else None
         try:
+            course = Course(0, (self.root,), self.cluster.nodes)
             while True:
-                attempt = Attempt(attempt_id(self.root, restart), restart, [], time.time(),
-                                  replaced=dict(pending.replaced) if pending else {},
-                                  dropped=list(pending.dropped) if pending else [])
-                try:
-                    prepared, extra, nodes = self._prepare(attempt, nodes, restart, lineage)
-                except (RunError, NoRecovery) as exc:
-                    lines = [str(p) for p in exc.problems]
-                    attempt.ended, attempt.ended_because = time.time(), "could not start: " + "; ".join(lines)
-                    self.attempts.append(attempt)
-                    if restart == 0:
-                        raise
-                    return self._give_up(lines + ["nothing is running"])
-                attempt.nodes = [n.name for n in nodes]
-                attempt.plan = prepared.plan
-                self.attempts.append(attempt)
-                extra = {**extra, "spares_group": self.ropts.spares_group, "attempt_nodes": attempt.nodes}
-                if restart:
-                    extra = {**extra, "recovery_of": self.root, "restart": restart, "lineage": list(lineage)}
-                printer = Printer(prepared.plan, stream=self.out, color=self.color, verbose=self.verbose)
-                if restart:
-                    swap = ", ".join(f"{a} -> {b}" for a, b in attempt.replaced.items()) or "no replacement"
-                    printer.note(f"restart {restart}/{self.ropts.max_job_restarts} as {attempt.run_id}: {swap}"
-                                 + (f", dropped {', '.join(attempt.dropped)}" if attempt.dropped else ""))
-                attempt.started = time.time()
-                if failed_at is not None:
-                    attempt.recovery_s = round(attempt.started - failed_at, 3)
-                self.record("running", None)
-                try:
-                    result, _ = self.run_attempt(prepared, self.runs_dir, printer, extra=extra)
-                finally:
-                    prepared.close()
-                attempt.ended, attempt.exit_code = time.time(), result.exit_code
-                failure = classify(result, nodes, Path(self.runs_dir) / attempt.run_id, self.policy,
-                                   self.ssh_config)
-                attempt.failure = failure
-                attempt.ended_because = "succeeded" if failure.kind == "none" else (
-                    f"interrupted by {result.interrupted}" if failure.kind == "interrupted" else failure.describe())
-                if failure.kind == "node":
-                    self.failed.update({n: failure.evidence[n] for n in failure.nodes})
-                    self.excluded.update(failure.nodes)
-                if failure.kind in ("none", "interrupted"):
-                    self.record("succeeded" if failure.kind == "none" else "interrupted", result.exit_code)
-                    return self._finish(result.exit_code)
-                self.note(f"attempt {attempt.run_id} ended: {attempt.ended_because}")
-                if failure.kind not in self.ropts.retry_on:
-                    why = ("a script failure is not retried (--retry-on script retries it)"
-                           if failure.kind == "script" else "node failures are not retried (--retry-on node)")
-                    return self._give_up([f"{attempt.ended_because}; {why}"], result.exit_code)
-                if restart >= self.ropts.max_job_restarts:
-                    return self._give_up([f"{attempt.ended_because}; no restarts left "
-                                          f"(--max-job-restarts {self.ropts.max_job_restarts})"], result.exit_code)
-                failed_at = min((result.outcomes[n].ended for n in failure.nodes if result.outcomes[n].ended),
-                                default=attempt.ended)
-                if failure.kind == "node":
-                    try:
-                        pending = next_nodes(nodes, set(failure.nodes), self.spares, self.excluded,
-                                             self.ropts.min_nodes)
-                    except NoRecovery as exc:
-                        return self._give_up([str(exc)], result.exit_code)
-                    nodes = pending.nodes
-                else:
-                    pending = None
-                restart += 1
-                lineage += (attempt_id(self.root, restart),)
+                code = self._one_attempt(course)
+                if code is not None:
+                    return code
         except (Interrupted, KeyboardInterrupt) as exc:
             name, code = (exc.name, exc.exit_code) if isinstance(exc, Interrupted) else ("SIGINT", 130)
             self.note(f"{name} between attempts: no restart; nothing is running")
@@ -441,6 +398,123 @@ class Recovery:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+
+    def _one_attempt(self, course: Course) -> int | None:
+        """One attempt on *course*'s nodes, then what follows it: the run's exit code when the
+        attempt ends the run, else None with *course* moved on to the next attempt. At the first
+        attempt a node that cannot start raises (nothing ran yet: the caller reports it as a run
+        that did not start); later it ends the run with the reason."""
+        attempt = self._new_attempt(course)
+        try:
+            prepared, extra, course.nodes = self._prepare(attempt, course.nodes, course.restart, course.lineage)
+        except (RunError, NoRecovery) as exc:
+            lines = self._could_not_start(attempt, exc)
+            if course.restart == 0:
+                raise
+            return self._give_up(lines + ["nothing is running"])
+        extra = self._begin(attempt, prepared, extra, course)
+        result = self._execute(attempt, prepared, extra, course.failed_at)
+        failure = self._ended(attempt, result, course.nodes)
+        if failure.kind in ("none", "interrupted"):
+            self.record("succeeded" if failure.kind == "none" else "interrupted", result.exit_code)
+            return self._finish(result.exit_code)
+        self.note(f"attempt {attempt.run_id} ended: {attempt.ended_because}")
+        refused = self._no_retry(attempt, failure, course.restart)
+        if refused:
+            return self._give_up([refused], result.exit_code)
+        return self._next(course, attempt, result, failure)
+
+    def _new_attempt(self, course: Course) -> Attempt:
+        """The record of *course*'s next attempt, started now, with the replacements and drops that
+        the failure before it decided (the preparation may add to them)."""
+        pending = course.pending
+        return Attempt(attempt_id(self.root, course.restart), course.restart, [], time.time(),
+                       replaced=dict(pending.replaced) if pending else {},
+                       dropped=list(pending.dropped) if pending else [])
+
+    def _could_not_start(self, attempt: Attempt, exc: RunError | NoRecovery) -> list[str]:
+        """Record that *attempt* could not start (the preparation's problems, *exc*) and return
+        those problems as lines: the manifest shows why the run stopped where it did."""
+        lines = [str(p) for p in exc.problems]
+        attempt.ended, attempt.ended_because = time.time(), "could not start: " + "; ".join(lines)
+        self.attempts.append(attempt)
+        return lines
+
+    def _begin(self, attempt: Attempt, prepared: Prepared, extra: dict, course: Course) -> dict:
+        """Record the prepared *attempt* (its nodes and plan) and return what its manifest records
+        beside the plan: the spares group and the nodes in order (a replay finds them again) and,
+        for a restart, which run it recovers and the attempts' lineage."""
+        attempt.nodes = [n.name for n in course.nodes]
+        attempt.plan = prepared.plan
+        self.attempts.append(attempt)
+        extra = {**extra, "spares_group": self.ropts.spares_group, "attempt_nodes": attempt.nodes}
+        if course.restart:
+            extra = {**extra, "recovery_of": self.root, "restart": course.restart, "lineage": list(course.lineage)}
+        return extra
+
+    def _execute(self, attempt: Attempt, prepared: Prepared, extra: dict, failed_at: float | None) -> RunResult:
+        """Run the prepared *attempt* to its end (its connections closed after): a restart says
+        first which node replaced which, and its recovery time (from *failed_at*, when the failure
+        before it happened) is recorded with the run marked running."""
+        printer = Printer(prepared.plan, stream=self.out, color=self.color, verbose=self.verbose)
+        if attempt.restart:
+            swap = ", ".join(f"{a} -> {b}" for a, b in attempt.replaced.items()) or "no replacement"
+            printer.note(f"restart {attempt.restart}/{self.ropts.max_job_restarts} as {attempt.run_id}: {swap}"
+                         + (f", dropped {', '.join(attempt.dropped)}" if attempt.dropped else ""))
+        attempt.started = time.time()
+        if failed_at is not None:
+            attempt.recovery_s = round(attempt.started - failed_at, 3)
+        self.record("running", None)
+        try:
+            result, _ = self.run_attempt(prepared, self.runs_dir, printer, extra=extra)
+        finally:
+            prepared.close()
+        return result
+
+    def _ended(self, attempt: Attempt, result: RunResult, nodes: tuple[Node, ...]) -> Failure:
+        """Record how *attempt* ended (*result* on *nodes*): whose failure it was and why; failed
+        nodes join the run's failed and excluded ones, so no later attempt uses them."""
+        attempt.ended, attempt.exit_code = time.time(), result.exit_code
+        failure = classify(result, nodes, Path(self.runs_dir) / attempt.run_id, self.policy,
+                           self.ssh_config)
+        attempt.failure = failure
+        attempt.ended_because = "succeeded" if failure.kind == "none" else (
+            f"interrupted by {result.interrupted}" if failure.kind == "interrupted" else failure.describe())
+        if failure.kind == "node":
+            self.failed.update({n: failure.evidence[n] for n in failure.nodes})
+            self.excluded.update(failure.nodes)
+        return failure
+
+    def _no_retry(self, attempt: Attempt, failure: Failure, restart: int) -> str | None:
+        """Why *failure* starts no other attempt (a kind --retry-on leaves out, or no restarts
+        left), as the line the run gives up with; None when it may be retried."""
+        if failure.kind not in self.ropts.retry_on:
+            why = ("a script failure is not retried (--retry-on script retries it)"
+                   if failure.kind == "script" else "node failures are not retried (--retry-on node)")
+            return f"{attempt.ended_because}; {why}"
+        if restart >= self.ropts.max_job_restarts:
+            return (f"{attempt.ended_because}; no restarts left "
+                    f"(--max-job-restarts {self.ropts.max_job_restarts})")
+        return None
+
+    def _next(self, course: Course, attempt: Attempt, result: RunResult, failure: Failure) -> int | None:
+        """Move *course* on to the attempt after *attempt*: when the failure happened (its recovery
+        time counts from there) and, for a node failure, the nodes it runs on; None, or the run's
+        exit code when no nodes are left to run on."""
+        course.failed_at = min((result.outcomes[n].ended for n in failure.nodes if result.outcomes[n].ended),
+                               default=attempt.ended)
+        if failure.kind == "node":
+            try:
+                course.pending = next_nodes(course.nodes, set(failure.nodes), self.spares, self.excluded,
+                                            self.ropts.min_nodes)
+            except NoRecovery as exc:
+                return self._give_up([str(exc)], result.exit_code)
+            course.nodes = course.pending.nodes
+        else:
+            course.pending = None
+        course.restart += 1
+        course.lineage += (attempt_id(self.root, course.restart),)
+        return None
 
     def _finish(self, code: int) -> int:
         if len(self.attempts) > 1:

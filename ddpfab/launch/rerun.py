@@ -24,7 +24,7 @@ from ddpfab.launch.runs import new_run_id
 from ddpfab.health import probe
 from ddpfab.planning import scriptfile
 from ddpfab.masking import recordable
-from ddpfab.planning.plan import Plan, make_plan, parse_env
+from ddpfab.planning.plan import Plan, RunOptions, make_plan, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.ssh import HostKeyPolicy
 
@@ -93,25 +93,22 @@ def _load(path: Path) -> dict:
     return manifest
 
 
-def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str | list[str] | None = None,
-            group: str | None = None, env: Iterable[str] = (), extra_vars: Iterable[str] = (),
-            same_port: bool = False, force: bool = False,
-            new_id: str | None = None, policy: HostKeyPolicy | None = None, ssh_config: str | None = None,
-            say: Callable[[str], object] = lambda line: None) -> Replaying:
-    """Everything before the start of a replay of *run_id* (from *runs_dir*): ManifestError,
-    InventoryError or PlanError for a record or input that cannot be replayed, ReplayRefused for a
-    run that would not be the same (*force* lets a changed inventory or code pass, with a line to
-    *say*), RunError for the nodes' problems; nothing has started then. *inventory_source* and
-    *group*: instead of the recorded ones; *env*: ``K=V`` given again (masked secrets) or replaced."""
-    path = Path(runs_dir) / run_id / "manifest.json"
+def _latest(run_id: str, runs_dir: str | os.PathLike, path: Path, say: Callable[[str], object]) -> dict:
+    """The manifest at *path* that a replay of *run_id* replays: for a run with restarts, its last
+    attempt's (the nodes it ended on), said with *say*; else the run's own."""
     manifest = _load(path)
     latest = current_manifest(runs_dir, manifest)  # a run with restarts: its last attempt
     if latest is not manifest:
         say(f"{run_id} ran {len(manifest['recovery']['attempts'])} attempts; replaying the last, "
             f"{latest['run_id']} (its nodes)")
-        manifest = latest
-    recorded, cwd = validate(manifest, str(path))
-    refuse_without_input(str(manifest["plan"].get("pdb") or ""))  # a --pdb run replays attached
+    return latest
+
+
+def _cluster(run_id: str, manifest: dict, inventory_source: str | list[str] | None, group: str | None,
+             extra_vars: Iterable[str]) -> tuple[inventory.Inventory, str | None, dict]:
+    """The cluster the replay runs on (an attempt of a run with restarts: its nodes, in its order),
+    with the run's --limit and -e as recorded (those given again over them); extra vars the
+    manifest stores masked and not given again are refused: the run cannot be the same without."""
     source = inventory_source if inventory_source is not None else recorded_inventory(manifest)
     limit, variables, masked_vars = recorded_selection(manifest, extra_vars)
     if masked_vars:
@@ -123,7 +120,14 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
         cluster = attempt_cluster(manifest, source, group, extra_vars=chosen)
     else:
         cluster = inventory.load(source, group or manifest["plan"]["group"], limit=limit, extra_vars=chosen)
-    overrides = dict(parse_env(list(env), dict(os.environ)))
+    return cluster, limit, variables
+
+
+def _refuse_changes(run_id: str, manifest: dict, recorded: RunOptions, cluster: inventory.Inventory,
+                    overrides: dict[str, str], force: bool, say: Callable[[str], object]) -> None:
+    """Refuse a replay that would not be the same run: a changed inventory or code (unless
+    *force*, which says each with *say* instead), or a secret env var stored masked and not given
+    again in *overrides*."""
     problems = check(manifest, cluster)
     if problems and not force:
         raise ReplayRefused([f"replay of {run_id} refused: {p}" for p in problems]
@@ -135,9 +139,15 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
         raise ReplayRefused([f"replay of {run_id} refused: the manifest stores {', '.join(missing)} masked (***); "
                              "give the value again with " + " ".join(f"--env {k}=..." for k in missing),
                              "nothing was started"])
+
+
+def _connect_and_plan(manifest: dict, recorded: RunOptions, cwd: str, cluster: inventory.Inventory,
+                      overrides: dict[str, str], same_port: bool, new_rid: str, policy: HostKeyPolicy,
+                      ssh_config: str | None) -> tuple[runner.Prepared, list[str], int]:
+    """Connect and probe *cluster*, pick the master port, and plan the replay as *new_rid*: the
+    Prepared, how the recorded options planned again differ from the recorded plan, and the
+    port. The connections are closed when anything fails (RunError: the nodes' problems)."""
     old_rid, old_port = manifest["plan"]["run_id"], manifest["plan"]["master_port"]
-    policy = policy or HostKeyPolicy()
-    new_rid = new_id or new_run_id()
     conns = runner.connect_all(cluster, policy, ssh_config)
     try:
         port, facts, problems = choose_port(cluster, conns, old_port,
@@ -156,8 +166,31 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
         for c in conns.values():
             c.close()
         raise
-    prepared = runner.Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd)
+    return runner.Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd), changed, port
+
+
+def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str | list[str] | None = None,
+            group: str | None = None, env: Iterable[str] = (), extra_vars: Iterable[str] = (),
+            same_port: bool = False, force: bool = False,
+            new_id: str | None = None, policy: HostKeyPolicy | None = None, ssh_config: str | None = None,
+            say: Callable[[str], object] = lambda line: None) -> Replaying:
+    """Everything before the start of a replay of *run_id* (from *runs_dir*): ManifestError,
+    InventoryError or PlanError for a record or input that cannot be replayed, ReplayRefused for a
+    run that would not be the same (*force* lets a changed inventory or code pass, with a line to
+    *say*), RunError for the nodes' problems; nothing has started then. *inventory_source* and
+    *group*: instead of the recorded ones; *env*: ``K=V`` given again (masked secrets) or replaced."""
+    path = Path(runs_dir) / run_id / "manifest.json"
+    manifest = _latest(run_id, runs_dir, path, say)
+    recorded, cwd = validate(manifest, str(path))
+    refuse_without_input(str(manifest["plan"].get("pdb") or ""))  # a --pdb run replays attached
+    cluster, limit, variables = _cluster(run_id, manifest, inventory_source, group, extra_vars)
+    overrides = dict(parse_env(list(env), dict(os.environ)))
+    _refuse_changes(run_id, manifest, recorded, cluster, overrides, force, say)
+    policy = policy or HostKeyPolicy()
+    new_rid = new_id or new_run_id()
+    prepared, changed, port = _connect_and_plan(manifest, recorded, cwd, cluster, overrides, same_port, new_rid,
+                                                policy, ssh_config)
     selection: dict = {"limit": limit} if limit else {}
     if variables:  # the recorded ones and those given again, recorded as a run records them
         selection["extra_vars"] = recordable(variables)
-    return Replaying(run_id, prepared, changed, port, old_port, selection)
+    return Replaying(run_id, prepared, changed, port, manifest["plan"]["master_port"], selection)

@@ -271,31 +271,16 @@ def watch_workers(root, on_failure, stop, interval=0.2, who=None):
     if not hasattr(os, "pidfd_open"):
         return
     poller, fds, seen, unseen = select.poll(), {}, set(), []
-
-    def look():
-        for pid in torchrun_workers(root):
-            if pid in seen:
-                continue
-            seen.add(pid)
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:  # gone already
-                continue
-            if who is not None:
-                who[pid] = worker_identity(pid)
-            fds[fd] = pid
-            poller.register(fd, select.POLLIN)
-
     try:
         while not stop.is_set() and not fds:  # until torchrun has started its workers
-            look()
+            _watch_new_workers(root, poller, fds, seen, who)
             if not fds:
                 stop.wait(interval)
         rescans = 5  # the first look may land while torchrun is still starting the others
         while not stop.is_set() and fds:
             if rescans:
                 rescans -= 1
-                look()
+                _watch_new_workers(root, poller, fds, seen, who)
             if who is not None:  # a worker first seen between torchrun's fork and its exec has no ranks yet
                 for pid in fds.values():
                     if "local_rank" not in who.get(pid, {}):
@@ -316,6 +301,23 @@ def watch_workers(root, on_failure, stop, interval=0.2, who=None):
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _watch_new_workers(root, poller, fds, seen, who):
+    """:func:`watch_workers`' look for workers not *seen* yet: each one's pidfd goes into *fds*
+    (fd -> pid) and *poller*, its :func:`worker_identity` into *who* (when given)."""
+    for pid in torchrun_workers(root):
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # gone already
+            continue
+        if who is not None:
+            who[pid] = worker_identity(pid)
+        fds[fd] = pid
+        poller.register(fd, select.POLLIN)
 
 
 def failed_worker_record(pid, how, identity):
@@ -1041,14 +1043,41 @@ def wait_for_leases(spec, count, pin, run_id):
     failed: some node yielded) lets this node yield again. A ``g`` without a ``ready`` before it
     is ignored. Returns ``(fds, gpus, None)``, or ``(None, None, why)`` when told to stop (EOF,
     ``!``, or ddpfab's heartbeat gone for the spec's silence)."""
-    key = ticket_key(spec["wait"].get("arrival", time.time()), run_id)
-    record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(), "count": count,
-              "pin": list(pin)}
-    silence = float(spec.get("silence", 0))
-    events = {"go": False, "granted": False, "ready": False, "stop": None, "beat": time.monotonic()}
-    lock = threading.Lock()
+    wait = _LeaseWait(spec, count, pin, run_id)
+    caught = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    for sig in caught:
+        signal.signal(sig, wait.cancel)
+    reader = threading.Thread(target=wait.link, daemon=True)
+    reader.start()
+    wait.fd, wait.path = make_ticket(wait.key, wait.record)
+    try:
+        while True:
+            done = wait.step()
+            if done is not None:
+                return done
+            time.sleep(WAIT_POLL_S)
+    finally:
+        wait.cleanup(caught)
 
-    def link():
+
+class _LeaseWait(object):
+    """One :func:`wait_for_leases`: where the link stands (``granted``, ``ready`` and ``go``, changed
+    under ``lock``; ``stop``, the reason to give up; ``beat``, ddpfab's last byte), this job's ticket
+    (``fd``, ``path``: ``fd`` None while it holds GPUs) and the GPUs it holds (``held``, ``gpus``)."""
+
+    def __init__(self, spec, count, pin, run_id):
+        self.count, self.pin, self.run_id = count, pin, run_id
+        self.key = ticket_key(spec["wait"].get("arrival", time.time()), run_id)
+        self.record = {"run_id": run_id, "user": lease_user(), "pid": os.getpid(), "since": time.time(),
+                       "count": count, "pin": list(pin)}
+        self.silence = float(spec.get("silence", 0))
+        self.go, self.granted, self.ready, self.stop, self.beat = False, False, False, None, time.monotonic()
+        self.lock = threading.Lock()
+        self.fd, self.path = None, None
+        self.held, self.gpus, self.said = None, None, None
+        self.table, self.apps, self.asked, self.leased = None, None, 0.0, set()
+
+    def link(self):
         # stdin until the go (then the supervisor's own link watcher reads it) or the end
         pending = b""
         try:
@@ -1056,7 +1085,7 @@ def wait_for_leases(spec, count, pin, run_id):
                 data = os.read(0, 4096)
                 if not data:
                     break
-                events["beat"] = time.monotonic()
+                self.beat = time.monotonic()
                 if b"!" in data:
                     break
                 pending += data.replace(b"\n", b"")
@@ -1067,102 +1096,108 @@ def wait_for_leases(spec, count, pin, run_id):
                         if end < 0:
                             break  # the rest of it comes with the next read
                         rnd, pending = pending[1:end], pending[end + 1:]
-                        with lock:
-                            if events["granted"] and rnd.isdigit():
-                                events["ready"] = True  # no yield from now on, until a go or a "u"
+                        with self.lock:
+                            if self.granted and rnd.isdigit():
+                                self.ready = True  # no yield from now on, until a go or a "u"
                                 _say("ready for round %s" % rnd.decode())
                         continue
                     pending = pending[1:]
-                    with lock:
+                    with self.lock:
                         if op == b"u":
-                            events["ready"] = False
-                        elif op == b"g" and events["ready"]:  # only after this node said ready
-                            events["go"] = True
+                            self.ready = False
+                        elif op == b"g" and self.ready:  # only after this node said ready
+                            self.go = True
                             return
         except OSError:
             pass
-        events["stop"] = "cancelled while waiting for GPUs (stopped by ddpfab)"
+        self.stop = "cancelled while waiting for GPUs (stopped by ddpfab)"
 
-    def cancel(signum, frame):  # ddpfab stop TERMs a waiter: a record, not a silent death
-        events["stop"] = "cancelled while waiting for GPUs (signal %d)" % signum
+    def cancel(self, signum, frame):  # ddpfab stop TERMs a waiter: a record, not a silent death
+        self.stop = "cancelled while waiting for GPUs (signal %d)" % signum
 
-    caught = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-    for sig in caught:
-        signal.signal(sig, cancel)
-    reader = threading.Thread(target=link, daemon=True)
-    reader.start()
-    fd, path = make_ticket(key, record)
-    held, gpus, said = None, None, None
-    table, apps, asked, leased = None, None, 0.0, set()
-    try:
-        while True:
-            if silence and time.monotonic() - events["beat"] > silence:
-                events["stop"] = "cancelled while waiting for GPUs (controller silent for %.0f s)" % silence
-            if events["stop"] is not None:
-                if held:
-                    for h in held:
-                        os.close(h)
-                return None, None, events["stop"]
-            if fd is not None and os.fstat(fd).st_nlink == 0:  # removed (by the lease dir's owner): queue again
-                os.close(fd)
-                fd, path = make_ticket(key, record)
-            queue = tickets(path if fd is not None else None)
-            ahead = [t for t in queue if t.get("key", "") < key and not t.get("own")]
-            if apps is None or time.monotonic() - asked >= WAIT_APPS_S:
-                if table is None or len(table) < max(count, len(pin)):  # (a node's GPUs stay; a failed ask not)
-                    table = gpu_table()
-                apps, asked = compute_apps(table), time.monotonic()
-            states = lease_state(table, apps)
+    def step(self):
+        """One poll: ``(fds, gpus, None)`` on the go, ``(None, None, why)`` when told to stop, else None."""
+        if self.silence and time.monotonic() - self.beat > self.silence:
+            self.stop = "cancelled while waiting for GPUs (controller silent for %.0f s)" % self.silence
+        if self.stop is not None:
+            if self.held:
+                for h in self.held:
+                    os.close(h)
+            return None, None, self.stop
+        if self.fd is not None and os.fstat(self.fd).st_nlink == 0:  # removed (by the lease dir's owner): queue again
+            os.close(self.fd)
+            self.fd, self.path = make_ticket(self.key, self.record)
+        queue = tickets(self.path if self.fd is not None else None)
+        ahead = [t for t in queue if t.get("key", "") < self.key and not t.get("own")]
+        states = self.gpu_states()
+        if self.held is None:
+            self.take(states, ahead)
+        else:
+            self.yield_to_earlier(states, queue, ahead)
+            if self.go:
+                return self.held, self.gpus, None
+        return None
+
+    def gpu_states(self):
+        """The GPUs' lease states; nvidia-smi's processes asked every :data:`WAIT_APPS_S` (and after a release)."""
+        if self.apps is None or time.monotonic() - self.asked >= WAIT_APPS_S:
+            if self.table is None or len(self.table) < max(self.count, len(self.pin)):  # (a node's GPUs stay; a failed ask not)
+                self.table = gpu_table()
+            self.apps, self.asked = compute_apps(self.table), time.monotonic()
+        states = lease_state(self.table, self.apps)
+        now_leased = set(s["gpu"] for s in states if s["state"] == "leased")
+        if any(self.apps.get(g) for g in self.leased - now_leased):
+            # a release of a GPU *apps* lists processes on: its holder's, gone with it now (our
+            # own yield, or a GPU that read as leased for one poll, lists none: no ask)
+            self.apps, self.asked = compute_apps(self.table), time.monotonic()
+            states = lease_state(self.table, self.apps)
             now_leased = set(s["gpu"] for s in states if s["state"] == "leased")
-            if any(apps.get(g) for g in leased - now_leased):
-                # a release of a GPU *apps* lists processes on: its holder's, gone with it now (our
-                # own yield, or a GPU that read as leased for one poll, lists none: no ask)
-                apps, asked = compute_apps(table), time.monotonic()
-                states = lease_state(table, apps)
-                now_leased = set(s["gpu"] for s in states if s["state"] == "leased")
-            leased = now_leased
-            if held is None:
-                among = grantable(states, ahead, count, pin)
-                if among is not None:  # (take_leases asks nvidia-smi again: a use since is seen)
-                    held, gpus, fresh = take_leases(count, pin, run_id, table=table, among=among)
-                    if fresh is not None:
-                        apps = None
-                if held is not None:
-                    with lock:
-                        events["granted"] = True
-                    drop_ticket(fd, path)
-                    fd = None
-                    _say("granted GPU %s; waiting for the other nodes" % ",".join(gpus))
-                    said = None
-                else:
-                    text = "waiting: place %d in this node's queue; %s" % (
-                        len(ahead) + 1, "; ".join(describe_leases(states, only=pin or None)) or "GPUs are free, "
-                        "kept for the jobs ahead")
-                    if text != said:
-                        _say(text)
-                        said = text
-            else:
-                for t in ahead:  # an earlier job that cannot get its GPUs here: give ours back
-                    before = [u for u in queue if u.get("key", "") < t.get("key", "") and not u.get("own")]
-                    if grantable(states, before, t.get("count", 0), t.get("pin") or ()) is None:
-                        with lock:
-                            if events["go"] or events["ready"]:
-                                break  # promised to ddpfab (or going): yield only after a "u"
-                            events["granted"] = False
-                        for h in held:
-                            os.close(h)
-                        held = None
-                        fd, path = make_ticket(key, record)
-                        _say("yielded GPU %s to run %s, which came first" % (",".join(gpus), t.get("run_id", "?")))
-                        break
-                if events["go"]:
-                    return held, gpus, None
-            time.sleep(WAIT_POLL_S)
-    finally:
+        self.leased = now_leased
+        return states
+
+    def take(self, states, ahead):
+        """Take the GPUs when this job is first in line for them, else say its place when that changed."""
+        among = grantable(states, ahead, self.count, self.pin)
+        if among is not None:  # (take_leases asks nvidia-smi again: a use since is seen)
+            self.held, self.gpus, fresh = take_leases(self.count, self.pin, self.run_id, table=self.table, among=among)
+            if fresh is not None:
+                self.apps = None
+        if self.held is not None:
+            with self.lock:
+                self.granted = True
+            drop_ticket(self.fd, self.path)
+            self.fd = None
+            _say("granted GPU %s; waiting for the other nodes" % ",".join(self.gpus))
+            self.said = None
+        else:
+            text = "waiting: place %d in this node's queue; %s" % (
+                len(ahead) + 1, "; ".join(describe_leases(states, only=self.pin or None)) or "GPUs are free, "
+                "kept for the jobs ahead")
+            if text != self.said:
+                _say(text)
+                self.said = text
+
+    def yield_to_earlier(self, states, queue, ahead):
+        """Give the held GPUs back (and queue again) for an earlier job that cannot get its GPUs here."""
+        for t in ahead:  # an earlier job that cannot get its GPUs here: give ours back
+            before = [u for u in queue if u.get("key", "") < t.get("key", "") and not u.get("own")]
+            if grantable(states, before, t.get("count", 0), t.get("pin") or ()) is None:
+                with self.lock:
+                    if self.go or self.ready:
+                        break  # promised to ddpfab (or going): yield only after a "u"
+                    self.granted = False
+                for h in self.held:
+                    os.close(h)
+                self.held = None
+                self.fd, self.path = make_ticket(self.key, self.record)
+                _say("yielded GPU %s to run %s, which came first" % (",".join(self.gpus), t.get("run_id", "?")))
+                break
+
+    def cleanup(self, caught):
         for sig in caught:  # main() installs the job's own handlers next
             signal.signal(sig, signal.SIG_DFL)
-        if fd is not None:
-            drop_ticket(fd, path)
+        if self.fd is not None:
+            drop_ticket(self.fd, self.path)
 
 
 def _keep_leases_fresh(fds):
