@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -335,6 +336,7 @@ class Stopped:
         left: the nodes where something of the job may still run (not reached, or not ended).
         supervisor: for a detached run with restarts, what ending its supervisor did ("" if none).
         problems: the nodes that could not be reached.
+        tmux: for a ``run --tmux`` run, what closing its session did ("" if none).
     """
 
     run_id: str
@@ -342,6 +344,7 @@ class Stopped:
     left: list[str]
     supervisor: str = ""
     problems: list[Problem] = field(default_factory=list)
+    tmux: str = ""
 
     @property
     def ok(self) -> bool:
@@ -590,6 +593,11 @@ class Cluster:
             record = current_manifest(root, record) if record else None
         manifest = record
         latest = (manifest or {}).get("run_id", run_id)
+        closed = ""
+        if (manifest or {}).get("tmux"):  # a --tmux run: its windows' launches end with the session
+            from ddpfab.launch import tmuxrun
+
+            closed = tmuxrun.close_session(str(manifest["tmux"]))
 
         def stop(node) -> tuple[str, bool]:
             conn = ssh.connect(node, self.policy, self.ssh_config)
@@ -605,7 +613,7 @@ class Cluster:
         said.update({n: str(r[0]) for n, r in results.succeeded.items()})
         left = [n for n in self.names if n in results.failed or not results.succeeded[n][1]]
         return Stopped(latest, {n: said[n] for n in self.names if n in said}, left, supervisor,
-                       [node_problem(n, exc) for n, exc in results.failed.items()])
+                       [node_problem(n, exc) for n, exc in results.failed.items()], closed)
 
     def doctor(self, run_id: str, *, runs_dir: str | os.PathLike | None = None,
                timeout: float | None = None, record: dict | None = None) -> Diagnosis:
@@ -700,9 +708,14 @@ class Cluster:
         prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
         prepared.close()
         plan = prepared.plan
-        files = emitmod.write(plan, directory, self.targets(), force=force,
-                              bodies={n.name: handrun.script_body(plan, n) for n in plan.nodes})
-        return Emitted(plan, files, runner.record_emitted(prepared, root, directory))
+        manifest = runner.record_emitted(prepared, root, directory)  # no script without its record
+        try:
+            files = emitmod.write(plan, directory, self.targets(), force=force,
+                                  bodies={n.name: handrun.script_body(plan, n) for n in plan.nodes})
+        except BaseException:  # no record of scripts that were not written: the record dir is ddpfab's own
+            shutil.rmtree(manifest.parent, ignore_errors=True)
+            raise
+        return Emitted(plan, files, manifest)
 
     def run(self, script: str, args: Iterable[str] = (), options: Options | None = None, *,
             out: TextIO | None = None, supervise: Callable[[str], int] | None = None, **given: Any) -> RunOutcome:

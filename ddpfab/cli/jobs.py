@@ -276,6 +276,8 @@ def cmd_stop(args) -> int:
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))  # then its latest attempt's nodes
     cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
     stopped = cluster.stop(args.run_id, runs_dir=args.runs_dir, record=manifest)
+    if stopped.tmux:
+        print(f"controller: {stopped.tmux}")
     for line in grouped(stopped.said):
         print(line)
     return 0 if stopped.ok else EXIT_FAILED

@@ -150,19 +150,7 @@ def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostK
         probing = probing or start_probe(cluster, conns, options, cwd, preflight, new_run_dir)
         try:
             master = probing.master
-            answers = nodeprog.exchange(probing.sessions, {}, timeout=60, sent=probing.sent)
-            if synced:
-                answers = _after_sync(cluster, conns, probing, answers, options, cwd)
-            facts, problems = probe.collect(
-                cluster, conns, master, answers.map(lambda replies: replies[0]),
-                cwd=cwd, script=scriptfile.file_to_check(options.script, options.module, cwd),
-                master_port=options.master_port, sent_at=probing.sent_at)
-            problems = [Problem(n.name, "node_program", found=e.found, text=str(e))
-                        for n in cluster.nodes if (e := probing.errors.get(n.name))] + problems
-            if will_sync:
-                problems = [p for p in problems if not (isinstance(p, Problem) and p.check in ("workdir", "script"))]
-            if problems:
-                raise RunError(problems)
+            answers, facts = _collect(cluster, conns, probing, options, cwd, synced, will_sync)
             cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
             port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=cwd)
             # planned before the preflight: a plan refused (an interface a node lacks) is refused at once,
@@ -187,6 +175,29 @@ def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostK
             c.close()
         raise
     return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report, replicas=replicas)
+
+
+def _collect(cluster: inventory.Inventory, conns: dict[str, Connection], probing: Probing, options: RunOptions,
+             cwd: str, synced: bool, will_sync: bool) -> tuple[GroupResult[list[nodeprog.Reply]],
+                                                               dict[str, probe.NodeFacts]]:
+    """The answers to what *probing* sent (the workdir facts asked again when *synced*) and the
+    nodes' facts read from them; a node whose program did not start, or any problem the facts
+    show, is a RunError (with *will_sync*, a workdir or script not there yet is the copy's to
+    place, not a problem)."""
+    answers = nodeprog.exchange(probing.sessions, {}, timeout=60, sent=probing.sent)
+    if synced:
+        answers = _after_sync(cluster, conns, probing, answers, options, cwd)
+    facts, problems = probe.collect(
+        cluster, conns, probing.master, answers.map(lambda replies: replies[0]),
+        cwd=cwd, script=scriptfile.file_to_check(options.script, options.module, cwd),
+        master_port=options.master_port, sent_at=probing.sent_at)
+    problems = [Problem(n.name, "node_program", found=e.found, text=str(e))
+                for n in cluster.nodes if (e := probing.errors.get(n.name))] + problems
+    if will_sync:
+        problems = [p for p in problems if not (isinstance(p, Problem) and p.check in ("workdir", "script"))]
+    if problems:
+        raise RunError(problems)
+    return answers, facts
 
 
 def _after_sync(cluster, conns, probing: Probing, answers: GroupResult[list[nodeprog.Reply]], options: RunOptions,
@@ -341,26 +352,36 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
 def run_tmux(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
              extra: dict | None = None) -> tuple[RunResult, Path]:
     """``run --tmux``: the plan's launches in a tmux window per node (:mod:`ddpfab.launch.tmuxrun`),
-    recorded as any run."""
+    recorded as any run (before an attached terminal leaves the session)."""
     plan = prepared.plan
     run_dir, manifest = _open_record(prepared, runs_root, {**(extra or {}), "tmux": tmuxrun.session_name(plan.run_id)})
     started = time.time()
-    ended = tmuxrun.run(plan, prepared.conns, prepared.targets(), run_dir.path, printer)
-    code, first, summary = ended.exit_code, ended.first_failure, ended.summary
+    done: list[tuple[RunResult, Path]] = []
+
+    def record(ended: tmuxrun.Ended) -> None:
+        done.append(_record_tmux(plan, run_dir, manifest, ended, started, printer))
+
+    tmuxrun.run(plan, prepared.conns, prepared.targets(), run_dir.path, printer, record)
+    return done[0]
+
+
+def _record_tmux(plan: Plan, run_dir: RunDir, manifest: dict, ended: tmuxrun.Ended, started: float,
+                 printer: Printer) -> tuple[RunResult, Path]:
+    """The manifest of a ``--tmux`` run, from how it ended; its closing line printed."""
+    code, first = ended.exit_code, ended.first_failure
     outcomes = {n.name: NodeOutcome(n.name, n.node_rank, exit_code=ended.exit_codes.get(n.name), started=started,
                                     ended=time.time() if n.name in ended.exit_codes else 0.0,
                                     stopped_by_ddpfab=n.name != first and ended.exit_codes.get(n.name) not in (0, None))
                 for n in plan.nodes}
-    result = RunResult(code, outcomes, first, ended.interrupted, summary)
     state = "succeeded" if code == 0 else ("interrupted" if ended.interrupted else "failed")
     manifest.update({"state": state, "ended": time.time(), "exit_code": code, "first_failure": first,
-                     "interrupted": ended.interrupted, "summary": summary,
+                     "interrupted": ended.interrupted, "summary": ended.summary,
                      "nodes": {n: o.to_dict() for n, o in outcomes.items()}})
     manifest["duration_s"] = round(manifest["ended"] - manifest["started"], 3)
     path = run_dir.write_manifest(manifest)
     (printer.note if code == 0 else lambda line: sys.stderr.write(f"ddpfab: {line}\n"))(
-        f"{summary} (manifest: {path})")
-    return result, path
+        f"{ended.summary} (manifest: {path})")
+    return RunResult(code, outcomes, first, ended.interrupted, ended.summary), path
 
 
 def record_emitted(prepared: Prepared, runs_root: str | os.PathLike, directory: str | os.PathLike) -> Path:

@@ -19,12 +19,18 @@ import os
 import queue
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from invoke.exceptions import UnexpectedExit
+from paramiko import SSHException
 
 from ddpfab.hosts import nodeenv
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
@@ -32,6 +38,7 @@ from ddpfab.launch.interrupt import Interrupted, signals_queued
 from ddpfab.planning.emit import interactive_line
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
 from ddpfab.planning.render import script_lines
+from ddpfab.problems import DdpfabError
 from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
 
 if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refuse())
@@ -68,56 +75,90 @@ def launch_text(plan: Plan, node: NodePlan) -> str:
             f"{nodeenv.prefix(node)}set -eu\n" + "\n".join(script_lines(plan, node, prefix=False)) + "\n")
 
 
-def window_command(node: NodePlan, config: Path, exit_file: Path, target: Target) -> str:
-    """The window's shell command: ssh with a terminal there, recording the session's pid (the
-    node's process tree is that session) and starting the launch; then the exit status, here."""
-    remote = f"echo $$ > {shlex.quote(f'{node.remote_dir}/{PID}')} && exec sh {shlex.quote(f'{node.remote_dir}/{LAUNCH}')}"
+def window_program(node: NodePlan, config: Path, exit_file: Path, target: Target) -> list[str]:
+    """The window's program, run by ``sh`` whatever the user's shell: ssh with a terminal there,
+    recording the session's pid (the node's process tree is that session; ``exec sh -c`` so that
+    the node's login shell may be any) and starting the launch; then the exit status, here, and the
+    window kept open to be read until the session closes."""
+    inner = f"echo $$ > {shlex.quote(f'{node.remote_dir}/{PID}')} && exec sh {shlex.quote(f'{node.remote_dir}/{LAUNCH}')}"
+    remote = f"exec sh -c {shlex.quote(inner)}"
     if config_alias(node.name):
         ssh = config_ssh_argv(str(config), node.name, remote, tty=True)
     else:
         ssh = ssh_argv(target, remote, tty=True)
-    return f"{shlex.join(ssh)}; echo $? > {shlex.quote(str(exit_file))}"
+    said = f"ddpfab: {node.name}'s launch ended, exit code $code; this window stays until the session closes"
+    return ["sh", "-c", f"{shlex.join(ssh)}; code=$?; echo $code > {shlex.quote(str(exit_file))}; "
+                        f"echo; echo \"{said}\"; exec sleep 2147483647"]
+
+
+class TmuxError(DdpfabError):
+    """A tmux command failed; the message says which and what tmux said."""
+
+    check = "tmux"
 
 
 def tmux(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=check)
+    """``tmux ARGS``; with *check*, a TmuxError when it fails."""
+    res = subprocess.run(["tmux", *args], capture_output=True, text=True, check=False)
+    if check and res.returncode != 0:
+        raise TmuxError(f"tmux {args[0]} failed: {res.stderr.strip() or f'exit code {res.returncode}'}")
+    return res
 
 
 @dataclass
 class Windows:
-    """The session's windows and how each node's launch ended (its exit status, from the window)."""
+    """The session's windows (by tmux window id: a node's name may hold a ``.``) and how each
+    node's launch ended: its exit status from the window, or 255 when its window was closed."""
 
     plan: Plan
     session: str
     exits_dir: Path
+    ids: dict[str, str] = field(default_factory=dict)
     ended: dict[str, int] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # the nodes, in the order their launch ended
+
+    @property
+    def target(self) -> str:
+        """The session, matched exactly (a bare name also matches a longer one: tmux's prefix rule)."""
+        return f"={self.session}"
 
     def exit_file(self, name: str) -> Path:
         return self.exits_dir / f"{name}.exit"
 
     def poll(self) -> list[str]:
-        """The nodes whose launch ended since the last poll."""
+        """The nodes whose launch ended since the last poll (a window closed by hand: 255)."""
+        open_ids = set(tmux("list-windows", "-t", self.target, "-F", "#{window_id}", check=False).stdout.split())
         new = []
-        for node in self.plan.nodes:
-            path = self.exit_file(node.name)
-            if node.name in self.ended or not path.exists():
+        for name in self.running():
+            path = self.exit_file(name)
+            text = path.read_text().strip() if path.exists() else ""
+            if text:
+                self.ended[name] = int(text) if text.isdigit() else 255
+            elif self.ids.get(name) in open_ids or not open_ids:  # (no windows at all: the session is gone)
                 continue
-            text = path.read_text().strip()
-            if not text:  # (being written)
-                continue
-            self.ended[node.name] = int(text) if text.isdigit() else 255
-            self.order.append(node.name)
-            new.append(node.name)
+            else:
+                self.ended[name] = 255
+            self.order.append(name)
+            new.append(name)
         return new
 
     def alive(self) -> bool:
-        return tmux("has-session", "-t", self.session, check=False).returncode == 0
+        return tmux("has-session", "-t", self.target, check=False).returncode == 0
+
+    def attached(self) -> bool:
+        """Someone looks at the session (a client is attached to it)."""
+        res = tmux("display-message", "-p", "-t", self.target, "#{session_attached}", check=False)
+        return res.returncode == 0 and res.stdout.strip() not in ("", "0")
 
     def interrupt(self, names: list[str]) -> None:
         """Ctrl-C in each of *names*' windows: to its torchrun, as a user's would be."""
         for name in names:
-            tmux("send-keys", "-t", f"{self.session}:{name}", "C-c", check=False)
+            if name in self.ids:
+                tmux("send-keys", "-t", self.ids[name], "C-c", check=False)
+
+    def close(self, name: str) -> None:
+        if name in self.ids:
+            tmux("kill-window", "-t", self.ids[name], check=False)
 
     def running(self) -> list[str]:
         return [n.name for n in self.plan.nodes if n.name not in self.ended]
@@ -131,13 +172,15 @@ def place_launches(plan: Plan, conns: dict[str, Connection]) -> None:
             launch_text(plan, node)), hide=True, warn=False, pty=False)
 
 
-def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> None:
+def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:
     """Signal what is left of *node*'s launch: the processes of the session its window's ssh
-    started whose environment names this run (a pid reused since is not ours)."""
+    started whose environment names this run (a pid reused since is not ours). True when some
+    process was signalled."""
     pid, mine = shlex.quote(f"{node.remote_dir}/{PID}"), shlex.quote(f"DDPFAB_RUN_ID={run_id}")
-    conn.run(f"sid=$(cat {pid} 2>/dev/null) || exit 0; for p in $(pgrep -s \"$sid\"); do "
-             f"tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx {mine} && kill -{signal_name} $p; "
-             "done; exit 0", hide=True, warn=True, pty=False)
+    res = conn.run(f"sid=$(cat {pid} 2>/dev/null) || exit 0; for p in $(pgrep -s \"$sid\"); do "
+                   f"tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx {mine} && kill -{signal_name} $p "
+                   "&& echo $p; done; exit 0", hide=True, warn=True, pty=False)
+    return bool(res.stdout.strip())
 
 
 def cleanup_node(conn: Connection, node: NodePlan) -> None:
@@ -146,47 +189,78 @@ def cleanup_node(conn: Connection, node: NodePlan) -> None:
     conn.run(f"rm -f {d}/{LAUNCH} {d}/{PID}", hide=True, warn=True, pty=False)
 
 
+def _wait_ended(windows: Windows, names: list[str], printer: Printer, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(n in windows.running() for n in names) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        for name in windows.poll():
+            printer.note(f"{name}: its launch ended, exit code {windows.ended[name]} (stopped)")
+
+
 def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
              printer: Printer) -> None:
     """Ctrl-C in *names*' windows; what is left after the grace is ended over the connection
     (SIGTERM, then SIGKILL); a window whose launch still has not ended is closed."""
     windows.interrupt(names)
-    nodes = {n.name: n for n in plan.nodes}
-    for sig in (None, "TERM", "KILL"):
-        if sig:
-            for name in names:  # (an ended launch may have left a rank behind: its session is looked at too)
-                with contextlib.suppress(Exception):  # a node that cannot be reached now: its window is closed below
-                    end_node(conns[name], nodes[name], plan.run_id, sig)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while any(n in windows.running() for n in names) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            for name in windows.poll():
-                printer.note(f"{name}: its launch ended, exit code {windows.ended[name]} (stopped)")
+    _wait_ended(windows, names, printer, STOP_GRACE_S)
+    for sig in ("TERM", "KILL"):
+        for name in [n for n in names if n in windows.running()]:
+            with contextlib.suppress(Exception):  # a node that cannot be reached now: its window is closed below
+                end_node(conns[name], plan.node(name), plan.run_id, sig)
+        _wait_ended(windows, names, printer, STOP_GRACE_S)
     for name in [n for n in names if n in windows.running()]:
-        tmux("kill-window", "-t", f"{windows.session}:{name}", check=False)
+        windows.close(name)
         windows.ended[name] = 255
         windows.order.append(name)
         printer.note(f"{name}: its launch did not end when stopped; its window was closed")
 
 
+def _leave_nothing(plan: Plan, conns: dict[str, Connection]) -> None:
+    """After the run, on every node: what is left of its launch's session (a rank its torchrun
+    left behind) ended, then the files this mode placed removed."""
+    signalled = []
+    for node in plan.nodes:
+        with contextlib.suppress(Exception):  # a node that cannot be reached: nothing more to do there
+            if end_node(conns[node.name], node, plan.run_id, "TERM"):
+                signalled.append(node)
+    if signalled:
+        time.sleep(STOP_GRACE_S)
+    for node in signalled:
+        with contextlib.suppress(Exception):
+            end_node(conns[node.name], node, plan.run_id, "KILL")
+    for node in plan.nodes:
+        with contextlib.suppress(Exception):
+            cleanup_node(conns[node.name], node)
+
+
 def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:
-    """The session, one window per node, in node_rank order; its name is the run's."""
+    """The session, one window per node, in node_rank order; its name is the run's. TmuxError
+    when tmux refuses (a session of that name exists): the caller ends what started."""
     config = run_dir / "ssh_config"
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(ssh_config_text(targets))
     windows = Windows(plan, session_name(plan.run_id), run_dir / "tmux")
     windows.exits_dir.mkdir(mode=0o700, exist_ok=True)
-    first = True
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        command = window_command(node, config, windows.exit_file(node.name), targets[node.name])
-        if first:
-            tmux("new-session", "-d", "-s", windows.session, "-n", node.name, "-x", "200", "-y", "50", command)
-            tmux("set-option", "-t", windows.session, "remain-on-exit", "on")
-            first = False
+        program = window_program(node, config, windows.exit_file(node.name), targets[node.name])
+        if not windows.ids:
+            made = tmux("new-session", "-d", "-s", windows.session, "-n", node.name, "-x", "200", "-y", "50",
+                        "-P", "-F", "#{window_id}", *program)
         else:
-            tmux("new-window", "-d", "-t", f"{windows.session}:", "-n", node.name, command)
+            made = tmux("new-window", "-d", "-t", f"{windows.target}:", "-n", node.name, "-P", "-F", "#{window_id}",
+                        *program)
+        windows.ids[node.name] = made.stdout.strip()
     return windows
+
+
+def close_session(session: str) -> str:
+    """``stop`` of a ``--tmux`` run: its session closed (the ddpfab that watches it then ends every
+    node's launch; without one, the windows' ssh going ends them). What happened, in words."""
+    if shutil.which("tmux") is None or tmux("has-session", "-t", f"={session}", check=False).returncode != 0:
+        return f"tmux session {session}: not found here (closed already, or another machine's)"
+    tmux("kill-session", "-t", f"={session}", check=False)
+    return f"tmux session {session}: closed"
 
 
 def open_plan_session(plan: Plan, emit_dir: Path, targets: dict[str, Target]) -> str:
@@ -196,10 +270,12 @@ def open_plan_session(plan: Plan, emit_dir: Path, targets: dict[str, Target]) ->
     session = session_name(plan.run_id)
     for i, node in enumerate(sorted(plan.nodes, key=lambda n: n.node_rank)):
         if i == 0:
-            tmux("new-session", "-d", "-s", session, "-n", node.name, "-c", str(emit_dir), "-x", "200", "-y", "50")
+            made = tmux("new-session", "-d", "-s", session, "-n", node.name, "-c", str(emit_dir), "-x", "200",
+                        "-y", "50", "-P", "-F", "#{window_id}")
         else:
-            tmux("new-window", "-d", "-t", f"{session}:", "-n", node.name, "-c", str(emit_dir))
-        tmux("send-keys", "-t", f"{session}:{node.name}", "-l", interactive_line(node, targets))
+            made = tmux("new-window", "-d", "-t", f"={session}:", "-n", node.name, "-c", str(emit_dir), "-P", "-F",
+                        "#{window_id}")
+        tmux("send-keys", "-t", made.stdout.strip(), "-l", interactive_line(node, targets))
     return session
 
 
@@ -208,9 +284,9 @@ def attach(session: str) -> subprocess.Popen | None:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         return None
     if os.environ.get("TMUX"):
-        tmux("switch-client", "-t", session, check=False)
+        tmux("switch-client", "-t", f"={session}", check=False)
         return None
-    return subprocess.Popen(["tmux", "attach-session", "-t", session])
+    return subprocess.Popen(["tmux", "attach-session", "-t", f"={session}"])
 
 
 @dataclass
@@ -224,35 +300,51 @@ class Ended:
     exit_codes: dict[str, int] = field(default_factory=dict)  # node -> its launch's exit status
 
 
+def _interrupted(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: Printer,
+                 exc: BaseException) -> Ended:
+    printer.note(f"interrupted ({exc}): ending every node's launch")
+    _end_all(plan, conns, windows, windows.running(), printer)
+    return Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
+                 interrupted=str(exc))
+
+
 def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: Printer) -> Ended:
-    """Until every node's launch ended (or the run was interrupted)."""
+    """Until every node's launch ended (or the run was interrupted: a signal to ddpfab, SIGHUP
+    too, or the session closed)."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     first: str | None = None
-    with signals_queued(events):
-        while windows.running():
-            with contextlib.suppress(queue.Empty):
-                exc = events.get(timeout=POLL_S)
-                printer.note(f"interrupted ({exc}): ending every node's launch")
-                _end_all(plan, conns, windows, windows.running(), printer)
-                return Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
-                             interrupted=str(exc))
-            for name in windows.poll():
-                code = windows.ended[name]
-                printer.note(f"{name}: its launch ended, exit code {code}")
-                if code != 0 and first is None:
-                    first = name
-                    others = windows.running()
-                    if others:
-                        printer.note(f"{name} failed: stopping the other nodes ({', '.join(others)})")
-                        _end_all(plan, conns, windows, others, printer)
-            if windows.running() and not windows.alive():
-                printer.note(f"the tmux session {windows.session} was closed: ending every node's launch")
-                _end_all(plan, conns, windows, windows.running(), printer)
-                return Ended(130, None, f"interrupted: the tmux session {windows.session} was closed",
-                             interrupted="tmux session closed")
+    hangup = signal.getsignal(signal.SIGHUP)
+    if threading.current_thread() is threading.main_thread():  # (the terminal went away: as Ctrl-C)
+        signal.signal(signal.SIGHUP, lambda signum, frame: events.put(Interrupted(signum)))
+    try:
+        with signals_queued(events):
+            while windows.running():
+                with contextlib.suppress(queue.Empty):
+                    return _interrupted(plan, conns, windows, printer, events.get(timeout=POLL_S))
+                for name in windows.poll():
+                    code = windows.ended[name]
+                    printer.note(f"{name}: its launch ended, exit code {code}")
+                    if code != 0 and first is None:
+                        first = name
+                        others = windows.running()
+                        if others:
+                            printer.note(f"{name} failed: stopping the other nodes ({', '.join(others)})")
+                            _end_all(plan, conns, windows, others, printer)
+                if windows.running() and not windows.alive():
+                    printer.note(f"the tmux session {windows.session} was closed: ending every node's launch")
+                    _end_all(plan, conns, windows, windows.running(), printer)
+                    return Ended(130, None, f"interrupted: the tmux session {windows.session} was closed",
+                                 interrupted="tmux session closed")
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, hangup)
+    return _verdict(plan, windows, first)
+
+
+def _verdict(plan: Plan, windows: Windows, first: str | None) -> Ended:
     if first is None:
         return Ended(0, None, f"succeeded: every node's launch ended with exit code 0 ({plan.nnodes} nodes)")
-    node = next(n for n in plan.nodes if n.name == first)
+    node = plan.node(first)
     stopped = [n for n in windows.order if n != first and windows.ended[n] != 0]
     return Ended(windows.ended[first], first,
                  f"failed: {first} (node_rank {node.node_rank}) exit code {windows.ended[first]}"
@@ -260,25 +352,32 @@ def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: P
 
 
 def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], run_dir: Path,
-        printer: Printer) -> Ended:
-    """Place the launches, open the session, watch it; every node's launch has ended on return and
-    what was placed on the nodes is removed."""
+        printer: Printer, record: Callable[[Ended], None]) -> Ended:
+    """Place the launches, open the session, watch it; *record(how it ended)*, then wait for an
+    attached terminal to leave the session. On return every node's launch has ended (whatever
+    went wrong in between: a failure to start, Ctrl-C) and what was placed on the nodes is removed;
+    the session is gone unless someone looks at it."""
+    windows: Windows | None = None
+    client = None
     try:
         place_launches(plan, conns)
         windows = start_session(plan, targets, run_dir)
         printer.note(f"run {plan.run_id} in tmux session {windows.session}: one window per node "
                      f"(tmux attach -t {windows.session}; Ctrl-b w lists them; Ctrl-b : setw synchronize-panes)")
         client = attach(windows.session)
-        try:
-            ended = watch(plan, conns, windows, printer)
-        finally:
-            if client is None:  # nobody looks at the windows: the session goes with the run
-                tmux("kill-session", "-t", windows.session, check=False)
-            else:
-                client.wait()
+        ended = watch(plan, conns, windows, printer)
+    except KeyboardInterrupt as exc:  # before the watch (or a second signal): end whatever started
+        ended = Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
+                      interrupted=str(exc) or "SIGINT")
+    except (TmuxError, UnexpectedExit, SSHException, OSError) as exc:
+        printer.note(f"--tmux: could not start: {exc}")
+        ended = Ended(1, None, f"failed to start in tmux: {exc}")
     finally:
-        for node in plan.nodes:
-            with contextlib.suppress(Exception):
-                cleanup_node(conns[node.name], node)
-    ended.exit_codes = dict(windows.ended)
+        if windows is not None and not windows.attached():
+            tmux("kill-session", "-t", windows.target, check=False)
+        _leave_nothing(plan, conns)
+    ended.exit_codes = dict(windows.ended) if windows else {}
+    record(ended)
+    if client is not None:
+        client.wait()
     return ended

@@ -676,7 +676,8 @@ def ssh_config_text(targets: dict[str, Target]) -> str:
     for name, t in targets.items():
         if config_alias(name) is None:
             continue
-        lines, opts = [f"Host {name}", f"  HostName {t.host}"], openssh_options(t)
+        # ssh expands %-tokens in HostName (a scoped IPv6 address's "%eth0" is not one)
+        lines, opts = [f"Host {name}", f"  HostName {t.host.replace('%', '%%')}"], openssh_options(t)
         for flag, value in zip(opts[::2], opts[1::2], strict=True):
             if flag == "-o":
                 lines.append(f"  {value}")

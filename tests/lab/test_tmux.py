@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import REPO, host_sh
+from .helpers import REPO, ddpfab, host_sh
 
 SCRIPT = "tests/lab/scripts/tmux_ranks.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -101,22 +101,32 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
     assert (run.runs / "tmux-1" / "ssh_config").stat().st_mode & 0o077 == 0
 
 
-@pytest.mark.parametrize("how", ["close the session", "ctrl-c to ddpfab"])
+@pytest.mark.parametrize("how", ["close the session", "ctrl-c to ddpfab", "ddpfab stop", "close node1's window"])
 def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, inventory2, tmp_path, how):
-    run = TmuxRun(inventory2, tmp_path, "tmux-close" if how == "close the session" else "tmux-sigint")
+    run = TmuxRun(inventory2, tmp_path, "tmux-" + how.split()[-1].replace("'", ""))
     try:
         for node, rank in (("node1", 0), ("node2", 1)):
             run.wait_for(lambda n=node, r=rank: run.shows(n, (r,)), 90, f"{node} ready")
         if how == "close the session":
             assert run.tmux("kill-session", "-t", run.session).returncode == 0
-        else:
+        elif how == "ctrl-c to ddpfab":
             run.proc.send_signal(signal.SIGINT)
+        elif how == "ddpfab stop":
+            res = ddpfab("stop", run.run_id, "--runs-dir", str(run.runs), env={"TMUX_TMPDIR": str(tmp_path)})
+            assert f"controller: tmux session {run.session}: closed" in res.stdout, res.stdout + res.stderr
+        else:  # a window closed by hand: its node's launch is over, as if it failed
+            assert run.tmux("kill-window", "-t", f"{run.session}:node1").returncode == 0
         out = run.ended()
     finally:
         run.close()
+    if how == "close node1's window":
+        assert run.proc.returncode == 255, out
+        assert "node1 failed: stopping the other nodes (node2)" in out, out
+        assert run.manifest()["first_failure"] == "node1"
+        return
     assert run.proc.returncode == 130, out
-    said = (f"the tmux session {run.session} was closed: ending every node's launch" if how == "close the session"
-            else "interrupted (SIGINT): ending every node's launch")
+    said = ("interrupted (SIGINT): ending every node's launch" if how == "ctrl-c to ddpfab"
+            else f"the tmux session {run.session} was closed: ending every node's launch")
     assert said in out, out
     manifest = run.manifest()
     assert manifest["state"] == "interrupted" and manifest["exit_code"] == 130, manifest
@@ -148,8 +158,8 @@ def test_plan_tmux_types_each_nodes_line_and_enter_starts_it(lab, inventory2, tm
         return tmux("capture-pane", "-p", "-J", "-t", f"ddpfab-tmux-plan:{window}").stdout
 
     res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inventory2), "--run-id", "tmux-plan",
-                          "--runs-dir", str(tmp_path / "runs"), "--emit", str(out), "--tmux", SCRIPT], capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=120)
+                          "--runs-dir", str(tmp_path / "runs"), "--emit", str(out), "--tmux", SCRIPT],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     try:
         assert res.returncode == 0, res.stdout + res.stderr
         assert "tmux session ddpfab-tmux-plan: a window per node, its line typed, not run" in res.stderr

@@ -488,10 +488,11 @@ def test_the_ssh_config_file_connects_exactly_as_the_options(tmp_path):
                         tuning=(("ServerAliveInterval", "7"),)),
         "node2": Target("node2", "10.0.0.6", known_hosts=("/kh",), jump=jump),
         "odd name": Target("odd name", "10.0.0.7"),  # not a plain word: no block, its long line is used
+        "node3": Target("node3", "fe80::1%eth0"),  # a scoped IPv6 address: its % is no ssh token
     }
     config = tmp_path / "ssh_config"
     config.write_text(ssh_config_text(nodes))
-    for name in ("node1", "node2"):
+    for name in ("node1", "node2", "node3"):
         t = nodes[name]
         by_file, by_options = _ssh_g(["-F", str(config), name]), _ssh_g([*openssh_options(t), t.host])
         assert by_file.pop("host") == [name] and by_options.pop("host") == [t.host]
