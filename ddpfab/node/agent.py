@@ -22,8 +22,8 @@ root) can read. It:
   SIGTERM/SIGHUP/SIGINT, or when the job's main process exits;
 - with ``detached`` in the spec it ignores stdin and writes only to ``output.log``: the job then
   lives on without ddpfab until it ends or ``ddpfab stop`` signals this agent; with ``console``
-  too (a job started by hand from ``plan --emit``'s script) its output also goes to stdout, and the
-  job ends when that breaks (the terminal went away);
+  too (a job started by hand from ``plan --emit``'s script) its output also goes to stdout (a
+  thread of its own: a stalled terminal stalls nothing), and the job ends when that terminal goes;
 - with ``watch_workers`` in the spec (torchrun with ``--max-restarts=0``: any failed worker ends
   the job) it watches torchrun's workers through pidfds and, the moment one exits with an error,
   ends the node's job itself instead of waiting for torchrun to notice, tear down and exit (about a
@@ -745,6 +745,61 @@ def main(spec):
     return sup.finish()
 
 
+class _Console(object):
+    """A job started by hand: its output on this process's stdout (that terminal), written by a
+    thread of its own, so a stalled terminal (Ctrl-S, a suspended ssh) never stalls the relay and
+    with it the ranks: ``output.log`` keeps everything, what the terminal cannot take in time is
+    dropped there (and said). A terminal gone (the write fails, or the descriptor hangs up while
+    idle) calls *gone*."""
+
+    LIMIT = 8 << 20  # bytes waiting for the terminal before more are dropped
+
+    def __init__(self, gone):
+        self.chunks, self.size, self.dropped = [], 0, 0
+        self.cond = threading.Condition()
+        self.gone = gone
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def put(self, chunk):
+        with self.cond:
+            if self.size + len(chunk) > self.LIMIT:
+                self.dropped += len(chunk)
+                return
+            self.chunks.append(chunk)
+            self.size += len(chunk)
+            self.cond.notify()
+
+    def take(self, poller):
+        """The next chunk and the bytes dropped before it; None when the terminal hung up."""
+        with self.cond:
+            while not self.chunks:
+                self.cond.wait(1.0)
+                if not self.chunks and poller.poll(0):  # (hang-up and errors are always reported)
+                    return None
+            chunk = self.chunks.pop(0)
+            self.size -= len(chunk)
+            dropped, self.dropped = self.dropped, 0
+            return chunk, dropped
+
+    def run(self):
+        poller = select.poll()
+        poller.register(1, 0)
+        while True:
+            got = self.take(poller)
+            try:
+                if got is None:
+                    raise OSError("hang-up")
+                chunk, dropped = got
+                if dropped:
+                    chunk = (b"[ddpfab-agent: %d bytes not shown here (the terminal was slow); output.log has them]\n"
+                             % dropped) + chunk
+                while chunk:
+                    chunk = chunk[os.write(1, chunk):]
+            except OSError:
+                self.gone()
+                return
+
+
 class Supervisor(object):
     """One job on this node, from its record to its result: :func:`main`'s steps, and the state the
     threads that watch the job share (the link, the workers, the exit barrier)."""
@@ -759,7 +814,7 @@ class Supervisor(object):
         self.detached = bool(spec.get("detached"))
         # a job started by hand (``plan --emit``'s script): detached from any controller, its
         # output also on this process's stdout, the terminal of whoever started it
-        self.console = bool(spec.get("console"))
+        self.console = _Console(lambda: self.request_stop("terminal went away")) if spec.get("console") else None
         self.record_path = os.path.join(self.run_dir, "agent.json")
         self.log = None
         self.job = None
@@ -856,12 +911,14 @@ class Supervisor(object):
             self.log.flush()
         except OSError:
             pass  # a full disk must not stop the relay (nor the job)
-        if self.link_ok and (self.console or not self.detached):
+        if self.console is not None:
+            self.console.put(chunk)
+        elif self.link_ok and not self.detached:
             try:
                 os.write(1, chunk)
-            except OSError:  # the controller, or the terminal of a job started by hand, went away
+            except OSError:
                 self.link_ok = False
-                self.request_stop("terminal went away" if self.console else "controller link broken")
+                self.request_stop("controller link broken")
 
     def relay(self):
         relay_lines((self.job.stdout.fileno(), self.job.stderr.fileno()), self.emit, seen=self.relayed)

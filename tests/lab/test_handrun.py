@@ -90,3 +90,29 @@ def test_a_rank_crash_on_one_node_ends_the_other(lab, inventory2, tmp_path):
     row = next(r for r in json.loads(ps.stdout)["runs"] if r["run_id"] == "hand-2")
     assert row["state"] == "exited" and row["nodes"]["node2"]["exit_code"] not in (0, None), row
     assert REPO.exists()
+
+
+def test_the_job_ends_on_a_node_whose_terminal_went_away(lab, inventory2, tmp_path):
+    """A quiet job: node1's ssh is killed (the terminal gone, no output pending); its supervisor
+    notices the hang-up and ends node1's job; node2's runs on until ``stop``."""
+    out = emit(inventory2, tmp_path, "hand-3", "--no-check", "tests/lab/scripts/tmux_ranks.py")
+    started = start_by_hand(out, tmp_path)
+    common = ["-i", str(inventory2), "--runs-dir", str(tmp_path / "runs")]
+
+    def states() -> dict:
+        ps = ddpfab("ps", *common, "--json")
+        row = next((r for r in json.loads(ps.stdout)["runs"] if r["run_id"] == "hand-3"), {"nodes": {}})
+        return {n: s["state"] for n, s in row["nodes"].items()}
+
+    try:
+        wait_for(lambda: all(f"rank {r} on {n} ready" in log.read_text()
+                             for r, (n, (_, log)) in enumerate(sorted(started.items()))), 90, "both ranks started")
+        started["node1"][0].kill()
+        wait_for(lambda: states().get("node1") not in (None, "running"), 30, "node1's job ended with its terminal")
+        assert states()["node2"] == "running"
+        assert ddpfab("stop", "hand-3", "--runs-dir", str(tmp_path / "runs"), timeout=60).returncode == 0
+        started["node2"][0].wait(timeout=30)
+    finally:
+        for proc, _ in started.values():
+            proc.kill()
+    wait_no_processes(lab, timeout=10)
