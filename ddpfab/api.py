@@ -526,6 +526,20 @@ class Cluster:
         got = fetch(chosen, remote_path, local_dir, self.policy, ssh_config=self.ssh_config, overwrite=overwrite)
         return Fetched(got["node"], got["path"], got["local"], got["kind"], got["files"], got["bytes"])
 
+    def _each_node(self, fn: Callable[[Any, Any], Any]) -> GroupResult:
+        """``fn(connection, node)`` on every node at once, each over a connection of its own, closed
+        after; node -> its result, or the exception it raised (a node that cannot be reached is one
+        failure among the results)."""
+        from ddpfab.remote import ssh  # the SSH stack: see LAZY above
+
+        def connected(node):
+            conn = ssh.connect(node, self.policy, self.ssh_config)
+            try:
+                return fn(conn, node)
+            finally:
+                conn.close()
+        return ssh.parallel(self.parsed.nodes, connected)
+
     def ps(self, *, runs_dir: str | os.PathLike | None = None) -> Jobs:
         """``ddpfab ps``: every job the nodes' supervisors know (every user's GPU leases too), each
         node asked over a connection of its own; a node that cannot be asked is a problem, the
@@ -534,18 +548,14 @@ class Cluster:
         from ddpfab.launch.jobs import list_runs, node_problem, ps_record
         from ddpfab.launch.runs import RunRecordError, read_record
         from ddpfab.planning import gpu_leases
-        from ddpfab.remote import nodeprogram, ssh
+        from ddpfab.remote import nodeprogram
 
         root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
         gpus: dict[str, list] = {}
 
-        def ask(node) -> tuple[float, list[dict]]:
-            conn = ssh.connect(node, self.policy, self.ssh_config)
-            try:
-                res = nodeprogram.call(conn, node, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
-                                       timeout=20)[0].value(node.name)
-            finally:
-                conn.close()
+        def ask(conn, node) -> tuple[float, list[dict]]:
+            res = nodeprogram.call(conn, node, {"op": "ps", "root": "~/.ddpfab/runs", "leases": True},
+                                   timeout=20)[0].value(node.name)
             gpus[node.name] = gpu_leases.parse(res.get("leases")) or []
             return float(res["now"]), [ps_record(r) for r in res["runs"]]
 
@@ -558,7 +568,7 @@ class Cluster:
                 warnings.append(str(exc))
                 return {}
 
-        results = ssh.parallel(self.parsed.nodes, ask)
+        results = self._each_node(ask)
         rows = list_runs(results.succeeded, local)
         return Jobs(rows, {n: gpus[n] for n in self.names if gpus.get(n)},
                     [node_problem(name, exc) for name, exc in results.failed.items()], warnings)
@@ -583,7 +593,7 @@ class Cluster:
         from ddpfab.launch.jobs import node_problem, node_run_dir
         from ddpfab.launch.recover import current_manifest, stop_supervisor
         from ddpfab.launch.runs import read_record
-        from ddpfab.remote import nodeprogram, ssh
+        from ddpfab.remote import nodeprogram
 
         root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
         supervisor = ""
@@ -599,15 +609,10 @@ class Cluster:
 
             closed = tmuxrun.close_session(str(manifest["tmux"]))
 
-        def stop(node) -> tuple[str, bool]:
-            conn = ssh.connect(node, self.policy, self.ssh_config)
-            try:
-                return nodeprogram.stop(conn, node, node_run_dir(node.name, manifest, latest), STOP_GRACE_S,
-                                        timeout=30)
-            finally:
-                conn.close()
+        def stop(conn, node) -> tuple[str, bool]:
+            return nodeprogram.stop(conn, node, node_run_dir(node.name, manifest, latest), STOP_GRACE_S, timeout=30)
 
-        results = ssh.parallel(self.parsed.nodes, stop)
+        results = self._each_node(stop)
         said = {n: f"not stopped: {exc.found if isinstance(exc, NodeError) else exc}"
                 for n, exc in results.failed.items()}
         said.update({n: str(r[0]) for n, r in results.succeeded.items()})

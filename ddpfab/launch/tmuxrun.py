@@ -32,12 +32,10 @@ from typing import TYPE_CHECKING
 from invoke.exceptions import UnexpectedExit
 from paramiko import SSHException
 
-from ddpfab.hosts import nodeenv
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
-from ddpfab.planning.emit import interactive_line
+from ddpfab.planning.emit import interactive_line, node_script
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
-from ddpfab.planning.render import script_lines
 from ddpfab.problems import DdpfabError
 from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
 
@@ -70,9 +68,8 @@ def session_name(run_id: str) -> str:
 
 
 def launch_text(plan: Plan, node: NodePlan) -> str:
-    """What a window runs on *node*: the node's setup, then the launch (``plan --emit``'s script)."""
-    return (f"# ddpfab run {plan.run_id} --tmux: node {node.name} (node_rank {node.node_rank})\n"
-            f"{nodeenv.prefix(node)}set -eu\n" + "\n".join(script_lines(plan, node, prefix=False)) + "\n")
+    """What a window runs on *node*: ``plan --emit``'s bare script (the node's setup, then the launch)."""
+    return node_script(plan, node)
 
 
 def window_program(node: NodePlan, config: Path, exit_file: Path, target: Target) -> list[str]:
