@@ -61,6 +61,12 @@ _LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
 #: torchrun's log lines about ending its workers (glog format), after a failure.
 _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/(multiprocessing/|agent/server/api\.py"
                           r".*(death signal|shutting down))")
+#: Python's report of a log record its handler could not write (``logging.Handler.handleError``):
+#: this line, the handler's traceback, ``Call stack:`` and the record, ending at its arguments (or
+#: at the note that they could not be printed). torchrun writes one when the stop signal comes
+#: while it logs its worker's failure.
+_LOGGING_ERROR = "--- Logging error ---"
+_LOGGING_ERROR_END = re.compile(r"^(Arguments: |Use the traceback above to help find the error\.)")
 #: Known harmless noise: shown once per run (each).
 NOISE = (re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
          re.compile(r"Setting OMP_NUM_THREADS environment variable for each process to be 1 in default"))
@@ -222,6 +228,7 @@ class CauseReader:
         self._launcher_traceback = False  # torchrun's own traceback is open
         self._banner = False  # torchrun's failure report (after ChildFailedError) is open
         self._banner_root = False  # ... and its Root Cause part came
+        self._logging_error: int | None = None  # lines of an open report of a log record not written
         self.root = Cause()
 
     def feed(self, line: str) -> tuple[Fold, int | None]:
@@ -288,7 +295,16 @@ class CauseReader:
 
     def _launcher_fold(self, text: str) -> Fold:
         """torchrun's own traceback is held; ending in its report of a failed child or of its stop
-        signal it is folded, with the report that follows (up to the rule after its Root Cause)."""
+        signal it is folded, with the report that follows (up to the rule after its Root Cause). A
+        log record torchrun could not write (its report, :data:`_LOGGING_ERROR`) is folded."""
+        if self._logging_error is not None:
+            self._logging_error += 1
+            if _LOGGING_ERROR_END.match(text) or self._logging_error >= MAX_HELD:
+                self._logging_error = None
+            return Fold.FOLD
+        if text.strip() == _LOGGING_ERROR:
+            self._logging_error = 0
+            return Fold.FOLD
         if self._banner:
             if text.strip() == _ROOT:
                 self._banner_root = True

@@ -200,6 +200,37 @@ def test_the_printer_folds_victims_and_torchruns_reports_and_shows_noise_once():
     assert len(out.getvalue().splitlines()) == len(VICTIM.splitlines())
 
 
+#: What python writes when torchrun's logger is interrupted by the stop signal while it reports its
+#: worker's failure (logging.Handler.handleError, python 3.11; seen on the lab's CI).
+LOGGING_ERROR = """\
+--- Logging error ---
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/logging/__init__.py", line 1113, in emit
+    stream.write(msg + self.terminator)
+  File "/v/torch/distributed/elastic/multiprocessing/api.py", line 82, in _terminate_process_handler
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 59 got signal: 15
+Call stack:
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/v/torch/distributed/elastic/multiprocessing/api.py", line 1002, in _poll
+    logger.error(
+Message: 'failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s'
+Arguments: (1, 0, 59, '/v/bin/python')"""
+
+
+def test_a_log_record_torchrun_could_not_write_is_folded_whole():
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False)
+    r = CauseReader()
+    for line in [*LOGGING_ERROR.splitlines(), "[default0]:rank 0 after"]:
+        printer.line("node1", line, *r.feed(line))
+    printer.flush("node1")
+    shown = out.getvalue().splitlines()
+    assert len(shown) == 1 and "rank 0 after" in shown[0], shown  # the line after the report is shown
+    assert printer.folded == len(LOGGING_ERROR.splitlines())
+    assert r.cause() is None or r.cause().exception is None  # torchrun's words name no rank's cause
+
+
 def test_a_traceback_cut_off_by_the_end_of_the_stream_is_shown():
     out = io.StringIO()
     printer = execute.Printer(plan3(), stream=out, color=False)
