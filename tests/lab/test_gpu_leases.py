@@ -66,7 +66,7 @@ def test_four_launches_at_once_get_disjoint_gpus_and_only_their_own_ranks(glab, 
     procs = [start_ddpfab("run", "-i", str(inv), "--runs-dir", str(tmp_path / f"runs{i}"), "--run-id", f"four-{i}",
                           "--gpus-per-node", "1", "--env", "LEASE_MEET=4", "--env", "LEASE_HOLD=1", SCRIPT)
              for i in range(4)]
-    outs = [p.communicate(timeout=400)[0] for p in procs]
+    outs = [p.communicate(timeout=500)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"job {i}:\n{out}"
     got = [reports(out) for out in outs]
@@ -79,7 +79,8 @@ def test_four_launches_at_once_get_disjoint_gpus_and_only_their_own_ranks(glab, 
         assert sorted(r["cuda"] for r in mine) == ["0", "1", "2", "3"], mine  # one GPU each, all different
         for r in mine:
             # seen by this rank on its node while it held its lease: all four jobs at once
-            assert r["met"] is not None, f"{host}: four leases never held at once: {r}"
+            assert r["met"] is not None, (f"{host}: four leases never held at once: {r}; every rank's "
+                                          f"(run, host, started, met, ended): {[(r['run_id'], r['hostname'], r['start'], r['met_at'], r['end']) for rows in got for r in rows]}")
             assert sorted(r["met"].values()) == [f"four-{i}" for i in range(4)], r
             assert r["met"][r["cuda"]] == r["run_id"], r  # the GPU it was given is the one it holds
     wait_leases_free(glab)
