@@ -5,8 +5,8 @@
     result = cluster.run("train.py", ["--epochs", "1"], nproc_per_node=2)
     print(result.exit_code, result.manifest)
 
-``check``, ``sync``, ``exec``, ``fetch``, ``doctor``, ``plan`` and ``run`` are what ``ddpfab
-check|sync|exec|fetch|doctor|plan|run`` do,
+``check``, ``sync``, ``exec``, ``fetch``, ``logs``, ``ps``, ``stop``, ``doctor``, ``plan``, ``emit``
+and ``run`` are what ``ddpfab check|sync|exec|fetch|logs|ps|stop|doctor|plan|run`` do,
 with the command line's options under their Python names (:class:`Options`; the CLI builds the
 same object from its arguments and calls these). Fabric's ``Group`` and torchrunx's ``launch`` are
 the models: a small surface over the library, every decision made where the library makes it.
@@ -353,6 +353,32 @@ class Stopped:
 
 
 @dataclass
+class Logs:
+    """What :meth:`Cluster.logs` copied: each node's output of one run.
+
+    Args:
+        run_id: the run (or the attempt of a run with restarts) whose output it is.
+        directory: where the copies are, ``RUNS_DIR/RUN_ID``.
+        files: node -> its output, ``DIRECTORY/NODE.remote.log``.
+        lines: node -> the lines of its output.
+        rank_files: node -> the per-rank log files copied to ``DIRECTORY/ranks/NODE/`` (``ranks=True``).
+        problems: the nodes whose output could not be copied (the others' is).
+    """
+
+    run_id: str
+    directory: Path
+    files: dict[str, Path]
+    lines: dict[str, int]
+    rank_files: dict[str, int]
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        """Every node's output was copied."""
+        return not self.problems
+
+
+@dataclass
 class Emitted:
     """What :meth:`Cluster.emit` wrote.
 
@@ -619,6 +645,34 @@ class Cluster:
         left = [n for n in self.names if n in results.failed or not results.succeeded[n][1]]
         return Stopped(latest, {n: said[n] for n in self.names if n in said}, left, supervisor,
                        [node_problem(n, exc) for n, exc in results.failed.items()], closed)
+
+    def logs(self, run_id: str, *, runs_dir: str | os.PathLike | None = None, ranks: bool = False,
+             record: dict | None = None) -> Logs:
+        """``ddpfab logs RUN_ID``: each node's output of the run, copied to ``RUNS_DIR/RUN_ID/``, each
+        node over a connection of its own; a node whose output cannot be copied is a problem, the
+        others' is copied.
+
+        Args:
+            run_id: the run (an attempt's id for one attempt of a run with restarts).
+            runs_dir: where the run records are (default: as the command line's ``--runs-dir``); the
+                record, when there is one, names each node's run dir.
+            ranks: also torchrun's per-rank logs, to ``RUNS_DIR/RUN_ID/ranks/NODE/``.
+            record: the run's record, already read with :func:`ddpfab.launch.runs.read_record`.
+
+        Raises:
+            RunRecordError: a record of *run_id* that is not a run record.
+        """
+        from ddpfab.launch.jobs import fetch_node_log, node_problem
+        from ddpfab.launch.runs import read_record
+
+        root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
+        manifest = record if record is not None else read_record(root, run_id)
+        dest = Path(root) / run_id
+        results = self._each_node(lambda conn, node: fetch_node_log(conn, node, manifest, run_id, dest, ranks))
+        got = {n: results.succeeded[n] for n in self.names if n in results.succeeded}
+        return Logs(run_id, dest, {n: g[0] for n, g in got.items()}, {n: g[1] for n, g in got.items()},
+                    {n: g[2] for n, g in got.items() if ranks},
+                    [node_problem(n, exc, "copy its output", "logs") for n, exc in results.failed.items()])
 
     def doctor(self, run_id: str, *, runs_dir: str | os.PathLike | None = None,
                timeout: float | None = None, record: dict | None = None) -> Diagnosis:

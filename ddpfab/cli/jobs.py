@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -446,39 +445,18 @@ def cmd_logs(args) -> int:
 
 def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.launch.jobs import node_run_dir, fetch_rank_logs, grouped, line_count, logs_report
-    from ddpfab.remote import ssh
+    from ddpfab.api import Cluster
+    from ddpfab.launch.jobs import grouped, logs_report
 
-    cluster = _cluster(args, manifest)
-    dest = Path(args.runs_dir) / run_id
-
-    def fetch(conn, node) -> tuple[Path, int, str]:
-        remote = node_run_dir(node.name, manifest, run_id)
-        log = shlex.quote(f"{remote}/output.log")
-        res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit 3; fi", timeout=60)
-        if res.exit_code == 3:  # (the exit code the line above gives it, not a message read back)
-            raise RuntimeError(f"no output of run {run_id} there ({remote}/output.log is missing): it did not run on "
-                               "this node, or its run dir was removed")
-        if res.exit_code != 0:
-            raise RuntimeError(res.stderr.strip() or f"cannot read {remote}/output.log (exit {res.exit_code})")
-        dest.mkdir(parents=True, exist_ok=True, mode=0o700)  # only once there is output: no empty record dir
-        path = dest / f"{node.name}.remote.log"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(res.stdout)
-        more = ""
-        if getattr(args, "ranks", False):
-            count = fetch_rank_logs(conn, node, remote, dest / "ranks" / node.name)
-            more = f"{count} per-rank log files in {dest / 'ranks' / node.name}"
-        return path, line_count(res.stdout), more
-
-    results = _on_each_node(args, cluster, fetch, each=True)  # an unreachable node's output is the one missing
-    failed = {n: _found(e) for n, e in results.failed.items()}
-    die([f"host {line}" for line in grouped(failed)])
-    for line in logs_report(run_id, dest, results.succeeded, len(results)):
+    cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    logs = cluster.logs(run_id, runs_dir=args.runs_dir, ranks=bool(getattr(args, "ranks", False)),
+                        record=manifest)
+    die([f"host {line}" for line in grouped({p.node or "?": p.found or p.text for p in logs.problems})])
+    fetched = {n: (path, logs.lines[n], f"{logs.rank_files[n]} per-rank log files in {logs.directory / 'ranks' / n}"
+                   if n in logs.rank_files else "") for n, path in logs.files.items()}
+    for line in logs_report(run_id, logs.directory, fetched, len(cluster.names)):
         print(line)
-    return 1 if failed else 0
+    return 0 if logs.ok else 1
 
 
 @_guard

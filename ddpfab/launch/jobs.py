@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import shlex
 import tarfile
 import threading
 import time
@@ -50,13 +52,14 @@ def ps_record(rec) -> dict:
     return out
 
 
-def node_problem(name: str, exc: BaseException) -> Problem:
-    """A node's failure to answer ``ps`` or ``stop`` as a problem record: an SSH or node error is
-    one already; anything else (a reply the node program should never give) is named by its text."""
+def node_problem(name: str, exc: BaseException, doing: str = "list jobs", check: str = "ps") -> Problem:
+    """A node's failure to answer ``ps``, ``stop`` or ``logs`` as a problem record: an SSH or node
+    error is one already; anything else (a reply the node program should never give) is named by
+    its text, as a failure to do *doing* (the problem's *check*)."""
     if isinstance(exc, NodeError):
         return Problem(name, exc.kind, found=exc.found, text=str(exc))
-    found = f"cannot list jobs: {exc}"
-    return Problem(name, "ps", found=found, text=f"host {name}: {found}")
+    found = f"cannot {doing}: {exc}"
+    return Problem(name, check, found=found, text=f"host {name}: {found}")
 
 
 def list_runs(answers: dict[str, tuple[float, list[dict]]], local: Callable[[str], dict]) -> list[dict]:
@@ -293,6 +296,38 @@ def attach_end(codes: dict[str, int], races: dict[str, dict],
         named = ", ".join(f"{n} (exit code {c})" for n, c in failed.items())
         return next(iter(failed.values())), failed_story or f"failed on {named}", False
     return 0, "all nodes exited 0", False
+
+
+#: The exit code the line that reads a node's output gives when the file is not there (the shell
+#: line's own answer, not a message read back).
+_NO_OUTPUT = 3
+
+
+def fetch_node_log(conn, node, manifest: dict | None, run_id: str, dest: Path, ranks: bool = False) -> tuple[Path, int, int]:
+    """Copy *node*'s output of run *run_id* (its run dir's ``output.log``; *manifest*: the run's
+    record, None when there is none here) to ``DEST/NODE.remote.log``, and with *ranks* torchrun's
+    per-rank logs to ``DEST/ranks/NODE/``; returns (the copy, its lines, the per-rank files).
+
+    Raises:
+        NodeError: no output of the run on the node (kind ``logs.missing``), or it cannot be read.
+    """
+    remote = node_run_dir(node.name, manifest, run_id)
+    log = shlex.quote(f"{remote}/output.log")
+    res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit {_NO_OUTPUT}; fi", timeout=60)
+    if res.exit_code == _NO_OUTPUT:
+        found = (f"no output of run {run_id} there ({remote}/output.log is missing): it did not run on this "
+                 "node, or its run dir was removed")
+        raise NodeError(node.name, f"host {node.name}: {found}", "logs.missing", found=found)
+    if res.exit_code != 0:
+        found = res.stderr.strip() or f"cannot read {remote}/output.log (exit {res.exit_code})"
+        raise NodeError(node.name, f"host {node.name}: {found}", "logs.unreadable", found=found)
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)  # only once there is output: no empty record dir
+    path = dest / f"{node.name}.remote.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(res.stdout)
+    count = fetch_rank_logs(conn, node, remote, dest / "ranks" / node.name) if ranks else 0
+    return path, line_count(res.stdout), count
 
 
 def fetch_rank_logs(conn, node, remote_dir: str, dest: Path) -> int:

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,10 +91,10 @@ def test_api_refusals_dry_run_and_exec_are_the_commands(lab, inventory2, tmp_pat
         cluster.exec("true", nodes=["node7"])
 
 
-def test_ps_and_stop_are_calls_of_the_api(lab, inventory2, tmp_path, monkeypatch):
+def test_ps_stop_and_logs_are_calls_of_the_api(lab, inventory2, tmp_path, monkeypatch):
     """A detached job: ``Cluster.ps`` lists it running on both nodes, ``Cluster.stop`` ends it on
-    both (``.ok``: nothing left), ``ps`` then says stopped; an unreachable node is a problem of
-    ``ps``, the other node still listed."""
+    both (``.ok``: nothing left), ``ps`` then says stopped, ``Cluster.logs`` copies both nodes'
+    output; an unreachable node is a problem of ``ps``, the other node still listed."""
     monkeypatch.chdir(REPO)
     runs = str(tmp_path / "runs")
     cluster = ddpfab.Cluster.load(str(inventory2))
@@ -104,11 +105,29 @@ def test_ps_and_stop_are_calls_of_the_api(lab, inventory2, tmp_path, monkeypatch
     assert jobs.ok and not jobs.problems
     row = next(r for r in jobs.runs if r["run_id"] == "api-ps-1")
     assert row["state"] == "running" and set(row["nodes"]) == {"node1", "node2"}, row
+    remote = {n["name"]: n["remote_dir"] for n in json.loads((tmp_path / "runs" / "api-ps-1" / "manifest.json")
+                                                              .read_text())["plan"]["nodes"]}
+    deadline = time.monotonic() + 120
+    while not all(r.exit_code == 0 for r in cluster.exec(f"grep -q ready {remote['node1']}/output.log").values()):
+        assert time.monotonic() < deadline, "the ranks never said they were ready"
+        time.sleep(0.5)
     stopped = cluster.stop("api-ps-1", runs_dir=runs)
     assert stopped.ok and stopped.left == [] and set(stopped.said) == {"node1", "node2"}, stopped
     wait_no_processes(lab, timeout=10)
     row = next(r for r in cluster.ps(runs_dir=runs).runs if r["run_id"] == "api-ps-1")
     assert row["state"] == "stopped", row
+    # logs: each node's output copied next to the record, its lines counted; a run no node ran is
+    # a problem per node, nothing copied
+    logs = cluster.logs("api-ps-1", runs_dir=runs)
+    assert logs.ok and set(logs.files) == {"node1", "node2"}, logs
+    for name, path in logs.files.items():
+        assert path == tmp_path / "runs" / "api-ps-1" / f"{name}.remote.log"
+        assert logs.lines[name] == len(path.read_text().splitlines()), (name, path.read_text())
+    assert "rank 0 on node1 ready" in logs.files["node1"].read_text()
+    assert "rank 1 on node2 ready" in logs.files["node2"].read_text()
+    none = cluster.logs("api-none-1", runs_dir=runs)
+    assert not none.ok and none.files == {} and not (tmp_path / "runs" / "api-none-1").exists()
+    assert sorted((p.node, p.check) for p in none.problems) == [("node1", "logs.missing"), ("node2", "logs.missing")]
     # a node that cannot be reached: a problem about it, the other node's jobs still listed
     inv = tmp_path / "broken.yml"
     inv.write_text(inventory2.read_text().replace(lab.host("node2").address, "10.255.255.1"))
