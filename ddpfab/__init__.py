@@ -14,7 +14,7 @@ imported on first use of one of its names, and it imports Fabric/paramiko only i
 from ddpfab.version import __version__
 
 #: The public names that live in :mod:`ddpfab.api`, loaded on first use.
-_API = ("Cluster", "Diagnosis", "Emitted", "Fetched", "Jobs", "Logs", "Options", "RunOutcome", "Stopped")
+_API = ("Cluster", "Diagnosis", "Emitted", "Fetched", "Jobs", "Logs", "Options", "Replayed", "RunOutcome", "Stopped")
 
 __all__ = ["DdpfabError", "__version__", *_API]
 

@@ -5,8 +5,8 @@
     result = cluster.run("train.py", ["--epochs", "1"], nproc_per_node=2)
     print(result.exit_code, result.manifest)
 
-``check``, ``sync``, ``exec``, ``fetch``, ``logs``, ``ps``, ``stop``, ``doctor``, ``plan``, ``emit``
-and ``run`` are what ``ddpfab check|sync|exec|fetch|logs|ps|stop|doctor|plan|run`` do,
+``check``, ``sync``, ``exec``, ``fetch``, ``logs``, ``ps``, ``stop``, ``doctor``, ``plan``, ``emit``,
+``run`` and ``replay`` are what ``ddpfab check|sync|exec|fetch|logs|ps|stop|doctor|plan|run|replay`` do,
 with the command line's options under their Python names (:class:`Options`; the CLI builds the
 same object from its arguments and calls these). Fabric's ``Group`` and torchrunx's ``launch`` are
 the models: a small surface over the library, every decision made where the library makes it.
@@ -244,6 +244,20 @@ class RunOutcome:
         if self.ok:
             return []
         return [Problem(self.failed_node, "run", text=self.summary or f"run {self.run_id}: exit code {self.exit_code}")]
+
+
+@dataclass
+class Replayed(RunOutcome):
+    """What :meth:`Cluster.replay` did: a :class:`RunOutcome` of the new run, and
+
+    Args:
+        of: the replayed run's id.
+        changed: how the plan the recorded options make now differs from the recorded plan (a
+            replay runs only with ``force``, or plans only with ``dry_run``).
+    """
+
+    of: str = ""
+    changed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -718,6 +732,62 @@ class Cluster:
         verdict, path = doctormod.diagnose(plan, call, Path(root) / plan.run_id,
                                            timeout=timeout or doctormod.NODE_TIMEOUT_S)
         return Diagnosis(plan.run_id, doctormod.render(verdict), verdict.hung, verdict.ended, verdict.odd, path)
+
+    @classmethod
+    def replay(cls, run_id: str, *, runs_dir: str | os.PathLike | None = None,
+               inventory: str | list[str] | None = None, group: str | None = None, env: Iterable[str] = (),
+               extra_vars: Iterable[str] = (), same_port: bool = False, force: bool = False,
+               new_run_id: str | None = None, dry_run: bool = False, ssh_config: str | None = None,
+               known_hosts: str | None = None, accept_new_host_keys: bool = False, say: Say = stderr_say,
+               out: TextIO | None = None, color: bool | None = None,
+               on_plan: Callable[[Plan, dict], object] | None = None) -> Replayed:
+        """``ddpfab replay RUN_ID``: run a recorded run again under a new run id, on the nodes it
+        ran on (or *inventory*/*group*'s), with its recorded options; what would not be the same
+        run is refused before anything starts.
+
+        Args:
+            run_id: the recorded run (with restarts: its latest attempt is replayed).
+            runs_dir: where the run records are (default: as the command line's ``--runs-dir``).
+            inventory, group: instead of the recorded ones.
+            env: ``K=V``: a masked (secret) value given again, or one replaced.
+            extra_vars: the same for the run's masked ``-e`` values.
+            same_port: the recorded master port or refuse (default: it if free, else a free one).
+            force: replay though the inventory, the code or the plan changed (each is said).
+            new_run_id: the new run's id (default: time + random suffix).
+            dry_run: plan only: the nodes are probed, nothing starts, nothing is recorded.
+            on_plan: called with the plan and its SSH targets before anything starts, when the
+                plan differs from the recorded one or on a dry run (the command line prints it).
+
+        Raises:
+            ReplayRefused: the replay would not be the same run (its ``plan``, when one was made).
+            ManifestError, InventoryError, PlanError: a record or input that cannot be replayed.
+            RunError: a problem on the nodes; nothing started.
+        """
+        # slow to import: see LAZY above
+        from ddpfab.launch import rerun
+        from ddpfab.launch.execute import Printer
+
+        root = os.fspath(runs_dir if runs_dir is not None else runs_dir_default())
+        replaying = rerun.prepare(run_id, root, inventory_source=inventory, group=group, env=env,
+                                  extra_vars=extra_vars, same_port=same_port, force=force, new_id=new_run_id,
+                                  ssh_config=ssh_config, say=say,
+                                  policy=HostKeyPolicy(known_hosts=known_hosts, accept_new=accept_new_host_keys))
+        plan = replaying.plan
+        if replaying.changed or dry_run:
+            for line in replaying.changed:
+                say(f"differs from the recorded plan: {line}")
+            if on_plan is not None:
+                on_plan(plan, replaying.prepared.targets())
+        if dry_run or (replaying.changed and not force):
+            replaying.close()
+            if not dry_run:
+                raise rerun.ReplayRefused([f"replay of {run_id} refused: what its options plan now differs from the "
+                                           "plan it recorded (above); nothing was started; --force runs the plan "
+                                           "shown"])
+            return Replayed(plan.run_id, 0, plan, of=run_id, changed=replaying.changed)
+        result, path = replaying.run(root, Printer(plan, stream=out, color=color))
+        return Replayed(plan.run_id, result.exit_code, plan, dict(result.outcomes), path, result.summary,
+                        result.first_failure, of=run_id, changed=replaying.changed)
 
     # -- plan and run -----------------------------------------------------------------------
     def plan(self, script: str, args: Iterable[str] = (), options: Options | None = None, **given: Any) -> Plan:

@@ -46,19 +46,21 @@ def register(sub) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.api import Cluster
     from ddpfab.launch import rerun, runner
-    from ddpfab.launch.execute import Printer
     from ddpfab.launch.replay import ManifestError
-    from ddpfab.remote import ssh
+
+    def show(plan, targets: dict) -> None:
+        print_plan(plan, args.json, offline=False, targets=targets)
 
     try:
-        replaying = rerun.prepare(
-            args.run_id, args.runs_dir, inventory_source=args.inventory if given(args, "inventory") else None,
-            group=args.group if given(args, "group") else None, env=args.env,
-            extra_vars=args.replay_extra_vars, same_port=args.same_port,
-            force=args.force, new_id=args.new_run_id, ssh_config=args.ssh_config,
-            policy=ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=args.accept_new_host_keys),
-            say=lambda line: sys.stderr.write(f"ddpfab: {line}\n"))
+        replayed = Cluster.replay(
+            args.run_id, runs_dir=args.runs_dir, inventory=args.inventory if given(args, "inventory") else None,
+            group=args.group if given(args, "group") else None, env=args.env, extra_vars=args.replay_extra_vars,
+            same_port=args.same_port, force=args.force, new_run_id=args.new_run_id, dry_run=args.dry_run,
+            ssh_config=args.ssh_config, known_hosts=args.known_hosts, accept_new_host_keys=args.accept_new_host_keys,
+            say=lambda line: sys.stderr.write(f"ddpfab: {line}\n"), color=False if args.no_color else None,
+            on_plan=show)
     except (ManifestError, inventory.InventoryError, PlanError) as exc:
         return refuse(args, str(exc), "replay")
     except rerun.ReplayRefused as exc:
@@ -69,22 +71,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if args.json:
             print_problems(exc.problems, "replay")
         return die(exc.problems + ["nothing was started"])
-    plan = replaying.plan
-    if replaying.changed or args.dry_run:
-        for line in replaying.changed:
-            sys.stderr.write(f"ddpfab: differs from the recorded plan: {line}\n")
-        print_plan(plan, args.json, offline=False, targets=replaying.prepared.targets())
-        if args.dry_run or not args.force:
-            replaying.close()
-        if args.dry_run:
-            return 0
-        if not args.force:
-            return die([f"replay of {args.run_id} refused: what its options plan now differs from the plan "
-                         "it recorded (above); nothing was started; --force runs the plan shown"])
-    try:
-        result, _ = replaying.run(args.runs_dir, Printer(plan, color=False if args.no_color else None))
-    except PlanError as exc:
-        return die(str(exc))
-    if result.exit_code != 0:
-        sys.stderr.write(f"ddpfab: {result.summary}\n")
-    return result.exit_code
+    if replayed.exit_code != 0 and not args.dry_run:
+        sys.stderr.write(f"ddpfab: {replayed.summary}\n")
+    return replayed.exit_code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 
 import ddpfab
 from ddpfab.hosts.inventory import InventoryError
+from ddpfab.launch.rerun import ReplayRefused
 from ddpfab.planning.plan import PlanError
 
 from .helpers import REPO, wait_no_processes
@@ -134,3 +136,33 @@ def test_ps_stop_and_logs_are_calls_of_the_api(lab, inventory2, tmp_path, monkey
     jobs = ddpfab.Cluster.load(str(inv)).ps(runs_dir=runs)
     assert not jobs.ok and [p.node for p in jobs.problems] == ["node2"], jobs.problems
     assert any(r["run_id"] == "api-ps-1" and set(r["nodes"]) == {"node1"} for r in jobs.runs), jobs.runs
+
+
+def test_replay_is_a_call_of_the_api(lab, inventory2, tmp_path, monkeypatch):
+    """``Cluster.replay``: a dry run plans the recorded run again (the plan shown through
+    *on_plan*, nothing recorded); a replay runs it under a new id with the recorded env, recorded
+    as a replay of it; once the script changed, a replay is refused and nothing starts."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from rank', os.environ['RANK'], os.environ['GREETING'])\n")
+    runs = str(tmp_path / "runs")
+    first = ddpfab.Cluster.load(str(inventory2)).run("hello.py", runs_dir=runs, env=["GREETING=hi"],
+                                                     run_id="api-replay-1", out=io.StringIO())
+    assert first.ok, first
+    shown: list = []
+    dry = ddpfab.Cluster.replay("api-replay-1", runs_dir=runs, dry_run=True,
+                                on_plan=lambda plan, targets: shown.append((plan, targets)))
+    assert dry.ok and dry.of == "api-replay-1" and dry.changed == [] and dry.manifest is None, dry
+    assert [n.name for n in shown[0][0].nodes] == ["node1", "node2"] and set(shown[0][1]) == {"node1", "node2"}
+    assert not (tmp_path / "runs" / dry.run_id).exists()
+    out = io.StringIO()
+    again = ddpfab.Cluster.replay("api-replay-1", runs_dir=runs, new_run_id="api-replay-2", out=out)
+    assert again.ok and again.run_id == "api-replay-2" and again.of == "api-replay-1", again
+    assert json.loads(again.manifest.read_text())["replay_of"] == "api-replay-1"
+    assert re.search(r"^node2 r1\| hello from rank 1 hi$", out.getvalue(), re.M), out.getvalue()
+    script.write_text("print('changed')\n")
+    with pytest.raises(ReplayRefused, match="the code changed since the run") as refused:
+        ddpfab.Cluster.replay("api-replay-1", runs_dir=runs, new_run_id="api-replay-3")
+    assert refused.value.lines[0].startswith("replay of api-replay-1 refused:"), refused.value.lines
+    assert not (tmp_path / "runs" / "api-replay-3").exists()
+    wait_no_processes(lab, timeout=5)
