@@ -393,6 +393,39 @@ class Logs:
 
 
 @dataclass
+class Held:
+    """A holder of this cluster's connections (:meth:`Cluster.hold`): a process of this user that
+    keeps one SSH connection per node open; ``exec`` runs over them.
+
+    Args:
+        pid: the holder's process.
+        nodes: the nodes it holds.
+        connected: those connected now (a node not connected is connected again on its next command).
+        idle_s: it ends after this many seconds without a command.
+        already: it was there before the call (holding the same nodes, the same way).
+        failed: node -> why it could not be connected when the holder started.
+    """
+
+    pid: int
+    nodes: list[str]
+    connected: list[str]
+    idle_s: float
+    already: bool = False
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Every node was connected."""
+        return not self.failed
+
+    @property
+    def problems(self) -> list[Problem]:
+        """Each node not connected, and why."""
+        return [Problem(n, "hold", found=why, text=f"host {n}: not connected now ({why})")
+                for n, why in self.failed.items()]
+
+
+@dataclass
 class Emitted:
     """What :meth:`Cluster.emit` wrote.
 
@@ -524,7 +557,7 @@ class Cluster:
         *printer* (default: stdout). A string is run by the remote shell as is; a list of words
         is quoted. Node -> :class:`ddpfab.remote.output.HostResult` (``exit_code``, ``error``)."""
         # the held path imports no SSH stack (paramiko: a third of its start): see LAZY above
-        from ddpfab.remote.holder import address as holder_address, exec_held
+        from ddpfab.remote.holder import exec_held
         from ddpfab.remote.output import LinePrinter, remote_command
 
         command = remote_command([cmd] if isinstance(cmd, str) else list(cmd))
@@ -541,8 +574,7 @@ class Cluster:
             chosen = [n for n in chosen if n.name in wanted]
         printer = printer or LinePrinter([n.name for n in chosen], color=color)
         # the connections `ddpfab hold` keeps open, when it holds these nodes as given: no handshakes
-        held = exec_held(holder_address(self.inventory or [], self.ssh_config, self.policy), chosen, command,
-                         printer, timeout)
+        held = exec_held(self._holder_name(), chosen, command, printer, timeout)
         if held is not None:
             return GroupResult(held)
         from ddpfab.remote.command import exec_all  # cold: the SSH stack after all
@@ -579,6 +611,89 @@ class Cluster:
             finally:
                 conn.close()
         return ssh.parallel(self.parsed.nodes, connected)
+
+    # -- warm connections -------------------------------------------------------------------
+    def _holder_name(self) -> str:
+        from ddpfab.remote import holder  # (light: no SSH stack)
+
+        return holder.address(self.inventory or [], self.ssh_config, self.policy)
+
+    def held(self) -> Held | None:
+        """``ddpfab hold --status``: this cluster's holder (same inventory, ssh_config and host-key
+        policy), or None when there is none."""
+        from ddpfab.remote import holder
+
+        status = holder.status(self._holder_name())
+        if status is None:
+            return None
+        return Held(status["pid"], [str(n) for n in status["nodes"]], [str(n) for n in status["connected"]],
+                    float(status["idle_s"]), already=True)
+
+    def hold(self, *, idle: float | None = None) -> Held:
+        """``ddpfab hold``: start a process that connects every node once and keeps the connections
+        open; :meth:`exec` (and ``ddpfab exec`` with the same inventory) runs over them until it
+        ends, after *idle* seconds without a command (default 900) or :meth:`release`. A holder
+        of the same nodes, held the same way, is kept; one that holds them otherwise (other
+        variables, hosts, idle limit) is replaced.
+
+        Raises:
+            PlanError: *idle* is not a number of seconds above 0.
+            HolderError: the holder could not start (what it said, or how it ended); or the one
+                to replace did not end.
+        """
+        from ddpfab.remote import holder
+
+        if idle is not None and not (isinstance(idle, (int, float)) and 0 < idle < float("inf")):
+            raise PlanError(f"idle {idle!r}: give a number of seconds above 0")
+        if not self.inventory:
+            raise PlanError("hold needs the inventory's sources: load the cluster with Cluster.load")
+        idle = float(idle) if idle is not None else holder.IDLE_S
+        name = self._holder_name()
+        wanted = {n.name: holder.fingerprint(n) for n in self.parsed.nodes}
+        status = holder.status(name)
+        if status is not None:
+            if status["prints"] == wanted and status["idle_s"] == idle:
+                return Held(status["pid"], list(status["nodes"]), list(status["connected"]), idle, already=True)
+            self.say(f"the holder (pid {status['pid']}) holds these nodes otherwise (other variables, hosts or "
+                     "idle limit); starting a new one")
+            self._end_holder(name, status["pid"])
+            self.say(f"stopped the holder (pid {status['pid']}); its connections are closed")
+        spec = {"name": name, "inventory": [os.fspath(s) for s in ([self.inventory] if isinstance(
+                    self.inventory, (str, os.PathLike)) else self.inventory)],
+                "group": self.parsed.group, "limit": self.limit,
+                "extra_vars": [dict(e) if isinstance(e, Mapping) else str(e) for e in self.extra_vars],
+                "ssh_config": self.ssh_config, "known_hosts": self.known_hosts,
+                "accept_new": self.accept_new_host_keys, "idle_s": idle}
+        try:
+            msg = holder.start(spec)
+        except holder.HolderError as exc:
+            taken = holder.status(name) if exc.taken else None
+            if taken is None:  # else another hold of this inventory started it at the same moment
+                raise
+            return Held(taken["pid"], list(taken["nodes"]), list(taken["connected"]), float(taken["idle_s"]),
+                        already=True)
+        failed = {str(k): str(v) for k, v in (msg.get("failed") or {}).items()}
+        return Held(int(msg["pid"]), self.names, [n for n in self.names if n not in failed], idle, failed=failed)
+
+    def release(self) -> Held | None:
+        """``ddpfab hold --stop``: end this cluster's holder and wait until its process has (its
+        connections closed); what it held, or None when there was none.
+
+        Raises:
+            HolderError: it did not end (its pid is in the message).
+        """
+
+        held = self.held()
+        if held is not None:
+            self._end_holder(self._holder_name(), held.pid)
+        return held
+
+    @staticmethod
+    def _end_holder(name: str, pid: int) -> None:
+        from ddpfab.remote import holder
+
+        if not holder.stop(name, pid):
+            raise holder.HolderError(f"the holder (pid {pid}) did not end; end it with `kill {pid}`")
 
     def ps(self, *, runs_dir: str | os.PathLike | None = None) -> Jobs:
         """``ddpfab ps``: every job the nodes' supervisors know (every user's GPU leases too), each

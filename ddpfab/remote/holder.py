@@ -37,18 +37,29 @@ import dataclasses
 import hashlib
 import json
 import os
+import select
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterable
 
 from ddpfab.problems import DdpfabError
 from ddpfab.remote.output import HostResult
+from ddpfab.remote.reaper import pid_alive
 
 #: Seconds without a command after which the holder ends (``ddpfab hold --idle``).
 IDLE_S = 900.0
 #: The longest request line a holder reads (the command and the nodes' fingerprints).
 MAX_REQUEST = 1 << 20
+#: Seconds :func:`start` waits for the holder to have connected every node.
+START_WAIT_S = 300.0
+#: Seconds :func:`stop` waits for the holder's process to end.
+STOP_WAIT_S = 15.0
 
 
 def fingerprint(node) -> str:
@@ -85,9 +96,14 @@ def send_message(sock: socket.socket, lock: threading.Lock, message: dict) -> No
 
 # -- the client ---------------------------------------------------------------------------------
 class HolderError(DdpfabError):
-    """The holder answered something that is not its protocol: each node's result says so."""
+    """The holder answered something that is not its protocol (each node's result says so), or
+    could not start (:func:`start`; *taken*: its name is another holder's)."""
 
     check = "holder"
+
+    def __init__(self, problems: str = "", taken: bool = False):
+        super().__init__(problems)
+        self.taken = taken
 
 
 def _connect(name: str, timeout: float = 2.0) -> socket.socket | None:
@@ -201,3 +217,76 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
         results.setdefault(n, HostResult(n, held=True) if printer.closed else
                            HostResult(n, error="the connection holder gave no result", held=True))
     return {n: results[n] for n in wanted}
+
+
+def status(name: str) -> dict | None:
+    """The holder's status reply (``pid``, ``nodes``, ``connected``, ``prints``: node -> its
+    :func:`fingerprint`, ``idle_s``), validated; None when there is none (or it answers nonsense)."""
+    got = request(name, {"op": "status"})
+    ok = (isinstance(got, dict) and isinstance(got.get("pid"), int) and isinstance(got.get("nodes"), list)
+          and isinstance(got.get("connected"), list) and isinstance(got.get("prints"), dict)
+          and isinstance(got.get("idle_s"), (int, float)))
+    return got if ok else None
+
+
+def stop(name: str, pid: int, wait: float = STOP_WAIT_S) -> bool:
+    """Ask the holder to end and wait until its process (*pid*) has, its connections closed;
+    False when it is still there after *wait* seconds."""
+    request(name, {"op": "stop"})
+    deadline = time.monotonic() + wait
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not pid_alive(pid)
+
+
+#: The holder's interpreter: this python, without the current directory on sys.path (a checkout's
+#: ddpfab/ there must not become the long-lived holder), serving the spec on its stdin. It forks
+#: once and the first process exits: the holder is no child of the caller (a library user's
+#: long-lived process would keep it a zombie once it ends), and stays in the process group the
+#: caller made (killed as one when it never gets ready).
+_CHILD = ("import os, sys; sys.path.pop(0)\n"
+          "if os.fork(): os._exit(0)\n"
+          "from ddpfab.remote.holdserver import main; sys.exit(main())")
+
+
+def start(spec: dict) -> dict:
+    """Start a holder, a process of its own session, for *spec* (what :func:`ddpfab.remote.
+    holdserver.main` reads on its stdin: the inventory, how to reach it, the idle limit; on stdin,
+    never in a command line, as -e values may be secrets); wait for its one line, and return it
+    (``ready``, ``pid``, ``failed``: node -> why it is not connected now, ``idle_s``).
+
+    Raises:
+        HolderError: it did not start (its words, or how it ended); ``taken`` when its name was
+            taken (another holder of the same started at this moment).
+    """
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=errors, start_new_session=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps(spec).encode())
+            proc.stdin.close()
+        except OSError:  # it ended before reading: what it wrote says why
+            pass
+        proc.wait()  # the first process, gone once it forked the holder
+        line = b""
+        ready, _, _ = select.select([proc.stdout], [], [], START_WAIT_S)
+        if ready:
+            line = proc.stdout.readline()  # the holder writes its one line whole, or exits (EOF)
+        proc.stdout.close()
+        try:
+            msg = json.loads(line) if line else None
+        except ValueError:
+            msg = None
+        if isinstance(msg, dict) and msg.get("ready"):
+            return msg
+        try:  # the holder and whatever it started: the process group its session began with
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        errors.seek(0)
+        tail = " ".join(errors.read()[-300:].decode(errors="replace").split())
+    if isinstance(msg, dict) and isinstance(msg.get("error"), str):
+        raise HolderError(msg["error"], taken=bool(msg.get("taken")))
+    raise HolderError(f"the holder did not connect within {START_WAIT_S:g} s" if not ready
+                      else f"the holder exited before it was ready{': ' + tail if tail else ''}")

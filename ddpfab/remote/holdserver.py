@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 import paramiko
 
+from ddpfab.hosts import inventory
 from ddpfab.remote import ssh
 from ddpfab.remote.command import host_error, run_in
 from ddpfab.remote.holder import IDLE_S, MAX_REQUEST, socket_peer_uid, send_message, fingerprint
@@ -258,3 +260,59 @@ class Holder:
         ssh.parallel([self.nodes[n] for n in wanted], one)
         if not printer.closed:
             send_message(sock, lock, {"done": True})
+
+
+def _spec(data: bytes) -> dict:
+    """The holder's spec (what :func:`ddpfab.remote.holder.start` writes), checked as data."""
+    spec = json.loads(data)
+    if not isinstance(spec, dict):
+        raise ValueError("not an object")
+    sources = spec.get("inventory")
+    if not (isinstance(sources, list) and sources and all(isinstance(s, str) for s in sources)):
+        raise ValueError("inventory: a list of sources")
+    for key in ("name", "group"):
+        if not isinstance(spec.get(key), str):
+            raise ValueError(f"{key}: a string")
+    for key in ("limit", "ssh_config", "known_hosts"):
+        if spec.get(key) is not None and not isinstance(spec[key], str):
+            raise ValueError(f"{key}: a string or null")
+    extra = spec.get("extra_vars", [])
+    if not (isinstance(extra, list) and all(isinstance(e, (str, dict)) for e in extra)):
+        raise ValueError("extra_vars: a list of strings and objects")
+    idle = spec.get("idle_s")
+    if not (isinstance(idle, (int, float)) and idle > 0):
+        raise ValueError("idle_s: a number above 0")
+    return spec
+
+
+def main() -> int:
+    """The holder's process: read its spec on stdin, load the inventory, take the name, connect
+    every node while serving, say ready on stdout (the one line :func:`ddpfab.remote.holder.start`
+    reads), serve until done; then leave at once (no thread keeps it alive)."""
+    def say(message: dict) -> None:
+        print(json.dumps(message), flush=True)
+
+    try:
+        spec = _spec(sys.stdin.buffer.read(MAX_REQUEST))
+        parsed = inventory.load(spec["inventory"], spec["group"], limit=spec.get("limit"),
+                                extra_vars=spec.get("extra_vars") or ())
+    except (ValueError, inventory.InventoryError) as exc:
+        say({"error": f"the holder's inventory cannot be loaded: {exc}"})
+        return 1
+    policy = ssh.HostKeyPolicy(known_hosts=spec.get("known_hosts"), accept_new=bool(spec.get("accept_new")))
+    keeper = Holder(spec["name"], parsed.nodes, lambda node: ssh.connect(node, policy, spec.get("ssh_config")),
+                    idle=spec["idle_s"])
+    if not keeper.bind():
+        say({"error": "the holder's socket name is taken: another holder started for this inventory at this "
+                      "moment, or another user's process has the name (never used)", "taken": True})
+        return 1
+
+    def ready(failed: dict[str, str]) -> None:
+        say({"ready": True, "pid": os.getpid(), "failed": failed, "idle_s": spec["idle_s"]})
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # nobody reads on: the starter has gone
+            os.dup2(devnull, fd)
+        os.close(devnull)
+
+    keeper.serve(ready)
+    os._exit(0)  # commands still answering (a stop) end with their connections; nothing to join

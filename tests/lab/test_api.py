@@ -18,6 +18,7 @@ import ddpfab
 from ddpfab.hosts.inventory import InventoryError
 from ddpfab.launch.rerun import ReplayRefused
 from ddpfab.planning.plan import PlanError
+from ddpfab.remote.reaper import pid_alive
 
 from .helpers import REPO, wait_no_processes
 
@@ -166,3 +167,27 @@ def test_replay_is_a_call_of_the_api(lab, inventory2, tmp_path, monkeypatch):
     assert refused.value.lines[0].startswith("replay of api-replay-1 refused:"), refused.value.lines
     assert not (tmp_path / "runs" / "api-replay-3").exists()
     wait_no_processes(lab, timeout=5)
+
+
+def test_hold_held_and_release_are_calls_of_the_api(lab, inventory2):
+    """``Cluster.hold`` starts the holder (both nodes connected), a second call finds it,
+    ``held`` names it, ``exec`` runs over it, ``release`` ends its process; a bad idle is refused."""
+    cluster = ddpfab.Cluster.load(str(inventory2))
+    with pytest.raises(PlanError, match="idle"):
+        cluster.hold(idle=0)
+    held = cluster.hold(idle=120)
+    try:
+        assert held.ok and not held.already and held.connected == ["node1", "node2"], held
+        assert pid_alive(held.pid)
+        # no child of the caller: a long-lived caller would keep it a zombie once it ends
+        assert int(open(f"/proc/{held.pid}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid()
+        again = cluster.hold(idle=120)
+        assert again.already and again.pid == held.pid, again
+        assert cluster.held().pid == held.pid
+        results = cluster.exec("test $(hostname) = node1", printer=None)
+        assert {n: (r.exit_code, r.held) for n, r in results.items()} == {"node1": (0, True), "node2": (1, True)}
+    finally:
+        released = cluster.release()
+    assert released is not None and released.pid == held.pid
+    assert not pid_alive(held.pid) and cluster.held() is None
+    assert cluster.release() is None  # none: nothing to end
