@@ -5,7 +5,9 @@ the run's connection, so no secret is in any command line) through ``ssh -t``: a
 so Ctrl-C and the keyboard reach that node's torchrun and its ranks (a ``breakpoint()`` is
 driven in its window). ddpfab watches the windows: the first launch that ends with a failure stops
 the others (Ctrl-C in their windows, then their processes are ended over the connection); closing
-the session, or Ctrl-C to ddpfab, ends every node's. The run is recorded as any run.
+the session, or Ctrl-C to ddpfab, ends every node's; ddpfab killed (SIGKILL) closes the session
+(:func:`tie_session`), so the windows' ssh and the nodes' launches end. The run is recorded as any
+run.
 
 What it runs without: the node supervisor (its output relay and log, exit guard, GPU leases, hang
 watch); the ranks' output is in the windows and in torchrun's per-rank logs on the nodes.
@@ -45,6 +47,15 @@ if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refu
 #: The launch and the pid of its session, in the node's record of the run (removed at the end)
 LAUNCH = "tmux-launch.sh"
 PID = "tmux.pid"
+#: The launch's first line: ``sh FILE`` reads on from the open file, so the file (which may hold
+#: secret values) is gone from the node as soon as its window started it, whatever happens next.
+SELF_REMOVE = 'rm -f -- "$0"\n'
+#: The session's tie to this ddpfab: a FIFO this process holds open (so it is open exactly as
+#: long as this process lives); the tmux server waits on it and closes the session when it ends
+#: without the word :data:`KEEP` (ddpfab was killed: SIGKILL, OOM), so the windows' ssh go and
+#: with them the nodes' launches.
+ALIVE = "alive"
+KEEP = b"keep\n"
 #: How often the windows' ends are looked for
 POLL_S = 0.2
 INSTALL_HINT = "install it (Debian/Ubuntu: apt-get install tmux; macOS: brew install tmux)"
@@ -113,6 +124,7 @@ class Windows:
     ids: dict[str, str] = field(default_factory=dict)
     ended: dict[str, int] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # the nodes, in the order their launch ended
+    tie: int | None = None  # this process's end of the session's tie (:data:`ALIVE`)
 
     @property
     def target(self) -> str:
@@ -162,11 +174,12 @@ class Windows:
 
 
 def place_launches(plan: Plan, conns: dict[str, Connection]) -> None:
-    """Each node's launch into its record dir, private (it may hold secret values), over stdin."""
+    """Each node's launch into its record dir, private (it may hold secret values), over stdin;
+    it removes itself as its window starts it (:data:`SELF_REMOVE`)."""
     for node in plan.nodes:
         d = shlex.quote(node.remote_dir)
         conns[node.name].run(f"umask 077 && mkdir -p {d} && cat > {d}/{LAUNCH}", in_stream=io.StringIO(
-            launch_text(plan, node)), hide=True, warn=False, pty=False)
+            SELF_REMOVE + launch_text(plan, node)), hide=True, warn=False, pty=False)
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:
@@ -248,7 +261,28 @@ def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Wind
             made = tmux("new-window", "-d", "-t", f"{windows.target}:", "-n", node.name, "-P", "-F", "#{window_id}",
                         *program)
         windows.ids[node.name] = made.stdout.strip()
+    tie_session(windows)
     return windows
+
+
+def tie_session(windows: Windows) -> None:
+    """Close the session when this process ends without :func:`untie` (killed): the tmux server
+    runs a job that reads the FIFO this process holds open; EOF (every writer gone) closes it."""
+    fifo = windows.exits_dir / ALIVE
+    os.mkfifo(fifo, 0o600)
+    windows.tie = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # not inherited: only this process holds it
+    job = (f"if read -r word < {shlex.quote(str(fifo))}; then :; else tmux kill-session -t {shlex.quote(windows.target)}; "
+           f"fi; rm -f {shlex.quote(str(fifo))}")
+    tmux("run-shell", "-b", "-t", windows.target, job)
+
+
+def untie(windows: Windows) -> None:
+    """This process has ended the run: the session stays as long as someone looks at it."""
+    if windows.tie is not None:
+        with contextlib.suppress(OSError):
+            os.write(windows.tie, KEEP)
+        os.close(windows.tie)
+        windows.tie = None
 
 
 def close_session(session: str) -> str:
@@ -370,8 +404,10 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
         printer.note(f"--tmux: could not start: {exc}")
         ended = Ended(1, None, f"failed to start in tmux: {exc}")
     finally:
-        if windows is not None and not windows.attached():
-            tmux("kill-session", "-t", windows.target, check=False)
+        if windows is not None:
+            untie(windows)
+            if not windows.attached():
+                tmux("kill-session", "-t", windows.target, check=False)
         _leave_nothing(plan, conns)
     ended.exit_codes = dict(windows.ended) if windows else {}
     record(ended)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import REPO, ddpfab, host_sh
+from .helpers import REPO, ddpfab, host_sh, wait_no_processes
 
 SCRIPT = "tests/lab/scripts/tmux_ranks.py"
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -81,9 +81,11 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
             text = run.wait_for(lambda n=node, r=ranks: run.shows(n, r), 90, f"{node}'s window shows ranks {ranks}")
             assert not any(f"rank {k} " in text for k in others), text
         assert run.tmux("list-windows", "-t", run.session, "-F", "#{window_name}").stdout.split() == ["node1", "node2"]
-        # the launch sits in the node's record of the run, private: no secret in any command line
-        placed = host_sh(lab, "node1", "stat -c %a ~/.ddpfab/runs/tmux-1/tmux-launch.sh").stdout.strip()
-        assert placed == "600", placed
+        # the launch went to the node's record of the run over stdin (no secret in any command line)
+        # and removed itself as its window started it: no file with the env's values while it runs
+        for node in ("node1", "node2"):
+            left = host_sh(lab, node, "ls ~/.ddpfab/runs/tmux-1/").stdout.split()
+            assert "tmux-launch.sh" not in left and "tmux.pid" in left, (node, left)
         # Ctrl-C in node1's window: its torchrun ends, ddpfab stops node2
         assert run.tmux("send-keys", "-t", f"{run.session}:node1", "C-c").returncode == 0
         out = run.ended()
@@ -101,12 +103,22 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
     assert (run.runs / "tmux-1" / "ssh_config").stat().st_mode & 0o077 == 0
 
 
-@pytest.mark.parametrize("how", ["close the session", "ctrl-c to ddpfab", "ddpfab stop", "close node1's window"])
+@pytest.mark.parametrize("how", ["close the session", "ctrl-c to ddpfab", "ddpfab stop", "close node1's window",
+                                 "ddpfab killed"])
 def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, inventory2, tmp_path, how):
     run = TmuxRun(inventory2, tmp_path, "tmux-" + how.split()[-1].replace("'", ""))
     try:
         for node, rank in (("node1", 0), ("node2", 1)):
             run.wait_for(lambda n=node, r=rank: run.shows(n, (r,)), 90, f"{node} ready")
+        if how == "ddpfab killed":  # nothing of ddpfab runs on: the session closes, the nodes' launches end
+            run.proc.kill()
+            run.proc.wait()
+            deadline = time.monotonic() + 30
+            while run.tmux("has-session", "-t", f"={run.session}").returncode == 0:
+                assert time.monotonic() < deadline, "the session outlived the ddpfab that ran it"
+                time.sleep(0.2)
+            wait_no_processes(lab, timeout=30)
+            return
         if how == "close the session":
             assert run.tmux("kill-session", "-t", run.session).returncode == 0
         elif how == "ctrl-c to ddpfab":
