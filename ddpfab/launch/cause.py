@@ -229,6 +229,7 @@ class CauseReader:
         self._banner = False  # torchrun's failure report (after ChildFailedError) is open
         self._banner_root = False  # ... and its Root Cause part came
         self._logging_error: int | None = None  # lines of an open report of a log record not written
+        self._logging_error_exception = False  # ... and its exception line came
         self.root = Cause()
 
     def feed(self, line: str) -> tuple[Fold, int | None]:
@@ -298,12 +299,11 @@ class CauseReader:
         signal it is folded, with the report that follows (up to the rule after its Root Cause). A
         log record torchrun could not write (its report, :data:`_LOGGING_ERROR`) is folded."""
         if self._logging_error is not None:
-            self._logging_error += 1
-            if _LOGGING_ERROR_END.match(text) or self._logging_error >= MAX_HELD:
-                self._logging_error = None
-            return Fold.FOLD
+            fold = self._logging_error_line(text)
+            if fold is not None:
+                return fold
         if text.strip() == _LOGGING_ERROR:
-            self._logging_error = 0
+            self._logging_error, self._logging_error_exception = 0, False
             return Fold.FOLD
         if self._banner:
             if text.strip() == _ROOT:
@@ -324,6 +324,26 @@ class CauseReader:
                 return Fold.DROP
             return Fold.RELEASE
         return Fold.FOLD if _ELASTIC_LOG.match(text) or _NOTICE_FRAME.match(text) else Fold.SHOW
+
+    def _logging_error_line(self, text: str) -> Fold | None:
+        """A line of an open :data:`_LOGGING_ERROR` report: folded while it has the report's shape
+        (frames, its traceback's header and one exception line, ``Call stack:``, ``Message:``, up to
+        ``Arguments:``); any other line ends the report unread (None: read as any other line), so
+        a report cut off never hides what comes after it."""
+        assert self._logging_error is not None
+        self._logging_error += 1
+        if _LOGGING_ERROR_END.match(text):
+            self._logging_error = None
+            return Fold.FOLD
+        if self._logging_error < MAX_HELD:
+            if not text.strip() or text[:1].isspace() or text.strip() in (_TRACEBACK, "Call stack:") \
+                    or text.startswith("Message: "):
+                return Fold.FOLD
+            if not self._logging_error_exception and _EXCEPTION.match(text.strip()):
+                self._logging_error_exception = True
+                return Fold.FOLD
+        self._logging_error = None
+        return None
 
     def _torchrun_line(self, line: str) -> None:
         text = line.rstrip()

@@ -56,6 +56,11 @@ SELF_REMOVE = 'rm -f -- "$0"\n'
 #: with them the nodes' launches.
 ALIVE = "alive"
 KEEP = b"keep\n"
+#: The session option the tmux job sets once it holds the FIFO open: the windows start their
+#: nodes only then, so no launch runs untied.
+TIED = "@ddpfab_tied"
+#: Seconds ddpfab, and each window, wait for the tie.
+TIE_WAIT_S = 30
 #: How often the windows' ends are looked for
 POLL_S = 0.2
 INSTALL_HINT = "install it (Debian/Ubuntu: apt-get install tmux; macOS: brew install tmux)"
@@ -83,11 +88,12 @@ def launch_text(plan: Plan, node: NodePlan) -> str:
     return node_script(plan, node)
 
 
-def window_program(node: NodePlan, config: Path, exit_file: Path, target: Target) -> list[str]:
-    """The window's program, run by ``sh`` whatever the user's shell: ssh with a terminal there,
-    recording the session's pid (the node's process tree is that session; ``exec sh -c`` so that
-    the node's login shell may be any) and starting the launch; then the exit status, here, and the
-    window kept open to be read until the session closes."""
+def window_program(node: NodePlan, config: Path, exit_file: Path, target: Target, session: str) -> list[str]:
+    """The window's program, run by ``sh`` whatever the user's shell: once *session* is tied to
+    its ddpfab (:func:`tie_session`; else the window ends, its node not started), ssh with a
+    terminal there, recording the session's pid (the node's process tree is that session; ``exec
+    sh -c`` so that the node's login shell may be any) and starting the launch; then the exit
+    status, here, and the window kept open to be read until the session closes."""
     inner = f"echo $$ > {shlex.quote(f'{node.remote_dir}/{PID}')} && exec sh {shlex.quote(f'{node.remote_dir}/{LAUNCH}')}"
     remote = f"exec sh -c {shlex.quote(inner)}"
     if config_alias(node.name):
@@ -95,7 +101,9 @@ def window_program(node: NodePlan, config: Path, exit_file: Path, target: Target
     else:
         ssh = ssh_argv(target, remote, tty=True)
     said = f"ddpfab: {node.name}'s launch ended, exit code $code; this window stays until the session closes"
-    return ["sh", "-c", f"{shlex.join(ssh)}; code=$?; echo $code > {shlex.quote(str(exit_file))}; "
+    tied = (f"n=0; until [ \"$(tmux show-options -qv -t {shlex.quote(f'={session}:')} {TIED})\" = 1 ]; do "
+            f"n=$((n+1)); [ $n -gt {TIE_WAIT_S * 10} ] && exit 1; sleep 0.1; done; ")
+    return ["sh", "-c", f"{tied}{shlex.join(ssh)}; code=$?; echo $code > {shlex.quote(str(exit_file))}; "
                         f"echo; echo \"{said}\"; exec sleep 2147483647"]
 
 
@@ -244,36 +252,56 @@ def _leave_nothing(plan: Plan, conns: dict[str, Connection]) -> None:
 
 
 def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:
-    """The session, one window per node, in node_rank order; its name is the run's. TmuxError
-    when tmux refuses (a session of that name exists): the caller ends what started."""
+    """The session, one window per node, in node_rank order, tied to this process (:func:`
+    tie_session`); its name is the run's. TmuxError when tmux refuses (a session of that name
+    exists) or the tie is not made: then the session is closed before anything runs on a node."""
     config = run_dir / "ssh_config"
     fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(ssh_config_text(targets))
     windows = Windows(plan, session_name(plan.run_id), run_dir / "tmux")
     windows.exits_dir.mkdir(mode=0o700, exist_ok=True)
-    for node in sorted(plan.nodes, key=lambda n: n.node_rank):
-        program = window_program(node, config, windows.exit_file(node.name), targets[node.name])
-        if not windows.ids:
-            made = tmux("new-session", "-d", "-s", windows.session, "-n", node.name, "-x", "200", "-y", "50",
-                        "-P", "-F", "#{window_id}", *program)
-        else:
-            made = tmux("new-window", "-d", "-t", f"{windows.target}:", "-n", node.name, "-P", "-F", "#{window_id}",
-                        *program)
-        windows.ids[node.name] = made.stdout.strip()
-    tie_session(windows)
+    try:
+        for node in sorted(plan.nodes, key=lambda n: n.node_rank):
+            program = window_program(node, config, windows.exit_file(node.name), targets[node.name], windows.session)
+            if not windows.ids:
+                made = tmux("new-session", "-d", "-s", windows.session, "-n", node.name, "-x", "200", "-y", "50",
+                            "-P", "-F", "#{window_id}", *program)
+                windows.ids[node.name] = made.stdout.strip()
+                tie_session(windows)  # (the window waits for it before it starts its node)
+            else:
+                made = tmux("new-window", "-d", "-t", f"{windows.target}:", "-n", node.name, "-P", "-F",
+                            "#{window_id}", *program)
+                windows.ids[node.name] = made.stdout.strip()
+    except BaseException:
+        if windows.tie is not None:
+            os.close(windows.tie)  # (untied: the job, if it runs, closes the session too)
+            windows.tie = None
+        if windows.ids:
+            tmux("kill-session", "-t", windows.target, check=False)
+        raise
     return windows
 
 
 def tie_session(windows: Windows) -> None:
-    """Close the session when this process ends without :func:`untie` (killed): the tmux server
-    runs a job that reads the FIFO this process holds open; EOF (every writer gone) closes it."""
+    """Close the session when this process ends without :func:`untie` (killed): a tmux job opens
+    a FIFO this process holds open, says so (the session option :data:`TIED`, which the windows
+    wait for), and waits for a word; EOF (every writer gone) closes the session. TmuxError when
+    the job has not said it within :data:`TIE_WAIT_S`."""
     fifo = windows.exits_dir / ALIVE
     os.mkfifo(fifo, 0o600)
     windows.tie = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # not inherited: only this process holds it
-    job = (f"if read -r word < {shlex.quote(str(fifo))}; then :; else tmux kill-session -t {shlex.quote(windows.target)}; "
-           f"fi; rm -f {shlex.quote(str(fifo))}")
-    tmux("run-shell", "-b", "-t", windows.target, job)
+    path, target = shlex.quote(str(fifo)), shlex.quote(windows.target)
+    options = shlex.quote(f"{windows.target}:")  # (an option's -t is a pane's: the session's current one)
+    job = (f"exec 3< {path}; rm -f {path}; tmux set-option -t {options} {TIED} 1; "
+           f"if read -r word <&3; then :; else tmux kill-session -t {target}; fi")
+    tmux("run-shell", "-b", "-t", windows.target, job.replace("#", "##"))  # (run-shell expands #{...})
+    deadline = time.monotonic() + TIE_WAIT_S
+    while tmux("show-options", "-qv", "-t", f"{windows.target}:", TIED, check=False).stdout.strip() != "1":
+        if time.monotonic() > deadline:
+            raise TmuxError(f"tmux did not run the job that ties session {windows.session} to ddpfab "
+                            f"within {TIE_WAIT_S} s")
+        time.sleep(0.05)
 
 
 def untie(windows: Windows) -> None:

@@ -33,6 +33,7 @@ start does not import them); the holder itself is :class:`ddpfab.remote.holdserv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -259,34 +260,46 @@ def start(spec: dict) -> dict:
         HolderError: it did not start (its words, or how it ended); ``taken`` when its name was
             taken (another holder of the same started at this moment).
     """
+    try:
+        data = json.dumps(spec).encode()
+    except (TypeError, ValueError) as exc:  # (a library caller's -e value JSON cannot write)
+        raise HolderError(f"the holder's inventory cannot be handed over: {exc}") from None
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=errors, start_new_session=True)
         assert proc.stdin is not None and proc.stdout is not None
+        ready: list = []
         try:
-            proc.stdin.write(json.dumps(spec).encode())
-            proc.stdin.close()
-        except OSError:  # it ended before reading: what it wrote says why
-            pass
-        proc.wait()  # the first process, gone once it forked the holder
-        line = b""
-        ready, _, _ = select.select([proc.stdout], [], [], START_WAIT_S)
-        if ready:
-            line = proc.stdout.readline()  # the holder writes its one line whole, or exits (EOF)
-        proc.stdout.close()
+            with contextlib.suppress(OSError):  # it ended before reading: what it wrote says why
+                proc.stdin.write(data)
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            proc.wait()  # the first process, gone once it forked the holder
+            line = b""
+            ready, _, _ = select.select([proc.stdout], [], [], START_WAIT_S)
+            if ready:
+                line = proc.stdout.readline()  # the holder writes its one line whole, or exits (EOF)
+        except BaseException:  # (Ctrl-C while it connects): no holder left half-started
+            _kill_group(proc.pid)
+            raise
+        finally:
+            proc.stdout.close()
         try:
             msg = json.loads(line) if line else None
         except ValueError:
             msg = None
         if isinstance(msg, dict) and msg.get("ready"):
             return msg
-        try:  # the holder and whatever it started: the process group its session began with
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        if not ready:  # still connecting: it and whatever it started, by the group its session began
+            _kill_group(proc.pid)
         errors.seek(0)
         tail = " ".join(errors.read()[-300:].decode(errors="replace").split())
     if isinstance(msg, dict) and isinstance(msg.get("error"), str):
         raise HolderError(msg["error"], taken=bool(msg.get("taken")))
     raise HolderError(f"the holder did not connect within {START_WAIT_S:g} s" if not ready
                       else f"the holder exited before it was ready{': ' + tail if tail else ''}")
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)

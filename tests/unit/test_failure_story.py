@@ -229,6 +229,18 @@ def test_a_log_record_torchrun_could_not_write_is_folded_whole():
     assert len(shown) == 1 and "rank 0 after" in shown[0], shown  # the line after the report is shown
     assert printer.folded == len(LOGGING_ERROR.splitlines())
     assert r.cause() is None or r.cause().exception is None  # torchrun's words name no rank's cause
+    # a report cut off (torchrun killed while writing it): what comes after it is read as ever
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False)
+    r = CauseReader()
+    cut = LOGGING_ERROR.splitlines()[:9]  # up to "Call stack:" and one frame
+    for line in [*cut, "ddpfab-agent: node supervisor ending the job", "[default0]:rank 0 after"]:
+        printer.line("node1", line, *r.feed(line))
+    printer.flush("node1")
+    shown = out.getvalue().splitlines()
+    assert [ln.split("| ", 1)[1] for ln in shown] == ["ddpfab-agent: node supervisor ending the job",
+                                                      "rank 0 after"], shown
+    assert printer.folded == len(cut)
 
 
 def test_a_traceback_cut_off_by_the_end_of_the_stream_is_shown():
