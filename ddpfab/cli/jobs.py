@@ -15,7 +15,6 @@ from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse
 from ddpfab.hosts import inventory
 from ddpfab.launch.runs import RunRecordError, read_record, record_plan
 from ddpfab.planning.plan import Plan
-from ddpfab.problems import NodeError, Problem
 from ddpfab.results import GroupResult
 
 
@@ -219,6 +218,7 @@ def cmd_queue(args) -> int:
     """Running and waiting jobs across users, with their GPUs, owners and ages, from every node's
     lease dir; and the GPUs used without a lease."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch.jobs import node_problem
     from ddpfab.planning import gpu_leases
 
     def ask(conn, n) -> dict:
@@ -226,7 +226,7 @@ def cmd_queue(args) -> int:
 
     cluster = _cluster(args, None)
     results = _on_each_node(args, cluster, ask, each=True)
-    problems = [_problem(name, exc) for name, exc in results.failed.items()]
+    problems = [node_problem(name, exc) for name, exc in results.failed.items()]
     for p in problems:
         warn(p)
     answers = {n.name: results.succeeded[n.name] for n in cluster.nodes if n.name in results.succeeded}
@@ -247,20 +247,6 @@ def cmd_queue(args) -> int:
         for g in gs:
             print(f"{name}: {g.describe()}")
     return code
-
-
-def _problem(name: str, exc: BaseException) -> Problem:
-    """A node's failure as a problem record: an SSHError is one already; anything else (a reply
-    the node program should never give) is named by its text."""
-    if isinstance(exc, NodeError):
-        return Problem(name, exc.kind, found=exc.found, text=str(exc))
-    found = f"cannot list jobs: {_found(exc)}"
-    return Problem(name, "ps", found=found, text=f"host {name}: {found}")
-
-
-def _found(exc: BaseException) -> str:
-    """What went wrong on a node, without its name (the line that prints it names the node)."""
-    return exc.found if isinstance(exc, NodeError) else str(exc)
 
 
 @_guard
@@ -381,7 +367,7 @@ def _doctor_without_record(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.health import doctor
     from ddpfab.hostlist import compact
-    from ddpfab.launch.jobs import ps_record
+    from ddpfab.launch.jobs import node_problem, ps_record
 
     none_here = f"no local record of run {args.run_id} in {args.runs_dir}"
     try:
@@ -397,7 +383,7 @@ def _doctor_without_record(args) -> int:
 
     results = _on_each_node(args, cluster, ask, each=True)
     for name, exc in results.failed.items():
-        warn(_problem(name, exc))
+        warn(node_problem(name, exc))
     found = {name: recs[0] for name, recs in results.succeeded.items() if recs}
     if not found and results.failed:
         return die(f"{none_here}, and no node that answered has one; the others could not be asked (above)",
