@@ -7,9 +7,7 @@ LAZY: every module imports at its top, except here, in the command line, where a
 the library modules that reach Fabric/paramiko (ssh, runner, launch, probe, check, execute, jobs,
 recover, replay, sync, fetch, perfcheck), ``ddpfab.launch.runs`` (importlib.metadata) and ``ddpfab.lab``
 inside itself: building the parser for ``ddpfab --help``, ``--version`` or ``completion`` must not
-pay for them. Measured on the 2-core test machine under load (best of 5-7): ``python -c pass``
-0.21 s, ``python -c "import fabric"`` 1.38 s; importlib.metadata 0.27 s and ddpfab.lab 0.34 s
-cumulative (``-X importtime``). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
+pay for them (their cost: docs/design.md, "Start-up costs"). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
 For the same reason ddpfab.remote.target (which emit and provision import, and so the parser) imports
 paramiko only where it reads an ssh_config.
 """

@@ -264,7 +264,7 @@ def watch_workers(root, on_failure, stop, interval=0.2, who=None):
     we lose that race, or have no pidfds, nothing happens: torchrun's own exit still ends the job.
     One exception: a worker killed by SIGTERM after one whose status we lost is torchrun ending the
     others because that one failed (it stops them only then), so the failure is the earlier one's,
-    how unseen: ``("status", "unseen")`` (under load, CI saw the SIGTERM named as the abort).
+    how unseen: ``("status", "unseen")`` (under load, the SIGTERM would otherwise be named as the abort).
     """
     import select
 

@@ -291,9 +291,9 @@ def serve(fd=0, write=None, exit_at_eof=False):
 
 
 def _exit_now(code):
-    """End the process now, without the interpreter's teardown of the program's ~500 functions and
-    their objects: 1.4 ms of an 11.5 ms start of sync's check, measured on a lab node (it starts
-    one on every node). Only at the end of requests: every operation has returned and its reply is
+    """End the process now, without the interpreter's teardown of the program's functions and
+    their objects (a tenth of a short call's time, paid on every node: docs/design.md, "Start-up
+    costs"). Only at the end of requests: every operation has returned and its reply is
     written; what the program still holds (the workdir's lock, listeners, a port's reservation)
     the kernel releases as at any exit, and none of its operations leaves work to a finalizer."""
     sys.stdout.flush()

@@ -9,8 +9,8 @@ loop's (the end of the file). Standard library only, Python 3.6+, no ddpfab impo
 modules (which come first in the shipped text).
 """
 
-# _socket, the C module: socket.py brings selectors and enum, 6.5 ms of a 25 ms facts (measured on a
-# lab node); select.poll for the same reason
+# _socket, the C module: socket.py brings selectors and enum, a quarter of a facts call's start
+# (docs/design.md, "Start-up costs"); select.poll for the same reason
 import _socket
 import base64
 import errno

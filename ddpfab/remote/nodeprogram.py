@@ -17,10 +17,10 @@ SOURCE ddpfab-node`` (or ``ddpfab-agent RUN_ID`` for a supervisor) and nothing s
 and the supervisor's env among them, travel inside the SSH session. The program travels compiled
 by the controller's python and as source: a node python with the same bytecode magic (the usual
 case: one python build across a cluster) runs the compiled code, any other compiles the source.
-Compiling the ~125 kB program was most of a start (~50 ms of CPU per node, measured on the lab:
-at 64 nodes sharing a machine, seconds). The program is not cached on the node: a cache would be
-a file ddpfab keeps in the user's home that every version of ddpfab must trust, check and clean
-up, while one session per node carries everything a launch needs before its supervisor starts.
+Compiling the program is most of a start (docs/design.md, "Start-up costs"). The program is not
+cached on the node: a cache would be a file ddpfab keeps in the user's home that every version of
+ddpfab must trust, check and clean up, while one session per node carries everything a launch
+needs before its supervisor starts.
 
 The controller keeps a :class:`Session` open per node while it needs the node (probe, hash check,
 mesh probe: one python start per node before a launch), or uses :func:`call` for one exchange.
