@@ -41,6 +41,7 @@ from ddpfab.launch.debugger import refuse_without_input
 from ddpfab.launch.progress import Ticker
 from ddpfab.launch.runs import runs_dir_problem
 from ddpfab.node.workdir import source_problem
+from ddpfab.optionnames import option
 from ddpfab.planning import plan as planmod
 from ddpfab.planning import scriptfile
 from ddpfab.masking import recordable
@@ -565,12 +566,12 @@ class Cluster:
         if nodes is not None:
             wanted = list(nodes)
             if not wanted:  # `--nodes ,,`: running on nobody is not a success
-                raise inventory.InventoryError(f"--nodes names no node (nodes: {', '.join(self.names)})")
+                raise inventory.InventoryError(f"{option('nodes')} names no node (nodes: {', '.join(self.names)})")
             unknown = [w for w in wanted if w not in self.names]
             if unknown:
                 raise inventory.InventoryError(
-                    f"--nodes: {', '.join(unknown)} not in group {self.parsed.group} of {self.parsed.source} "
-                    f"(nodes: {', '.join(self.names)})")
+                    f"{option('nodes')}: {', '.join(unknown)} not in group {self.parsed.group} of "
+                    f"{self.parsed.source} (nodes: {', '.join(self.names)})")
             chosen = [n for n in chosen if n.name in wanted]
         printer = printer or LinePrinter([n.name for n in chosen], color=color)
         # the connections `ddpfab hold` keeps open, when it holds these nodes as given: no handshakes
@@ -603,6 +604,7 @@ class Cluster:
         after; node -> its result, or the exception it raised (a node that cannot be reached is one
         failure among the results)."""
         from ddpfab.remote import ssh  # the SSH stack: see LAZY above
+
 
         def connected(node):
             conn = ssh.connect(node, self.policy, self.ssh_config)
@@ -897,8 +899,8 @@ class Cluster:
             replaying.close()
             if not dry_run:
                 raise rerun.ReplayRefused([f"replay of {run_id} refused: what its options plan now differs from the "
-                                           "plan it recorded (above); nothing was started; --force runs the plan "
-                                           "shown"])
+                                           f"plan it recorded (above); nothing was started; {option('force', True)} "
+                                           "runs the plan shown"])
             return Replayed(plan.run_id, 0, plan, of=run_id, changed=replaying.changed)
         result, path = replaying.run(root, Printer(plan, stream=out, color=color))
         return Replayed(plan.run_id, result.exit_code, plan, dict(result.outcomes), path, result.summary,
@@ -944,11 +946,11 @@ class Cluster:
         root = os.fspath(opts.runs_dir)
         why = runs_dir_problem(root, writable=True)
         if why:
-            raise PlanError(f"--runs-dir {root}: {why}: the emitted job's record goes there (another with "
-                            "--runs-dir or DDPFAB_RUNS_DIR)")
+            raise PlanError(f"{option('runs_dir', root)}: {why}: the emitted job's record goes there (another "
+                            f"with {option('runs_dir')} or DDPFAB_RUNS_DIR)")
         if os.path.lexists(os.path.join(root, run_options.run_id)):
-            raise PlanError(f"--run-id {run_options.run_id}: {os.path.join(root, run_options.run_id)} exists "
-                            "already: a run id names one run; pick another (or leave --run-id out)")
+            raise PlanError(f"{option('run_id', run_options.run_id)}: {os.path.join(root, run_options.run_id)} "
+                            f"exists already: a run id names one run; pick another (or leave {option('run_id')} out)")
         prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
         prepared.close()
         plan = prepared.plan
@@ -1033,26 +1035,26 @@ class Cluster:
         together, a runs dir or run id it cannot record in, a source dir or script it will not
         sync. The dry run refuses the same: it is the real run minus starting."""
         if opts.wait and opts.detach:
-            raise PlanError("--wait with --detach: a waiting job starts on every node when ddpfab, attached, "
-                            "has seen each node's leases granted; run it attached (in tmux, or with nohup)")
+            raise PlanError(f"{option('wait')} with {option('detach')}: a waiting job starts on every node when "
+                            "ddpfab, attached, has seen each node's leases granted; run it attached (in tmux, or with "
+                            "nohup)")
         if opts.debugpy and opts.detach:
-            raise PlanError("--debugpy with --detach: the ports reach the nodes over this run's connections; "
-                            "run it attached")
+            raise PlanError(f"{option('debugpy')} with {option('detach')}: the ports reach the nodes over this run's "
+                            "connections; run it attached")
         if not opts.dry_run and not opts.detach:
             refuse_without_input(opts.pdb)
         from ddpfab.launch import tmuxrun  # slow to import: see LAZY above
 
-        tmuxrun.refuse(opts.tmux, **{"--detach": opts.detach, "--pdb": opts.pdb, "--debugpy": opts.debugpy,
-                                     "--wait": opts.wait, "--gpus-per-node": opts.gpus_per_node,
-                                     "--max-job-restarts": opts.recovering})
+        tmuxrun.refuse(opts.tmux, detach=opts.detach, pdb=opts.pdb, debugpy=opts.debugpy, wait=opts.wait,
+                       gpus_per_node=opts.gpus_per_node, max_job_restarts=opts.recovering)
         record = os.path.join(opts.runs_dir, run_options.run_id)
         why = runs_dir_problem(opts.runs_dir, writable=not opts.dry_run)
         if why:
-            raise PlanError(f"--runs-dir {opts.runs_dir}: {why}: each run's record goes there (another with "
-                            "--runs-dir or DDPFAB_RUNS_DIR)")
+            raise PlanError(f"{option('runs_dir', opts.runs_dir)}: {why}: each run's record goes there (another "
+                            f"with {option('runs_dir')} or DDPFAB_RUNS_DIR)")
         if not opts.dry_run and os.path.lexists(record):
-            raise PlanError(f"--run-id {run_options.run_id}: {record} exists already: a run id names one run; pick "
-                            "another (or leave --run-id out)")
+            raise PlanError(f"{option('run_id', run_options.run_id)}: {record} exists already: a run id names one "
+                            f"run; pick another (or leave {option('run_id')} out)")
         if opts.sync:  # the dry run too: the real run refuses it before starting
             why = source_problem(os.getcwd())
             if why:
@@ -1165,7 +1167,7 @@ class Cluster:
             raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
                                    for p in problems]
                                   + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)
-                                  + ["(skip syncing with --no-sync)"] * (not exc.stale)) from None
+                                  + [f"(skip syncing with {option('sync', False)})"] * (not exc.stale)) from None
         self._say_left_out(result.left_out)
         return {**result.to_dict(), **({"keep": list(keep)} if keep else {})}
 
@@ -1231,7 +1233,8 @@ def planner_options(script: str, args: Iterable[str], opts: Options) -> planmod.
     if module:  # the planner's rule, before the script is looked for here
         planmod.check_module_name(script)
     if not module and not script:
-        raise PlanError("the script is an empty name: give the file to run (or -m MODULE)")
+        raise PlanError(f"the script is an empty name: give the file to run (or a module with "
+                        f"{option('module', True)})")
     local_rank_arg, to_script = local_rank_spelling(opts.local_rank_style, script, module)
     return planmod.RunOptions(
         script=script, args=script_args, nproc_per_node=opts.nproc_per_node,
@@ -1262,8 +1265,8 @@ def check_script_here(script: str, module: bool = False) -> None:
         except OSError:
             names = []
         hint = "" if module else did_you_mean(script, names)
-        raise PlanError(f"{exc}{hint} (it is synced from here; with --no-sync it must be in the nodes' "
-                        "workdir)") from None
+        raise PlanError(f"{exc}{hint} (it is synced from here; with {option('sync', False)} it must be in the "
+                        "nodes' workdir)") from None
 
 
 def script_and_mode(script: str, args: tuple[str, ...], module: bool) -> tuple[str, tuple[str, ...], bool]:

@@ -24,6 +24,7 @@ from ddpfab.cli import (check, completion, config, execute, export, fetch, hold,
 from ddpfab.cli.common import fill_missing_help
 from ddpfab.cli.errors import Parser, closed_stdout_ends_quietly, die, refuse
 from ddpfab.launch.interrupt import run_interruptible
+from ddpfab.optionnames import spelled_by
 
 #: The subcommands, in the order ``ddpfab --help`` lists them.
 COMMANDS = (run, lab, provision, jobs, export, check, sync, fetch, execute, hold, replay)
@@ -73,7 +74,8 @@ def unguarded_main(argv: list[str] | None = None) -> int:
     if args.command in ("run", "replay") and args.json and not args.dry_run:
         # --json prints the plan: it never turns a dry run into a real one (sync --json reports a real sync)
         return die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")
-    return args.func(args)
+    with spelled_by(run.flag):  # the library's messages name its options as this command line's flags
+        return args.func(args)
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

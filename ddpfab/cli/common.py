@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ddpfab.optionnames import option
 from ddpfab.api import Cluster, runs_dir_default
 from ddpfab.cli.errors import warn
 from ddpfab.hosts import inventory
@@ -66,7 +67,8 @@ def nproc_type(text: str) -> int | str:
     try:
         return parse_nproc(text)
     except PlanError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--nproc-per-node ")) from None
+        # argparse names the flag itself: the message without its own naming of the option
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{option('nproc_per_node')} ")) from None
 
 
 def nonempty_path(text: str) -> str:

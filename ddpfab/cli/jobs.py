@@ -225,7 +225,7 @@ def cmd_queue(args) -> int:
         return nodeprog.call(conn, n, {"op": "leases"}, timeout=30)[0].value(n.name)
 
     cluster = _cluster(args, None)
-    results = _on_each_node(args, cluster, ask, each=True)
+    results = _on_each_node(args, cluster, ask)
     problems = [node_problem(name, exc) for name, exc in results.failed.items()]
     for p in problems:
         warn(p)
@@ -322,7 +322,7 @@ def cmd_attach(args) -> int:
     code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None)
     printer.note(f"run {args.run_id} ended: {summary}")
     if warned:
-        printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
+        printer.note(f"warning: {hints.exit_abort_hint()}")
     return code
 
 
@@ -381,7 +381,7 @@ def _doctor_without_record(args) -> int:
                             timeout=20)[0].value(n.name)
         return [ps_record(r) for r in res["runs"]]
 
-    results = _on_each_node(args, cluster, ask, each=True)
+    results = _on_each_node(args, cluster, ask)
     for name, exc in results.failed.items():
         warn(node_problem(name, exc))
     found = {name: recs[0] for name, recs in results.succeeded.items() if recs}

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
@@ -17,6 +19,7 @@ from ddpfab.cli.errors import die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
 from ddpfab.launch.cause import CauseKind
+from ddpfab.optionnames import NO_VALUE
 from ddpfab.planning import plan as planmod
 from ddpfab.planning.plan import EXIT_GUARD_MODES, HANG_TIMEOUT_S, ON_HANG
 
@@ -181,7 +184,23 @@ def register(sub) -> None:
 
 
 #: ``run``/``plan`` flags that say "not": flag's dest -> the :class:`ddpfab.api.Options` field it negates.
-NEGATED = {"no_check": "check", "no_sync": "sync", "no_forward_env": "forward_env"}
+NEGATED = {"no_check": "check", "no_sync": "sync", "no_forward_env": "forward_env", "no_color": "color"}
+_NEGATING = {field: dest for dest, field in NEGATED.items()}
+
+
+def flag(field: str, value: Any = NO_VALUE) -> str:
+    """Option *field* as the command line spells it (the messages of the library, which name
+    :class:`ddpfab.api.Options` fields and keyword arguments, under :func:`spelled_by`):
+    ``--exit-guard``, ``--exit-guard off``, ``--no-sync`` for ``sync=False``, ``--wait`` for
+    ``wait=True``."""
+    if field in _NEGATING and (value is NO_VALUE or value is False):
+        return "--" + _NEGATING[field].replace("_", "-")
+    name = "--" + field.replace("_", "-")
+    if field in _NEGATING:  # True: the default, which no flag says
+        return f"without --{_NEGATING[field].replace('_', '-')}"
+    if value is NO_VALUE or value is True:
+        return name
+    return f"{name} {shlex.quote(str(value))}"
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -189,7 +208,7 @@ def options(args: argparse.Namespace) -> Options:
     own name (``--nproc-per-node`` is ``nproc_per_node``), the ``--no-X`` flags negated. The one
     mapping from command line to API."""
     given = {f.name: getattr(args, f.name) for f in fields(Options) if hasattr(args, f.name)}
-    given.update({field: not getattr(args, flag) for flag, field in NEGATED.items() if hasattr(args, flag)})
+    given.update({field: not getattr(args, dest) for dest, field in NEGATED.items() if hasattr(args, dest)})
     given["color"] = False if getattr(args, "no_color", False) else None
     return Options.of(**given)
 

@@ -27,6 +27,7 @@ from ddpfab.health import mesh as meshmod
 from ddpfab.health import resourcecheck
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hostlist import compact
+from ddpfab.optionnames import option
 from ddpfab.hosts import nodeenv
 from ddpfab.health import probe
 from ddpfab.planning import gpu_leases
@@ -219,7 +220,7 @@ def _gpus(ok: list, fx: dict[str, dict], options: CheckOptions, nproc: dict[str,
         elif gpus and want > gpus:
             results.append(CheckResult(n.name, "gpus", "fail", found=f"{gpus} GPUs for {want} processes",
                                        expected=f"at most {gpus} processes (one per GPU)",
-                                       fix="lower ddpfab_nproc_per_node / --nproc-per-node"))
+                                       fix=f"lower ddpfab_nproc_per_node / {option('nproc_per_node')}"))
         elif not gpus:
             results.append(CheckResult(n.name, "gpus", "pass", found=f"no GPU: {want} CPU processes (gloo)"))
         else:
@@ -246,8 +247,8 @@ def _names(ok: list, fx: dict[str, dict], nnodes: int) -> list[CheckResult]:
             results.append(CheckResult(
                 n.name, "hostname", "fail", found=f"hostname {f['hostname']!r} resolves to {addr}",
                 expected="an address the other nodes can reach (gloo advertises what the hostname resolves to)",
-                fix=f"map {f['hostname']} to its cluster address in /etc/hosts, or pass "
-                    f"--env GLOO_SOCKET_IFNAME=<iface> --env NCCL_SOCKET_IFNAME=<iface>"))
+                fix=f"map {f['hostname']} to its cluster address in /etc/hosts, or set "
+                    f"GLOO_SOCKET_IFNAME=<iface> and NCCL_SOCKET_IFNAME=<iface> with {option('env')}"))
         else:
             results.append(CheckResult(n.name, "hostname", "pass", found=f"{f['hostname']} -> {addr}"))
         for name, ip in f.get("resolved", {}).items():
@@ -268,7 +269,7 @@ def _ifaces(ok: list, fx: dict[str, dict]) -> list[CheckResult]:
                                                                       f"NCCL_SOCKET_IFNAME={dev})"))
         elif len(devs) > 1:
             results.append(CheckResult(n.name, "iface", "warn", found=f"peers reached via {', '.join(sorted(devs))}",
-                                       fix="pin one with --env NCCL_SOCKET_IFNAME=... GLOO_SOCKET_IFNAME=..."))
+                                       fix=f"pin one: NCCL_SOCKET_IFNAME=... GLOO_SOCKET_IFNAME=... with {option('env')}"))
     return results
 
 
@@ -326,7 +327,7 @@ def _evaluate_mesh(cluster, master: str, mesh: dict, options: CheckOptions,
     if "master_error" in m:
         results.append(CheckResult(master, "master-port", "fail", found=f"port {port} in use ({m['master_error']})",
                                    expected=f"port {port} free on the master",
-                                   fix="pick another --master-port or leave it out to get a free one"))
+                                   fix=f"pick another {option('master_port')} or leave it out to get a free one"))
     order = [n.name for n in cluster.nodes if n.name in ports]
     probes = mesh.get("results", {})
     blamed: dict[str, meshmod.MeshProblem] = {}
@@ -452,7 +453,7 @@ def _nprocs(cluster, options: RunOptions, raw: dict[str, dict]) -> tuple[dict[st
             nproc[n.name] = nproc_for(n, options, probe.gpu_count(raw[n.name]), probe.cpu_count(raw[n.name]))
         except PlanError as exc:
             refused.append(CheckResult(n.name, "gpus", "fail", found=str(exc), expected="a count it can run",
-                                       fix="give --nproc-per-node a number, cpu or auto"))
+                                       fix=f"give {option('nproc_per_node')} a number, cpu or auto"))
     return nproc, refused
 
 

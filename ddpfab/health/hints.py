@@ -11,8 +11,10 @@ decided from the ranks' done records, :mod:`ddpfab.node.exitguard`, never from t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from ddpfab.optionnames import option
 
 
 @dataclass(frozen=True)
@@ -23,13 +25,19 @@ class Signature:
         key: its name in manifests (``cuda_oom``).
         what: what was seen, short (``CUDA out of memory``).
         patterns: any one of them in a line is the signature.
-        hint: the cause and the fix.
+        advice: the cause and the fix (:attr:`hint`); a function when it names an option, which is
+            spelled when the hint is read (:func:`ddpfab.optionnames.option`).
     """
 
     key: str
     what: str
     patterns: tuple[re.Pattern, ...]
-    hint: str
+    advice: str | Callable[[], str]
+
+    @property
+    def hint(self) -> str:
+        """The cause and the fix, options named as the reader spells them."""
+        return self.advice if isinstance(self.advice, str) else self.advice()
 
     def matches(self, line: str) -> bool:
         return any(p.search(line) for p in self.patterns)
@@ -39,11 +47,14 @@ class Signature:
 #: threads (gloo's, autograd's) do that when the interpreter tears down around them.
 EXIT_ABORT_LINE = "terminate called without an active exception"
 
-EXIT_ABORT_HINT = (
-    "a rank aborted (SIGABRT, 'terminate called without an active exception'): if it had finished "
-    "its work, this is the known race at interpreter exit (pytorch issue 190489; the atexit fix, PR "
-    "179291, was abandoned), not your training. ddpfab's exit guard (--exit-guard on, the default) "
-    "leaves each rank without that teardown; with ddpfab.dist end the script with ddist.finish()")
+
+def exit_abort_hint() -> str:
+    """What a rank's abort at exit is, and what ddpfab does about it (its exit guard named as the
+    reader spells options)."""
+    return ("a rank aborted (SIGABRT, 'terminate called without an active exception'): if it had finished "
+            "its work, this is the known race at interpreter exit (pytorch issue 190489; the atexit fix, PR "
+            f"179291, was abandoned), not your training. ddpfab's exit guard ({option('exit_guard', 'on')}, the "
+            "default) leaves each rank without that teardown; with ddpfab.dist end the script with ddist.finish()")
 
 
 def _re(*texts: str) -> tuple[re.Pattern, ...]:
@@ -52,20 +63,20 @@ def _re(*texts: str) -> tuple[re.Pattern, ...]:
 
 SIGNATURES: tuple[Signature, ...] = (
     Signature("exit_abort", "a rank aborted at exit ('terminate called without an active exception')",
-              _re(re.escape(EXIT_ABORT_LINE)), EXIT_ABORT_HINT),
+              _re(re.escape(EXIT_ABORT_LINE)), exit_abort_hint),
     Signature("gloo_loopback", "gloo bound to the loopback address",
               _re(r"Unable to resolve hostname to a \(local\) address", r"Using the loopback address as fallback"),
-              "gloo could not resolve this node's hostname to an address of its own and bound to 127.0.0.1, "
-              "which no peer can reach (the job then hangs or fails to connect). Fix: --socket-ifname auto "
+              lambda: "gloo could not resolve this node's hostname to an address of its own and bound to 127.0.0.1, "
+              f"which no peer can reach (the job then hangs or fails to connect). Fix: {option('socket_ifname', 'auto')} "
               "(or GLOO_SOCKET_IFNAME=IFACE), or make the hostname resolve to the node's data-plane address "
               "in /etc/hosts; `ddpfab check` names the hosts whose name resolves to loopback"),
     Signature("nccl_connect", "an NCCL connection error",
               _re(r"NCCL WARN .*(Connect to \S+ failed|socketStartConnect|socketFinalizeAccept|Call to connect returned)",
                   r"\bncclRemoteError\b", r"remote process exited or there was a network error",
                   r"\bncclSystemError\b.*(socket|connect)"),
-              "NCCL could not connect to a peer, or a peer went away: a firewall on the ports NCCL uses, the wrong "
-              "interface (set --socket-ifname / NCCL_SOCKET_IFNAME), or a crashed rank on another node (look "
-              "for the first failure above). `ddpfab check` tests the data plane between every pair of nodes"),
+              lambda: "NCCL could not connect to a peer, or a peer went away: a firewall on the ports NCCL uses, the "
+              f"wrong interface (set {option('socket_ifname')} / NCCL_SOCKET_IFNAME), or a crashed rank on another "
+              "node (look for the first failure above). `ddpfab check` tests the data plane between every pair of nodes"),
     Signature("collective_timeout", "a collective timed out",
               _re(r"Watchdog caught collective operation timeout", r"Timed out waiting \d+ms for (recv|send) operation"),
               "a collective did not complete in time: one rank is stuck, slow or gone (the ranks that time out "

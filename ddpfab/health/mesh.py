@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hostlist import compact
+from ddpfab.optionnames import option
 from ddpfab.results import GroupResult
 
 #: Per-attempt connect timeouts (seconds). The kernel answers a SYN itself, so CPU load alone
@@ -390,7 +391,7 @@ def classify_advertised(order: list[str], results: dict[str, list[dict]], advert
             f"hostname {a.get('hostname')!r} resolves to {a.get('addr')} (interface "
             f"{a.get('iface') or 'unknown'}), which {len(failed[n])} of {probed[n]} peers cannot reach ({seen}); "
             f"gloo/NCCL advertise that address",
-            f"let ddpfab name the interface towards the peers (ddpfab run's default, --socket-ifname auto; "
+            f"let ddpfab name the interface towards the peers (a run's default, {option('socket_ifname', 'auto')}; "
             f"not none), or map {a.get('hostname')} to {a.get('data_addr')} in this node's /etc/hosts", failed[n]))
     return problems
 

@@ -21,6 +21,7 @@ from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resourcecheck
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Inventory, Node
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, Interface, is_port, master_port
 from ddpfab.problems import Problem
 from ddpfab.remote import ssh
@@ -259,9 +260,9 @@ def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
         workdir = node.workdir or cwd
         if res.run_dir_used:
             problems.append(Problem(node.name, "run_id", expected=f"no {res.run_dir_used} there", found="exists",
-                                    fix="pick another --run-id (or leave it out)",
+                                    fix=f"pick another {option('run_id')} (or leave it out)",
                                     text=f"host {node.name}: {res.run_dir_used} exists there: this run id was used "
-                                         "on this node already; pick another --run-id (or leave it out)"))
+                                         f"on this node already; pick another {option('run_id')} (or leave it out)"))
         if not res.workdir_exists:
             problems.append(Problem(node.name, "workdir", expected=f"{workdir} exists", found="missing",
                                     fix="create it, sync the code, or set ddpfab_workdir",
@@ -279,19 +280,25 @@ def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
                                     text=f"host {node.name}: {chosen.python} cannot import torch (python "
                                          f"{res.python}, from {chosen.python_from or 'inventory'}); {fix}"))
         if node.name == master.name:
-            if master_port is not None and res.port_free is False:
-                held, stop = resourcecheck.port_holders(res.raw)  # who holds it, and how to end it
-                problems.append(Problem(node.name, "master_port", expected=f"port {master_port} free",
-                                        found="in use" + held, fix=stop + "pick another port or leave --master-port out",
-                                        text=f"host {node.name}: --master-port {master_port} is already in use "
-                                             f"there{held}; {stop}pick another port or leave --master-port out to get "
-                                             "a free one"))
-            if master_port is None and res.free_port is None:
-                lo, hi = DEFAULT_PORT_RANGE
-                problems.append(Problem(node.name, "master_port", expected=f"a free port in {lo}-{hi}",
-                                        found="none", fix="pass --master-port",
-                                        text=f"host {node.name}: no free port in {lo}-{hi}; pass --master-port"))
+            problems += _master_port_problems(node, res, master_port)
     return facts, problems
+
+
+def _master_port_problems(master: Node, res: NodeFacts, master_port: int | None) -> list[Problem]:
+    """The master's port as asked (in use there: by whom, and how to end it) or as looked for
+    (none free in the range)."""
+    if master_port is not None and res.port_free is False:
+        held, stop = resourcecheck.port_holders(res.raw)  # who holds it, and how to end it
+        return [Problem(master.name, "master_port", expected=f"port {master_port} free", found="in use" + held,
+                        fix=f"{stop}pick another port or leave {option('master_port')} out",
+                        text=f"host {master.name}: {option('master_port', master_port)} is already in use there"
+                             f"{held}; {stop}pick another port or leave {option('master_port')} out to get a free one")]
+    if master_port is None and res.free_port is None:
+        lo, hi = DEFAULT_PORT_RANGE
+        return [Problem(master.name, "master_port", expected=f"a free port in {lo}-{hi}", found="none",
+                        fix=f"pass {option('master_port')}",
+                        text=f"host {master.name}: no free port in {lo}-{hi}; pass {option('master_port')}")]
+    return []
 
 
 def pick_port(conns: dict[str, Connection], master: Node, facts: dict[str, NodeFacts], problems: list[Problem],

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ddpfab.optionnames import option
 from ddpfab.remote.nodeprogram import printable
 from ddpfab.planning import gpu_leases
 from ddpfab.planning.plan import PlanError
@@ -94,11 +95,11 @@ def parse_floors(spec: str | None) -> Floors:
     for item in spec.split(","):
         key, sep, value = item.strip().partition("=")
         if not sep or key not in FLOOR_KEYS:
-            raise FloorError(f"--resource-floors: {item.strip()!r} is not KEY=VALUE with KEY one of "
+            raise FloorError(f"{option('resource_floors')}: {item.strip()!r} is not KEY=VALUE with KEY one of "
                              f"{', '.join(FLOOR_KEYS)} (e.g. shm=2G,disk=5G,mem=4G,nofile=4096)")
         if key == "nofile":
             if not value.strip().isdigit():
-                raise FloorError(f"--resource-floors: nofile={value!r} is not a count of files")
+                raise FloorError(f"{option('resource_floors')}: nofile={value!r} is not a count of files")
             values[key] = int(value)
         else:
             values[key] = parse_size(value)
@@ -214,7 +215,8 @@ def _check_shm(node: str, res: dict, nproc: int, floors: Floors) -> list[Finding
         return [Finding(node, "shm", "fail", found,
                         expected=f"at least {size(need)} free for {nproc} processes and their DataLoader workers",
                         fix=f"mount -o remount,size={-(-need // GIB) * 2}G /dev/shm (as root; in docker: "
-                            f"--shm-size={-(-need // GIB) * 2}g), or lower the floor with --resource-floors shm=SIZE")]
+                            f"--shm-size={-(-need // GIB) * 2}g), or lower the floor with "
+                            f"{option('resource_floors', 'shm=SIZE')}")]
     return [Finding(node, "shm", "pass", found)]
 
 
@@ -233,7 +235,7 @@ def _check_disk(node: str, res: dict, floors: Floors) -> list[Finding]:
                                  f"{where} {fs['path']}: {size(fs['free'])} free on {fs.get('mount')} ({fs.get('fstype')})",
                                  expected=f"at least {size(floors.disk)} free",
                                  fix=f"free space on {fs.get('mount')}, or lower the floor with "
-                                     "--resource-floors disk=SIZE"))
+                                     f"{option('resource_floors', 'disk=SIZE')}"))
     wd = _fs(paths.get("workdir")) or {}
     return short or [Finding(node, "disk", "pass", f"workdir {size(wd.get('free'))} free")]
 
@@ -282,7 +284,7 @@ def _check_memory(node: str, res: dict, floors: Floors) -> list[Finding]:
     found = f"{size(avail)} available of {size(_int(res.get('mem_total')))}"
     if avail < floors.mem:
         return [Finding(node, "memory", "fail", found, expected=f"at least {size(floors.mem)} available",
-                        fix="end what uses the memory there, or lower the floor with --resource-floors mem=SIZE")]
+                        fix=f"end what uses the memory there, or lower the floor with {option('resource_floors', 'mem=SIZE')}")]
     return [Finding(node, "memory", "pass", found)]
 
 
@@ -298,7 +300,7 @@ def _leftovers(node: str, raw: dict, res: dict, nproc: int, master_port: int | N
         out.append(Finding(node, "leftovers", "fail", f"port {master_port} held by " + "; ".join(map(holder, holders)),
                            expected=f"port {master_port} free for the job's master",
                            fix=", or ".join(filter(None, (holder_fix(holders, jobs_only=True),
-                                                          "pick another --master-port (or leave it out)")))))
+                                                          f"pick another {option('master_port')} (or leave it out)")))))
     states = gpu_leases.parse(raw.get("leases")) or []
     busy = [s for s in states if s.state == "busy"]
     if busy:

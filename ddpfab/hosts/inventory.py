@@ -27,6 +27,7 @@ from ddpfab.version import __version__
 from ddpfab.hosts import invcache, nodeenv
 from ddpfab.hosts.invcache import cache_dir
 from ddpfab.hosts.suggest import close_matches, did_you_mean
+from ddpfab.optionnames import option
 from ddpfab.problems import DdpfabError, Problem
 
 #: ddpfab's own inventory variables; each is documented in inventory/example.yml.
@@ -594,17 +595,18 @@ def limit_patterns(limit: str | None) -> list | None:
             lines = Path(name).read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             reason = getattr(exc, "strerror", None) or "not a text file"
-            raise InventoryError(f"--limit {part}: {reason}; --limit @FILE reads one host pattern a line") from None
+            raise InventoryError(f"{option('limit', part)}: {reason}; {option('limit', '@FILE')} reads one host "
+                                 "pattern a line") from None
         patterns = []
         for number, line in enumerate(lines, 1):
             text = line.strip()
             if text and (any(ch.isspace() for ch in text) or "," in text):
-                raise InventoryError(f"--limit {part}: {name}:{number}: {text!r} is not one host pattern; "
+                raise InventoryError(f"{option('limit', part)}: {name}:{number}: {text!r} is not one host pattern; "
                                      "write one pattern a line")
             if text:
                 patterns.append(text)
         if not patterns:
-            raise InventoryError(f"--limit {part}: {name} names no host pattern; write one pattern a line")
+            raise InventoryError(f"{option('limit', part)}: {name} names no host pattern; write one pattern a line")
         out.append(patterns)
     return out
 
@@ -748,10 +750,11 @@ def _group_hosts(inv: Any, group: str, where: str) -> list:
     if group not in inv.groups:
         known = ", ".join(sorted(inv.groups)) or "none"
         raise InventoryError(f"inventory {where}: no group {group!r}{did_you_mean(group, inv.groups)} "
-                             f"(groups: {known}); pick one with --group")
+                             f"(groups: {known}); pick one with {option('group')}")
     hosts = inv.groups[group].get_hosts()
     if not hosts:
-        raise InventoryError(f"inventory {where}: group {group!r} has no hosts; add hosts or pick another --group")
+        raise InventoryError(f"inventory {where}: group {group!r} has no hosts; add hosts or pick another "
+                             f"{option('group')}")
     return hosts
 
 
@@ -768,12 +771,12 @@ def _limited_hosts(inv: Any, hosts: list, group: str, limit: str, limit_key: lis
                 for pattern in part if isinstance(part, list) else ():
                     if pattern[0] not in "!&" and not inv.get_hosts(pattern=pattern):
                         raise InventoryError(
-                            f"--limit {limit!r}: the pattern {pattern!r} of that file matches no host in "
+                            f"{option('limit', limit)}: the pattern {pattern!r} of that file matches no host in "
                             f"{where}{did_you_mean(pattern, [*inv.hosts, *inv.groups])}") from None
             inv.subset([p for part in (limit_key or [limit]) for p in (part if isinstance(part, list) else [part])])
             matched = {h.name for h in inv.get_hosts(pattern="all")}
         except AnsibleError as exc:
-            raise InventoryError(f"--limit {limit!r}: {' '.join(str(exc).split())}") from None
+            raise InventoryError(f"{option('limit', limit)}: {' '.join(str(exc).split())}") from None
         finally:
             inv.subset(None)
     kept = [h for h in hosts if h.name in matched]
@@ -781,7 +784,7 @@ def _limited_hosts(inv: Any, hosts: list, group: str, limit: str, limit_key: lis
         words = [w.lstrip("!&") for w in re.split(r"[:,]", limit) if w.strip("!&")]
         hints = "".join(did_you_mean(w, [*inv.hosts, *inv.groups]) for w in words
                         if w not in inv.hosts and w not in inv.groups)
-        raise InventoryError(f"--limit {limit!r} matches no host of group {group!r} in {where}{hints}; "
+        raise InventoryError(f"{option('limit', limit)} matches no host of group {group!r} in {where}{hints}; "
                              f"its hosts: {', '.join(h.name for h in hosts[:8])}"
                              f"{' ...' if len(hosts) > 8 else ''}")
     return kept
@@ -980,7 +983,7 @@ def _refuse_unchecked_host_keys(name: str, var: Callable[..., Any]) -> None:
         if hkc is not None and hkc != "" and not _bool_var(hkc):
             raise InventoryError(f"host {name}: {hkc_var}={hkc!r} cannot be honoured: ddpfab always checks host keys "
                                  "(every path, provision too). Remove it; to trust hosts on first use pass "
-                                 "--accept-new-host-keys")
+                                 f"{option('accept_new_host_keys', True)}")
 
 
 def _replicate_var(host: str, value: Any) -> tuple[str, ...]:

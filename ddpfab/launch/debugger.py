@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ddpfab.hosts import nodeenv
 from ddpfab.node import rankpdb
 from ddpfab.node.agent import PDB_DIR
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
 from ddpfab.remote.streams import write_all
 
@@ -212,7 +213,7 @@ def refuse_without_input(pdb: str) -> None:
     """PlanError when a ``--pdb`` job (*pdb*: its ranks) would start attached with no input to drive
     pdb from: its ranks would read EOF and fail. The run, its replay, the API: one rule."""
     if pdb and not stdin_usable():
-        raise PlanError("--pdb needs an input to drive the debugger from (stdin is /dev/null or closed); "
+        raise PlanError(f"{option('pdb')} needs an input to drive the debugger from (stdin is /dev/null or closed); "
                         "run it from a terminal")
 
 

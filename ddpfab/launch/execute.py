@@ -36,6 +36,7 @@ from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
 from ddpfab.node import exitguard, rankdebugpy, rankpdb
 from ddpfab.node.agent import CANNOT_START
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
 from ddpfab.remote import ssh, streams
@@ -303,7 +304,7 @@ class Printer:
                                              (Fold.DROP, "the tracebacks of ranks that lost their peer"))
                      if fold in self.folded_kinds]
             self.note(f"{self.folded} lines folded ({', '.join(kinds)}): the node logs keep them "
-                      f"(`ddpfab logs {self.run_id}`); --verbose shows them")
+                      f"(`ddpfab logs {self.run_id}`); {option('verbose', True)} shows them")
 
     def _show(self, node: str, text: str) -> None:
         rank = None
@@ -756,7 +757,7 @@ class _Monitor:
         self.hang.tick(last, now)
         if self.hang.stop_now.is_set() and self.hang.verdict is not None and self.hung is None:
             self.hung = self.hang.verdict.lines
-            self.printer.note("--on-hang stop: stopping the job on every node")
+            self.printer.note(f"{option('on_hang', 'stop')}: stopping the job on every node")
             self.stop_all(fast=True)
 
     def enforce_deadline(self) -> None:
@@ -786,7 +787,8 @@ class _Monitor:
             return (130 if self.interrupted == "SIGINT" else 143,
                     f"interrupted by {self.interrupted}; the job was stopped on every node")
         if self.hung:
-            return EXIT_HUNG, f"hung: {'; '.join(self.hung)}; the job was stopped on every node (--on-hang stop)"
+            return (EXIT_HUNG, f"hung: {'; '.join(self.hung)}; the job was stopped on every node "
+                               f"({option('on_hang', 'stop')})")
         if verdict.node:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
@@ -800,7 +802,7 @@ class _Monitor:
             return (out.exit_code if out.exit_code not in (None, 0) else 1), summary
         if races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:
             # the exit-code policy (ddpfab/cli/errors.py): the work is done, a warning says the rest
-            self.printer.note(f"warning: {hints.EXIT_ABORT_HINT}")
+            self.printer.note(f"warning: {hints.exit_abort_hint()}")
             return 0, exit_race_summary(races)
         return 0, f"all {len(outcomes)} nodes exited 0"
 

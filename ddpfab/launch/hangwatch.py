@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddpfab.health import doctor
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import Plan
 
 #: The run's exit code when ``--on-hang stop`` ended a hung job (as timeout(1) reports a command it
@@ -54,7 +55,8 @@ class HangWatch:
         self._thread.start()
 
     def _diagnose(self, quiet_s: float, spell: float | None = None) -> None:
-        self.note(f"hang watch: no rank has printed for {quiet_s:.0f} s (--hang-timeout {self.timeout:g}); "
+        timeout = int(self.timeout) if float(self.timeout).is_integer() else self.timeout  # as given: 10, not 10.0
+        self.note(f"hang watch: no rank has printed for {quiet_s:.0f} s ({option('hang_timeout', timeout)}); "
                   "asking every node where its ranks are")
         try:
             verdict, path = doctor.diagnose(self.plan, doctor.over(self.conns), self.run_dir)
@@ -68,7 +70,8 @@ class HangWatch:
             self.verdict = verdict
             self.stop_now.set()
         else:
-            self.note(f"still waiting (--on-hang stop would end it now; `ddpfab stop {self.plan.run_id}` ends it)")
+            self.note(f"still waiting ({option('on_hang', 'stop')} would end it now; `ddpfab stop {self.plan.run_id}` "
+                      "ends it)")
 
     def _report(self, verdict: doctor.Verdict, path: Path | None, spell: float | None) -> None:
         """The verdict's lines; with a hang verdict the grouped stacks too, unless this quiet spell

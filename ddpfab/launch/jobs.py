@@ -28,6 +28,7 @@ from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
                                    failed_worker_text, ranked, result_record)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import is_run_id
 from ddpfab.problems import NodeError, Problem
 from ddpfab.remote import ssh, streams
@@ -228,7 +229,7 @@ def _watched(follow_all: Callable[[], GroupResult], hang: HangWatch, last_rank_l
             hang.tick(last_rank_line[0], time.monotonic())
             if hang.stop_now.is_set() and hang.verdict is not None:
                 stopped = True
-                printer.note("--on-hang stop: stopping the job on every node")
+                printer.note(f"{option('on_hang', 'stop')}: stopping the job on every node")
                 stop()
     if isinstance(done[0], BaseException):  # never an empty result read as "every node exited 0"
         raise done[0]
@@ -288,7 +289,8 @@ def attach_end(codes: dict[str, int], races: dict[str, dict],
     else the first failing node's code, 0 when the only failures are ranks that aborted at exit
     after finishing their work (*races*)."""
     if hung:
-        return EXIT_HUNG, f"hung: {'; '.join(hung)}; the job was stopped on every node (--on-hang stop)", False
+        return (EXIT_HUNG, f"hung: {'; '.join(hung)}; the job was stopped on every node "
+                           f"({option('on_hang', 'stop')})", False)
     failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
     if races and not failed:  # the work is done
         return 0, exit_race_summary(races), True

@@ -27,6 +27,7 @@ from ddpfab.launch import runner
 from ddpfab.launch.cause import RANK_TAG, Fold
 from ddpfab.launch.execute import Printer, RunResult
 from ddpfab.launch.runs import new_run_id
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import RunOptions, forwarded_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
@@ -208,7 +209,7 @@ def before_run(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy, opts, en
     if result["findings"] and not opts.perf_check_warn:
         raise runner.RunError([f"perf check: {f['text']}" for f in result["findings"]] +
                               [f"perf check found stragglers (report: {run_dir / 'report.html'}; "
-                               "start anyway with --perf-check-warn)"])
+                               f"start anyway with {option('perf_check_warn', True)})"])
     return entry
 
 

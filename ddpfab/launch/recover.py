@@ -34,6 +34,7 @@ from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch.execute import Interrupted, Printer, RunResult
 from ddpfab.launch.runner import Prepared, RunError
 from ddpfab.launch.runs import RunDir
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import Plan, PlanError, RunOptions, is_run_id
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
@@ -81,16 +82,16 @@ def recovery_options(opts, cluster: Inventory) -> RecoveryOptions:
     ``spares``, ``retry_on``, ``min_nodes``) and the inventory; an impossible combination is a
     PlanError."""
     if opts.max_job_restarts < 0:
-        raise PlanError(f"--max-job-restarts must be >= 0, got {opts.max_job_restarts}")
+        raise PlanError(f"{option('max_job_restarts')} must be >= 0, got {opts.max_job_restarts}")
     if opts.min_nodes is not None and opts.min_nodes < 1:
-        raise PlanError(f"--min-nodes must be >= 1, got {opts.min_nodes}")
+        raise PlanError(f"{option('min_nodes')} must be >= 1, got {opts.min_nodes}")
     groups = {n.spares_group for n in cluster.nodes if n.spares_group}
     if len(groups) > 1 and not opts.spares:
         raise PlanError(f"inventory {cluster.source}: hosts disagree on ddpfab_spares_group ({', '.join(sorted(groups))});"
-                        " set it once (in all:vars) or pass --spares GROUP")
+                        f" set it once (in all:vars) or pass {option('spares', 'GROUP')}")
     unknown = sorted(set(opts.retry_on or ()) - set(RETRY_KINDS))
     if unknown:
-        raise PlanError(f"--retry-on {unknown[0]}: expected one of {', '.join(RETRY_KINDS)}")
+        raise PlanError(f"{option('retry_on')} {unknown[0]}: expected one of {', '.join(RETRY_KINDS)}")
     spares = opts.spares or (groups.pop() if groups else None)
     retry = frozenset(opts.retry_on or ("node",))
     return RecoveryOptions(opts.max_job_restarts, spares, retry, opts.min_nodes)
@@ -100,9 +101,9 @@ def check_sizes(ropts: RecoveryOptions, nodes: int, spares: int) -> None:
     """What the job's size makes impossible, refused before anything starts (the dry run too):
     a --min-nodes above the number of nodes it starts with can never be met."""
     if ropts.min_nodes is not None and ropts.min_nodes > nodes:
-        raise PlanError(f"--min-nodes {ropts.min_nodes}: the job starts on {nodes} node{'s' * (nodes != 1)} "
+        raise PlanError(f"{option('min_nodes', ropts.min_nodes)}: the job starts on {nodes} node{'s' * (nodes != 1)} "
                         f"({spares} spare{'s' * (spares != 1)} aside), so it can never shrink to {ropts.min_nodes}; "
-                        f"give --min-nodes 1..{nodes}, or leave it out (never shrink)")
+                        f"give {option('min_nodes')} 1..{nodes}, or leave it out (never shrink)")
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,11 @@ def next_nodes(current: tuple[Node, ...], failed: set[str] | frozenset[str], spa
     nodes = survivors + tuple(taken)
     if dropped and (min_nodes is None or len(nodes) < min_nodes):
         have = f"{len(free)} healthy spare{'s' if len(free) != 1 else ''} left"
-        shrink = ("no --min-nodes (the job does not shrink)" if min_nodes is None
-                  else f"{len(nodes)} node(s) would be left, below --min-nodes {min_nodes}")
+        shrink = (f"no {option('min_nodes')} (the job does not shrink)" if min_nodes is None
+                  else f"{len(nodes)} node(s) would be left, below {option('min_nodes', min_nodes)}")
         raise NoRecovery(f"lost {', '.join(dropped)}; {have}, {shrink}; add hosts to the spares group "
-                         "(--spares / ddpfab_spares_group) or allow a smaller world with --min-nodes")
+                         f"({option('spares')} / ddpfab_spares_group) or allow a smaller world with "
+                         f"{option('min_nodes')}")
     if not nodes:
         raise NoRecovery(f"lost {', '.join(lost)}: no node left")
     return NextSet(nodes, replaced, dropped)
@@ -489,12 +491,12 @@ class Recovery:
         """Why *failure* starts no other attempt (a kind --retry-on leaves out, or no restarts
         left), as the line the run gives up with; None when it may be retried."""
         if failure.kind not in self.ropts.retry_on:
-            why = ("a script failure is not retried (--retry-on script retries it)"
-                   if failure.kind == "script" else "node failures are not retried (--retry-on node)")
+            why = (f"a script failure is not retried ({option('retry_on')} script retries it)"
+                   if failure.kind == "script" else f"node failures are not retried ({option('retry_on')} node)")
             return f"{attempt.ended_because}; {why}"
         if restart >= self.ropts.max_job_restarts:
             return (f"{attempt.ended_because}; no restarts left "
-                    f"(--max-job-restarts {self.ropts.max_job_restarts})")
+                    f"({option('max_job_restarts', self.ropts.max_job_restarts)})")
         return None
 
     def _next(self, course: Course, attempt: Attempt, result: RunResult, failure: Failure) -> int | None:
@@ -555,7 +557,8 @@ def split_spares(cluster: Inventory, spares_group: str | None) -> tuple[Inventor
         return cluster, ()
     if spares_group == cluster.group:
         raise inventory.InventoryError(f"inventory {cluster.source}: the spares group {spares_group!r} is the "
-                                       "group of the nodes itself; pick another --group or --spares")
+                                       f"group of the nodes itself; pick another {option('group')} or "
+                                       f"{option('spares')}")
     spares = inventory.load(cluster.sources or cluster.source, spares_group).nodes
     names = {s.name for s in spares}
     both = [n.name for n in cluster.nodes if n.name in names]
@@ -565,7 +568,8 @@ def split_spares(cluster: Inventory, spares_group: str | None) -> tuple[Inventor
         raise inventory.InventoryError(
             f"inventory {cluster.source}: host{'s' * (len(both) > 1)} {', '.join(both)} {'are' if len(both) > 1 else 'is'} "
             f"in the nodes' group {cluster.group!r} and in the spares group {spares_group!r}; a host is a node or a "
-            "spare: take it out of one of the groups (or use --group all, whose spares are its other hosts)")
+            f"spare: take it out of one of the groups (or use {option('group', 'all')}, whose spares are its other "
+            "hosts)")
     active = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.name not in names))
     if not active.nodes:
         raise inventory.InventoryError(f"inventory {cluster.source}: every host of group {cluster.group!r} is a "

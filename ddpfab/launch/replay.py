@@ -38,6 +38,7 @@ from ddpfab.launch.runs import mask_env
 from ddpfab.health import probe
 from ddpfab.planning import render
 from ddpfab.masking import holds_mask, was_masked
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
@@ -314,7 +315,8 @@ def choose_port(cluster, conns, old_port: int, script: str, cwd: str, same_port:
                                    run_id=run_id)
     if same_port and master.name in facts and facts[master.name].port_free is False:
         problems = [p for p in problems if not p.about(master.name, "master_port")] + [Problem(
-            master.name, "master_port", expected=f"the recorded port {old_port} free (--same-port)", found="in use",
-            text=f"host {master.name}: the recorded master port {old_port} is in use there (--same-port)")]
+            master.name, "master_port", expected=f"the recorded port {old_port} free ({option('same_port', True)})",
+            found="in use",
+            text=f"host {master.name}: the recorded master port {old_port} is in use there ({option('same_port', True)})")]
     port, problems = probe.pick_port(conns, master, facts, problems, old_port, cwd=cwd, replace_taken=not same_port)
     return port or 0, facts, problems

@@ -35,6 +35,7 @@ from typing import Any
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import treehash
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import PlanError
 from ddpfab.problems import Problem
 
@@ -59,7 +60,7 @@ def wanted(cluster, given: list[str] | tuple[str, ...] | None) -> tuple[str, ...
     in that order. A PlanError names the first bad one and where it came from."""
     out: list[str] = []
     for source, paths in [*((f"host {n.name}: ddpfab_replicate", n.replicate) for n in cluster.nodes),
-                          ("--replicate", tuple(given or ()))]:
+                          (option("replicate"), tuple(given or ()))]:
         for p in paths:
             why = path_problem(p)
             if why:
@@ -168,9 +169,9 @@ def decide(order: list[str], paths: tuple[str, ...], stats: dict[str, dict]) -> 
             found = src.get("error") or f"a {src['kind']}"
             out.problems.append(Problem(
                 source, "replicate", expected=f"{path}: a regular file", found=found,
-                fix="name a file (each file of a directory with its own --replicate)",
+                fix=f"name a file (each file of a directory with its own {option('replicate')})",
                 text=f"host {source} (rank 0's node): replicate {path}: {found}, not a regular file; name a file "
-                     "(each file of a directory with its own --replicate)"))
+                     f"(each file of a directory with its own {option('replicate')})"))
             continue
         copy = Copy(path, source, src["sha256"], src["bytes"])
         for name in order[1:]:
@@ -213,12 +214,13 @@ def warnings(order: list[str], paths: tuple[str, ...], stats: dict[str, dict]) -
         if lack:
             src_lacks = order[0] in lack
             found = f"{n} is in the workdir of {', '.join(have)} but not of {', '.join(lack)}"
-            fix = (f"delete it on {', '.join(have)}, or put it on {order[0]} (rank 0's node) and run with --replicate "
-                   f"{word}" if src_lacks else f"run with --replicate {word} (copies it from {order[0]}, rank 0's node)")
+            fix = (f"delete it on {', '.join(have)}, or put it on {order[0]} (rank 0's node) and run with "
+                   f"{option('replicate')} {word}" if src_lacks
+                   else f"run with {option('replicate')} {word} (copies it from {order[0]}, rank 0's node)")
         elif len(sizes) > 1:
             shown = ", ".join(f"{name}: {_size(held[name].get('bytes'))}" for name in have)
             found = f"{n} differs between nodes ({shown})"
-            fix = f"run with --replicate {word} (copies {order[0]}'s, rank 0's node)"
+            fix = f"run with {option('replicate')} {word} (copies {order[0]}'s, rank 0's node)"
         else:
             continue
         text = (f"{found}: a script that resumes from it would resume on some ranks and start over on others "

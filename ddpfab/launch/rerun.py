@@ -24,6 +24,7 @@ from ddpfab.launch.runs import new_run_id
 from ddpfab.health import probe
 from ddpfab.planning import scriptfile
 from ddpfab.masking import recordable
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import Plan, RunOptions, make_plan, parse_env
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote.ssh import HostKeyPolicy
@@ -86,7 +87,7 @@ def _load(path: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except OSError:
-        raise ManifestError(f"no run record {path} (pass --runs-dir where the run was recorded)") from None
+        raise ManifestError(f"no run record {path} (pass {option('runs_dir')} where the run was recorded)") from None
     except ValueError as exc:
         raise ManifestError(f"{path} is not a ddpfab run manifest (not JSON: {exc})") from None
     validate(manifest, str(path))
@@ -114,7 +115,7 @@ def _cluster(run_id: str, manifest: dict, inventory_source: str | list[str] | No
     if masked_vars:
         raise ReplayRefused([f"replay of {run_id} refused: the manifest stores the extra vars "
                              f"{', '.join(masked_vars)} masked (***); give the value again with "
-                             + " ".join(f"-e {k}=..." for k in masked_vars), "nothing was started"])
+                             + " ".join(f"{option('extra_vars')} {k}=..." for k in masked_vars), "nothing was started"])
     chosen = (variables,) if variables else ()
     if "attempt_nodes" in manifest:
         cluster = attempt_cluster(manifest, source, group, extra_vars=chosen)
@@ -131,13 +132,13 @@ def _refuse_changes(run_id: str, manifest: dict, recorded: RunOptions, cluster: 
     problems = check(manifest, cluster)
     if problems and not force:
         raise ReplayRefused([f"replay of {run_id} refused: {p}" for p in problems]
-                            + ["nothing was started; --force replays anyway"], list(problems))
+                            + [f"nothing was started; {option('force', True)} replays anyway"], list(problems))
     for p in problems:
-        say(f"warning: {p} (--force: replaying anyway)")
+        say(f"warning: {p} ({option('force', True)}: replaying anyway)")
     missing = [k for k in masked_keys(recorded, manifest["plan"].get("secret_env") or ()) if k not in overrides]
     if missing:
         raise ReplayRefused([f"replay of {run_id} refused: the manifest stores {', '.join(missing)} masked (***); "
-                             "give the value again with " + " ".join(f"--env {k}=..." for k in missing),
+                             "give the value again with " + " ".join(f"{option('env')} {k}=..." for k in missing),
                              "nothing was started"])
 
 

@@ -25,6 +25,7 @@ from ddpfab.launch.execute import STOP_GRACE_S, NodeOutcome, Printer, RunResult,
 from ddpfab.launch.interrupt import Interrupted
 from ddpfab.launch.replay import MANIFEST_KIND, SCHEMA_VERSION, manifest_fields, recorded_options
 from ddpfab.launch.runs import RunDir, controller_info, mask_env, mask_plan
+from ddpfab.optionnames import option
 from ddpfab.planning import gpu_leases, scriptfile
 from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for, socket_ifname_for
 from ddpfab.problems import DdpfabError, Problem
@@ -258,7 +259,7 @@ def _preflight(cluster, conns, facts, addresses, master: str, port: int, options
                  for n, e in mesh.get("errors", {}).items()]
     if failures:
         raise RunError(failures + [f"preflight checks failed (details: ddpfab check -i {cluster.source}; "
-                                   "skip with --no-check)"])
+                                   f"skip with {option('check', False)})"])
     return check.Report(nodes=[n.name for n in cluster.nodes], results=results,
                         seconds=time.monotonic() - started,
                         extra={"master": master, "master_port": port, "fast": True,

@@ -36,6 +36,7 @@ from paramiko import SSHException
 
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
+from ddpfab.optionnames import option
 from ddpfab.planning.emit import interactive_line, node_script
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
 from ddpfab.problems import DdpfabError
@@ -67,15 +68,16 @@ INSTALL_HINT = "install it (Debian/Ubuntu: apt-get install tmux; macOS: brew ins
 
 
 def refuse(tmux: bool, **others: object) -> None:
-    """PlanError when ``--tmux`` cannot run here or with the *others* given (option -> value)."""
+    """PlanError when ``--tmux`` cannot run here or with the *others* given (the run's option, by its
+    :class:`ddpfab.api.Options` field name -> value)."""
     if not tmux:
         return
     if shutil.which("tmux") is None:
-        raise PlanError(f"--tmux: tmux is not installed on this machine; {INSTALL_HINT}")
-    given = [name for name, value in others.items() if value]
+        raise PlanError(f"{option('tmux')}: tmux is not installed on this machine; {INSTALL_HINT}")
+    given = [option(name) for name, value in others.items() if value]
     if given:
-        raise PlanError(f"--tmux with {', '.join(given)}: each window runs the node's launch without ddpfab's "
-                        "node supervisor, which those need; run without --tmux")
+        raise PlanError(f"{option('tmux')} with {', '.join(given)}: each window runs the node's launch without "
+                        f"ddpfab's node supervisor, which those need; run without {option('tmux')}")
 
 
 def session_name(run_id: str) -> str:
@@ -429,7 +431,7 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
         ended = Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
                       interrupted=str(exc) or "SIGINT")
     except (TmuxError, UnexpectedExit, SSHException, OSError) as exc:
-        printer.note(f"--tmux: could not start: {exc}")
+        printer.note(f"{option('tmux')}: could not start: {exc}")
         ended = Ended(1, None, f"failed to start in tmux: {exc}")
     finally:
         if windows is not None:

@@ -17,6 +17,7 @@ import shlex
 from pathlib import Path
 
 from ddpfab.hosts import nodeenv
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import script_lines
 from ddpfab.problems import DdpfabError
@@ -157,13 +158,13 @@ def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] |
         out.mkdir(parents=True, mode=0o700)
         os.chmod(out, 0o700)  # (mkdir's mode is filtered by the umask)
     elif out.is_symlink():  # private files are not written through a link someone may point elsewhere
-        raise EmitError(f"--emit {out}: is a symbolic link; give the directory itself ({os.path.realpath(out)})")
+        raise EmitError(f"emit directory {out}: is a symbolic link; give the directory itself ({os.path.realpath(out)})")
     elif not out.is_dir():
-        raise EmitError(f"--emit {out}: exists and is not a directory; pick a new directory")
+        raise EmitError(f"emit directory {out}: exists and is not a directory; pick a new directory")
     ours = _own_files(out)
     if ours is None and any(out.iterdir()) and not force:
-        raise EmitError(f"--emit {out}: the directory is not empty and ddpfab did not write it; pick a new or "
-                        "empty directory, or --force to add ddpfab's files there (nothing else is touched)")
+        raise EmitError(f"emit directory {out}: not empty and ddpfab did not write it; pick a new or empty "
+                        f"directory, or {option('force', True)} to add ddpfab's files there (nothing else is touched)")
     for name in ours or []:  # a previous emit's scripts: the directory holds exactly this plan
         old = out / name
         if old.is_file() and not old.is_symlink():

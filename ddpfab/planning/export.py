@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpfab.hosts import inventory, nodeenv
+from ddpfab.optionnames import option
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, make_plan, placeholders_in
 from ddpfab.planning.plan import master_port as decide_port
@@ -97,16 +98,16 @@ def launch_of(plan) -> Launch:
     if not plan.nodes:
         raise ExportError("the plan has no nodes")
     if plan.rdzv != "static":
-        raise ExportError(f"rdzv {plan.rdzv!r}: a scheduler's job is exported with static rendezvous "
+        raise ExportError(f"{option('rdzv')} {plan.rdzv!r}: a scheduler's job is exported with static rendezvous "
                           "(the scheduler gives each node its rank and the master)")
     first, first_cmd = plan.nodes[0], render.command(plan, plan.nodes[0])
     for node in plan.nodes[1:]:
         for what, mine, theirs, fix in (
                 ("python", first.python, node.python, "ddpfab_python"),
                 ("setup", first.setup, node.setup, "ddpfab_setup and ddpfab_conda_env"),
-                ("nproc", first.nproc, node.nproc, "--nproc-per-node or ddpfab_nproc_per_node"),
+                ("nproc", first.nproc, node.nproc, f"{option('nproc_per_node')} or ddpfab_nproc_per_node"),
                 ("workdir", first.workdir, node.workdir, "ddpfab_workdir"),
-                ("env", first.env, node.env, "--env")):
+                ("env", first.env, node.env, option("env"))):
             if mine != theirs and what == "env":  # name the keys only: values may be secrets
                 keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
                 raise ExportError(f"a scheduler starts one command on every node, but {node.name} has other "
@@ -229,7 +230,7 @@ def _sbatch_directives(nnodes: int, job_name: str, gpus_per_node: int, cpus_per_
     for word in sbatch_args:
         name, sep, value = word.partition("=")
         if not name.startswith("--") or not sep:
-            raise ExportError(f"--sbatch {word!r}: give one sbatch option as --name=value")
+            raise ExportError(f"sbatch option {word!r}: give each sbatch option as one --name=value word")
         directives.append(_directive(name[2:], value))
     return directives
 
@@ -255,7 +256,7 @@ def k8s_name(run_id: str) -> str:
 
 def _check_k8s_name(name: str) -> str:
     if len(name) > MAX_K8S_NAME or not _DNS_LABEL.match(name):
-        raise ExportError(f"--name {name!r}: a job name must be a DNS label of at most {MAX_K8S_NAME} "
+        raise ExportError(f"{option('name')} {name!r}: a job name must be a DNS label of at most {MAX_K8S_NAME} "
                           "characters (lower-case letters, digits and '-', starting with a letter)")
     return name
 
@@ -263,7 +264,7 @@ def _check_k8s_name(name: str) -> str:
 def _k8s_env(launch: Launch, reserved: tuple[str, ...], kind: str) -> list[dict[str, str]]:
     clash = [k for k, _ in launch.env if k in reserved]
     if clash:
-        raise ExportError(f"{kind}: the operator sets {', '.join(clash)} itself; do not set it with --env")
+        raise ExportError(f"{kind}: the operator sets {', '.join(clash)} itself; do not set it with {option('env')}")
     return [{"name": k, "value": k8s_escape(v)} for k, v in launch.env]
 
 
@@ -271,7 +272,7 @@ def _metadata(plan, name: str | None, namespace: str | None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": _check_k8s_name(name) if name else k8s_name(plan.run_id)}
     if namespace:
         if len(namespace) > 63 or not _DNS1123_LABEL.match(namespace):
-            raise ExportError(f"--namespace {namespace!r}: a namespace is a DNS label (lower-case letters, "
+            raise ExportError(f"{option('namespace')} {namespace!r}: a namespace is a DNS label (lower-case letters, "
                               "digits and '-', at most 63 characters)")
         meta["namespace"] = namespace
     meta["labels"] = {"app.kubernetes.io/managed-by": "ddpfab"}
@@ -289,7 +290,7 @@ def not_in_containers(plan) -> str | None:
         return None
     what = " and ".join(w for w, v in (("ddpfab_setup", first.setup), ("ddpfab_conda_env", first.conda_env)) if v)
     return (f"{what} of the inventory are not part of a Kubeflow job: its pods run the image's environment "
-            "and --python; put what they set up into the image")
+            f"and {option('python')}; put what they set up into the image")
 
 
 def _k8s_command(launch: Launch, python: str, rank: str, addr: str, port: str) -> tuple[list[str], list[str]]:
@@ -309,7 +310,7 @@ def _k8s_runs(kind: str, launch, image: str, python: str, node_vars: tuple[str, 
     """What a Kubeflow container runs: the image, the torchrun command reading the operator's
     per-node variables (*node_vars*: rank, master address, master port) and the ranks' env."""
     if not image:
-        raise ExportError(f"{kind}: --image is required (an image with torch and the training code)")
+        raise ExportError(f"{kind}: {option('image')} is required (an image with torch and the training code)")
     command, args = _k8s_command(launch, python, *node_vars)
     return {"image": image, "command": command, "args": args, "env": _k8s_env(launch, reserved, kind)}
 

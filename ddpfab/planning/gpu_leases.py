@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from ddpfab.remote.nodeprogram import printable
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import Plan
 from ddpfab.problems import Problem
 
@@ -111,11 +112,11 @@ def refusals(plan: Plan, leases: dict[str, object]) -> list[Problem]:
         held = "; ".join(s.describe() for s in taken)
         what = f"GPU{'s' if need > 1 else ''} {','.join(node.gpu_pin)} (pinned)" if node.gpu_pin else \
             f"{need} GPU{'s' if need > 1 else ''}"
+        wait, fewer = f"wait for them with {option('wait', True)}", f"ask for fewer with {option('gpus_per_node')}"
         problems.append(Problem(
             node.name, "gpus_held", expected=f"{what} free", found=held,
-            fix="wait for them with --wait (ddpfab queue shows who waits), or ask for fewer with --gpus-per-node",
-            text=f"host {node.name}: {what} wanted, {len(free)} free: {held}; wait for them with --wait, "
-                 "or ask for fewer with --gpus-per-node"))
+            fix=f"{wait} (ddpfab queue shows who waits), or {fewer}",
+            text=f"host {node.name}: {what} wanted, {len(free)} free: {held}; {wait}, or {fewer}"))
     return problems
 
 

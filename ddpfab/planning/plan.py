@@ -25,6 +25,7 @@ from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.node.workdir import WorkdirError
 from ddpfab.node.workdir import resolve as resolve_workdir
 from ddpfab.hostlist import compact
+from ddpfab.optionnames import option
 from ddpfab.problems import DdpfabError, Problem
 
 #: Where each node keeps its run records, relative to the SSH user's home.
@@ -450,9 +451,9 @@ def parse_nproc(text: str) -> int | str:
     try:
         value = int(word)
     except ValueError:
-        raise PlanError(f"--nproc-per-node {text!r}: expected a number >= 1, or gpu, cpu or auto") from None
+        raise PlanError(f"{option('nproc_per_node')} {text!r}: expected a number >= 1, or gpu, cpu or auto") from None
     if value < 1:
-        raise PlanError(f"--nproc-per-node must be >= 1, got {value}")
+        raise PlanError(f"{option('nproc_per_node')} must be >= 1, got {value}")
     return value
 
 
@@ -499,17 +500,17 @@ def gpu_lease(node: Node, options: RunOptions, nproc: int, gpus: int | None = No
     have = gpus if gpus is not None else (node.gpus if node.gpus is not None else len(node.gpu_ids or ()))
     asked = options.gpus_per_node
     if asked is not None and asked < 0:
-        raise PlanError(f"--gpus-per-node {asked}: expected a number >= 0")
+        raise PlanError(f"{option('gpus_per_node', asked)}: expected a number >= 0")
     if gpus == 0 and not asked:
         return 0  # probed: no nvidia-smi there (a pinned list is then only CUDA_VISIBLE_DEVICES, as asked)
     if node.gpu_ids:
         if asked is not None and asked != len(node.gpu_ids):
-            raise PlanError(f"host {node.name}: --gpus-per-node {asked} but ddpfab_gpu_ids pins "
+            raise PlanError(f"host {node.name}: {option('gpus_per_node', asked)} but ddpfab_gpu_ids pins "
                             f"{len(node.gpu_ids)} ({','.join(node.gpu_ids)}); give {len(node.gpu_ids)} or change the pin")
         return len(node.gpu_ids)
     want = asked if asked is not None else min(nproc, have)
     if want > have:
-        raise PlanError(f"host {node.name}: --gpus-per-node {want}, but it has {have} GPU{'' if have == 1 else 's'} "
+        raise PlanError(f"host {node.name}: {option('gpus_per_node', want)}, but it has {have} GPU{'' if have == 1 else 's'} "
                         "(nvidia-smi's count)")
     return want
 
@@ -517,20 +518,20 @@ def gpu_lease(node: Node, options: RunOptions, nproc: int, gpus: int | None = No
 def _nproc_word(node: Node, word: str, gpus: int | None, cpus: int | None) -> int:
     """``--nproc-per-node gpu|cpu|auto`` on *node* (see :func:`nproc_for`)."""
     if word not in NPROC_WORDS:
-        raise PlanError(f"--nproc-per-node {word!r}: expected a number >= 1, or gpu, cpu or auto")
+        raise PlanError(f"{option('nproc_per_node')} {word!r}: expected a number >= 1, or gpu, cpu or auto")
     gpu_count = len(node.gpu_ids) if node.gpu_ids else gpus if gpus is not None else node.gpus
     if word == "gpu" or (word == "auto" and gpu_count):
         if gpu_count is None:
-            raise PlanError(f"host {node.name}: --nproc-per-node {word}: its GPU count is not known without "
+            raise PlanError(f"host {node.name}: {option('nproc_per_node', word)}: its GPU count is not known without "
                             "probing it (an offline plan); set ddpfab_gpus in the inventory, give a number, or "
-                            "plan without --offline")
+                            f"plan without {option('offline')}")
         if not gpu_count:
-            raise PlanError(f"host {node.name}: --nproc-per-node gpu: it has no GPU (nvidia-smi lists none), and "
+            raise PlanError(f"host {node.name}: {option('nproc_per_node', 'gpu')}: it has no GPU (nvidia-smi lists none), and "
                             "torchrun refuses gpu there; use cpu, auto or a number")
         return gpu_count
     if cpus is None:
-        raise PlanError(f"host {node.name}: --nproc-per-node {word}: its CPU count is not known without probing "
-                        "it (an offline plan); give a number or plan without --offline")
+        raise PlanError(f"host {node.name}: {option('nproc_per_node', word)}: its CPU count is not known without "
+                        f"probing it (an offline plan); give a number or plan without {option('offline')}")
     return cpus
 
 
@@ -575,12 +576,12 @@ def parse_env(pairs: list[str] | tuple[str, ...],
     for pair in pairs:
         if environ is not None and "=" not in pair and _ENV_KEY.fullmatch(pair):
             if pair not in environ:
-                raise PlanError(f"--env {pair}: no value given and {pair} is not set in this shell; "
-                                f"export it, or pass --env {pair}=VALUE")
+                raise PlanError(f"{option('env')} {pair}: no value given and {pair} is not set in this shell; "
+                                f"export it, or pass {option('env')} {pair}=VALUE")
             pair = f"{pair}={environ[pair]}"
         key, sep, value = pair.partition("=")
         if not sep or not _ENV_KEY.fullmatch(key):
-            raise PlanError(f"--env {pair!r}: expected KEY=VALUE with KEY made of letters, digits and '_'")
+            raise PlanError(f"{option('env')} {pair!r}: expected KEY=VALUE with KEY made of letters, digits and '_'")
         out.append((key, value))
     return tuple(out)
 
@@ -598,7 +599,7 @@ def nproc_per_node(asked: int | str | None) -> int | str | None:
         PlanError: fewer than one process.
     """
     if isinstance(asked, int) and asked < 1:
-        raise PlanError(f"--nproc-per-node must be >= 1, got {asked}")
+        raise PlanError(f"{option('nproc_per_node')} must be >= 1, got {asked}")
     return asked
 
 
@@ -621,7 +622,7 @@ def master_port(asked: int | None, *, found: int | None = None, asked_free: bool
         The port, or None when the probe found none free (its problem says so).
     """
     if asked is not None and not 1 <= asked <= 65535:
-        raise PlanError(f"--master-port {asked} is not a TCP port (1-65535)")
+        raise PlanError(f"{option('master_port', asked)} is not a TCP port (1-65535)")
     if offline:
         return asked if asked is not None else DEFAULT_PORT_RANGE[0]
     if asked is not None and not (asked_free is False and replace_taken):
@@ -712,11 +713,12 @@ def is_port(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
 
 
-def check_run_id(run_id: str, what: str = "--run-id") -> str:
-    """*run_id*, or a PlanError naming it as *what*: it becomes a directory name here and on every
-    node (``runs/<id>``, ``~/.ddpfab/runs/<id>``), so every command that takes one checks it so."""
+def check_run_id(run_id: str, what: str | None = None) -> str:
+    """*run_id*, or a PlanError naming it as *what* (default: the ``run_id`` option, as the reader
+    spells it): it becomes a directory name here and on every node (``runs/<id>``,
+    ``~/.ddpfab/runs/<id>``), so every command that takes one checks it so."""
     if not is_run_id(run_id):
-        raise PlanError(f"{what} {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
+        raise PlanError(f"{what or option('run_id')} {run_id!r}: expected 1-80 letters, digits, '.', '_' or '-' (starting with a "
                         "letter or digit, no '..'): it names a directory here and on every node")
     return run_id
 
@@ -754,13 +756,14 @@ def socket_ifname_for(node: Node, options: RunOptions, facts: Facts) -> tuple[st
     if ifname:
         return ifname, None
     if choice == "auto":
-        raise PlanError(f"host {node.name}: --socket-ifname auto: no single interface reaches all its peers; "
-                        "name one with --socket-ifname IFACE")
+        raise PlanError(f"host {node.name}: {option('socket_ifname', 'auto')}: no single interface reaches all its "
+                        f"peers; name one with {option('socket_ifname', 'IFACE')}")
     if node.name not in facts.ifnames:
         return None, None  # not probed (an offline plan): nothing to choose from
     return None, (f"host {node.name}: no single interface reaches all its peers, so GLOO_SOCKET_IFNAME/"
                   "NCCL_SOCKET_IFNAME are not set there (the backends advertise its hostname's address); "
-                  "name one with --socket-ifname IFACE, or --socket-ifname none to silence this")
+                  f"name one with {option('socket_ifname', 'IFACE')}, or {option('socket_ifname', 'none')} to "
+                  "silence this")
 
 
 def socket_ifname_warnings(cluster: Inventory, options: RunOptions, facts: Facts) -> list[str]:
@@ -781,19 +784,21 @@ def socket_ifname_names(value: str) -> tuple[str, ...]:
     NCCL's own forms (``^docker0,lo`` to exclude, ``=eth0`` for exact names) are refused: gloo
     would look for an interface called ``^docker0`` (they go in ``--env NCCL_SOCKET_IFNAME=...``).
     Raises PlanError saying so."""
-    fix = ("pass NCCL's own forms as --env NCCL_SOCKET_IFNAME=VALUE (it wins over --socket-ifname for that "
-           "variable), or name the interfaces, e.g. --socket-ifname eth0,eth1")
+    fix = (f"pass NCCL's own forms as {option('env')} NCCL_SOCKET_IFNAME=VALUE (it wins over "
+           f"{option('socket_ifname')} for that variable), or name the interfaces, e.g. "
+           f"{option('socket_ifname', 'eth0,eth1')}")
     if value[:1] in ("^", "="):
         raise PlanError(Problem(None, "socket_ifname", expected="interface names, e.g. eth0 or eth0,eth1",
                                 found=value, fix=fix,
-                                text=f"--socket-ifname {value}: {value[0]!r} is NCCL_SOCKET_IFNAME's own syntax, "
+                                text=f"{option('socket_ifname')} {value}: {value[0]!r} is NCCL_SOCKET_IFNAME's own "
+                                     "syntax, "
                                      "which GLOO_SOCKET_IFNAME (set to the same value) does not read; " + fix))
     names = tuple(value.split(","))
     for name in names:
         if not name or len(name) > 15 or name in (".", "..") or _NOT_IN_IFNAME.search(name):
             raise PlanError(Problem(None, "socket_ifname", expected="interface names, e.g. eth0 or eth0,eth1",
                                     found=value, fix="name interfaces, separated by commas",
-                                    text=f"--socket-ifname {value!r}: {name!r} is no interface name (1-15 "
+                                    text=f"{option('socket_ifname')} {value!r}: {name!r} is no interface name (1-15 "
                                          "characters, no '/', ':' or space); name interfaces, separated by commas"))
     return names
 
@@ -831,7 +836,7 @@ def _ifname_found(value: str, names: tuple[str, ...], have: dict[str, Interface]
 
 def _ifname_fix(have: dict[str, Interface], towards: str | None, whose: str = "its") -> str:
     """The fix: ``auto`` (and what it chooses there), or one of the node's usable interfaces."""
-    auto = "--socket-ifname auto" + (f" (which chooses {towards})" if towards else "")
+    auto = option("socket_ifname", "auto") + (f" (which chooses {towards})" if towards else "")
     others = _ifname_candidates(have)
     return f"use {auto}, or name one of {whose} interfaces: {', '.join(others)}" if others else f"use {auto}"
 
@@ -863,13 +868,14 @@ def socket_ifname_problems(cluster: Inventory, options: RunOptions, facts: Facts
             node, have = members[0]
             fix = _ifname_fix(have, facts.ifnames.get(node.name), whose="their")
             problems.append((node, Problem(None, "socket_ifname", expected=expected, found=key[0], fix=fix,
-                                           text=f"--socket-ifname {value}: {len(members)} nodes: {key[0]}: "
+                                           text=f"{option('socket_ifname', value)}: {len(members)} nodes: {key[0]}: "
                                                 f"{compact([n.name for n, _ in members])}; {fix}")))
             continue
         for node, have in members:
             found = _ifname_found(value, names, have, addrs=True)
             problems.append((node, Problem(node.name, "socket_ifname", expected=expected, found=found, fix=key[1],
-                                           text=f"host {node.name}: --socket-ifname {value}: {found}; {key[1]}")))
+                                           text=f"host {node.name}: {option('socket_ifname', value)}: {found}; "
+                                                f"{key[1]}")))
     order = {n.name: i for i, n in enumerate(cluster.nodes)}
     return [p for _, p in sorted(problems, key=lambda np: order[np[0].name])]
 
@@ -905,7 +911,7 @@ def make_plan(cluster: Inventory, options: RunOptions, facts: Facts) -> Plan:
         script_local_rank=options.script_local_rank and options.launcher == "torchrun",
         wait=options.wait and any(n.gpus for n in nodes), exit_guard=options.exit_guard,
         hang_timeout=float(options.hang_timeout), on_hang=options.on_hang,
-        pdb=pdb_ranks(options.pdb, world), debugpy=pdb_ranks(options.debugpy, world, "--debugpy"))
+        pdb=pdb_ranks(options.pdb, world), debugpy=pdb_ranks(options.debugpy, world, "debugpy"))
 
 
 def check_options(cluster: Inventory, options: RunOptions, facts: Facts) -> None:
@@ -918,31 +924,34 @@ def check_options(cluster: Inventory, options: RunOptions, facts: Facts) -> None
     if not is_port(facts.master_port):
         raise PlanError(f"master port {facts.master_port!r} is not a TCP port (1-65535)")
     if options.exit_guard not in EXIT_GUARD_MODES:
-        raise PlanError(f"--exit-guard must be one of {', '.join(EXIT_GUARD_MODES)}, got {options.exit_guard!r}")
+        raise PlanError(f"{option('exit_guard')} must be one of {', '.join(EXIT_GUARD_MODES)}, got {options.exit_guard!r}")
     if options.max_restarts < 0:
-        raise PlanError(f"--max-restarts must be >= 0, got {options.max_restarts}")
+        raise PlanError(f"{option('max_restarts')} must be >= 0, got {options.max_restarts}")
     if not isinstance(options.hang_timeout, (int, float)) or isinstance(options.hang_timeout, bool) \
             or not 0 <= options.hang_timeout < float("inf"):
-        raise PlanError(f"--hang-timeout must be a number of seconds >= 0 (0: off), got {options.hang_timeout!r}")
+        raise PlanError(f"{option('hang_timeout')} must be a number of seconds >= 0 (0: off), got "
+                        f"{options.hang_timeout!r}")
     if options.on_hang not in ON_HANG:
-        raise PlanError(f"--on-hang must be one of {', '.join(ON_HANG)}, got {options.on_hang!r}")
+        raise PlanError(f"{option('on_hang')} must be one of {', '.join(ON_HANG)}, got {options.on_hang!r}")
     nproc_per_node(options.nproc_per_node)
     if options.module:
         check_module_name(options.script)
     bad_keys = [k for k in options.secret_env if not _ENV_KEY.fullmatch(k)]
     if bad_keys:
-        raise PlanError(f"--secret-env {bad_keys[0]!r}: expected an environment variable name (letters, digits, '_')")
-    for what, value, allowed in (("--rdzv", options.rdzv, RDZV_STYLES), ("--launcher", options.launcher, LAUNCHERS),
-                                 ("--init-method", options.init_method, INIT_METHODS)):
+        raise PlanError(f"{option('secret_env')} {bad_keys[0]!r}: expected an environment variable name (letters, "
+                        "digits, '_')")
+    for what, value, allowed in (("rdzv", options.rdzv, RDZV_STYLES), ("launcher", options.launcher, LAUNCHERS),
+                                 ("init_method", options.init_method, INIT_METHODS)):
         if value not in allowed:
-            raise PlanError(f"{what} {value!r}: expected one of {', '.join(allowed)}")
+            raise PlanError(f"{option(what)} {value!r}: expected one of {', '.join(allowed)}")
     if options.init_method == "file":
         missing = [n.name for n in cluster.nodes if not n.shared_dir]
         if missing:
-            raise PlanError(f"--init-method file needs ddpfab_shared_dir (a directory every node shares, e.g. "
+            raise PlanError(f"{option('init_method', 'file')} needs ddpfab_shared_dir (a directory every node shares, e.g. "
                             f"on NFS) in the inventory; not set for {', '.join(missing)}")
     if options.pdb and options.debugpy:
-        raise PlanError("--pdb with --debugpy: a rank is debugged one way; pick one (--debugpy: from VS Code)")
+        raise PlanError(f"{option('pdb')} with {option('debugpy')}: a rank is debugged one way; pick one "
+                        f"({option('debugpy')}: from VS Code)")
     ifname_problems = socket_ifname_problems(cluster, options, facts)
     if ifname_problems:
         raise PlanError(ifname_problems)
@@ -974,8 +983,9 @@ def check_script_args(options: RunOptions) -> None:
         raise PlanError(f"local rank argument {options.local_rank_arg!r}: expected one of {', '.join(LOCAL_RANK_ARGS)}")
     used = placeholders_in(options.args)
     if options.rdzv == "c10d" and "node_rank" in used:
-        raise PlanError("{{node_rank}} in a script argument needs --rdzv static: with c10d, torchrun assigns node "
-                        "ranks at rendezvous and ddpfab cannot know them beforehand (read GROUP_RANK in the script)")
+        raise PlanError(f"{{{{node_rank}}}} in a script argument needs {option('rdzv', 'static')}: with c10d, "
+                        "torchrun assigns node ranks at rendezvous and ddpfab cannot know them beforehand (read "
+                        "GROUP_RANK in the script)")
     expand_placeholders(tuple(options.args), dict.fromkeys(PLACEHOLDERS, ""))  # an unknown name: PlanError
 
 
@@ -1028,14 +1038,14 @@ def node_env(node: Node, options: RunOptions, facts: Facts, master_addr: str, re
     return env
 
 
-def pdb_ranks(spec: str, world_size: int, flag: str = "--pdb") -> str:
+def pdb_ranks(spec: str, world_size: int, field: str = "pdb") -> str:
     """``--pdb``'s (or ``--debugpy``'s) ranks as the plan keeps them: "all", or the global ranks in
     order, separated by commas ("" when *spec* is empty: no debugger).
 
     Args:
         spec: "all", or ranks and ranges separated by commas (``"5"``, ``"0,3-4"``).
         world_size: the job's number of ranks; a rank at or beyond it is refused.
-        flag: the option it came from, as errors name it.
+        field: the option it came from (``pdb`` or ``debugpy``), as errors name it (:func:`option`).
     """
     spec = spec.strip()
     if spec in ("", "all"):
@@ -1044,11 +1054,11 @@ def pdb_ranks(spec: str, world_size: int, flag: str = "--pdb") -> str:
     for part in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise PlanError(f"{flag} takes 'all' or ranks and ranges separated by commas (5, 0,3-4), got {spec!r}")
+            raise PlanError(f"{option(field)} takes 'all' or ranks and ranges separated by commas (5, 0,3-4), got {spec!r}")
         ranks.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
     beyond = sorted(r for r in ranks if r >= world_size)
     if beyond:
-        raise PlanError(f"{flag} {spec}: rank {beyond[0]} is not in this job (its ranks are 0-{world_size - 1})")
+        raise PlanError(f"{option(field, spec)}: rank {beyond[0]} is not in this job (its ranks are 0-{world_size - 1})")
     return ",".join(str(r) for r in sorted(ranks))
 
 

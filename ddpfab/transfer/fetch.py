@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resourcecheck
 from ddpfab.hosts.inventory import Inventory, Node
+from ddpfab.optionnames import option
 from ddpfab.planning.plan import REMOTE_RUNS_DIR, node_order
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.noderunner import NodeRunner, rsync_argv
@@ -177,7 +178,7 @@ def pick_node(cluster: Inventory, node: str | None, rank: int | None) -> Node:
     order = node_order(cluster)
     r = 0 if rank is None else rank
     if not 0 <= r < len(order):
-        raise FetchError(f"--rank {r}: the inventory has node ranks 0..{len(order) - 1}")
+        raise FetchError(f"{option('rank', r)}: the inventory has node ranks 0..{len(order) - 1}")
     return order[r]
 
 
@@ -261,7 +262,7 @@ def _destination(local_dir: str | os.PathLike, path: str, overwrite: bool) -> tu
     local_dir = os.path.abspath(os.fspath(local_dir))
     dest = os.path.join(local_dir, os.path.basename(path.rstrip("/")))
     if os.path.lexists(dest) and not overwrite:
-        raise FetchError(f"{dest} exists already; pass --overwrite to replace it, or give another LOCAL_DIR", 1)
+        raise FetchError(f"{dest} exists already; pass {option('overwrite', True)} to replace it, or give another LOCAL_DIR", 1)
     try:
         os.makedirs(local_dir, exist_ok=True)
     except OSError as exc:

@@ -28,6 +28,8 @@ import re
 import stat
 from collections.abc import Callable
 
+from ddpfab.optionnames import option
+
 #: Files this size or larger are never read for a key header (a key is a few KiB at most).
 KEY_SIZE_LIMIT = 64 * 1024
 #: How much of a file's start is read for a key header (a ``.pem``/``.key`` is read whole).
@@ -107,7 +109,7 @@ def left_out_line(paths: list[str], shown: int = 3) -> str:
     what = " and ".join([f"{keys} private key{'s' * (keys != 1)}"] * bool(keys)
                         + [f"{in_ssh} file{'s' * (in_ssh != 1)} in .ssh/"] * bool(in_ssh))
     names = ", ".join(paths[:shown]) + (", ..." if len(paths) > shown else "")
-    return (f"sync: left out {what} ({names}): they never leave this machine; --include-keys sends them "
+    return (f"sync: left out {what} ({names}): they never leave this machine; {option('include_keys', True)} sends them "
             "(a `!PATH` line in .ddpfabignore, the one it names)")
 
 

@@ -61,6 +61,7 @@ from pathlib import Path
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.node import treehash, workdir
+from ddpfab.optionnames import option
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.noderunner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
@@ -503,15 +504,15 @@ def mismatch_advice(ours: dict | None, theirs: dict | None, *, verify_only: bool
     shown = ", ".join(same_size[:3]) + (", ..." if len(same_size) > 3 else "")
     if verify_only:
         if same_size:
-            return (f"Nothing was copied (--verify-only); {shown} has the same size here and there: run "
+            return (f"Nothing was copied ({option('verify_only', True)}); {shown} has the same size here and there: run "
                     "`ddpfab sync --checksum` (rsync's quick check may skip a file whose size and mtime match)")
-        return "Nothing was copied (--verify-only): run `ddpfab sync` to copy this tree there"
+        return f"Nothing was copied ({option('verify_only', True)}): run `ddpfab sync` to copy this tree there"
     if same_size and not checksum:
         return (f"{shown}: the same size here and there but other contents, so a file there was changed without "
                 "changing its size and mtime (rsync's quick check skips those), or it changed during the sync: "
                 "run `ddpfab sync --checksum`")
     return ("The tree changed during the sync (here, or in the node's workdir meanwhile): sync again"
-            + ("" if checksum else " (rsync copies a file whose size changed: --checksum would not help)"))
+            + ("" if checksum else f" (rsync copies a file whose size changed: {option('checksum', True)} would not help)"))
 
 
 def _rsync_problem(name: str, rc: int, stderr: str) -> str:
@@ -859,9 +860,9 @@ class _Sync:
             return self.fail(t, (
                 f"host {t.node.name}: {t.rec.workdir} is this very directory (a shared filesystem), but the node "
                 "reads other contents" + (f" ({', '.join(diffs)})" if diffs else "") + ": its view lags this "
-                "machine's. Nothing is copied to a shared directory, and --no-sync would run the old code there: "
-                "run again in a moment (NFS revalidates its cache within seconds). On a `ddpfab lab` host, a dir "
-                "given to `lab up --share` keeps a file replaced by rename (`sed -i`, an editor's save) stale: "
+                f"machine's. Nothing is copied to a shared directory, and {option('sync', False)} would run the old "
+                "code there: run again in a moment (NFS revalidates its cache within seconds). On a `ddpfab lab` host, "
+                "a dir given to `lab up --share` keeps a file replaced by rename (`sed -i`, an editor's save) stale: "
                 "bring the lab up from the project's directory, which its hosts see live"))
         skipped = same_size_differences(ours, theirs) if ours is not None and theirs is not None else []
         if (skipped and t.rec.copied is not None and not t.resent
@@ -997,7 +998,7 @@ class _Sync:
         first.start()
         plan, why = self.tree_setup(order)
         if why:
-            self.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+            self.note(f"{option('fanout', 'tree')} not possible ({why}); using the star (every node from this machine)")
             self.fanout_used = "star"
             rest = threading.Thread(target=self.star, args=(order[1:],))
             rest.start()
@@ -1062,7 +1063,7 @@ class _Sync:
         why = self.agent.start()
         if why:
             self.agent = None
-            self.note(f"--fanout tree not possible ({why}); using the star (every node from this machine)")
+            self.note(f"{option('fanout', 'tree')} not possible ({why}); using the star (every node from this machine)")
 
     def probe_while_hashing(self, create: bool) -> None:
         """:meth:`connect_and_probe`, with the local tree hashed meanwhile (into ``local``): the

@@ -71,7 +71,7 @@ def test_refusals_before_any_host_is_contacted_are_the_commands(tmp_path, monkey
         cluster.run("trian.py")
     with pytest.raises(PlanError, match="not a TCP port"):
         cluster.run("train.py", master_port=70000)
-    with pytest.raises(PlanError, match="retry-on"):
+    with pytest.raises(PlanError, match="retry_on nodes: expected one of"):
         cluster.run("train.py", retry_on=["nodes"])
     with pytest.raises(PlanError, match="given twice"):
         cluster.run("train.py", (), Options(), nproc_per_node=1)

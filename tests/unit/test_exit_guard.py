@@ -191,7 +191,7 @@ def test_the_spec_carries_the_guard_unless_it_is_off():
     assert spec["exit_guard"]["source"] == Path(exitguard.__file__).read_text()
     off = make_plan(c, RunOptions("t.py", exit_guard="off"), facts)
     assert "exit_guard" not in launch.agent_spec(off, off.nodes[0])
-    with pytest.raises(PlanError, match="--exit-guard must be one of on, record, off"):
+    with pytest.raises(PlanError, match="exit_guard must be one of on, record, off"):
         make_plan(c, RunOptions("t.py", exit_guard="maybe"), facts)
 
 

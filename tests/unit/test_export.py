@@ -406,7 +406,7 @@ def test_k8s_names_are_dns_labels():
         to_pytorchjob(plan_of(), image="img", name="Bad_Name")
     with pytest.raises(ExportError):
         to_trainjob(plan_of(), image="img", namespace="no spaces")
-    with pytest.raises(ExportError, match="--image"):
+    with pytest.raises(ExportError, match="pytorchjob: image is required"):
         to_pytorchjob(plan_of(), image="")
 
 

@@ -188,7 +188,7 @@ def test_the_printer_folds_victims_and_torchruns_reports_and_shows_noise_once():
     assert not any("Connection closed" in ln or "ChildFailedError" in ln or "Root Cause" in ln for ln in shown)
     assert sum("[c10d] The hostname" in ln for ln in shown) == 1
     assert any("step 0 ok" in ln for ln in shown)
-    assert "lines folded" in shown[-1] and "--verbose" in shown[-1]
+    assert "lines folded" in shown[-1] and "verbose=True shows them" in shown[-1]
     assert "torchrun's reports" in shown[-1] and "lost their peer" in shown[-1]
     assert len(shown) <= 10, shown
     # --verbose: every line, in order

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ddpfab.cli import run as run_cli
 from ddpfab.health import hints
 from ddpfab.launch import execute as launch
+from ddpfab.optionnames import spelled_by
 
 
 def test_the_gloo_exit_abort_line_gets_the_known_cause_and_the_fix():
     line = "[default1]:terminate called without an active exception"
     sig = hints.signature_of(line)
     assert sig is not None
-    assert "190489" in sig.hint and "--exit-guard" in sig.hint and "ddist.finish()" in sig.hint
+    assert "190489" in sig.hint and "exit_guard='on'" in sig.hint and "ddist.finish()" in sig.hint
     assert hints.signature_of("terminate called after throwing an instance of 'c10::Error'") is None
     assert hints.signature_of("step 3 mean loss 0.1") is None
+
+
+def test_a_hint_names_options_as_its_reader_spells_them_when_it_is_read():
+    sig, loopback = hints.signature_of(hints.EXIT_ABORT_LINE), hints.signature_of("Using the loopback address as fallback")
+    assert sig is not None and loopback is not None
+    assert "socket_ifname='auto'" in loopback.hint and hints.exit_abort_hint() == sig.hint
+    with spelled_by(run_cli.flag):  # the command line's flags, for the same signatures
+        assert "(--exit-guard on, the default)" in sig.hint and "--exit-guard on" in hints.exit_abort_hint()
+        assert "Fix: --socket-ifname auto (or GLOO_SOCKET_IFNAME=IFACE)" in loopback.hint
 
 
 def test_a_node_job_records_each_hint_once():
@@ -26,8 +37,8 @@ def test_a_node_job_records_each_hint_once():
     for text in ("rank 0 done", f"[default0]:{hints.EXIT_ABORT_LINE}", f"[default1]:{hints.EXIT_ABORT_LINE}"):
         job._line(text)
     assert job.outcome.lines == 3 and len(lines) == 3
-    assert job.outcome.hints == [hints.EXIT_ABORT_HINT]
-    assert job.outcome.to_dict()["hints"] == [hints.EXIT_ABORT_HINT]
+    assert job.outcome.hints == [hints.exit_abort_hint()]
+    assert job.outcome.to_dict()["hints"] == [hints.exit_abort_hint()]
 
 
 # Each signature, in the text torch / gloo / NCCL print it (torch 2.x), as it reaches ddpfab through

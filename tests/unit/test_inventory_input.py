@@ -186,7 +186,7 @@ def test_limit_from_a_file_of_patterns_as_in_ansible(tmp_path, capsys):
     patterns.write_text("\n\n")
     with pytest.raises(InventoryError, match="names no host pattern"):
         inventory.load(str(inv), limit=f"@{patterns}")
-    with pytest.raises(InventoryError, match=r"--limit @.*nope: No such file"):
+    with pytest.raises(InventoryError, match=r"limit='@.*nope': No such file"):
         inventory.load(str(inv), limit=f"@{tmp_path / 'nope'}")
     patterns.write_bytes(b"\xef\xbb\xbfn1\r\nn3\r\n")  # a byte-order mark and CRLF, as Notepad writes them
     assert names(str(inv), limit=f"@{patterns}") == ["n1", "n3"]

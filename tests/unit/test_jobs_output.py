@@ -46,7 +46,7 @@ def test_attach_ends_as_run_would_have():
     124 whatever the stopped nodes exited with (it was 137: the node's code after the stop)."""
     assert attach_end({"node1": 137, "node2": 143}, {}, ["node2 rank 3 (pid 9) is stopped (SIGSTOP, state T)"]) == (
         EXIT_HUNG, "hung: node2 rank 3 (pid 9) is stopped (SIGSTOP, state T); the job was stopped on every node "
-                   "(--on-hang stop)", False)
+                   "(on_hang='stop')", False)
     assert attach_end({"node1": 0, "node2": 3}, {}) == (3, "failed on node2 (exit code 3)", False)
     assert attach_end({"node1": 0, "node2": 0}, {}) == (0, "all nodes exited 0", False)
     code, line, warned = attach_end({"node1": 0, "node2": 134}, {"node2": {"aborted": [{"rank": 3, "signal": 6}]}})

@@ -1,7 +1,7 @@
 """The packages' layers, as import-linter's "layers" contract: a package imports only packages
 below it (or itself), at module level or inside a function alike; every package has its place.
 
-    base modules (version, problems, results, masking, hostlist, dist)
+    base modules (version, problems, results, masking, optionnames, hostlist, dist)
     < node (the program the nodes run: standard library only)
     < hosts (what the nodes are) < remote (reaching them) < lab (namespace hosts)
     < planning (every decision, pure) < health (facts, checks, the doctor)
@@ -17,7 +17,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "ddpfab"
 
 #: Bottom first. A name is a subpackage, a top-level module, or ``__init__``/``__main__``.
-LAYERS = ("version", "problems", "results", "masking", "hostlist", "dist", "node", "hosts", "remote", "lab",
+LAYERS = ("version", "problems", "results", "masking", "optionnames", "hostlist", "dist", "node", "hosts", "remote", "lab",
           "planning", "health", "transfer", "launch", "api", "cli", "__main__", "__init__")
 
 

@@ -141,9 +141,9 @@ def test_a_problem_travels_as_data_and_prints_as_its_sentence():
 
 
 #: The top level holds only the entry points and what every layer shares (problems, results, the
-#: masking rule, folded host lists); everything else lives in the subpackage that owns its capability.
+#: masking rule, options' names, folded host lists); everything else lives in the subpackage that owns its capability.
 TOP_LEVEL = {"ddpfab", "ddpfab.__main__", "ddpfab.api", "ddpfab.dist", "ddpfab.hostlist", "ddpfab.masking",
-             "ddpfab.problems", "ddpfab.results", "ddpfab.version"}
+             "ddpfab.optionnames", "ddpfab.problems", "ddpfab.results", "ddpfab.version"}
 
 
 def test_modules_live_in_the_subpackage_of_their_capability_and_each_says_what_it_owns():

@@ -199,7 +199,7 @@ def test_the_plan_leases_what_the_processes_need():
     assert gpu_lease(_node(), opts, nproc=2, gpus=0) == 0  # a CPU node: nothing to lease
     assert gpu_lease(_node(), RunOptions("t.py", gpus_per_node=3), nproc=1, gpus=4) == 3
     assert gpu_lease(_node(gpu_ids=("1", "3")), opts, nproc=1, gpus=4) == 2
-    with pytest.raises(PlanError, match="host n1: --gpus-per-node 5, but it has 4 GPUs"):
+    with pytest.raises(PlanError, match="host n1: gpus_per_node=5, but it has 4 GPUs"):
         gpu_lease(_node(), RunOptions("t.py", gpus_per_node=5), nproc=1, gpus=4)
     with pytest.raises(PlanError, match="ddpfab_gpu_ids pins 2"):
         gpu_lease(_node(gpu_ids=("1", "3")), RunOptions("t.py", gpus_per_node=1), nproc=1, gpus=4)

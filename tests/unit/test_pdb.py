@@ -205,9 +205,9 @@ def test_an_exception_raised_inside_a_collective_gets_no_post_mortem(tmp_path):
 
 # -- --debugpy: the same ranks' spelling, its own line, the supervisor's setup ----------------------
 def test_debugpy_ranks_are_read_as_pdb_ranks_and_refusals_name_debugpy():
-    assert pdb_ranks("1,3-4", 6, "--debugpy") == "1,3,4"
-    with pytest.raises(PlanError, match="--debugpy 9: rank 9 is not in this job"):
-        pdb_ranks("9", 4, "--debugpy")
+    assert pdb_ranks("1,3-4", 6, "debugpy") == "1,3,4"
+    with pytest.raises(PlanError, match="debugpy='9': rank 9 is not in this job"):
+        pdb_ranks("9", 4, "debugpy")
     args = build_parser().parse_args(spell_pdb(["run", "-i", "a,b,", "--debugpy", "train.py", "--debugpy"]))
     assert (args.debugpy, args.script, args.args) == ("all", "train.py", ["--debugpy"])
     args = build_parser().parse_args(spell_pdb(["run", "-i", "a,b,", "--debugpy", "2", "train.py"]))
@@ -248,7 +248,7 @@ def test_pdb_and_debugpy_together_and_debugpy_detached_are_refused(tmp_path, mon
         make_plan(cluster, RunOptions("t.py", pdb="all", debugpy="1"), facts)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("print(1)\n")
-    with pytest.raises(PlanError, match="--debugpy with --detach"):  # before any node is contacted
+    with pytest.raises(PlanError, match="debugpy with detach"):  # before any node is contacted
         Cluster.load("a,b,").run("t.py", debugpy="1", detach=True)
 
 

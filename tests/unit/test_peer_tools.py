@@ -152,7 +152,7 @@ def test_placeholders_expand_per_node_and_survive_replay():
     assert render.argv(again, again.nodes[2])[-4:] == ("--peer=10.0.0.1:29600", "r2/n3/1/3", "{not_a_placeholder}", "$NODE_RANK")
     with pytest.raises(PlanError, match=r"\{\{node_rnk\}\} is unknown \(did you mean 'node_rank'"):
         make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=("{{node_rnk}}",)), _facts(nodes))
-    with pytest.raises(PlanError, match="needs --rdzv static"):
+    with pytest.raises(PlanError, match="needs rdzv='static'"):
         make_plan(Inventory("x", "all", nodes), RunOptions("t.py", args=("{{node_rank}}",), rdzv="c10d"), _facts(nodes))
 
 

@@ -143,5 +143,5 @@ def test_master_port_is_decided_in_one_place(asked, kw, port):
 
 @given(st.integers().filter(lambda p: not 1 <= p <= 65535), st.booleans())
 def test_a_master_port_outside_tcp_is_an_error_whatever_else(port, offline):
-    with pytest.raises(PlanError, match=f"--master-port {port} is not a TCP port"):
+    with pytest.raises(PlanError, match=f"master_port={port} is not a TCP port"):
         master_port(port, offline=offline)

@@ -121,7 +121,7 @@ def test_an_advertised_address_no_peer_reaches_is_named_with_its_interface_and_t
     assert {(r.node, r.check) for r in results if r.status == "fail"} == {("node2", "advertised")}
     (line,) = grouped_lines(results)
     assert "resolves to 10.99.0.2 (interface side0), which 3 of 3 peers cannot reach" in line
-    assert "--socket-ifname auto" in line and "10.0.0.2" in line
+    assert "socket_ifname='auto'" in line and "10.0.0.2" in line
 
 
 def test_an_advertised_address_every_peer_reaches_passes():
@@ -163,7 +163,7 @@ def test_a_node_without_one_interface_warns_by_default_and_refuses_only_when_aut
     assert "GLOO_SOCKET_IFNAME" not in plan.nodes[1].env and plan.nodes[0].env["GLOO_SOCKET_IFNAME"] == "eth0"
     (warning,) = socket_ifname_warnings(c, RunOptions("t.py"), facts)
     assert warning.startswith("host node2: no single interface reaches all its peers")
-    with pytest.raises(PlanError, match="host node2: --socket-ifname auto"):
+    with pytest.raises(PlanError, match="host node2: socket_ifname='auto'"):
         make_plan(c, RunOptions("t.py", socket_ifname="auto"), facts)
     offline = probed(c, {})  # nothing probed: nothing to choose from, nothing to warn about
     assert socket_ifname_warnings(c, RunOptions("t.py"), offline) == []

@@ -96,7 +96,7 @@ all:
 def test_host_key_checking_off_in_the_inventory_is_refused(tmp_path, var):
     inv = tmp_path / "inv.yml"
     inv.write_text(f"all:\n  hosts:\n    n1:\n  vars:\n    {var}: false\n")
-    with pytest.raises(InventoryError, match=rf"host n1: {var}=False cannot be honoured.*--accept-new-host-keys"):
+    with pytest.raises(InventoryError, match=rf"host n1: {var}=False cannot be honoured.*accept_new_host_keys=True"):
         load(str(inv), group="all")
     inv.write_text(f"all:\n  hosts:\n    n1:\n  vars:\n    {var}: true\n")
     assert load(str(inv), group="all").nodes[0].name == "n1"

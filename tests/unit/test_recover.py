@@ -37,14 +37,14 @@ def test_a_lost_master_leaves_the_first_survivor_first():
 
 
 def test_without_a_spare_the_lost_node_is_named():
-    with pytest.raises(recover.NoRecovery, match=r"lost b; 0 healthy spares left, no --min-nodes"):
+    with pytest.raises(recover.NoRecovery, match=r"lost b; 0 healthy spares left, no min_nodes"):
         recover.next_nodes(nodes("a", "b"), {"b"}, (), excluded=set(), min_nodes=None)
 
 
 def test_min_nodes_shrinks_but_not_below():
     nxt = recover.next_nodes(nodes("a", "b", "c"), {"c"}, (), excluded=set(), min_nodes=2)
     assert names(nxt.nodes) == ["a", "b"] and nxt.dropped == ("c",)
-    with pytest.raises(recover.NoRecovery, match="below --min-nodes 3"):
+    with pytest.raises(recover.NoRecovery, match="below min_nodes=3"):
         recover.next_nodes(nodes("a", "b", "c"), {"c"}, (), excluded=set(), min_nodes=3)
 
 
@@ -140,7 +140,7 @@ def test_options_from_the_command_line_and_the_inventory():
     assert o.spares_group == "standby" and o.retry_on == frozenset({"node"})
     assert recover_cli.recovery_options(_args(spares="other"), cl).spares_group == "other"
     assert recover_cli.recovery_options(_args(retry_on=["script"]), cl).retry_on == frozenset({"script"})
-    with pytest.raises(PlanError, match="--max-job-restarts must be >= 0"):
+    with pytest.raises(PlanError, match="max_job_restarts must be >= 0"):
         recover_cli.recovery_options(_args(max_job_restarts=-1), cl)
     mixed = Inventory("inv.yml", "all", (Node("a", "a", spares_group="x"), Node("b", "b", spares_group="y")))
     with pytest.raises(PlanError, match="disagree on ddpfab_spares_group"):

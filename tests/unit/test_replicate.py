@@ -109,7 +109,7 @@ def test_receive_never_writes_through_a_symlink_out_of_the_workdir(tmp_path):
 @pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../b", "./a", ".ddpfab/sync.json", "a\nb", "", "a//b"])
 def test_paths_are_checked_like_workdir_paths_before_any_host(path):
     cluster = Inventory("inv", "all", (Node("n1", "10.0.0.1"),))
-    with pytest.raises(PlanError, match="--replicate"):
+    with pytest.raises(PlanError, match="^replicate: "):
         replicate.wanted(cluster, [path])
     bad = Inventory("inv", "all", (Node("n1", "10.0.0.1", replicate=(path,)),))
     with pytest.raises(PlanError, match="host n1: ddpfab_replicate"):
@@ -156,7 +156,7 @@ def test_warnings_name_the_nodes_lacking_a_resume_file_and_the_fix():
     [w] = replicate.warnings(["n1", "n2", "n3"], (), stats)
     assert w.node == "n2" and w.check == "resume_file"
     assert "snapshot.pt is in the workdir of n1 but not of n2, n3" in str(w)
-    assert "--replicate snapshot.pt" in w.fix
+    assert "run with replicate snapshot.pt" in w.fix
     # replicated: no warning, the copy fixes it
     assert replicate.warnings(["n1", "n2", "n3"], ("snapshot.pt",), stats) == []
     # differing sizes, and a file rank 0's node lacks (replicating cannot help: delete it there)
@@ -187,7 +187,7 @@ def test_the_command_line_refuses_a_bad_path_before_any_host_and_the_offline_dry
 
 
 def test_the_fix_a_warning_prints_is_a_command_line_word_for_any_name():
-    # a resume file whose name has a space: the fix's --replicate word is quoted for the shell
+    # a resume file whose name has a space: the fix's replicate word is quoted for the shell
     stats = {"n1": {"files": {}, "scan": {"my snap.pt": f(b"a")}}, "n2": {"files": {}, "scan": {}}}
     [w] = replicate.warnings(["n1", "n2"], (), stats)
-    assert "--replicate 'my snap.pt' " in w.fix
+    assert "replicate 'my snap.pt' " in w.fix

@@ -168,7 +168,7 @@ def test_floors_parse(spec, want):
 
 @pytest.mark.parametrize("spec", ["shm", "swap=1G", "shm=lots", "nofile=1k", "disk=-1G"])
 def test_bad_floors_are_a_plan_error_naming_the_item(spec):
-    with pytest.raises(PlanError, match="resource-floors|not a size"):
+    with pytest.raises(PlanError, match="resource_floors|not a size"):
         resourcecheck.parse_floors(spec)
 
 
@@ -225,10 +225,10 @@ def test_a_daemon_on_the_master_port_is_never_a_kill_to_suggest():
         facts = {n: fact() for n in "abc"}
         facts["a"] = fact(resources=res(port_holders=[who]))
         (p,) = grouped_problems(checked(facts, master_port=22))
-        assert "kill" not in p.fix and p.fix == "pick another --master-port (or leave it out)"
+        assert "kill" not in p.fix and p.fix == "pick another master_port (or leave it out)"
         assert resourcecheck.port_holders(facts["a"])[1] == ""
     left = {"pid": 900, "user": "bob", "cmd": "python train.py", "age_s": 60, "run_id": None}
     facts = {n: fact() for n in "abc"}
     facts["a"] = fact(resources=res(port_holders=[left]))
     (p,) = grouped_problems(checked(facts, master_port=29500))
-    assert p.fix == "kill 900 (if it is a left-over), or pick another --master-port (or leave it out)"
+    assert p.fix == "kill 900 (if it is a left-over), or pick another master_port (or leave it out)"

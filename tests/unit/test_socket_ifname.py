@@ -49,8 +49,8 @@ def test_a_node_without_the_interface_is_refused_naming_it_its_interfaces_and_th
     (p,) = err.problems
     assert p.node == "node2" and err.nodes() == ["node2"]
     assert p.found == "no interface ib0; it has lo (127.0.0.1, ::1), eth0 (10.0.0.2)"
-    assert p.fix == "use --socket-ifname auto (which chooses eth0), or name one of its interfaces: eth0"
-    assert str(p) == f"host node2: --socket-ifname ib0: {p.found}; {p.fix}"
+    assert p.fix == "use socket_ifname='auto' (which chooses eth0), or name one of its interfaces: eth0"
+    assert str(p) == f"host node2: socket_ifname='ib0': {p.found}; {p.fix}"
     assert p.expected == "interface ib0 there, up, with an IP address"
 
 
@@ -92,8 +92,8 @@ def test_many_nodes_with_the_same_problem_are_one_line_and_the_others_their_own(
     err = refusal(c, "ib0", facts(c, interfaces))
     grouped, own = err.problems
     assert grouped.node is None
-    assert str(grouped) == ("--socket-ifname ib0: 38 nodes: no interface ib0; each has lo, eth0: node[1-6,8,10-40] "
-                            "(38 nodes); use --socket-ifname auto (which chooses eth0), or name one of their "
+    assert str(grouped) == ("socket_ifname='ib0': 38 nodes: no interface ib0; each has lo, eth0: node[1-6,8,10-40] "
+                            "(38 nodes); use socket_ifname='auto' (which chooses eth0), or name one of their "
                             "interfaces: eth0")
     assert own.node == "node7" and own.found.startswith("ib0 is down")
 
@@ -121,7 +121,7 @@ def test_nccls_own_forms_are_refused_even_offline(value):
     c = cluster(2)
     for f in (facts(c), facts(c, {})):
         err = refusal(c, value, f)
-        assert "NCCL_SOCKET_IFNAME's own syntax" in str(err) and "--env NCCL_SOCKET_IFNAME=" in str(err)
+        assert "NCCL_SOCKET_IFNAME's own syntax" in str(err) and "env NCCL_SOCKET_IFNAME=" in str(err)
 
 
 @pytest.mark.parametrize("value", ["eth0,", ",eth0", "a/b", "eth0 eth1", "eth0:1", "x" * 16, ".."])

@@ -16,6 +16,7 @@ from ddpfab.api import Cluster, Options
 from ddpfab.cli import run as run_cli
 from ddpfab.hosts import inventory
 from ddpfab.launch import replay
+from ddpfab.optionnames import spelled_by
 from ddpfab.transfer import keys, sync
 
 OPENSSH = b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmU=\n-----END OPENSSH PRIVATE KEY-----\n"
@@ -125,8 +126,10 @@ def test_the_line_says_how_many_where_and_how_to_send_them():
     line = keys.left_out_line(LEFT_OUT)
     assert line.startswith("sync: left out 3 private keys and 1 file in .ssh/ (certs/server.pem, "
                            "deploy/.ssh/config, lab/id_ed25519, ...): they never leave this machine; "
-                           "--include-keys sends them")
+                           "include_keys=True sends them")
     assert keys.left_out_line(["lab/id_ed25519"]).startswith("sync: left out 1 private key (lab/id_ed25519):")
+    with spelled_by(run_cli.flag):  # the command line's user reads its flag
+        assert "machine; --include-keys sends them" in keys.left_out_line(LEFT_OUT)
 
 
 # -- the selection -----------------------------------------------------------------------------

@@ -549,16 +549,16 @@ def test_mismatch_advice_names_checksum_only_where_the_quick_check_could_have_sk
     ours, theirs = _two_trees(tmp_path, b"print(1)\n", b"print(22)\n")  # the size changed
     assert ours["sizes"] == {"train.py": 9} and theirs["sizes"] == {"train.py": 10}
     after_copy = sync.mismatch_advice(ours, theirs, verify_only=False, checksum=False)
-    assert "--checksum would not help" in after_copy and "run `ddpfab sync --checksum`" not in after_copy
+    assert "checksum=True would not help" in after_copy and "run `ddpfab sync --checksum`" not in after_copy
     verify = sync.mismatch_advice(ours, theirs, verify_only=True, checksum=False)
-    assert "--verify-only" in verify and "`ddpfab sync`" in verify and "--checksum" not in verify
+    assert "(verify_only=True)" in verify and "`ddpfab sync`" in verify and "checksum" not in verify
 
     ours, theirs = _two_trees(tmp_path / "same", b"print(1)\n", b"print(2)\n")  # same size, other bytes
     after_copy = sync.mismatch_advice(ours, theirs, verify_only=False, checksum=False)
     assert after_copy.startswith("train.py: the same size") and "run `ddpfab sync --checksum`" in after_copy
     assert "`ddpfab sync --checksum`" in sync.mismatch_advice(ours, theirs, verify_only=True, checksum=False)
     # contents were compared already: --checksum is no advice
-    assert "--checksum" not in sync.mismatch_advice(ours, theirs, verify_only=False, checksum=True)
+    assert "checksum" not in sync.mismatch_advice(ours, theirs, verify_only=False, checksum=True)
 
 
 def test_a_sync_never_copies_from_a_system_dir_or_a_home(tmp_path, monkeypatch):

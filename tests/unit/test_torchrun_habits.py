@@ -58,7 +58,7 @@ def test_each_word_is_decided_per_node_from_its_facts():
     assert [n.nproc for n in cpu.nodes] == [64, 16]
     # the plan holds the number: torchrun gets what ddpfab decided, the same in every rendering
     assert "--nproc-per-node=64" in render.argv(cpu, cpu.nodes[0])
-    with pytest.raises(PlanError, match=r"host c: --nproc-per-node gpu: it has no GPU"):
+    with pytest.raises(PlanError, match=r"host c: nproc_per_node='gpu': it has no GPU"):
         make_plan(TWO, RunOptions("t.py", nproc_per_node="gpu"), facts)
     only_gpus = Inventory("inv.yml", "all", (GPU_NODE,))
     assert make_plan(only_gpus, RunOptions("t.py", nproc_per_node="gpu"), facts).nodes[0].nproc == 8
@@ -74,7 +74,7 @@ def test_a_gpu_list_counts_before_the_probe_and_the_inventory_offline():
 
 @pytest.mark.parametrize("word", ["gpu", "cpu", "auto"])
 def test_an_offline_plan_refuses_a_count_it_cannot_know_naming_the_node(word):
-    with pytest.raises(PlanError, match=rf"host g: --nproc-per-node {word}: its (GPU|CPU) count is not known"):
+    with pytest.raises(PlanError, match=rf"host g: nproc_per_node='{word}': its (GPU|CPU) count is not known"):
         make_plan(TWO, RunOptions("t.py", nproc_per_node=word), offline())
 
 

@@ -1,0 +1,50 @@
+"""An option named in a message is spelled as its reader writes it: a library caller reads the
+field of :class:`ddpfab.api.Options` (``hang_timeout``), a command-line user the flag
+(``--hang-timeout``); the library decides the message, the CLI only the spelling."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from ddpfab import cli
+from ddpfab.api import Cluster, Options
+from ddpfab.cli import run as run_cli
+from ddpfab.hosts import inventory
+from ddpfab.optionnames import option, python_name, spelled_by
+from ddpfab.planning.plan import PlanError
+
+from .test_cli_defaults import leaf_parsers, options
+
+
+def test_every_option_the_command_line_spells_is_one_of_its_flags():
+    run_flags = options(dict(leaf_parsers(cli.build_parser()))["run"])
+    for field in fields(Options):
+        assert run_cli.flag(field.name) in run_flags, field.name
+        if field.type == "bool":
+            assert run_cli.flag(field.name, False if field.default else True) in run_flags, field.name
+
+
+def test_values_and_negations_read_as_each_reader_writes_them():
+    assert [python_name("exit_guard", "off"), python_name("sync", False), python_name("runs_dir")] == [
+        "exit_guard='off'", "sync=False", "runs_dir"]
+    assert [run_cli.flag("exit_guard", "off"), run_cli.flag("sync", False), run_cli.flag("runs_dir"),
+            run_cli.flag("wait", True), run_cli.flag("env", "A=b c")] == [
+        "--exit-guard off", "--no-sync", "--runs-dir", "--wait", "--env 'A=b c'"]
+    assert option("hang_timeout") == "hang_timeout"
+    with spelled_by(run_cli.flag):
+        assert option("hang_timeout") == "--hang-timeout"
+    assert option("hang_timeout") == "hang_timeout"  # only within
+
+
+def test_a_library_caller_reads_field_names_and_the_command_line_user_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    cluster = Cluster(inventory.load("192.0.2.1,192.0.2.2,"))  # TEST-NET: nothing answers there
+    with pytest.raises(PlanError) as raised:
+        cluster.run("train.py", hang_timeout=-1, dry_run=True, offline=True)
+    assert str(raised.value).startswith("hang_timeout must be") and "--" not in str(raised.value)
+    code = cli.main(["plan", "-i", "192.0.2.1,192.0.2.2,", "--offline", "--hang-timeout", "-1", "train.py"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--hang-timeout must be" in err and "hang_timeout" not in err
