@@ -414,6 +414,13 @@ class Held:
     already: bool = False
     failed: dict[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def of_status(cls, status: dict) -> Held:
+        """The holder that answered *status* (:func:`ddpfab.remote.holder.status`'s validated
+        reply): one that was there before the call."""
+        return cls(status["pid"], [str(n) for n in status["nodes"]], [str(n) for n in status["connected"]],
+                   float(status["idle_s"]), already=True)
+
     @property
     def ok(self) -> bool:
         """Every node was connected."""
@@ -605,14 +612,7 @@ class Cluster:
         failure among the results)."""
         from ddpfab.remote import ssh  # the SSH stack: see LAZY above
 
-
-        def connected(node):
-            conn = ssh.connect(node, self.policy, self.ssh_config)
-            try:
-                return fn(conn, node)
-            finally:
-                conn.close()
-        return ssh.parallel(self.parsed.nodes, connected)
+        return ssh.on_each(self.parsed.nodes, self.policy, self.ssh_config, fn)
 
     # -- warm connections -------------------------------------------------------------------
     def _holder_name(self) -> str:
@@ -628,8 +628,7 @@ class Cluster:
         status = holder.status(self._holder_name())
         if status is None:
             return None
-        return Held(status["pid"], [str(n) for n in status["nodes"]], [str(n) for n in status["connected"]],
-                    float(status["idle_s"]), already=True)
+        return Held.of_status(status)
 
     def hold(self, *, idle: float | None = None) -> Held:
         """``ddpfab hold``: start a process that connects every node once and keeps the connections
@@ -655,7 +654,7 @@ class Cluster:
         status = holder.status(name)
         if status is not None:
             if status["prints"] == wanted and status["idle_s"] == idle:
-                return Held(status["pid"], list(status["nodes"]), list(status["connected"]), idle, already=True)
+                return Held.of_status(status)
             self.say(f"the holder (pid {status['pid']}) holds these nodes otherwise (other variables, hosts or "
                      "idle limit); starting a new one")
             self._end_holder(name, status["pid"])
@@ -672,8 +671,7 @@ class Cluster:
             taken = holder.status(name) if exc.taken else None
             if taken is None:  # else another hold of this inventory started it at the same moment
                 raise
-            return Held(taken["pid"], list(taken["nodes"]), list(taken["connected"]), float(taken["idle_s"]),
-                        already=True)
+            return Held.of_status(taken)
         failed = {str(k): str(v) for k, v in (msg.get("failed") or {}).items()}
         return Held(int(msg["pid"]), self.names, [n for n in self.names if n not in failed], idle, failed=failed)
 

@@ -66,30 +66,14 @@ def _connect(args, cluster):
     return runner.connect_all(cluster, policy, args.ssh_config)
 
 
-def _on_each_node(args, cluster, fn, each: bool = False) -> GroupResult:
-    """``fn(conn, node)`` on every node of *cluster* in parallel over fresh connections, closed
-    after; node name -> its result, or the exception it raised. Every node must connect first
-    (else RunError, nothing done), unless *each*: then a node that cannot be reached is one
-    failure among the results."""
+def _on_each_node(args, cluster, fn) -> GroupResult:
+    """``fn(conn, node)`` on every node of *cluster* over connections of their own (a node that
+    cannot be reached is one failure among the results)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.remote import ssh
 
-    if each:
-        policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
-
-        def connected(n):
-            conn = ssh.connect(n, policy, args.ssh_config)
-            try:
-                return fn(conn, n)
-            finally:
-                conn.close()
-        return ssh.parallel(cluster.nodes, connected)
-    conns = _connect(args, cluster)
-    try:
-        return ssh.parallel(cluster.nodes, lambda n: fn(conns[n.name], n))
-    finally:
-        for c in conns.values():
-            c.close()
+    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+    return ssh.on_each(cluster.nodes, policy, args.ssh_config, fn)
 
 
 def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:

@@ -319,6 +319,20 @@ def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T],
     return results
 
 
+def on_each(nodes: list[Node] | tuple[Node, ...], policy: HostKeyPolicy, ssh_config: str | None,
+            fn: Callable[[Connection, Node], T]) -> GroupResult[T]:
+    """``fn(connection, node)`` on every node at once, each over a connection of its own, closed
+    after; per node its result or the exception it raised (a node that cannot be reached is one
+    failure among the results)."""
+    def connected(node: Node) -> T:
+        conn = connect(node, policy, ssh_config)
+        try:
+            return fn(conn, node)
+        finally:
+            conn.close()
+    return parallel(nodes, connected)
+
+
 #: How long the main thread waits for a node's thread at a time (see :func:`_result`).
 SIGNAL_CHECK_S = 0.2
 
