@@ -171,6 +171,7 @@ def _guard(fn):
 def cmd_ps(args) -> int:
     from ddpfab.api import Cluster
     from ddpfab.launch.jobs import grouped, node_state_text
+    from ddpfab.launch.tmuxrun import session_name
 
     cluster = Cluster(_cluster(args, None), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
     jobs = cluster.ps(runs_dir=args.runs_dir)
@@ -189,7 +190,8 @@ def cmd_ps(args) -> int:
         states = {n: node_state_text(s) for n, s in r["nodes"].items()}
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
-                   f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else "")
+                   f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else
+                   f"  (in tmux: tmux attach -t {session_name(r['run_id'])})" if r.get("tmux") else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
     for name, gpus in jobs.gpus.items():  # the node's GPUs, every user's leases (ddpfab.node.leases)
         for g in gpus:

@@ -50,6 +50,8 @@ def ps_record(rec) -> dict:
            "started": float(started) if isinstance(started, (int, float)) and not isinstance(started, bool) else None}
     if isinstance(why, str) and why:  # what stopped it, in its supervisor's words
         out["stopped"] = nodeprog.printable(why)[:200]
+    if rec.get("tmux") is True:  # a `run --tmux` window's launch: no supervisor, its exit code is local
+        out["tmux"] = True
     return out
 
 
@@ -74,6 +76,8 @@ def list_runs(answers: dict[str, tuple[float, list[dict]]], local: Callable[[str
                                                   "now": now})
             run["nodes"][name] = {"state": rec["state"], "exit_code": rec["exit_code"],
                                   **({"stopped": rec["stopped"]} if "stopped" in rec else {})}
+            if rec.get("tmux"):
+                run["tmux"] = True
     rows = sorted(runs.values(), key=lambda r: r["run_id"])
     for r in rows:
         record = local(r["run_id"])

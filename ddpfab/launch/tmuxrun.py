@@ -36,6 +36,7 @@ from paramiko import SSHException
 
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
+from ddpfab.node.ops import TMUX_PID
 from ddpfab.optionnames import option
 from ddpfab.planning.emit import interactive_line, node_script
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refu
 
 #: The launch and the pid of its session, in the node's record of the run (removed at the end)
 LAUNCH = "tmux-launch.sh"
-PID = "tmux.pid"
+PID = TMUX_PID
 #: The launch's first line: ``sh FILE`` reads on from the open file, so the file (which may hold
 #: secret values) is gone from the node as soon as its window started it, whatever happens next.
 SELF_REMOVE = 'rm -f -- "$0"\n'

@@ -594,10 +594,50 @@ def _cmdline_has(pid, word):
         return False
 
 
+#: A ``run --tmux`` launch's record in its run dir (no supervisor runs it): the pid of the shell
+#: its window's ssh started, which leads its session (written by ddpfab.launch.tmuxrun's window).
+TMUX_PID = "tmux.pid"
+
+
+def _session_has_run(sid, rid):
+    """A process of session *sid* carries run *rid* (``DDPFAB_RUN_ID`` in its environment: a pid
+    or session id reused since is not the run's)."""
+    want = ("DDPFAB_RUN_ID=%s" % rid).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as fh:
+                fields = fh.read().rpartition(b")")[2].split()
+            if int(fields[3]) != sid:  # after the command's ")": state, ppid, pgrp, session
+                continue
+            with open("/proc/%s/environ" % entry, "rb") as fh:
+                if want in fh.read().split(b"\0"):
+                    return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+def _tmux_record(d, rid):
+    """Run *rid*'s record on this node when a ``run --tmux`` window launched it: running while a
+    process of its session carries the run, else ended (its exit code is the controller's)."""
+    path = os.path.join(d, TMUX_PID)
+    try:
+        with open(path) as fh:
+            sid = int(fh.read().strip())
+        started = os.stat(path).st_mtime
+    except (OSError, ValueError):
+        return None
+    return {"run_id": rid, "state": "running" if _session_has_run(sid, rid) else "exited", "exit_code": None,
+            "started": started, "agent_pid": sid, "dir": d, "tmux": True}
+
+
 def op_ps(req, session):
     """The run records under the runs dir (``root``), each with its state: running (its
     supervisor lives), exited, stopped or cancelled (with its exit code, and for the last two
-    what stopped it: :func:`ended_state`) or dead; only ``run_id`` when given."""
+    what stopped it: :func:`ended_state`) or dead; a ``run --tmux`` launch too (``tmux``: no
+    supervisor, no exit code here); only ``run_id`` when given."""
     root, only, runs = _runs_root(req), req.get("run_id"), []
     for rid in (sorted(os.listdir(root)) if os.path.isdir(root) else []):
         if only and rid != only:
@@ -608,6 +648,9 @@ def op_ps(req, session):
                 rec = json.load(fh)
             pid = int(rec["agent_pid"])
         except (OSError, ValueError, KeyError, TypeError):
+            tmux = _tmux_record(d, rid)
+            if tmux:
+                runs.append(tmux)
             continue
         state, code, why = "dead", None, None
         try:

@@ -124,6 +124,11 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
         elif how == "ctrl-c to ddpfab":
             run.proc.send_signal(signal.SIGINT)
         elif how == "ddpfab stop":
+            # `ps` lists the run (no supervisor runs it: its windows' sessions do) and says where it is
+            listed = ddpfab("ps", "-i", str(inventory2), "--runs-dir", str(run.runs)).stdout
+            row = next((line for line in listed.splitlines() if line.startswith(run.run_id + " ")), "")
+            assert row.split()[1] == "running" and "node1:running node2:running" in row, listed
+            assert row.endswith(f"(in tmux: tmux attach -t {run.session})"), listed
             res = ddpfab("stop", run.run_id, "--runs-dir", str(run.runs), env={"TMUX_TMPDIR": str(tmp_path)})
             assert f"controller: tmux session {run.session}: closed" in res.stdout, res.stdout + res.stderr
         else:  # a window closed by hand: its node's launch is over, as if it failed

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ddpfab.launch.hangwatch import EXIT_HUNG
-from ddpfab.launch.jobs import FOLD_ABOVE, attach_end, grouped, line_count, logs_report, node_state_text, run_state
+from ddpfab.launch.jobs import (FOLD_ABOVE, attach_end, grouped, line_count, list_runs, logs_report, node_state_text,
+                                ps_record, run_state)
 
 
 def test_up_to_the_limit_every_node_keeps_its_line_in_order():
@@ -77,3 +78,11 @@ def test_a_follow_that_breaks_under_the_hang_watch_is_raised_not_read_as_success
 
     with pytest.raises(OSError, match="channel closed"):
         _watched(broken, Watch(), [0.0], lambda: None, None)
+
+
+def test_a_tmux_launch_is_a_run_of_its_own_kind_in_ps():
+    rec = {"run_id": "t1", "state": "running", "exit_code": None, "started": 5.0, "tmux": True}
+    assert ps_record(rec)["tmux"] is True
+    assert "tmux" not in ps_record({**rec, "tmux": "yes"})  # records are data: only a true True
+    (row,) = list_runs({"node1": (9.0, [ps_record(rec)]), "node2": (9.0, [ps_record(rec)])}, lambda run_id: {})
+    assert (row["state"], row["tmux"], row["age_s"]) == ("running", True, 4.0)

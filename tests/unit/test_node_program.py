@@ -178,6 +178,27 @@ def test_ps_and_stop_over_run_records(tmp_path):
     assert program.op_stop({"dir": str(run), "grace": 0.1}, {}) == {"said": "not running", "stopped": True}
 
 
+def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(tmp_path):
+    """A `run --tmux` window's launch has no supervisor: its shell's session is the record."""
+    runs = tmp_path / "runs"
+    run = runs / "tmux-ps-1"
+    run.mkdir(parents=True)
+    launch = subprocess.Popen(["sleep", "60"], start_new_session=True, env={**os.environ, "DDPFAB_RUN_ID": run.name})
+    try:
+        (run / program.TMUX_PID).write_text(f"{launch.pid}\n")
+        (found,) = program.op_ps({"root": str(runs)}, {})["runs"]
+        assert (found["run_id"], found["state"], found["exit_code"], found["tmux"]) == (run.name, "running", None, True)
+        (run / program.TMUX_PID).write_text(f"{os.getsid(0)}\n")  # a session no process of this run is in
+        assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"
+    finally:
+        launch.kill()
+        launch.wait()
+    (run / program.TMUX_PID).write_text(f"{launch.pid}\n")  # its session ended with it
+    assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"
+    (run / program.TMUX_PID).write_text("not a pid\n")  # records are data
+    assert program.op_ps({"root": str(runs)}, {})["runs"] == []
+
+
 def test_the_supervisor_is_an_operation_of_the_same_program(tmp_path):
     spec = {"run_id": "sup-1", "dir": str(tmp_path / "run"), "workdir": str(tmp_path), "grace": 1,
             "argv": [sys.executable, "-c", "import os; print('job says', os.environ['TOKEN'])"],
