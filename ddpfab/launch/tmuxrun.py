@@ -36,11 +36,12 @@ from paramiko import SSHException
 
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
-from ddpfab.node.ops import TMUX_PID
+from ddpfab.node.agent import TMUX_PID
 from ddpfab.optionnames import option
 from ddpfab.planning.emit import interactive_line, node_script
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
 from ddpfab.problems import DdpfabError
+from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
 
 if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refuse())
@@ -194,14 +195,12 @@ def place_launches(plan: Plan, conns: dict[str, Connection]) -> None:
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:
-    """Signal what is left of *node*'s launch: the processes of the session its window's ssh
-    started whose environment names this run (a pid reused since is not ours). True when some
-    process was signalled."""
-    pid, mine = shlex.quote(f"{node.remote_dir}/{PID}"), shlex.quote(f"DDPFAB_RUN_ID={run_id}")
-    res = conn.run(f"sid=$(cat {pid} 2>/dev/null) || exit 0; for p in $(pgrep -s \"$sid\"); do "
-                   f"tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | grep -qx {mine} && kill -{signal_name} $p "
-                   "&& echo $p; done; exit 0", hide=True, warn=True, pty=False)
-    return bool(res.stdout.strip())
+    """Signal what is left of *node*'s launch (the node program's ``signal_tmux``: the processes of
+    the session its window's ssh started that carry this run). True when some process was
+    signalled."""
+    reply = nodeprog.call(conn, node, {"op": "signal_tmux", "dir": node.remote_dir, "run_id": run_id,
+                                       "signal": signal_name}, timeout=30)[0]
+    return bool(reply.value(node.name).get("signalled"))
 
 
 def cleanup_node(conn: Connection, node: NodePlan) -> None:

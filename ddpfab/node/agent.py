@@ -93,6 +93,69 @@ def marked_processes(run_id, uid=None):
     return found
 
 
+#: A ``run --tmux`` launch's record in its run dir (no supervisor runs it): the pid of the shell
+#: its window's ssh started, which leads its session (written by ddpfab.launch.tmuxrun's window).
+TMUX_PID = "tmux.pid"
+
+
+def tmux_launch(run_dir, run_id):
+    """Run *run_id*'s ``run --tmux`` launch on this node, as (its session, the pids of that
+    session's processes that carry the run: ``DDPFAB_RUN_ID``, so that a pid or session reused
+    since is not taken for it); None when no such launch was recorded in *run_dir*."""
+    try:
+        with open(os.path.join(os.path.expanduser(run_dir), TMUX_PID)) as fh:
+            sid = int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+    want = ("DDPFAB_RUN_ID=%s" % run_id).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as fh:
+                fields = fh.read().rpartition(b")")[2].split()
+            if int(fields[3]) != sid:  # after the command's ")": state, ppid, pgrp, session
+                continue
+            with open("/proc/%s/environ" % entry, "rb") as fh:
+                if want in fh.read().split(b"\0"):
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sid, found
+
+
+def signal_tmux_launch(run_dir, run_id, signal_name):
+    """Send SIG*signal_name* to what is left of run *run_id*'s ``run --tmux`` launch here; how many
+    processes got it."""
+    signum = getattr(signal, "SIG" + str(signal_name), None)
+    if not isinstance(signum, signal.Signals):
+        raise ValueError("no signal SIG%s" % signal_name)
+    sent = 0
+    for pid in (tmux_launch(run_dir, run_id) or (None, []))[1]:
+        try:
+            os.kill(pid, signum)
+            sent += 1
+        except OSError:
+            pass
+    return sent
+
+
+def _end_tmux_launch(run_dir, run_id, grace):
+    """``ddpfab stop`` of a ``run --tmux`` launch (SIGTERM, SIGKILL after *grace* s): (what
+    happened, 1 if some of it would not end)."""
+    if not signal_tmux_launch(run_dir, run_id, "TERM"):
+        return "its tmux launch had ended", 0
+    deadline = time.monotonic() + grace
+    while tmux_launch(run_dir, run_id)[1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if signal_tmux_launch(run_dir, run_id, "KILL"):
+        deadline = time.monotonic() + 5
+        while tmux_launch(run_dir, run_id)[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return "stopped its tmux launch", (1 if tmux_launch(run_dir, run_id)[1] else 0)
+
+
 def end_marked(run_id, grace):
     """End every process of job *run_id* found by its marker (TERM, KILL after *grace* s); the
     number of processes found. For a job whose supervisor is gone."""
@@ -1288,7 +1351,8 @@ def ended_state(result):
 def stop_job(run_dir, grace):
     """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
     then end whatever of the job is left by its marker: a job whose supervisor was killed (its
-    orphans) is ended too, and said so. Returns (one line saying what happened, 1 if something
+    orphans) is ended too, and said so. A ``run --tmux`` launch (no supervisor) is ended by its
+    session (:func:`tmux_launch`). Returns (one line saying what happened, 1 if something
     would not stop else 0)."""
     run_dir = os.path.expanduser(run_dir)
     run_id = os.path.basename(run_dir.rstrip("/"))
@@ -1298,6 +1362,8 @@ def stop_job(run_dir, grace):
         said = "not running"
     except (OSError, ValueError, KeyError, TypeError):
         pid, said = None, "absent"
+        if tmux_launch(run_dir, run_id) is not None:  # no supervisor: a `run --tmux` window launched it
+            return _end_tmux_launch(run_dir, run_id, grace)
 
     def alive():
         try:

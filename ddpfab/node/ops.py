@@ -29,7 +29,7 @@ import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
-    from .agent import detach_stdin, ended_state, read_result, stop_job
+    from .agent import TMUX_PID, detach_stdin, ended_state, read_result, signal_tmux_launch, stop_job, tmux_launch
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
     from .loop import OPS, RAW, TAKEOVER, NodeOpError, raw_writer, handle, read_exactly, reply
@@ -594,43 +594,19 @@ def _cmdline_has(pid, word):
         return False
 
 
-#: A ``run --tmux`` launch's record in its run dir (no supervisor runs it): the pid of the shell
-#: its window's ssh started, which leads its session (written by ddpfab.launch.tmuxrun's window).
-TMUX_PID = "tmux.pid"
-
-
-def _session_has_run(sid, rid):
-    """A process of session *sid* carries run *rid* (``DDPFAB_RUN_ID`` in its environment: a pid
-    or session id reused since is not the run's)."""
-    want = ("DDPFAB_RUN_ID=%s" % rid).encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry, "rb") as fh:
-                fields = fh.read().rpartition(b")")[2].split()
-            if int(fields[3]) != sid:  # after the command's ")": state, ppid, pgrp, session
-                continue
-            with open("/proc/%s/environ" % entry, "rb") as fh:
-                if want in fh.read().split(b"\0"):
-                    return True
-        except (OSError, ValueError, IndexError):
-            continue
-    return False
-
-
 def _tmux_record(d, rid):
     """Run *rid*'s record on this node when a ``run --tmux`` window launched it: running while a
     process of its session carries the run, else ended (its exit code is the controller's)."""
-    path = os.path.join(d, TMUX_PID)
-    try:
-        with open(path) as fh:
-            sid = int(fh.read().strip())
-        started = os.stat(path).st_mtime
-    except (OSError, ValueError):
+    launch = tmux_launch(d, rid)
+    if launch is None:
         return None
-    return {"run_id": rid, "state": "running" if _session_has_run(sid, rid) else "exited", "exit_code": None,
-            "started": started, "agent_pid": sid, "dir": d, "tmux": True}
+    sid, pids = launch
+    try:
+        started = os.stat(os.path.join(d, TMUX_PID)).st_mtime
+    except OSError:
+        return None
+    return {"run_id": rid, "state": "running" if pids else "exited", "exit_code": None, "started": started,
+            "agent_pid": sid, "dir": d, "tmux": True}
 
 
 def op_ps(req, session):
@@ -693,6 +669,12 @@ def op_stop(req, session):
     """End run ``dir``'s job: its supervisor, then what is left by the job marker."""
     said, code = stop_job(req["dir"], float(req.get("grace", 3)))
     return {"said": said, "stopped": code == 0}
+
+
+def op_signal_tmux(req, session):
+    """Send ``signal`` (``TERM``, ``KILL``, ...) to what is left of run ``run_id``'s ``run --tmux``
+    launch in ``dir``: how many processes got it."""
+    return {"signalled": signal_tmux_launch(req["dir"], req["run_id"], req["signal"])}
 
 
 def op_rank_logs(req, session):
@@ -967,7 +949,8 @@ def _serve_replica_receive(req, session, fd, write):
 
 OPS.update({
     "facts": op_facts, "mesh_listen": op_mesh_listen, "mesh_connect": op_mesh_connect,
-    "ps": op_ps, "stop": op_stop, "leases": op_leases, "rank_logs": op_rank_logs, "stacks": op_stacks,
+    "ps": op_ps, "stop": op_stop, "signal_tmux": op_signal_tmux, "leases": op_leases, "rank_logs": op_rank_logs,
+    "stacks": op_stacks,
     "perf_place": op_perf_place, "perf_clean": op_perf_clean, "replica_stat": op_replica_stat,
 })
 TAKEOVER.update({"supervise": supervise, "follow": follow})

@@ -104,9 +104,9 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
 
 
 @pytest.mark.parametrize("how", ["close the session", "ctrl-c to ddpfab", "ddpfab stop", "close node1's window",
-                                 "ddpfab killed"])
+                                 "ddpfab killed", "ddpfab stop from elsewhere"])
 def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, inventory2, tmp_path, how):
-    run = TmuxRun(inventory2, tmp_path, "tmux-" + how.split()[-1].replace("'", ""))
+    run = TmuxRun(inventory2, tmp_path, "tmux-" + how.split()[-1].replace("'", "").replace("elsewhere", "else"))
     try:
         for node, rank in (("node1", 0), ("node2", 1)):
             run.wait_for(lambda n=node, r=rank: run.shows(n, (r,)), 90, f"{node} ready")
@@ -117,6 +117,13 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
             while run.tmux("has-session", "-t", f"={run.session}").returncode == 0:
                 assert time.monotonic() < deadline, "the session outlived the ddpfab that ran it"
                 time.sleep(0.2)
+            wait_no_processes(lab, timeout=30)
+            return
+        if how == "ddpfab stop from elsewhere":  # no local record: each node ends its launch's session
+            res = ddpfab("stop", run.run_id, "-i", str(inventory2), "--runs-dir", str(tmp_path / "elsewhere"))
+            assert res.stdout.count("stopped its tmux launch") == 2, res.stdout + res.stderr
+            out = run.ended()
+            assert run.proc.returncode not in (0, None) and ": its launch ended, exit code" in out, out
             wait_no_processes(lab, timeout=30)
             return
         if how == "close the session":

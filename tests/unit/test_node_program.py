@@ -190,11 +190,17 @@ def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(t
         assert (found["run_id"], found["state"], found["exit_code"], found["tmux"]) == (run.name, "running", None, True)
         (run / program.TMUX_PID).write_text(f"{os.getsid(0)}\n")  # a session no process of this run is in
         assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"
+        assert program.op_signal_tmux({"dir": str(run), "run_id": run.name, "signal": "TERM"}, {}) == {"signalled": 0}
+        assert launch.poll() is None  # (this test's own session was not signalled either)
+        # `ddpfab stop` on the node: no supervisor, so the launch's session is what it ends
+        (run / program.TMUX_PID).write_text(f"{launch.pid}\n")
+        assert program.op_stop({"dir": str(run), "grace": 2}, {}) == {"said": "stopped its tmux launch", "stopped": True}
+        assert launch.wait(timeout=5) == -15
+        assert program.op_stop({"dir": str(run), "grace": 2}, {}) == {"said": "its tmux launch had ended", "stopped": True}
     finally:
         launch.kill()
         launch.wait()
-    (run / program.TMUX_PID).write_text(f"{launch.pid}\n")  # its session ended with it
-    assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"
+    assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"  # its session ended with it
     (run / program.TMUX_PID).write_text("not a pid\n")  # records are data
     assert program.op_ps({"root": str(runs)}, {})["runs"] == []
 
