@@ -191,7 +191,8 @@ def cmd_ps(args) -> int:
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else
-                   f"  (in tmux: tmux attach -t {session_name(r['run_id'])})" if r.get("tmux") else "")
+                   f"  (in tmux: tmux attach -t {session_name(r['run_id'])})" if r.get("tmux") and r["state"] == "running"
+                   else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
     for name, gpus in jobs.gpus.items():  # the node's GPUs, every user's leases (ddpfab.node.leases)
         for g in gpus:

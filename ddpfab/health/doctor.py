@@ -160,11 +160,12 @@ End = tuple[str, int, str | None]
 
 
 def end_text(end: End) -> str:
-    """``exit code 3``, ``stopped (signal 15)``: one node's end, in words."""
+    """``exit code 3``, ``stopped (signal 15)``: one node's end, in words (a ``run --tmux`` launch's
+    exit code is known to its controller only)."""
     how, code, why = end
     if how in ("stopped", "cancelled"):
         return f"{how} ({why})" if why else how
-    return f"exit code {code}"
+    return f"exit code {code}" if code is not None else "ended (its exit code is in the record of the machine that ran it)"
 
 
 def ended_line(ends: dict[str, End]) -> str:

@@ -42,6 +42,7 @@ from ddpfab.planning.emit import interactive_line, node_script
 from ddpfab.planning.plan import NodePlan, Plan, PlanError
 from ddpfab.problems import DdpfabError
 from ddpfab.remote import nodeprogram as nodeprog
+from ddpfab.remote import ssh
 from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
 
 if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refuse())
@@ -203,6 +204,14 @@ def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) ->
     return bool(reply.value(node.name).get("signalled"))
 
 
+def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signal_name: str) -> list[str]:
+    """:func:`end_node` on *names* at once; those where some process was signalled (a node that
+    cannot be reached now is not among them: nothing more can be done there from here)."""
+    done = ssh.parallel([plan.node(n) for n in names], lambda node: end_node(conns[node.name], node, plan.run_id,
+                                                                            signal_name))
+    return [n for n in names if done.succeeded.get(n) is True]
+
+
 def cleanup_node(conn: Connection, node: NodePlan) -> None:
     """Remove what this mode placed on the node (the launch holds the env's secret values)."""
     d = shlex.quote(node.remote_dir)
@@ -224,9 +233,8 @@ def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: 
     windows.interrupt(names)
     _wait_ended(windows, names, printer, STOP_GRACE_S)
     for sig in ("TERM", "KILL"):
-        for name in [n for n in names if n in windows.running()]:
-            with contextlib.suppress(Exception):  # a node that cannot be reached now: its window is closed below
-                end_node(conns[name], plan.node(name), plan.run_id, sig)
+        # a node that cannot be reached now: its window is closed below
+        _end_nodes(plan, conns, [n for n in names if n in windows.running()], sig)
         _wait_ended(windows, names, printer, STOP_GRACE_S)
     for name in [n for n in names if n in windows.running()]:
         windows.close(name)
@@ -238,16 +246,10 @@ def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: 
 def _leave_nothing(plan: Plan, conns: dict[str, Connection]) -> None:
     """After the run, on every node: what is left of its launch's session (a rank its torchrun
     left behind) ended, then the files this mode placed removed."""
-    signalled = []
-    for node in plan.nodes:
-        with contextlib.suppress(Exception):  # a node that cannot be reached: nothing more to do there
-            if end_node(conns[node.name], node, plan.run_id, "TERM"):
-                signalled.append(node)
+    signalled = _end_nodes(plan, conns, [n.name for n in plan.nodes], "TERM")
     if signalled:
         time.sleep(STOP_GRACE_S)
-    for node in signalled:
-        with contextlib.suppress(Exception):
-            end_node(conns[node.name], node, plan.run_id, "KILL")
+        _end_nodes(plan, conns, signalled, "KILL")
     for node in plan.nodes:
         with contextlib.suppress(Exception):
             cleanup_node(conns[node.name], node)

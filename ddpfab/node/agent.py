@@ -98,15 +98,19 @@ def marked_processes(run_id, uid=None):
 TMUX_PID = "tmux.pid"
 
 
-def tmux_launch(run_dir, run_id):
-    """Run *run_id*'s ``run --tmux`` launch on this node, as (its session, the pids of that
-    session's processes that carry the run: ``DDPFAB_RUN_ID``, so that a pid or session reused
-    since is not taken for it); None when no such launch was recorded in *run_dir*."""
+def tmux_session(run_dir):
+    """The session of a ``run --tmux`` launch recorded in *run_dir* (its window's shell's pid),
+    or None when none was recorded there."""
     try:
         with open(os.path.join(os.path.expanduser(run_dir), TMUX_PID)) as fh:
-            sid = int(fh.read().strip())
+            return int(fh.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def session_processes(sid, run_id):
+    """Pids of session *sid*'s processes that carry run *run_id* (``DDPFAB_RUN_ID``: a pid or
+    session id reused since is not taken for the run's)."""
     want = ("DDPFAB_RUN_ID=%s" % run_id).encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -122,17 +126,12 @@ def tmux_launch(run_dir, run_id):
                     found.append(int(entry))
         except (OSError, ValueError, IndexError):
             continue
-    return sid, found
+    return found
 
 
-def signal_tmux_launch(run_dir, run_id, signal_name):
-    """Send SIG*signal_name* to what is left of run *run_id*'s ``run --tmux`` launch here; how many
-    processes got it."""
-    signum = getattr(signal, "SIG" + str(signal_name), None)
-    if not isinstance(signum, signal.Signals):
-        raise ValueError("no signal SIG%s" % signal_name)
+def _signal_all(pids, signum):
     sent = 0
-    for pid in (tmux_launch(run_dir, run_id) or (None, []))[1]:
+    for pid in pids:
         try:
             os.kill(pid, signum)
             sent += 1
@@ -141,19 +140,29 @@ def signal_tmux_launch(run_dir, run_id, signal_name):
     return sent
 
 
-def _end_tmux_launch(run_dir, run_id, grace):
-    """``ddpfab stop`` of a ``run --tmux`` launch (SIGTERM, SIGKILL after *grace* s): (what
-    happened, 1 if some of it would not end)."""
-    if not signal_tmux_launch(run_dir, run_id, "TERM"):
+def signal_tmux_launch(run_dir, run_id, signal_name):
+    """Send SIG*signal_name* to what is left of run *run_id*'s ``run --tmux`` launch here (the
+    processes of its session that carry the run); how many processes got it."""
+    signum = getattr(signal, "SIG" + str(signal_name), None)
+    if not isinstance(signum, signal.Signals):
+        raise ValueError("no signal SIG%s" % signal_name)
+    sid = tmux_session(run_dir)
+    return _signal_all(session_processes(sid, run_id), signum) if sid is not None else 0
+
+
+def _end_tmux_launch(sid, run_id, grace):
+    """``ddpfab stop`` of the ``run --tmux`` launch of session *sid* (SIGTERM, SIGKILL after
+    *grace* s): (what happened, 1 if some of it would not end). The session is read once: the
+    run's own teardown may remove its record meanwhile."""
+    if not _signal_all(session_processes(sid, run_id), signal.SIGTERM):
         return "its tmux launch had ended", 0
-    deadline = time.monotonic() + grace
-    while tmux_launch(run_dir, run_id)[1] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if signal_tmux_launch(run_dir, run_id, "KILL"):
-        deadline = time.monotonic() + 5
-        while tmux_launch(run_dir, run_id)[1] and time.monotonic() < deadline:
+    for wait in (grace, 5):
+        deadline = time.monotonic() + wait
+        while session_processes(sid, run_id) and time.monotonic() < deadline:
             time.sleep(0.05)
-    return "stopped its tmux launch", (1 if tmux_launch(run_dir, run_id)[1] else 0)
+        if not _signal_all(session_processes(sid, run_id), signal.SIGKILL):
+            return "stopped its tmux launch", 0
+    return "its tmux launch would not end", 1
 
 
 def end_marked(run_id, grace):
@@ -1352,7 +1361,7 @@ def stop_job(run_dir, grace):
     """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
     then end whatever of the job is left by its marker: a job whose supervisor was killed (its
     orphans) is ended too, and said so. A ``run --tmux`` launch (no supervisor) is ended by its
-    session (:func:`tmux_launch`). Returns (one line saying what happened, 1 if something
+    session (:func:`tmux_session`). Returns (one line saying what happened, 1 if something
     would not stop else 0)."""
     run_dir = os.path.expanduser(run_dir)
     run_id = os.path.basename(run_dir.rstrip("/"))
@@ -1362,8 +1371,9 @@ def stop_job(run_dir, grace):
         said = "not running"
     except (OSError, ValueError, KeyError, TypeError):
         pid, said = None, "absent"
-        if tmux_launch(run_dir, run_id) is not None:  # no supervisor: a `run --tmux` window launched it
-            return _end_tmux_launch(run_dir, run_id, grace)
+        sid = tmux_session(run_dir)
+        if sid is not None:  # no supervisor: a `run --tmux` window launched it
+            return _end_tmux_launch(sid, run_id, grace)
 
     def alive():
         try:

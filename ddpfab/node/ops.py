@@ -29,7 +29,8 @@ import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
-    from .agent import TMUX_PID, detach_stdin, ended_state, read_result, signal_tmux_launch, stop_job, tmux_launch
+    from .agent import (TMUX_PID, detach_stdin, ended_state, read_result, session_processes, signal_tmux_launch,
+                        stop_job, tmux_session)
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
     from .loop import OPS, RAW, TAKEOVER, NodeOpError, raw_writer, handle, read_exactly, reply
@@ -597,16 +598,15 @@ def _cmdline_has(pid, word):
 def _tmux_record(d, rid):
     """Run *rid*'s record on this node when a ``run --tmux`` window launched it: running while a
     process of its session carries the run, else ended (its exit code is the controller's)."""
-    launch = tmux_launch(d, rid)
-    if launch is None:
-        return None
-    sid, pids = launch
+    sid = tmux_session(d)
     try:
         started = os.stat(os.path.join(d, TMUX_PID)).st_mtime
     except OSError:
         return None
-    return {"run_id": rid, "state": "running" if pids else "exited", "exit_code": None, "started": started,
-            "agent_pid": sid, "dir": d, "tmux": True}
+    if sid is None:
+        return None
+    return {"run_id": rid, "state": "running" if session_processes(sid, rid) else "exited", "exit_code": None,
+            "started": started, "agent_pid": sid, "dir": d, "tmux": True}
 
 
 def op_ps(req, session):

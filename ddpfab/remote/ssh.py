@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
-from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
 
 import paramiko
 from fabric import Config, Connection
@@ -38,6 +38,16 @@ from ddpfab.remote.target import HostKeyPolicy, Target, TargetError, proxy_argv,
 from ddpfab.results import GroupResult
 
 T = TypeVar("T")
+
+
+class Named(Protocol):
+    """What :func:`parallel` needs of a node: its name (an inventory's Node, a plan's NodePlan)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+N = TypeVar("N", bound=Named)
 #: Seconds between SSH keepalives on long-lived connections, so a dead peer is noticed.
 KEEPALIVE_S = 2
 #: The fan-out window (like pdsh's -f): at most this many hosts are worked on at once by
@@ -296,8 +306,7 @@ def _socket(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def parallel(nodes: list[Node] | tuple[Node, ...], fn: Callable[[Node], T],
-             window: int | None = None) -> GroupResult[T]:
+def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None) -> GroupResult[T]:
     """``fn(node)`` for every node, *window* (default WINDOW) at a time; per node (in *nodes*'
     order) its result or the exception it raised."""
     results: GroupResult[T] = GroupResult()

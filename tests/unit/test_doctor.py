@@ -496,3 +496,10 @@ def test_an_ended_job_s_node_reply_says_how_it_ended(tmp_path):
     (tmp_path / "exit_code").write_text("143\n")
     out = stacks.node_stacks(str(tmp_path), sample_s=0)
     assert (out["exit_code"], out["how"], out["stopped"]) == (143, "stopped", "signal 15")
+
+
+def test_an_ended_job_is_told_node_by_node_and_a_tmux_launch_without_a_code_says_where_it_is():
+    line = doctor.ended_line({"node1": ("exited", 0, None), "node2": ("stopped", 143, "signal 15"),
+                              "node3": ("exited", None, None)})
+    assert line == ("the job has ended on every node: node1 exit code 0; node2 stopped (signal 15); node3 ended "
+                    "(its exit code is in the record of the machine that ran it)")

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 import zlib
@@ -203,6 +204,25 @@ def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(t
     assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"  # its session ended with it
     (run / program.TMUX_PID).write_text("not a pid\n")  # records are data
     assert program.op_ps({"root": str(runs)}, {})["runs"] == []
+
+
+def test_stop_of_a_tmux_launch_outlives_its_record_and_kills_what_ignores_sigterm(tmp_path):
+    """The run's own teardown may remove tmux.pid while a stop waits: the session is read once."""
+    run = tmp_path / "runs" / "tmux-stop-2"
+    run.mkdir(parents=True)
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 60"], start_new_session=True,
+                                env={**os.environ, "DDPFAB_RUN_ID": run.name})
+    try:
+        time.sleep(0.2)  # (the trap is set before the exec)
+        (run / program.TMUX_PID).write_text(f"{stubborn.pid}\n")
+        remover = threading.Timer(0.3, (run / program.TMUX_PID).unlink)
+        remover.start()
+        assert program.op_stop({"dir": str(run), "grace": 1}, {}) == {"said": "stopped its tmux launch",
+                                                                      "stopped": True}
+        assert stubborn.wait(timeout=5) == -9
+    finally:
+        stubborn.kill()
+        stubborn.wait()
 
 
 def test_the_supervisor_is_an_operation_of_the_same_program(tmp_path):
