@@ -29,11 +29,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.hosts.inventory import Node
+from ddpfab.remote import relay
 from ddpfab.remote import rsh as _rsh
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.target import HostKeyPolicy, Target
@@ -157,15 +157,10 @@ class NodeRunner:
 
     def _relay(self, client: socket.socket) -> None:
         """One rsh: its command on a new channel, stdin from the socket, stdout/stderr/status back as frames."""
-        send_lock = threading.Lock()
-
-        def send(kind: bytes, data: bytes) -> None:
-            with send_lock:
-                client.sendall(_rsh.HEADER.pack(kind, len(data)) + data)
-
+        send = relay.frame_sender(client)
         chan = None
         try:
-            header = _read_header(client)
+            header = relay.read_header(client)
             if header is None:
                 return
             command = json.loads(header)["command"]
@@ -178,17 +173,7 @@ class NodeRunner:
                 return
             with self._lock:
                 self._chans.add(chan)
-            threads = [threading.Thread(target=_relay_stdin, args=(client, chan), daemon=True),
-                       threading.Thread(target=_relay_stderr, args=(chan, send), daemon=True)]
-            for th in threads:
-                th.start()
-            while True:
-                data = chan.recv(65536)
-                if not data:
-                    break
-                send(b"o", data)
-            threads[1].join()
-            send(b"x", str(chan.recv_exit_status()).encode())
+            relay.relay(client, chan, send)
         except (OSError, EOFError, ValueError, KeyError):
             pass  # the relay or the channel went away: rsync sees the end and reports it
         finally:
@@ -251,46 +236,6 @@ class NodeRunner:
             chan.close()
         if self.owned:
             self.conn.close()
-
-
-def _read_header(client: socket.socket) -> bytes | None:
-    """The rsh relay's first line (its JSON request, newline included), read byte by byte so
-    that nothing of rsync's stdin after it is consumed; None when the relay ends first or the
-    line runs past 1 MiB (a bound on what one request may hold)."""
-    header = b""
-    while not header.endswith(b"\n"):
-        chunk = client.recv(1)
-        if not chunk or len(header) > 1 << 20:
-            return None
-        header += chunk
-    return header
-
-
-def _relay_stdin(client: socket.socket, chan) -> None:
-    """rsync's stdin, from the relay's socket to the channel, then its end (EOF) passed on:
-    rsync's remote side reads until then. A link that breaks ends this direction only."""
-    try:
-        while True:
-            data = client.recv(65536)
-            if not data:
-                break
-            chan.sendall(data)
-        chan.shutdown_write()
-    except (OSError, EOFError):
-        pass
-
-
-def _relay_stderr(chan, send: Callable[[bytes, bytes], None]) -> None:
-    """The remote side's stderr, sent back as ``e`` frames until it ends, on its own thread:
-    a remote side that fills stderr while stdout waits would otherwise stall."""
-    try:
-        while True:
-            data = chan.recv_stderr(65536)
-            if not data:
-                return
-            send(b"e", data)
-    except (OSError, EOFError):
-        pass
 
 
 def _agent_relay(chan, agent_sock: str) -> None:
