@@ -45,6 +45,7 @@ SUBNETS = {
     "preflight_resources": os.environ.get("DDPFAB_BENCH_SUBNET_PREFLIGHT", "10.213.111.0/24"),
     "hang": os.environ.get("DDPFAB_BENCH_SUBNET_HANG", "10.213.112.0/24"),
     "leases": os.environ.get("DDPFAB_BENCH_SUBNET_LEASES", "10.213.113.0/24"),
+    "warm": os.environ.get("DDPFAB_BENCH_SUBNET_WARM", "10.213.114.0/24"),
 }
 MASTER_PORT_BASE = 29700
 

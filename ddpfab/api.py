@@ -24,11 +24,13 @@ inside the calls that need them, as in the command line.
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -451,6 +453,17 @@ class Emitted:
     problems: list[Problem] = field(default_factory=list)
 
 
+def _warm(method: Callable) -> Callable:
+    """A :class:`Cluster` method whose node work goes over ``ddpfab hold``'s connections where a
+    holder holds this cluster's nodes the same way (:mod:`ddpfab.remote.heldconn`); cold
+    connections otherwise, and for what needs more of SSH than a command's channel."""
+    @functools.wraps(method)
+    def warm(self: Cluster, *args: Any, **kwargs: Any) -> Any:
+        with self._held_connections():
+            return method(self, *args, **kwargs)
+    return warm
+
+
 class Cluster:
     """The nodes of one inventory group and how to reach them; the pipelines as methods.
 
@@ -503,6 +516,7 @@ class Cluster:
         return resolve_all((nodes or self.parsed).nodes, self.policy, self.ssh_config)
 
     # -- check, sync, exec ------------------------------------------------------------------
+    @_warm
     def check(self, *, master_port: int | None = None, nproc_per_node: int | str | None = None,
               max_skew: float | None = None, fast: bool = False, exhaustive: bool = False,
               resource_floors: str | None = None):
@@ -517,6 +531,7 @@ class Cluster:
             max_skew_s=CheckOptions.max_skew_s if max_skew is None else max_skew,
             full=not fast, exhaustive=exhaustive, floors=resourcecheck.parse_floors(resource_floors)), self.ssh_config)
 
+    @_warm
     def sync(self, path: str | os.PathLike = ".", *, fanout: str = "star", compress: bool = False,
              checksum: bool = False, keep: Iterable[str] = (), with_git: bool = False, verify_only: bool = False,
              adopt: bool = False, dry_run: bool = False, wait: bool = True, runs_dir: str | os.PathLike | None = None,
@@ -589,6 +604,7 @@ class Cluster:
 
         return GroupResult(exec_all(chosen, command, self.policy, self.ssh_config, printer, timeout))
 
+    @_warm
     def fetch(self, remote_path: str, local_dir: str | os.PathLike = ".", *, node: str | None = None,
               rank: int | None = None, overwrite: bool = False) -> Fetched:
         """``ddpfab fetch``: copy *remote_path* (relative to the node's workdir, or absolute inside
@@ -619,6 +635,19 @@ class Cluster:
         from ddpfab.remote import holder  # (light: no SSH stack)
 
         return holder.address(self.inventory or [], self.ssh_config, self.policy)
+
+    @contextmanager
+    def _held_connections(self) -> Iterator[None]:
+        """Within: nodes this cluster's holder holds are reached over its connections."""
+        from ddpfab.remote import heldconn, holder  # (light: the SSH stack comes with the node work)
+        from ddpfab.remote import ssh
+
+        status = holder.status(self._holder_name()) if self.inventory else None
+        if status is None:
+            yield
+            return
+        with ssh.warm_through(heldconn.factory(self._holder_name(), status["prints"])):
+            yield
 
     def held(self) -> Held | None:
         """``ddpfab hold --status``: this cluster's holder (same inventory, ssh_config and host-key
@@ -695,6 +724,7 @@ class Cluster:
         if not holder.stop(name, pid):
             raise holder.HolderError(f"the holder (pid {pid}) did not end; end it with `kill {pid}`")
 
+    @_warm
     def ps(self, *, runs_dir: str | os.PathLike | None = None) -> Jobs:
         """``ddpfab ps``: every job the nodes' supervisors know (every user's GPU leases too), each
         node asked over a connection of its own; a node that cannot be asked is a problem, the
@@ -728,6 +758,7 @@ class Cluster:
         return Jobs(rows, {n: gpus[n] for n in self.names if gpus.get(n)},
                     [node_problem(name, exc) for name, exc in results.failed.items()], warnings)
 
+    @_warm
     def stop(self, run_id: str, *, runs_dir: str | os.PathLike | None = None, record: dict | None = None) -> Stopped:
         """``ddpfab stop RUN_ID``: end the job on every node of this cluster (its supervisor, then
         what is left of the job by its marker); a node that cannot be reached does not keep it
@@ -775,6 +806,7 @@ class Cluster:
         return Stopped(latest, {n: said[n] for n in self.names if n in said}, left, supervisor,
                        [node_problem(n, exc) for n, exc in results.failed.items()], closed)
 
+    @_warm
     def logs(self, run_id: str, *, runs_dir: str | os.PathLike | None = None, ranks: bool = False,
              record: dict | None = None) -> Logs:
         """``ddpfab logs RUN_ID``: each node's output of the run, copied to ``RUNS_DIR/RUN_ID/``, each
@@ -803,6 +835,7 @@ class Cluster:
                     {n: g[2] for n, g in got.items() if ranks},
                     [node_problem(n, exc, "copy its output", "logs") for n, exc in results.failed.items()])
 
+    @_warm
     def doctor(self, run_id: str, *, runs_dir: str | os.PathLike | None = None,
                timeout: float | None = None, record: dict | None = None) -> Diagnosis:
         """``ddpfab doctor RUN_ID``: every rank's state and stack on this cluster's nodes, the odd
@@ -905,6 +938,7 @@ class Cluster:
                         result.first_failure, of=run_id, changed=replaying.changed)
 
     # -- plan and run -----------------------------------------------------------------------
+    @_warm
     def plan(self, script: str, args: Iterable[str] = (), options: Options | None = None, **given: Any) -> Plan:
         """``ddpfab plan``: the plan ``run`` would make (probing the nodes for a free port and the
         preflight, unless ``offline=True``); nothing is started. The options as keywords, or as
@@ -920,6 +954,7 @@ class Cluster:
         prepared.close()
         return prepared.plan
 
+    @_warm
     def emit(self, script: str, args: Iterable[str] = (), options: Options | None = None, *,
              directory: str | os.PathLike, force: bool = False, **given: Any) -> Emitted:
         """``ddpfab plan --emit DIR``: the plan as a script per node in *directory*, to start by hand.
@@ -961,6 +996,7 @@ class Cluster:
             raise
         return Emitted(plan, files, manifest)
 
+    @_warm
     def run(self, script: str, args: Iterable[str] = (), options: Options | None = None, *,
             out: TextIO | None = None, supervise: Callable[[str], int] | None = None, **given: Any) -> RunOutcome:
         """``ddpfab run``: sync (unless ``sync=False``), probe, preflight, plan, start on every node,

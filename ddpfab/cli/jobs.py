@@ -173,7 +173,8 @@ def cmd_ps(args) -> int:
     from ddpfab.launch.jobs import grouped, node_state_text
     from ddpfab.launch.tmuxrun import session_name
 
-    cluster = Cluster(_cluster(args, None), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    cluster = Cluster(_cluster(args, None), inventory=args.inventory, ssh_config=args.ssh_config,
+                      known_hosts=args.known_hosts)
     jobs = cluster.ps(runs_dir=args.runs_dir)
     for problem in jobs.problems:  # one node's failure is data: the others are listed
         warn(problem)
@@ -246,7 +247,8 @@ def cmd_stop(args) -> int:
     if supervisor:
         print(f"controller: {supervisor}")
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))  # then its latest attempt's nodes
-    cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    cluster = Cluster(_cluster(args, manifest), inventory=args.inventory, ssh_config=args.ssh_config,
+                      known_hosts=args.known_hosts)
     stopped = cluster.stop(args.run_id, runs_dir=args.runs_dir, record=manifest)
     if stopped.tmux:
         print(f"controller: {stopped.tmux}")
@@ -335,7 +337,8 @@ def cmd_doctor(args) -> int:
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))
     if manifest is None:
         return _doctor_without_record(args)
-    cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    cluster = Cluster(_cluster(args, manifest), inventory=args.inventory, ssh_config=args.ssh_config,
+                      known_hosts=args.known_hosts)
     found = cluster.doctor(args.run_id, runs_dir=args.runs_dir, timeout=args.timeout, record=manifest)
     if args.json:
         print(found.record.read_text() if found.record else json.dumps({"verdict": found.lines}))
@@ -421,7 +424,8 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     from ddpfab.api import Cluster
     from ddpfab.launch.jobs import grouped, logs_report
 
-    cluster = Cluster(_cluster(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
+    cluster = Cluster(_cluster(args, manifest), inventory=args.inventory, ssh_config=args.ssh_config,
+                      known_hosts=args.known_hosts)
     logs = cluster.logs(run_id, runs_dir=args.runs_dir, ranks=bool(getattr(args, "ranks", False)),
                         record=manifest)
     die([f"host {line}" for line in grouped({p.node or "?": p.found or p.text for p in logs.problems})])

@@ -107,7 +107,7 @@ class HolderError(DdpfabError):
         self.taken = taken
 
 
-def _connect(name: str, timeout: float = 2.0) -> socket.socket | None:
+def connect(name: str, timeout: float = 2.0) -> socket.socket | None:
     """A connection to this user's holder at *name*, or None when there is none (or the name is
     held by another user's process: never talked to)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -147,7 +147,7 @@ def _lines(sock: socket.socket):
 
 def request(name: str, message: dict, timeout: float = 10.0) -> dict | None:
     """One request answered by one message (status, stop); None when no holder is there."""
-    sock = _connect(name)
+    sock = connect(name)
     if sock is None:
         return None
     try:
@@ -166,7 +166,7 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
               ) -> dict[str, HostResult] | None:
     """*command* on *nodes* over the holder's connections, output to *printer* as a cold exec
     prints it; None when there is no holder or it does not hold every node as given (run cold)."""
-    sock = _connect(name)
+    sock = connect(name)
     if sock is None:
         return None
     wanted = {n.name: fingerprint(n) for n in nodes}

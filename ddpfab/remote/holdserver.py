@@ -19,7 +19,7 @@ from typing import Any
 import paramiko
 
 from ddpfab.hosts import inventory
-from ddpfab.remote import ssh
+from ddpfab.remote import relay, ssh
 from ddpfab.remote.command import host_error, run_in
 from ddpfab.remote.holder import IDLE_S, MAX_REQUEST, socket_peer_uid, send_message, fingerprint
 from ddpfab.remote.output import HostResult
@@ -178,16 +178,11 @@ class Holder:
     def _client(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(10)
-            data = b""
-            while b"\n" not in data:
-                if len(data) > MAX_REQUEST:
-                    send_message(sock, threading.Lock(), {"held": False, "why": "request too large"})
-                    return
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            req = json.loads(data.split(b"\n", 1)[0])
+            header = relay.read_header(sock)  # byte by byte: a channel's stdin may follow at once
+            if header is None or len(header) > MAX_REQUEST:
+                send_message(sock, threading.Lock(), {"held": False, "why": "request too large or cut"})
+                return
+            req = json.loads(header)
             sock.settimeout(None)
             if isinstance(req, dict):
                 self._answer(sock, req)
@@ -212,16 +207,69 @@ class Holder:
         elif op == "stop":
             self.stopping.set()
             send_message(sock, lock, {"stopping": True, "pid": os.getpid()})
-        elif op == "exec":
+        elif op in ("exec", "channel", "ping"):
             with self.lock:
                 self.busy += 1
                 self.last = time.monotonic()
             try:
-                self._exec(sock, lock, req)
+                {"exec": lambda: self._exec(sock, lock, req), "channel": lambda: self._channel(sock, req),
+                 "ping": lambda: self._ping(sock, lock, req)}[op]()
             finally:
                 with self.lock:
                     self.busy -= 1
                     self.last = time.monotonic()
+
+    def _held_node(self, req: dict) -> str | None:
+        """The request's node when it is held as the request's side would reach it (the same
+        fingerprint), else None."""
+        name, wanted = req.get("node"), req.get("print")
+        if not isinstance(name, str) or name not in self.nodes or self.prints[name] != wanted or self.stopping.is_set():
+            return None
+        return name
+
+    def _channel(self, sock: socket.socket, req: dict) -> None:
+        """One command on a new channel of the node's connection, relayed on *sock*
+        (:func:`ddpfab.remote.relay.relay`) after an ``s`` frame; ``f`` with why when it cannot start."""
+        send = relay.frame_sender(sock)
+        name, command = self._held_node(req), req.get("command")
+        if name is None or not isinstance(command, str):
+            send(b"f", b"not held as asked (another inventory, variables or ssh_config), or the holder is ending")
+            return
+        chan = extra = None
+        try:
+            try:
+                conn = self._conn(name)
+                try:
+                    chan = conn.transport.open_session(timeout=30)
+                except paramiko.ChannelException:  # MaxSessions reached on this connection (see _run)
+                    extra = self.connect(self.nodes[name])
+                    chan = extra.transport.open_session(timeout=30)
+                chan.exec_command(command)
+            except Exception as exc:  # noqa: BLE001 - the client raises it as this node's failure
+                send(b"f", host_error(exc).encode())
+                return
+            send(b"s", b"")
+            relay.relay(sock, chan, send)
+        except OSError:
+            pass  # the client went away: its channel is closed below, which ends its command's input
+        finally:
+            if chan is not None:
+                chan.close()
+            if extra is not None:
+                extra.close()
+
+    def _ping(self, sock: socket.socket, lock: threading.Lock, req: dict) -> None:
+        """A keepalive round trip to the node's sshd over its connection: ``{"alive": bool}``."""
+        name = self._held_node(req)
+        alive = False
+        if name is not None:
+            try:
+                transport = self._conn(name).transport
+                transport.global_request("keepalive@openssh.com", wait=True)
+                alive = transport.is_active()
+            except Exception:  # noqa: BLE001 - not alive is the answer
+                alive = False
+        send_message(sock, lock, {"alive": alive})
 
     def _exec(self, sock: socket.socket, lock: threading.Lock, req: dict) -> None:
         wanted, command, timeout = req.get("nodes"), req.get("command"), req.get("timeout")

@@ -25,7 +25,8 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import paramiko
 from fabric import Config, Connection
@@ -172,10 +173,33 @@ def _known_entries(path: Path) -> list:
         return cached[1]
 
 
+#: While a command's cluster has a holder (:func:`warm_through`): node, policy, ssh_config -> a
+#: connection over the holder's, or None for a node it does not hold so.
+_warm: Callable[[Node, HostKeyPolicy, str | None], Any] | None = None
+
+
+@contextmanager
+def warm_through(factory: Callable[[Node, HostKeyPolicy, str | None], Any]) -> Iterator[None]:
+    """Within: :func:`connect` gives *factory*'s connection where it gives one (over ``ddpfab
+    hold``'s connections: :func:`ddpfab.remote.heldconn.factory`). Process-wide: the per-node
+    threads connect too."""
+    global _warm
+    before, _warm = _warm, factory
+    try:
+        yield
+    finally:
+        _warm = before
+
+
 def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
-            timeout: float | None = None) -> Connection:
+            timeout: float | None = None, warm: bool = True) -> Connection:
     """An open, host-key-verified Fabric connection to *node* (through its jump hosts, each
-    verified the same way), or an SSHError that says which hop failed and why."""
+    verified the same way), or an SSHError that says which hop failed and why. Under
+    :func:`warm_through` (and *warm*), one over the holder's connection where it holds the node."""
+    if warm and _warm is not None:
+        held = _warm(node, policy, ssh_config)
+        if held is not None:
+            return held
     try:
         target = resolve(node, policy, ssh_config)
     except TargetError as exc:

@@ -43,16 +43,9 @@ def inventory3(lab, tmp_path) -> Path:
 
 
 def holders_of(inventory: Path) -> list[int]:
-    """The holder processes (`hold ... --serve`) started for *inventory*, alive."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--serve" in argv and str(inventory).encode() in argv and alive(int(entry)):
-            found.append(int(entry))
-    return found
+    """The holder of *inventory* (as `ddpfab hold -i INVENTORY` starts it), alive: [its pid] or []."""
+    held = Cluster.load(str(inventory)).held()
+    return [held.pid] if held is not None and alive(held.pid) else []
 
 
 def connections(lab) -> dict[str, int]:
@@ -97,7 +90,7 @@ def held(inventory3):
     assert res.returncode == 0, res.stderr
     assert "holding 3/3 connections" in res.stderr
     pid = holder_pid(inventory3)
-    assert pid and alive(pid)
+    assert pid and alive(pid) and holders_of(inventory3) == [pid]  # (what the no-holder-left check finds)
     try:
         yield pid
     finally:
@@ -108,6 +101,14 @@ def held(inventory3):
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
             pytest.fail("the holder outlived hold --stop")
+
+
+def block_new_ssh(lab, block: bool) -> None:
+    """New SSH connections to every node dropped (or let through again): what still reaches the
+    nodes goes over connections made before."""
+    for n in NODES:
+        lab.netns_exec(n, ["iptables", "-I" if block else "-D", "INPUT", "-p", "tcp", "--dport", "22", "--syn",
+                           "-j", "DROP"], check=True)
 
 
 def exec_lines(inventory: Path, *args: str) -> tuple[int, set[str], str]:
@@ -266,3 +267,31 @@ def test_hold_with_other_variables_replaces_the_holder(lab, inventory3, held):
     code, lines, err = exec_lines(inventory3, "--", "hostname")  # as the inventory says: not held so, cold
     assert code == 0 and "over the connections" not in err, err
     assert ddpfab("hold", "-i", str(inventory3), "-e", "ddpfab_python=/usr/bin/python3", "--stop").returncode == 0
+
+
+def test_every_node_command_runs_over_the_held_connections(lab, inventory3, held, tmp_path):
+    """With new SSH connections dropped at the nodes, check, run (its sync, probe, supervisors),
+    ps, logs, doctor and stop still work: each goes over the holder's connections."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("import os\nprint('rank', os.environ['RANK'], 'ready', flush=True)\n")
+    runs, inv = tmp_path / "runs", str(inventory3)
+    block_new_ssh(lab, True)
+    try:
+        res = ddpfab("check", "-i", inv, "--fast", timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        res = ddpfab("run", "-i", inv, "--runs-dir", str(runs), "--run-id", "warm-1", "train.py", cwd=proj,
+                     timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert sorted(ln.split("| ", 1)[1] for ln in res.stdout.splitlines() if " ready" in ln) == [
+            f"rank {r} ready" for r in range(3)], res.stdout
+        listed = ddpfab("ps", "-i", inv, "--runs-dir", str(runs))
+        assert listed.returncode == 0 and any(ln.startswith("warm-1 ") and " exited " in ln
+                                              for ln in listed.stdout.splitlines()), listed.stdout + listed.stderr
+        for args in (("logs", "warm-1"), ("doctor", "warm-1"), ("stop", "warm-1")):
+            res = ddpfab(*args, "-i", inv, "--runs-dir", str(runs), timeout=60)
+            assert res.returncode == 0, (args, res.stdout + res.stderr)
+        assert (runs / "warm-1" / "node2.log").read_text().count("ready") == 1
+        assert connections(lab) == {n: 1 for n in NODES}  # the holder's, still
+    finally:
+        block_new_ssh(lab, False)

@@ -1,0 +1,298 @@
+"""Connections to nodes over ``ddpfab hold``'s: a command's channels open on the holder's SSH
+connection to the node (its ``channel`` op, :mod:`ddpfab.remote.relay`'s frames), so a command
+pays no handshake. A :class:`HeldConnection` stands where :func:`ddpfab.remote.ssh.connect`'s
+connection would, with the part of it that ddpfab's node work uses (``transport.open_session``
+and the channel's exec, stdin, stdout, stderr and exit status; a keepalive). What needs more of
+SSH (a pty, agent forwarding, a forwarded port, Fabric's ``run``) gets a connection of its own,
+made when first asked for: cold, as without a holder.
+
+:func:`ddpfab.remote.ssh.warm_through` installs :func:`factory` for a command whose cluster has
+a holder; a node the holder does not hold the same way (its fingerprint) is connected cold."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+from ddpfab.remote import holder, ssh
+from ddpfab.remote.rsh import HEADER
+from ddpfab.remote.target import HostKeyPolicy
+
+
+class HeldChannel:
+    """A session channel on the holder's connection to *node*, as paramiko's ``Channel`` for what
+    ddpfab uses of it. Asked for a pty, agent forwarding or combined stderr before its command
+    starts, it becomes a channel of the node's own connection (:meth:`HeldConnection.cold`)."""
+
+    def __init__(self, conn: HeldConnection, timeout: float | None):
+        self._conn, self._open_timeout = conn, timeout
+        self._real: Any = None  # the cold connection's channel, once one was needed
+        self._sock: socket.socket | None = None
+        self._out, self._err = bytearray(), bytearray()
+        self._code: int | None = None
+        self._ended = False  # the relay ended (exit status, or the holder went away)
+        self._cond = threading.Condition()
+        self._timeout: float | None = None
+        self._combine = False  # stderr's frames go to stdout (as paramiko's set_combine_stderr)
+        self.closed = False
+
+    # -- what only a channel of its own can do -------------------------------------------------
+    def _own(self):
+        if self._real is None:
+            if self._sock is not None:
+                raise ssh.SSHError(self._conn.node.name, "a held channel cannot change once its command runs")
+            self._real = self._conn.cold().transport.open_session(timeout=self._open_timeout)
+        return self._real
+
+    def get_pty(self, *args, **kwargs):
+        return self._own().get_pty(*args, **kwargs)
+
+    def request_forward_agent(self, *args, **kwargs):
+        return self._own().request_forward_agent(*args, **kwargs)
+
+    def set_combine_stderr(self, combine: bool) -> bool:
+        if self._real is not None or self._sock is not None:
+            return self._own().set_combine_stderr(combine)
+        before, self._combine = self._combine, bool(combine)
+        return before
+
+    def resize_pty(self, *args, **kwargs):
+        return self._own().resize_pty(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        real = self.__dict__.get("_real")
+        if real is None:
+            raise AttributeError(name)
+        return getattr(real, name)
+
+    # -- the command ---------------------------------------------------------------------------
+    def exec_command(self, command: str) -> None:
+        """Start *command* on the node through the holder; an SSHError naming the node when the
+        holder cannot (the node unreachable now, or no longer held the same way)."""
+        if self._real is not None:
+            self._real.exec_command(command)
+            return
+        node = self._conn.node
+        sock = holder.connect(self._conn.holder_name, timeout=self._open_timeout or 30)
+        if sock is None:
+            raise ssh.SSHError(node.name, f"host {node.name}: the connection holder is gone; run `ddpfab hold` "
+                                          "again (or run without it)", "holder")
+        self._sock = sock
+        try:
+            sock.settimeout(self._open_timeout or 30)
+            sock.sendall(json.dumps({"op": "channel", "node": node.name, "print": self._conn.print,
+                                     "command": command}).encode() + b"\n")
+            kind, payload = _frame(sock)
+            sock.settimeout(None)
+        except OSError as exc:
+            sock.close()
+            raise ssh.SSHError(node.name, f"host {node.name}: the connection holder did not answer ({exc})",
+                               kind="holder") from None
+        if kind != b"s":
+            sock.close()
+            why = payload.decode(errors="replace") if kind == b"f" else "it answered out of protocol"
+            raise ssh.SSHError(node.name, f"host {node.name}: {why}" if kind == b"f" else
+                               f"host {node.name}: the connection holder cannot open a channel: {why}", "holder")
+        threading.Thread(target=self._read, name=f"held-{node.name}", daemon=True).start()
+
+    def _read(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            while True:
+                kind, payload = _frame(sock)
+                with self._cond:
+                    if kind == b"o" or (kind == b"e" and self._combine):
+                        self._out += payload
+                    elif kind == b"e":
+                        self._err += payload
+                    elif kind == b"x":
+                        self._code = int(payload) if payload.isdigit() else -1
+                        break
+                    else:
+                        break
+                    self._cond.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._cond:
+            self._ended = True
+            if self._code is None:  # the holder or its connection went away mid-command: as ssh says
+                self._code = -1
+            self._cond.notify_all()
+
+    def _wait(self, ready) -> None:
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        with self._cond:
+            while not ready() and not self._ended:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("timed out")  # as paramiko's socket.timeout
+                self._cond.wait(left)
+
+    def _take(self, buf: bytearray, nbytes: int) -> bytes:
+        """Up to *nbytes* of *buf* once there are some, or b"" once the command has ended."""
+        self._wait(lambda: buf)
+        with self._cond:
+            data = bytes(buf[:nbytes])
+            del buf[:nbytes]
+            return data
+
+    def recv(self, nbytes: int) -> bytes:
+        return self._real.recv(nbytes) if self._real is not None else self._take(self._out, nbytes)
+
+    def recv_stderr(self, nbytes: int) -> bytes:
+        return self._real.recv_stderr(nbytes) if self._real is not None else self._take(self._err, nbytes)
+
+    def recv_ready(self) -> bool:
+        return self._real.recv_ready() if self._real is not None else bool(self._out)
+
+    def recv_stderr_ready(self) -> bool:
+        return self._real.recv_stderr_ready() if self._real is not None else bool(self._err)
+
+    def exit_status_ready(self) -> bool:
+        return self._real.exit_status_ready() if self._real is not None else self._ended
+
+    @property
+    def eof_received(self) -> bool:
+        return self._real.eof_received if self._real is not None else self._ended
+
+    def recv_exit_status(self) -> int:
+        if self._real is not None:
+            return self._real.recv_exit_status()
+        before, self._timeout = self._timeout, None
+        try:
+            self._wait(lambda: False)
+        finally:
+            self._timeout = before
+        return self._code if self._code is not None else -1
+
+    def sendall(self, data: bytes) -> None:
+        if self._real is not None:
+            self._real.sendall(data)
+            return
+        if self._sock is None or self.closed:
+            raise OSError("the channel is closed")
+        self._sock.sendall(data)
+
+    def send(self, data: bytes) -> int:
+        self.sendall(data)
+        return len(data)
+
+    def shutdown_write(self) -> None:
+        if self._real is not None:
+            self._real.shutdown_write()
+        elif self._sock is not None:
+            with contextlib.suppress(OSError):  # the relay ended already
+                self._sock.shutdown(socket.SHUT_WR)
+
+    def settimeout(self, timeout: float | None) -> None:
+        if self._real is not None:
+            self._real.settimeout(timeout)
+        self._timeout = timeout
+
+    def close(self) -> None:
+        """End the channel: the holder closes its side (the command's stdin gets EOF)."""
+        self.closed = True
+        if self._real is not None:
+            self._real.close()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+
+def _frame(sock: socket.socket) -> tuple[bytes, bytes]:
+    head = _exact(sock, HEADER.size)
+    kind, size = HEADER.unpack(head)
+    return kind, _exact(sock, size) if size else b""
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the relay ended")
+        data += chunk
+    return data
+
+
+class HeldTransport:
+    """The transport part of a :class:`HeldConnection`: sessions through the holder; a keepalive
+    is the holder's round trip to the node's sshd."""
+
+    def __init__(self, conn: HeldConnection):
+        self._conn = conn
+        self._alive = True
+
+    def open_session(self, timeout: float | None = None) -> HeldChannel:
+        return HeldChannel(self._conn, timeout)
+
+    def global_request(self, kind: str, data=None, wait: bool = True):
+        reply = holder.request(self._conn.holder_name, {"op": "ping", "node": self._conn.node.name,
+                                                        "print": self._conn.print}, timeout=30)
+        self._alive = bool(reply and reply.get("alive"))
+        if not self._alive:
+            raise ssh.SSHError(self._conn.node.name, f"host {self._conn.node.name}: no keepalive answer", "lost")
+
+    def is_active(self) -> bool:
+        return self._alive
+
+    def set_keepalive(self, interval: int) -> None:
+        pass  # the holder keeps its connection alive
+
+    def __getattr__(self, name: str):  # anything else (a forwarded port): the node's own connection
+        return getattr(self._conn.cold().transport, name)
+
+
+class HeldConnection:
+    """Stands for :func:`ddpfab.remote.ssh.connect`'s connection to *node*, over the holder
+    *holder_name*'s; ``held`` says so to whoever reports how a node was reached."""
+
+    held = True
+
+    def __init__(self, holder_name: str, node, print_: str, policy: HostKeyPolicy, ssh_config: str | None):
+        self.holder_name, self.node, self.print = holder_name, node, print_
+        self._policy, self._ssh_config = policy, ssh_config
+        self._cold: Any = None
+        self._lock = threading.Lock()
+        self.transport = HeldTransport(self)
+        self.target = ssh.resolve(node, policy, ssh_config)
+        self.host = self.target.host
+
+    def cold(self):
+        """The node's own connection, made on first need (as without a holder)."""
+        with self._lock:
+            if self._cold is None:
+                self._cold = ssh.connect(self.node, self._policy, self._ssh_config, warm=False)
+            return self._cold
+
+    def __getattr__(self, name: str):  # Fabric's run, client, ...: the node's own connection
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.cold(), name)
+
+    def close(self) -> None:
+        with self._lock:
+            cold, self._cold = self._cold, None
+        if cold is not None:
+            cold.close()
+
+
+def factory(holder_name: str, prints: dict[str, str]):
+    """:func:`ddpfab.remote.ssh.warm_through`'s factory for the holder *holder_name* holding
+    *prints* (node -> fingerprint): a HeldConnection for a node held as it would be reached
+    here, else None (connected cold)."""
+    def make(node, policy: HostKeyPolicy, ssh_config: str | None) -> HeldConnection | None:
+        fp = holder.fingerprint(node)
+        if prints.get(node.name) != fp:
+            return None
+        return HeldConnection(holder_name, node, fp, policy, ssh_config)
+    return make
