@@ -646,7 +646,7 @@ class Cluster:
         if status is None:
             yield
             return
-        with ssh.warm_through(heldconn.factory(self._holder_name(), status["prints"])):
+        with ssh.warm_through(heldconn.factory(self._holder_name(), status["prints"], self.policy, self.ssh_config)):
             yield
 
     def held(self) -> Held | None:

@@ -18,18 +18,26 @@ from ddpfab.planning.plan import Plan
 from ddpfab.results import GroupResult
 
 
+def _source(args, manifest: dict | None):
+    """The inventory: -i as given, else the run's record's, else $DDPFAB_INVENTORY/ddpfab.yml's
+    (:func:`ddpfab.cli.config.apply` filled those in); None when there is none."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch.replay import recorded_inventory
+
+    if given(args, "inventory"):
+        return args.inventory
+    return (recorded_inventory(manifest) if manifest else None) or args.inventory
+
+
 def _cluster(args, manifest: dict | None):
     """The nodes: -i/--group as given, else the run's record's, else $DDPFAB_INVENTORY/ddpfab.yml's
     (:func:`ddpfab.cli.config.apply` filled those in)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import attempt_cluster
-    from ddpfab.launch.replay import ManifestError, recorded_inventory, recorded_selection
+    from ddpfab.launch.replay import ManifestError, recorded_selection
 
     recorded = (manifest or {}).get("plan", {})
-    if given(args, "inventory"):
-        source = args.inventory
-    else:
-        source = (recorded_inventory(manifest) if manifest else None) or args.inventory
+    source = _source(args, manifest)
     if not source:
         raise ConfigError(MISSING_INVENTORY)
     group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
@@ -173,7 +181,7 @@ def cmd_ps(args) -> int:
     from ddpfab.launch.jobs import grouped, node_state_text
     from ddpfab.launch.tmuxrun import session_name
 
-    cluster = Cluster(_cluster(args, None), inventory=args.inventory, ssh_config=args.ssh_config,
+    cluster = Cluster(_cluster(args, None), inventory=_source(args, None), ssh_config=args.ssh_config,
                       known_hosts=args.known_hosts)
     jobs = cluster.ps(runs_dir=args.runs_dir)
     for problem in jobs.problems:  # one node's failure is data: the others are listed
@@ -247,7 +255,7 @@ def cmd_stop(args) -> int:
     if supervisor:
         print(f"controller: {supervisor}")
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))  # then its latest attempt's nodes
-    cluster = Cluster(_cluster(args, manifest), inventory=args.inventory, ssh_config=args.ssh_config,
+    cluster = Cluster(_cluster(args, manifest), inventory=_source(args, manifest), ssh_config=args.ssh_config,
                       known_hosts=args.known_hosts)
     stopped = cluster.stop(args.run_id, runs_dir=args.runs_dir, record=manifest)
     if stopped.tmux:
@@ -337,7 +345,7 @@ def cmd_doctor(args) -> int:
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))
     if manifest is None:
         return _doctor_without_record(args)
-    cluster = Cluster(_cluster(args, manifest), inventory=args.inventory, ssh_config=args.ssh_config,
+    cluster = Cluster(_cluster(args, manifest), inventory=_source(args, manifest), ssh_config=args.ssh_config,
                       known_hosts=args.known_hosts)
     found = cluster.doctor(args.run_id, runs_dir=args.runs_dir, timeout=args.timeout, record=manifest)
     if args.json:
@@ -424,7 +432,7 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     from ddpfab.api import Cluster
     from ddpfab.launch.jobs import grouped, logs_report
 
-    cluster = Cluster(_cluster(args, manifest), inventory=args.inventory, ssh_config=args.ssh_config,
+    cluster = Cluster(_cluster(args, manifest), inventory=_source(args, manifest), ssh_config=args.ssh_config,
                       known_hosts=args.known_hosts)
     logs = cluster.logs(run_id, runs_dir=args.runs_dir, ranks=bool(getattr(args, "ranks", False)),
                         record=manifest)

@@ -16,11 +16,17 @@ import json
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from ddpfab.remote import holder, ssh
 from ddpfab.remote.rsh import HEADER
-from ddpfab.remote.target import HostKeyPolicy
+from ddpfab.remote.target import HostKeyPolicy, TargetError
+
+
+#: Output a held channel keeps unread (stdout and stderr together, as paramiko's window) before
+#: the holder is made to wait.
+BUFFER_MAX = 4 << 20
 
 
 class HeldChannel:
@@ -76,6 +82,8 @@ class HeldChannel:
         if self._real is not None:
             self._real.exec_command(command)
             return
+        if self.closed:
+            raise OSError("the channel is closed")
         node = self._conn.node
         sock = holder.connect(self._conn.holder_name, timeout=self._open_timeout or 30)
         if sock is None:
@@ -94,35 +102,39 @@ class HeldChannel:
                                kind="holder") from None
         if kind != b"s":
             sock.close()
-            why = payload.decode(errors="replace") if kind == b"f" else "it answered out of protocol"
-            raise ssh.SSHError(node.name, f"host {node.name}: {why}" if kind == b"f" else
-                               f"host {node.name}: the connection holder cannot open a channel: {why}", "holder")
+            raise _refused(node.name, payload if kind == b"f" else b"")
         threading.Thread(target=self._read, name=f"held-{node.name}", daemon=True).start()
 
     def _read(self) -> None:
+        """The relay's frames into the buffers until its exit status, its end or :meth:`close`.
+        Full buffers wait for their reader: the holder's sends then block, and with them its reads
+        of the node's channel, whose SSH window holds the node's command (paramiko's flow control)."""
         sock = self._sock
         assert sock is not None
         try:
             while True:
                 kind, payload = _frame(sock)
                 with self._cond:
+                    while len(self._out) + len(self._err) >= BUFFER_MAX and not self.closed:
+                        self._cond.wait()
                     if kind == b"o" or (kind == b"e" and self._combine):
                         self._out += payload
                     elif kind == b"e":
                         self._err += payload
                     elif kind == b"x":
-                        self._code = int(payload) if payload.isdigit() else -1
-                        break
+                        self._code = int(payload) if payload.lstrip(b"-").isdigit() else -1
+                        return
                     else:
-                        break
+                        return
                     self._cond.notify_all()
-        except (OSError, ValueError):
-            pass
-        with self._cond:
-            self._ended = True
-            if self._code is None:  # the holder or its connection went away mid-command: as ssh says
-                self._code = -1
-            self._cond.notify_all()
+        except Exception:  # noqa: BLE001 - the relay cut (EOFError), closed under us: the channel ended
+            return
+        finally:
+            with self._cond:
+                self._ended = True
+                if self._code is None:  # the holder or its connection went away mid-command: as ssh says
+                    self._code = -1
+                self._cond.notify_all()
 
     def _wait(self, ready) -> None:
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
@@ -139,6 +151,7 @@ class HeldChannel:
         with self._cond:
             data = bytes(buf[:nbytes])
             del buf[:nbytes]
+            self._cond.notify_all()  # the reader may wait for room
             return data
 
     def recv(self, nbytes: int) -> bytes:
@@ -208,6 +221,21 @@ class HeldChannel:
             self._cond.notify_all()
 
 
+def _refused(name: str, payload: bytes) -> ssh.SSHError:
+    """The holder's ``f`` frame (``{"kind", "text", "found"}``: why the node's channel could not
+    open, as a cold connect would say it) as the error; validated, never trusted."""
+    try:
+        why = json.loads(payload)
+    except ValueError:
+        why = None
+    if not isinstance(why, dict) or not isinstance(why.get("text"), str):
+        return ssh.SSHError(name, f"host {name}: the connection holder answered out of protocol", "holder")
+    kind = str(why["kind"]) if isinstance(why.get("kind"), str) else "holder"
+    found = why.get("found") if isinstance(why.get("found"), str) else None
+    text = why["text"] if why["text"].startswith(f"host {name}") else f"host {name}: {why['text']}"
+    return ssh.SSHError(name, text, kind, found)
+
+
 def _frame(sock: socket.socket) -> tuple[bytes, bytes]:
     head = _exact(sock, HEADER.size)
     kind, size = HEADER.unpack(head)
@@ -233,7 +261,9 @@ class HeldTransport:
         self._alive = True
 
     def open_session(self, timeout: float | None = None) -> HeldChannel:
-        return HeldChannel(self._conn, timeout)
+        chan = HeldChannel(self._conn, timeout)
+        self._conn.channels.add(chan)
+        return chan
 
     def global_request(self, kind: str, data=None, wait: bool = True):
         reply = holder.request(self._conn.holder_name, {"op": "ping", "node": self._conn.node.name,
@@ -263,6 +293,8 @@ class HeldConnection:
         self._policy, self._ssh_config = policy, ssh_config
         self._cold: Any = None
         self._lock = threading.Lock()
+        #: its channels: closing the connection ends them, as closing an SSH connection does
+        self.channels: weakref.WeakSet[HeldChannel] = weakref.WeakSet()
         self.transport = HeldTransport(self)
         self.target = ssh.resolve(node, policy, ssh_config)
         self.host = self.target.host
@@ -280,19 +312,26 @@ class HeldConnection:
         return getattr(self.cold(), name)
 
     def close(self) -> None:
+        """Its channels closed (their commands' input ends: the holder closes them), and its own
+        connection if one was made; the holder's connection stays."""
+        for chan in list(self.channels):
+            chan.close()
         with self._lock:
             cold, self._cold = self._cold, None
         if cold is not None:
             cold.close()
 
 
-def factory(holder_name: str, prints: dict[str, str]):
+def factory(holder_name: str, prints: dict[str, str], policy: HostKeyPolicy, ssh_config: str | None):
     """:func:`ddpfab.remote.ssh.warm_through`'s factory for the holder *holder_name* holding
-    *prints* (node -> fingerprint): a HeldConnection for a node held as it would be reached
-    here, else None (connected cold)."""
-    def make(node, policy: HostKeyPolicy, ssh_config: str | None) -> HeldConnection | None:
+    *prints* (node -> fingerprint), made with *policy* and *ssh_config*: a HeldConnection for a
+    node held as it would be reached here, else None (connected cold)."""
+    def make(node, asked_policy: HostKeyPolicy, asked_config: str | None) -> HeldConnection | None:
         fp = holder.fingerprint(node)
-        if prints.get(node.name) != fp:
+        if prints.get(node.name) != fp or asked_policy != policy or asked_config != ssh_config:
             return None
-        return HeldConnection(holder_name, node, fp, policy, ssh_config)
+        try:
+            return HeldConnection(holder_name, node, fp, policy, ssh_config)
+        except TargetError:  # its ssh_config cannot be read now: the cold connect says why, as always
+            return None
     return make

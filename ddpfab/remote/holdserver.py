@@ -233,7 +233,8 @@ class Holder:
         send = relay.frame_sender(sock)
         name, command = self._held_node(req), req.get("command")
         if name is None or not isinstance(command, str):
-            send(b"f", b"not held as asked (another inventory, variables or ssh_config), or the holder is ending")
+            send(b"f", json.dumps({"kind": "holder", "text": "not held as asked (another inventory, variables or "
+                                                            "ssh_config), or the holder is ending"}).encode())
             return
         chan = extra = None
         try:
@@ -246,7 +247,8 @@ class Holder:
                     chan = extra.transport.open_session(timeout=30)
                 chan.exec_command(command)
             except Exception as exc:  # noqa: BLE001 - the client raises it as this node's failure
-                send(b"f", host_error(exc).encode())
+                send(b"f", json.dumps({"kind": getattr(exc, "kind", "ssh"), "text": host_error(exc),
+                                       "found": getattr(exc, "found", None)}).encode())
                 return
             send(b"s", b"")
             relay.relay(sock, chan, send)

@@ -173,22 +173,26 @@ def _known_entries(path: Path) -> list:
         return cached[1]
 
 
-#: While a command's cluster has a holder (:func:`warm_through`): node, policy, ssh_config -> a
-#: connection over the holder's, or None for a node it does not hold so.
-_warm: Callable[[Node, HostKeyPolicy, str | None], Any] | None = None
+#: The factories of the commands running now whose cluster has a holder (:func:`warm_through`):
+#: node, policy, ssh_config -> a connection over the holder's, or None for a node it does not
+#: hold so. A list, not a current one: commands of several clusters may run at once (threads).
+_warm: list[Callable[[Node, HostKeyPolicy, str | None], Any]] = []
+_warm_lock = threading.Lock()
 
 
 @contextmanager
 def warm_through(factory: Callable[[Node, HostKeyPolicy, str | None], Any]) -> Iterator[None]:
     """Within: :func:`connect` gives *factory*'s connection where it gives one (over ``ddpfab
-    hold``'s connections: :func:`ddpfab.remote.heldconn.factory`). Process-wide: the per-node
-    threads connect too."""
-    global _warm
-    before, _warm = _warm, factory
+    hold``'s connections: :func:`ddpfab.remote.heldconn.factory`, which gives one only for the
+    nodes, policy and ssh_config its holder was made with). Process-wide: the per-node threads
+    connect too."""
+    with _warm_lock:
+        _warm.append(factory)
     try:
         yield
     finally:
-        _warm = before
+        with _warm_lock:
+            _warm.remove(factory)
 
 
 def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
@@ -196,10 +200,13 @@ def connect(node: Node, policy: HostKeyPolicy, ssh_config: str | None = None,
     """An open, host-key-verified Fabric connection to *node* (through its jump hosts, each
     verified the same way), or an SSHError that says which hop failed and why. Under
     :func:`warm_through` (and *warm*), one over the holder's connection where it holds the node."""
-    if warm and _warm is not None:
-        held = _warm(node, policy, ssh_config)
-        if held is not None:
-            return held
+    if warm:
+        with _warm_lock:
+            factories = list(reversed(_warm))
+        for factory in factories:
+            held = factory(node, policy, ssh_config)
+            if held is not None:
+                return held
     try:
         target = resolve(node, policy, ssh_config)
     except TargetError as exc:

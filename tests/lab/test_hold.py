@@ -295,3 +295,28 @@ def test_every_node_command_runs_over_the_held_connections(lab, inventory3, held
         assert connections(lab) == {n: 1 for n in NODES}  # the holder's, still
     finally:
         block_new_ssh(lab, False)
+
+
+def test_a_run_over_the_held_connections_ends_when_the_holder_does(lab, inventory3, held, tmp_path):
+    """The holder's end closes its connections: the run's supervisors see their link end, the run
+    ends (not a wait for ever on a channel whose holder is gone) and nothing is left on the nodes."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\n"
+                                   "time.sleep(300)\n")
+    run = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory3), "--runs-dir",
+                            str(tmp_path / "runs"), "train.py"], cwd=proj, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        seen = ""
+        while seen.count(" up") < 3:
+            line = run.stdout.readline()
+            assert line, f"the run ended before every rank was up:\n{seen}"
+            seen += line
+        assert ddpfab("hold", "-i", str(inventory3), "--stop").returncode == 0
+        out = run.communicate(timeout=90)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode not in (0, None), seen + out
+    assert not any(wait_nothing_left(lab, "train.py").values())

@@ -1,0 +1,118 @@
+"""A channel over ``ddpfab hold``'s connection, against a holder played here on a real abstract
+Unix socket with the relay's frames (the real holder, on lab hosts: tests/lab/test_hold.py):
+a holder gone mid-command ends the channel (no reader waits for ever), unread output makes the
+holder wait instead of filling this process's memory, closing the connection ends its channels,
+and a refusal is the node's error with its kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ddpfab.hosts import inventory
+from ddpfab.remote import heldconn, holder, relay, ssh
+from ddpfab.remote.target import HostKeyPolicy
+
+
+class FakeHolder:
+    """Accepts one channel request on an abstract socket and hands the client to *play*."""
+
+    def __init__(self, play):
+        self.name = f"\0ddpfab-test-held-{os.getpid()}-{id(self)}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.name)
+        self.listener.listen(1)
+        self.request: dict = {}
+        self.result: dict = {}
+        self.thread = threading.Thread(target=self._serve, args=(play,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, play) -> None:
+        client, _ = self.listener.accept()
+        try:
+            self.request = json.loads(relay.read_header(client) or b"{}")
+            play(client, relay.frame_sender(client), self.result)
+        finally:
+            client.close()
+            self.listener.close()
+
+
+@pytest.fixture
+def node():
+    return inventory.load("127.0.0.1,").nodes[0]
+
+
+def held(fake: FakeHolder, node) -> heldconn.HeldConnection:
+    return heldconn.HeldConnection(fake.name, node, holder.fingerprint(node), HostKeyPolicy(), None)
+
+
+def test_a_holder_gone_mid_command_ends_the_channel(node):
+    def play(client, send, result):
+        send(b"s", b"")
+        send(b"o", b"partial ")  # then the holder is gone: no exit status
+
+    fake = FakeHolder(play)
+    chan = held(fake, node).transport.open_session()
+    chan.exec_command("echo hi")
+    assert fake.request == {"op": "channel", "node": node.name, "print": holder.fingerprint(node), "command": "echo hi"}
+    chan.settimeout(10)
+    assert chan.recv(100) == b"partial "
+    assert chan.recv(100) == b""  # its end, not a wait for ever
+    assert chan.recv_exit_status() == -1 and chan.exit_status_ready()
+
+
+def test_unread_output_makes_the_holder_wait(node):
+    def play(client, send, result):
+        send(b"s", b"")
+        client.settimeout(1.0)
+        sent, chunk = 0, b"x" * 65536
+        try:
+            while sent < 64 << 20:
+                send(b"o", chunk)
+                sent += len(chunk)
+        except OSError:  # (a timeout: the client reads no more)
+            pass
+        result["sent"] = sent
+
+    fake = FakeHolder(play)
+    conn = held(fake, node)
+    chan = conn.transport.open_session()
+    chan.exec_command("cat big")
+    fake.thread.join(timeout=30)
+    assert heldconn.BUFFER_MAX <= fake.result["sent"] < heldconn.BUFFER_MAX + (4 << 20), fake.result
+    conn.close()
+
+
+def test_closing_the_connection_ends_its_channels(node):
+    def play(client, send, result):
+        send(b"s", b"")
+        client.settimeout(10)
+        result["eof"] = client.recv(10) == b""  # the command's input ends: the holder closes it
+
+    fake = FakeHolder(play)
+    conn = held(fake, node)
+    chan = conn.transport.open_session()
+    chan.exec_command("sleep 60")
+    began = time.monotonic()
+    conn.close()
+    fake.thread.join(timeout=10)
+    assert fake.result == {"eof": True} and chan.closed
+    assert chan.recv(10) == b"" and time.monotonic() - began < 5
+
+
+def test_a_refusal_is_the_nodes_error_with_its_kind(node):
+    def play(client, send, result):
+        send(b"f", json.dumps({"kind": "unreachable", "text": f"host {node.name}: unreachable: no route",
+                               "found": "unreachable: no route"}).encode())
+
+    fake = FakeHolder(play)
+    chan = held(fake, node).transport.open_session()
+    with pytest.raises(ssh.SSHError) as raised:
+        chan.exec_command("true")
+    assert (raised.value.kind, str(raised.value), raised.value.found) == (
+        "unreachable", f"host {node.name}: unreachable: no route", "unreachable: no route")
