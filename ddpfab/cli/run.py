@@ -186,6 +186,8 @@ def register(sub) -> None:
 #: ``run``/``plan`` flags that say "not": flag's dest -> the :class:`ddpfab.api.Options` field it negates.
 NEGATED = {"no_check": "check", "no_sync": "sync", "no_forward_env": "forward_env", "no_color": "color"}
 _NEGATING = {field: dest for dest, field in NEGATED.items()}
+#: Options the messages name by the short flag users type (Ansible's ``-e``, as every example here).
+_SHORT = {"extra_vars": "-e"}
 
 
 def flag(field: str, value: Any = NO_VALUE) -> str:
@@ -195,7 +197,7 @@ def flag(field: str, value: Any = NO_VALUE) -> str:
     ``wait=True``."""
     if field in _NEGATING and (value is NO_VALUE or value is False):
         return "--" + _NEGATING[field].replace("_", "-")
-    name = "--" + field.replace("_", "-")
+    name = _SHORT.get(field) or "--" + field.replace("_", "-")
     if field in _NEGATING:  # True: the default, which no flag says
         return f"without --{_NEGATING[field].replace('_', '-')}"
     if value is NO_VALUE or value is True:

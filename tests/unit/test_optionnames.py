@@ -30,8 +30,8 @@ def test_values_and_negations_read_as_each_reader_writes_them():
     assert [python_name("exit_guard", "off"), python_name("sync", False), python_name("runs_dir")] == [
         "exit_guard='off'", "sync=False", "runs_dir"]
     assert [run_cli.flag("exit_guard", "off"), run_cli.flag("sync", False), run_cli.flag("runs_dir"),
-            run_cli.flag("wait", True), run_cli.flag("env", "A=b c")] == [
-        "--exit-guard off", "--no-sync", "--runs-dir", "--wait", "--env 'A=b c'"]
+            run_cli.flag("wait", True), run_cli.flag("env", "A=b c"), run_cli.flag("extra_vars")] == [
+        "--exit-guard off", "--no-sync", "--runs-dir", "--wait", "--env 'A=b c'", "-e"]
     assert option("hang_timeout") == "hang_timeout"
     with spelled_by(run_cli.flag):
         assert option("hang_timeout") == "--hang-timeout"
