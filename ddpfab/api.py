@@ -642,11 +642,12 @@ class Cluster:
         from ddpfab.remote import heldconn, holder  # (light: the SSH stack comes with the node work)
         from ddpfab.remote import ssh
 
-        status = holder.status(self._holder_name()) if self.inventory else None
-        if status is None:
+        name = self._holder_name() if self.inventory else None
+        status = holder.status(name) if name else None
+        if name is None or status is None:
             yield
             return
-        with ssh.warm_through(heldconn.factory(self._holder_name(), status["prints"], self.policy, self.ssh_config)):
+        with ssh.warm_through(heldconn.factory(name, status["prints"], self.policy, self.ssh_config)):
             yield
 
     def held(self) -> Held | None:

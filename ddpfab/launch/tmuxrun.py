@@ -48,9 +48,9 @@ from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv
 if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refuse())
     from fabric import Connection
 
-#: The launch and the pid of its session, in the node's record of the run (removed at the end)
+#: The launch, in the node's record of the run beside its session's pid (TMUX_PID; both removed
+#: at the end)
 LAUNCH = "tmux-launch.sh"
-PID = TMUX_PID
 #: The launch's first line: ``sh FILE`` reads on from the open file, so the file (which may hold
 #: secret values) is gone from the node as soon as its window started it, whatever happens next.
 SELF_REMOVE = 'rm -f -- "$0"\n'
@@ -99,7 +99,7 @@ def window_program(node: NodePlan, config: Path, exit_file: Path, target: Target
     terminal there, recording the session's pid (the node's process tree is that session; ``exec
     sh -c`` so that the node's login shell may be any) and starting the launch; then the exit
     status, here, and the window kept open to be read until the session closes."""
-    inner = f"echo $$ > {shlex.quote(f'{node.remote_dir}/{PID}')} && exec sh {shlex.quote(f'{node.remote_dir}/{LAUNCH}')}"
+    inner = f"echo $$ > {shlex.quote(f'{node.remote_dir}/{TMUX_PID}')} && exec sh {shlex.quote(f'{node.remote_dir}/{LAUNCH}')}"
     remote = f"exec sh -c {shlex.quote(inner)}"
     if config_alias(node.name):
         ssh = config_ssh_argv(str(config), node.name, remote, tty=True)
@@ -215,7 +215,7 @@ def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signa
 def cleanup_node(conn: Connection, node: NodePlan) -> None:
     """Remove what this mode placed on the node (the launch holds the env's secret values)."""
     d = shlex.quote(node.remote_dir)
-    conn.run(f"rm -f {d}/{LAUNCH} {d}/{PID}", hide=True, warn=True, pty=False)
+    conn.run(f"rm -f {d}/{LAUNCH} {d}/{TMUX_PID}", hide=True, warn=True, pty=False)
 
 
 def _wait_ended(windows: Windows, names: list[str], printer: Printer, seconds: float) -> None:

@@ -284,9 +284,7 @@ class HeldTransport:
 
 class HeldConnection:
     """Stands for :func:`ddpfab.remote.ssh.connect`'s connection to *node*, over the holder
-    *holder_name*'s; ``held`` says so to whoever reports how a node was reached."""
-
-    held = True
+    *holder_name*'s."""
 
     def __init__(self, holder_name: str, node, print_: str, policy: HostKeyPolicy, ssh_config: str | None):
         self.holder_name, self.node, self.print = holder_name, node, print_

@@ -119,20 +119,28 @@ class Holder:
             return HostResult(name)
         extra = None
         try:
-            conn = self._conn(name)
-            try:
-                chan = conn.transport.open_session(timeout=30)
-            except paramiko.ChannelException:
-                # the node's sshd allows this many sessions per connection (MaxSessions, 10 by
-                # default) and other commands hold them: this one gets a connection of its own
-                extra = self.connect(self.nodes[name])
-                chan = extra.transport.open_session(timeout=30)
+            chan, extra = self._open_session(name)
             return run_in(chan, self.nodes[name], command, printer, timeout, printer.channels, start)
         except Exception as exc:  # noqa: BLE001 - a failure on one host is data
             return HostResult(name, error=host_error(exc), seconds=time.monotonic() - start)
         finally:
             if extra is not None:
                 extra.close()
+
+    def _open_session(self, name: str) -> tuple[Any, Any]:
+        """A new session channel on the node's connection, and the connection to close after it
+        (None: the held one). When the node's sshd allows no more sessions on that connection
+        (MaxSessions, 10 by default, held by other commands), one of its own for this command."""
+        conn = self._conn(name)
+        try:
+            return conn.transport.open_session(timeout=30), None
+        except paramiko.ChannelException:
+            extra = self.connect(self.nodes[name])
+            try:
+                return extra.transport.open_session(timeout=30), extra
+            except BaseException:
+                extra.close()
+                raise
 
     def serve(self, on_ready: Callable[[dict[str, str]], None] = lambda failed: None) -> None:
         """Answer requests until idle, stopped or signalled, connecting every node meanwhile
@@ -178,7 +186,7 @@ class Holder:
     def _client(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(10)
-            header = relay.read_header(sock)  # byte by byte: a channel's stdin may follow at once
+            header = relay.read_header(sock)  # only its line: a channel's stdin may follow at once
             if header is None or len(header) > MAX_REQUEST:
                 send_message(sock, threading.Lock(), {"held": False, "why": "request too large or cut"})
                 return
@@ -239,12 +247,7 @@ class Holder:
         chan = extra = None
         try:
             try:
-                conn = self._conn(name)
-                try:
-                    chan = conn.transport.open_session(timeout=30)
-                except paramiko.ChannelException:  # MaxSessions reached on this connection (see _run)
-                    extra = self.connect(self.nodes[name])
-                    chan = extra.transport.open_session(timeout=30)
+                chan, extra = self._open_session(name)
                 chan.exec_command(command)
             except Exception as exc:  # noqa: BLE001 - the client raises it as this node's failure
                 send(b"f", json.dumps({"kind": getattr(exc, "kind", "ssh"), "text": host_error(exc),
