@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import threading
 import time
@@ -40,7 +41,7 @@ class HeldChannel:
         self._sock: socket.socket | None = None
         self._out, self._err = bytearray(), bytearray()
         self._code: int | None = None
-        self._ended = False  # the relay ended (exit status, or the holder went away)
+        self._ended = False  # the relay's socket ended (the command's output is all here), or closed
         self._cond = threading.Condition()
         self._timeout: float | None = None
         self._combine = False  # stderr's frames go to stdout (as paramiko's set_combine_stderr)
@@ -106,9 +107,10 @@ class HeldChannel:
         threading.Thread(target=self._read, name=f"held-{node.name}", daemon=True).start()
 
     def _read(self) -> None:
-        """The relay's frames into the buffers until its exit status, its end or :meth:`close`.
-        Full buffers wait for their reader: the holder's sends then block, and with them its reads
-        of the node's channel, whose SSH window holds the node's command (paramiko's flow control)."""
+        """The relay's frames into the buffers until its end or :meth:`close`; the exit status
+        comes when sshd sends it, the output a descendant still writes after it. Full buffers wait
+        for their reader: the holder's sends then block, and with them its reads of the node's
+        channel, whose SSH window holds the node's command (paramiko's flow control)."""
         sock = self._sock
         assert sock is not None
         try:
@@ -121,13 +123,12 @@ class HeldChannel:
                         self._out += payload
                     elif kind == b"e":
                         self._err += payload
-                    elif kind == b"x":
+                    elif kind == b"x" and self._code is None:
                         self._code = int(payload) if payload.lstrip(b"-").isdigit() else -1
-                        return
                     else:
                         return
                     self._cond.notify_all()
-        except Exception:  # noqa: BLE001 - the relay cut (EOFError), closed under us: the channel ended
+        except Exception:  # noqa: BLE001 - the relay's end (EOFError), or closed under us
             return
         finally:
             with self._cond:
@@ -167,7 +168,7 @@ class HeldChannel:
         return self._real.recv_stderr_ready() if self._real is not None else bool(self._err)
 
     def exit_status_ready(self) -> bool:
-        return self._real.exit_status_ready() if self._real is not None else self._ended
+        return self._real.exit_status_ready() if self._real is not None else self._code is not None
 
     @property
     def eof_received(self) -> bool:
@@ -178,7 +179,7 @@ class HeldChannel:
             return self._real.recv_exit_status()
         before, self._timeout = self._timeout, None
         try:
-            self._wait(lambda: False)
+            self._wait(lambda: self._code is not None)
         finally:
             self._timeout = before
         return self._code if self._code is not None else -1
@@ -189,7 +190,7 @@ class HeldChannel:
             return
         if self._sock is None or self.closed:
             raise OSError("the channel is closed")
-        self._sock.sendall(data)
+        _send_within(self._sock, data, self._timeout)
 
     def send(self, data: bytes) -> int:
         self.sendall(data)
@@ -218,6 +219,8 @@ class HeldChannel:
             self._sock.close()
         with self._cond:
             self._ended = True
+            if self._code is None:  # as paramiko's closed channel: ready, without a status
+                self._code = -1
             self._cond.notify_all()
 
 
@@ -234,6 +237,24 @@ def _refused(name: str, payload: bytes) -> ssh.SSHError:
     found = why.get("found") if isinstance(why.get("found"), str) else None
     text = why["text"] if why["text"].startswith(f"host {name}") else f"host {name}: {why['text']}"
     return ssh.SSHError(name, text, kind, found)
+
+
+def _send_within(sock: socket.socket, data: bytes, timeout: float | None) -> None:
+    """*data* onto *sock* within *timeout* (None: however long), TimeoutError after it, as
+    paramiko's ``sendall`` under ``settimeout``. Not the socket's own timeout: the reader's
+    thread blocks on the same socket and must wait however long the command runs."""
+    if timeout is None:
+        sock.sendall(data)
+        return
+    view, deadline = memoryview(data), time.monotonic() + timeout
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [sock], [], left)[1]:
+            raise TimeoutError("timed out")
+        try:
+            view = view[sock.send(view, socket.MSG_DONTWAIT):]
+        except BlockingIOError:
+            continue
 
 
 def _frame(sock: socket.socket) -> tuple[bytes, bytes]:

@@ -254,7 +254,7 @@ class Holder:
                                        "found": getattr(exc, "found", None)}).encode())
                 return
             send(b"s", b"")
-            relay.relay(sock, chan, send)
+            relay.relay(sock, chan, send, exit_first=True)
         except OSError:
             pass  # the client went away: its channel is closed below, which ends its command's input
         finally:

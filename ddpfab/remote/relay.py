@@ -1,15 +1,17 @@
 """One command on a channel of an open SSH connection, relayed to a local socket: the client's
 bytes to the command's stdin (its half-close is EOF), the command's stdout and stderr back as
-frames, then its exit status. rsync's remote shell (:mod:`ddpfab.remote.rsh`, served by
+frames, and its exit status. rsync's remote shell (:mod:`ddpfab.remote.rsh`, served by
 :class:`ddpfab.remote.noderunner.NodeRunner`) and the channels of ``ddpfab hold``'s connections
 (:mod:`ddpfab.remote.heldconn`, served by the holder) speak it.
 
 Frames: one type byte (``o`` stdout, ``e`` stderr, ``x`` exit status as decimal digits, and for
 the holder's channels ``s`` started, ``f`` could not start: its reason), a 4-byte big-endian
-length, the payload."""
+length, the payload. ``x`` is the last frame for rsync's relay; a holder's channel sends it when
+sshd does and ends with the socket's end."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -46,26 +48,46 @@ def read_header(client: socket.socket) -> bytes | None:
     return None
 
 
-def relay(client: socket.socket, chan, send: Send) -> None:
+def relay(client: socket.socket, chan, send: Send, exit_first: bool = False) -> None:
     """Relay *chan*'s command (``exec_command`` done) to *client* until it ends: stdin from the
-    socket, stdout and stderr as frames, then ``x`` with its exit status. A client that goes
-    away ends the relay (the caller closes the channel)."""
-    threads = [threading.Thread(target=_relay_stdin, args=(client, chan), daemon=True),
+    socket, stdout and stderr as frames, and ``x`` with its exit status: after the last output,
+    or with *exit_first* as soon as sshd sends it (as a channel of one's own tells it: the output
+    a descendant still writes follows, until EOF). A client that goes away ends the relay and
+    closes *chan*, so a command that ignores its input's end is no longer kept for nobody."""
+    done = threading.Event()
+    threads = [threading.Thread(target=_relay_stdin, args=(client, chan, done), daemon=True),
                threading.Thread(target=_relay_stderr, args=(chan, send), daemon=True)]
+    if exit_first:
+        threads.append(threading.Thread(target=_relay_exit, args=(chan, send), daemon=True))
     for th in threads:
         th.start()
-    while True:
-        data = chan.recv(65536)
-        if not data:
-            break
-        send(b"o", data)
-    threads[1].join()
-    send(b"x", str(chan.recv_exit_status()).encode())
+    try:
+        while True:
+            data = chan.recv(65536)
+            if not data:
+                break
+            send(b"o", data)
+        threads[1].join()
+        if exit_first:
+            threads[2].join()
+        else:
+            send(b"x", str(chan.recv_exit_status()).encode())
+    finally:
+        done.set()
 
 
-def _relay_stdin(client: socket.socket, chan) -> None:
+def _relay_exit(chan, send: Send) -> None:
+    try:
+        send(b"x", str(chan.recv_exit_status()).encode())
+    except OSError:
+        pass  # the client went away: the relay ends with it
+
+
+def _relay_stdin(client: socket.socket, chan, done: threading.Event) -> None:
     """The client's bytes to the channel, then its end (EOF) passed on: the remote side reads
-    until then. A link that breaks ends this direction only."""
+    until then. Then, until the relay is *done*, a watch for the client's going away (its
+    socket hung up, not only half-closed): the channel is closed, as a lost SSH connection
+    closes it. A link that breaks ends this direction only."""
     try:
         while True:
             data = client.recv(65536)
@@ -75,6 +97,16 @@ def _relay_stdin(client: socket.socket, chan) -> None:
         chan.shutdown_write()
     except (OSError, EOFError):
         pass
+    poll = select.poll()
+    poll.register(client, 0)  # POLLHUP and POLLERR are always reported
+    try:
+        while not done.is_set():
+            if poll.poll(500):
+                if not done.is_set():
+                    chan.close()
+                return
+    except (OSError, ValueError):  # the socket was closed under us: the relay has ended
+        return
 
 
 def _relay_stderr(chan, send: Send) -> None:

@@ -320,3 +320,47 @@ def test_a_run_over_the_held_connections_ends_when_the_holder_does(lab, inventor
             run.kill()
     assert run.returncode not in (0, None), seen + out
     assert not any(wait_nothing_left(lab, "train.py").values())
+
+
+#: A command on one held channel, from a process of its own: "early" prints how long the exit
+#: status took while a descendant keeps stdout open; "gone" starts a command that ignores its
+#: input's end and writes nothing for 3 s, says so, and waits to be killed.
+HELD_CHANNEL = """
+import sys, time
+from ddpfab.api import Cluster
+from ddpfab.remote import heldconn, ssh
+cluster = Cluster.load(sys.argv[1])
+with cluster._held_connections():
+    conn = ssh.connect(cluster.parsed.nodes[0], cluster.policy, cluster.ssh_config)
+assert isinstance(conn, heldconn.HeldConnection), conn
+chan = conn.transport.open_session()
+if sys.argv[2] == "early":
+    began = time.monotonic()
+    chan.exec_command("(sleep 6 &); echo hi; exit 3")
+    code = chan.recv_exit_status()
+    print(code, round(time.monotonic() - began, 2), chan.eof_received, flush=True)
+else:
+    chan.exec_command("sleep 3; echo late; exec sleep 300")
+    print("started", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_held_channel_tells_what_a_channel_of_its_own_tells(lab, inventory3, held):
+    """The exit status as sshd sends it (before the EOF a descendant holds back), and a client
+    gone: its channel closed at once, so the command's next write ends it (as when a cold
+    client's connection is gone), not the holder kept reading for nobody."""
+    res = subprocess.run([sys.executable, "-c", HELD_CHANNEL, str(inventory3), "early"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    code, took, eof = res.stdout.split()
+    assert (code, eof) == ("3", "False") and float(took) < 4, res.stdout + res.stderr
+    client = subprocess.Popen([sys.executable, "-c", HELD_CHANNEL, str(inventory3), "gone"],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert client.stdout.readline() == "started\n"
+    finally:
+        client.kill()
+        client.wait()
+    time.sleep(5)  # past the command's write
+    assert not left_running(lab, "sleep 300")["node1"]
+    assert connections(lab) == {n: 1 for n in NODES}

@@ -2,10 +2,12 @@
 Unix socket with the relay's frames (the real holder, on lab hosts: tests/lab/test_hold.py):
 a holder gone mid-command ends the channel (no reader waits for ever), unread output makes the
 holder wait instead of filling this process's memory, closing the connection ends its channels,
-and a refusal is the node's error with its kind."""
+a refusal is the node's error with its kind, the exit status comes as sshd sends it, writes time
+out as ``settimeout`` says; and the relay closes the channel of a client that has gone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -116,3 +118,93 @@ def test_a_refusal_is_the_nodes_error_with_its_kind(node):
         chan.exec_command("true")
     assert (raised.value.kind, str(raised.value), raised.value.found) == (
         "unreachable", f"host {node.name}: unreachable: no route", "unreachable: no route")
+
+
+def test_the_exit_status_comes_before_output_a_descendant_still_writes(node):
+    """As sshd tells it on a channel of one's own: `(sleep 5 &); echo hi` has exited while the
+    sleep keeps its stdout open; the output after the status still arrives, then the end."""
+    go_on = threading.Event()
+
+    def play(client, send, result):
+        send(b"s", b"")
+        send(b"o", b"hi\n")
+        send(b"x", b"3")
+        go_on.wait(10)
+        send(b"o", b"late\n")
+
+    fake = FakeHolder(play)
+    chan = held(fake, node).transport.open_session()
+    chan.exec_command("(sleep 5 &); echo hi; exit 3")
+    chan.settimeout(10)
+    assert chan.recv_exit_status() == 3
+    assert chan.exit_status_ready() and not chan.eof_received
+    assert chan.recv(100) == b"hi\n"
+    go_on.set()
+    assert chan.recv(100) == b"late\n"
+    assert chan.recv(100) == b"" and chan.eof_received and chan.recv_exit_status() == 3
+
+
+def test_a_write_the_command_does_not_read_times_out_as_settimeout_says(node):
+    def play(client, send, result):
+        send(b"s", b"")
+        time.sleep(8)  # reads nothing: the socket's buffers fill
+
+    fake = FakeHolder(play)
+    conn = held(fake, node)
+    chan = conn.transport.open_session()
+    chan.exec_command("sleep 60")
+    chan.settimeout(0.5)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        chan.sendall(b"x" * (64 << 20))
+    assert time.monotonic() - began < 5
+    conn.close()
+
+
+class BlockingChannel:
+    """A channel whose command writes nothing and ignores its input's end: ``recv`` returns
+    only once the channel is closed (as paramiko's)."""
+
+    def __init__(self):
+        self.closed_event = threading.Event()
+        self.eof_sent = False
+
+    def recv(self, n):
+        self.closed_event.wait(30)
+        return b""
+
+    recv_stderr = recv
+
+    def recv_exit_status(self):
+        self.closed_event.wait(30)
+        return -1
+
+    def sendall(self, data):
+        pass
+
+    def shutdown_write(self):
+        self.eof_sent = True
+
+    def close(self):
+        self.closed_event.set()
+
+
+@pytest.mark.parametrize("exit_first", [False, True])
+def test_a_client_that_goes_away_closes_its_channel_a_half_close_does_not(exit_first):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    chan = BlockingChannel()
+
+    def serve():
+        with contextlib.suppress(OSError):  # its last frame to a client that has gone: the callers' case
+            relay.relay(ours, chan, relay.frame_sender(ours), exit_first)
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    theirs.shutdown(socket.SHUT_WR)  # the command's input ends; its output is still wanted
+    time.sleep(1.5)
+    assert chan.eof_sent and not chan.closed_event.is_set()
+    began = time.monotonic()
+    theirs.close()  # the client is gone
+    th.join(timeout=10)
+    assert not th.is_alive() and chan.closed_event.is_set() and time.monotonic() - began < 5
+    ours.close()
