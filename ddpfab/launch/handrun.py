@@ -2,8 +2,9 @@
 
 Each script starts the node's supervisor as ``ddpfab run --detach`` does (the same command, the
 same input: the node program and the job as data, env values included, on its stdin, never in a
-command line), with its output on the terminal that started it: Ctrl-C there, or that terminal
-going away, ends the node's job tree. The run is recorded when the scripts are written, so
+command line), with its output on the terminal that started it, and its input from there when it
+is a terminal (a ``breakpoint()`` is driven there): Ctrl-C there, or that terminal going away,
+ends the node's job tree. The run is recorded when the scripts are written, so
 ``ddpfab ps``, ``stop``, ``logs``, ``attach`` and ``doctor`` work on it from the controller.
 """
 
@@ -19,12 +20,15 @@ from ddpfab.remote import nodeprogram as nodeprog
 
 #: The heredoc's end in a script (base64 never has a "-")
 END = "DDPFAB-INPUT"
+#: Where the script keeps its own stdin for the supervisor, whose stdin is its input: the job's
+#: input when it is a terminal (``ssh -t NODE sh SCRIPT``, a ``plan --tmux`` window)
+TERMINAL_FD = 3
 
 
 def supervised(plan: Plan, node: NodePlan) -> tuple[str, bytes]:
     """(the shell line that starts *node*'s supervisor, its stdin): ``run --detach``'s, with the
     job's output on this terminal too."""
-    spec = {**agent_spec(plan, node, detach=True), "console": True}
+    spec = {**agent_spec(plan, node, detach=True), "console": True, "terminal": TERMINAL_FD}
     return (nodeprog.command(node, *nodeprog.supervisor_words(plan.run_id)),
             nodeprog.setup_head(node) + nodeprog.supervisor_input(spec))
 
@@ -42,5 +46,6 @@ def script_body(plan: Plan, node: NodePlan) -> str:
             f"  echo 'ddpfab: run {plan.run_id} was started on this node already; make a new plan "
             "(ddpfab plan --emit DIR)' >&2\n  exit 1\nfi\n"
             f"mkdir -p -m 700 {d}\n"
+            f"exec {TERMINAL_FD}<&0\n"
             f"base64 -d <<'{END}' | sh -c {shlex.quote(command)}\n"
             f"{base64.encodebytes(stdin).decode()}{END}\n")

@@ -23,7 +23,8 @@ root) can read. It:
 - with ``detached`` in the spec it ignores stdin and writes only to ``output.log``: the job then
   lives on without ddpfab until it ends or ``ddpfab stop`` signals this agent; with ``console``
   too (a job started by hand from ``plan --emit``'s script) its output also goes to stdout (a
-  thread of its own: a stalled terminal stalls nothing), and the job ends when that terminal goes;
+  thread of its own: a stalled terminal stalls nothing), its input is that terminal when the
+  script was started on one, and the job ends when that terminal goes;
 - with ``watch_workers`` in the spec (torchrun with ``--max-restarts=0``: any failed worker ends
   the job) it watches torchrun's workers through pidfds and, the moment one exits with an error,
   ends the node's job itself instead of waiting for torchrun to notice, tear down and exit (about a
@@ -872,6 +873,20 @@ class _Console(object):
                 return
 
 
+def _terminal(fd):
+    """*fd* when it is a terminal, for the job's input; else None, and *fd* closed (a pipe kept
+    open for nobody would hold its other end)."""
+    if not isinstance(fd, int) or isinstance(fd, bool) or fd < 3:
+        return None
+    if os.isatty(fd):
+        return fd
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    return None
+
+
 class Supervisor(object):
     """One job on this node, from its record to its result: :func:`main`'s steps, and the state the
     threads that watch the job share (the link, the workers, the exit barrier)."""
@@ -887,6 +902,9 @@ class Supervisor(object):
         # a job started by hand (``plan --emit``'s script): detached from any controller, its
         # output also on this process's stdout, the terminal of whoever started it
         self.console = _Console(lambda: self.request_stop("terminal went away")) if spec.get("console") else None
+        # and that terminal is the job's input (the script keeps it for the job as ``terminal``):
+        # a breakpoint() in a rank waits there, as under a torchrun started by hand
+        self.terminal = _terminal(spec.get("terminal")) if self.console is not None else None
         self.record_path = os.path.join(self.run_dir, "agent.json")
         self.log = None
         self.job = None
@@ -938,8 +956,8 @@ class Supervisor(object):
         try:
             self.job = subprocess.Popen(_job_argv(spec), cwd=os.path.expanduser(spec.get("workdir") or "~"),
                                         env=exit_guard_env(spec, self.run_dir, _job_env(spec)),
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                                        stdin=subprocess.DEVNULL if self.terminal is None else self.terminal,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
             text = "cannot start the job in %s: %s" % (spec.get("workdir"), exc)
             self.log.write(("ddpfab-agent: %s\n" % text).encode())

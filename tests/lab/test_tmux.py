@@ -170,7 +170,7 @@ def test_a_breakpoint_is_driven_in_its_nodes_window(lab, inventory2, tmp_path):
     assert "succeeded: every node's launch ended with exit code 0 (2 nodes)" in out, out
 
 
-def test_plan_tmux_types_each_nodes_line_and_enter_starts_it(lab, inventory2, tmp_path):
+def test_plan_tmux_types_each_nodes_line_enter_starts_it_and_drives_a_breakpoint(lab, inventory2, tmp_path):
     env = {**os.environ, "NO_COLOR": "1", "TMUX_TMPDIR": str(tmp_path)}
     env.pop("TMUX", None)
     out = tmp_path / "emit"
@@ -182,7 +182,8 @@ def test_plan_tmux_types_each_nodes_line_and_enter_starts_it(lab, inventory2, tm
         return tmux("capture-pane", "-p", "-J", "-t", f"ddpfab-tmux-plan:{window}").stdout
 
     res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inventory2), "--run-id", "tmux-plan",
-                          "--runs-dir", str(tmp_path / "runs"), "--emit", str(out), "--tmux", SCRIPT],
+                          "--runs-dir", str(tmp_path / "runs"), "--emit", str(out), "--tmux", "--env", "BREAK_RANK=1",
+                          SCRIPT],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     try:
         assert res.returncode == 0, res.stdout + res.stderr
@@ -193,10 +194,25 @@ def test_plan_tmux_types_each_nodes_line_and_enter_starts_it(lab, inventory2, tm
             assert f"rank {rank} on" not in pane(node)  # typed, not run
         for node in ("node1", "node2"):
             tmux("send-keys", "-t", f"ddpfab-tmux-plan:{node}", "Enter")
-        deadline = time.monotonic() + 90
-        while not all(f"rank {r} on {n} ready" in pane(n) for n, r in (("node1", 0), ("node2", 1))):
-            assert time.monotonic() < deadline, pane("node1") + pane("node2")
-            time.sleep(0.2)
+
+        def wait_for(what, timeout: float = 90) -> None:
+            deadline = time.monotonic() + timeout
+            while not what():
+                assert time.monotonic() < deadline, pane("node1") + pane("node2")
+                time.sleep(0.2)
+
+        wait_for(lambda: all(f"rank {r} on {n} ready" in pane(n) for n, r in (("node1", 0), ("node2", 1))))
+        # the supervised job's input is the window's terminal: rank 1's breakpoint() is driven there
+        wait_for(lambda: "(Pdb)" in pane("node2"))
+        tmux("send-keys", "-t", "ddpfab-tmux-plan:node2", "p int(os.environ['RANK']) * 7", "Enter")
+        wait_for(lambda: "7\n" in pane("node2").split("* 7", 1)[-1], 30)
+        tmux("send-keys", "-t", "ddpfab-tmux-plan:node2", "c", "Enter")
+        wait_for(lambda: "rank 1 went on" in pane("node2"), 30)
+
+        def listed() -> str:
+            return ddpfab("ps", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), timeout=60).stdout
+
+        wait_for(lambda: "node1:exited(0) node2:exited(0)" in listed(), 60)  # the job ended 0 on both
     finally:
         tmux("kill-server")  # the windows' ssh go: the nodes' torchrun and ranks end with them
     for node, rank in (("node1", 0), ("node2", 1)):  # the copied scripts (the README's route) are the user's

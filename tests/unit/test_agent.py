@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.node import agent
@@ -388,3 +392,20 @@ def test_unrelayed_lines_are_the_newest_attempts_past_what_was_relayed(tmp_path)
     assert agent.unrelayed_lines(str(tmp_path), 0, {}, limit=1) == [b"[default0]:three\n"]
     assert agent.unrelayed_lines(str(tmp_path), 3, {}) == []
     assert agent.unrelayed_lines(str(tmp_path / "none"), 0, {}) == []
+
+
+def test_a_hand_run_jobs_input_is_the_scripts_terminal_and_only_a_terminal():
+    main, other = pty.openpty()
+    try:
+        assert agent._terminal(other) == other  # kept for the job
+        assert agent._terminal(True) is None and agent._terminal(1) is None  # never stdio, never a bool
+    finally:
+        os.close(main)
+        os.close(other)
+    read, write = os.pipe()
+    try:
+        assert agent._terminal(read) is None
+        with pytest.raises(OSError):  # closed: a pipe kept for nobody holds its writer
+            os.fstat(read)
+    finally:
+        os.close(write)
