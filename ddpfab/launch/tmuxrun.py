@@ -118,6 +118,16 @@ class TmuxError(DdpfabError):
     check = "tmux"
 
 
+class RunIdInUse(DdpfabError):
+    """The run's id is taken where the run would start: its tmux session, or a node's record."""
+
+    check = "tmux"
+
+
+#: The placing command's exit status when the node has the run's record already
+IN_USE = 3
+
+
 def tmux(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """``tmux ARGS``; with *check*, a TmuxError when it fails."""
     res = subprocess.run(["tmux", *args], capture_output=True, text=True, check=False)
@@ -186,13 +196,25 @@ class Windows:
         return [n.name for n in self.plan.nodes if n.name not in self.ended]
 
 
-def place_launches(plan: Plan, conns: dict[str, Connection]) -> None:
+def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
     """Each node's launch into its record dir, private (it may hold secret values), over stdin;
-    it removes itself as its window starts it (:data:`SELF_REMOVE`)."""
+    it removes itself as its window starts it (:data:`SELF_REMOVE`). Each node that took it is
+    added to *placed* (what the end may remove or signal there: nothing else). RunIdInUse when a
+    node has the run's record already (a run with this id, from another runs dir, runs or ran
+    there): nothing is placed after it."""
     for node in plan.nodes:
         d = shlex.quote(node.remote_dir)
-        conns[node.name].run(f"umask 077 && mkdir -p {d} && cat > {d}/{LAUNCH}", in_stream=io.StringIO(
-            SELF_REMOVE + launch_text(plan, node)), hide=True, warn=False, pty=False)
+        res = conns[node.name].run(
+            f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
+            f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && cat > {d}/{LAUNCH}",
+            in_stream=io.StringIO(SELF_REMOVE + launch_text(plan, node)), hide=True, warn=True, pty=False)
+        if res.exited == IN_USE:
+            raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
+                             f"record: a run with this id, from another runs dir or machine, runs or ran there); "
+                             f"give this run another {option('run_id')}")
+        if res.exited != 0:
+            raise UnexpectedExit(res)
+        placed.append(node.name)
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:
@@ -243,16 +265,16 @@ def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: 
         printer.note(f"{name}: its launch did not end when stopped; its window was closed")
 
 
-def _leave_nothing(plan: Plan, conns: dict[str, Connection]) -> None:
-    """After the run, on every node: what is left of its launch's session (a rank its torchrun
-    left behind) ended, then the files this mode placed removed."""
-    signalled = _end_nodes(plan, conns, [n.name for n in plan.nodes], "TERM")
+def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
+    """After the run, on each node where it *placed* its launch: what is left of the launch's
+    session (a rank its torchrun left behind) ended, then the files this mode placed removed."""
+    signalled = _end_nodes(plan, conns, placed, "TERM")
     if signalled:
         time.sleep(STOP_GRACE_S)
         _end_nodes(plan, conns, signalled, "KILL")
-    for node in plan.nodes:
+    for name in placed:
         with contextlib.suppress(Exception):
-            cleanup_node(conns[node.name], node)
+            cleanup_node(conns[name], plan.node(name))
 
 
 def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:
@@ -422,8 +444,14 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
     the session is gone unless someone looks at it."""
     windows: Windows | None = None
     client = None
+    placed: list[str] = []
     try:
-        place_launches(plan, conns)
+        session = session_name(plan.run_id)
+        if tmux("has-session", "-t", f"={session}", check=False).returncode == 0:
+            raise RunIdInUse(f"tmux session {session} exists already (a run with this id, from another runs dir?); "
+                             f"give this run another {option('run_id')}, or close that session: "
+                             f"tmux kill-session -t {session}")
+        place_launches(plan, conns, placed)
         windows = start_session(plan, targets, run_dir)
         printer.note(f"run {plan.run_id} in tmux session {windows.session}: one window per node "
                      f"(tmux attach -t {windows.session}; Ctrl-b w lists them; Ctrl-b : setw synchronize-panes)")
@@ -432,7 +460,7 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
     except KeyboardInterrupt as exc:  # before the watch (or a second signal): end whatever started
         ended = Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
                       interrupted=str(exc) or "SIGINT")
-    except (TmuxError, UnexpectedExit, SSHException, OSError) as exc:
+    except (TmuxError, RunIdInUse, UnexpectedExit, SSHException, OSError) as exc:
         printer.note(f"{option('tmux')}: could not start: {exc}")
         ended = Ended(1, None, f"failed to start in tmux: {exc}")
     finally:
@@ -440,7 +468,7 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
             untie(windows)
             if not windows.attached():
                 tmux("kill-session", "-t", windows.target, check=False)
-        _leave_nothing(plan, conns)
+        _leave_nothing(plan, conns, placed)
     ended.exit_codes = dict(windows.ended) if windows else {}
     record(ended)
     if client is not None:

@@ -364,3 +364,31 @@ def test_a_held_channel_tells_what_a_channel_of_its_own_tells(lab, inventory3, h
     time.sleep(5)  # past the command's write
     assert not left_running(lab, "sleep 300")["node1"]
     assert connections(lab) == {n: 1 for n in NODES}
+
+
+def test_two_terminals_share_the_holder_each_with_its_own_output(lab, inventory3, held, tmp_path):
+    """A run in one terminal and an exec in another at once, over the one held connection per
+    node: each gets its own output and exit status, nothing of the other's."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\n"
+                                   "time.sleep(6)\nprint('rank', os.environ['RANK'], 'done', flush=True)\n")
+    run = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory3), "--runs-dir",
+                            str(tmp_path / "runs"), "train.py"], cwd=proj, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        seen = ""
+        while seen.count(" up") < 3:
+            line = run.stdout.readline()
+            assert line, f"the run ended before every rank was up:\n{seen}"
+            seen += line
+        code, lines, err = exec_lines(inventory3, "--", "echo other-$(hostname)")
+        during = connections(lab)
+        out = seen + run.communicate(timeout=120)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert code == 0 and {f"{n} | other-{n}" for n in NODES} <= lines and "over the connections" in err, (lines, err)
+    assert not any("rank" in ln for ln in lines), lines
+    assert run.returncode == 0 and out.count(" done") == 3 and "other-" not in out, out
+    assert during == {n: 1 for n in NODES}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpfab import lab as labmod
 from .helpers import REPO, ddpfab, host_sh, wait_no_processes
 
 SCRIPT = "tests/lab/scripts/tmux_ranks.py"
@@ -227,3 +228,38 @@ def test_without_tmux_the_error_says_how_to_install_it(inventory2, tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert "tmux is not installed" in res.stderr and "apt-get install tmux" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_second_run_with_the_same_id_is_refused_and_leaves_the_first_alone(lab, inventory2, tmp_path):
+    """The same --run-id from another runs dir: refused by the nodes' records of the run, or on
+    other nodes by the tmux session's name here, before anything starts; the first run's launches
+    and files on the nodes are left as they were (its end is its own)."""
+    first = TmuxRun(inventory2, tmp_path, "tmux-same")
+    node3 = tmp_path / "node3.yml"
+    node3.write_text(labmod.render_inventory(lab, sys.executable, names=["node3"]))
+
+    def second(inventory: Path, runs: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory), "--tmux", "--no-sync",
+                              "--runs-dir", str(tmp_path / runs), "--run-id", "tmux-same", SCRIPT],
+                             capture_output=True, text=True, cwd=REPO, env=first.env, timeout=120)
+        assert res.returncode != 0, res.stdout + res.stderr
+        return res.stdout + res.stderr
+
+    try:
+        for node, rank in (("node1", 0), ("node2", 1)):
+            first.wait_for(lambda n=node, r=rank: first.shows(n, (r,)), 90, f"{node}'s window shows rank {rank}")
+        out = second(inventory2, "runs-b")
+        assert "host node1: " in out and "this run id was used on this node already" in out, out
+        out = second(node3, "runs-c")
+        assert "tmux session ddpfab-tmux-same exists already" in out, out
+        for node in ("node1", "node2"):
+            left = host_sh(lab, node, "ls ~/.ddpfab/runs/tmux-same/").stdout.split()
+            assert "tmux.pid" in left, (node, left)
+        assert first.proc.poll() is None and first.shows("node1", (0,)) and first.shows("node2", (1,))
+        assert host_sh(lab, "node3", "ls -d ~/.ddpfab/runs/tmux-same 2>/dev/null || true").stdout.strip() == ""
+        first.tmux("kill-session", "-t", first.session)
+        out = first.ended()
+    finally:
+        first.close()
+    assert first.proc.returncode == 130, out  # ended by its session's close, as any run --tmux
+    wait_no_processes(lab, timeout=30, names=("node1", "node2"))
