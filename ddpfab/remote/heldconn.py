@@ -247,14 +247,20 @@ def _send_within(sock: socket.socket, data: bytes, timeout: float | None) -> Non
         sock.sendall(data)
         return
     view, deadline = memoryview(data), time.monotonic() + timeout
-    while view:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([], [sock], [], left)[1]:
-            raise TimeoutError("timed out")
-        try:
-            view = view[sock.send(view, socket.MSG_DONTWAIT):]
-        except BlockingIOError:
-            continue
+    try:
+        poller = select.poll()  # (not select(): a process with many nodes has descriptors past 1024)
+        poller.register(sock, select.POLLOUT)
+        while view:
+            try:
+                view = view[sock.send(view, socket.MSG_DONTWAIT):]
+                continue
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise TimeoutError("timed out")
+    except ValueError as exc:  # closed under us (close() from another thread)
+        raise OSError("the channel is closed") from exc
 
 
 def _frame(sock: socket.socket) -> tuple[bytes, bytes]:

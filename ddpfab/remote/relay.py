@@ -11,6 +11,8 @@ sshd does and ends with the socket's end."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import socket
 import threading
@@ -51,36 +53,105 @@ def read_header(client: socket.socket) -> bytes | None:
 def relay(client: socket.socket, chan, send: Send, exit_first: bool = False) -> None:
     """Relay *chan*'s command (``exec_command`` done) to *client* until it ends: stdin from the
     socket, stdout and stderr as frames, and ``x`` with its exit status: after the last output,
-    or with *exit_first* as soon as sshd sends it (as a channel of one's own tells it: the output
-    a descendant still writes follows, until EOF). A client that goes away ends the relay and
+    or with *exit_first* as soon as sshd has sent it and what came before it is relayed (as a
+    channel of one's own tells it: the output a descendant still writes follows, until EOF). The
+    relay's end is the socket's end for the client. A client that goes away ends the relay and
     closes *chan*, so a command that ignores its input's end is no longer kept for nobody."""
     done = threading.Event()
-    threads = [threading.Thread(target=_relay_stdin, args=(client, chan, done), daemon=True),
-               threading.Thread(target=_relay_stderr, args=(chan, send), daemon=True)]
-    if exit_first:
-        threads.append(threading.Thread(target=_relay_exit, args=(chan, send), daemon=True))
-    for th in threads:
-        th.start()
+    threading.Thread(target=_relay_stdin, args=(client, chan, done), daemon=True).start()
     try:
-        while True:
-            data = chan.recv(65536)
-            if not data:
-                break
-            send(b"o", data)
-        threads[1].join()
         if exit_first:
-            threads[2].join()
+            _relay_exit_first(chan, send)
         else:
-            send(b"x", str(chan.recv_exit_status()).encode())
+            _relay_exit_last(chan, send)
     finally:
         done.set()
+        with contextlib.suppress(OSError):  # wakes the stdin thread's read: the client sees the end now
+            client.shutdown(socket.SHUT_RDWR)
 
 
-def _relay_exit(chan, send: Send) -> None:
+def _relay_exit_last(chan, send: Send) -> None:
+    """*chan*'s stdout and stderr as frames until its EOF (stderr on a thread of its own: a
+    command that fills stderr while stdout waits would otherwise stall), then ``x``. Any channel
+    (one of the holder's too: rsync's relay over held connections)."""
+    err = threading.Thread(target=_relay_stderr, args=(chan, send), daemon=True)
+    err.start()
+    while True:
+        data = chan.recv(65536)
+        if not data:
+            break
+        send(b"o", data)
+    err.join()
+    send(b"x", str(chan.recv_exit_status()).encode())
+
+
+def _relay_stderr(chan, send: Send) -> None:
     try:
-        send(b"x", str(chan.recv_exit_status()).encode())
-    except OSError:
-        pass  # the client went away: the relay ends with it
+        while True:
+            data = chan.recv_stderr(65536)
+            if not data:
+                return
+            send(b"e", data)
+    except (OSError, EOFError):
+        pass
+
+
+def _relay_exit_first(chan, send: Send) -> None:
+    """A paramiko channel's stdout and stderr as frames, one thread for both (each taken as it
+    is ready: neither stalls the other), and ``x`` once the status is there and the output sshd
+    sent before it is relayed (paramiko puts that in the channel's buffers before it makes the
+    status ready)."""
+    wake = _Wake()  # paramiko's pipe says data and EOF, not the exit status
+    threading.Thread(target=wake.after, args=(chan.recv_exit_status,), daemon=True).start()
+    try:
+        poller = select.poll()
+        poller.register(chan.fileno(), select.POLLIN)  # readable while stdout or stderr has data, and after EOF
+        poller.register(wake.r, select.POLLIN)
+        x_sent = False
+        while True:
+            if chan.recv_ready():
+                send(b"o", chan.recv(65536))
+            elif chan.recv_stderr_ready():
+                send(b"e", chan.recv_stderr(65536))
+            elif not x_sent and chan.exit_status_ready():
+                send(b"x", str(chan.recv_exit_status()).encode())
+                x_sent = True
+            elif chan.eof_received or chan.closed:
+                break
+            elif any(fd == wake.r for fd, _ in poller.poll(WAKE_S * 1000)):
+                os.read(wake.r, 64)
+        if not x_sent:
+            send(b"x", str(chan.recv_exit_status()).encode())
+    finally:
+        wake.close()
+
+
+#: The longest the relay waits without looking at its channel again (a pipe of paramiko's closed
+#: while it waits wakes nothing)
+WAKE_S = 2.0
+
+
+class _Wake:
+    """A pipe another thread makes readable once, safe to set after it was closed (the thread
+    outlives the relay when the status never comes: its write must not reach a reused fd)."""
+
+    def __init__(self) -> None:
+        self.r, self._w = os.pipe()
+        self._lock = threading.Lock()
+        self._open = True
+
+    def after(self, wait: Callable[[], object]) -> None:
+        """Readable once *wait()* returned."""
+        wait()
+        with self._lock:
+            if self._open:
+                os.write(self._w, b"x")
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+            os.close(self.r)
+            os.close(self._w)
 
 
 def _relay_stdin(client: socket.socket, chan, done: threading.Event) -> None:
@@ -97,9 +168,9 @@ def _relay_stdin(client: socket.socket, chan, done: threading.Event) -> None:
         chan.shutdown_write()
     except (OSError, EOFError):
         pass
-    poll = select.poll()
-    poll.register(client, 0)  # POLLHUP and POLLERR are always reported
     try:
+        poll = select.poll()
+        poll.register(client, 0)  # POLLHUP and POLLERR are always reported
         while not done.is_set():
             if poll.poll(500):
                 if not done.is_set():
@@ -107,16 +178,3 @@ def _relay_stdin(client: socket.socket, chan, done: threading.Event) -> None:
                 return
     except (OSError, ValueError):  # the socket was closed under us: the relay has ended
         return
-
-
-def _relay_stderr(chan, send: Send) -> None:
-    """The remote side's stderr, sent back as ``e`` frames until it ends, on its own thread:
-    a remote side that fills stderr while stdout waits would otherwise stall."""
-    try:
-        while True:
-            data = chan.recv_stderr(65536)
-            if not data:
-                return
-            send(b"e", data)
-    except (OSError, EOFError):
-        pass

@@ -161,23 +161,60 @@ def test_a_write_the_command_does_not_read_times_out_as_settimeout_says(node):
     conn.close()
 
 
-class BlockingChannel:
-    """A channel whose command writes nothing and ignores its input's end: ``recv`` returns
-    only once the channel is closed (as paramiko's)."""
+class FakeChannel:
+    """A paramiko channel as the relay uses it: output that comes when the test says, an exit
+    status, EOF, and ``fileno`` readable while there is output or after EOF and close. Its
+    command ignores its input's end."""
 
     def __init__(self):
-        self.closed_event = threading.Event()
-        self.eof_sent = False
+        self.r, self.w = os.pipe()
+        self.out = bytearray()
+        self.status: int | None = None
+        self.eof_received = self.closed = self.eof_sent = False
+        self.cond = threading.Condition()
+
+    def fileno(self):
+        return self.r
+
+    def _say(self):
+        self.cond.notify_all()
+        os.write(self.w, b"!")
+
+    def give(self, out: bytes = b"", status: int | None = None, eof: bool = False):
+        with self.cond:
+            self.out += out
+            self.status = status if status is not None else self.status
+            self.eof_received = self.eof_received or eof
+            self._say()
+
+    def recv_ready(self):
+        return bool(self.out)
 
     def recv(self, n):
-        self.closed_event.wait(30)
-        return b""
+        with self.cond:
+            while not self.out and not (self.eof_received or self.closed):
+                self.cond.wait(30)
+            data = bytes(self.out[:n])
+            del self.out[:n]
+            return data
 
-    recv_stderr = recv
+    def recv_stderr_ready(self):
+        return False
+
+    def recv_stderr(self, n):
+        with self.cond:
+            while not (self.eof_received or self.closed):
+                self.cond.wait(30)
+            return b""
+
+    def exit_status_ready(self):
+        return self.status is not None or self.closed
 
     def recv_exit_status(self):
-        self.closed_event.wait(30)
-        return -1
+        with self.cond:
+            while self.status is None and not self.closed:
+                self.cond.wait(30)
+            return -1 if self.status is None else self.status
 
     def sendall(self, data):
         pass
@@ -186,25 +223,61 @@ class BlockingChannel:
         self.eof_sent = True
 
     def close(self):
-        self.closed_event.set()
+        with self.cond:
+            self.closed = True
+            self._say()
+
+
+def relayed(chan: FakeChannel, exit_first: bool) -> tuple[socket.socket, threading.Thread]:
+    """The relay of *chan* in a thread, as the holder serves it (its socket closed after); the
+    client's end of the socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def serve():
+        try:
+            with contextlib.suppress(OSError):  # its last frame to a client that has gone: the callers' case
+                relay.relay(ours, chan, relay.frame_sender(ours), exit_first)
+        finally:
+            ours.close()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    theirs.settimeout(10)
+    return theirs, th
 
 
 @pytest.mark.parametrize("exit_first", [False, True])
 def test_a_client_that_goes_away_closes_its_channel_a_half_close_does_not(exit_first):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    chan = BlockingChannel()
-
-    def serve():
-        with contextlib.suppress(OSError):  # its last frame to a client that has gone: the callers' case
-            relay.relay(ours, chan, relay.frame_sender(ours), exit_first)
-
-    th = threading.Thread(target=serve, daemon=True)
-    th.start()
+    chan = FakeChannel()
+    theirs, th = relayed(chan, exit_first)
     theirs.shutdown(socket.SHUT_WR)  # the command's input ends; its output is still wanted
     time.sleep(1.5)
-    assert chan.eof_sent and not chan.closed_event.is_set()
+    assert chan.eof_sent and not chan.closed
     began = time.monotonic()
     theirs.close()  # the client is gone
     th.join(timeout=10)
-    assert not th.is_alive() and chan.closed_event.is_set() and time.monotonic() - began < 5
-    ours.close()
+    assert not th.is_alive() and chan.closed and time.monotonic() - began < 5
+
+
+@pytest.mark.parametrize("exit_first", [False, True])
+def test_the_relays_end_is_the_clients_eof_though_its_input_stays_open(exit_first):
+    chan = FakeChannel()
+    theirs, th = relayed(chan, exit_first)
+    chan.give(b"bye\n", status=0, eof=True)  # the client never half-closes: its input stays open
+    assert [heldconn._frame(theirs) for _ in range(2)] == [(b"o", b"bye\n"), (b"x", b"0")]
+    assert theirs.recv(10) == b""  # the end, not a wait for the client's next byte
+    th.join(timeout=10)
+    assert not th.is_alive()
+    theirs.close()
+
+
+def test_the_exit_status_follows_what_sshd_sent_before_it():
+    chan = FakeChannel()
+    chan.give(b"hi\n", status=3)  # in the buffers before the relay looks: sent before the status
+    theirs, th = relayed(chan, True)
+    assert [heldconn._frame(theirs) for _ in range(2)] == [(b"o", b"hi\n"), (b"x", b"3")]
+    chan.give(b"late\n", eof=True)  # a descendant's, after the status
+    assert heldconn._frame(theirs) == (b"o", b"late\n")
+    assert theirs.recv(10) == b""
+    th.join(timeout=10)
+    theirs.close()
