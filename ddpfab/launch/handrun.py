@@ -46,6 +46,6 @@ def script_body(plan: Plan, node: NodePlan) -> str:
             f"  echo 'ddpfab: run {plan.run_id} was started on this node already; make a new plan "
             "(ddpfab plan --emit DIR)' >&2\n  exit 1\nfi\n"
             f"mkdir -p -m 700 {d}\n"
-            f"exec {TERMINAL_FD}<&0\n"
+            f"if [ -t 0 ]; then exec {TERMINAL_FD}<&0; else exec {TERMINAL_FD}</dev/null; fi\n"
             f"base64 -d <<'{END}' | sh -c {shlex.quote(command)}\n"
             f"{base64.encodebytes(stdin).decode()}{END}\n")

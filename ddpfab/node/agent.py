@@ -874,12 +874,17 @@ class _Console(object):
 
 
 def _terminal(fd):
-    """*fd* when it is a terminal, for the job's input; else None, and *fd* closed (a pipe kept
-    open for nobody would hold its other end)."""
+    """*fd* when it is the terminal this process runs in the foreground of, for the job's input;
+    else None, and *fd* closed. The job runs in a session of its own, where no terminal stops it
+    for reading: a script started in the background (``&``) must not hand it the keyboard of
+    the shell it was started from."""
     if not isinstance(fd, int) or isinstance(fd, bool) or fd < 3:
         return None
-    if os.isatty(fd):
-        return fd
+    try:
+        if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+            return fd
+    except OSError:
+        pass
     try:
         os.close(fd)
     except OSError:

@@ -394,14 +394,42 @@ def test_unrelayed_lines_are_the_newest_attempts_past_what_was_relayed(tmp_path)
     assert agent.unrelayed_lines(str(tmp_path / "none"), 0, {}) == []
 
 
-def test_a_hand_run_jobs_input_is_the_scripts_terminal_and_only_a_terminal():
-    main, other = pty.openpty()
+#: In a terminal of its own (pty.fork: its session's foreground), and in a background group of it.
+IN_A_TERMINAL = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from ddpfab.node import agent
+fd = os.dup(0)
+print("foreground", agent._terminal(fd) == fd, flush=True)
+pid = os.fork()
+if pid == 0:
+    os.setpgid(0, 0)  # `sh script &` from a shell with job control
+    fd = os.dup(0)
+    print("background", agent._terminal(fd), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_hand_run_jobs_input_is_the_scripts_terminal_in_the_foreground_only():
+    pid, main = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-c", IN_A_TERMINAL, str(Path(__file__).resolve().parents[2])])
+    out = b""
     try:
-        assert agent._terminal(other) == other  # kept for the job
-        assert agent._terminal(True) is None and agent._terminal(1) is None  # never stdio, never a bool
+        while True:
+            try:
+                chunk = os.read(main, 1024)
+            except OSError:  # EIO: the child's side closed
+                break
+            if not chunk:
+                break
+            out += chunk
     finally:
+        os.waitpid(pid, 0)
         os.close(main)
-        os.close(other)
+    assert out.decode().split() == ["foreground", "True", "background", "None"], out
+    assert agent._terminal(True) is None and agent._terminal(1) is None  # never stdio, never a bool
     read, write = os.pipe()
     try:
         assert agent._terminal(read) is None
