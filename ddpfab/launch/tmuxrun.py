@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import queue
+import secrets
 import shlex
 import shutil
 import signal
@@ -198,26 +199,35 @@ class Windows:
 
 def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
     """Each node's launch into its record dir, private (it may hold secret values), over stdin;
-    it removes itself as its window starts it (:data:`SELF_REMOVE`). Each node given it is added
-    to *placed* (what the end may remove or signal there: nothing else). RunIdInUse when a
-    node has the run's record already (a run with this id, from another runs dir, runs or ran
-    there): nothing is placed after it."""
+    it removes itself as its window starts it (:data:`SELF_REMOVE`). Each node that took it whole
+    is added to *placed* (what the end may remove or signal there: nothing else); a copy cut
+    short (Ctrl-C, a lost connection) is removed at once where it is this copy's (its mark).
+    RunIdInUse when a node has the run's record already (a run with this id, from another runs
+    dir, runs or ran there): nothing is placed after it."""
     for node in plan.nodes:
-        d = shlex.quote(node.remote_dir)
-        placed.append(node.name)  # from here on a launch file there is this run's (Ctrl-C mid-copy too)
+        d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
+        launch = f"{d}/{LAUNCH}"
         place = (f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
-                 f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && {{ true > {d}/{LAUNCH} || exit {IN_USE}; }} "
-                 f"&& set +C && {{ cat >> {d}/{LAUNCH} || {{ rm -f {d}/{LAUNCH}; exit 1; }}; }}")
-        res = conns[node.name].run(
-            f"exec sh -c {shlex.quote(place)}",  # (whatever the node's login shell)
-            in_stream=io.StringIO(SELF_REMOVE + launch_text(plan, node)), hide=True, warn=True, pty=False)
+                 f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
+                 f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
+                 f"{{ cat >> {launch} || {{ rm -f {launch}; exit 1; }}; }}")
+        try:
+            res = conns[node.name].run(
+                f"exec sh -c {shlex.quote(place)}",  # (whatever the node's login shell)
+                in_stream=io.StringIO(f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}"), hide=True, warn=True,
+                pty=False)
+        except BaseException:
+            ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
+            with contextlib.suppress(Exception):
+                conns[node.name].run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False)
+            raise
         if res.exited == IN_USE:  # (another run's files: never this run's to remove)
-            placed.remove(node.name)
             raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
                              f"record: a run with this id, from another runs dir or machine, runs or ran there); "
                              f"give this run another {option('run_id')}")
         if res.exited != 0:
             raise UnexpectedExit(res)
+        placed.append(node.name)
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:

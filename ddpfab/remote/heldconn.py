@@ -25,6 +25,9 @@ from ddpfab.remote.rsh import HEADER
 from ddpfab.remote.target import HostKeyPolicy, TargetError
 
 
+#: Seconds a failed write waits for the ended command's exit status to arrive
+END_WAIT_S = 2.0
+
 #: Output a held channel keeps unread (stdout and stderr together, as paramiko's window) before
 #: the holder is made to wait.
 BUFFER_MAX = 4 << 20
@@ -190,7 +193,14 @@ class HeldChannel:
             return
         if self._sock is None or self.closed:
             raise OSError("the channel is closed")
-        _send_within(self._sock, data, self._timeout)
+        try:
+            _send_within(self._sock, data, self._timeout)
+        except OSError:
+            # the command ended without reading (the holder's end of the relay is gone): its exit
+            # status is on its way here, and callers ask for it next, as after paramiko's error
+            with self._cond:
+                self._cond.wait_for(lambda: self._code is not None, timeout=END_WAIT_S)
+            raise
 
     def send(self, data: bytes) -> int:
         self.sendall(data)
@@ -257,7 +267,7 @@ def _send_within(sock: socket.socket, data: bytes, timeout: float | None) -> Non
             except BlockingIOError:
                 pass
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000):
+            if left <= 0 or not poller.poll(min(left, 86400) * 1000):
                 raise TimeoutError("timed out")
     except ValueError as exc:  # closed under us (close() from another thread)
         raise OSError("the channel is closed") from exc

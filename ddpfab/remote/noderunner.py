@@ -19,6 +19,7 @@ with the options :mod:`ddpfab.remote.target` renders.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -230,6 +231,8 @@ class NodeRunner:
             listener, self._listener = self._listener, None
             chans = list(self._chans)
         if listener is not None:
+            with contextlib.suppress(OSError):  # wakes the serving thread's accept(): close() alone does not
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
             shutil.rmtree(self._sock_dir, ignore_errors=True)
         for chan in chans:

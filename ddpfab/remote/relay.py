@@ -109,14 +109,17 @@ def _relay_exit_first(chan, send: Send) -> None:
         poller.register(wake.r, select.POLLIN)
         x_sent = False
         while True:
+            # the end and the status first, the buffers after: what came before them is in the
+            # buffers by then, so neither is acted on while output sent before it waits there
+            ended, status = chan.eof_received or chan.closed, not x_sent and chan.exit_status_ready()
             if chan.recv_ready():
                 send(b"o", chan.recv(65536))
             elif chan.recv_stderr_ready():
                 send(b"e", chan.recv_stderr(65536))
-            elif not x_sent and chan.exit_status_ready():
+            elif status:
                 send(b"x", str(chan.recv_exit_status()).encode())
                 x_sent = True
-            elif chan.eof_received or chan.closed:
+            elif ended:
                 break
             elif any(fd == wake.r for fd, _ in poller.poll(WAKE_S * 1000)):
                 os.read(wake.r, 64)
