@@ -297,22 +297,30 @@ def test_every_node_command_runs_over_the_held_connections(lab, inventory3, held
         block_new_ssh(lab, False)
 
 
+def start_run(inventory: Path, tmp_path: Path, then: str) -> tuple[subprocess.Popen, str]:
+    """``ddpfab run`` of a script whose ranks say they are up, then do *then*; once every rank
+    is up: the process and what it printed so far."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\n" + then)
+    run = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory), "--runs-dir",
+                            str(tmp_path / "runs"), "train.py"], cwd=proj, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
+    seen = ""
+    while seen.count(" up") < 3:
+        line = run.stdout.readline()
+        if not line:
+            run.kill()
+            pytest.fail(f"the run ended before every rank was up:\n{seen}")
+        seen += line
+    return run, seen
+
+
 def test_a_run_over_the_held_connections_ends_when_the_holder_does(lab, inventory3, held, tmp_path):
     """The holder's end closes its connections: the run's supervisors see their link end, the run
     ends (not a wait for ever on a channel whose holder is gone) and nothing is left on the nodes."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    (proj / "train.py").write_text("import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\n"
-                                   "time.sleep(300)\n")
-    run = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory3), "--runs-dir",
-                            str(tmp_path / "runs"), "train.py"], cwd=proj, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
+    run, seen = start_run(inventory3, tmp_path, "time.sleep(300)\n")
     try:
-        seen = ""
-        while seen.count(" up") < 3:
-            line = run.stdout.readline()
-            assert line, f"the run ended before every rank was up:\n{seen}"
-            seen += line
         assert ddpfab("hold", "-i", str(inventory3), "--stop").returncode == 0
         out = run.communicate(timeout=90)[0]
     finally:
@@ -369,19 +377,8 @@ def test_a_held_channel_tells_what_a_channel_of_its_own_tells(lab, inventory3, h
 def test_two_terminals_share_the_holder_each_with_its_own_output(lab, inventory3, held, tmp_path):
     """A run in one terminal and an exec in another at once, over the one held connection per
     node: each gets its own output and exit status, nothing of the other's."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    (proj / "train.py").write_text("import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\n"
-                                   "time.sleep(6)\nprint('rank', os.environ['RANK'], 'done', flush=True)\n")
-    run = subprocess.Popen([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory3), "--runs-dir",
-                            str(tmp_path / "runs"), "train.py"], cwd=proj, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env={**os.environ, "NO_COLOR": "1"})
+    run, seen = start_run(inventory3, tmp_path, "time.sleep(6)\nprint('rank', os.environ['RANK'], 'done', flush=True)\n")
     try:
-        seen = ""
-        while seen.count(" up") < 3:
-            line = run.stdout.readline()
-            assert line, f"the run ended before every rank was up:\n{seen}"
-            seen += line
         code, lines, err = exec_lines(inventory3, "--", "echo other-$(hostname)")
         during = connections(lab)
         out = seen + run.communicate(timeout=120)[0]
