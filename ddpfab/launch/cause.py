@@ -76,7 +76,8 @@ _NOTICE_FRAME = re.compile(r"^(\*{20,})?\s*$")
 #: stdout and stderr reach torchrun's tee as two streams, so what it printed just before raising
 #: can come there (the print before the raise between ``Traceback (most recent call last):`` and
 #: its frames). A traceback always has a frame before its exception line; after the first, the
-#: first line back at column 0 ends it.
+#: first line back at column 0 ends it, unless torch marks the traceback's lines (``[rankN]:``, a
+#: rank with a process group) and that line is unmarked: the rank's stdout, anywhere in between.
 INTERLEAVED = 3
 
 #: What a rank raises when a peer went away: gloo's, NCCL's and the c10d store's words for it (as
@@ -208,6 +209,7 @@ class _RankState:
 
     skipped: int | None = None  # lines at column 0 before the first frame (None once a frame came)
     in_traceback: bool = False
+    prefixed: bool = False  # the open traceback's lines carry torch's [rankN]: (its stdout's do not)
     lines: list[str] = field(default_factory=list)
     exception: str | None = None
     kind: CauseKind | None = None
@@ -239,18 +241,22 @@ class CauseReader:
         if noise_of(line) is not None:
             return Fold.NOISE, int(tag.group(1)) if tag else None
         if tag:
-            local = int(tag.group(1))
-            return self._rank_line(local, _RANK_PREFIX.sub("", line[tag.end():], count=1)), local
+            local, rest = int(tag.group(1)), line[tag.end():]
+            text = _RANK_PREFIX.sub("", rest, count=1)
+            return self._rank_line(local, text, prefixed=text != rest), local
         self._torchrun_line(line)
         return self._launcher_fold(line.rstrip()), None
 
     # -- a rank's lines ------------------------------------------------------------------------
 
-    def _rank_line(self, local: int, text: str) -> Fold:
+    def _rank_line(self, local: int, text: str, prefixed: bool = False) -> Fold:
         state = self.ranks.setdefault(local, _RankState())
         if text.strip() == _TRACEBACK:
             state.in_traceback, state.skipped, state.lines = True, 0, [text]
+            state.prefixed = prefixed
             return Fold.HOLD
+        if state.in_traceback and state.prefixed and not prefixed:
+            return Fold.SHOW  # the rank's stdout, between the lines of a traceback torch marks ([rankN]:)
         if not state.in_traceback and _SYNTAX_REPORT.match(text.rstrip()):
             state.in_traceback, state.skipped, state.lines = True, None, [text]
             return Fold.HOLD  # as after a frame: the next line at column 0 is the exception

@@ -137,6 +137,22 @@ def test_a_line_the_rank_printed_before_raising_may_come_inside_its_traceback():
     assert core(read("\n".join(local)).cause()) == (None, 1, None, "main.<locals>.ConfigError: bad lr", CauseKind.EXCEPTION)
 
 
+def test_a_line_of_stdout_between_the_frames_of_a_marked_traceback_is_not_its_end():
+    """As a CI run under load saw it: torch marks a rank's traceback ([rank5]:), and what the rank
+    printed before raising came between the raise's code line and the exception line."""
+    lines = ["[default1]:[rank5]: Traceback (most recent call last):",
+             '[default1]:[rank5]:   File "crash_after_collective.py", line 59, in <module>',
+             '[default1]:[rank5]:     raise ValueError(f"bad batch shape (3, 4) on rank {rank}")',
+             "[default1]:rank 5 step 0 ok",
+             "[default1]:[rank5]: ValueError: bad batch shape (3, 4) on rank 5"]
+    reader = CauseReader()
+    folds = [reader.feed(line)[0].value for line in lines]
+    assert folds[3] == "show"  # printed, not held with the traceback
+    assert core(reader.cause()) == (None, 1, None, "ValueError: bad batch shape (3, 4) on rank 5", CauseKind.EXCEPTION)
+    unmarked = [ln.replace("[rank5]: ", "") for ln in lines]  # unmarked: a line at column 0 after a frame ends it
+    assert read("\n".join(unmarked)).cause() is None
+
+
 def test_a_script_python_could_not_compile_names_its_syntax_error():
     """A SyntaxError in the script is reported without a traceback header (python compiles it
     before anything runs); the closing line said only "exit code 1"."""
