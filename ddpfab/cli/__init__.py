@@ -74,7 +74,7 @@ def unguarded_main(argv: list[str] | None = None) -> int:
     if args.command in ("run", "replay") and args.json and not args.dry_run:
         # --json prints the plan: it never turns a dry run into a real one (sync --json reports a real sync)
         return die("--json prints the plan and needs --dry-run (or use `ddpfab plan --json`); nothing was started")
-    with spelled_by(run.flag):  # the library's messages name its options as this command line's flags
+    with spelled_by(run.speller(args)):  # the library's messages name its options as this command line's flags
         return args.func(args)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shlex
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -190,19 +192,29 @@ _NEGATING = {field: dest for dest, field in NEGATED.items()}
 _SHORT = {"extra_vars": "-e"}
 
 
-def flag(field: str, value: Any = NO_VALUE) -> str:
+def flag(field: str, value: Any = NO_VALUE, negating: Mapping[str, str] = _NEGATING) -> str:
     """Option *field* as the command line spells it (the messages of the library, which name
     :class:`ddpfab.api.Options` fields and keyword arguments, under :func:`spelled_by`):
     ``--exit-guard``, ``--exit-guard off``, ``--no-sync`` for ``sync=False``, ``--wait`` for
-    ``wait=True``."""
-    if field in _NEGATING and (value is NO_VALUE or value is False):
-        return "--" + _NEGATING[field].replace("_", "-")
+    ``wait=True``. *negating*: field -> the dest of the ``--no-X`` flag that says it is False."""
+    if field in negating and (value is NO_VALUE or value is False):
+        return "--" + negating[field].replace("_", "-")
     name = _SHORT.get(field) or "--" + field.replace("_", "-")
-    if field in _NEGATING:  # True: the default, which no flag says
-        return f"without --{_NEGATING[field].replace('_', '-')}"
+    if field in negating:  # True: the default, which no flag says
+        return f"without --{negating[field].replace('_', '-')}"
     if value is NO_VALUE or value is True:
         return name
     return f"{name} {shlex.quote(str(value))}"
+
+
+def speller(args: argparse.Namespace) -> Callable[[str, Any], str]:
+    """:func:`flag` for the command *args* ran: a command whose keyword argument is said by a
+    ``--no-X`` flag of its own (sync's ``wait``, ``--no-wait``; run's ``--wait`` means another
+    thing) sets ``negated`` (dest -> field) in its parser's defaults."""
+    own = getattr(args, "negated", None)
+    if not own:
+        return flag
+    return functools.partial(flag, negating=_NEGATING | {field: dest for dest, field in own.items()})
 
 
 def options(args: argparse.Namespace) -> Options:

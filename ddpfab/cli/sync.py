@@ -53,7 +53,7 @@ def register(subparsers) -> None:
                     "there only files ddpfab placed and you deleted or renamed here, and check a content hash "
                     "computed on each node. Nothing else on the nodes is touched.")
     add_arguments(p)
-    p.set_defaults(func=cmd_sync)
+    p.set_defaults(func=cmd_sync, negated={"no_wait": "wait"})  # (run's --wait is another option)
 
 
 def print_dry_run(result: SyncResult, out) -> None:

@@ -725,7 +725,7 @@ class _Sync:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                why = ("--no-wait" if self.lock_wait <= 0 else
+                why = (option("wait", False) if self.lock_wait <= 0 else
                        f"waited {self.lock_wait:g} s; retry when it has finished, or end it")
                 for t in wanted:
                     self.fail(t, f"host {t.node.name}: refusing to sync: {t.rec.workdir} is being changed by "
@@ -741,7 +741,7 @@ class _Sync:
             whose = f"{t.node.name}: {t.rec.workdir} is being changed by {holder_text(t.holder)}"
             if whose not in said:  # one line per holder met, not one per retry
                 said.add(whose)
-                self.progress(f"{whose}; waiting for it (up to {left:.0f} s; --no-wait refuses instead)")
+                self.progress(f"{whose}; waiting for it (up to {left:.0f} s; {option('wait', False)} refuses instead)")
             self.try_lock(t, left)
             if t.locked:
                 with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:

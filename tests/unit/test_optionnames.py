@@ -48,3 +48,19 @@ def test_a_library_caller_reads_field_names_and_the_command_line_user_flags(tmp_
     code = cli.main(["plan", "-i", "192.0.2.1,192.0.2.2,", "--offline", "--hang-timeout", "-1", "train.py"])
     err = capsys.readouterr().err
     assert code != 0 and "--hang-timeout must be" in err and "hang_timeout" not in err
+
+
+def test_a_command_whose_own_no_flag_negates_a_keyword_spells_it_so(tmp_path, monkeypatch, capsys):
+    """sync's ``wait=False`` is its ``--no-wait``, while run's ``wait`` stays ``--wait``; replay's
+    new id is named ``--new-run-id``, never ``--run-id`` (which replay has not)."""
+    parser = cli.build_parser()
+    sync_speller = run_cli.speller(parser.parse_args(["sync", "-i", "h1,"]))
+    assert [sync_speller("wait", False), sync_speller("wait", True), sync_speller("sync", False)] == [
+        "--no-wait", "without --no-wait", "--no-sync"]
+    assert run_cli.speller(parser.parse_args(["run", "-i", "h1,", "t.py"]))("wait", True) == "--wait"
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["replay", "some-run", "--new-run-id", "../up"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--new-run-id '../up': expected" in err, err
+    with pytest.raises(PlanError, match=r"^new_run_id '\.\./up'"):
+        Cluster(inventory.load("192.0.2.1,")).replay("some-run", new_run_id="../up", runs_dir=tmp_path)
