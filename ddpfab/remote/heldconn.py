@@ -48,7 +48,15 @@ class HeldChannel:
         self._cond = threading.Condition()
         self._timeout: float | None = None
         self._combine = False  # stderr's frames go to stdout (as paramiko's set_combine_stderr)
-        self.closed = False
+        self._closed = False  # by close()
+
+    @property
+    def closed(self) -> bool:
+        """Closed here, or by the node: the relay has ended (as paramiko's ``closed`` once the
+        remote side closed; output not read yet can still be read)."""
+        if self._real is not None:
+            return self._real.closed
+        return self._closed or (self._ended and self._sock is not None)
 
     # -- what only a channel of its own can do -------------------------------------------------
     def _own(self):
@@ -120,7 +128,7 @@ class HeldChannel:
             while True:
                 kind, payload = _frame(sock)
                 with self._cond:
-                    while len(self._out) + len(self._err) >= BUFFER_MAX and not self.closed:
+                    while len(self._out) + len(self._err) >= BUFFER_MAX and not self._closed:
                         self._cond.wait()
                     if kind == b"o" or (kind == b"e" and self._combine):
                         self._out += payload
@@ -220,7 +228,7 @@ class HeldChannel:
 
     def close(self) -> None:
         """End the channel: the holder closes its side (the command's stdin gets EOF)."""
-        self.closed = True
+        self._closed = True
         if self._real is not None:
             self._real.close()
         if self._sock is not None:

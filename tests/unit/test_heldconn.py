@@ -63,7 +63,12 @@ def test_a_holder_gone_mid_command_ends_the_channel(node):
     chan.exec_command("echo hi")
     assert fake.request == {"op": "channel", "node": node.name, "print": holder.fingerprint(node), "command": "echo hi"}
     chan.settimeout(10)
-    assert chan.recv(100) == b"partial "
+    fake.thread.join(timeout=10)
+    deadline = time.monotonic() + 10
+    while not chan.closed and time.monotonic() < deadline:  # (its reader sees the end)
+        time.sleep(0.01)
+    assert chan.closed  # by the other side, as paramiko's channel says after the node's close
+    assert chan.recv(100) == b"partial "  # what came before is still read
     assert chan.recv(100) == b""  # its end, not a wait for ever
     assert chan.recv_exit_status() == -1 and chan.exit_status_ready()
 
@@ -100,6 +105,8 @@ def test_closing_the_connection_ends_its_channels(node):
     conn = held(fake, node)
     chan = conn.transport.open_session()
     chan.exec_command("sleep 60")
+    time.sleep(0.2)
+    assert not chan.closed  # (running)
     began = time.monotonic()
     conn.close()
     fake.thread.join(timeout=10)
