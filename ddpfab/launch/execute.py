@@ -512,13 +512,6 @@ def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
     return cause
 
 
-def failure_cause(plan: Plan, node: NodePlan, cause: Cause | None) -> str:
-    """The failing rank's part of the closing line (``rank 3 (local rank 1), exit code 1:
-    RuntimeError: boom``), or "" when its output named none."""
-    cause = ranked(plan, node, cause)
-    return cause.text() if cause else ""
-
-
 def failed_worker_text(record: object) -> str:
     """The supervisor's ``failed_worker`` record (``{"pid", "signal"|"exit"}``), read as data, for
     the closing line when torchrun's output named no failing rank (the supervisor ended the job

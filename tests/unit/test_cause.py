@@ -1,5 +1,5 @@
 """The failure summary's cause (ddpfab.launch.cause): the failing rank's first exception line, read from a
-node's output as data, and the closing line that quotes it (ddpfab.launch.execute.failure_cause)."""
+node's output as data, and the closing line that quotes it (ddpfab.launch.execute.ranked)."""
 
 from __future__ import annotations
 
@@ -106,9 +106,9 @@ def test_the_closing_line_names_node_rank_exit_code_and_exception():
     plan = make_plan(c, RunOptions("t.py"), Facts({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 29500, "/w"))
     node2 = plan.node("node2")
     # a rank's own lines only (the supervisor stopped torchrun before its Root Cause): rank = offset + local
-    assert launch.failure_cause(plan, node2, Cause(None, 1, None, "RuntimeError: boom")) == \
+    assert launch.ranked(plan, node2, Cause(None, 1, None, "RuntimeError: boom")).text() == \
         "rank 3 (local rank 1): RuntimeError: boom"
-    assert launch.failure_cause(plan, node2, None) == ""
+    assert launch.ranked(plan, node2, None) is None
     out = launch.NodeOutcome("node2", 1, exit_code=1)
     for line in TORCHRUN_OUTPUT.splitlines():
         out.causes.feed(line)
