@@ -547,7 +547,8 @@ class Cluster:
             result = sync_cluster(self.parsed, path, self.policy, fanout=fanout, compress=compress,
                                   ssh_config=self.ssh_config, checksum=checksum, keep=keep, with_git=with_git,
                                   verify_only=verify_only, adopt=adopt, dry_run=dry_run,
-                                  lock_wait=LOCK_WAIT_S if wait else 0, progress=progress, include_keys=include_keys)
+                                  lock_wait=LOCK_WAIT_S if wait else 0, progress=progress, include_keys=include_keys,
+                                  no_wait=option("wait", False))
         except SyncError as exc:
             self._say_left_out(exc.result.left_out if exc.result else [])
             raise

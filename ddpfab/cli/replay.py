@@ -41,7 +41,7 @@ def register(sub) -> None:
     p.add_argument("--known-hosts")
     p.add_argument("--ssh-config")
     p.add_argument("--no-color", action="store_true")
-    p.set_defaults(func=cmd_replay)
+    p.set_defaults(func=cmd_replay, renamed={"run_id": "new_run_id"})  # (its RUN_ID is the old run's)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import re
 import shlex
@@ -208,13 +207,18 @@ def flag(field: str, value: Any = NO_VALUE, negating: Mapping[str, str] = _NEGAT
 
 
 def speller(args: argparse.Namespace) -> Callable[[str, Any], str]:
-    """:func:`flag` for the command *args* ran: a command whose keyword argument is said by a
-    ``--no-X`` flag of its own (sync's ``wait``, ``--no-wait``; run's ``--wait`` means another
-    thing) sets ``negated`` (dest -> field) in its parser's defaults."""
-    own = getattr(args, "negated", None)
-    if not own:
+    """:func:`flag` for the command *args* ran. A command whose flags differ from run's says so in
+    its parser's defaults: ``negated`` (dest -> field: sync's ``--no-wait`` is ``wait=False``,
+    where run's ``--wait`` means another thing) and ``renamed`` (field -> its own flag's field:
+    replay's ``--new-run-id`` is the run id that run calls ``--run-id``)."""
+    own, renamed = getattr(args, "negated", None) or {}, getattr(args, "renamed", None) or {}
+    if not (own or renamed):
         return flag
-    return functools.partial(flag, negating=_NEGATING | {field: dest for dest, field in own.items()})
+    negating = _NEGATING | {field: dest for dest, field in own.items()}
+
+    def spell(field: str, value: Any = NO_VALUE) -> str:
+        return flag(renamed.get(field, field), value, negating)
+    return spell
 
 
 def options(args: argparse.Namespace) -> Options:

@@ -180,7 +180,7 @@ def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str |
     run that would not be the same (*force* lets a changed inventory or code pass, with a line to
     *say*), RunError for the nodes' problems; nothing has started then. *inventory_source* and
     *group*: instead of the recorded ones; *env*: ``K=V`` given again (masked secrets) or replaced."""
-    if new_id is not None:  # named as the caller gave it, before anything is read
+    if new_id:  # named as the caller gave it, before anything is read ("": make one, as run does)
         check_run_id(new_id, option("new_run_id"))
     path = Path(runs_dir) / run_id / "manifest.json"
     manifest = _latest(run_id, runs_dir, path, say)

@@ -143,9 +143,9 @@ class HeldChannel:
             return
         finally:
             with self._cond:
-                self._ended = True
                 if self._code is None:  # the holder or its connection went away mid-command: as ssh says
                     self._code = -1
+                self._ended = True  # (after the code: closed implies a status, read without the lock)
                 self._cond.notify_all()
 
     def _wait(self, ready) -> None:
@@ -236,9 +236,9 @@ class HeldChannel:
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         with self._cond:
-            self._ended = True
             if self._code is None:  # as paramiko's closed channel: ready, without a status
                 self._code = -1
+            self._ended = True
             self._cond.notify_all()
 
 

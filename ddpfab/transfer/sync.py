@@ -589,11 +589,11 @@ class _SyncTarget:
 class _Sync:
     def __init__(self, cluster: Inventory, sel: Selection, conns: dict, down: dict[str, Exception],
                  compress: bool, checksum: bool, progress: Callable[[str], object], adopt: bool = False,
-                 lock_wait: float = LOCK_WAIT_S):
+                 lock_wait: float = LOCK_WAIT_S, no_wait: str | None = None):
         """*conns*: each node's open connection (the run's, or sync_cluster's own); *down*: why
-        the others have none."""
+        the others have none; *no_wait*: how the caller asks not to wait (None: it cannot)."""
         self.cluster, self.sel, self.down = cluster, sel, down
-        self.lock_wait, self.refused = lock_wait, False
+        self.lock_wait, self.no_wait, self.refused = lock_wait, no_wait, False
         self.compress, self.checksum, self.progress, self.adopt = compress, checksum, progress, adopt
         self.ctl_dir = tempfile.mkdtemp(prefix="ddpfab-sync-", dir="/tmp" if os.path.isdir("/tmp") else None)
         self.reaper = Reaper(self.ctl_dir)
@@ -725,7 +725,7 @@ class _Sync:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                why = (option("wait", False) if self.lock_wait <= 0 else
+                why = ((self.no_wait or "not waiting") if self.lock_wait <= 0 else
                        f"waited {self.lock_wait:g} s; retry when it has finished, or end it")
                 for t in wanted:
                     self.fail(t, f"host {t.node.name}: refusing to sync: {t.rec.workdir} is being changed by "
@@ -741,7 +741,8 @@ class _Sync:
             whose = f"{t.node.name}: {t.rec.workdir} is being changed by {holder_text(t.holder)}"
             if whose not in said:  # one line per holder met, not one per retry
                 said.add(whose)
-                self.progress(f"{whose}; waiting for it (up to {left:.0f} s; {option('wait', False)} refuses instead)")
+                instead = f"; {self.no_wait} refuses instead" if self.no_wait else ""
+                self.progress(f"{whose}; waiting for it (up to {left:.0f} s{instead})")
             self.try_lock(t, left)
             if t.locked:
                 with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
@@ -1163,7 +1164,7 @@ def sync_cluster(cluster: Inventory, src: str | os.PathLike, policy: HostKeyPoli
                  keep: tuple[str, ...] | list[str] = (), with_git: bool = False, verify_only: bool = False,
                  adopt: bool = False, dry_run: bool = False, lock_wait: float = LOCK_WAIT_S,
                  progress: Callable[[str], object] | None = None, conns: dict | None = None,
-                 fast: bool = True, include_keys: bool = False) -> SyncResult:
+                 fast: bool = True, include_keys: bool = False, no_wait: str | None = None) -> SyncResult:
     """Place the selection of *src* in every node's workdir, delete there only what ddpfab placed
     and is gone here, and prove the result by hash.
 
@@ -1192,6 +1193,8 @@ def sync_cluster(cluster: Inventory, src: str | os.PathLike, policy: HostKeyPoli
             tree, nothing more is started (not for a dry run, ``verify_only`` or ``checksum``).
         include_keys: send private keys and ``.ssh/`` files too (:mod:`ddpfab.transfer.keys`); by
             default they are left out (the result's ``left_out`` names them).
+        no_wait: how the caller asks for a refusal instead of a wait (``--no-wait``), for the
+            messages; None when it has no such option (a run's own sync).
 
     Returns the SyncResult; raises SyncError (with the result) when any node failed.
     """
@@ -1212,16 +1215,17 @@ def sync_cluster(cluster: Inventory, src: str | os.PathLike, policy: HostKeyPoli
             if same is not None:
                 return same
         return _sync(cluster, sel, conns, down, started, fanout=fanout, compress=compress, checksum=checksum,
-                     verify_only=verify_only, adopt=adopt, dry_run=dry_run, lock_wait=lock_wait, progress=progress)
+                     verify_only=verify_only, adopt=adopt, dry_run=dry_run, lock_wait=lock_wait, progress=progress,
+                     no_wait=no_wait)
     finally:
         close_group(opened)
 
 
 def _sync(cluster: Inventory, sel: Selection, conns: dict, down: dict[str, Exception], started: float, *,
           fanout: str, compress: bool, checksum: bool, verify_only: bool, adopt: bool, dry_run: bool,
-          lock_wait: float, progress: Callable[[str], object]) -> SyncResult:
+          lock_wait: float, progress: Callable[[str], object], no_wait: str | None) -> SyncResult:
     """:func:`sync_cluster` once every node's connection is open (or known to be down)."""
-    job = _Sync(cluster, sel, conns, down, compress, checksum, progress, adopt, lock_wait)
+    job = _Sync(cluster, sel, conns, down, compress, checksum, progress, adopt, lock_wait, no_wait)
     job.dry_run, job.verify_only = dry_run, verify_only
     result = sel.result(tree_hash="", bytes=0, fanout=fanout, dry_run=dry_run)
     try:

@@ -58,6 +58,7 @@ def test_a_command_whose_own_no_flag_negates_a_keyword_spells_it_so(tmp_path, mo
     assert [sync_speller("wait", False), sync_speller("wait", True), sync_speller("sync", False)] == [
         "--no-wait", "without --no-wait", "--no-sync"]
     assert run_cli.speller(parser.parse_args(["run", "-i", "h1,", "t.py"]))("wait", True) == "--wait"
+    assert run_cli.speller(parser.parse_args(["replay", "r1"]))("run_id") == "--new-run-id"
     monkeypatch.chdir(tmp_path)
     code = cli.main(["replay", "some-run", "--new-run-id", "../up"])
     err = capsys.readouterr().err
