@@ -16,7 +16,6 @@ watch); the ranks' output is in the windows and in torchrun's per-rank logs on t
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import queue
 import secrets
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from invoke.exceptions import UnexpectedExit
 from paramiko import SSHException
 
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
@@ -68,6 +66,8 @@ TIED = "@ddpfab_tied"
 TIE_WAIT_S = 30
 #: How often the windows' ends are looked for
 POLL_S = 0.2
+#: Seconds a node may take to store its launch.
+PLACE_TIMEOUT_S = 30
 INSTALL_HINT = "install it (Debian/Ubuntu: apt-get install tmux; macOS: brew install tmux)"
 
 
@@ -211,22 +211,23 @@ def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) 
                  f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
                  f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
                  f"{{ cat >> {launch} || {{ rm -f {launch}; exit 1; }}; }}")
+        text = f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}".encode()
         try:
-            res = conns[node.name].run(
-                f"exec sh -c {shlex.quote(place)}",  # (whatever the node's login shell)
-                in_stream=io.StringIO(f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}"), hide=True, warn=True,
-                pty=False)
+            # in one write (invoke's in_stream sends a file-like object a byte per 10 ms: 8 s a node)
+            res = ssh.run(conns[node.name], node.name, f"exec sh -c {shlex.quote(place)}",  # (whatever the login shell)
+                          timeout=PLACE_TIMEOUT_S, stdin=text)
         except BaseException:
             ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
             with contextlib.suppress(Exception):
                 conns[node.name].run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False)
             raise
-        if res.exited == IN_USE:  # (another run's files: never this run's to remove)
+        if res.exit_code == IN_USE:  # (another run's files: never this run's to remove)
             raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
                              f"record: a run with this id, from another runs dir or machine, runs or ran there); "
                              f"give this run another {option('run_id')}")
-        if res.exited != 0:
-            raise UnexpectedExit(res)
+        if res.exit_code != 0:
+            raise TmuxError(f"{node.name}: the launch could not be placed in {node.remote_dir} (exit code "
+                            f"{res.exit_code}{': ' + res.stderr.strip()[-300:] if res.stderr.strip() else ''})")
         placed.append(node.name)
 
 
@@ -239,12 +240,12 @@ def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) ->
     return bool(reply.value(node.name).get("signalled"))
 
 
-def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signal_name: str) -> list[str]:
-    """:func:`end_node` on *names* at once; those where some process was signalled (a node that
-    cannot be reached now is not among them: nothing more can be done there from here)."""
+def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signal_name: str) -> dict[str, bool]:
+    """:func:`end_node` on *names* at once: node -> whether some process was signalled there (a
+    node that cannot be reached now is left out: nothing more can be done there from here)."""
     done = ssh.parallel([plan.node(n) for n in names], lambda node: end_node(conns[node.name], node, plan.run_id,
                                                                             signal_name))
-    return [n for n in names if done.succeeded.get(n) is True]
+    return {n: done.succeeded[n] is True for n in names if n in done.succeeded}
 
 
 def cleanup_node(conn: Connection, node: NodePlan) -> None:
@@ -265,6 +266,9 @@ def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: 
              printer: Printer) -> None:
     """Ctrl-C in *names*' windows; what is left after the grace is ended over the connection
     (SIGTERM, then SIGKILL); a window whose launch still has not ended is closed."""
+    if not windows.alive():
+        _end_windowless(plan, conns, windows, names, printer)
+        return
     windows.interrupt(names)
     _wait_ended(windows, names, printer, STOP_GRACE_S)
     for sig in ("TERM", "KILL"):
@@ -273,15 +277,44 @@ def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: 
         _wait_ended(windows, names, printer, STOP_GRACE_S)
     for name in [n for n in names if n in windows.running()]:
         windows.close(name)
-        windows.ended[name] = 255
-        windows.order.append(name)
-        printer.note(f"{name}: its launch did not end when stopped; its window was closed")
+        _ended(windows, name, printer, "its launch did not end when stopped; its window was closed")
+
+
+def _end_windowless(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
+                    printer: Printer) -> None:
+    """*names*' launches with the session gone (closed by hand, or by ``stop``): no window can say
+    how a launch ended, so each node says whether something of it is left (the windows' ssh
+    went with the session, and with them, mostly, the launches). What is left gets SIGTERM, then
+    after the grace SIGKILL; a node that has nothing left, or cannot be reached, is done."""
+    for name in windows.poll():  # (one that ended before the session went wrote its exit status)
+        printer.note(f"{name}: its launch ended, exit code {windows.ended[name]}")
+    left = [n for n in names if n in windows.running()]
+    for sig in ("TERM", "KILL"):
+        signalled = _end_nodes(plan, conns, left, sig)
+        for name in left:
+            if not signalled.get(name):
+                _ended(windows, name, printer, "its launch has ended with its window" if name in signalled else
+                       "cannot be reached now: its launch there ends with its window's ssh")
+        left = [n for n in left if signalled.get(n)]
+        if not left:
+            return
+        if sig == "TERM":
+            time.sleep(STOP_GRACE_S)
+    for name in left:
+        _ended(windows, name, printer, "its launch did not end on SIGTERM; killed (SIGKILL)")
+
+
+def _ended(windows: Windows, name: str, printer: Printer, how: str) -> None:
+    """*name*'s launch is over without a status from its window (255, as ssh says a lost session)."""
+    windows.ended[name] = 255
+    windows.order.append(name)
+    printer.note(f"{name}: {how}")
 
 
 def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
     """After the run, on each node where it *placed* its launch: what is left of the launch's
     session (a rank its torchrun left behind) ended, then the files this mode placed removed."""
-    signalled = _end_nodes(plan, conns, placed, "TERM")
+    signalled = [n for n, some in _end_nodes(plan, conns, placed, "TERM").items() if some]
     if signalled:
         time.sleep(STOP_GRACE_S)
         _end_nodes(plan, conns, signalled, "KILL")
@@ -473,7 +506,7 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
     except KeyboardInterrupt as exc:  # before the watch (or a second signal): end whatever started
         ended = Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
                       interrupted=str(exc) or "SIGINT")
-    except (TmuxError, RunIdInUse, UnexpectedExit, SSHException, OSError) as exc:
+    except (TmuxError, RunIdInUse, ssh.SSHError, SSHException, OSError) as exc:
         printer.note(f"{option('tmux')}: could not start: {exc}")
         ended = Ended(1, None, f"failed to start in tmux: {exc}")
     finally:

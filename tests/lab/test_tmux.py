@@ -153,6 +153,7 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
     said = ("interrupted (SIGINT): ending every node's launch" if how == "ctrl-c to ddpfab"
             else f"the tmux session {run.session} was closed: ending every node's launch")
     assert said in out, out
+    assert "did not end" not in out, out  # each node said what was left of its launch: nothing to wait for
     manifest = run.manifest()
     assert manifest["state"] == "interrupted" and manifest["exit_code"] == 130, manifest
 
