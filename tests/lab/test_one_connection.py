@@ -148,6 +148,7 @@ def test_a_no_change_check_is_not_unchanged_while_another_sync_holds_the_workdir
         second = ddpfab("sync", "-i", str(inv), "--no-wait", str(old), timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr  # refused as busy, not "unchanged"
         assert "is being changed by a sync by" in second.stderr, second.stderr
+        _slow_links(lab, None)  # proven: the first sync may finish at full speed now
         out, err = first.communicate(timeout=180)
         assert first.returncode == 0, out + err
     finally:

@@ -194,8 +194,8 @@ def test_a_second_user_never_sees_a_secret_and_no_record_holds_one(lab, inventor
 ARGV_SCAN = r"""
 import os, sys, time
 needles = [n.encode() for n in sys.stdin.read().split()]
-end, hits = time.monotonic() + float(sys.argv[1]), set()
-while time.monotonic() < end:
+end, stop, hits = time.monotonic() + float(sys.argv[1]), sys.argv[2], set()
+while time.monotonic() < end and not os.path.exists(stop):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = open("/proc/%s/cmdline" % pid, "rb").read()
@@ -226,9 +226,10 @@ def test_a_token_in_setup_lines_or_ddpfab_env_reaches_the_job_and_nothing_else(l
     runs = tmp_path / "runs"
     common = ("-i", str(inventory), "--runs-dir", str(runs), "--no-sync")
     scans: dict[str, str] = {}
+    stop = f"/tmp/argv-scan-stop-{os.urandom(4).hex()}"  # (each node's own /tmp) made when the commands are done
 
     def scan(name: str) -> None:
-        res = host_sh(lab, name, f"python3 -c {shlex.quote(ARGV_SCAN)} 25", user=mallory, input=needles)
+        res = host_sh(lab, name, f"python3 -c {shlex.quote(ARGV_SCAN)} 55 {stop}", user=mallory, input=needles)
         scans[name] = res.stdout.strip() or res.stderr
     threads = [threading.Thread(target=scan, args=(n,)) for n in ("node1", "node2")]
     for t in threads:
@@ -243,8 +244,12 @@ def test_a_token_in_setup_lines_or_ddpfab_env_reaches_the_job_and_nothing_else(l
     out, _ = proc.communicate(timeout=60)
     out = "".join(lines) + out
     logs = ddpfab("logs", *common[:4], "secret-setup")
+    for n in ("node1", "node2"):
+        host_sh(lab, n, f"touch {stop}")
     for t in threads:
         t.join()
+    for n in ("node1", "node2"):
+        host_sh(lab, n, f"rm -f {stop}")
     assert proc.returncode == 0, out
     assert scans == {"node1": "none", "node2": "none"}, scans
     for key, token in (("HF_TOKEN", setup_token), ("WANDB_API_KEY", env_token)):
