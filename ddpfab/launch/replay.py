@@ -39,7 +39,8 @@ from ddpfab.health import probe
 from ddpfab.planning import render
 from ddpfab.masking import holds_mask, was_masked
 from ddpfab.optionnames import option
-from ddpfab.planning.plan import LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, parse_env
+from ddpfab.planning.plan import (LATER_NODE_FIELDS, Plan, PlanError, RunOptions, choose_master, is_run_id,
+                                  parse_env)
 from ddpfab.problems import DdpfabError, Problem
 from ddpfab.transfer import sync
 
@@ -243,6 +244,9 @@ def validate(manifest: Any, source: str) -> tuple[RunOptions, str]:
         raise ManifestError(f"{source}: plan: expected an object with a list of nodes")
     for key, kind in (("inventory", str), ("group", str), ("run_id", str), ("master_port", int)):
         _typed(f"{source}: plan.{key}", plan.get(key), kind, False)
+    if not is_run_id(plan["run_id"]):  # (a run id names directories here and on the nodes)
+        raise ManifestError(f"{source}: plan.run_id: expected 1-80 letters, digits, '.', '_' or '-' (no '..'), "
+                            f"found {json.dumps(plan['run_id'])[:60]}")
     for key, default in LATER_PLAN_FIELDS.items():
         _typed(f"{source}: plan.{key}", plan.get(key, default), type(default), False)
     for i, key in enumerate(plan.get("secret_env", [])):

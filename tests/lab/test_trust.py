@@ -379,7 +379,7 @@ def test_an_edited_manifest_is_refused_and_never_runs_anything_run_would_not(lab
     no_pwn()
     # a bad value in the options goes through run's validators; foreign or broken JSON: one line
     for edit, message in ((lambda m: m["options"]["env"].append(["BAD KEY", "x"]), "options.env"),
-                          (lambda m: m["plan"].update(run_id="../../x"), "--run-id"),
+                          (lambda m: m["plan"].update(run_id="../../x"), "plan.run_id: expected"),
                           (lambda m: m["options"].update(rdzv="evil"), "--rdzv"),
                           (lambda m: m.update(schema_version=99), "schema version 99"),
                           (lambda m: m.pop("kind"), "not a ddpfab run manifest")):
