@@ -5,10 +5,11 @@ be on this machine: no schedule runs it faster than its CPU-seconds divided by t
     .venv/bin/python bench/suite_cpu.py run -- bash scripts/test.sh     # as root (accton)
     .venv/bin/python bench/suite_cpu.py read /var/log/account/pacct     # a file written before
 
-Kinds, by what a process is and where it ran: "torch" is a process that mapped torch (its virtual
-size at exit over TORCH_VSZ_KB: torch's libraries alone map more; a plain python, ansible or
-pytest maps far less), "node" one below a lab host's sshd (a command or job the suite started over
-SSH), "rank" a torch process whose parent is one too (torchrun's workers). Writes
+Kinds, by what a process is and where it ran: "node" is one below a lab host's sshd (a command or
+job the suite started over SSH); a process that mapped torch has a virtual size at exit over
+TORCH_VSZ_KB (torch's libraries alone map more) and is a node's, or named by a torch thread, or
+a child of one (a ddpfab command's many thread stacks map as much on the controller); a "rank"
+is such a process whose parent is one too (torchrun's workers). Writes
 bench/results/suite_cpu.json.
 """
 
@@ -70,17 +71,34 @@ def read(path: str) -> list[Proc]:
     return procs
 
 
-def kind(p: Proc) -> str:
+def _ancestors(p: Proc) -> list[Proc]:
     chain, q = [], p.parent
     while q is not None and len(chain) < 64:
         chain.append(q)
         q = q.parent
-    node = any(a.comm.startswith("sshd") for a in chain)
-    torch = p.vsz_kb >= TORCH_VSZ_KB
-    if torch:
+    return chain
+
+
+def on_node(p: Proc) -> bool:
+    """Started over SSH: below a lab host's sshd."""
+    return any(a.comm.startswith("sshd") for a in _ancestors(p))
+
+
+def mapped_torch(p: Proc) -> bool:
+    """A process that imported torch: a large mapping, and a node's process, a torch thread's name
+    (the last thread to end names the record), or a torch parent. (A ddpfab command with many
+    threads maps as much in stacks, on the controller.)"""
+    if p.vsz_kb < TORCH_VSZ_KB:
+        return False
+    return on_node(p) or p.comm.startswith(("pt_", "gloo")) or (p.parent is not None and mapped_torch(p.parent))
+
+
+def kind(p: Proc) -> str:
+    node = on_node(p)
+    if mapped_torch(p):
         if node:
-            return "node: rank" if p.parent is not None and p.parent.vsz_kb >= TORCH_VSZ_KB else "node: torchrun"
-        return "torch, no sshd above (a rank or torchrun whose session outlived the file)"
+            return "node: rank" if p.parent is not None and mapped_torch(p.parent) else "node: torchrun"
+        return "controller: torch (local torchrun and ranks, unit tests)"
     if p.comm.startswith("ansible"):
         return "ansible"
     if p.comm.startswith("pip"):
@@ -102,11 +120,11 @@ def summary(procs: list[Proc], wall: float | None, busy: float | None) -> dict:
         cpu[k] += p.cpu
         count[k] += 1
     total = sum(cpu.values())
-    torch = sum(p.cpu for p in procs if p.vsz_kb >= TORCH_VSZ_KB)
+    torch = [p for p in procs if mapped_torch(p)]
     cores = os.cpu_count() or 1
     return {"processes": len(procs), "cpu_s": round(total, 1), "cores": cores,
-            "floor_min": round(total / cores / 60, 1), "torch_processes": sum(p.vsz_kb >= TORCH_VSZ_KB for p in procs),
-            "torch_cpu_s": round(torch, 1), "wall_s": wall, "busy": busy,
+            "floor_min": round(total / cores / 60, 1), "torch_processes": len(torch),
+            "torch_cpu_s": round(sum(p.cpu for p in torch), 1), "wall_s": wall, "busy": busy,
             "kinds": [{"kind": k, "cpu_s": round(v, 1), "processes": count[k]} for k, v in cpu.most_common()]}
 
 
