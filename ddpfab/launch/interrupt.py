@@ -87,13 +87,30 @@ def run_interruptible(call: Callable[[], int]) -> int:
     try:
         with signals_raise():
             return call()
-    except KeyboardInterrupt as exc:
+    except BaseException as raised:
+        exc = interrupt_in(raised)
+        if exc is None:
+            raise
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
         end_own_children()
         sys.stderr.write(f"ddpfab: interrupted by {'SIGTERM' if code == 143 else 'SIGINT'}; stopped\n")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The interrupt *exc* is, or the one it was raised from: a signal that lands while a class
+    is created reaches the caller as a RuntimeError raised from it (Python wraps what
+    ``__set_name__`` raises; Ansible's imports create classes while an inventory loads). By type
+    along ``__cause__``, never by text."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return None
 
 
 def end_own_children() -> None:

@@ -378,3 +378,27 @@ def test_ids_read_from_a_run_record_never_name_a_path_outside_the_runs(tmp_path)
     assert attempt_manifests(str(runs), root) == [root]
     assert current_manifest(str(runs), root) is root
     assert next_attempt(str(runs), root, "root", wait_s=1) is None
+
+
+def test_a_signal_that_lands_while_a_class_is_created_is_still_one_line_and_130():
+    """SIGINT while Ansible's imports create a class: Python raises a RuntimeError from the
+    interrupt (``__set_name__``), which once ended the command with a traceback (found under load:
+    Ctrl-C while the inventory loaded). A real class body, a real signal, the real entry point."""
+    child = ("import os, signal\n"
+             "from ddpfab.launch.interrupt import run_interruptible\n"
+             "class Hook:\n"
+             "    def __set_name__(self, owner, name):\n"
+             "        os.kill(os.getpid(), signal.SIGINT)\n"
+             "        [None for _ in range(10**6)]  # (the handler runs between bytecodes)\n"
+             "def call():\n"
+             "    type('Made', (), {'field': Hook()})\n"
+             "    return 0\n"
+             "run_interruptible(call)\n")
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == "ddpfab: interrupted by SIGINT; stopped\n", res.stderr
+    from ddpfab.launch.interrupt import Interrupted, interrupt_in
+    wrapped = RuntimeError("Error calling __set_name__")
+    wrapped.__cause__ = Interrupted(15)
+    assert interrupt_in(wrapped) is wrapped.__cause__
+    assert interrupt_in(RuntimeError("KeyboardInterrupt")) is None  # by type, never by text
