@@ -283,25 +283,28 @@ def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: 
 def _end_windowless(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
                     printer: Printer) -> None:
     """*names*' launches with the session gone (closed by hand, or by ``stop``): no window can say
-    how a launch ended, so each node says whether something of it is left (the windows' ssh
-    went with the session, and with them, mostly, the launches). What is left gets SIGTERM, then
-    after the grace SIGKILL; a node that has nothing left, or cannot be reached, is done."""
+    how a launch ended, so each node ends what is left of its launch itself, as ``stop`` does
+    there (the node program's ``stop``: SIGTERM, SIGKILL after the grace) and says what it found
+    (mostly nothing: the windows' ssh went with the session, and the launches with them). A node
+    that cannot be reached now is left to its window's ssh, gone with the session."""
     for name in windows.poll():  # (one that ended before the session went wrote its exit status)
         printer.note(f"{name}: its launch ended, exit code {windows.ended[name]}")
     left = [n for n in names if n in windows.running()]
-    for sig in ("TERM", "KILL"):
-        signalled = _end_nodes(plan, conns, left, sig)
-        for name in left:
-            if not signalled.get(name):
-                _ended(windows, name, printer, "its launch has ended with its window" if name in signalled else
-                       "cannot be reached now: its launch there ends with its window's ssh")
-        left = [n for n in left if signalled.get(n)]
-        if not left:
-            return
-        if sig == "TERM":
-            time.sleep(STOP_GRACE_S)
+    done = ssh.parallel([plan.node(n) for n in left], lambda node: nodeprog.call(
+        conns[node.name], node, {"op": "stop", "dir": node.remote_dir, "grace": STOP_GRACE_S},
+        timeout=STOP_GRACE_S + 30)[0].value(node.name))
     for name in left:
-        _ended(windows, name, printer, "its launch did not end on SIGTERM; killed (SIGKILL)")
+        reply = done.succeeded.get(name)
+        said = reply.get("said") if isinstance(reply, dict) else None
+        if name not in done.succeeded:
+            _ended(windows, name, printer, "cannot be reached now: its launch there ends with its window's ssh")
+        else:
+            said = said if isinstance(said, str) else "ended (the node said nothing more)"
+            _ended(windows, name, printer, _SAID.get(said, said))
+
+
+#: The node program's ``stop`` words, as a closed session's end says them.
+_SAID = {"absent": "nothing of its launch was left", "its tmux launch had ended": "its launch had ended with its window"}
 
 
 def _ended(windows: Windows, name: str, printer: Printer, how: str) -> None:
