@@ -240,12 +240,12 @@ def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) ->
     return bool(reply.value(node.name).get("signalled"))
 
 
-def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signal_name: str) -> dict[str, bool]:
-    """:func:`end_node` on *names* at once: node -> whether some process was signalled there (a
-    node that cannot be reached now is left out: nothing more can be done there from here)."""
+def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signal_name: str) -> list[str]:
+    """:func:`end_node` on *names* at once; those where some process was signalled (a node that
+    cannot be reached now is not among them: nothing more can be done there from here)."""
     done = ssh.parallel([plan.node(n) for n in names], lambda node: end_node(conns[node.name], node, plan.run_id,
                                                                             signal_name))
-    return {n: done.succeeded[n] is True for n in names if n in done.succeeded}
+    return [n for n in names if done.succeeded.get(n) is True]
 
 
 def cleanup_node(conn: Connection, node: NodePlan) -> None:
@@ -294,13 +294,12 @@ def _end_windowless(plan: Plan, conns: dict[str, Connection], windows: Windows, 
         conns[node.name], node, {"op": "stop", "dir": node.remote_dir, "grace": STOP_GRACE_S},
         timeout=STOP_GRACE_S + 30)[0].value(node.name))
     for name in left:
-        reply = done.succeeded.get(name)
-        said = reply.get("said") if isinstance(reply, dict) else None
         if name not in done.succeeded:
             _ended(windows, name, printer, "cannot be reached now: its launch there ends with its window's ssh")
-        else:
-            said = said if isinstance(said, str) else "ended (the node said nothing more)"
-            _ended(windows, name, printer, _SAID.get(said, said))
+            continue
+        said = done.succeeded[name].get("said") if isinstance(done.succeeded[name], dict) else None
+        said = said if isinstance(said, str) else "ended (the node said nothing more)"
+        _ended(windows, name, printer, _SAID.get(said, said))
 
 
 #: The node program's ``stop`` words, as a closed session's end says them.
@@ -317,7 +316,7 @@ def _ended(windows: Windows, name: str, printer: Printer, how: str) -> None:
 def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
     """After the run, on each node where it *placed* its launch: what is left of the launch's
     session (a rank its torchrun left behind) ended, then the files this mode placed removed."""
-    signalled = [n for n, some in _end_nodes(plan, conns, placed, "TERM").items() if some]
+    signalled = _end_nodes(plan, conns, placed, "TERM")
     if signalled:
         time.sleep(STOP_GRACE_S)
         _end_nodes(plan, conns, signalled, "KILL")
