@@ -15,38 +15,42 @@ import pytest
 FIRST_TEST_NET = 213
 
 #: The test files that take longest, longest first (seconds: the sum of each file's tests in
-#: `--durations`, lab bring-up not counted; "CI" = a CI run with 2 workers on 2 cores, here of
-#: 3babd80). The first five keep their order (two heavy files never run side by side); the suite
-#: runs them first: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long
-#: file started last would be the tail both workers wait on. (xdist's own order, the most tests
-#: first, put these few-test files last: the unit files have the most tests.) Files not listed
-#: follow: the other lab files, then tests/infra, then tests/unit, each in collection order. A name
-#: here that no collected file has is never matched (files still on other branches may be listed).
+#: `--durations` of one CI run, 2 workers on 2 cores; docs/testing.md has the whole run). The first
+#: five keep their order (two heavy files never run side by side); the suite runs them first:
+#: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long file started last
+#: would be the tail both workers wait on. (xdist's own order, the most tests first, put these
+#: few-test files last: the unit files have the most tests.) Files not listed follow: the other lab
+#: files, then tests/infra, then tests/unit, each in collection order. A name here that no
+#: collected file has is never matched (files still on other branches may be listed).
 LONGEST_FIRST = [
-    "tests/lab/test_exit_race.py",  # CI 366 s with a soak of 20 runs (312 s); 9 runs now
-    "tests/lab/test_gpu_leases.py",  # CI 105 s: four launches at once, the queue
-    "tests/lab/test_provision.py",  # CI 266 s: torch provisioned on 3 hosts, twice; testinfra twice
-    "tests/lab/test_first_hour.py",  # CI 184 s (+ test_install's provision, merged in): provisions 2 hosts from the wheel
-    "tests/lab/test_gpu_users.py",  # CI 211 s: 30 jobs of three users; not beside the exit-race soak, whose load (~100) stretched its waits past the 8 s bound in CI
-    "tests/lab/test_failure_story.py",  # CI ~450 s: 40 crashes (10 runs x 4), an OOM, a usage error
-    "tests/lab/test_recover.py",  # CI 147 s
-    "tests/lab/test_doctor.py",  # CI 126 s
-    "tests/lab/test_preflight_load.py",  # CI 120 s: 8 nodes under a CPU hog, three runs
-    "tests/lab/test_trust.py",  # CI 109 s
-    "tests/lab/test_perf.py",  # CI 94 s: check --perf six times, one node briefly at a 1 % CPU quota
-    "tests/lab/test_exit_abort.py",  # CI 91 s
-    "tests/lab/test_sync_ownership.py",  # CI 91 s
-    "tests/lab/test_faults.py",  # CI 89 s
-    "tests/lab/test_preflight_resources.py",  # CI 75 s
-    "tests/lab/test_sync.py",  # CI 64 s
-    "tests/lab/test_preflight_dataplane.py",  # CI 54 s
-    "tests/lab/test_peer_inventories.py",  # CI 54 s
-    "tests/lab/test_sync_lock.py",  # CI 40 s
-    "tests/lab/test_launch_styles.py",  # CI 40 s
-    "tests/lab/test_debugging.py",  # CI 35 s
-    "tests/lab/test_replicate.py",  # CI 35 s
-    "tests/lab/test_bastion.py",  # CI 29 s
-    "tests/infra/test_lint.py",  # CI 28 s
+    "tests/lab/test_exit_race.py",  # 158 s: upstream DDP scripts on 2 and 4 nodes, the abort drill
+    "tests/lab/test_gpu_leases.py",  # 94 s: four launches at once, the queue
+    "tests/lab/test_provision.py",  # 178 s: torch provisioned on 3 hosts, twice; testinfra twice
+    "tests/lab/test_first_hour.py",  # 90 s: provisions 2 hosts from the wheel
+    # 124 s: 30 jobs of three users; not beside the exit-race soak, whose load can stretch its waits
+    # past their 8 s bound
+    "tests/lab/test_gpu_users.py",
+    "tests/lab/test_recover.py",  # 149 s: lost nodes found by silence, spares, restarts
+    "tests/lab/test_doctor.py",  # 141 s: hangs found after their timeouts
+    "tests/lab/test_trust.py",  # 136 s
+    "tests/lab/test_perf.py",  # 126 s: check --perf six times, one node briefly at a 1 % CPU quota
+    "tests/lab/test_failure_story.py",  # 121 s: 12 crashes on 3 and 4 nodes, an OOM, a usage error
+    "tests/lab/test_faults.py",  # 106 s
+    "tests/lab/test_sync_ownership.py",  # 92 s
+    "tests/lab/test_preflight_load.py",  # 69 s: 8 nodes under a CPU hog, three runs
+    "tests/lab/test_run.py",  # 61 s
+    "tests/lab/test_hold.py",  # 59 s
+    "tests/lab/test_preflight_dataplane.py",  # 54 s
+    "tests/lab/test_launch_styles.py",  # 51 s
+    "tests/lab/test_sync.py",  # 49 s
+    "tests/lab/test_peer_inventories.py",  # 46 s
+    "tests/lab/test_debugging.py",  # 43 s
+    "tests/lab/test_sync_lock.py",  # 38 s
+    "tests/lab/test_preflight_resources.py",  # 38 s
+    "tests/lab/test_exit_abort.py",  # 37 s
+    "tests/lab/test_bastion.py",  # 30 s
+    "tests/infra/test_lint.py",  # 21 s
+    "tests/lab/test_replicate.py",  # 18 s
     "tests/lab/test_install.py",  # the wheel and its venv (shared with test_first_hour), a 1-host playbook twice
 ]
 #: After LONGEST_FIRST: the rest of each directory, in this order.
