@@ -6,8 +6,8 @@
 # process): each worker brings up a lab of its own on a subnet of its own, and a file stays on one
 # worker, since the tests in a file share labs and fixtures; the longest files start first
 # (tests/conftest.py). Two workers pay off even on two cores; a third is not the default: the lab
-# files that train are CPU-bound (every rank and torchrun imports torch; test_exit_abort and
-# test_replicate used 168 CPU-seconds, where CI spent 146 s on them), so two already fill two cores.
+# files that train are CPU-bound (every rank and torchrun imports torch), so a third worker makes
+# every file slower and the whole barely shorter (docs/testing.md has the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
