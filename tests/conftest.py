@@ -14,7 +14,7 @@ import pytest
 #: Where the search for a free /16 for the session's labs starts (10.213.0.0/16 is the demo's).
 FIRST_TEST_NET = 213
 
-#: The test files that take longest, longest first (seconds: the sum of each file's tests in
+#: The test files that take longest, started first (seconds: the sum of each file's tests in
 #: `--durations` of one CI run, 2 workers on 2 cores; docs/testing.md has the whole run). The first
 #: five keep their order (two heavy files never run side by side); the suite runs them first:
 #: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long file started last
@@ -30,27 +30,25 @@ LONGEST_FIRST = [
     # 124 s: 30 jobs of three users; not beside the exit-race soak, whose load can stretch its waits
     # past their 8 s bound
     "tests/lab/test_gpu_users.py",
+    "tests/lab/test_failure_story.py",  # 121 s: 12 crashes on 3 and 4 nodes, an OOM, a usage error
     "tests/lab/test_recover.py",  # 149 s: lost nodes found by silence, spares, restarts
     "tests/lab/test_doctor.py",  # 141 s: hangs found after their timeouts
+    "tests/lab/test_preflight_load.py",  # 69 s: 8 nodes under a CPU hog, three runs
     "tests/lab/test_trust.py",  # 136 s
     "tests/lab/test_perf.py",  # 126 s: check --perf six times, one node briefly at a 1 % CPU quota
-    "tests/lab/test_failure_story.py",  # 121 s: 12 crashes on 3 and 4 nodes, an OOM, a usage error
-    "tests/lab/test_faults.py",  # 106 s
-    "tests/lab/test_sync_ownership.py",  # 92 s
-    "tests/lab/test_preflight_load.py",  # 69 s: 8 nodes under a CPU hog, three runs
-    "tests/lab/test_run.py",  # 61 s
-    "tests/lab/test_hold.py",  # 59 s
-    "tests/lab/test_preflight_dataplane.py",  # 54 s
-    "tests/lab/test_launch_styles.py",  # 51 s
-    "tests/lab/test_sync.py",  # 49 s
-    "tests/lab/test_peer_inventories.py",  # 46 s
-    "tests/lab/test_debugging.py",  # 43 s
-    "tests/lab/test_sync_lock.py",  # 38 s
-    "tests/lab/test_preflight_resources.py",  # 38 s
     "tests/lab/test_exit_abort.py",  # 37 s
+    "tests/lab/test_sync_ownership.py",  # 92 s
+    "tests/lab/test_faults.py",  # 106 s
+    "tests/lab/test_preflight_resources.py",  # 38 s
+    "tests/lab/test_sync.py",  # 49 s
+    "tests/lab/test_preflight_dataplane.py",  # 54 s
+    "tests/lab/test_peer_inventories.py",  # 46 s
+    "tests/lab/test_sync_lock.py",  # 38 s
+    "tests/lab/test_launch_styles.py",  # 51 s
+    "tests/lab/test_debugging.py",  # 43 s
+    "tests/lab/test_replicate.py",  # 18 s
     "tests/lab/test_bastion.py",  # 30 s
     "tests/infra/test_lint.py",  # 21 s
-    "tests/lab/test_replicate.py",  # 18 s
     "tests/lab/test_install.py",  # the wheel and its venv (shared with test_first_hour), a 1-host playbook twice
 ]
 #: After LONGEST_FIRST: the rest of each directory, in this order.
