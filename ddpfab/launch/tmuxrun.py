@@ -198,37 +198,49 @@ class Windows:
 
 
 def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
-    """Each node's launch into its record dir, private (it may hold secret values), over stdin;
-    it removes itself as its window starts it (:data:`SELF_REMOVE`). Each node that took it whole
-    is added to *placed* (what the end may remove or signal there: nothing else); a copy cut
-    short (Ctrl-C, a lost connection) is removed at once where it is this copy's (its mark).
-    RunIdInUse when a node has the run's record already (a run with this id, from another runs
-    dir, runs or ran there): nothing is placed after it."""
+    """Each node's launch into its record dir, private (it may hold secret values), over stdin,
+    on every node at once; it removes itself as its window starts it (:data:`SELF_REMOVE`). Each
+    node that took it whole is added to *placed* (what the end may remove or signal there: nothing
+    else); a copy cut short (a lost connection) is removed at once where it is this copy's (its
+    mark). An interrupt reaches the caller once the copies already going have ended, so that
+    *placed* names every copy made. RunIdInUse when a node has the run's record already (a run
+    with this id, from another runs dir, runs or ran there), TmuxError when a node could not take
+    it: the first such node in the plan's order is named."""
+    results = ssh.parallel(plan.nodes, lambda node: _place(plan, node, conns[node.name], placed),
+                           settle=PLACE_TIMEOUT_S + 5)
     for node in plan.nodes:
-        d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
-        launch = f"{d}/{LAUNCH}"
-        place = (f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
-                 f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
-                 f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
-                 f"{{ cat >> {launch} || {{ rm -f {launch}; exit 1; }}; }}")
-        text = f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}".encode()
-        try:
-            # in one write (invoke's in_stream sends a file-like object a byte per 10 ms: 8 s a node)
-            res = ssh.run(conns[node.name], node.name, f"exec sh -c {shlex.quote(place)}",  # (whatever the login shell)
-                          timeout=PLACE_TIMEOUT_S, stdin=text)
-        except BaseException:
-            ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
-            with contextlib.suppress(Exception):
-                conns[node.name].run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False)
-            raise
-        if res.exit_code == IN_USE:  # (another run's files: never this run's to remove)
-            raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
-                             f"record: a run with this id, from another runs dir or machine, runs or ran there); "
-                             f"give this run another {option('run_id')}")
-        if res.exit_code != 0:
-            raise TmuxError(f"{node.name}: the launch could not be placed in {node.remote_dir} (exit code "
-                            f"{res.exit_code}{': ' + res.stderr.strip()[-300:] if res.stderr.strip() else ''})")
-        placed.append(node.name)
+        outcome = results[node.name]
+        if isinstance(outcome, Exception):
+            raise outcome
+
+
+def _place(plan: Plan, node: NodePlan, conn: Connection, placed: list[str]) -> None:
+    """*node*'s launch, as :func:`place_launches` says; *node* is added to *placed* once it holds
+    the whole copy (a list's append is atomic: the nodes' threads share it)."""
+    d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
+    launch = f"{d}/{LAUNCH}"
+    place = (f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
+             f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
+             f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
+             f"{{ cat >> {launch} || {{ rm -f {launch}; exit 1; }}; }}")
+    text = f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}".encode()
+    try:
+        # in one write (invoke's in_stream sends a file-like object a byte per 10 ms: 8 s a node)
+        res = ssh.run(conn, node.name, f"exec sh -c {shlex.quote(place)}",  # (whatever the login shell)
+                      timeout=PLACE_TIMEOUT_S, stdin=text)
+    except BaseException:
+        ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
+        with contextlib.suppress(Exception):
+            conn.run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False, timeout=PLACE_TIMEOUT_S)
+        raise
+    if res.exit_code == IN_USE:  # (another run's files: never this run's to remove)
+        raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
+                         f"record: a run with this id, from another runs dir or machine, runs or ran there); "
+                         f"give this run another {option('run_id')}")
+    if res.exit_code != 0:
+        raise TmuxError(f"{node.name}: the launch could not be placed in {node.remote_dir} (exit code "
+                        f"{res.exit_code}{': ' + res.stderr.strip()[-300:] if res.stderr.strip() else ''})")
+    placed.append(node.name)
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:
@@ -320,9 +332,9 @@ def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str]) 
     if signalled:
         time.sleep(STOP_GRACE_S)
         _end_nodes(plan, conns, signalled, "KILL")
-    for name in placed:
-        with contextlib.suppress(Exception):
-            cleanup_node(conns[name], plan.node(name))
+    # every node at once; one that cannot be reached now keeps what is left there (a launch its
+    # window started removed itself)
+    ssh.parallel([plan.node(n) for n in placed], lambda node: cleanup_node(conns[node.name], node))
 
 
 def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:

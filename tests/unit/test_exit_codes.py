@@ -284,6 +284,40 @@ def test_a_signal_while_the_nodes_are_waited_for_interrupts_at_once():
     assert time.monotonic() - started < 2
 
 
+def test_an_interrupt_with_settle_comes_after_the_running_calls_and_starts_no_other():
+    """``ssh.parallel(..., settle=S)`` (how ``run --tmux`` places its launches on every node at
+    once): SIGINT while two calls run and a third waits for a thread. The interrupt reaches the
+    caller once the two running calls have ended (what they placed is then known, to be removed),
+    and the third never starts. Without settle it comes at once, the calls still running."""
+    import signal
+    import time
+
+    from ddpfab.hosts.inventory import Node
+    from ddpfab.launch.interrupt import Interrupted, signals_raise
+    from ddpfab.remote import ssh
+
+    nodes = [Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")]
+    for settle in (10.0, 0.0):
+        started, ended = [], []
+
+        def call(n: Node) -> None:
+            started.append(n.name)
+            if n.name == "a":
+                time.sleep(0.3)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(1.5)
+            ended.append(n.name)
+
+        with signals_raise(), pytest.raises(Interrupted):
+            ssh.parallel(nodes, call, window=2, settle=settle)
+        if settle:
+            assert sorted(ended) == ["a", "b"], ended
+        else:
+            assert ended == [], ended
+        time.sleep(1.8)  # (the calls left running end)
+        assert sorted(started) == ["a", "b"], started
+
+
 def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
     """`ddpfab run`'s monitor waits on a queue the nodes' threads put to. A handler that raised
     could raise inside the queue's lock and leave it held: the next wait never returned (a run
