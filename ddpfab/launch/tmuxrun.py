@@ -201,22 +201,44 @@ def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) 
     """Each node's launch into its record dir, private (it may hold secret values), over stdin,
     on every node at once; it removes itself as its window starts it (:data:`SELF_REMOVE`). Each
     node that took it whole is added to *placed* (what the end may remove or signal there: nothing
-    else); a copy cut short (a lost connection) is removed at once where it is this copy's (its
-    mark). An interrupt reaches the caller once the copies already going have ended, so that
-    *placed* names every copy made. RunIdInUse when a node has the run's record already (a run
-    with this id, from another runs dir, runs or ran there), TmuxError when a node could not take
-    it: the first such node in the plan's order is named."""
-    results = ssh.parallel(plan.nodes, lambda node: _place(plan, node, conns[node.name], placed),
-                           settle=PLACE_TIMEOUT_S + 5)
+    else). A copy that is not in *placed* is removed by its own thread where it is this copy's
+    (its mark): one cut short, one refused, or one finished after an interrupt reached the caller.
+    RunIdInUse when a node has the run's record already (a run with this id, from another runs
+    dir, runs or ran there), TmuxError when a node could not take it: the first such node in the
+    plan's order is named."""
+    placing = _Placing(placed)
+    try:
+        results = ssh.parallel(plan.nodes, lambda node: _place(plan, node, conns[node.name], placing))
+    except BaseException:
+        placing.abandon()
+        raise
     for node in plan.nodes:
         outcome = results[node.name]
         if isinstance(outcome, Exception):
             raise outcome
 
 
-def _place(plan: Plan, node: NodePlan, conn: Connection, placed: list[str]) -> None:
-    """*node*'s launch, as :func:`place_launches` says; *node* is added to *placed* once it holds
-    the whole copy (a list's append is atomic: the nodes' threads share it)."""
+class _Placing:
+    """What the nodes' placing threads share with the caller: *placed*, and whether the caller
+    has gone (an interrupt): after that a copy is never added, and its thread removes it."""
+
+    def __init__(self, placed: list[str]):
+        self.placed, self.abandoned, self.lock = placed, False, threading.Lock()
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.abandoned = True
+
+    def keep(self, name: str) -> bool:
+        """Add *name* to *placed*, unless the caller has gone (then False)."""
+        with self.lock:
+            if not self.abandoned:
+                self.placed.append(name)
+            return not self.abandoned
+
+
+def _place(plan: Plan, node: NodePlan, conn: Connection, placing: _Placing) -> None:
+    """*node*'s launch, as :func:`place_launches` says."""
     d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
     launch = f"{d}/{LAUNCH}"
     place = (f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
@@ -224,23 +246,31 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placed: list[str]) -> N
              f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
              f"{{ cat >> {launch} || {{ rm -f {launch}; exit 1; }}; }}")
     text = f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}".encode()
+    ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
     try:
         # in one write (invoke's in_stream sends a file-like object a byte per 10 ms: 8 s a node)
         res = ssh.run(conn, node.name, f"exec sh -c {shlex.quote(place)}",  # (whatever the login shell)
                       timeout=PLACE_TIMEOUT_S, stdin=text)
     except BaseException:
-        ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
-        with contextlib.suppress(Exception):
-            conn.run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False, timeout=PLACE_TIMEOUT_S)
+        _remove(conn, ours)
         raise
     if res.exit_code == IN_USE:  # (another run's files: never this run's to remove)
         raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
                          f"record: a run with this id, from another runs dir or machine, runs or ran there); "
                          f"give this run another {option('run_id')}")
-    if res.exit_code != 0:
+    if res.exit_code != 0:  # (a lost connection's -1 among them: the copy may be whole there)
+        _remove(conn, ours)
         raise TmuxError(f"{node.name}: the launch could not be placed in {node.remote_dir} (exit code "
                         f"{res.exit_code}{': ' + res.stderr.strip()[-300:] if res.stderr.strip() else ''})")
-    placed.append(node.name)
+    if not placing.keep(node.name):
+        _remove(conn, ours)
+
+
+def _remove(conn: Connection, ours: str) -> None:
+    """Run *ours* (the removal of a copy by its mark), whatever happens: the copy is not the end's
+    to remove."""
+    with contextlib.suppress(Exception):
+        conn.run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False, timeout=PLACE_TIMEOUT_S)
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:

@@ -337,19 +337,14 @@ def _socket(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None,
-             settle: float = 0.0) -> GroupResult[T]:
+def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None) -> GroupResult[T]:
     """``fn(node)`` for every node, *window* (default WINDOW) at a time; per node (in *nodes*'
-    order) its result or the exception it raised. An interrupt reaches the caller at once; with
-    *settle*, after the calls already running have ended (*settle* seconds at most: for calls
-    that end on their own, whose effects the caller must know to undo them). The calls not yet
-    started never start."""
+    order) its result or the exception it raised."""
     results: GroupResult[T] = GroupResult()
     if not nodes:
         return results
     _fit_open_files(len(nodes))
     pool = ThreadPoolExecutor(max_workers=min(window or WINDOW, len(nodes)))
-    futures: dict[str, Future[T]] = {}
     try:
         futures = {n.name: pool.submit(fn, n) for n in nodes}
         for name, fut in futures.items():
@@ -357,11 +352,6 @@ def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None
                 results[name] = _result(fut)
             except Exception as exc:  # noqa: BLE001 - a failure on one host is data
                 results[name] = exc
-    except BaseException:
-        if settle:
-            pool.shutdown(wait=False, cancel_futures=True)
-            wait_for([f for f in futures.values() if not f.cancelled()], timeout=settle)
-        raise
     finally:
         # SIGINT/SIGTERM (Interrupted, a KeyboardInterrupt) reach the caller at once, never as a
         # node's result: the caller closes the connections, which ends what still runs here

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -284,38 +285,51 @@ def test_a_signal_while_the_nodes_are_waited_for_interrupts_at_once():
     assert time.monotonic() - started < 2
 
 
-def test_an_interrupt_with_settle_comes_after_the_running_calls_and_starts_no_other():
-    """``ssh.parallel(..., settle=S)`` (how ``run --tmux`` places its launches on every node at
-    once): SIGINT while two calls run and a third waits for a thread. The interrupt reaches the
-    caller once the two running calls have ended (what they placed is then known, to be removed),
-    and the third never starts. Without settle it comes at once, the calls still running."""
+def test_a_launch_placed_after_an_interrupt_is_removed_by_its_own_thread(monkeypatch):
+    """``run --tmux`` places each node's launch (it holds the env's secrets) on every node at
+    once, and the end removes only the nodes in ``placed``. SIGINT while node2's copy is still
+    being written: the interrupt reaches the caller at once, and node2's copy, finished after it,
+    is removed by its own thread, by its mark; node1's, placed before, is in ``placed``."""
     import signal
     import time
 
-    from ddpfab.hosts.inventory import Node
+    from ddpfab.hosts.inventory import Inventory, Node
+    from ddpfab.launch import tmuxrun
     from ddpfab.launch.interrupt import Interrupted, signals_raise
+    from ddpfab.planning.plan import Facts, RunOptions, make_plan
     from ddpfab.remote import ssh
 
-    nodes = [Node("a", "10.0.0.1"), Node("b", "10.0.0.2"), Node("c", "10.0.0.3")]
-    for settle in (10.0, 0.0):
-        started, ended = [], []
+    inv = Inventory("inv.yml", "all", (Node("node1", "10.0.0.1"), Node("node2", "10.0.0.2")))
+    plan = make_plan(inv, RunOptions("t.py", run_id="r1"), Facts({"node1": "10.0.0.1", "node2": "10.0.0.2"}, 29500, "/w"))
+    written: dict[str, str] = {}
+    removed: dict[str, str] = {}
 
-        def call(n: Node) -> None:
-            started.append(n.name)
-            if n.name == "a":
-                time.sleep(0.3)
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-            time.sleep(1.5)
-            ended.append(n.name)
+    class Conn:
+        def __init__(self, name: str):
+            self.name = name
 
-        with signals_raise(), pytest.raises(Interrupted):
-            ssh.parallel(nodes, call, window=2, settle=settle)
-        if settle:
-            assert sorted(ended) == ["a", "b"], ended
-        else:
-            assert ended == [], ended
-        time.sleep(1.8)  # (the calls left running end)
-        assert sorted(started) == ["a", "b"], started
+        def run(self, command: str, **_kw):
+            removed[self.name] = command
+
+    def write(conn, name, command, timeout, stdin):
+        if name == "node2":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(1.0)
+        written[name] = stdin.decode()
+        return ssh.CommandResult(name, 0, "", "")
+
+    monkeypatch.setattr(ssh, "run", write)
+    placed: list[str] = []
+    started = time.monotonic()
+    with signals_raise(), pytest.raises(Interrupted):
+        tmuxrun.place_launches(plan, {n: Conn(n) for n in ("node1", "node2")}, placed)
+    assert time.monotonic() - started < 0.8  # at once, not after node2's write
+    deadline = time.monotonic() + 5
+    while "node2" not in removed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert placed == ["node1"] and "node1" not in removed, (placed, removed)
+    mark = re.search(r"^# ([0-9a-f]{16})$", written["node2"], re.M)[1]  # (the copy's own mark)
+    assert mark in removed["node2"] and "rm -f" in removed["node2"], removed
 
 
 def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
