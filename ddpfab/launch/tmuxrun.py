@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from invoke.exceptions import CommandTimedOut
 from paramiko import SSHException
 
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
@@ -197,16 +198,15 @@ class Windows:
         return [n.name for n in self.plan.nodes if n.name not in self.ended]
 
 
-def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
+def place_launches(plan: Plan, conns: dict[str, Connection], placing: Placing) -> None:
     """Each node's launch into its record dir, private (it may hold secret values), over stdin,
     on every node at once; it removes itself as its window starts it (:data:`SELF_REMOVE`). Each
-    node that took it whole is added to *placed* (what the end may remove or signal there: nothing
-    else). A copy that is not in *placed* is removed by its own thread where it is this copy's
-    (its mark): one cut short, one refused, or one finished after an interrupt reached the caller.
-    RunIdInUse when a node has the run's record already (a run with this id, from another runs
-    dir, runs or ran there), TmuxError when a node could not take it: the first such node in the
-    plan's order is named."""
-    placing = _Placing(placed)
+    node that took it whole is added to *placing*'s ``placed`` (what the end may remove or signal
+    there: nothing else). A copy that is not in it is removed by its own thread where it is this
+    copy's (its mark): one cut short, one refused, or one finished after the caller abandoned the
+    placing (an interrupt: this function abandons it too). RunIdInUse when a node has the run's
+    record already (a run with this id, from another runs dir, runs or ran there), TmuxError when
+    a node could not take it: the first such node in the plan's order is named."""
     try:
         results = ssh.parallel(plan.nodes, lambda node: _place(plan, node, conns[node.name], placing))
     except BaseException:
@@ -218,26 +218,28 @@ def place_launches(plan: Plan, conns: dict[str, Connection], placed: list[str]) 
             raise outcome
 
 
-class _Placing:
-    """What the nodes' placing threads share with the caller: *placed*, and whether the caller
-    has gone (an interrupt): after that a copy is never added, and its thread removes it."""
+class Placing:
+    """What the nodes' placing threads share with the caller: ``placed``, and whether the caller
+    has gone (:meth:`abandon`; it may be called again): after that a copy is never added, and its
+    thread removes it. The caller reads ``placed`` only after abandoning."""
 
-    def __init__(self, placed: list[str]):
-        self.placed, self.abandoned, self.lock = placed, False, threading.Lock()
+    def __init__(self) -> None:
+        self.placed: list[str] = []
+        self.abandoned, self.lock = False, threading.Lock()
 
     def abandon(self) -> None:
         with self.lock:
             self.abandoned = True
 
     def keep(self, name: str) -> bool:
-        """Add *name* to *placed*, unless the caller has gone (then False)."""
+        """Add *name* to ``placed``, unless the placing was abandoned (then False)."""
         with self.lock:
             if not self.abandoned:
                 self.placed.append(name)
             return not self.abandoned
 
 
-def _place(plan: Plan, node: NodePlan, conn: Connection, placing: _Placing) -> None:
+def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> None:
     """*node*'s launch, as :func:`place_launches` says."""
     d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
     launch = f"{d}/{LAUNCH}"
@@ -268,9 +270,16 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placing: _Placing) -> N
 
 def _remove(conn: Connection, ours: str) -> None:
     """Run *ours* (the removal of a copy by its mark), whatever happens: the copy is not the end's
-    to remove."""
-    with contextlib.suppress(Exception):
-        conn.run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False, timeout=PLACE_TIMEOUT_S)
+    to remove. Tried twice: a connection the caller closed meanwhile is opened again by Fabric."""
+    for _ in range(2):
+        try:
+            conn.run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False, in_stream=False,
+                     timeout=PLACE_TIMEOUT_S)
+            return
+        except CommandTimedOut:
+            return
+        except Exception:  # noqa: BLE001 - anything but a timeout: once more
+            continue
 
 
 def end_node(conn: Connection, node: NodePlan, run_id: str, signal_name: str) -> bool:
@@ -293,7 +302,7 @@ def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signa
 def cleanup_node(conn: Connection, node: NodePlan) -> None:
     """Remove what this mode placed on the node (the launch holds the env's secret values)."""
     d = shlex.quote(node.remote_dir)
-    conn.run(f"rm -f {d}/{LAUNCH} {d}/{TMUX_PID}", hide=True, warn=True, pty=False)
+    conn.run(f"rm -f {d}/{LAUNCH} {d}/{TMUX_PID}", hide=True, warn=True, pty=False, in_stream=False)
 
 
 def _wait_ended(windows: Windows, names: list[str], printer: Printer, seconds: float) -> None:
@@ -534,14 +543,14 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
     the session is gone unless someone looks at it."""
     windows: Windows | None = None
     client = None
-    placed: list[str] = []
+    placing = Placing()
     try:
         session = session_name(plan.run_id)
         if tmux("has-session", "-t", f"={session}", check=False).returncode == 0:
             raise RunIdInUse(f"tmux session {session} exists already (a run with this id, from another runs dir?); "
                              f"give this run another {option('run_id')}, or close that session: "
                              f"tmux kill-session -t {session}")
-        place_launches(plan, conns, placed)
+        place_launches(plan, conns, placing)
         windows = start_session(plan, targets, run_dir)
         printer.note(f"run {plan.run_id} in tmux session {windows.session}: one window per node "
                      f"(tmux attach -t {windows.session}; Ctrl-b w lists them; Ctrl-b : setw synchronize-panes)")
@@ -550,7 +559,7 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
     except KeyboardInterrupt as exc:  # before the watch (or a second signal): end whatever started
         ended = Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
                       interrupted=str(exc) or "SIGINT")
-    except (TmuxError, RunIdInUse, ssh.SSHError, SSHException, OSError) as exc:
+    except (TmuxError, RunIdInUse, ssh.SSHError, SSHException, OSError, EOFError) as exc:
         printer.note(f"{option('tmux')}: could not start: {exc}")
         ended = Ended(1, None, f"failed to start in tmux: {exc}")
     finally:
@@ -558,7 +567,8 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
             untie(windows)
             if not windows.attached():
                 tmux("kill-session", "-t", windows.target, check=False)
-        _leave_nothing(plan, conns, placed)
+        placing.abandon()  # (again: a second signal may have cut place_launches' own short)
+        _leave_nothing(plan, conns, placing.placed)
     ended.exit_codes = dict(windows.ended) if windows else {}
     record(ended)
     if client is not None:

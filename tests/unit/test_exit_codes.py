@@ -311,19 +311,24 @@ def test_a_launch_placed_after_an_interrupt_is_removed_by_its_own_thread(monkeyp
         def run(self, command: str, **_kw):
             removed[self.name] = command
 
+    placing = tmuxrun.Placing()
+
     def write(conn, name, command, timeout, stdin):
         if name == "node2":
+            deadline = time.monotonic() + 10
+            while "node1" not in placing.placed and time.monotonic() < deadline:  # (node1's copy first)
+                time.sleep(0.01)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             time.sleep(1.0)
         written[name] = stdin.decode()
         return ssh.CommandResult(name, 0, "", "")
 
     monkeypatch.setattr(ssh, "run", write)
-    placed: list[str] = []
     started = time.monotonic()
     with signals_raise(), pytest.raises(Interrupted):
-        tmuxrun.place_launches(plan, {n: Conn(n) for n in ("node1", "node2")}, placed)
+        tmuxrun.place_launches(plan, {n: Conn(n) for n in ("node1", "node2")}, placing)
     assert time.monotonic() - started < 0.8  # at once, not after node2's write
+    placed = placing.placed
     deadline = time.monotonic() + 5
     while "node2" not in removed and time.monotonic() < deadline:
         time.sleep(0.05)
