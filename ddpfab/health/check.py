@@ -429,7 +429,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
             unreachable.setdefault(name, f"data-plane probe failed: {err}")
         phases["mesh"] = time.monotonic() - started - sum(phases.values())
     finally:
-        nodeprog.close_all(sessions)
+        nodeprog.close_all(sessions, wait_for={master.name})  # only the master's listener holds a port a run may want
         for c in conns.values():
             c.close()
     cluster = probe.decide(cluster, facts)  # the python each node's probe ran: the one a run uses

@@ -618,11 +618,12 @@ def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], time
     return GroupResult({name: out[name] for name in [*(sent or {}), *requests]})
 
 
-def close_all(sessions: dict[str, Session], wait: float | None = None) -> None:
+def close_all(sessions: dict[str, Session], wait: float | None = None, wait_for: set[str] | None = None) -> None:
     """Close every session: EOF to all first, then wait up to *wait* seconds in all for the
-    programs to end (a mesh listener on the master port must be gone before torchrun binds it),
-    then close the channels. By default 5 s, but none while an exception is on its way (called
-    from a ``finally``): Ctrl-C or a failure must not wait for a slow node."""
+    programs of *wait_for* (default: all) to end (a mesh listener on the master port must be gone
+    before torchrun binds it), then close the channels. By default 5 s, but none while an
+    exception is on its way (called from a ``finally``): Ctrl-C or a failure must not wait for a
+    slow node. A program not waited for ends on its own at its EOF."""
     if wait is None:
         wait = 0.0 if sys.exc_info()[1] is not None else 5.0
     for s in sessions.values():
@@ -631,9 +632,10 @@ def close_all(sessions: dict[str, Session], wait: float | None = None) -> None:
         except Exception:  # noqa: BLE001 - closing must not raise
             pass
     deadline = time.monotonic() + wait
-    for s in sessions.values():
+    for name, s in sessions.items():
         try:
-            while not s.chan.exit_status_ready() and time.monotonic() < deadline:
+            while (wait_for is None or name in wait_for) and not s.chan.exit_status_ready() \
+                    and time.monotonic() < deadline:
                 time.sleep(0.005)
         except Exception:  # noqa: BLE001
             pass
