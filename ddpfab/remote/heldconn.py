@@ -94,6 +94,23 @@ class HeldChannel:
         if self._real is not None:
             self._real.exec_command(command)
             return
+        self._start(command, b"")
+
+    def exec_program(self, command: str, preamble: bytes) -> None:
+        """:meth:`exec_command` of a node program's *command* whose stdin begins with *preamble*
+        (its setup head and the program), written here: the holder may have that start running
+        already (:mod:`ddpfab.remote.spares`), and then the command's input goes on after it."""
+        if self._real is not None:
+            self._real.exec_command(command)
+            try:
+                self._real.sendall(preamble)
+            except OSError:
+                if not (self._real.exit_status_ready() or self._real.closed):
+                    raise  # (ended already: its status says why, as after any write to it)
+            return
+        self._start(command, preamble)
+
+    def _start(self, command: str, preamble: bytes) -> None:
         if self.closed:
             raise OSError("the channel is closed")
         node = self._conn.node
@@ -102,13 +119,15 @@ class HeldChannel:
             raise ssh.SSHError(node.name, f"host {node.name}: the connection holder is gone; run `ddpfab hold` "
                                           "again (or run without it)", "holder")
         self._sock = sock
+        request = {"op": "channel", "node": node.name, "print": self._conn.print, "command": command}
+        if preamble:
+            request["preamble"] = len(preamble)
         try:
             sock.settimeout(self._open_timeout or 30)
-            sock.sendall(json.dumps({"op": "channel", "node": node.name, "print": self._conn.print,
-                                     "command": command}).encode() + b"\n")
+            sock.sendall(json.dumps(request).encode() + b"\n" + preamble)
             kind, payload = _frame(sock)
             sock.settimeout(None)
-        except OSError as exc:
+        except (OSError, EOFError) as exc:
             sock.close()
             raise ssh.SSHError(node.name, f"host {node.name}: the connection holder did not answer ({exc})",
                                kind="holder") from None

@@ -6,6 +6,7 @@ commands of this user's ``ddpfab exec`` run over them, exactly as a cold exec ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from typing import Any
 import paramiko
 
 from ddpfab.hosts import inventory
-from ddpfab.remote import relay, ssh
+from ddpfab.remote import relay, spares, ssh
 from ddpfab.remote.command import host_error, run_in
 from ddpfab.remote.holder import IDLE_S, MAX_REQUEST, socket_peer_uid, send_message, fingerprint
 from ddpfab.remote.output import HostResult
@@ -74,6 +75,8 @@ class Holder:
         self.started = time.time()
         self.stopping = threading.Event()
         self.listener: socket.socket | None = None
+        self.spares = spares.Spares()  # node programs started ahead of the next command that asks
+        self.sparing = threading.Event()  # spares are being started
 
     def bind(self) -> bool:
         """Take the name; False when a holder (of this user or not) has it already."""
@@ -154,6 +157,8 @@ class Holder:
                 with self.lock:
                     if self.busy == 0 and time.monotonic() - self.last > self.idle:
                         break
+                self.spares.renew()  # those grown too old
+                self._start_spares_when_idle()
                 try:
                     client, _ = self.listener.accept()
                 except TimeoutError:
@@ -175,6 +180,7 @@ class Holder:
             self.listener.close()
             with self.lock:
                 conns, clients = list(self.conns.values()), list(self.clients)
+            self.spares.close()
             for conn in conns:
                 conn.close()
             for client in clients:  # a client that reads no more must not keep a sender blocked
@@ -182,6 +188,26 @@ class Holder:
                     client.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def _start_spares_when_idle(self) -> None:
+        """Start the spares wanted (:mod:`ddpfab.remote.spares`) on a thread of their own once no
+        command has run for :data:`ddpfab.remote.spares.IDLE_S`; it stops when one comes."""
+        def idle() -> bool:
+            with self.lock:
+                return (self.busy == 0 and time.monotonic() - self.last >= spares.IDLE_S
+                        and not self.stopping.is_set())
+
+        if not self.spares.wanted or self.sparing.is_set() or not idle():
+            return
+        self.sparing.set()
+
+        def start() -> None:
+            try:
+                self.spares.start_wanted(lambda name: self._conn(name).transport.open_session(timeout=30), idle)
+            finally:
+                self.sparing.clear()
+
+        threading.Thread(target=start, name="ddpfab-hold-spares", daemon=True).start()
 
     def _client(self, sock: socket.socket) -> None:
         try:
@@ -237,31 +263,47 @@ class Holder:
 
     def _channel(self, sock: socket.socket, req: dict) -> None:
         """One command on a new channel of the node's connection, relayed on *sock*
-        (:func:`ddpfab.remote.relay.relay`) after an ``s`` frame; ``f`` with why when it cannot start."""
+        (:func:`ddpfab.remote.relay.relay`) after an ``s`` frame; ``f`` with why when it cannot start.
+        With ``preamble`` (a byte count), that many bytes follow the request and are the command's
+        first stdin: a node program's start (:mod:`ddpfab.remote.spares`), which may be running
+        already, and is started again for the next command once this one has ended."""
         send = relay.frame_sender(sock)
-        name, command = self._held_node(req), req.get("command")
+        name, command, size = self._held_node(req), req.get("command"), req.get("preamble", 0)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= spares.MAX_PREAMBLE:
+            send(b"f", json.dumps({"kind": "holder", "text": "malformed request"}).encode())
+            return
+        try:  # read before any answer: a client still writing it would see a broken pipe, not the answer
+            preamble = relay.read_exactly(sock, size, timeout=30)
+        except (OSError, EOFError):
+            return
         if name is None or not isinstance(command, str):
             send(b"f", json.dumps({"kind": "holder", "text": "not held as asked (another inventory, variables or "
                                                             "ssh_config), or the holder is ending"}).encode())
             return
         chan = extra = None
         try:
+            chan = self.spares.take(name, command, preamble) if preamble else None
             try:
-                chan, extra = self._open_session(name)
-                chan.exec_command(command)
+                if chan is None:
+                    chan, extra = self._open_session(name)
+                    chan.exec_command(command)
+                    with contextlib.suppress(OSError):  # ended already (a setup line failed): its status says why
+                        chan.sendall(preamble)
             except Exception as exc:  # noqa: BLE001 - the client raises it as this node's failure
                 send(b"f", json.dumps({"kind": getattr(exc, "kind", "ssh"), "text": host_error(exc),
                                        "found": getattr(exc, "found", None)}).encode())
                 return
             send(b"s", b"")
             relay.relay(sock, chan, send, exit_first=True)
-        except OSError:
+        except (OSError, EOFError):
             pass  # the client went away: its channel is closed below, which ends its command's input
         finally:
             if chan is not None:
                 chan.close()
             if extra is not None:
                 extra.close()
+        if preamble:
+            self.spares.want(name, command, preamble)
 
     def _ping(self, sock: socket.socket, lock: threading.Lock, req: dict) -> None:
         """A keepalive round trip to the node's sshd over its connection: ``{"alive": bool}``."""
@@ -311,6 +353,7 @@ class Holder:
             return res
 
         ssh.parallel([self.nodes[n] for n in wanted], one)
+        self.spares.renew(set(wanted))  # the command may have changed what a program finds at its start
         if not printer.closed:
             send_message(sock, lock, {"done": True})
 

@@ -443,10 +443,16 @@ class Session:
         #: what came on stdout before the program's first reply and is none (a shell's login banner)
         self.stray = b""
         self.chan = conn.transport.open_session(timeout=timeout)
-        self.chan.exec_command(command(node, *words, fallback=fallback, part=part))
+        line, preamble = command(node, *words, fallback=fallback, part=part), setup_head(node) + shipped(part)
+        exec_program = getattr(self.chan, "exec_program", None)  # a held channel: the start may be running already
+        if exec_program is not None:
+            exec_program(line, preamble)
+            preamble = b""
+        else:
+            self.chan.exec_command(line)
         #: the *first* requests as sent, with their ids (for :func:`exchange`'s ``sent``)
         self.first = self._number(first)
-        self._write(setup_head(node) + shipped(part) + b"".join(frame(r) for r in self.first))
+        self._write(preamble + b"".join(frame(r) for r in self.first))
         if last and not self.ended:
             self.chan.shutdown_write()
 

@@ -50,6 +50,22 @@ def read_header(client: socket.socket) -> bytes | None:
     return None
 
 
+def read_exactly(client: socket.socket, size: int, timeout: float) -> bytes:
+    """The *size* bytes that follow the header (the command's first stdin), each read within
+    *timeout* seconds; EOFError when the relay ends first."""
+    data = bytearray()
+    client.settimeout(timeout)
+    try:
+        while len(data) < size:
+            chunk = client.recv(min(size - len(data), 1 << 20))
+            if not chunk:
+                raise EOFError("the relay ended")
+            data += chunk
+    finally:
+        client.settimeout(None)
+    return bytes(data)
+
+
 def relay(client: socket.socket, chan, send: Send, exit_first: bool = False) -> None:
     """Relay *chan*'s command (``exec_command`` done) to *client* until it ends: stdin from the
     socket, stdout and stderr as frames, and ``x`` with its exit status: after the last output,

@@ -23,7 +23,7 @@ from ddpfab import lab as labmod
 from ddpfab.api import Cluster
 from ddpfab.remote import holder
 
-from .helpers import REPO, ddpfab
+from .helpers import REPO, ddpfab, host_sh
 
 NODES = ("node1", "node2", "node3")
 #: Another user, by exec (runuser would fork: killing it would leave its python running).
@@ -395,3 +395,69 @@ def test_two_terminals_share_the_holder_each_with_its_own_output(lab, inventory3
     assert not any("rank" in ln for ln in lines), lines
     assert run.returncode == 0 and out.count(" done") == 3 and "other-" not in out, out
     assert during == {n: 1 for n in NODES}
+
+
+STARTS = "/root/.ddpfab-test-starts"  # in each host's own overlay of /root (checked)
+PYTHON_LOGGED = "/root/.ddpfab-test-python"  # the nodes' python: logs its pid, then is python
+
+
+def program_starts(lab) -> dict[str, list[int]]:
+    """node -> the pids of the pythons started there for ddpfab, in order."""
+    return {n: [int(x) for x in host_sh(lab, n, f"cat {STARTS} 2>/dev/null").stdout.split()] for n in NODES}
+
+
+def running_programs(lab) -> dict[str, set[int]]:
+    """node -> the pids of its node programs running now (python), as the host numbers them."""
+    got = {}
+    for n in NODES:
+        pids = host_sh(lab, n, "for p in /proc/[0-9]*; do grep -qa ddpfab-node $p/cmdline 2>/dev/null && "
+                               "readlink $p/exe | grep -q python && echo ${p#/proc/}; done").stdout.split()
+        got[n] = {int(p) for p in pids if int(p) > 1}
+    return got
+
+
+def wait_for_one_waiting(lab, starts: int, timeout: float = 60) -> tuple[dict, dict]:
+    """Wait until each node has had *starts* starts and runs only the last: the spare, waiting
+    (the commands' own programs have ended); (starts, running) as they are then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        begun, running = program_starts(lab), running_programs(lab)
+        if all(len(begun[n]) == starts and running[n] == {begun[n][-1]} for n in NODES) \
+                or time.monotonic() > deadline:
+            return begun, running
+        time.sleep(0.2)
+
+
+def test_a_node_program_is_started_ahead_and_the_next_check_takes_it(lab, tmp_path):
+    """After a check, the holder starts each node's program again once idle (a spare, waiting for
+    its first request); the next check takes it and starts none of its own; hold --stop ends the
+    spares. Proof by the starts themselves: the nodes' python is a script that logs its pid (then
+    execs python, which keeps it)."""
+    for n in NODES:
+        assert host_sh(lab, n, "stat -f -c %T /root").stdout.strip() == "overlayfs", n
+        host_sh(lab, n, f"printf '#!/bin/sh\\necho $$ >> {STARTS}\\nexec {sys.executable} \"$@\"\\n' "
+                        f"> {PYTHON_LOGGED} && chmod +x {PYTHON_LOGGED}", check=True)
+    inv = tmp_path / "logged.yml"
+    inv.write_text(labmod.render_inventory(lab, PYTHON_LOGGED))
+    res = ddpfab("hold", "-i", str(inv), timeout=120)
+    assert res.returncode == 0, res.stderr
+    try:
+        res = ddpfab("check", "-i", str(inv), "--fast", timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        first, running = wait_for_one_waiting(lab, 2)  # the check's own start, then the spare's
+        assert all(len(first[n]) == 2 and running[n] == {first[n][1]} for n in NODES), (first, running)
+        res = ddpfab("check", "-i", str(inv), "--fast", timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        # the spare served the check and ended; the one start since is the next spare's
+        after, running = wait_for_one_waiting(lab, 3)
+        assert all(after[n][:2] == first[n] and running[n] == {after[n][2]} for n in NODES), (first, after, running)
+        assert connections(lab) == {n: 1 for n in NODES}  # the spares' sessions are the held connection's
+    finally:
+        res = ddpfab("hold", "-i", str(inv), "--stop")
+        for n in NODES:
+            host_sh(lab, n, f"rm -f {STARTS} {PYTHON_LOGGED}")
+    assert res.returncode == 0, res.stderr
+    deadline = time.monotonic() + 15
+    while any(running_programs(lab).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(running_programs(lab).values())

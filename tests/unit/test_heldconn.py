@@ -73,6 +73,26 @@ def test_a_holder_gone_mid_command_ends_the_channel(node):
     assert chan.recv_exit_status() == -1 and chan.exit_status_ready()
 
 
+def test_a_node_programs_first_stdin_follows_its_request_and_the_rest_after_it(node):
+    """exec_program: the preamble's size in the request and its bytes right after the line (the
+    holder writes them or has them written already); what the program is sent next follows."""
+    def play(client, send, result):
+        result["preamble"] = relay.read_exactly(client, fake.request.get("preamble", 0), timeout=10)
+        send(b"s", b"")
+        client.settimeout(10)
+        result["rest"] = client.recv(100)
+        send(b"x", b"0")
+
+    fake = FakeHolder(play)
+    chan = held(fake, node).transport.open_session()
+    chan.exec_program("python3 -S -c LOADER", b"setup" + b"P" * 200_000)
+    chan.sendall(b"5\n{...}")
+    assert chan.recv_exit_status() == 0
+    fake.thread.join(timeout=10)
+    assert fake.request["preamble"] == 200_005 and fake.request["command"] == "python3 -S -c LOADER"
+    assert fake.result == {"preamble": b"setup" + b"P" * 200_000, "rest": b"5\n{...}"}
+
+
 def test_unread_output_makes_the_holder_wait(node):
     def play(client, send, result):
         send(b"s", b"")
