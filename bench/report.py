@@ -862,10 +862,13 @@ def held_section(data) -> tuple[list[str], dict]:
     lines += [describe("warm", data), "",
               "Each command from process spawn: `ddpfab run` to every rank's first line (the job prints one "
               "line after `import torch`), `check --fast` to its exit; warm with `ddpfab hold` running for the "
-              "inventory, cold with a copy of it (no holder), in alternating order within each repetition. On "
-              "this lab every node's work (its sshd, its python, its `import torch`) shares the controller's "
-              "2 cores, so what a holder cannot save (the node program's start on each node) weighs as much "
-              "as the handshakes it saves. Median (min-max), seconds.", ""]
+              "inventory, cold with a copy of it (no holder), in alternating order within each repetition, each "
+              "once the CPUs are quiet (what the command before left running has ended); after a warm-up of one "
+              "warm check per size, which gives the holder its spares (each node's program started ahead of the "
+              "next check: `ddpfab.remote.spares`). On this lab every node's work (its sshd, its python, its "
+              "`import torch`) shares the controller's 2 cores: what a holder cannot save (a run's supervisor "
+              "start on each node, the check's data-plane probe) weighs as much as the handshakes it saves. "
+              "Median (min-max), seconds.", ""]
     lines += table(["command", "time"], [[r["what"], fmt(r)] for r in data["series"]])
     lines += [f"- {k}: {v['median']:+.2f} s (min {v['min']:+.2f}, max {v['max']:+.2f})" if isinstance(v, dict)
                      and v else f"- {k}: {v}" for k, v in comp.items()] + [""]

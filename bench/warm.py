@@ -12,7 +12,9 @@ Measured from process spawn:
   pdsh + torchrun          pdsh -w node[1-N] 'python -m torch.distributed.run ...' (bench/launch.py's)
   check --fast (cold/warm) python -m ddpfab check -i INV --fast, to its exit
 Cold and warm use two copies of one inventory (the holder serves the one it was started for), in
-alternating order within each repetition. The job prints one line right after `import torch`.
+alternating order within each repetition; each timed command starts once the CPUs are quiet
+(common.quiet: what the one before left running, its nodes' teardown or the holder's spares, has
+ended). The job prints one line right after `import torch`.
 Writes bench/results/warm.json: medians, ranges and the paired differences and ratios.
 """
 
@@ -30,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 import launch as launchbench
 from common import PYTHON, log
+
+from ddpfab.remote import spares
 
 
 def ddpfab(*args: str, cwd: Path, timeout: float = 600) -> tuple[int, float, str]:
@@ -87,6 +91,8 @@ def main() -> int:
     failures: list[dict] = []
 
     def take(label: str, fn) -> None:
+        time.sleep(spares.IDLE_S + 0.5)  # past the holder's wait before it starts its spares
+        common.quiet()
         try:
             samples.setdefault(label, []).append(fn())
         except RuntimeError as exc:  # a lost sample is recorded, not the end of the benchmark
@@ -95,12 +101,15 @@ def main() -> int:
 
     with common.bench_lab("warm", max([run_n, *check_sizes]), args.subnet) as lab:
         w = Warm(lab, work, {run_n, *check_sizes})
+        w.b.procs.skip = (" ddpfab-node",)  # the holders' spares wait there until they end
         for n in sorted({run_n, *check_sizes}):
             w.hold(n, True)
         try:
-            log("warm-up: one untimed cold and warm run")
+            log("warm-up: one untimed cold and warm run, one warm check per size (the holder's spares)")
             w.run(run_n, False)
             w.run(run_n, True)
+            for n in check_sizes:
+                w.check(n, True)
             for rep in range(reps):
                 order = (False, True) if rep % 2 == 0 else (True, False)
                 for warm in order:
