@@ -200,13 +200,14 @@ class Windows:
 
 def place_launches(plan: Plan, conns: dict[str, Connection], placing: Placing) -> None:
     """Each node's launch into its record dir, private (it may hold secret values), over stdin,
-    on every node at once; it removes itself as its window starts it (:data:`SELF_REMOVE`). Each
-    node that took it whole is added to *placing*'s ``placed`` (what the end may remove or signal
-    there: nothing else). A copy that is not in it is removed by its own thread where it is this
-    copy's (its mark): one cut short, one refused, or one finished after the caller abandoned the
-    placing (an interrupt: this function abandons it too). RunIdInUse when a node has the run's
-    record already (a run with this id, from another runs dir, runs or ran there), TmuxError when
-    a node could not take it: the first such node in the plan's order is named."""
+    on every node at once; it removes itself as its window starts it (:data:`SELF_REMOVE`). A node
+    that has taken it is added to *placing*'s ``placed`` (what the end may remove or signal there:
+    nothing else), and only then is its copy kept there (:func:`_place`'s keep line). A copy that
+    is not in it is removed by its node: one cut short, one refused, one finished after the caller
+    abandoned the placing (an interrupt: this function abandons it too), or one whose sender was
+    killed. RunIdInUse when a node has the run's record already (a run with this id, from another
+    runs dir, runs or ran there), TmuxError when a node could not take it: the first such node in
+    the plan's order is named."""
     try:
         results = ssh.parallel(plan.nodes, lambda node: _place(plan, node, conns[node.name], placing))
     except BaseException:
@@ -240,32 +241,72 @@ class Placing:
 
 
 def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> None:
-    """*node*'s launch, as :func:`place_launches` says."""
+    """*node*'s launch, as :func:`place_launches` says, in three steps on one channel: the node
+    creates the launch file (or says that the run id is another run's there), reads the launch,
+    and keeps it only when a last line follows it: the keep line, sent once *placing* has kept the
+    node. A copy whose sender has gone (the placing abandoned, this process killed, the connection
+    cut) gets its input's end without that line, and the node removes it itself."""
     d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
-    launch = f"{d}/{LAUNCH}"
+    launch, created, kept = f"{d}/{LAUNCH}", f"ddpfab-created {mark}", f"# kept {mark}"
     place = (f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
              f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
              f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
-             f"{{ cat >> {launch} || {{ rm -f {launch}; exit 1; }}; }}")
+             f"echo {created} && "
+             f"{{ cat >> {launch} && [ \"$(tail -n 1 {launch})\" = {shlex.quote(kept)} ] || {{ rm -f {launch}; exit 1; }}; }}")
     text = f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}".encode()
     ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
+    deadline, taken, code, err = time.monotonic() + PLACE_TIMEOUT_S, False, -1, b""
+    chan = conn.transport.open_session(timeout=PLACE_TIMEOUT_S)
     try:
-        # in one write (invoke's in_stream sends a file-like object a byte per 10 ms: 8 s a node)
-        res = ssh.run(conn, node.name, f"exec sh -c {shlex.quote(place)}",  # (whatever the login shell)
-                      timeout=PLACE_TIMEOUT_S, stdin=text)
+        chan.settimeout(PLACE_TIMEOUT_S)
+        chan.exec_command(f"exec sh -c {shlex.quote(place)}")  # (whatever the login shell)
+        if _said(chan, created.encode(), deadline):
+            with contextlib.suppress(OSError):  # (it ended: its status says why)
+                chan.sendall(text)  # in one write
+                taken = placing.keep(node.name)
+                if taken:
+                    chan.sendall(f"\n{kept}\n".encode())
+        chan.shutdown_write()
+        while not chan.exit_status_ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{node.name}: no answer within {PLACE_TIMEOUT_S:g} s")
+            time.sleep(0.01)
+        code = chan.recv_exit_status()
+        while chan.recv_stderr_ready():
+            err += chan.recv_stderr(65536)
     except BaseException:
-        _remove(conn, ours)
+        if not taken:  # (the node removes it at its input's end; this is for a node that did not see it)
+            _remove(conn, ours)
         raise
-    if res.exit_code == IN_USE:  # (another run's files: never this run's to remove)
+    finally:
+        chan.close()
+    if code == IN_USE:  # (another run's files: never this run's to remove)
         raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
                          f"record: a run with this id, from another runs dir or machine, runs or ran there); "
                          f"give this run another {option('run_id')}")
-    if res.exit_code != 0:  # (a lost connection's -1 among them: the copy may be whole there)
-        _remove(conn, ours)
+    if code != 0:  # (a lost connection's -1 among them)
+        if not taken:  # (the node removes a copy without its keep line: this is for an answer that was lost)
+            _remove(conn, ours)
+        if placing.abandoned:  # (the caller has gone: the copy was not to be kept)
+            return
+        stderr = err.decode(errors="replace").strip()
         raise TmuxError(f"{node.name}: the launch could not be placed in {node.remote_dir} (exit code "
-                        f"{res.exit_code}{': ' + res.stderr.strip()[-300:] if res.stderr.strip() else ''})")
-    if not placing.keep(node.name):
-        _remove(conn, ours)
+                        f"{code}{': ' + stderr[-300:] if stderr else ''})")
+
+
+def _said(chan, line: bytes, deadline: float) -> bool:
+    """Whether *chan*'s command wrote *line* (a line of its own) before its output's end; what a
+    login shell prints before it is skipped."""
+    buf = b""
+    while time.monotonic() < deadline:
+        data = chan.recv(4096)
+        if not data:
+            return False
+        buf += data
+        if line in buf.split(b"\n")[:-1]:
+            return True
+        buf = buf[-(len(line) + 4096):]
+    raise TimeoutError("no answer")
 
 
 def _remove(conn: Connection, ours: str) -> None:

@@ -264,3 +264,46 @@ def test_a_second_run_with_the_same_id_is_refused_and_leaves_the_first_alone(lab
         first.close()
     assert first.proc.returncode == 130, out  # ended by its session's close, as any run --tmux
     wait_no_processes(lab, timeout=30, names=("node1", "node2"))
+
+
+def test_a_launch_is_kept_on_its_node_only_after_its_keep_line(lab, inventory2):
+    """The node's side of placing a launch (its login shell over SSH): the copy is kept, private
+    and ending with its keep line, once the placing kept the node; a placing abandoned first (an
+    interrupt) sends no keep line and the node removes the copy itself; another run's launch
+    there is refused and left as it was."""
+    from ddpfab.api import Cluster
+    from ddpfab.launch import tmuxrun
+    from ddpfab.planning.plan import Facts, RunOptions, make_plan
+    from ddpfab.remote import ssh
+
+    cluster = Cluster.load(str(inventory2))
+    facts = Facts({n.name: n.data_addr for n in cluster.parsed.nodes}, 29500, "/w")
+    node = cluster.parsed.nodes[0]
+    conn = ssh.connect(node, cluster.policy, cluster.ssh_config)
+    launch = f"~/.ddpfab/runs/%s/{tmuxrun.LAUNCH}"
+    try:
+        kept, dropped = (make_plan(cluster.parsed, RunOptions("t.py", run_id=r), facts) for r in ("place-kept", "place-dropped"))
+        placing = tmuxrun.Placing()
+        tmuxrun._place(kept, kept.nodes[0], conn, placing)
+        text = host_sh(lab, "node1", f"stat -c %a {launch % 'place-kept'} && tail -n 1 {launch % 'place-kept'}").stdout
+        assert placing.placed == ["node1"] and text.split("\n")[0] == "600" and text.split("\n")[1].startswith(
+            "# kept "), text
+        abandoned = tmuxrun.Placing()
+        abandoned.abandon()
+
+        class NoRemoval:  # the connection without the thread's own removal: only the node's is left
+            transport = conn.transport
+
+            def run(self, *args, **kwargs):
+                pass
+
+        tmuxrun._place(dropped, dropped.nodes[0], NoRemoval(), abandoned)
+        assert abandoned.placed == []
+        assert host_sh(lab, "node1", f"ls {launch % 'place-dropped'}").returncode != 0  # removed by the node
+        before = host_sh(lab, "node1", f"cat {launch % 'place-kept'}").stdout
+        with pytest.raises(tmuxrun.RunIdInUse):
+            tmuxrun._place(kept, kept.nodes[0], conn, tmuxrun.Placing())
+        assert host_sh(lab, "node1", f"cat {launch % 'place-kept'}").stdout == before
+    finally:
+        conn.close()
+        host_sh(lab, "node1", "rm -rf ~/.ddpfab/runs/place-kept ~/.ddpfab/runs/place-dropped")
