@@ -221,8 +221,8 @@ def place_launches(plan: Plan, conns: dict[str, Connection], placing: Placing) -
 
 class Placing:
     """What the nodes' placing threads share with the caller: ``placed``, and whether the caller
-    has gone (:meth:`abandon`; it may be called again): after that a copy is never added, and its
-    thread removes it. The caller reads ``placed`` only after abandoning."""
+    has gone (:meth:`abandon`; it may be called again): after that a node is never added, and its
+    copy is not kept there. The caller reads ``placed`` only after abandoning."""
 
     def __init__(self) -> None:
         self.placed: list[str] = []
@@ -239,6 +239,13 @@ class Placing:
                 self.placed.append(name)
             return not self.abandoned
 
+    def unkeep(self, name: str) -> None:
+        """Take *name* out of ``placed`` again (its node removed the copy itself), unless the
+        caller may have read it already."""
+        with self.lock:
+            if not self.abandoned and name in self.placed:
+                self.placed.remove(name)
+
 
 def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> None:
     """*node*'s launch, as :func:`place_launches` says, in three steps on one channel: the node
@@ -248,11 +255,7 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> No
     cut) gets its input's end without that line, and the node removes it itself."""
     d, mark = shlex.quote(node.remote_dir), secrets.token_hex(8)
     launch, created, kept = f"{d}/{LAUNCH}", f"ddpfab-created {mark}", f"# kept {mark}"
-    place = (f"umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
-             f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
-             f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
-             f"echo {created} && "
-             f"{{ cat >> {launch} && [ \"$(tail -n 1 {launch})\" = {shlex.quote(kept)} ] || {{ rm -f {launch}; exit 1; }}; }}")
+    place = _place_script(d, launch, created, kept)
     text = f"{SELF_REMOVE}# {mark}\n{launch_text(plan, node)}".encode()
     ours = f"grep -qx {shlex.quote('# ' + mark)} {launch} && rm -f {launch}"
     deadline, taken, code, err = time.monotonic() + PLACE_TIMEOUT_S, False, -1, b""
@@ -261,21 +264,29 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> No
         chan.settimeout(PLACE_TIMEOUT_S)
         chan.exec_command(f"exec sh -c {shlex.quote(place)}")  # (whatever the login shell)
         if _said(chan, created.encode(), deadline):
-            with contextlib.suppress(OSError):  # (it ended: its status says why)
+            try:
                 chan.sendall(text)  # in one write
                 taken = placing.keep(node.name)
                 if taken:
                     chan.sendall(f"\n{kept}\n".encode())
+            except TimeoutError:
+                raise
+            except OSError:
+                pass  # (it ended: its status says why)
         chan.shutdown_write()
         while not chan.exit_status_ready():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{node.name}: no answer within {PLACE_TIMEOUT_S:g} s")
+                raise TimeoutError
             time.sleep(0.01)
         code = chan.recv_exit_status()
-        while chan.recv_stderr_ready():
-            err += chan.recv_stderr(65536)
-    except BaseException:
+        err = _rest_of_stderr(chan, deadline)
+    except TimeoutError:
         if not taken:  # (the node removes it at its input's end; this is for a node that did not see it)
+            _remove(conn, ours)
+        raise TmuxError(f"{node.name}: no answer within {PLACE_TIMEOUT_S:g} s while the launch was placed in "
+                        f"{node.remote_dir}") from None
+    except BaseException:
+        if not taken:
             _remove(conn, ours)
         raise
     finally:
@@ -284,8 +295,10 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> No
         raise RunIdInUse(f"{node.name}: run id {plan.run_id} is in use there ({node.remote_dir} holds a run's "
                          f"record: a run with this id, from another runs dir or machine, runs or ran there); "
                          f"give this run another {option('run_id')}")
-    if code != 0:  # (a lost connection's -1 among them)
-        if not taken:  # (the node removes a copy without its keep line: this is for an answer that was lost)
+    if code != 0:
+        if code == 1 and taken:  # the node's script failed and removed the copy: nothing there is ours now
+            placing.unkeep(node.name)
+        if code not in (1, IN_USE) and not taken:  # (a lost connection's -1, a signal: the answer is lost)
             _remove(conn, ours)
         if placing.abandoned:  # (the caller has gone: the copy was not to be kept)
             return
@@ -294,19 +307,45 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> No
                         f"{code}{': ' + stderr[-300:] if stderr else ''})")
 
 
+def _place_script(d: str, launch: str, created: str, kept: str) -> str:
+    """The node's side of :func:`_place` (*d* and *launch* quoted): refuse another run's dir,
+    create the launch file, say *created*, read the launch, keep it only if it ends with *kept*."""
+    # (PIPE ignored: an ended channel fails the echo, which removes the file, instead of killing sh)
+    return (f"trap '' PIPE && umask 077 && mkdir -p {d} && for f in agent.json {TMUX_PID} {LAUNCH}; do "
+            f"if [ -e {d}/$f ]; then exit {IN_USE}; fi; done && set -C && "
+            f"{{ true > {launch} || {{ [ -e {launch} ] && exit {IN_USE}; exit 1; }}; }} && set +C && "
+            f"{{ echo && echo {created} && cat >> {launch} && "
+            f"[ \"$(tail -n 1 {launch})\" = {shlex.quote(kept)} ] || {{ rm -f {launch}; exit 1; }}; }}")
+
+
+def _rest_of_stderr(chan, deadline: float) -> bytes:
+    """What *chan*'s command wrote on stderr, to its end (which can come after its exit status),
+    within *deadline*."""
+    err = b""
+    try:
+        while time.monotonic() < deadline:
+            data = chan.recv_stderr(65536)
+            if not data:
+                break
+            err += data
+    except OSError:  # (a timeout: what came is enough to say why)
+        pass
+    return err
+
+
 def _said(chan, line: bytes, deadline: float) -> bool:
-    """Whether *chan*'s command wrote *line* (a line of its own) before its output's end; what a
-    login shell prints before it is skipped."""
+    """Whether *chan*'s command wrote *line* (random: a line that ends with it is the command's)
+    before its output's end; what a login shell prints before it is skipped."""
     buf = b""
     while time.monotonic() < deadline:
         data = chan.recv(4096)
         if not data:
             return False
         buf += data
-        if line in buf.split(b"\n")[:-1]:
+        if any(ln.rstrip(b"\r").endswith(line) for ln in buf.split(b"\n")[:-1]):
             return True
         buf = buf[-(len(line) + 4096):]
-    raise TimeoutError("no answer")
+    raise TimeoutError
 
 
 def _remove(conn: Connection, ours: str) -> None:

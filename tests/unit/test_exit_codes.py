@@ -343,8 +343,8 @@ def test_a_launch_placed_after_an_interrupt_is_never_kept_on_its_node():
         def recv_exit_status(self) -> int:
             return self.code
 
-        def recv_stderr_ready(self) -> bool:
-            return False
+        def recv_stderr(self, n: int) -> bytes:
+            return b""
 
         def close(self) -> None:
             pass
@@ -369,6 +369,21 @@ def test_a_launch_placed_after_an_interrupt_is_never_kept_on_its_node():
     while "node2" not in kept and time.monotonic() < deadline:
         time.sleep(0.05)
     assert placed == ["node1"] and kept == {"node1": True, "node2": False}, (placed, kept)
+
+
+def test_a_node_whose_copy_failed_after_it_was_kept_is_taken_back_until_the_caller_has_gone():
+    """A node's script that fails after the keep (it removed the copy) leaves nothing of this run
+    there: the end must not remove or signal anything there, so the node leaves ``placed``; once
+    the caller has abandoned the placing (it may have read ``placed``), the list stays as read."""
+    from ddpfab.launch import tmuxrun
+
+    placing = tmuxrun.Placing()
+    assert placing.keep("node1") and placing.keep("node2")
+    placing.unkeep("node2")
+    assert placing.placed == ["node1"]
+    placing.abandon()
+    placing.unkeep("node1")
+    assert placing.placed == ["node1"] and not placing.keep("node3")
 
 
 def test_a_run_s_monitor_takes_signals_in_its_loop_never_inside_a_lock():
