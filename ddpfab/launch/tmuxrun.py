@@ -280,14 +280,12 @@ def _place(plan: Plan, node: NodePlan, conn: Connection, placing: Placing) -> No
             time.sleep(0.01)
         code = chan.recv_exit_status()
         err = _rest_of_stderr(chan, deadline)
-    except TimeoutError:
+    except BaseException as exc:
         if not taken:  # (the node removes it at its input's end; this is for a node that did not see it)
             _remove(conn, ours)
-        raise TmuxError(f"{node.name}: no answer within {PLACE_TIMEOUT_S:g} s while the launch was placed in "
-                        f"{node.remote_dir}") from None
-    except BaseException:
-        if not taken:
-            _remove(conn, ours)
+        if isinstance(exc, TimeoutError):
+            raise TmuxError(f"{node.name}: no answer within {PLACE_TIMEOUT_S:g} s while the launch was placed "
+                            f"in {node.remote_dir}") from None
         raise
     finally:
         chan.close()

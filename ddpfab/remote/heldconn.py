@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Any
 
-from ddpfab.remote import holder, ssh
+from ddpfab.remote import holder, relay, ssh
 from ddpfab.remote.rsh import HEADER
 from ddpfab.remote.target import HostKeyPolicy, TargetError
 
@@ -301,19 +301,8 @@ def _send_within(sock: socket.socket, data: bytes, timeout: float | None) -> Non
 
 
 def _frame(sock: socket.socket) -> tuple[bytes, bytes]:
-    head = _exact(sock, HEADER.size)
-    kind, size = HEADER.unpack(head)
-    return kind, _exact(sock, size) if size else b""
-
-
-def _exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError("the relay ended")
-        data += chunk
-    return data
+    kind, size = HEADER.unpack(relay.read_exactly(sock, HEADER.size))
+    return kind, relay.read_exactly(sock, size) if size else b""
 
 
 class HeldTransport:

@@ -50,11 +50,14 @@ def read_header(client: socket.socket) -> bytes | None:
     return None
 
 
-def read_exactly(client: socket.socket, size: int, timeout: float) -> bytes:
-    """The *size* bytes that follow the header (the command's first stdin), each read within
-    *timeout* seconds; EOFError when the relay ends first."""
+def read_exactly(client: socket.socket, size: int, timeout: float | None = None) -> bytes:
+    """The next *size* bytes on *client* (a frame's payload, or the command's first stdin after
+    the header), with *timeout* seconds for each read when given (the socket's own timeout
+    otherwise, and again afterwards); EOFError when the relay ends first."""
     data = bytearray()
-    client.settimeout(timeout)
+    before = client.gettimeout()
+    if timeout is not None:
+        client.settimeout(timeout)
     try:
         while len(data) < size:
             chunk = client.recv(min(size - len(data), 1 << 20))
@@ -62,7 +65,8 @@ def read_exactly(client: socket.socket, size: int, timeout: float) -> bytes:
                 raise EOFError("the relay ended")
             data += chunk
     finally:
-        client.settimeout(None)
+        if timeout is not None:
+            client.settimeout(before)
     return bytes(data)
 
 

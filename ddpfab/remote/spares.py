@@ -72,8 +72,8 @@ class Spares:
         self.max_age, self.per_node = max_age, per_node
         self._lock = threading.Lock()
         self._ready: dict[str, OrderedDict[tuple[str, bytes], _Spare]] = {}
-        self._wanted: dict[tuple[str, tuple[str, bytes]], tuple[str, bytes]] = {}
-        self._programs: dict[tuple[str, tuple[str, bytes]], tuple[str, bytes]] = {}  # each start ever wanted
+        self._wanted: set[tuple[str, tuple[str, bytes]]] = set()  # (node, key) to start
+        self._preambles: dict[bytes, bytes] = {}  # digest -> the bytes: one copy for every node
         self._closed = False
 
     @staticmethod
@@ -103,7 +103,8 @@ class Spares:
         key = self._key(command, preamble)
         with self._lock:
             if not self._closed and key not in self._ready.get(node, {}):
-                self._wanted[(node, key)] = self._programs[(node, key)] = (command, preamble)
+                self._preambles.setdefault(key[1], preamble)
+                self._wanted.add((node, key))
 
     def renew(self, nodes=None) -> None:
         """Replace the spares (of *nodes*, default all) older than :attr:`max_age` (all of them
@@ -119,7 +120,7 @@ class Spares:
                     if nodes is not None or now - spare.started > self.max_age:
                         del ready[key]
                         old.append(spare.chan)
-                        self._wanted[(node, key)] = self._programs[(node, key)]
+                        self._wanted.add((node, key))
         for chan in old:
             chan.close()
 
@@ -134,17 +135,18 @@ class Spares:
             with self._lock:
                 if self._closed or not self._wanted:
                     return
-                (node, key), (command, preamble) = self._wanted.popitem()
-            self._start(node, key, command, preamble, functools.partial(open_session, node))
+                node, key = self._wanted.pop()
+                preamble = self._preambles[key[1]]
+            self._start(node, key, preamble, functools.partial(open_session, node))
 
-    def _start(self, node: str, key: tuple[str, bytes], command: str, preamble: bytes,
-               open_session: Callable[[], Any]) -> None:
-        """Start the spare; the node's oldest other spare makes room when it has :attr:`per_node`.
-        A failure to start one is no one's failure: the next command starts its program itself."""
+    def _start(self, node: str, key: tuple[str, bytes], preamble: bytes, open_session: Callable[[], Any]) -> None:
+        """Start the spare of *key* (its command, its preamble's digest); the node's oldest other
+        spare makes room when it has :attr:`per_node`. A failure to start one is no one's failure:
+        the next command starts its program itself."""
         chan = None
         try:
             chan = open_session()
-            chan.exec_command(command)
+            chan.exec_command(key[0])
             chan.sendall(preamble)
         except Exception:  # noqa: BLE001 - no spare, nothing else changes
             if chan is not None:
@@ -158,9 +160,7 @@ class Spares:
             else:
                 ready[key] = _Spare(chan, time.monotonic())
                 while len(ready) > self.per_node:
-                    gone, spare = ready.popitem(last=False)
-                    self._programs.pop((node, gone), None)
-                    evicted.append(spare.chan)
+                    evicted.append(ready.popitem(last=False)[1].chan)
         for old in evicted:
             old.close()
 
@@ -171,7 +171,7 @@ class Spares:
             chans = [s.chan for ready in self._ready.values() for s in ready.values()]
             self._ready.clear()
             self._wanted.clear()
-            self._programs.clear()
+            self._preambles.clear()
         for chan in chans:
             with contextlib.suppress(Exception):
                 chan.close()
