@@ -539,7 +539,7 @@ def profile_section(launch, fanout) -> list[str]:
               "`bench/results/fanout-profile.txt`.", "",
               "Cut in this round (each measured; the earlier figures are from the previous run of these scripts, "
               "git a0c45be/4afe7e0, on a loaded machine):", "",
-              f"1. **Nagle's algorithm off on every SSH connection** (`ddpfab/remote/ssh.py:_socket`). paramiko leaves "
+              f"1. **Nagle's algorithm off on every SSH connection** (`ddpfab/remote/sshopen.py:_socket`). paramiko leaves "
               f"it on, so each request written while a small packet is unacknowledged waits for the peer's "
               f"delayed ACK (40 ms on Linux): every session open and exec, and several handshake steps. "
               f"`ssh.run true` on an open connection: {s(m('ssh.run true (Nagle on'))} with Nagle on (paramiko's "

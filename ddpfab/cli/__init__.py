@@ -9,7 +9,8 @@ recover, replay, sync, fetch, perfcheck), ``ddpfab.launch.runs`` (importlib.meta
 inside itself: building the parser for ``ddpfab --help``, ``--version`` or ``completion`` must not
 pay for them (their cost: docs/design.md, "Start-up costs"). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
 For the same reason ddpfab.remote.target (which emit and provision import, and so the parser) imports
-paramiko only where it reads an ssh_config.
+paramiko only where it reads an ssh_config, and ddpfab.remote.ssh imports Fabric (ddpfab.remote.sshopen)
+only where it opens a connection: a command over ``ddpfab hold``'s connections loads neither.
 """
 
 from __future__ import annotations

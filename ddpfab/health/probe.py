@@ -14,8 +14,7 @@ import posixpath
 import random
 import time
 from dataclasses import dataclass, field, replace
-
-from fabric import Connection
+from typing import TYPE_CHECKING
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resourcecheck
@@ -27,6 +26,9 @@ from ddpfab.problems import Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.address import resolve
 from ddpfab.results import GroupResult
+
+if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect)
+    from fabric import Connection
 
 
 @dataclass

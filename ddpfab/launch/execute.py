@@ -20,9 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TYPE_CHECKING, BinaryIO, TextIO
 
-from fabric import Connection
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import hints
@@ -41,6 +40,9 @@ from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
 from ddpfab.remote import ssh, streams
 from ddpfab.remote.output import COLORS
+
+if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect)
+    from fabric import Connection
 
 #: Seconds the node supervisor gives the job between SIGTERM and SIGKILL.
 STOP_GRACE_S = 3.0

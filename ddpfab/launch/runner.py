@@ -13,8 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from fabric import Connection
+from typing import TYPE_CHECKING
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import check, probe, resourcecheck
@@ -32,6 +31,9 @@ from ddpfab.problems import DdpfabError, Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.target import resolve_all
 from ddpfab.results import GroupResult
+
+if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect)
+    from fabric import Connection
 
 
 class RunError(DdpfabError):

@@ -31,9 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from invoke.exceptions import CommandTimedOut
-from paramiko import SSHException
-
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
 from ddpfab.node.agent import TMUX_PID
@@ -45,7 +42,7 @@ from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv, ssh_config_text
 
-if TYPE_CHECKING:  # (fabric is slow to import; api imports this module for refuse())
+if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect; api imports this module for refuse())
     from fabric import Connection
 
 #: The launch, in the node's record of the run beside its session's pid (TMUX_PID; both removed
@@ -349,6 +346,8 @@ def _said(chan, line: bytes, deadline: float) -> bool:
 def _remove(conn: Connection, ours: str) -> None:
     """Run *ours* (the removal of a copy by its mark), whatever happens: the copy is not the end's
     to remove. Tried twice: a connection the caller closed meanwhile is opened again by Fabric."""
+    from invoke.exceptions import CommandTimedOut  # (Fabric's run raises it; see ssh.connect for why here)
+
     for _ in range(2):
         try:
             conn.run(f"exec sh -c {shlex.quote(ours)}", hide=True, warn=True, pty=False, in_stream=False,
@@ -619,6 +618,8 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
     attached terminal to leave the session. On return every node's launch has ended (whatever
     went wrong in between: a failure to start, Ctrl-C) and what was placed on the nodes is removed;
     the session is gone unless someone looks at it."""
+    from paramiko import SSHException  # (a cold connection's failure; see ssh.connect for why here)
+
     windows: Windows | None = None
     client = None
     placing = Placing()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-
-from fabric import Connection
+from typing import TYPE_CHECKING
 
 from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.remote import ssh
 from ddpfab.remote.target import Target
+
+if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect)
+    from fabric import Connection
 
 
 def resolve(node: Node, conn: Connection | None = None, target: Target | None = None) -> str:

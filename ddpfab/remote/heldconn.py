@@ -22,7 +22,7 @@ from typing import Any
 
 from ddpfab.remote import holder, relay, ssh
 from ddpfab.remote.rsh import HEADER
-from ddpfab.remote.target import HostKeyPolicy, TargetError
+from ddpfab.remote.target import HostKeyPolicy, Target
 
 
 #: Seconds a failed write waits for the ended command's exit status to arrive
@@ -347,8 +347,21 @@ class HeldConnection:
         #: its channels: closing the connection ends them, as closing an SSH connection does
         self.channels: weakref.WeakSet[HeldChannel] = weakref.WeakSet()
         self.transport = HeldTransport(self)
-        self.target = ssh.resolve(node, policy, ssh_config)
-        self.host = self.target.host
+        self._target: Target | None = None
+
+    @property
+    def target(self) -> Target:
+        """How the node is reached, as its cold connection would be: resolved on first need, so a
+        command that needs no more than the held connection never reads the ssh_config (which
+        loads paramiko, 0.09 s)."""
+        with self._lock:
+            if self._target is None:
+                self._target = ssh.target_of(self.node, self._policy, self._ssh_config)
+            return self._target
+
+    @property
+    def host(self) -> str:
+        return self.target.host
 
     def cold(self):
         """The node's own connection, made on first need (as without a holder)."""
@@ -381,8 +394,5 @@ def factory(holder_name: str, prints: dict[str, str], policy: HostKeyPolicy, ssh
         fp = holder.fingerprint(node)
         if prints.get(node.name) != fp or asked_policy != policy or asked_config != ssh_config:
             return None
-        try:
-            return HeldConnection(holder_name, node, fp, policy, ssh_config)
-        except TargetError:  # its ssh_config cannot be read now: the cold connect says why, as always
-            return None
+        return HeldConnection(holder_name, node, fp, policy, ssh_config)
     return make

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 DEFAULT_CONNECT_TIMEOUT = 10
 #: OpenSSH's keepalives on the long-lived connections sync and fetch hold (paramiko's is set in
-#: ddpfab.remote.ssh), so a dead peer is noticed.
+#: ddpfab.remote.sshopen), so a dead peer is noticed.
 _KEEPALIVE = (("ServerAliveInterval", "5"), ("ServerAliveCountMax", "6"))
 
 #: Every ssh option ddpfab knows (lower-case, as ssh_config and ``-o`` spell them, any case).

@@ -89,6 +89,29 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and b"ddpfab.remote.holdserver" in cmdline
 
 
+#: Runs ddpfab's command line in this process, then prints which SSH libraries it loaded.
+LOADED = ("import sys; from ddpfab.cli import main; code = main(sys.argv[1:]); "
+          "print('loaded:', sorted(m for m in ('fabric', 'invoke', 'paramiko') if m in sys.modules)); sys.exit(code)")
+
+
+def loaded_by(*args: str, cwd: Path) -> list[str]:
+    res = subprocess.run([sys.executable, "-c", LOADED, *args], capture_output=True, text=True, cwd=cwd, timeout=180,
+                         env={**os.environ, "NO_COLOR": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return [ln for ln in res.stdout.splitlines() if ln.startswith("loaded:")]
+
+
+def test_a_command_over_held_connections_loads_no_ssh_library(lab, inventory3, held, tmp_path):
+    """Fabric and paramiko (0.1 s to import) are loaded where a connection is opened: check and run
+    over the holder's load neither; the same commands on a copy of the inventory (cold) do."""
+    (tmp_path / "train.py").write_text("print('ran', flush=True)\n")
+    cold = tmp_path / "cold.yml"
+    cold.write_text(inventory3.read_text())
+    for inv, loaded in ((inventory3, "loaded: []"), (cold, "loaded: ['fabric', 'invoke', 'paramiko']")):
+        assert loaded_by("check", "-i", str(inv), "--fast", cwd=tmp_path) == [loaded]
+        assert loaded_by("run", "-i", str(inv), "--runs-dir", str(tmp_path / "runs"), "train.py", cwd=tmp_path) == [loaded]
+
+
 @pytest.fixture
 def held(inventory3):
     res = ddpfab("hold", "-i", str(inventory3), timeout=120)

@@ -1,5 +1,5 @@
 """The known_hosts file is parsed once per version of it, and every connection still checks
-against what the file says now (ddpfab/remote/ssh.py: _known_entries)."""
+against what the file says now (ddpfab/remote/sshopen.py: _known_entries)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import paramiko
 import pytest
 
-from ddpfab.remote import ssh
+from ddpfab.remote import ssh, sshopen
 from ddpfab.remote.target import Target
 
 
@@ -25,7 +25,7 @@ def known(tmp_path):
 
 
 def _client_keys(path, host: str) -> paramiko.HostKeys:
-    return ssh._connection("n1", Target("n1", host, known_hosts=(str(path),))).client.get_host_keys()
+    return sshopen._connection("n1", Target("n1", host, known_hosts=(str(path),))).client.get_host_keys()
 
 
 def test_every_connection_sees_the_files_keys_and_the_file_is_parsed_once(known):
@@ -33,7 +33,7 @@ def test_every_connection_sees_the_files_keys_and_the_file_is_parsed_once(known)
     first, second = _client_keys(path, "10.0.0.1"), _client_keys(path, "10.0.0.2")
     for hk in (first, second):
         assert {h: hk.lookup(h)["ecdsa-sha2-nistp256"] for h in keys} == keys
-    assert ssh._known_entries(path) is ssh._known_entries(path)  # one parse for an unchanged file
+    assert sshopen._known_entries(path) is sshopen._known_entries(path)  # one parse for an unchanged file
 
 
 def test_a_key_one_connection_records_stays_its_own(known):

@@ -359,7 +359,7 @@ def _fabric_proxy_output(t: Target) -> None:
     """Run *t*'s ProxyCommand the way the runner does (paramiko, from the Fabric gateway)."""
     import paramiko
 
-    from ddpfab.remote.ssh import _connection
+    from ddpfab.remote.sshopen import _connection
 
     proc = paramiko.ProxyCommand(_connection("n1", t).gateway).process
     proc.wait(10)
@@ -433,7 +433,7 @@ def test_keepalive_keeps_the_users_own_interval():
 
 
 def test_the_runner_reads_the_global_known_hosts_file_too(tmp_path):
-    from ddpfab.remote.ssh import _connection
+    from ddpfab.remote.sshopen import _connection
 
     glob_kh = tmp_path / "global"
     glob_kh.write_text("10.0.0.5 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n")
