@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import shlex
 import threading
 import time
@@ -71,20 +70,18 @@ class Spares:
     def __init__(self, max_age: float = MAX_AGE_S, per_node: int = PER_NODE):
         self.max_age, self.per_node = max_age, per_node
         self._lock = threading.Lock()
+        # keyed by (command, preamble): the bytes themselves, whose hash Python computes once per
+        # object (a request's preamble is looked up by take and want: one pass over its bytes)
         self._ready: dict[str, OrderedDict[tuple[str, bytes], _Spare]] = {}
         self._wanted: set[tuple[str, tuple[str, bytes]]] = set()  # (node, key) to start
-        self._preambles: dict[bytes, bytes] = {}  # digest -> the bytes: one copy for every node
+        self._preambles: dict[bytes, bytes] = {}  # one copy of each preamble for every node
         self._closed = False
-
-    @staticmethod
-    def _key(command: str, preamble: bytes) -> tuple[str, bytes]:
-        return command, hashlib.sha256(preamble).digest()
 
     def take(self, node: str, command: str, preamble: bytes):
         """The node's spare for *command* started with *preamble* (its channel, the command running
         and its first bytes written), or None: none, or it has ended or grown too old (closed)."""
         with self._lock:
-            spare = self._ready.get(node, OrderedDict()).pop(self._key(command, preamble), None)
+            spare = self._ready.get(node, OrderedDict()).pop((command, preamble), None)
         if spare is None:
             return None
         chan = spare.chan
@@ -100,11 +97,9 @@ class Spares:
         unless one is ready."""
         if not startable(command, preamble):
             return
-        key = self._key(command, preamble)
         with self._lock:
-            if not self._closed and key not in self._ready.get(node, {}):
-                self._preambles.setdefault(key[1], preamble)
-                self._wanted.add((node, key))
+            if not self._closed and (command, preamble) not in self._ready.get(node, {}):
+                self._wanted.add((node, (command, self._preambles.setdefault(preamble, preamble))))
 
     def renew(self, nodes=None) -> None:
         """Replace the spares (of *nodes*, default all) older than :attr:`max_age` (all of them
@@ -136,18 +131,17 @@ class Spares:
                 if self._closed or not self._wanted:
                     return
                 node, key = self._wanted.pop()
-                preamble = self._preambles[key[1]]
-            self._start(node, key, preamble, functools.partial(open_session, node))
+            self._start(node, key, functools.partial(open_session, node))
 
-    def _start(self, node: str, key: tuple[str, bytes], preamble: bytes, open_session: Callable[[], Any]) -> None:
-        """Start the spare of *key* (its command, its preamble's digest); the node's oldest other
+    def _start(self, node: str, key: tuple[str, bytes], open_session: Callable[[], Any]) -> None:
+        """Start the spare of *key* (its command, its preamble); the node's oldest other
         spare makes room when it has :attr:`per_node`. A failure to start one is no one's failure:
         the next command starts its program itself."""
         chan = None
         try:
             chan = open_session()
             chan.exec_command(key[0])
-            chan.sendall(preamble)
+            chan.sendall(key[1])
         except Exception:  # noqa: BLE001 - no spare, nothing else changes
             if chan is not None:
                 chan.close()
