@@ -1179,10 +1179,12 @@ def verdicts(t: dict) -> list[str]:
          f"cold = {x(t.get('cold_pdsh'))}",
          # the goal is repeated commands while debugging: the command a user types, not one process
          v(None if t.get("held_pdsh") is None else t["held_pdsh"] <= 0.1)],
-        [f"`ddpfab run` on warm connections ({t.get('held_n', 8)} hosts) at most pdsh + torchrun + 0.2 s "
-         "(cold at most + 0.5 s)",
-         f"warm {x(t.get('held_run_pdsh'), '{:+.2f} s')}, cold {x(t.get('held_cold_pdsh'), '{:+.2f} s')} (section 9)",
+        [f"`ddpfab run` on warm connections ({t.get('held_n', 8)} hosts) at most pdsh + torchrun + 0.2 s",
+         f"warm {x(t.get('held_run_pdsh'), '{:+.2f} s')} (section 9)",
          v(None if t.get("held_run_pdsh") is None else t["held_run_pdsh"] <= 0.2)],
+        [f"`ddpfab run` cold ({t.get('held_n', 8)} hosts) at most pdsh + torchrun + 0.5 s",
+         f"cold {x(t.get('held_cold_pdsh'), '{:+.2f} s')} (section 9)",
+         v(None if t.get("held_cold_pdsh") is None else t["held_cold_pdsh"] <= 0.5)],
         [f"`check --fast` on warm connections at {t.get('held_check_n', 128)} hosts in at most half the cold time",
          f"warm/cold = {x(t.get('held_check_ratio'))} (section 9)",
          v(None if t.get("held_check_ratio") is None else t["held_check_ratio"] <= 0.5)],
