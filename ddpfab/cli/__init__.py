@@ -4,10 +4,11 @@ Each subcommand's module has ``register(subparsers)`` (its options, ``func`` set
 the library modules under ``ddpfab/`` never import this package.
 
 LAZY: every module imports at its top, except here, in the command line, where a handler imports
-the library modules that reach Fabric/paramiko (ssh, runner, launch, probe, check, execute, jobs,
-recover, replay, sync, fetch, perfcheck), ``ddpfab.launch.runs`` (importlib.metadata) and ``ddpfab.lab``
-inside itself: building the parser for ``ddpfab --help``, ``--version`` or ``completion`` must not
-pay for them (their cost: docs/design.md, "Start-up costs"). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
+the library modules that reach nodes (ssh, runner, launch, probe, check, execute, jobs, recover,
+replay, sync, fetch, perfcheck: large, and they load Fabric/paramiko when they connect),
+``ddpfab.launch.runs`` (importlib.metadata) and ``ddpfab.lab`` inside itself: building the parser for
+``ddpfab --help``, ``--version`` or ``completion`` must not pay for them (their cost: docs/design.md,
+"Start-up costs"). tests/unit/test_export.py keeps ``import ddpfab.cli`` free of them.
 For the same reason ddpfab.remote.target (which emit and provision import, and so the parser) imports
 paramiko only where it reads an ssh_config, and ddpfab.remote.ssh imports Fabric (ddpfab.remote.sshopen)
 only where it opens a connection: a command over ``ddpfab hold``'s connections loads neither.

@@ -62,7 +62,6 @@ class NodeRunner:
     def __init__(self, node: Node, conn, *, owned: bool = False, sock_dir: str | None = None,
                  reaper: Reaper | None = None):
         self.node, self.name, self.conn, self.owned = node, node.name, conn, owned
-        self.target: Target | None = getattr(conn, "target", None)
         self.reaper = reaper
         self._sock_dir, self._base_dir = None, sock_dir
         self._listener: socket.socket | None = None
@@ -70,6 +69,12 @@ class NodeRunner:
         self._chans: set = set()
         self._lock = threading.Lock()
         self.cancelled = False
+
+    @property
+    def target(self) -> Target | None:
+        """How the node is reached: its connection's, read when needed (a held connection reads
+        the ssh_config then; one that cannot be read now is an SSHError naming the option)."""
+        return getattr(self.conn, "target", None)
 
     @classmethod
     def open(cls, node: Node, policy: HostKeyPolicy, ssh_config: str | None = None, **kwargs) -> NodeRunner:

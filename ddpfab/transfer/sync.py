@@ -66,6 +66,7 @@ from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.noderunner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
 from ddpfab.remote.noderunner import rsync_argv as runner_argv
+from ddpfab.remote.ssherror import SSHError
 from ddpfab.remote.target import HostKeyPolicy, TargetError, bracket, resolve_all
 from ddpfab.results import GroupResult
 from ddpfab.transfer import keys
@@ -925,12 +926,17 @@ class _Sync:
         keys: list[str] = []
         children = tree_schedule(len(order))
         labels, constraints, hops = [], [], {}
+        try:  # (over held connections, read now: an ssh_config broken since the holder started)
+            reaches = {t.node.name: t.runner.target for t in order}
+        except SSHError as exc:
+            return {}, str(exc)
         for t in order:
-            if t.runner.target.jump is not None or t.runner.target.proxy_command:
-                via = t.runner.target.jump.name if t.runner.target.jump else "a ProxyCommand"
+            reach = reaches[t.node.name]
+            if reach.jump is not None or reach.proxy_command:
+                via = reach.jump.name if reach.jump else "a ProxyCommand"
                 return {}, f"host {t.node.name} is reached through {via}; node-to-node copies would go around it"
         for i, t in enumerate(order):
-            reach = t.runner.target
+            reach = reaches[t.node.name]
             found = [k for k in reach.identity_files if os.path.isfile(k)]
             if not found:
                 return {}, (f"no private key file for host {t.node.name} (ansible_ssh_private_key_file or an ssh_config "

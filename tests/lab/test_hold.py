@@ -112,6 +112,31 @@ def test_a_command_over_held_connections_loads_no_ssh_library(lab, inventory3, h
         assert loaded_by("run", "-i", str(inv), "--runs-dir", str(tmp_path / "runs"), "train.py", cwd=tmp_path) == [loaded]
 
 
+
+def test_an_ssh_config_broken_after_hold_is_refused_as_without_a_holder(lab, inventory3, tmp_path):
+    """The held connections were made with the ssh_config as it was; a command reading it now
+    (sync renders every node's target first) refuses it as it does cold: the same words, no traceback."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n  ServerAliveInterval 5\n")
+    inv, cold = str(inventory3), tmp_path / "cold.yml"
+    cold.write_text(inventory3.read_text())
+    res = ddpfab("hold", "-i", inv, "--ssh-config", str(config), timeout=120)
+    assert res.returncode == 0 and "holding 3/3" in res.stderr, res.stderr
+    try:
+        config.write_text("Host *\n  Port notaport\n")
+        proj = tmp_path / "proj"
+        proj.mkdir()
+        (proj / "train.py").write_text("print('ran', flush=True)\n")
+        said = []
+        for i in (inv, str(cold)):
+            res = ddpfab("sync", "-i", i, "--ssh-config", str(config), cwd=proj, timeout=120)
+            assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+            said.append(res.stderr.replace(i, "INV"))
+        assert said[0] == said[1] and "host node1: Port 'notaport'" in said[0], said
+    finally:
+        ddpfab("hold", "-i", inv, "--ssh-config", str(config), "--stop")
+
+
 @pytest.fixture
 def held(inventory3):
     res = ddpfab("hold", "-i", str(inventory3), timeout=120)
