@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ddpfab.hostlist import compact, fold_by
 from ddpfab.launch.execute import STOP_GRACE_S, Printer
 from ddpfab.launch.interrupt import Interrupted, signals_queued
 from ddpfab.node.agent import TMUX_PID
@@ -382,12 +383,21 @@ def cleanup_node(conn: Connection, node: NodePlan) -> None:
     conn.run(f"rm -f {d}/{LAUNCH} {d}/{TMUX_PID}", hide=True, warn=True, pty=False, in_stream=False)
 
 
+def _say_ended(windows: Windows, names: list[str], printer: Printer, how: str = "") -> None:
+    """*names*' launches ended: a line per exit code, its nodes folded (``node[1-31] (31 nodes)``)."""
+    ranked = sorted(names, key=lambda n: windows.plan.node(n).node_rank)  # (not the order they ended in)
+    for group, code in fold_by({n: windows.ended[n] for n in ranked}):
+        whose = "its launch" if len(group) == 1 else "their launches"
+        printer.note(f"{compact(group)}: {whose} ended, exit code {code}{how}")
+
+
 def _wait_ended(windows: Windows, names: list[str], printer: Printer, seconds: float) -> None:
     deadline = time.monotonic() + seconds
+    ended: list[str] = []
     while any(n in windows.running() for n in names) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        for name in windows.poll():
-            printer.note(f"{name}: its launch ended, exit code {windows.ended[name]} (stopped)")
+        ended += windows.poll()
+    _say_ended(windows, ended, printer, " (stopped)")
 
 
 def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
@@ -415,8 +425,7 @@ def _end_windowless(plan: Plan, conns: dict[str, Connection], windows: Windows, 
     there (the node program's ``stop``: SIGTERM, SIGKILL after the grace) and says what it found
     (mostly nothing: the windows' ssh went with the session, and the launches with them). A node
     that cannot be reached now is left to its window's ssh, gone with the session."""
-    for name in windows.poll():  # (one that ended before the session went wrote its exit status)
-        printer.note(f"{name}: its launch ended, exit code {windows.ended[name]}")
+    _say_ended(windows, windows.poll(), printer)  # (one that ended before the session went wrote its status)
     left = [n for n in names if n in windows.running()]
     done = ssh.parallel([plan.node(n) for n in left], lambda node: nodeprog.call(
         conns[node.name], node, {"op": "stop", "dir": node.remote_dir, "grace": STOP_GRACE_S},
@@ -463,10 +472,12 @@ def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Wind
         fh.write(ssh_config_text(targets))
     windows = Windows(plan, session_name(plan.run_id), run_dir / "tmux")
     windows.exits_dir.mkdir(mode=0o700, exist_ok=True)
+    asked = False  # tmux was asked for the session: it may exist, though no window id came back
     try:
         for node in sorted(plan.nodes, key=lambda n: n.node_rank):
             program = window_program(node, config, windows.exit_file(node.name), targets[node.name], windows.session)
             if not windows.ids:
+                asked = True
                 made = tmux("new-session", "-d", "-s", windows.session, "-n", node.name, "-x", "200", "-y", "50",
                             "-P", "-F", "#{window_id}", *program)
                 windows.ids[node.name] = made.stdout.strip()
@@ -475,11 +486,14 @@ def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Wind
                 made = tmux("new-window", "-d", "-t", f"{windows.target}:", "-n", node.name, "-P", "-F",
                             "#{window_id}", *program)
                 windows.ids[node.name] = made.stdout.strip()
-    except BaseException:
+    except BaseException as exc:
         if windows.tie is not None:
             os.close(windows.tie)  # (untied: the job, if it runs, closes the session too)
             windows.tie = None
-        if windows.ids:
+        # tmux refusing the session (one of that name exists: not this run's) leaves it alone; an
+        # interrupt while tmux made it (Ctrl-C reaches the tmux client too) leaves one with no id here
+        refused = isinstance(exc, TmuxError) and not windows.ids
+        if windows.ids or (asked and not refused):
             tmux("kill-session", "-t", windows.target, check=False)
         raise
     return windows
@@ -582,9 +596,10 @@ def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: P
             while windows.running():
                 with contextlib.suppress(queue.Empty):
                     return _interrupted(plan, conns, windows, printer, events.get(timeout=POLL_S))
-                for name in windows.poll():
+                ended = windows.poll()
+                _say_ended(windows, ended, printer)
+                for name in ended:
                     code = windows.ended[name]
-                    printer.note(f"{name}: its launch ended, exit code {code}")
                     if code != 0 and first is None:
                         first = name
                         others = windows.running()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,7 +126,8 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
             res = ddpfab("stop", run.run_id, "-i", str(inventory2), "--runs-dir", str(tmp_path / "elsewhere"))
             assert res.stdout.count("stopped its tmux launch") == 2, res.stdout + res.stderr
             out = run.ended()
-            assert run.proc.returncode not in (0, None) and ": its launch ended, exit code" in out, out
+            assert run.proc.returncode not in (0, None) and re.search(r": (its launch|their launches) ended, exit code",
+                                                                      out), out
             wait_no_processes(lab, timeout=30)
             return
         if how == "close the session":
@@ -154,6 +157,8 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
             else f"the tmux session {run.session} was closed: ending every node's launch")
     assert said in out, out
     assert "did not end" not in out, out  # each node said what was left of its launch: nothing to wait for
+    if how == "ctrl-c to ddpfab":  # the nodes stopped together, said once (folded by exit code)
+        assert re.search(r"^ddpfab: node1, node2: their launches ended, exit code \d+ \(stopped\)$", out, re.M), out
     manifest = run.manifest()
     assert manifest["state"] == "interrupted" and manifest["exit_code"] == 130, manifest
 
@@ -307,3 +312,29 @@ def test_a_launch_is_kept_on_its_node_only_after_its_keep_line(lab, inventory2):
     finally:
         conn.close()
         host_sh(lab, "node1", "rm -rf ~/.ddpfab/runs/place-kept ~/.ddpfab/runs/place-dropped")
+
+
+def test_an_interrupt_while_tmux_makes_the_session_leaves_no_session(lab, inventory2, tmp_path):
+    """Ctrl-C reaches ddpfab while tmux is making the session (a terminal's Ctrl-C goes to the tmux
+    client too): tmux has made it, no window id came back. ddpfab closes it before it exits, and
+    nothing starts on a node. A ``tmux`` on PATH before the real one sends the SIGINT to ddpfab
+    right after the real tmux made the session."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    shim = shims / "tmux"
+    shim.write_text(f'#!/bin/sh\n{shutil.which("tmux")} "$@"\ncode=$?\n'
+                    'if [ "$1" = new-session ]; then kill -INT "$PPID"; sleep 5; fi\nexit $code\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "NO_COLOR": "1", "TMUX_TMPDIR": str(tmp_path), "PATH": f"{shims}:{os.environ['PATH']}"}
+    env.pop("TMUX", None)
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inventory2), "--tmux", "--no-sync",
+                          "--runs-dir", str(tmp_path / "runs"), "--run-id", "tmux-cut", SCRIPT],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    sessions = subprocess.run(["tmux", "ls"], capture_output=True, text=True, env=env).stdout
+    subprocess.run(["tmux", "kill-server"], capture_output=True, env=env)
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert "ddpfab-tmux-cut" not in sessions, sessions
+    wait_no_processes(lab, timeout=30, names=("node1", "node2"))
+    for node in ("node1", "node2"):
+        left = host_sh(lab, node, "ls ~/.ddpfab/runs/tmux-cut/ 2>/dev/null || true").stdout.split()
+        assert "tmux-launch.sh" not in left and "tmux.pid" not in left, (node, left)
