@@ -12,6 +12,9 @@ from typing import TypeVar
 _NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
 
 Key = TypeVar("Key", bound=Hashable)
+#: Up to this many nodes each says its own line; beyond, the nodes that say the same share one
+#: (``node[1-64,66-128] (127 nodes): stopped``): every per-node report of the command line.
+FOLD_ABOVE = 16
 
 
 def _padded(digits: str) -> bool:

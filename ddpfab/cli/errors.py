@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
+from ddpfab.hostlist import FOLD_ABOVE, compact
 from ddpfab.problems import DdpfabError, Problem
 
 EXIT_OK = 0
@@ -53,10 +54,37 @@ def _lines(lines: Lines) -> list[str | Problem]:
     return [lines] if isinstance(lines, (str, Problem)) else list(lines)
 
 
+def folded(lines: list[str | Problem]) -> list[str | Problem]:
+    """*lines*, where more than FOLD_ABOVE are problems about one node each: those saying the same
+    (check and sentence) of several nodes as one line, at the place of the first
+    (``host node[1-32] (32 nodes): workdir /w does not exist there; ...``)."""
+    def said(line: str | Problem) -> tuple[str, tuple[str, str]] | None:  # node, (check, the rest)
+        if isinstance(line, Problem) and line.node and str(line).startswith(f"host {line.node}: "):
+            return line.node, (line.check, str(line).removeprefix(f"host {line.node}: "))
+        return None
+
+    about = [said(line) for line in lines]
+    if sum(a is not None for a in about) <= FOLD_ABOVE:
+        return lines
+    nodes: dict[tuple[str, str], list[str]] = {}
+    for a in about:
+        if a is not None:
+            nodes.setdefault(a[1], []).append(a[0])
+    out: list[str | Problem] = []
+    for line, a in zip(lines, about, strict=True):
+        key = a[1] if a is not None else None
+        if key is None or len(nodes[key]) == 1:
+            out.append(line)
+        elif nodes[key]:
+            out.append(f"host {compact(nodes[key])}: {key[1]}")
+            nodes[key] = []  # (said: the others of the group are skipped)
+    return out
+
+
 def die(lines: Lines, code: int = EXIT_USAGE) -> int:
-    """Print each line (a string or a problem; an error's problems) as ``ddpfab: error: LINE``;
-    return *code*."""
-    for line in _lines(lines):
+    """Print each line (a string or a problem; an error's problems) as ``ddpfab: error: LINE``,
+    the many nodes' same problem once (:func:`folded`); return *code*."""
+    for line in folded(_lines(lines)):
         sys.stderr.write(f"ddpfab: error: {line}\n")
     return code
 

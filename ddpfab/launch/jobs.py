@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.hostlist import compact
+from ddpfab.hostlist import FOLD_ABOVE, compact
 from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
@@ -122,11 +122,6 @@ def node_run_dir(node_name: str, manifest: dict | None, run_id: str) -> str:
             if n["name"] == node_name:
                 return n["remote_dir"]
     return f".ddpfab/runs/{run_id}"  # relative: SSH sessions start in the user's home
-
-
-#: Up to this many nodes every node has a line of its own; beyond, nodes with the same outcome
-#: share one (``node[1-64,66-128]: stopped``), as the check table folds its rows.
-FOLD_ABOVE = 16
 
 
 def grouped(outcomes: dict[str, str]) -> list[str]:

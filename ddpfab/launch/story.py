@@ -13,12 +13,8 @@ from dataclasses import replace
 from collections.abc import Mapping
 from typing import Protocol
 
-from ddpfab.hostlist import compact
+from ddpfab.hostlist import FOLD_ABOVE, compact
 from ddpfab.launch.cause import Blame, Cause, CauseKind
-
-#: Up to this many other nodes each has its line; beyond, nodes with the same story share one.
-FOLD_ABOVE = 16
-
 
 class Outcome(Protocol):
     """What the story reads of a node's outcome (:class:`ddpfab.launch.execute.NodeOutcome`)."""

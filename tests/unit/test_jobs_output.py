@@ -1,12 +1,16 @@
-"""`stop`, `logs` and `ps` answer many nodes in a line per distinct answer (jobs.grouped); how
-`ps`, `attach` and `logs` end (the run's state, attach's exit code, logs' report)."""
+"""`stop`, `logs` and `ps` answer many nodes in a line per distinct answer (jobs.grouped), and so
+does every command's error (cli.errors.folded); how `ps`, `attach` and `logs` end (the run's
+state, attach's exit code, logs' report)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ddpfab.launch.hangwatch import EXIT_HUNG
-from ddpfab.launch.jobs import (FOLD_ABOVE, attach_end, grouped, line_count, list_runs, logs_report, node_state_text,
+from ddpfab.cli.errors import die, folded
+from ddpfab.hostlist import FOLD_ABOVE
+from ddpfab.problems import Problem
+from ddpfab.launch.jobs import (attach_end, grouped, line_count, list_runs, logs_report, node_state_text,
                                 ps_record, run_state)
 
 
@@ -86,3 +90,22 @@ def test_a_tmux_launch_is_a_run_of_its_own_kind_in_ps():
     assert "tmux" not in ps_record({**rec, "tmux": "yes"})  # records are data: only a true True
     (row,) = list_runs({"node1": (9.0, [ps_record(rec)]), "node2": (9.0, [ps_record(rec)])}, lambda run_id: {})
     assert (row["state"], row["tmux"], row["age_s"]) == ("running", True, 4.0)
+
+
+def test_an_error_many_nodes_share_is_one_line_and_the_odd_node_keeps_its_own():
+    def workdir(i: int, where: str = "/w") -> Problem:
+        return Problem(f"node{i}", "workdir", text=f"host node{i}: workdir {where} does not exist there; create it")
+
+    few = [workdir(i) for i in range(1, FOLD_ABOVE + 1)]
+    assert folded(few) == few  # up to the limit, every node its own line
+    many = [workdir(i) for i in range(1, 33) if i != 7] + [workdir(7, "/other"), "nothing was started"]
+    assert [str(x) for x in folded(many)] == [
+        "host node[1-6,8-32] (31 nodes): workdir /w does not exist there; create it",
+        "host node7: workdir /other does not exist there; create it",
+        "nothing was started"]
+    assert die(many) == 2
+
+
+def test_the_folded_error_is_what_stderr_gets(capsys):
+    die([Problem(f"n{i}", "ssh", text=f"host n{i}: unreachable") for i in range(FOLD_ABOVE + 1)])
+    assert capsys.readouterr().err == f"ddpfab: error: host n[0-{FOLD_ABOVE}] ({FOLD_ABOVE + 1} nodes): unreachable\n"
