@@ -459,7 +459,7 @@ def _warm(method: Callable) -> Callable:
     connections otherwise, and for what needs more of SSH than a command's channel."""
     @functools.wraps(method)
     def warm(self: Cluster, *args: Any, **kwargs: Any) -> Any:
-        with self._held_connections():
+        with self.held_connections():
             return method(self, *args, **kwargs)
     return warm
 
@@ -638,8 +638,9 @@ class Cluster:
         return holder.address(self.inventory or [], self.ssh_config, self.policy)
 
     @contextmanager
-    def _held_connections(self) -> Iterator[None]:
-        """Within: nodes this cluster's holder holds are reached over its connections."""
+    def held_connections(self) -> Iterator[None]:
+        """Within: :func:`ddpfab.remote.ssh.connect` reaches the nodes this cluster's holder
+        (``ddpfab hold``) holds over its connections, as every method here does; cold elsewhere."""
         from ddpfab.remote import heldconn, holder  # (light: the SSH stack comes with the node work)
         from ddpfab.remote import ssh
 

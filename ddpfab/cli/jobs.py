@@ -65,23 +65,47 @@ def _latest(args, manifest: dict | None) -> dict | None:
     return current_manifest(args.runs_dir, manifest) if manifest else None
 
 
-def _connect(args, cluster):
+def _held(args, cluster, manifest: dict | None = None):
+    """Within: the nodes of *cluster* that a ``ddpfab hold`` of this inventory holds are reached
+    over its connections, as the library's commands reach them (:meth:`ddpfab.api.Cluster.held_connections`)."""
+    from ddpfab.api import Cluster
+
+    return Cluster(cluster, inventory=_source(args, manifest), ssh_config=args.ssh_config,
+                   known_hosts=args.known_hosts).held_connections()
+
+
+def _policy(args):
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.remote import ssh
+
+    return ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
+
+
+def _connect(args, cluster, manifest: dict | None = None):
+    """A connection to every node of *cluster* (over the holder's where it holds them)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import runner
-    from ddpfab.remote import ssh
 
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
-    return runner.connect_all(cluster, policy, args.ssh_config)
+    with _held(args, cluster, manifest):
+        return runner.connect_all(cluster, _policy(args), args.ssh_config)
 
 
-def _on_each_node(args, cluster, fn) -> GroupResult:
-    """``fn(conn, node)`` on every node of *cluster* over connections of their own (a node that
-    cannot be reached is one failure among the results)."""
+def _connect_one(args, cluster, node: inventory.Node, manifest: dict | None = None):
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.remote import ssh
 
-    policy = ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
-    return ssh.on_each(cluster.nodes, policy, args.ssh_config, fn)
+    with _held(args, cluster, manifest):
+        return ssh.connect(node, _policy(args), args.ssh_config)
+
+
+def _on_each_node(args, cluster, fn, manifest: dict | None = None) -> GroupResult:
+    """``fn(conn, node)`` on every node of *cluster* over connections of their own, or the
+    holder's (a node that cannot be reached is one failure among the results)."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.remote import ssh
+
+    with _held(args, cluster, manifest):
+        return ssh.on_each(cluster.nodes, _policy(args), args.ssh_config, fn)
 
 
 def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
@@ -286,7 +310,7 @@ def cmd_attach(args) -> int:
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
-        conns = _connect(args, cluster)
+        conns = _connect(args, cluster, manifest)
         printer = Printer(plan, verbose=args.verbose)
         hang = _hang_watch(args, manifest, plan, conns, printer)
         codes: dict[str, int] = {}
@@ -449,7 +473,6 @@ def cmd_debug(args) -> int:
     """This terminal to one waiting rank's pdb, over a channel of a connection to its node."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.debugger import relay, stdin_usable
-    from ddpfab.remote import ssh
 
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))
     if manifest is None:
@@ -464,11 +487,11 @@ def cmd_debug(args) -> int:
         return die(str(exc))
     if not stdin_usable():
         return die("debug needs an input to drive pdb from (stdin is /dev/null or closed); run it from a terminal")
-    hosts = {n.name: n for n in _cluster(args, manifest).nodes}
+    cluster = _cluster(args, manifest)
+    hosts = {n.name: n for n in cluster.nodes}
     if node.name not in hosts:
         return die(f"host {node.name} (rank {args.rank}'s node) is not in the inventory given")
-    conn = ssh.connect(hosts[node.name], ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False),
-                       args.ssh_config)
+    conn = _connect_one(args, cluster, hosts[node.name], manifest)
     try:
         relay(conn.transport, node, args.rank, on_attach=lambda: note(
             f"pdb: attached to rank {args.rank} on {node.name}; `c` continues, `q` quits (the rank then fails)"))
@@ -486,7 +509,6 @@ def cmd_shell(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import shell
     from ddpfab.planning.plan import PlanError, parse_env
-    from ddpfab.remote import ssh
 
     if (args.rank is None) != (args.run_id is None):
         return die("--rank and --run-id go together: the rank's environment is that of a recorded run")
@@ -513,7 +535,8 @@ def cmd_shell(args) -> int:
         return refuse(args, MISSING_INVENTORY, "inventory")
     else:
         name = args.node
-    hosts = {n.name: n for n in _cluster(args, manifest).nodes}
+    cluster = _cluster(args, manifest)
+    hosts = {n.name: n for n in cluster.nodes}
     if name not in hosts:
         return die(f"host {name} is not in the inventory")
     if plan is not None:
@@ -526,7 +549,7 @@ def cmd_shell(args) -> int:
     else:
         env, where, workdir = given, hosts[name], hosts[name].workdir or os.getcwd()
         prompt = f"[ddpfab {name}] \\w $ "
-    conn = ssh.connect(hosts[name], ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False), args.ssh_config)
+    conn = _connect_one(args, cluster, hosts[name], manifest)
     try:
         return shell.run_shell(conn, where, workdir, env, prompt)
     except ConnectionError as exc:

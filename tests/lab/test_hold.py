@@ -324,8 +324,9 @@ def test_hold_with_other_variables_replaces_the_holder(lab, inventory3, held):
 
 
 def test_every_node_command_runs_over_the_held_connections(lab, inventory3, held, tmp_path):
-    """With new SSH connections dropped at the nodes, check, run (its sync, probe, supervisors),
-    ps, logs, doctor and stop still work: each goes over the holder's connections."""
+    """With new SSH connections dropped at the nodes, check, plan, sync, run (its sync, probe,
+    supervisors), a detached run and attach, queue, ps, logs, fetch, doctor and stop still work:
+    each goes over the holder's connections."""
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "train.py").write_text("import os\nprint('rank', os.environ['RANK'], 'ready', flush=True)\n")
@@ -346,6 +347,17 @@ def test_every_node_command_runs_over_the_held_connections(lab, inventory3, held
             res = ddpfab(*args, "-i", inv, "--runs-dir", str(runs), timeout=60)
             assert res.returncode == 0, (args, res.stdout + res.stderr)
         assert (runs / "warm-1" / "node2.log").read_text().count("ready") == 1
+        got = tmp_path / "got"
+        for args in (("plan", "-i", inv, "train.py"), ("sync", "-i", inv), ("queue", "-i", inv),
+                     ("fetch", "-i", inv, "--node", "node2", "train.py", str(got))):
+            res = ddpfab(*args, cwd=proj, timeout=120)
+            assert res.returncode == 0, (args, res.stdout + res.stderr)
+        assert (got / "train.py").read_text() == (proj / "train.py").read_text()
+        res = ddpfab("run", "-i", inv, "--runs-dir", str(runs), "--run-id", "warm-2", "--detach", "train.py", cwd=proj,
+                     timeout=180)
+        assert res.returncode == 0, res.stdout + res.stderr
+        res = ddpfab("attach", "warm-2", "-i", inv, "--runs-dir", str(runs), cwd=proj, timeout=120)
+        assert res.returncode == 0 and res.stdout.count(" ready") == 3, res.stdout + res.stderr
         assert connections(lab) == {n: 1 for n in NODES}  # the holder's, still
     finally:
         block_new_ssh(lab, False)
@@ -392,7 +404,7 @@ import sys, time
 from ddpfab.api import Cluster
 from ddpfab.remote import heldconn, ssh
 cluster = Cluster.load(sys.argv[1])
-with cluster._held_connections():
+with cluster.held_connections():
     conn = ssh.connect(cluster.parsed.nodes[0], cluster.policy, cluster.ssh_config)
 assert isinstance(conn, heldconn.HeldConnection), conn
 chan = conn.transport.open_session()
