@@ -68,8 +68,8 @@ def folded(lines: list[str | Problem]) -> list[str | Problem]:
         return lines
     nodes: dict[tuple[str, str], list[str]] = {}
     for a in about:
-        if a is not None:
-            nodes.setdefault(a[1], []).append(a[0])
+        if a is not None and a[0] not in nodes.setdefault(a[1], []):
+            nodes[a[1]].append(a[0])
     out: list[str | Problem] = []
     for line, a in zip(lines, about, strict=True):
         key = a[1] if a is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from dataclasses import asdict
@@ -15,6 +16,7 @@ from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse
 from ddpfab.hosts import inventory
 from ddpfab.launch.runs import RunRecordError, read_record, record_plan
 from ddpfab.planning.plan import Plan
+from ddpfab.remote.ssherror import SSHError
 from ddpfab.results import GroupResult
 
 
@@ -81,21 +83,22 @@ def _policy(args):
     return ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
 
 
-def _connect(args, cluster, manifest: dict | None = None):
-    """A connection to every node of *cluster* (over the holder's where it holds them)."""
+def _connect(args, cluster, manifest: dict | None = None, warm: bool = True):
+    """A connection to every node of *cluster*: over the holder's where it holds them (*warm*),
+    else of its own."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import runner
 
-    with _held(args, cluster, manifest):
+    with _held(args, cluster, manifest) if warm else contextlib.nullcontext():
         return runner.connect_all(cluster, _policy(args), args.ssh_config)
 
 
-def _connect_one(args, cluster, node: inventory.Node, manifest: dict | None = None):
+def _connect_one(args, cluster, node: inventory.Node, manifest: dict | None = None, warm: bool = True):
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.remote import ssh
 
     with _held(args, cluster, manifest):
-        return ssh.connect(node, _policy(args), args.ssh_config)
+        return ssh.connect(node, _policy(args), args.ssh_config, warm=warm)
 
 
 def _on_each_node(args, cluster, fn, manifest: dict | None = None) -> GroupResult:
@@ -196,6 +199,8 @@ def _guard(fn):
             return refuse(args, exc, "record")
         except runner.RunError as exc:
             return refuse(args, exc.problems, "ssh")
+        except SSHError as exc:  # (shell's and debug's one node)
+            return refuse(args, exc, "ssh", EXIT_FAILED)
     return wrapper
 
 
@@ -310,7 +315,7 @@ def cmd_attach(args) -> int:
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
-        conns = _connect(args, cluster, manifest)
+        conns = _connect(args, cluster, warm=False)  # (it outlives `hold --stop`: the job goes on)
         printer = Printer(plan, verbose=args.verbose)
         hang = _hang_watch(args, manifest, plan, conns, printer)
         codes: dict[str, int] = {}
@@ -549,7 +554,9 @@ def cmd_shell(args) -> int:
     else:
         env, where, workdir = given, hosts[name], hosts[name].workdir or os.getcwd()
         prompt = f"[ddpfab {name}] \\w $ "
-    conn = _connect_one(args, cluster, hosts[name], manifest)
+    # its own connection: the terminal needs one (a held channel cannot carry it), and the start file
+    # written first must be on the connection the shell then runs on
+    conn = _connect_one(args, cluster, hosts[name], manifest, warm=False)
     try:
         return shell.run_shell(conn, where, workdir, env, prompt)
     except ConnectionError as exc:

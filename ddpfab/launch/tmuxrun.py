@@ -394,10 +394,12 @@ def _say_ended(windows: Windows, names: list[str], printer: Printer, how: str = 
 def _wait_ended(windows: Windows, names: list[str], printer: Printer, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     ended: list[str] = []
-    while any(n in windows.running() for n in names) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        ended += windows.poll()
-    _say_ended(windows, ended, printer, " (stopped)")
+    try:
+        while any(n in windows.running() for n in names) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            ended += windows.poll()
+    finally:  # (said also when a second signal cuts the wait)
+        _say_ended(windows, ended, printer, " (stopped)")
 
 
 def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
@@ -486,17 +488,24 @@ def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Wind
                 made = tmux("new-window", "-d", "-t", f"{windows.target}:", "-n", node.name, "-P", "-F",
                             "#{window_id}", *program)
                 windows.ids[node.name] = made.stdout.strip()
-    except BaseException as exc:
+    except BaseException:
         if windows.tie is not None:
             os.close(windows.tie)  # (untied: the job, if it runs, closes the session too)
             windows.tie = None
-        # tmux refusing the session (one of that name exists: not this run's) leaves it alone; an
-        # interrupt while tmux made it (Ctrl-C reaches the tmux client too) leaves one with no id here
-        refused = isinstance(exc, TmuxError) and not windows.ids
-        if windows.ids or (asked and not refused):
+        # an interrupt while tmux made the session (Ctrl-C reaches the tmux client too) leaves one
+        # with no window id here: closed when its window runs this run's program (one of that name
+        # tmux refused to make is not this run's, and stays)
+        if windows.ids or (asked and _runs_our_program(windows)):
             tmux("kill-session", "-t", windows.target, check=False)
         raise
     return windows
+
+
+def _runs_our_program(windows: Windows) -> bool:
+    """Whether the session of this run's name has a window running this run's program (its
+    command names this run's exit files)."""
+    res = tmux("list-panes", "-s", "-t", windows.target, "-F", "#{pane_start_command}", check=False)
+    return res.returncode == 0 and str(windows.exits_dir) in res.stdout
 
 
 def tie_session(windows: Windows) -> None:

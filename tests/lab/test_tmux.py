@@ -157,8 +157,11 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
             else f"the tmux session {run.session} was closed: ending every node's launch")
     assert said in out, out
     assert "did not end" not in out, out  # each node said what was left of its launch: nothing to wait for
-    if how == "ctrl-c to ddpfab":  # the nodes stopped together, said once (folded by exit code)
-        assert re.search(r"^ddpfab: node1, node2: their launches ended, exit code \d+ \(stopped\)$", out, re.M), out
+    if how == "ctrl-c to ddpfab":  # each node's end said once; the nodes stopped with one exit code, on one line
+        stopped = re.findall(r"^ddpfab: (.+): (?:its launch|their launches) ended, exit code (\d+) \(stopped\)$", out,
+                             re.M)
+        assert sorted(n for names, _ in stopped for n in names.split(", ")) == ["node1", "node2"], out
+        assert len({code for _, code in stopped}) == len(stopped), out
     manifest = run.manifest()
     assert manifest["state"] == "interrupted" and manifest["exit_code"] == 130, manifest
 

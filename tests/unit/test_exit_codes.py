@@ -250,6 +250,14 @@ def test_stop_and_logs_name_a_host_that_never_sends_a_banner(silent_sshd, tmp_pa
     assert not (tmp_path / "runs" / "r1").exists()  # logs that fetched nothing leaves no empty record dir
 
 
+def test_shell_on_a_host_that_never_sends_a_banner_is_one_line(silent_sshd, tmp_path):
+    port, how = silent_sshd
+    res = _ddpfab("shell", "quiet", *how, cwd=tmp_path)
+    assert res.returncode == EXIT_FAILED and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("ddpfab: error: host quiet") and "no SSH banner within 1 s" in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+
+
 def test_a_closed_stdout_ends_quietly(tmp_path):
     (tmp_path / "t.py").write_text("")
     read, write = os.pipe()

@@ -104,6 +104,9 @@ def test_an_error_many_nodes_share_is_one_line_and_the_odd_node_keeps_its_own():
         "host node7: workdir /other does not exist there; create it",
         "nothing was started"]
     assert die(many) == 2
+    twice = [workdir(i) for i in range(1, FOLD_ABOVE + 2)] + [workdir(1)]  # a node said twice counts once
+    assert [str(x) for x in folded(twice)] == [
+        f"host node[1-{FOLD_ABOVE + 1}] ({FOLD_ABOVE + 1} nodes): workdir /w does not exist there; create it"]
 
 
 def test_the_folded_error_is_what_stderr_gets(capsys):
