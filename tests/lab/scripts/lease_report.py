@@ -5,7 +5,8 @@ would change the sum or the world size).
 
 With LEASE_MEET=N a rank first waits (up to 300 s) until its node shows N GPUs leased, and reports
 that table: the proof that N jobs held their leases at the same moment, without depending on how
-fast a loaded machine starts them."""
+fast a loaded machine starts them. It then marks its job's record on the node as met and holds
+until every job in that table has met there too."""
 
 import json
 import os
@@ -36,6 +37,12 @@ if os.environ.get("LEASE_MEET"):
             met, met_at = held, time.time()
         else:
             time.sleep(0.3)
+    # then hold until every job seen there has met too: a job whose rank starts late (its torch
+    # import on loaded cores) still finds the others' leases held
+    runs = Path.home() / ".ddpfab" / "runs"  # each job's record on the node (its supervisor made it)
+    (runs / os.environ["DDPFAB_RUN_ID"] / "lease-met").write_text("")
+    while met and time.monotonic() < deadline and not all((runs / r / "lease-met").exists() for r in met.values()):
+        time.sleep(0.3)
 time.sleep(float(os.environ.get("LEASE_HOLD", "0")))
 dist.barrier()
 print("REPORT " + json.dumps({
