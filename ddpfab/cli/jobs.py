@@ -67,48 +67,43 @@ def _latest(args, manifest: dict | None) -> dict | None:
     return current_manifest(args.runs_dir, manifest) if manifest else None
 
 
-def _held(args, cluster, manifest: dict | None = None):
-    """Within: the nodes of *cluster* that a ``ddpfab hold`` of this inventory holds are reached
-    over its connections, as the library's commands reach them (:meth:`ddpfab.api.Cluster.held_connections`)."""
+def _library(args, nodes: inventory.Inventory, manifest: dict | None = None):
+    """The library's :class:`ddpfab.api.Cluster` of *nodes*, reached as -i, --ssh-config and
+    --known-hosts say (or the run's record): what every command here calls or connects through."""
     from ddpfab.api import Cluster
 
-    return Cluster(cluster, inventory=_source(args, manifest), ssh_config=args.ssh_config,
-                   known_hosts=args.known_hosts).held_connections()
+    return Cluster(nodes, inventory=_source(args, manifest), ssh_config=args.ssh_config, known_hosts=args.known_hosts)
 
 
-def _policy(args):
-    # slow to import: see LAZY in ddpfab/cli/__init__.py
-    from ddpfab.remote import ssh
-
-    return ssh.HostKeyPolicy(known_hosts=args.known_hosts, accept_new=False)
-
-
-def _connect(args, cluster, manifest: dict | None = None, warm: bool = True):
-    """A connection to every node of *cluster*: over the holder's where it holds them (*warm*),
-    else of its own."""
+def _connect(args, nodes: inventory.Inventory, manifest: dict | None = None, warm: bool = True):
+    """A connection to every node: over ``ddpfab hold``'s where it holds them (*warm*), else of its own."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import runner
 
-    with _held(args, cluster, manifest) if warm else contextlib.nullcontext():
-        return runner.connect_all(cluster, _policy(args), args.ssh_config)
+    cluster = _library(args, nodes, manifest)
+    with cluster.held_connections() if warm else contextlib.nullcontext():
+        return runner.connect_all(nodes, cluster.policy, cluster.ssh_config)
 
 
-def _connect_one(args, cluster, node: inventory.Node, manifest: dict | None = None, warm: bool = True):
+def _connect_one(args, nodes: inventory.Inventory, node: inventory.Node, manifest: dict | None = None,
+                 warm: bool = True):
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.remote import ssh
 
-    with _held(args, cluster, manifest):
-        return ssh.connect(node, _policy(args), args.ssh_config, warm=warm)
+    cluster = _library(args, nodes, manifest)
+    with cluster.held_connections() if warm else contextlib.nullcontext():
+        return ssh.connect(node, cluster.policy, cluster.ssh_config)
 
 
-def _on_each_node(args, cluster, fn, manifest: dict | None = None) -> GroupResult:
-    """``fn(conn, node)`` on every node of *cluster* over connections of their own, or the
-    holder's (a node that cannot be reached is one failure among the results)."""
+def _on_each_node(args, nodes: inventory.Inventory, fn, manifest: dict | None = None) -> GroupResult:
+    """``fn(conn, node)`` on every node over connections of their own, or ``ddpfab hold``'s (a
+    node that cannot be reached is one failure among the results)."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.remote import ssh
 
-    with _held(args, cluster, manifest):
-        return ssh.on_each(cluster.nodes, _policy(args), args.ssh_config, fn)
+    cluster = _library(args, nodes, manifest)
+    with cluster.held_connections():
+        return ssh.on_each(nodes.nodes, cluster.policy, cluster.ssh_config, fn)
 
 
 def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
@@ -206,12 +201,10 @@ def _guard(fn):
 
 @_guard
 def cmd_ps(args) -> int:
-    from ddpfab.api import Cluster
     from ddpfab.launch.jobs import grouped, node_state_text
     from ddpfab.launch.tmuxrun import session_name
 
-    cluster = Cluster(_cluster(args, None), inventory=_source(args, None), ssh_config=args.ssh_config,
-                      known_hosts=args.known_hosts)
+    cluster = _library(args, _cluster(args, None), None)
     jobs = cluster.ps(runs_dir=args.runs_dir)
     for problem in jobs.problems:  # one node's failure is data: the others are listed
         warn(problem)
@@ -276,7 +269,6 @@ def cmd_queue(args) -> int:
 
 @_guard
 def cmd_stop(args) -> int:
-    from ddpfab.api import Cluster
     from ddpfab.launch.jobs import grouped
     from ddpfab.launch.recover import stop_supervisor
 
@@ -284,8 +276,7 @@ def cmd_stop(args) -> int:
     if supervisor:
         print(f"controller: {supervisor}")
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))  # then its latest attempt's nodes
-    cluster = Cluster(_cluster(args, manifest), inventory=_source(args, manifest), ssh_config=args.ssh_config,
-                      known_hosts=args.known_hosts)
+    cluster = _library(args, _cluster(args, manifest), manifest)
     stopped = cluster.stop(args.run_id, runs_dir=args.runs_dir, record=manifest)
     if stopped.tmux:
         print(f"controller: {stopped.tmux}")
@@ -367,15 +358,13 @@ def _hang_watch(args, manifest: dict, plan: Plan, conns: dict, printer):
 @_guard
 def cmd_doctor(args) -> int:
     """Every rank's state and stack, grouped; the verdict on top; the record in runs/<id>/."""
-    from ddpfab.api import Cluster
 
     if not args.timeout > 0:
         return die(f"--timeout {args.timeout:g}: expected a number of seconds > 0")
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))
     if manifest is None:
         return _doctor_without_record(args)
-    cluster = Cluster(_cluster(args, manifest), inventory=_source(args, manifest), ssh_config=args.ssh_config,
-                      known_hosts=args.known_hosts)
+    cluster = _library(args, _cluster(args, manifest), manifest)
     found = cluster.doctor(args.run_id, runs_dir=args.runs_dir, timeout=args.timeout, record=manifest)
     if args.json:
         print(found.record.read_text() if found.record else json.dumps({"verdict": found.lines}))
@@ -458,11 +447,9 @@ def cmd_logs(args) -> int:
 
 def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     """Fetch one attempt's output from each of its nodes into runs/<attempt id>/."""
-    from ddpfab.api import Cluster
     from ddpfab.launch.jobs import grouped, logs_report
 
-    cluster = Cluster(_cluster(args, manifest), inventory=_source(args, manifest), ssh_config=args.ssh_config,
-                      known_hosts=args.known_hosts)
+    cluster = _library(args, _cluster(args, manifest), manifest)
     logs = cluster.logs(run_id, runs_dir=args.runs_dir, ranks=bool(getattr(args, "ranks", False)),
                         record=manifest)
     die([f"host {line}" for line in grouped({p.node or "?": p.found or p.text for p in logs.problems})])
