@@ -810,7 +810,7 @@ def main(spec):
     sup.last_beat = time.monotonic()  # the controller's silence counts from here, not from a wait in the queue
     _set_subreaper()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, lambda s, f: sup.request_stop("signal %d" % s))
+        signal.signal(sig, sup.on_signal)
     code = sup.start_job()
     if code is not None:
         return code
@@ -923,6 +923,7 @@ class Supervisor(object):
         self.workers = {}  # pid -> worker_identity(pid), filled by watch_workers
         self.own_failure_since = None  # time.monotonic() when a worker failed before any stop
         self.at_barrier = False
+        self.signalled = None  # the signal that asks for a stop, for the main loop to take
         self.relayed = None
         self.relayer = None
 
@@ -980,6 +981,17 @@ class Supervisor(object):
         return None
 
     # -- while it runs ------------------------------------------------------------------------
+    def on_signal(self, signum, frame):
+        """SIGTERM, SIGHUP, SIGINT: a stop, taken by the main loop. The handler runs in the main
+        thread between two of its steps, which may be inside ``self.stop.wait`` with the event's
+        own lock held: ``stop.set()`` here would wait for that lock for ever (the supervisor, and
+        its job, would outlive ``ddpfab stop``). So it takes no lock."""
+        self.signalled = signum
+
+    def _take_signal(self):
+        if self.signalled is not None:
+            self.request_stop("signal %d" % self.signalled)
+
     def request_stop(self, why, worker=False):
         if not self.stop.is_set():
             self.reason, self.by_worker = why, worker
@@ -1057,6 +1069,7 @@ class Supervisor(object):
         self.relayer.start()
         while job.poll() is None and not self.stop.is_set():
             self.stop.wait(0.05)
+            self._take_signal()
             if self.silence and not self.detached and time.monotonic() - self.last_beat > self.silence:
                 self.request_stop("controller silent for %.0f s" % self.silence)
         if job.poll() is not None and self.reason is None:

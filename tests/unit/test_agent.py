@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +105,25 @@ def test_sigterm_to_the_agent_ends_the_tree(tmp_path):
     proc.wait(timeout=10)
     assert not any(alive(p) for p in tree)
     assert (d / "run" / "stopped").read_text().startswith("signal")
+
+
+def test_a_signal_that_lands_inside_the_stop_wait_still_stops_the_job(tmp_path):
+    """A SIGTERM's handler runs in the main thread between two steps, which may be inside the main
+    loop's ``stop.wait(0.05)`` with the event's own lock held (CPython's ``Event._cond``): the
+    handler must not wait for that lock (it would for ever: ``ddpfab stop`` then said "still
+    running" and the job ran on), and the main loop still takes the stop."""
+    sup = agent.Supervisor({"run_id": "r1", "dir": str(tmp_path / "run")})
+    returned = threading.Event()
+
+    def land_inside_the_wait():
+        with sup.stop._cond:  # what the main thread holds there
+            sup.on_signal(signal.SIGTERM, None)
+        returned.set()
+
+    threading.Thread(target=land_inside_the_wait, daemon=True).start()
+    assert returned.wait(5), "the signal handler waited for the stop event's lock"
+    sup._take_signal()
+    assert sup.stop.is_set() and sup.reason == "signal %d" % signal.SIGTERM
 
 
 
