@@ -123,7 +123,7 @@ def test_a_signal_that_lands_inside_the_stop_wait_still_stops_the_job(tmp_path):
     threading.Thread(target=land_inside_the_wait, daemon=True).start()
     assert returned.wait(5), "the signal handler waited for the stop event's lock"
     sup._take_signal()
-    assert sup.stop.is_set() and sup.reason == "signal %d" % signal.SIGTERM
+    assert sup.stop.is_set() and sup.reason == f"signal {int(signal.SIGTERM)}"
 
 
 
