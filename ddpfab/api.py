@@ -1107,10 +1107,10 @@ class Cluster:
         # slow to import: see LAZY above
         from ddpfab.launch import runner
 
-        conns = runner.connect_all(nodes, self.policy, self.ssh_config)
-        probing = None
+        opened = runner.connect_and_start(nodes, self.policy, self.ssh_config)
+        conns, probing = opened.conns, None
         try:  # one node program per node for the whole preparation: facts, hash, mesh in one session
-            probing = runner.start_probe(nodes, conns, run_options, os.getcwd(), preflight=opts.check)
+            probing = runner.start_probe(nodes, conns, run_options, os.getcwd(), preflight=opts.check, opened=opened)
             code = None if opts.dry_run or not opts.sync else self._sync_code(nodes, opts, conns, probing.sessions)
         except BaseException:
             if probing:

@@ -78,9 +78,56 @@ def connect_all(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
     if failed:
         for c in conns.values():
             c.close()
-        raise RunError([Problem(name, e.kind if isinstance(e, ssh.SSHError) else "ssh", found=str(e),
-                                text=str(e) if isinstance(e, ssh.SSHError) else repr(e)) for name, e in failed.items()])
+        raise _unreachable(failed)
     return conns
+
+
+def _unreachable(failed: dict[str, Exception]) -> RunError:
+    """One error listing every host whose connection failed, and why."""
+    return RunError([Problem(name, e.kind if isinstance(e, ssh.SSHError) else "ssh", found=str(e),
+                             text=str(e) if isinstance(e, ssh.SSHError) else repr(e)) for name, e in failed.items()])
+
+
+@dataclass
+class Opened:
+    """Every node's connection and node program session, each session started as soon as its own
+    node's handshake ended (:func:`connect_and_start`).
+
+    Args:
+        conns: node -> its verified connection.
+        sessions: node -> its program session, nothing asked on it yet.
+        errors: node -> why its session did not open.
+    """
+
+    conns: dict[str, Connection]
+    sessions: dict[str, nodeprog.Session]
+    errors: dict[str, nodeprog.NodeProgramError]
+
+
+def connect_and_start(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
+                      ssh_config: str | None = None) -> Opened:
+    """:func:`connect_all`, then the node program on every node, with no wait between the two on
+    any node: a node's python starts while the other nodes' handshakes go on (the controller's
+    share of a handshake is CPU; the node's python start is the node's). A node that cannot be
+    reached closes them all and raises RunError, as :func:`connect_all` does."""
+
+    def open_one(node: inventory.Node) -> tuple[Connection, nodeprog.Session | nodeprog.NodeProgramError]:
+        conn = ssh.connect(node, policy, ssh_config)
+        try:
+            return conn, nodeprog.Session(conn, node)
+        except Exception as exc:  # noqa: BLE001 - the session's failure is the node's data, as in open_sessions
+            return conn, nodeprog.NodeProgramError(node.name, f"could not start the node program: {exc}")
+
+    results = ssh.parallel(cluster.nodes, open_one)
+    conns = {name: conn for name, (conn, _) in results.succeeded.items()}
+    sessions = {name: s for name, (_, s) in results.succeeded.items() if isinstance(s, nodeprog.Session)}
+    if results.failed:
+        nodeprog.close_all(sessions, 0)
+        for c in conns.values():
+            c.close()
+        raise _unreachable(results.failed)
+    return Opened(conns, sessions, {name: e for name, (_, e) in results.succeeded.items()
+                                    if isinstance(e, nodeprog.NodeProgramError)})
 
 
 @dataclass
@@ -107,13 +154,17 @@ class Probing:
 
 
 def start_probe(cluster: inventory.Inventory, conns: dict[str, Connection], options: RunOptions, cwd: str,
-                preflight: bool = True, new_run_dir: bool = True) -> Probing:
-    """Start the node program on every node and send what the preparation asks, without waiting:
-    the facts, and with *preflight* the mesh listeners (on the master also on the master port,
-    the one its facts find free unless the user gave one). Whatever is asked on the same sessions
-    later (the code's hash) travels with it in the same round trip."""
+                preflight: bool = True, new_run_dir: bool = True, opened: Opened | None = None) -> Probing:
+    """Start the node program on every node (unless *opened* has it started already) and send
+    what the preparation asks, without waiting: the facts, and with *preflight* the mesh listeners
+    (on the master also on the master port, the one its facts find free unless the user gave
+    one). Whatever is asked on the same sessions later (the code's hash) travels with it in the
+    same round trip."""
     master = choose_master(cluster)
-    sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
+    if opened is not None:
+        sessions, errors = dict(opened.sessions), dict(opened.errors)
+    else:
+        sessions, errors = nodeprog.open_sessions(cluster.nodes, conns)
     script = scriptfile.file_to_check(options.script, options.module, cwd)  # the file the nodes must have
     reqs = probe.requests(cluster, conns, master, cwd=cwd, script=script, master_port=options.master_port,
                           run_id=options.run_id, new_run_dir=new_run_dir)
