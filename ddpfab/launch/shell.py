@@ -14,6 +14,7 @@ FILE -i`` (``sh`` with ``ENV=FILE`` where there is no bash).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import select
@@ -93,24 +94,51 @@ def shell_command(path: str) -> str:
     return f"if command -v bash >/dev/null 2>&1; then exec bash --rcfile {home} -i; else ENV={home} exec sh -i; fi"
 
 
+class _WindowSize:
+    """This terminal's size changes (SIGWINCH), passed on to *chan*'s pty by the loop that reads
+    :meth:`fileno`. A signal handler runs in the main thread wherever it is, which may be inside
+    paramiko with the channel's lock held: resizing there would wait for that lock for ever. So
+    the handler only writes a byte to a pipe."""
+
+    def __init__(self, chan, fd: int):
+        self.chan, self.fd = chan, fd
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.w, False)
+        self.old = signal.signal(signal.SIGWINCH, self.signalled)
+
+    def signalled(self, *_) -> None:
+        with contextlib.suppress(OSError):  # the pipe is full: a resize is pending already
+            os.write(self.w, b"w")
+
+    def fileno(self) -> int:
+        return self.r
+
+    def apply(self) -> None:
+        os.read(self.r, 512)
+        cols, rows = os.get_terminal_size(self.fd)
+        self.chan.resize_pty(width=cols, height=rows)
+
+    def close(self) -> None:
+        signal.signal(signal.SIGWINCH, self.old)
+        os.close(self.r)
+        os.close(self.w)
+
+
 def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
     """This terminal in raw mode to *chan* (a pty channel) until it closes; its exit status. The
     terminal's size follows this one's (SIGWINCH)."""
     is_tty = os.isatty(stdin_fd)
     saved = termios.tcgetattr(stdin_fd) if is_tty else None
-    old_winch = None
+    size = _WindowSize(chan, stdin_fd) if is_tty else None
     if is_tty:
-        def resize(*_) -> None:
-            cols, rows = os.get_terminal_size(stdin_fd)
-            chan.resize_pty(width=cols, height=rows)
-
-        old_winch = signal.signal(signal.SIGWINCH, resize)
         tty.setraw(stdin_fd)
     try:
         reading = True
         while True:
-            fds = [chan] + ([stdin_fd] if reading else [])
+            fds = [chan] + ([stdin_fd] if reading else []) + ([size] if size else [])
             ready, _, _ = select.select(fds, [], [], 0.5)
+            if size is not None and size in ready:
+                size.apply()
             if chan in ready:
                 data = chan.recv(65536)
                 if not data:
@@ -129,8 +157,8 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
     finally:
         if saved is not None:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
-        if old_winch is not None:
-            signal.signal(signal.SIGWINCH, old_winch)
+        if size is not None:
+            size.close()
 
 
 def terminal_size(fd: int = 0) -> tuple[int, int]:

@@ -124,6 +124,17 @@ class Terminal:
     def send(self, line: str) -> None:
         os.write(self.master, line.encode() + b"\n")
 
+    def resize(self, rows: int, cols: int) -> None:
+        """The terminal's window made *rows* x *cols*, and the command told (SIGWINCH), as a
+        terminal emulator does when its window is resized."""
+        import fcntl
+        import signal
+        import struct
+        import termios
+
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        os.kill(self.proc.pid, signal.SIGWINCH)
+
     def wait(self, timeout: float = 120) -> int:
         """The command's exit code, its output read to the end."""
         end = time.monotonic() + timeout

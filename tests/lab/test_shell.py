@@ -4,13 +4,16 @@
   the inventory's setup line, with the rank's environment (`echo $RANK $MASTER_ADDR ...` prints
   the values the run gave rank 3) and the node's python first on PATH; a secret the record masks
   is named, not set, and given again with `--env`; the start file is gone once the shell runs.
-- `shell NODE`: the node as ddpfab starts things there, no rank's variables.
+- `shell NODE`: the node as ddpfab starts things there, no rank's variables; a resized window
+  resizes the node's terminal.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 
 import pytest
 import yaml
@@ -64,6 +67,15 @@ def test_a_shell_that_is_rank_3_of_a_recorded_run(lab, setup_inventory, tmp_path
 def test_a_shell_on_a_node_is_the_node_as_ddpfab_starts_things_there(lab, setup_inventory, tmp_path):
     term = Terminal("shell", "-i", str(setup_inventory), "node1", cwd=tmp_path)
     term.expect(r"\[ddpfab node1\] \S+ \$ ", 60)
-    term.send('echo "F=$SITE_FLAG R=${RANK-none} P=$(pwd)"; exit')
+    term.send('echo "F=$SITE_FLAG R=${RANK-none} P=$(pwd)"')
     term.expect(rf"F=from-setup R=none P={tmp_path}\r?\n")
+    # a resized window: the node's terminal follows (stty there reads its pty's size)
+    term.resize(41, 123)
+    deadline = time.monotonic() + 30
+    while not re.search(r"SIZE=41 123\r?\n", term.text):
+        assert time.monotonic() < deadline, f"the node's terminal kept its size:\n{term.text[-2000:]}"
+        term.send('echo "SIZE=$(stty size)"')
+        term.expect(r"SIZE=\d+ \d+\r?\n")
+        time.sleep(0.2)
+    term.send("exit")
     assert term.wait(30) == 0, term.text

@@ -4,8 +4,13 @@ sh, with a stand-in HOME)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import struct
 import subprocess
+import termios
+import threading
 
 import pytest
 
@@ -50,7 +55,7 @@ def test_the_start_file_removes_itself_then_sets_up_the_node_and_the_rank(plan, 
     env = {"RANK": "3", "QUOTED": "a b'c $HOME"}
     text = shell.start_file(node, str(tmp_path), env, "[ddpfab a rank 3] ", path)
     (home / ".ddpfab" / "shell" / "rc-1").write_text(text)
-    out = subprocess.run(["sh", "-c", f'. "$HOME/.ddpfab/shell/rc-1"; echo "$SITE|$RANK|$QUOTED|$(pwd)|$PS1"; '
+    out = subprocess.run(["sh", "-c", '. "$HOME/.ddpfab/shell/rc-1"; echo "$SITE|$RANK|$QUOTED|$(pwd)|$PS1"; '
                                       'echo "${PATH%%:*}"; ls -A "$HOME/.ddpfab/shell"'],
                          env={"HOME": str(home), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -71,3 +76,42 @@ def test_a_missing_workdir_with_a_quote_in_its_name_is_said_and_runs_nothing(tmp
                          env={"HOME": str(home), "PATH": os.environ["PATH"]}, capture_output=True, text=True)
     assert out.stdout.strip() == "rank 1", out.stdout + out.stderr  # the exports after it still ran
     assert f"ddpfab: the workdir {workdir} is not there" in out.stderr and not (tmp_path / "pwned").exists()
+
+
+class _LockedChannel:
+    """A pty channel whose resize takes its lock, as paramiko's does."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sizes: list[tuple[int, int]] = []
+
+    def resize_pty(self, width: int, height: int) -> None:
+        with self.lock:
+            self.sizes.append((width, height))
+
+
+def test_a_window_size_change_inside_the_channels_lock_waits_for_the_loop():
+    """SIGWINCH's handler runs in the main thread wherever it is, maybe inside paramiko with the
+    channel's lock held: it must not resize there (it would wait for that lock for ever), only
+    tell the loop, which resizes to the terminal's new size."""
+    master, slave = pty.openpty()
+    chan = _LockedChannel()
+    size = shell._WindowSize(chan, slave)
+    try:
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        returned = threading.Event()
+
+        def land_inside_the_lock():
+            with chan.lock:
+                size.signalled()
+            returned.set()
+
+        threading.Thread(target=land_inside_the_lock, daemon=True).start()
+        assert returned.wait(5), "the handler waited for the channel's lock"
+        assert chan.sizes == []
+        size.apply()
+        assert chan.sizes == [(120, 40)]
+    finally:
+        size.close()
+        os.close(master)
+        os.close(slave)
