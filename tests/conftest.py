@@ -96,7 +96,6 @@ def pytest_configure(config):
     _pick_test_subnet()
 
 
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: known only where xdist is loaded
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` that pairs the kinds: a free worker gets the first file (in the
     collection's order) of the kind the other worker is not running, so a file that mostly waits
