@@ -4,8 +4,8 @@
 #
 # Test files run in DDPFAB_TEST_WORKERS processes at once (pytest-xdist, default 2; 0 = one
 # process): each worker brings up a lab of its own on a subnet of its own, and a file stays on one
-# worker, since the tests in a file share labs and fixtures; the longest files start first, and
-# a file that mostly waits runs beside one that computes (tests/conftest.py). Two workers pay off even on two cores; a third is not the default: the lab
+# worker, since the tests in a file share labs and fixtures; the longest files start first
+# (tests/conftest.py). Two workers pay off even on two cores; a third is not the default: the lab
 # files that train are CPU-bound (every rank and torchrun imports torch), so a third worker makes
 # every file slower and the whole barely shorter (docs/testing.md has the figures).
 set -euo pipefail

@@ -15,67 +15,44 @@ import pytest
 FIRST_TEST_NET = 213
 
 #: The test files that take longest, started first (seconds: the sum of each file's tests in
-#: `--durations` of one CI run, 2 workers on 2 cores; docs/testing.md has the whole run):
+#: `--durations` of one CI run, 2 workers on 2 cores; docs/testing.md has the whole run). The first
+#: five keep their order (two heavy files never run side by side); the suite runs them first:
 #: pytest-xdist (`--dist loadfile`) hands a free worker the next file, so a long file started last
 #: would be the tail both workers wait on. (xdist's own order, the most tests first, put these
 #: few-test files last: the unit files have the most tests.) Files not listed follow: the other lab
 #: files, then tests/infra, then tests/unit, each in collection order. A name here that no
 #: collected file has is never matched (files still on other branches may be listed).
 LONGEST_FIRST = [
-    "tests/lab/test_exit_race.py",  # 171 s: upstream DDP scripts on 2 and 4 nodes, the abort drill
-    "tests/lab/test_gpu_leases.py",  # 100 s: four launches at once, the queue
-    "tests/lab/test_provision.py",  # 201 s: torch provisioned on 3 hosts, twice; testinfra twice
-    "tests/lab/test_first_hour.py",  # 99 s: provisions 2 hosts from the wheel
-    "tests/lab/test_gpu_users.py",  # 154 s: 30 jobs of three users
-    "tests/lab/test_failure_story.py",  # 134 s: 12 crashes on 3 and 4 nodes, an OOM, a usage error
-    "tests/lab/test_recover.py",  # 150 s: lost nodes found by silence, spares, restarts
-    "tests/lab/test_doctor.py",  # 145 s: hangs found after their timeouts
-    "tests/lab/test_trust.py",  # 160 s
-    "tests/lab/test_perf.py",  # 96 s: check --perf six times, one node briefly at a 1 % CPU quota
-    "tests/lab/test_sync_ownership.py",  # 104 s
-    "tests/lab/test_faults.py",  # 103 s
-    "tests/lab/test_hold.py",  # 74 s
-    "tests/lab/test_preflight_load.py",  # 65 s: 8 nodes under a CPU hog, three runs
-    "tests/lab/test_handrun.py",  # 62 s
-    "tests/lab/test_sync.py",  # 57 s
-    "tests/lab/test_run.py",  # 55 s
+    "tests/lab/test_exit_race.py",  # 158 s: upstream DDP scripts on 2 and 4 nodes, the abort drill
+    "tests/lab/test_gpu_leases.py",  # 94 s: four launches at once, the queue
+    "tests/lab/test_provision.py",  # 178 s: torch provisioned on 3 hosts, twice; testinfra twice
+    "tests/lab/test_first_hour.py",  # 90 s: provisions 2 hosts from the wheel
+    # 124 s: 30 jobs of three users; not beside the exit-race soak, whose load can stretch its waits
+    # past their 8 s bound
+    "tests/lab/test_gpu_users.py",
+    "tests/lab/test_failure_story.py",  # 121 s: 12 crashes on 3 and 4 nodes, an OOM, a usage error
+    "tests/lab/test_recover.py",  # 149 s: lost nodes found by silence, spares, restarts
+    "tests/lab/test_doctor.py",  # 141 s: hangs found after their timeouts
+    "tests/lab/test_preflight_load.py",  # 69 s: 8 nodes under a CPU hog, three runs
+    "tests/lab/test_trust.py",  # 136 s
+    "tests/lab/test_perf.py",  # 126 s: check --perf six times, one node briefly at a 1 % CPU quota
+    "tests/lab/test_exit_abort.py",  # 37 s
+    "tests/lab/test_sync_ownership.py",  # 92 s
+    "tests/lab/test_faults.py",  # 106 s
+    "tests/lab/test_preflight_resources.py",  # 38 s
+    "tests/lab/test_sync.py",  # 49 s
     "tests/lab/test_preflight_dataplane.py",  # 54 s
-    "tests/lab/test_launch_styles.py",  # 54 s
-    "tests/lab/test_debugpy.py",  # 50 s
-    "tests/lab/test_peer_inventories.py",  # 48 s
-    "tests/lab/test_api.py",  # 45 s
-    "tests/lab/test_debugging.py",  # 45 s
-    "tests/lab/test_tmux.py",  # 44 s
-    "tests/lab/test_exit_abort.py",  # 43 s
-    "tests/lab/test_preflight_resources.py",  # 40 s
+    "tests/lab/test_peer_inventories.py",  # 46 s
     "tests/lab/test_sync_lock.py",  # 38 s
-    "tests/lab/test_check.py",  # 36 s
-    "tests/lab/test_one_connection.py",  # 35 s
+    "tests/lab/test_launch_styles.py",  # 51 s
+    "tests/lab/test_debugging.py",  # 43 s
+    "tests/lab/test_replicate.py",  # 18 s
     "tests/lab/test_bastion.py",  # 30 s
-    "tests/lab/test_pdb.py",  # 28 s
-    "tests/lab/test_bench.py",  # 27 s
-    "tests/infra/test_lint.py",  # 25 s
+    "tests/infra/test_lint.py",  # 21 s
     "tests/lab/test_install.py",  # the wheel and its venv (shared with test_first_hour), a 1-host playbook twice
 ]
 #: After LONGEST_FIRST: the rest of each directory, in this order.
 DIR_ORDER = ["tests/lab/", "tests/infra/", "tests/unit/"]
-
-#: The files that mostly wait (for a timeout, a hang to be found, a terminal, a slowed link): the
-#: machine was about half idle while two of them ran side by side, and fully busy while two of
-#: the others did. The scheduler below runs one of these beside one of the others while both
-#: kinds are left, and the unit and infra files (short, light: test_lint aside) count as these.
-MOSTLY_WAITING = frozenset({
-    "tests/lab/test_recover.py", "tests/lab/test_doctor.py", "tests/lab/test_hold.py", "tests/lab/test_handrun.py",
-    "tests/lab/test_sync.py", "tests/lab/test_preflight_dataplane.py", "tests/lab/test_debugpy.py",
-    "tests/lab/test_api.py", "tests/lab/test_tmux.py", "tests/lab/test_sync_lock.py", "tests/lab/test_check.py",
-    "tests/lab/test_one_connection.py", "tests/lab/test_pdb.py", "tests/lab/test_bench.py",
-    "tests/lab/test_slurm.py", "tests/lab/test_socket_ifname.py", "tests/lab/test_errors.py",
-    "tests/lab/test_sync_keys.py", "tests/lab/test_run_waits.py", "tests/lab/test_shell.py",
-})
-
-
-def _mostly_waiting(path: str) -> bool:
-    return path in MOSTLY_WAITING or (path.startswith(("tests/unit/", "tests/infra/")) and path not in LONGEST_FIRST)
 
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
@@ -94,28 +71,6 @@ def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     _pick_test_subnet()
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` that pairs the kinds: a free worker gets the first file (in the
-    collection's order) of the kind the other worker is not running, so a file that mostly waits
-    runs beside one that computes instead of beside another that waits."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class PairedKinds(LoadFileScheduling):
-        def _assign_work_unit(self, node) -> None:
-            running = [next((scope for scope, unit in work.items() if not all(unit.values())), None)
-                       for other, work in self.assigned_work.items() if other is not node]
-            others_wait = [_mostly_waiting(scope) for scope in running if scope is not None]
-            want = not others_wait[0] if others_wait else False  # alone: a computing file first
-            pick = next((scope for scope in self.workqueue if _mostly_waiting(scope) == want), None)
-            if pick is not None:
-                self.workqueue.move_to_end(pick, last=False)
-            super()._assign_work_unit(node)
-
-    return PairedKinds(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
