@@ -37,6 +37,7 @@ from typing import TextIO
 from ddpfab.hosts import inventory as invmod
 from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.problems import DdpfabError
+from ddpfab.remote import waits
 from ddpfab.remote.target import HostKeyPolicy, Target, TargetError, ansible_vars, resolve_all, ssh_argv, ssh_problem
 
 #: Playbooks ``ddpfab provision --playbook NAME`` knows by name (``<name>.yml`` in :func:`ansible_dir`).
@@ -387,7 +388,7 @@ def why_unreachable(targets: list[Target]) -> dict[str, str]:
         return ssh_problem(t, proc.returncode, proc.stderr) if proc.returncode == 255 else None
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as pool:
-        found = dict(zip([t.name for t in targets], pool.map(one, targets), strict=True))
+        found = dict(zip([t.name for t in targets], waits.mapped(pool, one, targets), strict=True))
     return {name: why for name, why in found.items() if why}
 
 

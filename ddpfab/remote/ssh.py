@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import resource
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 from ddpfab.hosts.inventory import Node
 
 # SSHError and HostKeyPolicy are ddpfab.remote.ssh's to callers too
+from ddpfab.remote import waits
 from ddpfab.remote.ssherror import SSHError
 from ddpfab.remote.target import HostKeyPolicy, Target, TargetError, resolve
 from ddpfab.results import GroupResult
@@ -128,7 +128,7 @@ def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None
         futures = {n.name: pool.submit(fn, n) for n in nodes}
         for name, fut in futures.items():
             try:
-                results[name] = _result(fut)
+                results[name] = waits.result(fut)
             except Exception as exc:  # noqa: BLE001 - a failure on one host is data
                 results[name] = exc
     finally:
@@ -150,21 +150,6 @@ def on_each(nodes: list[Node] | tuple[Node, ...], policy: HostKeyPolicy, ssh_con
         finally:
             conn.close()
     return parallel(nodes, connected)
-
-
-#: How long the main thread waits for a node's thread at a time (see :func:`_result`).
-SIGNAL_CHECK_S = 0.2
-
-
-def _result(fut: Future[T]) -> T:
-    """*fut*'s result, waited for in slices of :data:`SIGNAL_CHECK_S`: a SIGINT taken on another
-    thread, or just before a wait began, runs its handler only when the main thread next runs,
-    and a wait on a lock is not woken by it; a Ctrl-C of ``exec -- sleep 60`` went unanswered
-    until the command ended. Between slices the main thread runs, and the signal's
-    :class:`~ddpfab.launch.interrupt.Interrupted` is raised."""
-    while not fut.done():
-        wait_for([fut], timeout=SIGNAL_CHECK_S)
-    return fut.result()
 
 
 @dataclass

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ddpfab.remote import nodeprogram as nodeprog
+from ddpfab.remote import waits
 from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.node import treehash, workdir
 from ddpfab.optionnames import option
@@ -632,11 +633,11 @@ class _Sync:
         nonce, nonce_error = _probe_file(self.sel.root)
         try:
             with ThreadPoolExecutor(max_workers=min(32, len(self.targets))) as pool:
-                list(pool.map(lambda t: self.probe(t, create, nonce, nonce_error), self.targets.values()))
+                waits.mapped(pool, lambda t: self.probe(t, create, nonce, nonce_error), self.targets.values())
                 if create:
                     self.lock_all()
                     mine = [t for t in self.targets.values() if t.ready and not t.shared]
-                    list(pool.map(lambda t: self.prepare(t, nonce, nonce_error), mine))
+                    waits.mapped(pool, lambda t: self.prepare(t, nonce, nonce_error), mine)
         finally:
             if nonce:
                 try:
@@ -737,7 +738,7 @@ class _Sync:
                 self.refused = True
                 return
             with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
-                list(pool.map(self.unlock, [t for t in wanted if t.locked]))
+                waits.mapped(pool, self.unlock, [t for t in wanted if t.locked])
             t = busy[0]
             whose = f"{t.node.name}: {t.rec.workdir} is being changed by {holder_text(t.holder)}"
             if whose not in said:  # one line per holder met, not one per retry
@@ -747,7 +748,7 @@ class _Sync:
             self.try_lock(t, left)
             if t.locked:
                 with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
-                    list(pool.map(lambda u: self.try_lock(u, 0), [u for u in wanted if not u.locked and u is not t]))
+                    waits.mapped(pool, lambda u: self.try_lock(u, 0), [u for u in wanted if not u.locked and u is not t])
 
     def unlock(self, t: _SyncTarget) -> None:
         try:
@@ -911,7 +912,7 @@ class _Sync:
         if targets:
             pool = ThreadPoolExecutor(max_workers=min(32, len(targets)))
             try:
-                list(pool.map(one, targets))
+                waits.mapped(pool, one, targets)
             except BaseException:  # Ctrl-C: end the copies first, or shutdown() waits for them
                 self.abort()
                 raise
@@ -964,7 +965,7 @@ class _Sync:
         list_b64 = base64.b64encode(Path(self.list_file).read_bytes()).decode()
         forwarders = [j for j, kids in children.items() if kids]
         with ThreadPoolExecutor(max_workers=min(32, len(forwarders))) as pool:
-            problems = [p for p in pool.map(lambda j: self.stage_files(order, children, hops, list_b64, j), forwarders)
+            problems = [p for p in waits.mapped(pool, lambda j: self.stage_files(order, children, hops, list_b64, j), forwarders)
                         if p]
         if problems:
             return {}, problems[0]
@@ -1009,10 +1010,10 @@ class _Sync:
             self.fanout_used = "star"
             rest = threading.Thread(target=self.star, args=(order[1:],))
             rest.start()
-            first.join()
+            waits.join(first)
             if have[0]:
                 self.commit(order[0])
-            rest.join()
+            waits.join(rest)
             return
         self.fanout_used = "tree"
         children, hops = plan["children"], plan["hops"]
@@ -1040,7 +1041,7 @@ class _Sync:
         for th in threads:
             th.start()
         for th in threads:
-            th.join()
+            waits.join(th)
         return
 
     def forward(self, src: _SyncTarget, t: _SyncTarget, src_has: bool, hop: dict) -> bool:
@@ -1081,7 +1082,7 @@ class _Sync:
             self.connect_and_probe(create=create)
         finally:
             try:
-                self.local = local.result()
+                self.local = waits.result(local)
             except OSError as exc:
                 raise SyncError([f"cannot hash {self.sel.root}: {exc}"]) from None
             finally:
@@ -1098,7 +1099,7 @@ class _Sync:
             else:
                 self.star(to_copy)
             for c in checks:
-                c.result()
+                waits.result(c)
         except BaseException:  # Ctrl-C (or a bug): end the copies before waiting for their threads
             self.abort()
             raise

@@ -1,0 +1,42 @@
+"""Waits of the main thread that a Ctrl-C ends at once.
+
+The kernel hands a SIGINT to any thread of the process that does not block it: often one of the
+threads that copy or hold a connection. Its handler (which raises
+:class:`~ddpfab.launch.interrupt.Interrupted`) runs only when the main thread next runs Python
+code, and a wait on a lock (``Thread.join()``, ``Future.result()``, ``Executor.map``) is not woken
+by it: a Ctrl-C of a 50 s sync was taken when the copies had ended. These waits wait in slices of
+:data:`SLICE_S`, between which the main thread runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_for
+from typing import TypeVar
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+#: How long the main thread waits for another thread at a time.
+SLICE_S = 0.2
+
+
+def result(fut: Future[T]) -> T:
+    """*fut*'s result (or its exception, raised)."""
+    while not fut.done():
+        wait_for([fut], timeout=SLICE_S)
+    return fut.result()
+
+
+def join(thread: threading.Thread) -> None:
+    """Until *thread* has ended."""
+    while thread.is_alive():
+        thread.join(SLICE_S)
+
+
+def mapped(pool: Executor, fn: Callable[[U], T], items: Iterable[U]) -> list[T]:
+    """``list(pool.map(fn, items))``: every result in *items*' order; the first exception, in that
+    order, is raised once every earlier one has its result."""
+    return [result(f) for f in [pool.submit(fn, item) for item in items]]

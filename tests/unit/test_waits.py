@@ -1,0 +1,61 @@
+"""The main thread's waits end at a Ctrl-C that the kernel handed to another thread."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# The SIGINT must reach the worker thread, not the main one: the main thread blocks it (Python
+# still runs the handler there, once it runs), the worker does not and sleeps; the main thread
+# then waits for the worker the way named in argv[1].
+CHILD = r"""
+import signal, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from ddpfab.remote import waits
+
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+def sleeper(_=None):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    time.sleep(60)
+
+how = sys.argv[1]
+try:
+    if how == "join":
+        t = threading.Thread(target=sleeper, daemon=True)
+        t.start()
+        print("waiting", flush=True)
+        waits.join(t)
+    else:
+        pool = ThreadPoolExecutor(2)
+        print("waiting", flush=True)
+        if how == "result":
+            waits.result(pool.submit(sleeper))
+        else:
+            waits.mapped(pool, sleeper, [1, 2])
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    import os
+    os._exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["join", "result", "mapped"])
+def test_a_ctrl_c_taken_by_another_thread_ends_the_main_threads_wait(how):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, how], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)  # the worker is asleep, SIGINT unblocked there only
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert proc.stdout.read().strip() == "interrupted"
+        assert time.monotonic() - sent < 5, "the wait ended only when the worker did"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
