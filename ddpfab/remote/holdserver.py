@@ -74,6 +74,7 @@ class Holder:
         self.last = time.monotonic()  # the last exec request's start or end
         self.started = time.time()
         self.stopping = threading.Event()
+        self.signalled: int | None = None  # a SIGTERM/SIGINT/SIGHUP, for serve()'s loop to take
         self.listener: socket.socket | None = None
         self.spares = spares.Spares()  # node programs started ahead of the next command that asks
         self.sparing = threading.Event()  # spares are being started
@@ -145,15 +146,21 @@ class Holder:
                 extra.close()
                 raise
 
+    def on_signal(self, signum: int, frame: object) -> None:
+        """A stop, taken by :meth:`serve`'s loop within its accept timeout. The handler runs in the
+        main thread wherever it is, which may be inside ``self.stopping.set()`` (serve's end) with
+        the event's lock held: setting the event here would wait for that lock for ever."""
+        self.signalled = signum
+
     def serve(self, on_ready: Callable[[dict[str, str]], None] = lambda failed: None) -> None:
         """Answer requests until idle, stopped or signalled, connecting every node meanwhile
         (*on_ready* gets :meth:`open_all`'s failures); then close every connection and client."""
         assert self.listener is not None, "bind() first"
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda *_: self.stopping.set())
+            signal.signal(sig, self.on_signal)
         threading.Thread(target=lambda: on_ready(self.open_all()), name="ddpfab-hold-open", daemon=True).start()
         try:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and self.signalled is None:
                 with self.lock:
                     if self.busy == 0 and time.monotonic() - self.last > self.idle:
                         break

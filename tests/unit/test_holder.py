@@ -5,10 +5,12 @@ does not hold runs cold (None). The lab test (tests/lab/test_hold.py) drives the
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,30 @@ def test_a_held_exec_does_not_import_the_ssh_stack(tmp_path):
     t.join(timeout=10)
     assert out.stdout.splitlines()[-1] == "[0, []]", out.stdout + out.stderr
     assert "a | hi" in out.stdout and "over the connections `ddpfab hold` keeps open" in out.stderr, out.stderr
+
+
+def test_a_signal_that_lands_inside_the_stopping_events_lock_still_ends_the_holder():
+    """A SIGTERM's handler runs in the main thread wherever it is, which may be inside
+    ``stopping.set()`` (serve's end) with the event's lock held: the handler must not wait for that
+    lock (the holder would never end), and serve() still ends on it."""
+    from ddpfab.remote import holdserver  # here: it loads paramiko, which a test above must not see
+
+    h = holdserver.Holder(f"\0ddpfab-test-hold-{os.getpid()}", [], connect=lambda node: None)
+    returned = threading.Event()
+
+    def land_inside_the_lock():
+        with h.stopping._cond:  # what the main thread holds inside Event.set()
+            h.on_signal(signal.SIGTERM, None)
+        returned.set()
+
+    threading.Thread(target=land_inside_the_lock, daemon=True).start()
+    assert returned.wait(5), "the signal handler waited for the stopping event's lock"
+    assert h.bind()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        started = time.monotonic()
+        h.serve()
+        assert time.monotonic() - started < 5 and h.stopping.is_set()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
