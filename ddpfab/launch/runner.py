@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,14 +112,31 @@ def connect_and_start(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
     share of a handshake is CPU; the node's python start is the node's). A node that cannot be
     reached closes them all and raises RunError, as :func:`connect_all` does."""
 
+    lock = threading.Lock()
+    made: list[Connection] = []  # every connection opened here, for an interrupt to close
+    interrupted: list[BaseException] = []
+
     def open_one(node: inventory.Node) -> tuple[Connection, nodeprog.Session | nodeprog.NodeProgramError]:
         conn = ssh.connect(node, policy, ssh_config)
+        with lock:
+            if interrupted:  # the caller has gone (Ctrl-C): nobody would close it
+                conn.close()
+                raise interrupted[0]
+            made.append(conn)
         try:
             return conn, nodeprog.Session(conn, node)
         except Exception as exc:  # noqa: BLE001 - the session's failure is the node's data, as in open_sessions
             return conn, nodeprog.NodeProgramError(node.name, f"could not start the node program: {exc}")
 
-    results = ssh.parallel(cluster.nodes, open_one)
+    try:
+        results = ssh.parallel(cluster.nodes, open_one)
+    except BaseException as exc:  # an interrupt: what is open closes (its node programs end with it)
+        with lock:
+            interrupted.append(exc)
+            opened_so_far = list(made)
+        for c in opened_so_far:
+            c.close()
+        raise
     conns = {name: conn for name, (conn, _) in results.succeeded.items()}
     sessions = {name: s for name, (_, s) in results.succeeded.items() if isinstance(s, nodeprog.Session)}
     if results.failed:

@@ -103,8 +103,13 @@ class _WindowSize:
     def __init__(self, chan, fd: int):
         self.chan, self.fd = chan, fd
         self.r, self.w = os.pipe()
-        os.set_blocking(self.w, False)
-        self.old = signal.signal(signal.SIGWINCH, self.signalled)
+        try:
+            os.set_blocking(self.w, False)
+            self.old = signal.signal(signal.SIGWINCH, self.signalled)
+        except BaseException:  # not the main thread (ValueError): no pipe left open
+            os.close(self.r)
+            os.close(self.w)
+            raise
 
     def signalled(self, *_) -> None:
         with contextlib.suppress(OSError):  # the pipe is full: a resize is pending already
@@ -115,8 +120,11 @@ class _WindowSize:
 
     def apply(self) -> None:
         os.read(self.r, 512)
-        cols, rows = os.get_terminal_size(self.fd)
-        self.chan.resize_pty(width=cols, height=rows)
+        try:
+            cols, rows = os.get_terminal_size(self.fd)
+            self.chan.resize_pty(width=cols, height=rows)
+        except Exception:  # noqa: BLE001 - a terminal hung up, a channel closing: the loop sees its end next
+            pass
 
     def close(self) -> None:
         signal.signal(signal.SIGWINCH, self.old)
@@ -129,10 +137,11 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
     terminal's size follows this one's (SIGWINCH)."""
     is_tty = os.isatty(stdin_fd)
     saved = termios.tcgetattr(stdin_fd) if is_tty else None
-    size = _WindowSize(chan, stdin_fd) if is_tty else None
-    if is_tty:
-        tty.setraw(stdin_fd)
+    size = None
     try:
+        if is_tty:
+            size = _WindowSize(chan, stdin_fd)
+            tty.setraw(stdin_fd)
         reading = True
         while True:
             fds = [chan] + ([stdin_fd] if reading else []) + ([size] if size else [])

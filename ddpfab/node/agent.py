@@ -1072,6 +1072,7 @@ class Supervisor(object):
             self._take_signal()
             if self.silence and not self.detached and time.monotonic() - self.last_beat > self.silence:
                 self.request_stop("controller silent for %.0f s" % self.silence)
+        self._take_signal()  # one that came in the loop's last slice
         if job.poll() is not None and self.reason is None:
             self.failed_at.append(time.time())  # the job ended by itself (its failure time if it failed)
 

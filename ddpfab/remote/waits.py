@@ -38,5 +38,12 @@ def join(thread: threading.Thread) -> None:
 
 def mapped(pool: Executor, fn: Callable[[U], T], items: Iterable[U]) -> list[T]:
     """``list(pool.map(fn, items))``: every result in *items*' order; the first exception, in that
-    order, is raised once every earlier one has its result."""
-    return [result(f) for f in [pool.submit(fn, item) for item in items]]
+    order, is raised once every earlier one has its result, and (as ``map`` does) the calls not
+    started yet never start."""
+    futures = [pool.submit(fn, item) for item in items]
+    try:
+        return [result(f) for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise

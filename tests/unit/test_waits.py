@@ -59,3 +59,27 @@ def test_a_ctrl_c_taken_by_another_thread_ends_the_main_threads_wait(how):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_mapped_raises_the_first_failure_and_starts_nothing_more():
+    """As ``Executor.map``: results in order, the first exception raised, and the calls still
+    queued behind it (more items than threads: sync's 128 nodes in 32 threads) never start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddpfab.remote import waits
+
+    started = []
+
+    def call(i: int) -> int:
+        started.append(i)
+        if i == 1:
+            raise ValueError("node 1")
+        time.sleep(0.2)
+        return i * 10
+
+    with ThreadPoolExecutor(1) as pool:
+        assert waits.mapped(pool, call, [2, 3]) == [20, 30]
+        started.clear()
+        with pytest.raises(ValueError, match="node 1"):
+            waits.mapped(pool, call, [1, 2, 3, 4])
+    assert started[0] == 1 and set(started) <= {1, 2}  # the one thread may have taken 2 already; never 3, 4
