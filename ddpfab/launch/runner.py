@@ -114,14 +114,14 @@ def connect_and_start(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
 
     lock = threading.Lock()
     made: list[Connection] = []  # every connection opened here, for an interrupt to close
-    interrupted: list[BaseException] = []
+    interrupted: list[bool] = []
 
     def open_one(node: inventory.Node) -> tuple[Connection, nodeprog.Session | nodeprog.NodeProgramError]:
         conn = ssh.connect(node, policy, ssh_config)
         with lock:
             if interrupted:  # the caller has gone (Ctrl-C): nobody would close it
                 conn.close()
-                raise interrupted[0]
+                raise RuntimeError("interrupted while connecting")  # (into a future nobody reads)
             made.append(conn)
         try:
             return conn, nodeprog.Session(conn, node)
@@ -130,9 +130,9 @@ def connect_and_start(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
 
     try:
         results = ssh.parallel(cluster.nodes, open_one)
-    except BaseException as exc:  # an interrupt: what is open closes (its node programs end with it)
+    except BaseException:  # an interrupt: what is open closes (its node programs end with it)
         with lock:
-            interrupted.append(exc)
+            interrupted.append(True)
             opened_so_far = list(made)
         for c in opened_so_far:
             c.close()

@@ -127,9 +127,11 @@ class _WindowSize:
             pass
 
     def close(self) -> None:
-        signal.signal(signal.SIGWINCH, self.old)
-        os.close(self.r)
-        os.close(self.w)
+        try:  # (None: a handler not set from Python; the default then)
+            signal.signal(signal.SIGWINCH, self.old if self.old is not None else signal.SIG_DFL)
+        finally:
+            os.close(self.r)
+            os.close(self.w)
 
 
 def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -387,7 +386,7 @@ def why_unreachable(targets: list[Target]) -> dict[str, str]:
             return f"{t.label} ({t.where}): no SSH connection within {wait:g} s"
         return ssh_problem(t, proc.returncode, proc.stderr) if proc.returncode == 255 else None
 
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(targets)))) as pool:
+    with waits.pool(max(1, min(16, len(targets)))) as pool:
         found = dict(zip([t.name for t in targets], waits.mapped(pool, one, targets), strict=True))
     return {name: why for name, why in found.items() if why}
 

@@ -11,8 +11,9 @@ by it: a Ctrl-C of a 50 s sync was taken when the copies had ended. These waits 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, Future
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from concurrent.futures import wait as wait_for
 from typing import TypeVar
 
@@ -47,3 +48,18 @@ def mapped(pool: Executor, fn: Callable[[U], T], items: Iterable[U]) -> list[T]:
         for f in futures:
             f.cancel()
         raise
+
+
+@contextmanager
+def pool(max_workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A thread pool whose end never holds up an exception (a Ctrl-C above all): then the calls not
+    started are cancelled and those running are not waited for (``with ThreadPoolExecutor()``
+    joins them, a node's 120 s probe included); they end with their connections, which the
+    caller closes. Without one, every call has ended when the block does."""
+    executor = ThreadPoolExecutor(max_workers=max_workers)
+    try:
+        yield executor
+    except BaseException:
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown(wait=True)

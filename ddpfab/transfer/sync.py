@@ -632,7 +632,7 @@ class _Sync:
         it; a probe file here meanwhile lets a node tell whether its workdir is this very one."""
         nonce, nonce_error = _probe_file(self.sel.root)
         try:
-            with ThreadPoolExecutor(max_workers=min(32, len(self.targets))) as pool:
+            with waits.pool(min(32, len(self.targets))) as pool:
                 waits.mapped(pool, lambda t: self.probe(t, create, nonce, nonce_error), self.targets.values())
                 if create:
                     self.lock_all()
@@ -737,7 +737,7 @@ class _Sync:
                     t.rec.state, t.ready = BUSY, False
                 self.refused = True
                 return
-            with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
+            with waits.pool(min(32, len(wanted))) as pool:
                 waits.mapped(pool, self.unlock, [t for t in wanted if t.locked])
             t = busy[0]
             whose = f"{t.node.name}: {t.rec.workdir} is being changed by {holder_text(t.holder)}"
@@ -747,7 +747,7 @@ class _Sync:
                 self.progress(f"{whose}; waiting for it (up to {left:.0f} s{instead})")
             self.try_lock(t, left)
             if t.locked:
-                with ThreadPoolExecutor(max_workers=min(32, len(wanted))) as pool:
+                with waits.pool(min(32, len(wanted))) as pool:
                     waits.mapped(pool, lambda u: self.try_lock(u, 0), [u for u in wanted if not u.locked and u is not t])
 
     def unlock(self, t: _SyncTarget) -> None:
@@ -964,7 +964,7 @@ class _Sync:
             return {}, problem
         list_b64 = base64.b64encode(Path(self.list_file).read_bytes()).decode()
         forwarders = [j for j, kids in children.items() if kids]
-        with ThreadPoolExecutor(max_workers=min(32, len(forwarders))) as pool:
+        with waits.pool(min(32, len(forwarders))) as pool:
             problems = [p for p in waits.mapped(pool, lambda j: self.stage_files(order, children, hops, list_b64, j), forwarders)
                         if p]
         if problems:

@@ -83,3 +83,21 @@ def test_mapped_raises_the_first_failure_and_starts_nothing_more():
         with pytest.raises(ValueError, match="node 1"):
             waits.mapped(pool, call, [1, 2, 3, 4])
     assert started[0] == 1 and set(started) <= {1, 2}  # the one thread may have taken 2 already; never 3, 4
+
+
+def test_a_pool_left_by_an_exception_does_not_wait_for_its_running_calls():
+    """``with ThreadPoolExecutor()`` joins what still runs before an exception leaves the block (a
+    node's 120 s probe held a Ctrl-C up that long); ``waits.pool`` lets it leave at once."""
+    from ddpfab.remote import waits
+
+    done: list[int] = []
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), waits.pool(1) as pool:
+        pool.submit(lambda: (time.sleep(3), done.append(1)))
+        pool.submit(lambda: done.append(2))
+        raise KeyboardInterrupt
+    assert time.monotonic() - started < 1 and done == []  # the first still sleeps, the second never ran
+    ended: list[int] = []
+    with waits.pool(1) as pool:  # without one, every call has ended with the block
+        pool.submit(lambda: (time.sleep(0.3), ended.append(3)))
+    assert ended == [3]
