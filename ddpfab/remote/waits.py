@@ -4,8 +4,8 @@ The kernel hands a SIGINT to any thread of the process that does not block it: o
 threads that copy or hold a connection. Its handler (which raises
 :class:`~ddpfab.launch.interrupt.Interrupted`) runs only when the main thread next runs Python
 code, and a wait on a lock (``Thread.join()``, ``Future.result()``, ``Executor.map``) is not woken
-by it: a Ctrl-C of a 50 s sync was taken when the copies had ended. These waits wait in slices of
-:data:`SLICE_S`, between which the main thread runs.
+by it: the Ctrl-C would be taken when what the thread waits for has ended. These waits wait in
+slices of :data:`SLICE_S`, between which the main thread runs.
 """
 
 from __future__ import annotations
