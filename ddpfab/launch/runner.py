@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +73,8 @@ def connect_all(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
                 ssh_config: str | None = None) -> dict[str, Connection]:
     """Open verified connections to every node in parallel; on any failure close them all and
     raise one error listing every host that failed."""
-    results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config))
+    results = ssh.parallel(cluster.nodes, lambda n: ssh.connect(n, policy, ssh_config),
+                           release=lambda conn: conn.close())  # an interrupt: the caller has none of them
     conns, failed = results.succeeded, results.failed
     if failed:
         for c in conns.values():
@@ -112,31 +112,15 @@ def connect_and_start(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
     share of a handshake is CPU; the node's python start is the node's). A node that cannot be
     reached closes them all and raises RunError, as :func:`connect_all` does."""
 
-    lock = threading.Lock()
-    made: list[Connection] = []  # every connection opened here, for an interrupt to close
-    interrupted: list[bool] = []
-
     def open_one(node: inventory.Node) -> tuple[Connection, nodeprog.Session | nodeprog.NodeProgramError]:
         conn = ssh.connect(node, policy, ssh_config)
-        with lock:
-            if interrupted:  # the caller has gone (Ctrl-C): nobody would close it
-                conn.close()
-                raise RuntimeError("interrupted while connecting")  # (into a future nobody reads)
-            made.append(conn)
         try:
-            return conn, nodeprog.Session(conn, node)
-        except Exception as exc:  # noqa: BLE001 - the session's failure is the node's data, as in open_sessions
-            return conn, nodeprog.NodeProgramError(node.name, f"could not start the node program: {exc}")
+            return conn, nodeprog.start(conn, node)
+        except nodeprog.NodeProgramError as exc:  # the session's failure is the node's data, as in open_sessions
+            return conn, exc
 
-    try:
-        results = ssh.parallel(cluster.nodes, open_one)
-    except BaseException:  # an interrupt: what is open closes (its node programs end with it)
-        with lock:
-            interrupted.append(True)
-            opened_so_far = list(made)
-        for c in opened_so_far:
-            c.close()
-        raise
+    # an interrupt hands back every connection opened (its node program ends with it)
+    results = ssh.parallel(cluster.nodes, open_one, release=lambda opened: opened[0].close())
     conns = {name: conn for name, (conn, _) in results.succeeded.items()}
     sessions = {name: s for name, (_, s) in results.succeeded.items() if isinstance(s, nodeprog.Session)}
     if results.failed:

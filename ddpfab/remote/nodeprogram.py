@@ -561,6 +561,15 @@ class Session:
         close_all({self.node.name: self})
 
 
+def start(conn, node, **kwargs) -> Session:
+    """A :class:`Session` on *conn* (*kwargs*: its own); a channel that does not open (the
+    connection broke) is a NodeProgramError naming the node."""
+    try:
+        return Session(conn, node, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure to open is the node's, not the caller's
+        raise NodeProgramError(node.name, f"could not start the node program: {exc}", kind="ssh") from None
+
+
 def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",),
                   first: dict[str, list[dict]] | None = None, last: bool = False, part: str = WHOLE
                   ) -> tuple[dict[str, Session], dict[str, NodeProgramError]]:
@@ -574,10 +583,14 @@ def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",),
 
     first = first or {}
     opened = ssh.parallel([n for n in nodes if n.name in conns],
-                          lambda n: Session(conns[n.name], n, words, first=first.get(n.name, ()), last=last, part=part))
-    errors = {name: NodeProgramError(name, f"could not start the node program: {exc}")
-              for name, exc in opened.failed.items()}
-    return dict(opened.succeeded), errors
+                          lambda n: start(conns[n.name], n, words=words, first=first.get(n.name, ()), last=last,
+                                          part=part),
+                          release=Session.close)
+    return dict(opened.succeeded), {name: _as_node_error(name, exc) for name, exc in opened.failed.items()}
+
+
+def _as_node_error(name: str, exc: Exception) -> NodeProgramError:
+    return exc if isinstance(exc, NodeProgramError) else NodeProgramError(name, f"could not start the node program: {exc}")
 
 
 def exchange(sessions: dict[str, Session], requests: dict[str, list[dict]], timeout: float,

@@ -86,10 +86,7 @@ class NodeRunner:
     # -- the node program ---------------------------------------------------------------------
     def session(self, words: tuple[str, ...] = ("ddpfab-node",), fallback: str | None = None) -> nodeprog.Session:
         """The node program kept open on a new channel (its python: the node's, else *fallback*)."""
-        try:
-            return nodeprog.Session(self.conn, self.node, words, fallback=fallback)
-        except Exception as exc:  # noqa: BLE001 - the channel could not open: the connection broke
-            raise nodeprog.NodeProgramError(self.name, f"could not start the node program: {exc}", kind="ssh") from None
+        return nodeprog.start(self.conn, self.node, words=words, fallback=fallback)
 
     def ask(self, session: nodeprog.Session, *requests: dict, timeout: float = 600) -> list[nodeprog.Reply]:
         """Send *requests* in *session* and wait for their replies (in order); a NodeProgramError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import resource
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from collections.abc import Callable, Iterator, Sequence
@@ -116,26 +116,49 @@ def _fit_open_files(hosts: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
-def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None) -> GroupResult[T]:
+def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None,
+             release: Callable[[T], object] | None = None) -> GroupResult[T]:
     """``fn(node)`` for every node, *window* (default WINDOW) at a time; per node (in *nodes*'
-    order) its result or the exception it raised."""
+    order) its result or the exception it raised.
+
+    SIGINT/SIGTERM (Interrupted, a KeyboardInterrupt) reach the caller at once, never as a node's
+    result, and the calls not started never start. The caller then has none of the results: with
+    *release*, each one made (before the interrupt, or by a call still running, when it ends) is
+    handed to it, so that what *fn* opened (a connection) is closed by whoever opened it."""
     results: GroupResult[T] = GroupResult()
     if not nodes:
         return results
     _fit_open_files(len(nodes))
     pool = ThreadPoolExecutor(max_workers=min(window or WINDOW, len(nodes)))
+    futures: dict[str, Future[T]] = {}
     try:
-        futures = {n.name: pool.submit(fn, n) for n in nodes}
+        for n in nodes:
+            futures[n.name] = pool.submit(fn, n)
         for name, fut in futures.items():
             try:
                 results[name] = waits.result(fut)
             except Exception as exc:  # noqa: BLE001 - a failure on one host is data
                 results[name] = exc
+    except BaseException:
+        if release is not None:
+            for fut in futures.values():
+                fut.add_done_callback(_releasing(release))
+        raise
     finally:
-        # SIGINT/SIGTERM (Interrupted, a KeyboardInterrupt) reach the caller at once, never as a
-        # node's result: the caller closes the connections, which ends what still runs here
         pool.shutdown(wait=False, cancel_futures=True)
     return results
+
+
+def _releasing(release: Callable[[T], object]) -> Callable[[Future[T]], None]:
+    """A done callback that hands a call's result, if it made one, to *release*."""
+    def done(fut: Future[T]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        try:
+            release(fut.result())
+        except Exception:  # noqa: BLE001 - releasing must not raise (it runs in a pool thread)
+            pass
+    return done
 
 
 def on_each(nodes: list[Node] | tuple[Node, ...], policy: HostKeyPolicy, ssh_config: str | None,

@@ -293,6 +293,38 @@ def test_a_signal_while_the_nodes_are_waited_for_interrupts_at_once():
     assert time.monotonic() - started < 2
 
 
+def test_what_the_nodes_opened_before_and_after_an_interrupt_is_released():
+    """A Ctrl-C while ssh.parallel waits: the caller gets Interrupted and none of the results, so
+    each result made is handed to ``release`` (a connection closed): node a's, made before the
+    signal, at once; node b's, made by a call still running, when it ends. Node c, queued behind
+    them (a window of 1), never starts."""
+    import signal
+    import time
+
+    from ddpfab.hosts.inventory import Node
+    from ddpfab.launch.interrupt import Interrupted, signals_raise
+    from ddpfab.remote import ssh
+
+    started, released = [], []
+
+    def node(n: Node) -> str:
+        started.append(n.name)
+        if n.name == "b":
+            time.sleep(0.3)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.5)
+        return f"conn-{n.name}"
+
+    with signals_raise(), pytest.raises(Interrupted):
+        ssh.parallel([Node(x, f"10.0.0.{i}") for i, x in enumerate("abc", 1)], node, window=1,
+                     release=released.append)
+    assert released == ["conn-a"]  # b's call is still running
+    deadline = time.monotonic() + 5
+    while len(released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert released == ["conn-a", "conn-b"] and "c" not in started
+
+
 def test_a_launch_placed_after_an_interrupt_is_never_kept_on_its_node():
     """``run --tmux`` places each node's launch (it holds the env's secrets) on every node at
     once, and the end removes only the nodes in ``placed``. A node keeps its copy only when the
