@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -88,6 +89,22 @@ def log(msg: str) -> None:
 
 
 # -- statistics ----------------------------------------------------------------------------------
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of *values* (order statistics: the
+    number of values below the true median is Binomial(n, 1/2)); None below 6 values, where no
+    pair of order statistics covers the median at 95 %."""
+    d, n = sorted(values), len(values)
+    below, k = 0.0, 0  # P(Binomial(n, 1/2) <= k - 1), k the largest with that <= (1 - level) / 2
+    while True:
+        p = below + math.comb(n, k) / 2 ** n
+        if p > (1 - level) / 2:
+            break
+        below, k = p, k + 1
+    if k == 0:
+        return None
+    return d[k - 1], d[n - k]
+
+
 def summarize(samples: list[float | None], cap: float | None = None) -> dict:
     """Median and spread of *samples* (seconds). ``None`` = the run hit *cap* (recorded as "> cap")."""
     done = sorted(s for s in samples if s is not None)

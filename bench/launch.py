@@ -375,11 +375,14 @@ def has_sync_flag() -> bool:
 
 
 def paired(a: list[float], b: list[float]) -> dict:
-    """Median (and range) of a[i] - b[i]: the difference within each repetition, drift cancelled."""
+    """Median (range, and the median's 95 % confidence interval) of a[i] - b[i]: the difference
+    within each repetition, drift cancelled."""
     d = sorted(x - y for x, y in zip(a, b))
     if not d:
         return {}
-    return {"median": round(statistics.median(d), 4), "min": round(d[0], 4), "max": round(d[-1], 4), "runs": len(d)}
+    ci = common.median_ci(d)
+    return {"median": round(statistics.median(d), 4), "min": round(d[0], 4), "max": round(d[-1], 4), "runs": len(d),
+            "ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)]}
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ Writes bench/results/warm.json: medians, ranges and the paired differences and r
 from __future__ import annotations
 
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -126,9 +127,13 @@ def main() -> int:
     def paired(a: str, b: str) -> dict:
         return launchbench.paired(samples.get(a, []), samples.get(b, []))
 
-    def ratio(a: str, b: str) -> float | None:
-        pairs = [x / y for x, y in zip(samples.get(a, []), samples.get(b, []), strict=False) if y]
-        return round(sorted(pairs)[len(pairs) // 2], 3) if pairs else None
+    def ratio(a: str, b: str) -> dict:
+        pairs = sorted(x / y for x, y in zip(samples.get(a, []), samples.get(b, []), strict=False) if y)
+        if not pairs:
+            return {}
+        ci = common.median_ci(pairs)
+        return {"median": round(statistics.median(pairs), 3), "min": round(pairs[0], 3), "max": round(pairs[-1], 3),
+                "runs": len(pairs), "ci95": None if ci is None else [round(ci[0], 3), round(ci[1], 3)]}
 
     run_w, run_c, pdsh = (f"ddpfab run (warm), {run_n} hosts", f"ddpfab run (cold), {run_n} hosts",
                           f"pdsh + torchrun, {run_n} hosts")
