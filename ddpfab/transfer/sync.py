@@ -1080,13 +1080,15 @@ class _Sync:
         local = hasher.submit(local_tree, self.sel, False, not self.checksum)
         try:
             self.connect_and_probe(create=create)
+        except BaseException:  # a Ctrl-C or a node's failure goes on as it is, not waiting for the hash
+            hasher.shutdown(wait=False, cancel_futures=True)
+            raise
+        try:
+            self.local = waits.result(local)
+        except OSError as exc:
+            raise SyncError([f"cannot hash {self.sel.root}: {exc}"]) from None
         finally:
-            try:
-                self.local = waits.result(local)
-            except OSError as exc:
-                raise SyncError([f"cannot hash {self.sel.root}: {exc}"]) from None
-            finally:
-                hasher.shutdown()
+            hasher.shutdown(wait=False)
 
     def copy_and_verify(self, fanout: str, to_copy: list[_SyncTarget], only_verify: list[_SyncTarget]) -> None:
         """Copy to *to_copy* (the tree when its agent started, else the star) while the nodes of

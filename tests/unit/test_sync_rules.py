@@ -613,3 +613,28 @@ def test_a_directory_the_project_turns_back_into_a_file_is_no_obstacle(tmp_path)
     assert out["kept"] == ["other"] and (Path(out["kept_dir"]) / "other" / "ckpt.pt").read_text() == "the node's own"
     assert not (wd / "other").exists()
     assert treehash.read_record(str(wd))["files"] == sorted(["item", "item/f", "other", "other/g"])
+
+
+def test_a_ctrl_c_while_the_nodes_are_probed_does_not_wait_for_the_local_hash(monkeypatch):
+    """A Ctrl-C (or a node's failure) while sync probes the nodes reaches the caller at once, as
+    what it is: it used to wait for this machine's hash of the tree to end, and a hash that then
+    failed (a file gone mid-read) replaced the interrupt with a SyncError (exit 1, not 130)."""
+    import signal
+
+    from ddpfab.launch.interrupt import Interrupted
+
+    def slow_failing_hash(*args):
+        time.sleep(1.5)
+        raise OSError("a file vanished while it was read")
+
+    def interrupted_probe(create: bool) -> None:
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(sync, "local_tree", slow_failing_hash)
+    job = object.__new__(sync._Sync)
+    job.sel, job.checksum = None, False
+    job.connect_and_probe = interrupted_probe
+    started = time.monotonic()
+    with pytest.raises(Interrupted):
+        job.probe_while_hashing(create=True)
+    assert time.monotonic() - started < 1
