@@ -585,7 +585,7 @@ def open_sessions(nodes, conns: dict, words: tuple[str, ...] = ("ddpfab-node",),
     opened = ssh.parallel([n for n in nodes if n.name in conns],
                           lambda n: start(conns[n.name], n, words=words, first=first.get(n.name, ()), last=last,
                                           part=part),
-                          release=Session.close)
+                          release=lambda s: close_all({s.node.name: s}, 0))  # (not waiting: the caller has gone)
     return dict(opened.succeeded), {name: _as_node_error(name, exc) for name, exc in opened.failed.items()}
 
 

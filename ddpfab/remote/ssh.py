@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import resource
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -129,36 +129,58 @@ def parallel(nodes: Sequence[N], fn: Callable[[N], T], window: int | None = None
     if not nodes:
         return results
     _fit_open_files(len(nodes))
+    made = _Made(fn, release)
     pool = ThreadPoolExecutor(max_workers=min(window or WINDOW, len(nodes)))
-    futures: dict[str, Future[T]] = {}
     try:
+        futures = {}
         for n in nodes:
-            futures[n.name] = pool.submit(fn, n)
+            futures[n.name] = pool.submit(made.call, n)
         for name, fut in futures.items():
             try:
                 results[name] = waits.result(fut)
             except Exception as exc:  # noqa: BLE001 - a failure on one host is data
                 results[name] = exc
     except BaseException:
-        if release is not None:
-            for fut in futures.values():
-                fut.add_done_callback(_releasing(release))
-        raise
-    finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        made.abandon()
+        raise
+    pool.shutdown(wait=False)
     return results
 
 
-def _releasing(release: Callable[[T], object]) -> Callable[[Future[T]], None]:
-    """A done callback that hands a call's result, if it made one, to *release*."""
-    def done(fut: Future[T]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
+class _Made(Generic[N, T]):
+    """The results of one :func:`parallel`'s calls, for its *release* once the caller has gone:
+    those made before, when it goes; those made after, as they come."""
+
+    def __init__(self, fn: Callable[[N], T], release: Callable[[T], object] | None):
+        self.fn, self.release = fn, release
+        self.lock = threading.Lock()
+        self.kept: list[T] = []
+        self.abandoned = False
+
+    def call(self, node: N) -> T:
+        value = self.fn(node)
+        if self.release is not None:
+            with self.lock:
+                if not self.abandoned:
+                    self.kept.append(value)
+                    return value
+            self._release(value)
+        return value
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.abandoned, kept, self.kept = True, self.kept, []
+        for value in kept:
+            self._release(value)
+
+    def _release(self, value: T) -> None:
+        if self.release is None:
             return
         try:
-            release(fut.result())
-        except Exception:  # noqa: BLE001 - releasing must not raise (it runs in a pool thread)
+            self.release(value)
+        except Exception:  # noqa: BLE001 - releasing what nobody holds must not raise
             pass
-    return done
 
 
 def on_each(nodes: list[Node] | tuple[Node, ...], policy: HostKeyPolicy, ssh_config: str | None,

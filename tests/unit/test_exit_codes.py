@@ -306,19 +306,21 @@ def test_what_the_nodes_opened_before_and_after_an_interrupt_is_released():
     from ddpfab.remote import ssh
 
     started, released = [], []
+    b_may_end = threading.Event()
 
     def node(n: Node) -> str:
         started.append(n.name)
         if n.name == "b":
             time.sleep(0.3)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-            time.sleep(0.5)
+            b_may_end.wait(10)
         return f"conn-{n.name}"
 
     with signals_raise(), pytest.raises(Interrupted):
         ssh.parallel([Node(x, f"10.0.0.{i}") for i, x in enumerate("abc", 1)], node, window=1,
                      release=released.append)
     assert released == ["conn-a"]  # b's call is still running
+    b_may_end.set()
     deadline = time.monotonic() + 5
     while len(released) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
