@@ -1159,11 +1159,13 @@ def estimate(e: dict | None, spec: str) -> str:
 
 
 def within(e: dict | None, goal: float) -> str:
-    """An at-most goal's verdict on a median: by its 95 % interval where there is one (met: all of
-    it within the goal; not met: none of it; not settled: it straddles the goal)."""
+    """An at-most goal's verdict on a median, by its 95 % interval (met: all of it within the
+    goal; not met: none of it; not settled: it straddles the goal, or there is no interval)."""
     if not e:
         return "n/a"
-    lo, hi = e.get("ci95") or (e["median"], e["median"])
+    if not e.get("ci95"):  # under 6 pairs (or a result written before intervals were): a median alone
+        return "**not settled** (too few pairs for an interval)"
+    lo, hi = e["ci95"]
     if hi <= goal:
         return "**met**"
     if lo > goal:
