@@ -47,6 +47,7 @@ SUBNETS = {
     "hang": os.environ.get("DDPFAB_BENCH_SUBNET_HANG", "10.213.112.0/24"),
     "leases": os.environ.get("DDPFAB_BENCH_SUBNET_LEASES", "10.213.113.0/24"),
     "warm": os.environ.get("DDPFAB_BENCH_SUBNET_WARM", "10.213.114.0/24"),
+    "run_cpu": os.environ.get("DDPFAB_BENCH_SUBNET_RUN_CPU", "10.213.115.0/24"),
 }
 MASTER_PORT_BASE = 29700
 

@@ -160,6 +160,7 @@ class Bench:
         self.inv = {n: common.write_inventory(lab, common.names(n), work / f"inventory{n}.yml") for n in sizes}
         self.port = common.MASTER_PORT_BASE
         self.procs = common.HostProcs(lab, [h.name for h in lab.hosts])
+        self.last_pid: int | None = None  # the launcher process of the latest ddpfab() or pdsh() (bench/run_cpu.py)
 
     def next_port(self) -> int:
         self.port += 1
@@ -179,6 +180,7 @@ class Bench:
         argv = [PYTHON, "-m", "ddpfab", "run", "-i", str(self.inv[n]), "--no-color", "--runs-dir", str(self.runs),
                 *flags, SCRIPT]
         run = Run(argv, common.env_with(), self.wd)
+        self.last_pid = run.proc.pid
         try:
             rc = run.wait()
             if rc != 0:
@@ -209,6 +211,7 @@ class Bench:
         # behind the first 32, which wait in rendezvous for them: a 64-host job never starts)
         run = Run(["pdsh", "-f", str(max(n, 32)), "-w", common.pdsh_hosts(n), remote], common.pdsh_env(self.lab),
                   self.wd)
+        self.last_pid = run.proc.pid
         try:
             rc = run.wait(timeout)
             exited = time.monotonic() - run.t0

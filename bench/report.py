@@ -881,6 +881,41 @@ def held_section(data) -> tuple[list[str], dict]:
                    "held_check_n": big, "held_check_ratio": as_estimate(comp.get(f"check --fast warm / cold, {big} hosts"))}
 
 
+def run_cpu_section(data) -> list[str]:
+    """`bench/run_cpu.py`: where a run's CPU goes, ddpfab's (warm, cold) beside pdsh + torchrun's."""
+    lines = ["### Where a run's CPU goes (`bench/run_cpu.py`)", ""]
+    if not data:
+        return lines + ["Not run yet: `.venv/bin/python bench/run_cpu.py`.", ""]
+    cmds, n, cores = data["commands"], data["config"]["hosts"], data["config"]["cores"]
+    labels = list(cmds)
+    kinds = sorted({k for c in cmds.values() for k in c["kinds"]})
+    lines += [describe("run_cpu", data), "",
+              f"The same commands and job on {n} hosts, each process's CPU-seconds from the kernel's process "
+              "accounting (from the command's start to 3 s after its exit), by what it is: the controller's "
+              "processes are the launcher and those below it; a node's that mapped torch is a torchrun, or a "
+              "rank when its parent did too. Median over the repetitions, CPU-seconds.", ""]
+    rows = [[k] + [f"{cmds[c]['kinds'].get(k, 0.0):.2f}" for c in labels] for k in kinds]
+    rows.append(["**all**"] + [f"**{cmds[c]['total']:.2f}**" for c in labels])
+    lines += table(["process", *labels], rows)
+
+    def own(c: str) -> float:  # what the launcher adds to torchrun and its ranks
+        return sum(v for k, v in cmds[c]["kinds"].items() if k not in ("node: rank", "node: torchrun"))
+
+    pdsh = next((c for c in labels if c.startswith("pdsh")), None)
+    if pdsh:
+        lines += ["", "Besides torchrun and its ranks, each launcher's own CPU: " + ", ".join(
+            f"{c} {own(c):.2f} CPU-s" for c in labels) + f". On {cores} cores shared by every node a CPU-second "
+            f"a launcher adds while the ranks start is 1/{cores} s of the time to their first line: "
+            + ", ".join(f"{c} {(own(c) - own(pdsh)) / cores:+.2f} s" for c in labels if c != pdsh)
+            + " against pdsh + torchrun. (The ranks' own CPU differs too: ddpfab's exit guard ends a "
+            "finished rank with `os._exit`, skipping torch's interpreter teardown, which pdsh's ranks pay "
+            "after their first line.) On real machines each node's share runs on that node's own CPUs, "
+            "beside the others': only the launcher's share adds up. What the paired times of this section add "
+            "beyond this is the latency of ddpfab's steps before the nodes start (section 2), while the cores "
+            "are not full yet."]
+    return lines + [""]
+
+
 def as_estimate(v) -> dict | None:
     """A comparison of bench/results/warm.json as {median, ci95}: a dict (with its interval where
     the benchmark recorded one), or a bare median (results written before intervals were)."""
@@ -1243,7 +1278,7 @@ def verdicts(t: dict) -> list[str]:
 
 
 RESULT_NAMES = ("fanout", "launch", "teardown", "provision", "recovery", "scale", "resync", "perf_check", "leases",
-                "preflight_dataplane", "preflight_resources", "hang", "warm")
+                "preflight_dataplane", "preflight_resources", "hang", "warm", "run_cpu")
 
 
 def load_all() -> dict[str, dict | None]:
@@ -1277,6 +1312,7 @@ def page(data: dict[str, dict | None], plots: set[str], have_plotter: bool = Tru
     w_lines, t5 = warm_section(load("fanout-128"))
     targets.update(t5)
     h_lines, t6 = held_section(data.get("warm"))
+    h_lines += run_cpu_section(data.get("run_cpu"))
     targets.update(t6)
     targets.update(nochange_targets(load("nochange_sync-128") or load("nochange_sync")))
     f_lines += w_lines
