@@ -354,6 +354,8 @@ class Stopped:
         supervisor: for a detached run with restarts, what ending its supervisor did ("" if none).
         problems: the nodes that could not be reached.
         tmux: for a ``run --tmux`` run, what closing its session did ("" if none).
+        found: the run is known: a local record of it, or a node that knew it (or could not be
+            asked); False for a run id no node and no record knows (a typo: nothing was stopped).
     """
 
     run_id: str
@@ -362,6 +364,7 @@ class Stopped:
     supervisor: str = ""
     problems: list[Problem] = field(default_factory=list)
     tmux: str = ""
+    found: bool = True
 
     @property
     def ok(self) -> bool:
@@ -798,16 +801,18 @@ class Cluster:
 
             closed = tmuxrun.close_session(str(manifest["tmux"]))
 
-        def stop(conn, node) -> tuple[str, bool]:
+        def stop(conn, node) -> nodeprogram.StopReply:
             return nodeprogram.stop(conn, node, node_run_dir(node.name, manifest, latest), STOP_GRACE_S, timeout=30)
 
         results = self._each_node(stop)
         said = {n: f"not stopped: {exc.found if isinstance(exc, NodeError) else exc}"
                 for n, exc in results.failed.items()}
-        said.update({n: str(r[0]) for n, r in results.succeeded.items()})
-        left = [n for n in self.names if n in results.failed or not results.succeeded[n][1]]
+        said.update({n: r.said for n, r in results.succeeded.items()})
+        left = [n for n in self.names if n in results.failed or not results.succeeded[n].stopped]
+        found = manifest is not None or bool(supervisor or closed or results.failed) or any(
+            r.known for r in results.succeeded.values())
         return Stopped(latest, {n: said[n] for n in self.names if n in said}, left, supervisor,
-                       [node_problem(n, exc) for n, exc in results.failed.items()], closed)
+                       [node_problem(n, exc) for n, exc in results.failed.items()], closed, found)
 
     @_warm
     def logs(self, run_id: str, *, runs_dir: str | os.PathLike | None = None, ranks: bool = False,

@@ -40,6 +40,10 @@ def _cluster(args, manifest: dict | None):
 
     recorded = (manifest or {}).get("plan", {})
     source = _source(args, manifest)
+    if not source and manifest is None and getattr(args, "run_id", None):  # a run id typo, as often as not
+        raise ConfigError(f"no local record of run {args.run_id} in {args.runs_dir}, and no inventory to ask "
+                          f"the nodes for it: check the run id (`ddpfab ps -i INVENTORY` lists the nodes' runs), "
+                          f"or give -i INVENTORY")
     if not source:
         raise ConfigError(MISSING_INVENTORY)
     group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
@@ -278,6 +282,10 @@ def cmd_stop(args) -> int:
     manifest = _latest(args, read_record(args.runs_dir, args.run_id))  # then its latest attempt's nodes
     cluster = _library(args, _cluster(args, manifest), manifest)
     stopped = cluster.stop(args.run_id, runs_dir=args.runs_dir, record=manifest)
+    if not stopped.found:
+        return die(f"no run {args.run_id}: no local record in {args.runs_dir}, and no node of the inventory "
+                   f"knows it (~/.ddpfab/runs/{args.run_id}); nothing was stopped; check the run id (`ddpfab ps` "
+                   "lists the nodes' runs)")
     if stopped.tmux:
         print(f"controller: {stopped.tmux}")
     for line in grouped(stopped.said):

@@ -1394,6 +1394,10 @@ def ended_state(result):
     return "exited"
 
 
+#: What :func:`stop_job` says on a node that has no record of the run (and nothing of it running).
+ABSENT = "absent"
+
+
 def stop_job(run_dir, grace):
     """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
     then end whatever of the job is left by its marker: a job whose supervisor was killed (its
@@ -1407,7 +1411,7 @@ def stop_job(run_dir, grace):
             pid = int(json.load(fh)["agent_pid"])
         said = "not running"
     except (OSError, ValueError, KeyError, TypeError):
-        pid, said = None, "absent"
+        pid, said = None, ABSENT
         sid = tmux_session(run_dir)
         if sid is not None:  # no supervisor: a `run --tmux` window launched it
             return _end_tmux_launch(sid, run_id, grace)

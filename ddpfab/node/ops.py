@@ -29,8 +29,8 @@ import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program. Relative on
     # purpose: on a node with ddpfab installed, an absolute import would load that (other) version.
-    from .agent import (TMUX_PID, detach_stdin, ended_state, read_result, session_processes, signal_tmux_launch,
-                        stop_job, tmux_session)
+    from .agent import (ABSENT, TMUX_PID, detach_stdin, ended_state, read_result, session_processes,
+                        signal_tmux_launch, stop_job, tmux_session)
     from .agent import main as supervise_job
     from .leases import LEASE_DIR, LeaseError, lease_state, reserve_port, tickets, uses_leases
     from .loop import OPS, RAW, TAKEOVER, NodeOpError, raw_writer, handle, read_exactly, reply
@@ -668,7 +668,7 @@ def op_leases(req, session):
 def op_stop(req, session):
     """End run ``dir``'s job: its supervisor, then what is left by the job marker."""
     said, code = stop_job(req["dir"], float(req.get("grace", 3)))
-    return {"said": said, "stopped": code == 0}
+    return {"said": said, "stopped": code == 0, "known": said != ABSENT}
 
 
 def op_signal_tmux(req, session):

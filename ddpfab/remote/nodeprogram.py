@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+from typing import NamedTuple
 import json
 import marshal
 import re
@@ -675,10 +676,26 @@ def supervisor_input(spec: dict) -> bytes:
     return stdin_for({"id": 1, "op": "supervise", "spec": spec})
 
 
-def stop(conn, node, remote_dir: str, grace: float, timeout: float) -> tuple[str, bool]:
+class StopReply(NamedTuple):
+    """What :func:`stop` did on one node.
+
+    Args:
+        said: one line saying what happened there.
+        stopped: nothing of the job is left there.
+        known: the node knew the run (its record, a launch, or processes of it).
+    """
+
+    said: str
+    stopped: bool
+    known: bool = True
+
+
+def stop(conn, node, remote_dir: str, grace: float, timeout: float) -> StopReply:
     """End run *remote_dir*'s job on *node* (its supervisor, then what is left of the job by its
-    marker): (one line saying what happened there, whether nothing of it is left)."""
+    marker)."""
     reply = call(conn, node, {"op": "stop", "dir": remote_dir, "grace": grace}, timeout=timeout)[0]
     if not reply.ok:
-        return reply.error, False
-    return printable(reply.result.get("said", "")), reply.result.get("stopped") is True
+        return StopReply(reply.error, False)
+    # (a node program without "known", an older one, knew it: never a false "no such run")
+    return StopReply(printable(reply.result.get("said", "")), reply.result.get("stopped") is True,
+                     reply.result.get("known") is not False)

@@ -276,6 +276,13 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     doc = ddpfab("doctor", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
     assert doc.returncode == 2 and "no run 20200101-000000-abcdef" in doc.stderr, doc.stdout + doc.stderr
     assert "Traceback" not in doc.stderr
+    # a stop of it is no success either (it said "absent" on every node, exit 0); of the real run
+    # without the local record, the nodes' records find it: "not running", exit 0
+    stop = ddpfab("stop", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
+    assert stop.returncode == 2 and "no run 20200101-000000-abcdef" in stop.stderr, stop.stdout + stop.stderr
+    assert "nothing was stopped" in stop.stderr and "Traceback" not in stop.stderr
+    stop = ddpfab("stop", "-i", str(inventory2), "--runs-dir", elsewhere, run_id)
+    assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
 
 
 def test_attach_of_a_detached_job_ends_it_on_a_hang_as_run_does(lab, inventory2, tmp_path):

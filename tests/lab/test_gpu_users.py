@@ -557,7 +557,8 @@ def test_another_user_sees_the_holder_and_can_neither_release_nor_steal_it(users
         assert {(g["gpu"], g["user"], g["run_id"]) for g in listing["gpus"]["node1"] if g["state"] == "leased"} == \
             {("0", a, run_id), ("1", a, run_id)}
         code, out = run_as(users, b, "stop", "-i", str(users.inventories[b]), run_id)
-        assert "node1: absent" in out, out  # B's stop looks in B's own runs: A's run is not there to stop
+        # B's stop looks in B's own runs: A's run is not there to stop, and nothing is stopped
+        assert code == 2 and f"no run {run_id}" in out and "nothing was stopped" in out, out
         pid = seen[0]["holder"]["pid"]
         tries = host_sh(users.lab, "node1", f"rm -f /tmp/ddpfab-leases/gpu-0.holder; echo rm=$?; kill -9 {pid}; "
                         f"echo kill=$?", user=b)
