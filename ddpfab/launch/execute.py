@@ -293,10 +293,17 @@ class Printer:
             self.folded += len(self.held.pop(key, [])) + 1
             self.folded_kinds.add(fold)
 
-    def flush(self, node: str) -> None:
-        """What is still held of *node*'s output (its stream ended inside a traceback): shown."""
+    def flush(self, node: str, stopped: bool = False) -> None:
+        """What is still held of *node*'s output (its stream ended inside a traceback): shown; but
+        on a node ddpfab *stopped*, torchrun's own traceback cut off by the stop is folded, as its
+        whole report of the stop signal is (a rank's is shown: it may be its own failure's)."""
         for key in [k for k in self.held if k[0] == node]:
-            for held in self.held.pop(key):
+            lines = self.held.pop(key)
+            if stopped and key[1] is None:
+                self.folded += len(lines)
+                self.folded_kinds.add(Fold.FOLD)
+                continue
+            for held in lines:
                 self._show(node, held)
 
     def folded_note(self) -> None:
@@ -434,7 +441,7 @@ class _NodeJob:
             out.error = out.error or f"{type(exc).__name__}: {exc}"
         finally:
             out.ended = time.time()
-            self.printer.flush(self.node.name)
+            self.printer.flush(self.node.name, stopped=out.stopped_by_ddpfab)
             if out.exit_code not in (None, 0, CANNOT_START) and out.error is None:
                 # before the monitor decides: the first worker its supervisor saw fail (a rank killed
                 # by a signal prints nothing), and did the job fail only after every rank had finished?

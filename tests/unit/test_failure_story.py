@@ -256,6 +256,26 @@ def test_a_traceback_cut_off_by_the_end_of_the_stream_is_shown():
     assert "line 12, in <module>" in out.getvalue()
 
 
+def test_torchruns_traceback_cut_off_by_ddpfabs_stop_is_folded_a_ranks_is_shown():
+    """ddpfab stops a node (another node failed); its torchrun, killed while it printed the
+    traceback of the stop signal, never wrote the SignalException line that folds it: the held
+    lines were shown at the stream's end (16 lines of torchrun's frames under the closing story,
+    seen in 1 of 11 runs). On a stopped node they are folded; on a node that was not stopped, and a
+    rank's on any node, the cut-off traceback is shown (it may be the failure's only trace)."""
+    launcher = ["Traceback (most recent call last):", '  File "<frozen runpy>", line 198, in _run_module_as_main',
+                '  File "/v/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 374, in launch_agent']
+    for stopped, shown in ((True, False), (False, True)):
+        out = io.StringIO()
+        printer = execute.Printer(plan3(), stream=out, color=False)
+        r = CauseReader()
+        for line in launcher + CULPRIT.splitlines()[:4]:
+            printer.line("node2", line, *r.feed(line))
+        printer.flush("node2", stopped=stopped)
+        assert ("launch_agent" in out.getvalue()) is shown, out.getvalue()
+        assert "line 12, in <module>" in out.getvalue()  # the rank's
+        assert printer.folded == (0 if shown else len(launcher))
+
+
 def test_the_story_lines():
     addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12"}
     victim = execute.NodeOutcome("node1", 0, exit_code=1, cause=reader(VICTIM).cause())
