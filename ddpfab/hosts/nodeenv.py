@@ -152,11 +152,13 @@ BOOTSTRAP = ('IFS= read -r __n || exit 96; __s=; while [ "$__n" -gt 0 ]; do IFS=
              '__s="$__s$__l\n"; __n=$((__n - 1)); done; eval "$__s"; unset __s __l __n\n')
 
 
-def setup_stdin(node: Any, *, record_env: bool = False, export_python: bool = False) -> tuple[str, bytes]:
+def setup_stdin(node: Any, *, record_env: bool = False, export_python: bool = False,
+                then: str = "") -> tuple[str, bytes]:
     """(the shell that goes first in *node*'s command, the bytes that go first on its stdin): the
-    node's :func:`prefix` (same arguments) travels on stdin, read by :data:`BOOTSTRAP`; ("", b"")
-    for a node with no prefix. Every command ddpfab starts on a node starts this way."""
-    script = prefix(node, record_env=record_env, export_python=export_python)
+    node's :func:`prefix` (same arguments) and the shell *then* travel on stdin, read by
+    :data:`BOOTSTRAP`; ("", b"") when both are empty. Every command ddpfab starts on a node starts
+    this way."""
+    script = prefix(node, record_env=record_env, export_python=export_python) + (then + "\n" if then else "")
     if not script:
         return "", b""
     lines = script.rstrip("\n").split("\n")

@@ -35,12 +35,20 @@ from ddpfab.remote.output import HostResult, LinePrinter
 TERM_GROUP = 'kill -s TERM -- "-$p" || { sleep 0.2; kill -s TERM -- "-$p"; }'
 
 
-def guarded(command: str) -> str:
-    """*command* run so that it ends with the connection: stdin from /dev/null, while a watcher
-    reads this SSH session's stdin, which ddpfab keeps open; when it closes (ddpfab exits, is
-    interrupted or killed, or the connection drops) the watcher ends the command's whole process
-    group, TERM then KILL. Without it a quiet remote command would outlive a Ctrl-C (no terminal,
-    so no SIGHUP).
+#: The guard shell's variable that holds the command (set from stdin by :func:`stdin_for`).
+COMMAND_VAR = "__ddpfab_cmd"
+#: Run the command, which then no longer sees it in that variable.
+_EVAL = f'eval "unset -v {COMMAND_VAR}; ${COMMAND_VAR}"'
+
+
+def guarded() -> str:
+    """The command (in :data:`COMMAND_VAR`, read from stdin before this: :func:`stdin_for`) run
+    so that it ends with the connection: stdin from /dev/null, while a watcher reads this SSH
+    session's stdin, which ddpfab keeps open; when it closes (ddpfab exits, is interrupted or
+    killed, or the connection drops) the watcher ends the command's whole process group, TERM
+    then KILL. Without it a quiet remote command would outlive a Ctrl-C (no terminal, so no
+    SIGHUP). The command's text is in no process's argv on the node: another user's ``ps`` does
+    not show it (a token typed into it), and ``pgrep -f`` in it finds only what it looks for.
 
     OpenSSH starts a session's shell as the leader of a new session (``setsid`` in sshd), so the
     shell's own group can be the command's: the command runs in a subshell (a fork, no new
@@ -48,21 +56,28 @@ def guarded(command: str) -> str:
     shell and a ``cat``: a third of the CPU a short command costs a node. The guard shell catches
     TERM and the watcher ignores it, so a command that signals its own group (``kill 0``, a
     ``trap 'kill 0' EXIT``) ends itself only: its exit code is reported and the watcher still
-    guards what survives. The command sees none of the guard's variables (``g``, ``w``, ``_``), as in a
-    plain ``ssh host cmd``. Where the shell does not lead its group (another SSH server: read from
-    ``/proc``), the command gets a session of its own from ``setsid`` and a ``cat`` watches."""
-    quoted = shlex.quote(command)
+    guards what survives. The command sees none of the guard's variables (``g``, ``w``, ``_``, the
+    command's), as in a plain ``ssh host cmd``. Where the shell does not lead its group (another
+    SSH server: read from ``/proc``), the command gets a session of its own from ``setsid`` (its
+    text then in that shell's argv) and a ``cat`` watches."""
     return ("exec 3<&0; "
             'if read -r _ _ _ _ g _ 2>/dev/null </proc/$$/stat && [ "$g" = "$$" ]; then '
             "trap '' TERM; "
             "( while read -r _; do :; done <&3; kill -s TERM 0; sleep 2; kill -s KILL 0 ) >/dev/null 2>&1 & w=$!; "
-            f"trap : TERM; ( unset -v g w _; eval {quoted} ) </dev/null 3<&- & p=$!; exec 3<&-; "
+            f"trap : TERM; ( unset -v g w _; {_EVAL} ) </dev/null 3<&- & p=$!; exec 3<&-; "
             # a TERM to the group interrupts the wait: wait again until the command has ended
             'while wait "$p"; c=$?; kill -0 "$p" 2>/dev/null; do :; done; kill -s KILL "$w"; exit "$c"; '
             "fi; "
-            f'setsid "${{SHELL:-sh}}" -c {quoted} </dev/null 3<&- & p=$!; '
+            f'setsid "${{SHELL:-sh}}" -c "${COMMAND_VAR}" </dev/null 3<&- & p=$!; '
             f'( cat <&3 >/dev/null; {TERM_GROUP}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
             'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
+
+
+def stdin_for(node, command: str) -> tuple[str, bytes]:
+    """(the shell that goes first, what goes first on stdin) for *command* on *node*: the node's
+    setup, with its python first on PATH, then the command into :data:`COMMAND_VAR`, both read
+    from stdin (:data:`ddpfab.hosts.nodeenv.BOOTSTRAP`)."""
+    return nodeenv.setup_stdin(node, export_python=True, then=f"{COMMAND_VAR}={shlex.quote(command)}")
 
 
 def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
@@ -119,10 +134,9 @@ def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None
             chan.settimeout(timeout)
         # after the node's setup, with its python first on PATH; our end of stdin stays open:
         # closing it ends the command
-        bootstrap, head = nodeenv.setup_stdin(node, export_python=True)  # the setup, read before the guard
-        chan.exec_command(bootstrap + guarded(command))
-        if head:
-            chan.sendall(head)
+        bootstrap, head = stdin_for(node, command)  # the setup and the command, read before the guard
+        chan.exec_command(bootstrap + guarded())
+        chan.sendall(head)
         err_thread = threading.Thread(target=_pump_stderr, args=(chan, node.name, printer), daemon=True)
         err_thread.start()
         _pump(chan, chan.recv, node.name, printer, False)

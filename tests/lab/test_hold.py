@@ -182,11 +182,16 @@ def test_exec_over_held_connections_is_the_cold_exec_without_the_handshakes(lab,
     # a node limited with --nodes, and a node whose command fails: as cold
     code, one, err = exec_lines(inventory3, "--nodes", "node2", "--", "hostname")
     assert code == 0 and one == {"node2 | node2"} and "over the connections" in err, err
+    # the command's text is in no process's argv on the node: `pgrep -f` finds only itself (which it
+    # leaves out), as over plain ssh; it found ddpfab's guard shells, 3 a node
+    seek = "pgrep -af ddpfab-argv-marker"
+    assert exec_lines(inventory3, "--", seek)[:2] == (1, set())
     ddpfab("hold", "-i", str(inventory3), "--stop")
     assert connections(lab) == {n: 0 for n in NODES}
     cold_code, cold, err = exec_lines(inventory3, "--", cmd)
     assert "over the connections" not in err
     assert (cold_code, cold) == (3, lines), (cold, lines)
+    assert exec_lines(inventory3, "--", seek)[:2] == (1, set())
 
 
 def test_a_closed_stdout_and_an_interrupt_end_the_commands_on_every_node(lab, inventory3, held):

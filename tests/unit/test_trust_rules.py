@@ -21,7 +21,7 @@ from ddpfab.launch.runs import MASK, mask_argv, mask_plan
 from ddpfab.node import agent
 from ddpfab.planning import render
 from ddpfab.planning.plan import Facts, Plan, PlanError, RunOptions, check_run_id, make_plan, parse_env
-from ddpfab.remote.command import guarded
+from ddpfab.remote import command as commandmod
 
 C = Inventory("inv.yml", "all", (Node("a", "10.0.0.1"), Node("b", "10.0.0.2")))
 F = Facts(addresses={"a": "10.0.0.1", "b": "10.0.0.2"}, master_port=29500, cwd="/w")
@@ -125,6 +125,12 @@ def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
     assert agent.marked_processes("orph-1") == []
 
 
+def guarded(command: str) -> str:
+    """The guard with *command* in its variable, set inline (a node's session reads it from stdin
+    first: test_the_command_is_read_from_stdin_and_in_no_processs_argv)."""
+    return f"{commandmod.COMMAND_VAR}={shlex.quote(command)}; {commandmod.guarded()}"
+
+
 @pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
 def test_a_guarded_command_ends_when_its_stdin_closes(tmp_path, leader):
     """sshd starts the shell as a session leader: the command runs in that group (no setsid) and a
@@ -159,8 +165,11 @@ def test_a_guarded_command_keeps_its_output_and_exit_code(leader):
 @pytest.mark.parametrize("shell", ["sh", "bash"])
 @pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
 def test_a_guarded_command_sees_none_of_the_guards_variables(leader, shell):
-    """What the command finds in its shell is a plain ``sh -c``'s: ${g}, ${w}, ${p}, ${c} unset."""
-    proc = subprocess.Popen([shell, "-c", guarded('echo "[${g-}${w-}${p-}${c-}]"; set | grep -c "^[gwpc]=" || :')],
+    """What the command finds in its shell is a plain ``sh -c``'s: ${g}, ${w}, ${p}, ${c} and the
+    command's own variable unset."""
+    var = commandmod.COMMAND_VAR
+    proc = subprocess.Popen([shell, "-c", guarded(f'echo "[${{g-}}${{w-}}${{p-}}${{c-}}${{{var}-}}]"; '
+                                                  f'set | grep -c "^[gwpc]=\\|^{var}=" || :')],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=leader)
     out = proc.stdout.read()
     assert (proc.wait(timeout=10), out) == (0, b"[]\n0\n")
@@ -191,6 +200,27 @@ def test_a_command_that_signals_its_own_group_ends_itself_only_and_stays_guarded
     while os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "a command that ignores TERM outlived its connection"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
+def test_the_command_is_read_from_stdin_and_in_no_processs_argv(leader):
+    """`ddpfab exec -- pgrep -af torch` found ddpfab's own guard shells on every node (their argv
+    held the command's text), and another user's `ps` showed a token typed into a command. The
+    session's command line is the bootstrap and the guard only; the command comes on stdin after
+    the node's setup, and what it runs is all that `pgrep -f` finds of it."""
+    node = Node("n1", "10.0.0.1", python="/usr/bin/python3", python_from="inventory")
+    marker = "ddpfab-argv-marker-4711"
+    bootstrap, head = commandmod.stdin_for(node, f"echo {marker}-ran; pgrep -f {marker} || echo none-found")
+    line = bootstrap + commandmod.guarded()
+    assert marker not in line
+    proc = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=leader)
+    proc.stdin.write(head)
+    proc.stdin.flush()
+    out = proc.stdout.read()  # our end of stdin stays open, as ddpfab keeps it
+    assert (proc.wait(timeout=10), out) == (0, f"{marker}-ran\nnone-found\n".encode()) if leader else \
+        out.startswith(f"{marker}-ran\n".encode())  # (elsewhere the setsid shell's argv holds it)
+    proc.stdin.close()
 
 
 def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
