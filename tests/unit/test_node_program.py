@@ -176,7 +176,11 @@ def test_ps_and_stop_over_run_records(tmp_path):
     out = program.op_ps({"root": str(tmp_path / "runs")}, {})
     assert out["runs"] == [{"run_id": run.name, "state": "exited", "exit_code": 3, "started": 1.0,
                             "agent_pid": os.getpid(), "dir": str(run)}]
-    assert program.op_stop({"dir": str(run), "grace": 0.1}, {}) == {"said": "not running", "stopped": True}
+    assert program.op_stop({"dir": str(run), "grace": 0.1}, {}) == {"said": "not running", "stopped": True,
+                                                                   "known": True}
+    # a run this node never had (a typo of its id): nothing left of it, and not known here
+    assert program.op_stop({"dir": str(tmp_path / "runs" / "20990101-000000-abcdef"), "grace": 0.1}, {}) == \
+        {"said": "absent", "stopped": True, "known": False}
 
 
 def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(tmp_path):
@@ -195,9 +199,11 @@ def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(t
         assert launch.poll() is None  # (this test's own session was not signalled either)
         # `ddpfab stop` on the node: no supervisor, so the launch's session is what it ends
         (run / program.TMUX_PID).write_text(f"{launch.pid}\n")
-        assert program.op_stop({"dir": str(run), "grace": 2}, {}) == {"said": "stopped its tmux launch", "stopped": True}
+        assert program.op_stop({"dir": str(run), "grace": 2}, {}) == {"said": "stopped its tmux launch", "stopped": True,
+                                                                      "known": True}
         assert launch.wait(timeout=5) == -15
-        assert program.op_stop({"dir": str(run), "grace": 2}, {}) == {"said": "its tmux launch had ended", "stopped": True}
+        assert program.op_stop({"dir": str(run), "grace": 2}, {}) == {"said": "its tmux launch had ended", "stopped": True,
+                                                                      "known": True}
     finally:
         launch.kill()
         launch.wait()
@@ -218,7 +224,7 @@ def test_stop_of_a_tmux_launch_outlives_its_record_and_kills_what_ignores_sigter
         remover = threading.Timer(0.3, (run / program.TMUX_PID).unlink)
         remover.start()
         assert program.op_stop({"dir": str(run), "grace": 1}, {}) == {"said": "stopped its tmux launch",
-                                                                      "stopped": True}
+                                                                      "stopped": True, "known": True}
         assert stubborn.wait(timeout=5) == -9
     finally:
         stubborn.kill()
