@@ -121,7 +121,11 @@ class Parser(argparse.ArgumentParser):
         if "--json" in words:
             print_problems([message], "usage")
             sys.stdout.flush()
-        super().error(message)
+        usage = self.format_usage()
+        if usage.count("\n") > 3:  # a command of many options (run's usage is 20 lines): the error first
+            usage = f"usage: {self.prog} [options] ... (`{self.prog} --help` lists them)\n"
+        self._print_message(usage, sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def warn(line: str | Problem) -> None:
