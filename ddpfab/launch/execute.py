@@ -441,12 +441,15 @@ class _NodeJob:
             out.error = out.error or f"{type(exc).__name__}: {exc}"
         finally:
             out.ended = time.time()
-            self.printer.flush(self.node.name, stopped=out.stopped_by_ddpfab)
             if out.exit_code not in (None, 0, CANNOT_START) and out.error is None:
                 # before the monitor decides: the first worker its supervisor saw fail (a rank killed
                 # by a signal prints nothing), and did the job fail only after every rank had finished?
                 out.remote = self._result_record()
             out.cause = ranked(self.plan, self.node, out.causes.cause((out.remote or {}).get("failed_worker")))
+            # a node whose job failed on its own before the stop came is no node ddpfab stopped (as
+            # blame_outcomes has it): whatever of its output is held may be the failure's trace
+            on_its_own = (out.remote or {}).get("failed_at") is not None or (out.cause is not None and out.cause.own)
+            self.printer.flush(self.node.name, stopped=out.stopped_by_ddpfab and not on_its_own)
             self.done.set()
             self.events.put(self.node.name)  # first: the monitor may have others to stop
         try:

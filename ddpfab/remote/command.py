@@ -76,8 +76,16 @@ def guarded() -> str:
 def stdin_for(node, command: str) -> tuple[str, bytes]:
     """(the shell that goes first, what goes first on stdin) for *command* on *node*: the node's
     setup, with its python first on PATH, then the command into :data:`COMMAND_VAR`, both read
-    from stdin (:data:`ddpfab.hosts.nodeenv.BOOTSTRAP`)."""
-    return nodeenv.setup_stdin(node, export_python=True, then=f"{COMMAND_VAR}={shlex.quote(command)}")
+    from stdin (:data:`ddpfab.hosts.nodeenv.BOOTSTRAP`). The command is one line there whatever
+    its newlines (each a ``$__nl`` between its quoted parts): the bootstrap joins lines one by one,
+    which a shell does in time that grows with the square of their number."""
+    quoted = shlex.quote(command)
+    if "\n" not in quoted:
+        return nodeenv.setup_stdin(node, export_python=True, then=f"{COMMAND_VAR}={quoted}")
+    # (a newline is always inside a single-quoted part of shlex.quote's output)
+    joined = quoted.replace("\n", "'\"$__nl\"'")
+    return nodeenv.setup_stdin(node, export_python=True, then=f"__nl=$(printf '\\n.'); __nl=${{__nl%.}}; "
+                                                             f"{COMMAND_VAR}={joined}; unset -v __nl")
 
 
 def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:

@@ -223,6 +223,28 @@ def test_the_command_is_read_from_stdin_and_in_no_processs_argv(leader):
     proc.stdin.close()
 
 
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_a_command_of_many_lines_is_one_line_on_stdin_and_runs_as_sh_c_runs_it(shell):
+    """The bootstrap joins what it reads a line at a time (a shell's string grows by a copy each:
+    2,000 lines took bash 1.5 s): a command's newlines travel as ``$__nl`` in one line. Quotes,
+    a here-doc, blank lines, a CR and a trailing backslash run as ``sh -c`` runs them."""
+    node = Node("n1", "10.0.0.1", python="/usr/bin/python3", python_from="inventory")
+    cmd = ("echo 'a b'\n\n   \nprintf '%s\\n' \"x  y\" 'it''s' \\\\back\r\ncat <<'EOF'\nhere $x 'q'\nEOF\n"
+           + "\n".join(f"echo line{i}" for i in range(2000)) + "\necho \"[${__nl-unset}]\" \\\n  end")
+    bootstrap, head = commandmod.stdin_for(node, cmd)
+    lines = head.decode().split("\n")
+    assert int(lines[0]) == len(lines) - 2 and "echo line1999" in lines[-2]  # N, N lines, the command the last
+    proc = subprocess.Popen([shell, "-c", bootstrap + commandmod.guarded()], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, start_new_session=True)
+    proc.stdin.write(head)
+    proc.stdin.flush()
+    out = proc.stdout.read()
+    code = proc.wait(timeout=20)
+    proc.stdin.close()
+    plain = subprocess.run([shell, "-c", cmd], capture_output=True, stdin=subprocess.DEVNULL)
+    assert (out, code) == (plain.stdout, plain.returncode) and out.endswith(b"[unset] end\n"), out[-200:]
+
+
 def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
     # the watcher's TERM, as guarded() writes it, run by a real sh on a process group that does not
     # exist: it must wait 0.2 s and try once more (a brace group, not a command named `{{`)
