@@ -89,13 +89,20 @@ def test_one_firewalled_node_is_named_alone_in_a_short_grouped_message(lab32):
 
 
 def test_stop_and_logs_answer_32_nodes_in_a_line_per_distinct_answer(lab32, tmp_path):
-    """`stop` and `logs` of a run that is on no node: 32 identical answers are one line naming
-    node[1-32], not 32 lines (up to 16 nodes each keeps its own line)."""
+    """`stop` of a run every node has a record of (its supervisor gone), and `logs` of a run that is
+    on no node: 32 identical answers are one line naming node[1-32], not 32 lines (up to 16 nodes
+    each keeps its own line). A stop of a run no node knows is one error line."""
     inv = str(lab32.dir / "inventory32.yml")
     run_id = "20260101-000000-abcdef"
     stop = ddpfab("stop", run_id, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
-    assert len(stop.stdout.splitlines()) == 1, stop.stdout + stop.stderr
-    assert stop.stdout.startswith("node[1-32] (32 nodes): "), stop.stdout
+    assert stop.returncode == 2 and not stop.stdout and len(stop.stderr.splitlines()) == 1, stop.stdout + stop.stderr
+    assert stop.stderr.startswith(f"ddpfab: error: no run {run_id}: "), stop.stderr
+    known = "20260101-000000-fedcba"  # a record on every node whose supervisor (pid 1: the host's init) is not it
+    record = f'{{"run_id": "{known}", "agent_pid": 1, "started": 1.0}}'
+    assert ddpfab("exec", "-i", inv, "--", f"mkdir -p ~/.ddpfab/runs/{known} && "
+                  f"echo '{record}' > ~/.ddpfab/runs/{known}/agent.json", timeout=300).returncode == 0
+    stop = ddpfab("stop", known, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
+    assert stop.returncode == 0 and stop.stdout == "node[1-32] (32 nodes): not running\n", stop.stdout + stop.stderr
     logs = ddpfab("logs", run_id, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
     assert logs.returncode == 1 and not logs.stdout, logs.stdout + logs.stderr
     errors = logs.stderr.splitlines()
