@@ -75,10 +75,15 @@ _NOTICE_FRAME = re.compile(r"^(\*{20,})?\s*$")
 #: Lines at column 0 skipped between a rank's traceback header and its first frame: the rank's
 #: stdout and stderr reach torchrun's tee as two streams, so what it printed just before raising
 #: can come there (the print before the raise between ``Traceback (most recent call last):`` and
-#: its frames). A traceback always has a frame before its exception line; after the first, the
-#: first line back at column 0 ends it, unless torch marks the traceback's lines (``[rankN]:``, a
-#: rank with a process group) and that line is unmarked: the rank's stdout, anywhere in between.
+#: its frames). A traceback always has a frame before its exception line. After a frame, a line
+#: at column 0 that is not an exception's is the rank's stdout too (shown, the traceback stays
+#: open), up to this many; an exception line after such a line must name a class (``Error: x``,
+#: ``torch.OutOfMemoryError: x``), so ``loss: 0.5`` after a cut-off traceback is not a cause.
+#: Where torch marks the traceback's lines (``[rankN]:``, a rank with a process group), an
+#: unmarked line is the rank's stdout wherever it comes.
 INTERLEAVED = 3
+#: The class an exception line names, when it is one by its shape: ``ValueError``, ``a.b.C``.
+_CLASS = re.compile(r"^([A-Za-z_][A-Za-z0-9_<>]*\.)*[A-Z][A-Za-z0-9_]*(:|$)")
 
 #: What a rank raises when a peer went away: gloo's, NCCL's and the c10d store's words for it (as
 #: torch 2.x prints them), and a collective that timed out waiting for a rank that did not come.
@@ -208,6 +213,7 @@ class _RankState:
     """One local rank's traceback as it streams (None: not in one) and what it said."""
 
     skipped: int | None = None  # lines at column 0 before the first frame (None once a frame came)
+    stray: int = 0  # lines at column 0, not an exception's, after a frame (the rank's stdout)
     in_traceback: bool = False
     prefixed: bool = False  # the open traceback's lines carry torch's [rankN]: (its stdout's do not)
     lines: list[str] = field(default_factory=list)
@@ -252,13 +258,13 @@ class CauseReader:
     def _rank_line(self, local: int, text: str, prefixed: bool = False) -> Fold:
         state = self.ranks.setdefault(local, _RankState())
         if text.strip() == _TRACEBACK:
-            state.in_traceback, state.skipped, state.lines = True, 0, [text]
+            state.in_traceback, state.skipped, state.stray, state.lines = True, 0, 0, [text]
             state.prefixed = prefixed
             return Fold.HOLD
         if state.in_traceback and state.prefixed and not prefixed:
             return Fold.SHOW  # the rank's stdout, between the lines of a traceback torch marks ([rankN]:)
         if not state.in_traceback and _SYNTAX_REPORT.match(text.rstrip()):
-            state.in_traceback, state.skipped, state.lines = True, None, [text]
+            state.in_traceback, state.skipped, state.stray, state.lines = True, None, 0, [text]
             return Fold.HOLD  # as after a frame: the next line at column 0 is the exception
         if not state.in_traceback:
             return self._usage_line(local, state, text)
@@ -269,8 +275,12 @@ class CauseReader:
         if state.skipped is not None and state.skipped < INTERLEAVED:
             state.skipped += 1  # before any frame: the rank's stdout (INTERLEAVED)
             return self._held(state, text)
-        state.in_traceback = False  # the first line back at column 0 ends the traceback
-        if not _EXCEPTION.match(text.strip()):
+        exception = _EXCEPTION.match(text.strip()) and (not state.stray or _CLASS.match(text.strip()))
+        if not exception and state.skipped is None and state.stray < INTERLEAVED:
+            state.stray += 1  # after a frame: the rank's stdout (INTERLEAVED)
+            return Fold.SHOW
+        state.in_traceback = False  # the exception line, or what shows the traceback was cut off
+        if not exception:
             return Fold.RELEASE
         kind = kind_of_exception(text)
         if state.exception is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import execute as launch
-from ddpfab.launch.cause import MAX_LINE, Cause, CauseKind, CauseReader
+from ddpfab.launch.cause import MAX_LINE, Cause, CauseKind, CauseReader, Fold
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
 
@@ -121,18 +121,27 @@ def test_a_line_the_rank_printed_before_raising_may_come_inside_its_traceback():
     """The rank's stdout and stderr are two streams: the print just before the raise can reach
     torchrun's tee after the traceback's header (seen on the lab under load), even one shaped like
     an exception line; before the first frame it is not the end of the traceback, and the
-    exception line after the frames is still the cause. After a frame, the first line at column 0
-    ends the traceback as it always did; a class of a function's own is an exception too."""
+    exception line after the frames is still the cause. After a frame too (seen in CI: the print
+    came between the frame and its code line), as long as the exception line names a class; a
+    class of a function's own is an exception too."""
     lines = ["[default1]:Traceback (most recent call last):", "[default1]:rank 3 failing on purpose",
              '[default1]:  File "report.py", line 34, in <module>',
              '[default1]:    raise RuntimeError(f"rank {rank} failing on purpose")',
              "[default1]:RuntimeError: rank 3 failing on purpose"]
     assert core(read("\n".join(lines)).cause()) == (None, 1, None, "RuntimeError: rank 3 failing on purpose", CauseKind.EXCEPTION)
     shaped = [lines[0], "[default1]:loss: 0.5", *lines[2:]]
-    assert core(read("\n".join(shaped)).cause()) == (None, 1, None, "RuntimeError: rank 3 failing on purpose", CauseKind.EXCEPTION)
+    cause = ("RuntimeError: rank 3 failing on purpose", CauseKind.EXCEPTION)
+    assert core(read("\n".join(shaped)).cause())[3:] == cause
+    after_frame = [*lines[:3], lines[1], *lines[3:]]
+    reader = CauseReader()
+    folds = [reader.feed(line)[0] for line in after_frame]
+    assert folds[3] is Fold.SHOW and folds[-1] is Fold.RELEASE
+    assert core(reader.cause()) == (None, 1, None, "RuntimeError: rank 3 failing on purpose", CauseKind.EXCEPTION)
     cut = ["[default0]:Traceback (most recent call last):", '[default0]:  File "t.py", line 1',
            "[default0]:step 1 of 9", "[default0]:loss: 0.5"]
     assert read("\n".join(cut)).cause() is None
+    cut_long = [*cut, "[default0]:step 2 of 9", "[default0]:step 3 of 9", "[default0]:Epoch: 4"]
+    assert read("\n".join(cut_long)).cause() is None  # past INTERLEAVED lines the traceback had ended
     local = [lines[0], '[default1]:  File "t.py", line 1', "[default1]:main.<locals>.ConfigError: bad lr", "[default1]:x"]
     assert core(read("\n".join(local)).cause()) == (None, 1, None, "main.<locals>.ConfigError: bad lr", CauseKind.EXCEPTION)
 
@@ -149,8 +158,10 @@ def test_a_line_of_stdout_between_the_frames_of_a_marked_traceback_is_not_its_en
     folds = [reader.feed(line)[0].value for line in lines]
     assert folds[3] == "show"  # printed, not held with the traceback
     assert core(reader.cause()) == (None, 1, None, "ValueError: bad batch shape (3, 4) on rank 5", CauseKind.EXCEPTION)
-    unmarked = [ln.replace("[rank5]: ", "") for ln in lines]  # unmarked: a line at column 0 after a frame ends it
-    assert read("\n".join(unmarked)).cause() is None
+    unmarked = [ln.replace("[rank5]: ", "") for ln in lines]  # unmarked: the stdout line is shown as well
+    reader = CauseReader()
+    assert [reader.feed(line)[0].value for line in unmarked][3] == "show"
+    assert core(reader.cause()) == (None, 1, None, "ValueError: bad batch shape (3, 4) on rank 5", CauseKind.EXCEPTION)
 
 
 def test_a_script_python_could_not_compile_names_its_syntax_error():
