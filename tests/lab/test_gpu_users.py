@@ -14,7 +14,8 @@ as itself (a process of that uid, nothing of root's in between).
   one line, nothing left running or queued, no lease left.
 
 The accounts, their homes and the lab are removed afterwards; nothing else is touched (each
-host's /root is made traversable in the host's own overlay, for the shared venv below).
+host's /root, and the dirs above the checkout and this venv, are made traversable in the host's
+own overlay, for the shared venv below).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import pwd
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -138,6 +140,17 @@ def _views(user: str, paths: list[str], shared: Path, mounts: list[Path]) -> lis
     return out
 
 
+def _overlaid_parents(paths: list[str]) -> str:
+    """A shell line's tail that makes the dirs above *paths* in a lab host's own overlay traversable
+    there (``/var/tmp/x`` of a checkout under ``mktemp -d -p /var/tmp``), so the hosts' users reach
+    the original paths (a view, a mount made here, does not show through a host's overlay); the
+    controller's own dirs keep their modes."""
+    overlaid = [Path(d) for d in labmod.OVERLAY_DIRS]
+    parents = {str(parent) for path in paths for parent in Path(path).parents
+               if any(parent.is_relative_to(d) and parent != d for d in overlaid)}
+    return f"&& chmod o+x {' '.join(shlex.quote(p) for p in sorted(parents))}" if parents else ""
+
+
 def _unmount(mounts: list[Path]) -> bool:
     """Unmount the views; True when none is mounted any more (only then may *shared* be removed:
     removing it with a view mounted would remove the checkout)."""
@@ -180,7 +193,8 @@ def users(tmp_path_factory):
                                share=[tmp_path_factory.getbasetemp(), shared], gpus=GPUS)
         try:
             for node in NODES:
-                res = host_sh(the_lab, node, f"chmod 711 /root && mkdir -m 1777 -p {RECORDS}")
+                res = host_sh(the_lab, node, f"chmod 711 /root {_overlaid_parents(paths)} && "
+                                             f"mkdir -m 1777 -p {RECORDS}")
                 assert res.returncode == 0, res.stderr
             out = Users(the_lab, shared, python, names)
             for name in names:
