@@ -78,6 +78,18 @@ def nonempty_path(text: str) -> str:
     return text
 
 
+def positive_seconds(text: str) -> float:
+    """argparse's type for a timeout in seconds: a number above 0 (``--timeout -1`` timed every
+    node out at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:  # (nan too)
+        raise argparse.ArgumentTypeError(f"{text} is not above 0: give the seconds to wait")
+    return value
+
+
 def runs_dir_type(text: str) -> str:
     """argparse's type for ``--runs-dir`` (and ``$DDPFAB_RUNS_DIR``): ``~`` is this user's home in
     every command (a quoted ``'~/x'`` made a ``./~`` dir and printed ``~/x``); empty is refused

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ddpfab.cli.common import add_cluster_args, api_cluster
+from ddpfab.cli.common import add_cluster_args, api_cluster, positive_seconds
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, die, note
 from ddpfab.hosts import inventory
 from ddpfab.remote.output import FoldPrinter, LinePrinter, summary
@@ -17,7 +17,7 @@ def register(sub) -> None:
                                    "shell; a single word is run by it as is (pipes, $VARS, && work).")
     add_cluster_args(p)
     p.add_argument("--nodes", help="only these nodes (comma-separated inventory names)")
-    p.add_argument("--timeout", type=float, help="give up on a node whose command is silent this long (s)")
+    p.add_argument("--timeout", type=positive_seconds, help="give up on a node whose command is silent this long (s)")
     p.add_argument("--no-color", action="store_true")
     p.add_argument("--fold", action="store_true",
                    help="print each node's output once the command ended everywhere, nodes whose output and "
@@ -33,7 +33,8 @@ def cmd_exec(args: argparse.Namespace) -> int:
         words = words[1:]
     try:
         cluster = api_cluster(args)
-        wanted = None if not args.nodes else [w.strip() for w in args.nodes.split(",") if w.strip()]
+        # `--nodes ''` (an empty variable) names no node: an error, not every node
+        wanted = None if args.nodes is None else [w.strip() for w in args.nodes.split(",") if w.strip()]
         names = [n for n in cluster.names if wanted is None or n in wanted]
         printer: LinePrinter | FoldPrinter = (FoldPrinter(names) if args.fold else
                                               LinePrinter(names, color=False if args.no_color else None))
