@@ -1424,7 +1424,10 @@ def stop_job(run_dir, grace):
             return False
 
     if pid and alive():
-        os.kill(pid, signal.SIGTERM)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # it ended between the look and the signal: another stop's, or its own end
         deadline = time.monotonic() + grace + 5
         while alive() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import shlex
 import subprocess
 import sys
@@ -123,6 +124,29 @@ def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
     said, code = agent.stop_job(str(tmp_path / "orph-1"), 1.0)
     assert code == 0 and said == "its supervisor was gone: ended 2 orphaned job processes"
     assert agent.marked_processes("orph-1") == []
+
+
+def test_two_stops_at_once_both_say_stopped(tmp_path, monkeypatch):
+    """Two ``ddpfab stop`` of one run at once: the supervisor one of them looked at alive may be
+    gone by the time the other's signal reaches it (it said ``node4: : No such process``, exit 1)."""
+    run_dir = tmp_path / "race-1"
+    run_dir.mkdir()
+    sup = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "race-1"])
+    (run_dir / "agent.json").write_text(json.dumps({"agent_pid": sup.pid}))
+    real_kill = os.kill
+
+    def the_other_stop_first(pid, sig):
+        real_kill(pid, signal.SIGKILL)  # the other stop's signal, and its end, came in between
+        sup.wait()
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(agent.os, "kill", the_other_stop_first)
+    try:
+        assert agent.stop_job(str(run_dir), 1.0) == ("stopped", 0)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+        sup.wait()
 
 
 def guarded(command: str) -> str:
