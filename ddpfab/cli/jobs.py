@@ -310,7 +310,7 @@ def cmd_attach(args) -> int:
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch.recover import next_attempt
 
-    root, followed, races, hung, failed = manifest, None, {}, None, None
+    root, followed, races, hung, failed, outside = manifest, None, {}, None, None, {}
     while manifest is not None:  # a run with restarts: each attempt in turn, until the last has ended
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
@@ -324,6 +324,7 @@ def cmd_attach(args) -> int:
             outcomes = ended_outcomes(plan, conns, codes, readers)
             races = exit_races_of(outcomes, plan.exit_guard)  # as run reports them: finished, then aborted at exit
             failed = attach_story(plan, outcomes)  # as run tells it: the rank that failed on its own
+            outside = {n: sig for n, o in outcomes.items() if (sig := o.stopped_from_outside) is not None}
         except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
             return getattr(exc, "exit_code", 130)
@@ -344,7 +345,7 @@ def cmd_attach(args) -> int:
     if failed and not hung and not races:
         for line in failed[1]:
             printer.note(line)
-    code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None)
+    code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None, outside)
     printer.note(f"run {args.run_id} ended: {summary}")
     if warned:
         printer.note(f"warning: {hints.exit_abort_hint()}")

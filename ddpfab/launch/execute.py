@@ -184,6 +184,12 @@ class NodeOutcome:
         """Ended with an error or a non-zero exit code, not counting a finished node's abort at exit."""
         return (self.error is not None or self.exit_code != 0) and self.exit_race is None
 
+    @property
+    def stopped_from_outside(self) -> int | None:
+        """The signal its supervisor was stopped by from outside this run (``ddpfab stop`` from
+        elsewhere, a kill), before its job failed on its own; None else."""
+        return stop_signal_of(self.exit_code, self.remote, self.cause)
+
     def state(self, now: float) -> str:
         """What the node looked like from here: silent, in rendezvous (only torchrun has spoken),
         quiet for a while, or ended."""
@@ -516,6 +522,33 @@ def exit_race_of(code: int | None, record: dict | None) -> dict | None:
     return race if code not in (None, 0) and isinstance(race, dict) else None
 
 
+def stop_signal_of(code: int | None, record: dict | None, cause: Cause | None) -> int | None:
+    """The signal that stopped a node's supervisor (its result record's ``stop_signal``, as data)
+    when the node's job did not fail on its own first (no ``failed_at``, no rank's own cause);
+    None else, and for a node that exited 0."""
+    sig = (record or {}).get("stop_signal")
+    if code in (None, 0) or type(sig) is not int or (record or {}).get("failed_at") is not None:
+        return None
+    return None if cause is not None and cause.own else sig
+
+
+def stopped_from_outside_line(signals: dict[str, int]) -> str:
+    """The closing line of a job stopped from outside the run (node -> the signal its supervisor
+    got): ``stopped from outside on node[1-4] (SIGTERM to their supervisors: `ddpfab stop`, or a
+    kill); the job was stopped on every node``."""
+    names = sorted({_signal_name(s) for s in signals.values()})
+    whose = "its supervisor" if len(signals) == 1 else "their supervisors"
+    return (f"stopped from outside on {compact(list(signals))} ({', '.join(names)} to {whose}: `ddpfab stop`, "
+            "or a kill); the job was stopped on every node")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
     """*cause* with its global rank: torchrun's, else the node's offset plus the local rank
     (static rendezvous only: with c10d the node's offset is torchrun's to decide)."""
@@ -657,6 +690,7 @@ class _Monitor:
         self.settle = _Settle()
         self.hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
         self.interrupted: str | None = None
+        self.from_outside: dict[str, int] = {}  # node -> the signal that stopped it from outside the run
         self.first_failure: str | None = None
         self.extra_wait: float | None = None  # after the stop deadline: the dropped links' last chance
         self.wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
@@ -703,6 +737,14 @@ class _Monitor:
         """Node *name*'s job ended: a failure of its own stops the others (after settling, for a victim)."""
         self.pending.discard(name)
         out = self.jobs[name].outcome
+        sig = out.stopped_from_outside if self.first_failure is None else None
+        if sig is not None and self.interrupted is None:  # `ddpfab stop` from elsewhere: no node failed
+            if not self.from_outside and self.stop_deadline() is None:
+                self.printer.note(f"{name}: stopped from outside this run ({_signal_name(sig)} to its supervisor); "
+                                  "stopping the job on every node")
+                self.stop_all(fast=True)
+            self.from_outside[name] = sig
+            return
         if out.failed and self.interrupted is None and not out.stopped_by_ddpfab and self.stop_deadline() is None:
             self.first_failure = self.first_failure or name
             if self.settle.failed(name, out):
@@ -780,9 +822,12 @@ class _Monitor:
                 self.printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
         self.printer.folded_note()
         verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure)
-                   if not self.interrupted and not self.hung else Blame(self.first_failure))
+                   if not self.interrupted and not self.hung and not self.from_outside else Blame(self.first_failure))
         code, summary = self.closing(outcomes, verdict)
-        return RunResult(code, outcomes, verdict.node, self.interrupted, summary)
+        interrupted = self.interrupted  # a stop from outside is one too: no restart follows it
+        if interrupted is None and self.from_outside and not verdict.node:
+            interrupted = _signal_name(next(iter(self.from_outside.values())))
+        return RunResult(code, outcomes, verdict.node, interrupted, summary)
 
     def closing(self, outcomes: dict[str, NodeOutcome], verdict: Blame) -> tuple[int, str]:
         """The run's exit code and closing line (with the notes that go before it)."""
@@ -794,6 +839,9 @@ class _Monitor:
         if self.hung:
             return (EXIT_HUNG, f"hung: {'; '.join(self.hung)}; the job was stopped on every node "
                                f"({option('on_hang', 'stop')})")
+        if self.from_outside and not verdict.node:  # as a shell reports a job a signal ended
+            first = next(iter(self.from_outside.values()))
+            return 128 + first, stopped_from_outside_line({n: self.from_outside[n] for n in outcomes if n in self.from_outside})
         if verdict.node:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]

@@ -26,7 +26,7 @@ from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
-                                   failed_worker_text, ranked, result_record)
+                                   failed_worker_text, ranked, result_record, stopped_from_outside_line)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import is_run_id
@@ -279,17 +279,21 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome]) -> tuple[str, list[str]
             story.other_nodes(outcomes, verdict.node, addresses))
 
 
-def attach_end(codes: dict[str, int], races: dict[str, dict],
-               hung: list[str] | None = None, failed_story: str | None = None) -> tuple[int, str, bool]:
+def attach_end(codes: dict[str, int], races: dict[str, dict], hung: list[str] | None = None,
+               failed_story: str | None = None, outside: dict[str, int] | None = None) -> tuple[int, str, bool]:
     """How ``attach`` ends, by run's exit-code policy (ddpfab/cli/errors.py): (its exit code, the
     closing line after ``run RUN_ID ended: ``, whether the exit-race warning goes with it).
     *hung*: the doctor's verdict when the hang watch stopped the job (``--on-hang stop``): 124
     (:data:`ddpfab.launch.hangwatch.EXIT_HUNG`), whatever the nodes' jobs exited with once ended;
     else the first failing node's code, 0 when the only failures are ranks that aborted at exit
-    after finishing their work (*races*)."""
+    after finishing their work (*races*). *outside*: node -> the signal its supervisor was stopped
+    by from outside (``ddpfab stop``): with no failure of a rank's own, 128 + that signal, as run
+    ends."""
     if hung:
         return (EXIT_HUNG, f"hung: {'; '.join(hung)}; the job was stopped on every node "
                            f"({option('on_hang', 'stop')})", False)
+    if outside and not failed_story:
+        return 128 + next(iter(outside.values())), stopped_from_outside_line(outside), False
     failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
     if races and not failed:  # the work is done
         return 0, exit_race_summary(races), True

@@ -924,6 +924,7 @@ class Supervisor(object):
         self.own_failure_since = None  # time.monotonic() when a worker failed before any stop
         self.at_barrier = False
         self.signalled = None  # the signal that asks for a stop, for the main loop to take
+        self.stop_signal = None  # ... the one that stopped the job, as data (``ddpfab stop``, a kill)
         self.relayed = None
         self.relayer = None
 
@@ -989,7 +990,8 @@ class Supervisor(object):
         self.signalled = signum
 
     def _take_signal(self):
-        if self.signalled is not None:
+        if self.signalled is not None and not self.stop.is_set():
+            self.stop_signal = self.signalled
             self.request_stop("signal %d" % self.signalled)
 
     def request_stop(self, why, worker=False):
@@ -1111,7 +1113,7 @@ class Supervisor(object):
         stopped = [reason] if reason else []
         race = exit_race(self.spec, run_dir, code, stopped, self.failed_workers)
         _write(os.path.join(run_dir, "result.json"), json.dumps({
-            "exit_code": code, "ended": time.time(), "stopped": reason,
+            "exit_code": code, "ended": time.time(), "stopped": reason, "stop_signal": self.stop_signal,
             "failed_at": min(self.failed_at) if failed and self.failed_at and not race else None,
             "restarts": _restarts(self.spec.get("log_dir")), "exit_race": race,
             # the first worker seen failing, as data: torchrun, ended at once, may not have named it

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,6 +284,51 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     assert "nothing was stopped" in stop.stderr and "Traceback" not in stop.stderr
     stop = ddpfab("stop", "-i", str(inventory2), "--runs-dir", elsewhere, run_id)
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
+
+
+def test_a_stop_from_elsewhere_ends_run_and_attach_as_a_stop_not_a_failure(lab, inventory2, tmp_path):
+    """``ddpfab stop`` of a job that a ``run`` (or an ``attach``) still follows is a stop, not a
+    failure: both end 143 saying it was stopped from outside, naming no failed node (they said
+    ``node2 (node_rank 1) failed (exit code 1)`` and blamed it); the run's record says interrupted."""
+    runs = tmp_path / "runs"
+    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT)
+    try:
+        _read_until(proc, "REPORT", 2, timeout=90)
+        run_id = _run_ids(runs)[0]
+        stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
+        assert stop.returncode == 0 and stop.stdout.count("stopped") == 2, stop.stdout + stop.stderr
+        out = proc.stdout.read()
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    closing = next((ln for ln in out.splitlines() if ln.startswith("ddpfab: stopped from outside on ")), "")
+    # (a node this run stopped first, after the other's stop came, is this run's stop, not named)
+    assert code == 143 and re.match(r"ddpfab: stopped from outside on (node1, node2|node1|node2) \(SIGTERM to "
+                                    r"(its|their) supervisors?: `ddpfab stop`, or a kill\)", closing), out[-3000:]
+    assert "failed" not in out and "exit code 1" not in out, out[-3000:]
+    manifest = json.loads((runs / run_id / "manifest.json").read_text())
+    assert manifest["state"] == "interrupted" and manifest["exit_code"] == 143, manifest["summary"]
+    wait_no_processes(lab, timeout=5)
+    # the same through attach (it said "ended: failed on node1 (exit code 1), node2 (exit code 1)")
+    res = ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--detach", "--env", "REPORT_HANG=600",
+                 REPORT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    detached = next(r for r in _run_ids(runs) if r != run_id)
+    att = start_ddpfab("attach", "--runs-dir", str(runs), detached)
+    try:
+        _read_until(att, "REPORT", 1, timeout=60)
+        assert ddpfab("stop", "--runs-dir", str(runs), detached).returncode == 0
+        out = att.stdout.read()
+        code = att.wait(timeout=60)
+    finally:
+        if att.poll() is None:
+            att.kill()
+            att.wait()
+    assert code == 143 and f"run {detached} ended: stopped from outside on node" in out, out[-3000:]
+    assert "failed" not in out, out[-3000:]
+    wait_no_processes(lab, timeout=5)
 
 
 def test_attach_of_a_detached_job_ends_it_on_a_hang_as_run_does(lab, inventory2, tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from ddpfab.launch.cause import Cause, CauseKind
+from ddpfab.launch.execute import stop_signal_of
 from ddpfab.launch.hangwatch import EXIT_HUNG
 from ddpfab.cli.errors import die, folded
 from ddpfab.hostlist import FOLD_ABOVE
@@ -56,6 +58,25 @@ def test_attach_ends_as_run_would_have():
     assert attach_end({"node1": 0, "node2": 0}, {}) == (0, "all nodes exited 0", False)
     code, line, warned = attach_end({"node1": 0, "node2": 134}, {"node2": {"aborted": [{"rank": 3, "signal": 6}]}})
     assert (code, warned) == (0, True) and "rank 3 (node2) aborted at exit (signal 6)" in line
+    # `ddpfab stop` from elsewhere: a stop (128 + its signal), no node named as failed; a failure of
+    # a rank's own that came first still tells the story
+    assert attach_end({"node1": 1, "node2": 1}, {}, outside={"node1": 15, "node2": 15}) == (
+        143, "stopped from outside on node1, node2 (SIGTERM to their supervisors: `ddpfab stop`, or a kill); the "
+             "job was stopped on every node", False)
+    assert attach_end({"node1": 1, "node2": 1}, {}, None, "rank 1 ... failed", {"node1": 15})[:2] == (1, "rank 1 ... failed")
+
+
+def test_a_stop_signal_counts_only_before_a_failure_of_the_node_s_own():
+    """The supervisor's ``stop_signal`` (data, not its reason's words) makes a node stopped from
+    outside, unless its job failed on its own first or it exited 0."""
+    own = Cause(None, 1, 1, "RuntimeError: boom", CauseKind.EXCEPTION)
+    assert stop_signal_of(1, {"stop_signal": 15, "stopped": "signal 15"}, None) == 15
+    assert stop_signal_of(1, {"stop_signal": 15, "failed_at": 12.0}, None) is None
+    assert stop_signal_of(1, {"stop_signal": 15}, own) is None
+    assert stop_signal_of(0, {"stop_signal": 15}, None) is None
+    assert stop_signal_of(1, {"stopped": "signal 15"}, None) is None  # words are not data
+    assert stop_signal_of(1, {"stop_signal": "15"}, None) is None
+    assert stop_signal_of(143, None, None) is None
 
 
 def test_logs_says_where_each_node_s_output_went_and_how_many_lines(tmp_path):
