@@ -61,6 +61,13 @@ _LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
 #: torchrun's log lines about ending its workers (glog format), after a failure.
 _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/(multiprocessing/|agent/server/api\.py"
                           r".*(death signal|shutting down))")
+#: torchrun's log record of an exit barrier it could not finish (the master's store went away, its
+#: job failed elsewhere): this line, then the record's traceback, each line with the same prefix.
+_EXIT_BARRIER = re.compile(r"^([IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/agent/server/api\.py:\d+\]) "
+                           r"Error waiting on exit barrier")
+#: A C++ exception's stack as torch prints it under a c10d warning of torchrun's own.
+_CPP_STACK = re.compile(r"^(Exception raised from \S+ at .* \(most recent call first\):|frame #\d+: .*|"
+                        r"<omitting python frames>)$")
 #: Python's report of a log record its handler could not write (``logging.Handler.handleError``):
 #: this line, the handler's traceback, ``Call stack:`` and the record, ending at its arguments (or
 #: at the note that they could not be printed). torchrun writes one when the stop signal comes
@@ -238,6 +245,7 @@ class CauseReader:
         self._banner_root = False  # ... and its Root Cause part came
         self._logging_error: int | None = None  # lines of an open report of a log record not written
         self._logging_error_exception = False  # ... and its exception line came
+        self._record_prefix: str | None = None  # the prefix of an open exit-barrier record (folded)
         self.root = Cause()
 
     def feed(self, line: str) -> tuple[Fold, int | None]:
@@ -339,7 +347,14 @@ class CauseReader:
                 self._banner = name.endswith("ChildFailedError")
                 return Fold.DROP
             return Fold.RELEASE
-        return Fold.FOLD if _ELASTIC_LOG.match(text) or _NOTICE_FRAME.match(text) else Fold.SHOW
+        if self._record_prefix is not None and text.startswith(self._record_prefix):
+            return Fold.FOLD
+        barrier = _EXIT_BARRIER.match(text)
+        if barrier:
+            self._record_prefix = barrier.group(1)
+            return Fold.FOLD
+        folded = _ELASTIC_LOG.match(text) or _NOTICE_FRAME.match(text) or _CPP_STACK.match(text)
+        return Fold.FOLD if folded else Fold.SHOW
 
     def _logging_error_line(self, text: str) -> Fold | None:
         """A line of an open :data:`_LOGGING_ERROR` report: folded while it has the report's shape
@@ -541,7 +556,9 @@ def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
     best = min(_standing(f.cause) for f in failures)
     first = min((f for f in failures if _standing(f.cause) == best),
                 key=lambda f: (f.failed_at is None, f.failed_at or 0.0, f.node_rank))
-    lost = sum(1 for f in nodes for kind in f.kinds.values() if kind is CauseKind.PEER_LOST)
+    # the victims besides the rank named (itself one, when no rank failed on its own)
+    lost = sum(1 for f in nodes for local, kind in f.kinds.items() if kind is CauseKind.PEER_LOST
+               and not (f is first and first.cause is not None and first.cause.local_rank == local))
     if best < 2:  # a rank's own cause, or a node that says nothing of its cause: not a known victim
         return Blame(first.name, first.cause, best == 0, lost)
     named = {a for f in nodes for a in f.peers}

@@ -847,7 +847,7 @@ class _Monitor:
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
             seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
             summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
-                                         self.addresses) + (f"; seen: {seen}" if seen else "")
+                                         self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
             for line in hints.verdict_lines(found):

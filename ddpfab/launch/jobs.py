@@ -275,7 +275,7 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome]) -> tuple[str, list[str]
         return None
     out = outcomes[verdict.node]
     fallback = failed_worker_text((out.remote or {}).get("failed_worker"))
-    return (story.closing_line(verdict, out, fallback, addresses),
+    return (story.closing_line(verdict, out, fallback, addresses, outcomes),
             story.other_nodes(outcomes, verdict.node, addresses))
 
 

@@ -89,23 +89,39 @@ def other_nodes(outcomes: Mapping[str, Outcome], named: str | None, addresses: d
     return [f"  {compact(names)}: {story}" for story, names in by_story.items()]
 
 
-def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[str, str]) -> str:
+def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[str, str],
+                 outcomes: Mapping[str, Outcome] | None = None) -> str:
     """``failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0), exit code 1: ValueError:
     ...; 2 other ranks lost their peer; the others were stopped``. *out*: the named node's outcome;
-    *fallback*: what to say of its rank when its output named none (the supervisor's record)."""
+    *fallback*: what to say of its rank when its output named none (the supervisor's record);
+    *outcomes*: every node's, to say what the others did (stopped, or all exited 0 already)."""
     parts = [f"failed: {verdict.node} (node_rank {out.node_rank}) {why(out)}"]
     cause = verdict.cause
+    others = {n: o for n, o in (outcomes or {}).items() if n != verdict.node}
     if cause is not None and (cause.own or cause.kind is None):
         parts.append(cause_text(cause, out))
     elif cause is not None:
         lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
             if cause.kind is CauseKind.PEER_LOST else cause.text()
-        pointed = (f"; their errors name {verdict.pointed} ({addresses[verdict.pointed]}): look there first"
-                   if verdict.pointed and verdict.pointed in addresses else "")
-        parts.append(f"only secondary failures were seen: {lost}{pointed}")
+        parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
         parts.append(fallback)
     if verdict.victims():
         parts.append(verdict.victims())
-    parts.append("the others were stopped")
+    if outcomes is None or any(o.exit_code != 0 for o in others.values()):
+        parts.append("the others were stopped")
+    elif others:
+        parts.append(f"{compact(list(others))} exited 0")
     return "; ".join(parts)
+
+
+def _pointed(verdict: Blame, addresses: dict[str, str], others: Mapping[str, Outcome]) -> str:
+    """Where the victims' errors point: the node they name; one that had ended well before them
+    (exit 0) left them waiting for it in a collective: a rank of it that ends early."""
+    node = verdict.pointed
+    if not node or node not in addresses:
+        return ""
+    if node in others and others[node].exit_code == 0:
+        return (f"; their errors name {node} ({addresses[node]}), which had exited 0 while they still waited "
+                "for it: look there for a rank that ends before the others")
+    return f"; their errors name {node} ({addresses[node]}): look there first"

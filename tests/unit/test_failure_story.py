@@ -296,6 +296,45 @@ def test_the_story_lines():
     assert story.other_nodes(many, "node0", addresses) == ["  node[1-39] (39 nodes): stopped by ddpfab"]
 
 
+def test_a_rank_that_ended_early_is_where_the_victims_point():
+    """Rank 1 exits 0 before the all_reduce rank 0 waits in (a new user's pass, 2 of 2): the
+    closing line counted the one victim named as "1 other rank lost its peer" and said "the others
+    were stopped" of a node that had exited 0; it points there, and says what that node did."""
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12"}
+    victim = execute.NodeOutcome("node1", 0, exit_code=1, causes=reader(VICTIM), cause=reader(VICTIM).cause())
+    early = execute.NodeOutcome("node2", 1, exit_code=0)
+    outcomes = {"node1": victim, "node2": early}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node1")
+    assert (verdict.node, verdict.lost_peer, verdict.pointed) == ("node1", 0, "node2")
+    assert story.closing_line(verdict, victim, "", addresses, outcomes) == (
+        "failed: node1 (node_rank 0) exit code 1; only secondary failures were seen: rank 0 (local rank 0) lost its "
+        "peer (its peer: node2); their errors name node2 (10.0.0.12), which had exited 0 while they still waited "
+        "for it: look there for a rank that ends before the others; node2 exited 0")
+
+
+def test_torchrun_s_failed_exit_barrier_on_a_node_whose_job_ended_well_is_folded():
+    """torchrun's exit barrier on the node whose rank had ended (exit 0) fails once the master's
+    store is gone: a c10d warning, a C++ stack and a logged traceback (24 lines on the lab). The
+    warning stays; the stack and the record are folded (the node's log keeps them)."""
+    prefix = "E1207 02:31:29.111000 1077 torch/distributed/elastic/agent/server/api.py:1008]"
+    lines = ["[W1207 02:31:29.898241648 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=4): "
+             "Failed to recv, got 0 bytes. Connection was likely closed.",
+             "Exception raised from recvBytes at /__w/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent "
+             "call first):",
+             "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f76 in /v/torch/lib/libc10.so)",
+             "frame #1: <unknown function> + 0x674888d (0x7f76dd94888d in /v/torch/lib/libtorch_cpu.so)",
+             "<omitting python frames>", "frame #34: _start + 0x21 (0x55eab8262081 in /v/bin/python)", "",
+             f"{prefix} Error waiting on exit barrier. Elapsed: 0.1097 seconds",
+             f"{prefix} Traceback (most recent call last):", f'{prefix}   File "/v/api.py", line 994, in _exit_barrier',
+             f"{prefix}     store_util.barrier(", f"{prefix} torch.distributed.DistNetworkError: Failed to recv",
+             "[default0]:rank 1 up"]
+    reader_ = CauseReader()
+    folds = [reader_.feed(line)[0] for line in lines]
+    assert folds[0] is Fold.SHOW and folds[-1] is Fold.SHOW
+    assert all(f is Fold.FOLD for f in folds[1:-1]), folds
+    assert reader_.cause() is None
+
+
 def test_attach_tells_the_same_story_as_run():
     """attach follows a detached job's output: the same classifier, the same closing line."""
     from ddpfab.launch import jobs

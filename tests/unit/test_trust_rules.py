@@ -129,10 +129,16 @@ def test_job_processes_carry_the_marker_and_stop_ends_orphans(tmp_path):
 def test_two_stops_at_once_both_say_stopped(tmp_path, monkeypatch):
     """Two ``ddpfab stop`` of one run at once: the supervisor one of them looked at alive may be
     gone by the time the other's signal reaches it (it said ``node4: : No such process``, exit 1)."""
-    run_dir = tmp_path / "race-1"
+    run_id = f"race-{os.getpid()}"
+    run_dir = tmp_path / run_id
     run_dir.mkdir()
-    sup = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "race-1"])
+    sup = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", run_id])
     (run_dir / "agent.json").write_text(json.dumps({"agent_pid": sup.pid}))
+    cmdline = Path(f"/proc/{sup.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while run_id.encode() not in cmdline.read_bytes().split(b"\0"):  # as stop_job finds a supervisor
+        assert time.monotonic() < deadline, cmdline.read_bytes()
+        time.sleep(0.01)
     real_kill = os.kill
 
     def the_other_stop_first(pid, sig):
@@ -142,7 +148,8 @@ def test_two_stops_at_once_both_say_stopped(tmp_path, monkeypatch):
 
     monkeypatch.setattr(agent.os, "kill", the_other_stop_first)
     try:
-        assert agent.stop_job(str(run_dir), 1.0) == ("stopped", 0)
+        said = agent.stop_job(str(run_dir), 1.0)
+        assert said == ("stopped", 0), said
     finally:
         if sup.poll() is None:
             sup.kill()
