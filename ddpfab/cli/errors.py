@@ -35,9 +35,10 @@ EXIT_CODES: tuple[tuple[str, str], ...] = (
     (str(EXIT_USAGE), "refused before anything started or changed: bad input (an option's value, no inventory, an "
                       "unreadable inventory, record or config), a failed preflight; argparse's usage errors too"),
     ("N", "`run`, `replay`, `attach`, `exec`: the failing node's own exit code (`exec`: "
-          f"{EXIT_UNREACHABLE} for a node it could not reach)"),
+          f"{EXIT_UNREACHABLE} for a node it could not reach, or whose command's session closed without an exit "
+          "status); `run`, `attach`: 128 + the signal for a job stopped from outside (`ddpfab stop`)"),
     ("124", "`run`, `replay`, `attach` with `--on-hang stop`: the doctor found the job hung and ddpfab ended it "
-            "(its verdict is the closing line)"),
+            "(its verdict is the closing line); `exec --timeout`: a node's command was silent that long"),
     (f"{EXIT_SIGINT}, {EXIT_SIGTERM}", "interrupted by SIGINT, SIGTERM (one line, nothing left running)"),
     (str(EXIT_CLOSED_STDOUT), "stdout closed before the output ended (`ddpfab ... | head`): the rest is dropped, "
                               "quietly"),

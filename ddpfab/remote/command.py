@@ -153,11 +153,11 @@ def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None
         err_thread.join(timeout=timeout)
         code = chan.recv_exit_status()
         if code == -1:
-            result.error = "the SSH session ended without an exit status"
+            result.error, result.end = "the SSH session ended without an exit status", "no exit status"
         else:
             result.exit_code = code
     except TimeoutError:
-        result.error = f"no output and no exit within {timeout:g} s (--timeout)"
+        result.error, result.end = f"no output and no exit within {timeout:g} s (--timeout)", "timeout"
     except Exception as exc:  # noqa: BLE001 - a failure on one host is data
         result.error = host_error(exc)
     finally:

@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterable
 
 from ddpfab.problems import DdpfabError
-from ddpfab.remote.output import HostResult
+from ddpfab.remote.output import ENDS, HostResult
 from ddpfab.remote.reaper import pid_alive
 
 #: Seconds without a command after which the holder ends (``ddpfab hold --idle``).
@@ -191,11 +191,12 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
                 if printer.closed:  # nobody reads on: closing the socket ends the commands
                     break
             elif "exit_code" in event or "error" in event:
-                code, error = event.get("exit_code"), event.get("error")
-                if not (code is None or isinstance(code, int)) or not (error is None or isinstance(error, str)):
+                code, error, end = event.get("exit_code"), event.get("error"), event.get("end")
+                if not (code is None or isinstance(code, int)) or not (error is None or isinstance(error, str)) \
+                        or not (end is None or end in ENDS):
                     raise HolderError(f"the holder answered a malformed result for {node}")
                 seconds = event.get("seconds")
-                results[node] = HostResult(node, exit_code=code, error=error, held=True,
+                results[node] = HostResult(node, exit_code=code, error=error, held=True, end=end,
                                            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
             else:
                 raise HolderError(f"the holder answered an unknown message for {node}")

@@ -354,7 +354,7 @@ class Holder:
             if not printer.closed:
                 try:
                     send_message(sock, lock, {"node": node.name, "exit_code": res.exit_code, "error": res.error,
-                                       "seconds": round(res.seconds, 3)})
+                                              "end": res.end, "seconds": round(res.seconds, 3)})
                 except OSError:
                     printer.gone()
             return res

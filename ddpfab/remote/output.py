@@ -16,6 +16,11 @@ from ddpfab.hostlist import fold_by, fold_names
 
 #: A node's exit code when ddpfab could not reach or run on it (as ssh's own).
 UNREACHABLE = 255
+#: The exit code of a node whose command was silent past ``--timeout`` (as ``timeout(1)``'s).
+TIMED_OUT = 124
+#: How a node's command ended without an exit code, as data (:attr:`HostResult.end`): silent past
+#: ``--timeout``, or its session closed with no exit status (its shell was killed).
+ENDS = ("timeout", "no exit status")
 #: The terminal colours of the hosts' prefixes, in turn (ANSI SGR codes); a run's ranks use them too.
 COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 
@@ -34,9 +39,12 @@ class HostResult:
     error: str | None = None
     seconds: float = 0.0
     held: bool = False  # over a connection `ddpfab hold` keeps open (:mod:`ddpfab.remote.holder`)
+    end: str | None = None  # one of ENDS: it ran there, but gave no exit code
 
     @property
     def code(self) -> int:
+        if self.end == "timeout":
+            return TIMED_OUT
         if self.error is not None or self.exit_code is None:
             return UNREACHABLE
         return self.exit_code
@@ -84,7 +92,9 @@ class LinePrinter:
 
 
 def outcome(result: HostResult) -> str:
-    """A node's end in a word: its exit code, or ``unreachable``."""
+    """A node's end in a word: its exit code, ``timeout``, ``no exit status`` or ``unreachable``."""
+    if result.end in ENDS:
+        return result.end
     return "unreachable" if result.error else str(result.exit_code)
 
 
@@ -119,7 +129,7 @@ def fold_report(lines: dict[str, list[str]], results: dict[str, HostResult]) -> 
     for names, (text, end) in fold_by(said):
         notes = [str(len(names))] if len(names) > 1 else []
         if end != "0":
-            notes.append(end if end == "unreachable" else f"exit {end}")
+            notes.append(f"exit {end}" if end.isdigit() else end)
         label = fold_names(names) + (f" ({', '.join(notes)})" if notes else "")
         rule = "-" * min(max(len(label), 15), 79)
         out += [rule, label, rule, *text]

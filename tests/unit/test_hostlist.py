@@ -69,3 +69,18 @@ def test_the_closing_summary_folds_nodes_by_how_they_ended():
     results["node7"] = HostResult("node7", 1)
     code, text = summary(results, 1.5)
     assert code == 1 and text == "127/128 nodes exited 0 in 1.50 s: node[1-6,8-128]=0 node7=1"
+
+
+def test_a_node_that_ran_but_gave_no_exit_code_is_not_unreachable():
+    """A command silent past --timeout, and one whose session closed with no exit status (its shell
+    killed), ran on a reachable node: they said ``unreachable`` (exit 255, "could not connect")."""
+    results = {"node1": HostResult("node1", 0),
+               "node2": HostResult("node2", error="no output and no exit within 2 s (--timeout)", end="timeout"),
+               "node3": HostResult("node3", error="the SSH session ended without an exit status",
+                                   end="no exit status"),
+               "node4": HostResult("node4", error="Connection refused")}
+    code, text = summary(results, 1.5)
+    assert code == 124 and text.endswith("node1=0 node2=timeout node3=no exit status node4=unreachable"), text
+    assert [r.code for r in results.values()] == [0, 124, 255, 255]
+    lines = fold_report({"node2": ["started"]}, {"node2": results["node2"]}).splitlines()
+    assert lines[1] == "node2 (timeout)" and lines[3] == "started"
