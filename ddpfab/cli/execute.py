@@ -39,7 +39,12 @@ def cmd_exec(args: argparse.Namespace) -> int:
         printer: LinePrinter | FoldPrinter = (FoldPrinter(names) if args.fold else
                                               LinePrinter(names, color=False if args.no_color else None))
         start = time.monotonic()
-        results = cluster.exec(words, nodes=wanted, timeout=args.timeout, printer=printer)
+        try:
+            results = cluster.exec(words, nodes=wanted, timeout=args.timeout, printer=printer)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: what the nodes said so far is not lost under --fold
+            if isinstance(printer, FoldPrinter):
+                printer.report_interrupted()
+            raise
     except (ValueError, inventory.InventoryError) as exc:
         return die(str(exc))
     if isinstance(printer, FoldPrinter):

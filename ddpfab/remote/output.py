@@ -20,7 +20,7 @@ UNREACHABLE = 255
 TIMED_OUT = 124
 #: How a node's command ended without an exit code, as data (:attr:`HostResult.end`): silent past
 #: ``--timeout``, or its session closed with no exit status (its shell was killed).
-ENDS = ("timeout", "no exit status")
+ENDS = ("timeout", "no exit status", "interrupted")
 #: The terminal colours of the hosts' prefixes, in turn (ANSI SGR codes); a run's ranks use them too.
 COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92")
 
@@ -99,40 +99,52 @@ def outcome(result: HostResult) -> str:
 
 
 class FoldPrinter:
-    """``exec --fold``: keeps each node's lines (stdout and stderr, in the order they came) and
-    prints them once the command ended everywhere, nodes that said the same (and ended the same
-    way) once under their folded names, the odd ones apart (:func:`fold_report`)."""
+    """``exec --fold``: keeps each node's stdout and stderr lines and prints them once the command
+    ended everywhere (or was interrupted), nodes that said the same (and ended the same way) once
+    under their folded names, the odd ones apart (:func:`fold_report`). The two streams are kept
+    apart: they reach here on two channels, so the order between them is not the node's, and two
+    nodes that said the same must fold whichever came first."""
 
     def __init__(self, names: list[str], out: TextIO | None = None):
         self.out = out or sys.stdout
         self.lines: dict[str, list[str]] = {n: [] for n in names}
+        self.errs: dict[str, list[str]] = {n: [] for n in names}
         self.lock = threading.Lock()
         self.closed = False  # as LinePrinter's: nothing is written before the end
 
     def line(self, name: str, text: str, stderr: bool = False) -> None:
         with self.lock:
-            self.lines.setdefault(name, []).append(text)
+            (self.errs if stderr else self.lines).setdefault(name, []).append(text)
 
     def report(self, results: dict[str, HostResult]) -> None:
+        with self.lock:
+            text = fold_report(self.lines, results, self.errs)
         try:
-            self.out.write(fold_report(self.lines, results))
+            self.out.write(text)
             self.out.flush()
         except BrokenPipeError:
             self.closed = True
 
+    def report_interrupted(self) -> None:
+        """What every node said before an interrupt, folded, each ended ``interrupted``."""
+        self.report({n: HostResult(n, error="interrupted", end="interrupted") for n in self.lines})
 
-def fold_report(lines: dict[str, list[str]], results: dict[str, HostResult]) -> str:
+
+def fold_report(lines: dict[str, list[str]], results: dict[str, HostResult],
+                errs: dict[str, list[str]] | None = None) -> str:
     """Each group of nodes whose output and end were the same, as clush -b prints them: a rule,
-    the folded names (with how many, and how they ended when not with 0), a rule, the lines."""
-    said = {name: (tuple(lines.get(name, ())), outcome(r)) for name, r in results.items()}
+    the folded names (with how many, and how they ended when not with 0), a rule, the lines: its
+    stdout's, then its stderr's (*errs*)."""
+    errs = errs or {}
+    said = {name: (tuple(lines.get(name, ())), tuple(errs.get(name, ())), outcome(r)) for name, r in results.items()}
     out = []
-    for names, (text, end) in fold_by(said):
+    for names, (text, err, end) in fold_by(said):
         notes = [str(len(names))] if len(names) > 1 else []
         if end != "0":
             notes.append(f"exit {end}" if end.isdigit() else end)
         label = fold_names(names) + (f" ({', '.join(notes)})" if notes else "")
         rule = "-" * min(max(len(label), 15), 79)
-        out += [rule, label, rule, *text]
+        out += [rule, label, rule, *text, *err]
     return "".join(f"{line}\n" for line in out)
 
 

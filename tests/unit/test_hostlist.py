@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 
 from hypothesis import given, strategies as st
@@ -58,10 +59,29 @@ def test_fold_report_prints_each_output_once_under_its_nodes():
     printer.line("node3", "GPU 1: A100", stderr=True)
     results = {f"node{i}": HostResult(f"node{i}", 0) for i in range(1, 5)}
     results["node4"] = HostResult("node4", None, error="Connection refused")
-    text = fold_report(printer.lines, results)
+    text = fold_report(printer.lines, results, printer.errs)
     assert text.splitlines() == ["---------------", "node[1-2] (2)", "---------------", "GPU 0: A100",
                                  "---------------", "node3", "---------------", "GPU 0: A100", "GPU 1: A100",
                                  "-" * 19, "node4 (unreachable)", "-" * 19, "GPU 0: A100"]
+
+
+def test_nodes_that_said_the_same_fold_whichever_stream_came_first():
+    """stdout and stderr reach the controller on two channels: node1's err came before its out,
+    node2's after; they said the same and fold together (one stood apart as a false odd box in 3
+    of 5 tries), stdout's lines first. An interrupt shows what came before it."""
+    printer = FoldPrinter(["node1", "node2"])
+    printer.line("node1", "err", stderr=True)
+    printer.line("node1", "out")
+    printer.line("node2", "out")
+    printer.line("node2", "err", stderr=True)
+    out = io.StringIO()
+    printer.out = out
+    printer.report({n: HostResult(n, 0) for n in ("node1", "node2")})
+    assert out.getvalue().splitlines()[1:] == ["node[1-2] (2)", "---------------", "out", "err"]
+    out.truncate(0)
+    out.seek(0)
+    printer.report_interrupted()
+    assert out.getvalue().splitlines()[1] == "node[1-2] (2, interrupted)"
 
 
 def test_the_closing_summary_folds_nodes_by_how_they_ended():
