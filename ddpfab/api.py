@@ -456,6 +456,16 @@ class Emitted:
     problems: list[Problem] = field(default_factory=list)
 
 
+def _ended_here(manifest: dict) -> dict[str, int | None] | None:
+    """node -> its exit code, from a run's record (data: read, never trusted for more) when that
+    says the run ended here (its closing was recorded); None while it runs or was detached."""
+    nodes = manifest.get("nodes")
+    if manifest.get("state") not in ("succeeded", "failed", "interrupted") or not isinstance(nodes, dict):
+        return None
+    return {str(n): (v["exit_code"] if isinstance(v, dict) and type(v.get("exit_code")) is int else None)
+            for n, v in nodes.items()}
+
+
 def _warm(method: Callable) -> Callable:
     """A :class:`Cluster` method whose node work goes over ``ddpfab hold``'s connections where a
     holder holds this cluster's nodes the same way (:mod:`ddpfab.remote.heldconn`); cold
@@ -886,7 +896,7 @@ class Cluster:
                 conn.close()
 
         verdict, path = doctormod.diagnose(plan, call, Path(root) / plan.run_id,
-                                           timeout=timeout or doctormod.NODE_TIMEOUT_S)
+                                           timeout=timeout or doctormod.NODE_TIMEOUT_S, recorded=_ended_here(manifest))
         return Diagnosis(plan.run_id, doctormod.render(verdict), verdict.hung, verdict.ended, verdict.odd, path)
 
     @classmethod

@@ -154,17 +154,22 @@ class Verdict:
     ended: bool = False  # the job has ended on every node: nothing to diagnose, and nothing wrong with that
 
 
-#: One node's end as its records say it: (how: exited, stopped or cancelled; its exit code; what
-#: stopped it, in its supervisor's words, or None).
-End = tuple[str, int, str | None]
+#: One node's end as its records say it: (how: exited, stopped, cancelled, or pruned: from the
+#: run's record here, the node's gone; its exit code; what stopped it, in its supervisor's words,
+#: or None).
+End = tuple[str, int | None, str | None]
 
 
 def end_text(end: End) -> str:
     """``exit code 3``, ``stopped (signal 15)``: one node's end, in words (a ``run --tmux`` launch's
-    exit code is known to its controller only)."""
+    exit code is known to its controller only; a node whose record of it is gone, pruned, has its
+    end from the controller's record)."""
     how, code, why = end
     if how in ("stopped", "cancelled"):
         return f"{how} ({why})" if why else how
+    if how == "pruned":
+        return (f"exit code {code}" if code is not None else "ended") + \
+            " (the run's record here says so; the node's record of it is gone)"
     return f"exit code {code}" if code is not None else "ended (its exit code is in the record of the machine that ran it)"
 
 
@@ -178,11 +183,17 @@ def ended_line(ends: dict[str, End]) -> str:
                                                            for text, nodes in by_text.items())
 
 
-def ends_of(replies: dict[str, dict | str]) -> dict[str, End] | None:
+def ends_of(replies: dict[str, dict | str], recorded: dict[str, int | None] | None = None) -> dict[str, End] | None:
     """Every node's end when the job has ended on each (its exit code recorded, no rank left); else
-    None (a node that did not answer, or one whose job runs, leaves it to the analysis)."""
+    None (a node that did not answer, or one whose job runs, leaves it to the analysis).
+    *recorded*: node -> its exit code in the run's record here, when that says the run ended: a
+    node with no record of the job left (pruned) has ended as it says."""
     ends: dict[str, End] = {}
     for node, reply in replies.items():
+        if recorded is not None and node in recorded and isinstance(reply, dict) and reply.get("job") is None \
+                and not ranks_of(node, reply):
+            ends[node] = ("pruned", recorded[node], None)
+            continue
         if not isinstance(reply, dict) or _int(reply.get("exit_code")) is None or ranks_of(node, reply):
             return None
         how = reply.get("how") if reply.get("how") in ("exited", "stopped", "cancelled") else "exited"
@@ -468,11 +479,13 @@ def _closing_lines(ranks: list[Rank], starting: list[str], busy: list[Rank], odd
     return lines
 
 
-def analyze(replies: dict[str, dict | str], expected: dict[str, int]) -> Verdict:
+def analyze(replies: dict[str, dict | str], expected: dict[str, int],
+            recorded: dict[str, int | None] | None = None) -> Verdict:
     """The verdict from every node's reply (a dict) or its failure (a str: why it did not answer);
-    *expected*: node -> its number of processes (the plan's). A job that has ended on every node
-    is said so, how each ended, and nothing else: it is not a hang, nor a rank gone."""
-    ends = ends_of(replies)
+    *expected*: node -> its number of processes (the plan's); *recorded*: as :func:`ends_of`'s. A
+    job that has ended on every node is said so, how each ended, and nothing else: it is not a
+    hang, nor a rank gone."""
+    ends = ends_of(replies, recorded)
     if ends is not None:
         return Verdict([ended_line(ends)], False, ended=True)
     ranks, odd, starting = _read_replies(replies, expected)
@@ -545,12 +558,14 @@ def dumps_of(replies: dict[str, dict | str]) -> list[dict]:
 
 
 def diagnose(plan: Plan, call: Callable[[Any, dict, float], dict], run_dir: Path | None,
-             timeout: float = NODE_TIMEOUT_S) -> tuple[Verdict, Path | None]:
+             timeout: float = NODE_TIMEOUT_S, recorded: dict[str, int | None] | None = None
+             ) -> tuple[Verdict, Path | None]:
     """Collect, analyze, save (``doctor-<time>.json`` and the flight-recorder dumps under
-    ``nccl-trace/<node>/`` in *run_dir*); the verdict and the record's path."""
+    ``nccl-trace/<node>/`` in *run_dir*); the verdict and the record's path. *recorded*: node ->
+    its exit code, from the run's record here when that says the run ended (:func:`ends_of`)."""
     t0 = time.time()
     replies = collect(plan, call, timeout)
-    verdict = analyze(replies, {n.name: n.nproc for n in plan.nodes})
+    verdict = analyze(replies, {n.name: n.nproc for n in plan.nodes}, recorded)
     path = None
     if run_dir is not None:
         record = {"kind": "ddpfab-doctor", "run_id": plan.run_id, "time": t0, "took_s": round(time.time() - t0, 3),

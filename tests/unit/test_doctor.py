@@ -490,6 +490,23 @@ def test_a_job_that_ended_on_every_node_is_said_to_have_ended_not_diagnosed():
     assert not doctor.analyze(replies, {"node1": 2, "node2": 2, "node3": 2}).ended
 
 
+def test_a_run_recorded_here_as_ended_whose_node_records_are_gone_has_ended(tmp_path):
+    """The doctor on a finished run whose records on some nodes were pruned said ``node1 local rank
+    0 is gone ... and 2 more`` (exit 1): with the run's record here saying it ended, those nodes
+    ended as it says; without it (a run still going by its record) a node with no record is odd."""
+    gone = stacks.node_stacks(str(tmp_path / "pruned"), sample_s=0)
+    assert gone["job"] is None and "error" in gone
+    replies = {"node1": gone, "node2": dict(gone),
+               "node3": {**node_reply([], exit_code=143), "how": "stopped", "stopped": "signal 15"}}
+    v = doctor.analyze(replies, {"node1": 1, "node2": 1, "node3": 1}, {"node1": 0, "node2": 0, "node3": 143})
+    assert v.ended and not v.hung and v.odd == []
+    assert v.lines == ["the job has ended on every node: node1, node2 exit code 0 (the run's record here says so; the "
+                       "node's record of it is gone); node3 stopped (signal 15)"]
+    assert not doctor.analyze(replies, {"node1": 1, "node2": 1, "node3": 1}).ended
+    assert not doctor.analyze({**replies, "node2": "timed out"}, {"node1": 1, "node2": 1, "node3": 1},
+                              {"node1": 0, "node2": 0, "node3": 143}).ended
+
+
 def test_an_ended_job_s_node_reply_says_how_it_ended(tmp_path):
     (tmp_path / "agent.json").write_text(json.dumps({"agent_pid": 1, "pid": 2 ** 22 + 7, "started": 1.0}))
     (tmp_path / "result.json").write_text(json.dumps({"exit_code": 143, "stopped": "signal 15", "failed_at": None}))
