@@ -46,8 +46,8 @@ from ddpfab.remote.target import Target, config_alias, config_ssh_argv, ssh_argv
 if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect; api imports this module for refuse())
     from fabric import Connection
 
-#: The launch, in the node's record of the run beside its session's pid (TMUX_PID; both removed
-#: at the end)
+#: The launch, in the node's record of the run beside its session's pid (TMUX_PID); the launch is
+#: removed at the end, the pid stays with the node's exit code: the node's record of the run
 LAUNCH = "tmux-launch.sh"
 #: The launch's first line: ``sh FILE`` reads on from the open file, so the file (which may hold
 #: secret values) is gone from the node as soon as its window started it, whatever happens next.
@@ -377,10 +377,15 @@ def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signa
     return [n for n in names if done.succeeded.get(n) is True]
 
 
-def cleanup_node(conn: Connection, node: NodePlan) -> None:
-    """Remove what this mode placed on the node (the launch holds the env's secret values)."""
+def cleanup_node(conn: Connection, node: NodePlan, code: int | None = None) -> None:
+    """Remove the launch this mode placed on the node (it holds the env's secret values); where its
+    window started it, the node's record of the run is its session's pid and, when known, its
+    exit code (*code*): ``ps`` lists the run as ended there, ``stop`` finds it ended."""
     d = shlex.quote(node.remote_dir)
-    conn.run(f"rm -f {d}/{LAUNCH} {d}/{TMUX_PID}", hide=True, warn=True, pty=False, in_stream=False)
+    line = f"rm -f {d}/{LAUNCH}"
+    if code is not None:
+        line += f" && if [ -f {d}/{TMUX_PID} ]; then echo {int(code)} > {d}/exit_code; fi"
+    conn.run(line, hide=True, warn=True, pty=False, in_stream=False)
 
 
 def _say_ended(windows: Windows, names: list[str], printer: Printer, how: str = "") -> None:
@@ -452,16 +457,19 @@ def _ended(windows: Windows, name: str, printer: Printer, how: str) -> None:
     printer.note(f"{name}: {how}")
 
 
-def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str]) -> None:
+def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str],
+                   codes: dict[str, int] | None = None) -> None:
     """After the run, on each node where it *placed* its launch: what is left of the launch's
-    session (a rank its torchrun left behind) ended, then the files this mode placed removed."""
+    session (a rank its torchrun left behind) ended, then the launch removed and each node's exit
+    code (*codes*) recorded beside its session's pid (:func:`cleanup_node`)."""
     signalled = _end_nodes(plan, conns, placed, "TERM")
     if signalled:
         time.sleep(STOP_GRACE_S)
         _end_nodes(plan, conns, signalled, "KILL")
     # every node at once; one that cannot be reached now keeps what is left there (a launch its
     # window started removed itself)
-    ssh.parallel([plan.node(n) for n in placed], lambda node: cleanup_node(conns[node.name], node))
+    ssh.parallel([plan.node(n) for n in placed],
+                 lambda node: cleanup_node(conns[node.name], node, (codes or {}).get(node.name)))
 
 
 def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:
@@ -671,7 +679,7 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
             if not windows.attached():
                 tmux("kill-session", "-t", windows.target, check=False)
         placing.abandon()  # (again: a second signal may have cut place_launches' own short)
-        _leave_nothing(plan, conns, placing.placed)
+        _leave_nothing(plan, conns, placing.placed, dict(windows.ended) if windows else None)
     ended.exit_codes = dict(windows.ended) if windows else {}
     record(ended)
     if client is not None:

@@ -597,7 +597,8 @@ def _cmdline_has(pid, word):
 
 def _tmux_record(d, rid):
     """Run *rid*'s record on this node when a ``run --tmux`` window launched it: running while a
-    process of its session carries the run, else ended (its exit code is the controller's)."""
+    process of its session carries the run, else ended (its exit code, when its controller
+    recorded it here at the end)."""
     sid = tmux_session(d)
     try:
         started = os.stat(os.path.join(d, TMUX_PID)).st_mtime
@@ -605,7 +606,15 @@ def _tmux_record(d, rid):
         return None
     if sid is None:
         return None
-    return {"run_id": rid, "state": "running" if session_processes(sid, rid) else "exited", "exit_code": None,
+    running = bool(session_processes(sid, rid))
+    code = None
+    if not running:
+        try:
+            with open(os.path.join(d, "exit_code")) as fh:
+                code = int(fh.read().strip())
+        except (OSError, ValueError):
+            code = None
+    return {"run_id": rid, "state": "running" if running else "exited", "exit_code": code,
             "started": started, "agent_pid": sid, "dir": d, "tmux": True}
 
 

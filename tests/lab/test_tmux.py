@@ -100,9 +100,15 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
     manifest = run.manifest()
     assert manifest["state"] == "failed" and manifest["first_failure"] == "node1", manifest
     assert manifest["tmux"] == run.session and manifest["nodes"]["node2"]["stopped_by_ddpfab"], manifest
-    for node in ("node1", "node2"):  # what the mode placed there is gone
+    for node in ("node1", "node2"):  # the launch is gone; the node's record of the run stays, with its end
         left = host_sh(lab, node, "ls ~/.ddpfab/runs/tmux-1/").stdout.split()
-        assert "tmux-launch.sh" not in left and "tmux.pid" not in left, (node, left)
+        assert "tmux-launch.sh" not in left and "tmux.pid" in left, (node, left)
+        code = host_sh(lab, node, "cat ~/.ddpfab/runs/tmux-1/exit_code").stdout.strip()
+        assert code == str(manifest["nodes"][node]["exit_code"]), (node, code, manifest["nodes"][node])
+    # so ps lists it as ended on both nodes (it listed it no more once the launches ended)
+    listed = json.loads(ddpfab("ps", "-i", str(inventory2), "--json").stdout)
+    ended = next(r for r in listed["runs"] if r["run_id"] == "tmux-1")
+    assert ended["state"] != "running" and set(ended["nodes"]) == {"node1", "node2"}, ended
     assert (run.runs / "tmux-1" / "ssh_config").stat().st_mode & 0o077 == 0
 
 

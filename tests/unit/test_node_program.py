@@ -208,6 +208,10 @@ def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(t
         launch.kill()
         launch.wait()
     assert program.op_ps({"root": str(runs)}, {})["runs"][0]["state"] == "exited"  # its session ended with it
+    (run / "exit_code").write_text("3\n")  # what its controller recorded at the end
+    assert program.op_ps({"root": str(runs)}, {})["runs"][0]["exit_code"] == 3
+    (run / "exit_code").write_text("three\n")
+    assert program.op_ps({"root": str(runs)}, {})["runs"][0]["exit_code"] is None
     (run / program.TMUX_PID).write_text("not a pid\n")  # records are data
     assert program.op_ps({"root": str(runs)}, {})["runs"] == []
 
