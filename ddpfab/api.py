@@ -849,8 +849,9 @@ class Cluster:
         dest = Path(root) / run_id
         results = self._each_node(lambda conn, node: fetch_node_log(conn, node, manifest, run_id, dest, ranks))
         got = {n: results.succeeded[n] for n in self.names if n in results.succeeded}
+        tmux = isinstance((manifest or {}).get("tmux"), str)  # its output is the per-rank logs
         return Logs(run_id, dest, {n: g[0] for n, g in got.items()}, {n: g[1] for n, g in got.items()},
-                    {n: g[2] for n, g in got.items() if ranks},
+                    {n: g[2] for n, g in got.items() if ranks or tmux},
                     [node_problem(n, exc, "copy its output", "logs") for n, exc in results.failed.items()])
 
     @_warm

@@ -311,12 +311,20 @@ _NO_OUTPUT = 3
 def fetch_node_log(conn, node, manifest: dict | None, run_id: str, dest: Path, ranks: bool = False) -> tuple[Path, int, int]:
     """Copy *node*'s output of run *run_id* (its run dir's ``output.log``; *manifest*: the run's
     record, None when there is none here) to ``DEST/NODE.remote.log``, and with *ranks* torchrun's
-    per-rank logs to ``DEST/ranks/NODE/``; returns (the copy, its lines, the per-rank files).
+    per-rank logs to ``DEST/ranks/NODE/``; returns (the copy, its lines, the per-rank files). Of
+    a ``run --tmux`` run, whose output went to its windows, the per-rank logs are the copy.
 
     Raises:
         NodeError: no output of the run on the node (kind ``logs.missing``), or it cannot be read.
     """
     remote = node_run_dir(node.name, manifest, run_id)
+    if manifest is not None and isinstance(manifest.get("tmux"), str):
+        # a `run --tmux` run: no supervisor relayed its output (it went to the windows); torchrun's
+        # per-rank logs on the node are what there is
+        ranks_dir = dest / "ranks" / node.name
+        count = fetch_rank_logs(conn, node, remote, ranks_dir)
+        lines = sum(line_count(p.read_text(errors="replace")) for p in ranks_dir.rglob("*") if p.is_file())
+        return ranks_dir, lines, count
     log = shlex.quote(f"{remote}/output.log")
     res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit {_NO_OUTPUT}; fi", timeout=60)
     if res.exit_code == _NO_OUTPUT:

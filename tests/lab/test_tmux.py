@@ -109,6 +109,11 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
     listed = json.loads(ddpfab("ps", "-i", str(inventory2), "--json").stdout)
     ended = next(r for r in listed["runs"] if r["run_id"] == "tmux-1")
     assert ended["state"] != "running" and set(ended["nodes"]) == {"node1", "node2"}, ended
+    # logs: its output went to the windows, so torchrun's per-rank logs are what logs copies (it
+    # said "output.log is missing: it did not run on this node")
+    logs = ddpfab("logs", "--runs-dir", str(run.runs), "tmux-1")
+    assert logs.returncode == 0 and "per-rank log files in" in logs.stdout, logs.stdout + logs.stderr
+    assert any("rank 0 on node1 ready" in p.read_text() for p in (run.runs / "tmux-1" / "ranks" / "node1").rglob("*.log"))
     assert (run.runs / "tmux-1" / "ssh_config").stat().st_mode & 0o077 == 0
 
 
