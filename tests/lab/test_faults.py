@@ -286,23 +286,29 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
 
 
+def _stopped_while_followed(follower: subprocess.Popen, runs, reports: int, run_id=None) -> tuple[int, str, str]:
+    """``ddpfab stop`` from another process once *follower* (a run, an attach) shows *reports*
+    REPORT lines; (its exit code, the rest of its output, the run id)."""
+    try:
+        _read_until(follower, "REPORT", reports, timeout=90)
+        run_id = run_id or _run_ids(runs)[0]
+        stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
+        assert stop.returncode == 0 and stop.stdout.count("stopped") == 2, stop.stdout + stop.stderr
+        out = follower.stdout.read()
+        return follower.wait(timeout=60), out, run_id
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+
+
 def test_a_stop_from_elsewhere_ends_run_and_attach_as_a_stop_not_a_failure(lab, inventory2, tmp_path):
     """``ddpfab stop`` of a job that a ``run`` (or an ``attach``) still follows is a stop, not a
     failure: both end 143 saying it was stopped from outside, naming no failed node (they said
     ``node2 (node_rank 1) failed (exit code 1)`` and blamed it); the run's record says interrupted."""
     runs = tmp_path / "runs"
-    proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT)
-    try:
-        _read_until(proc, "REPORT", 2, timeout=90)
-        run_id = _run_ids(runs)[0]
-        stop = ddpfab("stop", "--runs-dir", str(runs), run_id)
-        assert stop.returncode == 0 and stop.stdout.count("stopped") == 2, stop.stdout + stop.stderr
-        out = proc.stdout.read()
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    code, out, run_id = _stopped_while_followed(
+        start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--env", "REPORT_HANG=600", REPORT), runs, 2)
     closing = next((ln for ln in out.splitlines() if ln.startswith("ddpfab: stopped from outside on ")), "")
     # (a node this run stopped first, after the other's stop came, is this run's stop, not named)
     assert code == 143 and re.match(r"ddpfab: stopped from outside on (node1, node2|node1|node2) \(SIGTERM to "
@@ -316,16 +322,7 @@ def test_a_stop_from_elsewhere_ends_run_and_attach_as_a_stop_not_a_failure(lab, 
                  REPORT)
     assert res.returncode == 0, res.stdout + res.stderr
     detached = next(r for r in _run_ids(runs) if r != run_id)
-    att = start_ddpfab("attach", "--runs-dir", str(runs), detached)
-    try:
-        _read_until(att, "REPORT", 1, timeout=60)
-        assert ddpfab("stop", "--runs-dir", str(runs), detached).returncode == 0
-        out = att.stdout.read()
-        code = att.wait(timeout=60)
-    finally:
-        if att.poll() is None:
-            att.kill()
-            att.wait()
+    code, out, _ = _stopped_while_followed(start_ddpfab("attach", "--runs-dir", str(runs), detached), runs, 1, detached)
     assert code == 143 and f"run {detached} ended: stopped from outside on node" in out, out[-3000:]
     assert "failed" not in out, out[-3000:]
     wait_no_processes(lab, timeout=5)
