@@ -323,8 +323,9 @@ def cmd_attach(args) -> int:
             codes = follow_all(plan, cluster, conns, printer, hang, readers)
             outcomes = ended_outcomes(plan, conns, codes, readers)
             races = exit_races_of(outcomes, plan.exit_guard)  # as run reports them: finished, then aborted at exit
-            failed = attach_story(plan, outcomes)  # as run tells it: the rank that failed on its own
             outside = {n: sig for n, o in outcomes.items() if (sig := o.stopped_from_outside) is not None}
+            # as run tells it: the rank that failed on its own (of a job stopped from outside, only such a rank)
+            failed = attach_story(plan, outcomes, own_only=bool(outside))
         except KeyboardInterrupt as exc:
             printer.note(f"detached from {args.run_id}; the job goes on (ddpfab stop {args.run_id} ends it)")
             return getattr(exc, "exit_code", 130)

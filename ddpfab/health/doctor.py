@@ -169,7 +169,7 @@ def end_text(end: End) -> str:
         return f"{how} ({why})" if why else how
     if how == "pruned":
         return (f"exit code {code}" if code is not None else "ended") + \
-            " (from the run's record here; the node has no record of its job)"
+            " (from the run's record here)"
     return f"exit code {code}" if code is not None else "ended (its exit code is in the record of the machine that ran it)"
 
 

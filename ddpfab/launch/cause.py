@@ -84,13 +84,16 @@ _NOTICE_FRAME = re.compile(r"^(\*{20,})?\s*$")
 #: can come there (the print before the raise between ``Traceback (most recent call last):`` and
 #: its frames). A traceback always has a frame before its exception line. After a frame, a line
 #: at column 0 that is not an exception's is the rank's stdout too (shown, the traceback stays
-#: open), up to this many; an exception line after such a line must name a class (``Error: x``,
-#: ``torch.OutOfMemoryError: x``), so ``loss: 0.5`` after a cut-off traceback is not a cause.
+#: open), up to this many; an exception line after such a line must name an exception class
+#: (``_CLASS``), so ``loss: 0.5`` after a cut-off traceback is not a cause.
 #: Where torch marks the traceback's lines (``[rankN]:``, a rank with a process group), an
 #: unmarked line is the rank's stdout wherever it comes.
 INTERLEAVED = 3
-#: The class an exception line names, when it is one by its shape: ``ValueError``, ``a.b.C``.
-_CLASS = re.compile(r"^([A-Za-z_][A-Za-z0-9_<>]*\.)*[A-Z][A-Za-z0-9_]*(:|$)")
+#: An exception class by its name (after a stray line, where ``Loss: 0.5`` must not pass):
+#: ``ValueError``, ``torch.OutOfMemoryError``, ``numpy.core._exceptions._ArrayMemoryError``,
+#: ``main.<locals>.ConfigError``, ``KeyboardInterrupt``, ``SystemExit``, ``StopIteration``.
+_CLASS = re.compile(r"^([A-Za-z_][A-Za-z0-9_<>]*\.)*_?[A-Z][A-Za-z0-9_]*"
+                    r"(Error|Exception|Exit|Interrupt|Warning|Failure|Iteration|Timeout|Fault)(:|$)")
 
 #: What a rank raises when a peer went away: gloo's, NCCL's and the c10d store's words for it (as
 #: torch 2.x prints them), and a collective that timed out waiting for a rank that did not come.

@@ -737,8 +737,10 @@ class _Monitor:
         """Node *name*'s job ended: a failure of its own stops the others (after settling, for a victim)."""
         self.pending.discard(name)
         out = self.jobs[name].outcome
-        sig = out.stopped_from_outside if self.first_failure is None else None
-        if sig is not None and self.interrupted is None:  # `ddpfab stop` from elsewhere: no node failed
+        sig = out.stopped_from_outside
+        if sig is not None and self.interrupted is None:
+            # `ddpfab stop` from elsewhere: a stop, unless a rank failed on its own (result() decides:
+            # a victim that lost its peer to the stop comes first as often as not)
             if not self.from_outside and self.stop_deadline() is None:
                 self.printer.note(f"{name}: stopped from outside this run ({_signal_name(sig)} to its supervisor); "
                                   "stopping the job on every node")
@@ -822,10 +824,13 @@ class _Monitor:
                 self.printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
         self.printer.folded_note()
         verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure)
-                   if not self.interrupted and not self.hung and not self.from_outside else Blame(self.first_failure))
+                   if not self.interrupted and not self.hung else Blame(self.first_failure))
+        stopped = self.from_outside and not self.interrupted and not self.hung and not verdict.own
+        if stopped:  # no rank failed on its own: its victims are the stop's
+            verdict = Blame(None)
         code, summary = self.closing(outcomes, verdict)
         interrupted = self.interrupted  # a stop from outside is one too: no restart follows it
-        if interrupted is None and self.from_outside and not verdict.node:
+        if stopped:
             interrupted = _signal_name(next(iter(self.from_outside.values())))
         return RunResult(code, outcomes, verdict.node, interrupted, summary)
 
@@ -839,7 +844,7 @@ class _Monitor:
         if self.hung:
             return (EXIT_HUNG, f"hung: {'; '.join(self.hung)}; the job was stopped on every node "
                                f"({option('on_hang', 'stop')})")
-        if self.from_outside and not verdict.node:  # as a shell reports a job a signal ended
+        if self.from_outside and not verdict.node:  # (result(): no rank failed on its own) as a shell says it
             first = next(iter(self.from_outside.values()))
             return 128 + first, stopped_from_outside_line({n: self.from_outside[n] for n in outcomes if n in self.from_outside})
         if verdict.node:

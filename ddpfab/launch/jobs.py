@@ -266,12 +266,13 @@ def exit_races_of(outcomes: dict[str, NodeOutcome], guard: str) -> dict[str, dic
     return {n: race for n, o in outcomes.items() if (race := exit_race_of(o.exit_code, o.remote))}
 
 
-def attach_story(plan, outcomes: dict[str, NodeOutcome]) -> tuple[str, list[str]] | None:
+def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False) -> tuple[str, list[str]] | None:
     """For a job that failed: run's closing line (the rank that failed on its own, the victims
-    counted) and the line per other node; None when no node failed on its own account."""
+    counted) and the line per other node; None when no node failed on its own account (with
+    *own_only*, a job stopped from outside: also when only victims of the stop failed)."""
     addresses = {n.name: n.data_addr for n in plan.nodes}
     verdict = blame_outcomes(outcomes, addresses, None)
-    if verdict.node is None:
+    if verdict.node is None or (own_only and not verdict.own):
         return None
     out = outcomes[verdict.node]
     fallback = failed_worker_text((out.remote or {}).get("failed_worker"))

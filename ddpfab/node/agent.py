@@ -991,7 +991,9 @@ class Supervisor(object):
 
     def _take_signal(self):
         if self.signalled is not None and not self.stop.is_set():
-            self.stop_signal = self.signalled
+            job = getattr(self, "job", None)
+            if job is None or job.poll() is None:  # the signal stopped it (not a job that had ended on its own)
+                self.stop_signal = self.signalled
             self.request_stop("signal %d" % self.signalled)
 
     def request_stop(self, why, worker=False):

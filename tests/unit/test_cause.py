@@ -140,6 +140,12 @@ def test_a_line_the_rank_printed_before_raising_may_come_inside_its_traceback():
     cut = ["[default0]:Traceback (most recent call last):", '[default0]:  File "t.py", line 1',
            "[default0]:step 1 of 9", "[default0]:loss: 0.5"]
     assert read("\n".join(cut)).cause() is None
+    # after such a line, an exception class by its name: numpy's private one too; not a capitalised print
+    numpy_oom = [*lines[:3], lines[1], lines[3], "[default1]:numpy.core._exceptions._ArrayMemoryError: Unable to "
+                 "allocate 8.00 GiB"]
+    assert read("\n".join(numpy_oom)).cause().exception.startswith("numpy.core._exceptions._ArrayMemoryError")
+    printed = [cut[0], cut[1], "[default0]:step 1 of 9", "[default0]:Loss: 0.5"]
+    assert read("\n".join(printed)).cause() is None
     cut_long = [*cut, "[default0]:step 2 of 9", "[default0]:step 3 of 9", "[default0]:Epoch: 4"]
     assert read("\n".join(cut_long)).cause() is None  # past INTERLEAVED lines the traceback had ended
     local = [lines[0], '[default1]:  File "t.py", line 1', "[default1]:main.<locals>.ConfigError: bad lr", "[default1]:x"]

@@ -500,8 +500,8 @@ def test_a_run_recorded_here_as_ended_whose_node_records_are_gone_has_ended(tmp_
                "node3": {**node_reply([], exit_code=143), "how": "stopped", "stopped": "signal 15"}}
     v = doctor.analyze(replies, {"node1": 1, "node2": 1, "node3": 1}, {"node1": 0, "node2": 0, "node3": 143})
     assert v.ended and not v.hung and v.odd == []
-    assert v.lines == ["the job has ended on every node: node1, node2 exit code 0 (from the run's record here; the "
-                       "node has no record of its job); node3 stopped (signal 15)"]
+    assert v.lines == ["the job has ended on every node: node1, node2 exit code 0 (from the run's record here); "
+                       "node3 stopped (signal 15)"]
     assert not doctor.analyze(replies, {"node1": 1, "node2": 1, "node3": 1}).ended
     assert not doctor.analyze({**replies, "node2": "timed out"}, {"node1": 1, "node2": 1, "node3": 1},
                               {"node1": 0, "node2": 0, "node3": 143}).ended

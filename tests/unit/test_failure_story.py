@@ -8,6 +8,8 @@ rank 1 raised after an all_reduce (captured on the lab), shortened where it repe
 from __future__ import annotations
 
 import io
+import queue
+import types
 
 from ddpfab.cli.run import own_options_hint
 from ddpfab.hosts.inventory import Inventory, Node
@@ -333,6 +335,48 @@ def test_torchrun_s_failed_exit_barrier_on_a_node_whose_job_ended_well_is_folded
     assert folds[0] is Fold.SHOW and folds[-1] is Fold.SHOW
     assert all(f is Fold.FOLD for f in folds[1:-1]), folds
     assert reader_.cause() is None
+
+
+def _monitor_ends(outcomes: dict[str, execute.NodeOutcome], order: list[str]) -> tuple[execute.RunResult, str]:
+    """The run's monitor told of each node's end in *order* (as its events come), then its result."""
+    plan = plan3()
+    jobs = {n: types.SimpleNamespace(outcome=o, plan=plan) for n, o in outcomes.items()}
+    stopped: list[float] = []
+    out = io.StringIO()
+    monitor = execute._Monitor(jobs, queue.SimpleQueue(), execute.Printer(plan, stream=out, color=False),
+                               lambda fast=False: stopped.append(1.0), lambda: stopped[0] if stopped else None)
+    for name in order:
+        monitor.ended(name)
+    return monitor.result(), out.getvalue()
+
+
+def test_a_stop_from_elsewhere_is_a_stop_even_when_a_victim_reports_first():
+    """``ddpfab stop`` reached node2 first: node1's rank lost its peer (its node failed, on its own
+    clock) and reached the controller before the stopped nodes did. The stop's victims are the
+    stop's: 143, no node blamed, no restart (a review found it blamed node1, exit 1)."""
+    def outside(name: str, rank: int) -> execute.NodeOutcome:
+        return execute.NodeOutcome(name, rank, exit_code=1, remote={"stop_signal": 15, "stopped": "signal 15"})
+    victim = execute.NodeOutcome("node1", 0, exit_code=1, remote={"failed_at": 10.0}, causes=reader(VICTIM),
+                                 cause=reader(VICTIM).cause())
+    outcomes = {"node1": victim, "node2": outside("node2", 1), "node3": outside("node3", 2)}
+    result, printed = _monitor_ends(outcomes, ["node1", "node2", "node3"])
+    assert (result.exit_code, result.interrupted, result.first_failure) == (143, "SIGTERM", None), printed
+    assert result.summary.startswith("stopped from outside on node2, node3 (SIGTERM to their supervisors"), result.summary
+
+
+def test_a_rank_s_own_failure_before_a_stop_from_elsewhere_is_still_named():
+    """A rank of node2 failed on its own; a ``ddpfab stop`` came just after, and the nodes it
+    stopped reached the controller first. The rank that failed is named, whatever the order (a
+    review found it hidden behind "stopped from outside", exit 143)."""
+    culprit = execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0, "stop_signal": None},
+                                  causes=reader(CULPRIT), cause=reader(CULPRIT).cause())
+    outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=1, remote={"stop_signal": 15}),
+                "node2": culprit, "node3": execute.NodeOutcome("node3", 2, exit_code=1, remote={"stop_signal": 15})}
+    for order in (["node1", "node3", "node2"], ["node2", "node1", "node3"]):
+        result, printed = _monitor_ends(outcomes, order)
+        assert (result.exit_code, result.interrupted, result.first_failure) == (1, None, "node2"), (order, printed)
+        assert result.summary.startswith("failed: node2 (node_rank 1) exit code 1; ") and \
+            "ValueError: bad batch shape (3, 4)" in result.summary, result.summary
 
 
 def test_attach_tells_the_same_story_as_run():
