@@ -379,9 +379,11 @@ class Logs:
     Args:
         run_id: the run (or the attempt of a run with restarts) whose output it is.
         directory: where the copies are, ``RUNS_DIR/RUN_ID``.
-        files: node -> its output, ``DIRECTORY/NODE.remote.log``.
+        files: node -> its output, ``DIRECTORY/NODE.remote.log``; of a ``run --tmux`` run (no
+            supervisor relayed its output), the dir of its per-rank logs, ``DIRECTORY/ranks/NODE``.
         lines: node -> the lines of its output.
-        rank_files: node -> the per-rank log files copied to ``DIRECTORY/ranks/NODE/`` (``ranks=True``).
+        rank_files: node -> the per-rank log files copied to ``DIRECTORY/ranks/NODE/`` (``ranks=True``,
+            and always for a ``run --tmux`` run).
         problems: the nodes whose output could not be copied (the others' is).
     """
 
