@@ -28,7 +28,8 @@ from ddpfab.health import hints
 from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.gate import Gate
-from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
+from ddpfab.launch.cause import (RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of,
+                                 signal_name)
 from ddpfab.launch.dapforward import DapForwarder
 from ddpfab.launch.debugger import Debugger
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
@@ -536,17 +537,10 @@ def stopped_from_outside_line(signals: dict[str, int]) -> str:
     """The closing line of a job stopped from outside the run (node -> the signal its supervisor
     got): ``stopped from outside on node[1-4] (SIGTERM to their supervisors: `ddpfab stop`, or a
     kill); the job was stopped on every node``."""
-    names = sorted({_signal_name(s) for s in signals.values()})
+    names = sorted({signal_name(s) for s in signals.values()})
     whose = "its supervisor" if len(signals) == 1 else "their supervisors"
     return (f"stopped from outside on {compact(list(signals))} ({', '.join(names)} to {whose}: `ddpfab stop`, "
             "or a kill); the job was stopped on every node")
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
@@ -742,7 +736,7 @@ class _Monitor:
             # `ddpfab stop` from elsewhere: a stop, unless a rank failed on its own (result() decides:
             # a victim that lost its peer to the stop comes first as often as not)
             if not self.from_outside and self.stop_deadline() is None:
-                self.printer.note(f"{name}: stopped from outside this run ({_signal_name(sig)} to its supervisor); "
+                self.printer.note(f"{name}: stopped from outside this run ({signal_name(sig)} to its supervisor); "
                                   "stopping the job on every node")
                 self.stop_all(fast=True)
             self.from_outside[name] = sig
@@ -831,7 +825,7 @@ class _Monitor:
         code, summary = self.closing(outcomes, verdict)
         interrupted = self.interrupted  # a stop from outside is one too: no restart follows it
         if stopped:
-            interrupted = _signal_name(next(iter(self.from_outside.values())))
+            interrupted = signal_name(next(iter(self.from_outside.values())))
         return RunResult(code, outcomes, verdict.node, interrupted, summary)
 
     def closing(self, outcomes: dict[str, NodeOutcome], verdict: Blame) -> tuple[int, str]:
