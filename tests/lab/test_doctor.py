@@ -196,8 +196,11 @@ def test_attach_reports_a_rank_that_aborted_after_finishing_as_run_does(lab4, in
     res = ddpfab("attach", "doc-race", "--runs-dir", runs, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    assert ("run doc-race ended: all ranks finished their work; rank 3 (node2) aborted at exit (signal 6) "
-            "(known upstream race)") in out, out[-3000:]
+    # unguarded, another rank may hit the real race too: it is then named beside rank 3, the same way
+    closing = re.search(r"run doc-race ended: all ranks finished their work; (.*) \(known upstream race\)", out)
+    named = {"rank 3 (node2) aborted at exit (signal 6)",
+             "rank 3 (node2) aborted at exit (its exit status was reaped before it was seen)"}
+    assert closing and named & set(closing[1].split(", ")), out[-3000:]
     assert "ddpfab: warning: a rank aborted" in out and "run doc-race ended: failed on" not in out
 
 
