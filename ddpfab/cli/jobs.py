@@ -300,7 +300,7 @@ def cmd_attach(args) -> int:
     (nobody else watches it): its plan's ``--hang-timeout`` and ``--on-hang``, as run's."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.health import hints
-    from ddpfab.launch.execute import Printer
+    from ddpfab.launch.execute import Printer, cancelled_waiting
     from ddpfab.launch.jobs import attach_end, attach_story, ended_outcomes, exit_races_of, follow_all
 
     manifest = read_record(args.runs_dir, args.run_id)
@@ -346,7 +346,8 @@ def cmd_attach(args) -> int:
     if failed and not hung and not races:
         for line in failed[1]:
             printer.note(line)
-    code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None, outside)
+    code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None, outside,
+                                       cancelled_waiting(outcomes[n] for n in outside))
     printer.note(f"run {args.run_id} ended: {summary}")
     if warned:
         printer.note(f"warning: {hints.exit_abort_hint()}")

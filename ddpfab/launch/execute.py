@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TextIO
@@ -533,14 +533,23 @@ def stop_signal_of(code: int | None, record: dict | None, cause: Cause | None) -
     return None if cause is not None and cause.own else sig
 
 
-def stopped_from_outside_line(signals: dict[str, int]) -> str:
+def stopped_from_outside_line(signals: dict[str, int], cancelled: bool = False) -> str:
     """The closing line of a job stopped from outside the run (node -> the signal its supervisor
     got): ``stopped from outside on node[1-4] (SIGTERM to their supervisors: `ddpfab stop`, or a
-    kill); the job was stopped on every node``."""
+    kill); the job was stopped on every node``. *cancelled*: those supervisors were still waiting
+    for GPUs (``--wait``): the job never started."""
     names = sorted({signal_name(s) for s in signals.values()})
     whose = "its supervisor" if len(signals) == 1 else "their supervisors"
+    end = ("the job was cancelled while it waited for GPUs (it never started)" if cancelled
+           else "the job was stopped on every node")
     return (f"stopped from outside on {compact(list(signals))} ({', '.join(names)} to {whose}: `ddpfab stop`, "
-            "or a kill); the job was stopped on every node")
+            f"or a kill); {end}")
+
+
+def cancelled_waiting(outcomes: Iterable[NodeOutcome]) -> bool:
+    """Whether every one of *outcomes* is a ``--wait`` cancelled before its job started (its
+    supervisor's record says ``cancelled``)."""
+    return all((o.remote or {}).get("cancelled") is True for o in outcomes)
 
 
 def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
@@ -840,7 +849,8 @@ class _Monitor:
                                f"({option('on_hang', 'stop')})")
         if self.from_outside and not verdict.node:  # (result(): no rank failed on its own) as a shell says it
             first = next(iter(self.from_outside.values()))
-            return 128 + first, stopped_from_outside_line({n: self.from_outside[n] for n in outcomes if n in self.from_outside})
+            signals = {n: self.from_outside[n] for n in outcomes if n in self.from_outside}
+            return 128 + first, stopped_from_outside_line(signals, cancelled_waiting(outcomes[n] for n in signals))
         if verdict.node:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]

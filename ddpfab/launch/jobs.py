@@ -281,7 +281,8 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False)
 
 
 def attach_end(codes: dict[str, int], races: dict[str, dict], hung: list[str] | None = None,
-               failed_story: str | None = None, outside: dict[str, int] | None = None) -> tuple[int, str, bool]:
+               failed_story: str | None = None, outside: dict[str, int] | None = None,
+               cancelled: bool = False) -> tuple[int, str, bool]:
     """How ``attach`` ends, by run's exit-code policy (ddpfab/cli/errors.py): (its exit code, the
     closing line after ``run RUN_ID ended: ``, whether the exit-race warning goes with it).
     *hung*: the doctor's verdict when the hang watch stopped the job (``--on-hang stop``): 124
@@ -289,12 +290,12 @@ def attach_end(codes: dict[str, int], races: dict[str, dict], hung: list[str] | 
     else the first failing node's code, 0 when the only failures are ranks that aborted at exit
     after finishing their work (*races*). *outside*: node -> the signal its supervisor was stopped
     by from outside (``ddpfab stop``): with no failure of a rank's own, 128 + that signal, as run
-    ends."""
+    ends (*cancelled*: they were still waiting for GPUs)."""
     if hung:
         return (EXIT_HUNG, f"hung: {'; '.join(hung)}; the job was stopped on every node "
                            f"({option('on_hang', 'stop')})", False)
     if outside and not failed_story:
-        return 128 + next(iter(outside.values())), stopped_from_outside_line(outside), False
+        return 128 + next(iter(outside.values())), stopped_from_outside_line(outside, cancelled), False
     failed = {n: c for n, c in codes.items() if c != 0 and n not in races}
     if races and not failed:  # the work is done
         return 0, exit_race_summary(races), True

@@ -1137,7 +1137,7 @@ def hold_leases(spec, run_dir, log):
     cancelled (``ddpfab stop``, a signal, ddpfab gone): then its record says "cancelled while
     waiting" (exit :data:`CANCELLED_WAITING`), so ``ps`` and the history show it."""
     want, port, run_id = spec.get("gpus"), spec.get("master_port"), str(spec.get("run_id"))
-    held, why, code = [], None, LEASES_HELD
+    held, why, code, stop_signal = [], None, LEASES_HELD, None
     try:
         if port and uses_leases():  # the master: the port the probe reserved, now for the job's life
             fds = reserve_port(port, run_id, hold=True)
@@ -1148,7 +1148,7 @@ def hold_leases(spec, run_dir, log):
         if want and why is None:
             count, pin = int(want.get("count", 0)), [str(g) for g in want.get("pin") or ()]
             if spec.get("wait"):
-                fds, gpus, states = wait_for_leases(spec, count, pin, run_id)
+                fds, gpus, states, stop_signal = wait_for_leases(spec, count, pin, run_id)
             else:
                 fds, gpus, states = take_leases(count, pin, run_id)
             if fds is None and isinstance(states, str):  # stopped while it waited
@@ -1175,7 +1175,8 @@ def hold_leases(spec, run_dir, log):
         cancelled = code == CANCELLED_WAITING
         _write(os.path.join(run_dir, "result.json"), json.dumps({
             "exit_code": code, "ended": time.time(), "failed_at": None if cancelled else time.time(),
-            "stopped": why if cancelled else None, "cancelled": cancelled, "restarts": 0, "leases": why}) + "\n")
+            "stopped": why if cancelled else None, "cancelled": cancelled, "stop_signal": stop_signal,
+            "restarts": 0, "leases": why}) + "\n")
         _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)
     except OSError:
         pass
@@ -1211,8 +1212,9 @@ def wait_for_leases(spec, count, pin, run_id):
     them?": a node holding them answers ``ready for round <round>`` and from then on does not
     yield; ``g`` (sent only when every node answered that round) starts the job, ``u`` (the round
     failed: some node yielded) lets this node yield again. A ``g`` without a ``ready`` before it
-    is ignored. Returns ``(fds, gpus, None)``, or ``(None, None, why)`` when told to stop (EOF,
-    ``!``, or ddpfab's heartbeat gone for the spec's silence)."""
+    is ignored. Returns ``(fds, gpus, None, None)``, or ``(None, None, why, signal)`` when told to
+    stop: by a signal (``ddpfab stop``, a kill: *signal* is its number), or by ddpfab (EOF, ``!``,
+    or its heartbeat gone for the spec's silence: *signal* is None)."""
     wait = _LeaseWait(spec, count, pin, run_id)
     caught = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
     for sig in caught:
@@ -1242,6 +1244,7 @@ class _LeaseWait(object):
                        "count": count, "pin": list(pin)}
         self.silence = float(spec.get("silence", 0))
         self.go, self.granted, self.ready, self.stop, self.beat = False, False, False, None, time.monotonic()
+        self.signal = None  # the signal that cancelled the wait, as data (the result record's stop_signal)
         self.lock = threading.Lock()
         self.fd, self.path = None, None
         self.held, self.gpus, self.said = None, None, None
@@ -1283,17 +1286,18 @@ class _LeaseWait(object):
         self.stop = "cancelled while waiting for GPUs (stopped by ddpfab)"
 
     def cancel(self, signum, frame):  # ddpfab stop TERMs a waiter: a record, not a silent death
-        self.stop = "cancelled while waiting for GPUs (signal %d)" % signum
+        self.stop, self.signal = "cancelled while waiting for GPUs (signal %d)" % signum, signum
 
     def step(self):
-        """One poll: ``(fds, gpus, None)`` on the go, ``(None, None, why)`` when told to stop, else None."""
+        """One poll: ``(fds, gpus, None, None)`` on the go, ``(None, None, why, signal)`` when told to
+        stop, else None."""
         if self.silence and time.monotonic() - self.beat > self.silence:
             self.stop = "cancelled while waiting for GPUs (controller silent for %.0f s)" % self.silence
         if self.stop is not None:
             if self.held:
                 for h in self.held:
                     os.close(h)
-            return None, None, self.stop
+            return None, None, self.stop, self.signal
         if self.fd is not None and os.fstat(self.fd).st_nlink == 0:  # removed (by the lease dir's owner): queue again
             os.close(self.fd)
             self.fd, self.path = make_ticket(self.key, self.record)
@@ -1305,7 +1309,7 @@ class _LeaseWait(object):
         else:
             self.yield_to_earlier(states, queue, ahead)
             if self.go:
-                return self.held, self.gpus, None
+                return self.held, self.gpus, None, None
         return None
 
     def gpu_states(self):

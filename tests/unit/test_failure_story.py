@@ -364,6 +364,23 @@ def test_a_stop_from_elsewhere_is_a_stop_even_when_a_victim_reports_first():
     assert result.summary.startswith("stopped from outside on node2, node3 (SIGTERM to their supervisors"), result.summary
 
 
+def test_a_stop_of_a_job_still_waiting_for_gpus_is_a_cancelled_stop_not_a_failure():
+    """``ddpfab stop`` of a ``--wait`` job still in the queue: every supervisor records the cancel
+    with its signal. The run ends as a stop (143, nothing blamed, no restart) that says the job
+    never started (it ended "node1 (node_rank 0) failed (exit code 143)")."""
+    def queued(name: str, rank: int) -> execute.NodeOutcome:
+        return execute.NodeOutcome(name, rank, exit_code=143, remote={
+            "cancelled": True, "failed_at": None, "stop_signal": 15,
+            "stopped": "cancelled while waiting for GPUs (signal 15)"})
+    outcomes = {f"node{i + 1}": queued(f"node{i + 1}", i) for i in range(3)}
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert (result.exit_code, result.interrupted, result.first_failure) == (143, "SIGTERM", None), printed
+    assert result.summary == ("stopped from outside on node1, node2, node3 (SIGTERM to their supervisors: `ddpfab "
+                              "stop`, or a kill); the job was cancelled while it waited for GPUs (it never started)"), \
+        result.summary
+    assert "failed" not in printed
+
+
 def test_a_rank_s_own_failure_before_a_stop_from_elsewhere_is_still_named():
     """A rank of node2 failed on its own; a ``ddpfab stop`` came just after, and the nodes it
     stopped reached the controller first. The rank that failed is named, whatever the order (a

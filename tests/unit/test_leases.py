@@ -319,6 +319,32 @@ def test_a_node_that_said_ready_keeps_its_leases_until_the_go_and_a_go_without_r
         waiter.proc.wait()
 
 
+def test_a_wait_cancelled_by_a_signal_records_the_signal_and_by_ddpfab_none(node_gpus, tmp_path):
+    """A job queued behind an earlier one is cancelled by a SIGTERM (``ddpfab stop`` from elsewhere):
+    its record says cancelled, with ``stop_signal`` 15 as data, so the run that follows it ends as a
+    stop, not as a failure of the node. Cancelled by ddpfab (its link closed): no signal."""
+    early, path = leases.make_ticket(leases.ticket_key(100.0, "early"), {"run_id": "early", "count": 4})
+    try:
+        for run_id, end in (("signalled", "term"), ("closed", "eof")):
+            run_dir = tmp_path / "runs" / run_id
+            waiter = Waiter(node_gpus, run_dir, run_id, 1, arrival=200.0)
+            try:
+                waiter.said("ddpfab-agent: waiting: place 2", 60)
+                if end == "term":
+                    waiter.proc.send_signal(signal.SIGTERM)
+                else:
+                    waiter.proc.stdin.close()
+                assert waiter.proc.wait(timeout=20) == 143
+            finally:
+                waiter.proc.kill()
+                waiter.proc.wait()
+            record = json.loads((run_dir / "result.json").read_text())
+            assert record["cancelled"] is True and record["failed_at"] is None, record
+            assert record["stop_signal"] == (15 if end == "term" else None), record
+    finally:
+        leases.drop_ticket(early, path)
+
+
 def test_a_waiting_job_asks_nvidia_smi_every_few_seconds_not_at_every_poll(node_gpus, tmp_path):
     """Each ask is a run of nvidia-smi (a program start and a driver query, and every waiting job
     on the node asks): a job waiting 3 s behind a holder asks which processes use
