@@ -54,6 +54,7 @@ from ddpfab.results import GroupResult
 
 if TYPE_CHECKING:  # (slow to import: see LAZY above)
     from ddpfab.launch.runner import Prepared
+    from ddpfab.remote.output import Printer
 
 Say = Callable[[str], object]  # (what it returns is ignored: print, sys.stderr.write)
 
@@ -591,10 +592,11 @@ class Cluster:
             self.say(left_out_line(paths))
 
     def exec(self, cmd: str | Iterable[str], *, nodes: Iterable[str] | None = None, timeout: float | None = None,
-             printer=None, color: bool | None = None) -> GroupResult:
+             printer: Printer | None = None, color: bool | None = None) -> GroupResult:
         """``ddpfab exec``: *cmd* on every node (or *nodes*) at once, output prefixed per host on
-        *printer* (default: stdout). A string is run by the remote shell as is; a list of words
-        is quoted. Node -> :class:`ddpfab.remote.output.HostResult` (``exit_code``, ``error``)."""
+        *printer* (a :class:`ddpfab.remote.output.Printer`; default: stdout). A string is run by
+        the remote shell as is; a list of words is quoted. Node ->
+        :class:`ddpfab.remote.output.HostResult` (``exit_code``, ``error``)."""
         # the held path imports no SSH stack (paramiko: a third of its start): see LAZY above
         from ddpfab.remote.holder import exec_held
         from ddpfab.remote.output import LinePrinter, remote_command

@@ -27,7 +27,7 @@ import time
 
 from ddpfab.hosts import nodeenv
 from ddpfab.remote import ssh, streams
-from ddpfab.remote.output import HostResult, LinePrinter
+from ddpfab.remote.output import HostResult, Printer
 
 
 #: The fallback watcher's TERM to the command's process group ``$p``, once more after 0.2 s when the
@@ -88,7 +88,7 @@ def stdin_for(node, command: str) -> tuple[str, bytes]:
                                                              f"{COMMAND_VAR}={joined}; unset -v __nl")
 
 
-def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
+def _pump(chan, read, name: str, printer: Printer, stderr: bool) -> None:
     for line in streams.lines(read):
         printer.line(name, line, stderr)
         if printer.closed:  # nobody reads on: closing the channel ends the command (see guarded)
@@ -96,7 +96,7 @@ def _pump(chan, read, name: str, printer: LinePrinter, stderr: bool) -> None:
             return
 
 
-def _pump_stderr(chan, name: str, printer: LinePrinter) -> None:
+def _pump_stderr(chan, name: str, printer: Printer) -> None:
     """stderr's pump, on a thread of its own: its failures (the --timeout's TimeoutError, a closed
     channel) end it quietly; the stdout side reports them as the node's result."""
     try:
@@ -111,7 +111,7 @@ def host_error(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, ssh.SSHError) else f"{type(exc).__name__}: {exc}"
 
 
-def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrinter,
+def run_on(node, command: str, policy, ssh_config: str | None, printer: Printer,
            timeout: float | None = None) -> HostResult:
     """Connect to *node*, run *command*, stream its output; never raises."""
     start = time.monotonic()
@@ -126,7 +126,7 @@ def run_on(node, command: str, policy, ssh_config: str | None, printer: LinePrin
             conn.close()
 
 
-def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None = None,
+def run_in(chan, node, command: str, printer: Printer, timeout: float | None = None,
            channels: list | None = None, start: float | None = None) -> HostResult:
     """Run *command* on *node* in the open session *chan*, streaming its output to *printer*;
     never raises. The channel is added to *channels* (when given: closing it ends the command), and
@@ -167,7 +167,12 @@ def run_in(chan, node, command: str, printer: LinePrinter, timeout: float | None
     return result
 
 
-def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: LinePrinter,
+def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: Printer,
              timeout: float | None = None) -> dict[str, HostResult]:
-    results = ssh.parallel(list(nodes), lambda n: run_on(n, command, policy, ssh_config, printer, timeout))
+    def one(node) -> HostResult:
+        result = run_on(node, command, policy, ssh_config, printer, timeout)
+        printer.ended(result)
+        return result
+
+    results = ssh.parallel(list(nodes), one)
     return {k: (v if isinstance(v, HostResult) else HostResult(k, error=repr(v))) for k, v in results.items()}

@@ -198,6 +198,7 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
                 seconds = event.get("seconds")
                 results[node] = HostResult(node, exit_code=code, error=error, held=True, end=end,
                                            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
+                printer.ended(results[node])
             else:
                 raise HolderError(f"the holder answered an unknown message for {node}")
     except HolderError as exc:

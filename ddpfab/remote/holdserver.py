@@ -27,7 +27,8 @@ from ddpfab.remote.output import HostResult
 
 
 class _SocketPrinter:
-    """A printer (``line``, ``closed``) that sends each line to the client; ``closed`` once the
+    """A printer (:class:`ddpfab.remote.output.Printer`) that sends each line to the client (each
+    node's result goes as its own message, after its command); ``closed`` once the
     client has gone, and then every channel of its command is closed (ending the commands). A
     channel registered after that is closed by :func:`ddpfab.remote.command.run_in` itself (it
     checks ``closed`` after registering), so a node still connecting never starts its command."""
@@ -44,6 +45,9 @@ class _SocketPrinter:
             send_message(self.sock, self.lock, {"node": name, "line": text, "stderr": stderr})
         except OSError:
             self.gone()
+
+    def ended(self, result: HostResult) -> None:
+        """(The caller sends each node's result itself.)"""
 
     def gone(self) -> None:
         self.closed = True  # first: a channel registered from now on sees it

@@ -10,7 +10,7 @@ import shlex
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from ddpfab.hostlist import fold_by, fold_names
 
@@ -62,6 +62,17 @@ class HostResult:
         return "" if self.ok else f"host {self.name}: exit code {self.code}"
 
 
+class Printer(Protocol):
+    """Where ``exec`` sends what the nodes say: each whole *line* as it comes, each node's result
+    when its command *ended*; ``closed`` once its reader went away (the commands are then ended)."""
+
+    closed: bool
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None: ...
+
+    def ended(self, result: HostResult) -> None: ...
+
+
 class LinePrinter:
     """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""
 
@@ -90,6 +101,9 @@ class LinePrinter:
             except BrokenPipeError:
                 self.closed = True
 
+    def ended(self, result: HostResult) -> None:
+        """A node's command ended (nothing to print: the summary says how, after every node)."""
+
 
 def outcome(result: HostResult) -> str:
     """A node's end in a word: its exit code, ``timeout``, ``no exit status`` or ``unreachable``."""
@@ -109,12 +123,17 @@ class FoldPrinter:
         self.out = out or sys.stdout
         self.lines: dict[str, list[str]] = {n: [] for n in names}
         self.errs: dict[str, list[str]] = {n: [] for n in names}
+        self.ends: dict[str, HostResult] = {}  # the nodes whose command ended, by the time of an interrupt
         self.lock = threading.Lock()
         self.closed = False  # as LinePrinter's: nothing is written before the end
 
     def line(self, name: str, text: str, stderr: bool = False) -> None:
         with self.lock:
             (self.errs if stderr else self.lines).setdefault(name, []).append(text)
+
+    def ended(self, result: HostResult) -> None:
+        with self.lock:
+            self.ends[result.name] = result
 
     def report(self, results: dict[str, HostResult]) -> None:
         with self.lock:
@@ -126,8 +145,11 @@ class FoldPrinter:
             self.closed = True
 
     def report_interrupted(self) -> None:
-        """What every node said before an interrupt, folded, each ended ``interrupted``."""
-        self.report({n: HostResult(n, error="interrupted", end="interrupted") for n in self.lines})
+        """What every node said before an interrupt, folded: a node whose command had ended, as it
+        ended; the others ``interrupted``."""
+        with self.lock:
+            ends = dict(self.ends)
+        self.report({n: ends.get(n) or HostResult(n, error="interrupted", end="interrupted") for n in self.lines})
 
 
 def fold_report(lines: dict[str, list[str]], results: dict[str, HostResult],

@@ -13,6 +13,7 @@ import re
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -218,6 +219,32 @@ def test_exec_runs_on_every_node_at_once_and_reports_failures(lab, tmp_path):
     res = ddpfab("exec", "-i", str(inv), "--nodes", "node1,node3", "--", "printf", "%s\\n", "a b", "$HOME")
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["node1 | $HOME", "node1 | a b", "node3 | $HOME", "node3 | a b"]
+
+
+def test_exec_fold_interrupted_shows_how_the_ended_nodes_ended(lab, tmp_path):
+    """Ctrl-C under ``exec --fold``: what the nodes said is printed, folded; node1 and node3, whose
+    command had ended, as they ended; node2, still running, ``(interrupted)`` (every node was
+    marked interrupted). Nothing is left running."""
+    inv = tmp_path / "inv.yml"
+    inv.write_text(labmod.render_inventory(lab, sys.executable))
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "exec", "-i", str(inv), "--fold", "--",
+                             'echo said; [ "$(hostname)" != node2 ] || exec sleep 60'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not any("sleep 60" in cmd for _, cmd in lab.processes("node2")):
+            assert time.monotonic() < deadline and proc.poll() is None, "node2's command never started"
+            time.sleep(0.1)
+        wait_no_processes(lab, timeout=30, names=("node1", "node3"))  # their commands ended there ...
+        time.sleep(1)  # ... and their exit statuses reach the controller
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert out.splitlines() == ["-" * 15, "node[1,3] (2)", "-" * 15, "said",
+                                "-" * 19, "node2 (interrupted)", "-" * 19, "said"], out
+    wait_no_processes(lab, timeout=5)
 
 
 def test_exec_with_a_closed_stdout_ends_the_command_everywhere_with_141(lab, tmp_path):

@@ -28,6 +28,9 @@ class Printer:
     def line(self, name, text, stderr=False):
         self.lines.append((name, text, stderr))
 
+    def ended(self, result):
+        self.lines.append((result.name, "ended", False))
+
 
 def fake_holder(answer: bytes) -> tuple[str, threading.Thread]:
     """A server of this user on a fresh abstract name that reads one request and sends *answer*."""
@@ -76,7 +79,8 @@ def test_lines_and_results_are_read_as_data():
     printer = Printer()
     got = holder.exec_held(name, NODES, "true", printer)
     t.join(5)
-    assert printer.lines == [("a", "hi", False), ("b", "oops", True)]
+    # each node's end reaches the printer as it comes (exec --fold's Ctrl-C reports those as they ended)
+    assert printer.lines == [("a", "hi", False), ("b", "oops", True), ("a", "ended", False), ("b", "ended", False)]
     assert (got["a"].exit_code, got["a"].held, got["b"].error) == (0, True, "unreachable")
     code, text = summary(got, 0.5)
     assert code == 255 and "b=unreachable" in text and "over the connections `ddpfab hold` keeps open" in text

@@ -82,6 +82,13 @@ def test_nodes_that_said_the_same_fold_whichever_stream_came_first():
     out.seek(0)
     printer.report_interrupted()
     assert out.getvalue().splitlines()[1] == "node[1-2] (2, interrupted)"
+    # a node whose command had ended by the interrupt is reported as it ended, not interrupted
+    printer.ended(HostResult("node1", 0))
+    out.truncate(0)
+    out.seek(0)
+    printer.report_interrupted()
+    assert "node1" in out.getvalue().splitlines() and "node2 (interrupted)" in out.getvalue().splitlines(), \
+        out.getvalue()
 
 
 def test_the_closing_summary_folds_nodes_by_how_they_ended():
