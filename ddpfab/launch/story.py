@@ -94,7 +94,7 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     """``failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0), exit code 1: ValueError:
     ...; 2 other ranks lost their peer; the others were stopped``. *out*: the named node's outcome;
     *fallback*: what to say of its rank when its output named none (the supervisor's record);
-    *outcomes*: every node's, to say what the others did (stopped, or all exited 0 already)."""
+    *outcomes*: every node's, to say what the others did (exited 0 already, or were stopped)."""
     parts = [f"failed: {verdict.node} (node_rank {out.node_rank}) {why(out)}"]
     cause = verdict.cause
     others = {n: o for n, o in (outcomes or {}).items() if n != verdict.node}
@@ -108,10 +108,11 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
         parts.append(fallback)
     if verdict.victims():
         parts.append(verdict.victims())
-    if outcomes is None or any(o.exit_code != 0 for o in others.values()):
+    done = [n for n, o in others.items() if o.exit_code == 0]
+    if done:
+        parts.append(f"{compact(done)} exited 0")
+    if outcomes is None or len(done) < len(others):
         parts.append("the others were stopped")
-    elif others:
-        parts.append(f"{compact(list(others))} exited 0")
     return "; ".join(parts)
 
 

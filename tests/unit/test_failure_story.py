@@ -314,6 +314,19 @@ def test_a_rank_that_ended_early_is_where_the_victims_point():
         "for it: look there for a rank that ends before the others; node2 exited 0")
 
 
+def test_the_closing_line_says_which_others_exited_0_and_that_the_rest_were_stopped():
+    """node2 failed on its own; node3 had already exited 0, node1 was stopped: the line said "the
+    others were stopped" of both."""
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    culprit = execute.NodeOutcome("node2", 1, exit_code=1, causes=reader(CULPRIT), cause=reader(CULPRIT).cause())
+    outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True), "node2": culprit,
+                "node3": execute.NodeOutcome("node3", 2, exit_code=0)}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node2")
+    line = story.closing_line(verdict, culprit, "", addresses, outcomes)
+    assert line.startswith("failed: node2 (node_rank 1) exit code 1; ") and \
+        line.endswith("; node3 exited 0; the others were stopped"), line
+
+
 def test_torchrun_s_failed_exit_barrier_on_a_node_whose_job_ended_well_is_folded():
     """torchrun's exit barrier on the node whose rank had ended (exit 0) fails once the master's
     store is gone: a c10d warning, a C++ stack and a logged traceback (24 lines on the lab). The
