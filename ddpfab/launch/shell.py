@@ -9,7 +9,9 @@ torchrun gives each worker (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SI
 Nothing of it is in a command line: the shell's start file (setup lines, exports, prompt) goes
 over a first channel's stdin into a 0600 file in the user's ``~/.ddpfab/shell`` (0700), which the
 shell reads and removes as it starts; the terminal's channel (a pty) runs only ``bash --rcfile
-FILE -i`` (``sh`` with ``ENV=FILE`` where there is no bash).
+FILE -i`` (``sh`` with ``ENV=FILE`` where there is no bash). Input that is not a terminal (``printf
+'cmd\n' | ddpfab shell node1``) gets no pty, as ``ssh`` does: the shell reads its commands from
+that input (``. FILE`` first), stdout and stderr stay apart, and it exits at the input's end.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shlex
 import signal
 import sys
 import termios
+import threading
 import tty
 from collections.abc import Iterable, Mapping
 
@@ -46,6 +49,8 @@ def rank_env(plan: Plan, rank: int, given: Mapping[str, str] | None = None) -> t
             masked.append(key)
         else:
             env[key] = value
+    if node.nproc > 1:  # torchrun's default for its workers when more than one shares the node
+        env.setdefault("OMP_NUM_THREADS", "1")
     env.update({
         "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port), "RANK": str(rank),
         "LOCAL_RANK": str(local), "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(node.nproc),
@@ -92,6 +97,16 @@ def shell_command(path: str) -> str:
     """The terminal channel's command: an interactive shell that starts with the file at *path*."""
     home = home_word(path)
     return f"if command -v bash >/dev/null 2>&1; then exec bash --rcfile {home} -i; else ENV={home} exec sh -i; fi"
+
+
+#: The command of a shell whose input is not a terminal: it reads its commands from stdin, the
+#: first of them :func:`source_line`.
+SCRIPT_SHELL = "if command -v bash >/dev/null 2>&1; then exec bash -s; else exec sh -s; fi"
+
+
+def source_line(path: str) -> str:
+    """The first line a shell of :data:`SCRIPT_SHELL` reads: the start file at *path*."""
+    return f". {home_word(path)}\n"
 
 
 class _WindowSize:
@@ -159,7 +174,7 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
                 data = os.read(stdin_fd, 4096)
                 if data:
                     chan.sendall(data)
-                else:  # end of input (not a terminal): the shell gets EOF and exits
+                else:  # end of input (not a terminal: a channel without a pty): the shell gets EOF and exits
                     chan.shutdown_write()
                     reading = False
             if chan.exit_status_ready() and not chan.recv_ready():
@@ -170,6 +185,13 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
         if size is not None:
             size.close()
+
+
+def _copy_stderr(chan, fd: int) -> None:
+    """The shell's stderr (a channel without a pty keeps it apart) to *fd*, until it ends."""
+    with contextlib.suppress(OSError):
+        while data := chan.recv_stderr(65536):
+            write_all(fd, data)
 
 
 def terminal_size(fd: int = 0) -> tuple[int, int]:
@@ -207,6 +229,14 @@ def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str) -> 
         raise ConnectionError(f"could not write the shell's start file on {node.name} (exit {code})")
     chan = conn.transport.open_session(timeout=30)
     try:
+        if not os.isatty(0):  # a pipe, a file, /dev/null: its commands, then its end (a pty would hide that end)
+            chan.exec_command(SCRIPT_SHELL)
+            chan.sendall(source_line(path).encode())
+            err = threading.Thread(target=_copy_stderr, args=(chan, 2), daemon=True)
+            err.start()
+            code = interact(chan)
+            err.join(5)
+            return code
         cols, rows = terminal_size()
         chan.get_pty(term=term_name(), width=cols, height=rows)
         chan.exec_command(shell_command(path))

@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "lab" / "scripts"
 
 
-def ddpfab(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess, as a user would."""
+def ddpfab(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path = REPO,
+           input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would (*input*: its stdin, a pipe)."""
     full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ddpfab", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd)
+                          timeout=timeout, env=full_env, cwd=cwd, input=input)
 
 
 def start_ddpfab(*args: str, cwd: Path = REPO) -> subprocess.Popen:

@@ -60,6 +60,12 @@ def test_a_shell_that_is_rank_3_of_a_recorded_run(lab, setup_inventory, tmp_path
     term.expect(r"R=0 T=hunter2\r?\n")
     assert term.wait(30) == 3
     assert "masked" not in term.text
+    # input that is not a terminal: its commands run (no pty: stderr apart), and its end ends the
+    # shell with the last command's status (with a pty it waited at a prompt for ever)
+    piped = ddpfab("shell", "--run-id", "shell-run", "--rank", "3", cwd=tmp_path, timeout=60,
+                   input='echo "R=$RANK F=$SITE_FLAG O=$OMP_NUM_THREADS"\necho oops >&2\nfalse\n')
+    assert piped.returncode == 1 and piped.stdout == "R=3 F=from-setup O=1\n", piped.stdout + piped.stderr
+    assert "oops\n" in piped.stderr and "R=3" not in piped.stderr
     assert host_sh(lab, "node2", "ls -A ~/.ddpfab/shell").stdout == ""
     wait_no_processes(lab, timeout=10)
 

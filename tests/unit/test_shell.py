@@ -46,6 +46,16 @@ def test_a_ranks_environment_is_what_torchrun_gave_it_with_the_masked_values_nam
     assert "unset" not in (shell.masked_note(["A", "B"]) or "") and shell.masked_note([]) is None
 
 
+def test_torchrun_s_thread_default_is_in_the_rank_s_environment_unless_the_run_set_one():
+    """torchrun sets OMP_NUM_THREADS=1 for its workers when several share a node (and the run did
+    not set it): a shell that is such a rank has it too; one rank per node, none."""
+    cluster = inventory.load("a,b,")
+    facts = Facts({"a": "10.0.0.1", "b": "10.0.0.2"}, 29500, "/w")
+    for nproc, given, want in ((2, (), "1"), (2, (("OMP_NUM_THREADS", "8"),), "8"), (1, (), None)):
+        env, _ = shell.rank_env(make_plan(cluster, RunOptions("t.py", nproc_per_node=nproc, env=given), facts), 1)
+        assert env.get("OMP_NUM_THREADS") == want, (nproc, given)
+
+
 def test_the_start_file_removes_itself_then_sets_up_the_node_and_the_rank(plan, tmp_path):
     node = inventory.Node("a", "10.0.0.1", setup=("export SITE=on",), python="/usr/bin/python3",
                           python_from="inventory")
