@@ -1010,7 +1010,7 @@ class Cluster:
         prepared = runner.prepare(self.parsed, run_options, self.policy, self.ssh_config, preflight=opts.check)
         prepared.close()
         plan = prepared.plan
-        manifest = runner.record_emitted(prepared, root, directory)  # no script without its record
+        manifest = runner.record_emitted(prepared, root, directory, self._selection())  # no script without its record
         try:
             files = emitmod.write(plan, directory, self.targets(), force=force,
                                   bodies={n.name: handrun.script_body(plan, n) for n in plan.nodes})

@@ -440,10 +440,14 @@ def _record_tmux(plan: Plan, run_dir: RunDir, manifest: dict, ended: tmuxrun.End
     return RunResult(code, outcomes, first, ended.interrupted, ended.summary), path
 
 
-def record_emitted(prepared: Prepared, runs_root: str | os.PathLike, directory: str | os.PathLike) -> Path:
+def record_emitted(prepared: Prepared, runs_root: str | os.PathLike, directory: str | os.PathLike,
+                   selection: dict | None = None) -> Path:
     """The record of a job whose scripts ``plan --emit`` wrote (:mod:`ddpfab.launch.handrun`):
-    detached, as nobody but ``attach`` watches it; RunError when it cannot be written."""
-    run_dir, _ = _open_record(prepared, runs_root, {"emitted": os.fspath(directory)}, state="detached")
+    detached, as nobody but ``attach`` watches it; RunError when it cannot be written.
+    *selection*: ``--limit`` and ``-e`` as a run's record keeps them (the commands that follow
+    the job reach the same nodes)."""
+    run_dir, _ = _open_record(prepared, runs_root, {"emitted": os.fspath(directory), **(selection or {})},
+                              state="detached")
     return run_dir.path / "manifest.json"
 
 

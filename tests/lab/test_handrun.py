@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from ddpfab import lab as labmod
 
 from .helpers import REPO, ddpfab, wait_no_processes
 
@@ -47,7 +50,11 @@ def wait_for(what, timeout: float, why: str) -> None:
 
 
 def test_ps_doctor_and_stop_see_a_job_started_by_hand(lab, inventory2, tmp_path):
-    out = emit(inventory2, tmp_path, "hand-1", "--no-check", "tests/lab/scripts/tmux_ranks.py")
+    # the whole lab's inventory, limited to node1 and node2: the record keeps the limit, so stop and
+    # logs reach those two only (they went to node3 too: "node3: absent", logs exit 1)
+    every = tmp_path / "every.yml"
+    every.write_text(labmod.render_inventory(lab, sys.executable))
+    out = emit(every, tmp_path, "hand-1", "--no-check", "-l", "node1:node2", "tests/lab/scripts/tmux_ranks.py")
     assert "ddpfab ps`, `ddpfab stop hand-1`" in (out / "README.txt").read_text()
     started = start_by_hand(out, tmp_path)
     try:
@@ -63,8 +70,10 @@ def test_ps_doctor_and_stop_see_a_job_started_by_hand(lab, inventory2, tmp_path)
         # every rank's stack, from the nodes (py-spy): both in the script's sleep
         assert "2 ranks in <module> (tmux_ranks.py:11): node1 rank 0; node2 rank 1" in doctor.stdout, \
             doctor.stdout + doctor.stderr
+        logs = ddpfab("logs", "hand-1", "--runs-dir", str(tmp_path / "runs"))
+        assert logs.returncode == 0 and "node3" not in logs.stdout + logs.stderr, logs.stdout + logs.stderr
         stop = ddpfab("stop", "hand-1", "--runs-dir", str(tmp_path / "runs"), timeout=60)
-        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert stop.returncode == 0 and "node3" not in stop.stdout + stop.stderr, stop.stdout + stop.stderr
         for proc, _ in started.values():  # the scripts end with their jobs
             proc.wait(timeout=30)
     finally:
