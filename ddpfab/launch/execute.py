@@ -39,7 +39,7 @@ from ddpfab.node.agent import CANNOT_START
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
-from ddpfab.remote import ssh, streams
+from ddpfab.remote import heldconn, ssh, streams
 from ddpfab.remote.output import COLORS
 
 if TYPE_CHECKING:  # (slow to import: see ddpfab.remote.ssh.connect)
@@ -147,6 +147,7 @@ class NodeOutcome:
     exit_code: int | None = None
     error: str | None = None
     lost: bool = False  # declared lost by the monitor (its sshd went silent): no record to fetch there
+    holder_gone: bool = False  # its link went through `ddpfab hold`'s connection, which ended under it
     started: float = 0.0
     ended: float = 0.0
     lines: int = 0
@@ -226,6 +227,8 @@ class RunResult:
 
 #: RunResult.interrupted when the run ended because stdout's reader went away
 CLOSED_STDOUT = "closed stdout"
+#: ... because the connection holder it ran over ended (``hold --stop``, or it died)
+HOLDER_GONE = "the connection holder's end"
 
 
 class Printer:
@@ -490,6 +493,10 @@ class _NodeJob:
             out.exit_code = chan.recv_exit_status()
             if out.exit_code == -1:
                 out.exit_code = None
+                if heldconn.holder_gone(self.conn):
+                    out.holder_gone = True
+                    out.error = out.error or ("its link went through the connection holder, which ended "
+                                              "(`ddpfab hold --stop`, or it died)")
                 out.error = out.error or ("the node supervisor ended without an exit status (killed?)"
                                           if self.conn.transport.is_active() else
                                           "the SSH session ended without an exit status (connection lost)")
@@ -740,6 +747,12 @@ class _Monitor:
         """Node *name*'s job ended: a failure of its own stops the others (after settling, for a victim)."""
         self.pending.discard(name)
         out = self.jobs[name].outcome
+        if out.holder_gone and self.interrupted is None:  # every link went with it: no node failed
+            self.interrupted = HOLDER_GONE
+            self.printer.note("the connection holder ended (`ddpfab hold --stop`, or it died): this run's links to "
+                              "the nodes went with it; each node's supervisor stops the job as its link ends")
+            self.stop_all(fast=True)
+            return
         sig = out.stopped_from_outside
         if sig is not None and self.interrupted is None:
             # `ddpfab stop` from elsewhere: a stop, unless a rank failed on its own (result() decides:
@@ -823,7 +836,8 @@ class _Monitor:
     def result(self) -> RunResult:
         outcomes = {n: j.outcome for n, j in self.jobs.items()}
         for name, out in outcomes.items():
-            if out.cleanup:
+            # (after a holder's end the supervisors were still stopping when asked for their record)
+            if out.cleanup and not out.holder_gone:
                 self.printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
         self.printer.folded_note()
         verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure)
@@ -841,6 +855,9 @@ class _Monitor:
         """The run's exit code and closing line (with the notes that go before it)."""
         if self.interrupted == CLOSED_STDOUT:  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
             return 141, "stdout was closed (its reader went away); the job was stopped on every node"
+        if self.interrupted == HOLDER_GONE:
+            return 1, ("the connection holder ended while this run followed the job (`ddpfab hold --stop`, or it "
+                       "died); the job was stopped on every node (its supervisors stop it when their link ends)")
         if self.interrupted:
             return (130 if self.interrupted == "SIGINT" else 143,
                     f"interrupted by {self.interrupted}; the job was stopped on every node")

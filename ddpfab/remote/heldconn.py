@@ -115,9 +115,16 @@ class HeldChannel:
             raise OSError("the channel is closed")
         node = self._conn.node
         sock = holder.connect(self._conn.holder_name, timeout=self._open_timeout or 30)
-        if sock is None:
-            raise ssh.SSHError(node.name, f"host {node.name}: the connection holder is gone; run `ddpfab hold` "
-                                          "again (or run without it)", "holder")
+        if sock is None:  # the holder ended (`hold --stop`, or it died): as with none, the node's own connection
+            real = self._conn.cold().transport.open_session(timeout=self._open_timeout or 30)
+            real.set_combine_stderr(self._combine)
+            if self._timeout is not None:
+                real.settimeout(self._timeout)
+            self._real = real
+            real.exec_command(command)
+            if preamble:
+                real.sendall(preamble)
+            return
         self._sock = sock
         request = {"op": "channel", "node": node.name, "print": self._conn.print, "command": command}
         if preamble:
@@ -333,6 +340,18 @@ class HeldTransport:
 
     def __getattr__(self, name: str):  # anything else (a forwarded port): the node's own connection
         return getattr(self._conn.cold().transport, name)
+
+
+def holder_gone(conn) -> bool:
+    """Whether *conn* went through a connection holder that has ended since (``hold --stop``, or
+    it died): its channels then ended with it, whatever their commands did on the node."""
+    if not isinstance(conn, HeldConnection):
+        return False
+    sock = holder.connect(conn.holder_name)
+    if sock is None:
+        return True
+    sock.close()
+    return False
 
 
 class HeldConnection:

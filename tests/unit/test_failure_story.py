@@ -394,6 +394,18 @@ def test_a_stop_of_a_job_still_waiting_for_gpus_is_a_cancelled_stop_not_a_failur
     assert "failed" not in printed
 
 
+def test_the_end_of_the_connection_holder_is_said_as_such_and_blames_no_node():
+    """`ddpfab hold --stop` while a run followed its job over the holder's connections: every link
+    ended without an exit status at once; the first to reach the monitor was blamed ("failed:
+    node2 ... (killed?)"). It is the holder's end: exit 1, no node named, no restart."""
+    gone = "its link went through the connection holder, which ended (`ddpfab hold --stop`, or it died)"
+    outcomes = {f"node{i + 1}": execute.NodeOutcome(f"node{i + 1}", i, error=gone, holder_gone=True) for i in range(3)}
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert (result.exit_code, result.interrupted, result.first_failure) == (1, execute.HOLDER_GONE, None), printed
+    assert result.summary.startswith("the connection holder ended while this run followed the job"), result.summary
+    assert "failed" not in printed + result.summary
+
+
 def test_a_rank_s_own_failure_before_a_stop_from_elsewhere_is_still_named():
     """A rank of node2 failed on its own; a ``ddpfab stop`` came just after, and the nodes it
     stopped reached the controller first. The rank that failed is named, whatever the order (a
