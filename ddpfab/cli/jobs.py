@@ -497,9 +497,14 @@ def cmd_debug(args) -> int:
     conn = _connect_one(args, cluster, hosts[node.name], manifest)
     try:
         relay(conn.transport, node, args.rank, on_attach=lambda: note(
-            f"pdb: attached to rank {args.rank} on {node.name}; `c` continues, `q` quits (the rank then fails)"))
+            f"pdb: attached to rank {args.rank} on {node.name}; `c` continues, `q` quits (the rank then fails), "
+            "Ctrl-C detaches (the rank waits on)"))
     except ConnectionError as exc:
         return die(str(exc), EXIT_FAILED)
+    except KeyboardInterrupt as exc:  # a detach, as attach's: the rank waits in pdb for the next terminal
+        note(f"pdb: detached from rank {args.rank} on {node.name}; it waits in pdb where it was "
+             f"(`ddpfab debug {plan.run_id} --rank {args.rank}` attaches again)")
+        return getattr(exc, "exit_code", 130)
     finally:
         conn.close()
     note(f"pdb: rank {args.rank} on {node.name} left the debugger")

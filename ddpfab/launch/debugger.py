@@ -37,6 +37,8 @@ WAITS = re.compile(r"^ddpfab-pdb: rank (?P<rank>\d+) \(local rank (?P<local>\d+)
 
 #: The relay's exit status when no rank listens there (not stopped, or attached elsewhere).
 NOT_WAITING = 3
+#: What the terminal's end of input (Ctrl-D) sends: pdb's quit.
+QUIT = b"q\n"
 #: The relay on the node: stdin to the socket, the socket to stdout (stdlib, ~20 ms to start).
 RELAY = r"""
 import os, socket, sys, threading
@@ -201,8 +203,8 @@ def _pump_input(chan, done: threading.Event, stdin_fd: int) -> None:
             continue
         data = os.read(stdin_fd, 4096)
         try:
-            if not data:  # Ctrl-D: pdb reads EOF (and quits, as pdb does at a terminal)
-                chan.shutdown_write()
+            if not data:  # Ctrl-D: pdb's quit, as at a terminal (the session's end alone is no quit:
+                chan.sendall(QUIT)  # the rank then waits for the next user, ddpfab.node.rankpdb)
                 return
             chan.sendall(data)
         except (OSError, EOFError):  # the session ended meanwhile: what was typed then has no rank to go to

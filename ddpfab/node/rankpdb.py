@@ -9,7 +9,10 @@ debugger is that user's code execution), prints :data:`WAITS` on its stderr, and
 sees that line in the rank's output, opens a channel on the node's SSH connection that relays
 the socket, and the user's terminal drives pdb. ``continue`` without breakpoints closes the
 session (the terminal is free again); ``quit`` does too, and the rank ends as pdb makes it end
-(``BdbQuit``); after a post-mortem the rank exits with its exception, as without a debugger. An
+(``BdbQuit``); after a post-mortem the rank exits with its exception, as without a debugger.
+The session's end without a ``quit`` (the user's terminal closed, Ctrl-C in ``ddpfab debug``: the
+relay went away) is no quit: the rank waits again where it is, for the next user (Ctrl-D at the
+terminal is pdb's quit: ddpfab sends ``q``). An
 exception raised inside a collective (:data:`COLLECTIVES`) gets no post-mortem: when one rank
 fails, its peers' collectives fail after it, and the rank to debug is the one that failed first.
 """
@@ -54,6 +57,7 @@ class Session:
         self.rank, self.local_rank = rank, local_rank
         self.path = socket_path(directory, rank)
         self.conn = self.file = None
+        self.kind = None
         try:
             os.unlink(self.path)  # a previous stop's, closed
         except OSError:
@@ -73,6 +77,7 @@ class Session:
         """Say where the rank waits, then block until the user's relay connects; its stream. The
         line goes to the process's own stderr: torch's excepthook (init_process_group installs it)
         holds ``sys.stderr`` in a buffer while ours runs, and prints it only after."""
+        self.kind = kind
         stream = sys.__stderr__ or sys.stderr
         stream.write(WAITS % (self.rank, self.local_rank, where, kind, os.getpid()) + "\n")
         stream.flush()
@@ -104,14 +109,69 @@ class Session:
             pass
 
 
-class RankPdb(pdb.Pdb):
-    """pdb over a session's stream, whose prompt names the node and the rank."""
+class _Stream(object):
+    """A session's stream to pdb, whose user may go away: a write after that goes nowhere (the
+    user's program must not fail on it), and the read says so (an empty line: pdb's EOF)."""
 
-    def __init__(self, session, stream, node):
-        pdb.Pdb.__init__(self, stdin=stream, stdout=stream, nosigint=True)
+    def __init__(self, file):
+        self.file, self.gone = file, False
+
+    def write(self, text):
+        if not self.gone:
+            try:
+                self.file.write(text)
+            except (OSError, ValueError):  # ValueError: the file was closed under us
+                self.gone = True
+        return len(text)
+
+    def flush(self):
+        if not self.gone:
+            try:
+                self.file.flush()
+            except (OSError, ValueError):
+                self.gone = True
+
+    def readline(self, *args):
+        if self.gone:
+            return ""
+        try:
+            return self.file.readline(*args)
+        except (OSError, ValueError):
+            self.gone = True
+            return ""
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+class RankPdb(pdb.Pdb):
+    """pdb over a session's stream, whose prompt names the node and the rank. *reattach(where,
+    kind)*: ``(session, stream)`` of a new session waited on, when the user went away without
+    quitting (None: none could be made)."""
+
+    def __init__(self, session, stream, node, reattach=None):
+        self.stream = _Stream(stream)
+        pdb.Pdb.__init__(self, stdin=self.stream, stdout=self.stream, nosigint=True)
         self.use_rawinput = False
         self.session = session
+        self.reattach = reattach
         self.prompt = "%s rank %d (Pdb) " % (node, session.rank)
+
+    def do_EOF(self, arg):
+        """The session's end without a quit (ddpfab sends ``q`` for Ctrl-D): the user's relay went
+        away. Wait for the next user here, then go on where this one left."""
+        frame = self.curframe
+        where = _where(frame) if frame is not None else "?"
+        self.session.close()
+        got = self.reattach(where, self.session.kind) if self.reattach is not None else None
+        if got is None:
+            return pdb.Pdb.do_EOF(self, arg)
+        self.session, stream = got
+        self.stream = _Stream(stream)
+        self.stdin = self.stdout = self.stream
+        if frame is not None:
+            self.print_stack_entry(self.stack[self.curindex])
+        return None
 
     def set_continue(self):
         pdb.Pdb.set_continue(self)
@@ -178,6 +238,13 @@ class Hooks(object):
         self.current = session
         return session, session.wait(where, kind)
 
+    def reattach(self, where, kind):
+        """After a user went away without quitting: ``(session, stream)`` of the next user, waited
+        for here; None when no socket could be made."""
+        with self.lock:
+            session, stream = self.session_for(where, kind)
+        return None if session is None else (session, stream)
+
     def breakpointhook(self, *args, **kwargs):
         if os.getpid() != self.owner:
             return self.original_breakpointhook(*args, **kwargs)
@@ -185,7 +252,7 @@ class Hooks(object):
         with self.lock:
             session, stream = self.session_for(_where(frame), "breakpoint")
         if session is not None:
-            RankPdb(session, stream, self.node).set_trace(frame)
+            RankPdb(session, stream, self.node, self.reattach).set_trace(frame)
         return None
 
     def excepthook(self, etype, value, tb):
@@ -197,16 +264,18 @@ class Hooks(object):
         last = tb
         while last.tb_next is not None:
             last = last.tb_next
-        session = None
+        session = debugger = None
         try:
             with self.lock:
                 session, stream = self.session_for(_where(last.tb_frame), "post-mortem: %s" % etype.__name__)
             if session is not None:
-                debugger = RankPdb(session, stream, self.node)
+                debugger = RankPdb(session, stream, self.node, self.reattach)
                 debugger.reset()
                 debugger.interaction(None, tb)
-        except Exception:  # noqa: BLE001 - the user's relay went away: the rank ends as it would have
+        except Exception:  # noqa: BLE001 - the debugger failed: the rank ends as it would have
             pass
         finally:
-            if session is not None:
+            if debugger is not None:  # (the session it ends with: a user who came back has a new one)
+                debugger.session.close()
+            elif session is not None:
                 session.close()

@@ -9,11 +9,13 @@
 - A rank outside RANKS keeps today's behaviour: its `breakpoint()` reads /dev/null and fails.
 - `--pdb` with no value, before the script, is every rank (the script is not taken for RANKS).
 - Two ranks stop: the run's terminal drives the first, `ddpfab debug RUN_ID --rank R` from a second
-  terminal the other; both continue and the job ends 0.
+  terminal the other (a Ctrl-C there detaches: the rank waits on, and the next `debug` finds it
+  where it was); both continue and the job ends 0.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -128,8 +130,16 @@ def test_two_ranks_stop_and_a_second_terminal_takes_the_one_that_waits(lab, job)
     first = int(term.expect(r"attached to rank ([14]) on", 120)[1])
     other = 5 - first
     term.expect(rf"pdb: rank {other} on node\d \(local rank \d, breakpoint at \S+\) waits too")
+    # Ctrl-C in `debug` detaches: the rank waits on where it was (it quit, and the job failed)
+    leaving = Terminal("debug", run_id, "--rank", str(other), cwd=cwd)
+    leaving.expect(rf"node\d rank {other} \(Pdb\) ", 60)
+    leaving.proc.send_signal(signal.SIGINT)
+    assert leaving.wait(30) == 130, leaving.text
+    assert f"detached from rank {other} on node" in leaving.text, leaving.text
     second = Terminal("debug", run_id, "--rank", str(other), cwd=cwd)
     second.expect(rf"node\d rank {other} \(Pdb\) ", 60)
+    second.send("p marker")
+    second.expect(rf"'inside rank {other}'\r?\n")  # in the same frame
     second.send("p rank")
     second.expect(rf"\n{other}\r?\n")
     second.send("c")

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -169,6 +170,45 @@ def test_an_uncaught_exception_waits_post_mortem_then_the_rank_fails_with_it(tmp
     assert proc.returncode == 1
     assert b"-> raise ValueError" in out and b"(Pdb)> 6\n" in out
     assert "post-mortem: ValueError" in stderr and "ValueError: bad batch" in stderr
+
+
+@pytest.mark.parametrize("mode", ["stop", "raise"])
+def test_a_user_who_goes_away_without_quitting_leaves_the_rank_waiting_where_it_was(tmp_path, mode):
+    """The relay's end (the user's terminal closed, Ctrl-C in `ddpfab debug`) is no quit: the rank
+    waits again at the same place (it read EOF, quit and failed), and the next user goes on from
+    there: at a breakpoint `c` finishes the job; post-mortem `q` ends it with its exception."""
+    proc = _rank(tmp_path, mode)
+    sock = tmp_path / "pdb" / "rank-3.sock"
+    first = _talk(sock, ["p x"], b"6\n")  # then the connection closes: the user went away
+    assert b"(Pdb)> 6\n" in first
+    out = _talk(sock, ["p x + 1", "c" if mode == "stop" else "q"], b"")
+    stdout, stderr = proc.communicate(timeout=30)
+    assert b"7\n" in out, out
+    waits = [debugger.WAITS.match(ln) for ln in stderr.splitlines() if debugger.WAITS.match(ln)]
+    # waiting again in the same frame (at a breakpoint: at the line pdb stopped at, after the call)
+    assert len(waits) == 2 and waits[0]["kind"] == waits[1]["kind"], stderr
+    assert waits[0]["where"].rsplit(":", 1)[0] == waits[1]["where"].rsplit(":", 1)[0], stderr
+    if mode == "stop":
+        assert proc.returncode == 0 and "after the breakpoint 6" in stdout, stderr
+    else:
+        assert proc.returncode == 1 and "ValueError: bad batch" in stderr and "BdbQuit" not in stderr
+
+
+def test_the_terminal_s_end_of_input_is_pdb_s_quit():
+    """Ctrl-D at `ddpfab debug`'s terminal sends pdb's quit (the relay's end alone is a detach)."""
+    class Chan:
+        sent = b""
+
+        def sendall(self, data):
+            Chan.sent += data
+
+    read, write = os.pipe()
+    os.close(write)  # the terminal's end of input
+    try:
+        debugger._pump_input(Chan(), threading.Event(), read)
+    finally:
+        os.close(read)
+    assert Chan.sent == debugger.QUIT == b"q\n"
 
 
 def test_a_breakpoint_while_attached_is_driven_on_the_same_session(tmp_path):
