@@ -287,3 +287,11 @@ def test_the_install_section_names_extras_and_a_torch_that_exist():
                                                               (REPO / "scripts" / "setup.sh").read_text()))
     torch = next(Requirement(r) for r in project["optional-dependencies"]["node"] if r.startswith("torch"))
     assert torch.specifier.contains(pinned[0]), (str(torch), pinned)
+
+
+def test_every_code_block_of_the_docs_is_closed():
+    """An unclosed fence turns the rest of a page into code (docs/lab.md's "A lab at scale" was)."""
+    pages = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
+    unclosed = [p.relative_to(REPO) for p in pages
+                if sum(1 for line in p.read_text().splitlines() if line.lstrip().startswith("```")) % 2]
+    assert not unclosed, f"a code block left open in: {unclosed}"
