@@ -488,6 +488,9 @@ def cmd_debug(args) -> int:
         node, _ = plan.node_of_rank(args.rank)
     except ValueError as exc:
         return die(str(exc))
+    if plan.pdb != "all" and str(args.rank) not in plan.pdb.split(","):
+        return die(f"rank {args.rank} of run {plan.run_id} is not one of its --pdb ranks ({plan.pdb}): it has no "
+                   "debugger to attach to")
     if not stdin_usable():
         return die("debug needs an input to drive pdb from (stdin is /dev/null or closed); run it from a terminal")
     cluster = _cluster(args, manifest)

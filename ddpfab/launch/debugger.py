@@ -37,16 +37,19 @@ WAITS = re.compile(r"^ddpfab-pdb: rank (?P<rank>\d+) \(local rank (?P<local>\d+)
 
 #: The relay's exit status when no rank listens there (not stopped, or attached elsewhere).
 NOT_WAITING = 3
+#: ... and when the job has ended there (its supervisor's result record is in the run's dir).
+ENDED = 4
 #: What the terminal's end of input (Ctrl-D) sends: pdb's quit.
 QUIT = b"q\n"
 #: The relay on the node: stdin to the socket, the socket to stdout (stdlib, ~20 ms to start).
 RELAY = r"""
 import os, socket, sys, threading
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+path = os.path.expanduser(sys.argv[1])
 try:
-    s.connect(os.path.expanduser(sys.argv[1]))
+    s.connect(path)
 except OSError:
-    sys.exit(3)
+    sys.exit(4 if os.path.exists(os.path.join(os.path.dirname(os.path.dirname(path)), "result.json")) else 3)
 def up():
     while True:
         data = os.read(0, 4096)
@@ -186,6 +189,8 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
         done.set()
         pump.join(1.0)  # its last read goes nowhere else: the next session's input is its own
         code = chan.recv_exit_status()
+        if code == ENDED:
+            raise ConnectionError(f"the job has ended on {node.name}: rank {rank} waits in pdb no more")
         if code == NOT_WAITING:
             raise ConnectionError(f"rank {rank} is not waiting in pdb on {node.name} (not stopped, or attached "
                                   "from another terminal)")

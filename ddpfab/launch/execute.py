@@ -549,8 +549,13 @@ def stopped_from_outside_line(signals: dict[str, int], cancelled: bool = False) 
     whose = "its supervisor" if len(signals) == 1 else "their supervisors"
     end = ("the job was cancelled while it waited for GPUs (it never started)" if cancelled
            else "the job was stopped on every node")
-    return (f"stopped from outside on {compact(list(signals))} ({', '.join(names)} to {whose}: `ddpfab stop`, "
-            f"or a kill); {end}")
+    # what sends each: `ddpfab stop` TERMs; a Ctrl-C where a supervisor runs in a terminal (a job
+    # started by hand from plan --emit's scripts) INTs it; a closed terminal HUPs it
+    senders = {signal.SIGTERM: "`ddpfab stop`", signal.SIGINT: "Ctrl-C in its terminal",
+               signal.SIGHUP: "its terminal closed"}
+    said = [senders[s] for s in sorted(set(signals.values())) if s in senders] + ["a kill"]
+    return (f"stopped from outside on {compact(list(signals))} ({', '.join(names)} to {whose}: "
+            f"{', or '.join(said)}); {end}")
 
 
 def cancelled_waiting(outcomes: Iterable[NodeOutcome]) -> bool:

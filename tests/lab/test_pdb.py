@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -64,7 +65,15 @@ def test_a_breakpoint_in_rank_5_waits_for_the_terminal_and_continue_finishes_the
     term.expect(r"node3 rank 5 \(Pdb\) ")
     term.send('p int(os.environ["RANK"]), marker')
     term.expect(r"\(5, 'inside rank 5'\)")
-    time.sleep(6)  # longer than --hang-timeout with no rank printing: the others wait for rank 5
+    began = time.monotonic()
+    # a rank outside the --pdb ranks: said so (it said "not waiting in pdb (not stopped, or attached
+    # from another terminal)")
+    run_id = next((cwd / "runs").iterdir()).name
+    refused = ddpfab("debug", run_id, "--rank", "0", cwd=cwd)
+    assert refused.returncode == 2 and f"rank 0 of run {run_id} is not one of its --pdb ranks (5)" in refused.stderr, \
+        refused.stderr
+    # longer than --hang-timeout with no rank printing: the others wait for rank 5
+    time.sleep(max(0.0, 6 - (time.monotonic() - began)))
     term.send("c")
     assert term.wait(120) == 0, term.text
     text = term.text
@@ -152,3 +161,6 @@ def test_two_ranks_stop_and_a_second_terminal_takes_the_one_that_waits(lab, job)
     # the run had none of the other rank's session: its relay was refused or never tried
     assert f"attached to rank {other} " not in term.text
     wait_no_processes(lab, timeout=10)
+    late = Terminal("debug", run_id, "--rank", str(other), cwd=cwd)  # the job has ended: said so
+    assert late.wait(60) == 1 and re.search(rf"the job has ended on node\d: rank {other} waits in pdb no more",
+                                            late.text), late.text

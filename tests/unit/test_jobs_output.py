@@ -64,6 +64,10 @@ def test_attach_ends_as_run_would_have():
         143, "stopped from outside on node1, node2 (SIGTERM to their supervisors: `ddpfab stop`, or a kill); the "
              "job was stopped on every node", False)
     assert attach_end({"node1": 1, "node2": 1}, {}, None, "rank 1 ... failed", {"node1": 15})[:2] == (1, "rank 1 ... failed")
+    # a Ctrl-C in the terminal of a node started by hand (plan --emit) is no `ddpfab stop`
+    assert attach_end({"node1": 1, "node2": 130}, {}, outside={"node2": 2})[:2] == (
+        130, "stopped from outside on node2 (SIGINT to its supervisor: Ctrl-C in its terminal, or a kill); the job "
+             "was stopped on every node")
 
 
 def test_a_stop_signal_counts_only_before_a_failure_of_the_node_s_own():
