@@ -184,8 +184,19 @@ def env_changes(before_hex, after):
         key, sep, value = item.decode("utf-8", "replace").partition("=")
         if sep:
             before[key] = value
-    return {"set": {k: v for k, v in sorted(after.items()) if before.get(k) != v and k not in _SHELL_VARS},
-            "unset": sorted(k for k in before if k not in after and k not in _SHELL_VARS)}
+    ignored = _SHELL_VARS + (("LC_CTYPE",) if _coerced_locale(before, after) else ())
+    return {"set": {k: v for k, v in sorted(after.items()) if before.get(k) != v and k not in ignored},
+            "unset": sorted(k for k in before if k not in after and k not in ignored)}
+
+
+def _coerced_locale(before, after):
+    """Whether *after*'s LC_CTYPE is this interpreter's own (PEP 538: Python 3.7+ sets it to a
+    UTF-8 locale at start when the locale is C or POSIX), not the setup's: none was set before,
+    LC_ALL neither, LANG C, POSIX or unset. (A setup that exported the very same value where the
+    locale was C changes nothing for python either: each rank's interpreter does the same.)"""
+    if "LC_CTYPE" in before or before.get("LC_ALL") or before.get("LANG", "C") not in ("C", "POSIX", ""):
+        return False
+    return after.get("LC_CTYPE") in ("C.UTF-8", "C.utf8", "UTF-8")
 
 
 def _find_port(req, session):

@@ -179,6 +179,8 @@ def test_the_probe_runs_in_the_setup_environment_and_reports_what_it_changed(tmp
     assert changes["set"]["VIRTUAL_ENV"] == str(env_dir) and changes["set"]["HF_TOKEN"] == "s3cret"
     assert changes["set"]["PATH"].startswith(f"{env_dir}/bin:") and changes["unset"] == ["GONE"]
     assert not set(changes["set"]) & set(nodeenv.OWN_VARS)
+    # no locale here: python's own LC_CTYPE (PEP 538) is not the setup's (check said "setup sets LC_CTYPE")
+    assert "LC_CTYPE" not in changes["set"], changes
     # and what the node program starts (the supervisor's job) does not inherit the hand-over
     assert "DDPFAB_ENV0" not in res.stdout.decode()
 
@@ -188,6 +190,12 @@ def test_env_changes_are_read_back_as_data():
     got = ops.env_changes(before, {"A": "1", "B": "two", "D": "4", "_": "/bin/x"})
     assert got == {"set": {"B": "two", "D": "4"}, "unset": ["C"]}
     assert ops.env_changes("not hex", {}) is None
+    # LC_CTYPE that the interpreter set itself where the locale was C (PEP 538) is no setup's change;
+    # one a setup exported where another locale was in force is
+    assert ops.env_changes("".encode().hex(), {"LC_CTYPE": "C.UTF-8"}) == {"set": {}, "unset": []}
+    assert ops.env_changes("LANG=C".encode().hex(), {"LANG": "C", "LC_CTYPE": "C.UTF-8"})["set"] == {}
+    assert ops.env_changes("LANG=de_DE.UTF-8".encode().hex(), {"LANG": "de_DE.UTF-8", "LC_CTYPE": "C.UTF-8"}) == {
+        "set": {"LC_CTYPE": "C.UTF-8"}, "unset": []}
     assert nodeenv.env_changes({"env_changes": {"set": {"A": 1}, "unset": []}}) is None
     assert nodeenv.env_changes({"env_changes": {"set": {"A": "1"}, "unset": "B"}}) is None
     assert nodeenv.env_changes({"env_changes": {"set": {"A": "1"}, "unset": ["B"]}}) == {"set": {"A": "1"},
