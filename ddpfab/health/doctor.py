@@ -355,13 +355,38 @@ def user_frame(frames: tuple[Frame, ...]) -> tuple[Frame | None, Frame | None]:
     return next(((fr, None) for fr in frames if not _is_torch(fr.file)), (None, None))
 
 
-def _outside_odds(outside: dict[Site, list[Rank]]) -> list[dict]:
+#: The file a rank of ``run --pdb`` waits in pdb from (:mod:`ddpfab.node.rankpdb`, as the node's
+#: supervisor writes it beside the ranks' sitecustomize).
+PDB_FILE = "ddpfab_rankpdb.py"
+
+
+def in_pdb(frames: tuple[Frame, ...]) -> tuple[bool, Frame | None]:
+    """(whether the rank waits in ``run --pdb``'s debugger, the frame of the user's code it stopped
+    in: None post-mortem, whose hook runs after the user's frames have ended)."""
+    hooked = [i for i, fr in enumerate(frames) if Path(fr.file).name == PDB_FILE]
+    if not hooked:
+        return False, None
+    outer = frames[hooked[-1] + 1:]
+    return True, next((fr for fr in outer if not _is_library(fr.file) and Path(fr.file).name != "bdb.py"), None)
+
+
+def _outside_odds(outside: dict[Site, list[Rank]], run_id: str | None = None) -> list[dict]:
     """The ranks in no collective while others wait in one: the ones those wait for, each named
     with its node, global and local rank and where it is (its innermost frame of the user's code
     and the library call it is in): ``node2 rank 1 (local rank 0, pid 52) is outside any
-    collective, in next_batch (train.py:12) calling get (queue.py:171)``."""
+    collective, in next_batch (train.py:12) calling get (queue.py:171)``; a rank of ``run --pdb``
+    that waits in the debugger, as such (with how to attach to it)."""
     odd = []
     for site, rs in outside.items():
+        waits, stopped = in_pdb(rs[0].frames)
+        if waits:
+            at = f"at {stopped.name} ({stopped.where()})" if stopped else "(post-mortem)"
+            for r in rs:
+                who = f"{r.node} rank {r.rank}" if r.rank is not None else r.node
+                odd.append(_odd(Odd.SITE, r.node, f"{who} (local rank {r.local_rank}, pid {r.pid}) waits in pdb {at}: "
+                                f"`ddpfab debug {run_id or 'RUN_ID'} --rank {r.rank}` attaches to it", ranks=[r.rank],
+                                rank=r.rank, local_rank=r.local_rank, pid=r.pid, place=Place.OUTSIDE.value, pdb=True))
+            continue
         user, call = user_frame(rs[0].frames)
         where = f"{user.name} ({user.where()})" if user else site.text()
         if call is not None:
@@ -392,7 +417,8 @@ def _majority(known: dict[Site, list[Rank]]) -> tuple[Site | None, list[dict]]:
     return main, odd
 
 
-def _places(known: dict[Site, list[Rank]], caused: bool) -> tuple[Site | None, dict[Site, list[Rank]], list[dict]]:
+def _places(known: dict[Site, list[Rank]], caused: bool, run_id: str | None = None
+            ) -> tuple[Site | None, dict[Site, list[Rank]], list[dict]]:
     """(the place the ranks that are no odd ones out wait, the places to list when there is no such
     place, the ranks named as odd ones out for where they are).
 
@@ -410,7 +436,7 @@ def _places(known: dict[Site, list[Rank]], caused: bool) -> tuple[Site | None, d
     if inside and outside:
         inside = _merged(inside)
         main, odd = _majority(inside)
-        return main, inside, _outside_odds(outside) + odd
+        return main, inside, _outside_odds(outside, run_id) + odd
     main, odd = _majority(known)
     return main, known, odd
 
@@ -480,11 +506,12 @@ def _closing_lines(ranks: list[Rank], starting: list[str], busy: list[Rank], odd
 
 
 def analyze(replies: dict[str, dict | str], expected: dict[str, int],
-            recorded: dict[str, int | None] | None = None) -> Verdict:
+            recorded: dict[str, int | None] | None = None, run_id: str | None = None) -> Verdict:
     """The verdict from every node's reply (a dict) or its failure (a str: why it did not answer);
     *expected*: node -> its number of processes (the plan's); *recorded*: as :func:`ends_of`'s. A
     job that has ended on every node is said so, how each ended, and nothing else: it is not a
-    hang, nor a rank gone."""
+    hang, nor a rank gone. A rank waiting in ``run --pdb``'s debugger is no hang either: the
+    others wait for it, and the verdict says how to attach to it (*run_id*)."""
     ends = ends_of(replies, recorded)
     if ends is not None:
         return Verdict([ended_line(ends)], False, ended=True)
@@ -494,13 +521,14 @@ def analyze(replies: dict[str, dict | str], expected: dict[str, int],
     by_site = _by_site(waiting)
     known = {s: rs for s, rs in by_site.items() if s.where or s.collective}
     hard = list(odd)  # a stopped, stuck or gone rank, a silent node: the cause, wherever the others are
-    main, places, site_odd = _places(known, caused=bool(hard))
+    main, places, site_odd = _places(known, caused=bool(hard), run_id=run_id)
     odd += site_odd
     busy = _busy(waiting, replies)
     lines = _where_lines(main, places, odd, busy) + _closing_lines(ranks, starting, busy, odd, hard)
     if not lines:
         lines.append("no rank of the job was found on any node" if not ranks else "no verdict")
-    hung = bool(hard) or (bool(waiting) and not busy)
+    debugged = any(in_pdb(r.frames)[0] for r in waiting)
+    hung = bool(hard) or (bool(waiting) and not busy and not debugged)
     return Verdict(lines, hung, odd, _groups(ranks, by_site))
 
 
@@ -565,7 +593,7 @@ def diagnose(plan: Plan, call: Callable[[Any, dict, float], dict], run_dir: Path
     its exit code, from the run's record here when that says the run ended (:func:`ends_of`)."""
     t0 = time.time()
     replies = collect(plan, call, timeout)
-    verdict = analyze(replies, {n.name: n.nproc for n in plan.nodes}, recorded)
+    verdict = analyze(replies, {n.name: n.nproc for n in plan.nodes}, recorded, plan.run_id)
     path = None
     if run_dir is not None:
         record = {"kind": "ddpfab-doctor", "run_id": plan.run_id, "time": t0, "took_s": round(time.time() - t0, 3),

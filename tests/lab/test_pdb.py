@@ -139,6 +139,11 @@ def test_two_ranks_stop_and_a_second_terminal_takes_the_one_that_waits(lab, job)
     first = int(term.expect(r"attached to rank ([14]) on", 120)[1])
     other = 5 - first
     term.expect(rf"pdb: rank {other} on node\d \(local rank \d, breakpoint at \S+\) waits too")
+    # the doctor (real py-spy stacks) says both wait in pdb, where, and how to attach: no hang
+    doc = ddpfab("doctor", run_id, cwd=cwd, timeout=120)
+    for r in (first, other):
+        assert re.search(rf"node\d rank {r} \(local rank \d, pid \d+\) waits in pdb at <module> \(job\.py:\d+\): "
+                         rf"`ddpfab debug {run_id} --rank {r}` attaches to it", doc.stdout), doc.stdout + doc.stderr
     # Ctrl-C in `debug` detaches: the rank waits on where it was (it quit, and the job failed)
     leaving = Terminal("debug", run_id, "--rank", str(other), cwd=cwd)
     leaving.expect(rf"node\d rank {other} \(Pdb\) ", 60)

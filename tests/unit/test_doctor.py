@@ -366,6 +366,28 @@ def test_of_two_ranks_the_one_outside_any_collective_is_the_one_the_other_waits_
     assert doctor.analyze(one, {"node1": 2}).odd[0]["rank"] == 0
 
 
+def test_a_rank_waiting_in_pdb_is_said_to_be_there_with_how_to_attach_and_is_no_hang():
+    """A --pdb rank at its breakpoint (or post-mortem) waits for a user on its socket: the doctor
+    named it "outside any collective, in Session.wait (ddpfab_rankpdb.py:79) calling accept" and
+    called the job hung. It says where the user's code stopped and how to attach."""
+    guard = "/home/u/.ddpfab/runs/r1/exitguard/ddpfab_rankpdb.py"
+    lib = "/usr/lib/python3.11"
+    hook = [{"name": "accept", "file": f"{lib}/socket.py", "line": 294},
+            {"name": "wait", "file": guard, "line": 79},
+            {"name": "session_for", "file": guard, "line": 180},
+            {"name": "breakpointhook", "file": guard, "line": 188}]
+    at_breakpoint = {"threads": [{"tid": None, "frames": hook + [{"name": "step", "file": "/work/bp.py", "line": 9},
+                                                                 {"name": "<module>", "file": "/work/bp.py", "line": 20}]}]}
+    v = doctor.analyze(cluster_replies(r2={"stack": at_breakpoint}), EXPECTED, run_id="np-4n")
+    assert v.lines[0] == ("node2 rank 2 (local rank 0, pid 1002) waits in pdb at step (bp.py:9): "
+                          "`ddpfab debug np-4n --rank 2` attaches to it"), v.lines
+    assert v.lines[1] == "the other 7 ranks wait for it in all_reduce (train.py:42)" and not v.hung
+    # post-mortem: the hook runs after the user's frames ended
+    post = {"threads": [{"tid": None, "frames": hook[:3] + [{"name": "excepthook", "file": guard, "line": 200}]}]}
+    v = doctor.analyze(cluster_replies(r2={"stack": post}), EXPECTED, run_id="np-4n")
+    assert v.lines[0].startswith("node2 rank 2 (local rank 0, pid 1002) waits in pdb (post-mortem): ") and not v.hung
+
+
 def test_ranks_outside_any_collective_are_named_whatever_the_majority():
     """7 ranks in all_reduce and 1 asleep: the sleeper, as the one they wait for. 1 rank in
     all_reduce and 2 asleep: the 2 sleepers, never the one that waits (it was the odd one out)."""
