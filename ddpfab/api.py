@@ -1098,12 +1098,13 @@ class Cluster:
         if opts.debugpy and opts.detach:
             raise PlanError(f"{option('debugpy')} with {option('detach')}: the ports reach the nodes over this run's "
                             "connections; run it attached")
-        if not opts.dry_run and not opts.detach:
-            refuse_without_input(opts.pdb)
         from ddpfab.launch import tmuxrun  # slow to import: see LAZY above
 
+        # options that never go together first: fixing the input would only meet this refusal next
         tmuxrun.refuse(opts.tmux, detach=opts.detach, pdb=opts.pdb, debugpy=opts.debugpy, wait=opts.wait,
                        gpus_per_node=opts.gpus_per_node, max_job_restarts=opts.recovering)
+        if not opts.dry_run and not opts.detach:
+            refuse_without_input(opts.pdb)
         record = os.path.join(opts.runs_dir, run_options.run_id)
         why = runs_dir_problem(opts.runs_dir, writable=not opts.dry_run)
         if why:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -290,6 +291,12 @@ def test_pdb_and_debugpy_together_and_debugpy_detached_are_refused(tmp_path, mon
     (tmp_path / "t.py").write_text("print(1)\n")
     with pytest.raises(PlanError, match="debugpy with detach"):  # before any node is contacted
         Cluster.load("a,b,").run("t.py", debugpy="1", detach=True)
+    # --tmux with --pdb never goes together: said first, not "--pdb needs an input" (fixing the
+    # input only met this refusal next)
+    assert shutil.which("tmux"), "scripts/setup.sh installs tmux"
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # noqa: SIM115 - closed with the test's process
+    with pytest.raises(PlanError, match="tmux with pdb"):
+        Cluster.load("a,b,").run("t.py", pdb="all", tmux=True)
 
 
 class _Chan:
