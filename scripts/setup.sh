@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 PKGS=(openssh-server openssh-client rsync iptables nftables iproute2 procps util-linux python3 python3-venv git)
 # Only for the test suite (`setup.sh --test`): Vagrantfile checks, the real-Slurm export test, the
-# benchmark harness test (pdsh is one of the tools it compares), and the zsh completion test.
-TEST_PKGS=(ruby vagrant slurmctld slurmd slurm-client munge pdsh zsh)
+# benchmark harness test (pdsh is one of the tools it compares), the zsh completion test, and
+# `run --tmux` (tmux on the controller).
+TEST_PKGS=(ruby vagrant slurmctld slurmd slurm-client munge pdsh zsh tmux)
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=()
