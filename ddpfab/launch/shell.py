@@ -10,8 +10,9 @@ Nothing of it is in a command line: the shell's start file (setup lines, exports
 over a first channel's stdin into a 0600 file in the user's ``~/.ddpfab/shell`` (0700), which the
 shell reads and removes as it starts; the terminal's channel (a pty) runs only ``bash --rcfile
 FILE -i`` (``sh`` with ``ENV=FILE`` where there is no bash). Input that is not a terminal (``printf
-'cmd\n' | ddpfab shell node1``) gets no pty, as ``ssh`` does: the shell reads its commands from
-that input (``. FILE`` first), stdout and stderr stay apart, and it exits at the input's end.
+'cmd\n' | ddpfab shell node1``) is a script: read to its end here, it runs as ``exec``'s commands
+do (:func:`ddpfab.remote.command.guarded`: on stdin, after the setup, in the same environment, no
+pty, stdout and stderr apart, and ended with the connection), and its exit status is the shell's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import shlex
 import signal
 import sys
 import termios
-import threading
 import tty
 from collections.abc import Iterable, Mapping
 
@@ -99,14 +99,39 @@ def shell_command(path: str) -> str:
     return f"if command -v bash >/dev/null 2>&1; then exec bash --rcfile {home} -i; else ENV={home} exec sh -i; fi"
 
 
-#: The command of a shell whose input is not a terminal: it reads its commands from stdin, the
-#: first of them :func:`source_line`.
-SCRIPT_SHELL = "if command -v bash >/dev/null 2>&1; then exec bash -s; else exec sh -s; fi"
+def script_body(workdir: str, env: Mapping[str, str], script: str) -> str:
+    """What a shell whose input is not a terminal runs (after the node's setup, which
+    :func:`ddpfab.remote.command.stdin_for` puts first): the workdir, the exports, the *script*."""
+    lines = [f"cd {_path_word(workdir)} || {{ printf 'ddpfab: the workdir %s is not there\\n' "
+             f"{shlex.quote(workdir)} >&2; exit 1; }}"]
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    return "\n".join(lines) + "\n" + script
 
 
-def source_line(path: str) -> str:
-    """The first line a shell of :data:`SCRIPT_SHELL` reads: the start file at *path*."""
-    return f". {home_word(path)}\n"
+class _Streams:
+    """A printer (:class:`ddpfab.remote.output.Printer`) that writes a node's lines as they are:
+    stdout's to stdout, stderr's to stderr."""
+
+    closed = False
+
+    def line(self, name: str, text: str, stderr: bool = False) -> None:
+        stream = sys.stderr if stderr else sys.stdout
+        stream.write(text + "\n")
+        stream.flush()
+
+    def ended(self, result) -> None:
+        """(The shell's exit status is its own.)"""
+
+
+def run_script(conn, node, workdir: str, env: Mapping[str, str], script: str) -> int:
+    """*script* (the input of a shell that is not a terminal) on *conn*'s node, as the shell would
+    run it; its exit status. ConnectionError when it did not run to an exit status."""
+    from ddpfab.remote.command import run_in  # (the SSH stack: only this path needs it)
+
+    result = run_in(conn.transport.open_session(timeout=30), node, script_body(workdir, env, script), _Streams())
+    if result.exit_code is None:
+        raise ConnectionError(f"{node.name}: {result.error or 'no exit status'}")
+    return result.exit_code
 
 
 class _WindowSize:
@@ -174,7 +199,7 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
                 data = os.read(stdin_fd, 4096)
                 if data:
                     chan.sendall(data)
-                else:  # end of input (not a terminal: a channel without a pty): the shell gets EOF and exits
+                else:  # end of input: the shell gets EOF and exits
                     chan.shutdown_write()
                     reading = False
             if chan.exit_status_ready() and not chan.recv_ready():
@@ -185,13 +210,6 @@ def interact(chan, stdin_fd: int = 0, stdout_fd: int = 1) -> int:
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, saved)
         if size is not None:
             size.close()
-
-
-def _copy_stderr(chan, fd: int) -> None:
-    """The shell's stderr (a channel without a pty keeps it apart) to *fd*, until it ends."""
-    with contextlib.suppress(OSError):
-        while data := chan.recv_stderr(65536):
-            write_all(fd, data)
 
 
 def terminal_size(fd: int = 0) -> tuple[int, int]:
@@ -215,7 +233,10 @@ def term_name() -> str:
 
 
 def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str) -> int:
-    """An interactive shell on *conn*'s node (see the module), this terminal driving it; its exit status."""
+    """An interactive shell on *conn*'s node (see the module), this terminal driving it; its exit
+    status. Input that is not a terminal is a script (:func:`run_script`)."""
+    if not os.isatty(0):  # a pipe, a file, /dev/null: a pty would never pass its end on
+        return run_script(conn, node, workdir, env, sys.stdin.read())
     path = new_start_path()
     first = conn.transport.open_session(timeout=30)
     try:
@@ -229,14 +250,6 @@ def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str) -> 
         raise ConnectionError(f"could not write the shell's start file on {node.name} (exit {code})")
     chan = conn.transport.open_session(timeout=30)
     try:
-        if not os.isatty(0):  # a pipe, a file, /dev/null: its commands, then its end (a pty would hide that end)
-            chan.exec_command(SCRIPT_SHELL)
-            chan.sendall(source_line(path).encode())
-            err = threading.Thread(target=_copy_stderr, args=(chan, 2), daemon=True)
-            err.start()
-            code = interact(chan)
-            err.join(5)
-            return code
         cols, rows = terminal_size()
         chan.get_pty(term=term_name(), width=cols, height=rows)
         chan.exec_command(shell_command(path))

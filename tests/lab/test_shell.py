@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 
@@ -66,6 +67,18 @@ def test_a_shell_that_is_rank_3_of_a_recorded_run(lab, setup_inventory, tmp_path
                    input='echo "R=$RANK F=$SITE_FLAG O=$OMP_NUM_THREADS"\necho oops >&2\nfalse\n')
     assert piped.returncode == 1 and piped.stdout == "R=3 F=from-setup O=1\n", piped.stdout + piped.stderr
     assert "oops\n" in piped.stderr and "R=3" not in piped.stderr
+    # and its commands end with the connection: ddpfab killed, nothing of them is left on the node
+    proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "shell", "--run-id", "shell-run", "--rank", "3"],
+                            cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(b"echo started; sleep 307\n")
+    proc.stdin.close()
+    assert proc.stdout.readline() == b"started\n"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any("sleep 307" in cmd for _, cmd in lab.processes("node2")):
+        assert time.monotonic() < deadline, lab.processes("node2")
+        time.sleep(0.2)
     assert host_sh(lab, "node2", "ls -A ~/.ddpfab/shell").stdout == ""
     wait_no_processes(lab, timeout=10)
 
