@@ -347,7 +347,7 @@ def cmd_attach(args) -> int:
         for line in failed[1]:
             printer.note(line)
     code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None, outside,
-                                       cancelled_waiting(outcomes[n] for n in outside))
+                                       cancelled_waiting(outcomes.values()))
     printer.note(f"run {args.run_id} ended: {summary}")
     if warned:
         printer.note(f"warning: {hints.exit_abort_hint()}")
@@ -502,15 +502,23 @@ def cmd_debug(args) -> int:
     if node.name not in hosts:
         return die(f"host {node.name} (rank {args.rank}'s node) is not in the inventory given")
     conn = _connect_one(args, cluster, hosts[node.name], manifest)
+    attached: list[bool] = []
+
+    def on_attach() -> None:
+        attached.append(True)
+        note(f"pdb: attached to rank {args.rank} on {node.name}; `c` continues, `q` quits (the rank then fails), "
+             "Ctrl-C detaches (the rank waits on)")
+
     try:
-        relay(conn.transport, node, args.rank, on_attach=lambda: note(
-            f"pdb: attached to rank {args.rank} on {node.name}; `c` continues, `q` quits (the rank then fails), "
-            "Ctrl-C detaches (the rank waits on)"))
+        relay(conn.transport, node, args.rank, on_attach=on_attach)
     except ConnectionError as exc:
         return die(str(exc), EXIT_FAILED)
     except KeyboardInterrupt as exc:  # a detach, as attach's: the rank waits in pdb for the next terminal
-        note(f"pdb: detached from rank {args.rank} on {node.name}; it waits in pdb where it was "
-             f"(`ddpfab debug {plan.run_id} --rank {args.rank}` attaches again)")
+        if attached:
+            note(f"pdb: detached from rank {args.rank} on {node.name}; it waits in pdb where it was "
+                 f"(`ddpfab debug {plan.run_id} --rank {args.rank}` attaches again)")
+        else:
+            note(f"pdb: interrupted before attaching to rank {args.rank} on {node.name}; nothing changed there")
         return getattr(exc, "exit_code", 130)
     finally:
         conn.close()

@@ -493,7 +493,7 @@ class _NodeJob:
             out.exit_code = chan.recv_exit_status()
             if out.exit_code == -1:
                 out.exit_code = None
-                if heldconn.holder_gone(self.conn):
+                if heldconn.holder_gone(chan):
                     out.holder_gone = True
                     out.error = out.error or ("its link went through the connection holder, which ended "
                                               "(`ddpfab hold --stop`, or it died)")
@@ -559,8 +559,8 @@ def stopped_from_outside_line(signals: dict[str, int], cancelled: bool = False) 
 
 
 def cancelled_waiting(outcomes: Iterable[NodeOutcome]) -> bool:
-    """Whether every one of *outcomes* is a ``--wait`` cancelled before its job started (its
-    supervisor's record says ``cancelled``)."""
+    """Whether every one of *outcomes* (every node's: the job never started anywhere) is a
+    ``--wait`` cancelled before its job started (its supervisor's record says ``cancelled``)."""
     return all((o.remote or {}).get("cancelled") is True for o in outcomes)
 
 
@@ -752,7 +752,8 @@ class _Monitor:
         """Node *name*'s job ended: a failure of its own stops the others (after settling, for a victim)."""
         self.pending.discard(name)
         out = self.jobs[name].outcome
-        if out.holder_gone and self.interrupted is None:  # every link went with it: no node failed
+        if out.holder_gone and self.interrupted is None and self.first_failure is None and not self.from_outside:
+            # every link went with it: no node failed (a failure or a stop that came first tells its own story)
             self.interrupted = HOLDER_GONE
             self.printer.note("the connection holder ended (`ddpfab hold --stop`, or it died): this run's links to "
                               "the nodes went with it; each node's supervisor stops the job as its link ends")
@@ -872,7 +873,7 @@ class _Monitor:
         if self.from_outside and not verdict.node:  # (result(): no rank failed on its own) as a shell says it
             first = next(iter(self.from_outside.values()))
             signals = {n: self.from_outside[n] for n in outcomes if n in self.from_outside}
-            return 128 + first, stopped_from_outside_line(signals, cancelled_waiting(outcomes[n] for n in signals))
+            return 128 + first, stopped_from_outside_line(signals, cancelled_waiting(outcomes.values()))
         if verdict.node:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]

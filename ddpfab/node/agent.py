@@ -1283,7 +1283,8 @@ class _LeaseWait(object):
                             return
         except OSError:
             pass
-        self.stop = "cancelled while waiting for GPUs (stopped by ddpfab)"
+        if self.stop is None:  # (a signal's cancel came first: its record says so)
+            self.stop = "cancelled while waiting for GPUs (stopped by ddpfab)"
 
     def cancel(self, signum, frame):  # ddpfab stop TERMs a waiter: a record, not a silent death
         self.stop, self.signal = "cancelled while waiting for GPUs (signal %d)" % signum, signum

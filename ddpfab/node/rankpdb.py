@@ -163,7 +163,10 @@ class RankPdb(pdb.Pdb):
         frame = self.curframe
         where = _where(frame) if frame is not None else "?"
         self.session.close()
-        got = self.reattach(where, self.session.kind) if self.reattach is not None else None
+        try:
+            got = self.reattach(where, self.session.kind) if self.reattach is not None else None
+        except KeyboardInterrupt:  # a SIGINT while nobody is attached ends the wait, as the first one's
+            got = None
         if got is None:
             return pdb.Pdb.do_EOF(self, arg)
         self.session, stream = got

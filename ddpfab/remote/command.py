@@ -27,7 +27,7 @@ import time
 
 from ddpfab.hosts import nodeenv
 from ddpfab.remote import ssh, streams
-from ddpfab.remote.output import HostResult, Printer
+from ddpfab.remote.output import HostResult, Printer, tell_ended
 
 
 #: The fallback watcher's TERM to the command's process group ``$p``, once more after 0.2 s when the
@@ -171,7 +171,7 @@ def exec_all(nodes, command: str, policy, ssh_config: str | None, printer: Print
              timeout: float | None = None) -> dict[str, HostResult]:
     def one(node) -> HostResult:
         result = run_on(node, command, policy, ssh_config, printer, timeout)
-        printer.ended(result)
+        tell_ended(printer, result)
         return result
 
     results = ssh.parallel(list(nodes), one)

@@ -49,6 +49,7 @@ class HeldChannel:
         self._timeout: float | None = None
         self._combine = False  # stderr's frames go to stdout (as paramiko's set_combine_stderr)
         self._closed = False  # by close()
+        self.relay_lost = False  # it ended without the command's exit status, not by close()
 
     @property
     def closed(self) -> bool:
@@ -121,9 +122,7 @@ class HeldChannel:
             if self._timeout is not None:
                 real.settimeout(self._timeout)
             self._real = real
-            real.exec_command(command)
-            if preamble:
-                real.sendall(preamble)
+            self.exec_program(command, preamble)  # (now its own connection's: as a cold start goes)
             return
         self._sock = sock
         request = {"op": "channel", "node": node.name, "print": self._conn.print, "command": command}
@@ -162,6 +161,8 @@ class HeldChannel:
                         self._err += payload
                     elif kind == b"x" and self._code is None:
                         self._code = int(payload) if payload.lstrip(b"-").isdigit() else -1
+                        # (-1: the holder's channel closed without one: its connection closing with it)
+                        self.relay_lost = self._code == -1 and not self._closed
                     else:
                         return
                     self._cond.notify_all()
@@ -171,6 +172,7 @@ class HeldChannel:
             with self._cond:
                 if self._code is None:  # the holder or its connection went away mid-command: as ssh says
                     self._code = -1
+                    self.relay_lost = not self._closed
                 self._ended = True  # (after the code: closed implies a status, read without the lock)
                 self._cond.notify_all()
 
@@ -342,12 +344,14 @@ class HeldTransport:
         return getattr(self._conn.cold().transport, name)
 
 
-def holder_gone(conn) -> bool:
-    """Whether *conn* went through a connection holder that has ended since (``hold --stop``, or
-    it died): its channels then ended with it, whatever their commands did on the node."""
-    if not isinstance(conn, HeldConnection):
+def holder_gone(chan) -> bool:
+    """Whether *chan* went through a connection holder whose relay ended without the command's
+    exit status, and the holder has ended since (``hold --stop``, or it died): the channel ended
+    with it, whatever its command did on the node. A channel of a node's own connection (no
+    holder, or one started after the holder's end) is never one."""
+    if not isinstance(chan, HeldChannel) or chan._real is not None or not chan.relay_lost:
         return False
-    sock = holder.connect(conn.holder_name)
+    sock = holder.connect(chan._conn.holder_name)
     if sock is None:
         return True
     sock.close()

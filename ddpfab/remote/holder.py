@@ -50,7 +50,7 @@ import time
 from collections.abc import Iterable
 
 from ddpfab.problems import DdpfabError
-from ddpfab.remote.output import ENDS, HostResult
+from ddpfab.remote.output import ENDS, HostResult, tell_ended
 from ddpfab.remote.reaper import pid_alive
 
 #: Seconds without a command after which the holder ends (``ddpfab hold --idle``).
@@ -198,7 +198,7 @@ def exec_held(name: str, nodes, command: str, printer, timeout: float | None = N
                 seconds = event.get("seconds")
                 results[node] = HostResult(node, exit_code=code, error=error, held=True, end=end,
                                            seconds=float(seconds) if isinstance(seconds, (int, float)) else 0.0)
-                printer.ended(results[node])
+                tell_ended(printer, results[node])
             else:
                 raise HolderError(f"the holder answered an unknown message for {node}")
     except HolderError as exc:

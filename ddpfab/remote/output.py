@@ -73,6 +73,14 @@ class Printer(Protocol):
     def ended(self, result: HostResult) -> None: ...
 
 
+def tell_ended(printer: object, result: HostResult) -> None:
+    """*printer*'s :meth:`Printer.ended` with *result*, when it has one (a library caller's printer
+    from before it existed has only ``line`` and ``closed``)."""
+    ended = getattr(printer, "ended", None)
+    if callable(ended):
+        ended(result)
+
+
 class LinePrinter:
     """``<host> | <line>``, one whole line at a time, one colour per host when on a terminal."""
 

@@ -71,6 +71,9 @@ def test_a_holder_gone_mid_command_ends_the_channel(node):
     assert chan.recv(100) == b"partial "  # what came before is still read
     assert chan.recv(100) == b""  # its end, not a wait for ever
     assert chan.recv_exit_status() == -1 and chan.exit_status_ready()
+    # the holder's end, as data: its relay was lost (not closed here) and no holder answers now
+    assert chan.relay_lost and heldconn.holder_gone(chan)
+    assert not heldconn.holder_gone(object())  # a node's own channel never is
 
 
 def test_a_node_programs_first_stdin_follows_its_request_and_the_rest_after_it(node):
@@ -115,6 +118,20 @@ def test_unread_output_makes_the_holder_wait(node):
     conn.close()
 
 
+def test_a_channel_the_holder_ended_without_a_status_is_the_holder_s_end_once_it_is_gone(node):
+    """The holder closing its own connection to the node first (``hold --stop``) relays its
+    channel's end as ``x -1``: no exit status; with the holder gone, that is the holder's end."""
+    def play(client, send, result):
+        send(b"s", b"")
+        send(b"x", b"-1")
+
+    fake = FakeHolder(play)
+    chan = held(fake, node).transport.open_session()
+    chan.exec_command("sleep 60")
+    fake.thread.join(timeout=10)
+    assert chan.recv_exit_status() == -1 and chan.relay_lost and heldconn.holder_gone(chan)
+
+
 def test_closing_the_connection_ends_its_channels(node):
     def play(client, send, result):
         send(b"s", b"")
@@ -132,6 +149,7 @@ def test_closing_the_connection_ends_its_channels(node):
     fake.thread.join(timeout=10)
     assert fake.result == {"eof": True} and chan.closed
     assert chan.recv(10) == b"" and time.monotonic() - began < 5
+    assert not chan.relay_lost and not heldconn.holder_gone(chan)  # closed here: no holder's end
 
 
 def test_a_refusal_is_the_nodes_error_with_its_kind(node):

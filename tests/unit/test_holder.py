@@ -86,6 +86,24 @@ def test_lines_and_results_are_read_as_data():
     assert code == 255 and "b=unreachable" in text and "over the connections `ddpfab hold` keeps open" in text
 
 
+def test_a_printer_without_ended_still_gets_the_lines_and_results():
+    """A library caller's printer from before ``ended`` existed (``line`` and ``closed`` only)."""
+    name, t = fake_holder(b'{"held": true}\n{"node": "a", "line": "hi", "stderr": false}\n'
+                          b'{"node": "a", "exit_code": 0, "error": null, "seconds": 0.1}\n'
+                          b'{"node": "b", "exit_code": 0, "error": null, "seconds": 0.1}\n{"done": true}\n')
+
+    class Old:
+        closed = False
+        lines: list = []
+
+        def line(self, name, text, stderr=False):
+            self.lines.append(text)
+
+    got = holder.exec_held(name, NODES, "true", Old())
+    t.join(5)
+    assert Old.lines == ["hi"] and {r.exit_code for r in got.values()} == {0}
+
+
 @pytest.mark.parametrize("answer, found", [
     (b"not json\n", "not JSON"),
     (b'["a list"]\n', "not an object"),
