@@ -190,6 +190,12 @@ def test_ps_lists_a_tmux_launch_while_a_process_of_its_session_carries_the_run(t
     run.mkdir(parents=True)
     launch = subprocess.Popen(["sleep", "60"], start_new_session=True, env={**os.environ, "DDPFAB_RUN_ID": run.name})
     try:
+        # Popen (vfork) may return before the kernel has set up the new program's environment:
+        # /proc/PID/environ reads empty for that moment (the unit suite saw "exited" 2 times in 8)
+        deadline = time.monotonic() + 10
+        while b"DDPFAB_RUN_ID=" not in Path(f"/proc/{launch.pid}/environ").read_bytes():
+            assert time.monotonic() < deadline, "the launch's environment never showed"
+            time.sleep(0.01)
         (run / program.TMUX_PID).write_text(f"{launch.pid}\n")
         (found,) = program.op_ps({"root": str(runs)}, {})["runs"]
         assert (found["run_id"], found["state"], found["exit_code"], found["tmux"]) == (run.name, "running", None, True)
