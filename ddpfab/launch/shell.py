@@ -67,10 +67,17 @@ def start_file(node, workdir: str, env: Mapping[str, str], prompt: str, path: st
     the prompt. *node*: a Node or a NodePlan."""
     lines = [f"rm -f {home_word(path)}", '[ -f "$HOME/.bashrc" ] && [ -n "$BASH_VERSION" ] && . "$HOME/.bashrc"']
     lines.append(nodeenv.prefix(node, export_python=True).rstrip("\n"))
-    lines.append(f"cd {_path_word(workdir)} || printf 'ddpfab: the workdir %s is not there\\n' {shlex.quote(workdir)} >&2")
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
+    lines += _enter(workdir, env, or_else="")  # a terminal stays open where the workdir is missing
     lines.append(f"PS1={shlex.quote(prompt)}")
     return "\n".join(line for line in lines if line) + "\n"
+
+
+def _enter(workdir: str, env: Mapping[str, str], or_else: str) -> list[str]:
+    """The lines that put a shell in *workdir* with *env* exported; a missing workdir is said,
+    then *or_else* runs (nothing, or ``exit 1``)."""
+    missing = f"printf 'ddpfab: the workdir %s is not there\\n' {shlex.quote(workdir)} >&2"
+    lines = [f"cd {_path_word(workdir)} || " + (f"{{ {missing}; {or_else}; }}" if or_else else missing)]
+    return lines + [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
 
 
 def _path_word(path: str) -> str:
@@ -102,10 +109,7 @@ def shell_command(path: str) -> str:
 def script_body(workdir: str, env: Mapping[str, str], script: str) -> str:
     """What a shell whose input is not a terminal runs (after the node's setup, which
     :func:`ddpfab.remote.command.stdin_for` puts first): the workdir, the exports, the *script*."""
-    lines = [f"cd {_path_word(workdir)} || {{ printf 'ddpfab: the workdir %s is not there\\n' "
-             f"{shlex.quote(workdir)} >&2; exit 1; }}"]
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
-    return "\n".join(lines) + "\n" + script
+    return "\n".join(_enter(workdir, env, or_else="exit 1")) + "\n" + script
 
 
 class _Streams:
