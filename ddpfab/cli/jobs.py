@@ -568,11 +568,15 @@ def cmd_shell(args) -> int:
     else:
         env, where, workdir = given, hosts[name], hosts[name].workdir or os.getcwd()
         prompt = f"[ddpfab {name}] \\w $ "
+    try:  # before connecting: an input refused costs no connection
+        script = shell.piped_script()
+    except ValueError as exc:
+        return die(str(exc))
     # its own connection: the terminal needs one (a held channel cannot carry it), and the start file
     # written first must be on the connection the shell then runs on
     conn = _connect_one(args, cluster, hosts[name], manifest, warm=False)
     try:
-        return shell.run_shell(conn, where, workdir, env, prompt)
+        return shell.run_shell(conn, where, workdir, env, prompt, script)
     except ConnectionError as exc:
         return die(str(exc), EXIT_FAILED)
     finally:

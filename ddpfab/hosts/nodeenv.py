@@ -162,7 +162,8 @@ def setup_stdin(node: Any, *, record_env: bool = False, export_python: bool = Fa
     if not script:
         return "", b""
     lines = script.rstrip("\n").split("\n")
-    return BOOTSTRAP, (f"{len(lines)}\n" + "".join(f"{line}\n" for line in lines)).encode()
+    # surrogateescape: a command's undecodable bytes (an argv, a piped script) travel as they came
+    return BOOTSTRAP, (f"{len(lines)}\n" + "".join(f"{line}\n" for line in lines)).encode("utf-8", "surrogateescape")
 
 
 def undecided(node: Any) -> bool:

@@ -27,6 +27,7 @@ import sys
 import termios
 import tty
 from collections.abc import Iterable, Mapping
+from typing import BinaryIO
 
 from ddpfab.hosts import nodeenv
 from ddpfab.masking import was_masked
@@ -35,6 +36,9 @@ from ddpfab.remote.streams import write_all
 
 #: The node's dir of start files (0700), under the user's home.
 SHELL_DIR = "~/.ddpfab/shell"
+#: The most a piped shell input (a script) may hold: it travels on the command's stdin, which
+#: the node's shell reads a byte at a time (:data:`ddpfab.hosts.nodeenv.BOOTSTRAP`).
+MAX_SCRIPT_BYTES = 1 << 20
 
 
 def rank_env(plan: Plan, rank: int, given: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
@@ -236,11 +240,27 @@ def term_name() -> str:
     return os.environ.get("TERM") or "xterm"
 
 
-def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str) -> int:
+def piped_script(stream: BinaryIO | None = None) -> str | None:
+    """The script on this process's stdin when that is not a terminal (a pipe, a file,
+    /dev/null: a pty would never pass its end on), else None. Its bytes are kept as they are
+    (undecodable ones travel unchanged: ``surrogateescape``). ValueError when it is over
+    :data:`MAX_SCRIPT_BYTES`."""
+    if stream is None:
+        if os.isatty(0):
+            return None
+        stream = sys.stdin.buffer
+    data = stream.read(MAX_SCRIPT_BYTES + 1)
+    if len(data) > MAX_SCRIPT_BYTES:
+        raise ValueError(f"the shell's input is over {MAX_SCRIPT_BYTES >> 20} MiB: a script that long goes "
+                         "to the node as a file (in the synced workdir) and runs from there")
+    return data.decode("utf-8", "surrogateescape")
+
+
+def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str, script: str | None = None) -> int:
     """An interactive shell on *conn*'s node (see the module), this terminal driving it; its exit
-    status. Input that is not a terminal is a script (:func:`run_script`)."""
-    if not os.isatty(0):  # a pipe, a file, /dev/null: a pty would never pass its end on
-        return run_script(conn, node, workdir, env, sys.stdin.read())
+    status. With *script* (:func:`piped_script`), that runs instead (:func:`run_script`)."""
+    if script is not None:
+        return run_script(conn, node, workdir, env, script)
     path = new_start_path()
     first = conn.transport.open_session(timeout=30)
     try:

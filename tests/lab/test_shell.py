@@ -3,7 +3,8 @@
 - `shell --run-id RUN --rank 3` after a 2 nodes x 2 run: on rank 3's node, in the workdir, after
   the inventory's setup line, with the rank's environment (`echo $RANK $MASTER_ADDR ...` prints
   the values the run gave rank 3) and the node's python first on PATH; a secret the record masks
-  is named, not set, and given again with `--env`; the start file is gone once the shell runs.
+  is named, not set, and given again with `--env`; the start file is gone once the shell runs;
+  input that is not a terminal is a script: its bytes run as they are, one over 1 MiB is refused.
 - `shell NODE`: the node as ddpfab starts things there, no rank's variables; a resized window
   resizes the node's terminal.
 """
@@ -67,6 +68,14 @@ def test_a_shell_that_is_rank_3_of_a_recorded_run(lab, setup_inventory, tmp_path
                    input='echo "R=$RANK F=$SITE_FLAG O=$OMP_NUM_THREADS"\necho oops >&2\nfalse\n')
     assert piped.returncode == 1 and piped.stdout == "R=3 F=from-setup O=1\n", piped.stdout + piped.stderr
     assert "oops\n" in piped.stderr and "R=3" not in piped.stderr
+    # a script's bytes arrive as they were (a Latin-1 byte in it was an encoding error before), and
+    # one over the bound is refused before any connection
+    raw = subprocess.run([sys.executable, "-m", "ddpfab", "shell", "--run-id", "shell-run", "--rank", "3"],
+                         cwd=tmp_path, input=b"printf %s '\xe9' | od -An -tx1\n", capture_output=True, timeout=60)
+    assert raw.returncode == 0 and raw.stdout.split() == [b"e9"], raw.stdout + raw.stderr
+    big = subprocess.run([sys.executable, "-m", "ddpfab", "shell", "--run-id", "shell-run", "--rank", "3"],
+                         cwd=tmp_path, input=b"#" * (2 << 20), capture_output=True, timeout=60)
+    assert big.returncode == 2 and b"over 1 MiB" in big.stderr and b"Traceback" not in big.stderr, big.stderr
     # and its commands end with the connection: ddpfab killed, nothing of them is left on the node
     proc = subprocess.Popen([sys.executable, "-m", "ddpfab", "shell", "--run-id", "shell-run", "--rank", "3"],
                             cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

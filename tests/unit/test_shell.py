@@ -5,6 +5,7 @@ sh, with a stand-in HOME)."""
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import pty
 import struct
@@ -16,6 +17,7 @@ import pytest
 
 from ddpfab.hosts import inventory
 from ddpfab.launch import shell
+from ddpfab.remote import command
 from ddpfab.masking import MASK
 from ddpfab.planning.plan import Facts, RunOptions, make_plan
 
@@ -125,3 +127,21 @@ def test_a_window_size_change_inside_the_channels_lock_waits_for_the_loop():
         size.close()
         os.close(master)
         os.close(slave)
+
+
+def test_a_piped_script_keeps_its_bytes_and_runs_them_unchanged(tmp_path):
+    """A script's undecodable bytes (a Latin-1 file) reach the node's shell as they were: the
+    script is decoded with surrogateescape, and the command's stdin is encoded back the same way."""
+    raw = b"printf %s '\xff\xfe' > out.bin\n"
+    script = shell.piped_script(io.BytesIO(raw))
+    node = inventory.Node("a", "10.0.0.1", python="/usr/bin/python3", python_from="inventory")
+    bootstrap, head = command.stdin_for(node, shell.script_body(str(tmp_path), {"K": "v"}, script))
+    out = subprocess.run(["sh", "-c", bootstrap + f'eval "${command.COMMAND_VAR}"'], input=head, capture_output=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out.bin").read_bytes() == b"\xff\xfe"
+
+
+def test_a_piped_script_over_the_bound_is_refused_before_anything_runs():
+    assert shell.piped_script(io.BytesIO(b"#" * shell.MAX_SCRIPT_BYTES)) is not None
+    with pytest.raises(ValueError, match="over 1 MiB"):
+        shell.piped_script(io.BytesIO(b"#" * (shell.MAX_SCRIPT_BYTES + 1)))
