@@ -463,6 +463,10 @@ def _logs_of(args, manifest: dict | None, run_id: str) -> int:
     cluster = _library(args, _cluster(args, manifest), manifest)
     logs = cluster.logs(run_id, runs_dir=args.runs_dir, ranks=bool(getattr(args, "ranks", False)),
                         record=manifest)
+    if manifest is None and not logs.files and logs.problems and all(p.check == "logs.no-run" for p in logs.problems):
+        # as stop says it: a run id no record here and no node knows is no run (a typo), not N failures
+        return die(f"no run {run_id}: no local record in {args.runs_dir}, and no node of the inventory has its run "
+                   f"dir (~/.ddpfab/runs/{run_id}); check the run id (`ddpfab ps` lists the nodes' runs)")
     die([f"host {line}" for line in grouped({p.node or "?": p.found or p.text for p in logs.problems})])
     fetched = {n: (path, logs.lines[n], f"{logs.rank_files[n]} per-rank log files in {logs.directory / 'ranks' / n}"
                    if n in logs.rank_files else "") for n, path in logs.files.items()}

@@ -305,9 +305,9 @@ def attach_end(codes: dict[str, int], races: dict[str, dict], hung: list[str] | 
     return 0, "all nodes exited 0", False
 
 
-#: The exit code the line that reads a node's output gives when the file is not there (the shell
-#: line's own answer, not a message read back).
-_NO_OUTPUT = 3
+#: The exit codes the line that reads a node's output gives when the file is not there, and when
+#: its run dir is not there either (the shell line's own answers, not a message read back).
+_NO_OUTPUT, _NO_RUN = 3, 4
 
 
 def fetch_node_log(conn, node, manifest: dict | None, run_id: str, dest: Path, ranks: bool = False) -> tuple[Path, int, int]:
@@ -317,7 +317,8 @@ def fetch_node_log(conn, node, manifest: dict | None, run_id: str, dest: Path, r
     a ``run --tmux`` run, whose output went to its windows, the per-rank logs are the copy.
 
     Raises:
-        NodeError: no output of the run on the node (kind ``logs.missing``), or it cannot be read.
+        NodeError: the run never had a run dir on the node (kind ``logs.no-run``), its run dir
+            has no output (``logs.missing``), or the output cannot be read (``logs.unreadable``).
     """
     remote = node_run_dir(node.name, manifest, run_id)
     if manifest is not None and isinstance(manifest.get("tmux"), str):
@@ -328,7 +329,11 @@ def fetch_node_log(conn, node, manifest: dict | None, run_id: str, dest: Path, r
         lines = sum(line_count(p.read_text(errors="replace")) for p in ranks_dir.rglob("*") if p.is_file())
         return ranks_dir, lines, count
     log = shlex.quote(f"{remote}/output.log")
-    res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; else exit {_NO_OUTPUT}; fi", timeout=60)
+    res = ssh.run(conn, node.name, f"if [ -e {log} ]; then cat {log}; elif [ -d {shlex.quote(remote)} ]; "
+                                   f"then exit {_NO_OUTPUT}; else exit {_NO_RUN}; fi", timeout=60)
+    if res.exit_code == _NO_RUN:
+        found = f"no run {run_id} there (no run dir {remote})"
+        raise NodeError(node.name, f"host {node.name}: {found}", "logs.no-run", found=found)
     if res.exit_code == _NO_OUTPUT:
         found = (f"no output of run {run_id} there ({remote}/output.log is missing): it did not run on this "
                  "node, or its run dir was removed")

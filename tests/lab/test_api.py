@@ -130,7 +130,7 @@ def test_ps_stop_and_logs_are_calls_of_the_api(lab, inventory2, tmp_path, monkey
     assert "rank 1 on node2 ready" in logs.files["node2"].read_text()
     none = cluster.logs("api-none-1", runs_dir=runs)
     assert not none.ok and none.files == {} and not (tmp_path / "runs" / "api-none-1").exists()
-    assert sorted((p.node, p.check) for p in none.problems) == [("node1", "logs.missing"), ("node2", "logs.missing")]
+    assert sorted((p.node, p.check) for p in none.problems) == [("node1", "logs.no-run"), ("node2", "logs.no-run")]
     # a node that cannot be reached: a problem about it, the other node's jobs still listed
     inv = tmp_path / "broken.yml"
     inv.write_text(inventory2.read_text().replace(lab.host("node2").address, "10.255.255.1"))

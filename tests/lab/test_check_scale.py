@@ -89,9 +89,9 @@ def test_one_firewalled_node_is_named_alone_in_a_short_grouped_message(lab32):
 
 
 def test_stop_and_logs_answer_32_nodes_in_a_line_per_distinct_answer(lab32, tmp_path):
-    """`stop` of a run every node has a record of (its supervisor gone), and `logs` of a run that is
-    on no node: 32 identical answers are one line naming node[1-32], not 32 lines (up to 16 nodes
-    each keeps its own line). A stop of a run no node knows is one error line."""
+    """`stop` of a run every node has a record of (its supervisor gone), and `logs` of it (a run
+    dir, no output): 32 identical answers are one line naming node[1-32], not 32 lines (up to 16
+    nodes each keeps its own line). A stop, or logs, of a run no node knows is one error line."""
     inv = str(lab32.dir / "inventory32.yml")
     run_id = "20260101-000000-abcdef"
     stop = ddpfab("stop", run_id, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
@@ -103,9 +103,13 @@ def test_stop_and_logs_answer_32_nodes_in_a_line_per_distinct_answer(lab32, tmp_
                   f"echo '{record}' > ~/.ddpfab/runs/{known}/agent.json", timeout=300).returncode == 0
     stop = ddpfab("stop", known, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
     assert stop.returncode == 0 and stop.stdout == "node[1-32] (32 nodes): not running\n", stop.stdout + stop.stderr
+    # logs of the unknown run: no run, said once; of the known one (a run dir, no output): one folded line
     logs = ddpfab("logs", run_id, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
+    assert logs.returncode == 2 and not logs.stdout and len(logs.stderr.splitlines()) == 1, logs.stdout + logs.stderr
+    assert logs.stderr.startswith(f"ddpfab: error: no run {run_id}: "), logs.stderr
+    logs = ddpfab("logs", known, "-i", inv, "--runs-dir", str(tmp_path / "runs"), timeout=300)
     assert logs.returncode == 1 and not logs.stdout, logs.stdout + logs.stderr
     errors = logs.stderr.splitlines()
     assert len(errors) == 1 and errors[0].startswith("ddpfab: error: host node[1-32] (32 nodes): "), logs.stderr
-    assert run_id in errors[0]  # the answer itself is kept: which run's output is missing
+    assert f"no output of run {known} there" in errors[0]  # the answer itself is kept: which run's output is missing
     assert_no_leftovers(lab32)

@@ -282,6 +282,10 @@ def test_stop_ends_a_detached_job_on_every_node(lab, inventory2, tmp_path):
     stop = ddpfab("stop", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
     assert stop.returncode == 2 and "no run 20200101-000000-abcdef" in stop.stderr, stop.stdout + stop.stderr
     assert "nothing was stopped" in stop.stderr and "Traceback" not in stop.stderr
+    # nor logs of it: one line, 2 (it said "no output of run ... there" per node, and exit 1)
+    logs = ddpfab("logs", "-i", str(inventory2), "--runs-dir", elsewhere, "20200101-000000-abcdef")
+    assert logs.returncode == 2 and logs.stderr.count("no run 20200101-000000-abcdef") == 1, logs.stdout + logs.stderr
+    assert "no output of run" not in logs.stderr and "Traceback" not in logs.stderr
     stop = ddpfab("stop", "-i", str(inventory2), "--runs-dir", elsewhere, run_id)
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
 
