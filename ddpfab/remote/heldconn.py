@@ -231,6 +231,8 @@ class HeldChannel:
             raise OSError("the channel is closed")
         try:
             _send_within(self._sock, data, self._timeout)
+        except TimeoutError:  # the command runs on and reads nothing: no status is on its way
+            raise
         except OSError:
             # the command ended without reading (the holder's end of the relay is gone): its exit
             # status is on its way here, and callers ask for it next, as after paramiko's error
