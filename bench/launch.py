@@ -47,10 +47,19 @@ SIZES = (2, 4, 8)
 QUICK_SIZES = (2, 4)
 SCRIPT = "bench_hello.py"
 HELLO = """import os
+import time
 import torch  # noqa: F401
-print("READY", os.environ["RANK"], flush=True)
+# when torchrun (this rank's parent) started on this node, by this node's clock: /proc's start
+# time in ticks since boot, against /proc/uptime read now (10 ms resolution)
+_ticks = int(open("/proc/%d/stat" % os.getppid()).read().rsplit(")", 1)[1].split()[19])
+_up = float(open("/proc/uptime").read().split()[0])
+print("READY %s %.3f %.3f" % (os.environ["RANK"], time.time(), time.time() - _up + _ticks / os.sysconf("SC_CLK_TCK")),
+      flush=True)
 """
 READY = re.compile(r"READY (\d+)")
+#: HELLO's line: rank, when it printed, when its torchrun started (wall clock: the lab hosts share
+#: this machine's clock)
+READY_TIMES = re.compile(r"READY (\d+) (\d+\.\d+) (\d+\.\d+)")
 RUN_TIMEOUT = 300
 
 #: Runs one `ddpfab run` in-process through the library API (ddpfab.Cluster.load(INV).run(SCRIPT), what
@@ -106,7 +115,7 @@ class Run:
     """A launcher process whose output lines are timestamped as they arrive."""
 
     def __init__(self, argv: list[str], env: dict, cwd: Path):
-        self.t0 = time.monotonic()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      cwd=cwd, stdin=subprocess.DEVNULL, bufsize=1, errors="replace")
         self.lines: list[tuple[float, str]] = []
@@ -141,6 +150,16 @@ class Run:
         if set(seen) != set(range(world)):
             raise RuntimeError(f"ranks seen {sorted(seen)}, expected 0..{world - 1}:\n{self.text()}")
         return max(seen.values()) - self.t0
+
+    def timeline(self, world: int) -> dict[str, float]:
+        """Seconds from spawn, each the last of the ranks: their torchrun started, the rank printed
+        its READY line, the line reached here (:meth:`ready`); from HELLO's times."""
+        got = {int(m.group(1)): (float(m.group(2)), float(m.group(3)))
+               for _, line in self.lines if (m := READY_TIMES.search(line))}
+        if set(got) != set(range(world)):
+            raise RuntimeError(f"ranks with times {sorted(got)}, expected 0..{world - 1}:\n{self.text()}")
+        return {"torchrun started": max(t for _, t in got.values()) - self.t0_wall,
+                "rank printed": max(p for p, _ in got.values()) - self.t0_wall, "line here": self.ready(world)}
 
     def first(self, prefix: str, stream: str = "lines") -> float | None:
         for t, line in getattr(self, stream):
@@ -185,7 +204,7 @@ class Bench:
             rc = run.wait()
             if rc != 0:
                 raise RuntimeError(f"ddpfab run exited {rc}:\n{run.text()}")
-            return {"ready": run.ready(n), "started": run.first("ddpfab: run ")}
+            return {"ready": run.ready(n), "started": run.first("ddpfab: run "), "timeline": run.timeline(n)}
         finally:
             common.stop_process(run.proc)
             self.settle()
@@ -217,7 +236,7 @@ class Bench:
             exited = time.monotonic() - run.t0
             if rc != 0:
                 raise RuntimeError(f"pdsh exited {rc}:\n{run.text()}")
-            return {"ready": run.ready(n), "exit": exited}
+            return {"ready": run.ready(n), "exit": exited, "timeline": run.timeline(n)}
         finally:
             common.stop_process(run.proc)
             self.settle()

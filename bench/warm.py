@@ -14,7 +14,9 @@ Measured from process spawn:
 Cold and warm use two copies of one inventory (the holder serves the one it was started for), in
 alternating order within each repetition; each timed command starts once the CPUs are quiet
 (common.quiet: what the one before left running, its nodes' teardown or the holder's spares, has
-ended). The job prints one line right after `import torch`.
+ended). The job prints one line right after `import torch`, with when it printed and when its
+torchrun started: each run's timeline (the last node's torchrun started, the last rank printed,
+its line reached here) says where a difference arises, before the nodes start or after.
 Writes bench/results/warm.json: medians, ranges and the paired differences and ratios.
 """
 
@@ -61,11 +63,12 @@ class Warm:
         if on and (code != 0 or f"holding {n}/{n}" not in out):
             raise RuntimeError(f"hold on {n} hosts: {out}")
 
-    def run(self, n: int, warm: bool) -> float:
+    def run(self, n: int, warm: bool) -> dict[str, float]:
+        """One run's :meth:`launch.Run.timeline`: its torchruns' start, its ranks' line, the line here."""
         inv = self.b.inv[n] if warm else self.cold[n]
         saved, self.b.inv[n] = self.b.inv[n], inv
         try:
-            return self.b.ddpfab(n)["ready"]
+            return self.b.ddpfab(n)["timeline"]
         finally:
             self.b.inv[n] = saved
 
@@ -89,13 +92,22 @@ def main() -> int:
     (work / "work").mkdir(parents=True, exist_ok=True)
     (work / "work" / launchbench.SCRIPT).write_text(launchbench.HELLO)  # before the lab: hosts see it
     samples: dict[str, list[float]] = {}
+    timeline: dict[str, list[float]] = {}  # the runs' steps before their line here
     failures: list[dict] = []
 
     def take(label: str, fn) -> None:
+        """One sample of *fn*: a time, or a run's timeline (its "line here" is the label's time,
+        the steps before it go to series of their own: ``LABEL: torchrun started``...)."""
         time.sleep(spares.IDLE_S + 0.5)  # past the holder's wait before it starts its spares
         common.quiet()
         try:
-            samples.setdefault(label, []).append(fn())
+            got = fn()
+            if isinstance(got, dict):
+                for step, t in got.items():
+                    if step != "line here":
+                        timeline.setdefault(f"{label}: {step}", []).append(t)
+                got = got["line here"]
+            samples.setdefault(label, []).append(got)
         except RuntimeError as exc:  # a lost sample is recorded, not the end of the benchmark
             log(f"{label} failed: {str(exc)[:300]}")
             failures.append({"what": label, "error": str(exc)[-2000:]})
@@ -115,7 +127,7 @@ def main() -> int:
                 order = (False, True) if rep % 2 == 0 else (True, False)
                 for warm in order:
                     take(f"ddpfab run ({'warm' if warm else 'cold'}), {run_n} hosts", lambda warm=warm: w.run(run_n, warm))
-                take(f"pdsh + torchrun, {run_n} hosts", lambda: w.b.pdsh(run_n)["ready"])
+                take(f"pdsh + torchrun, {run_n} hosts", lambda: w.b.pdsh(run_n)["timeline"])
                 for n in check_sizes:
                     for warm in order:
                         take(f"check --fast ({'warm' if warm else 'cold'}), {n} hosts", lambda n=n, warm=warm: w.check(n, warm))
@@ -141,15 +153,19 @@ def main() -> int:
         f"run warm - pdsh+torchrun, {run_n} hosts (s)": paired(run_w, pdsh),
         f"run cold - pdsh+torchrun, {run_n} hosts (s)": paired(run_c, pdsh),
         f"run warm / run cold, {run_n} hosts": ratio(run_w, run_c),
+        **{f"{step}: warm - pdsh+torchrun, {run_n} hosts (s)": launchbench.paired(timeline.get(f"{run_w}: {step}", []),
+                                                                                 timeline.get(f"{pdsh}: {step}", []))
+           for step in ("torchrun started", "rank printed")},
         **{f"check --fast warm / cold, {n} hosts": ratio(f"check --fast (warm), {n} hosts",
                                                           f"check --fast (cold), {n} hosts") for n in check_sizes},
     }
     for k, v in comparisons.items():
         log(f"{k}: {v}")
     series = [{"what": k, "hosts": int(k.rsplit(" ", 2)[1]), **common.summarize(v)} for k, v in samples.items()]
+    steps = [{"what": k, **common.summarize(v)} for k, v in timeline.items()]
     common.write_result(args.out, "warm", args,
                         {"run_hosts": run_n, "check_hosts": check_sizes, "script": launchbench.SCRIPT},
-                        {"series": series, "comparisons": comparisons, "failures": failures}, meta, started)
+                        {"series": series, "timeline": steps, "comparisons": comparisons, "failures": failures}, meta, started)
     return 1 if failures else 0
 
 
