@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.hostlist import compact
+from ddpfab.hostlist import FOLD_ABOVE, compact
 from ddpfab.planning.plan import Plan
 from ddpfab.remote import ssh
 
@@ -532,6 +532,19 @@ def analyze(replies: dict[str, dict | str], expected: dict[str, int],
     return Verdict(lines, hung, odd, _groups(ranks, by_site))
 
 
+def _rank_ranges(ranks: list[dict]) -> str:
+    """``0-4, 6-23`` of the ranks' global ranks (a process without one: ``pid N``)."""
+    numbers = sorted({r["rank"] for r in ranks if r["rank"] is not None})
+    parts: list[tuple[int, int]] = []
+    for n in numbers:
+        if parts and parts[-1][1] == n - 1:
+            parts[-1] = (parts[-1][0], n)
+        else:
+            parts.append((n, n))
+    return ", ".join([str(a) if a == b else f"{a}-{b}" for a, b in parts]
+                     + [f"pid {r['pid']}" for r in ranks if r["rank"] is None])
+
+
 def render(verdict: Verdict, frames_shown: int = 8) -> list[str]:
     """The verdict on top, then each group of ranks with its stack (innermost frames first)."""
     out = list(verdict.lines)
@@ -539,7 +552,8 @@ def render(verdict: Verdict, frames_shown: int = 8) -> list[str]:
         nodes: dict[str, list[str]] = {}
         for r in g["ranks"]:
             nodes.setdefault(r["node"], []).append(str(r["rank"]) if r["rank"] is not None else f"pid {r['pid']}")
-        who = "; ".join(f"{n} rank{'s' if len(v) > 1 else ''} {', '.join(v)}" for n, v in nodes.items())
+        who = "; ".join(f"{n} rank{'s' if len(v) > 1 else ''} {', '.join(v)}" for n, v in nodes.items()) \
+            if len(nodes) <= FOLD_ABOVE else f"{compact(list(nodes))}: ranks {_rank_ranges(g['ranks'])}"
         out.append(f"-- {len(g['ranks'])} rank{'s' if len(g['ranks']) > 1 else ''} in {g['site']}: {who}")
         for f in g["frames"][:frames_shown]:
             out.append(f"     {f['name']} ({f['file']}:{f['line']})")

@@ -552,7 +552,7 @@ def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
     A rank whose cause is its own outranks any victim, whatever the times; among those, the first
     by its node's ``failed_at`` (then node rank). A node that says nothing of its cause still
     outranks a known victim. With only secondary causes, the node the victims name by address is
-    pointed at (if it is among the nodes), else the first in time is named."""
+    pointed at (:func:`pointed_node`), and the first in time is named."""
     failures = [f for f in nodes if f.failed]
     if not failures:
         return Blame(None)
@@ -564,6 +564,26 @@ def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
                and not (f is first and first.cause is not None and first.cause.local_rank == local))
     if best < 2:  # a rank's own cause, or a node that says nothing of its cause: not a known victim
         return Blame(first.name, first.cause, best == 0, lost)
-    named = {a for f in nodes for a in f.peers}
-    pointed = next((node for node, addr in addresses.items() if any(_same_address(addr, a) for a in named)), None)
-    return Blame(first.name, first.cause, False, lost, pointed)
+    return Blame(first.name, first.cause, False, lost, pointed_node(nodes, addresses))
+
+
+def pointed_node(nodes: list[NodeFailure], addresses: dict[str, str]) -> str | None:
+    """The node the victims' errors name (*addresses*: node -> data-plane address), None when they
+    name none of them. In a ring all_reduce each victim names its neighbour, and the victims of
+    victims name victims: nearly every node is named. So a node that is no victim itself (its
+    ranks lost no peer: one left early, hangs or crashes in a ``finally``) comes first, then one
+    the first victim in time names, then the most named, then the first in inventory order."""
+    named: dict[str, int] = {}
+    for f in nodes:
+        for node, addr in addresses.items():
+            if any(_same_address(addr, a) for a in f.peers):
+                named[node] = named.get(node, 0) + 1
+    if not named:
+        return None
+    victims = {f.name for f in nodes if CauseKind.PEER_LOST in f.kinds.values()}
+    timed = [f for f in nodes if f.peers and f.failed_at is not None]
+    earliest = min(timed, key=lambda f: (f.failed_at, f.node_rank)) if timed else None
+    first_named = {n for n, addr in addresses.items()
+                   if earliest is not None and any(_same_address(addr, a) for a in earliest.peers)}
+    order = {n: i for i, n in enumerate(addresses)}
+    return min(named, key=lambda n: (n in victims, n not in first_named, -named[n], order[n]))

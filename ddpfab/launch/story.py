@@ -62,13 +62,15 @@ def live_line(name: str, out: Outcome, addresses: dict[str, str], settled: float
 
 def node_story(out: Outcome, addresses: dict[str, str], with_ranks: bool = True) -> str:
     """One other node's part: ``rank 0 (local rank 0) lost its peer (its peer: node2)``, ``stopped
-    by ddpfab``, ``exited 0``, its error; *with_ranks* False leaves the ranks out (for grouping)."""
+    by ddpfab``, ``exited 0``, its error; *with_ranks* False leaves the ranks and the peer out
+    (for grouping)."""
     cause = out.cause
     if out.error and out.exit_code is None:
         return out.error
     if cause is not None and cause.kind is CauseKind.PEER_LOST:
-        who = cause.who() if with_ranks else ""
-        return f"{who or 'a rank'} lost its peer{peer_text(cause, addresses)}"
+        if not with_ranks:  # grouped: the victims of a ring name as many peers as there are nodes
+            return "a rank lost its peer"
+        return f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}"
     if cause is not None and cause.own:
         return cause.text() if with_ranks else f"failed too ({cause.kind.value if cause.kind else 'its own'})"
     if out.exit_code == 0:

@@ -63,6 +63,15 @@ def cluster_replies(nodes: int = 4, nproc: int = 2, **special) -> dict:
 EXPECTED = {f"node{n + 1}": 2 for n in range(4)}
 
 
+def test_a_group_of_ranks_beyond_16_nodes_is_one_folded_line():
+    """24 nodes, rank 5 stopped: the group of the other 23 listed every node and rank (430
+    characters on a 24-node lab); folded, as every other answer beyond 16 nodes."""
+    replies = cluster_replies(nodes=24, nproc=1, r5={"state": "T", "pid": 777, "stack": stack("", 55, "main")})
+    shown = doctor.render(doctor.analyze(replies, {f"node{n + 1}": 1 for n in range(24)}))
+    group = next(line for line in shown if line.startswith("-- 23 ranks"))
+    assert group == "-- 23 ranks in all_reduce (train.py:42): node[1-5,7-24] (23 nodes): ranks 0-4, 6-23", group
+
+
 def test_a_stopped_rank_is_named_first_and_the_others_wait_in_the_collective():
     replies = cluster_replies(r5={"state": "T", "pid": 777, "stack": stack("", 55, "main")})
     v = doctor.analyze(replies, EXPECTED)

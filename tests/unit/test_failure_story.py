@@ -443,3 +443,69 @@ def test_a_node_that_says_nothing_of_its_cause_outranks_a_known_victim():
              NodeFailure("node2", 1, 100.5, None)]
     verdict = blame(nodes, {"node1": "10.0.0.11", "node2": "10.0.0.12"})
     assert (verdict.node, verdict.own, verdict.lost_peer) == ("node2", False, 1)
+
+
+def _ring_victim(rank: int, peer: str) -> CauseReader:
+    """Rank *rank*'s node: its rank lost its peer at address *peer* (gloo's ring: a neighbour)."""
+    return reader(VICTIM.replace("[rank0]", f"[rank{rank}]").replace("[10.0.0.12]", f"[{peer}]"))
+
+
+def _ring(culprit: int, culprit_outcome: execute.NodeOutcome, n: int = 24):
+    """*n* nodes, one rank each, in gloo's ring; rank *culprit* left it: its neighbours name it,
+    and each victim's other neighbour names that victim, as the failure spreads (the victims'
+    supervisors' failed_at in that order: the culprit's neighbours first)."""
+    addresses = {f"node{i + 1}": f"10.0.1.{i + 1}" for i in range(n)}
+    outcomes = {}
+    for rank in range(n):
+        name = f"node{rank + 1}"
+        if rank == culprit:
+            outcomes[name] = culprit_outcome
+            continue
+        distance = min((rank - culprit) % n, (culprit - rank) % n)
+        toward = (rank + 1) % n if (culprit - rank) % n == distance else (rank - 1) % n
+        victim = _ring_victim(rank, f"10.0.1.{toward + 1}")
+        outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=victim, cause=victim.cause(),
+                                             remote={"failed_at": 100.0 + distance})
+    return addresses, outcomes
+
+
+def test_a_rank_that_left_a_24_node_ring_early_is_where_the_victims_point():
+    """Rank 9 leaves the group and exits 0 while the others wait in all_reduce; every other rank
+    loses a peer, each naming a neighbour (a new user's pass at 24 nodes): the line pointed at
+    node1, the first node any victim named, not at node10, the only one named that lost no peer."""
+    early = execute.NodeOutcome("node10", 9, exit_code=0)
+    addresses, outcomes = _ring(9, early)
+    verdict = execute.blame_outcomes(outcomes, addresses, "node9")
+    assert verdict.pointed == "node10" and verdict.lost_peer == 22, verdict
+    line = story.closing_line(verdict, outcomes[verdict.node], "", addresses, outcomes)
+    assert "their errors name node10 (10.0.1.10), which had exited 0 while they still waited for it" in line, line
+
+
+def test_a_rank_that_crashed_in_a_finally_of_a_ring_is_where_the_victims_point():
+    """Rank 17 raised, but waits in a ``finally`` (its traceback not printed yet) when ddpfab stops
+    it: its node says nothing of its own; the victims point at it, not at node1."""
+    quiet = execute.NodeOutcome("node18", 17, exit_code=143, stopped_by_ddpfab=True)
+    addresses, outcomes = _ring(17, quiet)
+    verdict = execute.blame_outcomes(outcomes, addresses, "node17")
+    assert verdict.pointed == "node18", verdict
+
+
+def test_when_every_named_node_is_a_victim_the_first_victim_in_time_points():
+    """Every node named lost a peer itself: the node the first victim in time names."""
+    victim_at = {"node1": ("10.0.1.3", 105.0), "node2": ("10.0.1.3", 101.0), "node3": ("10.0.1.1", 102.0)}
+    addresses = {f"node{i}": f"10.0.1.{i}" for i in (1, 2, 3)}
+    outcomes = {}
+    for i, (name, (peer, at)) in enumerate(victim_at.items()):
+        victim = _ring_victim(i, peer)
+        outcomes[name] = execute.NodeOutcome(name, i, exit_code=1, causes=victim, cause=victim.cause(),
+                                             remote={"failed_at": at})
+    assert execute.blame_outcomes(outcomes, addresses, "node2").pointed == "node3"
+
+
+def test_the_victims_of_a_24_node_ring_are_one_line():
+    """Each victim names its own neighbour: grouped by their stories with the peer in them, 24
+    nodes made 23 lines (a new user's pass); they are one, counted."""
+    addresses, outcomes = _ring(9, execute.NodeOutcome("node10", 9, exit_code=0))
+    verdict = execute.blame_outcomes(outcomes, addresses, "node9")
+    lines = story.other_nodes(outcomes, verdict.node, addresses)
+    assert lines == ["  node[1-8,11-24] (22 nodes): a rank lost its peer", "  node10: exited 0"], lines
