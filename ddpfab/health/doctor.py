@@ -39,7 +39,12 @@ COLLECTIVES = frozenset((
     "reduce_scatter_tensor", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
     "broadcast_object_list", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
     "batch_isend_irecv", "send_object_list", "recv_object_list", "init_process_group", "new_group",
-    "_all_gather_base", "_reduce_scatter_base"))
+    "_all_gather_base", "_reduce_scatter_base",
+    # DistributedDataParallel's construction: its checks and broadcast across the ranks (C++ below them)
+    "_verify_param_shape_across_processes", "_sync_module_states", "_sync_params_and_buffers"))
+#: The collectives that make the group: a rank still in one while others have left it cannot
+#: connect to some peer (each pair of ranks connects there).
+JOINING = frozenset(("init_process_group", "new_group"))
 #: Waits on a collective started before (``async_op=True``, functional collectives): a collective
 #: only in torch.distributed's or torch.futures' code (a ``wait`` of the user's, or threading's, is none).
 TORCH_WAITS = frozenset(("wait", "wait_all", "wait_tensor"))
@@ -400,6 +405,17 @@ def _outside_odds(outside: dict[Site, list[Rank]], run_id: str | None = None) ->
     return odd
 
 
+def _joining_odds(joining: dict[Site, list[Rank]]) -> list[dict]:
+    """The ranks still in ``init_process_group`` (or ``new_group``) after others have left it:
+    they wait to connect to a peer that the ones past it could reach; what is between their nodes
+    (a firewall, the wrong interface) is the likely cause, not the ranks that moved on."""
+    return [_odd(Odd.SITE, rs[0].node, f"{', '.join(r.label for r in rs)} {'is' if len(rs) == 1 else 'are'} still "
+                 f"in {site.text()}, which the others have left: {'it' if len(rs) == 1 else 'they'} cannot connect to "
+                 "some peer (a firewall or the wrong interface between nodes? `ddpfab check` tests every pair)",
+                 ranks=[r.rank for r in rs], place=Place.COLLECTIVE.value)
+            for site, rs in joining.items()]
+
+
 def _majority(known: dict[Site, list[Rank]]) -> tuple[Site | None, list[dict]]:
     """The place most ranks are (ties: the lowest rank's), the ranks elsewhere named as odd ones
     out; no place when no place has more ranks than every other."""
@@ -433,6 +449,11 @@ def _places(known: dict[Site, list[Rank]], caused: bool, run_id: str | None = No
         return main, known, []
     inside = {s: rs for s, rs in known.items() if place_of(s) is Place.COLLECTIVE}
     outside = {s: rs for s, rs in known.items() if place_of(s) is Place.OUTSIDE}
+    joining = {s: rs for s, rs in inside.items() if s.collective in JOINING}
+    if joining and len(joining) < len(inside) and not outside:
+        past = _merged({s: rs for s, rs in inside.items() if s not in joining})
+        main, _ = _majority(past)
+        return main, past, _joining_odds(joining)
     if inside and outside:
         inside = _merged(inside)
         main, odd = _majority(inside)

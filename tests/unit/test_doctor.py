@@ -63,6 +63,26 @@ def cluster_replies(nodes: int = 4, nproc: int = 2, **special) -> dict:
 EXPECTED = {f"node{n + 1}": 2 for n in range(4)}
 
 
+def test_ranks_still_joining_the_group_are_named_not_the_one_that_moved_on():
+    """node2 and node3 cannot connect to each other (a firewall between them, a new user's pass):
+    both wait in init_process_group, while rank 0, connected to both, went on into DDP's
+    construction, whose parameter check is a collective. The doctor called rank 0 "outside any
+    collective" and the job waiting for it; the ranks still joining are named, with the network."""
+    venv = "/venv/lib/python3.11/site-packages/torch"
+    ddp = {"threads": [{"thread": None, "tid": None, "active": False, "frames": [
+        {"name": "_verify_param_shape_across_processes", "file": f"{venv}/distributed/utils.py", "line": 294},
+        {"name": "__init__", "file": f"{venv}/nn/parallel/distributed.py", "line": 1064},
+        {"name": "main", "file": "/work/train.py", "line": 42}]}]}
+    replies = cluster_replies(nodes=3, nproc=1, r0={"stack": ddp}, r1={"stack": stack("init_process_group", 37, "main")},
+                              r2={"stack": stack("init_process_group", 37, "main")})
+    v = doctor.analyze(replies, {f"node{n + 1}": 1 for n in range(3)})
+    assert v.lines[0].startswith("node2 rank 1 (pid 1001), node3 rank 2 (pid 1002) are still in init_process_group "
+                                 "(train.py:37), which the others have left: they cannot connect to some peer"), v.lines
+    assert "ddpfab check" in v.lines[0] and "node1 rank 0" not in v.lines[0]
+    assert v.lines[1] == "the other rank waits in _verify_param_shape_across_processes (train.py:42)", v.lines
+    assert v.hung
+
+
 def test_a_group_of_ranks_beyond_16_nodes_is_one_folded_line():
     """24 nodes, rank 5 stopped: the group of the other 23 listed every node and rank (430
     characters on a 24-node lab); folded, as every other answer beyond 16 nodes."""
