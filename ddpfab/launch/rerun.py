@@ -156,7 +156,7 @@ def _connect_and_plan(manifest: dict, recorded: RunOptions, cwd: str, cluster: i
                                            same_port, run_id=new_rid)
         if problems:
             raise runner.RunError(problems)
-        cluster = probe.decide(cluster, facts)  # the python the probe ran, as a run decides it
+        loaded, cluster = cluster, probe.decide(cluster, facts)  # the python the probe ran, as a run decides it
         # the recorded options planned again under the old id and port must give the recorded plan
         again = make_plan(cluster, replace(recorded, run_id=old_rid), runner.plan_facts(facts, old_port, cwd))
         changed = differences(manifest["plan"], again, manifest["schema_version"])
@@ -167,7 +167,7 @@ def _connect_and_plan(manifest: dict, recorded: RunOptions, cwd: str, cluster: i
         for c in conns.values():
             c.close()
         raise
-    return runner.Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd), changed, port
+    return runner.Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, loaded=loaded), changed, port
 
 
 def prepare(run_id: str, runs_dir: str | os.PathLike, *, inventory_source: str | list[str] | None = None,

@@ -55,6 +55,9 @@ class Prepared:
     cwd: str | None = None
     preflight: dict | None = None  # the preflight check's full report (the run dir's check.json)
     replicas: dict[str, dict] | None = None  # per node, its replica_stat answer (ddpfab.launch.replicate)
+    #: the nodes as the inventory gave them, before the probe decided their python: what replay
+    #: loads again and compares (the inventory's fingerprint)
+    loaded: inventory.Inventory | None = None
 
     def reconnect(self, name: str) -> Connection:
         """A fresh connection to node *name*, the same way as the first one."""
@@ -207,7 +210,7 @@ def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostK
         try:
             master = probing.master
             answers, facts = _collect(cluster, conns, probing, options, cwd, synced, will_sync)
-            cluster = probe.decide(cluster, facts)  # every later step runs the python the probe ran
+            loaded, cluster = cluster, probe.decide(cluster, facts)  # every later step runs the python the probe ran
             port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=cwd)
             # planned before the preflight: a plan refused (an interface a node lacks) is refused at once,
             # and the preflight probes the interfaces the plan names
@@ -230,7 +233,8 @@ def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostK
         for c in conns.values():
             c.close()
         raise
-    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report, replicas=replicas)
+    return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report, replicas=replicas,
+                    loaded=loaded)
 
 
 def _collect(cluster: inventory.Inventory, conns: dict[str, Connection], probing: Probing, options: RunOptions,
@@ -344,7 +348,7 @@ def _manifest_head(prepared: Prepared) -> dict:
 
 def _replay_fields(prepared: Prepared) -> dict:
     """inventory_fingerprint, script_file, script_sha256: what `ddpfab replay` checks."""
-    return manifest_fields(prepared.cluster, prepared.plan)
+    return manifest_fields(prepared.loaded or prepared.cluster, prepared.plan)
 
 
 def _open_record(prepared: Prepared, runs_root: str | os.PathLike, extra: dict | None,
