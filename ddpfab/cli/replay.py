@@ -71,6 +71,4 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if args.json:
             print_problems(exc.problems, "replay")
         return die(exc.problems + ["nothing was started"])
-    if replayed.exit_code != 0 and not args.dry_run:
-        sys.stderr.write(f"ddpfab: {replayed.summary}\n")
-    return replayed.exit_code
+    return replayed.exit_code  # (its closing line was printed with the run's output)
