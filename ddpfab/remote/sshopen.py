@@ -176,6 +176,10 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
                              "check this machine's DNS", "unreachable") from None
         raise hop_error(node, t, unresolved(t, exc.strerror or str(exc)), "unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
+        if isinstance(exc, OSError) and exc.filename is not None:  # a file here (a key), not the network
+            raise hop_error(node, t, (
+                f"cannot read {exc.filename} here ({exc.strerror}); check ansible_ssh_private_key_file (or "
+                "the ssh config's IdentityFile)"), "key-file") from None
         if _no_banner(conn):
             raise hop_error(node, t, (
                 f"no SSH banner within {timeout:g} s in {CONNECT_ATTEMPTS} tries: something accepts TCP "
@@ -222,7 +226,8 @@ def _open(conn: Connection, timeout: float) -> None:
                          and time.monotonic() - began >= auth_timeout)
             final = (isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME
                      or isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno in _FINAL_ERRNOS
-                     or isinstance(exc, paramiko.AuthenticationException) and not busy_auth)
+                     or isinstance(exc, paramiko.AuthenticationException) and not busy_auth
+                     or isinstance(exc, OSError) and exc.filename is not None)  # a key file here: no retry helps
             if attempt == CONNECT_ATTEMPTS - 1 or final:
                 raise
             conn.close()

@@ -80,6 +80,18 @@ def test_unreachable_host_is_named(lab, tmp_path):
     _nothing_started(lab, runs)
 
 
+def test_a_missing_key_file_is_named_as_such_not_as_an_unreachable_host(lab, inventory2, tmp_path):
+    """``ansible_ssh_private_key_file`` naming no file was "unreachable: [Errno 2] No such file or
+    directory: ...; check ansible_host/ansible_port and that sshd runs there", after three tries."""
+    missing = tmp_path / "no-such-key"
+    for argv in (["check", "-l", "node1"], ["exec", "-l", "node1", "--", "true"]):
+        started = time.monotonic()
+        res = ddpfab(*argv[:1], "-i", str(inventory2), "-e", f"ansible_ssh_private_key_file={missing}", *argv[1:])
+        assert res.returncode != 0 and f"cannot read {missing} here" in res.stdout + res.stderr, res.stdout + res.stderr
+        assert "ansible_ssh_private_key_file" in res.stdout + res.stderr and "sshd runs there" not in res.stdout + res.stderr
+        assert time.monotonic() - started < 10 and "Traceback" not in res.stderr
+
+
 def test_a_mistyped_host_name_is_matched_against_the_ssh_config(lab, tmp_path):
     """An inventory of host names as the lab's ssh_config spells them (README, on your machines),
     one of them mistyped (nod2): the dry run and the run both end before starting, naming the

@@ -122,6 +122,15 @@ def test_unknown_group_lists_the_groups(tmp_path):
         load(write(tmp_path, "inv.yml", YAML), "tpu")
 
 
+def test_a_mistyped_inventory_file_name_is_matched_against_its_directory(tmp_path):
+    """``-i inv.yaml`` beside an ``inv.yml`` was told to write ``inv.yaml,`` for a single host."""
+    (tmp_path / "inv.yml").write_text("all:\n  hosts:\n    a:\n")
+    with pytest.raises(InventoryError) as exc:
+        load(str(tmp_path / "inv.yaml"))
+    assert str(exc.value).endswith("inv.yaml: no such file or directory (did you mean 'inv.yml'?)"), exc.value
+    assert "single host" not in str(exc.value)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(InventoryError, match="no such file"):
         load(tmp_path / "absent.yml")
