@@ -880,6 +880,10 @@ class _Monitor:
             seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
             summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
                                          self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
+            hang = self.hang.standing(lambda n: outcomes[n].last_rank_line if n in outcomes else 0.0) \
+                if self.hang is not None and not verdict.own else None
+            if hang is not None:  # the ranks' timeouts followed a hang the watch had found: it comes first
+                summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
             for line in hints.verdict_lines(found):

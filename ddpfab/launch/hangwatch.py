@@ -16,6 +16,7 @@ record), a later look that finds the same places says so.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class HangWatch:
         self.stop_on_hang = plan.on_hang == "stop"
         self.stop_now = threading.Event()
         self.verdict: doctor.Verdict | None = None
+        #: the last hang verdict reported while the job ran on (``--on-hang report``), and when
+        #: (monotonic): the run's closing line tells it when the job then fails
+        self.reported: tuple[float, doctor.Verdict] | None = None
         self._spell: float | None = None  # the quiet spell (its start) last looked at
         self._next = 0.0  # when the same spell is looked at again (monotonic)
         self._thread: threading.Thread | None = None
@@ -70,8 +74,19 @@ class HangWatch:
             self.verdict = verdict
             self.stop_now.set()
         else:
+            self.reported = (time.monotonic(), verdict)
             self.note(f"still waiting ({option('on_hang', 'stop')} would end it now; `ddpfab stop {self.plan.run_id}` "
                       "ends it)")
+
+    def standing(self, last_line: Callable[[str], float]) -> doctor.Verdict | None:
+        """The reported hang verdict when it still stands: it named ranks as the odd ones out and
+        none of their nodes has printed since (*last_line*: node -> when its ranks last printed,
+        monotonic). A job that fails after a hang fails of it, its ranks' timeouts only follow."""
+        if self.reported is None:
+            return None
+        at, verdict = self.reported
+        nodes = {o["node"] for o in verdict.odd if o.get("node")}
+        return verdict if nodes and all(last_line(n) <= at for n in nodes) else None
 
     def _report(self, verdict: doctor.Verdict, path: Path | None, spell: float | None) -> None:
         """The verdict's lines; with a hang verdict the grouped stacks too, unless this quiet spell

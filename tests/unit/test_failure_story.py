@@ -10,10 +10,13 @@ from __future__ import annotations
 import io
 import queue
 import types
+from pathlib import Path
 
 from ddpfab.cli.run import own_options_hint
 from ddpfab.hosts.inventory import Inventory, Node
+from ddpfab.health import doctor
 from ddpfab.launch import execute, story
+from ddpfab.launch.hangwatch import HangWatch
 from ddpfab.launch.cause import (Blame, Cause, CauseKind, CauseReader, Fold, NodeFailure, blame, kind_of_exception,
                                  worker_cause)
 from ddpfab.node.agent import oom_kill_in
@@ -350,14 +353,16 @@ def test_torchrun_s_failed_exit_barrier_on_a_node_whose_job_ended_well_is_folded
     assert reader_.cause() is None
 
 
-def _monitor_ends(outcomes: dict[str, execute.NodeOutcome], order: list[str]) -> tuple[execute.RunResult, str]:
+def _monitor_ends(outcomes: dict[str, execute.NodeOutcome], order: list[str],
+                  hang: HangWatch | None = None) -> tuple[execute.RunResult, str]:
     """The run's monitor told of each node's end in *order* (as its events come), then its result."""
     plan = plan3()
     jobs = {n: types.SimpleNamespace(outcome=o, plan=plan) for n, o in outcomes.items()}
     stopped: list[float] = []
     out = io.StringIO()
     monitor = execute._Monitor(jobs, queue.SimpleQueue(), execute.Printer(plan, stream=out, color=False),
-                               lambda fast=False: stopped.append(1.0), lambda: stopped[0] if stopped else None)
+                               lambda fast=False: stopped.append(1.0), lambda: stopped[0] if stopped else None,
+                               hang=hang)
     for name in order:
         monitor.ended(name)
     return monitor.result(), out.getvalue()
@@ -509,3 +514,32 @@ def test_the_victims_of_a_24_node_ring_are_one_line():
     verdict = execute.blame_outcomes(outcomes, addresses, "node9")
     lines = story.other_nodes(outcomes, verdict.node, addresses)
     assert lines == ["  node[1-8,11-24] (22 nodes): a rank lost its peer", "  node10: exited 0"], lines
+
+
+def _reported_hang(at: float) -> HangWatch:
+    """A hang watch (``--on-hang report``) that found node2's rank 1 outside any collective at *at*."""
+    watch = HangWatch(plan3(), {}, Path("/nonexistent"), lambda line: None)
+    lines = ["node2 rank 1 (local rank 0, pid 556) is outside any collective, in main (job.py:20)",
+             "the other 2 ranks wait for it in all_reduce (job.py:25)"]
+    watch.reported = (at, doctor.Verdict(lines, True, [{"what": "site", "node": "node2", "text": lines[0]}]))
+    return watch
+
+
+def test_a_job_that_fails_after_a_reported_hang_fails_of_the_hang():
+    """With --hang-timeout and the default --on-hang report, the watch named node2's rank 1; gloo's
+    timeout then ended the other ranks, node2 stopped: the closing line blamed a victim ("only
+    secondary failures were seen", a new user's pass). It starts with the hang."""
+    victims = {n: execute.NodeOutcome(n, r, exit_code=1, remote={"failed_at": 60.0 + r}, causes=reader(VICTIM),
+                                      cause=reader(VICTIM).cause(), last_rank_line=70.0) for n, r in (("node1", 0),
+                                                                                                    ("node3", 2))}
+    hung = execute.NodeOutcome("node2", 1, exit_code=143, stopped_by_ddpfab=True, last_rank_line=5.0)
+    outcomes = {"node1": victims["node1"], "node2": hung, "node3": victims["node3"]}
+    result, _ = _monitor_ends(outcomes, ["node1", "node3", "node2"], hang=_reported_hang(30.0))
+    assert result.summary.startswith("failed after a hang: node2 rank 1 (local rank 0, pid 556) is outside any "
+                                     "collective, in main (job.py:20); the other 2 ranks wait for it in all_reduce "
+                                     "(job.py:25); then node1 (node_rank 0) exit code 1; "), result.summary
+    assert result.exit_code == 1
+    # node2's rank printed after the report: that hang had passed, the story is the failure's own
+    outcomes["node2"] = execute.NodeOutcome("node2", 1, exit_code=143, stopped_by_ddpfab=True, last_rank_line=40.0)
+    result, _ = _monitor_ends(outcomes, ["node1", "node3", "node2"], hang=_reported_hang(30.0))
+    assert result.summary.startswith("failed: node1 (node_rank 0) exit code 1; only secondary"), result.summary
