@@ -355,7 +355,7 @@ class _NodeJob:
         self.thread = threading.Thread(target=self._run, name=f"node-{node.name}", daemon=True)
         self.done = threading.Event()
         self.reported = threading.Event()
-        self.fast_stop = False
+        self.fast_stop, self.fast_why = False, b""
         self.ping_pending_since: float | None = None
 
     def start(self) -> None:
@@ -403,16 +403,17 @@ class _NodeJob:
             except Exception:  # noqa: BLE001
                 pass
 
-    def stop(self, fast: bool = False) -> None:
+    def stop(self, fast: bool = False, why: bytes = b"") -> None:
         """Ask the node's supervisor to end the job: close our write side (EOF on its stdin),
-        after a ``!`` when *fast* (another node failed: no point in a graceful shutdown)."""
+        after a ``!`` when *fast* (another node failed, a hang: no point in a graceful shutdown),
+        with *why* (a key of :data:`ddpfab.node.agent.FAST_STOPS`; none: another node failed)."""
         self.outcome.stopped_by_ddpfab = True
-        self.fast_stop = fast
+        self.fast_stop, self.fast_why = fast, why
         chan = self.chan
         if chan is not None:
             try:
                 if fast:
-                    chan.sendall(b"!")
+                    chan.sendall(b"!" + why)
                 chan.shutdown_write()
             except Exception:  # noqa: BLE001 - a dead channel is already a stopped one
                 pass
@@ -481,7 +482,7 @@ class _NodeJob:
             chan.sendall(agent_input(self.plan, self.node, arrival=self.gate.arrival if self.gate else None))
             self.chan = chan
             if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
-                self.stop(self.fast_stop)
+                self.stop(self.fast_stop, self.fast_why)
 
             def logged(data: bytes) -> None:
                 log.write(data)
@@ -672,13 +673,13 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
                  for n in plan.nodes})
     stop_deadline: float | None = None
 
-    def stop_all(fast: bool = False) -> None:
+    def stop_all(fast: bool = False, why: bytes = b"") -> None:
         nonlocal stop_deadline
         if stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_WAIT_S
             for job in jobs.values():
                 if job.outcome.ended == 0:
-                    job.stop(fast)
+                    job.stop(fast, why)
 
     hang = HangWatch(plan, conns, log_dir, printer.note) if plan.hang_timeout > 0 else None
     with signals_raise():
@@ -757,7 +758,7 @@ class _Monitor:
             self.interrupted = HOLDER_GONE
             self.printer.note("the connection holder ended (`ddpfab hold --stop`, or it died): this run's links to "
                               "the nodes went with it; each node's supervisor stops the job as its link ends")
-            self.stop_all(fast=True)
+            self.stop_all(fast=True, why=b"c")
             return
         sig = out.stopped_from_outside
         if sig is not None and self.interrupted is None:
@@ -766,7 +767,7 @@ class _Monitor:
             if not self.from_outside and self.stop_deadline() is None:
                 self.printer.note(f"{name}: stopped from outside this run ({signal_name(sig)} to its supervisor); "
                                   "stopping the job on every node")
-                self.stop_all(fast=True)
+                self.stop_all(fast=True, why=b"o")
             self.from_outside[name] = sig
             return
         if out.failed and self.interrupted is None and not out.stopped_by_ddpfab and self.stop_deadline() is None:
@@ -829,7 +830,7 @@ class _Monitor:
         if self.hang.stop_now.is_set() and self.hang.verdict is not None and self.hung is None:
             self.hung = self.hang.verdict.lines
             self.printer.note(f"{option('on_hang', 'stop')}: stopping the job on every node")
-            self.stop_all(fast=True)
+            self.stop_all(fast=True, why=b"h")
 
     def enforce_deadline(self) -> None:
         deadline = self.extra_wait or self.stop_deadline()

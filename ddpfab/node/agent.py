@@ -57,6 +57,11 @@ PR_SET_CHILD_SUBREAPER = 36
 #: collective is broken, so there is nothing to wait for (the workers die on TERM at once; this
 #: only cuts short torchrun's own slow shutdown).
 FAST_GRACE = 0.1
+#: Why ddpfab ends a job fast (``!``, then this byte), as the job's record says it; a bare ``!``
+#: (or one whose byte is not here) is another node's failure.
+FAST_STOPS = {b"h": "the job hung (--on-hang stop)", b"o": "another node was stopped from outside the run",
+              b"c": "the connection holder ended"}
+FAILED_ELSEWHERE = "another node failed"
 #: Seconds between a worker's failure and ending the node's job: torchrun's ``--tee`` relays the
 #: workers' log files every 0.1 s, so this lets the crashed rank's last lines (its traceback) reach
 #: the stream before torchrun is stopped.
@@ -1009,9 +1014,10 @@ class Supervisor(object):
                 if not data:
                     break
                 self.last_beat = time.monotonic()
-                if b"!" in data:  # another node failed: the job is lost anyway, end it fast
+                at = data.find(b"!")
+                if at >= 0:  # the job is lost anyway (another node failed, a hang): end it fast
                     self.grace_now = min(self.grace, FAST_GRACE)
-                    self.request_stop("stopped by ddpfab: another node failed")
+                    self.request_stop("stopped by ddpfab: " + FAST_STOPS.get(data[at + 1:at + 2], FAILED_ELSEWHERE))
         except OSError:
             pass
         self.request_stop("controller link closed")
@@ -1394,11 +1400,13 @@ def read_result(run_dir):
 def ended_state(result):
     """How a job ended, by its supervisor's *result*: ``cancelled`` (a ``--wait`` ended before it
     started), ``stopped`` (something stopped it: ``ddpfab stop``, the controller, another node's
-    failure; it did not fail on its own, so no ``failed_at``) or ``exited``."""
+    failure; it did not fail on its own, so no ``failed_at``) or ``exited``. A job that exited 0
+    exited, a stop that came as it ended notwithstanding: its ranks had finished (a rank that
+    left the others early is that node's story)."""
     if result.get("cancelled") is True:
         return "cancelled"
     why = result.get("stopped")
-    if isinstance(why, str) and why and not result.get("failed_at"):
+    if isinstance(why, str) and why and not result.get("failed_at") and result.get("exit_code") != 0:
         return "stopped"
     return "exited"
 

@@ -132,6 +132,9 @@ def test_a_stopped_rank_is_named_by_the_run_and_the_job_ends(lab4, inventory4, t
     assert records[-1]["odd"][0]["node"] == "node3" and records[-1]["odd"][0]["rank"] == 5, records[-1]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["exit_code"] == EXIT_HUNG and manifest["plan"]["on_hang"] == "stop"
+    # each node's record says why ddpfab stopped it (it said "another node failed")
+    assert {n["stopped_reason"] for n in manifest["nodes"].values()} == \
+        {"stopped by ddpfab: the job hung (--on-hang stop)"}, manifest["nodes"]
 
 
 def test_the_doctor_names_a_stopped_rank_of_a_detached_job(lab4, inventory4, tmp_path):

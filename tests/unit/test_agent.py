@@ -107,6 +107,20 @@ def test_sigterm_to_the_agent_ends_the_tree(tmp_path):
     assert (d / "run" / "stopped").read_text().startswith("signal")
 
 
+@pytest.mark.parametrize("sent, why", [(b"!", "another node failed"), (b"!h", "the job hung (--on-hang stop)"),
+                                       (b"!o", "another node was stopped from outside the run")])
+def test_a_fast_stop_records_why_ddpfab_stopped_the_job(tmp_path, sent, why):
+    """``--on-hang stop`` ended every node with the record "stopped by ddpfab: another node failed"
+    (a new user's pass: doctor then said so of a hang). The byte after ``!`` says why."""
+    proc, d = start(tmp_path, -1)
+    pids(d)
+    proc.stdin.write(sent)
+    proc.stdin.close()
+    proc.wait(timeout=30)
+    result = json.loads((d / "run" / "result.json").read_text())
+    assert result["stopped"] == f"stopped by ddpfab: {why}", result
+
+
 def test_a_signal_that_lands_inside_the_stop_wait_still_stops_the_job(tmp_path):
     """A SIGTERM's handler runs in the main thread between two steps, which may be inside the main
     loop's ``stop.wait(0.05)`` with the event's own lock held (CPython's ``Event._cond``): the
@@ -458,3 +472,14 @@ def test_a_hand_run_jobs_input_is_the_scripts_terminal_in_the_foreground_only():
             os.fstat(read)
     finally:
         os.close(write)
+
+
+def test_a_job_that_exited_0_as_a_stop_came_exited():
+    """A rank that left the group early (exit 0) let its node's job end 0 while ddpfab stopped the
+    others: its record said "stopped by ddpfab", and doctor and ps called it stopped where the run
+    said "exited 0" (a new user's pass at 24 nodes)."""
+    stopped = "stopped by ddpfab: another node failed"
+    assert agent.ended_state({"exit_code": 0, "stopped": stopped, "failed_at": None}) == "exited"
+    assert agent.ended_state({"exit_code": 143, "stopped": stopped, "failed_at": None}) == "stopped"
+    assert agent.ended_state({"exit_code": 1, "stopped": stopped, "failed_at": 5.0}) == "exited"
+    assert agent.ended_state({"exit_code": 143, "cancelled": True, "stopped": "signal 15"}) == "cancelled"
