@@ -1317,12 +1317,7 @@ def check_script_here(script: str, module: bool = False) -> None:
     try:
         scriptfile.check_here(script, module, os.getcwd())
     except scriptfile.ScriptError as exc:
-        folder = os.path.dirname(script) or "."
-        try:
-            names = [os.path.join(os.path.dirname(script), n) for n in os.listdir(folder) if n.endswith(".py")]
-        except OSError:
-            names = []
-        hint = "" if module else did_you_mean(script, names)
+        hint = "" if module else scriptfile.suggestion(script, os.getcwd())
         raise PlanError(f"{exc}{hint} (it is synced from here; with {option('sync', False)} it must be in the "
                         "nodes' workdir)") from None
 

@@ -10,6 +10,7 @@ has started anything.
 from __future__ import annotations
 
 import ipaddress
+import os
 import posixpath
 import random
 import time
@@ -20,6 +21,7 @@ from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import resourcecheck
 from ddpfab.hosts import nodeenv
 from ddpfab.hosts.inventory import Inventory, Node
+from ddpfab.planning import scriptfile
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, Interface, is_port, master_port
 from ddpfab.problems import Problem
@@ -221,10 +223,13 @@ def gather(cluster: Inventory, conns: dict[str, Connection], master: Node, *, cw
                    cwd=cwd, script=script, master_port=master_port, sent_at=sent_at)
 
 
-def missing_script_fix(script: str, workdir: str, node: str) -> str:
+def missing_script_fix(script: str, workdir: str, node: str, cwd: str | None = None) -> str:
     """What to do about *script* missing in *workdir* on *node*: sync the code, unless the script
-    is outside the workdir (``../train.py``), which is outside what a sync copies too."""
+    is outside the workdir (``../train.py``), which is outside what a sync copies too, or is not
+    in *cwd* (here, where a sync copies from) either: a typo, which a sync would not mend."""
     tilde = script.startswith("~")
+    if cwd is not None and not tilde and not posixpath.isabs(script) and not os.path.exists(os.path.join(cwd, script)):
+        return f"it is not here ({cwd}) either{scriptfile.suggestion(script, cwd)}: check its name"
     if tilde != workdir.startswith("~") and (tilde or posixpath.isabs(script)):
         return "sync the code first"  # one is under a home the node expands: not comparable here
     base = posixpath.normpath(workdir)
@@ -271,7 +276,7 @@ def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
                                     text=f"host {node.name}: workdir {workdir} does not exist there; create it, "
                                          "sync the code, or set ddpfab_workdir"))
         elif script and res.script_exists is False:
-            fix = missing_script_fix(script, workdir, node.name)
+            fix = missing_script_fix(script, workdir, node.name, cwd)
             problems.append(Problem(node.name, "script", expected=f"{script} in {workdir}", found="missing",
                                     fix=fix, text=f"host {node.name}: script {script} not found in {workdir}; {fix}"))
         if not res.torch:

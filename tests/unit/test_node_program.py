@@ -59,6 +59,15 @@ def test_a_missing_script_outside_the_workdir_is_not_told_to_sync(script, workdi
     assert syncable or (f"outside {workdir}" in fix and "node3" in fix)
 
 
+def test_a_missing_script_that_is_not_here_either_is_a_typo_not_a_sync(tmp_path):
+    """``run --no-sync trian.py`` with train.py on the nodes: "sync the code first", which would not
+    help (a new user's pass). Not here either: check its name, with the close one."""
+    (tmp_path / "train.py").write_text("")
+    fix = probe.missing_script_fix("trian.py", "/w/p", "node3", str(tmp_path))
+    assert fix == f"it is not here ({tmp_path}) either (did you mean 'train.py'?): check its name", fix
+    assert probe.missing_script_fix("train.py", "/w/p", "node3", str(tmp_path)) == "sync the code first"
+
+
 @pytest.mark.parametrize("req, error", [
     ({"id": 1, "op": "no-such-op"}, "unknown operation 'no-such-op'"),
     ({"id": 2}, "unknown operation None"),
