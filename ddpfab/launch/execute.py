@@ -299,9 +299,9 @@ class Printer:
             if noise_of(text) not in self.noise_shown:
                 self.noise_shown.add(noise_of(text))
                 self._show(node, text)
-        else:  # DROP, FOLD
+        else:  # DROP, FOLD: a dropped traceback is a victim rank's, or torchrun's own (no rank)
             self.folded += len(self.held.pop(key, [])) + 1
-            self.folded_kinds.add(fold)
+            self.folded_kinds.add(Fold.FOLD if fold is Fold.DROP and local is None else fold)
 
     def flush(self, node: str, stopped: bool = False) -> None:
         """What is still held of *node*'s output (its stream ended inside a traceback): shown; but
@@ -319,7 +319,7 @@ class Printer:
     def folded_note(self) -> None:
         """One line saying what was folded, and where it is, when anything was."""
         if self.folded:
-            kinds = [what for fold, what in ((Fold.FOLD, "torchrun's reports and notices"),
+            kinds = [what for fold, what in ((Fold.FOLD, "torchrun's reports, tracebacks and notices"),
                                              (Fold.DROP, "the tracebacks of ranks that lost their peer"))
                      if fold in self.folded_kinds]
             self.note(f"{self.folded} lines folded ({', '.join(kinds)}): the node logs keep them "

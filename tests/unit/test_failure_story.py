@@ -176,7 +176,21 @@ def test_the_folded_note_names_only_what_was_folded():
         printer.line("node1", line, *r.feed(line))
     printer.folded_note()
     note = out.getvalue().splitlines()[-1]
-    assert "lines folded (torchrun's reports and notices)" in note, note
+    assert "lines folded (torchrun's reports, tracebacks and notices)" in note, note
+
+
+def test_torchrun_s_own_traceback_folded_is_not_called_a_victim_s():
+    """Every rank failed on its own (a usage error): the note said it folded "the tracebacks of
+    ranks that lost their peer", of which there were none: torchrun's own was folded."""
+    out = io.StringIO()
+    printer = execute.Printer(plan3(), stream=out, color=False)
+    r = CauseReader()
+    for line in (USAGE + "\n" + VICTIM.split("\n", 7)[7]).splitlines():  # the rank's error, then torchrun's report
+        printer.line("node1", line, *r.feed(line))
+    printer.flush("node1")
+    printer.folded_note()
+    note = out.getvalue().splitlines()[-1]
+    assert "folded (torchrun's reports, tracebacks and notices)" in note and "lost their peer" not in note, note
 
 
 def test_the_printer_folds_victims_and_torchruns_reports_and_shows_noise_once():
@@ -361,7 +375,7 @@ def _monitor_ends(outcomes: dict[str, execute.NodeOutcome], order: list[str],
     stopped: list[float] = []
     out = io.StringIO()
     monitor = execute._Monitor(jobs, queue.SimpleQueue(), execute.Printer(plan, stream=out, color=False),
-                               lambda fast=False: stopped.append(1.0), lambda: stopped[0] if stopped else None,
+                               lambda fast=False, why=b"": stopped.append(1.0), lambda: stopped[0] if stopped else None,
                                hang=hang)
     for name in order:
         monitor.ended(name)
