@@ -108,14 +108,24 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
         parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
         parts.append(fallback)
+    same = [n for n, o in others.items() if _same_failure(o.cause, cause)]
+    if same:  # every rank the same error (a usage error, an import): one story, told once
+        parts.append(f"{compact(same)} failed the same way")
     if verdict.victims():
         parts.append(verdict.victims())
     done = [n for n, o in others.items() if o.exit_code == 0]
     if done:
         parts.append(f"{compact(done)} exited 0")
-    if outcomes is None or len(done) < len(others):
+    if outcomes is None or len(done) + len(same) < len(others):
         parts.append("the others were stopped")
     return "; ".join(parts)
+
+
+def _same_failure(other: Cause | None, named: Cause | None) -> bool:
+    """*other* is a rank's own failure of the same kind, error and exit code as *named*'s."""
+    return (other is not None and named is not None and other.own and named.own
+            and (other.kind, other.exception, other.exit_code, other.signal)
+            == (named.kind, named.exception, named.exit_code, named.signal))
 
 
 def _pointed(verdict: Blame, addresses: dict[str, str], others: Mapping[str, Outcome]) -> str:

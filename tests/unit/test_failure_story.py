@@ -557,3 +557,19 @@ def test_a_job_that_fails_after_a_reported_hang_fails_of_the_hang():
     outcomes["node2"] = execute.NodeOutcome("node2", 1, exit_code=143, stopped_by_ddpfab=True, last_rank_line=40.0)
     result, _ = _monitor_ends(outcomes, ["node1", "node3", "node2"], hang=_reported_hang(30.0))
     assert result.summary.startswith("failed: node1 (node_rank 0) exit code 1; only secondary"), result.summary
+
+
+def test_every_rank_failing_the_same_way_is_said_once_not_as_a_stop():
+    """The guide's `train.py --epochs 3` with a script that takes no --epochs: every rank's usage
+    error, on every node. The closing line said "the others were stopped"; they failed the same way."""
+    addresses = {f"node{i}": f"10.0.0.1{i}" for i in (1, 2, 3, 4)}
+    outcomes = {}
+    for i, name in enumerate(addresses):
+        usage = reader(USAGE.replace("[default0]", "[default0]"))
+        outcomes[name] = execute.NodeOutcome(name, i, exit_code=1, remote={"failed_at": 10.0 + i},
+                                             causes=usage, cause=usage.cause({"pid": 5, "exit": 2, "rank": i,
+                                                                              "local_rank": 0}))
+    verdict = execute.blame_outcomes(outcomes, addresses, "node1")
+    line = story.closing_line(verdict, outcomes["node1"], "", addresses, outcomes)
+    assert line.startswith("failed: node1 (node_rank 0) exit code 1; ") and \
+        line.endswith("; node2, node3, node4 failed the same way"), line
