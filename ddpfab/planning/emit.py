@@ -137,8 +137,9 @@ class EmitError(DdpfabError):
 MARKER = ".ddpfab-emit"
 
 
-def _own_files(out: Path) -> list[str] | None:
-    """The names a previous emit recorded in *out*, or None when ddpfab never wrote there."""
+def own_files(out: Path) -> list[str] | None:
+    """The names a previous emit recorded in *out* (its marker read as data: plain names), or None
+    when ddpfab never wrote there."""
     marker = out / MARKER
     if marker.is_symlink() or not marker.is_file():
         return None
@@ -161,7 +162,7 @@ def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] |
         raise EmitError(f"emit directory {out}: is a symbolic link; give the directory itself ({os.path.realpath(out)})")
     elif not out.is_dir():
         raise EmitError(f"emit directory {out}: exists and is not a directory; pick a new directory")
-    ours = _own_files(out)
+    ours = own_files(out)
     if ours is None and any(out.iterdir()) and not force:
         raise EmitError(f"emit directory {out}: not empty and ddpfab did not write it; pick a new or empty "
                         f"directory, or {option('force', True)} to add ddpfab's files there (nothing else is touched)")

@@ -63,6 +63,7 @@ from ddpfab.remote import waits
 from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.node import treehash, workdir
 from ddpfab.optionnames import option
+from ddpfab.planning import emit
 from ddpfab.problems import DdpfabError, NodeError, Problem
 from ddpfab.remote.reaper import Reaper
 from ddpfab.remote.noderunner import Agent, Finished, NodeRunner, close_group, hop_rsh, open_group
@@ -362,6 +363,7 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
         source = "git"
         commit, dirty = _git_state(root)
         files = _git_files(root, listed, skipper, ddp_ignore, with_git)
+    files = _without_emitted(root, files)
     left_out: list[str] = []
     if not include_keys:  # one rule for both listings, after every other one
         files, left_out = keys.split(root, files, ddp_ignore.negated)
@@ -370,6 +372,14 @@ def select(src: str | os.PathLike, keep: tuple[str, ...] | list[str] = (), with_
     return Selection(root=root, files=files, source=source, keep=patterns, with_git=with_git,
                      left_out=left_out, include_keys=include_keys,
                      git_commit=commit, git_dirty=dirty)
+
+
+def _without_emitted(root: str, files: list[str]) -> list[str]:
+    """*files* less what ``plan --emit`` wrote into a directory of the tree (its marker lists
+    them): its scripts hold the run's secrets, and are never sent to the nodes."""
+    dirs = {os.path.dirname(f) for f in files if os.path.basename(f) == emit.MARKER}
+    drop = {os.path.join(d, name) for d in dirs for name in [*(emit.own_files(Path(root, d)) or []), emit.MARKER]}
+    return [f for f in files if f not in drop] if drop else files
 
 
 def write_list(files: list[str], path: str | os.PathLike) -> None:

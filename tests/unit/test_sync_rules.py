@@ -638,3 +638,18 @@ def test_a_ctrl_c_while_the_nodes_are_probed_does_not_wait_for_the_local_hash(mo
     with pytest.raises(Interrupted):
         job.probe_while_hashing(create=True)
     assert time.monotonic() - started < 1
+
+
+def test_what_plan_emit_wrote_into_the_project_is_never_sent(tmp_path):
+    """``plan --emit job`` inside the project: its scripts hold the run's secrets, and the next
+    run's sync copied them (and the emitted ssh_config) to every node's workdir (a new user's
+    pass). The files its marker lists stay here; a file of the user's in that directory is sent."""
+    (tmp_path / "train.py").write_text("")
+    job = tmp_path / "job"
+    job.mkdir()
+    for name in ("rank0-node1.sh", "ssh_config", "README.txt"):
+        (job / name).write_text("export HF_TOKEN=hunter2\n")
+    (job / ".ddpfab-emit").write_text("rank0-node1.sh\nssh_config\nREADME.txt\n")
+    (job / "notes.md").write_text("mine\n")
+    files = sync.select(tmp_path).files
+    assert sorted(files) == ["job/notes.md", "train.py"], files
