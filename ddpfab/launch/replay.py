@@ -25,6 +25,7 @@ the plan, and runs it only with ``--force``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -113,16 +114,32 @@ def recorded_selection(manifest: dict, given: Iterable[str] = ()) -> tuple[str |
     return limit, {k: v for k, v in {**recorded, **again}.items() if k not in masked}, masked
 
 
-def _current_tree_hash(code: dict) -> str:
+def _current_tree(code: dict) -> sync.Selection:
+    """The tree the run's code record names, selected as its sync selected it."""
     src = code.get("src")
     if not src:
         raise ValueError("the manifest's code record names no source dir")
     keep = code.get("keep") or []  # the run's runs dir inside the project (sync.runs_keep), as data
     if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
         raise ValueError(f"the manifest's code.keep must be a list of patterns, found {json.dumps(keep)[:80]}")
-    sel = sync.select(src, tuple(keep), with_git=bool(code.get("with_git")),
-                      include_keys=code.get("include_keys") is True)
-    return sync.local_tree(sel)["tree_hash"]
+    return sync.select(src, tuple(keep), with_git=bool(code.get("with_git")), include_keys=code.get("include_keys") is True)
+
+
+def changed_since(sel: sync.Selection, started: object, limit: int = 5) -> str:
+    """`` (changed since the run started, by their times: a.py, out.log)``: the files of *sel*
+    modified after *started* (the record's, as data); "" when none or no time."""
+    if type(started) not in (int, float):
+        return ""
+    since = float(started)  # type: ignore[arg-type]
+    newer = []
+    for rel in sel.files:
+        with contextlib.suppress(OSError):
+            if os.lstat(os.path.join(sel.root, rel)).st_mtime > since:
+                newer.append(rel)
+    if not newer:
+        return ""
+    more = f" and {len(newer) - limit} more" if len(newer) > limit else ""
+    return f" (changed since the run started, by their times: {', '.join(newer[:limit])}{more})"
 
 
 def check(manifest: dict, cluster: Inventory) -> list[str]:
@@ -138,13 +155,15 @@ def check(manifest: dict, cluster: Inventory) -> list[str]:
     code = manifest.get("code") or {}
     if code.get("tree_hash"):
         try:
-            now = _current_tree_hash(code)
+            tree = _current_tree(code)
+            now = sync.local_tree(tree)["tree_hash"]
         except Exception as exc:  # noqa: BLE001 - reported as a reason to refuse
             problems.append(f"cannot hash the code tree {code.get('src')} again: {exc}")
         else:
             if now != code["tree_hash"]:
                 problems.append(f"the code changed since the run: tree {code.get('src')} hashed "
-                                f"{code['tree_hash'][:12]} then, {now[:12]} now")
+                                f"{code['tree_hash'][:12]} then, {now[:12]} now"
+                                f"{changed_since(tree, manifest.get('started'))}")
     elif manifest.get("script_sha256"):
         path = manifest.get("script_file")
         digest = file_sha256(path) if path else None

@@ -151,6 +151,7 @@ def test_replay_reproduces_the_run_and_refuses_what_would_differ(lab, recorded, 
     script.write_text(script.read_text() + "\n# changed\n")
     res = ddpfab("replay", rid, "--runs-dir", str(recorded.runs), "--env", "HF_TOKEN=s3cret")
     assert res.returncode == 2 and "the code changed" in res.stderr and "nothing was started" in res.stderr
+    assert "(changed since the run started, by their times: train_dist.py)" in res.stderr, res.stderr
     assert all(lab.processes(n) == [] for n in ("node1", "node2"))
     res = ddpfab("replay", rid, "--runs-dir", str(recorded.runs), "--env", "HF_TOKEN=s3cret", "--force", "--dry-run")
     assert res.returncode == 0 and "the code changed" in res.stderr and "--node-rank=1" in res.stdout
