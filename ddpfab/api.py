@@ -1222,6 +1222,8 @@ class Cluster:
             self._say_left_out(exc.result.left_out if exc.result else [])
             # per node as problems (a restart leaves out the node they name) when sync got that far
             problems = exc.result.problems if exc.result else exc.problems
+            if problems and all(isinstance(p, Problem) and p.check == "setup" for p in problems):
+                raise runner.RunError(problems) from None  # the nodes' setup lines, which every command runs
             raise runner.RunError([replace(p, text=f"sync: {p}") if isinstance(p, Problem) else f"sync: {p}"
                                    for p in problems]
                                   + ["(to take such a directory over: `ddpfab sync --adopt`)"] * bool(exc.not_ours)

@@ -129,7 +129,8 @@ SHELL_OUTPUT = "shell_output"
 
 
 def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str, str],
-             mesh: dict | None, options: CheckOptions, nproc: dict[str, int]) -> list[CheckResult]:
+             mesh: dict | None, options: CheckOptions, nproc: dict[str, int],
+             setup_failed: dict[str, str] | None = None) -> list[CheckResult]:
     """Turn collected facts into per-node results. Pure: no I/O, unit-tested with made-up facts.
 
     Args:
@@ -137,6 +138,7 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
         unreachable: node -> why SSH failed (those nodes get only their ssh result).
         mesh: the data-plane results (see :func:`run_mesh`), None if not run.
         nproc: node -> processes the run would start there.
+        setup_failed: node -> which of its setup lines failed (SSH worked; nothing else ran there).
     """
     results: list[CheckResult] = []
     for node in cluster.nodes:
@@ -144,6 +146,9 @@ def evaluate(cluster, master: str, facts: dict[str, dict], unreachable: dict[str
             results.append(CheckResult(node.name, "ssh", "fail", found=unreachable[node.name]))
         else:
             results.append(CheckResult(node.name, "ssh", "pass", found="connected, host key verified"))
+        if node.name in (setup_failed or {}):
+            results.append(CheckResult(node.name, "environment", "fail", found=(setup_failed or {})[node.name],
+                                       expected="every setup line succeeds"))
     ok = [n for n in cluster.nodes if n.name in facts]
     fx = {n.name: facts[n.name] for n in ok}
     results += _software(ok, fx, options)
@@ -411,16 +416,24 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
         facts, _problems = probe.gather(cluster, {k: v for k, v in conns.items() if k in sessions}, master,
                                         cwd=os.getcwd(), script=None, master_port=options.master_port,
                                         full=options.full, sessions=sessions)
+        setup_failed: dict[str, str] = {}  # a setup line failed: the node is reachable, its environment is not
         for name, exc in failed.items():
-            unreachable.setdefault(name, exc.found)
+            if exc.kind == "setup":
+                setup_failed[name] = exc.found
+            else:
+                unreachable.setdefault(name, exc.found)
         raw = {n: f.raw for n, f in facts.items()}
         for name, session in sessions.items():  # what its login shell printed before the program spoke
             if session.stray and name in raw:
                 raw[name] = {**raw[name], SHELL_OUTPUT: nodeprog.printable(session.stray.decode(errors="replace"))}
         phases["probe"] = time.monotonic() - started - sum(phases.values())
         for name in conns:
-            if name not in facts:
-                unreachable.setdefault(name, "probe failed: " + "; ".join(str(p) for p in _problems if p.about(name)))
+            mine = [p for p in _problems if p.about(name)]
+            if name not in facts and name not in setup_failed:
+                if mine and all(p.check == "setup" for p in mine):
+                    setup_failed[name] = "; ".join(p.found or p.text for p in mine)
+                else:
+                    unreachable.setdefault(name, "probe failed: " + "; ".join(map(str, mine)))
         addresses = {n.name: (facts[n.name].address if n.name in facts else n.data_addr) for n in cluster.nodes}
         port, _ = probe.pick_port(conns, master, facts, [], options.master_port, cwd=os.getcwd())
         mesh = run_mesh(cluster, {k: v for k, v in conns.items() if k in facts}, addresses, master.name, port,
@@ -436,7 +449,7 @@ def check_cluster(cluster, policy, options: CheckOptions, ssh_config: str | None
     nproc, refused = _nprocs(cluster, RunOptions("check", nproc_per_node=options.nproc_per_node), raw)
     checks = refused + evaluate(cluster, master.name, raw, unreachable, mesh, CheckOptions(
         master_port=port, nproc_per_node=options.nproc_per_node, max_skew_s=options.max_skew_s,
-        full=options.full, floors=options.floors), nproc)
+        full=options.full, floors=options.floors), nproc, setup_failed)
     return Report(nodes=[n.name for n in cluster.nodes], results=checks, seconds=time.monotonic() - started,
                   extra={"master": master.name, "master_port": port, "mesh": mesh_detail(cluster, mesh),
                          "phases_s": {k: round(v, 3) for k, v in phases.items()}})
@@ -522,7 +535,7 @@ def render(report: Report) -> str:
     for check, label in (("interpreter", "python"), ("environment", "setup")):
         same: dict[str, list[str]] = {}
         for r in report.results:
-            if r.check == check:
+            if r.check == check and r.status == "pass":  # (a failure is said below, with the others)
                 same.setdefault(r.found, []).append(r.node)
         lines += [f"{label} {compact(names, limit=4)}: {found}" for found, names in same.items()]
     fails = report.failures

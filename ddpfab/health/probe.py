@@ -24,7 +24,7 @@ from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.planning import scriptfile
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import DEFAULT_PORT_RANGE, REMOTE_RUNS_DIR, Interface, is_port, master_port
-from ddpfab.problems import Problem
+from ddpfab.problems import NodeError, Problem
 from ddpfab.remote import ssh
 from ddpfab.remote.address import resolve
 from ddpfab.results import GroupResult
@@ -258,8 +258,10 @@ def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
     problems: list[Problem] = []
     for node in cluster.nodes:
         if node.name in failed:
-            why = str(failed[node.name])
-            problems.append(Problem(node.name, "probe", found=why, text=why))
+            exc, why = failed[node.name], str(failed[node.name])
+            # a setup line that failed keeps its kind (the node's environment, not its probe)
+            kind = "setup" if isinstance(exc, NodeError) and exc.kind == "setup" else "probe"
+            problems.append(Problem(node.name, kind, found=exc.found if isinstance(exc, NodeError) else why, text=why))
             continue
         if node.name not in got:
             continue

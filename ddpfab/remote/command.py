@@ -88,19 +88,23 @@ def stdin_for(node, command: str) -> tuple[str, bytes]:
                                                              f"{COMMAND_VAR}={joined}; unset -v __nl")
 
 
-def _pump(chan, read, name: str, printer: Printer, stderr: bool) -> None:
+def _pump(chan, read, name: str, printer: Printer, stderr: bool, node=None) -> None:
     for line in streams.lines(read):
+        if node is not None and line.startswith(nodeenv.SETUP_MARK):  # the bootstrap's own, said as ddpfab says it
+            line = "ddpfab: " + (nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), nodeenv.SETUP_FAILED,
+                                                       line, tuple(getattr(node, "secret_env", ()) or ())) or line)
         printer.line(name, line, stderr)
         if printer.closed:  # nobody reads on: closing the channel ends the command (see guarded)
             chan.close()
             return
 
 
-def _pump_stderr(chan, name: str, printer: Printer) -> None:
+def _pump_stderr(chan, node, printer: Printer) -> None:
     """stderr's pump, on a thread of its own: its failures (the --timeout's TimeoutError, a closed
-    channel) end it quietly; the stdout side reports them as the node's result."""
+    channel) end it quietly; the stdout side reports them as the node's result. A setup line's
+    failure is said as the line it is (exit status :data:`ddpfab.hosts.nodeenv.SETUP_FAILED`)."""
     try:
-        _pump(chan, chan.recv_stderr, name, printer, True)
+        _pump(chan, chan.recv_stderr, node.name, printer, True, node)
     except OSError:
         return
 
@@ -145,7 +149,7 @@ def run_in(chan, node, command: str, printer: Printer, timeout: float | None = N
         bootstrap, head = stdin_for(node, command)  # the setup and the command, read before the guard
         chan.exec_command(bootstrap + guarded())
         chan.sendall(head)
-        err_thread = threading.Thread(target=_pump_stderr, args=(chan, node.name, printer), daemon=True)
+        err_thread = threading.Thread(target=_pump_stderr, args=(chan, node, printer), daemon=True)
         err_thread.start()
         _pump(chan, chan.recv, node.name, printer, False)
         if printer.closed:  # ended by us: no exit status will come

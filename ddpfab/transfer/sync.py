@@ -136,6 +136,8 @@ class NodeSync:
         tree_hash: the hash the node computed.
         ok: synced and verified.
         error: the problem, one line, when not ok.
+        error_kind: its kind (a problem's check: ``setup`` when a setup line failed there), when
+            not ok for a known reason.
     """
 
     name: str
@@ -154,6 +156,7 @@ class NodeSync:
     tree_hash: str | None = None
     ok: bool = False
     error: str | None = None
+    error_kind: str | None = None
 
 
 @dataclass
@@ -213,7 +216,7 @@ class SyncResult:
                 out.append(Problem(r.name, "workdir", expected="a workdir ddpfab placed, or an empty one",
                                    found="files ddpfab did not put there", fix="ddpfab sync --adopt", text=text))
             else:
-                out.append(Problem(r.name, "sync", found=text, text=text))
+                out.append(Problem(r.name, r.error_kind or "sync", found=text, text=text))
         return out
 
 
@@ -632,6 +635,7 @@ class _Sync:
 
     def fail(self, t: _SyncTarget, problem: Problem | str) -> None:
         t.rec.ok, t.rec.error = False, str(problem)  # reported once, at the end (SyncError, by node)
+        t.rec.error_kind = problem.check if isinstance(problem, Problem) else None
 
     def request(self, t: _SyncTarget, op: str, **fields) -> dict:
         return {"op": op, "workdir": t.rec.workdir, **fields}
