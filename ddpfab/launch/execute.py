@@ -887,7 +887,7 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            for line in hints.verdict_lines(found):
+            for line in hints.verdict_lines(found) + [h for h in [story.signal_hint(verdict.cause, verdict.node)] if h]:
                 self.printer.note(f"hint: {line}")
             return (out.exit_code if out.exit_code not in (None, 0) else 1), summary
         if races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:

@@ -138,3 +138,13 @@ def _pointed(verdict: Blame, addresses: dict[str, str], others: Mapping[str, Out
         return (f"; their errors name {node} ({addresses[node]}), which had exited 0 while they still waited "
                 "for it: look there for a rank that ends before the others")
     return f"; their errors name {node} ({addresses[node]}): look there first"
+
+
+def signal_hint(cause: Cause | None, node: str) -> str | None:
+    """What sends a rank SIGKILL, when one killed the rank named and the node recorded no OOM
+    kill of it (its kernel log may be closed to ddpfab's user); None for any other cause."""
+    if cause is None or cause.kind is not CauseKind.SIGNAL or cause.signal != 9:
+        return None
+    return (f"SIGKILL comes from the kernel's OOM killer (no record of it was found, but {node}'s kernel log may "
+            f"be closed to this user: `dmesg | grep -i kill` there as root), a memory limit (cgroup, ulimit), a "
+            "scheduler or watchdog, or someone's `kill -9`")

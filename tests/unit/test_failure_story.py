@@ -573,3 +573,19 @@ def test_every_rank_failing_the_same_way_is_said_once_not_as_a_stop():
     line = story.closing_line(verdict, outcomes["node1"], "", addresses, outcomes)
     assert line.startswith("failed: node1 (node_rank 0) exit code 1; ") and \
         line.endswith("; node2, node3, node4 failed the same way"), line
+
+
+def test_a_sigkill_without_an_oom_record_says_what_sends_one():
+    """A rank killed by SIGKILL, no OOM kill recorded: the closing line said only "was killed by
+    signal 9 (SIGKILL)" (a new user's pass); a hint says what sends it, and where to look."""
+    killed = CauseReader().cause({"pid": 5, "signal": 9, "rank": 1, "local_rank": 0})
+    outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),
+                "node2": execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=killed),
+                "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert "was killed by signal 9 (SIGKILL)" in result.summary, result.summary
+    assert "ddpfab: hint: SIGKILL comes from the kernel's OOM killer" in printed and "node2's kernel log" in printed
+    oom = CauseReader().cause({"pid": 5, "signal": 9, "oom": True, "rank": 1, "local_rank": 0})
+    outcomes["node2"] = execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=oom)
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert "by the OOM killer" in result.summary and "hint: SIGKILL" not in printed, printed
