@@ -42,9 +42,11 @@ COLLECTIVES = frozenset((
     "_all_gather_base", "_reduce_scatter_base",
     # DistributedDataParallel's construction: its checks and broadcast across the ranks (C++ below them)
     "_verify_param_shape_across_processes", "_sync_module_states", "_sync_params_and_buffers"))
-#: The collectives that make the group: a rank still in one while others have left it cannot
-#: connect to some peer (each pair of ranks connects there).
-JOINING = frozenset(("init_process_group", "new_group"))
+#: The collective that makes the group: every rank calls it once, at its start, and a rank leaves
+#: it once it has connected to every peer; so a rank still in it while others have left it cannot
+#: connect to some peer. (Not ``new_group``: a rank may pass it alone, and one elsewhere after it
+#: is the odd one out, as for any collective.)
+JOINING = frozenset(("init_process_group",))
 #: Waits on a collective started before (``async_op=True``, functional collectives): a collective
 #: only in torch.distributed's or torch.futures' code (a ``wait`` of the user's, or threading's, is none).
 TORCH_WAITS = frozenset(("wait", "wait_all", "wait_tensor"))
@@ -406,7 +408,7 @@ def _outside_odds(outside: dict[Site, list[Rank]], run_id: str | None = None) ->
 
 
 def _joining_odds(joining: dict[Site, list[Rank]]) -> list[dict]:
-    """The ranks still in ``init_process_group`` (or ``new_group``) after others have left it:
+    """The ranks still in ``init_process_group`` after others have left it:
     they wait to connect to a peer that the ones past it could reach; what is between their nodes
     (a firewall, the wrong interface) is the likely cause, not the ranks that moved on."""
     return [_odd(Odd.SITE, rs[0].node, f"{', '.join(r.label for r in rs)} {'is' if len(rs) == 1 else 'are'} still "

@@ -256,6 +256,9 @@ def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
             failed[name] = exc
     facts: dict[str, NodeFacts] = {}
     problems: list[Problem] = []
+    # a script no node has and that is not here either is a name to check; one that some node has is
+    # the others' to get (a sync, or a copy by hand)
+    here = cwd if os.path.isdir(cwd) and not any(f.script_exists for f in got.values()) else None
     for node in cluster.nodes:
         if node.name in failed:
             exc, why = failed[node.name], str(failed[node.name])
@@ -278,7 +281,7 @@ def collect(cluster: Inventory, conns: dict[str, Connection], master: Node,
                                     text=f"host {node.name}: workdir {workdir} does not exist there; create it, "
                                          "sync the code, or set ddpfab_workdir"))
         elif script and res.script_exists is False:
-            fix = missing_script_fix(script, workdir, node.name, cwd)
+            fix = missing_script_fix(script, workdir, node.name, here)
             problems.append(Problem(node.name, "script", expected=f"{script} in {workdir}", found="missing",
                                     fix=fix, text=f"host {node.name}: script {script} not found in {workdir}; {fix}"))
         if not res.torch:

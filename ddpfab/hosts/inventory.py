@@ -557,7 +557,7 @@ def ansible_source(source: str) -> str:
         if known.is_file():  # expanded and checked before
             return str(known)
         return _generated(f"host list {source}", _host_list(source), known)
-    near = _files_near(path)
+    near = _files_near(path) if "." in path.name or "/" in source else []
     if near:  # a mistyped file name first: it is what a name with a dot or a slash usually is
         raise InventoryError(f"inventory {source}: no such file or directory{did_you_mean(path.name, near)}")
     hint = f"; for a single host write {source},  (a host list ends with a comma)" \

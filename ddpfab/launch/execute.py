@@ -154,6 +154,7 @@ class NodeOutcome:
     rank_lines: int = 0  # lines from a rank (torchrun's own lines are not)
     last_line: float = 0.0  # time.monotonic() of the last line, 0 = none yet
     last_rank_line: float = 0.0  # ... of the last line from a rank
+    last_progress: float = 0.0  # ... of the last ordinary line from a rank (no traceback, no noise)
     stopped_by_ddpfab: bool = False
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
     hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
@@ -433,6 +434,8 @@ class _NodeJob:
             if self.debugger is not None:  # a rank that stops in pdb says so in a line of its own
                 self.debugger.saw(self.node.name, text[tag.end():])
         fold, local = self.outcome.causes.feed(text)
+        if tag and fold is Fold.SHOW:  # the job's own output: it moves (a victim's traceback does not count)
+            self.outcome.last_progress = self.outcome.last_line
         self.printer.line(self.node.name, text, fold, local)
         if self.gate is not None:
             self.gate.saw(self.node.name, text)
@@ -881,7 +884,7 @@ class _Monitor:
             seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
             summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
                                          self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
-            hang = self.hang.standing(lambda n: outcomes[n].last_rank_line if n in outcomes else 0.0) \
+            hang = self.hang.standing(max((o.last_progress for o in outcomes.values()), default=0.0)) \
                 if self.hang is not None and not verdict.own else None
             if hang is not None:  # the ranks' timeouts followed a hang the watch had found: it comes first
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"

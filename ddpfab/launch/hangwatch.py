@@ -69,6 +69,7 @@ class HangWatch:
             return
         self._report(verdict, path, spell)
         if not verdict.hung:
+            self.reported = None  # a later look that finds none: what an earlier one found has passed
             self.note("no hang found (no rank stands out, and the ranks use CPU or none runs yet); still waiting")
         elif self.stop_on_hang:
             self.verdict = verdict
@@ -78,15 +79,15 @@ class HangWatch:
             self.note(f"still waiting ({option('on_hang', 'stop')} would end it now; `ddpfab stop {self.plan.run_id}` "
                       "ends it)")
 
-    def standing(self, last_line: Callable[[str], float]) -> doctor.Verdict | None:
+    def standing(self, last_progress: float) -> doctor.Verdict | None:
         """The reported hang verdict when it still stands: it named ranks as the odd ones out and
-        none of their nodes has printed since (*last_line*: node -> when its ranks last printed,
-        monotonic). A job that fails after a hang fails of it, its ranks' timeouts only follow."""
+        no rank has printed a line of its own since (*last_progress*, monotonic: a traceback of a
+        rank whose collective timed out is none). A job that fails after a hang fails of it, its
+        ranks' timeouts only follow; one that moved on after the report did not hang there."""
         if self.reported is None:
             return None
         at, verdict = self.reported
-        nodes = {o["node"] for o in verdict.odd if o.get("node")}
-        return verdict if nodes and all(last_line(n) <= at for n in nodes) else None
+        return verdict if verdict.odd and last_progress <= at else None
 
     def _report(self, verdict: doctor.Verdict, path: Path | None, spell: float | None) -> None:
         """The verdict's lines; with a hang verdict the grouped stacks too, unless this quiet spell

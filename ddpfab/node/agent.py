@@ -1016,6 +1016,8 @@ class Supervisor(object):
                 self.last_beat = time.monotonic()
                 at = data.find(b"!")
                 if at >= 0:  # the job is lost anyway (another node failed, a hang): end it fast
+                    if at == len(data) - 1 and select.select([0], [], [], 0.2)[0]:  # its reason, read apart
+                        data += os.read(0, 1)
                     self.grace_now = min(self.grace, FAST_GRACE)
                     self.request_stop("stopped by ddpfab: " + FAST_STOPS.get(data[at + 1:at + 2], FAILED_ELSEWHERE))
         except OSError:
@@ -1401,12 +1403,15 @@ def ended_state(result):
     """How a job ended, by its supervisor's *result*: ``cancelled`` (a ``--wait`` ended before it
     started), ``stopped`` (something stopped it: ``ddpfab stop``, the controller, another node's
     failure; it did not fail on its own, so no ``failed_at``) or ``exited``. A job that exited 0
-    exited, a stop that came as it ended notwithstanding: its ranks had finished (a rank that
-    left the others early is that node's story)."""
+    while the controller stopped the run exited: its ranks had finished (a rank that left the
+    others early is that node's story)."""
     if result.get("cancelled") is True:
         return "cancelled"
     why = result.get("stopped")
-    if isinstance(why, str) and why and not result.get("failed_at") and result.get("exit_code") != 0:
+    # (a job that exited 0 under the controller's stop had finished; one a signal stopped, as
+    # `ddpfab stop` sends, was stopped, whatever its exit code)
+    finished = result.get("exit_code") == 0 and result.get("stop_signal") is None
+    if isinstance(why, str) and why and not result.get("failed_at") and not finished:
         return "stopped"
     return "exited"
 

@@ -143,7 +143,11 @@ def own_files(out: Path) -> list[str] | None:
     marker = out / MARKER
     if marker.is_symlink() or not marker.is_file():
         return None
-    return [n for n in marker.read_text(encoding="utf-8").splitlines() if n and "/" not in n and n != MARKER]
+    try:
+        text = marker.read_text(encoding="utf-8")
+    except (OSError, ValueError):  # unreadable, or not what ddpfab writes: no list of ddpfab's
+        return None
+    return [n for n in text.splitlines() if n and "/" not in n and n != MARKER]
 
 
 def write(plan: Plan, directory: str | os.PathLike, targets: dict[str, Target] | None = None,

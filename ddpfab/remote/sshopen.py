@@ -176,7 +176,7 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
                              "check this machine's DNS", "unreachable") from None
         raise hop_error(node, t, unresolved(t, exc.strerror or str(exc)), "unreachable") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
-        if isinstance(exc, OSError) and exc.filename is not None:  # a file here (a key), not the network
+        if isinstance(exc, OSError) and _key_file(exc, t.identity_files):  # a key file here, not the network
             raise hop_error(node, t, (
                 f"cannot read {exc.filename} here ({exc.strerror}); check ansible_ssh_private_key_file (or "
                 "the ssh config's IdentityFile)"), "key-file") from None
@@ -188,6 +188,14 @@ def _open_hop(node: str, conn: Connection, t: Target) -> None:
         raise hop_error(node, t, (
             f"unreachable: {exc}; check ansible_host/ansible_port and that "
             "sshd runs there"), "unreachable") from None
+
+
+def _key_file(exc: BaseException, files) -> bool:
+    """*exc* is a failure to read one of the key *files* here (its ``filename``, not its text)."""
+    if not isinstance(exc, OSError) or exc.filename is None:
+        return False
+    names = [files] if isinstance(files, str) else list(files)
+    return any(os.path.expanduser(str(f)) == os.path.expanduser(str(exc.filename)) for f in names)
 
 
 def _no_banner(conn: Connection) -> bool:
@@ -227,7 +235,7 @@ def _open(conn: Connection, timeout: float) -> None:
             final = (isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME
                      or isinstance(exc, OSError) and not isinstance(exc, socket.gaierror) and exc.errno in _FINAL_ERRNOS
                      or isinstance(exc, paramiko.AuthenticationException) and not busy_auth
-                     or isinstance(exc, OSError) and exc.filename is not None)  # a key file here: no retry helps
+                     or _key_file(exc, conn.connect_kwargs.get("key_filename") or ()))  # no retry helps
             if attempt == CONNECT_ATTEMPTS - 1 or final:
                 raise
             conn.close()

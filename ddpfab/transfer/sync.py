@@ -136,8 +136,7 @@ class NodeSync:
         tree_hash: the hash the node computed.
         ok: synced and verified.
         error: the problem, one line, when not ok.
-        error_kind: its kind (a problem's check: ``setup`` when a setup line failed there), when
-            not ok for a known reason.
+        error_kind: ``setup`` when a setup line failed there (not sync's problem), else None.
     """
 
     name: str
@@ -635,7 +634,8 @@ class _Sync:
 
     def fail(self, t: _SyncTarget, problem: Problem | str) -> None:
         t.rec.ok, t.rec.error = False, str(problem)  # reported once, at the end (SyncError, by node)
-        t.rec.error_kind = problem.check if isinstance(problem, Problem) else None
+        # (a setup line's failure is the node's environment, not sync's; every other stays sync's)
+        t.rec.error_kind = "setup" if isinstance(problem, Problem) and problem.check == "setup" else None
 
     def request(self, t: _SyncTarget, op: str, **fields) -> dict:
         return {"op": op, "workdir": t.rec.workdir, **fields}

@@ -483,3 +483,19 @@ def test_a_job_that_exited_0_as_a_stop_came_exited():
     assert agent.ended_state({"exit_code": 143, "stopped": stopped, "failed_at": None}) == "stopped"
     assert agent.ended_state({"exit_code": 1, "stopped": stopped, "failed_at": 5.0}) == "exited"
     assert agent.ended_state({"exit_code": 143, "cancelled": True, "stopped": "signal 15"}) == "cancelled"
+    # `ddpfab stop` (a signal to the supervisor) of a job that traps it and exits 0: stopped
+    assert agent.ended_state({"exit_code": 0, "stopped": "signal 15", "stop_signal": 15, "failed_at": None}) == "stopped"
+
+
+def test_a_fast_stop_s_reason_read_apart_from_its_bang_is_kept(tmp_path):
+    """The ``!`` and its reason may arrive in two reads (a relay that splits them)."""
+    proc, d = start(tmp_path, -1)
+    pids(d)
+    proc.stdin.write(b"!")
+    proc.stdin.flush()
+    time.sleep(0.05)
+    proc.stdin.write(b"h")
+    proc.stdin.close()
+    proc.wait(timeout=30)
+    result = json.loads((d / "run" / "result.json").read_text())
+    assert result["stopped"] == "stopped by ddpfab: the job hung (--on-hang stop)", result

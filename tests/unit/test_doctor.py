@@ -83,6 +83,18 @@ def test_ranks_still_joining_the_group_are_named_not_the_one_that_moved_on():
     assert v.hung
 
 
+def test_a_rank_that_passed_new_group_alone_is_the_odd_one_not_the_others():
+    """new_group has no barrier: a rank may pass it alone into another collective. The seven in
+    new_group are where the job should be; the one elsewhere is named (a review found the joining
+    rule naming the seven, and the network)."""
+    replies = cluster_replies(nodes=4, nproc=2, **{f"r{r}": {"stack": stack("new_group", 30, "main")}
+                                                     for r in range(7)})
+    v = doctor.analyze(replies, EXPECTED)
+    assert v.lines[0] == "node4 rank 7 (pid 1007) is in all_reduce (train.py:42), not in new_group like the others", \
+        v.lines
+    assert "connect" not in " ".join(v.lines)
+
+
 def test_a_group_of_ranks_beyond_16_nodes_is_one_folded_line():
     """24 nodes, rank 5 stopped: the group of the other 23 listed every node and rank (430
     characters on a 24-node lab); folded, as every other answer beyond 16 nodes."""

@@ -543,20 +543,34 @@ def test_a_job_that_fails_after_a_reported_hang_fails_of_the_hang():
     """With --hang-timeout and the default --on-hang report, the watch named node2's rank 1; gloo's
     timeout then ended the other ranks, node2 stopped: the closing line blamed a victim ("only
     secondary failures were seen", a new user's pass). It starts with the hang."""
+    # the victims' tracebacks came after the report (their last lines), their own output before it;
+    # node2's other rank, a victim too, printed its traceback late (several ranks per node)
     victims = {n: execute.NodeOutcome(n, r, exit_code=1, remote={"failed_at": 60.0 + r}, causes=reader(VICTIM),
-                                      cause=reader(VICTIM).cause(), last_rank_line=70.0) for n, r in (("node1", 0),
-                                                                                                    ("node3", 2))}
-    hung = execute.NodeOutcome("node2", 1, exit_code=143, stopped_by_ddpfab=True, last_rank_line=5.0)
+                                      cause=reader(VICTIM).cause(), last_rank_line=70.0, last_progress=5.0)
+               for n, r in (("node1", 0), ("node3", 2))}
+    hung = execute.NodeOutcome("node2", 1, exit_code=143, stopped_by_ddpfab=True, last_rank_line=71.0,
+                               last_progress=5.0)
     outcomes = {"node1": victims["node1"], "node2": hung, "node3": victims["node3"]}
     result, _ = _monitor_ends(outcomes, ["node1", "node3", "node2"], hang=_reported_hang(30.0))
     assert result.summary.startswith("failed after a hang: node2 rank 1 (local rank 0, pid 556) is outside any "
                                      "collective, in main (job.py:20); the other 2 ranks wait for it in all_reduce "
                                      "(job.py:25); then node1 (node_rank 0) exit code 1; "), result.summary
     assert result.exit_code == 1
-    # node2's rank printed after the report: that hang had passed, the story is the failure's own
-    outcomes["node2"] = execute.NodeOutcome("node2", 1, exit_code=143, stopped_by_ddpfab=True, last_rank_line=40.0)
+    # a rank printed its own output after the report: the job moved on, the story is the failure's own
+    outcomes["node3"] = execute.NodeOutcome("node3", 2, exit_code=1, remote={"failed_at": 62.0}, causes=reader(VICTIM),
+                                            cause=reader(VICTIM).cause(), last_rank_line=70.0, last_progress=40.0)
     result, _ = _monitor_ends(outcomes, ["node1", "node3", "node2"], hang=_reported_hang(30.0))
     assert result.summary.startswith("failed: node1 (node_rank 0) exit code 1; only secondary"), result.summary
+
+
+
+def test_a_later_look_that_finds_no_hang_clears_the_reported_one(monkeypatch):
+    watch = _reported_hang(30.0)
+    assert watch.standing(0.0) is not None
+    calm = doctor.Verdict(["no rank stands out: all 3 ranks are in all_reduce (job.py:25)"], False)
+    monkeypatch.setattr(doctor, "diagnose", lambda plan, call, run_dir: (calm, None))
+    watch._diagnose(40.0)
+    assert watch.reported is None and watch.standing(0.0) is None
 
 
 def test_every_rank_failing_the_same_way_is_said_once_not_as_a_stop():

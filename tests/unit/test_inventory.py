@@ -131,6 +131,15 @@ def test_a_mistyped_inventory_file_name_is_matched_against_its_directory(tmp_pat
     assert "single host" not in str(exc.value)
 
 
+def test_a_bare_host_name_keeps_the_single_host_hint_beside_a_file_like_it(tmp_path, monkeypatch):
+    """``-i node1`` beside a node.py: a host, not a mistyped file (a review found the hint lost)."""
+    (tmp_path / "node.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InventoryError) as exc:
+        load("node1")
+    assert "for a single host write node1," in str(exc.value) and "did you mean" not in str(exc.value)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(InventoryError, match="no such file"):
         load(tmp_path / "absent.yml")

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from ddpfab.cli import sync as sync_cli
 from ddpfab.hosts.inventory import Node
 from ddpfab.node import treehash, workdir
 from ddpfab.remote.ssh import HostKeyPolicy
+from ddpfab.problems import Problem
 from ddpfab.transfer import sync
 
 
@@ -653,3 +655,23 @@ def test_what_plan_emit_wrote_into_the_project_is_never_sent(tmp_path):
     (job / "notes.md").write_text("mine\n")
     files = sync.select(tmp_path).files
     assert sorted(files) == ["job/notes.md", "train.py"], files
+
+
+def test_an_unreadable_emit_marker_is_no_list_and_no_traceback(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / ".ddpfab-emit").write_bytes(b"\xff\xfe not utf-8\n")
+    (tmp_path / "job" / "notes.md").write_text("")
+    assert sorted(sync.select(tmp_path).files) == ["job/notes.md", "train.py"]
+
+
+def test_only_a_setup_line_s_failure_changes_a_sync_problem_s_kind():
+    """A node's setup line is its environment's problem; any other stays sync's (a review found
+    every kind passed on: unreachable, auth, timeout...)."""
+    result = sync.SyncResult(src="/p", tree_hash="x", files=0, bytes=0, selection="walk", git_commit=None,
+                             git_dirty=None, fanout="star")
+    for name, kind in (("a", "setup"), ("b", "unreachable"), ("c", None)):
+        rec = result.nodes[name] = sync.NodeSync(name)
+        sync._Sync.fail(None, types.SimpleNamespace(rec=rec),  # type: ignore[arg-type]
+                        Problem(name, kind, text=f"host {name}: no") if kind else f"host {name}: no")
+    assert [(p.node, p.check) for p in result.problems] == [("a", "setup"), ("b", "sync"), ("c", "sync")]

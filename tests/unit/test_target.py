@@ -499,3 +499,15 @@ def test_the_ssh_config_file_connects_exactly_as_the_options(tmp_path):
         assert by_file == by_options, name  # every setting OpenSSH would use
     assert "odd name" not in config.read_text() and config_alias("odd name") is None
     assert config_alias("node-1.lab") == "node-1.lab" and config_alias("n*") is None
+
+
+def test_only_a_failure_to_read_a_key_file_is_said_as_the_key_file():
+    """paramiko's ProxyCommand raises FileNotFoundError(filename='nc') for a missing program: that
+    is not the key file (a review found it told to check ansible_ssh_private_key_file)."""
+    from ddpfab.remote import sshopen
+
+    missing = FileNotFoundError(2, "No such file or directory", "/home/u/.ssh/lab_key")
+    assert sshopen._key_file(missing, ("/home/u/.ssh/lab_key",))
+    assert sshopen._key_file(missing, "/home/u/.ssh/lab_key")  # paramiko's key_filename may be one path
+    assert not sshopen._key_file(FileNotFoundError(2, "No such file or directory", "nc"), ("/home/u/.ssh/lab_key",))
+    assert not sshopen._key_file(EOFError(), ("/home/u/.ssh/lab_key",))
