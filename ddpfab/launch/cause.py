@@ -492,6 +492,7 @@ class NodeFailure:
         kinds: local rank -> the kind of what each of its ranks said.
         peers: the addresses its victims name.
         failed: it failed on its own (else it was stopped: its victims still count).
+        ranks: how many ranks it ran (a node is a victim when every one of them lost its peer).
     """
 
     name: str
@@ -501,6 +502,7 @@ class NodeFailure:
     kinds: dict[int, CauseKind] = field(default_factory=dict)
     peers: set[str] = field(default_factory=set)
     failed: bool = True
+    ranks: int = 1
 
 
 @dataclass
@@ -570,8 +572,8 @@ def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
 def pointed_node(nodes: list[NodeFailure], addresses: dict[str, str]) -> str | None:
     """The node the victims' errors name (*addresses*: node -> data-plane address), None when they
     name none of them. In a ring all_reduce each victim names its neighbour, and the victims of
-    victims name victims: nearly every node is named. So a node that is no victim itself (its
-    ranks lost no peer: one left early, hangs or crashes in a ``finally``) comes first, then one
+    victims name victims: nearly every node is named. So a node that is no victim itself (not all
+    its ranks lost their peer: one left early, hangs or crashes in a ``finally``) comes first, then one
     the first victim in time names, then the most named, then the first in inventory order."""
     named: dict[str, int] = {}
     for f in nodes:
@@ -580,7 +582,8 @@ def pointed_node(nodes: list[NodeFailure], addresses: dict[str, str]) -> str | N
                 named[node] = named.get(node, 0) + 1
     if not named:
         return None
-    victims = {f.name for f in nodes if CauseKind.PEER_LOST in f.kinds.values()}
+    # a node with a rank that did not lose its peer may hold the cause (its other ranks lost theirs)
+    victims = {f.name for f in nodes if sum(k is CauseKind.PEER_LOST for k in f.kinds.values()) >= max(f.ranks, 1)}
     timed = [f for f in nodes if f.peers and f.failed_at is not None]
     earliest = min(timed, key=lambda f: (f.failed_at, f.node_rank)) if timed else None
     first_named = {n for n, addr in addresses.items()

@@ -594,12 +594,14 @@ def failed_worker_text(record: object) -> str:
     return ""
 
 
-def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None) -> Blame:
+def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None,
+                   nprocs: dict[str, int] | None = None) -> Blame:
     """Whose failure ended the run (:func:`ddpfab.launch.cause.blame`): among the nodes that failed
     on their own (their supervisor's ``failed_at``, the node's clock; a node without one, lost or
     its supervisor gone, counts at the time ddpfab saw it end when it was the first seen; a node
     whose output shows a rank's own failure though its stop came first), the rank whose cause is
-    its own outranks every victim. A node whose job failed on its own is never "stopped by ddpfab"."""
+    its own outranks every victim. A node whose job failed on its own is never "stopped by ddpfab".
+    *nprocs*: node -> its ranks (the plan's), for which node is a victim as a whole."""
     nodes = []
     for name, out in outcomes.items():
         failed_at = (out.remote or {}).get("failed_at")
@@ -608,7 +610,8 @@ def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], 
             out.stopped_by_ddpfab = False
         nodes.append(NodeFailure(name, out.node_rank, failed_at if failed_at is not None else out.ended, out.cause,
                                  out.causes.rank_kinds(), out.causes.peers(),
-                                 failed=out.failed and (failed_at is not None or own or name == detected)))
+                                 failed=out.failed and (failed_at is not None or own or name == detected),
+                                 ranks=(nprocs or {}).get(name, 1)))
     return blame(nodes, addresses)
 
 
@@ -705,7 +708,9 @@ class _Monitor:
         self.jobs, self.events, self.printer = jobs, events, printer
         self.stop_all, self.stop_deadline, self.hang, self.debugger = stop_all, stop_deadline, hang, debugger
         self.pending = set(jobs)
-        self.addresses = {n.name: n.data_addr for n in next(iter(jobs.values())).plan.nodes} if jobs else {}
+        nodes = next(iter(jobs.values())).plan.nodes if jobs else ()
+        self.addresses = {n.name: n.data_addr for n in nodes}
+        self.nprocs = {n.name: n.nproc for n in nodes}
         self.settle = _Settle()
         self.hung: list[str] | None = None  # the doctor's verdict when the hang watch stopped the job
         self.interrupted: str | None = None
@@ -850,7 +855,7 @@ class _Monitor:
             if out.cleanup and not out.holder_gone:
                 self.printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
         self.printer.folded_note()
-        verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure)
+        verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure, self.nprocs)
                    if not self.interrupted and not self.hung else Blame(self.first_failure))
         stopped = self.from_outside and not self.interrupted and not self.hung and not verdict.own
         if stopped:  # no rank failed on its own: its victims are the stop's

@@ -271,7 +271,7 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False)
     counted) and the line per other node; None when no node failed on its own account (with
     *own_only*, a job stopped from outside: also when only victims of the stop failed)."""
     addresses = {n.name: n.data_addr for n in plan.nodes}
-    verdict = blame_outcomes(outcomes, addresses, None)
+    verdict = blame_outcomes(outcomes, addresses, None, {n.name: n.nproc for n in plan.nodes})
     if verdict.node is None or (own_only and not verdict.own):
         return None
     out = outcomes[verdict.node]

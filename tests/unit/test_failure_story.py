@@ -603,3 +603,26 @@ def test_a_sigkill_without_an_oom_record_says_what_sends_one():
     outcomes["node2"] = execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=oom)
     result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
     assert "by the OOM killer" in result.summary and "hint: SIGKILL" not in printed, printed
+
+
+def test_the_culprit_s_node_with_a_victim_rank_beside_it_is_still_where_they_point():
+    """Two ranks per node: rank 9 (node5's local rank 1) left the group early; its sibling, local
+    rank 0, lost its peer like every rank elsewhere. node5 is not a victim as a whole: the victims
+    point at it (a review found the first tier missed it, any victim rank making a node a victim)."""
+    addresses = {f"node{i + 1}": f"10.0.1.{i + 1}" for i in range(8)}
+    outcomes = {}
+    for i, name in enumerate(addresses):
+        ranks = [0, 1] if name != "node5" else [0]  # node5's rank 9 exited 0: it said nothing
+        r = CauseReader()
+        for local in ranks:
+            peer = "10.0.1.5" if i in (3, 5) else f"10.0.1.{(i + 1) % 8 + 1}"
+            for line in VICTIM.splitlines()[:7]:
+                r.feed(line.replace("[default0]", f"[default{local}]").replace("[rank0]", f"[rank{2 * i + local}]")
+                       .replace("[10.0.0.12]", f"[{peer}]"))
+        outcomes[name] = execute.NodeOutcome(name, i, exit_code=1, causes=r, cause=r.cause(),
+                                             remote={"failed_at": 100.0 + abs(i - 4)})
+    verdict = execute.blame_outcomes(outcomes, addresses, "node4", {n: 2 for n in addresses})
+    assert verdict.pointed == "node5", verdict
+    # counted as a victim like the others (one rank per node assumed), node5 lost its place: the
+    # answer then rests on the victims' clocks
+    assert execute.blame_outcomes(outcomes, addresses, "node4").pointed != "node5"
