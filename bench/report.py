@@ -868,7 +868,11 @@ def held_section(data) -> tuple[list[str], dict]:
               "next check: `ddpfab.remote.spares`). On this lab every node's work (its sshd, its python, its "
               "`import torch`) shares the controller's 2 cores: what a holder cannot save (a run's supervisor "
               "start on each node, the check's data-plane probe) weighs as much as the handshakes it saves. "
-              "Median (min-max), seconds.", ""]
+              "Each run's timeline says where its difference to pdsh arises: `torchrun started` (the last node's "
+              "torchrun, by /proc) is ddpfab's own steps before the nodes start; `rank printed` adds the ranks' "
+              "start, where what else runs on the shared cores (a supervisor per node, the holder, the "
+              "controller) slows their `import torch`; the rest is the line's way back (torchrun's `--tee` "
+              "polls each rank's log file every 0.1 s). Median (min-max), seconds.", ""]
     lines += table(["command", "time"], [[r["what"], fmt(r)] for r in data["series"]])
     lines += [f"- {k}: {compared(v, '{:.3f}' if ' / ' in k else '{:+.2f} s')}" for k, v in comp.items()]
     lines += ["", "A goal is met when the 95 % confidence interval of the median (order statistics of the "
