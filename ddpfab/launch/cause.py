@@ -575,18 +575,16 @@ def pointed_node(nodes: list[NodeFailure], addresses: dict[str, str]) -> str | N
     victims name victims: nearly every node is named. So a node that is no victim itself (not all
     its ranks lost their peer: one left early, hangs or crashes in a ``finally``) comes first, then one
     the first victim in time names, then the most named, then the first in inventory order."""
+    names = {f.name: {n for n, addr in addresses.items() if any(_same_address(addr, a) for a in f.peers)}
+             for f in nodes}  # the nodes each failure's victims name
     named: dict[str, int] = {}
-    for f in nodes:
-        for node, addr in addresses.items():
-            if any(_same_address(addr, a) for a in f.peers):
-                named[node] = named.get(node, 0) + 1
+    for node in (n for f in nodes for n in names[f.name]):
+        named[node] = named.get(node, 0) + 1
     if not named:
         return None
     # a node with a rank that did not lose its peer may hold the cause (its other ranks lost theirs)
     victims = {f.name for f in nodes if sum(k is CauseKind.PEER_LOST for k in f.kinds.values()) >= max(f.ranks, 1)}
     timed = [f for f in nodes if f.peers and f.failed_at is not None]
-    earliest = min(timed, key=lambda f: (f.failed_at, f.node_rank)) if timed else None
-    first_named = {n for n, addr in addresses.items()
-                   if earliest is not None and any(_same_address(addr, a) for a in earliest.peers)}
+    first_named = names[min(timed, key=lambda f: (f.failed_at, f.node_rank)).name] if timed else set()
     order = {n: i for i, n in enumerate(addresses)}
     return min(named, key=lambda n: (n in victims, n not in first_named, -named[n], order[n]))

@@ -34,7 +34,7 @@ from ddpfab.launch.dapforward import DapForwarder
 from ddpfab.launch.debugger import Debugger
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
-from ddpfab.node import exitguard, rankdebugpy, rankpdb
+from ddpfab.node import agent, exitguard, rankdebugpy, rankpdb
 from ddpfab.node.agent import CANNOT_START
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import NodePlan, Plan
@@ -766,7 +766,7 @@ class _Monitor:
             self.interrupted = HOLDER_GONE
             self.printer.note("the connection holder ended (`ddpfab hold --stop`, or it died): this run's links to "
                               "the nodes went with it; each node's supervisor stops the job as its link ends")
-            self.stop_all(fast=True, why=b"c")
+            self.stop_all(fast=True, why=agent.HOLDER_ENDED)
             return
         sig = out.stopped_from_outside
         if sig is not None and self.interrupted is None:
@@ -775,7 +775,7 @@ class _Monitor:
             if not self.from_outside and self.stop_deadline() is None:
                 self.printer.note(f"{name}: stopped from outside this run ({signal_name(sig)} to its supervisor); "
                                   "stopping the job on every node")
-                self.stop_all(fast=True, why=b"o")
+                self.stop_all(fast=True, why=agent.STOPPED_OUTSIDE)
             self.from_outside[name] = sig
             return
         if out.failed and self.interrupted is None and not out.stopped_by_ddpfab and self.stop_deadline() is None:
@@ -838,7 +838,7 @@ class _Monitor:
         if self.hang.stop_now.is_set() and self.hang.verdict is not None and self.hung is None:
             self.hung = self.hang.verdict.lines
             self.printer.note(f"{option('on_hang', 'stop')}: stopping the job on every node")
-            self.stop_all(fast=True, why=b"h")
+            self.stop_all(fast=True, why=agent.HUNG)
 
     def enforce_deadline(self) -> None:
         deadline = self.extra_wait or self.stop_deadline()

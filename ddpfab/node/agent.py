@@ -59,8 +59,9 @@ PR_SET_CHILD_SUBREAPER = 36
 FAST_GRACE = 0.1
 #: Why ddpfab ends a job fast (``!``, then this byte), as the job's record says it; a bare ``!``
 #: (or one whose byte is not here) is another node's failure.
-FAST_STOPS = {b"h": "the job hung (--on-hang stop)", b"o": "another node was stopped from outside the run",
-              b"c": "the connection holder ended"}
+HUNG, STOPPED_OUTSIDE, HOLDER_ENDED = b"h", b"o", b"c"
+FAST_STOPS = {HUNG: "the job hung (--on-hang stop)", STOPPED_OUTSIDE: "another node was stopped from outside the run",
+              HOLDER_ENDED: "the connection holder ended"}
 FAILED_ELSEWHERE = "another node failed"
 #: Seconds between a worker's failure and ending the node's job: torchrun's ``--tee`` relays the
 #: workers' log files every 0.1 s, so this lets the crashed rank's last lines (its traceback) reach
