@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -496,16 +498,28 @@ def _worker(lab, name: str) -> int | None:
     return None
 
 
-def test_all_nodes_failing_on_their_own_blame_the_earliest(lab, inventory2, tmp_path):
-    """node1's worker fails first (1.5 s), node2's 1.5 s later; node1's SSH session (its sshd, on
-    the node) is frozen with SIGSTOP from just before node1's failure until node2's failure has
-    reached ddpfab (at most 4.5 s, under the 5 s after which a silent node counts as lost), so
-    node2's failure arrives first. The blame still goes to node1, by the failure times the nodes
-    report, and node1 is not recorded as stopped by ddpfab."""
-    runs = tmp_path / "runs"
+def _pump(proc: subprocess.Popen) -> queue.Queue:
+    """*proc*'s output lines, as they come, on a queue (None at its end): read with a timeout."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+def _node2_failure_first(lab, inventory2, runs: Path) -> tuple[bool, str]:
+    """One try of the drill below: whether its arrangement held (node1's worker failed while its
+    sshd was frozen, then node2's, whose failure reached ddpfab before the thaw), and the output."""
+    gate = Path(tempfile.mkdtemp(prefix="gate-", dir=lab.shared_dir))
     proc = start_ddpfab("run", "-i", str(inventory2), "--runs-dir", str(runs), "--no-sync", "--no-check",
-                        "--env", "REPORT_FAIL_PLAN=0:1.5:0,1:3:0", REPORT)
+                        "--env", "REPORT_FAIL_PLAN=0:1.5:0,1:gate:0", "--env", f"REPORT_FAIL_GATE={gate}", REPORT)
+    lines = _pump(proc)
+    seen: list[str] = []
     frozen: list[int] = []
+    arranged = False
     try:
         deadline = time.monotonic() + 120
         while _worker(lab, "node1") is None:
@@ -516,30 +530,59 @@ def test_all_nodes_failing_on_their_own_blame_the_earliest(lab, inventory2, tmp_
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        lines = []
-        while time.monotonic() - stopped_at < 4.5:  # node2's failure reaches ddpfab meanwhile
-            line = proc.stdout.readline()
-            lines.append(line)
+        while _worker(lab, "node1") is not None and time.monotonic() - stopped_at < 3:
+            time.sleep(0.01)
+        node1_failed_frozen = _worker(lab, "node1") is None
+        (gate / "fail-1").touch()
+        # thaw well before the 5 s after which ddpfab calls a node that does not answer lost
+        while (left := 4.0 - (time.monotonic() - stopped_at)) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            seen.append(line)
             if "node2 (node_rank 1) failed" in line:
+                arranged = node1_failed_frozen
                 break
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
         frozen = []
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
         proc.kill()
-    out = "".join(lines) + out
-    assert proc.returncode != 0
-    assert "node2 (node_rank 1) failed" in out, "the drill did not make node2's failure arrive first:\n" + out
+        shutil.rmtree(gate, ignore_errors=True)
+    while (line := lines.get(timeout=30)) is not None:
+        seen.append(line)
+    return arranged, "".join(seen)
+
+
+def test_all_nodes_failing_on_their_own_blame_the_earliest(lab, inventory2, tmp_path):
+    """node1's worker fails first (1.5 s), node2's once node1's has, when the test says. node1's
+    SSH session (its sshd, on the node) is frozen with SIGSTOP from before node1's failure until
+    node2's failure has reached ddpfab, so node2's failure arrives first. The freeze must end before the
+    5 s after which a silent node counts as lost; where the machine is too loaded for that, the
+    drill is tried again, at most 3 times. The blame still goes to node1, by the failure times the
+    nodes report, and node1 is not recorded as stopped by ddpfab."""
+    for attempt in range(3):
+        runs = tmp_path / f"runs{attempt}"
+        arranged, out = _node2_failure_first(lab, inventory2, runs)
+        wait_no_processes(lab, timeout=10, names=["node1", "node2"])
+        if arranged:
+            break
+    else:
+        pytest.fail("the drill never made node2's failure arrive first; the last try said:\n" + out)
+    assert "failed" in out
     manifest = json.loads((runs / only_run(runs) / "manifest.json").read_text())
     nodes = manifest["nodes"]
+    assert nodes["node1"]["failed_at"] is not None, json.dumps(nodes, indent=1) + out
     assert nodes["node1"]["failed_at"] < nodes["node2"]["failed_at"], nodes
     assert manifest["first_failure"] == "node1", (manifest["first_failure"], nodes)
     assert not nodes["node1"]["stopped_by_ddpfab"], nodes
     assert "failed: node1" in manifest["summary"]
-    wait_no_processes(lab, timeout=5, names=["node1", "node2"])
 
 
 # -- SIGINT at every stage ----------------------------------------------------------------------------

@@ -11,14 +11,19 @@ import time
 from datetime import timedelta
 
 # REPORT_FAIL_PLAN="RANK:DELAY:NOISE_KB,...": that rank prints NOISE_KB of lines, then fails at DELAY s
-# (before importing torch, whose import time varies by seconds on a loaded machine)
+# (before importing torch, whose import time varies by seconds on a loaded machine). A DELAY of
+# "gate" fails once the file $REPORT_FAIL_GATE/fail-RANK exists: the test decides when.
 for item in filter(None, os.environ.get("REPORT_FAIL_PLAN", "").split(",")):
     r, delay, noise_kb = item.split(":")
     if int(r) == int(os.environ["RANK"]):
         start = time.time()
         sys.stdout.write(("noise " * 170 + "\n") * int(noise_kb))
         sys.stdout.flush()
-        time.sleep(max(0.0, float(delay) - (time.time() - start)))
+        if delay == "gate":
+            while not os.path.exists(os.path.join(os.environ["REPORT_FAIL_GATE"], f"fail-{r}")):
+                time.sleep(0.01)
+        else:
+            time.sleep(max(0.0, float(delay) - (time.time() - start)))
         print(f"rank {r} failing on purpose at {time.time():.3f}", flush=True)
         os._exit(4)  # at once: no interpreter teardown to blur the failure time
 
