@@ -35,6 +35,11 @@ from ddpfab.remote.output import HostResult, Printer, tell_ended
 TERM_GROUP = 'kill -s TERM -- "-$p" || { sleep 0.2; kill -s TERM -- "-$p"; }'
 
 
+#: The watcher's 2 s between its TERM and its KILL, in short sleeps: a watcher that the guard ends
+#: because the command ended meanwhile leaves at most a 0.1 s ``sleep`` behind, not a 2 s one.
+PAUSE = "i=0; while [ $i -lt 20 ]; do sleep 0.1; i=$((i+1)); done"
+
+
 #: The guard shell's variable that holds the command (set from stdin by :func:`stdin_for`).
 COMMAND_VAR = "__ddpfab_cmd"
 #: Run the command, which then no longer sees it in that variable.
@@ -63,13 +68,13 @@ def guarded() -> str:
     return ("exec 3<&0; "
             'if read -r _ _ _ _ g _ 2>/dev/null </proc/$$/stat && [ "$g" = "$$" ]; then '
             "trap '' TERM; "
-            "( while read -r _; do :; done <&3; kill -s TERM 0; sleep 2; kill -s KILL 0 ) >/dev/null 2>&1 & w=$!; "
+            f"( while read -r _; do :; done <&3; kill -s TERM 0; {PAUSE}; kill -s KILL 0 ) >/dev/null 2>&1 & w=$!; "
             f"trap : TERM; ( unset -v g w _; {_EVAL} ) </dev/null 3<&- & p=$!; exec 3<&-; "
             # a TERM to the group interrupts the wait: wait again until the command has ended
             'while wait "$p"; c=$?; kill -0 "$p" 2>/dev/null; do :; done; kill -s KILL "$w"; exit "$c"; '
             "fi; "
             f'setsid "${{SHELL:-sh}}" -c "${COMMAND_VAR}" </dev/null 3<&- & p=$!; '
-            f'( cat <&3 >/dev/null; {TERM_GROUP}; sleep 2; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
+            f'( cat <&3 >/dev/null; {TERM_GROUP}; {PAUSE}; kill -s KILL -- "-$p" ) >/dev/null 2>&1 & w=$!; '
             'exec 3<&-; wait "$p"; c=$?; kill "$w" 2>/dev/null; exit "$c"')
 
 

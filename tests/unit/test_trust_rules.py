@@ -184,6 +184,40 @@ def test_a_guarded_command_ends_when_its_stdin_closes(tmp_path, leader):
         time.sleep(0.02)
 
 
+def _session_members(sid: int) -> list[str]:
+    """The live processes of session *sid*: their command lines."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
+def test_a_guarded_command_ended_by_its_stdin_leaves_nothing_behind(tmp_path, leader):
+    """`exec` interrupted with Ctrl-C left the watcher's `sleep 2` on the node for up to 2 s after
+    the command had ended. The guard runs in a session of its own (as sshd's shell, or below one
+    that is not its group), so whatever is left of it is in that session."""
+    pidfile = tmp_path / "pid"
+    guard = guarded(f"sleep 60 & echo $! > {pidfile}; wait")
+    argv = ["sh", "-c", guard] if leader else ["sh", "-c", 'sh -c "$0"; exit $?', guard]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.stdin.close()  # what sshd does when ddpfab's connection goes
+    proc.wait(timeout=10)
+    ended = time.monotonic()
+    while left := _session_members(proc.pid):
+        assert time.monotonic() - ended < 0.5, f"left after the command ended: {left}"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("leader", [True, False], ids=["sshd-session", "not-a-group-leader"])
 def test_a_guarded_command_keeps_its_output_and_exit_code(leader):
     proc = subprocess.Popen(["sh", "-c", guarded("echo out; echo err >&2; exit 3")], stdin=subprocess.PIPE,
@@ -279,7 +313,7 @@ def test_a_command_of_many_lines_is_one_line_on_stdin_and_runs_as_sh_c_runs_it(s
 def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
     # the watcher's TERM, as guarded() writes it, run by a real sh on a process group that does not
     # exist: it must wait 0.2 s and try once more (a brace group, not a command named `{{`)
-    watcher = guarded("true").split("cat <&3 >/dev/null; ", 1)[1].split("; sleep 2;", 1)[0]
+    watcher = guarded("true").split("cat <&3 >/dev/null; ", 1)[1].split(f"; {commandmod.PAUSE};", 1)[0]
     start = time.monotonic()
     res = subprocess.run(["sh", "-xc", f"p=2147480000; {watcher}"], capture_output=True, text=True)
     took = time.monotonic() - start
