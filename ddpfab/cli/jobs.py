@@ -47,14 +47,23 @@ def _cluster(args, manifest: dict | None):
     if not source:
         raise ConfigError(MISSING_INVENTORY)
     group = args.group if given(args, "group") else recorded.get("group") or args.group or "all"
-    try:  # the run's -e (how its nodes are reached: ansible_host, ansible_port...) and --limit
-        limit, variables, masked = recorded_selection(manifest) if manifest else (None, {}, [])
-    except ManifestError as exc:
-        raise RunRecordError(str(exc)) from None
+    extra = getattr(args, "extra_vars", None) or []
+    if manifest:
+        # the run's -e (how its nodes are reached: ansible_host, ansible_port...) with this command's
+        # -e over it; a mapping among them is the project config's (config.apply puts it first),
+        # which the record already holds as the run had it
+        try:
+            limit, variables, masked = recorded_selection(manifest, [e for e in extra if not isinstance(e, dict)])
+        except ManifestError as exc:
+            raise RunRecordError(str(exc)) from None
+        chosen: tuple = (variables,) if variables else ()
+    else:
+        limit, chosen, masked = None, tuple(extra), []
+    if given(args, "limit") or (manifest is None and getattr(args, "limit", None)):
+        limit = args.limit
     if masked:
         warn(f"the run's extra vars {', '.join(masked)} are recorded masked (secrets): the nodes are reached "
-             "without them")
-    chosen = (variables,) if variables else ()
+             f"without them (give them again with -e {masked[0]}=VALUE)")
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
         return attempt_cluster(manifest, source, group, extra_vars=chosen)
     cluster = inventory.load(source, group, limit=limit, extra_vars=chosen)
@@ -120,6 +129,11 @@ def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
                         "./ddpfab.yml)")
     p.add_argument("--group", help="inventory group (default: the recorded one, else $DDPFAB_GROUP, the config's, "
                                    "or all)")
+    p.add_argument("-l", "--limit", metavar="PATTERN",
+                   help="only the hosts that match this Ansible pattern (default: the run's, as recorded)")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                   help="inventory variables over every host's, as Ansible's -e: KEY=VALUE, JSON/YAML, or @file; "
+                        "over the run's own, as recorded")
     add_runs_dir_arg(p, "where run records are")
     p.add_argument("--known-hosts")
     p.add_argument("--ssh-config")

@@ -295,3 +295,25 @@ def test_fetch_into_a_dir_this_user_cannot_write_is_refused_before_any_host_is_a
     finally:
         for d in dirs:
             shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("command", ["stop", "logs", "doctor"])
+def test_a_runs_recorded_extra_vars_take_a_flags_over_them_and_a_masked_one_given_again(command, recorder, clean,
+                                                                                          monkeypatch, capsys):
+    """`stop RUN_ID` reaches the nodes as the run did (its -e, recorded); a -e given to it wins, and
+    is how a variable the record masks (a secret) is given again. The project config's -e, which
+    the record holds as the run had it, is not applied a second time over it."""
+    _record(clean, str(clean / "recorded.yml"))
+    path = clean / "runs" / "r1" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["extra_vars"] = {"ansible_port": 2222, "ansible_user": "alice", "vault_pass": "***"}
+    path.write_text(json.dumps(manifest))
+    (clean / "ddpfab.yml").write_text("extra_vars: {ansible_user: carol}\n")
+    monkeypatch.delenv("DDPFAB_CONFIG")  # the config is found in the current dir
+    assert cli.main([command, "r1"]) == 2
+    assert recorder[-1]["extra_vars"] == [{"ansible_port": 2222, "ansible_user": "alice"}], recorder
+    assert "vault_pass are recorded masked" in capsys.readouterr().err
+    recorder.clear()
+    assert cli.main([command, "-e", "ansible_user=bob", "-e", "vault_pass=s3", "r1"]) == 2
+    assert recorder[-1]["extra_vars"] == [{"ansible_port": 2222, "ansible_user": "bob", "vault_pass": "s3"}], recorder
+    assert "recorded masked" not in capsys.readouterr().err

@@ -158,7 +158,7 @@ def test_json_asked_for_is_json_when_refused_too(argv, clean, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [(["check", "-i", IPS, "--json", "--max-skew", "x"], "--max-skew"),
-                                        (["ps", "--json", "-l", "node1"], "unrecognized arguments: -l node1"),
+                                        (["ps", "--json", "--bogus", "node1"], "unrecognized arguments: --bogus node1"),
                                         (["run", "-i", IPS, "--dry-run", "--json", "--nproc-per-node"], "expected one")])
 def test_json_asked_for_is_json_when_argparse_refuses_too(argv, says, clean, capsys):
     # argparse's own refusals (usage, exit 2) wrote no JSON on stdout
