@@ -87,7 +87,11 @@ class Session:
             os.unlink(self.path)
         except OSError:
             pass
-        self.file = self.conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace", newline="\n")
+        # a file each way: one text file for both would drop, at pdb's first answer, the commands
+        # read ahead with the first (a write discards what a read buffered), so piped or pasted
+        # lines after the first were lost
+        self.file = _Duplex(self.conn.makefile("r", encoding="utf-8", errors="replace", newline="\n"),
+                            self.conn.makefile("w", buffering=1, encoding="utf-8", errors="replace", newline="\n"))
         return self.file
 
     @property
@@ -107,6 +111,27 @@ class Session:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+class _Duplex(object):
+    """A session's two text files over its socket as one stream: reads from *reader*, the rest
+    (write, flush, encoding...) to *writer*."""
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+
+    def readline(self, *args):
+        return self.reader.readline(*args)
+
+    def close(self):
+        for f in (self.writer, self.reader):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
 
 
 class _Stream(object):

@@ -121,6 +121,19 @@ def test_pdb_without_a_terminal_is_refused_before_anything_starts(lab, job):
     assert not (cwd / "runs").exists()
 
 
+def test_pdb_commands_piped_in_together_all_run_and_the_job_ends_0(lab, job):
+    """A script driving pdb (the docs offer a pipe for it) writes its commands at once: only the
+    first ran, the rest were dropped with pdb's first answer, and the job hung at the next prompt."""
+    cwd, inv = job
+    res = subprocess.run([sys.executable, "-m", "ddpfab", "run", "-i", str(inv), "--nproc-per-node", "2",
+                          "--pdb", "3", "--env", "STOP_RANK=3", "--env", "MODE=stop", "job.py"], cwd=cwd,
+                         input='p marker\np int(os.environ["RANK"]) * 7\nc\n', capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "'inside rank 3'" in res.stdout and "\n21\n" in res.stdout.replace("(Pdb) ", "\n"), res.stdout[-3000:]
+    wait_no_processes(lab, timeout=15)
+
+
 def test_pdb_without_ranks_before_the_script_means_every_rank(job):
     cwd, inv = job
     res = ddpfab("run", "-i", str(inv), "--offline", "--dry-run", "--pdb", "job.py", "--pdb", cwd=cwd)

@@ -164,6 +164,28 @@ def test_a_breakpoint_waits_on_the_socket_and_continue_goes_on(tmp_path):
     assert not (tmp_path / "pdb" / "rank-3.sock").exists()  # the session closed with `c`
 
 
+def test_commands_that_arrive_together_all_run_in_order(tmp_path):
+    """Lines piped or pasted reach the rank in one write: pdb's first answer dropped the ones read
+    ahead with it (one text file for both ways over the socket: a write discards what a read has
+    buffered), and the job hung at the next prompt."""
+    proc = _rank(tmp_path, "stop")
+    sock = tmp_path / "pdb" / "rank-3.sock"
+    deadline = time.monotonic() + 30
+    while not sock.exists():
+        assert time.monotonic() < deadline, "the rank never listened"
+        time.sleep(0.05)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock))
+        s.settimeout(30)
+        s.sendall(b"p x * 7\np x + 1\np 'third'\nc\n")
+        out = b""
+        while chunk := s.recv(4096):
+            out += chunk
+    stdout, stderr = proc.communicate(timeout=30)
+    assert b"42\n" in out and b"7\n" in out and b"'third'\n" in out, out
+    assert proc.returncode == 0 and "after the breakpoint 6" in stdout, (out, stderr)
+
+
 def test_an_uncaught_exception_waits_post_mortem_then_the_rank_fails_with_it(tmp_path):
     proc = _rank(tmp_path, "raise")
     out = _talk(tmp_path / "pdb" / "rank-3.sock", ["p x", "q"], b"")
