@@ -524,7 +524,7 @@ def cmd_debug(args) -> int:
              "Ctrl-C detaches (the rank waits on)")
 
     try:
-        relay(conn.transport, node, args.rank, on_attach=on_attach)
+        quit_sent = relay(conn.transport, node, args.rank, on_attach=on_attach)
     except ConnectionError as exc:
         return die(str(exc), EXIT_FAILED)
     except KeyboardInterrupt as exc:  # a detach, as attach's: the rank waits in pdb for the next terminal
@@ -536,7 +536,12 @@ def cmd_debug(args) -> int:
         return getattr(exc, "exit_code", 130)
     finally:
         conn.close()
-    note(f"pdb: rank {args.rank} on {node.name} left the debugger")
+    if quit_sent:  # what a script piping its commands meets at their end
+        note(f"pdb: the input ended, which is pdb's quit (Ctrl-D): rank {args.rank} on {node.name} quit the "
+             f"debugger and fails, and the job with it (`ddpfab attach {plan.run_id}` shows its end); end the "
+             "input with `c` to let it go on")
+    else:
+        note(f"pdb: rank {args.rank} on {node.name} left the debugger")
     return 0
 
 

@@ -130,12 +130,19 @@ class Debugger:
         with self.lock:
             return ([self.attached] if self.attached else []) + list(self.waiting)
 
-    def close(self, wait: float = 5.0) -> None:
-        """No more stops; the session of the rank attached last ends first (its relay sees the
-        rank's end), at most *wait* seconds, so that what it printed comes before the run's end."""
+    def stopping(self) -> None:
+        """The run is being stopped: no rank gets the terminal any more (those waiting for it are
+        ending, and a relay to one would say it is not waiting in pdb); the attached one keeps it
+        until its relay sees the rank's end."""
         with self.lock:
             self.closed = True
             self.waiting.clear()
+
+    def close(self, wait: float = 5.0) -> None:
+        """No more stops; the session of the rank attached last ends first (its relay sees the
+        rank's end), at most *wait* seconds, so that what it printed comes before the run's end."""
+        self.stopping()
+        with self.lock:
             session = self.session
         if session is not None:
             session.join(wait)
@@ -167,16 +174,18 @@ class Debugger:
 
 
 def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: int = 1,
-          on_attach: Callable[[], None] | None = None) -> None:
+          on_attach: Callable[[], None] | None = None) -> bool:
     """Drive rank *rank*'s pdb on *node* from *stdin_fd*/*stdout_fd*, over a new channel of
     *transport* (the node's paramiko Transport), until its session ends; *on_attach()* first, when
-    pdb first speaks. ConnectionError when the rank is not waiting there (no socket: not stopped,
-    or attached elsewhere)."""
+    pdb first speaks. Whether the input's end sent pdb's quit (:data:`QUIT`). ConnectionError when
+    the rank is not waiting there (no socket: not stopped, or attached elsewhere)."""
     chan = transport.open_session(timeout=30)
+    quit_sent: list[bool] = []
     try:
         chan.exec_command(relay_command(node, rank))
         done = threading.Event()
-        pump = threading.Thread(target=_pump_input, args=(chan, done, stdin_fd), name="ddpfab-pdb-in", daemon=True)
+        pump = threading.Thread(target=_pump_input, args=(chan, done, stdin_fd, quit_sent), name="ddpfab-pdb-in",
+                                daemon=True)
         pump.start()
         while True:
             data = chan.recv(4096)
@@ -198,10 +207,12 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
             raise ConnectionError(f"the relay on {node.name} exited with {code}")
     finally:
         chan.close()
+    return bool(quit_sent)
 
 
-def _pump_input(chan, done: threading.Event, stdin_fd: int) -> None:
-    """The terminal's input to the attached rank, a line as it comes, until its session ends."""
+def _pump_input(chan, done: threading.Event, stdin_fd: int, quit_sent: list[bool] | None = None) -> None:
+    """The terminal's input to the attached rank, a line as it comes, until its session ends; at
+    the input's end pdb's quit, noted in *quit_sent*."""
     while not done.is_set():
         ready, _, _ = select.select([stdin_fd], [], [], 0.2)
         if not ready or done.is_set():
@@ -210,6 +221,8 @@ def _pump_input(chan, done: threading.Event, stdin_fd: int) -> None:
         try:
             if not data:  # Ctrl-D: pdb's quit, as at a terminal (the session's end alone is no quit:
                 chan.sendall(QUIT)  # the rank then waits for the next user, ddpfab.node.rankpdb)
+                if quit_sent is not None:
+                    quit_sent.append(True)
                 return
             chan.sendall(data)
         except (OSError, EOFError):  # the session ended meanwhile: what was typed then has no rank to go to

@@ -683,6 +683,8 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         nonlocal stop_deadline
         if stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_WAIT_S
+            if isinstance(debugger, Debugger):
+                debugger.stopping()
             for job in jobs.values():
                 if job.outcome.ended == 0:
                     job.stop(fast, why)

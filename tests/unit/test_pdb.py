@@ -227,11 +227,13 @@ def test_the_terminal_s_end_of_input_is_pdb_s_quit():
 
     read, write = os.pipe()
     os.close(write)  # the terminal's end of input
+    quit_sent: list[bool] = []
     try:
-        debugger._pump_input(Chan(), threading.Event(), read)
+        debugger._pump_input(Chan(), threading.Event(), read, quit_sent)
     finally:
         os.close(read)
     assert Chan.sent == debugger.QUIT == b"q\n"
+    assert quit_sent == [True]  # `ddpfab debug` says so: a script's piped commands ended without `c`
 
 
 def test_a_breakpoint_while_attached_is_driven_on_the_same_session(tmp_path):
@@ -389,3 +391,23 @@ def test_the_forwarder_serves_this_user_only_and_a_restarted_rank_replaces_its_p
     fwd.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", entries[0]["connect"]["port"]), timeout=5)
+
+
+def test_once_the_run_is_stopping_no_waiting_rank_gets_the_terminal():
+    """Ctrl-C while attached to rank 3 with ranks 2, 1, 0 waiting: each was handed the terminal
+    as the job was torn down, and each said `rank N is not waiting in pdb ... (not stopped, or
+    attached from another terminal)`. A stopping run hands it to none; nor to a rank that stops
+    after that."""
+    from types import SimpleNamespace
+
+    notes: list[str] = []
+    relays: list[str] = []
+    d = debugger.Debugger(SimpleNamespace(nodes=[SimpleNamespace(name="node2")]),
+                          {"node2": lambda: relays.append("relay") or None}, notes.append)
+    d.attached = debugger.Stop("node2", 3, 1, "t.py:6", "breakpoint", 99)
+    d.waiting = [debugger.Stop("node2", r, r % 2, "t.py:6", "breakpoint", 90 + r) for r in (2, 1, 0)]
+    d.stopping()
+    with d.lock:  # the attached rank's relay ended (the rank was stopped): what comes next
+        d._next_locked()
+    d.saw("node2", rankpdb.WAITS % (1, 1, "t.py:6", "breakpoint", 91))
+    assert (d.attached, d.waiting, d.session, relays, notes) == (None, [], None, [], [])
