@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -277,6 +278,22 @@ class _OptionRecorder(argparse.ArgumentParser):
 PDB_RANKS = re.compile(r"\s*(all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*")
 
 
+def _ranks_wait(spec: str) -> str:
+    """``rank 3 waits`` or ``ranks 0,2 wait`` for a RANKS spec."""
+    many = spec == "all" or "," in spec or "-" in spec
+    return f"ranks {spec} wait" if many else f"rank {spec} waits"
+
+
+def _meant_as_ranks(argv: list[str], i: int) -> bool:
+    """Whether ``argv[i]``, after a ``--pdb``, is its RANKS: ranks as written, or a mistyped try at
+    them (ranks' characters only: ``-1``, ``,``; or a name that is no file, before one that is), so
+    that the ranks' own check says what is wrong with it rather than taking it for the script."""
+    word = argv[i]
+    if PDB_RANKS.fullmatch(word) or re.fullmatch(r"[\d\s,-]+", word):
+        return True
+    return i + 1 < len(argv) and not os.path.exists(word) and os.path.isfile(argv[i + 1])
+
+
 def spell_pdb(argv: list[str]) -> list[str]:
     """``run``/``plan`` arguments with a ``--pdb`` that has no RANKS written ``--pdb=all``, so that
     the script after it is not taken for its value. Only ddpfab's own options are looked at: the
@@ -290,7 +307,7 @@ def spell_pdb(argv: list[str]) -> list[str]:
         word = out[i]
         if word == "--" or not word.startswith("-") or word == "-":
             break  # the script (or the -- before it)
-        if word in ("--pdb", "--debugpy") and (i + 1 == len(out) or not PDB_RANKS.fullmatch(out[i + 1])):
+        if word in ("--pdb", "--debugpy") and (i + 1 == len(out) or not _meant_as_ranks(out, i + 1)):
             out[i] = f"{word}=all"
         elif word in recorder.taking_value or word in ("--pdb", "--debugpy"):
             i += 1  # its value
@@ -394,11 +411,11 @@ def print_plan(plan, as_json: bool, offline: bool, targets: dict | None = None) 
         print(f"# GPU leases: {leased}; {'waits for them (--wait)' if plan.wait else 'refused if taken'}")
     print("# Paste each command into an SSH session on its node (any order; they wait for each other).")
     if plan.pdb:  # the supervisor installs it: a pasted command runs without it
-        print(f"# pdb: rank{'s' if plan.pdb == 'all' or ',' in plan.pdb else ''} {plan.pdb} wait in pdb at "
+        print(f"# pdb: {_ranks_wait(plan.pdb)} in pdb at "
               "breakpoint() and uncaught exceptions (ddpfab's node supervisor installs it; a command pasted by "
               "hand runs without it)")
     if plan.debugpy:  # likewise
-        print(f"# debugpy: rank{'s' if plan.debugpy == 'all' or ',' in plan.debugpy else ''} {plan.debugpy} wait "
+        print(f"# debugpy: {_ranks_wait(plan.debugpy)} "
               "for a DAP client (ddpfab's node supervisor installs it; a command pasted by hand runs without it)")
     if plan.exit_guard != "off":  # the supervisor installs it: a pasted command runs without it
         print(f"# exit guard: {plan.exit_guard} (ddpfab's node supervisor puts it on the ranks' PYTHONPATH; "

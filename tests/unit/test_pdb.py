@@ -49,9 +49,21 @@ def test_pdb_ranks_refuse_what_is_not_a_rank_of_the_job(spec, world, words):
     (["run", "t.py", "--pdb", "x"], ["run", "t.py", "--pdb", "x"]),  # the script's own
     (["run", "--pdb"], ["run", "--pdb=all"]),
     (["exec", "--pdb", "x"], ["exec", "--pdb", "x"]),
+    (["run", "--pdb", "-1", "t.py"], ["run", "--pdb", "-1", "t.py"]),  # a mistyped try at ranks: refused as one
+    (["run", "--pdb", ",", "t.py"], ["run", "--pdb", ",", "t.py"]),
 ])
 def test_a_pdb_without_ranks_is_every_rank_and_never_takes_the_script(argv, spelled):
     assert spell_pdb(argv) == spelled
+
+
+def test_a_word_after_pdb_that_is_no_file_before_one_that_is_is_taken_for_ranks(tmp_path, monkeypatch, capsys):
+    """`run --pdb x ok.py` said `script x not found`, naming no --pdb."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ok.py").write_text("")
+    assert spell_pdb(["run", "--pdb", "x", "ok.py"]) == ["run", "--pdb", "x", "ok.py"]
+    assert spell_pdb(["run", "--pdb", "ok.py", "x"]) == ["run", "--pdb=all", "ok.py", "x"]  # the script's argument
+    with pytest.raises(PlanError, match=r"pdb takes 'all' or ranks .* got 'x'"):
+        pdb_ranks(build_parser().parse_args(spell_pdb(["run", "-i", "a,", "--pdb", "x", "ok.py"])).pdb, 2)
 
 
 def test_the_parser_reads_pdb_before_the_script():
