@@ -56,6 +56,15 @@ def scp_words(node: NodePlan, targets: dict[str, Target] | None) -> list[str]:
     return scp_argv(ssh_target(node, targets), script_name(node))
 
 
+def self_remove(node: NodePlan) -> str:
+    """The script's line that removes the copy :func:`interactive_line` put in the node's home as
+    it starts it (``sh`` reads on from the open file): a copy that holds secret values is not left
+    there, whatever happens next. Only that copy: run by another name or path, or on stdin
+    (``sh -s``, whose $0 is ``sh``), nothing is removed."""
+    name = shlex.quote(script_name(node))
+    return f'case $0 in {name}) rm -f -- "$HOME"/{name} ;; esac  # the copy made to run it here\n'
+
+
 def interactive_line(node: NodePlan, targets: dict[str, Target] | None) -> str:
     """From the emit dir: *node*'s script copied to its home there, then run with a terminal (so
     Ctrl-C and a dropped connection end torchrun and its workers)."""
@@ -74,7 +83,8 @@ def node_script(plan: Plan, node: NodePlan, ssh_line: str = "", body: str | None
         f"rdzv {plan.rdzv}, launcher {plan.launcher}, init {plan.init_method}).\n"
         + (f"# {plan.unresolved_note()}\n" if plan.unresolved else "")
         + f"# Run it on {node.name} (start every node's script; any order, they wait for each other), from this directory:\n"
-        f"{how}")
+        f"{how}"
+        f"{self_remove(node)}")
     if body is not None:
         return (head + "# It starts ddpfab's node supervisor with the job, as `ddpfab run` does: ddpfab ps, stop, logs,\n"
                 f"# attach and doctor {plan.run_id} see it; Ctrl-C ends it. It holds secret env values: keep it private.\n"
@@ -112,7 +122,8 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None, supervised: boo
         lines.append(f"  {shlex.join(ssh_words(node, targets))} 'sh -s' < {script_name(node)}")
     lines += [
         "",
-        "Interactively (a terminal, so Ctrl-C / a dropped connection ends torchrun and its workers):",
+        "Interactively (a terminal, so Ctrl-C / a dropped connection ends torchrun and its workers; the",
+        "copy in the node's home removes itself as it starts):",
         "",
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):

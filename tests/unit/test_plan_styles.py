@@ -275,6 +275,27 @@ def test_emitted_script_fails_fast_on_a_missing_workdir(tmp_path):
     assert res.returncode != 0 and "/work/proj" in res.stderr
 
 
+def test_the_copy_the_interactive_line_makes_removes_itself_and_nothing_else(tmp_path):
+    """The README's interactive line copies a node's script (secret values in it) to the node's
+    home and runs it there: it was left behind. The script removes that copy as it starts; run on
+    stdin (the README's other route), or by another path, it removes nothing."""
+    c = cluster(Node("a", "10.0.0.1"), Node("b", "10.0.0.2"))
+    p = make_plan(c, RunOptions("t.py", run_id="rid"), facts(c))
+    line = emit.self_remove(p.node("b"))
+    home, elsewhere = tmp_path / "home", tmp_path / "emit"
+    for d in (home, elsewhere):
+        d.mkdir()
+        (d / "rank1-b.sh").write_text(line)
+    env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    subprocess.run(["sh", "-s"], input=line, text=True, cwd=home, env=env, check=True)  # 'sh -s' < rank1-b.sh
+    subprocess.run(["sh", str(elsewhere / "rank1-b.sh")], cwd=home, env=env, check=True)
+    assert (home / "rank1-b.sh").exists() and (elsewhere / "rank1-b.sh").exists()
+    subprocess.run(["sh", "rank1-b.sh"], cwd=home, env=env, check=True)  # as `ssh -t b sh rank1-b.sh` runs it
+    assert not (home / "rank1-b.sh").exists() and (elsewhere / "rank1-b.sh").exists()
+    emit.write(p, tmp_path / "out", None)
+    assert line in (tmp_path / "out" / "rank1-b.sh").read_text()
+
+
 def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     c = cluster(Node("a", "10.0.0.1", user="root", key_file="/k/id", ssh_options={"userknownhostsfile": "/k/kh"}),
                 Node("b", "10.0.0.2", port=2222, user="root", ssh_options={"proxyjump": "j@10.0.0.9"}))
