@@ -14,11 +14,12 @@ from ddpfab.remote.holder import HolderError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("hold", help="keep one SSH connection per node open: later `exec` skips the handshakes",
+    p = sub.add_parser("hold", help="keep one SSH connection per node open: later commands skip the handshakes",
                        description="Start a background process of yours that connects every node once and keeps "
-                                   "the connections open; `ddpfab exec` with the same inventory runs over them "
-                                   "(same output, same exit codes) until it ends: after --idle seconds without "
-                                   "a command, or with --stop.")
+                                   "the connections open; every command that reaches those nodes with the same "
+                                   "inventory (run, check, sync, exec, fetch, ps, stop, logs, attach, doctor, "
+                                   "debug, shell, queue) runs over them (same output, same exit codes) until it "
+                                   "ends: after --idle seconds without a command, or with --stop.")
     add_cluster_args(p)
     p.add_argument("--idle", type=float, default=None, metavar="SECONDS",
                    help="end after this long without a command (default 900)")
@@ -53,8 +54,8 @@ def cmd_hold(args: argparse.Namespace) -> int:
         return 0
     for problem in held.problems:
         warn(f"{problem.node}: not connected now ({problem.found}); a command there connects again")
-    note(f"holding {len(held.connected)}/{len(held.nodes)} connections (pid {held.pid}); `ddpfab exec` with this "
-         f"inventory uses them; they end after {held.idle_s:g} s without a command or with `ddpfab hold --stop`")
+    note(f"holding {len(held.connected)}/{len(held.nodes)} connections (pid {held.pid}); commands with this "
+         f"inventory (run, check, exec, ...) use them; they end after {held.idle_s:g} s without a command or with `ddpfab hold --stop`")
     return 0
 
 

@@ -128,6 +128,13 @@ def readme(plan: Plan, targets: dict[str, Target] | None = None, supervised: boo
     ]
     for node in sorted(plan.nodes, key=lambda n: n.node_rank):
         lines.append(f"  {interactive_line(node, targets)}")
+    if plan.pdb and supervised:
+        lines += [
+            "",
+            f"With --pdb {plan.pdb}, a rank that stops at breakpoint() or an uncaught exception waits in",
+            "pdb: drive it from its node's terminal (the interactive line), or from here with",
+            f"`ddpfab debug {plan.run_id} --rank {plan.pdb if plan.pdb.isdigit() else 'R'}`.",
+        ]
     lines += [
         "",
         f"The master port {plan.master_port} was free on {plan.master} when this was planned; if it is",

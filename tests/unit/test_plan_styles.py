@@ -296,6 +296,13 @@ def test_the_copy_the_interactive_line_makes_removes_itself_and_nothing_else(tmp
     assert line in (tmp_path / "out" / "rank1-b.sh").read_text()
 
 
+def test_the_readme_of_a_hand_run_pdb_job_says_how_to_attach_from_here():
+    c = cluster(Node("a", "10.0.0.1"), Node("b", "10.0.0.2"))
+    p = make_plan(c, RunOptions("t.py", run_id="rid", pdb="1"), facts(c))
+    assert "`ddpfab debug rid --rank 1`" in emit.readme(p, None, supervised=True)
+    assert "ddpfab debug" not in emit.readme(p, None, supervised=False)  # nothing to attach to: no supervisor
+
+
 def test_readme_names_every_node_with_its_ssh_line(tmp_path):
     c = cluster(Node("a", "10.0.0.1", user="root", key_file="/k/id", ssh_options={"userknownhostsfile": "/k/kh"}),
                 Node("b", "10.0.0.2", port=2222, user="root", ssh_options={"proxyjump": "j@10.0.0.9"}))
