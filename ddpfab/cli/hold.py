@@ -55,7 +55,8 @@ def cmd_hold(args: argparse.Namespace) -> int:
     for problem in held.problems:
         warn(f"{problem.node}: not connected now ({problem.found}); a command there connects again")
     note(f"holding {len(held.connected)}/{len(held.nodes)} connections (pid {held.pid}); commands with this "
-         f"inventory (run, check, exec, ...) use them; they end after {held.idle_s:g} s without a command or with `ddpfab hold --stop`")
+         f"inventory (run, check, exec, ...) use them; they end after {held.idle_s:g} s without a command or "
+         "with `ddpfab hold --stop`")
     return 0
 
 
