@@ -59,10 +59,12 @@ def scp_words(node: NodePlan, targets: dict[str, Target] | None) -> list[str]:
 def self_remove(node: NodePlan) -> str:
     """The script's line that removes the copy :func:`interactive_line` put in the node's home as
     it starts it (``sh`` reads on from the open file): a copy that holds secret values is not left
-    there, whatever happens next. Only that copy: run by another name or path, or on stdin
-    (``sh -s``, whose $0 is ``sh``), nothing is removed."""
+    there, whatever happens next. Only that copy, and only when it is the file running: run by
+    another name or path, from another directory, or on stdin (``sh -s``, whose $0 is ``sh``),
+    nothing is removed."""
     name = shlex.quote(script_name(node))
-    return f'case $0 in {name}) rm -f -- "$HOME"/{name} ;; esac  # the copy made to run it here\n'
+    return (f'case $0 in {name}) [ "$(cd -P . && pwd)" != "$(cd -P "$HOME" && pwd)" ] || rm -f -- "$HOME"/{name} '
+            ';; esac  # the copy made to run it here\n')
 
 
 def interactive_line(node: NodePlan, targets: dict[str, Target] | None) -> str:

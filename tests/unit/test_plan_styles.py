@@ -289,6 +289,7 @@ def test_the_copy_the_interactive_line_makes_removes_itself_and_nothing_else(tmp
     env = {"HOME": str(home), "PATH": os.environ["PATH"]}
     subprocess.run(["sh", "-s"], input=line, text=True, cwd=home, env=env, check=True)  # 'sh -s' < rank1-b.sh
     subprocess.run(["sh", str(elsewhere / "rank1-b.sh")], cwd=home, env=env, check=True)
+    subprocess.run(["sh", "rank1-b.sh"], cwd=elsewhere, env=env, check=True)  # the emit dir's, by its name
     assert (home / "rank1-b.sh").exists() and (elsewhere / "rank1-b.sh").exists()
     subprocess.run(["sh", "rank1-b.sh"], cwd=home, env=env, check=True)  # as `ssh -t b sh rank1-b.sh` runs it
     assert not (home / "rank1-b.sh").exists() and (elsewhere / "rank1-b.sh").exists()
