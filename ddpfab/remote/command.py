@@ -36,8 +36,9 @@ TERM_GROUP = 'kill -s TERM -- "-$p" || { sleep 0.2; kill -s TERM -- "-$p"; }'
 
 
 #: The watcher's 2 s between its TERM and its KILL, in short sleeps: a watcher that the guard ends
-#: because the command ended meanwhile leaves at most a 0.1 s ``sleep`` behind, not a 2 s one.
-PAUSE = "i=0; while [ $i -lt 20 ]; do sleep 0.1; i=$((i+1)); done"
+#: because the command ended meanwhile leaves at most a 0.1 s ``sleep`` behind, not a 2 s one. (A
+#: ``sleep`` that takes whole seconds only refuses 0.1: then one 2 s sleep, as before.)
+PAUSE = "i=0; while [ $i -lt 20 ]; do sleep 0.1 || { sleep 2; break; }; i=$((i+1)); done"
 
 
 #: The guard shell's variable that holds the command (set from stdin by :func:`stdin_for`).

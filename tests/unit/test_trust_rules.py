@@ -310,6 +310,19 @@ def test_a_command_of_many_lines_is_one_line_on_stdin_and_runs_as_sh_c_runs_it(s
     assert (out, code) == (plain.stdout, plain.returncode) and out.endswith(b"[unset] end\n"), out[-200:]
 
 
+def test_the_watchers_pause_is_one_2_s_sleep_where_sleep_takes_whole_seconds_only(tmp_path):
+    """A `sleep` that refuses 0.1 (an old busybox) made the 2 s between TERM and KILL nothing."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "sleep"
+    fake.write_text(f'#!/bin/sh\necho "$1" >> {calls}\ncase $1 in *.*) exit 1;; esac\n')
+    fake.chmod(0o755)
+    subprocess.run(["sh", "-c", commandmod.PAUSE], env={"PATH": f"{tmp_path}:{os.environ['PATH']}"}, check=True)
+    assert calls.read_text().split() == ["0.1", "2"]
+    started = time.monotonic()
+    subprocess.run(["sh", "-c", commandmod.PAUSE], check=True)  # the real one: 2 s in short sleeps
+    assert 1.9 < time.monotonic() - started < 10
+
+
 def test_the_guarded_commands_watcher_retries_a_missing_group_after_a_pause():
     # the watcher's TERM, as guarded() writes it, run by a real sh on a process group that does not
     # exist: it must wait 0.2 s and try once more (a brace group, not a command named `{{`)
