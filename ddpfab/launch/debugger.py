@@ -119,11 +119,12 @@ class Debugger:
             if self.closed:
                 return
             self.waiting.append(stop)
-            if self.attached is not None:
-                self.note(f"pdb: {stop.describe()} waits too; it gets the terminal when "
-                          f"rank {self.attached.rank} leaves the debugger")
-                return
-            self._next_locked()
+            attached = self.attached
+            if attached is None:
+                self._next_locked()
+        if attached is not None:  # (said outside the lock: a stdout nobody reads must not hold it)
+            self.note(f"pdb: {stop.describe()} waits too; it gets the terminal when "
+                      f"rank {attached.rank} leaves the debugger")
 
     def stopped(self) -> list[Stop]:
         """The ranks in the debugger now (attached first, then those waiting for the terminal)."""

@@ -683,11 +683,11 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         nonlocal stop_deadline
         if stop_deadline is None:
             stop_deadline = time.monotonic() + STOP_WAIT_S
-            if isinstance(debugger, Debugger):
-                debugger.stopping()
             for job in jobs.values():
                 if job.outcome.ended == 0:
                     job.stop(fast, why)
+            if isinstance(debugger, Debugger):  # after: the stops must not wait for its lock
+                debugger.stopping()
 
     hang = HangWatch(plan, conns, log_dir, printer.note) if plan.hang_timeout > 0 else None
     with signals_raise():

@@ -123,6 +123,18 @@ class _Duplex(object):
     def readline(self, *args):
         return self.reader.readline(*args)
 
+    def read(self, *args):
+        return self.reader.read(*args)
+
+    def readlines(self, *args):
+        return self.reader.readlines(*args)
+
+    def readable(self):
+        return True
+
+    def __iter__(self):
+        return iter(self.reader)
+
     def close(self):
         for f in (self.writer, self.reader):
             try:

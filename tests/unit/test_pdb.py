@@ -198,6 +198,21 @@ def test_commands_that_arrive_together_all_run_in_order(tmp_path):
     assert proc.returncode == 0 and "after the breakpoint 6" in stdout, (out, stderr)
 
 
+def test_the_sessions_stream_reads_from_its_reader_and_writes_to_its_writer():
+    """pdb's `!sys.stdin.readlines()` reads the session's input (pdb sets sys.stdin to it)."""
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        duplex = rankpdb._Duplex(theirs.makefile("r", encoding="utf-8", newline="\n"),
+                                 theirs.makefile("w", buffering=1, encoding="utf-8", newline="\n"))
+        mine.sendall(b"one\ntwo\nthree\n")
+        mine.shutdown(socket.SHUT_WR)
+        assert duplex.readline() == "one\n" and duplex.readable()
+        duplex.write("answer\n")
+        assert duplex.readlines() == ["two\n", "three\n"]  # read ahead, kept across the write
+        duplex.close()
+        assert mine.recv(100) == b"answer\n"
+
+
 def test_an_uncaught_exception_waits_post_mortem_then_the_rank_fails_with_it(tmp_path):
     proc = _rank(tmp_path, "raise")
     out = _talk(tmp_path / "pdb" / "rank-3.sock", ["p x", "q"], b"")
