@@ -286,12 +286,14 @@ def _ranks_wait(spec: str) -> str:
 
 def _meant_as_ranks(argv: list[str], i: int) -> bool:
     """Whether ``argv[i]``, after a ``--pdb``, is its RANKS: ranks as written, or a mistyped try at
-    them (ranks' characters only: ``-1``, ``,``; or a name that is no file, before one that is), so
-    that the ranks' own check says what is wrong with it rather than taking it for the script."""
+    them (ranks' characters only: ``-1``, ``,``; or a bare word, no path and no ``.py``, that is no
+    file here, before one that is), so that the ranks' own check says what is wrong with it rather
+    than taking it for the script. A script that is only on the nodes is a path or a ``.py``."""
     word = argv[i]
     if PDB_RANKS.fullmatch(word) or re.fullmatch(r"[\d\s,-]+", word):
         return True
-    return i + 1 < len(argv) and not os.path.exists(word) and os.path.isfile(argv[i + 1])
+    return ("/" not in word and not word.endswith(".py") and i + 1 < len(argv) and not os.path.exists(word)
+            and os.path.isfile(argv[i + 1]))
 
 
 def spell_pdb(argv: list[str]) -> list[str]:
