@@ -16,9 +16,9 @@ from ddpfab.remote.holder import HolderError
 def register(sub) -> None:
     p = sub.add_parser("hold", help="keep one SSH connection per node open: later commands skip the handshakes",
                        description="Start a background process of yours that connects every node once and keeps "
-                                   "the connections open; every command that reaches those nodes with the same "
-                                   "inventory (run, check, sync, exec, fetch, ps, stop, logs, attach, doctor, "
-                                   "debug, shell, queue) runs over them (same output, same exit codes) until it "
+                                   "the connections open; the commands that reach those nodes with the same "
+                                   "inventory (run, check, sync, exec, fetch, ps, stop, logs, doctor, debug, "
+                                   "queue) run over them (same output, same exit codes) until it "
                                    "ends: after --idle seconds without a command, or with --stop.")
     add_cluster_args(p)
     p.add_argument("--idle", type=float, default=None, metavar="SECONDS",

@@ -51,11 +51,14 @@ def _cluster(args, manifest: dict | None):
     if manifest:
         # the run's -e (how its nodes are reached: ansible_host, ansible_port...) with this command's
         # -e over it; a mapping among them is the project config's (config.apply puts it first),
-        # which the record already holds as the run had it
+        # which the record holds as the run had it, but for the values it masks (secrets)
+        configured = inventory.parse_extra_vars([e for e in extra if isinstance(e, dict)])
         try:
             limit, variables, masked = recorded_selection(manifest, [e for e in extra if not isinstance(e, dict)])
         except ManifestError as exc:
             raise RunRecordError(str(exc)) from None
+        variables.update({k: configured[k] for k in masked if k in configured})
+        masked = [k for k in masked if k not in configured]
         chosen: tuple = (variables,) if variables else ()
     else:
         limit, chosen, masked = None, tuple(extra), []
@@ -63,8 +66,12 @@ def _cluster(args, manifest: dict | None):
         limit = args.limit
     if masked:
         warn(f"the run's extra vars {', '.join(masked)} are recorded masked (secrets): the nodes are reached "
-             f"without them (give them again with -e {masked[0]}=VALUE)")
+             "without them (give them again with -e @FILE, a file of KEY: VALUE lines, which keeps them out of "
+             "the command line)")
     if manifest and "attempt_nodes" in manifest:  # an attempt of a run with restarts: maybe on spares
+        if given(args, "limit"):
+            warn(f"run {manifest.get('run_id')} had restarts: its attempts' records name their nodes, "
+                 "so --limit is not applied")
         return attempt_cluster(manifest, source, group, extra_vars=chosen)
     cluster = inventory.load(source, group, limit=limit, extra_vars=chosen)
     for line in cluster.warnings:
@@ -537,9 +544,9 @@ def cmd_debug(args) -> int:
     finally:
         conn.close()
     if quit_sent:  # what a script piping its commands meets at their end
-        note(f"pdb: the input ended, which is pdb's quit (Ctrl-D): rank {args.rank} on {node.name} quit the "
-             f"debugger and fails, and the job with it (`ddpfab attach {plan.run_id}` shows its end); end the "
-             "input with `c` to let it go on")
+        note(f"pdb: the input ended, so ddpfab sent pdb's quit (`q`, as Ctrl-D at a terminal): rank {args.rank} on "
+             f"{node.name} takes it at its next pdb prompt, if it is still in pdb then, and fails, and the job "
+             f"with it (`ddpfab attach {plan.run_id}` shows how it ends); a last `c` lets it go on")
     else:
         note(f"pdb: rank {args.rank} on {node.name} left the debugger")
     return 0

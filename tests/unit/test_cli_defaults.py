@@ -317,3 +317,18 @@ def test_a_runs_recorded_extra_vars_take_a_flags_over_them_and_a_masked_one_give
     assert cli.main([command, "-e", "ansible_user=bob", "-e", "vault_pass=s3", "r1"]) == 2
     assert recorder[-1]["extra_vars"] == [{"ansible_port": 2222, "ansible_user": "bob", "vault_pass": "s3"}], recorder
     assert "recorded masked" not in capsys.readouterr().err
+
+
+def test_a_value_the_record_masks_comes_from_the_project_config_when_it_has_one(recorder, clean, monkeypatch,
+                                                                                capsys):
+    _record(clean, str(clean / "recorded.yml"))
+    path = clean / "runs" / "r1" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["extra_vars"] = {"ansible_user": "alice", "vault_pass": "***"}
+    path.write_text(json.dumps(manifest))
+    (clean / "ddpfab.yml").write_text("extra_vars: {ansible_user: carol, vault_pass: from-config}\n")
+    monkeypatch.delenv("DDPFAB_CONFIG")
+    assert cli.main(["stop", "r1"]) == 2
+    assert recorder[-1]["extra_vars"] == [{"ansible_user": "alice", "vault_pass": "from-config"}], recorder
+    err = capsys.readouterr().err
+    assert "recorded masked" not in err and "from-config" not in err
