@@ -530,9 +530,10 @@ def _node2_failure_first(lab, inventory2, runs: Path) -> tuple[bool, str]:
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
+        alive_when_frozen = _worker(lab, "node1") is not None  # else its failure may have gone out first
         while _worker(lab, "node1") is not None and time.monotonic() - stopped_at < 3:
             time.sleep(0.01)
-        node1_failed_frozen = _worker(lab, "node1") is None
+        node1_failed_frozen = alive_when_frozen and _worker(lab, "node1") is None
         (gate / "fail-1").touch()
         # thaw well before the 5 s after which ddpfab calls a node that does not answer lost
         while (left := 4.0 - (time.monotonic() - stopped_at)) > 0:
