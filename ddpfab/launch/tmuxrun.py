@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import queue
 import secrets
 import shlex
@@ -617,6 +618,13 @@ def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: P
                 _say_ended(windows, ended, printer)
                 for name in ended:
                     code = windows.ended[name]
+                    if code not in (0, 255) and first is None and (why := _stopped_by_stop(plan, conns, name)):
+                        # `ddpfab stop` (from anywhere: it may not find this session) ended it: no failure
+                        printer.note(f"{name}: {why}: ending every node's launch")
+                        if windows.running():
+                            _end_all(plan, conns, windows, windows.running(), printer)
+                        return Ended(128 + signal.SIGTERM, None, f"stopped from outside on {name} ({why}); "
+                                     "every node's launch was ended", interrupted=why)
                     if code != 0 and first is None:
                         first = name
                         others = windows.running()
@@ -632,6 +640,24 @@ def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: P
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGHUP, hangup)
     return _verdict(plan, windows, first)
+
+
+def _stopped_by_stop(plan: Plan, conns: dict[str, Connection], name: str) -> str | None:
+    """What ``ddpfab stop`` wrote in *name*'s record of this run as it ended the node's launch
+    (:func:`ddpfab.node.agent.stop_job`), read back as data; None when it wrote nothing (the
+    launch failed, or was ended by this run) or the node cannot say within 5 s. (Not asked after
+    ssh's own failure, 255: the node may be gone.)"""
+    node = plan.node(name)
+    try:
+        reply = nodeprog.call(conns[name], node, {"op": "ps", "root": posixpath.dirname(node.remote_dir.rstrip("/")),
+                                                   "run_id": plan.run_id}, timeout=5)[0]
+    except Exception:  # noqa: BLE001 - a node that cannot say is judged by its exit code, as before
+        return None
+    runs = reply.result.get("runs") if reply.ok and isinstance(reply.result, dict) else None
+    for rec in runs if isinstance(runs, list) else ():
+        if isinstance(rec, dict) and rec.get("run_id") == plan.run_id and isinstance(rec.get("stopped"), str):
+            return nodeprog.printable(rec["stopped"]) or None
+    return None
 
 
 def _verdict(plan: Plan, windows: Windows, first: str | None) -> Ended:

@@ -1421,12 +1421,14 @@ def ended_state(result):
 ABSENT = "absent"
 
 
-def stop_job(run_dir, grace):
+def stop_job(run_dir, grace, why=None):
     """``ddpfab stop`` on this node: TERM the run's supervisor (it ends its job tree) and wait;
     then end whatever of the job is left by its marker: a job whose supervisor was killed (its
     orphans) is ended too, and said so. A ``run --tmux`` launch (no supervisor) is ended by its
-    session (:func:`tmux_session`). Returns (one line saying what happened, 1 if something
-    would not stop else 0)."""
+    session (:func:`tmux_session`), after *why* (what stops it, for people) is written to its
+    record's ``stopped``: the run's watcher reads it, so that the node whose launch this ended is
+    not named as the first to fail. Returns (one line saying what happened, 1 if something would
+    not stop else 0)."""
     run_dir = os.path.expanduser(run_dir)
     run_id = os.path.basename(run_dir.rstrip("/"))
     try:
@@ -1437,6 +1439,11 @@ def stop_job(run_dir, grace):
         pid, said = None, ABSENT
         sid = tmux_session(run_dir)
         if sid is not None:  # no supervisor: a `run --tmux` window launched it
+            if why and session_processes(sid, run_id):
+                try:
+                    _write(os.path.join(run_dir, "stopped"), why + "\n")
+                except OSError:
+                    pass  # the stop itself matters more than its record
             return _end_tmux_launch(sid, run_id, grace)
 
     def alive():

@@ -625,8 +625,16 @@ def _tmux_record(d, rid):
                 code = int(fh.read().strip())
         except (OSError, ValueError):
             code = None
-    return {"run_id": rid, "state": "running" if running else "exited", "exit_code": code,
-            "started": started, "agent_pid": sid, "dir": d, "tmux": True}
+    rec = {"run_id": rid, "state": "running" if running else "exited", "exit_code": code,
+           "started": started, "agent_pid": sid, "dir": d, "tmux": True}
+    try:  # what ended it from outside the run (ddpfab stop), as stop_job wrote it
+        with open(os.path.join(d, "stopped")) as fh:
+            rec["stopped"] = fh.read(200).strip()
+        if not running:
+            rec["state"] = "stopped"
+    except OSError:
+        pass
+    return rec
 
 
 def op_ps(req, session):
@@ -687,7 +695,8 @@ def op_leases(req, session):
 
 def op_stop(req, session):
     """End run ``dir``'s job: its supervisor, then what is left by the job marker."""
-    said, code = stop_job(req["dir"], float(req.get("grace", 3)))
+    why = req.get("why")
+    said, code = stop_job(req["dir"], float(req.get("grace", 3)), why if isinstance(why, str) else None)
     return {"said": said, "stopped": code == 0, "known": said != ABSENT}
 
 

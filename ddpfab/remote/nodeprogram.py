@@ -690,10 +690,15 @@ class StopReply(NamedTuple):
     known: bool = True
 
 
+#: What ``ddpfab stop`` leaves in the record of a ``run --tmux`` launch it ends (agent.stop_job).
+STOPPED_BY_STOP = "stopped by `ddpfab stop`"
+
+
 def stop(conn, node, remote_dir: str, grace: float, timeout: float) -> StopReply:
     """End run *remote_dir*'s job on *node* (its supervisor, then what is left of the job by its
     marker)."""
-    reply = call(conn, node, {"op": "stop", "dir": remote_dir, "grace": grace}, timeout=timeout)[0]
+    reply = call(conn, node, {"op": "stop", "dir": remote_dir, "grace": grace, "why": STOPPED_BY_STOP},
+                 timeout=timeout)[0]
     if not reply.ok:
         return StopReply(reply.error, False)
     # (a node program without "known", an older one, knew it: never a false "no such run")
