@@ -227,7 +227,6 @@ def _guard(fn):
 @_guard
 def cmd_ps(args) -> int:
     from ddpfab.launch.jobs import grouped, node_state_text
-    from ddpfab.launch.tmuxrun import session_name
 
     cluster = _library(args, _cluster(args, None), None)
     jobs = cluster.ps(runs_dir=args.runs_dir)
@@ -247,13 +246,26 @@ def cmd_ps(args) -> int:
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else
-                   f"  (in tmux: tmux attach -t {session_name(r['run_id'])})" if r.get("tmux") and r["state"] == "running"
+                   f"  (in tmux: {_tmux_attach(args, r['run_id'])})" if r.get("tmux") and r["state"] == "running"
                    else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
     for name, gpus in jobs.gpus.items():  # the node's GPUs, every user's leases (ddpfab.node.leases)
         for g in gpus:
             print(f"{name}: {g.describe()}")
     return code
+
+
+def _tmux_attach(args, run_id: str) -> str:
+    """How this terminal joins a running ``--tmux`` run's session: on the tmux server its local
+    record names, when there is one (a run started inside ``tmux -L NAME``)."""
+    from ddpfab.launch.tmuxrun import attach_line, session_name
+
+    try:
+        manifest = read_record(args.runs_dir, run_id)
+    except RunRecordError:
+        manifest = None
+    socket = (manifest or {}).get("tmux_socket")
+    return attach_line(session_name(run_id), socket if isinstance(socket, str) and socket else None)
 
 
 @_guard

@@ -414,7 +414,8 @@ def run_tmux(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer,
     """``run --tmux``: the plan's launches in a tmux window per node (:mod:`ddpfab.launch.tmuxrun`),
     recorded as any run (before an attached terminal leaves the session)."""
     plan = prepared.plan
-    run_dir, manifest = _open_record(prepared, runs_root, {**(extra or {}), "tmux": tmuxrun.session_name(plan.run_id)})
+    run_dir, manifest = _open_record(prepared, runs_root, {**(extra or {}), "tmux": tmuxrun.session_name(plan.run_id),
+                                                           "tmux_socket": tmuxrun.server_socket()})
     started = time.time()
     done: list[tuple[RunResult, Path]] = []
 

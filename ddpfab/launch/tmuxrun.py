@@ -89,6 +89,24 @@ def session_name(run_id: str) -> str:
     return "ddpfab-" + run_id.replace(".", "-").replace(":", "-")
 
 
+def server_socket(environ: dict[str, str] | None = None) -> str:
+    """The socket of the tmux server that this process's ``tmux`` commands reach: inside tmux the
+    one it runs in (``$TMUX``: socket,pid,session; ``tmux -L NAME`` too), else the default one
+    (``${TMUX_TMPDIR:-/tmp}/tmux-UID/default``)."""
+    env = os.environ if environ is None else environ
+    inside = env.get("TMUX", "").split(",")[0]
+    if inside:
+        return inside
+    return os.path.join(env.get("TMUX_TMPDIR") or "/tmp", f"tmux-{os.getuid()}", "default")
+
+
+def attach_line(session: str, socket: str | None) -> str:
+    """How a terminal here joins *session* of the server at *socket* (recorded by the run):
+    ``tmux attach -t NAME``, with ``-S SOCKET`` when that is not the server this terminal reaches."""
+    other = socket is not None and socket != server_socket()
+    return shlex.join(["tmux", *(["-S", socket] if other and socket else []), "attach", "-t", session])
+
+
 def launch_text(plan: Plan, node: NodePlan) -> str:
     """What a window runs on *node*: ``plan --emit``'s bare script (the node's setup, then the launch)."""
     return node_script(plan, node)
@@ -547,12 +565,14 @@ def untie(windows: Windows) -> None:
         windows.tie = None
 
 
-def close_session(session: str) -> str:
+def close_session(session: str, socket: str | None = None) -> str:
     """``stop`` of a ``--tmux`` run: its session closed (the ddpfab that watches it then ends every
-    node's launch; without one, the windows' ssh going ends them). What happened, in words."""
-    if shutil.which("tmux") is None or tmux("has-session", "-t", f"={session}", check=False).returncode != 0:
+    node's launch; without one, the windows' ssh going ends them), on the server at *socket* (the
+    run's record's; None: this terminal's). What happened, in words."""
+    server = ["-S", socket] if socket else []
+    if shutil.which("tmux") is None or tmux(*server, "has-session", "-t", f"={session}", check=False).returncode != 0:
         return f"tmux session {session}: not found here (closed already, or another machine's)"
-    tmux("kill-session", "-t", f"={session}", check=False)
+    tmux(*server, "kill-session", "-t", f"={session}", check=False)
     return f"tmux session {session}: closed"
 
 

@@ -152,8 +152,13 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
             listed = ddpfab("ps", "-i", str(inventory2), "--runs-dir", str(run.runs)).stdout
             row = next((line for line in listed.splitlines() if line.startswith(run.run_id + " ")), "")
             assert row.split()[1] == "running" and "node1:running node2:running" in row, listed
-            assert row.endswith(f"(in tmux: tmux attach -t {run.session})"), listed
-            res = ddpfab("stop", run.run_id, "--runs-dir", str(run.runs), env={"TMUX_TMPDIR": str(tmp_path)})
+            # ps and stop from a terminal whose tmux is another server (the run's is under its own
+            # TMUX_TMPDIR, as in `tmux -L`): the record's socket names the run's server
+            socket = tmp_path / f"tmux-{os.getuid()}" / "default"
+            assert row.endswith(f"(in tmux: tmux -S {socket} attach -t {run.session})"), listed
+            here = ddpfab("ps", "-i", str(inventory2), "--runs-dir", str(run.runs), env={"TMUX_TMPDIR": str(tmp_path)})
+            assert f"(in tmux: tmux attach -t {run.session})" in here.stdout, here.stdout
+            res = ddpfab("stop", run.run_id, "--runs-dir", str(run.runs))
             assert f"controller: tmux session {run.session}: closed" in res.stdout, res.stdout + res.stderr
         else:  # a window closed by hand: its node's launch is over, as if it failed
             assert run.tmux("kill-window", "-t", f"{run.session}:node1").returncode == 0
