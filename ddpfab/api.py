@@ -813,8 +813,7 @@ class Cluster:
         if (manifest or {}).get("tmux"):  # a --tmux run: its windows' launches end with the session
             from ddpfab.launch import tmuxrun
 
-            socket = manifest.get("tmux_socket")  # (a record is data: a path, or none)
-            closed = tmuxrun.close_session(str(manifest["tmux"]), socket if isinstance(socket, str) and socket else None)
+            closed = tmuxrun.close_session(str(manifest["tmux"]), tmuxrun.recorded_socket(manifest))
 
         def stop(conn, node) -> nodeprogram.StopReply:
             return nodeprogram.stop(conn, node, node_run_dir(node.name, manifest, latest), STOP_GRACE_S, timeout=30)

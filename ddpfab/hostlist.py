@@ -29,7 +29,8 @@ def _follows(prev: str, nxt: str) -> bool:
     return len(nxt) == len(prev) or not (_padded(prev) or _padded(nxt))
 
 
-def _ranges(numbers: list[str]) -> str:
+def number_ranges(numbers: list[str], sep: str = ",") -> str:
+    """``1-3,5`` of decimal *numbers* (as written: ``09`` and ``10`` join only at one width)."""
     ordered = sorted(dict.fromkeys(numbers), key=lambda d: (int(d), len(d)))
     parts: list[str] = []
     start = end = ordered[0]
@@ -40,7 +41,7 @@ def _ranges(numbers: list[str]) -> str:
         parts.append(start if start == end else f"{start}-{end}")
         start = end = digits
     parts.append(start if start == end else f"{start}-{end}")
-    return ",".join(parts)
+    return sep.join(parts)
 
 
 def _folded_parts(names: Iterable[str]) -> list[str]:
@@ -58,7 +59,7 @@ def _folded_parts(names: Iterable[str]) -> list[str]:
         elif len(set(numbers)) == 1:
             out.append(f"{key[0]}{numbers[0]}{key[1]}")
         else:
-            out.append(f"{key[0]}[{_ranges(numbers)}]{key[1]}")
+            out.append(f"{key[0]}[{number_ranges(numbers)}]{key[1]}")
     return out
 
 

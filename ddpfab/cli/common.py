@@ -26,13 +26,7 @@ def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = T
     p.add_argument("-i", "--inventory", action="append", default=None, help=inventory_help)
     p.add_argument("--group", default=None,
                    help="inventory group whose hosts are the nodes (default: $DDPFAB_GROUP, the config's, or all)")
-    p.add_argument("-l", "--limit", metavar="PATTERN",
-                   help="only the hosts of the group that match this Ansible pattern (node1:node3, 'gpu*', "
-                        "'all:!node2', 'rack1:&gpus', or @FILE: one pattern a line); node ranks follow the "
-                        "remaining hosts' order")
-    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
-                   help="inventory variables over every host's, as Ansible's -e: KEY=VALUE, JSON/YAML, or "
-                        "@file (e.g. -e ddpfab_python=/opt/venv/bin/python); repeatable, later wins")
+    add_selection_args(p)
     if not ssh:
         return
     p.add_argument("--accept-new-host-keys", action="store_true",
@@ -41,6 +35,19 @@ def add_cluster_args(p: argparse.ArgumentParser, *, inventory_required: bool = T
                                          "inventory's UserKnownHostsFile, else ~/.ssh/known_hosts)")
     p.add_argument("--ssh-config", help="an ssh_config file to read (default: $DDPFAB_SSH_CONFIG, the config's, "
                                         "else ~/.ssh/config)")
+
+
+def add_selection_args(p: argparse.ArgumentParser, recorded: bool = False) -> None:
+    """-l/--limit and -e/--extra-vars, one meaning in every command; *recorded*: a command given a
+    run id, which starts from the run's own (recorded) limit and variables."""
+    p.add_argument("-l", "--limit", metavar="PATTERN",
+                   help="only the hosts of the group that match this Ansible pattern (node1:node3, 'gpu*', "
+                        "'all:!node2', 'rack1:&gpus', or @FILE: one pattern a line); node ranks follow the "
+                        "remaining hosts' order" + ("; default: the run's, as recorded" if recorded else ""))
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                   help="inventory variables over every host's, as Ansible's -e: KEY=VALUE, JSON/YAML, or "
+                        "@file (e.g. -e ddpfab_python=/opt/venv/bin/python); repeatable, later wins"
+                        + ("; over the run's own, as recorded" if recorded else ""))
 
 
 def add_script_args(p: argparse.ArgumentParser, script_help: str, args_help: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.cli.common import add_runs_dir_arg, run_id_type
+from ddpfab.cli.common import add_runs_dir_arg, add_selection_args, run_id_type
 from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
@@ -52,13 +52,12 @@ def _cluster(args, manifest: dict | None):
         # the run's -e (how its nodes are reached: ansible_host, ansible_port...) with this command's
         # -e over it; a mapping among them is the project config's (config.apply puts it first),
         # which the record holds as the run had it, but for the values it masks (secrets)
-        configured = inventory.parse_extra_vars([e for e in extra if isinstance(e, dict)])
         try:
-            limit, variables, masked = recorded_selection(manifest, [e for e in extra if not isinstance(e, dict)])
+            limit, variables, masked = recorded_selection(
+                manifest, [e for e in extra if not isinstance(e, dict)],
+                fallback=inventory.parse_extra_vars([e for e in extra if isinstance(e, dict)]))
         except ManifestError as exc:
             raise RunRecordError(str(exc)) from None
-        variables.update({k: configured[k] for k in masked if k in configured})
-        masked = [k for k in masked if k not in configured]
         chosen: tuple = (variables,) if variables else ()
     else:
         limit, chosen, masked = None, tuple(extra), []
@@ -136,11 +135,7 @@ def _common(p: argparse.ArgumentParser, inventory_required: bool) -> None:
                         "./ddpfab.yml)")
     p.add_argument("--group", help="inventory group (default: the recorded one, else $DDPFAB_GROUP, the config's, "
                                    "or all)")
-    p.add_argument("-l", "--limit", metavar="PATTERN",
-                   help="only the hosts that match this Ansible pattern (default: the run's, as recorded)")
-    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
-                   help="inventory variables over every host's, as Ansible's -e: KEY=VALUE, JSON/YAML, or @file; "
-                        "over the run's own, as recorded")
+    add_selection_args(p, recorded=not inventory_required)  # (ps, queue: no run, no record)
     add_runs_dir_arg(p, "where run records are")
     p.add_argument("--known-hosts")
     p.add_argument("--ssh-config")
@@ -227,6 +222,7 @@ def _guard(fn):
 @_guard
 def cmd_ps(args) -> int:
     from ddpfab.launch.jobs import grouped, node_state_text
+    from ddpfab.launch.tmuxrun import attach_line, session_name
 
     cluster = _library(args, _cluster(args, None), None)
     jobs = cluster.ps(runs_dir=args.runs_dir)
@@ -246,26 +242,14 @@ def cmd_ps(args) -> int:
         nodes = " ".join(line.replace(": ", ":", 1) for line in grouped(states))
         lineage = (f"  (restart {r['restart']} of {r['attempt_of']})" if r.get("attempt_of") else
                    f"  ({r['attempts']} attempts, run {r['recovery_state']})" if r.get("attempts", 0) > 1 else
-                   f"  (in tmux: {_tmux_attach(args, r['run_id'])})" if r.get("tmux") and r["state"] == "running"
+                   f"  (in tmux: {attach_line(session_name(r['run_id']), r.get('tmux_socket'))})"
+                   if r.get("tmux") and r["state"] == "running"
                    else "")
         print(f"{r['run_id']:<26} {r['state']:<8} {r['age_s']:>7.0f}s  {nodes}{lineage}")
     for name, gpus in jobs.gpus.items():  # the node's GPUs, every user's leases (ddpfab.node.leases)
         for g in gpus:
             print(f"{name}: {g.describe()}")
     return code
-
-
-def _tmux_attach(args, run_id: str) -> str:
-    """How this terminal joins a running ``--tmux`` run's session: on the tmux server its local
-    record names, when there is one (a run started inside ``tmux -L NAME``)."""
-    from ddpfab.launch.tmuxrun import attach_line, session_name
-
-    try:
-        manifest = read_record(args.runs_dir, run_id)
-    except RunRecordError:
-        manifest = None
-    socket = (manifest or {}).get("tmux_socket")
-    return attach_line(session_name(run_id), socket if isinstance(socket, str) and socket else None)
 
 
 @_guard

@@ -279,8 +279,8 @@ PDB_RANKS = re.compile(r"\s*(all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*")
 
 
 def _ranks_wait(spec: str) -> str:
-    """``rank 3 waits`` or ``ranks 0,2 wait`` for a RANKS spec."""
-    many = spec == "all" or "," in spec or "-" in spec
+    """``rank 3 waits`` or ``ranks 0,2 wait`` for a plan's RANKS (``all`` or ranks and commas)."""
+    many = spec == "all" or "," in spec
     return f"ranks {spec} wait" if many else f"rank {spec} waits"
 
 

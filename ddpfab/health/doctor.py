@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.hostlist import FOLD_ABOVE, compact
+from ddpfab.hostlist import FOLD_ABOVE, compact, number_ranges
 from ddpfab.planning.plan import Plan
 from ddpfab.remote import ssh
 
@@ -557,14 +557,8 @@ def analyze(replies: dict[str, dict | str], expected: dict[str, int],
 
 def _rank_ranges(ranks: list[dict]) -> str:
     """``0-4, 6-23`` of the ranks' global ranks (a process without one: ``pid N``)."""
-    numbers = sorted({r["rank"] for r in ranks if r["rank"] is not None})
-    parts: list[tuple[int, int]] = []
-    for n in numbers:
-        if parts and parts[-1][1] == n - 1:
-            parts[-1] = (parts[-1][0], n)
-        else:
-            parts.append((n, n))
-    return ", ".join([str(a) if a == b else f"{a}-{b}" for a, b in parts]
+    numbers = [str(r["rank"]) for r in ranks if r["rank"] is not None]
+    return ", ".join(([number_ranges(numbers, ", ")] if numbers else [])
                      + [f"pid {r['pid']}" for r in ranks if r["rank"] is None])
 
 

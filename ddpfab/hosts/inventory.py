@@ -26,7 +26,7 @@ from typing import Any
 from ddpfab.version import __version__
 from ddpfab.hosts import invcache, nodeenv
 from ddpfab.hosts.invcache import cache_dir
-from ddpfab.hosts.suggest import close_matches, did_you_mean
+from ddpfab.hosts.suggest import close_matches, did_you_mean, files_like
 from ddpfab.optionnames import option
 from ddpfab.problems import DdpfabError, Problem
 
@@ -557,22 +557,12 @@ def ansible_source(source: str) -> str:
         if known.is_file():  # expanded and checked before
             return str(known)
         return _generated(f"host list {source}", _host_list(source), known)
-    near = _files_near(path) if "." in path.name or "/" in source else []
+    near = files_like(path.name, str(path.parent)) if "." in path.name or "/" in source else ""
     if near:  # a mistyped file name first: it is what a name with a dot or a slash usually is
-        raise InventoryError(f"inventory {source}: no such file or directory{did_you_mean(path.name, near)}")
+        raise InventoryError(f"inventory {source}: no such file or directory{near}")
     hint = f"; for a single host write {source},  (a host list ends with a comma)" \
         if _is_host_entry(source) else ""
     raise InventoryError(f"inventory {source}: no such file or directory{hint}")
-
-
-def _files_near(path: Path) -> list[str]:
-    """The names of the files in *path*'s directory that look like its name (``inv.yml`` for
-    ``inv.yaml``); [] when there is none or the directory cannot be listed."""
-    try:
-        names = [e.name for e in os.scandir(path.parent) if e.is_file()]
-    except OSError:
-        return []
-    return close_matches(path.name, names)
 
 
 def _is_host_entry(word: str) -> bool:

@@ -189,6 +189,12 @@ def decided(node: Any, facts: dict) -> Any:
     return replace(node, python=executable, python_from=source)
 
 
+def node_setup_failure(node, exit_code: int | None, stderr: str) -> str | None:
+    """:func:`setup_failure` of *node*'s own setup lines, its ``ddpfab_secret_env`` masked."""
+    return setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr,
+                         tuple(getattr(node, "secret_env", ()) or ()))
+
+
 def setup_failure(lines: tuple[str, ...], exit_code: int | None, stderr: str, marked: tuple[str, ...] = ()) -> str | None:
     """What failed, when *exit_code* says a setup line did: ``setup line N `LINE` failed (exit X)``
     (the line's text from the inventory, not from the node, its secrets masked: *marked*, the

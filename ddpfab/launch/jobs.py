@@ -28,6 +28,7 @@ from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
                                    failed_worker_text, ranked, result_record, stopped_from_outside_line)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
+from ddpfab.launch.tmuxrun import recorded_socket
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import is_run_id
 from ddpfab.problems import NodeError, Problem
@@ -68,7 +69,8 @@ def node_problem(name: str, exc: BaseException, doing: str = "list jobs", check:
 def list_runs(answers: dict[str, tuple[float, list[dict]]], local: Callable[[str], dict]) -> list[dict]:
     """``ps``'s rows from the nodes' answers (node -> (its clock now, its run records)): one per run
     id, with each node's state, the run's state and age, and from *local(run_id)* (the local record,
-    {} when there is none) whether it is an attempt of a run with restarts, or has attempts."""
+    {} when there is none) whether it is an attempt of a run with restarts, or has attempts, and
+    a ``--tmux`` run's server (``tmux_socket``)."""
     runs: dict[str, dict] = {}
     for name, (now, records) in answers.items():
         for rec in records:
@@ -86,6 +88,8 @@ def list_runs(answers: dict[str, tuple[float, list[dict]]], local: Callable[[str
         elif record.get("recovery"):
             r["attempts"] = len(record["recovery"].get("attempts") or [])
             r["recovery_state"] = record["recovery"].get("state")
+        if r.get("tmux") and recorded_socket(record):
+            r["tmux_socket"] = recorded_socket(record)
         r["state"] = run_state(r["nodes"])
         r["age_s"] = round(r["now"] - (r["started"] or r["now"]), 1)
     return rows

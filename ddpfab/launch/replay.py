@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -98,10 +98,12 @@ def recorded_inventory(manifest: dict) -> str | list[str] | None:
     return sources
 
 
-def recorded_selection(manifest: dict, given: Iterable[str] = ()) -> tuple[str | None, dict[str, Any], list[str]]:
+def recorded_selection(manifest: dict, given: Iterable[str] = (), fallback: Mapping[str, Any] | None = None
+                       ) -> tuple[str | None, dict[str, Any], list[str]]:
     """How the run chose its nodes beyond inventory and group, read back as data: its ``limit``,
     its ``extra_vars`` with the ``-e`` *given* again over them (less those still masked), and the
-    keys still masked (a secret's value: replay needs it given again)."""
+    keys still masked (a secret's value: replay needs it given again). *fallback* (the project
+    config's variables) gives the values of masked keys that *given* does not."""
     limit, recorded = manifest.get("limit"), manifest.get("extra_vars", {})
     if limit is not None and not (isinstance(limit, str) and limit):
         raise ManifestError(f"run {manifest.get('run_id')}: the manifest's limit must be a pattern, found "
@@ -110,6 +112,8 @@ def recorded_selection(manifest: dict, given: Iterable[str] = ()) -> tuple[str |
         raise ManifestError(f"run {manifest.get('run_id')}: the manifest's extra_vars must be a mapping of "
                             f"variables, found {json.dumps(recorded)[:80]}")
     again = inventory.parse_extra_vars(given)
+    again.update({k: v for k, v in (fallback or {}).items()
+                  if k not in again and k in recorded and holds_mask(recorded[k], k)})
     masked = [k for k, v in recorded.items() if holds_mask(v, k) and k not in again]
     return limit, {k: v for k, v in {**recorded, **again}.items() if k not in masked}, masked
 

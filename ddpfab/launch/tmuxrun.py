@@ -100,11 +100,18 @@ def server_socket(environ: dict[str, str] | None = None) -> str:
     return os.path.join(env.get("TMUX_TMPDIR") or "/tmp", f"tmux-{os.getuid()}", "default")
 
 
+def recorded_socket(manifest: dict | None) -> str | None:
+    """The tmux server's socket a ``--tmux`` run's record names (:func:`server_socket` when it
+    started), read as data: a path, else None."""
+    socket = (manifest or {}).get("tmux_socket")
+    return socket if isinstance(socket, str) and socket else None
+
+
 def attach_line(session: str, socket: str | None) -> str:
     """How a terminal here joins *session* of the server at *socket* (recorded by the run):
     ``tmux attach -t NAME``, with ``-S SOCKET`` when that is not the server this terminal reaches."""
-    other = socket is not None and socket != server_socket()
-    return shlex.join(["tmux", *(["-S", socket] if other and socket else []), "attach", "-t", session])
+    other = ["-S", socket] if socket is not None and socket != server_socket() else []
+    return shlex.join(["tmux", *other, "attach", "-t", session])
 
 
 def launch_text(plan: Plan, node: NodePlan) -> str:
@@ -147,9 +154,11 @@ class RunIdInUse(DdpfabError):
 IN_USE = 3
 
 
-def tmux(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """``tmux ARGS``; with *check*, a TmuxError when it fails."""
-    res = subprocess.run(["tmux", *args], capture_output=True, text=True, check=False)
+def tmux(*args: str, check: bool = True, socket: str | None = None) -> subprocess.CompletedProcess:
+    """``tmux ARGS`` (on the server at *socket*; None: this process's); with *check*, a TmuxError
+    when it fails."""
+    res = subprocess.run(["tmux", *(["-S", socket] if socket else []), *args], capture_output=True, text=True,
+                         check=False)
     if check and res.returncode != 0:
         raise TmuxError(f"tmux {args[0]} failed: {res.stderr.strip() or f'exit code {res.returncode}'}")
     return res
@@ -569,10 +578,10 @@ def close_session(session: str, socket: str | None = None) -> str:
     """``stop`` of a ``--tmux`` run: its session closed (the ddpfab that watches it then ends every
     node's launch; without one, the windows' ssh going ends them), on the server at *socket* (the
     run's record's; None: this terminal's). What happened, in words."""
-    server = ["-S", socket] if socket else []
-    if shutil.which("tmux") is None or tmux(*server, "has-session", "-t", f"={session}", check=False).returncode != 0:
+    if (shutil.which("tmux") is None
+            or tmux("has-session", "-t", f"={session}", check=False, socket=socket).returncode != 0):
         return f"tmux session {session}: not found here (closed already, or another machine's)"
-    tmux(*server, "kill-session", "-t", f"={session}", check=False)
+    tmux("kill-session", "-t", f"={session}", check=False, socket=socket)
     return f"tmux session {session}: closed"
 
 

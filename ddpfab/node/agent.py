@@ -157,11 +157,18 @@ def signal_tmux_launch(run_dir, run_id, signal_name):
     return _signal_all(session_processes(sid, run_id), signum) if sid is not None else 0
 
 
-def _end_tmux_launch(sid, run_id, grace):
+def _end_tmux_launch(sid, run_id, grace, run_dir, why=None):
     """``ddpfab stop`` of the ``run --tmux`` launch of session *sid* (SIGTERM, SIGKILL after
-    *grace* s): (what happened, 1 if some of it would not end). The session is read once: the
-    run's own teardown may remove its record meanwhile."""
-    if not _signal_all(session_processes(sid, run_id), signal.SIGTERM):
+    *grace* s), *why* written first to its record in *run_dir* when it still runs: (what happened,
+    1 if some of it would not end). The session is read once: the run's own teardown may remove
+    its record meanwhile."""
+    found = session_processes(sid, run_id)
+    if found and why:
+        try:
+            _write(os.path.join(run_dir, "stopped"), why + "\n")
+        except OSError:
+            pass  # the stop itself matters more than its record
+    if not _signal_all(found, signal.SIGTERM):
         return "its tmux launch had ended", 0
     for wait in (grace, 5):
         deadline = time.monotonic() + wait
@@ -1439,12 +1446,7 @@ def stop_job(run_dir, grace, why=None):
         pid, said = None, ABSENT
         sid = tmux_session(run_dir)
         if sid is not None:  # no supervisor: a `run --tmux` window launched it
-            if why and session_processes(sid, run_id):
-                try:
-                    _write(os.path.join(run_dir, "stopped"), why + "\n")
-                except OSError:
-                    pass  # the stop itself matters more than its record
-            return _end_tmux_launch(sid, run_id, grace)
+            return _end_tmux_launch(sid, run_id, grace, run_dir, why)
 
     def alive():
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from ddpfab.hosts.suggest import did_you_mean
+from ddpfab.hosts.suggest import files_like
 from ddpfab.planning.plan import LOCAL_RANK_ARGS
 from ddpfab.problems import DdpfabError
 
@@ -112,9 +112,4 @@ def check_here(script: str, module: bool, root: str, names: list[str] | None = N
 def suggestion(script: str, root: str) -> str:
     """`` (did you mean 'train.py'?)`` for a *script* that is not in *root*: the ``.py`` files of
     its directory there that look like it; "" when none does (or it cannot be listed)."""
-    folder = os.path.dirname(script)
-    try:
-        names = [os.path.join(folder, n) for n in os.listdir(os.path.join(root, folder)) if n.endswith(".py")]
-    except OSError:
-        return ""
-    return did_you_mean(script, names)
+    return files_like(script, root, ".py")

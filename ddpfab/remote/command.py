@@ -97,8 +97,7 @@ def stdin_for(node, command: str) -> tuple[str, bytes]:
 def _pump(chan, read, name: str, printer: Printer, stderr: bool, node=None) -> None:
     for line in streams.lines(read):
         if node is not None and line.startswith(nodeenv.SETUP_MARK):  # the bootstrap's own, said as ddpfab says it
-            line = "ddpfab: " + (nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), nodeenv.SETUP_FAILED,
-                                                       line, tuple(getattr(node, "secret_env", ()) or ())) or line)
+            line = "ddpfab: " + (nodeenv.node_setup_failure(node, nodeenv.SETUP_FAILED, line) or line)
         printer.line(name, line, stderr)
         if printer.closed:  # nobody reads on: closing the channel ends the command (see guarded)
             chan.close()

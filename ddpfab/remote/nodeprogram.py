@@ -385,8 +385,7 @@ def start_failure(node, exit_code: int | None, stderr: str = "",
     """Why the program did not start on *node*, when its exit status says so: a setup line of
     its own failed (:data:`ddpfab.hosts.nodeenv.SETUP_FAILED`, the line named), or its python is not
     there (127; with *fallback*, as in :func:`command`, neither python was)."""
-    failed = nodeenv.setup_failure(tuple(getattr(node, "setup", ()) or ()), exit_code, stderr,
-                                   tuple(getattr(node, "secret_env", ()) or ()))
+    failed = nodeenv.node_setup_failure(node, exit_code, stderr)
     if failed:
         return NodeProgramError(node.name, failed, kind="setup")
     if exit_code != 127:
