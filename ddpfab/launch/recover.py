@@ -255,7 +255,9 @@ def classify(result: RunResult, nodes: tuple[Node, ...], log_dir: Path, policy: 
         return Failure("node", tuple(n.name for n in nodes if n.name in evidence), evidence)
     first = result.first_failure or next(iter(result.outcomes))  # the rank that failed on its own (cause.blame)
     cause = result.outcomes[first].cause
-    error = cause.text() if cause else f"exit code {result.outcomes[first].exit_code}"
+    code = result.outcomes[first].exit_code
+    error = (cause.text() if cause else "exited 0 while the others still waited for it" if code == 0
+             else f"exit code {code}")
     return Failure("script", (first,), {first: tail(log_dir / f"{first}.log")}, error)
 
 

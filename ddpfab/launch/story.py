@@ -100,12 +100,18 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     parts = [f"failed: {verdict.node} (node_rank {out.node_rank}) {why(out)}"]
     cause = verdict.cause
     others = {n: o for n, o in (outcomes or {}).items() if n != verdict.node}
+    early = ended_early(verdict, others)
     if cause is not None and (cause.own or cause.kind is None):
         parts.append(cause_text(cause, out))
     elif cause is not None:
         lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
             if cause.kind is CauseKind.PEER_LOST else cause.text()
-        parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
+        if early is not None:  # the node the victims wait for had ended: it leads, the first victim after it
+            parts = [f"failed: {early} (node_rank {others[early].node_rank}) exited 0 while the others still "
+                     f"waited for it ({addresses[early]}, named by their errors): look there for a rank that ends "
+                     f"before the others", f"then {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
+        else:
+            parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
         parts.append(fallback)
     same = [n for n, o in others.items() if _same_failure(o.cause, cause)]
@@ -113,10 +119,10 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
         parts.append(f"{compact(same)} failed the same way")
     if verdict.victims():
         parts.append(verdict.victims())
-    done = [n for n, o in others.items() if o.exit_code == 0]
+    done = [n for n, o in others.items() if o.exit_code == 0 and n != early]
     if done:
         parts.append(f"{compact(done)} exited 0")
-    if outcomes is None or len(done) + len(same) < len(others):
+    if outcomes is None or len(done) + len(same) + (early is not None) < len(others):
         parts.append("the others were stopped")
     return "; ".join(parts)
 
@@ -128,15 +134,20 @@ def _same_failure(other: Cause | None, named: Cause | None) -> bool:
             == (named.kind, named.exception, named.exit_code, named.signal))
 
 
+def ended_early(verdict: Blame, others: Mapping[str, Outcome]) -> str | None:
+    """The node the victims' errors name when it had exited 0 while they waited for it in a
+    collective (a rank of it ended early): the story's first node; else None."""
+    node = verdict.pointed
+    return node if node and node in others and others[node].exit_code == 0 and verdict.cause is not None \
+        and not verdict.cause.own else None
+
+
 def _pointed(verdict: Blame, addresses: dict[str, str], others: Mapping[str, Outcome]) -> str:
-    """Where the victims' errors point: the node they name; one that had ended well before them
-    (exit 0) left them waiting for it in a collective: a rank of it that ends early."""
+    """Where the victims' errors point: the node they name (one that had ended early leads the
+    line instead: :func:`ended_early`)."""
     node = verdict.pointed
     if not node or node not in addresses:
         return ""
-    if node in others and others[node].exit_code == 0:
-        return (f"; their errors name {node} ({addresses[node]}), which had exited 0 while they still waited "
-                "for it: look there for a rank that ends before the others")
     return f"; their errors name {node} ({addresses[node]}): look there first"
 
 

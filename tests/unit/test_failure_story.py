@@ -325,10 +325,11 @@ def test_a_rank_that_ended_early_is_where_the_victims_point():
     outcomes = {"node1": victim, "node2": early}
     verdict = execute.blame_outcomes(outcomes, addresses, "node1")
     assert (verdict.node, verdict.lost_peer, verdict.pointed) == ("node1", 0, "node2")
+    # the node that ended early leads the line (the new-user pass after: a victim led it)
     assert story.closing_line(verdict, victim, "", addresses, outcomes) == (
-        "failed: node1 (node_rank 0) exit code 1; only secondary failures were seen: rank 0 (local rank 0) lost its "
-        "peer (its peer: node2); their errors name node2 (10.0.0.12), which had exited 0 while they still waited "
-        "for it: look there for a rank that ends before the others; node2 exited 0")
+        "failed: node2 (node_rank 1) exited 0 while the others still waited for it (10.0.0.12, named by their "
+        "errors): look there for a rank that ends before the others; then node1 (node_rank 0) exit code 1: rank 0 "
+        "(local rank 0) lost its peer (its peer: node2)")
 
 
 def test_the_closing_line_says_which_others_exited_0_and_that_the_rest_were_stopped():
@@ -497,7 +498,8 @@ def test_a_rank_that_left_a_24_node_ring_early_is_where_the_victims_point():
     verdict = execute.blame_outcomes(outcomes, addresses, "node9")
     assert verdict.pointed == "node10" and verdict.lost_peer == 22, verdict
     line = story.closing_line(verdict, outcomes[verdict.node], "", addresses, outcomes)
-    assert "their errors name node10 (10.0.1.10), which had exited 0 while they still waited for it" in line, line
+    assert line.startswith("failed: node10 (node_rank 9) exited 0 while the others still waited for it "
+                           "(10.0.1.10, named by their errors)"), line
 
 
 def test_a_rank_that_crashed_in_a_finally_of_a_ring_is_where_the_victims_point():
