@@ -24,6 +24,7 @@ from typing import Any
 
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import mesh as meshmod
+from ddpfab.health import packages
 from ddpfab.health import resourcecheck
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hostlist import compact
@@ -209,6 +210,28 @@ def _software(ok: list, fx: dict[str, dict], options: CheckOptions) -> list[Chec
         _same_check(results, "nccl", gpu_nodes, "NCCL", "install the same torch build everywhere")
     drivers = {n.name: fx[n.name]["driver"] for n in ok if fx[n.name].get("driver")}
     _same_check(results, "driver", drivers, "NVIDIA driver", "install one driver version (ddpfab provision, gpu role)")
+    return results + _packages(ok, fx)
+
+
+def _packages(ok: list, fx: dict[str, dict]) -> list[CheckResult]:
+    """Each node's installed packages against most nodes' (:mod:`ddpfab.health.packages`): a
+    warning, as a package no job imports fails nothing; nodes that differ the same way (the same
+    python) share one line and one fix."""
+    odd = packages.compare({n.name: fx[n.name].get("packages") for n in ok})
+    groups: dict[tuple[str, str], list[str]] = {}
+    for n in ok:
+        if n.name in odd:
+            groups.setdefault((odd[n.name].text(), nodeenv.decided(n, fx[n.name]).python), []).append(n.name)
+    fixes = {name: packages.fix(names, python, odd[name]) for (_, python), names in groups.items() for name in names}
+    listed = {n.name: got for n in ok if (got := packages.valid(fx[n.name].get("packages"))) is not None}
+    results = []
+    for n in ok:
+        if n.name in odd:
+            results.append(CheckResult(n.name, "packages", "warn", found=odd[n.name].text(),
+                                       expected="the packages most nodes have, in their versions", fix=fixes[n.name]))
+        elif n.name in listed:
+            results.append(CheckResult(n.name, "packages", "pass", found=f"{len(listed[n.name])} packages"
+                                       + (", as most nodes" if len(listed) > 1 else "")))
     return results
 
 

@@ -122,7 +122,8 @@ def facts_request(node: Node, *, workdir: str, script: str | None, port: int | N
     req: dict = {"op": "facts", "workdir": workdir, "script": script, "peers": peers or {},
                  "resolve": resolve_names or [], "full": full, "leases": True,
                  "resources": True,  # the node's resources a job needs (ddpfab.health.resourcecheck)
-                 "interfaces": True}  # what --socket-ifname IFACE is checked against
+                 "interfaces": True,  # what --socket-ifname IFACE is checked against
+                 "packages": True}  # what the nodes' pythons have installed, compared across nodes
     if run_id:
         req["run_dir"] = f"~/{REMOTE_RUNS_DIR}/{run_id}"
     if port:

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TextIO
@@ -647,9 +647,12 @@ class _Settle:
 
 
 def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer,
-            reconnect: Callable[[str], Connection] | None = None) -> RunResult:
+            reconnect: Callable[[str], Connection] | None = None,
+            node_hints: Mapping[str, str] | None = None) -> RunResult:
     """Run *plan* on the open connections; block until every node is done; never leave one running.
-    *reconnect(name)* opens a fresh connection to a node (to clean up after a lost supervisor)."""
+    *reconnect(name)* opens a fresh connection to a node (to clean up after a lost supervisor);
+    *node_hints*: node -> what the closing lines add when that node is the one named (what its
+    facts showed odd: :func:`ddpfab.health.packages.failure_hints`)."""
     events: queue.SimpleQueue = queue.SimpleQueue()  # (put by a signal handler too: see _monitor)
     logs = {}
     try:  # every node's local log before any node starts: a node that cannot have one starts nothing
@@ -692,7 +695,8 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
     hang = HangWatch(plan, conns, log_dir, printer.note) if plan.hang_timeout > 0 else None
     with signals_raise():
         try:
-            return _Monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang, debugger).run()
+            return _Monitor(jobs, events, printer, stop_all, lambda: stop_deadline, hang, debugger,
+                            node_hints).run()
         finally:
             if debugger is not None:
                 debugger.close()
@@ -706,8 +710,10 @@ class _Monitor:
     deadline); then the closing line (:meth:`result`)."""
 
     def __init__(self, jobs: dict[str, _NodeJob], events: queue.SimpleQueue, printer: Printer, stop_all,
-                 stop_deadline, hang: HangWatch | None = None, debugger: Debugger | DapForwarder | None = None):
+                 stop_deadline, hang: HangWatch | None = None, debugger: Debugger | DapForwarder | None = None,
+                 node_hints: Mapping[str, str] | None = None):
         self.jobs, self.events, self.printer = jobs, events, printer
+        self.node_hints = dict(node_hints or {})
         self.stop_all, self.stop_deadline, self.hang, self.debugger = stop_all, stop_deadline, hang, debugger
         self.pending = set(jobs)
         nodes = next(iter(jobs.values())).plan.nodes if jobs else ()
@@ -899,7 +905,8 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            for line in hints.verdict_lines(found) + [h for h in [story.signal_hint(verdict.cause, verdict.node)] if h]:
+            extra = [story.signal_hint(verdict.cause, verdict.node), self.node_hints.get(verdict.node)]
+            for line in hints.verdict_lines(found) + [h for h in extra if h]:
                 self.printer.note(f"hint: {line}")
             return (out.exit_code if out.exit_code not in (None, 0) else 1), summary
         if races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.health import check, probe, resourcecheck
+from ddpfab.health import check, packages, probe, resourcecheck
 from ddpfab.health.mesh import listen_request
 from ddpfab.hosts import inventory
 from ddpfab.launch import replicate, tmuxrun
@@ -379,7 +379,9 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
     try:
-        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect)
+        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect,
+                         node_hints=packages.failure_hints({n: f.raw for n, f in prepared.facts.items()},
+                                                           {n.name: n.python for n in plan.nodes}))
     except KeyboardInterrupt as exc:  # a second signal leaves at once: the record still says how it ended
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
         name = exc.name if isinstance(exc, Interrupted) else "SIGINT"

@@ -267,6 +267,46 @@ def _torch_spec():
     return importlib.util.find_spec("torch")
 
 
+#: The most packages a node reports (a python with more is no training venv; the list stays small).
+MAX_PACKAGES = 3000
+
+
+def _package_dirs():
+    """The directories this python's plain start imports installed packages from: the
+    site-packages of :func:`_site_packages`, and where site has run (it decides, or torch is
+    found only through it: a ``.pth``, the system's packages) those it put on sys.path too."""
+    dirs = _site_packages()
+    if dirs is None:
+        _with_site()
+    if _SITE_RUN:
+        dirs = (dirs or []) + [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")
+                               and p not in (dirs or [])]
+    return dirs
+
+
+def installed_packages():
+    """``{name: version}`` of the distributions in :func:`_package_dirs`, by their metadata dirs
+    (``NAME-VERSION.dist-info``, ``NAME-VERSION[-pyX.Y].egg-info``), names as pip compares them
+    (lower case, ``-`` for runs of ``-_.``). A listing, no metadata read: importlib.metadata
+    reads every package's METADATA file (tens of ms on a full venv). The first directory wins
+    for a name, as the first on sys.path is what an import finds."""
+    found = {}
+    for d in _package_dirs():
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for entry in names:
+            stem, dot, kind = entry.rpartition(".")
+            if not dot or kind not in ("dist-info", "egg-info"):
+                continue
+            parts = stem.split("-")
+            name = "-".join(w for w in parts[0].lower().replace("_", "-").replace(".", "-").split("-") if w)
+            if name and name not in found and len(found) < MAX_PACKAGES:
+                found[name] = parts[1] if len(parts) > 1 else None
+    return found
+
+
 def _address_of(name):
     """*name*'s IPv4 address as this node resolves it (``gethostbyname``). An ASCII name goes as
     bytes, which skips the IDNA codec (with re, 2.2 ms of a facts); any other as text, encoded so.
@@ -324,6 +364,8 @@ def op_facts(req, session):
         out["leases"] = _leases_or_error()
     if req.get("resources"):
         out["resources"] = res_facts(req, out)
+    if req.get("packages"):
+        out["packages"] = installed_packages()
     if req.get("full") and out["torch"]:
         _facts_torch(out)
     return out

@@ -12,7 +12,9 @@ node did end first): a soak of ten runs as they came proved the same less surely
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from pathlib import Path
@@ -189,3 +191,55 @@ def test_a_usage_error_is_quoted_with_where_ddpfabs_option_belongs(lab, inventor
     assert "before the script" in res.stderr.splitlines()[-1]
     manifest = json.loads(next((tmp_path / "runs").glob("*/manifest.json")).read_text())
     assert manifest["nodes"][manifest["first_failure"]]["cause"]["kind"] == "usage"
+
+
+#: A job that imports, after its ranks met, a package one node's python lacks.
+IMPORTS_DEP = """\
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} up", flush=True)
+import ddpfab_test_dep
+dist.barrier()
+print(f"rank {dist.get_rank()} has {ddpfab_test_dep.VALUE}", flush=True)
+"""
+
+
+def test_a_package_one_node_lacks_is_named_by_check_and_by_its_failed_run(lab, inventory3, tmp_path):
+    """A venv every node runs (it sees this python's packages through a .pth) with one package
+    more, in a dir of its own that node2 does not see (an empty tmpfs over it, in node2's own
+    mounts). Before, check passed and the failed run ended with the ModuleNotFoundError alone;
+    now check warns with the package and how to install it there, and the run's closing lines
+    give the same hint."""
+    venv, job, extra = tmp_path / "venv", tmp_path / "job", tmp_path / "extra"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    # this python's packages (torch and the rest), then the one more (where a .pth's dir exists)
+    (site / "main.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{extra}/site-packages\n")
+    (extra / "site-packages" / "ddpfab_test_dep").mkdir(parents=True)
+    (extra / "site-packages" / "ddpfab_test_dep" / "__init__.py").write_text("VALUE = 7\n")
+    (extra / "site-packages" / "ddpfab_test_dep-1.2.dist-info").mkdir()
+    (extra / "site-packages" / "ddpfab_test_dep-1.2.dist-info" / "METADATA").write_text(
+        "Name: ddpfab-test-dep\nVersion: 1.2\n")
+    job.mkdir()
+    (job / "train.py").write_text(IMPORTS_DEP)
+    hidden = host_sh(lab, "node2", f"findmnt -no PROPAGATION / | grep -qx private && mount -t tmpfs ddpfab-test {extra}")
+    assert hidden.returncode == 0, hidden.stderr  # (a private root: the mount stays node2's)
+    try:
+        assert (extra / "site-packages").is_dir()
+        python = ("-e", f"ddpfab_python={venv}/bin/python")
+        res = ddpfab("check", "--fast", "-i", str(inventory3), *python, cwd=job)
+        assert res.returncode == 0, res.stdout + res.stderr  # a warning: a package no job imports fails nothing
+        assert (f"warn host node2: packages: expected the packages most nodes have, in their versions, found lacks "
+                f"ddpfab-test-dep 1.2; fix: provision again (`ddpfab provision -l node2 -t python` installs the "
+                f"pinned set), or install them there: `ddpfab exec -l node2 -- {venv}/bin/python -m pip install "
+                f"ddpfab-test-dep==1.2`") in res.stdout, res.stdout
+        res = ddpfab("run", "-i", str(inventory3), *python, "--no-sync", "--runs-dir", str(tmp_path / "runs"),
+                     "--env", "PYTHONDONTWRITEBYTECODE=1", "train.py", cwd=job)  # (no __pycache__ left on the hosts)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert closing_line(res).startswith("ddpfab: failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0): "
+                                            "ModuleNotFoundError: No module named 'ddpfab_test_dep'"), closing_line(res)
+        hint = [ln for ln in res.stdout.splitlines() if ln.startswith("ddpfab: hint: node2's python")]
+        assert hint and f"({venv}/bin/python) lacks ddpfab-test-dep 1.2, unlike most nodes" in hint[0], res.stdout
+        wait_no_processes(lab, timeout=10)
+    finally:
+        host_sh(lab, "node2", f"umount {extra}")
