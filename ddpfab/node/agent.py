@@ -622,9 +622,20 @@ def ranks_done(run_dir):
             continue
         if type(pid) is not int or not (code is None or type(code) is int):
             continue
+        at = rec.get("time")
         done[int(m.group(1))] = {"rank": int(fields[0]), "local_rank": int(fields[1]), "pid": pid, "code": code,
-                                 "restart": int(fields[2])}
+                                 "restart": int(fields[2]),
+                                 "time": float(at) if type(at) in (int, float) else None}
     return done
+
+
+def failed_before(run_dir, at):
+    """The first rank whose exit guard recorded a failure (an exit code other than 0) before *at*
+    (a time.time()), or None: a worker that failed on its own before a stop came, which the
+    worker watch missed (it died before the watch's first look, or torchrun reaped it first)."""
+    failed = [r for r in ranks_done(run_dir).values()
+              if r["code"] not in (None, 0) and r["time"] is not None and r["time"] <= at]
+    return min(failed, key=lambda r: r["time"]) if failed else None
 
 
 def finished_before(run_dir, pid):
@@ -935,6 +946,7 @@ class Supervisor(object):
         self.failed_workers = []  # (pid, how, identity) of each worker seen failing, in order
         self.workers = {}  # pid -> worker_identity(pid), filled by watch_workers
         self.own_failure_since = None  # time.monotonic() when a worker failed before any stop
+        self.stop_at = None  # time.time() when something stopped the job
         self.at_barrier = False
         self.signalled = None  # the signal that asks for a stop, for the main loop to take
         self.stop_signal = None  # ... the one that stopped the job, as data (``ddpfab stop``, a kill)
@@ -1011,7 +1023,7 @@ class Supervisor(object):
 
     def request_stop(self, why, worker=False):
         if not self.stop.is_set():
-            self.reason, self.by_worker = why, worker
+            self.reason, self.by_worker, self.stop_at = why, worker, time.time()
             self.stop.set()
 
     def watch_link(self):
@@ -1109,6 +1121,13 @@ class Supervisor(object):
         # a worker failed before anything stopped the job: the node failed on its own, also when
         # ddpfab's stop (another node saw the same failure first) came while its last lines were relayed
         own_failure = self.own_failure_since is not None
+        missed = None if own_failure or self.stop_at is None or self.reason == AT_BARRIER \
+            else failed_before(self.run_dir, self.stop_at)
+        if missed is not None:  # a rank had failed on its own before the stop: the node's failure is its own
+            self.failed_workers.insert(0, (missed["pid"], ("exit", missed["code"]),
+                                           {"rank": missed["rank"], "local_rank": missed["local_rank"]}))
+            self.failed_at.append(missed["time"])
+            own_failure = True
         first = self.failed_workers[0] if self.failed_workers else None
         local = first[2].get("local_rank") if own_failure and first else None
         if type(local) is int and not self.relayer.is_alive():  # what torchrun had not relayed of it: its traceback
@@ -1116,7 +1135,8 @@ class Supervisor(object):
                 self.emit(line)
         if own_failure:
             code = 1  # what torchrun itself exits with when a worker fails
-            self.reason = _worker_text(first[0], first[1])
+            self.reason = _worker_text(first[0], first[1]) if missed is None else (
+                "a worker failed (pid %d, exit %s) before the stop came" % (first[0], first[1][1]))
         if self.at_barrier and self.reason == AT_BARRIER:
             code, self.reason = 0, None  # ended by us after the work was done: the job succeeded on this node
         self._result(code, own_failure)

@@ -373,6 +373,67 @@ def test_a_worker_killed_before_a_stop_is_the_nodes_own_failure(tmp_path):
     assert not alive(other)
 
 
+# a torchrun whose worker (rank 4, local rank 1) failed before the supervisor's worker watch saw
+# it: its exit guard's record is all that says so (a rank that died within the watch's first look)
+TORCHRUN_WHOSE_FAILURE_WAS_MISSED = r"""
+import json, os, sys, time
+ranks = os.path.join(sys.argv[1], "ranks")
+os.makedirs(ranks, exist_ok=True)
+with open(os.path.join(ranks, "rank-1.json"), "w") as fh:
+    fh.write(json.dumps({"rank": "4", "local_rank": "1", "pid": 4242, "code": 1, "restart": "0",
+                         "time": time.time()}))
+print("worker failed", flush=True)
+time.sleep(300)  # torchrun still ending the others when the stop comes
+"""
+
+
+def test_a_rank_that_failed_before_a_stop_unseen_by_the_watch_is_the_nodes_own_failure(tmp_path):
+    """A rank failed on its own within the worker watch's first look (a SyntaxError, an import):
+    only its exit guard's record says so. ddpfab's fast stop (another node failed the same way
+    first) reached this node before its torchrun ended: ps, doctor and the manifest called the node
+    "stopped by ddpfab: another node failed" (exit 143), a new user's pass found."""
+    launcher = tmp_path / "torchrun"
+    launcher.write_text(TORCHRUN_WHOSE_FAILURE_WAS_MISSED)
+    run = tmp_path / "run"
+    proc = spawn({"run_id": "t", "dir": str(run), "grace": 1, "argv": [sys.executable, str(launcher), str(run)]})
+    assert proc.stdout.readline().endswith(b"worker failed\n")
+    proc.stdin.write(b"!")  # another node failed: ddpfab's fast stop
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    result = json.loads((run / "result.json").read_text())
+    recorded = json.loads((run / "ranks" / "rank-1.json").read_text())
+    assert proc.returncode == 1 and result["exit_code"] == 1, result
+    assert result["failed_worker"] == {"pid": 4242, "exit": 1, "rank": 4, "local_rank": 1}, result
+    assert result["failed_at"] == recorded["time"], result
+    assert result["stopped"] == "a worker failed (pid 4242, exit 1) before the stop came", result
+    assert agent.ended_state(result) == "exited"
+
+
+def test_a_rank_that_failed_after_the_stop_leaves_the_node_stopped(tmp_path):
+    """The same record written after the stop came (a rank ended by the stop, its script exiting
+    1 on SIGTERM) is the stop's doing: the node stays stopped by ddpfab."""
+    launcher = tmp_path / "torchrun"
+    launcher.write_text("import signal, subprocess, sys, time\n"
+                        "def term(*_):\n"
+                        "    subprocess.run([sys.executable, sys.argv[2], sys.argv[1]])\n"
+                        "    sys.exit(1)\n"
+                        "signal.signal(signal.SIGTERM, term)\n"
+                        "print('up', flush=True)\n"
+                        "time.sleep(300)\n")
+    (tmp_path / "record.py").write_text(TORCHRUN_WHOSE_FAILURE_WAS_MISSED.replace("time.sleep(300)", "pass"))
+    run = tmp_path / "run"
+    proc = spawn({"run_id": "t", "dir": str(run), "grace": 3,
+                  "argv": [sys.executable, str(launcher), str(run), str(tmp_path / "record.py")]})
+    assert proc.stdout.readline().endswith(b"up\n")
+    proc.stdin.write(b"!")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    result = json.loads((run / "result.json").read_text())
+    assert (run / "ranks" / "rank-1.json").exists()  # written, after the stop
+    assert result["stopped"] == "stopped by ddpfab: another node failed" and result["failed_at"] is None, result
+    assert agent.ended_state(result) == "stopped"
+
+
 # a torchrun whose tee lags: its worker (local rank 1) writes a traceback to its log file and
 # fails; the tee has relayed the first line only when the agent ends the job
 LAGGING_TEE = r"""
