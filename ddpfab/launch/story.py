@@ -117,13 +117,22 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     same = [n for n, o in others.items() if _same_failure(o.cause, cause)]
     if same:  # every rank the same error (a usage error, an import): one story, told once
         parts.append(f"{compact(same)} failed the same way")
+    also = {n: o for n, o in others.items() if n not in same and o.cause is not None and o.cause.own
+            and o.exit_code not in (None, 0)}
+    if also:  # another rank's own failure, of another kind: never counted with the stopped
+        parts.append("also on its own: " + ", ".join(f"{n} (node_rank {o.node_rank}) {cause_text(o.cause, o)}"
+                                                     for n, o in also.items() if o.cause is not None))
     if verdict.victims():
         parts.append(verdict.victims())
     done = [n for n, o in others.items() if o.exit_code == 0 and n != early]
     if done:
         parts.append(f"{compact(done)} exited 0")
-    if outcomes is None or len(done) + len(same) + (early is not None) < len(others):
+    told = set(done) | set(same) | set(also) | {early}
+    stopped = [n for n, o in others.items() if n not in told and o.stopped_by_ddpfab]
+    if outcomes is None or (stopped and len(stopped) == len(others) - len(told & set(others))):
         parts.append("the others were stopped")
+    elif stopped:
+        parts.append(f"{compact(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped")
     return "; ".join(parts)
 
 

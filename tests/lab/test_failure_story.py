@@ -193,6 +193,40 @@ def test_a_usage_error_is_quoted_with_where_ddpfabs_option_belongs(lab, inventor
     assert manifest["nodes"][manifest["first_failure"]]["cause"]["kind"] == "usage"
 
 
+def test_a_second_rank_failing_another_way_is_said_and_no_node_is_called_stopped(lab, inventory3, tmp_path):
+    """3 x 2: rank 1 (node1) raises ValueError, rank 4 (node3) KeyError, the others lose their
+    peer (a new user's pass: the line ended "the others were stopped", rank 4 in no word of it)."""
+    res, manifest = crash(inventory3, tmp_path / "runs", 2, 1, "raise", "--env", "CRASH_ALSO=4")
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = closing_line(res)
+    assert "rank 1 (local rank 1): ValueError" in line or "rank 4 (local rank 0): KeyError" in line, line
+    assert "also on its own: " in line and "ValueError" in line and "KeyError" in line, line
+    assert "stopped" not in line, line  # every other rank lost its peer: none was stopped before it failed
+    wait_no_processes(lab, timeout=10)
+
+
+def test_a_syntax_error_on_every_rank_leaves_no_node_called_stopped(lab, inventory3, tmp_path):
+    """Every rank fails within a moment of starting, before the supervisors' first look at their
+    workers; ddpfab's stop then reached the nodes before their torchrun ended: ps, doctor and the
+    manifest called them "stopped by ddpfab: another node failed" (a new user's pass)."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "broken.py").write_text("import os\ndef f(:\n    pass\n")
+    runs = tmp_path / "runs"
+    res = ddpfab("run", "-i", str(inventory3), "--no-sync", "--runs-dir", str(runs), "--nproc-per-node", "2",
+                 "--env", "PYTHONDONTWRITEBYTECODE=1", "broken.py", cwd=job)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "SyntaxError: invalid syntax" in closing_line(res) and "failed the same way" in closing_line(res)
+    manifest = json.loads(next(runs.glob("*/manifest.json")).read_text())
+    for name, node in manifest["nodes"].items():
+        assert node["exit_code"] == 1 and not node["stopped_by_ddpfab"], (name, node)
+        assert "stopped by ddpfab" not in (node["stopped_reason"] or ""), (name, node)
+    listed = ddpfab("ps", "-i", str(inventory3), "--runs-dir", str(runs), cwd=job)
+    row = [ln for ln in listed.stdout.splitlines() if ln.startswith(manifest["run_id"])]
+    assert row and row[0].endswith("node1:exited(1) node2:exited(1) node3:exited(1)"), listed.stdout + listed.stderr
+    wait_no_processes(lab, timeout=10)
+
+
 #: A job that imports, after its ranks met, a package one node's python lacks.
 IMPORTS_DEP = """\
 import torch.distributed as dist

@@ -345,6 +345,29 @@ def test_the_closing_line_says_which_others_exited_0_and_that_the_rest_were_stop
         line.endswith("; node3 exited 0; the others were stopped"), line
 
 
+def test_a_second_rank_that_failed_on_its_own_is_said_and_not_counted_as_stopped():
+    """Rank 1 (node1) raised ValueError, rank 4 (node3) KeyError at about the same time, the rest
+    lost their peer (a new user's pass, 3 x 2). The line named rank 1 and ended "the others were
+    stopped": rank 4's own failure was in no closing word, and nobody had been stopped."""
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    first = execute.NodeOutcome("node1", 0, exit_code=1, remote={"failed_at": 5.0},
+                                cause=Cause(1, 1, 1, "ValueError: rank 1 got a bad value", CauseKind.EXCEPTION))
+    second = execute.NodeOutcome("node3", 2, exit_code=1, remote={"failed_at": 5.1},
+                                 cause=Cause(4, 0, 1, "KeyError: 'missing'", CauseKind.EXCEPTION))
+    victim = execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.05}, causes=reader(VICTIM),
+                                 cause=reader(VICTIM).cause())
+    outcomes = {"node1": first, "node2": victim, "node3": second}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node1")
+    line = story.closing_line(verdict, first, "", addresses, outcomes)
+    assert line == ("failed: node1 (node_rank 0) exit code 1; rank 1 (local rank 1): ValueError: rank 1 got a bad "
+                    "value; also on its own: node3 (node_rank 2) rank 4 (local rank 0): KeyError: 'missing'; "
+                    "1 other rank lost its peer"), line
+    # one node stopped by ddpfab beside them: named as such, not "the others"
+    outcomes["node4"] = execute.NodeOutcome("node4", 3, exit_code=143, stopped_by_ddpfab=True)
+    line = story.closing_line(verdict, first, "", addresses, outcomes)
+    assert line.endswith("; 1 other rank lost its peer; node4 was stopped"), line
+
+
 def test_torchrun_s_failed_exit_barrier_on_a_node_whose_job_ended_well_is_folded():
     """torchrun's exit barrier on the node whose rank had ended (exit 0) fails once the master's
     store is gone: a c10d warning, a C++ stack and a logged traceback (24 lines on the lab). The
@@ -451,7 +474,7 @@ def test_attach_tells_the_same_story_as_run():
     outcomes = jobs.ended_outcomes(plan, {}, {"node1": 1, "node2": 1, "node3": 1}, readers)
     closing, others = jobs.attach_story(plan, outcomes)
     assert closing.startswith("failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0): ValueError: bad batch")
-    assert closing.endswith("2 other ranks lost their peer; the others were stopped")
+    assert closing.endswith("2 other ranks lost their peer")  # (no record says anyone was stopped)
     assert others == ["  node1 (node_rank 0): rank 0 (local rank 0) lost its peer (its peer: node2)",
                       "  node3 (node_rank 2): rank 2 (local rank 0) lost its peer (its peer: node2)"]
     assert jobs.attach_end({"node1": 1, "node2": 1, "node3": 1}, {}, None, closing) == (1, closing, False)

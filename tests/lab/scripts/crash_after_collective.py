@@ -1,6 +1,7 @@
 """A rank that fails on its own after a collective, its peers then lose it (the failure-story tests).
 
-CRASH_RANK: the rank that fails; CRASH_HOW: raise (a ValueError), kill (SIGKILL to itself, as the
+CRASH_RANK: the rank that fails; CRASH_ALSO (optional): another rank that fails too, at once (a
+KeyError); CRASH_HOW: raise (a ValueError), kill (SIGKILL to itself, as the
 OOM killer would), exit0 (it ends early with exit code 0), oom (the kernel's OOM killer ends it: it moves itself into a memory cgroup named
 CRASH_MEMCG, limited to what it uses plus 64 MiB, and allocates until killed); a usage error comes
 from an argument the test passes. The others wait in a second all_reduce, which the crash breaks.
@@ -59,6 +60,8 @@ if rank == int(os.environ.get("CRASH_RANK", "1")):
     if how == "exit0":  # ends early, well: no error of its own, its peers wait for it
         os._exit(0)
     raise ValueError(f"bad batch shape (3, 4) on rank {rank}")
+if rank == int(os.environ.get("CRASH_ALSO", "-1")):  # a second rank failing on its own, another way
+    raise KeyError(f"no step on rank {rank}")
 time.sleep(0.2)
 dist.all_reduce(t)  # broken by the crash: "Connection closed by peer"
 time.sleep(30)
