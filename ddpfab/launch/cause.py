@@ -462,7 +462,7 @@ class CauseReader:
 
 def worker_cause(record: object) -> Cause | None:
     """The node supervisor's ``failed_worker`` record (``{"pid", "signal"|"exit", "rank"?,
-    "local_rank"?, "oom"?}``), read as data, as a cause; None when it says nothing usable."""
+    "local_rank"?, "oom"?, "outside"?}``), read as data, as a cause; None when it says nothing usable."""
     if not isinstance(record, dict) or type(record.get("pid")) is not int:
         return None
     rank, local = record.get("rank"), record.get("local_rank")
@@ -470,7 +470,9 @@ def worker_cause(record: object) -> Cause | None:
     local = local if type(local) is int else None
     sig, code = record.get("signal"), record.get("exit")
     if type(sig) is int:
-        kind = CauseKind.OOM if record.get("oom") is True else kind_of_signal(sig)
+        # a SIGTERM the supervisor saw first, before any failure or stop, came from outside the run
+        kind = CauseKind.OOM if record.get("oom") is True else \
+            CauseKind.SIGNAL if record.get("outside") is True else kind_of_signal(sig)
         return Cause(rank, local, 128 + sig, None, kind, sig)
     if type(code) is int and code != 0:
         return Cause(rank, local, code, None, CauseKind.EXIT)

@@ -576,6 +576,32 @@ def ranked(plan: Plan, node: NodePlan, cause: Cause | None) -> Cause | None:
     return cause
 
 
+def supervisor_text(remote: dict | None) -> str:
+    """What the node's supervisor record says ended its job, for the closing line when torchrun's
+    output named no failing rank: the first worker it saw fail (:func:`failed_worker_text`), else
+    torchrun itself killed by a signal (:func:`launcher_text`); "" when it says neither."""
+    remote = remote or {}
+    return failed_worker_text(remote.get("failed_worker")) or launcher_text(remote.get("launcher"))
+
+
+def launcher_signal(remote: dict | None) -> int | None:
+    """The signal the supervisor record's ``launcher`` (``{"pid", "signal"}``: torchrun itself
+    killed by a signal nobody on the node sent) names, read as data; None else."""
+    record = (remote or {}).get("launcher")
+    if not isinstance(record, dict) or type(record.get("pid")) is not int or type(record.get("signal")) is not int:
+        return None
+    return record["signal"]
+
+
+def launcher_text(record: object) -> str:
+    """``torchrun (pid 812) was killed by signal 9 (SIGKILL); its ranks were ended with it``, or ""."""
+    sig = launcher_signal({"launcher": record})
+    if sig is None or not isinstance(record, dict):
+        return ""
+    return (f"torchrun (pid {record['pid']}) was killed by signal {sig} ({signal_name(sig)}); its ranks were "
+            "ended with it")
+
+
 def failed_worker_text(record: object) -> str:
     """The supervisor's ``failed_worker`` record (``{"pid", "signal"|"exit"}``), read as data, for
     the closing line when torchrun's output named no failing rank (the supervisor ended the job
@@ -897,7 +923,7 @@ class _Monitor:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
             seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
-            summary = story.closing_line(verdict, out, failed_worker_text((out.remote or {}).get("failed_worker")),
+            summary = story.closing_line(verdict, out, supervisor_text(out.remote),
                                          self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
             hang = self.hang.standing(max((o.last_progress for o in outcomes.values()), default=0.0)) \
                 if self.hang is not None and not verdict.own else None
@@ -905,7 +931,8 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            extra = [story.signal_hint(verdict.cause, verdict.node), self.node_hints.get(verdict.node)]
+            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal(out.remote)),
+                     self.node_hints.get(verdict.node)]
             for line in hints.verdict_lines(found) + [h for h in extra if h]:
                 self.printer.note(f"hint: {line}")
             return (out.exit_code if out.exit_code not in (None, 0) else 1), summary

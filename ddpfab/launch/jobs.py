@@ -26,7 +26,7 @@ from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
-                                   failed_worker_text, ranked, result_record, stopped_from_outside_line)
+                                   supervisor_text, ranked, result_record, stopped_from_outside_line)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.tmuxrun import recorded_socket
 from ddpfab.optionnames import option
@@ -279,7 +279,7 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False)
     if verdict.node is None or (own_only and not verdict.own):
         return None
     out = outcomes[verdict.node]
-    fallback = failed_worker_text((out.remote or {}).get("failed_worker"))
+    fallback = supervisor_text(out.remote)
     return (story.closing_line(verdict, out, fallback, addresses, outcomes),
             story.other_nodes(outcomes, verdict.node, addresses))
 

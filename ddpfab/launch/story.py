@@ -160,10 +160,18 @@ def _pointed(verdict: Blame, addresses: dict[str, str], others: Mapping[str, Out
     return f"; their errors name {node} ({addresses[node]}): look there first"
 
 
-def signal_hint(cause: Cause | None, node: str) -> str | None:
-    """What sends a rank SIGKILL, when one killed the rank named and the node recorded no OOM
-    kill of it (its kernel log may be closed to ddpfab's user); None for any other cause."""
-    if cause is None or cause.kind is not CauseKind.SIGNAL or cause.signal != 9:
+def signal_hint(cause: Cause | None, node: str, launcher: int | None = None) -> str | None:
+    """What sends SIGKILL, when one killed the rank named (or, with no rank's cause, torchrun
+    itself: *launcher*, the signal its supervisor recorded) and the node recorded no OOM kill of
+    it (its kernel log may be closed to ddpfab's user); where a SIGTERM from outside the run
+    came from; None for any other cause."""
+    killed = cause.signal if cause is not None and cause.kind is CauseKind.SIGNAL else \
+        launcher if cause is None else None
+    if killed == 15:
+        return (f"neither ddpfab nor torchrun sent the first SIGTERM on {node}: it came from outside the run (someone's "
+                "`kill` or `pkill`, a scheduler or watchdog, a shutdown), to the rank or to torchrun, which ends its "
+                "ranks with it")
+    if killed != 9:
         return None
     return (f"SIGKILL comes from the kernel's OOM killer (no record of it was found, but {node}'s kernel log may "
             f"be closed to this user: `dmesg | grep -i kill` there as root), a memory limit (cgroup, ulimit), a "

@@ -1069,6 +1069,10 @@ class Supervisor(object):
         comm = identity.pop("comm", None)
         if how == ("signal", signal.SIGKILL) and oom_killed(pid, comm, time.time()):
             identity["oom"] = True
+        if how == ("signal", signal.SIGTERM) and failed_before(self.run_dir, time.time()) is None:
+            # the first worker to end, by SIGTERM, no rank failing before it: neither torchrun (it
+            # sends it only after a failure) nor ddpfab (its stop is set first) sent it
+            identity["outside"] = True
         self.failed_workers.append((pid, how, identity))
         if finished_before(self.run_dir, pid):
             return  # it finished its work, then died at exit: torchrun ends the job, not a failure yet
@@ -1116,14 +1120,16 @@ class Supervisor(object):
         end_tree(self.grace_now, self.job.pid)  # the main process ended or we were told to stop: nothing outlives it
         code = self.job.wait()
         self.relayer.join(timeout=2)
+        # torchrun itself killed by a signal nobody here sent (a kill -9, the OOM killer): no worker
+        # failed first, so only this says what ended the node's job
+        launcher = {"pid": self.job.pid, "signal": -code} if code < 0 and self.reason is None else None
         if code < 0:
             code = 128 - code
         # a worker failed before anything stopped the job: the node failed on its own, also when
         # ddpfab's stop (another node saw the same failure first) came while its last lines were relayed
         own_failure = self.own_failure_since is not None
-        missed = None if own_failure or self.stop_at is None or self.reason == AT_BARRIER \
-            else failed_before(self.run_dir, self.stop_at)
-        if missed is not None:  # a rank had failed on its own before the stop: the node's failure is its own
+        missed = self._missed_failure(own_failure)
+        if missed is not None:  # a rank had failed before the stop, or before the worker seen failing
             self.failed_workers.insert(0, (missed["pid"], ("exit", missed["code"]),
                                            {"rank": missed["rank"], "local_rank": missed["local_rank"]}))
             self.failed_at.append(missed["time"])
@@ -1139,11 +1145,23 @@ class Supervisor(object):
                 "a worker failed (pid %d, exit %s) before the stop came" % (first[0], first[1][1]))
         if self.at_barrier and self.reason == AT_BARRIER:
             code, self.reason = 0, None  # ended by us after the work was done: the job succeeded on this node
-        self._result(code, own_failure)
+        self._result(code, own_failure, None if own_failure else launcher)
         self.log.close()
         return code
 
-    def _result(self, code, own_failure):
+    def _missed_failure(self, own_failure):
+        """A rank's failure its exit guard recorded and the worker watch did not see first: before
+        the stop came (no worker seen failing), or before the worker it saw (that one then only
+        followed it: torchrun's SIGTERM to a sibling); None else."""
+        if self.reason == AT_BARRIER:
+            return None
+        at = min(self.failed_at) if own_failure and self.failed_at else None if own_failure else self.stop_at
+        missed = failed_before(self.run_dir, at) if at is not None else None
+        if missed is None or (self.failed_workers and missed["pid"] == self.failed_workers[0][0]):
+            return None
+        return missed
+
+    def _result(self, code, own_failure, launcher=None):
         reason, run_dir = self.reason, self.run_dir
         if reason:
             _write(os.path.join(run_dir, "stopped"), reason + "\n")
@@ -1155,7 +1173,8 @@ class Supervisor(object):
             "failed_at": min(self.failed_at) if failed and self.failed_at and not race else None,
             "restarts": _restarts(self.spec.get("log_dir")), "exit_race": race,
             # the first worker seen failing, as data: torchrun, ended at once, may not have named it
-            "failed_worker": failed_worker_record(*self.failed_workers[0]) if self.failed_workers else None}) + "\n")
+            "failed_worker": failed_worker_record(*self.failed_workers[0]) if self.failed_workers else None,
+            "launcher": launcher}) + "\n")
         _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
 
 

@@ -24,7 +24,7 @@ import pytest
 from ddpfab import lab as labmod
 
 from .conftest import extra_subnet, own_lab
-from .helpers import ddpfab, host_sh, wait_no_processes
+from .helpers import ddpfab, host_sh, start_ddpfab, wait_no_processes
 
 CRASH = "tests/lab/scripts/crash_after_collective.py"
 #: Runs per case with the victims' nodes made to end first (after one run as it comes)
@@ -224,6 +224,38 @@ def test_a_syntax_error_on_every_rank_leaves_no_node_called_stopped(lab, invento
     listed = ddpfab("ps", "-i", str(inventory3), "--runs-dir", str(runs), cwd=job)
     row = [ln for ln in listed.stdout.splitlines() if ln.startswith(manifest["run_id"])]
     assert row and row[0].endswith("node1:exited(1) node2:exited(1) node3:exited(1)"), listed.stdout + listed.stderr
+    wait_no_processes(lab, timeout=10)
+
+
+@pytest.mark.parametrize("signal_name, target, said, hint", [
+    ("KILL", "[t]orch.distributed.run", "torchrun (pid ", "hint: SIGKILL comes from"),
+    ("TERM", "[t]orch.distributed.run", "was killed by signal 15 (SIGTERM)", "hint: neither ddpfab nor torchrun sent"),
+])
+def test_a_signal_from_outside_the_run_is_named_as_the_cause(lab, inventory3, tmp_path, signal_name, target, said,
+                                                            hint):
+    """`pkill -KILL` / `pkill -TERM` of node2's torchrun mid-job (a new user's pass): with SIGKILL
+    the line gave no cause ("exit code 137"); with SIGTERM it read "only secondary failures were
+    seen". Now each names what was killed by which signal, and where such a signal comes from."""
+    proc = start_ddpfab("run", "-i", str(inventory3), "--runs-dir", str(tmp_path / "runs"), "--no-sync",
+                        "tests/lab/scripts/ticker.py")
+    try:
+        seen: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # every rank up (the run ends by itself if one never comes)
+            seen.append(line)
+            if sum("READY" in ln for ln in seen) == 3:
+                break
+        assert sum("READY" in ln for ln in seen) == 3, "".join(seen)
+        killed = host_sh(lab, "node2", f"pkill -{signal_name} -f '{target}'")
+        assert killed.returncode == 0, killed.stderr
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [ln for ln in rest.splitlines() if ln.startswith("ddpfab: failed: ")]
+    assert len(lines) == 1 and lines[0].startswith("ddpfab: failed: node2 (node_rank 1) "), rest
+    assert said in lines[0] and "secondary" not in lines[0], lines[0]
+    assert f"ddpfab: {hint}" in rest, rest
     wait_no_processes(lab, timeout=10)
 
 

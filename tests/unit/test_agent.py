@@ -434,6 +434,42 @@ def test_a_rank_that_failed_after_the_stop_leaves_the_node_stopped(tmp_path):
     assert agent.ended_state(result) == "stopped"
 
 
+def test_a_worker_first_ended_by_sigterm_is_marked_as_sent_from_outside(tmp_path):
+    """The first worker to end, ended by SIGTERM, before any rank failed and before any stop:
+    neither torchrun (it sends SIGTERM only after a failure) nor ddpfab sent it. Its record says
+    so (a new user's pass: a `kill` of one rank read "only secondary failures were seen")."""
+    launcher = tmp_path / "bin" / "torchrun"
+    launcher.parent.mkdir()
+    launcher.write_text(TORCHRUN_WHOSE_WORKER_IS_KILLED.replace("os.getpid(), 9)", "os.getpid(), 15)"))
+    proc = spawn({"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": True,
+                  "argv": [sys.executable, str(launcher)]})
+    proc.wait(timeout=30)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    worker = int((tmp_path / "bin" / "torchrun.pids").read_text().split()[0])
+    assert result["failed_worker"] == {"pid": worker, "signal": 15, "rank": 5, "local_rank": 1, "outside": True}, \
+        result
+
+
+def test_torchrun_killed_by_a_signal_nobody_here_sent_is_recorded(tmp_path):
+    """torchrun itself killed (`kill -9` of it, the OOM killer's choice): no worker failed first,
+    so the record said nothing of the cause (a new user's pass: "failed: node2 ... exit code 137;
+    the others were stopped", no cause)."""
+    launcher = tmp_path / "torchrun"
+    launcher.write_text("import os, time\nprint('up', flush=True)\ntime.sleep(0.3)\nos.kill(os.getpid(), 9)\n")
+    proc = spawn({"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": True,
+                  "argv": [sys.executable, str(launcher)]})
+    proc.wait(timeout=30)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["exit_code"] == 137 and result["launcher"]["signal"] == 9, result
+    assert type(result["launcher"]["pid"]) is int and result["failed_at"] is not None, result
+    # a job that ended by itself with an exit code, or one that ddpfab stopped, names no launcher signal
+    (tmp_path / "x").mkdir()
+    proc, d = start(tmp_path / "x", 7)
+    proc.stdout.read()
+    proc.wait(timeout=15)
+    assert json.loads((d / "run" / "result.json").read_text())["launcher"] is None
+
+
 # a torchrun whose tee lags: its worker (local rank 1) writes a traceback to its log file and
 # fails; the tee has relayed the first line only when the agent ends the job
 LAGGING_TEE = r"""

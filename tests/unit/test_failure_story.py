@@ -630,6 +630,37 @@ def test_a_sigkill_without_an_oom_record_says_what_sends_one():
     assert "by the OOM killer" in result.summary and "hint: SIGKILL" not in printed, printed
 
 
+def test_a_sigterm_from_outside_the_run_is_the_ranks_own_failure_with_where_it_came_from():
+    """`kill <rank's pid>` (or of torchrun, which passes it on): the supervisor saw that worker end
+    first, by SIGTERM, before any failure or stop. The line said "only secondary failures were
+    seen: rank 3 ... was killed by signal 15 (SIGTERM)" (a new user's pass). A SIGTERM torchrun
+    or ddpfab sent stays a stop."""
+    outside = CauseReader().cause({"pid": 5, "signal": 15, "rank": 3, "local_rank": 1, "outside": True})
+    assert outside is not None and outside.own and outside.kind is CauseKind.SIGNAL
+    assert not CauseReader().cause({"pid": 5, "signal": 15, "rank": 3, "local_rank": 1}).own
+    outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),
+                "node2": execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=outside),
+                "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert result.summary.startswith("failed: node2 (node_rank 1) exit code 1; rank 3 (local rank 1) was killed by "
+                                     "signal 15 (SIGTERM)"), result.summary
+    assert "hint: neither ddpfab nor torchrun sent the first SIGTERM on node2" in printed, printed
+
+
+def test_torchrun_killed_by_sigkill_is_said_with_what_sends_one():
+    """`kill -9` of node2's torchrun: no rank's cause; the line said only "exit code 137" (a new
+    user's pass). The supervisor's record of torchrun's signal is the cause, with the SIGKILL hint."""
+    remote = {"failed_at": 5.0, "launcher": {"pid": 812, "signal": 9}}
+    outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),
+                "node2": execute.NodeOutcome("node2", 1, exit_code=137, remote=remote),
+                "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert result.summary == ("failed: node2 (node_rank 1) exit code 137; torchrun (pid 812) was killed by signal 9 "
+                              "(SIGKILL); its ranks were ended with it; the others were stopped"), result.summary
+    assert "hint: SIGKILL comes from the kernel's OOM killer" in printed, printed
+    assert execute.launcher_text({"pid": "812", "signal": 9}) == ""  # records are data: a pid is an int
+
+
 def test_the_culprit_s_node_with_a_victim_rank_beside_it_is_still_where_they_point():
     """Two ranks per node: rank 9 (node5's local rank 1) left the group early; its sibling, local
     rank 0, lost its peer like every rank elsewhere. node5 is not a victim as a whole: the victims
