@@ -28,7 +28,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 #: An exception line is cut to this many characters.
@@ -61,6 +61,10 @@ _LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
 #: torchrun's log lines about ending its workers (glog format), after a failure.
 _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/(multiprocessing/|agent/server/api\.py"
                           r".*(death signal|shutting down))")
+#: torchrun's log line for each worker failure it observes (one per attempt that failed, with
+#: ``--max-restarts``): ``... api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 66) of binary: ...``.
+_FAILED_LOG = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: (-?\d+)\) "
+                         r"local_rank: (\d+) \(pid: \d+\)")
 #: torchrun's log record of an exit barrier it could not finish (the master's store went away, its
 #: job failed elsewhere): this line, then the record's traceback, each line with the same prefix.
 _EXIT_BARRIER = re.compile(r"^([IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/agent/server/api\.py:\d+\]) "
@@ -250,6 +254,11 @@ class CauseReader:
         self._logging_error_exception = False  # ... and its exception line came
         self._record_prefix: str | None = None  # the prefix of an open exit-barrier record (folded)
         self.root = Cause()
+        #: the failure torchrun observed first (its first ``failed (exitcode: ...)`` line), as it
+        #: stood then: with ``--max-restarts`` the attempts after it fail in its wake (the peers
+        #: are gone or elsewhere), so it stays the node's cause once torchrun restarted
+        self.first_attempt: Cause | None = None
+        self.restarted = False  # torchrun observed a failure after the first: it had restarted
 
     def feed(self, line: str) -> tuple[Fold, int | None]:
         """Read *line*; returns what the printer does with it, and whose line it is (the local
@@ -381,6 +390,12 @@ class CauseReader:
 
     def _torchrun_line(self, line: str) -> None:
         text = line.rstrip()
+        if m := _FAILED_LOG.search(text):
+            if self.first_attempt is None:
+                self.first_attempt = self._attempt_cause(int(m.group(2)), int(m.group(1)))
+            else:
+                self.restarted = True
+            return
         if text.strip() == _ROOT:
             self._in_root = True
             return
@@ -401,6 +416,16 @@ class CauseReader:
             self.root.exception = _clean(text)
 
     # -- the verdict ---------------------------------------------------------------------------
+
+    def _attempt_cause(self, local: int, code: int) -> Cause:
+        """Local rank *local*'s failure as torchrun logged it (*code*: its exit code, negative for
+        a signal), with what the rank printed of it by then."""
+        printed = self.rank_cause(local)
+        if printed is not None:  # its own error, or a lost peer: the first attempt was a victim's
+            return replace(printed, exit_code=code if code >= 0 else printed.exit_code)
+        sig = -code if code < 0 else None
+        kind = kind_of_signal(sig) if sig is not None else CauseKind.EXIT if code else None
+        return Cause(None, local, code if sig is None else 128 + sig, None, kind, sig)
 
     def rank_cause(self, local: int) -> Cause | None:
         """What local rank *local* said of its failure: its first exception, else its usage error."""
@@ -424,7 +449,11 @@ class CauseReader:
     def cause(self, worker: dict | None = None) -> Cause | None:
         """The node's cause: the first rank whose failure is its own, by what it printed; else the
         first worker its supervisor saw fail (*worker*: its ``failed_worker`` record), when that
-        rank printed nothing; else torchrun's Root Cause; else a victim's; None if nothing says."""
+        rank printed nothing; else torchrun's Root Cause; else a victim's; None if nothing says.
+        Once torchrun restarted the node's ranks (``--max-restarts``), the failure it observed
+        first (a rank's own, or a victim's): what failed after it failed in its wake."""
+        if self.restarted and self.first_attempt is not None:
+            return replace(self.first_attempt)  # the attempts after it failed in its wake
         said = [c for local in self.order if (c := self.rank_cause(local))]
         own = [c for c in said if c.own]
         root = self._root_cause()

@@ -259,6 +259,18 @@ def test_a_signal_from_outside_the_run_is_named_as_the_cause(lab, inventory3, tm
     wait_no_processes(lab, timeout=10)
 
 
+def test_with_torchrun_restarts_the_first_failure_is_named(lab, inventory3, tmp_path):
+    """--max-restarts 1, 3 x 2, rank 3 killed by SIGKILL: torchrun restarts node2's ranks, whose
+    rendezvous then fails (the others are gone): the line named a restarted rank's "Gloo
+    connectFullMesh failed", the SIGKILL nowhere (a new user's pass)."""
+    res, manifest = crash(inventory3, tmp_path / "runs", 2, 3, "kill", "--max-restarts", "1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    check_named(res, manifest, "node2", 1, 3, 1, "signal", "was killed by signal 9 (SIGKILL)")
+    assert "torchrun's restarts after it (--max-restarts) failed too" in closing_line(res), closing_line(res)
+    assert "connectFullMesh" not in closing_line(res)
+    wait_no_processes(lab, timeout=15)
+
+
 #: A job that imports, after its ranks met, a package one node's python lacks.
 IMPORTS_DEP = """\
 import torch.distributed as dist

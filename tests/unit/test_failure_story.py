@@ -661,6 +661,43 @@ def test_torchrun_killed_by_sigkill_is_said_with_what_sends_one():
     assert execute.launcher_text({"pid": "812", "signal": 9}) == ""  # records are data: a pid is an int
 
 
+FAILED_LOG = ("E1207 14:05:49.378000 60 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "
+              "local_rank: {local} (pid: 66) of binary: /v/bin/python3")
+CONNECT = ("[default{local}]:RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/gloo/transport/"
+           "tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[10.0.0.11]:36257$3")
+
+
+def restarted(first: list[str], code: int, local: int) -> CauseReader:
+    """A node's output with ``--max-restarts 1``: *first* (the first attempt's rank lines), torchrun's
+    log of that failure, the second attempt's ranks failing to connect, torchrun's log of that."""
+    r = reader("\n".join(first))
+    r.feed(FAILED_LOG.format(code=code, local=local))
+    for rank_local in (0, 1):
+        for line in ("Traceback (most recent call last):", '  File "/w/crash.py", line 25, in <module>',
+                     "    dist.init_process_group('gloo')"):
+            r.feed(f"[default{rank_local}]:{line}")
+        r.feed(CONNECT.format(local=rank_local))
+    r.feed(FAILED_LOG.format(code=1, local=1))
+    return r
+
+
+def test_after_torchrun_restarted_the_first_failure_stays_the_nodes_cause():
+    """--max-restarts 1, rank 3 (local rank 1) killed by SIGKILL: torchrun restarted the node's
+    ranks, whose rendezvous then failed (the peers elsewhere were gone). The line named a restarted
+    rank's "Gloo connectFullMesh failed" and the SIGKILL was nowhere (a new user's pass)."""
+    r = restarted(["[default1]:rank 3 step 0 ok"], -9, 1)
+    cause = r.cause()
+    assert r.restarted and cause is not None and cause.own, cause
+    assert (cause.local_rank, cause.kind, cause.signal) == (1, CauseKind.SIGNAL, 9), cause
+    # a node whose first attempt only lost its peer stays a victim, whatever its restart said
+    victim = restarted(VICTIM.splitlines()[:7], 1, 0).cause()
+    assert victim is not None and victim.kind is CauseKind.PEER_LOST, victim
+    # without a restart, nothing changes: the rank's own error
+    once = reader(CULPRIT)
+    once.feed(FAILED_LOG.format(code=1, local=0))
+    assert not once.restarted and once.cause().exception == "ValueError: bad batch shape (3, 4)"
+
+
 def test_the_culprit_s_node_with_a_victim_rank_beside_it_is_still_where_they_point():
     """Two ranks per node: rank 9 (node5's local rank 1) left the group early; its sibling, local
     rank 0, lost its peer like every rank elsewhere. node5 is not a victim as a whole: the victims
