@@ -547,6 +547,7 @@ class Blame:
         own: the cause is the rank's own (not a lost peer or a stop).
         lost_peer: ranks elsewhere (not the cause's) that lost their peer.
         pointed: with no cause of a rank's own, the node whose address the victims' errors name.
+        pointed_alone: that node is no victim as a whole (not all its ranks lost their peer).
     """
 
     node: str | None
@@ -554,6 +555,7 @@ class Blame:
     own: bool = False
     lost_peer: int = 0
     pointed: str | None = None
+    pointed_alone: bool = False
 
     def victims(self) -> str:
         """``2 other ranks lost their peer`` (or "")."""
@@ -597,7 +599,14 @@ def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
                and not (f is first and first.cause is not None and first.cause.local_rank == local))
     if best < 2:  # a rank's own cause, or a node that says nothing of its cause: not a known victim
         return Blame(first.name, first.cause, best == 0, lost)
-    return Blame(first.name, first.cause, False, lost, pointed_node(nodes, addresses))
+    pointed = pointed_node(nodes, addresses)
+    return Blame(first.name, first.cause, False, lost, pointed,
+                 pointed is not None and pointed not in _victim_nodes(nodes))
+
+
+def _victim_nodes(nodes: list[NodeFailure]) -> set[str]:
+    """The nodes that are victims as a whole: every rank of theirs lost its peer."""
+    return {f.name for f in nodes if sum(k is CauseKind.PEER_LOST for k in f.kinds.values()) >= max(f.ranks, 1)}
 
 
 def pointed_node(nodes: list[NodeFailure], addresses: dict[str, str]) -> str | None:
@@ -614,7 +623,7 @@ def pointed_node(nodes: list[NodeFailure], addresses: dict[str, str]) -> str | N
     if not named:
         return None
     # a node with a rank that did not lose its peer may hold the cause (its other ranks lost theirs)
-    victims = {f.name for f in nodes if sum(k is CauseKind.PEER_LOST for k in f.kinds.values()) >= max(f.ranks, 1)}
+    victims = _victim_nodes(nodes)
     timed = [f for f in nodes if f.peers and f.failed_at is not None]
     first_named = names[min(timed, key=lambda f: (f.failed_at, f.node_rank)).name] if timed else set()
     order = {n: i for i, n in enumerate(addresses)}

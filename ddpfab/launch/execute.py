@@ -898,9 +898,9 @@ class _Monitor:
         interrupted = self.interrupted  # a stop from outside is one too: no restart follows it
         if stopped:
             interrupted = signal_name(next(iter(self.from_outside.values())))
-        # a node that ended early, where the victims point, is the run's first failure (the line leads with it)
-        early = story.ended_early(verdict, {n: o for n, o in outcomes.items() if n != verdict.node})
-        return RunResult(code, outcomes, early or verdict.node, interrupted, summary)
+        # the node the line leads with, where the victims point, is the run's first failure
+        lead = story.leading(verdict, {n: o for n, o in outcomes.items() if n != verdict.node})
+        return RunResult(code, outcomes, lead or verdict.node, interrupted, summary)
 
     def closing(self, outcomes: dict[str, NodeOutcome], verdict: Blame) -> tuple[int, str]:
         """The run's exit code and closing line (with the notes that go before it)."""

@@ -106,10 +106,16 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     elif cause is not None:
         lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
             if cause.kind is CauseKind.PEER_LOST else cause.text()
+        lead = leading(verdict, others)
         if early is not None:  # the node the victims wait for had ended: it leads, the first victim after it
             parts = [f"failed: {early} (node_rank {others[early].node_rank}) exited 0 while the others still "
                      f"waited for it ({addresses[early]}, named by their errors): look there for a rank that ends "
                      f"before the others", f"then {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
+        elif lead is not None:  # where the victims point, a node not all of whose ranks lost their peer
+            parts = [f"failed: {lead} (node_rank {others[lead].node_rank}) {why(others[lead])}, where the others' "
+                     f"errors point ({addresses.get(lead, lead)}): not all its ranks lost their peer, and none said "
+                     f"why it failed: look there first",
+                     f"first to end: {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
         else:
             parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
@@ -141,6 +147,20 @@ def _same_failure(other: Cause | None, named: Cause | None) -> bool:
     return (other is not None and named is not None and other.own and named.own
             and (other.kind, other.exception, other.exit_code, other.signal)
             == (named.kind, named.exception, named.exit_code, named.signal))
+
+
+def leading(verdict: Blame, others: Mapping[str, Outcome]) -> str | None:
+    """The node that leads the closing line instead of the one named first, when no rank failed
+    on its own: the node the victims wait for, had it ended early (:func:`ended_early`), else the
+    node their errors point at when it is no victim as a whole and failed before any stop (a rank
+    of it failed unseen: ended by torchrun before it said why); None when the node named leads."""
+    node = verdict.pointed
+    if ended_early(verdict, others) is not None:
+        return node
+    if node and node in others and verdict.pointed_alone and verdict.cause is not None and not verdict.cause.own \
+            and others[node].exit_code != 0 and not others[node].stopped_by_ddpfab:
+        return node
+    return None
 
 
 def ended_early(verdict: Blame, others: Mapping[str, Outcome]) -> str | None:

@@ -145,6 +145,19 @@ def test_four_nodes_two_procs_the_failing_rank_is_named_every_time(lab4, invento
         wait_no_processes(lab4, timeout=10, names=("node1", "node2", "node3", "node4"))
 
 
+def test_a_culprit_ended_by_torchrun_before_it_said_why_still_leads(lab, inventory3, tmp_path):
+    """3 x 2: rank 3 (node2's local rank 1) closes its connections and would fail 2 s later; its
+    sibling loses its peer at once, so torchrun ends rank 3 before its error. Only victims speak;
+    a victim's node often ended first and led the line (a new user's pass, 2 of 3 runs). node2,
+    where their errors point, leads every time, and is the run's first failure."""
+    for _ in range(2):
+        res, manifest = crash(inventory3, tmp_path / "runs", 2, 3, "raise", "--env", "CRASH_DELAY=2")
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert closing_line(res).startswith("ddpfab: failed: node2 (node_rank 1) exit code 1"), closing_line(res)
+        assert manifest["first_failure"] == "node2", manifest["first_failure"]
+        wait_no_processes(lab, timeout=10)
+
+
 def test_a_rank_the_oom_killer_ends_is_said_to_be(lab, inventory3, tmp_path):
     """A real OOM kill: the rank moves itself into a memory cgroup with a small limit (cgroup v1 is
     the machine's; a lab host mounts the same hierarchy) and allocates; the kernel's OOM killer

@@ -661,6 +661,40 @@ def test_torchrun_killed_by_sigkill_is_said_with_what_sends_one():
     assert execute.launcher_text({"pid": "812", "signal": 9}) == ""  # records are data: a pid is an int
 
 
+def test_where_the_victims_point_a_node_not_all_victim_leads_the_line():
+    """3 x 2: rank 3 (node2's local rank 1) closed its connections and was to fail later; its
+    sibling lost its peer, so torchrun ended rank 3 (SIGTERM) before it said why. Every printed
+    error is a victim's; node3 ended first and led the line (a new user's pass). node2, where
+    their errors point and not all of whose ranks lost their peer, leads, and is the run's first
+    failure."""
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    outcomes = {}
+    for name, rank, at in (("node1", 0, 5.2), ("node2", 1, 5.3), ("node3", 2, 5.0)):
+        r = CauseReader()
+        for local in ((0, 1) if name != "node2" else (0,)):
+            for line in VICTIM.splitlines()[:7]:
+                r.feed(line.replace("[default0]", f"[default{local}]"))
+        outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=r, cause=r.cause(),
+                                             remote={"failed_at": at})
+    verdict = execute.blame_outcomes(outcomes, addresses, "node3", {n: 2 for n in addresses})
+    assert (verdict.node, verdict.pointed, verdict.pointed_alone) == ("node3", "node2", True), verdict
+    line = story.closing_line(verdict, outcomes["node3"], "", addresses, outcomes)
+    assert line.startswith("failed: node2 (node_rank 1) exit code 1, where the others' errors point (10.0.0.12): not "
+                           "all its ranks lost their peer, and none said why it failed: look there first; first to "
+                           "end: node3 (node_rank 2) exit code 1: local rank 0 lost its peer (its peer: node2)"), line
+    jobs = {n: types.SimpleNamespace(outcome=o, plan=plan3()) for n, o in outcomes.items()}
+    monitor = execute._Monitor(jobs, queue.SimpleQueue(), execute.Printer(plan3(), stream=io.StringIO(), color=False),
+                               lambda fast=False, why=b"": None, lambda: None)
+    monitor.nprocs = {n: 2 for n in addresses}
+    for name in ("node3", "node1", "node2"):
+        monitor.ended(name)
+    assert monitor.result().first_failure == "node2"
+    # a node stopped by ddpfab (a hang it was stopped for) does not lead: nothing of it failed first
+    outcomes["node2"].stopped_by_ddpfab, outcomes["node2"].remote = True, {}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node3", {n: 2 for n in addresses})
+    assert story.leading(verdict, {n: o for n, o in outcomes.items() if n != verdict.node}) is None
+
+
 FAILED_LOG = ("E1207 14:05:49.378000 60 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "
               "local_rank: {local} (pid: 66) of binary: /v/bin/python3")
 CONNECT = ("[default{local}]:RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/gloo/transport/"
