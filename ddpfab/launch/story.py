@@ -24,6 +24,7 @@ class Outcome(Protocol):
     error: str | None
     stopped_by_ddpfab: bool
     cause: Cause | None
+    remote: dict | None  # its supervisor's record
 
 
 def why(out: Outcome) -> str:
@@ -112,10 +113,15 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
                      f"waited for it ({addresses[early]}, named by their errors): look there for a rank that ends "
                      f"before the others", f"then {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
         elif lead is not None:  # where the victims point, a node not all of whose ranks lost their peer
+            left = ended_0_text(others[lead])
             parts = [f"failed: {lead} (node_rank {others[lead].node_rank}) {why(others[lead])}, where the others' "
-                     f"errors point ({addresses.get(lead, lead)}): not all its ranks lost their peer, and none said "
-                     f"why it failed: look there first",
+                     f"errors point ({addresses.get(lead, lead)}): "
+                     + (f"{left} while the others still waited: look there for a rank that ends before the others"
+                        if left else "not all its ranks lost their peer, and none said why it failed: look there first"),
                      f"first to end: {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
+        elif (left := ended_0_text(out)) and verdict.pointed in (None, verdict.node):
+            parts.append(f"{left} while the others still waited: look there for a rank that ends before the others; "
+                         f"then {lost}")
         else:
             parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
@@ -147,6 +153,16 @@ def _same_failure(other: Cause | None, named: Cause | None) -> bool:
     return (other is not None and named is not None and other.own and named.own
             and (other.kind, other.exception, other.exit_code, other.signal)
             == (named.kind, named.exception, named.exit_code, named.signal))
+
+
+def ended_0_text(out: Outcome) -> str | None:
+    """``rank 3 (local rank 1) exited 0`` for the ranks of a failed node that had ended their work
+    before (its supervisor's ``ended_0``, read as data), or None."""
+    ended = (out.remote or {}).get("ended_0") if isinstance(out.remote, dict) else None
+    ranks = [f"rank {r['rank']} (local rank {r['local_rank']})" for r in ended
+             if isinstance(r, dict) and type(r.get("rank")) is int and type(r.get("local_rank")) is int] \
+        if isinstance(ended, list) else []
+    return f"{', '.join(ranks)} exited 0" if ranks else None
 
 
 def leading(verdict: Blame, others: Mapping[str, Outcome]) -> str | None:

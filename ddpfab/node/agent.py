@@ -341,9 +341,10 @@ def worker_identity(pid):
     return found
 
 
-def watch_workers(root, on_failure, stop, interval=0.2, who=None):
-    """Call ``on_failure(pid, how)`` when one of torchrun's workers exits with an error; *who*, a
-    dict, gets each worker's :func:`worker_identity` by pid as it is first seen.
+def watch_workers(root, on_failure, stop, interval=0.2, who=None, on_exit0=None):
+    """Call ``on_failure(pid, how)`` when one of torchrun's workers exits with an error (and
+    ``on_exit0(pid)`` when one exits 0); *who*, a dict, gets each worker's
+    :func:`worker_identity` by pid as it is first seen.
 
     pidfds (Linux >= 5.3, Python >= 3.9) wake us the moment a worker exits, while it is still a
     zombie whose exit status /proc shows; torchrun reaps it within its 0.1 s monitor interval. When
@@ -384,6 +385,8 @@ def watch_workers(root, on_failure, stop, interval=0.2, who=None):
                 elif how != ("exit", 0):
                     on_failure(pid, how)
                     return
+                elif on_exit0 is not None:
+                    on_exit0(pid)
     finally:
         for fd in fds:
             os.close(fd)
@@ -947,6 +950,7 @@ class Supervisor(object):
         self.workers = {}  # pid -> worker_identity(pid), filled by watch_workers
         self.own_failure_since = None  # time.monotonic() when a worker failed before any stop
         self.stop_at = None  # time.time() when something stopped the job
+        self.ended_0 = []  # pids of workers the watch saw exit 0
         self.at_barrier = False
         self.signalled = None  # the signal that asks for a stop, for the main loop to take
         self.stop_signal = None  # ... the one that stopped the job, as data (``ddpfab stop``, a kill)
@@ -1098,7 +1102,7 @@ class Supervisor(object):
             threading.Thread(target=self.watch_link, daemon=True).start()
         if spec.get("watch_workers"):
             threading.Thread(target=watch_workers, args=(job.pid, self.worker_failed, self.stop),
-                             kwargs={"who": self.workers}, daemon=True).start()
+                             kwargs={"who": self.workers, "on_exit0": self.ended_0.append}, daemon=True).start()
         threading.Thread(target=watch_finished, args=(spec, self.run_dir, job.pid, self.ranks_finished, self.stop),
                          daemon=True).start()
         self.relayer = threading.Thread(target=self.relay, daemon=True)
@@ -1149,6 +1153,16 @@ class Supervisor(object):
         self.log.close()
         return code
 
+    def _ended_0(self):
+        """``[{"rank", "local_rank"}]`` of the ranks that ended with exit 0: by their exit guard's
+        record, or seen by the worker watch (a rank that left by ``os._exit(0)`` records nothing)."""
+        ended = {r["local_rank"]: r["rank"] for r in ranks_done(self.run_dir).values() if r["code"] == 0}
+        for pid in self.ended_0:
+            who = self.workers.get(pid) or {}
+            if type(who.get("local_rank")) is int and type(who.get("rank")) is int:
+                ended.setdefault(who["local_rank"], who["rank"])
+        return [{"rank": rank, "local_rank": local} for local, rank in sorted(ended.items())]
+
     def _missed_failure(self, own_failure):
         """A rank's failure its exit guard recorded and the worker watch did not see first: before
         the stop came (no worker seen failing), or before the worker it saw (that one then only
@@ -1174,7 +1188,10 @@ class Supervisor(object):
             "restarts": _restarts(self.spec.get("log_dir")), "exit_race": race,
             # the first worker seen failing, as data: torchrun, ended at once, may not have named it
             "failed_worker": failed_worker_record(*self.failed_workers[0]) if self.failed_workers else None,
-            "launcher": launcher}) + "\n")
+            "launcher": launcher,
+            # on a node whose job failed, the ranks that had ended their work (exit 0) before: one
+            # that left early while its peers still waited for it is the failure's likely start
+            "ended_0": self._ended_0() if failed and not race else []}) + "\n")
         _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
 
 

@@ -194,6 +194,19 @@ def test_a_node_whose_rank_ended_early_leads_the_closing_line(lab, inventory3, t
     wait_no_processes(lab, timeout=15)
 
 
+def test_a_rank_that_ended_early_beside_a_victim_is_named(lab, inventory3, tmp_path):
+    """3 x 2: rank 3 (node2's local rank 1) exits 0 while the others wait for it; its sibling
+    loses its peer like the ranks elsewhere. The line read "only secondary failures were seen",
+    rank 3 in no word of it (a new user's pass). It names rank 3 as the one that left."""
+    res, manifest = crash(inventory3, tmp_path / "runs", 2, 3, "exit0")
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = closing_line(res)
+    assert line.startswith("ddpfab: failed: node2 (node_rank 1) exit code 1"), line
+    assert "rank 3 (local rank 1) exited 0 while the others still waited" in line, line
+    assert manifest["first_failure"] == "node2", manifest["first_failure"]
+    wait_no_processes(lab, timeout=15)
+
+
 def test_a_usage_error_is_quoted_with_where_ddpfabs_option_belongs(lab, inventory3, tmp_path):
     res = ddpfab("run", "-i", str(inventory3), "--runs-dir", str(tmp_path / "runs"), "--no-sync", CRASH,
                  "--steps", "1", "--nproc-per-node", "2", timeout=120)

@@ -470,6 +470,32 @@ def test_torchrun_killed_by_a_signal_nobody_here_sent_is_recorded(tmp_path):
     assert json.loads((d / "run" / "result.json").read_text())["launcher"] is None
 
 
+# a torchrun whose rank 3 (local rank 1) ends well early (os._exit: no exit guard record), then
+# rank 2 (local rank 0), which waited for it, fails
+TORCHRUN_WHOSE_RANK_LEFT_EARLY = r"""
+import os, subprocess, sys, time
+early = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(1.0); os._exit(0)"],
+                         env=dict(os.environ, RANK="3", LOCAL_RANK="1"))
+waiting = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(2.0); sys.exit(1)"],
+                           env=dict(os.environ, RANK="2", LOCAL_RANK="0"))
+time.sleep(300)  # torchrun still reporting the failure when its supervisor ends it
+"""
+
+
+def test_a_rank_that_ended_well_on_a_node_that_failed_is_recorded(tmp_path):
+    """3 x 2, rank 3 ends early (exit 0) while the others wait for it in a collective; its
+    sibling then loses its peer. The node's record named only the sibling: the line blamed a
+    victim (a new user's pass). The ranks that had ended with exit 0 are recorded."""
+    launcher = tmp_path / "torchrun"
+    launcher.write_text(TORCHRUN_WHOSE_RANK_LEFT_EARLY)
+    proc = spawn({"run_id": "t", "dir": str(tmp_path / "run"), "grace": 1, "watch_workers": True,
+                  "argv": [sys.executable, str(launcher)]})
+    proc.wait(timeout=30)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["exit_code"] == 1 and result["failed_worker"]["rank"] == 2, result
+    assert result["ended_0"] == [{"rank": 3, "local_rank": 1}], result
+
+
 # a torchrun whose tee lags: its worker (local rank 1) writes a traceback to its log file and
 # fails; the tee has relayed the first line only when the agent ends the job
 LAGGING_TEE = r"""

@@ -695,6 +695,34 @@ def test_where_the_victims_point_a_node_not_all_victim_leads_the_line():
     assert story.leading(verdict, {n: o for n, o in outcomes.items() if n != verdict.node}) is None
 
 
+def test_a_rank_that_exited_0_early_on_a_victims_node_is_named():
+    """3 x 2: rank 3 (node2's local rank 1) exited 0 while the others waited for it; rank 2, its
+    sibling, lost its peer. The line read "only secondary failures were seen: rank 2 ... lost its
+    peer" and rank 3 was in no word (a new user's pass). Its supervisor's record names it."""
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    outcomes = {}
+    for name, rank, at in (("node1", 0, 5.2), ("node2", 1, 5.0), ("node3", 2, 5.3)):
+        r = CauseReader()
+        for local in ((0, 1) if name != "node2" else (0,)):
+            for line in VICTIM.splitlines()[:7]:
+                r.feed(line.replace("[default0]", f"[default{local}]"))
+        outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=r, cause=r.cause(),
+                                             remote={"failed_at": at})
+    outcomes["node2"].remote = {"failed_at": 5.0, "ended_0": [{"rank": 3, "local_rank": 1}]}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node2", {n: 2 for n in addresses})
+    line = story.closing_line(verdict, outcomes["node2"], "", addresses, outcomes)
+    assert line.startswith("failed: node2 (node_rank 1) exit code 1; rank 3 (local rank 1) exited 0 while the others "
+                           "still waited: look there for a rank that ends before the others; then local rank 0 lost "
+                           "its peer (its peer: node2)"), line
+    # another node ended first: node2 still leads, with its rank that left
+    outcomes["node2"].remote["failed_at"] = 5.5
+    verdict = execute.blame_outcomes(outcomes, addresses, "node1", {n: 2 for n in addresses})
+    line = story.closing_line(verdict, outcomes[verdict.node], "", addresses, outcomes)
+    assert line.startswith("failed: node2 (node_rank 1) exit code 1, where the others' errors point (10.0.0.12): rank 3 "
+                           "(local rank 1) exited 0 while the others still waited"), line
+    assert story.ended_0_text(execute.NodeOutcome("x", 0, remote={"ended_0": [{"rank": "3"}, 7]})) is None
+
+
 FAILED_LOG = ("E1207 14:05:49.378000 60 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "
               "local_rank: {local} (pid: 66) of binary: /v/bin/python3")
 CONNECT = ("[default{local}]:RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/gloo/transport/"
