@@ -661,6 +661,20 @@ def test_torchrun_killed_by_sigkill_is_said_with_what_sends_one():
     assert execute.launcher_text({"pid": "812", "signal": 9}) == ""  # records are data: a pid is an int
 
 
+def victims_but_one_rank_of_node2(failed_at: dict[str, float]) -> dict[str, execute.NodeOutcome]:
+    """3 x 2 nodes whose ranks all lost their peer (to node2), but node2's local rank 1, which
+    said nothing; each node's supervisor saw its failure at *failed_at*."""
+    outcomes = {}
+    for rank, (name, at) in enumerate(failed_at.items()):
+        r = CauseReader()
+        for local in ((0, 1) if name != "node2" else (0,)):
+            for line in VICTIM.splitlines()[:7]:
+                r.feed(line.replace("[default0]", f"[default{local}]"))
+        outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=r, cause=r.cause(),
+                                             remote={"failed_at": at})
+    return outcomes
+
+
 def test_where_the_victims_point_a_node_not_all_victim_leads_the_line():
     """3 x 2: rank 3 (node2's local rank 1) closed its connections and was to fail later; its
     sibling lost its peer, so torchrun ended rank 3 (SIGTERM) before it said why. Every printed
@@ -668,14 +682,7 @@ def test_where_the_victims_point_a_node_not_all_victim_leads_the_line():
     their errors point and not all of whose ranks lost their peer, leads, and is the run's first
     failure."""
     addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
-    outcomes = {}
-    for name, rank, at in (("node1", 0, 5.2), ("node2", 1, 5.3), ("node3", 2, 5.0)):
-        r = CauseReader()
-        for local in ((0, 1) if name != "node2" else (0,)):
-            for line in VICTIM.splitlines()[:7]:
-                r.feed(line.replace("[default0]", f"[default{local}]"))
-        outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=r, cause=r.cause(),
-                                             remote={"failed_at": at})
+    outcomes = victims_but_one_rank_of_node2({"node1": 5.2, "node2": 5.3, "node3": 5.0})
     verdict = execute.blame_outcomes(outcomes, addresses, "node3", {n: 2 for n in addresses})
     assert (verdict.node, verdict.pointed, verdict.pointed_alone) == ("node3", "node2", True), verdict
     line = story.closing_line(verdict, outcomes["node3"], "", addresses, outcomes)
@@ -700,14 +707,7 @@ def test_a_rank_that_exited_0_early_on_a_victims_node_is_named():
     sibling, lost its peer. The line read "only secondary failures were seen: rank 2 ... lost its
     peer" and rank 3 was in no word (a new user's pass). Its supervisor's record names it."""
     addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
-    outcomes = {}
-    for name, rank, at in (("node1", 0, 5.2), ("node2", 1, 5.0), ("node3", 2, 5.3)):
-        r = CauseReader()
-        for local in ((0, 1) if name != "node2" else (0,)):
-            for line in VICTIM.splitlines()[:7]:
-                r.feed(line.replace("[default0]", f"[default{local}]"))
-        outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=r, cause=r.cause(),
-                                             remote={"failed_at": at})
+    outcomes = victims_but_one_rank_of_node2({"node1": 5.2, "node2": 5.0, "node3": 5.3})
     outcomes["node2"].remote = {"failed_at": 5.0, "ended_0": [{"rank": 3, "local_rank": 1}]}
     verdict = execute.blame_outcomes(outcomes, addresses, "node2", {n: 2 for n in addresses})
     line = story.closing_line(verdict, outcomes["node2"], "", addresses, outcomes)
