@@ -26,6 +26,7 @@ in the node logs), known harmless noise is shown once.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import signal
 from dataclasses import dataclass, field, replace
@@ -111,6 +112,22 @@ PEER_LOST = tuple(re.compile(p) for p in (
 ))
 #: The peer's address in gloo's words: ``... Connection closed by peer [10.0.0.12]:50096``.
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+#: A frame line of a traceback or of python's report of code it could not compile.
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+)')
+#: What python raises for code it could not compile: the line names no place; the report's
+#: frame line does.
+_COMPILE_ERRORS = ("SyntaxError", "IndentationError", "TabError")
+
+
+def _syntax_place(text: str, lines: list[str]) -> str:
+    """`` (train.py, line 2)`` for a SyntaxError (and its kind) whose report named the place,
+    else ""."""
+    if text.strip().split(":", 1)[0].rsplit(".", 1)[-1] not in _COMPILE_ERRORS:
+        return ""
+    frames = [m for line in lines if (m := _FRAME.match(line))]
+    return f" ({os.path.basename(frames[-1].group(1))}, line {frames[-1].group(2)})" if frames else ""
 
 
 def noise_of(line: str) -> int | None:
@@ -304,7 +321,7 @@ class CauseReader:
             return Fold.RELEASE
         kind = kind_of_exception(text)
         if state.exception is None:
-            state.exception, state.kind = _clean(text), kind
+            state.exception, state.kind = _clean(text + _syntax_place(text, state.lines)), kind
             state.traceback = tuple(_clean(ln) for ln in [*state.lines, text][-TAIL_LINES:])
             peer = _PEER_ADDRESS.search(text) if kind is CauseKind.PEER_LOST else None
             state.peer = peer.group(1) if peer else None

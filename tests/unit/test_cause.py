@@ -172,11 +172,19 @@ def test_a_line_of_stdout_between_the_frames_of_a_marked_traceback_is_not_its_en
 
 def test_a_script_python_could_not_compile_names_its_syntax_error():
     """A SyntaxError in the script is reported without a traceback header (python compiles it
-    before anything runs); the closing line said only "exit code 1"."""
+    before anything runs); the closing line said only "exit code 1", then only "SyntaxError:
+    invalid syntax" (a new user's pass): the place is said too."""
     lines = ["[default0]:  File \"/w/train.py\", line 3", "[default0]:    x = = 1", "[default0]:        ^",
              "[default0]:SyntaxError: invalid syntax"]
-    assert core(read("\n".join(lines)).cause()) == (None, 0, None, "SyntaxError: invalid syntax", CauseKind.EXCEPTION)
+    assert core(read("\n".join(lines)).cause()) == (None, 0, None, "SyntaxError: invalid syntax (train.py, line 3)",
+                                                     CauseKind.EXCEPTION)
     indented = ['[default1]:  File "/w/train.py", line 2', "[default1]:    print(1)", "[default1]:IndentationError: "
                 "unexpected indent"]
-    assert read("\n".join(indented)).cause().exception == "IndentationError: unexpected indent"
+    assert read("\n".join(indented)).cause().exception == "IndentationError: unexpected indent (train.py, line 2)"
+    # in a module the script imports: the report's last frame is the place
+    imported = ["[default0]:Traceback (most recent call last):", '[default0]:  File "/w/train.py", line 1, in <module>',
+                "[default0]:    import model", '[default0]:  File "/w/model.py", line 7', "[default0]:    def f(:",
+                "[default0]:          ^", "[default0]:SyntaxError: invalid syntax"]
+    assert read("\n".join(imported)).cause().exception == "SyntaxError: invalid syntax (model.py, line 7)"
+    assert read("\n".join(lines[:2] + ["[default0]:ValueError: x"])).cause().exception == "ValueError: x"
     assert read("[default0]:loss 0.5").cause() is None
