@@ -1077,12 +1077,15 @@ class Cluster:
         try:
             if opts.detach:
                 code = runner.start_detached(prepared, opts.runs_dir, printer, extra=extra)
+                if code == 0:
+                    self._say_where_rank0_is(prepared.plan)
                 return RunOutcome(prepared.plan.run_id, code, prepared.plan,
                                   manifest=self._manifest(opts, prepared.plan.run_id))
             start = runner.run_tmux if opts.tmux else runner.run
             result, path = start(prepared, opts.runs_dir, printer, extra=extra)
         finally:
             prepared.close()
+        if result.exit_code == 0 or result.interrupted:  # after a failure the closing line stays the last
             self._say_where_rank0_is(prepared.plan)
         return RunOutcome(prepared.plan.run_id, result.exit_code, prepared.plan, dict(result.outcomes), path,
                           result.summary, result.first_failure)
