@@ -67,6 +67,9 @@ FAILED_ELSEWHERE = "another node failed"
 #: workers' log files every 0.1 s, so this lets the crashed rank's last lines (its traceback) reach
 #: the stream before torchrun is stopped.
 TAIL_SETTLE = 0.25
+#: Seconds the same waits after a worker ended by a SIGTERM from outside: torchrun's monitor (every
+#: 0.1 s, slower under load) logs that worker's end as the first failure it observed.
+OUTSIDE_SETTLE = 1.0
 #: Modules whose process is torchrun (or the legacy launcher); its children are the workers.
 LAUNCHER_MODULES = (b"torch.distributed.run", b"torch.distributed.launch")
 #: Every process of a job carries ``JOB_MARKER=<run id>`` in its environment.
@@ -372,11 +375,16 @@ def watch_workers(root, on_failure, stop, interval=0.2, who=None, on_exit0=None)
                 for pid in fds.values():
                     if "local_rank" not in who.get(pid, {}):
                         who[pid] = worker_identity(pid)
+            ended = []
             for fd, _ in poller.poll(interval * 1000):
                 pid = fds.pop(fd)
                 poller.unregister(fd)
                 os.close(fd)
-                how = exit_status(pid)
+                ended.append((pid, exit_status(pid)))
+            # of workers that ended together, one that failed by itself comes before those torchrun
+            # then ended with SIGTERM (the poll returns them in fd order)
+            ended.sort(key=lambda e: e[1] == ("signal", signal.SIGTERM))
+            for pid, how in ended:
                 if how is None:
                     unseen.append(pid)  # reaped before we read it: it ended, how is not known
                 elif how == ("signal", signal.SIGTERM) and unseen:
@@ -1083,7 +1091,9 @@ class Supervisor(object):
         self.failed_at.append(time.time())
         if self.own_failure_since is None:
             self.own_failure_since = time.monotonic()
-        if self.stop.wait(TAIL_SETTLE):  # let torchrun relay the worker's last lines first
+        # let torchrun relay the worker's last lines first; after a SIGTERM from outside, also its
+        # own word of that worker's end (what the controller confirms "outside" by)
+        if self.stop.wait(OUTSIDE_SETTLE if identity.get("outside") else TAIL_SETTLE):
             return
         self.grace_now = min(self.grace, FAST_GRACE)
         self.request_stop(_worker_text(pid, how), worker=True)
@@ -1146,7 +1156,8 @@ class Supervisor(object):
         if own_failure:
             code = 1  # what torchrun itself exits with when a worker fails
             self.reason = _worker_text(first[0], first[1]) if missed is None else (
-                "a worker failed (pid %d, exit %s) before the stop came" % (first[0], first[1][1]))
+                "a worker failed (pid %d, exit %s) %s" % (first[0], first[1][1], "before the stop came" if self.stop_at
+                                                        and self.own_failure_since is None else "unseen by the watch"))
         if self.at_barrier and self.reason == AT_BARRIER:
             code, self.reason = 0, None  # ended by us after the work was done: the job succeeded on this node
         self._result(code, own_failure, None if own_failure else launcher)
@@ -1165,11 +1176,19 @@ class Supervisor(object):
 
     def _missed_failure(self, own_failure):
         """A rank's failure its exit guard recorded and the worker watch did not see first: before
-        the stop came (no worker seen failing), or before the worker it saw (that one then only
-        followed it: torchrun's SIGTERM to a sibling); None else."""
-        if self.reason == AT_BARRIER:
+        the stop came (no worker seen failing), or before the worker it saw when that one only
+        followed it (ended by SIGTERM, torchrun's to a sibling, or reaped unseen); None else.
+        Only where every failed worker fails the job (``watch_workers``: no torchrun restarts,
+        whose earlier attempts leave their records behind)."""
+        if self.reason == AT_BARRIER or not self.spec.get("watch_workers"):
             return None
-        at = min(self.failed_at) if own_failure and self.failed_at else None if own_failure else self.stop_at
+        if own_failure:
+            first = self.failed_workers[0] if self.failed_workers else None
+            if first is None or first[1] not in (("signal", signal.SIGTERM), ("status", "unseen")):
+                return None  # a worker that failed by itself is the failure: no record goes before it
+            at = min(self.failed_at) if self.failed_at else None
+        else:
+            at = self.stop_at
         missed = failed_before(self.run_dir, at) if at is not None else None
         if missed is None or (self.failed_workers and missed["pid"] == self.failed_workers[0][0]):
             return None

@@ -394,19 +394,24 @@ def test_a_rank_that_failed_before_a_stop_unseen_by_the_watch_is_the_nodes_own_f
     "stopped by ddpfab: another node failed" (exit 143), a new user's pass found."""
     launcher = tmp_path / "torchrun"
     launcher.write_text(TORCHRUN_WHOSE_FAILURE_WAS_MISSED)
-    run = tmp_path / "run"
-    proc = spawn({"run_id": "t", "dir": str(run), "grace": 1, "argv": [sys.executable, str(launcher), str(run)]})
-    assert proc.stdout.readline().endswith(b"worker failed\n")
-    proc.stdin.write(b"!")  # another node failed: ddpfab's fast stop
-    proc.stdin.flush()
-    proc.wait(timeout=30)
-    result = json.loads((run / "result.json").read_text())
-    recorded = json.loads((run / "ranks" / "rank-1.json").read_text())
-    assert proc.returncode == 1 and result["exit_code"] == 1, result
-    assert result["failed_worker"] == {"pid": 4242, "exit": 1, "rank": 4, "local_rank": 1}, result
-    assert result["failed_at"] == recorded["time"], result
-    assert result["stopped"] == "a worker failed (pid 4242, exit 1) before the stop came", result
-    assert agent.ended_state(result) == "exited"
+    for restarts in (0, 1):
+        run = tmp_path / f"run{restarts}"
+        spec = {"run_id": "t", "dir": str(run), "grace": 1, "argv": [sys.executable, str(launcher), str(run)]}
+        proc = spawn({**spec, "watch_workers": True} if not restarts else spec)
+        assert proc.stdout.readline().endswith(b"worker failed\n")
+        proc.stdin.write(b"!")  # another node failed: ddpfab's fast stop
+        proc.stdin.flush()
+        proc.wait(timeout=30)
+        result = json.loads((run / "result.json").read_text())
+        if restarts:  # torchrun restarts (no watch_workers): an earlier attempt's record says nothing of this one
+            assert result["stopped"] == "stopped by ddpfab: another node failed" and result["failed_at"] is None
+            continue
+        recorded = json.loads((run / "ranks" / "rank-1.json").read_text())
+        assert proc.returncode == 1 and result["exit_code"] == 1, result
+        assert result["failed_worker"] == {"pid": 4242, "exit": 1, "rank": 4, "local_rank": 1}, result
+        assert result["failed_at"] == recorded["time"], result
+        assert result["stopped"] == "a worker failed (pid 4242, exit 1) before the stop came", result
+        assert agent.ended_state(result) == "exited"
 
 
 def test_a_rank_that_failed_after_the_stop_leaves_the_node_stopped(tmp_path):
@@ -422,7 +427,7 @@ def test_a_rank_that_failed_after_the_stop_leaves_the_node_stopped(tmp_path):
                         "time.sleep(300)\n")
     (tmp_path / "record.py").write_text(TORCHRUN_WHOSE_FAILURE_WAS_MISSED.replace("time.sleep(300)", "pass"))
     run = tmp_path / "run"
-    proc = spawn({"run_id": "t", "dir": str(run), "grace": 3,
+    proc = spawn({"run_id": "t", "dir": str(run), "grace": 3, "watch_workers": True,
                   "argv": [sys.executable, str(launcher), str(run), str(tmp_path / "record.py")]})
     assert proc.stdout.readline().endswith(b"up\n")
     proc.stdin.write(b"!")
