@@ -7,13 +7,14 @@ Provisioning makes every node's ``pip freeze`` the same and fails otherwise
 (``ddpfab_python_check_identical``); ``ddpfab check`` says the same of nodes set up by hand. The
 nodes report their packages in their facts (:func:`ddpfab.node.ops.installed_packages`); here
 each package's expected version is the one most nodes that have it have, and a package is
-expected at all where more than half the nodes have it. Compared as pip freeze does: pip,
+expected at all where at least half the nodes have it. Compared as pip freeze does: pip,
 setuptools, wheel and distribute (the venv's own tools, of whatever version the venv was made
 with) are left out.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections import Counter
 from dataclasses import dataclass, field
@@ -71,12 +72,19 @@ def _listed(items: list[str]) -> str:
     return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
 
 
+#: A name as the node program sends it (pip's form) and a version (PEP 440's characters): nothing
+#: else reaches a terminal.
+_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{0,99}$")
+_VERSION = re.compile(r"^[A-Za-z0-9.+!_-]{1,64}$")
+
+
 def valid(value: object) -> dict[str, str | None] | None:
     """A node's ``packages`` fact as data (name -> version or None), or None when it is missing or
     not what the node program sends (records are data: nothing else is taken)."""
     if not isinstance(value, dict):
         return None
-    if not all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in value.items()):
+    if not all(isinstance(k, str) and _NAME.match(k) and (v is None or isinstance(v, str) and _VERSION.match(v))
+               for k, v in value.items()):
         return None
     return {k: v for k, v in value.items() if k not in IGNORED}
 
@@ -95,7 +103,9 @@ def compare(by_node: dict[str, object]) -> dict[str, Odd]:
             versions.setdefault(name, Counter())[version] += 1
     # the version most nodes have; a tie goes to the first seen in node order (Counter keeps it)
     usual = {name: counts.most_common(1)[0][0] for name, counts in versions.items()}
-    expected = {name for name, count in having.items() if 2 * count > len(known)}
+    # expected where at least half the nodes have it: of two nodes, the one that lacks a package
+    # the other has is the odd one (what fails a job), not the other
+    expected = {name for name, count in having.items() if 2 * count >= len(known)}
     odd = {}
     for node, pkgs in known.items():
         found = Odd(missing={n: usual[n] for n in sorted(expected - set(pkgs))},

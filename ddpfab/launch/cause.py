@@ -66,6 +66,10 @@ _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elast
 #: ``--max-restarts``): ``... api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 66) of binary: ...``.
 _FAILED_LOG = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: (-?\d+)\) "
                          r"local_rank: (\d+) \(pid: \d+\)")
+#: torchrun's log line for a stop signal it got: ``... api.py:753] Received 15 death signal,
+#: shutting down workers`` (``Received Signals.SIGTERM ...`` in older versions).
+_DEATH_SIGNAL = re.compile(r"torch/distributed/elastic/agent/server/api\.py:\d+\] Received (?:(\d+)|Signals\.(SIG\w+)) "
+                           r"death signal")
 #: torchrun's log record of an exit barrier it could not finish (the master's store went away, its
 #: job failed elsewhere): this line, then the record's traceback, each line with the same prefix.
 _EXIT_BARRIER = re.compile(r"^([IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/agent/server/api\.py:\d+\]) "
@@ -276,6 +280,7 @@ class CauseReader:
         #: are gone or elsewhere), so it stays the node's cause once torchrun restarted
         self.first_attempt: Cause | None = None
         self.restarted = False  # torchrun observed a failure after the first: it had restarted
+        self.death_signal: int | None = None  # the stop signal torchrun said it got (by ddpfab's stop, or not)
 
     def feed(self, line: str) -> tuple[Fold, int | None]:
         """Read *line*; returns what the printer does with it, and whose line it is (the local
@@ -407,6 +412,10 @@ class CauseReader:
 
     def _torchrun_line(self, line: str) -> None:
         text = line.rstrip()
+        if (m := _DEATH_SIGNAL.search(text)) and self.death_signal is None:
+            number = int(m.group(1)) if m.group(1) else getattr(signal.Signals, m.group(2), None)
+            self.death_signal = int(number) if number is not None else None
+            return
         if m := _FAILED_LOG.search(text):
             if self.first_attempt is None:
                 self.first_attempt = self._attempt_cause(int(m.group(2)), int(m.group(1)))
@@ -433,6 +442,15 @@ class CauseReader:
             self.root.exception = _clean(text)
 
     # -- the verdict ---------------------------------------------------------------------------
+
+    def _outside_sigterm(self, local: int | None) -> bool:
+        """torchrun's own words confirm that a SIGTERM from outside the run started it: it says it
+        got one itself ("Received 15 death signal"), or the first failure it observed was local
+        rank *local* ended by SIGTERM (torchrun logs no failure for a worker it ends itself; a
+        rendezvous that went away ends the workers with neither)."""
+        first = self.first_attempt
+        return self.death_signal == signal.SIGTERM or (
+            first is not None and first.signal == signal.SIGTERM and first.local_rank == local)
 
     def _attempt_cause(self, local: int, code: int) -> Cause:
         """Local rank *local*'s failure as torchrun logged it (*code*: its exit code, negative for
@@ -463,10 +481,12 @@ class CauseReader:
         """The addresses this node's victims name as the peer they lost."""
         return {s.peer for s in self.ranks.values() if s.peer}
 
-    def cause(self, worker: dict | None = None) -> Cause | None:
+    def cause(self, worker: dict | None = None, unstopped: bool = False) -> Cause | None:
         """The node's cause: the first rank whose failure is its own, by what it printed; else the
         first worker its supervisor saw fail (*worker*: its ``failed_worker`` record), when that
         rank printed nothing; else torchrun's Root Cause; else a victim's; None if nothing says.
+        *unstopped*: the node's supervisor stopped nothing (its record says so): then torchrun's
+        report of a rank ended by SIGTERM, confirmed by its own log, is a SIGTERM from outside.
         Once torchrun restarted the node's ranks (``--max-restarts``), the failure it observed
         first (a rank's own, or a victim's): what failed after it failed in its wake."""
         if self.restarted and self.first_attempt is not None:
@@ -474,7 +494,12 @@ class CauseReader:
         said = [c for local in self.order if (c := self.rank_cause(local))]
         own = [c for c in said if c.own]
         root = self._root_cause()
+        if unstopped and root.signal == signal.SIGTERM and self._outside_sigterm(root.local_rank):
+            root.kind = CauseKind.SIGNAL  # torchrun's first observed failure, a SIGTERM nobody in the run sent
         seen = worker_cause(worker)
+        if seen is not None and seen.kind is CauseKind.SIGNAL and seen.signal == signal.SIGTERM \
+                and not self._outside_sigterm(seen.local_rank):
+            seen = replace(seen, kind=CauseKind.STOPPED)  # unconfirmed: as any SIGTERM, a stop
         if own:
             first = own[0]
             for known in (root, seen):  # what torchrun or the supervisor knew of the same rank
@@ -617,8 +642,11 @@ def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
     if best < 2:  # a rank's own cause, or a node that says nothing of its cause: not a known victim
         return Blame(first.name, first.cause, best == 0, lost)
     pointed = pointed_node(nodes, addresses)
+    # no victim as a whole, and its own victims do not point back at the first to fail (a link
+    # between the two, each naming the other, says nothing of which one failed first)
+    back = any(_same_address(addresses.get(first.name, ""), a) for f in nodes if f.name == pointed for a in f.peers)
     return Blame(first.name, first.cause, False, lost, pointed,
-                 pointed is not None and pointed not in _victim_nodes(nodes))
+                 pointed is not None and pointed not in _victim_nodes(nodes) and not back)
 
 
 def _victim_nodes(nodes: list[NodeFailure]) -> set[str]:

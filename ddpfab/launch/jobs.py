@@ -26,7 +26,8 @@ from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
-                                   supervisor_text, ranked, result_record, stopped_from_outside_line)
+                                   supervisor_text, ranked, result_record, stopped_from_outside_line,
+                                   ended_by_itself)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.tmuxrun import recorded_socket
 from ddpfab.optionnames import option
@@ -257,7 +258,7 @@ def ended_outcomes(plan, conns, codes: dict[str, int], readers: dict[str, CauseR
         reader = readers.get(name) or CauseReader()
         out = NodeOutcome(name, node.node_rank, exit_code=code, remote=record, causes=reader,
                           stopped_by_ddpfab=bool((record or {}).get("stopped")) and not (record or {}).get("failed_at"))
-        out.cause = ranked(plan, node, reader.cause((record or {}).get("failed_worker")))
+        out.cause = ranked(plan, node, reader.cause((record or {}).get("failed_worker"), unstopped=ended_by_itself(record)))
         outcomes[name] = out
     return outcomes
 
@@ -279,7 +280,7 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False)
     if verdict.node is None or (own_only and not verdict.own):
         return None
     out = outcomes[verdict.node]
-    fallback = supervisor_text(out.remote)
+    fallback = supervisor_text(out.remote, out.causes.death_signal)
     return (story.closing_line(verdict, out, fallback, addresses, outcomes),
             story.other_nodes(outcomes, verdict.node, addresses))
 

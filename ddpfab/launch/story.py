@@ -16,6 +16,10 @@ from typing import Protocol
 from ddpfab.hostlist import FOLD_ABOVE, compact
 from ddpfab.launch.cause import Blame, Cause, CauseKind
 
+#: Other nodes whose rank failed on its own (another way) named in the closing line; the rest counted.
+ALSO_SHOWN = 3
+
+
 class Outcome(Protocol):
     """What the story reads of a node's outcome (:class:`ddpfab.launch.execute.NodeOutcome`)."""
 
@@ -132,8 +136,11 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     also = {n: o for n, o in others.items() if n not in same and o.cause is not None and o.cause.own
             and o.exit_code not in (None, 0)}
     if also:  # another rank's own failure, of another kind: never counted with the stopped
-        parts.append("also on its own: " + ", ".join(f"{n} (node_rank {o.node_rank}) {cause_text(o.cause, o)}"
-                                                     for n, o in also.items() if o.cause is not None))
+        shown = [f"{n} (node_rank {o.node_rank}) {cause_text(o.cause, o)}" for n, o in list(also.items())[:ALSO_SHOWN]
+                 if o.cause is not None]
+        more = len(also) - len(shown)
+        parts.append("also on its own: " + ", ".join(shown) + (f" and {more} more node{'s' * (more != 1)}"
+                                                               if more else ""))
     if verdict.victims():
         parts.append(verdict.victims())
     done = [n for n, o in others.items() if o.exit_code == 0 and n != early]

@@ -635,9 +635,17 @@ def test_a_sigterm_from_outside_the_run_is_the_ranks_own_failure_with_where_it_c
     first, by SIGTERM, before any failure or stop. The line said "only secondary failures were
     seen: rank 3 ... was killed by signal 15 (SIGTERM)" (a new user's pass). A SIGTERM torchrun
     or ddpfab sent stays a stop."""
-    outside = CauseReader().cause({"pid": 5, "signal": 15, "rank": 3, "local_rank": 1, "outside": True})
+    record = {"pid": 5, "signal": 15, "rank": 3, "local_rank": 1, "outside": True}
+    # torchrun's log confirms it: the first failure it observed is that rank's SIGTERM
+    outside = reader(FAILED_LOG.format(code=-15, local=1)).cause(record)
     assert outside is not None and outside.own and outside.kind is CauseKind.SIGNAL
-    assert not CauseReader().cause({"pid": 5, "signal": 15, "rank": 3, "local_rank": 1}).own
+    assert reader("W1 0 1 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, shutting "
+                  "down workers").cause(record).own  # ... or torchrun got it itself
+    assert not CauseReader().cause({k: v for k, v in record.items() if k != "outside"}).own
+    # unconfirmed (a rendezvous gone ends workers so; the first failure torchrun saw was another
+    # rank's, unseen by the supervisor): a stop, as any SIGTERM
+    assert not CauseReader().cause(record).own
+    assert not reader(FAILED_LOG.format(code=-9, local=0)).cause(record).own
     outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),
                 "node2": execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=outside),
                 "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
@@ -673,6 +681,28 @@ def victims_but_one_rank_of_node2(failed_at: dict[str, float]) -> dict[str, exec
         outcomes[name] = execute.NodeOutcome(name, rank, exit_code=1, causes=r, cause=r.cause(),
                                              remote={"failed_at": at})
     return outcomes
+
+
+def test_torchrun_s_word_of_a_stop_signal_nobody_in_the_run_sent_is_the_cause():
+    """`kill` (SIGTERM) of torchrun whose ranks end before its supervisor looks at them: nothing
+    but torchrun's log says why ("Received 15 death signal"); the line said only "exit code 1"
+    (seen in a lab test). Where its supervisor stopped nothing, that signal came from outside."""
+    r = reader("W1207 14:21:13.742000 98 /v/torch/distributed/elastic/agent/server/api.py:753] Received 15 death "
+               "signal, shutting down workers")
+    assert r.death_signal == 15 and r.cause() is None
+    assert reader("W1 0 1 torch/distributed/elastic/agent/server/api.py:7] Received Signals.SIGTERM death signal, "
+                  "shutting down workers").death_signal == 15
+    outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),
+                "node2": execute.NodeOutcome("node2", 1, exit_code=1, causes=r, remote={"failed_at": 5.0,
+                                                                                        "stopped": None}),
+                "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
+    result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
+    assert result.summary == ("failed: node2 (node_rank 1) exit code 1; torchrun got signal 15 (SIGTERM) from outside "
+                              "the run and ended its ranks; the others were stopped"), result.summary
+    assert "hint: neither ddpfab nor torchrun sent the first SIGTERM on node2" in printed, printed
+    # the same words from a torchrun its supervisor stopped: ddpfab's stop, no cause of its own
+    assert execute.supervisor_text({"stopped": "stopped by ddpfab: another node failed"}, 15) == ""
+    assert execute.supervisor_text(None, 15) == ""
 
 
 def test_where_the_victims_point_a_node_not_all_victim_leads_the_line():
@@ -721,6 +751,28 @@ def test_a_rank_that_exited_0_early_on_a_victims_node_is_named():
     assert line.startswith("failed: node2 (node_rank 1) exit code 1, where the others' errors point (10.0.0.12): rank 3 "
                            "(local rank 1) exited 0 while the others still waited"), line
     assert story.ended_0_text(execute.NodeOutcome("x", 0, remote={"ended_0": [{"rank": "3"}, 7]})) is None
+
+
+def test_many_other_own_failures_are_counted_beyond_a_few_and_mutual_pointing_leads_nobody():
+    """A review: 128 nodes failing on their own with CUDA OOM messages that differ (free memory)
+    would all be listed in one closing line; beyond a few they are counted. And two nodes whose
+    victims each name the other (a link between them) say nothing of which failed first: the
+    pointed one does not lead."""
+    addresses = {f"node{i}": f"10.0.0.{i}" for i in range(1, 9)}
+    outcomes = {n: execute.NodeOutcome(n, i, exit_code=1, remote={"failed_at": 5.0 + i},
+                                       cause=Cause(i, 0, 1, f"OutOfMemoryError: {i} MiB free", CauseKind.EXCEPTION))
+                for i, n in enumerate(addresses)}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node1")
+    line = story.closing_line(verdict, outcomes["node1"], "", addresses, outcomes)
+    assert line.count("OutOfMemoryError") == 1 + story.ALSO_SHOWN and line.endswith("and 4 more nodes"), line
+    pair = {}
+    for name, peer, at in (("node1", "10.0.0.12", 5.0), ("node2", "10.0.0.11", 5.1)):
+        r = reader("\n".join(VICTIM.splitlines()[:7]).replace("10.0.0.12", peer))
+        pair[name] = execute.NodeOutcome(name, int(name[-1]) - 1, exit_code=1, causes=r, cause=r.cause(),
+                                         remote={"failed_at": at})
+    pair_addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12"}
+    verdict = execute.blame_outcomes(pair, pair_addresses, "node1", {"node1": 2, "node2": 2})
+    assert (verdict.node, verdict.pointed, verdict.pointed_alone) == ("node1", "node2", False), verdict
 
 
 FAILED_LOG = ("E1207 14:05:49.378000 60 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "

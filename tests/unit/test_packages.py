@@ -98,3 +98,15 @@ def test_a_failed_run_whose_named_node_lacks_a_package_says_so_with_the_fix():
     assert result.first_failure == "node2"
     assert "hint: node2's python (" in out.getvalue() and "lacks numpy 2.1.0, unlike most nodes" in out.getvalue()
     assert "-m pip install numpy==2.1.0`" in out.getvalue()
+
+
+def test_of_two_nodes_the_one_that_lacks_a_package_is_odd_and_names_are_checked():
+    """Of two nodes, the one that has a package more was called odd ("has also numpy") and the one
+    that lacks it, whose ranks fail at the import, was not (a review)."""
+    lacking = {k: v for k, v in BASE.items() if k != "numpy"}
+    odd = packages.compare({"a": BASE, "b": lacking})
+    assert set(odd) == {"b"} and odd["b"].missing == {"numpy": "2.1.0"}
+    assert set(packages.failure_hints({"a": {"packages": BASE}, "b": {"packages": lacking}}, {"a": "py", "b": "py"})) \
+        == {"b"}
+    # a name or version no node program sends (a terminal escape) makes the fact no fact
+    assert packages.valid({"numpy\x1b[31m": "1"}) is None and packages.valid({"numpy": "1\n2"}) is None
