@@ -947,10 +947,8 @@ class _Monitor:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
             seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
-            restarted = "; torchrun's restarts after it (--max-restarts) failed too" \
-                if out.causes.restarted and out.cause is not None and out.cause.own else ""
             summary = story.closing_line(verdict, out, supervisor_text(out.remote, out.causes.death_signal),
-                                         self.addresses, outcomes) + restarted + (f"; seen: {seen}" if seen else "")
+                                         self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
             hang = self.hang.standing(max((o.last_progress for o in outcomes.values()), default=0.0)) \
                 if self.hang is not None and not verdict.own else None
             if hang is not None:  # the ranks' timeouts followed a hang the watch had found: it comes first

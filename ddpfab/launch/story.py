@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from ddpfab.hostlist import FOLD_ABOVE, compact
-from ddpfab.launch.cause import Blame, Cause, CauseKind
+from ddpfab.launch.cause import Blame, Cause, CauseKind, CauseReader
 
 #: Other nodes whose rank failed on its own (another way) named in the closing line; the rest counted.
 ALSO_SHOWN = 3
@@ -29,6 +29,7 @@ class Outcome(Protocol):
     stopped_by_ddpfab: bool
     cause: Cause | None
     remote: dict | None  # its supervisor's record
+    causes: CauseReader  # what its output said
 
 
 def why(out: Outcome) -> str:
@@ -108,6 +109,8 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     early = ended_early(verdict, others)
     if cause is not None and (cause.own or cause.kind is None):
         parts.append(cause_text(cause, out))
+        if out.causes.restarted and cause.own:
+            parts.append("torchrun's restarts after it (--max-restarts) failed too")
     elif cause is not None:
         lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
             if cause.kind is CauseKind.PEER_LOST else cause.text()
