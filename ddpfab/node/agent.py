@@ -1160,6 +1160,8 @@ class Supervisor(object):
                                                         and self.own_failure_since is None else "unseen by the watch"))
         if self.at_barrier and self.reason == AT_BARRIER:
             code, self.reason = 0, None  # ended by us after the work was done: the job succeeded on this node
+        elif code != 0 and not own_failure and self.reason is not None and self._all_ended_0():
+            code = 0  # stopped while torchrun waited at its exit barrier: every rank had finished its work
         self._result(code, own_failure, None if own_failure else launcher)
         self.log.close()
         return code
@@ -1173,6 +1175,12 @@ class Supervisor(object):
             if type(who.get("local_rank")) is int and type(who.get("rank")) is int:
                 ended.setdefault(who["local_rank"], who["rank"])
         return [{"rank": rank, "local_rank": local} for local, rank in sorted(ended.items())]
+
+    def _all_ended_0(self):
+        """Every rank of the node (the spec's ``nproc``) ended with exit 0."""
+        nproc = self.spec.get("nproc")
+        return type(nproc) is int and nproc > 0 and \
+            {r["local_rank"] for r in self._ended_0()} >= set(range(nproc))
 
     def _missed_failure(self, own_failure):
         """A rank's failure its exit guard recorded and the worker watch did not see first: before

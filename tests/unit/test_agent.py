@@ -501,6 +501,28 @@ def test_a_rank_that_ended_well_on_a_node_that_failed_is_recorded(tmp_path):
     assert result["ended_0"] == [{"rank": 3, "local_rank": 1}], result
 
 
+def test_a_node_whose_ranks_had_all_finished_when_the_stop_came_exited_0(tmp_path):
+    """1 process per node, rank 0 ends early with exit 0 (os._exit: no exit guard record); its
+    torchrun waits at its exit barrier when ddpfab stops the node, the others having failed. The
+    node read "stopped" (exit 143) and a victim led the line (a new user's pass): it exited 0."""
+    launcher = tmp_path / "torchrun"
+    launcher.write_text("import os, subprocess, sys, time\n"
+                        "w = subprocess.Popen([sys.executable, '-c', 'import os, time; time.sleep(1.0); os._exit(0)'],"
+                        " env=dict(os.environ, RANK='0', LOCAL_RANK='0'))\n"
+                        "time.sleep(1.5)\nw.wait()\n"  # (torchrun reaps its workers at its next look, not at once)
+                        "print('at the barrier', flush=True)\ntime.sleep(300)\n")
+    run = tmp_path / "run"
+    proc = spawn({"run_id": "t", "dir": str(run), "grace": 1, "watch_workers": True, "nproc": 1,
+                  "argv": [sys.executable, str(launcher)]})
+    assert proc.stdout.readline().endswith(b"at the barrier\n")
+    time.sleep(0.5)  # the watch has seen the worker's exit
+    proc.stdin.write(b"!")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    result = json.loads((run / "result.json").read_text())
+    assert result["exit_code"] == 0 and agent.ended_state(result) == "exited", result
+
+
 # a torchrun whose tee lags: its worker (local rank 1) writes a traceback to its log file and
 # fails; the tee has relayed the first line only when the agent ends the job
 LAGGING_TEE = r"""
