@@ -113,6 +113,8 @@ PEER_LOST = tuple(re.compile(p) for p in (
     r"Process group watchdog thread terminated", r"Timed out waiting \d+ms for (recv|send) operation",
     r"failed to recv, got 0 bytes", r"\bSocket Timeout\b", r"recvValue failed", r"sendBytes failed",
     r"\bDistNetworkError\b",
+    # a rank that could not reach a peer at its rendezvous: the peer gone (a restart after a failure)
+    r"Gloo connectFullMesh failed",
 ))
 #: The peer's address in gloo's words: ``... Connection closed by peer [10.0.0.12]:50096``.
 _PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
@@ -493,6 +495,10 @@ class CauseReader:
             return replace(self.first_attempt)  # the attempts after it failed in its wake
         said = [c for local in self.order if (c := self.rank_cause(local))]
         own = [c for c in said if c.own]
+        if not own and self.death_signal == signal.SIGTERM and (unstopped or (worker or {}).get("outside") is True):
+            # torchrun itself got SIGTERM (not from its supervisor) and ended its ranks with it
+            return Cause(None, None, None, "torchrun got signal 15 (SIGTERM) from outside the run and ended its ranks",
+                         CauseKind.SIGNAL, signal.SIGTERM)
         root = self._root_cause()
         if unstopped and root.signal == signal.SIGTERM and self._outside_sigterm(root.local_rank):
             root.kind = CauseKind.SIGNAL  # torchrun's first observed failure, a SIGTERM nobody in the run sent

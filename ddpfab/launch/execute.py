@@ -583,29 +583,12 @@ def ended_by_itself(remote: dict | None) -> bool:
         and "exit_code" in remote
 
 
-def supervisor_text(remote: dict | None, death_signal: int | None = None) -> str:
-    """What ended the node's job, for the closing line when torchrun's output named no failing
-    rank: the first worker its supervisor saw fail (:func:`failed_worker_text`), else torchrun
-    itself killed by a signal (:func:`launcher_text`), else the stop signal torchrun said it got
-    (*death_signal*) when its supervisor had not stopped it; "" when nothing says."""
+def supervisor_text(remote: dict | None) -> str:
+    """What the node's supervisor record says ended its job, for the closing line when torchrun's
+    output named no failing rank: the first worker it saw fail (:func:`failed_worker_text`), else
+    torchrun itself killed by a signal (:func:`launcher_text`); "" when it says neither."""
     remote = remote or {}
-    return (failed_worker_text(remote.get("failed_worker")) or launcher_text(remote.get("launcher"))
-            or outside_stop_text(remote, death_signal))
-
-
-def outside_signal(remote: dict | None, death_signal: int | None) -> int | None:
-    """The stop signal torchrun said it got (*death_signal*, from its output) when its supervisor
-    stopped nothing (its record, read as data, says no ``stopped``): sent from outside the run."""
-    record = remote if isinstance(remote, dict) else {}
-    if death_signal is None or not record or record.get("stopped") is not None:
-        return None
-    return death_signal
-
-
-def outside_stop_text(remote: dict | None, death_signal: int | None) -> str:
-    """``torchrun got signal 15 (SIGTERM) from outside the run and ended its ranks``, or ""."""
-    sig = outside_signal(remote, death_signal)
-    return f"torchrun got signal {sig} ({signal_name(sig)}) from outside the run and ended its ranks" if sig else ""
+    return failed_worker_text(remote.get("failed_worker")) or launcher_text(remote.get("launcher"))
 
 
 def launcher_signal(remote: dict | None) -> int | None:
@@ -947,7 +930,7 @@ class _Monitor:
             out = outcomes[verdict.node]
             found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
             seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
-            summary = story.closing_line(verdict, out, supervisor_text(out.remote, out.causes.death_signal),
+            summary = story.closing_line(verdict, out, supervisor_text(out.remote),
                                          self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
             hang = self.hang.standing(max((o.last_progress for o in outcomes.values()), default=0.0)) \
                 if self.hang is not None and not verdict.own else None
@@ -955,8 +938,7 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal(out.remote)
-                                       or outside_signal(out.remote, out.causes.death_signal)),
+            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal(out.remote)),
                      self.node_hints.get(verdict.node) if verdict.own or verdict.cause is None else None]
             for line in hints.verdict_lines(found) + [h for h in extra if h]:
                 self.printer.note(f"hint: {line}")

@@ -280,7 +280,7 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False)
     if verdict.node is None or (own_only and not verdict.own):
         return None
     out = outcomes[verdict.node]
-    fallback = supervisor_text(out.remote, out.causes.death_signal)
+    fallback = supervisor_text(out.remote)
     return (story.closing_line(verdict, out, fallback, addresses, outcomes),
             story.other_nodes(outcomes, verdict.node, addresses))
 

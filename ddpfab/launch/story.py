@@ -150,7 +150,8 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     if done:
         parts.append(f"{compact(done)} exited 0")
     told = set(done) | set(same) | set(also) | {early}
-    stopped = [n for n, o in others.items() if n not in told and o.stopped_by_ddpfab]
+    stopped = [n for n, o in others.items() if n not in told and o.stopped_by_ddpfab
+               and not (o.cause is not None and o.cause.kind is CauseKind.PEER_LOST)]  # (victims are counted)
     if outcomes is None or (stopped and len(stopped) == len(others) - len(told & set(others))):
         parts.append("the others were stopped")
     elif stopped:
@@ -160,9 +161,12 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
 
 def _same_failure(other: Cause | None, named: Cause | None) -> bool:
     """*other* is a rank's own failure of the same kind, error and exit code as *named*'s."""
-    return (other is not None and named is not None and other.own and named.own
-            and (other.kind, other.exception, other.exit_code, other.signal)
-            == (named.kind, named.exception, named.exit_code, named.signal))
+    if other is None or named is None or not (other.own and named.own):
+        return False
+    # an exit code one node's output gave and another's did not (torchrun's report cut off by the
+    # stop) tells no two failures apart
+    codes = {other.exit_code, named.exit_code} - {None}
+    return (other.kind, other.exception, other.signal) == (named.kind, named.exception, named.signal) and len(codes) < 2
 
 
 def ended_0_text(out: Outcome) -> str | None:

@@ -274,13 +274,12 @@ MAX_PACKAGES = 3000
 def _package_dirs():
     """The directories this python's plain start imports installed packages from: the
     site-packages of :func:`_site_packages`, and where site has run (it decides, or torch is
-    found only through it: a ``.pth``, the system's packages) those it put on sys.path too."""
+    found only through it: a ``.pth``, the system's packages) every dir on sys.path too."""
     dirs = _site_packages()
     if dirs is None:
         _with_site()
-    if _SITE_RUN:
-        dirs = (dirs or []) + [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")
-                               and p not in (dirs or [])]
+    if _SITE_RUN:  # every dir site put on sys.path (a .pth names any dir), not the cwd's ''
+        dirs = (dirs or []) + [p for p in sys.path if p and p not in (dirs or []) and os.path.isdir(p)]
     return dirs
 
 

@@ -689,20 +689,20 @@ def test_torchrun_s_word_of_a_stop_signal_nobody_in_the_run_sent_is_the_cause():
     (seen in a lab test). Where its supervisor stopped nothing, that signal came from outside."""
     r = reader("W1207 14:21:13.742000 98 /v/torch/distributed/elastic/agent/server/api.py:753] Received 15 death "
                "signal, shutting down workers")
-    assert r.death_signal == 15 and r.cause() is None
+    assert r.death_signal == 15 and r.cause() is None  # (its supervisor's stop: no cause of its own)
     assert reader("W1 0 1 torch/distributed/elastic/agent/server/api.py:7] Received Signals.SIGTERM death signal, "
                   "shutting down workers").death_signal == 15
+    # the supervisor stopped nothing, or saw a rank end by SIGTERM before any stop: torchrun's, from outside
+    assert r.cause({"pid": 5, "signal": 15, "local_rank": 0, "outside": True}).text() == r.cause(unstopped=True).text()
     outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),
                 "node2": execute.NodeOutcome("node2", 1, exit_code=1, causes=r, remote={"failed_at": 5.0,
-                                                                                        "stopped": None}),
+                                                                                        "stopped": None},
+                                             cause=r.cause(unstopped=True)),
                 "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
     result, printed = _monitor_ends(outcomes, ["node2", "node1", "node3"])
     assert result.summary == ("failed: node2 (node_rank 1) exit code 1; torchrun got signal 15 (SIGTERM) from outside "
                               "the run and ended its ranks; the others were stopped"), result.summary
     assert "hint: neither ddpfab nor torchrun sent the first SIGTERM on node2" in printed, printed
-    # the same words from a torchrun its supervisor stopped: ddpfab's stop, no cause of its own
-    assert execute.supervisor_text({"stopped": "stopped by ddpfab: another node failed"}, 15) == ""
-    assert execute.supervisor_text(None, 15) == ""
 
 
 def test_where_the_victims_point_a_node_not_all_victim_leads_the_line():
