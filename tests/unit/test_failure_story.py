@@ -775,6 +775,26 @@ def test_many_other_own_failures_are_counted_beyond_a_few_and_mutual_pointing_le
     assert (verdict.node, verdict.pointed, verdict.pointed_alone) == ("node1", "node2", False), verdict
 
 
+def test_connect_errors_same_errors_and_victims_stopped_are_told_as_such():
+    """A second new-user pass: a rank that could not reach a stopped peer at its rendezvous read as
+    its own failure; the same SyntaxError split into two stories when one node's output carried
+    torchrun's exit code; a node whose rank lost its peer was also called stopped."""
+    assert kind_of_exception(CONNECT.format(local=0).split(":", 1)[1]) is CauseKind.PEER_LOST
+    syntax = "SyntaxError: expected ':' (badmod.py, line 2)"
+    with_code, without = (Cause(0, 0, code, syntax, CauseKind.EXCEPTION) for code in (1, None))
+    assert story._same_failure(with_code, without)
+    assert not story._same_failure(with_code, Cause(0, 0, 2, syntax, CauseKind.EXCEPTION))
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    culprit = execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=reader(CULPRIT).cause())
+    victim = execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True, causes=reader(VICTIM),
+                                 cause=reader(VICTIM).cause())
+    outcomes = {"node1": victim, "node2": culprit,
+                "node3": execute.NodeOutcome("node3", 2, exit_code=143, stopped_by_ddpfab=True)}
+    verdict = execute.blame_outcomes(outcomes, addresses, "node2")
+    line = story.closing_line(verdict, culprit, "", addresses, outcomes)
+    assert line.endswith("1 other rank lost its peer; node3 was stopped"), line
+
+
 FAILED_LOG = ("E1207 14:05:49.378000 60 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) "
               "local_rank: {local} (pid: 66) of binary: /v/bin/python3")
 CONNECT = ("[default{local}]:RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/third_party/gloo/gloo/transport/"
