@@ -217,13 +217,13 @@ def _packages(ok: list, fx: dict[str, dict]) -> list[CheckResult]:
     """Each node's installed packages against most nodes' (:mod:`ddpfab.health.packages`): a
     warning, as a package no job imports fails nothing; nodes that differ the same way (the same
     python) share one line and one fix."""
-    odd = packages.compare({n.name: fx[n.name].get("packages") for n in ok})
+    listed = {n.name: got for n in ok if (got := packages.valid(fx[n.name].get("packages"))) is not None}
+    odd = packages.compare(dict(listed))
     groups: dict[tuple[str, str], list[str]] = {}
     for n in ok:
         if n.name in odd:
             groups.setdefault((odd[n.name].text(), nodeenv.decided(n, fx[n.name]).python), []).append(n.name)
     fixes = {name: packages.fix(names, python, odd[name]) for (_, python), names in groups.items() for name in names}
-    listed = {n.name: got for n in ok if (got := packages.valid(fx[n.name].get("packages"))) is not None}
     results = []
     for n in ok:
         if n.name in odd:

@@ -459,8 +459,7 @@ class _NodeJob:
                 # before the monitor decides: the first worker its supervisor saw fail (a rank killed
                 # by a signal prints nothing), and did the job fail only after every rank had finished?
                 out.remote = self._result_record()
-            out.cause = ranked(self.plan, self.node, out.causes.cause((out.remote or {}).get("failed_worker"),
-                                                                      unstopped=ended_by_itself(out.remote)))
+            out.cause = ranked(self.plan, self.node, node_cause(out.causes, out.remote))
             # a node whose job failed on its own before the stop came is no node ddpfab stopped (as
             # blame_outcomes has it): whatever of its output is held may be the failure's trace
             on_its_own = (out.remote or {}).get("failed_at") is not None or (out.cause is not None and out.cause.own)
@@ -583,6 +582,12 @@ def ended_by_itself(remote: dict | None) -> bool:
         and "exit_code" in remote
 
 
+def node_cause(causes: CauseReader, remote: dict | None) -> Cause | None:
+    """A node's cause from its output (*causes*) and its supervisor's record (*remote*): the one
+    reading run's monitor and attach share."""
+    return causes.cause((remote or {}).get("failed_worker"), unstopped=ended_by_itself(remote))
+
+
 def supervisor_text(remote: dict | None) -> str:
     """What the node's supervisor record says ended its job, for the closing line when torchrun's
     output named no failing rank: the first worker it saw fail (:func:`failed_worker_text`), else
@@ -591,10 +596,9 @@ def supervisor_text(remote: dict | None) -> str:
     return failed_worker_text(remote.get("failed_worker")) or launcher_text(remote.get("launcher"))
 
 
-def launcher_signal(remote: dict | None) -> int | None:
+def launcher_signal(record: object) -> int | None:
     """The signal the supervisor record's ``launcher`` (``{"pid", "signal"}``: torchrun itself
     killed by a signal nobody on the node sent) names, read as data; None else."""
-    record = (remote or {}).get("launcher")
     if not isinstance(record, dict) or type(record.get("pid")) is not int or type(record.get("signal")) is not int:
         return None
     return record["signal"]
@@ -602,7 +606,7 @@ def launcher_signal(remote: dict | None) -> int | None:
 
 def launcher_text(record: object) -> str:
     """``torchrun (pid 812) was killed by signal 9 (SIGKILL); its ranks were ended with it``, or ""."""
-    sig = launcher_signal({"launcher": record})
+    sig = launcher_signal(record)
     if sig is None or not isinstance(record, dict):
         return ""
     return (f"torchrun (pid {record['pid']}) was killed by signal {sig} ({signal_name(sig)}); its ranks were "
@@ -938,7 +942,7 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal(out.remote)),
+            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal((out.remote or {}).get("launcher"))),
                      self.node_hints.get(verdict.node) if verdict.own or verdict.cause is None else None]
             for line in hints.verdict_lines(found) + [h for h in extra if h]:
                 self.printer.note(f"hint: {line}")

@@ -26,8 +26,8 @@ from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
-                                   supervisor_text, ranked, result_record, stopped_from_outside_line,
-                                   ended_by_itself)
+                                   node_cause, ranked, result_record, stopped_from_outside_line,
+                                   supervisor_text)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.tmuxrun import recorded_socket
 from ddpfab.optionnames import option
@@ -258,7 +258,7 @@ def ended_outcomes(plan, conns, codes: dict[str, int], readers: dict[str, CauseR
         reader = readers.get(name) or CauseReader()
         out = NodeOutcome(name, node.node_rank, exit_code=code, remote=record, causes=reader,
                           stopped_by_ddpfab=bool((record or {}).get("stopped")) and not (record or {}).get("failed_at"))
-        out.cause = ranked(plan, node, reader.cause((record or {}).get("failed_worker"), unstopped=ended_by_itself(record)))
+        out.cause = ranked(plan, node, node_cause(reader, record))
         outcomes[name] = out
     return outcomes
 

@@ -18,6 +18,8 @@ from ddpfab.launch.cause import Blame, Cause, CauseKind, CauseReader
 
 #: Other nodes whose rank failed on its own (another way) named in the closing line; the rest counted.
 ALSO_SHOWN = 3
+#: Where a rank ended (exit 0) while the others still waited for it in a collective.
+ENDS_EARLY = "look there for a rank that ends before the others"
 
 
 class Outcome(Protocol):
@@ -117,18 +119,17 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
         lead = leading(verdict, others)
         if early is not None:  # the node the victims wait for had ended: it leads, the first victim after it
             parts = [f"failed: {early} (node_rank {others[early].node_rank}) exited 0 while the others still "
-                     f"waited for it ({addresses[early]}, named by their errors): look there for a rank that ends "
-                     f"before the others", f"then {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
+                     f"waited for it ({addresses[early]}, named by their errors): {ENDS_EARLY}",
+                     f"then {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
         elif lead is not None:  # where the victims point, a node not all of whose ranks lost their peer
             left = ended_0_text(others[lead])
             parts = [f"failed: {lead} (node_rank {others[lead].node_rank}) {why(others[lead])}, where the others' "
                      f"errors point ({addresses.get(lead, lead)}): "
-                     + (f"{left} while the others still waited: look there for a rank that ends before the others"
+                     + (f"{left} while the others still waited: {ENDS_EARLY}"
                         if left else "not all its ranks lost their peer, and none said why it failed: look there first"),
                      f"first to end: {verdict.node} (node_rank {out.node_rank}) {why(out)}: {lost}"]
         elif (left := ended_0_text(out)) and verdict.pointed in (None, verdict.node):
-            parts.append(f"{left} while the others still waited: look there for a rank that ends before the others; "
-                         f"then {lost}")
+            parts.append(f"{left} while the others still waited: {ENDS_EARLY}; then {lost}")
         else:
             parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
@@ -160,7 +161,8 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
 
 
 def _same_failure(other: Cause | None, named: Cause | None) -> bool:
-    """*other* is a rank's own failure of the same kind, error and exit code as *named*'s."""
+    """*other* is a rank's own failure of the same kind, error and signal as *named*'s, and no
+    other exit code (one that only one of them gives tells nothing apart)."""
     if other is None or named is None or not (other.own and named.own):
         return False
     # an exit code one node's output gave and another's did not (torchrun's report cut off by the
