@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 IGNORED = frozenset({"pip", "setuptools", "wheel", "distribute"})
 #: Packages named in a line before ``and N more``.
 SHOWN = 4
+#: The most packages a fix's ``pip install`` line names (beyond: provision again).
+PIP_LINE_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,11 @@ def valid(value: object) -> dict[str, str | None] | None:
     not what the node program sends (records are data: nothing else is taken)."""
     if not isinstance(value, dict):
         return None
-    if not all(isinstance(k, str) and _NAME.match(k) and (v is None or isinstance(v, str) and _VERSION.match(v))
-               for k, v in value.items()):
-        return None
-    return {k: v for k, v in value.items() if k not in IGNORED}
+    # an entry no pip would list (a '~umpy' dir an interrupted uninstall left) is dropped alone;
+    # a fact with nothing valid in it says nothing
+    kept = {k: v for k, v in value.items() if isinstance(k, str) and _NAME.match(k)
+            and (v is None or isinstance(v, str) and _VERSION.match(v))}
+    return {k: v for k, v in kept.items() if k not in IGNORED} if kept or not value else None
 
 
 def compare(by_node: dict[str, object]) -> dict[str, Odd]:
@@ -119,6 +122,8 @@ def compare(by_node: dict[str, object]) -> dict[str, Odd]:
 def fix(nodes: list[str], python: str, odd: Odd) -> str:
     """How to give the *python* of *nodes* (the same differences on each) the packages most nodes have."""
     reqs, limit = odd.requirements(), ",".join(nodes)
+    if len(reqs) > PIP_LINE_MAX:  # a venv that lacks most of them: provisioning, not a pip line
+        return f"provision again (`ddpfab provision -l {limit} -t python` installs the pinned set)"
     if not reqs:  # only packages of its own: they fail nothing unless a job imports them (try: import)
         return ("the same packages on every node (`ddpfab provision -t python` makes them so), or none of them if "
                 "no job imports them")

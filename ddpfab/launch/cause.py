@@ -64,12 +64,12 @@ _ELASTIC_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elast
                           r".*(death signal|shutting down))")
 #: torchrun's log line for each worker failure it observes (one per attempt that failed, with
 #: ``--max-restarts``): ``... api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 66) of binary: ...``.
-_FAILED_LOG = re.compile(r"torch/distributed/elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: (-?\d+)\) "
-                         r"local_rank: (\d+) \(pid: \d+\)")
+_FAILED_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/multiprocessing/api\.py:\d+\] "
+                         r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: \d+\)")
 #: torchrun's log line for a stop signal it got: ``... api.py:753] Received 15 death signal,
 #: shutting down workers`` (``Received Signals.SIGTERM ...`` in older versions).
-_DEATH_SIGNAL = re.compile(r"torch/distributed/elastic/agent/server/api\.py:\d+\] Received (?:(\d+)|Signals\.(SIG\w+)) "
-                           r"death signal")
+_DEATH_SIGNAL = re.compile(r"^[IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/agent/server/api\.py:\d+\] "
+                           r"Received (?:(\d+)|Signals\.(SIG\w+)) death signal")
 #: torchrun's log record of an exit barrier it could not finish (the master's store went away, its
 #: job failed elsewhere): this line, then the record's traceback, each line with the same prefix.
 _EXIT_BARRIER = re.compile(r"^([IWE]\d{4} [\d:.]+\s+\d+ \S*torch/distributed/elastic/agent/server/api\.py:\d+\]) "

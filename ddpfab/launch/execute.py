@@ -522,7 +522,8 @@ def result_record(conn: Connection, node: NodePlan) -> dict | None:
     None when there is none or it cannot be read."""
     try:
         res = ssh.run(conn, node.name, f"cat {shlex.quote(node.remote_dir)}/result.json", timeout=10)
-        return json.loads(res.stdout) if res.exit_code == 0 else None
+        record = json.loads(res.stdout) if res.exit_code == 0 else None
+        return record if isinstance(record, dict) else None  # records are data: an object, or nothing
     except Exception:  # noqa: BLE001 - the record is informative; the exit code is what counts
         return None
 
@@ -601,7 +602,7 @@ def launcher_signal(record: object) -> int | None:
     killed by a signal nobody on the node sent) names, read as data; None else."""
     if not isinstance(record, dict) or type(record.get("pid")) is not int or type(record.get("signal")) is not int:
         return None
-    return record["signal"]
+    return record["signal"] if 0 < record["signal"] < 128 and record["pid"] > 0 else None
 
 
 def launcher_text(record: object) -> str:

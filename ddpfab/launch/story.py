@@ -178,7 +178,8 @@ def ended_0_text(out: Outcome) -> str | None:
     ranks = [f"rank {r['rank']} (local rank {r['local_rank']})" for r in ended
              if isinstance(r, dict) and type(r.get("rank")) is int and type(r.get("local_rank")) is int] \
         if isinstance(ended, list) else []
-    return f"{', '.join(ranks)} exited 0" if ranks else None
+    shown = ", ".join(ranks[:ALSO_SHOWN]) + (f" and {len(ranks) - ALSO_SHOWN} more" if len(ranks) > ALSO_SHOWN else "")
+    return f"{shown} exited 0" if ranks else None
 
 
 def leading(verdict: Blame, others: Mapping[str, Outcome]) -> str | None:

@@ -629,15 +629,24 @@ def ranks_done(run_dir):
             continue
         code, pid = rec.get("code"), rec.get("pid")
         fields = (rec.get("rank"), rec.get("local_rank"), rec.get("restart"))
-        if not all(isinstance(f, str) and f.isdigit() for f in fields) or fields[1] != m.group(1):
+        if not all(isinstance(f, str) and f and f.isdigit() and f.isascii() for f in fields) or fields[1] != m.group(1):
             continue
         if type(pid) is not int or not (code is None or type(code) is int):
             continue
-        at = rec.get("time")
         done[int(m.group(1))] = {"rank": int(fields[0]), "local_rank": int(fields[1]), "pid": pid, "code": code,
-                                 "restart": int(fields[2]),
-                                 "time": float(at) if type(at) in (int, float) else None}
+                                 "restart": int(fields[2]), "time": _record_time(rec.get("time"))}
     return done
+
+
+def _record_time(at):
+    """A record's ``time`` (a time.time()) as a finite float, or None (records are data)."""
+    if type(at) not in (int, float):
+        return None
+    try:
+        at = float(at)
+    except OverflowError:
+        return None
+    return at if at - at == 0 else None  # (inf - inf and nan - nan are nan)
 
 
 def failed_before(run_dir, at):

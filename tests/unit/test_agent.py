@@ -649,3 +649,20 @@ def test_a_fast_stop_s_reason_read_apart_from_its_bang_is_kept(tmp_path):
     proc.wait(timeout=30)
     result = json.loads((d / "run" / "result.json").read_text())
     assert result["stopped"] == "stopped by ddpfab: the job hung (--on-hang stop)", result
+
+
+def test_a_rank_record_with_an_impossible_time_or_rank_is_left_out(tmp_path):
+    """An attacker's pass: a rank record with "time": 10**400 made float() raise in the supervisor's
+    end (no result.json then); "-Infinity" counted as a failure before any stop; a rank "²" passed
+    isdigit() and int() raised."""
+    ranks = tmp_path / agent.RANKS_DIR
+    ranks.mkdir()
+    for local, rec in enumerate(('{"rank": "0", "local_rank": "0", "pid": 1, "code": 1, "restart": "0", "time": %s}'
+                                 % ("1" + "0" * 400),
+                                 '{"rank": "1", "local_rank": "1", "pid": 2, "code": 1, "restart": "0", '
+                                 '"time": -Infinity}',
+                                 '{"rank": "\u00b2", "local_rank": "2", "pid": 3, "code": 1, "restart": "0"}')):
+        (ranks / f"rank-{local}.json").write_text(rec)
+    done = agent.ranks_done(str(tmp_path))
+    assert sorted(done) == [0, 1] and done[0]["time"] is None and done[1]["time"] is None, done
+    assert agent.failed_before(str(tmp_path), 1e12) is None

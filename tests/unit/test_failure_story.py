@@ -639,8 +639,8 @@ def test_a_sigterm_from_outside_the_run_is_the_ranks_own_failure_with_where_it_c
     # torchrun's log confirms it: the first failure it observed is that rank's SIGTERM
     outside = reader(FAILED_LOG.format(code=-15, local=1)).cause(record)
     assert outside is not None and outside.own and outside.kind is CauseKind.SIGNAL
-    assert reader("W1 0 1 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, shutting "
-                  "down workers").cause(record).own  # ... or torchrun got it itself
+    assert reader("W1207 14:21:13.742000 98 /v/torch/distributed/elastic/agent/server/api.py:753] Received 15 death "
+                  "signal, shutting down workers").cause(record).own  # ... or torchrun got it itself
     assert not CauseReader().cause({k: v for k, v in record.items() if k != "outside"}).own
     # unconfirmed (a rendezvous gone ends workers so; the first failure torchrun saw was another
     # rank's, unseen by the supervisor): a stop, as any SIGTERM
@@ -690,8 +690,13 @@ def test_torchrun_s_word_of_a_stop_signal_nobody_in_the_run_sent_is_the_cause():
     r = reader("W1207 14:21:13.742000 98 /v/torch/distributed/elastic/agent/server/api.py:753] Received 15 death "
                "signal, shutting down workers")
     assert r.death_signal == 15 and r.cause() is None  # (its supervisor's stop: no cause of its own)
-    assert reader("W1 0 1 torch/distributed/elastic/agent/server/api.py:7] Received Signals.SIGTERM death signal, "
-                  "shutting down workers").death_signal == 15
+    assert reader("W1207 14:21:13.742000 98 /v/torch/distributed/elastic/agent/server/api.py:7] Received "
+                  "Signals.SIGTERM death signal, shutting down workers").death_signal == 15
+    # the same words a rank printed (tagged), or inside another line, are no word of torchrun's
+    assert reader("[default0]:W1207 14:21:13.742000 98 /v/torch/distributed/elastic/agent/server/api.py:7] Received "
+                  "15 death signal").death_signal is None
+    assert reader("  x W1207 14:21:13.742000 98 torch/distributed/elastic/agent/server/api.py:7] Received 15 "
+                  "death signal").death_signal is None
     # the supervisor stopped nothing, or saw a rank end by SIGTERM before any stop: torchrun's, from outside
     assert r.cause({"pid": 5, "signal": 15, "local_rank": 0, "outside": True}).text() == r.cause(unstopped=True).text()
     outcomes = {"node1": execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True),

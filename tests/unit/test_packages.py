@@ -110,3 +110,19 @@ def test_of_two_nodes_the_one_that_lacks_a_package_is_odd_and_names_are_checked(
         == {"b"}
     # a name or version no node program sends (a terminal escape) makes the fact no fact
     assert packages.valid({"numpy\x1b[31m": "1"}) is None and packages.valid({"numpy": "1\n2"}) is None
+    # one entry no pip would list (an interrupted uninstall's '~umpy') is dropped, not the node
+    assert packages.valid({"~umpy": "1.26.0", "torch": "2.13.0"}) == {"torch": "2.13.0"}
+
+
+def test_what_node_records_say_is_bounded_in_the_lines_it_makes():
+    """An attacker's pass: a node lacking 300 packages made a 3.8 kB pip line; 100k ended_0
+    entries a 2 MB line; a launcher record's signal -9 or pid -5 was printed as given."""
+    many = {f"pkg{i}": "1.0" for i in range(300)}
+    odd = packages.compare({"a": many, "b": many, "c": {}})
+    assert packages.fix(["c"], "python3", odd["c"]) == \
+        "provision again (`ddpfab provision -l c -t python` installs the pinned set)"
+    out = execute.NodeOutcome("x", 0, remote={"ended_0": [{"rank": i, "local_rank": i} for i in range(10)]})
+    from ddpfab.launch import story
+    assert story.ended_0_text(out).endswith("rank 2 (local rank 2) and 7 more exited 0")
+    assert execute.launcher_text({"pid": 5, "signal": -9}) == "" == execute.launcher_text({"pid": -5, "signal": 9})
+    assert execute.launcher_text({"pid": 5, "signal": 9}).startswith("torchrun (pid 5) was killed by signal 9")
