@@ -237,6 +237,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ddpfab.launch import recover, runner
     from ddpfab.remote.target import TargetError
 
+    refusal = misplaced_dry_run(getattr(args, "argv", []))
+    if refusal:
+        return die([refusal, "nothing was started"])
     try:
         cluster = api_cluster(args)
         # --detach with restarts: the restarts outlive this command, so this command line runs again
@@ -302,19 +305,48 @@ def spell_pdb(argv: list[str]) -> list[str]:
     words from the script on are the script's, a ``--pdb`` among them included."""
     if not argv or argv[0] not in ("run", "plan"):
         return argv
+    out = list(argv)
+    _script_at(out, spell=True)
+    return out
+
+
+def _script_at(argv: list[str], spell: bool = False) -> int:
+    """Where the script's words begin in ``run``/``plan`` arguments *argv* (its ``--`` included
+    when one comes first; ``len(argv)`` when there is none). Only ddpfab's own options are
+    skipped, each with its value. With *spell*, a ``--pdb`` or ``--debugpy`` without RANKS is
+    rewritten in place as ``=all`` (:func:`spell_pdb`)."""
     recorder = _OptionRecorder()
     _add_run_command_args(recorder)
-    out, i = list(argv), 1
-    while i < len(out):
-        word = out[i]
+    i = 1
+    while i < len(argv):
+        word = argv[i]
         if word == "--" or not word.startswith("-") or word == "-":
-            break  # the script (or the -- before it)
-        if word in ("--pdb", "--debugpy") and (i + 1 == len(out) or not _meant_as_ranks(out, i + 1)):
-            out[i] = f"{word}=all"
+            return i  # the script (or the -- before it)
+        if word in ("--pdb", "--debugpy") and (i + 1 == len(argv) or not _meant_as_ranks(argv, i + 1)):
+            if spell:
+                argv[i] = f"{word}=all"
         elif word in recorder.taking_value or word in ("--pdb", "--debugpy"):
             i += 1  # its value
         i += 1
-    return out
+    return len(argv)
+
+
+def misplaced_dry_run(argv: list[str]) -> str:
+    """The refusal of a ``ddpfab run`` whose ``--dry-run`` comes after the script (so the script
+    would get it and the job would start: the opposite of what it asks), unless a ``--`` before it
+    says that it is the script's; else ""."""
+    if not argv or argv[0] != "run":
+        return ""
+    at = _script_at(list(argv))
+    if at >= len(argv) or argv[at] == "--":
+        return ""
+    after = argv[at + 1:]
+    if "--dry-run" not in after[:after.index("--") if "--" in after else None]:
+        return ""  # (a -- between them gives it to the script as well: torchrun drops that one)
+    script = argv[at]
+    return (f"--dry-run comes after the script, so {script} would get it and the job would start: put it "
+            f"before the script (ddpfab run --dry-run ... {script} ...), or, for the script's own --dry-run, "
+            f"write -- before the script (ddpfab run ... -- {script} ... --dry-run)")
 
 
 def run_option_strings() -> set[str]:

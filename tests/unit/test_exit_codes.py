@@ -549,3 +549,23 @@ def test_a_signal_that_lands_while_a_class_is_created_is_still_one_line_and_130(
     wrapped.__cause__ = Interrupted(15)
     assert interrupt_in(wrapped) is wrapped.__cause__
     assert interrupt_in(RuntimeError("KeyboardInterrupt")) is None  # by type, never by text
+
+
+@pytest.mark.parametrize("argv", [["run", "-i", IPS, "train.py", "--dry-run"],
+                                  ["run", "-i", IPS, "--pdb", "1", "train.py", "--epochs", "1", "--dry-run"],
+                                  ["run", "-i", IPS, "--nproc-per-node", "2", "-m", "pkg.train", "--dry-run"]])
+def test_a_dry_run_after_the_script_is_refused_before_any_host(argv, clean, capsys):
+    """`ddpfab run train.py --dry-run` gave --dry-run to the script and started the job."""
+    assert cli.main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--dry-run comes after the script" in err and "nothing was started" in err
+    assert argv[-2] in err or "train.py" in err
+
+
+def test_a_dry_run_after_a_double_dash_is_the_script_s_own(clean, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    assert cli.main(["run", "-i", IPS, *OFFLINE, "--", "train.py", "--dry-run"]) == 0
+    assert "train.py --dry-run" in capsys.readouterr().out
+    assert cli.main(["run", "-i", IPS, *OFFLINE, "train.py", "--", "--dry-run"]) == 0  # torchrun drops that --
+    assert "train.py --dry-run" in capsys.readouterr().out
