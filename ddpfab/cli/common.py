@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ddpfab.optionnames import option
 from ddpfab.api import Cluster, runs_dir_default
+from ddpfab.cli import config
 from ddpfab.cli.errors import warn
 from ddpfab.hosts import inventory
 from ddpfab.planning.plan import PlanError, check_run_id, parse_nproc
@@ -129,11 +132,25 @@ def run_id_type(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+@contextmanager
+def origin_named(args: argparse.Namespace) -> Iterator[None]:
+    """An inventory that does not exist, named by ``$DDPFAB_INVENTORY`` or the project config
+    rather than ``-i``, is refused with where that name came from."""
+    try:
+        yield
+    except inventory.InventoryMissing as exc:
+        came_from = config.origin(args, "inventory")
+        if came_from is None:
+            raise
+        raise inventory.InventoryMissing(f"{exc} ({came_from})") from None
+
+
 def load_cluster(args: argparse.Namespace):
     """The cluster the parsed cluster options name: inventory, group, --limit and -e applied; what
     in it has no effect (a mistyped variable) is shown as a warning."""
-    cluster = inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
-                             extra_vars=getattr(args, "extra_vars", None) or ())
+    with origin_named(args):
+        cluster = inventory.load(args.inventory, args.group or "all", limit=getattr(args, "limit", None),
+                                 extra_vars=getattr(args, "extra_vars", None) or ())
     for line in cluster.warnings:
         warn(line)
     return cluster

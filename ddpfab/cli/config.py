@@ -117,6 +117,7 @@ def apply(args: argparse.Namespace, environ: Mapping[str, str] | None = None, cw
     # which options came from here, not the command line: a run's record (stop, logs, replay) names
     # its own inventory, which wins over these defaults but never over a flag
     args._defaulted = set()
+    args._origins = {}  # ... and where each came from, with what to do about it (:func:`origin`)
     for key, (dest, env, _path) in KEYS.items():
         if not hasattr(args, dest):
             continue
@@ -133,6 +134,7 @@ def apply(args: argparse.Namespace, environ: Mapping[str, str] | None = None, cw
         if env and environ.get(env):
             setattr(args, dest, _as_given(key, environ[env]))
             args._defaulted.add(dest)
+            args._origins[dest] = f"named by ${env}: give -i INVENTORY, or fix or unset the variable"
             continue
         if config is None:
             path = find(cwd, environ)
@@ -140,9 +142,17 @@ def apply(args: argparse.Namespace, environ: Mapping[str, str] | None = None, cw
         if key in config:
             setattr(args, dest, _as_given(key, config[key]))
             args._defaulted.add(dest)
+            args._origins[dest] = f"named by `{key}:` in {path}: give -i INVENTORY, or fix it there"
     if getattr(args, "group", "") is None:
         args.group = DEFAULT_GROUP
         args._defaulted.add("group")
+
+
+def origin(args: argparse.Namespace, dest: str) -> str | None:
+    """Where option *dest*'s value came from when no flag gave it, and how to change it (``named by
+    $DDPFAB_INVENTORY: give -i ...``, or the project config's key and path); None when it was given
+    on the command line, or is unset."""
+    return getattr(args, "_origins", {}).get(dest)
 
 
 def given(args: argparse.Namespace, dest: str) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ddpfab.remote import nodeprogram as nodeprog
-from ddpfab.cli.common import add_runs_dir_arg, add_selection_args, run_id_type
+from ddpfab.cli.common import add_runs_dir_arg, add_selection_args, origin_named, run_id_type
 from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
@@ -72,7 +72,8 @@ def _cluster(args, manifest: dict | None):
             warn(f"run {manifest.get('run_id')} had restarts: its attempts' records name their nodes, "
                  "so --limit is not applied")
         return attempt_cluster(manifest, source, group, extra_vars=chosen)
-    cluster = inventory.load(source, group, limit=limit, extra_vars=chosen)
+    with origin_named(args) if manifest is None else contextlib.nullcontext():
+        cluster = inventory.load(source, group, limit=limit, extra_vars=chosen)
     for line in cluster.warnings:
         warn(line)
     return cluster

@@ -65,6 +65,14 @@ class InventoryError(DdpfabError):
     check = "inventory"
 
 
+#: The endings of inventory files' names (no host name ends so): a missing ``lab.yml`` is no single host.
+INVENTORY_SUFFIXES = (".yml", ".yaml", ".ini", ".json", ".cfg", ".txt", ".hosts")
+
+
+class InventoryMissing(InventoryError):
+    """The inventory named is no file, directory, hostfile or host list."""
+
+
 @dataclass(frozen=True)
 class Node:
     """One host of the cluster, as the inventory describes it.
@@ -559,10 +567,10 @@ def ansible_source(source: str) -> str:
         return _generated(f"host list {source}", _host_list(source), known)
     near = files_like(path.name, str(path.parent)) if "." in path.name or "/" in source else ""
     if near:  # a mistyped file name first: it is what a name with a dot or a slash usually is
-        raise InventoryError(f"inventory {source}: no such file or directory{near}")
+        raise InventoryMissing(f"inventory {source}: no such file or directory{near}")
     hint = f"; for a single host write {source},  (a host list ends with a comma)" \
-        if _is_host_entry(source) else ""
-    raise InventoryError(f"inventory {source}: no such file or directory{hint}")
+        if _is_host_entry(source) and path.suffix.lower() not in INVENTORY_SUFFIXES else ""
+    raise InventoryMissing(f"inventory {source}: no such file or directory{hint}")
 
 
 def _is_host_entry(word: str) -> bool:

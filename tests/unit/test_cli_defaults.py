@@ -332,3 +332,20 @@ def test_a_value_the_record_masks_comes_from_the_project_config_when_it_has_one(
     assert recorder[-1]["extra_vars"] == [{"ansible_user": "alice", "vault_pass": "from-config"}], recorder
     err = capsys.readouterr().err
     assert "recorded masked" not in err and "from-config" not in err
+
+
+@pytest.mark.parametrize("command", [["check"], ["run", "t.py"], ["ps"], ["exec", "--", "true"]])
+def test_a_missing_inventory_says_which_default_named_it(command, clean, monkeypatch, capsys):
+    """`DDPFAB_INVENTORY=/tmp/gone.yml ddpfab check` said only `inventory /tmp/gone.yml: no such
+    file or directory`, which a user who never typed that path cannot place."""
+    (clean / "t.py").write_text("pass\n")
+    monkeypatch.setenv("DDPFAB_INVENTORY", str(clean / "gone.yml"))
+    assert cli.main(command) == 2
+    assert "gone.yml: no such file or directory (named by $DDPFAB_INVENTORY" in capsys.readouterr().err
+    monkeypatch.delenv("DDPFAB_INVENTORY")
+    monkeypatch.delenv("DDPFAB_CONFIG")
+    (clean / "ddpfab.yml").write_text("inventory: lost.yml\n")
+    assert cli.main(command) == 2
+    assert f"lost.yml: no such file or directory (named by `inventory:` in {clean / 'ddpfab.yml'}" in capsys.readouterr().err
+    assert cli.main([*command[:1], "-i", "typed.yml", *command[1:]]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("typed.yml: no such file or directory")  # (a file's name: no host hint)
