@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpfab.version import __version__
+from ddpfab.hostlist import compact
 from ddpfab.hosts import invcache, nodeenv
 from ddpfab.hosts.invcache import cache_dir
 from ddpfab.hosts.suggest import close_matches, did_you_mean, files_like
@@ -796,8 +797,7 @@ def _limited_hosts(inv: Any, hosts: list, group: str, limit: str, limit_key: lis
         hints = "".join(did_you_mean(w, [*inv.hosts, *inv.groups]) for w in words
                         if w not in inv.hosts and w not in inv.groups)
         raise InventoryError(f"{option('limit', limit)} matches no host of group {group!r} in {where}{hints}; "
-                             f"its hosts: {', '.join(h.name for h in hosts[:8])}"
-                             f"{' ...' if len(hosts) > 8 else ''}")
+                             f"its hosts: {compact([h.name for h in hosts])}")
     return kept
 
 
