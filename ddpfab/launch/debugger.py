@@ -214,6 +214,7 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
 def _pump_input(chan, done: threading.Event, stdin_fd: int, quit_sent: list[bool] | None = None) -> None:
     """The terminal's input to the attached rank, a line as it comes, until its session ends; at
     the input's end pdb's quit, noted in *quit_sent*."""
+    sent = b""  # the end of what was sent: its last command
     while not done.is_set():
         ready, _, _ = select.select([stdin_fd], [], [], 0.2)
         if not ready or done.is_set():
@@ -221,13 +222,27 @@ def _pump_input(chan, done: threading.Event, stdin_fd: int, quit_sent: list[bool
         data = os.read(stdin_fd, 4096)
         try:
             if not data:  # Ctrl-D: pdb's quit, as at a terminal (the session's end alone is no quit:
-                chan.sendall(QUIT)  # the rank then waits for the next user, ddpfab.node.rankpdb)
+                if last_command(sent) in LEAVING:  # the rank then waits for the next user, ddpfab.node.rankpdb)
+                    return  # (piped commands ending in `c`: the rank goes on; a quit after it would end it)
+                chan.sendall(QUIT)
                 if quit_sent is not None:
                     quit_sent.append(True)
                 return
             chan.sendall(data)
+            sent = (sent + data)[-256:]
         except (OSError, EOFError):  # the session ended meanwhile: what was typed then has no rank to go to
             return
+
+
+#: pdb's commands that leave the prompt for good (continue, quit): input that ends after one of them
+#: has said what the rank is to do, and its end sends no quit.
+LEAVING = frozenset({"c", "cont", "continue", "q", "quit", "exit"})
+
+
+def last_command(sent: bytes) -> str:
+    """The last complete, non-empty line of *sent* (the input given to pdb), stripped; "" if none."""
+    lines = [line.strip() for line in sent.decode("utf-8", "replace").split("\n")[:-1]]
+    return next((line for line in reversed(lines) if line), "")
 
 
 def refuse_without_input(pdb: str) -> None:

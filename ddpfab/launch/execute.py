@@ -33,7 +33,7 @@ from ddpfab.launch.cause import (RANK_TAG, Blame, Cause, CauseReader, Fold, Node
 from ddpfab.launch.dapforward import DapForwarder
 from ddpfab.launch.debugger import Debugger
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
-from ddpfab.launch.interrupt import Interrupted, signals_queued, signals_raise
+from ddpfab.launch.interrupt import Interrupted, Taken, signals_queued, signals_raise
 from ddpfab.node import agent, exitguard, rankdebugpy, rankpdb
 from ddpfab.node.agent import CANNOT_START
 from ddpfab.optionnames import option
@@ -653,6 +653,9 @@ def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], 
     return blame(nodes, addresses)
 
 
+#: Seconds within which a second Ctrl-C stops a job whose rank this terminal drives in pdb (the
+#: first is held: :meth:`_Monitor._held_at_prompt`).
+CONFIRM_S = 3.0
 #: Seconds the others get to report a failure of their own when the first node to fail shows only
 #: a victim's (a rank that lost its peer): the rank that crashed ends its node a moment later.
 SETTLE_S = 3.0
@@ -766,6 +769,8 @@ class _Monitor:
         self.wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
         self.wait_every, self.quiet_since, self.next_report = self.wait_base, None, 0.0
         self.in_pdb_at = 0.0  # when a rank was last seen in the debugger (monotonic)
+        self.held_sigint_at = -CONFIRM_S  # when a Ctrl-C at a pdb prompt was last held (_held_at_prompt)
+        self.signals = Taken()  # what signals_queued took while the loop ran
         self.started = 0.0
 
     def run(self) -> RunResult:
@@ -773,7 +778,7 @@ class _Monitor:
             self.started = time.monotonic()
             for job in self.jobs.values():
                 job.start()
-            with signals_queued(self.events):  # a signal is taken in the loop, never inside a lock
+            with signals_queued(self.events) as self.signals:  # a signal is taken in the loop, never inside a lock
                 while self.pending:
                     try:
                         self.step()
@@ -833,9 +838,28 @@ class _Monitor:
     def interrupt(self, exc: Interrupted) -> None:
         if self.interrupted is not None:  # a second signal: leave now (run's finally closes every link)
             raise exc
+        if self._held_at_prompt(exc):
+            return
         self.interrupted = exc.name
         self.stop_all()  # first: the note can block on a stdout nobody reads
         self.printer.note(f"{self.interrupted}: stopping the job on every node")
+
+    def _held_at_prompt(self, exc: Interrupted) -> bool:
+        """A Ctrl-C while this terminal drives a rank's pdb is held, not a stop: in pdb it is a
+        habit (a new prompt, or a break back in after ``c``), and the job is worth keeping. A second
+        one within :data:`CONFIRM_S` stops the job, as ever."""
+        attached = self.debugger.attached if isinstance(self.debugger, Debugger) else None
+        if exc.signum != signal.SIGINT or attached is None:
+            return False
+        now = time.monotonic()
+        if now - self.held_sigint_at <= CONFIRM_S:
+            return False
+        self.held_sigint_at = now
+        self.signals.forget()  # (the next one comes through the loop too, not raised wherever it lands)
+        self.printer.note(f"pdb: Ctrl-C while {attached.describe()} is in the debugger does not stop the job: "
+                          f"Ctrl-C again within {CONFIRM_S:g} s stops it on every node; `q` quits the rank, "
+                          "`c` lets it go on")
+        return True
 
     def tick(self) -> None:
         self.mark_lost()

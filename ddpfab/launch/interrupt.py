@@ -52,8 +52,16 @@ def signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+class Taken(list):
+    """The signals :func:`signals_queued` took so far."""
+
+    def forget(self) -> None:
+        """The loop held the one it took (it was no stop): the next is queued again, not raised."""
+        self.clear()
+
+
 @contextlib.contextmanager
-def signals_queued(events) -> Iterator[None]:
+def signals_queued(events) -> Iterator[Taken]:
     """Within: SIGINT and SIGTERM put an :class:`Interrupted` on *events* (a ``queue.SimpleQueue``,
     whose ``put`` is safe in a signal handler) instead of raising it; a loop that waits on
     *events* raises it where it takes it. For code that holds locks (a queue's, the printer's,
@@ -61,10 +69,10 @@ def signals_queued(events) -> Iterator[None]:
     next wait on it never returned (``ddpfab run`` hung for good after a Ctrl-C, 1 time in 15).
     A second signal raises, as before: the way out of a main thread blocked where the queue is
     not read (a note to a stdout nobody reads). In the main thread; elsewhere a no-op."""
+    taken = Taken()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield taken
         return
-    taken = []
 
     def queue_first(signum, frame):
         taken.append(signum)
@@ -74,7 +82,7 @@ def signals_queued(events) -> Iterator[None]:
 
     previous = {sig: signal.signal(sig, queue_first) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield taken
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,7 +1,8 @@
 """`ddpfab run --pdb` on real lab hosts, driven from a real terminal (a pty), as a user drives it.
 
 - A 6-rank job (3 nodes x 2) with `--pdb 5`, rank 5 calls `breakpoint()`: the terminal gets a
-  `(Pdb)` prompt naming node and rank; `p int(os.environ["RANK"])` answers 5; meanwhile the hang
+  `(Pdb)` prompt naming node and rank; `p int(os.environ["RANK"])` answers 5; a Ctrl-C there is
+  held (the job goes on; a second one would stop it); meanwhile the hang
   watch (`--hang-timeout 4`) calls nothing hung, though no rank prints for longer; `c` lets the
   job finish with exit 0.
 - Post-mortem: rank 1 raises, `--pdb`: the prompt is at the raising line; `q` ends the job: the
@@ -66,6 +67,11 @@ def test_a_breakpoint_in_rank_5_waits_for_the_terminal_and_continue_finishes_the
     term.send('p int(os.environ["RANK"]), marker')
     term.expect(r"\(5, 'inside rank 5'\)")
     began = time.monotonic()
+    # Ctrl-C at the prompt, a pdb habit, is held: the job goes on (it stopped every node)
+    term.proc.send_signal(signal.SIGINT)
+    term.expect(r"Ctrl-C while rank 5 on node3 .* is in the debugger does not stop the job")
+    term.send("p 2 + 2")
+    term.expect(r"\n4\r?\n")
     # a rank outside the --pdb ranks: said so (it said "not waiting in pdb (not stopped, or attached
     # from another terminal)")
     run_id = next((cwd / "runs").iterdir()).name

@@ -263,6 +263,29 @@ def test_the_terminal_s_end_of_input_is_pdb_s_quit():
     assert quit_sent == [True]  # `ddpfab debug` says so: a script's piped commands ended without `c`
 
 
+@pytest.mark.parametrize("piped, quits", [(b"p x\nc\n", False), (b"p x\ncontinue\n\n", False), (b"q\n", False),
+                                          (b"p x\n", True), (b"c\np x\n", True), (b"p c\n", True)])
+def test_piped_commands_that_end_in_continue_send_no_quit(piped, quits):
+    """`printf 'p x\nc\n' | ddpfab debug RUN --rank 1` said ddpfab had sent pdb's quit and the rank
+    would fail at its next prompt: the commands had said what to do, and the job went on."""
+    class Chan:
+        sent = b""
+
+        def sendall(self, data):
+            Chan.sent += data
+
+    read, write = os.pipe()
+    os.write(write, piped)
+    os.close(write)
+    quit_sent: list[bool] = []
+    try:
+        debugger._pump_input(Chan(), threading.Event(), read, quit_sent)
+    finally:
+        os.close(read)
+    assert Chan.sent == piped + (debugger.QUIT if quits else b"")
+    assert quit_sent == ([True] if quits else [])
+
+
 def test_a_breakpoint_while_attached_is_driven_on_the_same_session(tmp_path):
     """`c` with a break set keeps the session; the next breakpoint() prompts there again instead of
     waiting on a new socket nobody can reach (the run's terminal is still on the old one)."""
@@ -438,3 +461,39 @@ def test_once_the_run_is_stopping_no_waiting_rank_gets_the_terminal():
         d._next_locked()
     d.saw("node2", rankpdb.WAITS % (1, 1, "t.py:6", "breakpoint", 91))
     assert (d.attached, d.waiting, d.session, relays, notes) == (None, [], None, [], [])
+
+
+def test_a_ctrl_c_while_a_rank_is_driven_in_pdb_is_held_and_a_second_one_stops():
+    """A Ctrl-C at `run --pdb`'s prompt (a pdb habit) stopped the job on every node. Now the first
+    one is held, with a line saying so; a second within CONFIRM_S stops the job as before, and
+    with no rank attached the first one stops it."""
+    import io
+    import queue
+    import signal
+    import types
+
+    from ddpfab.launch import execute
+    from ddpfab.launch.interrupt import Interrupted
+
+    from .test_failure_story import plan3
+
+    plan = plan3()
+    dbg = debugger.Debugger(plan, {}, lambda text: None)
+    out, stops = io.StringIO(), []
+    monitor = execute._Monitor({n.name: types.SimpleNamespace(plan=plan) for n in plan.nodes}, queue.SimpleQueue(),
+                               execute.Printer(plan, stream=out, color=False),
+                               lambda fast=False, why=b"": stops.append(fast), lambda: None, debugger=dbg)
+    monitor.interrupt(Interrupted(signal.SIGINT))  # no rank in the debugger: a stop
+    assert monitor.interrupted == "SIGINT" and stops == [False]
+    monitor.interrupted, stops[:] = None, []
+    dbg.attached = debugger.Stop("node2", 1, 0, "train.py:7", "breakpoint", 4242)
+    monitor.signals.append(signal.SIGINT)  # (as signals_queued took it)
+    monitor.interrupt(Interrupted(signal.SIGINT))
+    assert monitor.interrupted is None and stops == [] and not monitor.signals
+    assert "Ctrl-C while rank 1 on node2 (local rank 0, breakpoint at train.py:7) is in the debugger does not stop " \
+           "the job: Ctrl-C again within 3 s stops it on every node" in out.getvalue()
+    monitor.interrupt(Interrupted(signal.SIGTERM))  # not a Ctrl-C: a stop at once
+    assert monitor.interrupted == "SIGTERM" and stops == [False]
+    monitor.interrupted, stops[:] = None, []
+    monitor.interrupt(Interrupted(signal.SIGINT))  # the second Ctrl-C, within CONFIRM_S
+    assert monitor.interrupted == "SIGINT" and stops == [False]
