@@ -3,7 +3,8 @@
 Part of the node program (standard library only, Python 3.6+; on a node this source follows
 :mod:`ddpfab.node.agent`'s in one text, so the names it uses from there are already defined).
 Everything returned is data, never text for the controller to parse: the ranks are the children of
-the torchrun that the run's supervisor started (its pid in ``agent.json``), each with its global
+the torchrun that the run's supervisor started (its pid in ``agent.json``; for a ``run --tmux``
+launch, which has none, under the window's shell that ``tmux.pid`` names), each with its global
 and local rank (from its environment: same user), its state letter from ``/proc/<pid>/stat``
 (R running, S sleeping, D uninterruptible, T stopped, Z gone but not reaped), the CPU time it used
 during the sample, and its stack as ``py-spy dump --json --nonblocking`` gives it: non-blocking, so
@@ -20,7 +21,7 @@ import threading
 import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program
-    from .agent import ended_state, ranks_done, read_result, torchrun_workers
+    from .agent import ended_state, ranks_done, read_result, tmux_session, torchrun_workers
     from .workdir import which
 except ImportError:
     pass
@@ -179,6 +180,8 @@ def node_stacks(run_dir, sample_s=1.0, python=None):
     out = {"job": None, "exit_code": code, "ranks": [], "ended": [], "dumps": trace_dumps(run_dir),
            "py_spy": None, "clock_ticks": os.sysconf("SC_CLK_TCK")}
     job = rec.get("pid") if rec else None
+    if type(job) is not int:  # a `run --tmux` launch: no supervisor; its window's shell leads the job
+        job = tmux_session(run_dir)
     if type(job) is not int:
         out["error"] = "no job record in %s (the run never started here, or its record is gone)" % run_dir
         return out

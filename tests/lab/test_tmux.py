@@ -158,6 +158,11 @@ def test_closing_the_session_or_ctrl_c_to_ddpfab_ends_every_nodes_launch(lab, in
             assert row.endswith(f"(in tmux: tmux -S {socket} attach -t {run.session})"), listed
             here = ddpfab("ps", "-i", str(inventory2), "--runs-dir", str(run.runs), env={"TMUX_TMPDIR": str(tmp_path)})
             assert f"(in tmux: tmux attach -t {run.session})" in here.stdout, here.stdout
+            # doctor reads the ranks under each window's launch (it said "node1 local rank 0 is gone; no
+            # job record": a --tmux launch has no supervisor)
+            doc = ddpfab("doctor", run.run_id, "--runs-dir", str(run.runs), timeout=120)
+            assert "is gone" not in doc.stdout and "no job record" not in doc.stdout, doc.stdout + doc.stderr
+            assert "node1 rank 0" in doc.stdout and "node2 rank 1" in doc.stdout, doc.stdout
             res = ddpfab("stop", run.run_id, "--runs-dir", str(run.runs))
             assert f"controller: tmux session {run.session}: closed" in res.stdout, res.stdout + res.stderr
         else:  # a window closed by hand: its node's launch is over, as if it failed
