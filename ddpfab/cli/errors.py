@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 from ddpfab.hostlist import FOLD_ABOVE, compact
+from ddpfab.hosts.suggest import did_you_mean
 from ddpfab.problems import DdpfabError, Problem
 
 EXIT_OK = 0
@@ -116,6 +117,27 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but words no parser took are refused by the subcommand that was given them,
+        with its usage and the options that look like them (argparse's own refusal was the
+        top-level usage, which lists the commands, not the option mistyped)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen(namespace)
+            options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            hints = "".join(did_you_mean(w.split("=", 1)[0], options) for w in extras if w.startswith("--"))
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{hints}")
+        return namespace
+
+    def _chosen(self, namespace) -> argparse.ArgumentParser:
+        """The innermost subcommand's parser that *namespace* names (this parser when none)."""
+        for action in self._actions:  # argparse has no public walk; _actions is stable since 3.2
+            if isinstance(action, argparse._SubParsersAction) and action.dest != argparse.SUPPRESS:
+                chosen = action.choices.get(str(getattr(namespace, action.dest, "")))
+                if chosen is not None:
+                    return chosen._chosen(namespace) if isinstance(chosen, Parser) else chosen
+        return self
 
     def error(self, message: str):
         words = self._argv[:self._argv.index("--")] if "--" in self._argv else self._argv

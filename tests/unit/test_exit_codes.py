@@ -569,3 +569,17 @@ def test_a_dry_run_after_a_double_dash_is_the_script_s_own(clean, tmp_path, monk
     assert "train.py --dry-run" in capsys.readouterr().out
     assert cli.main(["run", "-i", IPS, *OFFLINE, "train.py", "--", "--dry-run"]) == 0  # torchrun drops that --
     assert "train.py --dry-run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, usage, says", [
+    (["exec", "--flod", "--", "hostname"], "usage: ddpfab exec", "unrecognized arguments: --flod (did you mean '--fold'"),
+    (["run", "--dry-run-x", "t.py"], "usage: ddpfab run", "(did you mean '--dry-run'"),
+    (["lab", "down", "--dir", "x", "--forse"], "usage: ddpfab lab down", "unrecognized arguments: --forse"),
+    (["debug", "r1", "--rank", "1", "extra"], "usage: ddpfab debug", "unrecognized arguments: extra\n")])
+def test_a_mistyped_option_is_refused_by_its_command_with_the_options_like_it(argv, usage, says, capsys):
+    """`ddpfab exec --flod` printed the top-level usage (the list of commands) and no suggestion."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and says in err and "{run,plan" not in err, err
