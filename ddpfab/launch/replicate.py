@@ -76,11 +76,29 @@ def stat_request(workdir: str, paths: tuple[str, ...], scan: bool) -> dict:
     return {"op": "replica_stat", "workdir": workdir, "paths": list(paths), "hash": bool(paths), "scan": scan}
 
 
-def ask(cluster, sessions: dict, cwd: str, paths: tuple[str, ...], scan: bool) -> dict[str, dict]:
-    """Every node's ``replica_stat`` answer over its open node program session; a node that could
-    not answer is a RunError-worthy problem, returned under its name as ``{"error": ...}``."""
-    reqs = {n.name: [stat_request(n.workdir or cwd, paths, scan)] for n in cluster.nodes if n.name in sessions}
-    answers = nodeprog.exchange(sessions, reqs, timeout=TIMEOUT_S)
+def send(cluster, sessions: dict, cwd: str, paths: tuple[str, ...], scan: bool) -> dict[str, list[dict]]:
+    """Every node's ``replica_stat`` request, sent without waiting (:func:`ask` takes the answers
+    with *sent*): a preparation asks it ahead of its other requests, in the same round trip. A
+    node whose session broke is left out (``ask`` asks it again, and names the break)."""
+    sent = {}
+    for n in cluster.nodes:
+        if n.name in sessions:
+            try:
+                sent[n.name] = sessions[n.name].send(stat_request(n.workdir or cwd, paths, scan))
+            except Exception:  # noqa: BLE001 - ask's exchange says what broke
+                pass
+    return sent
+
+
+def ask(cluster, sessions: dict, cwd: str, paths: tuple[str, ...], scan: bool,
+        sent: dict[str, list[dict]] | None = None) -> dict[str, dict]:
+    """Every node's ``replica_stat`` answer over its open node program session (those :func:`send`
+    *sent* already are waited for, not asked again); a node that could not answer is a
+    RunError-worthy problem, returned under its name as ``{"error": ...}``."""
+    sent = sent or {}
+    reqs = {n.name: [stat_request(n.workdir or cwd, paths, scan)] for n in cluster.nodes
+            if n.name in sessions and n.name not in sent}
+    answers = nodeprog.exchange(sessions, reqs, timeout=TIMEOUT_S, sent=sent)
     out: dict[str, dict] = {}
     for name, replies in answers.succeeded.items():
         r = replies[0]

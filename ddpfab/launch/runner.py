@@ -215,12 +215,14 @@ def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostK
             # planned before the preflight: a plan refused (an interface a node lacks) is refused at once,
             # and the preflight probes the interfaces the plan names
             plan = make_plan(cluster, options, plan_facts(facts, port, cwd))
-            report = None
+            report, scanned = None, None
             if preflight:
+                if not replicate_paths:  # the resume files' scan (no hashing: quick) goes ahead of the mesh probe
+                    scanned = replicate.send(cluster, probing.sessions, cwd, (), scan=True)
                 listening = answers.map(lambda replies: replies[1])
                 report = _preflight(cluster, conns, facts, {n: f.address for n, f in facts.items()}, master.name, port,
                                     options, probing.sessions, listening)
-            replicas = (replicate.ask(cluster, probing.sessions, cwd, replicate_paths, scan=preflight)
+            replicas = (replicate.ask(cluster, probing.sessions, cwd, replicate_paths, scan=preflight, sent=scanned)
                         if replicate_paths or preflight else None)
         except BaseException:
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
