@@ -297,17 +297,55 @@ def is_launcher(pid):
 
 def torchrun_workers(root):
     """The workers torchrun started under *root* (pids), or [] while it has not started them."""
-    tree = {}
-    for p, state, ppid in _processes():
-        if state != b"Z":
-            tree.setdefault(ppid, []).append(p)
+    children = _live_children if _live_children(root) is not None else _children_by_scan()
     todo = [root]
     while todo:
         p = todo.pop()
         if is_launcher(p):
-            return list(tree.get(p, []))
-        todo.extend(tree.get(p, []))
+            return list(children(p) or [])
+        todo.extend(children(p) or [])
     return []
+
+
+def _live_children(pid):
+    """*pid*'s children that have not exited (from ``/proc/PID/task/*/children``: a few reads, where
+    a look at every process costs a read per process, 5 times a second while torchrun starts, on
+    every node); None where the kernel has no such file (CONFIG_PROC_CHILDREN)."""
+    try:
+        tasks = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return []  # gone
+    found = []
+    for tid in tasks:
+        try:
+            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as fh:
+                found.extend(int(c) for c in fh.read().split())
+        except FileNotFoundError:
+            if not os.path.exists("/proc/%d/task/%s" % (pid, tid)):
+                continue  # the thread ended meanwhile
+            return None
+        except OSError:
+            continue
+    return [c for c in found if _state(c) not in (None, b"Z")]
+
+
+def _state(pid):
+    """*pid*'s state letter (``/proc/PID/stat``), None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()[0]
+
+
+def _children_by_scan():
+    """A children lookup built from one look at every process (the kernels without ``children``)."""
+    tree = {}
+    for p, state, ppid in _processes():
+        if state != b"Z":
+            tree.setdefault(ppid, []).append(p)
+    return tree.get
 
 
 def exit_status(pid):

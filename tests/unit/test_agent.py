@@ -666,3 +666,27 @@ def test_a_rank_record_with_an_impossible_time_or_rank_is_left_out(tmp_path):
     done = agent.ranks_done(str(tmp_path))
     assert sorted(done) == [0, 1] and done[0]["time"] is None and done[1]["time"] is None, done
     assert agent.failed_before(str(tmp_path), 1e12) is None
+
+
+def test_torchrun_s_workers_are_found_by_its_children_alone_and_by_a_scan_alike(monkeypatch):
+    """The workers of a torchrun under the supervisor's job: read from the kernel's children files
+    (a few reads; a look at every process was ~1 ms, 5 times a second on every node while torchrun
+    started), and from a look at every process on kernels without them: the same pids, the
+    launcher's children that have not exited (one that exited and is not reaped is none)."""
+    from ddpfab.node import agent as node_agent
+
+    launcher = ("import subprocess, sys, time; ps = [subprocess.Popen(['sleep', '30']) for _ in range(2)]; "
+                "z = subprocess.Popen(['true']); print('up', flush=True); time.sleep(30)")
+    job = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"{launcher}\" -m torch.distributed.run x; :"],
+                           stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert job.stdout.readline() == b"up\n"
+        time.sleep(0.3)  # (`true` has exited; torchrun never reaps it)
+        found = sorted(node_agent.torchrun_workers(job.pid))
+        assert len(found) == 2, found
+        assert all(node_agent._state(p) == b"S" for p in found)
+        monkeypatch.setattr(node_agent, "_live_children", lambda pid: None)  # a kernel without children files
+        assert sorted(node_agent.torchrun_workers(job.pid)) == found
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
