@@ -224,6 +224,10 @@ def site_of(frames: Iterable[Frame]) -> Site:
     """The collective a rank waits in and the user's call site: walking out from the innermost
     frame, the outermost collective name inside torch's code before the first frame that is not
     torch's (``all_reduce`` wrapped by c10d's logger is still ``all_reduce``)."""
+    frames = tuple(frames)
+    waits, stopped = in_pdb(frames)
+    if waits:  # in ddpfab's debugger hook (a socket's accept): where the user's code stopped is the place
+        return Site(None, stopped.where() if stopped else "post-mortem", f"pdb at {stopped.name}" if stopped else "pdb")
     collective, entry = None, None
     for fr in frames:
         if _is_torch(fr.file):
@@ -377,6 +381,15 @@ def in_pdb(frames: tuple[Frame, ...]) -> tuple[bool, Frame | None]:
     return True, next((fr for fr in outer if not _is_library(fr.file) and Path(fr.file).name != "bdb.py"), None)
 
 
+def users_frames(frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """*frames* as a stack is shown: those of ddpfab's debugger hook (and pdb's own) left out of a
+    rank that waits in ``run --pdb``'s debugger, so the innermost shown is the user's."""
+    hooked = [i for i, fr in enumerate(frames) if Path(fr.file).name == PDB_FILE]
+    if not hooked:
+        return frames
+    return tuple(fr for fr in frames[hooked[-1] + 1:] if Path(fr.file).name not in ("bdb.py", "pdb.py"))
+
+
 def _outside_odds(outside: dict[Site, list[Rank]], run_id: str | None = None) -> list[dict]:
     """The ranks in no collective while others wait in one: the ones those wait for, each named
     with its node, global and local rank and where it is (its innermost frame of the user's code
@@ -496,7 +509,7 @@ def _groups(ranks: list[Rank], by_site: dict[Site, list[Rank]]) -> list[dict]:
             shown.setdefault(Site(None, None, None, r.state), []).append(r)
     return [{"site": s.text(), "collective": s.collective, "where": s.where,
              "ranks": [{"node": r.node, "rank": r.rank, "pid": r.pid, "state": r.state} for r in rs],
-             "frames": [f.__dict__ for f in rs[0].frames]}
+             "frames": [f.__dict__ for f in users_frames(rs[0].frames)]}
             for s, rs in sorted(shown.items(), key=lambda kv: -len(kv[1]))]
 
 

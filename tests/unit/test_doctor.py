@@ -423,6 +423,10 @@ def test_a_rank_waiting_in_pdb_is_said_to_be_there_with_how_to_attach_and_is_no_
     assert v.lines[0] == ("node2 rank 2 (local rank 0, pid 1002) waits in pdb at step (bp.py:9): "
                           "`ddpfab debug np-4n --rank 2` attaches to it"), v.lines
     assert v.lines[1] == "the other 7 ranks wait for it in all_reduce (train.py:42)" and not v.hung
+    # its stack's group is named by where the user's code stopped, with the hook's frames left out
+    # (it was "1 rank in socket.accept (socket.py:294)", then ddpfab_rankpdb.py's frames)
+    group = next(g for g in v.groups if any(r["rank"] == 2 for r in g["ranks"]))
+    assert group["site"] == "pdb at step (bp.py:9)" and [f["name"] for f in group["frames"]] == ["step", "<module>"]
     # post-mortem: the hook runs after the user's frames ended
     post = {"threads": [{"tid": None, "frames": hook[:3] + [{"name": "excepthook", "file": guard, "line": 200}]}]}
     v = doctor.analyze(cluster_replies(r2={"stack": post}), EXPECTED, run_id="np-4n")
