@@ -1106,6 +1106,7 @@ class Cluster:
         # options that never go together first: fixing the input would only meet this refusal next
         tmuxrun.refuse(opts.tmux, detach=opts.detach, pdb=opts.pdb, debugpy=opts.debugpy, wait=opts.wait,
                        gpus_per_node=opts.gpus_per_node, max_job_restarts=opts.recovering)
+        planmod.check_own_options(run_options)  # (a value's spelling: before the copy, not after it)
         if not opts.dry_run and not opts.detach:
             refuse_without_input(opts.pdb)
         record = os.path.join(opts.runs_dir, run_options.run_id)

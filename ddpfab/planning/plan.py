@@ -916,13 +916,27 @@ def make_plan(cluster: Inventory, options: RunOptions, facts: Facts) -> Plan:
 
 def check_options(cluster: Inventory, options: RunOptions, facts: Facts) -> None:
     """The run's options, each checked on its own and against the cluster (PlanError)."""
-    check_run_id(options.run_id)
+    check_own_options(options)
     if not cluster.nodes:
         raise PlanError(f"inventory {cluster.source}: no nodes in group {cluster.group!r}")
-    if not options.script:
-        raise PlanError("no training script given")
     if not is_port(facts.master_port):
         raise PlanError(f"master port {facts.master_port!r} is not a TCP port (1-65535)")
+    if options.init_method == "file":
+        missing = [n.name for n in cluster.nodes if not n.shared_dir]
+        if missing:
+            raise PlanError(f"{option('init_method', 'file')} needs ddpfab_shared_dir (a directory every node shares, e.g. "
+                            f"on NFS) in the inventory; not set for {', '.join(missing)}")
+    ifname_problems = socket_ifname_problems(cluster, options, facts)
+    if ifname_problems:
+        raise PlanError(ifname_problems)
+
+
+def check_own_options(options: RunOptions) -> None:
+    """The run's options that need no node to be checked (PlanError): a run refuses them before it
+    contacts any (the copy of the code included), its dry run too."""
+    check_run_id(options.run_id)
+    if not options.script:
+        raise PlanError("no training script given")
     if options.exit_guard not in EXIT_GUARD_MODES:
         raise PlanError(f"{option('exit_guard')} must be one of {', '.join(EXIT_GUARD_MODES)}, got {options.exit_guard!r}")
     if options.max_restarts < 0:
@@ -944,17 +958,13 @@ def check_options(cluster: Inventory, options: RunOptions, facts: Facts) -> None
                                  ("init_method", options.init_method, INIT_METHODS)):
         if value not in allowed:
             raise PlanError(f"{option(what)} {value!r}: expected one of {', '.join(allowed)}")
-    if options.init_method == "file":
-        missing = [n.name for n in cluster.nodes if not n.shared_dir]
-        if missing:
-            raise PlanError(f"{option('init_method', 'file')} needs ddpfab_shared_dir (a directory every node shares, e.g. "
-                            f"on NFS) in the inventory; not set for {', '.join(missing)}")
     if options.pdb and options.debugpy:
         raise PlanError(f"{option('pdb')} with {option('debugpy')}: a rank is debugged one way; pick one "
                         f"({option('debugpy')}: from VS Code)")
-    ifname_problems = socket_ifname_problems(cluster, options, facts)
-    if ifname_problems:
-        raise PlanError(ifname_problems)
+    for which in ("pdb", "debugpy"):
+        spec = getattr(options, which).strip()
+        if spec not in ("", "all"):
+            pdb_spans(spec, which)
 
 
 def master_address(master: Node, nnodes: int, facts: Facts) -> str:
@@ -1050,16 +1060,24 @@ def pdb_ranks(spec: str, world_size: int, field: str = "pdb") -> str:
     spec = spec.strip()
     if spec in ("", "all"):
         return spec
-    ranks: set[int] = set()
+    spans = pdb_spans(spec, field)
+    beyond = min((first if first >= world_size else world_size for first, last in spans if last >= world_size),
+                 default=None)
+    if beyond is not None:
+        raise PlanError(f"{option(field, spec)}: rank {beyond} is not in this job (its ranks are 0-{world_size - 1})")
+    return ",".join(str(r) for r in sorted({r for first, last in spans for r in range(first, last + 1)}))
+
+
+def pdb_spans(spec: str, field: str = "pdb") -> list[tuple[int, int]]:
+    """``--pdb``'s (or ``--debugpy``'s) ranks and ranges (not "all") as (first, last) pairs, or a
+    PlanError naming the spelling: what can be said of them before the job's size is known."""
+    spans = []
     for part in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
             raise PlanError(f"{option(field)} takes 'all' or ranks and ranges separated by commas (5, 0,3-4), got {spec!r}")
-        ranks.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
-    beyond = sorted(r for r in ranks if r >= world_size)
-    if beyond:
-        raise PlanError(f"{option(field, spec)}: rank {beyond[0]} is not in this job (its ranks are 0-{world_size - 1})")
-    return ",".join(str(r) for r in sorted(ranks))
+        spans.append((int(m.group(1)), int(m.group(2) or m.group(1))))
+    return spans
 
 
 def secret_env(cluster: Inventory, options: RunOptions) -> tuple[str, ...]:

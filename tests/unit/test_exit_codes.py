@@ -583,3 +583,16 @@ def test_a_mistyped_option_is_refused_by_its_command_with_the_options_like_it(ar
     assert exit_.value.code == EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith(usage) and says in err and "{run,plan" not in err, err
+
+
+@pytest.mark.parametrize("flags, says", [(["--pdb", "1-0"], "takes 'all' or ranks and ranges"),
+                                         (["--debugpy", "1,"], "takes 'all' or ranks and ranges"),
+                                         (["--pdb", "1", "--debugpy", "1"], "a rank is debugged one way"),
+                                         (["--max-restarts", "-1"], "must be >= 0")])
+def test_an_option_s_bad_value_is_refused_before_the_copy_and_any_host(flags, says, clean, capsys):
+    """`run --pdb 1-0 train.py` copied the code to every node first, then refused the value."""
+    (clean / "t.py").write_text("print('train')\n")
+    for argv in (["run", "-i", IPS, *flags, "t.py"], ["run", "-i", IPS, "--dry-run", *flags, "t.py"]):
+        assert cli.main(argv) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert says in err and "sync" not in err and "unreachable" not in err, err
