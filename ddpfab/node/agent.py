@@ -326,17 +326,18 @@ def _live_children(pid):
             return None
         except OSError:
             continue
-    return [c for c in found if _state(c) not in (None, b"Z")]
+    return [c for c in found if (proc_stat(c) or ("Z",))[0] != "Z"]
 
 
-def _state(pid):
-    """*pid*'s state letter (``/proc/PID/stat``), None when it is gone."""
+def proc_stat(pid):
+    """(state letter, utime + stime in clock ticks) of *pid*, or None when it is gone."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as fh:
             stat = fh.read()
     except OSError:
         return None
-    return stat[stat.rfind(b")") + 2:].split()[0]
+    fields = stat[stat.rfind(b")") + 2:].split()  # the name may hold spaces and parens
+    return fields[0].decode("ascii", "replace"), int(fields[11]) + int(fields[12])
 
 
 def _children_by_scan():

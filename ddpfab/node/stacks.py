@@ -21,7 +21,7 @@ import threading
 import time
 
 try:  # as a module of ddpfab; on a node their source comes first in the same program
-    from .agent import ended_state, ranks_done, read_result, tmux_session, torchrun_workers
+    from .agent import ended_state, proc_stat, ranks_done, read_result, tmux_session, torchrun_workers
     from .workdir import which
 except ImportError:
     pass
@@ -37,17 +37,6 @@ TRACE_PREFIX = "nccl_trace_rank_"
 #: The state letters of /proc/<pid>/stat a doctor reports (anything else: as found).
 STATE_WORDS = {"R": "running", "S": "sleeping", "D": "uninterruptible", "T": "stopped", "t": "traced",
                "Z": "gone (zombie)", "X": "gone", "I": "idle"}
-
-
-def proc_stat(pid):
-    """(state letter, utime + stime in clock ticks) of *pid*, or None when it is gone."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()  # the name may hold spaces and parens
-    return fields[0].decode("ascii", "replace"), int(fields[11]) + int(fields[12])
 
 
 def rank_ids(pid):

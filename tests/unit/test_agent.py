@@ -684,7 +684,7 @@ def test_torchrun_s_workers_are_found_by_its_children_alone_and_by_a_scan_alike(
         time.sleep(0.3)  # (`true` has exited; torchrun never reaps it)
         found = sorted(node_agent.torchrun_workers(job.pid))
         assert len(found) == 2, found
-        assert all(node_agent._state(p) == b"S" for p in found)
+        assert all(node_agent.proc_stat(p)[0] == "S" for p in found)
         monkeypatch.setattr(node_agent, "_live_children", lambda pid: None)  # a kernel without children files
         assert sorted(node_agent.torchrun_workers(job.pid)) == found
     finally:
