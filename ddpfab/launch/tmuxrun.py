@@ -175,6 +175,7 @@ class Windows:
     ids: dict[str, str] = field(default_factory=dict)
     ended: dict[str, int] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # the nodes, in the order their launch ended
+    stopped: dict[str, str] = field(default_factory=dict)  # node -> why ddpfab ended its launch (:func:`_end_all`)
     tie: int | None = None  # this process's end of the session's tie (:data:`ALIVE`)
 
     @property
@@ -405,14 +406,19 @@ def _end_nodes(plan: Plan, conns: dict[str, Connection], names: list[str], signa
     return [n for n in names if done.succeeded.get(n) is True]
 
 
-def cleanup_node(conn: Connection, node: NodePlan, code: int | None = None) -> None:
+def cleanup_node(conn: Connection, node: NodePlan, code: int | None = None, stopped: str | None = None) -> None:
     """Remove the launch this mode placed on the node (it holds the env's secret values); where its
     window started it, the node's record of the run is its session's pid and, when known, its
-    exit code (*code*): ``ps`` lists the run as ended there, ``stop`` finds it ended."""
+    exit code (*code*): ``ps`` lists the run as ended there, ``stop`` finds it ended. A launch that
+    failed because ddpfab ended it (*stopped*: why) is recorded as stopped, as a supervisor records
+    it (unless ``ddpfab stop`` wrote its own why first): ``ps`` says ``stopped``."""
     d = shlex.quote(node.remote_dir)
     line = f"rm -f {d}/{LAUNCH}"
     if code is not None:
         line += f" && if [ -f {d}/{TMUX_PID} ]; then echo {int(code)} > {d}/exit_code; fi"
+        if code != 0 and stopped:
+            line += (f" && if [ -f {d}/{TMUX_PID} ] && [ ! -e {d}/stopped ]; then "
+                     f"printf '%s\\n' {shlex.quote(stopped)} > {d}/stopped; fi")
     conn.run(line, hide=True, warn=True, pty=False, in_stream=False)
 
 
@@ -436,9 +442,12 @@ def _wait_ended(windows: Windows, names: list[str], printer: Printer, seconds: f
 
 
 def _end_all(plan: Plan, conns: dict[str, Connection], windows: Windows, names: list[str],
-             printer: Printer) -> None:
+             printer: Printer, why: str) -> None:
     """Ctrl-C in *names*' windows; what is left after the grace is ended over the connection
-    (SIGTERM, then SIGKILL); a window whose launch still has not ended is closed."""
+    (SIGTERM, then SIGKILL); a window whose launch still has not ended is closed. *why* (``stopped
+    by ddpfab: node2 failed``) is each one's record of it, for ``ps`` (:func:`cleanup_node`)."""
+    for name in names:
+        windows.stopped.setdefault(name, why)
     if not windows.alive():
         _end_windowless(plan, conns, windows, names, printer)
         return
@@ -486,10 +495,11 @@ def _ended(windows: Windows, name: str, printer: Printer, how: str) -> None:
 
 
 def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str],
-                   codes: dict[str, int] | None = None) -> None:
+                   codes: dict[str, int] | None = None, stopped: dict[str, str] | None = None) -> None:
     """After the run, on each node where it *placed* its launch: what is left of the launch's
     session (a rank its torchrun left behind) ended, then the launch removed and each node's exit
-    code (*codes*) recorded beside its session's pid (:func:`cleanup_node`)."""
+    code (*codes*) recorded beside its session's pid, with why ddpfab ended it where it did
+    (*stopped*: :func:`cleanup_node`)."""
     signalled = _end_nodes(plan, conns, placed, "TERM")
     if signalled:
         time.sleep(STOP_GRACE_S)
@@ -497,7 +507,8 @@ def _leave_nothing(plan: Plan, conns: dict[str, Connection], placed: list[str],
     # every node at once; one that cannot be reached now keeps what is left there (a launch its
     # window started removed itself)
     ssh.parallel([plan.node(n) for n in placed],
-                 lambda node: cleanup_node(conns[node.name], node, (codes or {}).get(node.name)))
+                 lambda node: cleanup_node(conns[node.name], node, (codes or {}).get(node.name),
+                                           (stopped or {}).get(node.name)))
 
 
 def start_session(plan: Plan, targets: dict[str, Target], run_dir: Path) -> Windows:
@@ -625,7 +636,7 @@ class Ended:
 def _interrupted(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: Printer,
                  exc: BaseException) -> Ended:
     printer.note(f"interrupted ({exc}): ending every node's launch")
-    _end_all(plan, conns, windows, windows.running(), printer)
+    _end_all(plan, conns, windows, windows.running(), printer, f"stopped by ddpfab: the run was interrupted ({exc})")
     return Ended(exc.exit_code if isinstance(exc, Interrupted) else 130, None, f"interrupted ({exc})",
                  interrupted=str(exc))
 
@@ -651,7 +662,8 @@ def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: P
                         # `ddpfab stop` (from anywhere: it may not find this session) ended it: no failure
                         printer.note(f"{name}: {why}: ending every node's launch")
                         if windows.running():
-                            _end_all(plan, conns, windows, windows.running(), printer)
+                            _end_all(plan, conns, windows, windows.running(), printer,
+                                     f"stopped by ddpfab: the run was stopped from outside on {name}")
                         return Ended(128 + signal.SIGTERM, None, f"stopped from outside on {name} ({why}); "
                                      "every node's launch was ended", interrupted=why)
                     if code != 0 and first is None:
@@ -659,10 +671,11 @@ def watch(plan: Plan, conns: dict[str, Connection], windows: Windows, printer: P
                         others = windows.running()
                         if others:
                             printer.note(f"{name} failed: stopping the other nodes ({', '.join(others)})")
-                            _end_all(plan, conns, windows, others, printer)
+                            _end_all(plan, conns, windows, others, printer, f"stopped by ddpfab: {name} failed")
                 if windows.running() and not windows.alive():
                     printer.note(f"the tmux session {windows.session} was closed: ending every node's launch")
-                    _end_all(plan, conns, windows, windows.running(), printer)
+                    _end_all(plan, conns, windows, windows.running(), printer,
+                             f"stopped by ddpfab: the tmux session {windows.session} was closed")
                     return Ended(130, None, f"interrupted: the tmux session {windows.session} was closed",
                                  interrupted="tmux session closed")
     finally:
@@ -734,7 +747,8 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
             if not windows.attached():
                 tmux("kill-session", "-t", windows.target, check=False)
         placing.abandon()  # (again: a second signal may have cut place_launches' own short)
-        _leave_nothing(plan, conns, placing.placed, dict(windows.ended) if windows else None)
+        _leave_nothing(plan, conns, placing.placed, dict(windows.ended) if windows else None,
+                       dict(windows.stopped) if windows else None)
     ended.exit_codes = dict(windows.ended) if windows else {}
     record(ended)
     if client is not None:

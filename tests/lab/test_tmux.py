@@ -109,6 +109,10 @@ def test_ctrl_c_in_one_window_ends_that_node_and_ddpfab_stops_the_other(lab, inv
     listed = json.loads(ddpfab("ps", "-i", str(inventory2), "--json").stdout)
     ended = next(r for r in listed["runs"] if r["run_id"] == "tmux-1")
     assert ended["state"] != "running" and set(ended["nodes"]) == {"node1", "node2"}, ended
+    # node2, which ddpfab stopped, as stopped (it read exited(1), as if it had failed too); node1 as it ended
+    assert ended["nodes"]["node2"]["state"] == "stopped", ended
+    assert ended["nodes"]["node2"].get("stopped") == "stopped by ddpfab: node1 failed", ended
+    assert ended["nodes"]["node1"]["state"] == "exited", ended
     # logs: its output went to the windows, so torchrun's per-rank logs are what logs copies (it
     # said "output.log is missing: it did not run on this node")
     logs = ddpfab("logs", "--runs-dir", str(run.runs), "tmux-1")
