@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -277,6 +278,14 @@ class _OptionRecorder(argparse.ArgumentParser):
         return action
 
 
+@functools.cache
+def _run_options() -> _OptionRecorder:
+    """``ddpfab run``'s options, recorded once (the checks of its arguments each look at them)."""
+    recorder = _OptionRecorder()
+    _add_run_command_args(recorder)
+    return recorder
+
+
 #: ``--pdb``'s value: "all", or ranks and ranges (the plan checks them: ddpfab.planning.plan.pdb_ranks).
 PDB_RANKS = re.compile(r"\s*(all|\d+(-\d+)?(\s*,\s*\d+(-\d+)?)*)\s*")
 
@@ -315,8 +324,7 @@ def _script_at(argv: list[str], spell: bool = False) -> int:
     when one comes first; ``len(argv)`` when there is none). Only ddpfab's own options are
     skipped, each with its value. With *spell*, a ``--pdb`` or ``--debugpy`` without RANKS is
     rewritten in place as ``=all`` (:func:`spell_pdb`)."""
-    recorder = _OptionRecorder()
-    _add_run_command_args(recorder)
+    taking_value = _run_options().taking_value
     i = 1
     while i < len(argv):
         word = argv[i]
@@ -325,7 +333,7 @@ def _script_at(argv: list[str], spell: bool = False) -> int:
         if word in ("--pdb", "--debugpy") and (i + 1 == len(argv) or not _meant_as_ranks(argv, i + 1)):
             if spell:
                 argv[i] = f"{word}=all"
-        elif word in recorder.taking_value or word in ("--pdb", "--debugpy"):
+        elif word in taking_value or word in ("--pdb", "--debugpy"):
             i += 1  # its value
         i += 1
     return len(argv)
@@ -351,9 +359,7 @@ def misplaced_dry_run(argv: list[str]) -> str:
 
 def run_option_strings() -> set[str]:
     """Every option string of ``ddpfab run`` (``--nproc-per-node``, ``-q``, ...)."""
-    recorder = _OptionRecorder()
-    _add_run_command_args(recorder)
-    return recorder.option_strings
+    return set(_run_options().option_strings)
 
 
 def own_options_hint(outcomes: dict) -> str:

@@ -778,7 +778,7 @@ class _Monitor:
             self.started = time.monotonic()
             for job in self.jobs.values():
                 job.start()
-            with signals_queued(self.events) as self.signals:  # a signal is taken in the loop, never inside a lock
+            with signals_queued(self.events, self.signals):  # a signal is taken in the loop, never inside a lock
                 while self.pending:
                     try:
                         self.step()

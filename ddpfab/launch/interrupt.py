@@ -61,15 +61,16 @@ class Taken(list):
 
 
 @contextlib.contextmanager
-def signals_queued(events) -> Iterator[Taken]:
+def signals_queued(events, taken: Taken | None = None) -> Iterator[Taken]:
     """Within: SIGINT and SIGTERM put an :class:`Interrupted` on *events* (a ``queue.SimpleQueue``,
     whose ``put`` is safe in a signal handler) instead of raising it; a loop that waits on
     *events* raises it where it takes it. For code that holds locks (a queue's, the printer's,
     paramiko's): an exception raised by the handler in the middle of one left it held, and the
     next wait on it never returned (``ddpfab run`` hung for good after a Ctrl-C, 1 time in 15).
     A second signal raises, as before: the way out of a main thread blocked where the queue is
-    not read (a note to a stdout nobody reads). In the main thread; elsewhere a no-op."""
-    taken = Taken()
+    not read (a note to a stdout nobody reads). In the main thread; elsewhere a no-op. The
+    signals taken are kept in *taken* (a new :class:`Taken` when none is given), which it yields."""
+    taken = Taken() if taken is None else taken
     if threading.current_thread() is not threading.main_thread():
         yield taken
         return

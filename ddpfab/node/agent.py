@@ -297,8 +297,14 @@ def is_launcher(pid):
 
 def torchrun_workers(root):
     """The workers torchrun started under *root* (pids), or [] while it has not started them."""
-    children = _live_children if _live_children(root) is not None else _children_by_scan()
-    todo = [root]
+    below = _live_children(root)
+    children = _live_children
+    if below is None:  # no children files: one scan answers every look of this walk
+        children = _children_by_scan()
+        below = children(root)
+    if is_launcher(root):
+        return list(below or [])
+    todo = list(below or [])
     while todo:
         p = todo.pop()
         if is_launcher(p):
