@@ -1132,7 +1132,9 @@ class Cluster:
         # slow to import: see LAZY above
         from ddpfab.launch import runner
 
-        opened = runner.connect_and_start(nodes, self.policy, self.ssh_config)
+        attached = not (opts.dry_run or opts.detach or opts.tmux)  # its supervisors may be the probe's programs
+        opened = runner.connect_and_start(nodes, self.policy, self.ssh_config,
+                                          run_id=run_options.run_id if attached else None)
         conns, probing = opened.conns, None
         try:  # one node program per node for the whole preparation: facts, hash, mesh in one session
             probing = runner.start_probe(nodes, conns, run_options, os.getcwd(), preflight=opts.check, opened=opened)

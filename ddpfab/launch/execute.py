@@ -347,8 +347,10 @@ class _NodeJob:
 
     def __init__(self, plan: Plan, node: NodePlan, conn: Connection, printer: Printer, log: BinaryIO,
                  events: queue.SimpleQueue, reconnect: Callable[[str], Connection] | None = None,
-                 gate: Gate | None = None, debugger: Debugger | DapForwarder | None = None):
+                 gate: Gate | None = None, debugger: Debugger | DapForwarder | None = None,
+                 session: nodeprog.Session | None = None):
         self.plan, self.node, self.conn, self.printer = plan, node, conn, printer
+        self.session = session  # its preparation's, to go on as the supervisor (else one opened here)
         self.log, self.events, self.reconnect = log, events, reconnect
         self.gate, self.debugger = gate, debugger
         self.outcome = NodeOutcome(node.name, node.node_rank)
@@ -479,10 +481,15 @@ class _NodeJob:
     def _stream(self, out: NodeOutcome) -> None:
         log = self.log
         with log:
-            chan = self.conn.transport.open_session(timeout=30)
-            chan.set_combine_stderr(True)
-            chan.exec_command(remote_command(self.plan, self.node))
-            chan.sendall(agent_input(self.plan, self.node, arrival=self.gate.arrival if self.gate else None))
+            arrival = self.gate.arrival if self.gate else None
+            if self.session is not None:  # its program runs: it only has to be told to supervise
+                spec = {**agent_spec(self.plan, self.node, arrival=arrival), "adopted": True}
+                chan = self.session.take_over({"op": "supervise", "spec": spec})
+            else:
+                chan = self.conn.transport.open_session(timeout=30)
+                chan.set_combine_stderr(True)
+                chan.exec_command(remote_command(self.plan, self.node))
+                chan.sendall(agent_input(self.plan, self.node, arrival=arrival))
             self.chan = chan
             if out.stopped_by_ddpfab:  # a stop that came while the channel was opening
                 self.stop(self.fast_stop, self.fast_why)
@@ -689,11 +696,15 @@ class _Settle:
 
 def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Printer,
             reconnect: Callable[[str], Connection] | None = None,
-            node_hints: Mapping[str, str] | None = None) -> RunResult:
+            node_hints: Mapping[str, str] | None = None,
+            sessions: Mapping[str, nodeprog.Session] | None = None) -> RunResult:
     """Run *plan* on the open connections; block until every node is done; never leave one running.
     *reconnect(name)* opens a fresh connection to a node (to clean up after a lost supervisor);
     *node_hints*: node -> what the closing lines add when that node is the one named (what its
-    facts showed odd: :func:`ddpfab.health.packages.failure_hints`)."""
+    facts showed odd: :func:`ddpfab.health.packages.failure_hints`); *sessions*: node -> its
+    preparation's session, which becomes its supervisor (``ddpfab.launch.runner.supervisors_to_be``;
+    the other nodes' supervisors start in sessions of their own)."""
+    sessions = sessions or {}
     events: queue.SimpleQueue = queue.SimpleQueue()  # (put by a signal handler too: see _monitor)
     logs = {}
     try:  # every node's local log before any node starts: a node that cannot have one starts nothing
@@ -719,8 +730,8 @@ def execute(plan: Plan, conns: dict[str, Connection], log_dir: Path, printer: Pr
         debugger = Debugger(plan, transports, printer.note)
     elif plan.debugpy:
         debugger = DapForwarder(plan, transports, printer.note, str(log_dir))
-    jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate, debugger)
-                 for n in plan.nodes})
+    jobs.update({n.name: _NodeJob(plan, n, conns[n.name], printer, logs[n.name], events, reconnect, gate, debugger,
+                                  sessions.get(n.name)) for n in plan.nodes})
     stop_deadline: float | None = None
 
     def stop_all(fast: bool = False, why: bytes = b"") -> None:

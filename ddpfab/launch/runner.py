@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from ddpfab.optionnames import option
 from ddpfab.planning import gpu_leases, scriptfile
 from ddpfab.planning.plan import Facts, Plan, RunOptions, choose_master, make_plan, nproc_for, socket_ifname_for
 from ddpfab.problems import DdpfabError, Problem
-from ddpfab.remote import ssh
+from ddpfab.remote import heldconn, ssh
 from ddpfab.remote.target import resolve_all
 from ddpfab.results import GroupResult
 
@@ -58,6 +58,8 @@ class Prepared:
     #: the nodes as the inventory gave them, before the probe decided their python: what replay
     #: loads again and compares (the inventory's fingerprint)
     loaded: inventory.Inventory | None = None
+    #: node -> its preparation's session, which goes on as its supervisor (:func:`supervisors_to_be`)
+    sessions: dict[str, nodeprog.Session] = field(default_factory=dict)
 
     def reconnect(self, name: str) -> Connection:
         """A fresh connection to node *name*, the same way as the first one."""
@@ -68,6 +70,8 @@ class Prepared:
         return resolve_all(self.cluster.nodes, self.policy, self.ssh_config)
 
     def close(self) -> None:
+        nodeprog.close_all(self.sessions, 0)  # (none once a run took them over)
+        self.sessions = {}
         for conn in self.conns.values():
             conn.close()
 
@@ -109,16 +113,25 @@ class Opened:
 
 
 def connect_and_start(cluster: inventory.Inventory, policy: ssh.HostKeyPolicy,
-                      ssh_config: str | None = None) -> Opened:
+                      ssh_config: str | None = None, run_id: str | None = None) -> Opened:
     """:func:`connect_all`, then the node program on every node, with no wait between the two on
     any node: a node's python starts while the other nodes' handshakes go on (the controller's
     share of a handshake is CPU; the node's python start is the node's). A node that cannot be
-    reached closes them all and raises RunError, as :func:`connect_all` does."""
+    reached closes them all and raises RunError, as :func:`connect_all` does.
+
+    With *run_id* (a run that will start attached), each program is started as that run's
+    supervisor is (:func:`ddpfab.remote.nodeprogram.supervisor_words`), so that the preparation's
+    session can go on as the supervisor (:func:`prepare` keeps it): one python start per node
+    fewer before torchrun's. Not over a held connection: ``ddpfab hold`` has a program started
+    ahead for the preparation (:mod:`ddpfab.remote.spares`), which no run id can name."""
 
     def open_one(node: inventory.Node) -> tuple[Connection, nodeprog.Session | nodeprog.NodeProgramError]:
         conn = ssh.connect(node, policy, ssh_config)
+        words = ("ddpfab-node",)
+        if run_id is not None and not isinstance(conn, heldconn.HeldConnection):
+            words = nodeprog.supervisor_words(run_id)
         try:
-            return conn, nodeprog.start(conn, node)
+            return conn, nodeprog.start(conn, node, words=words)
         except nodeprog.NodeProgramError as exc:  # the session's failure is the node's data, as in open_sessions
             return conn, exc
 
@@ -227,16 +240,29 @@ def prepare(cluster: inventory.Inventory, options: RunOptions, policy: ssh.HostK
         except BaseException:
             probing.close(wait=0)  # a problem or Ctrl-C: nothing to wait for
             raise
-        probing.close()
+        kept = supervisors_to_be(cluster, probing.sessions, options.run_id, synced)
+        nodeprog.close_all({n: s for n, s in probing.sessions.items() if n not in kept})
         held = [] if options.wait else gpu_leases.refusals(plan, {n: f.raw.get("leases") for n, f in facts.items()})
         if held:
+            nodeprog.close_all(kept, 0)
             raise RunError(held)
     except BaseException:
         for c in conns.values():
             c.close()
         raise
     return Prepared(cluster, plan, conns, facts, policy, ssh_config, options, cwd, preflight=report, replicas=replicas,
-                    loaded=loaded)
+                    loaded=loaded, sessions=kept)
+
+
+def supervisors_to_be(cluster: inventory.Inventory, sessions: dict[str, nodeprog.Session], run_id: str,
+                      synced: bool) -> dict[str, nodeprog.Session]:
+    """The preparation's sessions that go on as the run's supervisors: those started as its
+    supervisor (:func:`connect_and_start` with the run id) with nothing left to answer, except on a
+    node whose setup lines ran before a sync changed its workdir (what they do may read it: the
+    supervisor's own session runs them on the new tree)."""
+    words = nodeprog.supervisor_words(run_id)
+    return {name: s for name, s in sessions.items()
+            if s.words == words and s.idle and not (synced and cluster.node(name).setup)}
 
 
 def _collect(cluster: inventory.Inventory, conns: dict[str, Connection], probing: Probing, options: RunOptions,
@@ -381,7 +407,8 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
     try:
-        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect,
+        sessions, prepared.sessions = prepared.sessions, {}  # the run's from here
+        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect, sessions=sessions,
                          node_hints=packages.failure_hints({n: f.raw for n, f in prepared.facts.items()},
                                                            {n.name: n.python for n in plan.nodes}))
     except KeyboardInterrupt as exc:  # a second signal leaves at once: the record still says how it ended

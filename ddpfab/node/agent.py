@@ -1043,7 +1043,9 @@ class Supervisor(object):
 
     def _record(self, pid):
         _write(self.record_path, json.dumps({"run_id": self.run_id, "agent_pid": os.getpid(), "pid": pid, "pgid": pid,
-                                             "started": time.time(), "marker": JOB_MARKER}) + "\n")
+                                             "started": time.time(), "marker": JOB_MARKER,
+                                             # its program prepared the run first (ddpfab.node.ops.supervise)
+                                             "adopted": bool(self.spec.get("adopted"))}) + "\n")
 
     def start_job(self):
         """Start the job in a session of its own, and name it in the record. None, or the exit

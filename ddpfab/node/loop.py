@@ -282,12 +282,28 @@ def serve(fd=0, write=None, exit_at_eof=False):
             continue
         op = req.get("op") if isinstance(req, dict) else None
         if isinstance(op, str) and op in TAKEOVER:  # (an op that is no string is handle()'s to refuse)
+            release(session)
             return TAKEOVER[op](req)
         if isinstance(op, str) and op in RAW:
             return RAW[op](req, session, fd, write)
         if op == "stage" and req.get("hold"):
             return _hold_stage(req, session, write, fd)
         write(handle(req, session))
+
+
+def release(session):
+    """Let go of what this session's requests hold (the workdir's lock, a master port's
+    reservation, a mesh probe's listeners), as its end would: a takeover operation goes on in this
+    process (a run's supervisor in its preparation's session), and torchrun binds the master port
+    the probe listened on; the supervisor reserves that port again, for the job's life."""
+    held = session.pop("lock", None)
+    if held:
+        os.close(held[1])
+    for fd in session.pop("port_leases", ()):
+        os.close(fd)
+    listeners = session.pop("listeners", None)
+    if listeners is not None:
+        listeners.close()
 
 
 def _exit_now(code):

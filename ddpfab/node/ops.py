@@ -427,9 +427,13 @@ class Listeners(object):
         self.socks = {}  # fd -> [socket, "listen" or the bytes received on it]
         self.lock = threading.Lock()
         self.thread = None
+        self.closed = False
 
     def _watch(self, s, what):
         with self.lock:
+            if self.closed:  # accepted as close() ran
+                s.close()
+                return
             self.socks[s.fileno()] = [s, what]
             self.poll.register(s.fileno(), select.POLLIN)
 
@@ -456,36 +460,54 @@ class Listeners(object):
             self.thread = threading.Thread(target=self._serve, daemon=True)
             self.thread.start()
 
+    def close(self):
+        """Stop listening now: the thread ends at its next look. Not under the lock, which the
+        thread holds while it waits (up to 200 ms); a shutdown ends a listener at once, where a
+        close waits for that wait to let go of the socket."""
+        self.closed = True
+        for s, _ in list(self.socks.values()):
+            try:
+                s.shutdown(_socket.SHUT_RDWR)
+            except OSError:
+                pass  # (a connection the peer closed)
+            s.close()
+
     def _serve(self):
-        while True:
+        while not self.closed:
             with self.lock:
                 events = self.poll.poll(200)
             for fd, _ in events:
-                s, what = self.socks[fd]
-                if what == "listen":
-                    try:
-                        c = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM, 0, s._accept()[0])
-                    except OSError:
-                        continue
-                    c.setblocking(False)
-                    self._watch(c, 0)
-                    continue
-                # a connect probe closes without sending; a bulk probe sends its bytes, half-closes
-                # and waits for the count and as many bytes back (:func:`_bulk_answer`)
                 try:
-                    data = s.recv(1 << 16)
-                except BlockingIOError:
+                    self._event(fd)
+                except (KeyError, OSError):  # its socket was closed meanwhile (close())
                     continue
-                except OSError:
-                    data = b""
-                if data:
-                    self.socks[fd][1] += len(data)
-                    continue
-                _, count = self._unwatch(fd)
-                if count:
-                    threading.Thread(target=_bulk_answer, args=(s, count), daemon=True).start()
-                else:
-                    s.close()
+
+    def _event(self, fd):
+        s, what = self.socks[fd]
+        if what == "listen":
+            try:
+                c = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM, 0, s._accept()[0])
+            except OSError:
+                return
+            c.setblocking(False)
+            self._watch(c, 0)
+            return
+        # a connect probe closes without sending; a bulk probe sends its bytes, half-closes
+        # and waits for the count and as many bytes back (:func:`_bulk_answer`)
+        try:
+            data = s.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.socks[fd][1] += len(data)
+            return
+        _, count = self._unwatch(fd)
+        if count:
+            threading.Thread(target=_bulk_answer, args=(s, count), daemon=True).start()
+        else:
+            s.close()
 
 
 def _bulk_answer(s, count, timeout=10.0):
@@ -812,10 +834,18 @@ def follow(req):
 
 
 def supervise(req):
-    """Become the job's supervisor (:mod:`ddpfab.node.agent`); ``spec`` is the job as data."""
+    """Become the job's supervisor (:mod:`ddpfab.node.agent`); ``spec`` is the job as data. With
+    ``adopted`` in it, this program was the run's preparation first (its facts, hash and mesh
+    probe: ``ddpfab.launch.runner``): its stderr joins its stdout, as a session started for the
+    supervisor has them, and the python its prefix chose for the probe leaves the job's
+    environment, which a session started with that python decided has no such variables."""
     spec = req["spec"]
     if spec.get("detached"):
         detach_stdin()
+    if spec.get("adopted"):
+        os.dup2(1, 2)
+        for name in ("DDPFAB_PYTHON", "DDPFAB_PYTHON_FROM"):
+            os.environ.pop(name, None)
     return supervise_job(spec)
 
 

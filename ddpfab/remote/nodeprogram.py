@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 import json
 import marshal
 import re
@@ -431,6 +431,7 @@ class Session:
         program ends once it has answered (no round trip to end it, and its exit status comes with
         its replies)."""
         self.node = node
+        self.words = tuple(words)  # what ps shows after the loader (supervisor_words: a run's supervisor)
         self._ids = itertools.count(1)
         self._buf = bytearray()  # the line begun and not yet ended
         self._sent: dict[int, str] = {}  # id -> op of each request sent and not yet taken
@@ -524,6 +525,20 @@ class Session:
     @property
     def ended(self) -> bool:
         return self.chan.exit_status_ready() or self.chan.closed
+
+    @property
+    def idle(self) -> bool:
+        """Every request answered and taken, nothing else sent or arriving, the program still
+        running: a takeover request (``supervise``) may follow, and the channel is that
+        operation's from then on (:meth:`take_over`)."""
+        return (not self._sent and not self._replies and self._broken is None and not self._buf
+                and not self.ended and not self.chan.recv_ready())
+
+    def take_over(self, request: dict) -> Any:
+        """Send *request*, a takeover operation, as this session's last: its channel, which
+        carries that operation's output from now on (nothing of this session reads it again)."""
+        self._write(frame({**request, "id": next(self._ids)}))
+        return self.chan
 
     def _all_output(self) -> bool:
         """The ended program's output is all here: sshd sends its exit status as soon as it ends,

@@ -55,7 +55,7 @@ dist.all_reduce(t)
 with open("/proc/%d/cmdline" % os.getppid(), "rb") as fh:
     parent = [w.decode() for w in fh.read().split(b"\0") if w]
 out = {"rank": rank, "sum": t.item(), "executable": sys.executable, "prefix": sys.prefix, "parent": parent,
-       "marker": marker, "site": os.environ.get("SITE_FLAG")}
+       "marker": marker, "site": os.environ.get("SITE_FLAG"), "chosen": os.environ.get("DDPFAB_PYTHON")}
 os.makedirs("out", exist_ok=True)
 with open("out/rank%d.json" % rank, "w") as fh:
     json.dump(out, fh)
@@ -187,18 +187,27 @@ def test_a_setup_line_activates_another_env_for_check_and_job_and_a_failing_one_
         assert found[(name, "interpreter")] == f"{other}/bin/python (from ddpfab_setup)"
         assert "VIRTUAL_ENV" in found[(name, "environment")] and "SITE_FLAG" in found[(name, "environment")]
 
-    res = ddpfab("run", "-i", str(inv), "job.py", cwd=proj, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    got = {r["rank"]: r for r in reports(res.stdout)}
-    assert sorted(got) == [0, 1]
-    for r in got.values():
-        assert r["marker"] == "the second env" and r["site"] == "from-setup"
-        assert r["executable"] == f"{other}/bin/python" and r["parent"][0] == f"{other}/bin/python"
-    manifest = json.loads(next((proj / "runs").glob("*/manifest.json")).read_text())
-    for facts in manifest["nodes_facts"].values():
-        assert facts["python_from"] == "ddpfab_setup"
-        assert facts["env_changes"]["set"]["SITE_FLAG"] == "from-setup"
-    assert [n["setup"] for n in manifest["plan"]["nodes"]] == [setup, setup]
+    # the first run copies the code after the setup lines ran in its preparation: each node's supervisor
+    # starts in a session of its own, which runs them on the new tree; the second copies nothing, and its
+    # preparation's programs go on as the supervisors. The job sees the same either way (not the
+    # DDPFAB_PYTHON the preparation's choice of python exported)
+    for adopted in (False, True):
+        res = ddpfab("run", "-i", str(inv), "job.py", cwd=proj, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        got = {r["rank"]: r for r in reports(res.stdout)}
+        assert sorted(got) == [0, 1]
+        for r in got.values():
+            assert r["marker"] == "the second env" and r["site"] == "from-setup" and r["chosen"] is None
+            assert r["executable"] == f"{other}/bin/python" and r["parent"][0] == f"{other}/bin/python"
+        manifest = json.loads(max((proj / "runs").glob("*/manifest.json"), key=os.path.getmtime).read_text())
+        for facts in manifest["nodes_facts"].values():
+            assert facts["python_from"] == "ddpfab_setup"
+            assert facts["env_changes"]["set"]["SITE_FLAG"] == "from-setup"
+        assert [n["setup"] for n in manifest["plan"]["nodes"]] == [setup, setup]
+        for name in ("node1", "node2"):
+            record = sh(["ssh", "-F", hosts.ssh_config, name, f"cat .ddpfab/runs/{manifest['run_id']}/agent.json"],
+                        cwd=proj)
+            assert json.loads(record.stdout)["adopted"] is adopted, record.stdout + record.stderr
 
     # node2's own setup line fails: every command names node2 and the line; node1 is fine
     data = yaml.safe_load(inv.read_text())

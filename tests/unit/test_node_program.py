@@ -257,16 +257,8 @@ def test_the_supervisor_is_an_operation_of_the_same_program(tmp_path):
     argv = nodeprog.argv(sys.executable, *nodeprog.supervisor_words("sup-1"))
     assert "s3cret" not in " ".join(argv) and argv[-2:] == ["ddpfab-agent", "sup-1"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    proc.stdin.write(nodeprog.supervisor_input(spec))
-    proc.stdin.flush()
-    out = b""
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "run" / "exit_code").exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.stdin.close()
-    out = proc.stdout.read()
-    assert proc.wait(timeout=30) == 0 and b"job says s3cret" in out
+    code, out = _supervised(proc, nodeprog.supervisor_input(spec), tmp_path / "run")
+    assert code == 0 and b"job says s3cret" in out
     assert json.loads((tmp_path / "run" / "result.json").read_text())["exit_code"] == 0
 
 
@@ -954,3 +946,77 @@ def test_ps_names_a_stopped_job_stopped_and_a_failed_one_exited(tmp_path):
     got = {r["run_id"][-1]: (r["state"], r["exit_code"], r.get("stopped"))
            for r in program.op_ps({"root": str(root)}, {})["runs"]}
     assert got == {"a": ("stopped", 143, "signal 15"), "b": ("exited", 1, None), "c": ("exited", 0, None)}
+
+
+def test_a_preparations_session_goes_on_as_the_supervisor_with_the_master_port_free(tmp_path):
+    """A run's preparation (facts that find a port, the mesh probe listening on it) and then its
+    supervisor in the same program: the listeners are gone when the job starts (its bind, without
+    SO_REUSEADDR, gets the port), and the python the probe's prefix chose is not the job's."""
+    argv = nodeprog.argv(sys.executable, *nodeprog.supervisor_words("adopt-1"))
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "DDPFAB_PYTHON": sys.executable, "DDPFAB_PYTHON_FROM": "default"})
+    reqs = nodeprog.numbered({"op": "facts", "workdir": str(tmp_path), "find_port": [29500, 29999, 29700]},
+                             {"op": "mesh_listen", "master_port": "found"})
+    proc.stdin.write(nodeprog.stdin_for(*reqs))
+    proc.stdin.flush()
+    replies = [nodeprog.parse_reply(proc.stdout.readline()) for _ in reqs]
+    port = replies[1].result["master"]
+    assert port == replies[0].result["free_port"]
+    with pytest.raises(OSError):  # it listens there now
+        socket.create_server(("", port), reuse_port=False).close()
+    job = ("import os, socket; s = socket.socket(); s.bind(('', %d)); s.listen(); "
+           "print('bound', os.environ.get('DDPFAB_PYTHON'), os.environ.get('DDPFAB_PYTHON_FROM'))" % port)
+    spec = {"run_id": "adopt-1", "dir": str(tmp_path / "run"), "workdir": str(tmp_path), "grace": 1,
+            "argv": [sys.executable, "-c", job], "env": {}, "adopted": True}
+    code, out = _supervised(proc, nodeprog.frame({"id": 3, "op": "supervise", "spec": spec}), tmp_path / "run")
+    assert code == 0 and b"bound None None" in out, out
+
+
+def _supervised(proc: subprocess.Popen, data: bytes, run_dir: Path) -> tuple[int, bytes]:
+    """*data* to a node program that becomes a supervisor, then its exit code and output once its
+    job has ended (its stdin's EOF after that ends it)."""
+    proc.stdin.write(data)
+    proc.stdin.flush()
+    deadline = time.monotonic() + 60
+    while not (run_dir / "exit_code").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.stdin.close()
+    out = proc.stdout.read()
+    return proc.wait(timeout=30), out
+
+
+def test_a_takeover_ends_the_mesh_probes_listeners_of_its_session():
+    """A takeover operation begins with what the session's requests held let go of, as at the
+    session's end: here the mesh probe's listener (it refuses connections from then on)."""
+    replies: list[dict] = []
+    found = {}
+
+    def takeover(req):
+        port = replies[0]["result"]["ephemeral"]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        found["port"] = port
+        return 7
+
+    loop.TAKEOVER["test_takeover"] = takeover
+    read, write = os.pipe()
+    try:
+        os.write(write, nodeprog.frame({"id": 1, "op": "mesh_listen"}) + nodeprog.frame({"id": 2, "op": "test_takeover"}))
+        os.close(write)
+        assert loop.serve(read, write=lambda text: replies.append(json.loads(text))) == 7
+    finally:
+        del loop.TAKEOVER["test_takeover"]
+        os.close(read)
+    assert replies[0]["ok"] and found["port"] == replies[0]["result"]["ephemeral"]
+
+
+def test_release_lets_go_of_the_lock_and_the_port_reservation(tmp_path):
+    session: dict = {"lock": ("/wd", os.open(tmp_path / "lock", os.O_CREAT | os.O_RDWR)),
+                     "port_leases": [os.open(tmp_path / "lease", os.O_CREAT | os.O_RDWR)]}
+    fds = [session["lock"][1], *session["port_leases"]]
+    loop.release(session)
+    assert session == {}
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
