@@ -416,7 +416,11 @@ class Recovery:
             if course.restart == 0:
                 raise
             return self._give_up(lines + ["nothing is running"])
-        extra = self._begin(attempt, prepared, extra, course)
+        try:
+            extra = self._begin(attempt, prepared, extra, course)
+        except BaseException:  # (a signal between attempts): its prepared sessions end here
+            prepared.close()
+            raise
         result = self._execute(attempt, prepared, extra, course.failed_at)
         failure = self._ended(attempt, result, course.nodes)
         if failure.kind in ("none", "interrupted"):
@@ -460,16 +464,16 @@ class Recovery:
         """Run the prepared *attempt* to its end (its connections closed after): a restart says
         first which node replaced which, and its recovery time (from *failed_at*, when the failure
         before it happened) is recorded with the run marked running."""
-        printer = Printer(prepared.plan, stream=self.out, color=self.color, verbose=self.verbose)
-        if attempt.restart:
-            swap = ", ".join(f"{a} -> {b}" for a, b in attempt.replaced.items()) or "no replacement"
-            printer.note(f"restart {attempt.restart}/{self.ropts.max_job_restarts} as {attempt.run_id}: {swap}"
-                         + (f", dropped {', '.join(attempt.dropped)}" if attempt.dropped else ""))
-        attempt.started = time.time()
-        if failed_at is not None:
-            attempt.recovery_s = round(attempt.started - failed_at, 3)
-        self.record("running", None)
         try:
+            printer = Printer(prepared.plan, stream=self.out, color=self.color, verbose=self.verbose)
+            if attempt.restart:
+                swap = ", ".join(f"{a} -> {b}" for a, b in attempt.replaced.items()) or "no replacement"
+                printer.note(f"restart {attempt.restart}/{self.ropts.max_job_restarts} as {attempt.run_id}: {swap}"
+                             + (f", dropped {', '.join(attempt.dropped)}" if attempt.dropped else ""))
+            attempt.started = time.time()
+            if failed_at is not None:
+                attempt.recovery_s = round(attempt.started - failed_at, 3)
+            self.record("running", None)
             result, _ = self.run_attempt(prepared, self.runs_dir, printer, extra=extra)
         finally:
             prepared.close()

@@ -259,10 +259,14 @@ def supervisors_to_be(cluster: inventory.Inventory, sessions: dict[str, nodeprog
     """The preparation's sessions that go on as the run's supervisors: those started as its
     supervisor (:func:`connect_and_start` with the run id) with nothing left to answer, except on a
     node whose setup lines ran before a sync changed its workdir (what they do may read it: the
-    supervisor's own session runs them on the new tree)."""
+    supervisor's own session runs them on the new tree), and on one whose python the probe found
+    on PATH (*cluster* is the decided one: :func:`ddpfab.health.probe.decide`): a shim there
+    (pyenv's, asdf's) sets the environment of the python it starts, where the supervisor's own
+    session starts the python it found directly."""
     words = nodeprog.supervisor_words(run_id)
     return {name: s for name, s in sessions.items()
-            if s.words == words and s.idle and not (synced and cluster.node(name).setup)}
+            if s.words == words and s.idle and not (synced and cluster.node(name).setup)
+            and cluster.node(name).python_from != "default"}
 
 
 def _collect(cluster: inventory.Inventory, conns: dict[str, Connection], probing: Probing, options: RunOptions,

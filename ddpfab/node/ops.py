@@ -44,6 +44,9 @@ except ImportError:
 #: The environment from before the node's setup lines (ddpfab.hosts.nodeenv.prefix hands it over as hex
 #: of ``env -0``), taken out of the environment at once: nothing this program starts inherits it.
 _ENV0 = os.environ.pop("DDPFAB_ENV0", None)
+#: The environment this program started with: a run's supervisor that was its preparation first
+#: gives the job this, whatever the facts' look at site (its .pth files, sitecustomize) changed.
+_ENV_AT_START = dict(os.environ)
 #: Variables a shell sets by itself, and those the prefix sets: not the setup's changes.
 _SHELL_VARS = ("_", "SHLVL", "PWD", "OLDPWD", "DDPFAB_PYTHON", "DDPFAB_PYTHON_FROM", "DDPFAB_ENV0")
 
@@ -431,11 +434,10 @@ class Listeners(object):
 
     def _watch(self, s, what):
         with self.lock:
-            if self.closed:  # accepted as close() ran
-                s.close()
-                return
             self.socks[s.fileno()] = [s, what]
             self.poll.register(s.fileno(), select.POLLIN)
+        if self.closed:  # accepted as close() ran, after its look at the sockets (it sets closed first)
+            s.close()
 
     def _unwatch(self, fd):
         with self.lock:
@@ -837,15 +839,16 @@ def supervise(req):
     """Become the job's supervisor (:mod:`ddpfab.node.agent`); ``spec`` is the job as data. With
     ``adopted`` in it, this program was the run's preparation first (its facts, hash and mesh
     probe: ``ddpfab.launch.runner``): its stderr joins its stdout, as a session started for the
-    supervisor has them, and the python its prefix chose for the probe leaves the job's
-    environment, which a session started with that python decided has no such variables."""
+    supervisor has them, and the job gets the environment the program started with (not what
+    site's hooks in the facts may have changed), less the python its prefix chose for the probe,
+    which a session started with that python decided does not have."""
     spec = req["spec"]
     if spec.get("detached"):
         detach_stdin()
     if spec.get("adopted"):
         os.dup2(1, 2)
-        for name in ("DDPFAB_PYTHON", "DDPFAB_PYTHON_FROM"):
-            os.environ.pop(name, None)
+        os.environ.clear()
+        os.environ.update({k: v for k, v in _ENV_AT_START.items() if k not in ("DDPFAB_PYTHON", "DDPFAB_PYTHON_FROM")})
     return supervise_job(spec)
 
 

@@ -537,6 +537,7 @@ class Session:
     def take_over(self, request: dict) -> Any:
         """Send *request*, a takeover operation, as this session's last: its channel, which
         carries that operation's output from now on (nothing of this session reads it again)."""
+        self.chan.set_combine_stderr(True)  # as the supervisor's own session has it (its stderr joins stdout too)
         self._write(frame({**request, "id": next(self._ids)}))
         return self.chan
 

@@ -10,7 +10,10 @@ from ddpfab.hosts.inventory import Inventory, Node
 from ddpfab.launch import runner
 from ddpfab.remote import nodeprogram as nodeprog
 
-CLUSTER = Inventory("inv.yml", "all", (Node("n1", "10.0.0.1"), Node("n2", "10.0.0.2", setup=("source env.sh",))))
+CLUSTER = Inventory("inv.yml", "all", (Node("n1", "10.0.0.1", python="/venv/bin/python", python_from="inventory"),
+                                       Node("n2", "10.0.0.2", python="/opt/env/bin/python", python_from="ddpfab_setup",
+                                            setup=("source /opt/env/bin/activate",)),
+                                       Node("n3", "10.0.0.3", python="/usr/bin/python3", python_from="default")))
 RUN_WORDS = nodeprog.supervisor_words("r1")
 
 
@@ -26,6 +29,8 @@ def session(words=RUN_WORDS, idle=True) -> SimpleNamespace:
     ({"n1": session(("ddpfab-node",)), "n2": session(nodeprog.supervisor_words("r2"))}, False, []),
     # something asked and not answered (or the program ended): its output is not the job's
     ({"n1": session(idle=False), "n2": session()}, False, ["n2"]),
+    # a python found on PATH: the probe ran whatever a shim there set up, the supervisor would not
+    ({"n1": session(), "n3": session()}, False, ["n1"]),
 ])
 def test_a_preparation_session_goes_on_as_the_supervisor_only_where_it_is_the_runs_and_idle(sessions, synced, kept):
     assert sorted(runner.supervisors_to_be(CLUSTER, sessions, "r1", synced)) == kept
@@ -43,6 +48,9 @@ class _Chan:
 
     def sendall(self, data):
         self.sent += data
+
+    def set_combine_stderr(self, combine):
+        self.combined = combine
 
 
 def _session(chan) -> nodeprog.Session:
@@ -64,5 +72,5 @@ def test_a_session_is_idle_only_with_everything_answered_and_its_program_running
 def test_a_takeover_is_the_sessions_last_frame_and_hands_over_its_channel():
     chan = _Chan()
     s = _session(chan)
-    assert s.take_over({"op": "supervise", "spec": {"run_id": "r1"}}) is chan
+    assert s.take_over({"op": "supervise", "spec": {"run_id": "r1"}}) is chan and chan.combined
     assert chan.sent == nodeprog.frame({"op": "supervise", "spec": {"run_id": "r1"}, "id": 5})
