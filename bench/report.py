@@ -589,10 +589,14 @@ def profile_section(launch, fanout) -> list[str]:
               f"{s((m('ssh.run python -c pass') or 0) - (m('ssh.run true (open connection') or 0))} each over an "
               f"exec, plus reading and compiling the node program: "
               f"{s(m('node program: start'))} for a start, the program and one request, against "
-              f"{s(m('ssh.run python -c pass'))} for `python -c pass`. The supervisor could be the same "
-              "process (a last `supervise` request on the preparation's session) to save one more start per node; "
-              "it is kept separate so that a failed preparation leaves nothing running and the job's session "
-              "carries nothing but the job.",
+              f"{s(m('ssh.run python -c pass'))} for `python -c pass`. Since 2026-12-07 an attached cold run "
+              "has one: the supervisor is the preparation's program, given a last `supervise` request on its "
+              "session (a failed preparation still closes every session; the program lets go of the probe's "
+              "listeners and reservations first: docs/design.md, \"Start-up costs\"). On 8 lab hosts, 12 runs "
+              "each (`bench/warm.py`, one session before and one after): the last torchrun started 0.21 s after "
+              "pdsh's (paired median), 0.40 s before. Over `ddpfab hold` the preparation's program is one the "
+              "holder started ahead, before any run id, so a warm run still starts its supervisors in sessions "
+              "of their own.",
           ]
     if fanout:
         big_f = max(fanout["config"]["sizes"])
