@@ -918,6 +918,7 @@ class _Console(object):
 
     def __init__(self, gone):
         self.chunks, self.size, self.dropped = [], 0, 0
+        self.unwritten = 0  # chunks put and not yet written (or given up on)
         self.cond = threading.Condition()
         self.gone = gone
         threading.Thread(target=self.run, daemon=True).start()
@@ -929,7 +930,21 @@ class _Console(object):
                 return
             self.chunks.append(chunk)
             self.size += len(chunk)
-            self.cond.notify()
+            self.unwritten += 1
+            self.cond.notify_all()
+
+    def drain(self, timeout=2.0):
+        """Wait until the terminal has what was put (the process ends next, and the thread with
+        it), for at most *timeout* seconds: a stalled terminal does not hold the end up."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.unwritten and time.monotonic() < deadline:
+                self.cond.wait(0.05)
+
+    def _written(self, all_of_it=False):
+        with self.cond:
+            self.unwritten = 0 if all_of_it else self.unwritten - 1
+            self.cond.notify_all()
 
     def take(self, poller):
         """The next chunk and the bytes dropped before it; None when the terminal hung up."""
@@ -957,7 +972,9 @@ class _Console(object):
                              % dropped) + chunk
                 while chunk:
                     chunk = chunk[os.write(1, chunk):]
+                self._written()
             except OSError:
+                self._written(all_of_it=True)  # (nothing more reaches that terminal)
                 self.gone()
                 return
 
@@ -1219,8 +1236,28 @@ class Supervisor(object):
         elif code != 0 and not own_failure and self.reason is not None and self._all_ended_0():
             code = 0  # stopped while torchrun waited at its exit barrier: every rank had finished its work
         self._result(code, own_failure, None if own_failure else launcher)
+        if self.console is not None:  # a job started by hand: its terminal's last line says how it ended
+            self.emit(("ddpfab-agent: %s\n" % self.ended_line(code, own_failure)).encode())
+            self.console.drain()
         self.log.close()
         return code
+
+    def ended_line(self, code, own_failure):
+        """How this node's job ended, in one line for the terminal of a job started by hand."""
+        if code == 0:
+            return "run %s: this node's job ended (exit 0)" % self.run_id
+        if own_failure or not self.reason:
+            first = self.failed_workers[0] if own_failure and self.failed_workers else None
+            who = first[2] if first else {}
+            what = self.reason or "torchrun ended so"
+            if first and type(who.get("rank")) is int and first[1][0] in ("exit", "signal"):
+                how = first[1][1] if first[1][0] == "exit" else _signal_name(first[1][1])
+                what = "rank %d (local rank %s) ended with %s %s" % (who["rank"], who.get("local_rank"), first[1][0], how)
+            return "run %s: this node's job failed: %s (exit %d)" % (self.run_id, what, code)
+        if self.stop_signal is not None:
+            return ("run %s: this node's job was stopped from outside: %s to its supervisor (`ddpfab stop %s`, or a "
+                    "kill) (exit %d)" % (self.run_id, _signal_name(self.stop_signal), self.run_id, code))
+        return "run %s: this node's job was stopped: %s (exit %d)" % (self.run_id, self.reason, code)
 
     def _ended_0(self):
         """``[{"rank", "local_rank"}]`` of the ranks that ended with exit 0: by their exit guard's
@@ -1276,6 +1313,13 @@ class Supervisor(object):
             # that left early while its peers still waited for it is the failure's likely start
             "ended_0": self._ended_0() if failed and not race else []}) + "\n")
         _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
+
+
+def _signal_name(number):
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "signal %d" % number
 
 
 def _worker_text(pid, how):

@@ -80,6 +80,10 @@ def test_ps_doctor_and_stop_see_a_job_started_by_hand(lab, inventory2, tmp_path)
         for proc, _ in started.values():
             proc.kill()
     wait_no_processes(lab, timeout=10)
+    for node, (_, log) in started.items():  # each terminal's last line says what ended it (not torchrun's traceback)
+        last = log.read_text().rstrip("\n").splitlines()[-1]
+        assert last == ("ddpfab-agent: run hand-1: this node's job was stopped from outside: SIGTERM to its "
+                        "supervisor (`ddpfab stop hand-1`, or a kill) (exit 1)"), (node, log.read_text()[-1500:])
 
 
 def test_a_rank_crash_on_one_node_ends_the_other(lab, inventory2, tmp_path):
@@ -93,6 +97,8 @@ def test_a_rank_crash_on_one_node_ends_the_other(lab, inventory2, tmp_path):
             proc.kill()
     texts = {node: log.read_text() for node, (_, log) in started.items()}
     assert codes["node2"] != 0 and "ValueError: bad batch shape (3, 4) on rank 1" in texts["node2"], texts
+    assert texts["node2"].rstrip("\n").splitlines()[-1] == \
+        "ddpfab-agent: run hand-2: this node's job failed: rank 1 (local rank 0) ended with exit 1 (exit 1)", texts
     assert codes["node1"] != 0, texts  # its rank lost its peer: node1's job ended too
     wait_no_processes(lab, timeout=10)
     ps = ddpfab("ps", "-i", str(inventory2), "--runs-dir", str(tmp_path / "runs"), "--json")
