@@ -44,7 +44,8 @@ def add_selection_args(p: argparse.ArgumentParser, recorded: bool = False) -> No
     """-l/--limit and -e/--extra-vars, one meaning in every command; *recorded*: a command given a
     run id, which starts from the run's own (recorded) limit and variables."""
     p.add_argument("-l", "--limit", metavar="PATTERN",
-                   help="only the hosts of the group that match this Ansible pattern (node1:node3, 'gpu*', "
+                   help="only the hosts of the group that match this Ansible pattern (node1:node3 is those "
+                        "two, ':' joins patterns; a range: '~node[1-3]$' or 'all[0:2]'; 'gpu*', "
                         "'all:!node2', 'rack1:&gpus', or @FILE: one pattern a line); node ranks follow the "
                         "remaining hosts' order" + ("; default: the run's, as recorded" if recorded else ""))
     p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
