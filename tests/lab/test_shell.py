@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-import re
 import subprocess
 import sys
 import time
@@ -100,10 +100,17 @@ def test_a_shell_on_a_node_is_the_node_as_ddpfab_starts_things_there(lab, setup_
     # a resized window: the node's terminal follows (stty there reads its pty's size)
     term.resize(41, 123)
     deadline = time.monotonic() + 30
-    while not re.search(r"SIZE=41 123\r?\n", term.text):
-        assert time.monotonic() < deadline, f"the node's terminal kept its size:\n{term.text[-2000:]}"
-        term.send('echo "SIZE=$(stty size)"')
-        term.expect(r"SIZE=\d+ \d+\r?\n")
-        time.sleep(0.2)
-    term.send("exit")
-    assert term.wait(30) == 0, term.text
+    try:
+        # each look numbered: one that answered before the resize reached the node must not answer for
+        # the later looks (expect matches the output so far, and reads on only while nothing matches)
+        for look in itertools.count():
+            term.send(f'echo "SIZE{look}=$(stty size)"')
+            if term.expect(rf"SIZE{look}=(\d+ \d+)\r?\n").group(1) == "41 123":
+                break
+            assert time.monotonic() < deadline, f"the node's terminal kept its size:\n{term.text[-2000:]}"
+            time.sleep(0.2)
+        term.send("exit")
+        assert term.wait(30) == 0, term.text
+    finally:
+        if term.proc.poll() is None:  # a failure above: its shell on the node ends with the connection
+            term.proc.kill()
