@@ -32,6 +32,8 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from ddpfab.node.agent import name_of_signal
+
 #: An exception line is cut to this many characters.
 MAX_LINE = 300
 #: Lines of the failing rank's traceback kept for the closing block.
@@ -167,13 +169,6 @@ def kind_of_signal(number: int) -> CauseKind:
     return CauseKind.STOPPED if number == signal.SIGTERM else CauseKind.SIGNAL
 
 
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 @dataclass
 class Cause:
     """Why a rank failed, as far as its node's output and supervisor say.
@@ -220,7 +215,7 @@ class Cause:
         if self.kind is CauseKind.OOM:
             return f"{who or 'a rank'} was killed by the OOM killer (SIGKILL)"
         if self.kind in (CauseKind.SIGNAL, CauseKind.STOPPED) and self.signal is not None and not self.exception:
-            return f"{who or 'a rank'} was killed by signal {self.signal} ({signal_name(self.signal)})"
+            return f"{who or 'a rank'} was killed by signal {self.signal} ({name_of_signal(self.signal)})"
         head = ", ".join(part for part in (who, f"exit code {self.exit_code}" if self.exit_code is not None else "")
                          if part)
         if self.exception:

@@ -28,14 +28,13 @@ from ddpfab.health import hints
 from ddpfab.hostlist import compact
 from ddpfab.launch import story
 from ddpfab.launch.gate import Gate
-from ddpfab.launch.cause import (RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of,
-                                 signal_name)
+from ddpfab.launch.cause import RANK_TAG, Blame, Cause, CauseReader, Fold, NodeFailure, blame, noise_of
 from ddpfab.launch.dapforward import DapForwarder
 from ddpfab.launch.debugger import Debugger
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.interrupt import Interrupted, Taken, signals_queued, signals_raise
 from ddpfab.node import agent, exitguard, rankdebugpy, rankpdb
-from ddpfab.node.agent import CANNOT_START
+from ddpfab.node.agent import CANNOT_START, name_of_signal
 from ddpfab.optionnames import option
 from ddpfab.planning.plan import NodePlan, Plan
 from ddpfab.planning.render import command as render_command
@@ -557,7 +556,7 @@ def stopped_from_outside_line(signals: dict[str, int], cancelled: bool = False) 
     got): ``stopped from outside on node[1-4] (SIGTERM to their supervisors: `ddpfab stop`, or a
     kill); the job was stopped on every node``. *cancelled*: those supervisors were still waiting
     for GPUs (``--wait``): the job never started."""
-    names = sorted({signal_name(s) for s in signals.values()})
+    names = sorted({name_of_signal(s) for s in signals.values()})
     whose = "its supervisor" if len(signals) == 1 else "their supervisors"
     end = ("the job was cancelled while it waited for GPUs (it never started)" if cancelled
            else "the job was stopped on every node")
@@ -617,7 +616,7 @@ def launcher_text(record: object) -> str:
     sig = launcher_signal(record)
     if sig is None or not isinstance(record, dict):
         return ""
-    return (f"torchrun (pid {record['pid']}) was killed by signal {sig} ({signal_name(sig)}); its ranks were "
+    return (f"torchrun (pid {record['pid']}) was killed by signal {sig} ({name_of_signal(sig)}); its ranks were "
             "ended with it")
 
 
@@ -835,7 +834,7 @@ class _Monitor:
             # `ddpfab stop` from elsewhere: a stop, unless a rank failed on its own (result() decides:
             # a victim that lost its peer to the stop comes first as often as not)
             if not self.from_outside and self.stop_deadline() is None:
-                self.printer.note(f"{name}: stopped from outside this run ({signal_name(sig)} to its supervisor); "
+                self.printer.note(f"{name}: stopped from outside this run ({name_of_signal(sig)} to its supervisor); "
                                   "stopping the job on every node")
                 self.stop_all(fast=True, why=agent.STOPPED_OUTSIDE)
             self.from_outside[name] = sig
@@ -944,7 +943,7 @@ class _Monitor:
         code, summary = self.closing(outcomes, verdict)
         interrupted = self.interrupted  # a stop from outside is one too: no restart follows it
         if stopped:
-            interrupted = signal_name(next(iter(self.from_outside.values())))
+            interrupted = name_of_signal(next(iter(self.from_outside.values())))
         # the node the line leads with, where the victims point, is the run's first failure
         lead = story.leading(verdict, {n: o for n, o in outcomes.items() if n != verdict.node})
         return RunResult(code, outcomes, lead or verdict.node, interrupted, summary)

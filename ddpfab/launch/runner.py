@@ -69,9 +69,14 @@ class Prepared:
         """How each node is reached (:mod:`ddpfab.remote.target`), for the ssh lines a plan prints."""
         return resolve_all(self.cluster.nodes, self.policy, self.ssh_config)
 
+    def take_sessions(self) -> dict[str, nodeprog.Session]:
+        """The preparation's sessions, handed to the run that makes them its supervisors: from
+        here the run ends them, and :meth:`close` no longer does."""
+        sessions, self.sessions = self.sessions, {}
+        return sessions
+
     def close(self) -> None:
-        nodeprog.close_all(self.sessions, 0)  # (none once a run took them over)
-        self.sessions = {}
+        nodeprog.close_all(self.take_sessions(), 0)  # (none once a run took them over)
         for conn in self.conns.values():
             conn.close()
 
@@ -411,8 +416,8 @@ def run(prepared: Prepared, runs_root: str | os.PathLike, printer: Printer | Non
     printer.note(f"run {plan.run_id}: {plan.nnodes} nodes x {'/'.join(str(n.nproc) for n in plan.nodes)} "
                  f"procs, world size {plan.world_size}, master {plan.master} {plan.master_addr}:{plan.master_port}")
     try:
-        sessions, prepared.sessions = prepared.sessions, {}  # the run's from here
-        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect, sessions=sessions,
+        result = execute(plan, prepared.conns, run_dir.path, printer, reconnect=prepared.reconnect,
+                         sessions=prepared.take_sessions(),
                          node_hints=packages.failure_hints({n: f.raw for n, f in prepared.facts.items()},
                                                            {n.name: n.python for n in plan.nodes}))
     except KeyboardInterrupt as exc:  # a second signal leaves at once: the record still says how it ended

@@ -1251,12 +1251,12 @@ class Supervisor(object):
             who = first[2] if first else {}
             what = self.reason or "torchrun ended so"
             if first and type(who.get("rank")) is int and first[1][0] in ("exit", "signal"):
-                how = first[1][1] if first[1][0] == "exit" else _signal_name(first[1][1])
+                how = first[1][1] if first[1][0] == "exit" else name_of_signal(first[1][1])
                 what = "rank %d (local rank %s) ended with %s %s" % (who["rank"], who.get("local_rank"), first[1][0], how)
             return "run %s: this node's job failed: %s (exit %d)" % (self.run_id, what, code)
         if self.stop_signal is not None:
             return ("run %s: this node's job was stopped from outside: %s to its supervisor (`ddpfab stop %s`, or a "
-                    "kill) (exit %d)" % (self.run_id, _signal_name(self.stop_signal), self.run_id, code))
+                    "kill) (exit %d)" % (self.run_id, name_of_signal(self.stop_signal), self.run_id, code))
         return "run %s: this node's job was stopped: %s (exit %d)" % (self.run_id, self.reason, code)
 
     def _ended_0(self):
@@ -1315,7 +1315,8 @@ class Supervisor(object):
         _write(os.path.join(run_dir, "exit_code"), "%d\n" % code)  # last: its presence means "done"
 
 
-def _signal_name(number):
+def name_of_signal(number):
+    """``SIGTERM`` for 15; ``signal 99`` for a number with no name here."""
     try:
         return signal.Signals(number).name
     except ValueError:
