@@ -77,8 +77,9 @@ def agent_spec(plan: Plan, node: NodePlan, detach: bool = False, arrival: float 
         spec["wait"] = {"arrival": arrival if arrival is not None else time.time()}
     if plan.max_restarts == 0:  # any failed worker fails the job: the supervisor need not wait for torchrun
         spec["watch_workers"] = True
+    # its ranks: what the supervisor reads every rank's end against (with or without their exit guard)
+    spec["nproc"] = node.nproc
     if plan.exit_guard != "off" or plan.pdb or plan.debugpy:  # the ranks' sitecustomize, as data (the node writes it)
-        spec["nproc"] = node.nproc
         spec["exit_guard"] = {"mode": plan.exit_guard, "source": exitguard_source()}
     if plan.pdb:  # the debugger's hooks in the ranks it names (ddpfab.launch.debugger)
         spec["pdb"] = {"ranks": plan.pdb, "node": node.name, "source": rankpdb_source()}

@@ -185,16 +185,19 @@ def test_a_rank_the_oom_killer_ends_is_said_to_be(lab, inventory3, tmp_path):
                 time.sleep(0.1)
 
 
-def test_a_node_whose_rank_ended_early_leads_the_closing_line(lab, inventory3, tmp_path):
+@pytest.mark.parametrize(("node", "guard"), [(2, "on"), (1, "off")])
+def test_a_node_whose_rank_ended_early_leads_the_closing_line(lab, inventory3, tmp_path, node, guard):
     """Rank 1 (node2) exits 0 while the others wait for it in an all_reduce (a new user's pass:
     the line led with a victim, "failed: node3 ... only secondary failures were seen", and the
-    manifest named it): node2 leads, as having ended while the others waited, the victim after."""
-    res, manifest = crash(inventory3, tmp_path / "runs", 1, 1, "exit0")
+    manifest named it): node2 leads, as having ended while the others waited, the victim after.
+    Also the master's rank, without the ranks' exit guard: the worker watch alone sees it end (its
+    torchrun then waits at its exit barrier; the line led with a victim, node1 "was stopped")."""
+    res, manifest = crash(inventory3, tmp_path / "runs", 1, node - 1, "exit0", "--exit-guard", guard)
     assert res.returncode != 0, res.stdout + res.stderr
     line = closing_line(res)
-    assert line.startswith("ddpfab: failed: node2 (node_rank 1) exited 0 while the others still waited for it"), line
+    assert line.startswith(f"ddpfab: failed: node{node} (node_rank {node - 1}) exited 0 while the others still waited for it"), line
     assert "; then node" in line and "lost its peer" in line, line
-    assert manifest["first_failure"] == "node2", manifest["first_failure"]
+    assert manifest["first_failure"] == f"node{node}", manifest["first_failure"]
     wait_no_processes(lab, timeout=15)
 
 
