@@ -134,7 +134,7 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
             parts.append(f"only secondary failures were seen: {lost}{_pointed(verdict, addresses, others)}")
     elif fallback:
         parts.append(fallback)
-    same = [n for n, o in others.items() if _same_failure(o.cause, cause)]
+    same = [n for n, o in others.items() if o.cause is not None and o.cause.same_failure(cause)]
     if same:  # every rank the same error (a usage error, an import): one story, told once
         parts.append(f"{compact(same)} failed the same way")
     also = {n: o for n, o in others.items() if n not in same and o.cause is not None and o.cause.own
@@ -158,17 +158,6 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     elif stopped:
         parts.append(f"{compact(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped")
     return "; ".join(parts)
-
-
-def _same_failure(other: Cause | None, named: Cause | None) -> bool:
-    """*other* is a rank's own failure of the same kind, error and signal as *named*'s, and no
-    other exit code (one that only one of them gives tells nothing apart)."""
-    if other is None or named is None or not (other.own and named.own):
-        return False
-    # an exit code one node's output gave and another's did not (torchrun's report cut off by the
-    # stop) tells no two failures apart
-    codes = {other.exit_code, named.exit_code} - {None}
-    return (other.kind, other.exception, other.signal) == (named.kind, named.exception, named.signal) and len(codes) < 2
 
 
 def ended_0_text(out: Outcome) -> str | None:

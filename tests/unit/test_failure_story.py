@@ -114,6 +114,24 @@ def test_the_crashed_rank_is_named_though_its_victims_reported_first():
     assert verdict.cause.traceback[-1].endswith("ValueError: bad batch shape (3, 4)")
 
 
+def test_the_same_failure_everywhere_keeps_the_node_the_live_line_named():
+    """Every rank failed at import with the same error (a new user's pass: the live line named
+    node2, the closing line node3, by the supervisors' clocks a moment apart): the node the user
+    was told of while it ran stays the one named, the others "failed the same way". A failure
+    that is not the same is still named by time."""
+    missing = "ModuleNotFoundError: No module named 'nonexistent'"
+    def node(name, at, error=missing):
+        rank = int(name[-1]) - 1
+        return NodeFailure(name, rank, at, Cause(rank, 0, 1, error, CauseKind.EXCEPTION), {0: CauseKind.EXCEPTION}, [])
+    nodes = [node("node1", 100.3), node("node2", 100.2), node("node3", 100.1)]
+    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
+    assert blame(nodes, addresses).node == "node3"  # by time
+    assert blame(nodes, addresses, named="node2").node == "node2"
+    other = [node("node1", 100.3), node("node2", 100.2, "ValueError: other"), node("node3", 100.1)]
+    assert blame(other, addresses, named="node2").node == "node3"
+    assert blame(nodes, addresses, named="node9").node == "node3"  # (a name of no failure)
+
+
 def test_with_only_victims_the_node_their_errors_name_is_pointed_at():
     victim = reader(VICTIM)
     nodes = [NodeFailure("node1", 0, 100.0, victim.cause(), victim.rank_kinds(), victim.peers()),
@@ -787,8 +805,8 @@ def test_connect_errors_same_errors_and_victims_stopped_are_told_as_such():
     assert kind_of_exception(CONNECT.format(local=0).split(":", 1)[1]) is CauseKind.PEER_LOST
     syntax = "SyntaxError: expected ':' (badmod.py, line 2)"
     with_code, without = (Cause(0, 0, code, syntax, CauseKind.EXCEPTION) for code in (1, None))
-    assert story._same_failure(with_code, without)
-    assert not story._same_failure(with_code, Cause(0, 0, 2, syntax, CauseKind.EXCEPTION))
+    assert with_code.same_failure(without)
+    assert not with_code.same_failure(Cause(0, 0, 2, syntax, CauseKind.EXCEPTION))
     addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
     culprit = execute.NodeOutcome("node2", 1, exit_code=1, remote={"failed_at": 5.0}, cause=reader(CULPRIT).cause())
     victim = execute.NodeOutcome("node1", 0, exit_code=143, stopped_by_ddpfab=True, causes=reader(VICTIM),
