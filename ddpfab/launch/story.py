@@ -113,6 +113,11 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
         parts.append(cause_text(cause, out))
         if out.causes.restarted and cause.own:
             parts.append("torchrun's restarts after it (--max-restarts) failed too")
+        here = own_beside(out, cause)
+        if here:  # another rank of the same node failed on its own at the same time, another way
+            shown = [c.text() for c in here[:ALSO_SHOWN]]
+            more = len(here) - len(shown)
+            parts.append(f"also on {verdict.node}: " + ", ".join(shown) + (f" and {more} more" if more else ""))
     elif cause is not None:
         lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
             if cause.kind is CauseKind.PEER_LOST else cause.text()
@@ -158,6 +163,22 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     elif stopped:
         parts.append(f"{compact(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped")
     return "; ".join(parts)
+
+
+def own_beside(out: Outcome, cause: Cause) -> list[Cause]:
+    """The other ranks of *out*'s node that failed on their own, another way than *cause* (the one
+    named): two ranks' errors at once, before torchrun stopped the rest. Their global ranks follow
+    from *cause*'s (torchrun numbers a node's ranks in a row)."""
+    if not cause.own or cause.local_rank is None:
+        return []
+    found = []
+    for local in out.causes.order:
+        other = out.causes.rank_cause(local)
+        if other is None or local == cause.local_rank or not other.own or other.same_failure(cause):
+            continue
+        rank = cause.rank - cause.local_rank + local if cause.rank is not None else None
+        found.append(replace(other, rank=rank))
+    return found
 
 
 def ended_0_text(out: Outcome) -> str | None:

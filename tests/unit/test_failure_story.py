@@ -132,6 +132,27 @@ def test_the_same_failure_everywhere_keeps_the_node_the_live_line_named():
     assert blame(nodes, addresses, named="node9").node == "node3"  # (a name of no failure)
 
 
+def test_a_second_rank_failing_another_way_on_the_named_node_is_in_the_closing_line():
+    """Two ranks of node2 raised at once, each its own error (a new user's pass: the closing line
+    named rank 2's and said nothing of rank 3's); a third rank with rank 2's own error, and a
+    fourth that lost its peer, add nothing."""
+    text = CULPRIT.replace("rank1", "rank2") + "\n" + "\n".join([
+        "[default1]:[rank3]: Traceback (most recent call last):",
+        "[default1]:[rank3]:   File \"/w/crash.py\", line 14, in <module>",
+        "[default1]:[rank3]:     raise KeyError('missing')",
+        "[default1]:[rank3]: KeyError: 'missing'",
+        "[default2]:[rank4]: ValueError: bad batch shape (3, 4)",
+        f"[default3]:[rank5]: {GLOO_CLOSED}"])
+    r = reader(text)
+    cause = r.cause({"pid": 71, "exit": 1, "rank": 2, "local_rank": 0})  # (the global rank: its supervisor's record)
+    assert cause.local_rank == 0 and cause.rank == 2
+    out = execute.NodeOutcome("node2", 1, exit_code=1, cause=cause, causes=r)
+    verdict = blame([NodeFailure("node2", 1, 100.0, cause, r.rank_kinds(), r.peers())], {"node2": "10.0.0.12"})
+    line = story.closing_line(verdict, out, "", {"node2": "10.0.0.12"})
+    assert line == ("failed: node2 (node_rank 1) exit code 1; rank 2 (local rank 0): ValueError: bad batch shape (3, 4); "
+                    "also on node2: rank 3 (local rank 1): KeyError: 'missing'; the others were stopped"), line
+
+
 def test_with_only_victims_the_node_their_errors_name_is_pointed_at():
     victim = reader(VICTIM)
     nodes = [NodeFailure("node1", 0, 100.0, victim.cause(), victim.rank_kinds(), victim.peers()),
