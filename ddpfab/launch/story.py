@@ -113,11 +113,8 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
         parts.append(cause_text(cause, out))
         if out.causes.restarted and cause.own:
             parts.append("torchrun's restarts after it (--max-restarts) failed too")
-        here = own_beside(out, cause)
-        if here:  # another rank of the same node failed on its own at the same time, another way
-            shown = [c.text() for c in here[:ALSO_SHOWN]]
-            more = len(here) - len(shown)
-            parts.append(f"also on {verdict.node}: " + ", ".join(shown) + (f" and {more} more" if more else ""))
+        if here := own_beside(out, cause):  # another rank of the node failed on its own at once, another way
+            parts.append(f"also on {verdict.node}: {here}")
     elif cause is not None:
         lost = f"{cause.who() or 'a rank'} lost its peer{peer_text(cause, addresses)}" \
             if cause.kind is CauseKind.PEER_LOST else cause.text()
@@ -145,11 +142,7 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     also = {n: o for n, o in others.items() if n not in same and o.cause is not None and o.cause.own
             and o.exit_code not in (None, 0)}
     if also:  # another rank's own failure, of another kind: never counted with the stopped
-        shown = [f"{n} (node_rank {o.node_rank}) {cause_text(o.cause, o)}" for n, o in list(also.items())[:ALSO_SHOWN]
-                 if o.cause is not None]
-        more = len(also) - len(shown)
-        parts.append("also on its own: " + ", ".join(shown) + (f" and {more} more node{'s' * (more != 1)}"
-                                                               if more else ""))
+        parts.append(f"also on its own: {also_text(also)}")
     if verdict.victims():
         parts.append(verdict.victims())
     done = [n for n, o in others.items() if o.exit_code == 0 and n != early]
@@ -165,20 +158,31 @@ def closing_line(verdict: Blame, out: Outcome, fallback: str, addresses: dict[st
     return "; ".join(parts)
 
 
-def own_beside(out: Outcome, cause: Cause) -> list[Cause]:
-    """The other ranks of *out*'s node that failed on their own, another way than *cause* (the one
-    named): two ranks' errors at once, before torchrun stopped the rest. Their global ranks follow
-    from *cause*'s (torchrun numbers a node's ranks in a row)."""
+def also_text(also: Mapping[str, Outcome]) -> str:
+    """``node3 (node_rank 2) rank 4 (local rank 0): KeyError: 'step'``, for the other nodes whose
+    rank failed on its own, another way (the first :data:`ALSO_SHOWN`; the rest counted)."""
+    shown = [f"{n} (node_rank {o.node_rank}) {cause_text(o.cause, o)}" for n, o in list(also.items())[:ALSO_SHOWN]
+             if o.cause is not None]
+    more = len(also) - len(shown)
+    return ", ".join(shown) + (f" and {more} more node{'s' * (more != 1)}" if more else "")
+
+
+def own_beside(out: Outcome, cause: Cause) -> str:
+    """``rank 3 (local rank 1): KeyError: 'step'``: the other ranks of *out*'s node that failed on
+    their own, another way than *cause* (the one named): two ranks' errors at once, before torchrun
+    stopped the rest; "" when none. Their global ranks follow from *cause*'s (torchrun numbers a
+    node's ranks in a row)."""
     if not cause.own or cause.local_rank is None:
-        return []
+        return ""
     found = []
     for local in out.causes.order:
         other = out.causes.rank_cause(local)
         if other is None or local == cause.local_rank or not other.own or other.same_failure(cause):
             continue
         rank = cause.rank - cause.local_rank + local if cause.rank is not None else None
-        found.append(replace(other, rank=rank))
-    return found
+        found.append(replace(other, rank=rank).text())
+    more = len(found) - ALSO_SHOWN
+    return ", ".join(found[:ALSO_SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def ended_0_text(out: Outcome) -> str | None:
