@@ -639,6 +639,14 @@ def failed_worker_text(record: object) -> str:
     return ""
 
 
+def no_oom_seen(remote: dict | None, cause: Cause | None) -> bool:
+    """The supervisor read its node's kernel log after *cause*'s rank was killed, and it names no
+    OOM kill of it (its ``failed_worker`` record's ``oom`` is false, for that local rank)."""
+    worker = (remote or {}).get("failed_worker")
+    return (isinstance(worker, dict) and worker.get("oom") is False and cause is not None
+            and cause.local_rank is not None and worker.get("local_rank") == cause.local_rank)
+
+
 def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None,
                    nprocs: dict[str, int] | None = None, named: str | None = None) -> Blame:
     """Whose failure ended the run (:func:`ddpfab.launch.cause.blame`): among the nodes that failed
@@ -981,7 +989,8 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal((out.remote or {}).get("launcher"))),
+            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal((out.remote or {}).get("launcher")),
+                                       no_oom_seen(out.remote, verdict.cause)),
                      self.node_hints.get(verdict.node) if verdict.own or verdict.cause is None else None]
             for line in hints.verdict_lines(found) + [h for h in extra if h]:
                 self.printer.note(f"hint: {line}")

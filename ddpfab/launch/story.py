@@ -227,11 +227,11 @@ def _pointed(verdict: Blame, addresses: dict[str, str], others: Mapping[str, Out
     return f"; their errors name {node} ({addresses[node]}): look there first"
 
 
-def signal_hint(cause: Cause | None, node: str, launcher: int | None = None) -> str | None:
+def signal_hint(cause: Cause | None, node: str, launcher: int | None = None, no_oom: bool = False) -> str | None:
     """What sends SIGKILL, when one killed the rank named (or, with no rank's cause, torchrun
     itself: *launcher*, the signal its supervisor recorded) and the node recorded no OOM kill of
-    it (its kernel log may be closed to ddpfab's user); where a SIGTERM from outside the run
-    came from; None for any other cause."""
+    it (*no_oom*: its supervisor read the kernel log, which has none; else the log may be closed
+    to ddpfab's user); where a SIGTERM from outside the run came from; None for any other cause."""
     killed = cause.signal if cause is not None and cause.kind is CauseKind.SIGNAL else \
         launcher if cause is None else None
     if killed == 15:
@@ -240,6 +240,9 @@ def signal_hint(cause: Cause | None, node: str, launcher: int | None = None) -> 
                 "ranks with it")
     if killed != 9:
         return None
+    if no_oom:
+        return (f"not the kernel's OOM killer ({node}'s kernel log has no OOM kill of it): SIGKILL then comes from "
+                "a user-space OOM daemon (systemd-oomd, earlyoom), a scheduler or watchdog, or someone's `kill -9`")
     return (f"SIGKILL comes from the kernel's OOM killer (no record of it was found, but {node}'s kernel log may "
             f"be closed to this user: `dmesg | grep -i kill` there as root), a memory limit (cgroup, ulimit), a "
             "scheduler or watchdog, or someone's `kill -9`")

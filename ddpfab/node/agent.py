@@ -463,7 +463,8 @@ def _watch_new_workers(root, poller, fds, seen, who):
 
 
 def failed_worker_record(pid, how, identity):
-    """``{"pid", "signal"|"exit"|"status", "rank"?, "local_rank"?, "oom"?}``: the first worker seen failing."""
+    """``{"pid", "signal"|"exit"|"status", "rank"?, "local_rank"?, "oom"?}``: the first worker seen failing
+    (``oom``, after a SIGKILL: whether the kernel log names the OOM killer; absent where it cannot be read)."""
     record = {"pid": pid, how[0]: how[1]}
     record.update(identity)
     return record
@@ -475,11 +476,12 @@ OOM_WINDOW = 5.0
 
 def oom_killed(pid, comm, died_at, window=OOM_WINDOW):
     """Did the kernel's OOM killer end process *pid* (command name *comm*) around *died_at*
-    (``time.time()``)? Read from the kernel log (``/dev/kmsg``; False where it cannot be read)."""
+    (``time.time()``)? Read from the kernel log (``/dev/kmsg``); None where it cannot be read (not
+    root, ``dmesg_restrict``): then nobody here knows."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
-        return False
+        return None
     since_us = (time.clock_gettime(time.CLOCK_MONOTONIC) - (time.time() - died_at) - window) * 1e6
     try:
         return oom_kill_in(_kmsg_records(fd), pid, comm, since_us)
@@ -1152,8 +1154,10 @@ class Supervisor(object):
             return  # ended already: a worker that dies now was ended by torchrun's exit or by us
         identity = dict(self.workers.get(pid) or {})
         comm = identity.pop("comm", None)
-        if how == ("signal", signal.SIGKILL) and oom_killed(pid, comm, time.time()):
-            identity["oom"] = True
+        if how == ("signal", signal.SIGKILL):  # oom: False when the kernel log was read and has no OOM kill of it
+            oom = oom_killed(pid, comm, time.time())
+            if oom is not None:
+                identity["oom"] = oom
         if how == ("signal", signal.SIGTERM) and failed_before(self.run_dir, time.time()) is None:
             # the first worker to end, by SIGTERM, no rank failing before it: neither torchrun (it
             # sends it only after a failure) nor ddpfab (its stop is set first) sent it

@@ -8,7 +8,9 @@ rank 1 raised after an all_reduce (captured on the lab), shortened where it repe
 from __future__ import annotations
 
 import io
+import os
 import queue
+import time
 import types
 from pathlib import Path
 
@@ -180,6 +182,30 @@ def test_a_rank_killed_by_a_signal_is_its_own_failure_a_sigterm_is_a_stop():
     assert node.cause({"pid": 57, "signal": 9, "rank": 0, "local_rank": 0}).kind is CauseKind.SIGNAL
     # ... but a worker record of a rank that said it lost its peer does not make it its own
     assert node.cause({"pid": 58, "exit": 1, "rank": 1, "local_rank": 1}).kind is CauseKind.PEER_LOST
+
+
+def test_a_sigkill_hint_says_the_oom_killer_is_ruled_out_only_where_the_log_was_read(monkeypatch):
+    """As root the supervisor reads the kernel log: a SIGKILL it finds no OOM kill of is said not
+    to be the OOM killer's (a new user's pass: the hint said the log "may be closed" even to root).
+    Where the log cannot be opened, the record says nothing and the hint stays open."""
+    import ddpfab.node.agent as agent
+    killed = worker_cause({"pid": 57, "signal": 9, "rank": 1, "local_rank": 0})
+    read = {"failed_worker": {"pid": 57, "signal": 9, "rank": 1, "local_rank": 0, "oom": False}}
+    assert execute.no_oom_seen(read, killed)
+    assert story.signal_hint(killed, "node2", no_oom=True).startswith(
+        "not the kernel's OOM killer (node2's kernel log has no OOM kill of it): SIGKILL then comes from a user-space")
+    closed = {"failed_worker": {"pid": 57, "signal": 9, "rank": 1, "local_rank": 0}}
+    other_rank = {"failed_worker": {**read["failed_worker"], "local_rank": 1}}
+    for remote in (closed, other_rank, None, {"failed_worker": "x"}, {"failed_worker": {"oom": "false"}}):
+        assert not execute.no_oom_seen(remote, killed), remote
+    assert "may be closed to this user" in story.signal_hint(killed, "node2")
+    real_open = os.open
+    def no_kmsg(path, *a, **k):
+        if path == "/dev/kmsg":
+            raise PermissionError(1, "Operation not permitted")
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(agent.os, "open", no_kmsg)
+    assert agent.oom_killed(57, "python3", time.time()) is None
 
 
 def test_the_kernels_oom_record_is_matched_by_pid_or_by_name_and_time():
