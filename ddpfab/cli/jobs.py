@@ -364,6 +364,8 @@ def cmd_attach(args) -> int:
     if failed and not hung and not races:
         for line in failed[1]:
             printer.note(line)
+        for line in failed[2]:
+            printer.note(f"hint: {line}")
     code, summary, warned = attach_end(codes, races, hung, failed[0] if failed else None, outside,
                                        cancelled_waiting(outcomes.values()))
     printer.note(f"run {args.run_id} ended: {summary}")

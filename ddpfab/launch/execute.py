@@ -639,6 +639,17 @@ def failed_worker_text(record: object) -> str:
     return ""
 
 
+def verdict_hints(verdict: Blame, out: NodeOutcome, found: list[tuple[str, hints.Signature]] | None = None,
+                  node_hints: Mapping[str, str] | None = None) -> list[str]:
+    """The hints after a failure's closing line (run's and attach's): what the known failure
+    signatures *found* in the output mean, what sends the signal that killed the rank named (*out*:
+    its node's outcome), and what that node's facts showed odd (*node_hints*)."""
+    extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal((out.remote or {}).get("launcher")),
+                               no_oom_seen(out.remote, verdict.cause)),
+             (node_hints or {}).get(verdict.node or "") if verdict.own or verdict.cause is None else None]
+    return hints.verdict_lines(found or []) + [h for h in extra if h]
+
+
 def no_oom_seen(remote: dict | None, cause: Cause | None) -> bool:
     """The supervisor read its node's kernel log after *cause*'s rank was killed, and it names no
     OOM kill of it (its ``failed_worker`` record's ``oom`` is false, for that local rank)."""
@@ -989,10 +1000,7 @@ class _Monitor:
                 summary = f"failed after a hang: {'; '.join(hang.lines)}; then {summary.removeprefix('failed: ')}"
             for line in story.other_nodes(outcomes, verdict.node, self.addresses):
                 self.printer.note(line)
-            extra = [story.signal_hint(verdict.cause, verdict.node, launcher_signal((out.remote or {}).get("launcher")),
-                                       no_oom_seen(out.remote, verdict.cause)),
-                     self.node_hints.get(verdict.node) if verdict.own or verdict.cause is None else None]
-            for line in hints.verdict_lines(found) + [h for h in extra if h]:
+            for line in verdict_hints(verdict, out, found, self.node_hints):
                 self.printer.note(f"hint: {line}")
             return (out.exit_code if out.exit_code not in (None, 0) else 1), summary
         if races := {n: o.exit_race for n, o in outcomes.items() if o.exit_race}:

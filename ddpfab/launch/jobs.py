@@ -27,7 +27,7 @@ from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
                                    node_cause, ranked, result_record, stopped_from_outside_line,
-                                   supervisor_text)
+                                   supervisor_text, verdict_hints)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.tmuxrun import recorded_socket
 from ddpfab.optionnames import option
@@ -271,10 +271,12 @@ def exit_races_of(outcomes: dict[str, NodeOutcome], guard: str) -> dict[str, dic
     return {n: race for n, o in outcomes.items() if (race := exit_race_of(o.exit_code, o.remote))}
 
 
-def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False) -> tuple[str, list[str]] | None:
+def attach_story(plan, outcomes: dict[str, NodeOutcome],
+                 own_only: bool = False) -> tuple[str, list[str], list[str]] | None:
     """For a job that failed: run's closing line (the rank that failed on its own, the victims
-    counted) and the line per other node; None when no node failed on its own account (with
-    *own_only*, a job stopped from outside: also when only victims of the stop failed)."""
+    counted), the line per other node and run's hints (what sends the signal that killed it); None
+    when no node failed on its own account (with *own_only*, a job stopped from outside: also when
+    only victims of the stop failed)."""
     addresses = {n.name: n.data_addr for n in plan.nodes}
     verdict = blame_outcomes(outcomes, addresses, None, {n.name: n.nproc for n in plan.nodes})
     if verdict.node is None or (own_only and not verdict.own):
@@ -282,7 +284,7 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome], own_only: bool = False)
     out = outcomes[verdict.node]
     fallback = supervisor_text(out.remote)
     return (story.closing_line(verdict, out, fallback, addresses, outcomes),
-            story.other_nodes(outcomes, verdict.node, addresses))
+            story.other_nodes(outcomes, verdict.node, addresses), verdict_hints(verdict, out))
 
 
 def attach_end(codes: dict[str, int], races: dict[str, dict], hung: list[str] | None = None,

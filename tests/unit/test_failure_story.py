@@ -537,12 +537,20 @@ def test_attach_tells_the_same_story_as_run():
                "node3": reader(VICTIM.replace("rank      : 0 (local_rank", "rank      : 2 (local_rank"))}
     plan = plan3()
     outcomes = jobs.ended_outcomes(plan, {}, {"node1": 1, "node2": 1, "node3": 1}, readers)
-    closing, others = jobs.attach_story(plan, outcomes)
+    closing, others, said = jobs.attach_story(plan, outcomes)
     assert closing.startswith("failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0): ValueError: bad batch")
+    assert said == []  # (an exception: no hint)
     assert closing.endswith("2 other ranks lost their peer")  # (no record says anyone was stopped)
     assert others == ["  node1 (node_rank 0): rank 0 (local rank 0) lost its peer (its peer: node2)",
                       "  node3 (node_rank 2): rank 2 (local rank 0) lost its peer (its peer: node2)"]
     assert jobs.attach_end({"node1": 1, "node2": 1, "node3": 1}, {}, None, closing) == (1, closing, False)
+    # and run's hints: a rank killed by SIGKILL (a new user's pass: attach gave none)
+    worker = {"pid": 57, "signal": 9, "rank": 1, "local_rank": 0, "oom": False}
+    outcomes["node2"] = execute.NodeOutcome("node2", 1, exit_code=137, remote={"failed_at": 5.0, "failed_worker": worker},
+                                            cause=worker_cause(worker))
+    closing, _, said = jobs.attach_story(plan, outcomes)
+    assert "rank 1 (local rank 0) was killed by signal 9 (SIGKILL)" in closing, closing
+    assert len(said) == 1 and said[0].startswith("not the kernel's OOM killer (node2's kernel log"), said
 
 
 def test_a_node_that_says_nothing_of_its_cause_outranks_a_known_victim():
