@@ -161,6 +161,7 @@ def register(sub) -> None:
             p.add_argument("-v", "--verbose", action="store_true",
                            help="every line of the job's output: torchrun's failure reports and the tracebacks of "
                                 "ranks that lost their peer are folded otherwise (ddpfab logs RUN_ID has them)")
+            p.add_argument("--no-color", action="store_true", help="no colours in the output (as run's)")
         if name == "logs":
             p.add_argument("--ranks", action="store_true",
                            help="also fetch torchrun's full per-rank logs (stdout/stderr of every local rank, "
@@ -333,7 +334,7 @@ def cmd_attach(args) -> int:
         plan = _plan_of(args, manifest)
         cluster = _cluster(args, manifest)
         conns = _connect(args, cluster, warm=False)  # (it outlives `hold --stop`: the job goes on)
-        printer = Printer(plan, verbose=args.verbose)
+        printer = Printer(plan, verbose=args.verbose, color=False if args.no_color else None)
         hang = _hang_watch(args, manifest, plan, conns, printer)
         codes: dict[str, int] = {}
         readers: dict = {}

@@ -177,9 +177,8 @@ def test_attach_with_a_closed_stdout_detaches_and_the_job_goes_on(lab, inventory
     assert res.returncode == 0, res.stdout + res.stderr
     run_id = next(runs.glob("*/manifest.json")).parent.name
     try:
-        att = subprocess.Popen([sys.executable, "-m", "ddpfab", "attach", "--runs-dir", str(runs), run_id],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               env={**os.environ, "NO_COLOR": "1"})
+        att = subprocess.Popen([sys.executable, "-m", "ddpfab", "attach", "--no-color", "--runs-dir", str(runs), run_id],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         try:
             att.stdout.readline()
             att.stdout.close()
