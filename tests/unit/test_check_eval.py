@@ -29,13 +29,21 @@ def test_healthy_cluster_passes_everything():
     assert failing(res) == []
 
 
-def test_mismatched_torch_fails_on_every_node_one_line_per_value():
+def test_mismatched_torch_fails_the_odd_node_and_every_node_where_no_version_has_a_majority():
+    """The nodes that differ from what more than half have fail; that majority passes (a new
+    user's pass: "FAIL python: 7 nodes: ... found python 3.11.7: node1, node2, ..." listed the
+    healthy nodes as failing). Without such a majority every node fails, one line per value."""
     res = results({"a": fact(), "b": fact(torch_version="2.12.1+cpu"), "c": fact()})
-    assert failing(res) == [("a", "torch"), ("b", "torch"), ("c", "torch")]
+    assert failing(res) == [("b", "torch")]
+    assert [(r.node, r.found) for r in res if r.check == "torch" and r.status == "pass"] == [
+        ("a", "2.13.0+cpu (as most nodes)"), ("c", "2.13.0+cpu (as most nodes)")]
     text = render(Report(nodes=["a", "b", "c"], results=res))
-    assert ("FAIL torch: 2 nodes: expected the same torch on every node (most have 2.13.0+cpu), found torch "
-            "2.13.0+cpu: a, c;") in text
     assert "FAIL host b: torch: expected the same torch on every node (most have 2.13.0+cpu), found torch 2.12.1" in text
+    assert "found torch 2.13.0+cpu" not in text
+    split = results({"a": fact(), "b": fact(torch_version="2.12.1+cpu")}, unreachable={"c": "timed out"})
+    assert [f for f in failing(split) if f[1] == "torch"] == [("a", "torch"), ("b", "torch")]
+    three = results({"a": fact(), "b": fact(torch_version="2.12.1+cpu"), "c": fact(torch_version="2.11.0+cpu")})
+    assert len(failing(three)) == 3  # (a plurality of one is no majority)
 
 
 def test_mismatched_cuda_and_nccl():

@@ -121,9 +121,7 @@ def test_grouped_output_for_64_failing_nodes_is_a_few_lines():
     facts = {n: dict(fact, torch_version="2.12.0" if n in ("node3", "node4") else "2.13.0+cpu") for n in names(64)}
     res = evaluate(cluster, "node1", facts, {}, m, CheckOptions(full=False), {n: 1 for n in names(64)})
     lines = grouped_lines(res)
-    assert lines == [  # every node of a mismatch fails: one line per distinct value (sampled plan: 16 peers)
-        "torch: 62 nodes: expected the same torch on every node (most have 2.13.0+cpu), found torch 2.13.0+cpu: "
-        "node[1-2,5-64] (62 nodes); fix: install one pinned torch everywhere (ddpfab provision)",
+    assert lines == [  # the odd nodes of a mismatch fail, one line per distinct value (sampled plan: 16 peers)
         "torch: 2 nodes: expected the same torch on every node (most have 2.13.0+cpu), found torch 2.12.0: "
         "node3, node4; fix: install one pinned torch everywhere (ddpfab provision)",
         "mesh: 3 nodes unreachable from 16 peers (timed out): node7, node9, node12; likely their firewall: "
