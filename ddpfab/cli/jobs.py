@@ -161,7 +161,7 @@ def register(sub) -> None:
             p.add_argument("-v", "--verbose", action="store_true",
                            help="every line of the job's output: torchrun's failure reports and the tracebacks of "
                                 "ranks that lost their peer are folded otherwise (ddpfab logs RUN_ID has them)")
-            p.add_argument("--no-color", action="store_true", help="no colours in the output (as run's)")
+            p.add_argument("--no-color", action="store_true")
         if name == "logs":
             p.add_argument("--ranks", action="store_true",
                            help="also fetch torchrun's full per-rank logs (stdout/stderr of every local rank, "

@@ -499,7 +499,8 @@ class CauseReader:
             return replace(self.first_attempt)  # the attempts after it failed in its wake
         said = [c for local in self.order if (c := self.rank_cause(local))]
         own = [c for c in said if c.own]
-        if not own and self.death_signal == signal.SIGTERM and (unstopped or (worker or {}).get("outside") is True):
+        outside = isinstance(worker, dict) and worker.get("outside") is True
+        if not own and self.death_signal == signal.SIGTERM and (unstopped or outside):
             # torchrun itself got SIGTERM (not from its supervisor) and ended its ranks with it
             return Cause(None, None, None, "torchrun got signal 15 (SIGTERM) from outside the run and ended its ranks",
                          CauseKind.SIGNAL, signal.SIGTERM)

@@ -653,9 +653,10 @@ def verdict_hints(verdict: Blame, out: NodeOutcome, found: list[tuple[str, hints
 def no_oom_seen(remote: dict | None, cause: Cause | None) -> bool:
     """The supervisor read its node's kernel log after *cause*'s rank was killed, and it names no
     OOM kill of it (its ``failed_worker`` record's ``oom`` is false, for that local rank)."""
-    worker = (remote or {}).get("failed_worker")
-    return (isinstance(worker, dict) and worker.get("oom") is False and cause is not None
-            and cause.local_rank is not None and worker.get("local_rank") == cause.local_rank)
+    worker = remote.get("failed_worker") if isinstance(remote, dict) else None
+    return (isinstance(worker, dict) and worker.get("oom") is False and worker.get("signal") == signal.SIGKILL
+            and type(worker.get("signal")) is int and cause is not None and type(cause.local_rank) is int
+            and type(worker.get("local_rank")) is int and worker.get("local_rank") == cause.local_rank)
 
 
 def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None,

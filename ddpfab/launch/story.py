@@ -172,14 +172,15 @@ def own_beside(out: Outcome, cause: Cause) -> str:
     their own, another way than *cause* (the one named): two ranks' errors at once, before torchrun
     stopped the rest; "" when none. Their global ranks follow from *cause*'s (torchrun numbers a
     node's ranks in a row)."""
-    if not cause.own or cause.local_rank is None:
-        return ""
+    if not cause.own or cause.local_rank is None or out.causes.restarted:
+        return ""  # (after torchrun's restarts the others' errors are of later attempts, in its wake)
     found = []
     for local in out.causes.order:
         other = out.causes.rank_cause(local)
         if other is None or local == cause.local_rank or not other.own or other.same_failure(cause):
             continue
         rank = cause.rank - cause.local_rank + local if cause.rank is not None else None
+        rank = rank if rank is not None and rank >= 0 else None
         found.append(replace(other, rank=rank).text())
     more = len(found) - ALSO_SHOWN
     return ", ".join(found[:ALSO_SHOWN]) + (f" and {more} more" if more > 0 else "")
@@ -241,8 +242,8 @@ def signal_hint(cause: Cause | None, node: str, launcher: int | None = None, no_
     if killed != 9:
         return None
     if no_oom:
-        return (f"not the kernel's OOM killer ({node}'s kernel log has no OOM kill of it): SIGKILL then comes from "
-                "a user-space OOM daemon (systemd-oomd, earlyoom), a scheduler or watchdog, or someone's `kill -9`")
+        return (f"no OOM kill of it is in {node}'s kernel log, so not the kernel's OOM killer: SIGKILL then comes "
+                "from a user-space OOM daemon (systemd-oomd, earlyoom), a scheduler or watchdog, or someone's `kill -9`")
     return (f"SIGKILL comes from the kernel's OOM killer (no record of it was found, but {node}'s kernel log may "
             f"be closed to this user: `dmesg | grep -i kill` there as root), a memory limit (cgroup, ulimit), a "
             "scheduler or watchdog, or someone's `kill -9`")

@@ -42,6 +42,7 @@ import re
 import select
 import shutil
 import signal
+import stat
 import threading
 import time
 
@@ -472,32 +473,57 @@ def failed_worker_record(pid, how, identity):
 
 #: Seconds around a worker's death in which the kernel's record of an OOM kill is taken as its.
 OOM_WINDOW = 5.0
+#: Seconds before a worker's death in which an OOM kill of it leaves the answer open (a process can
+#: take this long to exit after the kill: a GPU context torn down), rather than "not the OOM killer".
+OOM_DOUBT = 60.0
+#: Records read from the kernel log at most (its ring holds a few thousand).
+KMSG_RECORDS = 100000
 
 
 def oom_killed(pid, comm, died_at, window=OOM_WINDOW):
     """Did the kernel's OOM killer end process *pid* (command name *comm*) around *died_at*
-    (``time.time()``)? Read from the kernel log (``/dev/kmsg``); None where it cannot be read (not
-    root, ``dmesg_restrict``): then nobody here knows."""
+    (``time.time()``)? Read from the kernel log (``/dev/kmsg``). None where nobody here can know:
+    the log cannot be read (not root, ``dmesg_restrict``, no such device), the process cannot be
+    matched (in a PID namespace without its command name), or an OOM kill of it lies outside the
+    window but within :data:`OOM_DOUBT` seconds (a slow exit after the kill)."""
+    by_name = not in_init_pid_namespace()
+    if by_name and not comm:
+        return None
+    now_us = time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6 - (time.time() - died_at) * 1e6
+    found = _kmsg_oom(pid, comm, by_name, (now_us - window * 1e6, now_us - OOM_DOUBT * 1e6))
+    if found is None:
+        return None
+    return True if found[0] else None if found[1] else False
+
+
+def _kmsg_oom(pid, comm, by_name, since_us):
+    """(an OOM kill of *pid* since ``since_us[0]``, one since ``since_us[1]``) in the kernel log;
+    None where it cannot be read as one (not a character device: a container's stand-in)."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
-    since_us = (time.clock_gettime(time.CLOCK_MONOTONIC) - (time.time() - died_at) - window) * 1e6
     try:
-        return oom_kill_in(_kmsg_records(fd), pid, comm, since_us)
+        if not stat.S_ISCHR(os.fstat(fd).st_mode):
+            return None
+        records = list(_kmsg_records(fd))
     finally:
         os.close(fd)
+    return tuple(oom_kill_in(records, pid, comm, since, by_name) for since in since_us)
 
 
 def _kmsg_records(fd):
-    """The kernel log's records, one per read, until its end."""
-    while True:
+    """The kernel log's records, one per read, until its end (at most :data:`KMSG_RECORDS`)."""
+    for _ in range(KMSG_RECORDS):
         try:
-            yield os.read(fd, 8192).decode("utf-8", "replace")
+            record = os.read(fd, 8192)
         except BlockingIOError:
             return  # the end of the log
         except OSError:  # EPIPE: a record was overwritten while we read; read on
             continue
+        if not record:  # (not /dev/kmsg after all: a file or a FIFO ends so)
+            return
+        yield record.decode("utf-8", "replace")
 
 
 #: The initial PID namespace's inode number (the kernel's PROC_PID_INIT_INO): outside it, the

@@ -12,6 +12,7 @@ import os
 import queue
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 from ddpfab.cli.run import own_options_hint
@@ -153,6 +154,13 @@ def test_a_second_rank_failing_another_way_on_the_named_node_is_in_the_closing_l
     line = story.closing_line(verdict, out, "", {"node2": "10.0.0.12"})
     assert line == ("failed: node2 (node_rank 1) exit code 1; rank 2 (local rank 0): ValueError: bad batch shape (3, 4); "
                     "also on node2: rank 3 (local rank 1): KeyError: 'missing'; the others were stopped"), line
+    # a rank number no torchrun gives (a record read back) is left out, not made negative
+    assert story.own_beside(out, replace(cause, rank=0, local_rank=1, exception="OSError: x")).startswith(
+        "local rank 0: ValueError")
+    # after torchrun's restarts another rank's error is of a later attempt, in the first one's wake
+    r.restarted = True
+    assert story.own_beside(out, cause) == ""
+    assert r.cause("garbage").exception is not None  # (a record that is no dict is no cause, and no crash)
 
 
 def test_with_only_victims_the_node_their_errors_name_is_pointed_at():
@@ -193,10 +201,13 @@ def test_a_sigkill_hint_says_the_oom_killer_is_ruled_out_only_where_the_log_was_
     read = {"failed_worker": {"pid": 57, "signal": 9, "rank": 1, "local_rank": 0, "oom": False}}
     assert execute.no_oom_seen(read, killed)
     assert story.signal_hint(killed, "node2", no_oom=True).startswith(
-        "not the kernel's OOM killer (node2's kernel log has no OOM kill of it): SIGKILL then comes from a user-space")
+        "no OOM kill of it is in node2's kernel log, so not the kernel's OOM killer: SIGKILL then comes from a user-space")
     closed = {"failed_worker": {"pid": 57, "signal": 9, "rank": 1, "local_rank": 0}}
     other_rank = {"failed_worker": {**read["failed_worker"], "local_rank": 1}}
-    for remote in (closed, other_rank, None, {"failed_worker": "x"}, {"failed_worker": {"oom": "false"}}):
+    not_killed = {"failed_worker": {**read["failed_worker"], "signal": 6}}
+    bool_rank = {"failed_worker": {**read["failed_worker"], "local_rank": False}}
+    for remote in (closed, other_rank, not_killed, bool_rank, None, "x", {"failed_worker": "x"},
+                   {"failed_worker": {"oom": "false"}}):
         assert not execute.no_oom_seen(remote, killed), remote
     assert "may be closed to this user" in story.signal_hint(killed, "node2")
     real_open = os.open
@@ -206,6 +217,24 @@ def test_a_sigkill_hint_says_the_oom_killer_is_ruled_out_only_where_the_log_was_
         return real_open(path, *a, **k)
     monkeypatch.setattr(agent.os, "open", no_kmsg)
     assert agent.oom_killed(57, "python3", time.time()) is None
+    monkeypatch.undo()
+    # a log that is no kernel log (a container's /dev/null) ends, and answers nothing
+    null = os.open("/dev/null", os.O_RDONLY)
+    try:
+        assert list(agent._kmsg_records(null)) == []
+    finally:
+        os.close(null)
+    # in a PID namespace the log's pids are not ours: without its name nothing can be matched
+    monkeypatch.setattr(agent, "in_init_pid_namespace", lambda: False)
+    assert agent.oom_killed(57, None, time.time()) is None
+    # an OOM kill of it shortly before the window (a slow exit after the kill) leaves it open
+    now_us = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+    log = [f"6,1,{now_us - 20_000_000},-;Out of memory: Killed process 57 (python3) total-vm:1kB"]
+    monkeypatch.setattr(agent, "_kmsg_oom", lambda pid, comm, by_name, since: tuple(
+        agent.oom_kill_in(log, pid, comm, s, by_name) for s in since))
+    assert agent.oom_killed(57, "python3", time.time()) is None
+    assert agent.oom_killed(57, "python3", time.time() - 18) is True
+    assert agent.oom_killed(58, "other", time.time()) is False
 
 
 def test_the_kernels_oom_record_is_matched_by_pid_or_by_name_and_time():
@@ -550,7 +579,7 @@ def test_attach_tells_the_same_story_as_run():
                                             cause=worker_cause(worker))
     closing, _, said = jobs.attach_story(plan, outcomes)
     assert "rank 1 (local rank 0) was killed by signal 9 (SIGKILL)" in closing, closing
-    assert len(said) == 1 and said[0].startswith("not the kernel's OOM killer (node2's kernel log"), said
+    assert len(said) == 1 and said[0].startswith("no OOM kill of it is in node2's kernel log"), said
 
 
 def test_a_node_that_says_nothing_of_its_cause_outranks_a_known_victim():
