@@ -25,6 +25,7 @@ from typing import Any
 from ddpfab.remote import nodeprogram as nodeprog
 from ddpfab.health import mesh as meshmod
 from ddpfab.health import packages
+from ddpfab.node.ops import MAX_PACKAGES
 from ddpfab.health import resourcecheck
 from ddpfab.health.mesh import run_mesh  # noqa: F401 - runner's preflight calls check.run_mesh
 from ddpfab.hostlist import compact
@@ -224,7 +225,7 @@ def _packages(ok: list, fx: dict[str, dict]) -> list[CheckResult]:
     """Each node's installed packages against most nodes' (:mod:`ddpfab.health.packages`): a
     warning, as a package no job imports fails nothing; nodes that differ the same way (the same
     python) share one line and one fix."""
-    listed = {n.name: got for n in ok if (got := packages.valid(fx[n.name].get("packages"))) is not None}
+    listed = {n.name: got for n in ok if (got := packages.listed(fx[n.name])) is not None}
     odd = packages.compare(dict(listed))
     groups: dict[tuple[str, str], list[str]] = {}
     for n in ok:
@@ -239,6 +240,11 @@ def _packages(ok: list, fx: dict[str, dict]) -> list[CheckResult]:
         elif n.name in listed:
             results.append(CheckResult(n.name, "packages", "pass", found=f"{len(listed[n.name])} packages"
                                        + (", as most nodes" if len(listed) > 1 else "")))
+        elif fx[n.name].get("packages_capped") is True:
+            results.append(CheckResult(n.name, "packages", "warn", found=f"its python lists at least "
+                                       f"{MAX_PACKAGES} packages: not compared with the other nodes'",
+                                       expected="a training environment (a venv: tens to a few hundred packages)",
+                                       fix="point ddpfab_python at the venv the job runs in, or `ddpfab provision`"))
     return results
 
 

@@ -92,6 +92,13 @@ def valid(value: object) -> dict[str, str | None] | None:
     return {k: v for k, v in kept.items() if k not in IGNORED} if kept or not value else None
 
 
+def listed(facts: dict) -> dict[str, str | None] | None:
+    """A node's packages from its raw *facts*, when they can be compared: valid (:func:`valid`)
+    and not cut short at the node program's cap (``packages_capped``: a python that full is no
+    training venv, and a cut list would "lack" whatever sorts after the cut)."""
+    return None if facts.get("packages_capped") is True else valid(facts.get("packages"))
+
+
 def compare(by_node: dict[str, object]) -> dict[str, Odd]:
     """The nodes whose packages differ from most nodes' (node -> how), from each node's
     ``packages`` fact; nodes without a valid one are left out, and fewer than two nodes compare
@@ -138,5 +145,5 @@ def failure_hints(facts: dict[str, dict], pythons: dict[str, str]) -> dict[str, 
     node -> the python its job runs."""
     return {node: (f"{node}'s python ({pythons[node]}) {odd.text()}, unlike most nodes: a likely cause of a "
                    f"failure there alone. Fix: {fix([node], pythons[node], odd)}")
-            for node, odd in compare({n: f.get("packages") for n, f in facts.items()}).items()
+            for node, odd in compare({n: listed(f) for n, f in facts.items()}).items()
             if odd.harmful and node in pythons}

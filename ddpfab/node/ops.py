@@ -368,6 +368,8 @@ def op_facts(req, session):
         out["resources"] = res_facts(req, out)
     if req.get("packages"):
         out["packages"] = installed_packages()
+        if len(out["packages"]) >= MAX_PACKAGES:  # cut short: the controller compares no such list
+            out["packages_capped"] = True
     if req.get("full") and out["torch"]:
         _facts_torch(out)
     return out

@@ -58,6 +58,28 @@ def test_check_names_what_one_node_lacks_and_how_to_install_it():
     assert [r.found for r in res if r.check == "packages" and r.node == "a"] == ["3 packages, as most nodes"]
 
 
+def test_a_list_cut_at_the_node_programs_cap_is_said_so_and_compared_with_nothing(tmp_path, monkeypatch):
+    """A python with more packages than the node program lists (a system or base python): its cut
+    list would "lack" whatever sorts after the cut. It gets a warning of its own, and the others are
+    compared among themselves (before, the cut was silent)."""
+    for i in range(5):
+        (tmp_path / f"pkg{i}-1.0.dist-info").mkdir()
+    monkeypatch.setattr(ops, "_package_dirs", lambda: [str(tmp_path)])
+    monkeypatch.setattr(ops, "MAX_PACKAGES", 3)
+    got = ops.op_facts({"packages": True, "workdir": str(tmp_path)}, {})
+    assert len(got["packages"]) == 3 and got["packages_capped"] is True
+    monkeypatch.setattr(ops, "MAX_PACKAGES", 10)
+    assert "packages_capped" not in ops.op_facts({"packages": True, "workdir": str(tmp_path)}, {})
+    monkeypatch.undo()
+    lacking = {k: v for k, v in BASE.items() if k != "numpy"}
+    res = results({"a": fact(packages=BASE), "b": fact(packages=lacking), "c": fact(packages=BASE, packages_capped=True)})
+    assert [(r.node, r.status) for r in res if r.check == "packages"] == [("a", "pass"), ("b", "warn"), ("c", "warn")]
+    capped = next(r for r in res if r.check == "packages" and r.node == "c")
+    assert capped.found == f"its python lists at least {ops.MAX_PACKAGES} packages: not compared with the other nodes'"
+    assert packages.failure_hints({"a": {"packages": BASE}, "b": {"packages": BASE},
+                                   "c": {"packages": lacking, "packages_capped": True}}, {"c": "python3"}) == {}
+
+
 def test_the_node_program_lists_its_pythons_packages_by_their_metadata_dirs(tmp_path, monkeypatch):
     for entry in ("NumPy-2.1.0.dist-info", "zope.interface-7.0.dist-info", "old_pkg-1.0-py3.11.egg-info",
                   "numpy", "README.txt", "numpy-1.0.dist-info"):
