@@ -632,26 +632,21 @@ def _standing(cause: Cause | None) -> int:
     return 1 if cause is None or cause.kind is None else 2
 
 
-def blame(nodes: list[NodeFailure], addresses: dict[str, str], named: str | None = None) -> Blame:
+def blame(nodes: list[NodeFailure], addresses: dict[str, str]) -> Blame:
     """The node to name among *nodes* (every node that ended badly; those that did not fail on
     their own only count their victims); *addresses*: node -> its data-plane address (to map a
-    victim's peer address to a node); *named*: the node the run already named while it ran.
+    victim's peer address to a node).
 
     A rank whose cause is its own outranks any victim, whatever the times; among those, the first
-    by its node's ``failed_at`` (then node rank), or *named* where its failure is the same as that
-    one's (every rank with the same import error: the node the user was told of stays the one).
-    A node that says nothing of its cause still outranks a known victim. With only secondary
-    causes, the node the victims name by address is pointed at (:func:`pointed_node`), and the
-    first in time is named."""
+    by its node's ``failed_at`` (then node rank). A node that says nothing of its cause still
+    outranks a known victim. With only secondary causes, the node the victims name by address is
+    pointed at (:func:`pointed_node`), and the first in time is named."""
     failures = [f for f in nodes if f.failed]
     if not failures:
         return Blame(None)
     best = min(_standing(f.cause) for f in failures)
     first = min((f for f in failures if _standing(f.cause) == best),
                 key=lambda f: (f.failed_at is None, f.failed_at or 0.0, f.node_rank))
-    told = next((f for f in failures if f.name == named), None)
-    if told is not None and told.cause is not None and told.cause.same_failure(first.cause):
-        first = told
     # the victims besides the rank named (itself one, when no rank failed on its own)
     lost = sum(1 for f in nodes for local, kind in f.kinds.items() if kind is CauseKind.PEER_LOST
                and not (f is first and first.cause is not None and first.cause.local_rank == local))

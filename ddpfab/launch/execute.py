@@ -660,14 +660,13 @@ def no_oom_seen(remote: dict | None, cause: Cause | None) -> bool:
 
 
 def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], detected: str | None,
-                   nprocs: dict[str, int] | None = None, named: str | None = None) -> Blame:
+                   nprocs: dict[str, int] | None = None) -> Blame:
     """Whose failure ended the run (:func:`ddpfab.launch.cause.blame`): among the nodes that failed
     on their own (their supervisor's ``failed_at``, the node's clock; a node without one, lost or
     its supervisor gone, counts at the time ddpfab saw it end when it was the first seen; a node
     whose output shows a rank's own failure though its stop came first), the rank whose cause is
     its own outranks every victim. A node whose job failed on its own is never "stopped by ddpfab".
-    *nprocs*: node -> its ranks (the plan's), for which node is a victim as a whole; *named*: the
-    node the live line named (named again where the first's failure is the same)."""
+    *nprocs*: node -> its ranks (the plan's), for which node is a victim as a whole."""
     nodes = []
     for name, out in outcomes.items():
         failed_at = (out.remote or {}).get("failed_at")
@@ -678,7 +677,7 @@ def blame_outcomes(outcomes: dict[str, NodeOutcome], addresses: dict[str, str], 
                                  out.causes.rank_kinds(), out.causes.peers(),
                                  failed=out.failed and (failed_at is not None or own or name == detected),
                                  ranks=(nprocs or {}).get(name, 1)))
-    return blame(nodes, addresses, named)
+    return blame(nodes, addresses)
 
 
 #: Seconds within which a second Ctrl-C stops a job whose rank this terminal drives in pdb (the
@@ -797,7 +796,6 @@ class _Monitor:
         self.interrupted: str | None = None
         self.from_outside: dict[str, int] = {}  # node -> the signal that stopped it from outside the run
         self.first_failure: str | None = None
-        self.announced: str | None = None  # the node the live line named ("... failed (...); stopping the other nodes")
         self.extra_wait: float | None = None  # after the stop deadline: the dropped links' last chance
         self.wait_base = float(os.environ.get("DDPFAB_WAIT_REPORT_S", WAIT_REPORT_S))
         self.wait_every, self.quiet_since, self.next_report = self.wait_base, None, 0.0
@@ -865,7 +863,6 @@ class _Monitor:
         if out.failed and self.interrupted is None and not out.stopped_by_ddpfab and self.stop_deadline() is None:
             self.first_failure = self.first_failure or name
             if self.settle.failed(name, out):
-                self.announced = self.announced or name
                 self.printer.note(story.live_line(name, out, self.addresses))
                 self.stop_all(fast=True)
 
@@ -959,7 +956,7 @@ class _Monitor:
             if out.cleanup and not out.holder_gone:
                 self.printer.note(f"{name}: its node supervisor left no record; cleanup there: {out.cleanup}")
         self.printer.folded_note()
-        verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure, self.nprocs, self.announced)
+        verdict = (blame_outcomes(outcomes, self.addresses, self.first_failure, self.nprocs)
                    if not self.interrupted and not self.hung else Blame(self.first_failure))
         stopped = self.from_outside and not self.interrupted and not self.hung and not verdict.own
         if stopped:  # no rank failed on its own: its victims are the stop's

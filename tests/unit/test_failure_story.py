@@ -117,24 +117,6 @@ def test_the_crashed_rank_is_named_though_its_victims_reported_first():
     assert verdict.cause.traceback[-1].endswith("ValueError: bad batch shape (3, 4)")
 
 
-def test_the_same_failure_everywhere_keeps_the_node_the_live_line_named():
-    """Every rank failed at import with the same error (a new user's pass: the live line named
-    node2, the closing line node3, by the supervisors' clocks a moment apart): the node the user
-    was told of while it ran stays the one named, the others "failed the same way". A failure
-    that is not the same is still named by time."""
-    missing = "ModuleNotFoundError: No module named 'nonexistent'"
-    def node(name, at, error=missing):
-        rank = int(name[-1]) - 1
-        return NodeFailure(name, rank, at, Cause(rank, 0, 1, error, CauseKind.EXCEPTION), {0: CauseKind.EXCEPTION}, [])
-    nodes = [node("node1", 100.3), node("node2", 100.2), node("node3", 100.1)]
-    addresses = {"node1": "10.0.0.11", "node2": "10.0.0.12", "node3": "10.0.0.13"}
-    assert blame(nodes, addresses).node == "node3"  # by time
-    assert blame(nodes, addresses, named="node2").node == "node2"
-    other = [node("node1", 100.3), node("node2", 100.2, "ValueError: other"), node("node3", 100.1)]
-    assert blame(other, addresses, named="node2").node == "node3"
-    assert blame(nodes, addresses, named="node9").node == "node3"  # (a name of no failure)
-
-
 def test_a_second_rank_failing_another_way_on_the_named_node_is_in_the_closing_line():
     """Two ranks of node2 raised at once, each its own error (a new user's pass: the closing line
     named rank 2's and said nothing of rank 3's); a third rank with rank 2's own error, and a
