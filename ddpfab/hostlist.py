@@ -71,11 +71,13 @@ def fold_names(names: Iterable[str]) -> str:
 
 
 def compact(names: Sequence[str], limit: int = 8) -> str:
-    """Names for a sentence: all of them up to *limit* (``node7, node9``), else folded, with how
-    many (``node[1-40,42], gpu-a (42 nodes)``)."""
-    if len(names) <= limit:
+    """Names for a sentence: up to 3 of them, or up to *limit* that do not fold, as they are
+    (``node7, node9, node12``); else folded, with how many (``node[11-17,19] (8 nodes)``,
+    ``node[1-40,42], gpu-a (42 nodes)``)."""
+    parts = _folded_parts(names)
+    if len(names) <= 3 or (len(names) <= limit and len(parts) == len(names)):
         return ", ".join(names)
-    return ", ".join(_folded_parts(names)) + f" ({len(names)} nodes)"
+    return ", ".join(parts) + f" ({len(names)} nodes)"
 
 
 def fold_by(values: dict[str, Key]) -> list[tuple[list[str], Key]]:

@@ -105,6 +105,11 @@ def test_master_port_from_every_node():
 def test_compact_names():
     assert hostlist.compact(["node7", "node9", "node12"]) == "node7, node9, node12"
     assert hostlist.compact(names(40) + ["node42", "gpu-a"]) == "node[1-40,42], gpu-a (42 nodes)"
+    # a few that fold are folded, a few that do not are listed
+    eight = [f"node{i}" for i in (11, 12, 13, 14, 15, 16, 17, 19)]
+    assert hostlist.compact(eight) == "node[11-17,19] (8 nodes)"
+    assert hostlist.compact(["gpu-a", "gpu-b", "cpu", "edge"]) == "gpu-a, gpu-b, cpu, edge"
+    assert hostlist.compact(["node1", "node2"]) == "node1, node2"
 
 
 def test_grouped_output_for_64_failing_nodes_is_a_few_lines():
@@ -141,7 +146,6 @@ def test_a_waiting_run_names_its_nodes_by_state():
     outs["node32"].ended, outs["node32"].exit_code = 5.0, 0
     text = waiting_report(outs, now=190.0, quiet_s=90)
     assert text == ("waiting: no rank has printed for 90 s; in rendezvous (no rank has printed yet): "
-                    "node[1-30] (30 nodes); quiet: node31; silent since start: "
-                    + ", ".join(f"node{i}" for i in range(33, 41)))
+                    "node[1-30] (30 nodes); quiet: node31; silent since start: node[33-40] (8 nodes)")
     assert outs["node31"].to_dict()["last_state"].startswith("quiet for")
     assert outs["node32"].to_dict()["last_state"] == "ended"
