@@ -32,6 +32,7 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from ddpfab.health.hints import Signature, signature_of
 from ddpfab.node.agent import name_of_signal
 
 #: An exception line is cut to this many characters.
@@ -287,11 +288,15 @@ class CauseReader:
         self.first_attempt: Cause | None = None
         self.restarted = False  # torchrun observed a failure after the first: it had restarted
         self.death_signal: int | None = None  # the stop signal torchrun said it got (by ddpfab's stop, or not)
+        self.signatures: list[Signature] = []  # the known failure signatures seen, each once (hints.py)
 
     def feed(self, line: str) -> tuple[Fold, int | None]:
         """Read *line*; returns what the printer does with it, and whose line it is (the local
         rank, None for torchrun's)."""
         tag = RANK_TAG.match(line)
+        sig = signature_of(line)
+        if sig is not None and sig not in self.signatures:
+            self.signatures.append(sig)
         if noise_of(line) is not None:
             return Fold.NOISE, int(tag.group(1)) if tag else None
         if tag:

@@ -158,7 +158,6 @@ class NodeOutcome:
     stopped_by_ddpfab: bool = False
     remote: dict | None = None  # the supervisor's result.json: restarts, why it stopped
     hints: list[str] = field(default_factory=list)  # known causes seen in its output (hints.py)
-    signatures: list[hints.Signature] = field(default_factory=list)  # ... as the signatures themselves
     cleanup: str | None = None  # what ending a supervisor-less job there found (None: not needed)
     cause: Cause | None = None  # the failing rank and its first exception line, from its output (cause.py)
     causes: CauseReader = field(default_factory=CauseReader, repr=False, compare=False)  # reads it
@@ -175,6 +174,11 @@ class NodeOutcome:
                 "failed_at": (self.remote or {}).get("failed_at"), "cleanup": self.cleanup,
                 "exit_race": self.exit_race,
                 "cause": self.cause.to_dict() if self.cause else None}
+
+    @property
+    def signatures(self) -> list[hints.Signature]:
+        """The known failure signatures its output showed (:class:`CauseReader` collects them)."""
+        return self.causes.signatures
 
     @property
     def exit_race(self) -> dict | None:
@@ -435,16 +439,14 @@ class _NodeJob:
             self.outcome.last_rank_line = self.outcome.last_line
             if self.debugger is not None:  # a rank that stops in pdb says so in a line of its own
                 self.debugger.saw(self.node.name, text[tag.end():])
+        known = len(self.outcome.signatures)
         fold, local = self.outcome.causes.feed(text)
         if tag and fold is Fold.SHOW:  # the job's own output: it moves (a victim's traceback does not count)
             self.outcome.last_progress = self.outcome.last_line
         self.printer.line(self.node.name, text, fold, local)
         if self.gate is not None:
             self.gate.saw(self.node.name, text)
-        sig = hints.signature_of(text)
-        if sig and sig not in self.outcome.signatures:
-            self.outcome.signatures.append(sig)
-            self.outcome.hints.append(sig.hint)
+        self.outcome.hints += [sig.hint for sig in self.outcome.signatures[known:]]
 
     def _run(self) -> None:
         """The node's whole life on the controller; whatever goes wrong here is this node's
@@ -637,6 +639,18 @@ def failed_worker_text(record: object) -> str:
     if type(code) is int:
         return f"a worker (pid {pid}) exited with {code}"
     return ""
+
+
+def found_signatures(outcomes: Mapping[str, NodeOutcome]) -> list[tuple[str, hints.Signature]]:
+    """(node, signature) for each known failure signature each node's output showed."""
+    return [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
+
+
+def seen_text(found: list[tuple[str, hints.Signature]]) -> str:
+    """What a closing line ends with when the output showed known signatures *found*
+    (``; seen: CUDA out of memory on node2``), else nothing."""
+    seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
+    return f"; seen: {seen}" if seen else ""
 
 
 def verdict_hints(verdict: Blame, out: NodeOutcome, found: list[tuple[str, hints.Signature]] | None = None,
@@ -988,10 +1002,9 @@ class _Monitor:
             return 128 + first, stopped_from_outside_line(signals, cancelled_waiting(outcomes.values()))
         if verdict.node:
             out = outcomes[verdict.node]
-            found = [(name, sig) for name, o in outcomes.items() for sig in o.signatures]
-            seen = "; ".join(f"{sig.what} on {', '.join(nodes)}" for sig, nodes in hints.seen_on(found))
+            found = found_signatures(outcomes)
             summary = story.closing_line(verdict, out, supervisor_text(out.remote),
-                                         self.addresses, outcomes) + (f"; seen: {seen}" if seen else "")
+                                         self.addresses, outcomes) + seen_text(found)
             hang = self.hang.standing(max((o.last_progress for o in outcomes.values()), default=0.0)) \
                 if self.hang is not None and not verdict.own else None
             if hang is not None:  # the ranks' timeouts followed a hang the watch had found: it comes first

@@ -26,8 +26,8 @@ from ddpfab.launch import story
 from ddpfab.launch.cause import RANK_TAG, CauseReader
 from ddpfab.launch.debugger import WAITS
 from ddpfab.launch.execute import (STOP_GRACE_S, NodeOutcome, blame_outcomes, exit_race_of, exit_race_summary,
-                                   node_cause, ranked, result_record, stopped_from_outside_line,
-                                   supervisor_text, verdict_hints)
+                                   found_signatures, node_cause, ranked, result_record, seen_text,
+                                   stopped_from_outside_line, supervisor_text, verdict_hints)
 from ddpfab.launch.hangwatch import EXIT_HUNG, HangWatch
 from ddpfab.launch.tmuxrun import recorded_socket
 from ddpfab.optionnames import option
@@ -283,8 +283,9 @@ def attach_story(plan, outcomes: dict[str, NodeOutcome],
         return None
     out = outcomes[verdict.node]
     fallback = supervisor_text(out.remote)
-    return (story.closing_line(verdict, out, fallback, addresses, outcomes),
-            story.other_nodes(outcomes, verdict.node, addresses), verdict_hints(verdict, out))
+    found = found_signatures(outcomes)
+    return (story.closing_line(verdict, out, fallback, addresses, outcomes) + seen_text(found),
+            story.other_nodes(outcomes, verdict.node, addresses), verdict_hints(verdict, out, found))
 
 
 def attach_end(codes: dict[str, int], races: dict[str, dict], hung: list[str] | None = None,

@@ -564,6 +564,29 @@ def test_attach_tells_the_same_story_as_run():
     assert len(said) == 1 and said[0].startswith("no OOM kill of it is in node2's kernel log"), said
 
 
+def test_attach_names_the_known_signatures_as_run_does():
+    """A detached job's output showed CUDA's out-of-memory error: attach's closing line ends with
+    run's "seen:" part and its hint (a review found attach without them)."""
+    from ddpfab.launch import jobs
+
+    oom = """\
+[default0]:[rank1]: Traceback (most recent call last):
+[default0]:[rank1]:   File "/w/train.py", line 40, in <module>
+[default0]:[rank1]:     loss = model(batch)
+[default0]:[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total \
+capacity of 79.15 GiB of which 1.06 GiB is free."""
+    readers = {"node1": reader(VICTIM), "node2": reader(oom),
+               "node3": reader(VICTIM.replace("rank      : 0 (local_rank", "rank      : 2 (local_rank"))}
+    plan = plan3()
+    outcomes = jobs.ended_outcomes(plan, {}, {"node1": 1, "node2": 1, "node3": 1}, readers)
+    closing, _, said = jobs.attach_story(plan, outcomes)
+    assert closing.startswith("failed: node2 (node_rank 1) exit code 1; rank 1 (local rank 0): torch.OutOfMemoryError"), \
+        closing
+    assert closing.endswith("; seen: CUDA out of memory on node2"), closing
+    assert len(said) == 1 and said[0].startswith("seen on node2: CUDA out of memory. "), said
+    assert [s.key for s in outcomes["node2"].signatures] == ["cuda_oom"] and not outcomes["node1"].signatures
+
+
 def test_a_node_that_says_nothing_of_its_cause_outranks_a_known_victim():
     victim = reader(VICTIM)
     nodes = [NodeFailure("node1", 0, 100.0, victim.cause(), victim.rank_kinds(), victim.peers()),
