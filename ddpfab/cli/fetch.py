@@ -19,18 +19,21 @@ def register(subparsers) -> None:
     add_cluster_args(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--node", help="the inventory host to fetch from")
-    which.add_argument("--rank", type=int, help="the node rank to fetch from (default: 0, the master)")
+    which.add_argument("--node-rank", "--rank", dest="rank", type=int, metavar="N",
+                       help="the node to fetch from by its node rank, its place in the inventory's order after "
+                            "--limit (default: 0, the master); not a process's global rank, as `debug --rank` "
+                            "and `shell --rank` take (--rank: the same as --node-rank)")
     p.add_argument("--overwrite", action="store_true", help="replace what is already at the destination")
     p.add_argument("remote_path", metavar="REMOTE_PATH",
                    help="what to copy: a path relative to the node's workdir, or absolute inside the workdir or "
                         "~/.ddpfab/runs")
     p.add_argument("local_dir", metavar="LOCAL_DIR", nargs="?", default=".",
                    help="where to put it here (default: the current dir)")
-    p.set_defaults(func=cmd_fetch)
+    p.set_defaults(func=cmd_fetch, renamed={"rank": "node_rank"})  # (its messages say --node-rank)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    try:  # --limit and -e as every command: --rank counts the nodes they leave
+    try:  # --limit and -e as every command: --node-rank counts the nodes they leave
         got = api_cluster(args).fetch(args.remote_path, args.local_dir, node=args.node, rank=args.rank,
                                       overwrite=args.overwrite)
     except inventory.InventoryError as exc:

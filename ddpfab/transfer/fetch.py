@@ -1,6 +1,6 @@
 """``ddpfab fetch``: bring results back (a checkpoint, a log dir) from a node to this machine.
 
-    ddpfab fetch -i INV [--node NODE | --rank R] REMOTE_PATH [LOCAL_DIR]
+    ddpfab fetch -i INV [--node NODE | --node-rank N] REMOTE_PATH [LOCAL_DIR]
 
 REMOTE_PATH is relative to the node's workdir (the same one sync and run use), or absolute inside
 the workdir or the node's run dirs (``~/.ddpfab/runs``); the node checks that, as it resolves the
@@ -10,7 +10,7 @@ route of every command), with rsync's progress line for anything over :data:`PRO
 The result lands in LOCAL_DIR (default: .) under the remote path's last name; an existing file
 or dir there is never overwritten unless ``--overwrite``.
 
-``--rank R`` is the node rank of a static rendezvous (``ddpfab run``'s default): rank 0 is the
+``--node-rank N`` (``--rank N``) is the node rank of a static rendezvous (``ddpfab run``'s default): rank 0 is the
 master, then the other nodes in inventory order (:func:`ddpfab.planning.plan.node_order`).
 """
 

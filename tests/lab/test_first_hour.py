@@ -163,7 +163,7 @@ def test_readme_first_hour_with_host_names_provisions_and_runs_in_the_provisione
     res = sh([ddpfab_bin, "replay", "--dry-run", manifest["run_id"]], cwd=proj, env=env, timeout=300)
     assert res.returncode == 0 and "changed" not in res.stderr, res.stdout + res.stderr
 
-    res = sh([ddpfab_bin, "fetch", "-i", inv, "--rank", "1", "out/rank1.json", proj / "fetched"], cwd=proj, env=env)
+    res = sh([ddpfab_bin, "fetch", "-i", inv, "--node-rank", "1", "out/rank1.json", proj / "fetched"], cwd=proj, env=env)
     assert res.returncode == 0
     fetched = json.loads(next((proj / "fetched").rglob("rank1.json")).read_text())
     assert fetched["rank"] == 1 and fetched["executable"] == venv_python

@@ -430,7 +430,7 @@ def test_fetch_a_checkpoint_from_rank_0_matches_its_sha256_there(lab, tmp_path, 
                            f"{workdir}/checkpoints/model.pt")
     there = on_node(lab, "node1", f"sha256sum {workdir}/checkpoints/model.pt").stdout.split()[0]
     local = tmp_path / "results"
-    res = ddpfab("fetch", "-i", str(inv), "--rank", "0", "checkpoints/model.pt", str(local))
+    res = ddpfab("fetch", "-i", str(inv), "--node-rank", "0", "checkpoints/model.pt", str(local))
     assert res.returncode == 0, res.stderr
     assert hashlib.sha256((local / "model.pt").read_bytes()).hexdigest() == there
     assert f"fetched node1:{workdir}/checkpoints/model.pt" in res.stdout
