@@ -302,6 +302,8 @@ def _meant_as_ranks(argv: list[str], i: int) -> bool:
     file here, before one that is), so that the ranks' own check says what is wrong with it rather
     than taking it for the script. A script that is only on the nodes is a path or a ``.py``."""
     word = argv[i]
+    if word == "--":  # the end of ddpfab's options, the script after it: no ranks written
+        return False
     if PDB_RANKS.fullmatch(word) or re.fullmatch(r"[\d\s,-]+", word):
         return True
     return ("/" not in word and not word.endswith(".py") and i + 1 < len(argv) and not os.path.exists(word)

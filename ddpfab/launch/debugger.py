@@ -182,9 +182,9 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
     the rank is not waiting there (no socket: not stopped, or attached elsewhere)."""
     chan = transport.open_session(timeout=30)
     quit_sent: list[bool] = []
+    done = threading.Event()
     try:
         chan.exec_command(relay_command(node, rank))
-        done = threading.Event()
         pump = threading.Thread(target=_pump_input, args=(chan, done, stdin_fd, quit_sent), name="ddpfab-pdb-in",
                                 daemon=True)
         pump.start()
@@ -207,6 +207,7 @@ def relay(transport, node: NodePlan, rank: int, stdin_fd: int = 0, stdout_fd: in
         if code != 0:
             raise ConnectionError(f"the relay on {node.name} exited with {code}")
     finally:
+        done.set()  # (a link that broke too: its input thread must not read the next session's input)
         chan.close()
     return bool(quit_sent)
 
@@ -223,7 +224,10 @@ def _pump_input(chan, done: threading.Event, stdin_fd: int, quit_sent: list[bool
         try:
             if not data:  # Ctrl-D: pdb's quit, as at a terminal (the session's end alone is no quit:
                 if last_command(sent) in LEAVING:  # the rank then waits for the next user, ddpfab.node.rankpdb)
-                    return  # (piped commands ending in `c`: the rank goes on; a quit after it would end it)
+                    # piped commands ending in `c`: the rank goes on (a quit after it would end it); the
+                    # end of input reaches it, so a later prompt (a breakpoint set) detaches, not waits for it
+                    chan.shutdown_write()
+                    return
                 chan.sendall(QUIT)
                 if quit_sent is not None:
                     quit_sent.append(True)

@@ -51,6 +51,8 @@ def test_pdb_ranks_refuse_what_is_not_a_rank_of_the_job(spec, world, words):
     (["exec", "--pdb", "x"], ["exec", "--pdb", "x"]),
     (["run", "--pdb", "-1", "t.py"], ["run", "--pdb", "-1", "t.py"]),  # a mistyped try at ranks: refused as one
     (["run", "--pdb", ",", "t.py"], ["run", "--pdb", ",", "t.py"]),
+    # the end of ddpfab's options is no ranks (it was refused, with the advice to write --)
+    (["run", "--pdb", "--", "t.py", "--dry-run"], ["run", "--pdb=all", "--", "t.py", "--dry-run"]),
 ])
 def test_a_pdb_without_ranks_is_every_rank_and_never_takes_the_script(argv, spelled):
     assert spell_pdb(argv) == spelled
@@ -270,9 +272,13 @@ def test_piped_commands_that_end_in_continue_send_no_quit(piped, quits):
     would fail at its next prompt: the commands had said what to do, and the job went on."""
     class Chan:
         sent = b""
+        shut = False
 
         def sendall(self, data):
             Chan.sent += data
+
+        def shutdown_write(self):
+            Chan.shut = True
 
     read, write = os.pipe()
     os.write(write, piped)
@@ -284,6 +290,9 @@ def test_piped_commands_that_end_in_continue_send_no_quit(piped, quits):
         os.close(read)
     assert Chan.sent == piped + (debugger.QUIT if quits else b"")
     assert quit_sent == ([True] if quits else [])
+    # the input's end reaches the rank: with a breakpoint set, `c` would stop it at a prompt again,
+    # and pdb there must read the end (and wait for the next user), not wait for more (a review's find)
+    assert Chan.shut is not quits
 
 
 def test_a_breakpoint_while_attached_is_driven_on_the_same_session(tmp_path):
