@@ -18,7 +18,7 @@ from ddpfab.api import Options
 from ddpfab.cli import recover as recovery
 from ddpfab.cli.common import (add_cluster_args, add_env_args, add_floors_arg, add_include_keys_arg, add_runs_dir_arg,
                                add_script_args, api_cluster, nonempty_path, nproc_type)
-from ddpfab.cli.errors import die, print_problems, refuse
+from ddpfab.cli.errors import EXIT_FAILED, die, print_problems, refuse
 from ddpfab.cli.perf import add_run_arguments as add_perf_arguments
 from ddpfab.hosts import inventory
 from ddpfab.launch.cause import CauseKind
@@ -419,7 +419,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"stop, logs, attach and doctor {plan.run_id} see it\n")
     print((written[-1]).read_text(), end="")
     if args.tmux:
-        session = tmuxrun.open_plan_session(plan, Path(args.emit).resolve(), targets)
+        try:
+            session = tmuxrun.open_plan_session(plan, Path(args.emit).resolve(), targets)
+        except tmuxrun.TmuxError as exc:  # (a session of that name already there: tmux's words say so)
+            return die([*exc.problems, f"the scripts are written in {args.emit}; no tmux session was opened"],
+                       EXIT_FAILED)
         sys.stderr.write(f"ddpfab: tmux session {session}: a window per node, its line typed, not run "
                          f"(tmux attach -t {session}; Enter in a window starts that node)\n")
         client = tmuxrun.attach(session)

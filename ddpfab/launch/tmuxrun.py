@@ -208,7 +208,8 @@ class Windows:
 
     def attached(self) -> bool:
         """Someone looks at the session (a client is attached to it)."""
-        res = tmux("display-message", "-p", "-t", self.target, "#{session_attached}", check=False)
+        # (display-message's -t is a pane's: the session's current one; a bare =NAME printed nothing)
+        res = tmux("display-message", "-p", "-t", f"{self.target}:", "#{session_attached}", check=False)
         return res.returncode == 0 and res.stdout.strip() not in ("", "0")
 
     def interrupt(self, names: list[str]) -> None:
@@ -746,6 +747,8 @@ def run(plan: Plan, conns: dict[str, Connection], targets: dict[str, Target], ru
             untie(windows)
             if not windows.attached():
                 tmux("kill-session", "-t", windows.target, check=False)
+            else:  # it stays while someone looks at it, and closes when they detach (its windows only sleep)
+                tmux("set-option", "-t", f"{windows.target}:", "destroy-unattached", "on", check=False)
         placing.abandon()  # (again: a second signal may have cut place_launches' own short)
         _leave_nothing(plan, conns, placing.placed, dict(windows.ended) if windows else None,
                        dict(windows.stopped) if windows else None)

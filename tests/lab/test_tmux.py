@@ -207,6 +207,33 @@ def test_a_breakpoint_is_driven_in_its_nodes_window(lab, inventory2, tmp_path):
     assert "succeeded: every node's launch ended with exit code 0 (2 nodes)" in out, out
 
 
+def test_a_session_someone_looks_at_stays_after_the_run_and_closes_when_they_detach(lab, inventory2, tmp_path):
+    """The run's end keeps the session while a client is attached (it closed it anyway: the check
+    of who looks asked tmux a pane's question of a session and read nothing), then closes it when
+    the client detaches (it stayed for ever, its windows asleep)."""
+    run = TmuxRun(inventory2, tmp_path, "tmux-look", "--env", "BREAK_RANK=1")
+    client = None
+    try:
+        run.wait_for(lambda: "(Pdb)" in run.pane("node2"), 90, "rank 1 at its breakpoint in node2's window")
+        client = subprocess.Popen(["script", "-qc", f"tmux attach -t ={run.session}", "/dev/null"], env=run.env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run.wait_for(lambda: run.tmux("list-clients", "-t", f"={run.session}").stdout.strip(), 30, "a client")
+        run.tmux("send-keys", "-t", f"{run.session}:node2", "c", "Enter")
+        out, _ = run.proc.communicate(timeout=60)
+        assert run.proc.returncode == 0, out
+        assert run.tmux("has-session", "-t", f"={run.session}").returncode == 0, out  # someone looks at it
+        run.tmux("detach-client", "-s", f"={run.session}")
+        deadline = time.monotonic() + 10
+        while run.tmux("has-session", "-t", f"={run.session}").returncode == 0:
+            assert time.monotonic() < deadline, "the session stayed after its last client detached"
+            time.sleep(0.1)
+    finally:
+        run.close()
+        if client is not None:
+            client.kill()
+            client.wait()
+
+
 def test_plan_tmux_types_each_nodes_line_enter_starts_it_and_drives_a_breakpoint(lab, inventory2, tmp_path):
     env = {**os.environ, "NO_COLOR": "1", "TMUX_TMPDIR": str(tmp_path)}
     env.pop("TMUX", None)
@@ -368,3 +395,26 @@ def test_an_interrupt_while_tmux_makes_the_session_leaves_no_session(lab, invent
     for node in ("node1", "node2"):
         left = host_sh(lab, node, "ls ~/.ddpfab/runs/tmux-cut/ 2>/dev/null || true").stdout.split()
         assert "tmux-launch.sh" not in left and "tmux.pid" not in left, (node, left)
+
+
+def test_plan_tmux_whose_session_name_is_taken_says_so_and_leaves_that_session(inventory2, tmp_path):
+    """`plan --emit --tmux` where a session of the run's name exists (the same --run-id again)
+    ended in a traceback; it says what tmux said, keeps the session that was there, exits 1."""
+    env = {**os.environ, "NO_COLOR": "1", "TMUX_TMPDIR": str(tmp_path)}
+    env.pop("TMUX", None)
+
+    def tmux(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tmux", *args], capture_output=True, text=True, env=env)
+
+    assert tmux("new-session", "-d", "-s", "ddpfab-tmux-taken", "-n", "mine", "sleep 600").returncode == 0
+    try:
+        res = subprocess.run([sys.executable, "-m", "ddpfab", "plan", "-i", str(inventory2), "--run-id", "tmux-taken",
+                              "--offline", "--emit", str(tmp_path / "emit"), "--tmux", SCRIPT],
+                             capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "Traceback" not in res.stderr
+        assert "ddpfab: error: tmux new-session failed: duplicate session: ddpfab-tmux-taken" in res.stderr, res.stderr
+        assert "no tmux session was opened" in res.stderr and (tmp_path / "emit" / "README.txt").is_file()
+        assert tmux("list-windows", "-t", "=ddpfab-tmux-taken", "-F", "#{window_name}").stdout.split() == ["mine"]
+    finally:
+        tmux("kill-server")
