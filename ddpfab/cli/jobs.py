@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ddpfab.remote import nodeprogram as nodeprog
@@ -14,6 +14,7 @@ from ddpfab.cli.common import add_runs_dir_arg, add_selection_args, origin_named
 from ddpfab.cli.config import MISSING_INVENTORY, ConfigError, given
 from ddpfab.cli.errors import EXIT_CLOSED_STDOUT, EXIT_FAILED, die, note, refuse, warn
 from ddpfab.hosts import inventory
+from ddpfab.masking import setup_was_masked
 from ddpfab.launch.runs import RunRecordError, read_record, record_plan
 from ddpfab.planning.plan import Plan
 from ddpfab.remote.ssherror import SSHError
@@ -591,6 +592,8 @@ def cmd_shell(args) -> int:
     if plan is not None:
         env, masked = shell.rank_env(plan, args.rank, given)
         where, workdir = node_plan, node_plan.workdir
+        if any(setup_was_masked(line) for line in node_plan.setup):  # the record's secret lines read KEY=***:
+            where = replace(node_plan, setup=hosts[name].setup)  # the inventory's own lines run, not those
         prompt = f"[ddpfab {name} rank {args.rank}] \\w $ "
         why = shell.masked_note(masked)
         if why:

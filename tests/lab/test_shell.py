@@ -114,3 +114,20 @@ def test_a_shell_on_a_node_is_the_node_as_ddpfab_starts_things_there(lab, setup_
     finally:
         if term.proc.poll() is None:  # a failure above: its shell on the node ends with the connection
             term.proc.kill()
+
+
+def test_a_rank_shell_runs_the_inventorys_secret_setup_line_not_the_records_mask(lab, tmp_path):
+    """The run's record keeps a setup line's secret as ``HF_TOKEN=***``; a rank's shell ran that
+    line as recorded, so HF_TOKEN was ``***`` there (a review's find). It runs the inventory's."""
+    inv = yaml.safe_load(labmod.render_inventory(lab, sys.executable, names=["node1", "node2"]))
+    inv["all"]["vars"]["ddpfab_setup"] = ["export HF_TOKEN=hf-from-setup SITE_FLAG=on"]
+    path = tmp_path / "inventory.yml"
+    path.write_text(yaml.safe_dump(inv))
+    (tmp_path / "job.py").write_text(JOB)
+    run = ddpfab("run", "-i", str(path), "--run-id", "shell-mask", "--no-check", "job.py", cwd=tmp_path, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    recorded = (tmp_path / "runs" / "shell-mask" / "manifest.json").read_text()
+    assert "hf-from-setup" not in recorded and "HF_TOKEN=***" in recorded
+    piped = ddpfab("shell", "--run-id", "shell-mask", "--rank", "1", cwd=tmp_path, timeout=60,
+                   input='echo "R=$RANK T=$HF_TOKEN F=$SITE_FLAG"\n')
+    assert piped.returncode == 0 and piped.stdout == "R=1 T=hf-from-setup F=on\n", piped.stdout + piped.stderr
