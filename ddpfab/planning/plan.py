@@ -16,6 +16,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -244,6 +246,40 @@ class Facts:
     interfaces: dict[str, dict[str, Interface]] = field(default_factory=dict)
 
 
+#: Fields a record may hold as null, read back as empty (plans recorded before they were filled).
+_EMPTY_AS_NULL = frozenset({"env", "setup", "gpu_pin", "secret_env", "unresolved"})
+
+
+def _check_types(cls: type, values: dict[str, Any], where: str) -> None:
+    """ValueError where a recorded field's value is not of the type *cls* declares for it: a
+    record is data, and a ``"pdb": 5`` must not reach ``.split`` (nor a list of characters
+    stand for a string's setup lines)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in hints and not (value is None and name in _EMPTY_AS_NULL) and not _is_a(value, hints[name]):
+            raise ValueError(f"{where}: {name}: expected {hints[name]}, found {type(value).__name__}")
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether JSON-read *value* is of type *hint* (a JSON list stands for a tuple; an int for a float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint in (bool, int):
+        return type(value) is hint
+    if hint is float:
+        return type(value) in (int, float)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(_is_a(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items())
+    return True  # (Any, and the nested node plans: checked as their own fields)
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """What one node runs, as data (:func:`ddpfab.planning.render.argv` makes its argv).
@@ -378,11 +414,15 @@ class Plan:
             raise ValueError(f"plan: unknown field(s) {', '.join(unknown)}")
         node_fields = {f.name for f in fields(NodePlan)}
         nodes = []
+        _check_types(cls, {k: v for k, v in data.items() if k != "nodes"}, "plan")
+        if not isinstance(data["nodes"], (list, tuple)):
+            raise ValueError("plan: nodes: expected a list")
         for n in data["nodes"]:
             n = {k: v for k, v in n.items() if not (legacy and k in LEGACY_NODE_FIELDS)}
             unknown = sorted(set(n) - node_fields)
             if unknown:
                 raise ValueError(f"plan: node {n.get('name')!r}: unknown field(s) {', '.join(unknown)}")
+            _check_types(NodePlan, n, f"plan: node {n.get('name')!r}")
             nodes.append(NodePlan(**{**n, "env": dict(n.get("env") or {}), "setup": tuple(n.get("setup") or ()),
                                      "gpu_pin": tuple(n.get("gpu_pin") or ())}))
         data["args"] = tuple(data["args"])

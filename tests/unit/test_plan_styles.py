@@ -498,3 +498,21 @@ def test_a_hand_run_script_starts_the_supervisor_with_the_job_as_data(tmp_path):
     assert spec["console"] and spec["detached"] and spec["env"]["HF_TOKEN"] == "s3cret-value"
     assert "ddpfab-agent" in text and "s3cret-value" not in text.split(f"<<'{handrun.END}'", 1)[0]
     assert "ddpfab ps`, `ddpfab stop" in (out / "README.txt").read_text()
+
+
+@pytest.mark.parametrize("where, key, value", [
+    ("plan", "pdb", 5),  # `debug` called .split on it: a traceback
+    ("plan", "master_port", "29500"),
+    ("plan", "debug", "yes"),
+    ("node", "env", {"HF_TOKEN": 3}),  # `shell --rank` quoted it: a traceback
+    ("node", "setup", "export X=1"),  # read as a tuple of its characters, each run as a line
+    ("node", "nproc", 2.5),
+])
+def test_a_recorded_plan_whose_fields_have_other_types_is_refused(where, key, value):
+    """Records are data: a manifest's plan is read back field by field against the types the plan
+    declares, so what a command then does with a field cannot fail on it (a review's find)."""
+    data = json.loads(plan_of().to_json())
+    assert Plan.from_dict(json.loads(plan_of().to_json())) == plan_of()  # as recorded, it loads
+    (data if where == "plan" else data["nodes"][1])[key] = value
+    with pytest.raises(ValueError, match=f"{key}: expected"):
+        Plan.from_dict(data)
