@@ -553,12 +553,28 @@ def cmd_debug(args) -> int:
     return 0
 
 
+def _rank_shell(plan: Plan, node_plan, rank: int, given: dict[str, str], host) -> tuple[dict, object, str, str]:
+    """A rank's shell (``shell --run-id --rank``): its environment, where it runs (the run's node
+    plan), its workdir and its prompt; what the record masked is said."""
+    # slow to import: see LAZY in ddpfab/cli/__init__.py
+    from ddpfab.launch import shell
+
+    env, masked = shell.rank_env(plan, rank, given)
+    where = node_plan
+    if any(setup_was_masked(line) for line in node_plan.setup):  # the record's secret lines read KEY=***:
+        where = replace(node_plan, setup=host.setup)  # the inventory's own lines run, not those
+    why = shell.masked_note(masked)
+    if why:
+        warn(why)
+    return env, where, node_plan.workdir, f"[ddpfab {node_plan.name} rank {rank}] \\w $ "
+
+
 @_guard
 def cmd_shell(args) -> int:
     """An interactive shell on a node (ddpfab.launch.shell), as a rank of a recorded run with --rank."""
     # slow to import: see LAZY in ddpfab/cli/__init__.py
     from ddpfab.launch import shell
-    from ddpfab.planning.plan import PlanError, parse_env
+    from ddpfab.planning.plan import PlanError, parse_env, remote_workdir
 
     if (args.rank is None) != (args.run_id is None):
         return die("--rank and --run-id go together: the rank's environment is that of a recorded run")
@@ -590,16 +606,13 @@ def cmd_shell(args) -> int:
     if name not in hosts:
         return die(f"host {name} is not in the inventory")
     if plan is not None:
-        env, masked = shell.rank_env(plan, args.rank, given)
-        where, workdir = node_plan, node_plan.workdir
-        if any(setup_was_masked(line) for line in node_plan.setup):  # the record's secret lines read KEY=***:
-            where = replace(node_plan, setup=hosts[name].setup)  # the inventory's own lines run, not those
-        prompt = f"[ddpfab {name} rank {args.rank}] \\w $ "
-        why = shell.masked_note(masked)
-        if why:
-            warn(why)
+        env, where, workdir, prompt = _rank_shell(plan, node_plan, args.rank, given, hosts[name])
     else:
-        env, where, workdir = given, hosts[name], hosts[name].workdir or os.getcwd()
+        env, where = given, hosts[name]
+        try:  # the workdir as run and sync take it (``~``, ``~/x``: the SSH home's), or refused as they refuse it
+            workdir = remote_workdir(hosts[name].workdir or os.getcwd(), None)
+        except PlanError as exc:
+            return die(str(exc))
         prompt = f"[ddpfab {name}] \\w $ "
     try:  # before connecting: an input refused costs no connection
         script = shell.piped_script()

@@ -77,7 +77,9 @@ CASES: dict[str, list[tuple[list[str], int, str]]] = {
               (["shell", "n1"], EXIT_USAGE, "DDPFAB_INVENTORY"),
               (["shell", "--rank", "1", "n1"], EXIT_USAGE, "--rank and --run-id go together"),
               (["shell", "--run-id", "r1", "--rank", "0"], EXIT_USAGE, "no local record of run r1"),
-              (["shell", "-i", IPS, "--env", "1X=y", "n1"], EXIT_USAGE, "1X")],
+              (["shell", "-i", IPS, "--env", "1X=y", "n1"], EXIT_USAGE, "1X"),
+              # the workdir as run and sync read it (it was cd'd into as written), before any connection
+              (["shell", "-i", "n1,", "-e", "ddpfab_workdir=~/a/..", "n1"], EXIT_USAGE, "holds '..'")],
     "logs": [(["logs", "r1"], EXIT_USAGE, "and no inventory to ask the nodes"),
              (["logs", "-i", IPS, "bad"], EXIT_USAGE, "cannot be read as a run record")],
     "export slurm": [(["export", "slurm", "t.py"], EXIT_USAGE, "DDPFAB_INVENTORY"),
