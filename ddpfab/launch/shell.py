@@ -272,12 +272,28 @@ def run_shell(conn, node, workdir: str, env: Mapping[str, str], prompt: str, scr
         first.close()
     if code != 0:
         raise ConnectionError(f"could not write the shell's start file on {node.name} (exit {code})")
-    chan = conn.transport.open_session(timeout=30)
+    chan, started = None, False
     try:
+        chan = conn.transport.open_session(timeout=30)
         cols, rows = terminal_size()
         chan.get_pty(term=term_name(), width=cols, height=rows)
         chan.exec_command(shell_command(path))
+        started = True  # (the shell removes its start file as it starts)
         return interact(chan)
     finally:
-        chan.close()
+        if chan is not None:
+            chan.close()
+        if not started:  # the start file holds the rank's env (its secrets too): it must not stay there
+            _remove_start_file(conn, path)
         sys.stdout.flush()
+
+
+def _remove_start_file(conn, path: str) -> None:
+    """Remove the start file at *path* of a shell that did not start; as far as the link allows."""
+    with contextlib.suppress(Exception):  # (a link that failed: nothing more can be done over it)
+        chan = conn.transport.open_session(timeout=10)
+        try:
+            chan.exec_command(f"rm -f {home_word(path)}")
+            chan.recv_exit_status()
+        finally:
+            chan.close()

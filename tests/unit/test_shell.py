@@ -8,10 +8,12 @@ import fcntl
 import io
 import os
 import pty
+import re
 import struct
 import subprocess
 import termios
 import threading
+import types
 
 import pytest
 
@@ -145,3 +147,40 @@ def test_a_piped_script_over_the_bound_is_refused_before_anything_runs():
     assert shell.piped_script(io.BytesIO(b"#" * shell.MAX_SCRIPT_BYTES)) is not None
     with pytest.raises(ValueError, match="over 1 MiB"):
         shell.piped_script(io.BytesIO(b"#" * (shell.MAX_SCRIPT_BYTES + 1)))
+
+
+def test_a_shell_that_fails_to_start_removes_its_start_file(plan, monkeypatch):
+    """The start file (the rank's env, its secrets too) removes itself as the shell starts; when the
+    shell's channel failed before that (a pty refused, a link cut), it stayed in ~/.ddpfab/shell."""
+    commands: list[str] = []
+
+    class Chan:
+        def __init__(self, n):
+            self.n = n
+
+        def exec_command(self, command):
+            commands.append(command)
+
+        def sendall(self, data): pass
+        def shutdown_write(self): pass
+        def recv_exit_status(self): return 0
+        def close(self): pass
+
+        def get_pty(self, **kw):
+            raise OSError("the server refused a pty")
+
+    class Transport:
+        opened = 0
+
+        def open_session(self, timeout=None):
+            Transport.opened += 1
+            return Chan(Transport.opened)
+
+    monkeypatch.setattr(shell, "terminal_size", lambda: (80, 24))
+    conn = types.SimpleNamespace(transport=Transport())
+    node = plan.nodes[1]
+    with pytest.raises(OSError, match="refused a pty"):
+        shell.run_shell(conn, node, node.workdir, {"HF_TOKEN": "x"}, "$ ")
+    written = commands[0]
+    start = re.search(r"\.ddpfab/shell/[^ '\"]+", written).group(0)
+    assert len(commands) == 2 and commands[1].startswith("rm -f ") and start in commands[1], commands
